@@ -1,0 +1,105 @@
+//! Precision policy for zerotrain: which float type the model computes in and how flat
+//! buffers convert between fp32 and the half types.
+//!
+//! The engine keeps fp32 master weights and optimizer state; [`Precision`] names the
+//! compute dtype and tells how many bytes each element costs; [`to_half`] and [`from_half`]
+//! convert flat buffers with the CPU's conversion instructions where the `half` crate finds
+//! them. The dynamic loss scaler arrives with mixed-precision training.
+//!
+//! ```
+//! use zerotrain_precision::{from_half, to_half, Precision};
+//! let src = [1.0f32, 0.5, -2.0];
+//! let mut half = vec![half::f16::ZERO; 3];
+//! to_half(&src, &mut half);
+//! let mut back = [0.0f32; 3];
+//! from_half(&half, &mut back);
+//! assert_eq!(back, src);
+//! assert_eq!(Precision::Bf16.bytes_per_elem(), 2);
+//! ```
+#![deny(missing_docs)]
+
+use half::slice::HalfFloatSliceExt;
+
+/// The float type the model computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// IEEE single precision everywhere; the parameters are their own master weights.
+    Fp32,
+    /// IEEE half precision compute with fp32 master weights and loss scaling.
+    Fp16,
+    /// bfloat16 compute with fp32 master weights.
+    Bf16,
+}
+
+impl Precision {
+    /// Bytes per element in this type.
+    pub fn bytes_per_elem(self) -> usize {
+        match self {
+            Self::Fp32 => 4,
+            Self::Fp16 | Self::Bf16 => 2,
+        }
+    }
+
+    /// Whether the engine must keep a separate fp32 master copy.
+    pub fn needs_master_weights(self) -> bool {
+        self != Self::Fp32
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Fp32 => "fp32",
+            Self::Fp16 => "fp16",
+            Self::Bf16 => "bf16",
+        })
+    }
+}
+
+/// A 16-bit float type that flat buffers convert to and from.
+pub trait HalfElem: Copy + Send + Sync + 'static {}
+impl HalfElem for half::f16 {}
+impl HalfElem for half::bf16 {}
+
+/// Converts `src` into `dst` (same length), rounding to nearest even.
+///
+/// # Panics
+/// If the lengths differ (a programmer error: both buffers come from one layout).
+pub fn to_half<H>(src: &[f32], dst: &mut [H])
+where
+    [H]: HalfFloatSliceExt,
+{
+    dst.convert_from_f32_slice(src);
+}
+
+/// Converts `src` into `dst` (same length), exactly.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn from_half<H>(src: &[H], dst: &mut [f32])
+where
+    [H]: HalfFloatSliceExt,
+{
+    src.convert_to_f32_slice(dst);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_round_to_nearest_and_saturate_to_infinity() {
+        let src = [1.0f32 + 1.0 / 4096.0, 70000.0, 3.0e-8, -0.0];
+        let mut h = [half::f16::ZERO; 4];
+        to_half(&src, &mut h);
+        assert_eq!(h[0], half::f16::ONE, "1 + 2^-12 rounds to 1 in f16");
+        assert!(h[1].is_infinite(), "70000 overflows f16");
+        let mut b = [half::bf16::ZERO; 4];
+        to_half(&src, &mut b);
+        assert_eq!(b[1].to_f32(), 70144.0, "bf16 keeps the range");
+        let mut back = [0.0f32; 4];
+        from_half(&b, &mut back);
+        assert!(back[3].is_sign_negative());
+    }
+}

@@ -1,0 +1,209 @@
+//! Collectives: the one small trait the engine talks to, in MPI/NCCL vocabulary, and the
+//! byte counters every backend keeps.
+//!
+//! # Note: byte counting
+//! Each call adds to the calling rank's counters the bytes that rank *received* under the
+//! ring algorithms' bus-bandwidth convention (nccl-tests): for a buffer of `B` bytes over `N`
+//! ranks, all-reduce moves `2(N-1)/N * B`, reduce-scatter and all-gather `(N-1)/N * B` (B
+//! being the full, unscattered buffer), broadcast `B` on every rank but the root. The threads
+//! backend reads exactly those bytes out of other ranks' buffers, so its counters are what it
+//! really moved; a backend that moves more must still count the convention, so that stage
+//! volumes (2Ψ, 3Ψ) stay comparable across backends.
+
+mod threads;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use threads::{ThreadComm, ThreadWorld};
+
+use crate::ZeroError;
+
+/// How values from different ranks combine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum, in rank order 0, 1, ..., N-1 (deterministic).
+    Sum,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+impl ReduceOp {
+    /// Combines two values.
+    #[inline(always)]
+    pub fn apply(self, a: f32, b: f32) -> f32 {
+        match self {
+            Self::Sum => a + b,
+            Self::Max => a.max(b),
+            Self::Min => a.min(b),
+        }
+    }
+}
+
+/// Collective operations among the ranks of one job. Every rank must call the same
+/// collectives in the same order with matching lengths; a rank that fails calls
+/// [`Collective::abort`] so that the others get an error instead of waiting forever.
+pub trait Collective: Send + Sync {
+    /// This rank, `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Reduces `buf` across ranks in place; every rank ends with the same result.
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), ZeroError>;
+    /// Reduces `input` (length `world_size * output.len()`) across ranks; this rank receives
+    /// chunk `rank` of the result in `output`.
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp)
+    -> Result<(), ZeroError>;
+    /// Concatenates every rank's `input` in rank order into `output`
+    /// (length `world_size * input.len()`).
+    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<(), ZeroError>;
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), ZeroError>;
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<(), ZeroError>;
+    /// Marks the job failed: every rank's pending and future collectives return
+    /// [`ZeroError::Aborted`] naming this rank and `reason`.
+    fn abort(&self, reason: &str);
+    /// This rank's traffic so far.
+    fn stats(&self) -> CommStats;
+}
+
+/// Calls and bytes of one kind of collective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpStats {
+    /// Number of calls.
+    pub calls: u64,
+    /// Bytes moved by this rank under the bus-bandwidth convention (module note).
+    pub bytes: u64,
+}
+
+/// A snapshot of one rank's collective traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// All-reduce traffic.
+    pub all_reduce: OpStats,
+    /// Reduce-scatter traffic.
+    pub reduce_scatter: OpStats,
+    /// All-gather traffic.
+    pub all_gather: OpStats,
+    /// Broadcast traffic.
+    pub broadcast: OpStats,
+    /// Number of barriers.
+    pub barrier_calls: u64,
+}
+
+impl CommStats {
+    /// Bytes moved by every kind of collective together.
+    pub fn total_bytes(&self) -> u64 {
+        self.all_reduce.bytes + self.reduce_scatter.bytes + self.all_gather.bytes + self.broadcast.bytes
+    }
+
+    /// The traffic between `earlier` and `self`.
+    pub fn since(&self, earlier: &CommStats) -> CommStats {
+        let d = |a: OpStats, b: OpStats| OpStats { calls: a.calls - b.calls, bytes: a.bytes - b.bytes };
+        CommStats {
+            all_reduce: d(self.all_reduce, earlier.all_reduce),
+            reduce_scatter: d(self.reduce_scatter, earlier.reduce_scatter),
+            all_gather: d(self.all_gather, earlier.all_gather),
+            broadcast: d(self.broadcast, earlier.broadcast),
+            barrier_calls: self.barrier_calls - earlier.barrier_calls,
+        }
+    }
+}
+
+/// Thread-safe counters a backend updates and snapshots as [`CommStats`].
+#[derive(Debug, Default)]
+pub struct CommCounters {
+    counters: [AtomicU64; 9],
+}
+
+/// Which counter pair a call updates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// [`Collective::all_reduce`].
+    AllReduce,
+    /// [`Collective::reduce_scatter`].
+    ReduceScatter,
+    /// [`Collective::all_gather`].
+    AllGather,
+    /// [`Collective::broadcast`].
+    Broadcast,
+    /// [`Collective::barrier`].
+    Barrier,
+}
+
+impl OpKind {
+    /// The collective's name, for errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::AllReduce => "all_reduce",
+            Self::ReduceScatter => "reduce_scatter",
+            Self::AllGather => "all_gather",
+            Self::Broadcast => "broadcast",
+            Self::Barrier => "barrier",
+        }
+    }
+}
+
+impl CommCounters {
+    /// Records one call of `kind` that moved `bytes`.
+    pub fn record(&self, kind: OpKind, bytes: u64) {
+        let i = kind as usize * 2;
+        self.counters[i].fetch_add(1, Ordering::Relaxed);
+        if kind != OpKind::Barrier {
+            self.counters[i + 1].fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// The counters as they are now.
+    pub fn snapshot(&self) -> CommStats {
+        let g = |i: usize| self.counters[i].load(Ordering::Relaxed);
+        let op = |k: OpKind| OpStats { calls: g(k as usize * 2), bytes: g(k as usize * 2 + 1) };
+        CommStats {
+            all_reduce: op(OpKind::AllReduce),
+            reduce_scatter: op(OpKind::ReduceScatter),
+            all_gather: op(OpKind::AllGather),
+            broadcast: op(OpKind::Broadcast),
+            barrier_calls: g(OpKind::Barrier as usize * 2),
+        }
+    }
+}
+
+/// Bytes one rank moves for `kind` on a buffer of `buffer_bytes` (the full, unscattered
+/// buffer) over `world_size` ranks, under the bus-bandwidth convention, for chunk
+/// boundaries at `chunk_range`. `rank` matters only for all-reduce with uneven chunks and
+/// broadcast.
+pub fn convention_bytes(kind: OpKind, buffer_elems: usize, world_size: usize, rank: usize, root: usize) -> u64 {
+    let f32_bytes = std::mem::size_of::<f32>();
+    let n = world_size;
+    let elems = match kind {
+        OpKind::AllReduce => {
+            // Reduce own chunk from N-1 peers, then fetch the N-1 other chunks.
+            let own = chunk_range(buffer_elems, n, rank).len();
+            (n - 1) * own + (buffer_elems - own)
+        }
+        OpKind::ReduceScatter | OpKind::AllGather => buffer_elems / n * (n - 1),
+        OpKind::Broadcast => {
+            if rank == root {
+                0
+            } else {
+                buffer_elems
+            }
+        }
+        OpKind::Barrier => 0,
+    };
+    (elems * f32_bytes) as u64
+}
+
+/// The chunk of a `len`-element all-reduce buffer that `rank` reduces: `len / n` each, the
+/// first `len % n` ranks one more.
+pub fn chunk_range(len: usize, n: usize, rank: usize) -> std::ops::Range<usize> {
+    let base = len / n;
+    let extra = len % n;
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+#[cfg(test)]
+mod tests;

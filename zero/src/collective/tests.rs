@@ -1,0 +1,194 @@
+//! Every collective against a host-computed answer, on the threads backend.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// Runs `f` on `n` rank threads of a fresh world and returns each rank's result.
+fn run_world<T: Send>(n: usize, timeout: Duration, f: impl Fn(&ThreadComm) -> T + Sync) -> Vec<T> {
+    let world = ThreadWorld::new(n, timeout);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let comm = world.communicator(r);
+                let f = &f;
+                s.spawn(move || f(&comm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Rank r's input: distinct, non-integer values so that the summation order matters.
+fn input(rank: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| ((rank * 7919 + i * 31) % 1000) as f32 * 0.013 - 3.1 + rank as f32 * 1e-3).collect()
+}
+
+fn host_reduce(n: usize, len: usize, op: ReduceOp) -> Vec<f32> {
+    let mut acc = input(0, len);
+    for r in 1..n {
+        acc.iter_mut().zip(input(r, len)).for_each(|(a, b)| *a = op.apply(*a, b));
+    }
+    acc
+}
+
+const LENGTHS: [usize; 6] = [0, 1, 5, 7, 2049, 10_007];
+const T: Duration = Duration::from_secs(20);
+
+#[test]
+fn all_reduce_matches_host_bitwise_and_counts_bus_bytes() {
+    for n in 1..=5 {
+        for len in LENGTHS {
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                let out = run_world(n, T, |c| {
+                    let mut buf = input(c.rank(), len);
+                    c.all_reduce(&mut buf, op).unwrap();
+                    (buf, c.stats())
+                });
+                let expected = host_reduce(n, len, op);
+                let total: u64 = out.iter().map(|(_, s)| s.all_reduce.bytes).sum();
+                assert_eq!(total, (2 * (n - 1) * len * 4) as u64, "n={n} len={len}");
+                for (buf, stats) in &out {
+                    assert_eq!(buf, &expected, "n={n} len={len} {op:?}");
+                    assert_eq!(stats.all_reduce.calls, 1);
+                    if len % n == 0 {
+                        assert_eq!(stats.all_reduce.bytes, (2 * (n - 1) * len / n * 4) as u64);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_matches_host_and_counts_bus_bytes() {
+    for n in 1..=5 {
+        for chunk in [0, 1, 3, 7, 1001] {
+            let out = run_world(n, T, |c| {
+                let mut shard = vec![f32::NAN; chunk];
+                c.reduce_scatter(&input(c.rank(), chunk * n), &mut shard, ReduceOp::Sum).unwrap();
+                (shard, c.stats())
+            });
+            let expected = host_reduce(n, chunk * n, ReduceOp::Sum);
+            for (rank, (shard, stats)) in out.iter().enumerate() {
+                assert_eq!(shard[..], expected[rank * chunk..(rank + 1) * chunk], "n={n} chunk={chunk}");
+                assert_eq!(stats.reduce_scatter.bytes, ((n - 1) * chunk * 4) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_gather_concatenates_in_rank_order_and_counts_bus_bytes() {
+    for n in 1..=5 {
+        for chunk in [0, 1, 3, 7, 1001] {
+            let out = run_world(n, T, |c| {
+                let mut full = vec![f32::NAN; chunk * n];
+                c.all_gather(&input(c.rank(), chunk), &mut full).unwrap();
+                (full, c.stats())
+            });
+            let expected: Vec<f32> = (0..n).flat_map(|r| input(r, chunk)).collect();
+            for (full, stats) in &out {
+                assert_eq!(full, &expected);
+                assert_eq!(stats.all_gather.bytes, ((n - 1) * chunk * 4) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_copies_root_to_every_rank() {
+    for n in 1..=5 {
+        for root in 0..n {
+            let out = run_world(n, T, |c| {
+                let mut buf = input(c.rank(), 13);
+                c.broadcast(&mut buf, root).unwrap();
+                c.barrier().unwrap();
+                (buf, c.stats())
+            });
+            for (rank, (buf, stats)) in out.iter().enumerate() {
+                assert_eq!(buf, &input(root, 13));
+                assert_eq!(stats.broadcast.bytes, if rank == root { 0 } else { 13 * 4 });
+                assert_eq!(stats.barrier_calls, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn wrong_lengths_are_errors_not_corruption() {
+    let out = run_world(3, T, |c| {
+        let mut out = vec![0.0; 2];
+        c.reduce_scatter(&[0.0; 5], &mut out, ReduceOp::Sum)
+    });
+    assert!(out.iter().all(|r| matches!(r, Err(ZeroError::BadBuffer { op: "reduce_scatter", .. }))));
+
+    // Ranks disagreeing on the length: every rank gets a mismatch, no buffer is touched.
+    let out = run_world(2, T, |c| {
+        let mut buf = vec![1.0; 3 + c.rank()];
+        let r = c.all_reduce(&mut buf, ReduceOp::Sum);
+        (r, buf)
+    });
+    for (r, buf) in out {
+        assert!(matches!(r, Err(ZeroError::Mismatch { .. })), "{r:?}");
+        assert!(buf.iter().all(|&x| x == 1.0));
+    }
+}
+
+#[test]
+fn an_aborting_rank_releases_every_waiting_rank() {
+    let start = Instant::now();
+    let out = run_world(4, Duration::from_secs(600), |c| {
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(50));
+            c.abort("rank 2 failed its forward pass");
+            return Err(ZeroError::Aborted { rank: 2, reason: "self".into() });
+        }
+        let mut buf = vec![1.0; 8];
+        c.all_reduce(&mut buf, ReduceOp::Sum)?;
+        Ok(())
+    });
+    assert!(start.elapsed() < Duration::from_secs(10), "abort must not wait for the timeout");
+    for (rank, r) in out.iter().enumerate().filter(|(r, _)| *r != 2) {
+        match r {
+            Err(ZeroError::Aborted { rank: 2, reason }) => assert!(reason.contains("forward pass"), "rank {rank}"),
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_missing_rank_times_out_and_poisons_the_world() {
+    let out = run_world(3, Duration::from_millis(200), |c| {
+        if c.rank() == 0 {
+            return vec![];
+        }
+        let first = c.barrier();
+        let second = c.barrier();
+        vec![first, second]
+    });
+    // The first waiter to time out aborts the world; everyone else then sees that abort.
+    let all: Vec<_> = out[1..].iter().flatten().collect();
+    assert_eq!(all.len(), 4);
+    let timeouts = all.iter().filter(|r| matches!(r, Err(ZeroError::Timeout { op: "barrier", timeout_ms: 200, .. }))).count();
+    assert_eq!(timeouts, 1, "{all:?}");
+    for r in all {
+        match r {
+            Err(ZeroError::Timeout { .. }) => {}
+            Err(ZeroError::Aborted { reason, .. }) => assert!(reason.contains("timed out after 200 ms")),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn convention_bytes_sum_to_ring_volume_for_uneven_all_reduce() {
+    for n in 1..=6 {
+        for len in [0, 1, 5, 13, 100] {
+            let total: u64 = (0..n).map(|r| convention_bytes(OpKind::AllReduce, len, n, r, 0)).sum();
+            assert_eq!(total, (2 * (n - 1) * len * 4) as u64);
+            let covered: usize = (0..n).map(|r| chunk_range(len, n, r).len()).sum();
+            assert_eq!(covered, len);
+        }
+    }
+}

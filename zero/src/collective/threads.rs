@@ -1,0 +1,352 @@
+//! The threads backend: ranks are threads of one process, and a collective reads the other
+//! ranks' buffers directly.
+//!
+//! # Note: the three-barrier protocol
+//! Every collective runs as: (1) *rendezvous* — each rank publishes pointers to its buffers
+//! and waits for all; (2) *exchange* — each rank reads peers' buffers and writes only its own;
+//! (3) an *exit* barrier, after which no rank reads any peer's buffer again. All-reduce
+//! splits (2) into reduce (rank r sums chunk r of every buffer, in rank order, into chunk r of
+//! its own buffer) and gather (rank r copies chunk k from rank k), with a barrier between.
+//! Within a phase, no element is written by one rank while another reads it.
+//!
+//! Only the rendezvous can fail: it returns an error when the world has been aborted, or
+//! aborts it after the timeout. The later barriers wait unconditionally, because by then
+//! every rank is inside the same call doing bounded memory work, and a rank that left early
+//! would free a buffer that a peer is still reading.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{chunk_range, convention_bytes, Collective, CommCounters, CommStats, OpKind, ReduceOp};
+use crate::ZeroError;
+
+/// Elements reduced per inner block (fits in L1 with a few peers).
+const BLOCK_ELEMS: usize = 2048;
+
+/// A group of `world_size` thread ranks. Create one per job and hand each rank thread its
+/// [`ThreadComm`].
+#[derive(Clone, Debug)]
+pub struct ThreadWorld {
+    hub: Arc<Hub>,
+}
+
+impl ThreadWorld {
+    /// A world of `world_size` ranks whose rendezvous gives up after `timeout`.
+    ///
+    /// # Panics
+    /// If `world_size` is 0.
+    pub fn new(world_size: usize, timeout: Duration) -> Self {
+        assert!(world_size > 0, "a world needs at least one rank");
+        let state = State {
+            generation: 0,
+            arrived: 0,
+            aborted: None,
+            slots: vec![Slot::EMPTY; world_size],
+        };
+        let hub = Hub { world_size, timeout, state: Mutex::new(state), cv: Condvar::new() };
+        Self { hub: Arc::new(hub) }
+    }
+
+    /// The communicator for `rank`.
+    ///
+    /// # Panics
+    /// If `rank >= world_size`.
+    pub fn communicator(&self, rank: usize) -> ThreadComm {
+        assert!(rank < self.hub.world_size, "rank {rank} out of range");
+        ThreadComm { rank, hub: Arc::clone(&self.hub), counters: CommCounters::default() }
+    }
+
+    /// Aborts the world on behalf of `rank` (see [`Collective::abort`]).
+    pub fn abort(&self, rank: usize, reason: &str) {
+        self.hub.abort(rank, reason);
+    }
+
+    /// The first abort, if any: the failing rank and its reason.
+    pub fn aborted(&self) -> Option<(usize, String)> {
+        self.hub.lock().aborted.clone()
+    }
+}
+
+/// One rank's handle on a [`ThreadWorld`].
+#[derive(Debug)]
+pub struct ThreadComm {
+    rank: usize,
+    hub: Arc<Hub>,
+    counters: CommCounters,
+}
+
+#[derive(Debug)]
+struct Hub {
+    world_size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Completed barriers; a waiter is released when this moves on.
+    generation: u64,
+    arrived: usize,
+    aborted: Option<(usize, String)>,
+    slots: Vec<Slot>,
+}
+
+/// What a rank publishes at the rendezvous.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Slot {
+    op: Option<OpKind>,
+    reduce: Option<ReduceOp>,
+    root: usize,
+    src: *const f32,
+    src_len: usize,
+    dst: *mut f32,
+    dst_len: usize,
+}
+
+// SAFETY: a Slot is only an address book. The pointers are dereferenced only between the
+// rendezvous and the exit barrier of the call that published them, while the publishing
+// rank is blocked inside that same call holding the borrow of its buffers (module note).
+unsafe impl Send for Slot {}
+
+impl Slot {
+    const EMPTY: Slot = Slot {
+        op: None,
+        reduce: None,
+        root: 0,
+        src: std::ptr::null(),
+        src_len: 0,
+        dst: std::ptr::null_mut(),
+        dst_len: 0,
+    };
+}
+
+impl Hub {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a rank panicked while holding it; the state itself is
+        // plain data that every transition leaves consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn abort(&self, rank: usize, reason: &str) {
+        let mut state = self.lock();
+        if state.aborted.is_none() {
+            state.aborted = Some((rank, reason.to_string()));
+        }
+        self.cv.notify_all();
+    }
+
+    /// Waits for every rank. With `publish`, this is a rendezvous: it fails on abort or
+    /// timeout and returns the slots every rank published. Without, it waits unconditionally.
+    fn sync(&self, rank: usize, publish: Option<Slot>) -> Result<Vec<Slot>, ZeroError> {
+        let mut state = self.lock();
+        let abortable = publish.is_some();
+        if abortable {
+            if let Some((by, reason)) = &state.aborted {
+                return Err(ZeroError::Aborted { rank: *by, reason: reason.clone() });
+            }
+        }
+        if let Some(slot) = publish {
+            state.slots[rank] = slot;
+        }
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.world_size {
+            state.arrived = 0;
+            state.generation += 1;
+            self.cv.notify_all();
+            return Ok(state.slots.clone());
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let wait = if abortable { deadline.saturating_duration_since(Instant::now()) } else { self.timeout };
+            state = self.cv.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0;
+            if state.generation != generation {
+                return Ok(state.slots.clone());
+            }
+            if !abortable {
+                continue;
+            }
+            if let Some((by, reason)) = state.aborted.clone() {
+                state.arrived -= 1;
+                return Err(ZeroError::Aborted { rank: by, reason });
+            }
+            if Instant::now() >= deadline {
+                state.arrived -= 1;
+                let op = publish.and_then(|s| s.op).map_or("barrier", OpKind::name);
+                let timeout_ms = self.timeout.as_millis() as u64;
+                let reason = format!("{op} timed out after {timeout_ms} ms");
+                state.aborted.get_or_insert((rank, reason));
+                self.cv.notify_all();
+                return Err(ZeroError::Timeout { rank, op, timeout_ms });
+            }
+        }
+    }
+}
+
+impl ThreadComm {
+    /// Rendezvous for `slot.op`, checking that every rank called the same thing.
+    fn rendezvous(&self, slot: Slot) -> Result<Vec<Slot>, ZeroError> {
+        let slots = self.hub.sync(self.rank, Some(slot))?;
+        let mine = &slots[self.rank];
+        let differs = |s: &Slot| {
+            s.op != mine.op
+                || s.reduce != mine.reduce
+                || s.root != mine.root
+                || s.src_len != mine.src_len
+                || s.dst_len != mine.dst_len
+        };
+        if let Some(other) = slots.iter().position(differs) {
+            // Every rank sees the same slots, so every rank takes this branch; nobody has
+            // touched a peer's buffer yet, so returning here is safe.
+            let detail = format!(
+                "rank {} called {:?}/{:?} with {}->{} elements (root {}), rank {other} called {:?}/{:?} with {}->{} (root {})",
+                self.rank, mine.op, mine.reduce, mine.src_len, mine.dst_len, mine.root,
+                slots[other].op, slots[other].reduce, slots[other].src_len, slots[other].dst_len, slots[other].root,
+            );
+            self.hub.abort(self.rank, &detail);
+            return Err(ZeroError::Mismatch { rank: self.rank, detail });
+        }
+        Ok(slots)
+    }
+
+    fn exit_barrier(&self) {
+        // Cannot fail: see the module note on why later barriers are unconditional.
+        let _ = self.hub.sync(self.rank, None);
+    }
+
+    fn bad_buffer(&self, op: OpKind, detail: String) -> ZeroError {
+        ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail }
+    }
+
+    fn slot(op: OpKind, reduce: Option<ReduceOp>, root: usize, src: (*const f32, usize), dst: (*mut f32, usize)) -> Slot {
+        Slot { op: Some(op), reduce, root, src: src.0, src_len: src.1, dst: dst.0, dst_len: dst.1 }
+    }
+}
+
+impl Collective for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.hub.world_size
+    }
+
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        let len = buf.len();
+        let ptr = buf.as_mut_ptr();
+        let slots = self.rendezvous(Self::slot(OpKind::AllReduce, Some(op), 0, (ptr, len), (ptr, len)))?;
+        let own = chunk_range(len, n, self.rank);
+        let peers: Vec<*const f32> = slots.iter().map(|s| s.dst as *const f32).collect();
+        // SAFETY: every buffer has `len` elements (checked at the rendezvous). In this phase
+        // rank r writes only chunk r of its own buffer and reads only chunk r of the others.
+        unsafe { reduce_block(ptr.add(own.start), &peers, own.start, own.len(), op) };
+        self.exit_barrier();
+        for (k, peer) in peers.iter().enumerate().filter(|&(k, _)| k != self.rank) {
+            let chunk = chunk_range(len, n, k);
+            // SAFETY: rank k finished chunk k before the barrier above and only writes other
+            // chunks of its own buffer now; we write chunk k of ours, which nobody reads.
+            unsafe { std::ptr::copy_nonoverlapping(peer.add(chunk.start), ptr.add(chunk.start), chunk.len()) };
+        }
+        self.exit_barrier();
+        self.counters.record(OpKind::AllReduce, convention_bytes(OpKind::AllReduce, len, n, self.rank, 0));
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        let chunk = output.len();
+        if input.len() != chunk * n {
+            let detail = format!("input has {} elements, expected world_size ({n}) x output ({chunk})", input.len());
+            return Err(self.bad_buffer(OpKind::ReduceScatter, detail));
+        }
+        let dst = output.as_mut_ptr();
+        let slots = self.rendezvous(Self::slot(OpKind::ReduceScatter, Some(op), 0, (input.as_ptr(), input.len()), (dst, chunk)))?;
+        let peers: Vec<*const f32> = slots.iter().map(|s| s.src).collect();
+        // SAFETY: inputs are only read during this call, and `output` is ours alone.
+        unsafe { reduce_block(dst, &peers, self.rank * chunk, chunk, op) };
+        self.exit_barrier();
+        self.counters.record(OpKind::ReduceScatter, convention_bytes(OpKind::ReduceScatter, input.len(), n, self.rank, 0));
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        let chunk = input.len();
+        if output.len() != chunk * n {
+            let detail = format!("output has {} elements, expected world_size ({n}) x input ({chunk})", output.len());
+            return Err(self.bad_buffer(OpKind::AllGather, detail));
+        }
+        let dst = output.as_mut_ptr();
+        let slots = self.rendezvous(Self::slot(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())))?;
+        for (k, slot) in slots.iter().enumerate() {
+            // SAFETY: inputs are only read during this call, and `output` is ours alone.
+            unsafe { std::ptr::copy_nonoverlapping(slot.src, dst.add(k * chunk), chunk) };
+        }
+        self.exit_barrier();
+        self.counters.record(OpKind::AllGather, convention_bytes(OpKind::AllGather, output.len(), n, self.rank, 0));
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        if root >= n {
+            return Err(self.bad_buffer(OpKind::Broadcast, format!("root {root} is not a rank of {n}")));
+        }
+        let len = buf.len();
+        let ptr = buf.as_mut_ptr();
+        let slots = self.rendezvous(Self::slot(OpKind::Broadcast, None, root, (ptr, len), (ptr, len)))?;
+        if self.rank != root {
+            // SAFETY: the root does not write its buffer during the call; ours is ours alone.
+            unsafe { std::ptr::copy_nonoverlapping(slots[root].src, ptr, len) };
+        }
+        self.exit_barrier();
+        self.counters.record(OpKind::Broadcast, convention_bytes(OpKind::Broadcast, len, n, self.rank, root));
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), ZeroError> {
+        self.rendezvous(Self::slot(OpKind::Barrier, None, 0, (std::ptr::null(), 0), (std::ptr::null_mut(), 0)))?;
+        self.counters.record(OpKind::Barrier, 0);
+        Ok(())
+    }
+
+    fn abort(&self, reason: &str) {
+        self.hub.abort(self.rank, reason);
+    }
+
+    fn stats(&self) -> CommStats {
+        self.counters.snapshot()
+    }
+}
+
+/// Writes `op`-reduction over `peers[k][offset..offset + len]` (in rank order) to `dst`.
+///
+/// # Safety
+/// Every peer pointer must be valid for reads of `offset + len` elements, `dst` for writes of
+/// `len`, and no other thread may write the read range or touch `dst` during the call.
+/// `dst` may be one of the read ranges: each block is read in full before it is written.
+unsafe fn reduce_block(dst: *mut f32, peers: &[*const f32], offset: usize, len: usize, op: ReduceOp) {
+    let mut acc = [0f32; BLOCK_ELEMS];
+    let mut done = 0;
+    while done < len {
+        let n = BLOCK_ELEMS.min(len - done);
+        let acc = &mut acc[..n];
+        // SAFETY: within the ranges the caller guarantees.
+        unsafe {
+            acc.copy_from_slice(std::slice::from_raw_parts(peers[0].add(offset + done), n));
+            for peer in &peers[1..] {
+                let x = std::slice::from_raw_parts(peer.add(offset + done), n);
+                match op {
+                    ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
+                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
+                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b)),
+                }
+            }
+            std::ptr::copy_nonoverlapping(acc.as_ptr(), dst.add(done), n);
+        }
+        done += n;
+    }
+}

@@ -1,0 +1,46 @@
+//! The crate's error type.
+
+/// Errors from layout math and collectives.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ZeroError {
+    /// A layout could not be built (zero world size, duplicate path, overflow).
+    #[error("invalid flat layout: {0}")]
+    InvalidLayout(String),
+    /// Another rank failed, so this collective (and every later one) cannot complete.
+    #[error("rank {rank} aborted the job: {reason}")]
+    Aborted {
+        /// The rank that failed first.
+        rank: usize,
+        /// Why it failed.
+        reason: String,
+    },
+    /// Not every rank reached the collective within the timeout.
+    #[error("rank {rank}: {op} timed out after {timeout_ms} ms waiting for the other ranks")]
+    Timeout {
+        /// The rank that gave up waiting.
+        rank: usize,
+        /// The collective it was in.
+        op: &'static str,
+        /// The configured timeout.
+        timeout_ms: u64,
+    },
+    /// Ranks called different collectives, or with different sizes or roots.
+    #[error("rank {rank}: collective mismatch: {detail}")]
+    Mismatch {
+        /// The rank reporting.
+        rank: usize,
+        /// What differed.
+        detail: String,
+    },
+    /// A buffer has the wrong length for the call.
+    #[error("rank {rank}: {op}: {detail}")]
+    BadBuffer {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective.
+        op: &'static str,
+        /// Expected versus actual lengths.
+        detail: String,
+    },
+}
