@@ -1,0 +1,208 @@
+//! The validated plan a config resolves to: every value concrete, every default applied,
+//! every `"auto"` resolved and noted.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use zerotrain_precision::Precision;
+use zerotrain_zero::ZeroStage;
+
+use super::ConfigError;
+use crate::schedule::LrSchedule;
+
+/// Batch sizes after DeepSpeed's rule: `train_batch_size = micro x accumulation x world`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BatchPlan {
+    /// Samples per optimizer step over all ranks.
+    pub train_batch_size: u64,
+    /// Samples per rank per micro-step.
+    pub micro_batch_per_rank: u64,
+    /// Micro-steps per optimizer step.
+    pub gradient_accumulation_steps: u64,
+}
+
+impl BatchPlan {
+    /// Applies DeepSpeed's rule: any two of the three sizes give the third; all three must
+    /// agree; with only one of train/micro, accumulation is 1. `None` means absent.
+    pub fn derive(train: Option<u64>, micro: Option<u64>, gas: Option<u64>, world_size: u64) -> Result<Self, ConfigError> {
+        let mismatch = |t: Option<u64>, m: Option<u64>, g: Option<u64>| ConfigError::BatchMismatch {
+            train_batch_size: t,
+            micro_batch_per_rank: m,
+            gradient_accumulation_steps: g,
+            world_size,
+        };
+        if [train, micro, gas].contains(&Some(0)) {
+            return Err(mismatch(train, micro, gas));
+        }
+        let divide = |num: u64, den: u64| (num % den == 0).then_some(num / den).ok_or(mismatch(train, micro, gas));
+        let (t, m, g) = match (train, micro, gas) {
+            (Some(t), Some(m), Some(g)) => (t, m, g),
+            (Some(t), Some(m), None) => (t, m, divide(t, m * world_size)?),
+            (Some(t), None, Some(g)) => (t, divide(t, g * world_size)?, g),
+            (None, Some(m), Some(g)) => (m * g * world_size, m, g),
+            (Some(t), None, None) => (t, divide(t, world_size)?, 1),
+            (None, Some(m), None) => (m * world_size, m, 1),
+            (None, None, _) => return Err(ConfigError::MissingBatchSize),
+        };
+        if t != m * g * world_size {
+            return Err(mismatch(train, micro, gas));
+        }
+        Ok(Self { train_batch_size: t, micro_batch_per_rank: m, gradient_accumulation_steps: g })
+    }
+}
+
+/// The optimizer, with every hyper-parameter explicit.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type")]
+pub enum OptimizerPlan {
+    /// Adam; `decoupled_weight_decay` makes it AdamW.
+    Adam {
+        /// Learning rate (the schedule may override it per step).
+        lr: f64,
+        /// (beta1, beta2).
+        betas: [f64; 2],
+        /// Epsilon added to sqrt(v).
+        eps: f64,
+        /// Weight decay coefficient.
+        weight_decay: f64,
+        /// AdamW (true) or L2 regularisation (false).
+        decoupled_weight_decay: bool,
+        /// AMSGrad variant.
+        amsgrad: bool,
+    },
+    /// SGD with optional momentum.
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum factor (0: none).
+        momentum: f64,
+        /// Dampening of the momentum.
+        dampening: f64,
+        /// Nesterov momentum.
+        nesterov: bool,
+        /// L2 weight decay.
+        weight_decay: f64,
+    },
+}
+
+impl OptimizerPlan {
+    /// The configured learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            Self::Adam { lr, .. } | Self::Sgd { lr, .. } => *lr,
+        }
+    }
+
+    /// fp32 optimizer-state bytes per parameter (Adam: m and v; AMSGrad adds max v; SGD:
+    /// the velocity when momentum is on).
+    pub fn state_bytes_per_param(&self) -> u64 {
+        match self {
+            Self::Adam { amsgrad, .. } => if *amsgrad { 12 } else { 8 },
+            Self::Sgd { momentum, .. } => if *momentum > 0.0 { 4 } else { 0 },
+        }
+    }
+}
+
+/// ZeRO settings after defaults.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ZeroPlan {
+    /// The stage.
+    #[serde(serialize_with = "stage_index")]
+    pub stage: ZeroStage,
+    /// Stage 1-2: reduce-scatter (true) or all-reduce (false) the gradients.
+    pub reduce_scatter: bool,
+    /// Elements per reduction bucket (accepted; not used yet).
+    pub reduce_bucket_size: u64,
+    /// Elements per all-gather bucket (accepted; not used yet).
+    pub allgather_bucket_size: u64,
+    /// Stage 3: parameters with at most this many elements stay resident.
+    pub param_persistence_threshold: u64,
+}
+
+fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u8(stage.index())
+}
+
+/// Which collective backend runs the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// One thread per rank in this process.
+    Threads,
+}
+
+/// A validated config: what the engine and the launcher run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// Number of ranks.
+    pub world_size: usize,
+    /// The collective backend.
+    pub backend: Backend,
+    /// How long a collective waits for the other ranks.
+    #[serde(serialize_with = "seconds")]
+    pub comm_timeout: Duration,
+    /// Batch sizes.
+    pub batch: BatchPlan,
+    /// ZeRO settings.
+    pub zero: ZeroPlan,
+    /// The compute dtype.
+    pub precision: Precision,
+    /// Max global gradient norm; 0 disables clipping.
+    pub gradient_clipping: f64,
+    /// Log every this many steps.
+    pub steps_per_print: u64,
+    /// Seed for initialisation and data.
+    pub seed: u64,
+    /// The optimizer.
+    pub optimizer: OptimizerPlan,
+    /// The learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// How each `"auto"` was resolved.
+    pub auto_resolved: Vec<String>,
+    /// Active DeepSpeed keys that zerotrain accepted without implementing them.
+    pub not_implemented: Vec<String>,
+}
+
+fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+impl Plan {
+    /// The one warning for accepted-but-unimplemented keys, if any.
+    pub fn warning(&self) -> Option<String> {
+        (!self.not_implemented.is_empty()).then(|| {
+            format!(
+                "zerotrain accepts but does not implement these DeepSpeed keys; they have no effect: {}",
+                self.not_implemented.join(", ")
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_two_batch_sizes_give_the_third() {
+        let p = |t, m, g| BatchPlan::derive(t, m, g, 4).map(|b| (b.train_batch_size, b.micro_batch_per_rank, b.gradient_accumulation_steps));
+        assert_eq!(p(Some(32), Some(2), None).unwrap(), (32, 2, 4));
+        assert_eq!(p(Some(32), None, Some(2)).unwrap(), (32, 4, 2));
+        assert_eq!(p(None, Some(2), Some(3)).unwrap(), (24, 2, 3));
+        assert_eq!(p(Some(32), Some(2), Some(4)).unwrap(), (32, 2, 4));
+        assert_eq!(p(Some(8), None, None).unwrap(), (8, 2, 1));
+        assert_eq!(p(None, Some(3), None).unwrap(), (12, 3, 1));
+    }
+
+    #[test]
+    fn inconsistent_batch_sizes_name_all_four_numbers() {
+        let err = BatchPlan::derive(Some(32), Some(2), Some(3), 4).unwrap_err().to_string();
+        for needle in ["train_batch_size (32)", "train_micro_batch_size_per_gpu (2)", "gradient_accumulation_steps (3)", "world size (4)"] {
+            assert!(err.contains(needle), "{err}");
+        }
+        let err = BatchPlan::derive(Some(30), Some(4), None, 4).unwrap_err().to_string();
+        assert!(err.contains("train_batch_size (30)") && err.contains("gradient_accumulation_steps (not set)"), "{err}");
+        assert!(matches!(BatchPlan::derive(None, None, Some(2), 1), Err(ConfigError::MissingBatchSize)));
+        assert!(BatchPlan::derive(Some(0), None, None, 1).is_err());
+    }
+}

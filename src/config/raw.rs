@@ -1,0 +1,222 @@
+//! The config file as written: DeepSpeed's field names, every one optional, validated into
+//! a [`Plan`](super::Plan) by [`Config::resolve`](super::Config::resolve).
+//!
+//! Known DeepSpeed keys that zerotrain does not implement are not fields here: they are
+//! listed in `keys::NOT_IMPLEMENTED`, removed before parsing and reported in one warning.
+
+use serde::{Deserialize, Serialize};
+
+use super::value::{AutoOr, Count};
+
+/// A DeepSpeed `ds_config.json`, plus zerotrain's own `zerotrain` section.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeepSpeedConfig {
+    /// Global batch size per optimizer step: micro batch x accumulation steps x world size.
+    /// Any two of the three batch keys determine the third.
+    pub train_batch_size: Option<AutoOr<Count>>,
+    /// Samples per rank per forward/backward pass. Default when every batch key is `"auto"`: 1.
+    pub train_micro_batch_size_per_gpu: Option<AutoOr<Count>>,
+    /// Micro-steps per optimizer step; the loss is divided by it. Default 1.
+    pub gradient_accumulation_steps: Option<AutoOr<Count>>,
+    /// Maximum global L2 norm of the gradients; 0 turns clipping off. Default 0.
+    pub gradient_clipping: Option<AutoOr<f64>>,
+    /// Print a log line every this many optimizer steps. Default 10.
+    pub steps_per_print: Option<AutoOr<Count>>,
+    /// Seed for the examples' and CLI's model initialisation and data. Default 42.
+    pub seed: Option<Count>,
+    /// The optimizer. Default: Adam (AdamW mode) with lr 1e-3.
+    pub optimizer: Option<OptimizerConfig>,
+    /// The learning-rate schedule. Default: none (constant lr).
+    pub scheduler: Option<SchedulerConfig>,
+    /// ZeRO settings. Default: stage 0.
+    pub zero_optimization: Option<ZeroConfig>,
+    /// fp16 mixed precision. Parsed; `enabled: true` is refused until mixed precision lands.
+    pub fp16: Option<Fp16Config>,
+    /// bf16 mixed precision (alias `bfloat16`). Parsed; `enabled: true` is refused until it lands.
+    #[serde(alias = "bfloat16")]
+    pub bf16: Option<Bf16Config>,
+    /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
+    pub zerotrain: Option<ZerotrainConfig>,
+}
+
+/// `optimizer`: `{"type": ..., "params": {...}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// `Adam`, `AdamW` or `SGD` (case-insensitive). DeepSpeed's `Adam` is AdamW unless
+    /// `adam_w_mode` is false.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The optimizer's parameters (PyTorch names).
+    #[serde(default)]
+    pub params: OptimizerParams,
+}
+
+/// `optimizer.params`, the union of the supported optimizers' PyTorch parameter names.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerParams {
+    /// Learning rate. Default 1e-3 (FusedAdam's and torch's default).
+    pub lr: Option<AutoOr<f64>>,
+    /// Adam's (beta1, beta2). Default [0.9, 0.999].
+    pub betas: Option<AutoOr<[f64; 2]>>,
+    /// Adam's epsilon, added to sqrt(v). Default 1e-8 (Burn's own default is 1e-5).
+    pub eps: Option<AutoOr<f64>>,
+    /// Weight decay: decoupled for AdamW, L2 for Adam with `adam_w_mode: false` and SGD.
+    /// Default 0.
+    pub weight_decay: Option<AutoOr<f64>>,
+    /// Adam only: `true` (default) is AdamW; `false` is Adam with L2 weight decay.
+    pub adam_w_mode: Option<bool>,
+    /// Adam only: use the AMSGrad variant. Default false.
+    pub amsgrad: Option<bool>,
+    /// Adam only: bias correction. Must be true (the default); false is refused.
+    pub bias_correction: Option<bool>,
+    /// Adam only: DeepSpeed's choice of torch vs fused kernel; no effect here.
+    pub torch_adam: Option<bool>,
+    /// SGD only: momentum factor. Default 0 (no momentum).
+    pub momentum: Option<f64>,
+    /// SGD only: dampening for momentum. Default 0 (PyTorch's; Burn's own default is 0.1).
+    pub dampening: Option<f64>,
+    /// SGD only: Nesterov momentum. Default false.
+    pub nesterov: Option<bool>,
+}
+
+/// `scheduler`: `{"type": ..., "params": {...}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR` or `OneCycle`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The schedule's parameters.
+    #[serde(default)]
+    pub params: SchedulerParams,
+}
+
+/// `scheduler.params`, the union of the supported schedules' parameters (DeepSpeed names).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerParams {
+    /// Warmup start lr. Default 0.
+    pub warmup_min_lr: Option<AutoOr<f64>>,
+    /// Warmup end lr. Default: the optimizer's lr (WarmupLR), 1e-3 (WarmupDecayLR).
+    pub warmup_max_lr: Option<AutoOr<f64>>,
+    /// Warmup length in optimizer steps (values below 2 act as 2). Default 1000.
+    pub warmup_num_steps: Option<AutoOr<Count>>,
+    /// `log` (default) or `linear`.
+    pub warmup_type: Option<String>,
+    /// WarmupDecayLR / WarmupCosineLR: total optimizer steps. Required (`"auto"` takes
+    /// the CLI's `--steps`).
+    pub total_num_steps: Option<AutoOr<Count>>,
+    /// WarmupCosineLR: ratio of the lr at the start of warmup. Default 0.
+    pub warmup_min_ratio: Option<f64>,
+    /// WarmupCosineLR: ratio of the lr at the end of the decay. Default 1e-4.
+    pub cos_min_ratio: Option<f64>,
+    /// OneCycle: lower lr of the cycle. Required.
+    pub cycle_min_lr: Option<f64>,
+    /// OneCycle: upper lr of the cycle. Required.
+    pub cycle_max_lr: Option<f64>,
+    /// OneCycle: post-cycle decay rate. Default 0.
+    pub decay_lr_rate: Option<f64>,
+    /// OneCycle: steps in the rising half. Default 2000.
+    pub cycle_first_step_size: Option<Count>,
+    /// OneCycle: steps in the falling half. Default: `cycle_first_step_size`.
+    pub cycle_second_step_size: Option<Count>,
+    /// OneCycle: stairs in the rising half (0: continuous). Default 0.
+    pub cycle_first_stair_count: Option<Count>,
+    /// OneCycle: stairs in the falling half. Default: `cycle_first_stair_count`.
+    pub cycle_second_stair_count: Option<Count>,
+    /// OneCycle: interval of the post-cycle decay (0: none). Default 0.
+    pub decay_step_size: Option<Count>,
+    /// OneCycle: cycle the momentum too. Accepted; only `false` is implemented, so `true`
+    /// (DeepSpeed's default) gives a warning.
+    pub cycle_momentum: Option<bool>,
+    /// OneCycle momentum bounds and decay: accepted, not applied (see `cycle_momentum`).
+    pub cycle_min_mom: Option<f64>,
+    /// See `cycle_min_mom`.
+    pub cycle_max_mom: Option<f64>,
+    /// See `cycle_min_mom`.
+    pub decay_mom_rate: Option<f64>,
+    /// Resume position of the schedule. Default -1 (start).
+    pub last_batch_iteration: Option<i64>,
+}
+
+/// `zero_optimization`. The legacy boolean form (`"zero_optimization": true`) means stage 1.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZeroConfig {
+    /// 0, 1, 2 or 3 (legacy `true`/`false`: 1/0). Default 0.
+    pub stage: Option<Count>,
+    /// Elements per gradient-reduction bucket. Accepted; today each reduction is one call
+    /// over the whole flat buffer. Default 5e8.
+    pub reduce_bucket_size: Option<AutoOr<Count>>,
+    /// Elements per parameter all-gather bucket. Accepted; today one call. Default 5e8.
+    pub allgather_bucket_size: Option<AutoOr<Count>>,
+    /// Stage 1-2: reduce gradients with reduce-scatter (true, default) or all-reduce (false).
+    pub reduce_scatter: Option<bool>,
+    /// Accepted; gradients are always contiguous here (one flat buffer). Default true.
+    pub contiguous_gradients: Option<bool>,
+    /// Accepted; no overlap yet (Burn exposes no backward hooks). Default false.
+    pub overlap_comm: Option<bool>,
+    /// Accepted; parameters are always all-gathered as partitions. Default true.
+    pub allgather_partitions: Option<bool>,
+    /// Stage 3: parameters with at most this many elements stay resident between steps
+    /// instead of being released. Default 1e5 (`"auto"` too).
+    pub stage3_param_persistence_threshold: Option<AutoOr<Count>>,
+    /// Stage 3: accepted; the whole model is gathered at once today.
+    pub stage3_prefetch_bucket_size: Option<AutoOr<Count>>,
+    /// Stage 3: accepted; the whole model is gathered at once today.
+    pub stage3_max_live_parameters: Option<AutoOr<Count>>,
+    /// Stage 3: accepted; the whole model is gathered at once today.
+    pub stage3_max_reuse_distance: Option<AutoOr<Count>>,
+    /// Stage 3: accepted; checkpoint consolidation is a separate command.
+    #[serde(alias = "stage3_gather_fp16_weights_on_model_save")]
+    pub stage3_gather_16bit_weights_on_model_save: Option<bool>,
+}
+
+/// `fp16`. DeepSpeed's dynamic loss scaling keys, parsed for the mixed-precision engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp16Config {
+    /// Train in fp16. Default false (`"auto"`: false).
+    pub enabled: Option<AutoOr<bool>>,
+    /// Autocast mode. Parsed only.
+    pub auto_cast: Option<AutoOr<bool>>,
+    /// 0: dynamic; otherwise a static scale. Parsed only.
+    pub loss_scale: Option<AutoOr<f64>>,
+    /// Dynamic scaling starts at 2^this. Parsed only.
+    pub initial_scale_power: Option<AutoOr<Count>>,
+    /// Overflow-free steps before the scale doubles. Parsed only.
+    pub loss_scale_window: Option<AutoOr<Count>>,
+    /// Overflows tolerated before the scale halves. Parsed only.
+    pub hysteresis: Option<AutoOr<Count>>,
+    /// Refill hysteresis on every good step. Parsed only.
+    pub consecutive_hysteresis: Option<bool>,
+    /// Smallest scale. Parsed only.
+    pub min_loss_scale: Option<AutoOr<f64>>,
+    /// DeepSpeed's fp16 master-weights option. Parsed only.
+    pub fp16_master_weights_and_grads: Option<bool>,
+}
+
+/// `bf16` (alias `bfloat16`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bf16Config {
+    /// Train in bf16. Default false (`"auto"`: false).
+    pub enabled: Option<AutoOr<bool>>,
+    /// DeepSpeed's option to step the optimizer per micro-step. Parsed only.
+    pub immediate_grad_update: Option<bool>,
+}
+
+/// `zerotrain`: settings DeepSpeed gets from its launcher.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZerotrainConfig {
+    /// Number of ranks. Default 1; the CLI's `--world-size` overrides it.
+    pub world_size: Option<Count>,
+    /// How ranks talk: `threads` (default: one thread per rank in this process).
+    pub backend: Option<String>,
+    /// Seconds a rank waits at a collective for the others before the job fails. Default 300.
+    pub comm_timeout_s: Option<f64>,
+}

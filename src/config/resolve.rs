@@ -1,0 +1,308 @@
+//! [`Config`] -> [`Plan`]: defaults, `"auto"`, cross-field rules.
+
+use std::time::Duration;
+
+use zerotrain_precision::Precision;
+use zerotrain_zero::ZeroStage;
+
+use super::raw::{OptimizerParams, SchedulerConfig};
+use super::value::{AutoOr, Count};
+use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, Plan, ZeroPlan};
+use crate::schedule::{LrSchedule, WarmupType};
+
+/// DeepSpeed's default bucket sizes (elements).
+const DEFAULT_BUCKET_ELEMS: u64 = 500_000_000;
+/// DeepSpeed's default `stage3_param_persistence_threshold`.
+const DEFAULT_PERSISTENCE_THRESHOLD: u64 = 100_000;
+
+/// Collects how each `"auto"` was resolved.
+#[derive(Default)]
+struct Autos(Vec<String>);
+
+impl Autos {
+    /// The value, or `default` (noted) when `"auto"`, or `default` silently when absent.
+    fn or<T: Copy + std::fmt::Debug>(&mut self, key: &str, v: Option<AutoOr<T>>, default: T, why: &str) -> T {
+        match v {
+            Some(AutoOr::Value(v)) => v,
+            Some(AutoOr::Auto) => {
+                self.0.push(format!("{key} = {default:?} ({why})"));
+                default
+            }
+            None => default,
+        }
+    }
+}
+
+fn count(v: Option<AutoOr<Count>>) -> Option<u64> {
+    v.and_then(AutoOr::value).map(|c| c.0)
+}
+
+fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::InvalidValue { origin: "config".into(), key: key.into(), message: message.into() }
+}
+
+pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, ConfigError> {
+    let raw = &config.raw;
+    let mut autos = Autos::default();
+    let zt = raw.zerotrain.clone().unwrap_or_default();
+
+    let world_size = match (overrides.world_size, zt.world_size) {
+        (Some(n), _) => n,
+        (None, Some(Count(n))) => usize::try_from(n).map_err(|_| invalid("zerotrain.world_size", "too large"))?,
+        (None, None) => 1,
+    };
+    if world_size == 0 {
+        return Err(invalid("zerotrain.world_size", "must be at least 1"));
+    }
+    let backend = match zt.backend.as_deref().unwrap_or("threads") {
+        "threads" => Backend::Threads,
+        other => return Err(invalid("zerotrain.backend", format!("unknown backend `{other}`; available: threads"))),
+    };
+    let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
+    if !(timeout_s > 0.0 && timeout_s <= 1e7) {
+        return Err(invalid("zerotrain.comm_timeout_s", format!("must be a positive number of seconds, got {timeout_s}")));
+    }
+
+    let batch = resolve_batch(config, world_size as u64, &mut autos)?;
+    let precision = resolve_precision(config)?;
+    let zero = resolve_zero(config, &mut autos)?;
+
+    let gradient_clipping = autos.or("gradient_clipping", raw.gradient_clipping, 0.0, "DeepSpeed default: off");
+    if !(gradient_clipping >= 0.0 && gradient_clipping.is_finite()) {
+        return Err(invalid("gradient_clipping", format!("must be >= 0, got {gradient_clipping}")));
+    }
+    let steps_per_print = autos.or("steps_per_print", raw.steps_per_print, Count(10), "default").0.max(1);
+    let optimizer = resolve_optimizer(config, &mut autos)?;
+    let schedule = match &raw.scheduler {
+        None => LrSchedule::Constant { lr: optimizer.lr() },
+        Some(s) => resolve_schedule(s, optimizer.lr(), overrides.total_steps, &mut autos)?,
+    };
+
+    Ok(Plan {
+        world_size,
+        backend,
+        comm_timeout: Duration::from_secs_f64(timeout_s),
+        batch,
+        zero,
+        precision,
+        gradient_clipping,
+        steps_per_print,
+        seed: raw.seed.map_or(42, |c| c.0),
+        optimizer,
+        schedule,
+        auto_resolved: autos.0,
+        not_implemented: config.not_implemented.clone(),
+    })
+}
+
+fn resolve_batch(config: &Config, world_size: u64, autos: &mut Autos) -> Result<BatchPlan, ConfigError> {
+    let raw = &config.raw;
+    let (t, m, g) = (raw.train_batch_size, raw.train_micro_batch_size_per_gpu, raw.gradient_accumulation_steps);
+    let mut micro = count(m);
+    // "auto" means "you decide": with no concrete train or micro size, micro defaults to 1.
+    let all_auto_or_absent = count(t).is_none() && micro.is_none();
+    if all_auto_or_absent && (t == Some(AutoOr::Auto) || m == Some(AutoOr::Auto)) {
+        autos.0.push("train_micro_batch_size_per_gpu = 1 (no batch size given)".into());
+        micro = Some(1);
+    }
+    let batch = BatchPlan::derive(count(t), micro, count(g), world_size)?;
+    for (key, v) in [("train_batch_size", t), ("train_micro_batch_size_per_gpu", m), ("gradient_accumulation_steps", g)] {
+        if v == Some(AutoOr::Auto) {
+            let got = match key {
+                "train_batch_size" => batch.train_batch_size,
+                "train_micro_batch_size_per_gpu" => batch.micro_batch_per_rank,
+                _ => batch.gradient_accumulation_steps,
+            };
+            autos.0.push(format!("{key} = {got} (derived from the other batch sizes)"));
+        }
+    }
+    Ok(batch)
+}
+
+fn resolve_precision(config: &Config) -> Result<Precision, ConfigError> {
+    let on = |v: Option<AutoOr<bool>>| v.and_then(AutoOr::value).unwrap_or(false);
+    let fp16 = on(config.raw.fp16.as_ref().and_then(|f| f.enabled));
+    let bf16 = on(config.raw.bf16.as_ref().and_then(|b| b.enabled));
+    match (fp16, bf16) {
+        (true, true) => Err(ConfigError::Unsupported {
+            key: "fp16.enabled, bf16.enabled".into(),
+            message: "fp16 and bf16 are both enabled; enable at most one".into(),
+        }),
+        (false, false) => Ok(Precision::Fp32),
+        (fp16, _) => Err(ConfigError::Unsupported {
+            key: if fp16 { "fp16.enabled" } else { "bf16.enabled" }.into(),
+            message: "mixed-precision training is not implemented yet; set it to false to train in fp32".into(),
+        }),
+    }
+}
+
+fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPlan, ConfigError> {
+    let z = config.raw.zero_optimization.clone().unwrap_or_default();
+    let stage_index = z.stage.map_or(0, |c| c.0);
+    let stage = ZeroStage::from_index(stage_index)
+        .ok_or_else(|| invalid("zero_optimization.stage", format!("must be 0, 1, 2 or 3, got {stage_index}")))?;
+    let bucket = |autos: &mut Autos, key: &str, v| autos.or(key, v, Count(DEFAULT_BUCKET_ELEMS), "DeepSpeed default").0;
+    Ok(ZeroPlan {
+        stage,
+        reduce_scatter: z.reduce_scatter.unwrap_or(true),
+        reduce_bucket_size: bucket(autos, "zero_optimization.reduce_bucket_size", z.reduce_bucket_size),
+        allgather_bucket_size: bucket(autos, "zero_optimization.allgather_bucket_size", z.allgather_bucket_size),
+        param_persistence_threshold: autos
+            .or(
+                "zero_optimization.stage3_param_persistence_threshold",
+                z.stage3_param_persistence_threshold,
+                Count(DEFAULT_PERSISTENCE_THRESHOLD),
+                "DeepSpeed default",
+            )
+            .0,
+    })
+}
+
+fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan, ConfigError> {
+    let (kind, p) = match &config.raw.optimizer {
+        Some(o) => (o.kind.to_ascii_lowercase(), o.params.clone()),
+        None => ("adam".to_string(), OptimizerParams::default()),
+    };
+    let lr = autos.or("optimizer.params.lr", p.lr, 1e-3, "DeepSpeed/torch default");
+    let weight_decay = autos.or("optimizer.params.weight_decay", p.weight_decay, 0.0, "default");
+    if !(lr >= 0.0 && lr.is_finite()) {
+        return Err(invalid("optimizer.params.lr", format!("must be a finite number >= 0, got {lr}")));
+    }
+    if !(weight_decay >= 0.0 && weight_decay.is_finite()) {
+        return Err(invalid("optimizer.params.weight_decay", format!("must be >= 0, got {weight_decay}")));
+    }
+    let refuse = |names: &[(&str, bool)], kind: &str| -> Result<(), ConfigError> {
+        match names.iter().find(|(_, present)| *present) {
+            Some((name, _)) => Err(invalid(&format!("optimizer.params.{name}"), format!("does not apply to {kind}"))),
+            None => Ok(()),
+        }
+    };
+    match kind.as_str() {
+        "adam" | "adamw" => {
+            refuse(&[("momentum", p.momentum.is_some()), ("dampening", p.dampening.is_some()), ("nesterov", p.nesterov.is_some())], "Adam")?;
+            if p.bias_correction == Some(false) {
+                return Err(ConfigError::Unsupported {
+                    key: "optimizer.params.bias_correction".into(),
+                    message: "Adam without bias correction is not supported".into(),
+                });
+            }
+            let betas = autos.or("optimizer.params.betas", p.betas, [0.9, 0.999], "default");
+            let eps = autos.or("optimizer.params.eps", p.eps, 1e-8, "default");
+            if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
+                return Err(invalid("optimizer.params.betas", format!("each beta must be in [0, 1), got {betas:?}")));
+            }
+            if !(eps > 0.0) {
+                return Err(invalid("optimizer.params.eps", format!("must be > 0, got {eps}")));
+            }
+            let decoupled = kind == "adamw" || p.adam_w_mode.unwrap_or(true);
+            if kind == "adamw" && p.adam_w_mode == Some(false) {
+                return Err(invalid("optimizer.params.adam_w_mode", "AdamW always decouples weight decay; use type Adam"));
+            }
+            Ok(OptimizerPlan::Adam { lr, betas, eps, weight_decay, decoupled_weight_decay: decoupled, amsgrad: p.amsgrad.unwrap_or(false) })
+        }
+        "sgd" => {
+            let adam_only = [
+                ("betas", p.betas.is_some()),
+                ("eps", p.eps.is_some()),
+                ("adam_w_mode", p.adam_w_mode.is_some()),
+                ("amsgrad", p.amsgrad.is_some()),
+                ("bias_correction", p.bias_correction.is_some()),
+            ];
+            refuse(&adam_only, "SGD")?;
+            let momentum = p.momentum.unwrap_or(0.0);
+            let dampening = p.dampening.unwrap_or(0.0);
+            let nesterov = p.nesterov.unwrap_or(false);
+            if !(0.0..1.0).contains(&momentum) || !(0.0..=1.0).contains(&dampening) {
+                return Err(invalid("optimizer.params.momentum", format!("momentum must be in [0, 1) and dampening in [0, 1], got {momentum} and {dampening}")));
+            }
+            if nesterov && (momentum == 0.0 || dampening != 0.0) {
+                return Err(invalid("optimizer.params.nesterov", "Nesterov momentum needs momentum > 0 and zero dampening (as in PyTorch)"));
+            }
+            Ok(OptimizerPlan::Sgd { lr, momentum, dampening, nesterov, weight_decay })
+        }
+        other => Err(ConfigError::Unsupported {
+            key: "optimizer.type".into(),
+            message: format!("`{other}` is not supported; use Adam, AdamW or SGD (flat-shard-safe optimizers)"),
+        }),
+    }
+}
+
+fn resolve_schedule(s: &SchedulerConfig, base_lr: f64, total_steps: Option<u64>, autos: &mut Autos) -> Result<LrSchedule, ConfigError> {
+    let p = &s.params;
+    let key = |name: &str| format!("scheduler.params.{name}");
+    if p.last_batch_iteration.is_some_and(|i| i != -1) {
+        return Err(ConfigError::Unsupported {
+            key: key("last_batch_iteration"),
+            message: "only -1 (start) is supported; resume the schedule from a checkpoint instead".into(),
+        });
+    }
+    let warmup_type = match p.warmup_type.as_deref().unwrap_or("log") {
+        "log" => WarmupType::Log,
+        "linear" => WarmupType::Linear,
+        other => return Err(invalid(&key("warmup_type"), format!("must be `log` or `linear`, got `{other}`"))),
+    };
+    let warmup_num_steps = autos.or(&key("warmup_num_steps"), p.warmup_num_steps, Count(1000), "DeepSpeed default").0;
+    if warmup_num_steps == 0 {
+        return Err(invalid(&key("warmup_num_steps"), "must be a positive integer"));
+    }
+    let warmup_num_steps = warmup_num_steps.max(2);
+    let min_lr = autos.or(&key("warmup_min_lr"), p.warmup_min_lr, 0.0, "DeepSpeed default");
+    let mut total = || -> Result<u64, ConfigError> {
+        match p.total_num_steps {
+            Some(AutoOr::Value(Count(n))) => Ok(n),
+            Some(AutoOr::Auto) => {
+                let n = total_steps.ok_or_else(|| ConfigError::UnresolvableAuto {
+                    key: key("total_num_steps"),
+                    why: "no total step count is known; give a number or run with --steps".into(),
+                })?;
+                autos.0.push(format!("{} = {n} (the run's --steps)", key("total_num_steps")));
+                Ok(n)
+            }
+            None => Err(invalid(&key("total_num_steps"), format!("is required by {}", s.kind))),
+        }
+    };
+    match s.kind.as_str() {
+        "WarmupLR" => {
+            let max_lr = autos.or(&key("warmup_max_lr"), p.warmup_max_lr, base_lr, "the optimizer's lr");
+            Ok(LrSchedule::WarmupLR { min_lr, max_lr, warmup_num_steps, warmup_type })
+        }
+        "WarmupDecayLR" => {
+            let total_num_steps = total()?;
+            let max_lr = autos.or(&key("warmup_max_lr"), p.warmup_max_lr, 1e-3, "DeepSpeed default");
+            Ok(LrSchedule::WarmupDecayLR { min_lr, max_lr, warmup_num_steps, warmup_type, total_num_steps })
+        }
+        "WarmupCosineLR" => Ok(LrSchedule::WarmupCosineLR {
+            base_lr,
+            warmup_min_ratio: p.warmup_min_ratio.unwrap_or(0.0),
+            warmup_num_steps,
+            cos_min_ratio: p.cos_min_ratio.unwrap_or(1e-4),
+            warmup_type,
+            total_num_steps: total()?,
+        }),
+        "OneCycle" => {
+            let need = |v: Option<f64>, name: &str| v.ok_or_else(|| invalid(&key(name), "is required by OneCycle"));
+            if p.cycle_momentum != Some(false) {
+                autos.0.push(format!("{} = false (momentum cycling is not implemented; betas stay fixed)", key("cycle_momentum")));
+            }
+            let first = p.cycle_first_step_size.map_or(2000, |c| c.0);
+            let first_stairs = p.cycle_first_stair_count.map_or(0, |c| c.0);
+            if first == 0 {
+                return Err(invalid(&key("cycle_first_step_size"), "must be at least 1"));
+            }
+            Ok(LrSchedule::OneCycle {
+                cycle_min_lr: need(p.cycle_min_lr, "cycle_min_lr")?,
+                cycle_max_lr: need(p.cycle_max_lr, "cycle_max_lr")?,
+                decay_lr_rate: p.decay_lr_rate.unwrap_or(0.0),
+                cycle_first_step_size: first,
+                cycle_second_step_size: p.cycle_second_step_size.map_or(first, |c| c.0).max(1),
+                cycle_first_stair_count: first_stairs,
+                cycle_second_stair_count: p.cycle_second_stair_count.map_or(first_stairs, |c| c.0),
+                decay_step_size: p.decay_step_size.map_or(0, |c| c.0),
+            })
+        }
+        other => Err(ConfigError::Unsupported {
+            key: "scheduler.type".into(),
+            message: format!("`{other}` is not supported; use WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle"),
+        }),
+    }
+}
