@@ -1,0 +1,82 @@
+//! Burn's optimizers stepping a flat shard.
+//!
+//! Adam, AdamW and SGD are element-wise, so stepping one 1-D tensor that holds a rank's
+//! shard of the flat buffer gives exactly the values of stepping each parameter tensor
+//! (Burn's `Optimizer::step` is generic over the rank). The state tensors stay Burn tensors.
+
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, RecordState, SgdConfig, StateSink};
+use burn::optim::decay::WeightDecayConfig;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::config::OptimizerPlan;
+use crate::{Error, Result};
+
+/// An optimizer with its state for one flat range.
+pub(crate) trait FlatOptimizer: Send {
+    /// Steps `params` with `grads` (same length) at `lr`, returning the new values.
+    fn step(&mut self, lr: f64, params: Vec<f32>, grads: Vec<f32>, device: &Device) -> Result<Vec<f32>>;
+    /// Bytes held by the optimizer state.
+    fn state_bytes(&self) -> u64;
+}
+
+struct Flat<O: Optimizer> {
+    optim: O,
+    state: Option<O::State<1>>,
+}
+
+impl<O: Optimizer> FlatOptimizer for Flat<O> {
+    fn step(&mut self, lr: f64, params: Vec<f32>, grads: Vec<f32>, device: &Device) -> Result<Vec<f32>> {
+        let n = params.len();
+        let params = Tensor::<1>::from_data(TensorData::new(params, [n]), device);
+        let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), device);
+        let (params, state) = self.optim.step(lr, params, grads, self.state.take());
+        self.state = state;
+        params
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| Error::Model(format!("optimizer returned unexpected data: {e:?}")))
+    }
+
+    fn state_bytes(&self) -> u64 {
+        let Some(state) = &self.state else { return 0 };
+        let mut sink = StateSink::default();
+        state.state_flatten("", &mut sink);
+        sink.tensors.iter().map(|(_, data)| data.as_bytes().len() as u64).sum()
+    }
+}
+
+/// Builds the Burn optimizer for `plan`, with every hyper-parameter set explicitly (Burn's
+/// defaults differ from DeepSpeed's: Adam eps 1e-5, SGD dampening 0.1).
+pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn FlatOptimizer> {
+    match *plan {
+        OptimizerPlan::Adam { betas, eps, weight_decay, decoupled_weight_decay: true, amsgrad, .. } => {
+            let optim = AdamWConfig::new()
+                .with_beta_1(betas[0] as f32)
+                .with_beta_2(betas[1] as f32)
+                .with_epsilon(eps as f32)
+                .with_weight_decay(weight_decay as f32)
+                .with_amsgrad(amsgrad)
+                .build();
+            Box::new(Flat { optim, state: None })
+        }
+        OptimizerPlan::Adam { betas, eps, weight_decay, decoupled_weight_decay: false, amsgrad, .. } => {
+            let optim = AdamConfig::new()
+                .with_beta_1(betas[0] as f32)
+                .with_beta_2(betas[1] as f32)
+                .with_epsilon(eps as f32)
+                .with_amsgrad(amsgrad)
+                .with_weight_decay((weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)))
+                .build();
+            Box::new(Flat { optim, state: None })
+        }
+        OptimizerPlan::Sgd { momentum, dampening, nesterov, weight_decay, .. } => {
+            let momentum = (momentum > 0.0).then(|| MomentumConfig { momentum, dampening, nesterov });
+            let optim = SgdConfig::new()
+                .with_momentum(momentum)
+                .with_weight_decay((weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)))
+                .build();
+            Box::new(Flat { optim, state: None })
+        }
+    }
+}

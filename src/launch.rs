@@ -1,0 +1,125 @@
+//! Running ranks: [`launch`] starts one thread per rank, hands each a [`RankContext`], and
+//! turns a failure on any rank into an error on every rank and one error for the caller.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use zerotrain_zero::{Collective, ThreadWorld};
+
+use crate::config::{Backend, Plan};
+use crate::{Error, Result};
+
+/// What a rank's closure gets: its rank, the world size, its device and its collective.
+#[derive(Clone)]
+pub struct RankContext {
+    rank: usize,
+    world_size: usize,
+    device: Device,
+    comm: Arc<dyn Collective>,
+}
+
+impl RankContext {
+    /// A context on `comm`'s rank, training on `device` (an autodiff device).
+    pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
+        Self { rank: comm.rank(), world_size: comm.world_size(), device, comm }
+    }
+
+    /// This rank, `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The device to build the model and batches on (autodiff enabled).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The rank's collective.
+    pub fn collective(&self) -> Arc<dyn Collective> {
+        Arc::clone(&self.comm)
+    }
+}
+
+/// Runs `f` once per rank of `plan` and returns each rank's result, in rank order.
+///
+/// If a rank returns an error or panics, every other rank's pending and later collectives
+/// fail at once, and `launch` returns the failing rank's error (not the others' consequent
+/// "aborted" errors).
+pub fn launch<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
+{
+    let Backend::Threads = plan.backend;
+    let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
+    let device = Device::flex().autodiff();
+    let results: Vec<Result<T>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..plan.world_size)
+            .map(|rank| {
+                let ctx = RankContext::new(Arc::new(world.communicator(rank)), device.clone());
+                let (world, f) = (&world, &f);
+                std::thread::Builder::new()
+                    .name(format!("zerotrain-rank-{rank}"))
+                    .spawn_scoped(scope, move || run_rank(rank, world, || f(ctx)))
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| unreachable!("run_rank catches panics"))).collect()
+    });
+    let first_failure = world.aborted().map(|(rank, _)| rank);
+    let mut values = Vec::with_capacity(results.len());
+    let mut errors: Vec<(usize, Error)> = Vec::new();
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(v) => values.push(v),
+            Err(e) => errors.push((rank, e)),
+        }
+    }
+    if errors.is_empty() {
+        return Ok(values);
+    }
+    let root = errors.iter().position(|(rank, _)| Some(*rank) == first_failure).unwrap_or(0);
+    Err(errors.swap_remove(root).1)
+}
+
+fn run_rank<T, E>(rank: usize, world: &ThreadWorld, f: impl FnOnce() -> std::result::Result<T, E>) -> Result<T>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    let error = match outcome {
+        Ok(Ok(value)) => return Ok(value),
+        Ok(Err(e)) => {
+            let e: Box<dyn std::error::Error + Send + Sync> = e.into();
+            Error::Rank { rank, message: error_chain(e.as_ref()) }
+        }
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Error::RankPanicked { rank, message }
+        }
+    };
+    world.abort(rank, &error.to_string());
+    Err(error)
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    message
+}

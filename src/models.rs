@@ -1,0 +1,155 @@
+//! Small built-in models for the examples, the CLI and the tests, and a deterministic
+//! regression task to train them on. Dropout is off everywhere so that runs are exactly
+//! reproducible.
+
+use burn::module::Module;
+use burn::nn::attention::{generate_autoregressive_mask, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::activation::gelu;
+use burn::tensor::{Device, Tensor, TensorData};
+
+/// A multi-layer perceptron with GELU between layers.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    layers: Vec<Linear>,
+}
+
+impl Mlp {
+    /// Layers of widths `dims[0] -> dims[1] -> ... -> dims[n]`.
+    pub fn new(dims: &[usize], device: &Device) -> Self {
+        let layers = dims.windows(2).map(|w| LinearConfig::new(w[0], w[1]).init(device)).collect();
+        Self { layers }
+    }
+
+    /// `[batch, in] -> [batch, out]`.
+    pub fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+        let last = self.layers.len().saturating_sub(1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(x);
+            if i < last {
+                x = gelu(x);
+            }
+        }
+        x
+    }
+
+    /// Mean squared error against `target`.
+    pub fn loss(&self, batch: &Batch) -> Tensor<1> {
+        let [b, t, d] = batch.input.dims();
+        let pred = self.forward(batch.input.clone().reshape([b * t, d]));
+        mse(pred.reshape([b, t, d]), batch.target.clone())
+    }
+}
+
+/// A pre-norm transformer block (causal self-attention and an MLP, each residual) between
+/// an input and an output projection.
+#[derive(Module, Debug)]
+pub struct TinyTransformer {
+    input: Linear,
+    norm_attn: LayerNorm,
+    attn: MultiHeadAttention,
+    norm_mlp: LayerNorm,
+    mlp_up: Linear,
+    mlp_down: Linear,
+    output: Linear,
+}
+
+impl TinyTransformer {
+    /// Features `d_in`, model width `d_model`, `n_heads` heads, MLP width `4 * d_model`.
+    pub fn new(d_in: usize, d_model: usize, n_heads: usize, device: &Device) -> Self {
+        Self {
+            input: LinearConfig::new(d_in, d_model).init(device),
+            norm_attn: LayerNormConfig::new(d_model).init(device),
+            // No key bias: it adds the same q·b to every logit of a row, which softmax
+            // cancels, so its gradient is exactly zero and it would train on rounding noise.
+            attn: MultiHeadAttentionConfig::new(d_model, n_heads).with_dropout(0.0).with_key_bias(false).init(device),
+            norm_mlp: LayerNormConfig::new(d_model).init(device),
+            mlp_up: LinearConfig::new(d_model, 4 * d_model).init(device),
+            mlp_down: LinearConfig::new(4 * d_model, d_model).init(device),
+            output: LinearConfig::new(d_model, d_in).init(device),
+        }
+    }
+
+    /// `[batch, seq, d_in] -> [batch, seq, d_in]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, _] = x.dims();
+        let h = self.input.forward(x);
+        let mask = generate_autoregressive_mask(b, t, &h.device());
+        let a = self.attn.forward(MhaInput::self_attn(self.norm_attn.forward(h.clone())).mask_attn(mask));
+        let h = h + a.context;
+        let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
+        self.output.forward(h + m)
+    }
+
+    /// Mean squared error against `target`.
+    pub fn loss(&self, batch: &Batch) -> Tensor<1> {
+        mse(self.forward(batch.input.clone()), batch.target.clone())
+    }
+}
+
+fn mse(pred: Tensor<3>, target: Tensor<3>) -> Tensor<1> {
+    (pred - target).square().mean()
+}
+
+/// A batch of the regression task: `target` is a fixed nonlinear function of `input`.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// `[batch, seq, features]`.
+    pub input: Tensor<3>,
+    /// `[batch, seq, features]`.
+    pub target: Tensor<3>,
+}
+
+/// The deterministic regression task: sample `i` is a sequence whose target at position `t`
+/// is a smooth function of the inputs up to `t` (so attention helps).
+#[derive(Debug, Clone, Copy)]
+pub struct RegressionTask {
+    /// Sequence length.
+    pub seq_len: usize,
+    /// Features per position.
+    pub features: usize,
+}
+
+impl RegressionTask {
+    /// One sample's (input, target) values, each `seq_len * features` long.
+    pub fn sample(&self, index: u64) -> (Vec<f32>, Vec<f32>) {
+        let (t, f) = (self.seq_len, self.features);
+        let mut state = index.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0xD1B5_4A32_D192_ED03);
+        let mut next = || {
+            // SplitMix64: cheap, deterministic, well mixed.
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let input: Vec<f32> = (0..t * f).map(|_| next()).collect();
+        let mut target = vec![0.0; t * f];
+        let mut running = vec![0.0f32; f];
+        for pos in 0..t {
+            for j in 0..f {
+                running[j] = 0.7 * running[j] + input[pos * f + j];
+                let neighbour = input[pos * f + (j + 1) % f];
+                target[pos * f + j] = (running[j] * 0.8).tanh() + 0.3 * neighbour * input[pos * f + j];
+            }
+        }
+        (input, target)
+    }
+
+    /// The batch of samples `indices`, on `device`.
+    pub fn batch(&self, indices: impl IntoIterator<Item = u64>, device: &Device) -> Batch {
+        let (mut input, mut target) = (Vec::new(), Vec::new());
+        let mut n = 0;
+        for i in indices {
+            let (x, y) = self.sample(i);
+            input.extend(x);
+            target.extend(y);
+            n += 1;
+        }
+        let shape = [n, self.seq_len, self.features];
+        Batch {
+            input: Tensor::from_data(TensorData::new(input, shape), device),
+            target: Tensor::from_data(TensorData::new(target, shape), device),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Shared pieces of the whole-world tests: configs, data split by rank, a single-process
+//! reference loop in plain Burn, and parameter comparison by module path.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor};
+use zerotrain::models::{Batch, RegressionTask};
+use zerotrain::{Config, Overrides, Plan};
+
+/// The task every equivalence test trains on.
+pub const TASK: RegressionTask = RegressionTask { seq_len: 5, features: 6 };
+
+/// A plan from JSON text at `world_size`.
+pub fn plan(json: &str, world_size: usize) -> Plan {
+    Config::parse(json, "test").unwrap().resolve(Overrides { world_size: Some(world_size), total_steps: None }).unwrap()
+}
+
+/// The common recipe: AdamW, `micro` samples per rank, `gas` accumulation steps.
+pub fn recipe(stage: u8, micro: u64, gas: u64, clip: f64) -> String {
+    format!(
+        r#"{{
+        "train_micro_batch_size_per_gpu": {micro},
+        "gradient_accumulation_steps": {gas},
+        "gradient_clipping": {clip},
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}}}},
+        "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 3, "warmup_type": "linear"}}}},
+        "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
+        "zerotrain": {{"comm_timeout_s": 60}}
+    }}"#
+    )
+}
+
+/// The Burn optimizer the recipe describes, built independently of the engine.
+pub fn reference_optimizer() -> ModuleOptimizer {
+    AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.99).with_epsilon(1e-8).with_weight_decay(0.1).init()
+}
+
+/// Sample indices of `rank`'s micro-batch `micro_step` of optimizer step `step`.
+pub fn rank_indices(plan: &Plan, step: u64, micro_step: u64, rank: usize) -> std::ops::Range<u64> {
+    let b = &plan.batch;
+    let start = step * b.train_batch_size + micro_step * b.micro_batch_per_rank * plan.world_size as u64 + rank as u64 * b.micro_batch_per_rank;
+    start..start + b.micro_batch_per_rank
+}
+
+/// The losses and final parameters of `steps` optimizer steps of plain Burn on the global
+/// batch: mean loss over all samples, global-norm clipping as DeepSpeed (PyTorch's
+/// `clip_grad_norm_`) does it, DeepSpeed's lr sequence.
+pub fn reference_run<M: Module>(init: &M, plan: &Plan, steps: u64, loss: impl Fn(&M, &Batch) -> Tensor<1>, device: &Device) -> (Vec<f32>, M) {
+    let mut model = init.clone().fork(device);
+    let mut optim = reference_optimizer();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let batch = TASK.batch(step * plan.batch.train_batch_size..(step + 1) * plan.batch.train_batch_size, device);
+        let l = loss(&model, &batch);
+        losses.push(l.clone().into_scalar::<f32>());
+        let mut grads = GradientsParams::from_grads(l.backward(), &model);
+        if plan.gradient_clipping > 0.0 {
+            let norm = global_norm(&model, &grads);
+            let coef = plan.gradient_clipping / (norm + 1e-6);
+            if coef < 1.0 {
+                scale_grads(&model, &mut grads, coef as f32);
+            }
+        }
+        let lr = plan.schedule.lr(step as i64 - 1);
+        model = optim.step(lr, model, grads);
+    }
+    (losses, model)
+}
+
+fn global_norm<M: Module>(model: &M, grads: &GradientsParams) -> f64 {
+    struct Norm<'a>(&'a GradientsParams, f64);
+    impl ModuleVisitor for Norm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(param.id) {
+                self.1 += g.into_data().try_to_vec::<f32>().unwrap().iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            }
+        }
+    }
+    let mut v = Norm(grads, 0.0);
+    model.visit(&mut v);
+    v.1.sqrt()
+}
+
+fn scale_grads<M: Module>(model: &M, grads: &mut GradientsParams, coef: f32) {
+    struct Scale<'a>(&'a mut GradientsParams, f32);
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.remove::<D>(param.id) {
+                self.0.register(param.id, g.mul_scalar(self.1));
+            }
+        }
+    }
+    model.visit(&mut Scale(grads, coef));
+}
+
+/// Every float parameter as (module path, values), in visit order.
+pub fn params_by_path<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
+    struct Collect(Vec<String>, Vec<(String, Vec<f32>)>);
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.1.push((self.0.join("."), param.val().into_data().try_to_vec::<f32>().unwrap()));
+        }
+    }
+    let mut c = Collect(Vec::new(), Vec::new());
+    model.visit(&mut c);
+    c.1
+}
+
+/// Largest absolute difference between two parameter sets with the same paths, and the
+/// path where it occurs.
+pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f32, String) {
+    assert_eq!(a.len(), b.len());
+    let mut worst = (0.0f32, String::new());
+    for ((pa, va), (pb, vb)) in a.iter().zip(b) {
+        assert_eq!(pa, pb);
+        assert_eq!(va.len(), vb.len(), "{pa}");
+        for (x, y) in va.iter().zip(vb) {
+            if (x - y).abs() > worst.0 {
+                worst = ((x - y).abs(), pa.clone());
+            }
+        }
+    }
+    worst
+}

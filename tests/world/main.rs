@@ -1,0 +1,5 @@
+//! Whole-world tests: several ranks train together and are checked against references.
+//! One test binary, so Burn is linked once.
+
+mod common;
+mod equivalence;
