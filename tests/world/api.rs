@@ -1,0 +1,55 @@
+//! The engine's counters, boundaries, lr sequence and usage errors.
+
+use zerotrain::models::Mlp;
+use zerotrain::{launch, Engine, Error};
+
+use crate::common::*;
+
+#[test]
+fn step_acts_only_at_accumulation_boundaries_and_counts_like_deepspeed() {
+    let plan = plan(&recipe(2, 2, 3, 0.0), 2);
+    let lrs = launch(&plan, |ctx| {
+        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let mut lrs = vec![engine.get_lr()];
+        for micro in 0..9u64 {
+            let batch = TASK.batch(rank_indices(&plan, micro / 3, micro % 3, ctx.rank()), ctx.device());
+            let loss = engine.forward(|m| m.loss(&batch))?;
+            engine.backward(loss)?;
+            let boundary = engine.is_gradient_accumulation_boundary();
+            let report = engine.step()?;
+            assert_eq!(report.is_some(), boundary);
+            assert_eq!(boundary, micro % 3 == 2, "micro-step {micro}");
+            if let Some(report) = report {
+                assert_eq!(report.lr, *lrs.last().unwrap(), "a step runs at the lr get_lr() announced");
+                assert!(report.loss.is_finite() && report.grad_norm > 0.0);
+                lrs.push(engine.get_lr());
+            }
+        }
+        let c = engine.counters();
+        assert_eq!((c.global_steps, c.micro_steps, c.skipped_steps, c.global_samples), (3, 9, 0, 3 * 12));
+        Ok::<_, Error>(lrs)
+    })
+    .unwrap();
+    // WarmupLR linear, min 0.001, max 0.01 over 3 steps; DeepSpeed's iteration -1 first.
+    let expected = [0.001, 0.001, 0.004, 0.007];
+    for (got, want) in lrs[0].iter().zip(expected) {
+        assert!((got - want).abs() < 1e-12, "{:?}", lrs[0]);
+    }
+}
+
+#[test]
+fn usage_errors_are_errors_not_panics() {
+    let plan = plan(&recipe(0, 2, 1, 0.0), 1);
+    launch(&plan, |ctx| {
+        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        assert!(matches!(engine.step(), Err(Error::Usage(m)) if m.contains("without a backward")));
+        let batch = TASK.batch(0..2, ctx.device());
+        let per_sample = engine.forward(|m| m.forward(batch.input.clone().reshape([10, 6])).sum_dim(1).reshape([10]))?;
+        assert!(matches!(engine.backward(per_sample), Err(Error::Usage(m)) if m.contains("one-element loss")));
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+    let wrong = super::common::plan(&recipe(0, 2, 1, 0.0), 2);
+    let err = launch(&plan, |ctx| Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &wrong, &ctx).map(|_| ())).unwrap_err();
+    assert!(err.to_string().contains("plan is for 2 ranks, the communicator has 1"), "{err}");
+}
