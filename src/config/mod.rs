@@ -10,6 +10,7 @@
 //! error naming the key.
 
 pub mod keys;
+mod describe;
 mod plan;
 pub mod raw;
 mod resolve;

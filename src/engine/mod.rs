@@ -315,10 +315,25 @@ impl<M: Module> Engine<M> {
         }
     }
 
-    /// A copy of the model with every parameter present (gathered at stage 3). Every rank
-    /// must call it at stage 3.
+    /// Runs `f` on the model in evaluation mode (no autodiff graph), with every parameter
+    /// present: at stage 3 the model is gathered for the call and released after it. Every
+    /// rank must call it at stage 3.
+    pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        let was_released = self.partition.as_ref().is_some_and(Partition::is_released);
+        let result = self.forward(|model| f(&model.valid()))?;
+        if was_released {
+            if let Some(partition) = &mut self.partition {
+                let model = self.model.clone();
+                self.model = partition.release(model, &self.index, &self.layout, &self.device);
+            }
+        }
+        Ok(result)
+    }
+
+    /// A copy of the model with every parameter present and current (gathered at stage 3),
+    /// for evaluation or export. Every rank must call it at stage 3.
     pub fn full_model(&mut self) -> Result<M> {
-        self.forward(|model| model.clone())
+        self.eval(|model| model.clone())
     }
 }
 

@@ -58,6 +58,11 @@ impl Partition {
         write_params(model, index, layout, Fill::Release(&self.resident), device)
     }
 
+    /// Whether only the shard (and resident parameters) exist now.
+    pub fn is_released(&self) -> bool {
+        self.state == State::Released
+    }
+
     /// Moves the shard out for the optimizer; [`put_shard`](Self::put_shard) returns it.
     pub fn take_shard(&mut self) -> Vec<f32> {
         std::mem::take(&mut self.shard)

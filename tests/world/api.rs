@@ -53,3 +53,23 @@ fn usage_errors_are_errors_not_panics() {
     let err = launch(&plan, |ctx| Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &wrong, &ctx).map(|_| ())).unwrap_err();
     assert!(err.to_string().contains("plan is for 2 ranks, the communicator has 1"), "{err}");
 }
+
+#[test]
+fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
+    let plan = plan(&recipe(3, 2, 1, 0.0), 2);
+    launch(&plan, |ctx| {
+        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let released = engine.memory_report().params;
+        assert_eq!(released, 4 * engine.layout().shard_len() as u64);
+        let batch = TASK.batch(0..4, ctx.device());
+        let evaluated = engine.eval(|m| m.loss(&batch).into_scalar::<f32>())?;
+        assert_eq!(engine.memory_report().params, released, "eval must release what it gathered");
+        let trained = engine.forward(|m| m.loss(&batch))?;
+        assert_eq!(trained.clone().into_scalar::<f32>(), evaluated);
+        assert_eq!(engine.memory_report().params, released + 4 * engine.layout().num_elems() as u64, "forward keeps the model for backward");
+        engine.backward(trained)?;
+        assert_eq!(engine.memory_report().params, released, "backward releases");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

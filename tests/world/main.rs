@@ -6,3 +6,14 @@ mod common;
 mod equivalence;
 mod failure;
 mod memory;
+
+/// The README's minimal example, compiled and run as part of the suite.
+#[path = "../../examples/minimal.rs"]
+#[allow(dead_code)] // its `main` is the example's entry point, unused here
+mod minimal_example;
+
+#[test]
+fn the_minimal_example_trains() {
+    let (first, last) = minimal_example::train();
+    assert!(last < first / 5.0, "loss {first} -> {last}");
+}

@@ -1,0 +1,67 @@
+//! A human-readable account of a [`Plan`], as `zerotrain config check` prints it.
+
+use std::fmt;
+
+use super::Plan;
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = &self.batch;
+        let z = &self.zero;
+        let n = self.world_size;
+        let share = |sharded: bool| if sharded { format!("1/{n} shard") } else { "full copy".to_string() };
+        let json = |v: &dyn erased::Json| v.json();
+        writeln!(f, "world size          {n} ({:?} backend, collective timeout {:.0} s)", self.backend, self.comm_timeout.as_secs_f64())?;
+        writeln!(
+            f,
+            "batch               train_batch_size {} = micro batch {} x accumulation {} x world size {n}",
+            b.train_batch_size, b.micro_batch_per_rank, b.gradient_accumulation_steps
+        )?;
+        writeln!(f, "zero                {}", z.stage)?;
+        writeln!(
+            f,
+            "  each rank keeps   parameters: {}, gradients: {}, optimizer state: {}",
+            share(z.stage.shards_parameters()),
+            share(z.stage.shards_gradients()),
+            share(z.stage.shards_optimizer_states())
+        )?;
+        writeln!(
+            f,
+            "  gradients         {}",
+            match z.stage.index() {
+                0 => "all-reduced at the accumulation boundary".to_string(),
+                1 if z.reduce_scatter => "reduce-scattered at the accumulation boundary".to_string(),
+                1 => "all-reduced at the accumulation boundary (reduce_scatter: false)".to_string(),
+                _ => "reduce-scattered every micro-step into the shard accumulator".to_string(),
+            }
+        )?;
+        if z.stage.shards_parameters() {
+            writeln!(f, "  persistence       parameters of <= {} elements stay resident", z.param_persistence_threshold)?;
+        }
+        writeln!(f, "precision           {}", self.precision)?;
+        let clip = if self.gradient_clipping > 0.0 { format!("global L2 norm <= {}", self.gradient_clipping) } else { "off".into() };
+        writeln!(f, "gradient clipping   {clip}")?;
+        writeln!(f, "optimizer           {}", json(&self.optimizer))?;
+        writeln!(f, "scheduler           {}", json(&self.schedule))?;
+        writeln!(f, "steps_per_print     {}, seed {}", self.steps_per_print, self.seed)?;
+        for note in &self.auto_resolved {
+            writeln!(f, "auto                {note}")?;
+        }
+        if let Some(warning) = self.warning() {
+            writeln!(f, "warning             {warning}")?;
+        }
+        Ok(())
+    }
+}
+
+mod erased {
+    /// Compact JSON of a serialisable value (the plan's enums carry their field names).
+    pub trait Json {
+        fn json(&self) -> String;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn json(&self) -> String {
+            serde_json::to_string(self).unwrap_or_else(|e| format!("<{e}>"))
+        }
+    }
+}
