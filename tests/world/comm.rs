@@ -1,0 +1,57 @@
+//! Bytes communicated per step equal the stage's theoretical volume exactly.
+
+use zerotrain::models::Mlp;
+use zerotrain::{launch, Engine, Error};
+use zerotrain_zero::collective::{convention_bytes, OpKind};
+
+use crate::common::*;
+
+#[test]
+fn bytes_per_step_equal_each_stages_collectives() {
+    for world_size in [2, 3] {
+        for gas in [1u64, 3] {
+            for stage in 0..=3u8 {
+                let plan = plan(&recipe(stage, 2, gas, 0.0), world_size);
+                let per_rank = launch(&plan, |ctx| {
+                    let mut engine = Engine::new(Mlp::new(&[6, 24, 24, 6], ctx.device()), &plan, &ctx)?;
+                    let mut bytes = Vec::new();
+                    for step in 0..2 {
+                        for micro in 0..gas {
+                            let batch = TASK.batch(rank_indices(&plan, step, micro, ctx.rank()), ctx.device());
+                            let loss = engine.forward(|m| m.loss(&batch))?;
+                            engine.backward(loss)?;
+                            if let Some(r) = engine.step()? {
+                                bytes.push(r.comm_bytes);
+                            }
+                        }
+                    }
+                    Ok::<_, Error>((bytes, engine.layout().clone()))
+                })
+                .unwrap();
+                for (rank, (bytes, layout)) in per_rank.iter().enumerate() {
+                    let (n, psi, padded) = (world_size, layout.num_elems(), layout.padded_elems());
+                    let op = |kind, elems| convention_bytes(kind, elems, n, rank, 0);
+                    let (rs, ag) = (op(OpKind::ReduceScatter, padded), op(OpKind::AllGather, padded));
+                    let metrics = op(OpKind::AllReduce, n + 1);
+                    let expected = metrics
+                        + match stage {
+                            0 => op(OpKind::AllReduce, psi),
+                            1 => rs + ag,
+                            2 => gas * rs + ag,
+                            _ => gas * (ag + rs),
+                        };
+                    assert_eq!(bytes, &vec![expected; 2], "world {n} stage {stage} gas {gas} rank {rank}");
+                    // The data volume itself is the ZeRO paper's: 2Ψ per step (stage 3: per micro-step).
+                    let two_psi = 2 * (padded * 4 * (n - 1) / n) as u64;
+                    let data = expected - metrics;
+                    match stage {
+                        0 => assert!(data.abs_diff(two_psi) <= 2 * 4 * 16 * n as u64),
+                        1 => assert_eq!(data, two_psi),
+                        2 => assert_eq!(data, (gas + 1) * two_psi / 2),
+                        _ => assert_eq!(data, gas * two_psi),
+                    }
+                }
+            }
+        }
+    }
+}
