@@ -57,7 +57,7 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
-    let Backend::Threads = plan.backend;
+    let Backend::Threads = plan.backend; // the only backend so far
     let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
     let device = Device::flex().autodiff();
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
@@ -65,13 +65,20 @@ where
             .map(|rank| {
                 let ctx = RankContext::new(Arc::new(world.communicator(rank)), device.clone());
                 let (world, f) = (&world, &f);
-                std::thread::Builder::new()
+                let spawned = std::thread::Builder::new()
                     .name(format!("zerotrain-rank-{rank}"))
-                    .spawn_scoped(scope, move || run_rank(rank, world, || f(ctx)))
-                    .expect("spawning a rank thread")
+                    .spawn_scoped(scope, move || run_rank(rank, world, || f(ctx)));
+                spawned.map_err(|e| {
+                    let error = Error::Rank { rank, message: format!("could not start its thread: {e}") };
+                    world.abort(rank, &error.to_string());
+                    error
+                })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| unreachable!("run_rank catches panics"))).collect()
+        handles
+            .into_iter()
+            .map(|h| h.and_then(|h| h.join().unwrap_or_else(|_| unreachable!("run_rank catches panics"))))
+            .collect()
     });
     let first_failure = world.aborted().map(|(rank, _)| rank);
     let mut values = Vec::with_capacity(results.len());

@@ -41,7 +41,7 @@ impl GradAccumulator {
     }
 
     /// Adds one micro-step's gradients. Returns the bytes of transient buffers it used.
-    pub fn accumulate<M: Module>(&mut self, model: &M, grads: &GradientsParams, index: &ParamIndex, layout: &FlatLayout, comm: &dyn Collective) -> Result<u64> {
+    pub fn accumulate<M: Module>(&mut self, model: &M, grads: &mut GradientsParams, index: &ParamIndex, layout: &FlatLayout, comm: &dyn Collective) -> Result<u64> {
         let first = std::mem::replace(&mut self.empty, false);
         if !self.stage.shards_gradients() {
             read_grads(model, grads, index, layout, &mut self.acc, !first)?;

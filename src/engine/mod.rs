@@ -96,6 +96,7 @@ pub struct Engine<M: Module> {
     /// DeepSpeed's `last_batch_iteration` of the lr schedule (starts at -1).
     lr_iteration: i64,
     window: Window,
+    last_step: Option<StepReport>,
     peak_transient: u64,
 }
 
@@ -146,6 +147,7 @@ impl<M: Module> Engine<M> {
             partition,
             counters: Counters::default(),
             lr_iteration: -1,
+            last_step: None,
         };
         Ok(engine)
     }
@@ -171,8 +173,8 @@ impl<M: Module> Engine<M> {
         }
         let value = loss.clone().into_scalar::<f32>();
         let gas = self.plan.batch.gradient_accumulation_steps;
-        let grads = GradientsParams::from_grads(loss.div_scalar(gas as f32).backward(), &self.model);
-        let bytes = self.grads.accumulate(&self.model, &grads, &self.index, &self.layout, self.comm.as_ref())?;
+        let mut grads = GradientsParams::from_grads(loss.div_scalar(gas as f32).backward(), &self.model);
+        let bytes = self.grads.accumulate(&self.model, &mut grads, &self.index, &self.layout, self.comm.as_ref())?;
         drop(grads);
         if let Some(partition) = &mut self.partition {
             let model = self.model.clone();
@@ -240,6 +242,7 @@ impl<M: Module> Engine<M> {
             comm_bytes: stats.since(&self.window.comm_at_start).total_bytes(),
         };
         self.window = Window { comm_at_start: stats, ..Window::default() };
+        self.last_step = Some(report);
         Ok(Some(report))
     }
 
@@ -281,6 +284,17 @@ impl<M: Module> Engine<M> {
     /// The learning rate the next step will use.
     pub fn get_lr(&self) -> f64 {
         self.plan.schedule.lr(self.lr_iteration)
+    }
+
+    /// The global gradient norm of the last step, before clipping (DeepSpeed's
+    /// `get_global_grad_norm`); `None` before the first step.
+    pub fn get_global_grad_norm(&self) -> Option<f32> {
+        self.last_step.map(|r| r.grad_norm)
+    }
+
+    /// The report of the last optimizer step.
+    pub fn last_step(&self) -> Option<StepReport> {
+        self.last_step
     }
 
     /// Step counters.

@@ -66,7 +66,9 @@ pub(crate) fn read_params<M: Module>(model: &M, index: &ParamIndex, layout: &Fla
 /// Copies (or with `add`, adds) the gradients of the module's trainable parameters into the
 /// full flat buffer `dst` (at least `layout.num_elems()` long). A parameter without a
 /// gradient (unused in the forward pass) contributes zeros.
-pub(crate) fn read_grads<M: Module>(model: &M, grads: &GradientsParams, index: &ParamIndex, layout: &FlatLayout, dst: &mut [f32], add: bool) -> Result<()> {
+/// The gradients are removed from `grads` as they are read, so that each tensor is uniquely
+/// owned and Flex hands its buffer over without a copy.
+pub(crate) fn read_grads<M: Module>(model: &M, grads: &mut GradientsParams, index: &ParamIndex, layout: &FlatLayout, dst: &mut [f32], add: bool) -> Result<()> {
     let range = 0..layout.num_elems();
     let mut reader = FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Grads { grads, add } };
     model.visit(&mut reader);
@@ -75,7 +77,7 @@ pub(crate) fn read_grads<M: Module>(model: &M, grads: &GradientsParams, index: &
 
 enum Source<'a> {
     Params,
-    Grads { grads: &'a GradientsParams, add: bool },
+    Grads { grads: &'a mut GradientsParams, add: bool },
 }
 
 struct FlatReader<'a> {
@@ -100,9 +102,9 @@ impl ModuleVisitor for FlatReader<'_> {
             return;
         }
         let out = &mut self.dst[start - self.range.start..end - self.range.start];
-        let (tensor, add) = match &self.source {
+        let (tensor, add) = match &mut self.source {
             Source::Params => (Some(param.val()), false),
-            Source::Grads { grads, add } => (grads.get::<D>(param.id), *add),
+            Source::Grads { grads, add } => (grads.remove::<D>(param.id), *add),
         };
         let Some(tensor) = tensor else {
             if !add {

@@ -10,6 +10,7 @@ fn step_acts_only_at_accumulation_boundaries_and_counts_like_deepspeed() {
     let plan = plan(&recipe(2, 2, 3, 0.0), 2);
     let lrs = launch(&plan, |ctx| {
         let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        assert_eq!(engine.get_global_grad_norm(), None);
         let mut lrs = vec![engine.get_lr()];
         for micro in 0..9u64 {
             let batch = TASK.batch(rank_indices(&plan, micro / 3, micro % 3, ctx.rank()), ctx.device());
@@ -22,6 +23,8 @@ fn step_acts_only_at_accumulation_boundaries_and_counts_like_deepspeed() {
             if let Some(report) = report {
                 assert_eq!(report.lr, *lrs.last().unwrap(), "a step runs at the lr get_lr() announced");
                 assert!(report.loss.is_finite() && report.grad_norm > 0.0);
+                assert_eq!(engine.get_global_grad_norm(), Some(report.grad_norm));
+                assert_eq!(engine.last_step(), Some(report));
                 lrs.push(engine.get_lr());
             }
         }
