@@ -123,6 +123,19 @@ fn wrong_lengths_are_errors_not_corruption() {
     });
     assert!(out.iter().all(|r| matches!(r, Err(ZeroError::BadBuffer { op: "reduce_scatter", .. }))));
 
+    // One rank's bad buffer releases the peers already waiting, without the timeout.
+    let start = Instant::now();
+    let out = run_world(3, Duration::from_secs(600), |c| {
+        let len = if c.rank() == 1 { 5 } else { 6 };
+        let mut out = vec![0.0; 2];
+        c.reduce_scatter(&vec![0.0; len], &mut out, ReduceOp::Sum)
+    });
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert!(matches!(&out[1], Err(ZeroError::BadBuffer { rank: 1, .. })), "{:?}", out[1]);
+    for r in [&out[0], &out[2]] {
+        assert!(matches!(r, Err(ZeroError::Aborted { rank: 1, .. })), "{r:?}");
+    }
+
     // Ranks disagreeing on the length: every rank gets a mismatch, no buffer is touched.
     let out = run_world(2, T, |c| {
         let mut buf = vec![1.0; 3 + c.rank()];

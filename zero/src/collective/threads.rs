@@ -215,8 +215,12 @@ impl ThreadComm {
         let _ = self.hub.sync(self.rank, None);
     }
 
+    /// A local usage error: the peers are (or will be) waiting in the rendezvous, so the
+    /// world is aborted to release them at once rather than after the timeout.
     fn bad_buffer(&self, op: OpKind, detail: String) -> ZeroError {
-        ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail }
+        let error = ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail };
+        self.hub.abort(self.rank, &error.to_string());
+        error
     }
 
     fn slot(op: OpKind, reduce: Option<ReduceOp>, root: usize, src: (*const f32, usize), dst: (*mut f32, usize)) -> Slot {
