@@ -55,16 +55,21 @@ pub fn train() -> (f32, f32) {
     // 1. A DeepSpeed-style config, resolved into a plan (Config::from_file for a file).
     let plan = Config::parse(CONFIG, "example").and_then(|c| c.resolve(Overrides::default())).expect("valid config");
     let b = plan.batch;
-    // 2. One closure per rank; each rank builds its model on its own device.
+    // 2. The model, built once from a seed; every rank starts from a clone (the engine
+    //    forks it onto the rank's device and broadcasts rank 0's values).
+    let device = Device::flex().autodiff();
+    device.seed(plan.seed);
+    let init = Net::new(&device);
+    // 3. One closure per rank.
     let losses = launch(&plan, |ctx| {
-        let mut engine = Engine::new(Net::new(ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
         let mut losses = Vec::new();
         for step in 0..300u64 {
             for micro in 0..b.gradient_accumulation_steps {
                 // Each rank reads its own part of the global batch.
                 let first = step * b.train_batch_size + (micro * ctx.world_size() as u64 + ctx.rank() as u64) * b.micro_batch_per_rank;
                 let (x, y) = batch(first..first + b.micro_batch_per_rank, ctx.device());
-                // 3. forward, backward, step: step() acts at accumulation boundaries.
+                // 4. forward, backward, step: step() acts at accumulation boundaries.
                 let loss = engine.forward(|net| net.loss(x, y))?;
                 engine.backward(loss)?;
                 if let Some(report) = engine.step()? {

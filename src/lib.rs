@@ -16,8 +16,13 @@
 //!                "zerotrain": {"world_size": 2}}"#;
 //! let plan = Config::parse(json, "inline")?.resolve(Overrides::default())?;
 //! let task = RegressionTask { seq_len: 4, features: 3 };
+//! // Build the model once, seeded, so every run starts from the same weights; each rank
+//! // starts from a clone (the engine forks it onto the rank's device).
+//! let device = burn::tensor::Device::flex().autodiff();
+//! device.seed(plan.seed);
+//! let init = Mlp::new(&[3, 16, 3], &device);
 //! let losses = launch(&plan, |ctx| {
-//!     let mut engine = Engine::new(Mlp::new(&[3, 16, 3], ctx.device()), &plan, &ctx)?;
+//!     let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
 //!     let mut losses = Vec::new();
 //!     for step in 0..60u64 {
 //!         let first = step * 8 + ctx.rank() as u64 * 4; // this rank's part of the global batch

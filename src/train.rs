@@ -3,6 +3,8 @@
 
 use std::time::Instant;
 
+use burn::tensor::Device;
+
 use crate::models::{RegressionTask, TinyTransformer};
 use crate::{launch, Engine, MemoryReport, Plan, Result};
 
@@ -40,11 +42,14 @@ pub struct DemoSummary {
 /// lines.
 pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Result<DemoSummary> {
     let task = DEMO_TASK;
+    // Built once, before the rank threads start: Flex's RNG is process-wide, so seeding
+    // inside racing ranks would not make the initial weights reproducible.
+    let seeded = Device::flex().autodiff();
+    seeded.seed(plan.seed);
+    let init = TinyTransformer::new(task.features, 64, 4, &seeded);
     let results = launch(plan, |ctx| {
         let device = ctx.device().clone();
-        device.seed(plan.seed);
-        let model = TinyTransformer::new(task.features, 64, 4, &device);
-        let mut engine = Engine::new(model, plan, &ctx)?;
+        let mut engine = Engine::new(init.clone(), plan, &ctx)?;
         let validation = task.batch(VALIDATION_START..VALIDATION_START + VALIDATION_SAMPLES, &device);
         let val_loss = |engine: &mut Engine<TinyTransformer>| -> Result<f32> {
             Ok(engine.eval(|m| m.loss(&validation).into_scalar::<f32>())?)
