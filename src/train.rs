@@ -52,7 +52,7 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
         let mut engine = Engine::new(init.clone(), plan, &ctx)?;
         let validation = task.batch(VALIDATION_START..VALIDATION_START + VALIDATION_SAMPLES, &device);
         let val_loss = |engine: &mut Engine<TinyTransformer>| -> Result<f32> {
-            Ok(engine.eval(|m| m.loss(&validation).into_scalar::<f32>())?)
+            engine.eval(|m| m.loss(&validation).into_scalar::<f32>())
         };
         let initial_val_loss = val_loss(&mut engine)?;
         let (rank, b) = (ctx.rank() as u64, plan.batch);

@@ -64,12 +64,11 @@ pub fn normalize_legacy(root: &mut Value) {
         let stage = u64::from(*on);
         obj.insert("zero_optimization".into(), serde_json::json!({ "stage": stage }));
     }
-    if let Some(Value::Object(zero)) = obj.get_mut("zero_optimization") {
-        if let Some(Value::Bool(on)) = zero.get("stage") {
+    if let Some(Value::Object(zero)) = obj.get_mut("zero_optimization")
+        && let Some(Value::Bool(on)) = zero.get("stage") {
             let stage = u64::from(*on);
             zero.insert("stage".into(), stage.into());
         }
-    }
 }
 
 /// Removes every [`NOT_IMPLEMENTED`] key from `root`, returning the paths of those that were
@@ -82,11 +81,10 @@ pub fn take_not_implemented(root: &mut Value) -> Vec<String> {
             None => (Some(&mut *root), *path),
         };
         let Some(Value::Object(map)) = parent else { continue };
-        if let Some(value) = map.remove(key) {
-            if !is_inert(&value) {
+        if let Some(value) = map.remove(key)
+            && !is_inert(&value) {
                 active.push((*path).to_string());
             }
-        }
     }
     active
 }

@@ -34,7 +34,7 @@ impl BatchPlan {
         if [train, micro, gas].contains(&Some(0)) {
             return Err(mismatch(train, micro, gas));
         }
-        let divide = |num: u64, den: u64| (num % den == 0).then_some(num / den).ok_or(mismatch(train, micro, gas));
+        let divide = |num: u64, den: u64| num.is_multiple_of(den).then_some(num / den).ok_or(mismatch(train, micro, gas));
         let (t, m, g) = match (train, micro, gas) {
             (Some(t), Some(m), Some(g)) => (t, m, g),
             (Some(t), Some(m), None) => (t, m, divide(t, m * world_size)?),

@@ -191,7 +191,7 @@ fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan
             if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
                 return Err(invalid("optimizer.params.betas", format!("each beta must be in [0, 1), got {betas:?}")));
             }
-            if !(eps > 0.0) {
+            if !eps.is_finite() || eps <= 0.0 {
                 return Err(invalid("optimizer.params.eps", format!("must be > 0, got {eps}")));
             }
             let decoupled = kind == "adamw" || p.adam_w_mode.unwrap_or(true);

@@ -3,8 +3,8 @@
 //!
 //! Each rank owns an `Engine`. Between steps it holds what its ZeRO stage keeps (see
 //! [`ZeroStage`]): parameters in the model (stages 0-2) or as a flat shard (stage 3), a
-//! gradient accumulator ([`grads`]), and a Burn optimizer stepping its flat range
-//! ([`optimizer`]). fp32 parameters are their own master weights: the optimizer steps a
+//! gradient accumulator (`engine/grads.rs`), and a Burn optimizer stepping its flat range
+//! (`engine/optimizer.rs`). fp32 parameters are their own master weights: the optimizer steps a
 //! transient copy of the rank's range, and the result is written back (stages 0-2) or kept
 //! as the shard (stage 3).
 
@@ -335,12 +335,11 @@ impl<M: Module> Engine<M> {
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         let was_released = self.partition.as_ref().is_some_and(Partition::is_released);
         let result = self.forward(|model| f(&model.valid()))?;
-        if was_released {
-            if let Some(partition) = &mut self.partition {
+        if was_released
+            && let Some(partition) = &mut self.partition {
                 let model = self.model.clone();
                 self.model = partition.release(model, &self.index, &self.layout, &self.device);
             }
-        }
         Ok(result)
     }
 

@@ -71,7 +71,7 @@ pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn FlatOptimizer> {
             Box::new(Flat { optim, state: None })
         }
         OptimizerPlan::Sgd { momentum, dampening, nesterov, weight_decay, .. } => {
-            let momentum = (momentum > 0.0).then(|| MomentumConfig { momentum, dampening, nesterov });
+            let momentum = (momentum > 0.0).then_some(MomentumConfig { momentum, dampening, nesterov });
             let optim = SgdConfig::new()
                 .with_momentum(momentum)
                 .with_weight_decay((weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)))

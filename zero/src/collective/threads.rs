@@ -141,11 +141,10 @@ impl Hub {
     fn sync(&self, rank: usize, publish: Option<Slot>) -> Result<Vec<Slot>, ZeroError> {
         let mut state = self.lock();
         let abortable = publish.is_some();
-        if abortable {
-            if let Some((by, reason)) = &state.aborted {
+        if abortable
+            && let Some((by, reason)) = &state.aborted {
                 return Err(ZeroError::Aborted { rank: *by, reason: reason.clone() });
             }
-        }
         if let Some(slot) = publish {
             state.slots[rank] = slot;
         }
