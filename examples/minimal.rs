@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain::{launch, Config, Engine, Overrides};
+use zerotrain::{Config, Engine, Overrides, launch};
 
 /// Any Burn module works; this one fits y = sin(x0) + x1 * x2.
 #[derive(Module, Debug)]
@@ -67,7 +67,8 @@ pub fn train() -> (f32, f32) {
         for step in 0..300u64 {
             for micro in 0..b.gradient_accumulation_steps {
                 // Each rank reads its own part of the global batch.
-                let first = step * b.train_batch_size + (micro * ctx.world_size() as u64 + ctx.rank() as u64) * b.micro_batch_per_rank;
+                let first = step * b.train_batch_size
+                    + (micro * ctx.world_size() as u64 + ctx.rank() as u64) * b.micro_batch_per_rank;
                 let (x, y) = batch(first..first + b.micro_batch_per_rank, ctx.device());
                 // 4. forward, backward, step: step() acts at accumulation boundaries.
                 let loss = engine.forward(|net| net.loss(x, y))?;
@@ -81,6 +82,11 @@ pub fn train() -> (f32, f32) {
     })
     .expect("training");
     let (first, last) = (losses[0][0], *losses[0].last().unwrap());
-    println!("{} steps on {} ranks at ZeRO {}: loss {first:.4} -> {last:.4}", losses[0].len(), plan.world_size, plan.zero.stage);
+    println!(
+        "{} steps on {} ranks at ZeRO {}: loss {first:.4} -> {last:.4}",
+        losses[0].len(),
+        plan.world_size,
+        plan.zero.stage
+    );
     (first, last)
 }

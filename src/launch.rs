@@ -1,7 +1,7 @@
 //! Running ranks: [`launch`] starts one thread per rank, hands each a [`RankContext`], and
 //! turns a failure on any rank into an error on every rank and one error for the caller.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use burn::tensor::Device;

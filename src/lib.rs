@@ -59,4 +59,4 @@ pub mod train;
 pub use config::{Config, Overrides, Plan};
 pub use engine::{Counters, Engine, MemoryReport, StepReport};
 pub use error::{Error, Result};
-pub use launch::{launch, RankContext};
+pub use launch::{RankContext, launch};

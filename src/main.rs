@@ -77,11 +77,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(warning) = plan.warning() {
                 eprintln!("warning: {warning}");
             }
-            println!("training the built-in transformer: {} ranks, {}, {steps} steps", plan.world_size, plan.zero.stage);
-            let s = zerotrain::train::train_demo(&plan, steps, &|line| println!("{line}")).context("training failed")?;
+            println!(
+                "training the built-in transformer: {} ranks, {}, {steps} steps",
+                plan.world_size, plan.zero.stage
+            );
+            let s =
+                zerotrain::train::train_demo(&plan, steps, &|line| println!("{line}")).context("training failed")?;
             let m = s.memory;
-            println!("validation loss {:.5} -> {:.5} ({:.1}x lower) in {:.1} s, {:.0} samples/s", s.initial_val_loss, s.final_val_loss, s.initial_val_loss / s.final_val_loss, s.seconds, s.samples_per_second);
-            println!("rank 0 model states: params {} B, grads {} B, optimizer {} B (Ψ = {}); peak transient {} B", m.params, m.grads, m.optimizer, s.num_params, m.peak_transient);
+            println!(
+                "validation loss {:.5} -> {:.5} ({:.1}x lower) in {:.1} s, {:.0} samples/s",
+                s.initial_val_loss,
+                s.final_val_loss,
+                s.initial_val_loss / s.final_val_loss,
+                s.seconds,
+                s.samples_per_second
+            );
+            println!(
+                "rank 0 model states: params {} B, grads {} B, optimizer {} B (Ψ = {}); peak transient {} B",
+                m.params, m.grads, m.optimizer, s.num_params, m.peak_transient
+            );
             println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
             Ok(())
         }

@@ -129,8 +129,23 @@ impl LrSchedule {
                 };
                 min_lr + (max_lr - min_lr) * gamma
             }
-            Self::WarmupCosineLR { base_lr, warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type, total_num_steps } => {
-                base_lr * cosine_ratio(iteration, warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type, total_num_steps)
+            Self::WarmupCosineLR {
+                base_lr,
+                warmup_min_ratio,
+                warmup_num_steps,
+                cos_min_ratio,
+                warmup_type,
+                total_num_steps,
+            } => {
+                base_lr
+                    * cosine_ratio(
+                        iteration,
+                        warmup_min_ratio,
+                        warmup_num_steps,
+                        cos_min_ratio,
+                        warmup_type,
+                        total_num_steps,
+                    )
             }
             Self::OneCycle { .. } => self.one_cycle_lr(iteration),
         }
@@ -224,9 +239,23 @@ mod tests {
 
     #[test]
     fn warmup_lr_log_and_linear() {
-        let log = LrSchedule::WarmupLR { min_lr: 1e-4, max_lr: 1e-2, warmup_num_steps: 10, warmup_type: WarmupType::Log };
-        check(&log, [0.0001, 0.0001, 0.0030801969570734135, 0.004823500421724658, 0.007803697378798072, 0.009999999999999998, 0.01, 0.01]);
-        let lin = LrSchedule::WarmupLR { min_lr: 0.0, max_lr: 1.0, warmup_num_steps: 10, warmup_type: WarmupType::Linear };
+        let log =
+            LrSchedule::WarmupLR { min_lr: 1e-4, max_lr: 1e-2, warmup_num_steps: 10, warmup_type: WarmupType::Log };
+        check(
+            &log,
+            [
+                0.0001,
+                0.0001,
+                0.0030801969570734135,
+                0.004823500421724658,
+                0.007803697378798072,
+                0.009999999999999998,
+                0.01,
+                0.01,
+            ],
+        );
+        let lin =
+            LrSchedule::WarmupLR { min_lr: 0.0, max_lr: 1.0, warmup_num_steps: 10, warmup_type: WarmupType::Linear };
         check(&lin, [0.0, 0.0, 0.1, 0.2, 0.5, 0.9, 1.0, 1.0]);
     }
 
@@ -267,7 +296,10 @@ mod tests {
             cycle_second_stair_count: 0,
             decay_step_size: 2,
         };
-        check(&smooth, [0.1, 0.3250000000000002, 0.5499999999999999, 0.7750000000000001, 0.6999999999999998, 0.1, 0.08, 0.04]);
+        check(
+            &smooth,
+            [0.1, 0.3250000000000002, 0.5499999999999999, 0.7750000000000001, 0.6999999999999998, 0.1, 0.08, 0.04],
+        );
         let stairs = LrSchedule::OneCycle {
             cycle_min_lr: 0.1,
             cycle_max_lr: 1.0,

@@ -6,7 +6,7 @@ use std::time::Instant;
 use burn::tensor::Device;
 
 use crate::models::{RegressionTask, TinyTransformer};
-use crate::{launch, Engine, MemoryReport, Plan, Result};
+use crate::{Engine, MemoryReport, Plan, Result, launch};
 
 /// The task the demo trains on.
 pub const DEMO_TASK: RegressionTask = RegressionTask { seq_len: 16, features: 8 };
@@ -61,7 +61,8 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
         let mut last_train_loss = f32::NAN;
         for step in 0..steps {
             for micro in 0..b.gradient_accumulation_steps {
-                let first = step * b.train_batch_size + (micro * plan.world_size as u64 + rank) * b.micro_batch_per_rank;
+                let first =
+                    step * b.train_batch_size + (micro * plan.world_size as u64 + rank) * b.micro_batch_per_rank;
                 let batch = task.batch(first..first + b.micro_batch_per_rank, &device);
                 let loss = engine.forward(|m| m.loss(&batch))?;
                 engine.backward(loss)?;
@@ -71,7 +72,11 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
                     let rate = (report.global_step * b.train_batch_size) as f64 / start.elapsed().as_secs_f64();
                     log(&format!(
                         "[Rank 0] step={}, skipped={}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, samples/s={rate:.0}",
-                        report.global_step, engine.counters().skipped_steps, report.lr, report.loss, report.grad_norm
+                        report.global_step,
+                        engine.counters().skipped_steps,
+                        report.lr,
+                        report.loss,
+                        report.grad_norm
                     ));
                 }
             }

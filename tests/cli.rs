@@ -51,12 +51,18 @@ fn config_check_json_is_machine_readable() {
 
 #[test]
 fn config_check_errors_name_the_file_and_key_and_exit_nonzero() {
-    let bad = temp_config("bad-key", r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}}"#);
+    let bad = temp_config(
+        "bad-key",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}}"#,
+    );
     let out = zerotrain(&["config", "check", bad.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
     assert!(stderr.contains(bad.to_str().unwrap()), "{stderr}");
-    assert!(stderr.contains("unknown key `zero_optimization.reduce_bucket_sise` (did you mean `reduce_bucket_size`?)"), "{stderr}");
+    assert!(
+        stderr.contains("unknown key `zero_optimization.reduce_bucket_sise` (did you mean `reduce_bucket_size`?)"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 
     let out = zerotrain(&["config", "check", "no/such/file.json"]);
@@ -66,7 +72,11 @@ fn config_check_errors_name_the_file_and_key_and_exit_nonzero() {
     let mismatch = temp_config("batch", r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}"#);
     let out = zerotrain(&["config", "check", mismatch.to_str().unwrap(), "--world-size", "2"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("train_batch_size (10) must equal train_micro_batch_size_per_gpu (4)"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("train_batch_size (10) must equal train_micro_batch_size_per_gpu (4)"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]

@@ -11,7 +11,12 @@ impl fmt::Display for Plan {
         let n = self.world_size;
         let share = |sharded: bool| if sharded { format!("1/{n} shard") } else { "full copy".to_string() };
         let json = |v: &dyn erased::Json| v.json();
-        writeln!(f, "world size          {n} ({:?} backend, collective timeout {:.0} s)", self.backend, self.comm_timeout.as_secs_f64())?;
+        writeln!(
+            f,
+            "world size          {n} ({:?} backend, collective timeout {:.0} s)",
+            self.backend,
+            self.comm_timeout.as_secs_f64()
+        )?;
         writeln!(
             f,
             "batch               train_batch_size {} = micro batch {} x accumulation {} x world size {n}",
@@ -36,10 +41,18 @@ impl fmt::Display for Plan {
             }
         )?;
         if z.stage.shards_parameters() {
-            writeln!(f, "  persistence       parameters of <= {} elements stay resident", z.param_persistence_threshold)?;
+            writeln!(
+                f,
+                "  persistence       parameters of <= {} elements stay resident",
+                z.param_persistence_threshold
+            )?;
         }
         writeln!(f, "precision           {}", self.precision)?;
-        let clip = if self.gradient_clipping > 0.0 { format!("global L2 norm <= {}", self.gradient_clipping) } else { "off".into() };
+        let clip = if self.gradient_clipping > 0.0 {
+            format!("global L2 norm <= {}", self.gradient_clipping)
+        } else {
+            "off".into()
+        };
         writeln!(f, "gradient clipping   {clip}")?;
         writeln!(f, "optimizer           {}", json(&self.optimizer))?;
         writeln!(f, "scheduler           {}", json(&self.schedule))?;

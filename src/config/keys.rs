@@ -65,10 +65,11 @@ pub fn normalize_legacy(root: &mut Value) {
         obj.insert("zero_optimization".into(), serde_json::json!({ "stage": stage }));
     }
     if let Some(Value::Object(zero)) = obj.get_mut("zero_optimization")
-        && let Some(Value::Bool(on)) = zero.get("stage") {
-            let stage = u64::from(*on);
-            zero.insert("stage".into(), stage.into());
-        }
+        && let Some(Value::Bool(on)) = zero.get("stage")
+    {
+        let stage = u64::from(*on);
+        zero.insert("stage".into(), stage.into());
+    }
 }
 
 /// Removes every [`NOT_IMPLEMENTED`] key from `root`, returning the paths of those that were
@@ -82,9 +83,10 @@ pub fn take_not_implemented(root: &mut Value) -> Vec<String> {
         };
         let Some(Value::Object(map)) = parent else { continue };
         if let Some(value) = map.remove(key)
-            && !is_inert(&value) {
-                active.push((*path).to_string());
-            }
+            && !is_inert(&value)
+        {
+            active.push((*path).to_string());
+        }
     }
     active
 }
@@ -93,8 +95,7 @@ fn is_inert(value: &Value) -> bool {
     match value {
         Value::Null | Value::Bool(false) => true,
         Value::Object(map) => {
-            map.get("enabled") == Some(&Value::Bool(false))
-                || map.get("device").and_then(Value::as_str) == Some("none")
+            map.get("enabled") == Some(&Value::Bool(false)) || map.get("device").and_then(Value::as_str) == Some("none")
         }
         _ => false,
     }
@@ -112,11 +113,8 @@ pub fn unknown_field(message: &str, parent: &str) -> Option<(String, Option<Stri
         None if parent.is_empty() => Some(*p),
         _ => None,
     }));
-    let best = candidates
-        .into_iter()
-        .map(|c| (edit_distance(key, c), c))
-        .filter(|&(d, c)| d <= (c.len() / 3).max(2))
-        .min();
+    let best =
+        candidates.into_iter().map(|c| (edit_distance(key, c), c)).filter(|&(d, c)| d <= (c.len() / 3).max(2)).min();
     Some((key.to_string(), best.map(|(_, c)| c.to_string())))
 }
 
@@ -151,7 +149,10 @@ mod tests {
     #[test]
     fn suggestions_come_from_expected_and_not_implemented_keys() {
         let msg = "unknown field `reduce_bucket_sise`, expected one of `stage`, `reduce_bucket_size`";
-        assert_eq!(unknown_field(msg, "zero_optimization"), Some(("reduce_bucket_sise".into(), Some("reduce_bucket_size".into()))));
+        assert_eq!(
+            unknown_field(msg, "zero_optimization"),
+            Some(("reduce_bucket_sise".into(), Some("reduce_bucket_size".into())))
+        );
         let msg = "unknown field `offload_optimiser`, expected `stage`";
         assert_eq!(unknown_field(msg, "zero_optimization").unwrap().1.as_deref(), Some("offload_optimizer"));
         let msg = "unknown field `banana`, expected `stage`";

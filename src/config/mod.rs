@@ -9,8 +9,8 @@
 //! [`Plan::auto_resolved`]. A required value given as `"auto"` that nothing can supply is an
 //! error naming the key.
 
-pub mod keys;
 mod describe;
+pub mod keys;
 mod plan;
 pub mod raw;
 mod resolve;
@@ -77,7 +77,9 @@ pub enum ConfigError {
     /// The batch sizes do not satisfy train = micro x accumulation x world.
     #[error(
         "batch sizes are inconsistent: train_batch_size ({}) must equal train_micro_batch_size_per_gpu ({}) x gradient_accumulation_steps ({}) x world size ({world_size}), all at least 1",
-        show(train_batch_size), show(micro_batch_per_rank), show(gradient_accumulation_steps)
+        show(train_batch_size),
+        show(micro_batch_per_rank),
+        show(gradient_accumulation_steps)
     )]
     BatchMismatch {
         /// `train_batch_size`, if given.
@@ -129,7 +131,8 @@ impl Config {
     /// Reads and checks `path`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
         Self::parse(&text, &path.display().to_string())
     }
 
@@ -153,7 +156,9 @@ impl Config {
             // The path ends with the unknown key itself; suggestions come from its parent.
             let parent = path.rsplit_once('.').map_or("", |(parent, _)| parent);
             match keys::unknown_field(&message, parent) {
-                Some((key, suggestion)) => ConfigError::UnknownKey { origin: origin.to_string(), key: keys::join(parent, &key), suggestion },
+                Some((key, suggestion)) => {
+                    ConfigError::UnknownKey { origin: origin.to_string(), key: keys::join(parent, &key), suggestion }
+                }
                 None => ConfigError::InvalidValue { origin: origin.to_string(), key: path, message },
             }
         })?;

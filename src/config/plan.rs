@@ -24,7 +24,12 @@ pub struct BatchPlan {
 impl BatchPlan {
     /// Applies DeepSpeed's rule: any two of the three sizes give the third; all three must
     /// agree; with only one of train/micro, accumulation is 1. `None` means absent.
-    pub fn derive(train: Option<u64>, micro: Option<u64>, gas: Option<u64>, world_size: u64) -> Result<Self, ConfigError> {
+    pub fn derive(
+        train: Option<u64>,
+        micro: Option<u64>,
+        gas: Option<u64>,
+        world_size: u64,
+    ) -> Result<Self, ConfigError> {
         let mismatch = |t: Option<u64>, m: Option<u64>, g: Option<u64>| ConfigError::BatchMismatch {
             train_batch_size: t,
             micro_batch_per_rank: m,
@@ -34,7 +39,8 @@ impl BatchPlan {
         if [train, micro, gas].contains(&Some(0)) {
             return Err(mismatch(train, micro, gas));
         }
-        let divide = |num: u64, den: u64| num.is_multiple_of(den).then_some(num / den).ok_or(mismatch(train, micro, gas));
+        let divide =
+            |num: u64, den: u64| num.is_multiple_of(den).then_some(num / den).ok_or(mismatch(train, micro, gas));
         let (t, m, g) = match (train, micro, gas) {
             (Some(t), Some(m), Some(g)) => (t, m, g),
             (Some(t), Some(m), None) => (t, m, divide(t, m * world_size)?),
@@ -97,8 +103,20 @@ impl OptimizerPlan {
     /// the velocity when momentum is on).
     pub fn state_bytes_per_param(&self) -> u64 {
         match self {
-            Self::Adam { amsgrad, .. } => if *amsgrad { 12 } else { 8 },
-            Self::Sgd { momentum, .. } => if *momentum > 0.0 { 4 } else { 0 },
+            Self::Adam { amsgrad, .. } => {
+                if *amsgrad {
+                    12
+                } else {
+                    8
+                }
+            }
+            Self::Sgd { momentum, .. } => {
+                if *momentum > 0.0 {
+                    4
+                } else {
+                    0
+                }
+            }
         }
     }
 }
@@ -185,7 +203,10 @@ mod tests {
 
     #[test]
     fn any_two_batch_sizes_give_the_third() {
-        let p = |t, m, g| BatchPlan::derive(t, m, g, 4).map(|b| (b.train_batch_size, b.micro_batch_per_rank, b.gradient_accumulation_steps));
+        let p = |t, m, g| {
+            BatchPlan::derive(t, m, g, 4)
+                .map(|b| (b.train_batch_size, b.micro_batch_per_rank, b.gradient_accumulation_steps))
+        };
         assert_eq!(p(Some(32), Some(2), None).unwrap(), (32, 2, 4));
         assert_eq!(p(Some(32), None, Some(2)).unwrap(), (32, 4, 2));
         assert_eq!(p(None, Some(2), Some(3)).unwrap(), (24, 2, 3));
@@ -197,11 +218,19 @@ mod tests {
     #[test]
     fn inconsistent_batch_sizes_name_all_four_numbers() {
         let err = BatchPlan::derive(Some(32), Some(2), Some(3), 4).unwrap_err().to_string();
-        for needle in ["train_batch_size (32)", "train_micro_batch_size_per_gpu (2)", "gradient_accumulation_steps (3)", "world size (4)"] {
+        for needle in [
+            "train_batch_size (32)",
+            "train_micro_batch_size_per_gpu (2)",
+            "gradient_accumulation_steps (3)",
+            "world size (4)",
+        ] {
             assert!(err.contains(needle), "{err}");
         }
         let err = BatchPlan::derive(Some(30), Some(4), None, 4).unwrap_err().to_string();
-        assert!(err.contains("train_batch_size (30)") && err.contains("gradient_accumulation_steps (not set)"), "{err}");
+        assert!(
+            err.contains("train_batch_size (30)") && err.contains("gradient_accumulation_steps (not set)"),
+            "{err}"
+        );
         assert!(matches!(BatchPlan::derive(None, None, Some(2), 1), Err(ConfigError::MissingBatchSize)));
         assert!(BatchPlan::derive(Some(0), None, None, 1).is_err());
     }

@@ -60,7 +60,10 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     };
     let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
     if !(timeout_s > 0.0 && timeout_s <= 1e7) {
-        return Err(invalid("zerotrain.comm_timeout_s", format!("must be a positive number of seconds, got {timeout_s}")));
+        return Err(invalid(
+            "zerotrain.comm_timeout_s",
+            format!("must be a positive number of seconds, got {timeout_s}"),
+        ));
     }
 
     let batch = resolve_batch(config, world_size as u64, &mut autos)?;
@@ -106,7 +109,8 @@ fn resolve_batch(config: &Config, world_size: u64, autos: &mut Autos) -> Result<
         micro = Some(1);
     }
     let batch = BatchPlan::derive(count(t), micro, count(g), world_size)?;
-    for (key, v) in [("train_batch_size", t), ("train_micro_batch_size_per_gpu", m), ("gradient_accumulation_steps", g)] {
+    for (key, v) in [("train_batch_size", t), ("train_micro_batch_size_per_gpu", m), ("gradient_accumulation_steps", g)]
+    {
         if v == Some(AutoOr::Auto) {
             let got = match key {
                 "train_batch_size" => batch.train_batch_size,
@@ -179,7 +183,14 @@ fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan
     };
     match kind.as_str() {
         "adam" | "adamw" => {
-            refuse(&[("momentum", p.momentum.is_some()), ("dampening", p.dampening.is_some()), ("nesterov", p.nesterov.is_some())], "Adam")?;
+            refuse(
+                &[
+                    ("momentum", p.momentum.is_some()),
+                    ("dampening", p.dampening.is_some()),
+                    ("nesterov", p.nesterov.is_some()),
+                ],
+                "Adam",
+            )?;
             if p.bias_correction == Some(false) {
                 return Err(ConfigError::Unsupported {
                     key: "optimizer.params.bias_correction".into(),
@@ -196,9 +207,19 @@ fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan
             }
             let decoupled = kind == "adamw" || p.adam_w_mode.unwrap_or(true);
             if kind == "adamw" && p.adam_w_mode == Some(false) {
-                return Err(invalid("optimizer.params.adam_w_mode", "AdamW always decouples weight decay; use type Adam"));
+                return Err(invalid(
+                    "optimizer.params.adam_w_mode",
+                    "AdamW always decouples weight decay; use type Adam",
+                ));
             }
-            Ok(OptimizerPlan::Adam { lr, betas, eps, weight_decay, decoupled_weight_decay: decoupled, amsgrad: p.amsgrad.unwrap_or(false) })
+            Ok(OptimizerPlan::Adam {
+                lr,
+                betas,
+                eps,
+                weight_decay,
+                decoupled_weight_decay: decoupled,
+                amsgrad: p.amsgrad.unwrap_or(false),
+            })
         }
         "sgd" => {
             let adam_only = [
@@ -213,10 +234,16 @@ fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan
             let dampening = p.dampening.unwrap_or(0.0);
             let nesterov = p.nesterov.unwrap_or(false);
             if !(0.0..1.0).contains(&momentum) || !(0.0..=1.0).contains(&dampening) {
-                return Err(invalid("optimizer.params.momentum", format!("momentum must be in [0, 1) and dampening in [0, 1], got {momentum} and {dampening}")));
+                return Err(invalid(
+                    "optimizer.params.momentum",
+                    format!("momentum must be in [0, 1) and dampening in [0, 1], got {momentum} and {dampening}"),
+                ));
             }
             if nesterov && (momentum == 0.0 || dampening != 0.0) {
-                return Err(invalid("optimizer.params.nesterov", "Nesterov momentum needs momentum > 0 and zero dampening (as in PyTorch)"));
+                return Err(invalid(
+                    "optimizer.params.nesterov",
+                    "Nesterov momentum needs momentum > 0 and zero dampening (as in PyTorch)",
+                ));
             }
             Ok(OptimizerPlan::Sgd { lr, momentum, dampening, nesterov, weight_decay })
         }
@@ -227,7 +254,12 @@ fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan
     }
 }
 
-fn resolve_schedule(s: &SchedulerConfig, base_lr: f64, total_steps: Option<u64>, autos: &mut Autos) -> Result<LrSchedule, ConfigError> {
+fn resolve_schedule(
+    s: &SchedulerConfig,
+    base_lr: f64,
+    total_steps: Option<u64>,
+    autos: &mut Autos,
+) -> Result<LrSchedule, ConfigError> {
     let p = &s.params;
     let key = |name: &str| format!("scheduler.params.{name}");
     if p.last_batch_iteration.is_some_and(|i| i != -1) {
@@ -282,7 +314,10 @@ fn resolve_schedule(s: &SchedulerConfig, base_lr: f64, total_steps: Option<u64>,
         "OneCycle" => {
             let need = |v: Option<f64>, name: &str| v.ok_or_else(|| invalid(&key(name), "is required by OneCycle"));
             if p.cycle_momentum != Some(false) {
-                autos.0.push(format!("{} = false (momentum cycling is not implemented; betas stay fixed)", key("cycle_momentum")));
+                autos.0.push(format!(
+                    "{} = false (momentum cycling is not implemented; betas stay fixed)",
+                    key("cycle_momentum")
+                ));
             }
             let first = p.cycle_first_step_size.map_or(2000, |c| c.0);
             let first_stairs = p.cycle_first_stair_count.map_or(0, |c| c.0);

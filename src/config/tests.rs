@@ -19,7 +19,8 @@ fn every_shipped_recipe_parses_and_resolves() {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "json") {
-            let plan = Config::from_file(&path).and_then(|c| c.resolve(Overrides { world_size: None, total_steps: Some(100) }));
+            let plan = Config::from_file(&path)
+                .and_then(|c| c.resolve(Overrides { world_size: None, total_steps: Some(100) }));
             let plan = plan.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             assert!(plan.not_implemented.is_empty(), "{}: recipes use only implemented keys", path.display());
             n += 1;
@@ -33,14 +34,42 @@ fn hf_trainer_zero3_config_loads_with_autos_resolved_and_one_warning() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/hf_trainer_zero3.json");
     let plan = Config::from_file(path).unwrap().resolve(Overrides { world_size: Some(2), total_steps: None }).unwrap();
     assert_eq!(plan.zero.stage, ZeroStage::Parameters);
-    assert_eq!((plan.batch.train_batch_size, plan.batch.micro_batch_per_rank, plan.batch.gradient_accumulation_steps), (2, 1, 1));
-    assert_eq!(plan.optimizer, OptimizerPlan::Adam { lr: 1e-3, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.0, decoupled_weight_decay: true, amsgrad: false });
-    assert_eq!(plan.schedule, LrSchedule::WarmupLR { min_lr: 0.0, max_lr: 1e-3, warmup_num_steps: 1000, warmup_type: crate::schedule::WarmupType::Log });
+    assert_eq!(
+        (plan.batch.train_batch_size, plan.batch.micro_batch_per_rank, plan.batch.gradient_accumulation_steps),
+        (2, 1, 1)
+    );
+    assert_eq!(
+        plan.optimizer,
+        OptimizerPlan::Adam {
+            lr: 1e-3,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: true,
+            amsgrad: false
+        }
+    );
+    assert_eq!(
+        plan.schedule,
+        LrSchedule::WarmupLR {
+            min_lr: 0.0,
+            max_lr: 1e-3,
+            warmup_num_steps: 1000,
+            warmup_type: crate::schedule::WarmupType::Log
+        }
+    );
     assert_eq!(plan.zero.param_persistence_threshold, 100_000);
-    assert_eq!(plan.not_implemented, ["zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.sub_group_size"]);
+    assert_eq!(
+        plan.not_implemented,
+        ["zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.sub_group_size"]
+    );
     let warning = plan.warning().unwrap();
     assert!(warning.contains("zero_optimization.offload_param"), "{warning}");
-    assert!(plan.auto_resolved.iter().any(|a| a.starts_with("scheduler.params.warmup_max_lr = 0.001")), "{:?}", plan.auto_resolved);
+    assert!(
+        plan.auto_resolved.iter().any(|a| a.starts_with("scheduler.params.warmup_max_lr = 0.001")),
+        "{:?}",
+        plan.auto_resolved
+    );
 }
 
 #[test]
@@ -57,11 +86,17 @@ fn llama_factory_zero2_config_loads() {
 #[test]
 fn unknown_keys_name_the_path_and_the_closest_key() {
     let err = parse(r#"{"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}}"#).unwrap_err();
-    assert_eq!(err.to_string(), "test.json: unknown key `zero_optimization.reduce_bucket_sise` (did you mean `reduce_bucket_size`?)");
+    assert_eq!(
+        err.to_string(),
+        "test.json: unknown key `zero_optimization.reduce_bucket_sise` (did you mean `reduce_bucket_size`?)"
+    );
     let err = parse(r#"{"train_batch_sise": 8}"#).unwrap_err();
     assert_eq!(err.to_string(), "test.json: unknown key `train_batch_sise` (did you mean `train_batch_size`?)");
     let err = parse(r#"{"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "beta": [0.9, 0.99]}}}"#).unwrap_err();
-    assert!(matches!(&err, ConfigError::UnknownKey { key, suggestion: Some(s), .. } if key == "optimizer.params.beta" && s == "betas"), "{err}");
+    assert!(
+        matches!(&err, ConfigError::UnknownKey { key, suggestion: Some(s), .. } if key == "optimizer.params.beta" && s == "betas"),
+        "{err}"
+    );
     let err = parse(r#"{"completely_unrelated": 1}"#).unwrap_err();
     assert!(matches!(&err, ConfigError::UnknownKey { suggestion: None, .. }), "{err}");
 }
@@ -69,7 +104,10 @@ fn unknown_keys_name_the_path_and_the_closest_key() {
 #[test]
 fn wrong_types_name_the_key_and_the_expected_type() {
     let err = parse(r#"{"train_batch_size": "many"}"#).unwrap_err();
-    assert!(matches!(&err, ConfigError::InvalidValue { key, message, .. } if key == "train_batch_size" && message.contains("non-negative integer")), "{err}");
+    assert!(
+        matches!(&err, ConfigError::InvalidValue { key, message, .. } if key == "train_batch_size" && message.contains("non-negative integer")),
+        "{err}"
+    );
     let err = parse(r#"{"zero_optimization": {"stage": "two"}}"#).unwrap_err();
     assert!(err.to_string().contains("`zero_optimization.stage`"), "{err}");
     let err = parse(r#"{"gradient_clipping": [1]}"#).unwrap_err();
@@ -80,7 +118,8 @@ fn wrong_types_name_the_key_and_the_expected_type() {
 
 #[test]
 fn floats_that_are_integers_are_counts_and_others_are_not() {
-    let plan = plan(r#"{"train_batch_size": 8.0, "zero_optimization": {"stage": 1, "reduce_bucket_size": 2e8}}"#).unwrap();
+    let plan =
+        plan(r#"{"train_batch_size": 8.0, "zero_optimization": {"stage": 1, "reduce_bucket_size": 2e8}}"#).unwrap();
     assert_eq!(plan.zero.reduce_bucket_size, 200_000_000);
     assert!(parse(r#"{"train_batch_size": 8.5}"#).is_err());
     assert!(parse(r#"{"train_batch_size": -8}"#).is_err());
@@ -88,24 +127,35 @@ fn floats_that_are_integers_are_counts_and_others_are_not() {
 
 #[test]
 fn auto_that_nothing_can_supply_is_an_error_naming_the_key() {
-    let json = r#"{"train_batch_size": 4, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}"#;
+    let json =
+        r#"{"train_batch_size": 4, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}"#;
     let err = plan(json).unwrap_err();
-    assert!(matches!(&err, ConfigError::UnresolvableAuto { key, .. } if key == "scheduler.params.total_num_steps"), "{err}");
+    assert!(
+        matches!(&err, ConfigError::UnresolvableAuto { key, .. } if key == "scheduler.params.total_num_steps"),
+        "{err}"
+    );
     let ok = parse(json).unwrap().resolve(Overrides { world_size: None, total_steps: Some(50) }).unwrap();
     assert!(matches!(ok.schedule, LrSchedule::WarmupDecayLR { total_num_steps: 50, .. }));
 }
 
 #[test]
 fn legacy_and_refused_settings() {
-    assert_eq!(plan(r#"{"train_batch_size": 1, "zero_optimization": true}"#).unwrap().zero.stage, ZeroStage::OptimizerStates);
-    assert_eq!(plan(r#"{"train_batch_size": 1, "zero_optimization": {"stage": false}}"#).unwrap().zero.stage, ZeroStage::Disabled);
+    assert_eq!(
+        plan(r#"{"train_batch_size": 1, "zero_optimization": true}"#).unwrap().zero.stage,
+        ZeroStage::OptimizerStates
+    );
+    assert_eq!(
+        plan(r#"{"train_batch_size": 1, "zero_optimization": {"stage": false}}"#).unwrap().zero.stage,
+        ZeroStage::Disabled
+    );
     let err = plan(r#"{"train_batch_size": 1, "zero_optimization": {"stage": 4}}"#).unwrap_err();
     assert!(err.to_string().contains("must be 0, 1, 2 or 3, got 4"), "{err}");
     let err = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true}, "bf16": {"enabled": true}}"#).unwrap_err();
     assert!(err.to_string().contains("fp16.enabled, bf16.enabled"), "{err}");
     let err = plan(r#"{"train_batch_size": 1, "optimizer": {"type": "Lamb"}}"#).unwrap_err();
     assert!(matches!(&err, ConfigError::Unsupported { key, .. } if key == "optimizer.type"), "{err}");
-    let err = plan(r#"{"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}"#).unwrap_err();
+    let err =
+        plan(r#"{"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}"#).unwrap_err();
     assert!(err.to_string().contains("optimizer.params.betas") && err.to_string().contains("SGD"), "{err}");
     let err = plan(r#"{"train_batch_size": 1, "zerotrain": {"backend": "carrier-pigeon"}}"#).unwrap_err();
     assert!(err.to_string().contains("zerotrain.backend"), "{err}");
@@ -113,10 +163,16 @@ fn legacy_and_refused_settings() {
 
 #[test]
 fn deepspeed_adam_is_adamw_unless_adam_w_mode_is_false() {
-    let opt = |params: &str| plan(&format!(r#"{{"train_batch_size": 1, "optimizer": {{"type": "Adam", "params": {params}}}}}"#)).unwrap().optimizer;
+    let opt = |params: &str| {
+        plan(&format!(r#"{{"train_batch_size": 1, "optimizer": {{"type": "Adam", "params": {params}}}}}"#))
+            .unwrap()
+            .optimizer
+    };
     assert!(matches!(opt("{}"), OptimizerPlan::Adam { decoupled_weight_decay: true, .. }));
     assert!(matches!(opt(r#"{"adam_w_mode": false}"#), OptimizerPlan::Adam { decoupled_weight_decay: false, .. }));
-    let sgd = plan(r#"{"train_batch_size": 1, "optimizer": {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}}"#).unwrap().optimizer;
+    let sgd = plan(r#"{"train_batch_size": 1, "optimizer": {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}}"#)
+        .unwrap()
+        .optimizer;
     assert_eq!(sgd, OptimizerPlan::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 });
 }
 

@@ -53,9 +53,7 @@ impl<'de> Deserialize<'de> for Count {
                 Ok(Count(v))
             }
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Count, E> {
-                u64::try_from(v)
-                    .map(Count)
-                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                u64::try_from(v).map(Count).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
             }
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Count, E> {
                 if v >= 0.0 && v.fract() == 0.0 && v <= 9.007_199_254_740_992e15 {

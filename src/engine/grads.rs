@@ -12,7 +12,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use zerotrain_zero::{Collective, FlatLayout, ReduceOp, ZeroStage};
 
-use super::params::{read_grads, ParamIndex};
+use super::params::{ParamIndex, read_grads};
 use crate::Result;
 
 /// A rank's gradient accumulator for the current accumulation window.
@@ -41,7 +41,14 @@ impl GradAccumulator {
     }
 
     /// Adds one micro-step's gradients. Returns the bytes of transient buffers it used.
-    pub fn accumulate<M: Module>(&mut self, model: &M, grads: &mut GradientsParams, index: &ParamIndex, layout: &FlatLayout, comm: &dyn Collective) -> Result<u64> {
+    pub fn accumulate<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        index: &ParamIndex,
+        layout: &FlatLayout,
+        comm: &dyn Collective,
+    ) -> Result<u64> {
         let first = std::mem::replace(&mut self.empty, false);
         if !self.stage.shards_gradients() {
             read_grads(model, grads, index, layout, &mut self.acc, !first)?;

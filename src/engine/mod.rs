@@ -22,7 +22,7 @@ use zerotrain_zero::{Collective, CommStats, FlatLayout, ReduceOp, ZeroStage};
 
 use self::grads::GradAccumulator;
 use self::optimizer::FlatOptimizer;
-use self::params::{read_params, write_params, Fill, ParamIndex};
+use self::params::{Fill, ParamIndex, read_params, write_params};
 use self::stage3::Partition;
 use crate::config::Plan;
 use crate::launch::RankContext;
@@ -114,7 +114,11 @@ impl<M: Module> Engine<M> {
     pub fn new(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
         let comm = ctx.collective();
         if comm.world_size() != plan.world_size {
-            return Err(Error::Usage(format!("plan is for {} ranks, the communicator has {}", plan.world_size, comm.world_size())));
+            return Err(Error::Usage(format!(
+                "plan is for {} ranks, the communicator has {}",
+                plan.world_size,
+                comm.world_size()
+            )));
         }
         let device = ctx.device().clone();
         let model = model.fork(&device);
@@ -157,7 +161,8 @@ impl<M: Module> Engine<M> {
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         if let Some(partition) = &mut self.partition {
             let model = self.model.clone();
-            let (model, bytes) = partition.gather(model, &self.index, &self.layout, self.comm.as_ref(), &self.device)?;
+            let (model, bytes) =
+                partition.gather(model, &self.index, &self.layout, self.comm.as_ref(), &self.device)?;
             self.model = model;
             self.peak_transient = self.peak_transient.max(bytes);
         }
@@ -266,7 +271,9 @@ impl<M: Module> Engine<M> {
         let updated = self.optimizer.step(lr, params, grads, &self.device.clone().without_autodiff())?;
         let model = self.model.clone();
         self.model = match (stage, &mut self.partition) {
-            (ZeroStage::Disabled, _) => write_params(model, &self.index, &self.layout, Fill::From(&updated), &self.device),
+            (ZeroStage::Disabled, _) => {
+                write_params(model, &self.index, &self.layout, Fill::From(&updated), &self.device)
+            }
             (_, Some(partition)) => {
                 partition.put_shard(updated);
                 model
@@ -335,11 +342,10 @@ impl<M: Module> Engine<M> {
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         let was_released = self.partition.as_ref().is_some_and(Partition::is_released);
         let result = self.forward(|model| f(&model.valid()))?;
-        if was_released
-            && let Some(partition) = &mut self.partition {
-                let model = self.model.clone();
-                self.model = partition.release(model, &self.index, &self.layout, &self.device);
-            }
+        if was_released && let Some(partition) = &mut self.partition {
+            let model = self.model.clone();
+            self.model = partition.release(model, &self.index, &self.layout, &self.device);
+        }
         Ok(result)
     }
 

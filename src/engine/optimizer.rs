@@ -4,9 +4,9 @@
 //! shard of the flat buffer gives exactly the values of stepping each parameter tensor
 //! (Burn's `Optimizer::step` is generic over the rank). The state tensors stay Burn tensors.
 
+use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, Optimizer, RecordState, SgdConfig, StateSink};
-use burn::optim::decay::WeightDecayConfig;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::config::OptimizerPlan;

@@ -57,7 +57,13 @@ impl ParamIndex {
 
 /// Copies the flat range `range` of the module's parameters into `dst` (padding stays as
 /// it is in `dst`). Only parameters that overlap the range are read.
-pub(crate) fn read_params<M: Module>(model: &M, index: &ParamIndex, layout: &FlatLayout, range: std::ops::Range<usize>, dst: &mut [f32]) -> Result<()> {
+pub(crate) fn read_params<M: Module>(
+    model: &M,
+    index: &ParamIndex,
+    layout: &FlatLayout,
+    range: std::ops::Range<usize>,
+    dst: &mut [f32],
+) -> Result<()> {
     let mut reader = FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Params };
     model.visit(&mut reader);
     reader.error.map_or(Ok(()), Err)
@@ -68,9 +74,17 @@ pub(crate) fn read_params<M: Module>(model: &M, index: &ParamIndex, layout: &Fla
 /// gradient (unused in the forward pass) contributes zeros.
 /// The gradients are removed from `grads` as they are read, so that each tensor is uniquely
 /// owned and Flex hands its buffer over without a copy.
-pub(crate) fn read_grads<M: Module>(model: &M, grads: &mut GradientsParams, index: &ParamIndex, layout: &FlatLayout, dst: &mut [f32], add: bool) -> Result<()> {
+pub(crate) fn read_grads<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    index: &ParamIndex,
+    layout: &FlatLayout,
+    dst: &mut [f32],
+    add: bool,
+) -> Result<()> {
     let range = 0..layout.num_elems();
-    let mut reader = FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Grads { grads, add } };
+    let mut reader =
+        FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Grads { grads, add } };
     model.visit(&mut reader);
     reader.error.map_or(Ok(()), Err)
 }
@@ -151,7 +165,13 @@ pub(crate) enum Fill<'a> {
 }
 
 /// Replaces the module's trainable parameters, keeping their ids.
-pub(crate) fn write_params<M: Module>(model: M, index: &ParamIndex, layout: &FlatLayout, fill: Fill<'_>, device: &Device) -> M {
+pub(crate) fn write_params<M: Module>(
+    model: M,
+    index: &ParamIndex,
+    layout: &FlatLayout,
+    fill: Fill<'_>,
+    device: &Device,
+) -> M {
     struct Writer<'a> {
         index: &'a ParamIndex,
         layout: &'a FlatLayout,
@@ -168,7 +188,8 @@ pub(crate) fn write_params<M: Module>(model: M, index: &ParamIndex, layout: &Fla
             let tensor = match self.fill {
                 Fill::From(flat) => {
                     let values = flat[entry.flat_range()].to_vec();
-                    let shape: [usize; D] = entry.shape.as_slice().try_into().expect("layout shapes come from this module");
+                    let shape: [usize; D] =
+                        entry.shape.as_slice().try_into().expect("layout shapes come from this module");
                     Tensor::<D>::from_data(TensorData::new(values, shape), self.device)
                 }
                 Fill::Release(keep) if keep[entry_index] => return param,

@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::tensor::Device;
 use zerotrain_zero::{Collective, FlatLayout};
 
-use super::params::{write_params, Fill, ParamIndex};
+use super::params::{Fill, ParamIndex, write_params};
 use crate::Result;
 
 /// Where the model's parameters are.
@@ -41,7 +41,14 @@ impl Partition {
 
     /// Gathers every shard into the model (no-op if already gathered). Returns the model and
     /// the transient bytes used.
-    pub fn gather<M: Module>(&mut self, model: M, index: &ParamIndex, layout: &FlatLayout, comm: &dyn Collective, device: &Device) -> Result<(M, u64)> {
+    pub fn gather<M: Module>(
+        &mut self,
+        model: M,
+        index: &ParamIndex,
+        layout: &FlatLayout,
+        comm: &dyn Collective,
+        device: &Device,
+    ) -> Result<(M, u64)> {
         if self.state == State::Gathered {
             return Ok((model, 0));
         }

@@ -1,7 +1,7 @@
 //! The engine's counters, boundaries, lr sequence and usage errors.
 
 use zerotrain::models::Mlp;
-use zerotrain::{launch, Engine, Error};
+use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;
 
@@ -47,13 +47,15 @@ fn usage_errors_are_errors_not_panics() {
         let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
         assert!(matches!(engine.step(), Err(Error::Usage(m)) if m.contains("without a backward")));
         let batch = TASK.batch(0..2, ctx.device());
-        let per_sample = engine.forward(|m| m.forward(batch.input.clone().reshape([10, 6])).sum_dim(1).reshape([10]))?;
+        let per_sample =
+            engine.forward(|m| m.forward(batch.input.clone().reshape([10, 6])).sum_dim(1).reshape([10]))?;
         assert!(matches!(engine.backward(per_sample), Err(Error::Usage(m)) if m.contains("one-element loss")));
         Ok::<_, Error>(())
     })
     .unwrap();
     let wrong = super::common::plan(&recipe(0, 2, 1, 0.0), 2);
-    let err = launch(&plan, |ctx| Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &wrong, &ctx).map(|_| ())).unwrap_err();
+    let err =
+        launch(&plan, |ctx| Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &wrong, &ctx).map(|_| ())).unwrap_err();
     assert!(err.to_string().contains("plan is for 2 ranks, the communicator has 1"), "{err}");
 }
 
@@ -69,7 +71,11 @@ fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
         assert_eq!(engine.memory_report().params, released, "eval must release what it gathered");
         let trained = engine.forward(|m| m.loss(&batch))?;
         assert_eq!(trained.clone().into_scalar::<f32>(), evaluated);
-        assert_eq!(engine.memory_report().params, released + 4 * engine.layout().num_elems() as u64, "forward keeps the model for backward");
+        assert_eq!(
+            engine.memory_report().params,
+            released + 4 * engine.layout().num_elems() as u64,
+            "forward keeps the model for backward"
+        );
         engine.backward(trained)?;
         assert_eq!(engine.memory_report().params, released, "backward releases");
         Ok::<_, Error>(())

@@ -1,8 +1,8 @@
 //! Bytes communicated per step equal the stage's theoretical volume exactly.
 
 use zerotrain::models::Mlp;
-use zerotrain::{launch, Engine, Error};
-use zerotrain_zero::collective::{convention_bytes, OpKind};
+use zerotrain::{Engine, Error, launch};
+use zerotrain_zero::collective::{OpKind, convention_bytes};
 
 use crate::common::*;
 

@@ -38,14 +38,22 @@ pub fn reference_optimizer() -> ModuleOptimizer {
 /// Sample indices of `rank`'s micro-batch `micro_step` of optimizer step `step`.
 pub fn rank_indices(plan: &Plan, step: u64, micro_step: u64, rank: usize) -> std::ops::Range<u64> {
     let b = &plan.batch;
-    let start = step * b.train_batch_size + micro_step * b.micro_batch_per_rank * plan.world_size as u64 + rank as u64 * b.micro_batch_per_rank;
+    let start = step * b.train_batch_size
+        + micro_step * b.micro_batch_per_rank * plan.world_size as u64
+        + rank as u64 * b.micro_batch_per_rank;
     start..start + b.micro_batch_per_rank
 }
 
 /// The losses and final parameters of `steps` optimizer steps of plain Burn on the global
 /// batch: mean loss over all samples, global-norm clipping as DeepSpeed (PyTorch's
 /// `clip_grad_norm_`) does it, DeepSpeed's lr sequence.
-pub fn reference_run<M: Module>(init: &M, plan: &Plan, steps: u64, loss: impl Fn(&M, &Batch) -> Tensor<1>, device: &Device) -> (Vec<f32>, M) {
+pub fn reference_run<M: Module>(
+    init: &M,
+    plan: &Plan,
+    steps: u64,
+    loss: impl Fn(&M, &Batch) -> Tensor<1>,
+    device: &Device,
+) -> (Vec<f32>, M) {
     let mut model = init.clone().fork(device);
     let mut optim = reference_optimizer();
     let mut losses = Vec::new();
@@ -72,7 +80,13 @@ fn global_norm<M: Module>(model: &M, grads: &GradientsParams) -> f64 {
     impl ModuleVisitor for Norm<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(g) = self.0.get::<D>(param.id) {
-                self.1 += g.into_data().try_to_vec::<f32>().unwrap().iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+                self.1 += g
+                    .into_data()
+                    .try_to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum::<f64>();
             }
         }
     }

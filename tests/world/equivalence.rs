@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use zerotrain::models::{Batch, Mlp, TinyTransformer};
-use zerotrain::{launch, Engine, Plan};
+use zerotrain::{Engine, Plan, launch};
 
 use crate::common::*;
 
@@ -83,15 +83,27 @@ where
                     worst_param = worst_param.max(diff);
                     by_stage.push(ranks.into_iter().next().unwrap());
                 }
-                assert!(by_stage[0] == by_stage[1], "world {world_size} gas {gas} clip {clip}: stages 0 and 1 must be bitwise equal");
-                assert!(by_stage[2] == by_stage[3], "world {world_size} gas {gas} clip {clip}: stages 2 and 3 must be bitwise equal");
+                assert!(
+                    by_stage[0] == by_stage[1],
+                    "world {world_size} gas {gas} clip {clip}: stages 0 and 1 must be bitwise equal"
+                );
+                assert!(
+                    by_stage[2] == by_stage[3],
+                    "world {world_size} gas {gas} clip {clip}: stages 2 and 3 must be bitwise equal"
+                );
                 if gas == 1 {
-                    assert!(by_stage[0] == by_stage[2], "world {world_size} clip {clip}: all stages must be bitwise equal at gas 1");
+                    assert!(
+                        by_stage[0] == by_stage[2],
+                        "world {world_size} clip {clip}: all stages must be bitwise equal at gas 1"
+                    );
                 }
             }
         }
     }
-    eprintln!("{}: worst |param - reference| {worst_param:e}, worst relative loss difference {worst_loss:e}", std::any::type_name::<M>());
+    eprintln!(
+        "{}: worst |param - reference| {worst_param:e}, worst relative loss difference {worst_loss:e}",
+        std::any::type_name::<M>()
+    );
 }
 
 #[test]
@@ -108,5 +120,9 @@ fn transformer_block_matches_plain_burn_at_every_world_size_and_stage() {
     let device = Device::flex().autodiff();
     device.seed(11);
     let init = TinyTransformer::new(TASK.features, 16, 2, &device);
-    check_model(&init, &|d: &Device| TinyTransformer::new(TASK.features, 16, 2, d), |m: &TinyTransformer, b: &Batch| m.loss(b));
+    check_model(
+        &init,
+        &|d: &Device| TinyTransformer::new(TASK.features, 16, 2, d),
+        |m: &TinyTransformer, b: &Batch| m.loss(b),
+    );
 }

@@ -3,12 +3,16 @@
 use std::time::{Duration, Instant};
 
 use zerotrain::models::Mlp;
-use zerotrain::{launch, Engine, Error, Plan};
+use zerotrain::{Engine, Error, Plan, launch};
 
 use crate::common::*;
 
 /// Trains `steps` steps; `fault(rank, step)` may inject a failure before a step's forward.
-fn train_with_fault(plan: &Plan, steps: u64, fault: impl Fn(usize, u64) -> Result<(), String> + Sync) -> Result<Vec<()>, Error> {
+fn train_with_fault(
+    plan: &Plan,
+    steps: u64,
+    fault: impl Fn(usize, u64) -> Result<(), String> + Sync,
+) -> Result<Vec<()>, Error> {
     launch(plan, |ctx| {
         let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), plan, &ctx)?;
         for step in 0..steps {

@@ -1,8 +1,8 @@
 //! `memory_report()` holds exactly what the ZeRO formulas say, plus padding.
 
 use zerotrain::models::Mlp;
-use zerotrain::{launch, Engine, MemoryReport};
-use zerotrain_zero::memory::{model_state_bytes, BytesPerParam};
+use zerotrain::{Engine, MemoryReport, launch};
+use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
 use zerotrain_zero::{FlatLayout, ZeroStage};
 
 use crate::common::*;
@@ -28,9 +28,12 @@ fn memory_report_equals_the_fp32_adam_formula_plus_padding() {
     for world_size in 1..=4 {
         for stage_index in 0..=3u8 {
             let stage = ZeroStage::from_index(stage_index.into()).unwrap();
-            for (rank, (report, layout)) in report_after_one_step(&recipe(stage_index, 2, 1, 0.0), world_size).into_iter().enumerate() {
+            for (rank, (report, layout)) in
+                report_after_one_step(&recipe(stage_index, 2, 1, 0.0), world_size).into_iter().enumerate()
+            {
                 let what = format!("world {world_size} stage {stage_index} rank {rank}");
-                let (psi, padded, shard) = (layout.num_elems() as u64, layout.padded_elems() as u64, layout.shard_len() as u64);
+                let (psi, padded, shard) =
+                    (layout.num_elems() as u64, layout.padded_elems() as u64, layout.shard_len() as u64);
                 let formula = model_state_bytes(stage, psi, shard, BytesPerParam::FP32_ADAM);
                 // Stage 1 reduces its full-size accumulator with reduce-scatter, which needs
                 // the padded length; every other kind matches the formula exactly.
@@ -48,7 +51,8 @@ fn memory_report_equals_the_fp32_adam_formula_plus_padding() {
 
 #[test]
 fn stage3_keeps_parameters_under_the_persistence_threshold_resident() {
-    let json = recipe(3, 2, 1, 0.0).replace("\"stage3_param_persistence_threshold\": 0", "\"stage3_param_persistence_threshold\": 24");
+    let json = recipe(3, 2, 1, 0.0)
+        .replace("\"stage3_param_persistence_threshold\": 0", "\"stage3_param_persistence_threshold\": 24");
     for (report, layout) in report_after_one_step(&json, 2) {
         let resident: u64 = layout.entries().iter().filter(|e| e.num_elems <= 24).map(|e| e.num_elems as u64).sum();
         assert_eq!(resident, 24 + 24 + 6, "the three biases");
@@ -58,9 +62,8 @@ fn stage3_keeps_parameters_under_the_persistence_threshold_resident() {
 
 #[test]
 fn stage3_memory_falls_as_one_over_world_size() {
-    let per_rank: Vec<u64> = (1..=4)
-        .map(|n| report_after_one_step(&recipe(3, 2, 1, 0.0), n)[0].0.model_states())
-        .collect();
+    let per_rank: Vec<u64> =
+        (1..=4).map(|n| report_after_one_step(&recipe(3, 2, 1, 0.0), n)[0].0.model_states()).collect();
     // 16 bytes per element of a shard; shards differ from Ψ/N only by padding (< 16 elems).
     for (i, bytes) in per_rank.iter().enumerate() {
         let n = (i + 1) as u64;

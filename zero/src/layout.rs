@@ -76,21 +76,14 @@ impl FlatLayout {
             if !seen.insert(path.clone()) {
                 return Err(ZeroError::InvalidLayout(format!("duplicate parameter path `{path}`")));
             }
-            let num_elems = shape
-                .iter()
-                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| overflow(&path))?;
+            let num_elems =
+                shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| overflow(&path))?;
             let next = offset.checked_add(num_elems).ok_or_else(|| overflow(&path))?;
             entries.push(FlatEntry { path, shape, offset, num_elems });
             offset = next;
         }
-        let quantum = world_size
-            .checked_mul(align_elems)
-            .ok_or_else(|| overflow("world_size * align_elems"))?;
-        let padded_elems = offset
-            .div_ceil(quantum)
-            .checked_mul(quantum)
-            .ok_or_else(|| overflow("padded size"))?;
+        let quantum = world_size.checked_mul(align_elems).ok_or_else(|| overflow("world_size * align_elems"))?;
+        let padded_elems = offset.div_ceil(quantum).checked_mul(quantum).ok_or_else(|| overflow("padded size"))?;
         Ok(Self { entries, num_elems: offset, padded_elems, world_size, align_elems })
     }
 
@@ -144,11 +137,8 @@ impl FlatLayout {
     /// Padding yields no segment.
     pub fn segments(&self, range: Range<usize>) -> impl Iterator<Item = Segment> + '_ {
         let first = self.entries.partition_point(|e| e.offset + e.num_elems <= range.start);
-        self.entries[first..]
-            .iter()
-            .enumerate()
-            .take_while(move |(_, e)| e.offset < range.end)
-            .filter_map(move |(i, e)| {
+        self.entries[first..].iter().enumerate().take_while(move |(_, e)| e.offset < range.end).filter_map(
+            move |(i, e)| {
                 let start = e.offset.max(range.start);
                 let end = (e.offset + e.num_elems).min(range.end);
                 (start < end).then(|| Segment {
@@ -156,7 +146,8 @@ impl FlatLayout {
                     param_range: start - e.offset..end - e.offset,
                     flat_range: start..end,
                 })
-            })
+            },
+        )
     }
 
     /// The index of the parameter at `path`, if any.

@@ -16,8 +16,7 @@ pub enum ZeroStage {
 
 impl ZeroStage {
     /// All stages, in order.
-    pub const ALL: [ZeroStage; 4] =
-        [Self::Disabled, Self::OptimizerStates, Self::Gradients, Self::Parameters];
+    pub const ALL: [ZeroStage; 4] = [Self::Disabled, Self::OptimizerStates, Self::Gradients, Self::Parameters];
 
     /// The stage for DeepSpeed's numeric `stage`, if it is 0..=3.
     pub fn from_index(stage: u64) -> Option<Self> {
@@ -68,10 +67,7 @@ mod tests {
             .iter()
             .map(|s| (s.shards_optimizer_states(), s.shards_gradients(), s.shards_parameters()))
             .collect();
-        assert_eq!(
-            table,
-            [(false, false, false), (true, false, false), (true, true, false), (true, true, true)]
-        );
+        assert_eq!(table, [(false, false, false), (true, false, false), (true, true, false), (true, true, true)]);
         assert_eq!(ZeroStage::from_index(2), Some(ZeroStage::Gradients));
         assert_eq!(ZeroStage::from_index(4), None);
     }

@@ -53,8 +53,7 @@ pub trait Collective: Send + Sync {
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), ZeroError>;
     /// Reduces `input` (length `world_size * output.len()`) across ranks; this rank receives
     /// chunk `rank` of the result in `output`.
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp)
-    -> Result<(), ZeroError>;
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<(), ZeroError>;
     /// Concatenates every rank's `input` in rank order into `output`
     /// (length `world_size * input.len()`).
     fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<(), ZeroError>;

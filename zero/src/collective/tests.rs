@@ -183,7 +183,8 @@ fn a_missing_rank_times_out_and_poisons_the_world() {
     // The first waiter to time out aborts the world; everyone else then sees that abort.
     let all: Vec<_> = out[1..].iter().flatten().collect();
     assert_eq!(all.len(), 4);
-    let timeouts = all.iter().filter(|r| matches!(r, Err(ZeroError::Timeout { op: "barrier", timeout_ms: 200, .. }))).count();
+    let timeouts =
+        all.iter().filter(|r| matches!(r, Err(ZeroError::Timeout { op: "barrier", timeout_ms: 200, .. }))).count();
     assert_eq!(timeouts, 1, "{all:?}");
     for r in all {
         match r {

@@ -17,7 +17,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{chunk_range, convention_bytes, Collective, CommCounters, CommStats, OpKind, ReduceOp};
+use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, chunk_range, convention_bytes};
 use crate::ZeroError;
 
 /// Elements reduced per inner block (fits in L1 with a few peers).
@@ -37,12 +37,7 @@ impl ThreadWorld {
     /// If `world_size` is 0.
     pub fn new(world_size: usize, timeout: Duration) -> Self {
         assert!(world_size > 0, "a world needs at least one rank");
-        let state = State {
-            generation: 0,
-            arrived: 0,
-            aborted: None,
-            slots: vec![Slot::EMPTY; world_size],
-        };
+        let state = State { generation: 0, arrived: 0, aborted: None, slots: vec![Slot::EMPTY; world_size] };
         let hub = Hub { world_size, timeout, state: Mutex::new(state), cv: Condvar::new() };
         Self { hub: Arc::new(hub) }
     }
@@ -141,10 +136,9 @@ impl Hub {
     fn sync(&self, rank: usize, publish: Option<Slot>) -> Result<Vec<Slot>, ZeroError> {
         let mut state = self.lock();
         let abortable = publish.is_some();
-        if abortable
-            && let Some((by, reason)) = &state.aborted {
-                return Err(ZeroError::Aborted { rank: *by, reason: reason.clone() });
-            }
+        if abortable && let Some((by, reason)) = &state.aborted {
+            return Err(ZeroError::Aborted { rank: *by, reason: reason.clone() });
+        }
         if let Some(slot) = publish {
             state.slots[rank] = slot;
         }
@@ -200,8 +194,17 @@ impl ThreadComm {
             // touched a peer's buffer yet, so returning here is safe.
             let detail = format!(
                 "rank {} called {:?}/{:?} with {}->{} elements (root {}), rank {other} called {:?}/{:?} with {}->{} (root {})",
-                self.rank, mine.op, mine.reduce, mine.src_len, mine.dst_len, mine.root,
-                slots[other].op, slots[other].reduce, slots[other].src_len, slots[other].dst_len, slots[other].root,
+                self.rank,
+                mine.op,
+                mine.reduce,
+                mine.src_len,
+                mine.dst_len,
+                mine.root,
+                slots[other].op,
+                slots[other].reduce,
+                slots[other].src_len,
+                slots[other].dst_len,
+                slots[other].root,
             );
             self.hub.abort(self.rank, &detail);
             return Err(ZeroError::Mismatch { rank: self.rank, detail });
@@ -222,7 +225,13 @@ impl ThreadComm {
         error
     }
 
-    fn slot(op: OpKind, reduce: Option<ReduceOp>, root: usize, src: (*const f32, usize), dst: (*mut f32, usize)) -> Slot {
+    fn slot(
+        op: OpKind,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        src: (*const f32, usize),
+        dst: (*mut f32, usize),
+    ) -> Slot {
         Slot { op: Some(op), reduce, root, src: src.0, src_len: src.1, dst: dst.0, dst_len: dst.1 }
     }
 }
@@ -266,12 +275,19 @@ impl Collective for ThreadComm {
             return Err(self.bad_buffer(OpKind::ReduceScatter, detail));
         }
         let dst = output.as_mut_ptr();
-        let slots = self.rendezvous(Self::slot(OpKind::ReduceScatter, Some(op), 0, (input.as_ptr(), input.len()), (dst, chunk)))?;
+        let slots = self.rendezvous(Self::slot(
+            OpKind::ReduceScatter,
+            Some(op),
+            0,
+            (input.as_ptr(), input.len()),
+            (dst, chunk),
+        ))?;
         let peers: Vec<*const f32> = slots.iter().map(|s| s.src).collect();
         // SAFETY: inputs are only read during this call, and `output` is ours alone.
         unsafe { reduce_block(dst, &peers, self.rank * chunk, chunk, op) };
         self.exit_barrier();
-        self.counters.record(OpKind::ReduceScatter, convention_bytes(OpKind::ReduceScatter, input.len(), n, self.rank, 0));
+        self.counters
+            .record(OpKind::ReduceScatter, convention_bytes(OpKind::ReduceScatter, input.len(), n, self.rank, 0));
         Ok(())
     }
 
@@ -283,7 +299,8 @@ impl Collective for ThreadComm {
             return Err(self.bad_buffer(OpKind::AllGather, detail));
         }
         let dst = output.as_mut_ptr();
-        let slots = self.rendezvous(Self::slot(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())))?;
+        let slots =
+            self.rendezvous(Self::slot(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())))?;
         for (k, slot) in slots.iter().enumerate() {
             // SAFETY: inputs are only read during this call, and `output` is ours alone.
             unsafe { std::ptr::copy_nonoverlapping(slot.src, dst.add(k * chunk), chunk) };
