@@ -4,7 +4,9 @@
 //! The engine keeps fp32 master weights and optimizer state; [`Precision`] names the
 //! compute dtype and tells how many bytes each element costs; [`to_half`] and [`from_half`]
 //! convert flat buffers with the CPU's conversion instructions where the `half` crate finds
-//! them. The dynamic loss scaler arrives with mixed-precision training.
+//! them. [`LossScaler`] is DeepSpeed's static or dynamic loss scaler as a pure state
+//! machine: the engine feeds it each step's agreed overflow flag and acts on the returned
+//! [`ScaleDecision`] (skip the step or not, the next scale).
 //!
 //! ```
 //! use zerotrain_precision::{from_half, to_half, Precision};
@@ -15,10 +17,25 @@
 //! from_half(&half, &mut back);
 //! assert_eq!(back, src);
 //! assert_eq!(Precision::Bf16.bytes_per_elem(), 2);
+//!
+//! // DeepSpeed's dynamic scaling: an overflow skips the step; hysteresis 2 halves the
+//! // scale only on the second overflow.
+//! let mut scaler = zerotrain_precision::LossScaler::dynamic(Default::default());
+//! assert!(scaler.update(true)?.skip_step);
+//! assert_eq!(scaler.scale(), 65536.0);
+//! assert_eq!(scaler.update(true)?.new_scale, 32768.0);
+//! # Ok::<(), zerotrain_precision::ScaleError>(())
 //! ```
+//!
+//! # Design notes
+//! - *Note: DeepSpeed's dynamic rule* — see [`LossScaler`]'s module.
 #![deny(missing_docs)]
 
+mod scaler;
+
 use half::slice::HalfFloatSliceExt;
+
+pub use scaler::{AtMinimum, DynamicScaleConfig, LossScaler, ScaleDecision, ScaleError, ScalerState};
 
 /// The float type the model computes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
