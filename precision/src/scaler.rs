@@ -169,7 +169,7 @@ impl LossScaler {
                 state.hysteresis_left = config.hysteresis;
             }
             let stable = state.iter as i64 - state.last_overflow_iter - 1;
-            if stable > 0 && stable as u64 % config.window == 0 {
+            if stable > 0 && (stable as u64).is_multiple_of(config.window) {
                 if !config.consecutive_hysteresis {
                     state.hysteresis_left = config.hysteresis;
                 }

@@ -54,6 +54,8 @@ impl fmt::Display for Plan {
             "off".into()
         };
         writeln!(f, "gradient clipping   {clip}")?;
+        let check = if self.check_grad_overflow { "on: steps with NaN/inf gradients are skipped" } else { "off" };
+        writeln!(f, "overflow check      {check}")?;
         writeln!(f, "optimizer           {}", json(&self.optimizer))?;
         writeln!(f, "scheduler           {}", json(&self.schedule))?;
         writeln!(f, "steps_per_print     {}, seed {}", self.steps_per_print, self.seed)?;

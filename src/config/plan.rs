@@ -167,6 +167,10 @@ pub struct Plan {
     pub precision: Precision,
     /// Max global gradient norm; 0 disables clipping.
     pub gradient_clipping: f64,
+    /// Skip (and count) a step whose gradients are not finite, instead of applying it.
+    /// The check is the global norm: NaN/inf anywhere, on any rank, makes it non-finite
+    /// (as does a squared norm beyond f32's range, i.e. a norm above 1.8e19).
+    pub check_grad_overflow: bool,
     /// Log every this many steps.
     pub steps_per_print: u64,
     /// Seed for initialisation and data.

@@ -219,4 +219,7 @@ pub struct ZerotrainConfig {
     pub backend: Option<String>,
     /// Seconds a rank waits at a collective for the others before the job fails. Default 300.
     pub comm_timeout_s: Option<f64>,
+    /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which
+    /// have no loss scaler to do it). Default true.
+    pub check_grad_overflow: Option<bool>,
 }

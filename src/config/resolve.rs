@@ -89,6 +89,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         zero,
         precision,
         gradient_clipping,
+        check_grad_overflow: zt.check_grad_overflow.unwrap_or(true),
         steps_per_print,
         seed: raw.seed.map_or(42, |c| c.0),
         optimizer,

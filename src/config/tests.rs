@@ -177,6 +177,14 @@ fn deepspeed_adam_is_adamw_unless_adam_w_mode_is_false() {
 }
 
 #[test]
+fn the_overflow_check_is_on_unless_turned_off() {
+    assert!(plan(r#"{"train_batch_size": 1}"#).unwrap().check_grad_overflow);
+    assert!(
+        !plan(r#"{"train_batch_size": 1, "zerotrain": {"check_grad_overflow": false}}"#).unwrap().check_grad_overflow
+    );
+}
+
+#[test]
 fn world_size_comes_from_the_cli_then_the_config_then_one() {
     let c = parse(r#"{"train_micro_batch_size_per_gpu": 2, "zerotrain": {"world_size": 3}}"#).unwrap();
     assert_eq!(c.resolve(Overrides::default()).unwrap().world_size, 3);

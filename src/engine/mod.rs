@@ -40,8 +40,11 @@ pub struct StepReport {
     pub loss: f32,
     /// The learning rate the step used.
     pub lr: f64,
-    /// Global L2 norm of the averaged gradient, before clipping.
+    /// Global L2 norm of the averaged gradient, before clipping (inf or NaN on overflow).
     pub grad_norm: f32,
+    /// The gradients were not finite and the step was skipped: parameters, optimizer state
+    /// and the lr schedule are unchanged (see [`Plan::check_grad_overflow`]).
+    pub skipped: bool,
     /// Bytes this rank moved in collectives during the step's window.
     pub comm_bytes: u64,
 }
@@ -199,7 +202,9 @@ impl<M: Module> Engine<M> {
 
     /// At an accumulation boundary: reduces the gradients, clips them to the global norm,
     /// steps the optimizer and the lr schedule, and restores the parameters the stage keeps.
-    /// Elsewhere it does nothing and returns `None`. Every rank must call it.
+    /// If the gradients are not finite (and the plan checks), it skips all of that instead
+    /// and counts a skipped step. Elsewhere it does nothing and returns `None`. Every rank
+    /// must call it.
     pub fn step(&mut self) -> Result<Option<StepReport>> {
         if self.window.micro_steps == 0 {
             return Err(Error::Usage("step() called without a backward() since the last step".into()));
@@ -226,16 +231,20 @@ impl<M: Module> Engine<M> {
         }
         let sum_squares: f64 = metrics[..n].iter().map(|&p| f64::from(p)).sum();
         let grad_norm = sum_squares.sqrt() / n as f64;
-        let clip = self.plan.gradient_clipping;
-        let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
-        let factor = (clip_coef / n as f64) as f32;
-        grads.iter_mut().for_each(|g| *g *= factor);
-
+        // Every rank sums the same partials, so every rank takes the same branch.
+        let skip = self.plan.check_grad_overflow && !grad_norm.is_finite();
         let lr = self.plan.schedule.lr(self.lr_iteration);
-        let transient = self.apply(lr, grads)?;
-        self.peak_transient = self.peak_transient.max(transient);
-
-        self.lr_iteration += 1;
+        if skip {
+            self.counters.skipped_steps += 1;
+        } else {
+            let clip = self.plan.gradient_clipping;
+            let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+            let factor = (clip_coef / n as f64) as f32;
+            grads.iter_mut().for_each(|g| *g *= factor);
+            let transient = self.apply(lr, grads)?;
+            self.peak_transient = self.peak_transient.max(transient);
+            self.lr_iteration += 1;
+        }
         self.counters.global_steps += 1;
         self.counters.global_samples += self.plan.batch.train_batch_size;
         let stats = comm.stats();
@@ -244,6 +253,7 @@ impl<M: Module> Engine<M> {
             loss: metrics[n] / n as f32,
             lr,
             grad_norm: grad_norm as f32,
+            skipped: skip,
             comm_bytes: stats.since(&self.window.comm_at_start).total_bytes(),
         };
         self.window = Window { comm_at_start: stats, ..Window::default() };
