@@ -14,6 +14,9 @@ pub enum Error {
     /// A collective failed (another rank failed, a timeout, mismatched calls).
     #[error(transparent)]
     Comm(#[from] ZeroError),
+    /// fp16 gradients overflowed with the loss scale at its minimum.
+    #[error(transparent)]
+    LossScale(zerotrain_precision::ScaleError),
     /// The model cannot be trained as given.
     #[error("model: {0}")]
     Model(String),

@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 /// A multi-layer perceptron with GELU between layers.
 #[derive(Module, Debug)]
@@ -33,10 +33,11 @@ impl Mlp {
         x
     }
 
-    /// Mean squared error against `target`.
+    /// Mean squared error against `target`, in f32 (inputs are cast to the weights' dtype).
     pub fn loss(&self, batch: &Batch) -> Tensor<1> {
         let [b, t, d] = batch.input.dims();
-        let pred = self.forward(batch.input.clone().reshape([b * t, d]));
+        let dtype = self.layers[0].weight.val().dtype();
+        let pred = self.forward(batch.input.clone().cast(dtype).reshape([b * t, d]));
         mse(pred.reshape([b, t, d]), batch.target.clone())
     }
 }
@@ -81,14 +82,16 @@ impl TinyTransformer {
         self.output.forward(h + m)
     }
 
-    /// Mean squared error against `target`.
+    /// Mean squared error against `target`, in f32 (inputs are cast to the weights' dtype).
     pub fn loss(&self, batch: &Batch) -> Tensor<1> {
-        mse(self.forward(batch.input.clone()), batch.target.clone())
+        let dtype = self.input.weight.val().dtype();
+        mse(self.forward(batch.input.clone().cast(dtype)), batch.target.clone())
     }
 }
 
+/// Mean squared error computed in f32, whatever dtype the prediction is in.
 fn mse(pred: Tensor<3>, target: Tensor<3>) -> Tensor<1> {
-    (pred - target).square().mean()
+    (pred.cast(FloatDType::F32) - target).square().mean()
 }
 
 /// A batch of the regression task: `target` is a fixed nonlinear function of `input`.

@@ -68,18 +68,22 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
                 engine.backward(loss)?;
                 let Some(report) = engine.step()? else { continue };
                 if report.skipped && ctx.rank() == 0 {
-                    log(&format!("[Rank 0] step={}: gradients are not finite, step skipped", report.global_step));
+                    log(&format!(
+                        "[Rank 0] step={}: gradient overflow, step skipped; loss scale {} -> {}",
+                        report.global_step, report.loss_scale, report.next_loss_scale
+                    ));
                 }
                 last_train_loss = report.loss;
                 if ctx.rank() == 0 && (report.global_step % plan.steps_per_print == 0 || report.global_step == steps) {
                     let rate = (report.global_step * b.train_batch_size) as f64 / start.elapsed().as_secs_f64();
                     log(&format!(
-                        "[Rank 0] step={}, skipped={}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, samples/s={rate:.0}",
+                        "[Rank 0] step={}, skipped={}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, loss_scale={}, samples/s={rate:.0}",
                         report.global_step,
                         engine.counters().skipped_steps,
                         report.lr,
                         report.loss,
-                        report.grad_norm
+                        report.grad_norm,
+                        report.next_loss_scale
                     ));
                 }
             }

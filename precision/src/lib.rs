@@ -31,10 +31,14 @@
 //! - *Note: DeepSpeed's dynamic rule* — see [`LossScaler`]'s module.
 #![deny(missing_docs)]
 
+mod flat;
 mod scaler;
 
 use half::slice::HalfFloatSliceExt;
 
+pub use flat::{BufMut, BufRef, FlatBuf, FlatElem};
+/// The `half` crate, whose `f16` and `bf16` the flat buffers hold.
+pub use half;
 pub use scaler::{AtMinimum, DynamicScaleConfig, LossScaler, ScaleDecision, ScaleError, ScalerState};
 
 /// The float type the model computes in.

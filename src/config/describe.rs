@@ -2,7 +2,9 @@
 
 use std::fmt;
 
-use super::Plan;
+use zerotrain_precision::Precision;
+
+use super::{LossScalePlan, Plan};
 
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -47,7 +49,25 @@ impl fmt::Display for Plan {
                 z.param_persistence_threshold
             )?;
         }
-        writeln!(f, "precision           {}", self.precision)?;
+        match self.precision {
+            Precision::Fp32 => writeln!(f, "precision           fp32 (parameters are their own master weights)")?,
+            p => writeln!(f, "precision           {p} compute, fp32 master weights and optimizer state")?,
+        }
+        writeln!(f, "  gradients         reduced in {}, accumulated in {}", self.comm_dtype, self.grad_accum_dtype)?;
+        match &self.loss_scale {
+            None => {}
+            Some(LossScalePlan::Static { scale }) => writeln!(f, "  loss scale        static {scale}")?,
+            Some(LossScalePlan::Dynamic(c)) => writeln!(
+                f,
+                "  loss scale        dynamic from 2^{}, x2 after {} good steps, hysteresis {}{}, min {} (at the minimum: {:?})",
+                c.initial_scale_power,
+                c.window,
+                c.hysteresis,
+                if c.consecutive_hysteresis { " (consecutive)" } else { "" },
+                c.min_scale,
+                c.at_minimum
+            )?,
+        }
         let clip = if self.gradient_clipping > 0.0 {
             format!("global L2 norm <= {}", self.gradient_clipping)
         } else {

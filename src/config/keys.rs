@@ -14,8 +14,6 @@ pub const NOT_IMPLEMENTED: &[&str] = &[
     "dump_state",
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
-    "communication_data_type",
-    "data_types",
     "amp",
     "activation_checkpointing",
     "flops_profiler",

@@ -12,13 +12,14 @@
 mod describe;
 pub mod keys;
 mod plan;
+mod precision;
 pub mod raw;
 mod resolve;
 mod value;
 
 use std::path::{Path, PathBuf};
 
-pub use plan::{Backend, BatchPlan, OptimizerPlan, Plan, ZeroPlan};
+pub use plan::{Backend, BatchPlan, LossScalePlan, OptimizerPlan, Plan, ZeroPlan};
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
-use zerotrain_precision::Precision;
+use zerotrain_precision::{DynamicScaleConfig, LossScaler, Precision};
 use zerotrain_zero::ZeroStage;
 
 use super::ConfigError;
@@ -141,6 +141,29 @@ fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S
     s.serialize_u8(stage.index())
 }
 
+/// fp16 loss scaling.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "type")]
+pub enum LossScalePlan {
+    /// A fixed scale (`fp16.loss_scale > 0`).
+    Static {
+        /// The scale.
+        scale: f64,
+    },
+    /// DeepSpeed's dynamic scaling (`fp16.loss_scale: 0`).
+    Dynamic(DynamicScaleConfig),
+}
+
+impl LossScalePlan {
+    /// A scaler at its initial state.
+    pub fn scaler(&self) -> LossScaler {
+        match *self {
+            Self::Static { scale } => LossScaler::Static { scale },
+            Self::Dynamic(config) => LossScaler::dynamic(config),
+        }
+    }
+}
+
 /// Which collective backend runs the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -163,8 +186,14 @@ pub struct Plan {
     pub batch: BatchPlan,
     /// ZeRO settings.
     pub zero: ZeroPlan,
-    /// The compute dtype.
+    /// The compute dtype: parameters and activations.
     pub precision: Precision,
+    /// The dtype gradients are reduced in.
+    pub comm_dtype: Precision,
+    /// The dtype gradients accumulate in between optimizer steps.
+    pub grad_accum_dtype: Precision,
+    /// fp16's loss scaling; `None` for fp32 and bf16.
+    pub loss_scale: Option<LossScalePlan>,
     /// Max global gradient norm; 0 disables clipping.
     pub gradient_clipping: f64,
     /// Skip (and count) a step whose gradients are not finite, instead of applying it.

@@ -31,11 +31,15 @@ pub struct DeepSpeedConfig {
     pub scheduler: Option<SchedulerConfig>,
     /// ZeRO settings. Default: stage 0.
     pub zero_optimization: Option<ZeroConfig>,
-    /// fp16 mixed precision. Parsed; `enabled: true` is refused until mixed precision lands.
+    /// fp16 mixed precision with loss scaling. Default off.
     pub fp16: Option<Fp16Config>,
-    /// bf16 mixed precision (alias `bfloat16`). Parsed; `enabled: true` is refused until it lands.
+    /// bf16 mixed precision (alias `bfloat16`). Default off.
     #[serde(alias = "bfloat16")]
     pub bf16: Option<Bf16Config>,
+    /// dtype gradients are reduced in: `fp32`, `fp16` or `bf16`. Default: the compute dtype.
+    pub communication_data_type: Option<AutoOr<String>>,
+    /// DeepSpeed's `data_types` section.
+    pub data_types: Option<DataTypesConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
 }
@@ -175,28 +179,38 @@ pub struct ZeroConfig {
     pub stage3_gather_16bit_weights_on_model_save: Option<bool>,
 }
 
-/// `fp16`. DeepSpeed's dynamic loss scaling keys, parsed for the mixed-precision engine.
+/// `fp16`: DeepSpeed's loss-scaling keys.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fp16Config {
     /// Train in fp16. Default false (`"auto"`: false).
     pub enabled: Option<AutoOr<bool>>,
-    /// Autocast mode. Parsed only.
+    /// DeepSpeed's input autocast. Accepted with a warning: build inputs in the compute dtype.
     pub auto_cast: Option<AutoOr<bool>>,
-    /// 0: dynamic; otherwise a static scale. Parsed only.
+    /// 0 (default): dynamic scaling; otherwise a fixed scale.
     pub loss_scale: Option<AutoOr<f64>>,
-    /// Dynamic scaling starts at 2^this. Parsed only.
+    /// Dynamic scaling starts at 2^this. Default 16.
     pub initial_scale_power: Option<AutoOr<Count>>,
-    /// Overflow-free steps before the scale doubles. Parsed only.
+    /// Overflow-free steps before the scale doubles. Default 1000.
     pub loss_scale_window: Option<AutoOr<Count>>,
-    /// Overflows tolerated before the scale halves. Parsed only.
+    /// Overflows tolerated before the scale halves. Default 2.
     pub hysteresis: Option<AutoOr<Count>>,
-    /// Refill hysteresis on every good step. Parsed only.
+    /// Refill the hysteresis after every overflow-free step. Default false.
     pub consecutive_hysteresis: Option<bool>,
-    /// Smallest scale. Parsed only.
+    /// Smallest scale. Default 1.
     pub min_loss_scale: Option<AutoOr<f64>>,
-    /// DeepSpeed's fp16 master-weights option. Parsed only.
+    /// DeepSpeed's fp16 master weights and gradients; `true` is refused (masters are fp32).
     pub fp16_master_weights_and_grads: Option<bool>,
+}
+
+/// `data_types`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataTypesConfig {
+    /// dtype gradients accumulate in between optimizer steps: `fp32`, `fp16` or `bf16`.
+    /// Default: the compute dtype (the ZeRO paper's 2 bytes per gradient); `fp32` costs 2
+    /// more bytes per accumulated element and avoids half-precision rounding per micro-step.
+    pub grad_accum_dtype: Option<String>,
 }
 
 /// `bf16` (alias `bfloat16`).
@@ -222,4 +236,7 @@ pub struct ZerotrainConfig {
     /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which
     /// have no loss scaler to do it). Default true.
     pub check_grad_overflow: Option<bool>,
+    /// fp16: what an overflow at `min_loss_scale` does: `error` (default; DeepSpeed stops the
+    /// run) or `stay` (skip the step, keep the minimum scale, warn).
+    pub loss_scale_at_minimum: Option<String>,
 }

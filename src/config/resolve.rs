@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use zerotrain_precision::Precision;
 use zerotrain_zero::ZeroStage;
 
 use super::raw::{OptimizerParams, SchedulerConfig};
@@ -67,7 +66,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     }
 
     let batch = resolve_batch(config, world_size as u64, &mut autos)?;
-    let precision = resolve_precision(config)?;
+    let dtypes = super::precision::resolve(config, &mut autos.0)?;
     let zero = resolve_zero(config, &mut autos)?;
 
     let gradient_clipping = autos.or("gradient_clipping", raw.gradient_clipping, 0.0, "DeepSpeed default: off");
@@ -87,7 +86,10 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         comm_timeout: Duration::from_secs_f64(timeout_s),
         batch,
         zero,
-        precision,
+        precision: dtypes.precision,
+        comm_dtype: dtypes.comm,
+        grad_accum_dtype: dtypes.grad_accum,
+        loss_scale: dtypes.loss_scale,
         gradient_clipping,
         check_grad_overflow: zt.check_grad_overflow.unwrap_or(true),
         steps_per_print,
@@ -95,7 +97,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         optimizer,
         schedule,
         auto_resolved: autos.0,
-        not_implemented: config.not_implemented.clone(),
+        not_implemented: config.not_implemented.iter().cloned().chain(dtypes.not_implemented).collect(),
     })
 }
 
@@ -122,23 +124,6 @@ fn resolve_batch(config: &Config, world_size: u64, autos: &mut Autos) -> Result<
         }
     }
     Ok(batch)
-}
-
-fn resolve_precision(config: &Config) -> Result<Precision, ConfigError> {
-    let on = |v: Option<AutoOr<bool>>| v.and_then(AutoOr::value).unwrap_or(false);
-    let fp16 = on(config.raw.fp16.as_ref().and_then(|f| f.enabled));
-    let bf16 = on(config.raw.bf16.as_ref().and_then(|b| b.enabled));
-    match (fp16, bf16) {
-        (true, true) => Err(ConfigError::Unsupported {
-            key: "fp16.enabled, bf16.enabled".into(),
-            message: "fp16 and bf16 are both enabled; enable at most one".into(),
-        }),
-        (false, false) => Ok(Precision::Fp32),
-        (fp16, _) => Err(ConfigError::Unsupported {
-            key: if fp16 { "fp16.enabled" } else { "bf16.enabled" }.into(),
-            message: "mixed-precision training is not implemented yet; set it to false to train in fp32".into(),
-        }),
-    }
 }
 
 fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPlan, ConfigError> {

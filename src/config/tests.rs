@@ -150,7 +150,7 @@ fn legacy_and_refused_settings() {
     );
     let err = plan(r#"{"train_batch_size": 1, "zero_optimization": {"stage": 4}}"#).unwrap_err();
     assert!(err.to_string().contains("must be 0, 1, 2 or 3, got 4"), "{err}");
-    let err = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true}, "bf16": {"enabled": true}}"#).unwrap_err();
+    let err = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true}, "bfloat16": {"enabled": true}}"#).unwrap_err();
     assert!(err.to_string().contains("fp16.enabled, bf16.enabled"), "{err}");
     let err = plan(r#"{"train_batch_size": 1, "optimizer": {"type": "Lamb"}}"#).unwrap_err();
     assert!(matches!(&err, ConfigError::Unsupported { key, .. } if key == "optimizer.type"), "{err}");
@@ -190,4 +190,59 @@ fn world_size_comes_from_the_cli_then_the_config_then_one() {
     assert_eq!(c.resolve(Overrides::default()).unwrap().world_size, 3);
     assert_eq!(c.resolve(Overrides { world_size: Some(5), total_steps: None }).unwrap().batch.train_batch_size, 10);
     assert_eq!(plan(r#"{"train_batch_size": 2}"#).unwrap().world_size, 1);
+}
+
+#[test]
+fn fp16_resolves_to_deepspeeds_dynamic_scaler_with_its_defaults() {
+    use zerotrain_precision::{AtMinimum, DynamicScaleConfig, Precision};
+    let p = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true}}"#).unwrap();
+    assert_eq!((p.precision, p.comm_dtype, p.grad_accum_dtype), (Precision::Fp16, Precision::Fp16, Precision::Fp16));
+    let expected = DynamicScaleConfig {
+        initial_scale_power: 16,
+        window: 1000,
+        hysteresis: 2,
+        consecutive_hysteresis: false,
+        min_scale: 1.0,
+        at_minimum: AtMinimum::Error,
+    };
+    assert_eq!(p.loss_scale, Some(LossScalePlan::Dynamic(expected)));
+    let p =
+        plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true, "loss_scale": 128, "auto_cast": true}}"#).unwrap();
+    assert_eq!(p.loss_scale, Some(LossScalePlan::Static { scale: 128.0 }));
+    assert!(p.not_implemented[0].starts_with("fp16.auto_cast"), "{:?}", p.not_implemented);
+    let p = plan(
+        r#"{"train_batch_size": 1, "bf16": {"enabled": true}, "communication_data_type": "fp32",
+            "data_types": {"grad_accum_dtype": "fp32"}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (p.precision, p.comm_dtype, p.grad_accum_dtype, p.loss_scale),
+        (Precision::Bf16, Precision::Fp32, Precision::Fp32, None)
+    );
+    let p = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true, "consecutive_hysteresis": true, "loss_scale_window": 50}, "zerotrain": {"loss_scale_at_minimum": "stay"}}"#).unwrap();
+    assert!(
+        matches!(p.loss_scale, Some(LossScalePlan::Dynamic(c)) if c.consecutive_hysteresis && c.window == 50 && c.at_minimum == AtMinimum::Stay)
+    );
+}
+
+#[test]
+fn bad_precision_settings_name_their_key() {
+    let cases = [
+        (r#""fp16": {"enabled": true, "loss_scale": -1}"#, "fp16.loss_scale"),
+        (r#""fp16": {"enabled": true, "loss_scale_window": 0}"#, "fp16.loss_scale_window"),
+        (r#""fp16": {"enabled": true, "hysteresis": 0}"#, "fp16.hysteresis"),
+        (r#""fp16": {"enabled": true, "initial_scale_power": 100}"#, "fp16.initial_scale_power"),
+        (r#""fp16": {"enabled": true, "min_loss_scale": 0}"#, "fp16.min_loss_scale"),
+        (r#""fp16": {"enabled": true, "fp16_master_weights_and_grads": true}"#, "fp16.fp16_master_weights_and_grads"),
+        (
+            r#""fp16": {"enabled": true}, "zerotrain": {"loss_scale_at_minimum": "shrug"}"#,
+            "zerotrain.loss_scale_at_minimum",
+        ),
+        (r#""communication_data_type": "int8""#, "communication_data_type"),
+        (r#""data_types": {"grad_accum_dtype": "fp8"}"#, "data_types.grad_accum_dtype"),
+    ];
+    for (json, key) in cases {
+        let err = plan(&format!(r#"{{"train_batch_size": 1, {json}}}"#)).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{key}`")), "{json}: {err}");
+    }
 }

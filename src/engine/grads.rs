@@ -10,6 +10,7 @@
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::{Collective, FlatLayout, ReduceOp, ZeroStage};
 
 use super::params::{ParamIndex, read_grads};
@@ -19,25 +20,34 @@ use crate::Result;
 pub(crate) struct GradAccumulator {
     stage: ZeroStage,
     reduce_scatter: bool,
-    /// Stage 0: `num_elems`; stage 1: `padded_elems`; stages 2-3: `shard_len`.
-    acc: Vec<f32>,
+    comm_dtype: Precision,
+    /// In `grad_accum_dtype`. Stage 0: `num_elems`; stage 1: `padded_elems`; stages 2-3:
+    /// `shard_len`.
+    acc: FlatBuf,
     /// No micro-step has been added since the last reduction.
     empty: bool,
 }
 
 impl GradAccumulator {
-    pub fn new(stage: ZeroStage, reduce_scatter: bool, layout: &FlatLayout) -> Self {
+    /// An empty accumulator in `accum_dtype` whose reductions run in `comm_dtype`.
+    pub fn new(
+        stage: ZeroStage,
+        reduce_scatter: bool,
+        layout: &FlatLayout,
+        accum_dtype: Precision,
+        comm_dtype: Precision,
+    ) -> Self {
         let len = match stage {
             ZeroStage::Disabled => layout.num_elems(),
             ZeroStage::OptimizerStates => layout.padded_elems(),
             ZeroStage::Gradients | ZeroStage::Parameters => layout.shard_len(),
         };
-        Self { stage, reduce_scatter, acc: vec![0.0; len], empty: true }
+        Self { stage, reduce_scatter, comm_dtype, acc: FlatBuf::zeros(accum_dtype, len), empty: true }
     }
 
     /// Bytes held between steps.
     pub fn bytes(&self) -> u64 {
-        (self.acc.len() * size_of::<f32>()) as u64
+        self.acc.bytes()
     }
 
     /// Adds one micro-step's gradients. Returns the bytes of transient buffers it used.
@@ -51,46 +61,48 @@ impl GradAccumulator {
     ) -> Result<u64> {
         let first = std::mem::replace(&mut self.empty, false);
         if !self.stage.shards_gradients() {
-            read_grads(model, grads, index, layout, &mut self.acc, !first)?;
+            read_grads(model, grads, index, layout, self.acc.as_mut(), !first)?;
             return Ok(0);
         }
-        let mut flat = vec![0.0; layout.padded_elems()];
-        read_grads(model, grads, index, layout, &mut flat, false)?;
-        let mut transient = flat.len();
-        if first {
-            comm.reduce_scatter(&flat, &mut self.acc, ReduceOp::Sum)?;
+        let mut flat = FlatBuf::zeros(self.comm_dtype, layout.padded_elems());
+        read_grads(model, grads, index, layout, flat.as_mut(), false)?;
+        let mut transient = flat.bytes();
+        if first && self.acc.dtype() == self.comm_dtype {
+            comm.reduce_scatter(flat.as_ref(), self.acc.as_mut(), ReduceOp::Sum)?;
         } else {
-            let mut shard = vec![0.0; self.acc.len()];
-            comm.reduce_scatter(&flat, &mut shard, ReduceOp::Sum)?;
-            self.acc.iter_mut().zip(&shard).for_each(|(a, g)| *a += g);
-            transient += shard.len();
+            let mut shard = FlatBuf::zeros(self.comm_dtype, self.acc.len());
+            comm.reduce_scatter(flat.as_ref(), shard.as_mut(), ReduceOp::Sum)?;
+            self.acc.as_mut().copy_from(shard.as_ref(), !first);
+            transient += shard.bytes();
         }
-        Ok((transient * size_of::<f32>()) as u64)
+        Ok(transient)
     }
 
-    /// At the boundary: the gradient summed over ranks for the range the optimizer steps
-    /// (all `num_elems` at stage 0, the rank's shard otherwise). Resets the accumulator.
+    /// At the boundary: the gradient summed over ranks, as f32, for the range the optimizer
+    /// steps (all `num_elems` at stage 0, the rank's shard otherwise). Resets the accumulator.
     pub fn reduce(&mut self, layout: &FlatLayout, comm: &dyn Collective) -> Result<Vec<f32>> {
         self.empty = true;
-        let fresh = vec![0.0; self.acc.len()];
+        let fresh = FlatBuf::zeros(self.acc.dtype(), self.acc.len());
+        let acc = std::mem::replace(&mut self.acc, fresh);
+        if self.stage.shards_gradients() {
+            return Ok(acc.into_f32());
+        }
+        let mut buf =
+            if acc.dtype() == self.comm_dtype { acc } else { FlatBuf::from_f32(self.comm_dtype, &acc.into_f32()) };
         match self.stage {
-            ZeroStage::Disabled => {
-                comm.all_reduce(&mut self.acc, ReduceOp::Sum)?;
-                Ok(std::mem::replace(&mut self.acc, fresh))
-            }
             ZeroStage::OptimizerStates if self.reduce_scatter => {
-                let mut shard = vec![0.0; layout.shard_len()];
-                comm.reduce_scatter(&self.acc, &mut shard, ReduceOp::Sum)?;
-                self.acc = fresh;
-                Ok(shard)
+                let mut shard = FlatBuf::zeros(self.comm_dtype, layout.shard_len());
+                comm.reduce_scatter(buf.as_ref(), shard.as_mut(), ReduceOp::Sum)?;
+                Ok(shard.into_f32())
             }
             ZeroStage::OptimizerStates => {
-                comm.all_reduce(&mut self.acc, ReduceOp::Sum)?;
-                let shard = self.acc[layout.shard_range(comm.rank())].to_vec();
-                self.acc = fresh;
-                Ok(shard)
+                comm.all_reduce(buf.as_mut(), ReduceOp::Sum)?;
+                Ok(buf.as_ref().slice(layout.shard_range(comm.rank())).to_f32())
             }
-            ZeroStage::Gradients | ZeroStage::Parameters => Ok(std::mem::replace(&mut self.acc, fresh)),
+            _ => {
+                comm.all_reduce(buf.as_mut(), ReduceOp::Sum)?;
+                Ok(buf.into_f32())
+            }
         }
     }
 }

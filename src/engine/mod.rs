@@ -2,28 +2,39 @@
 //! [`Engine::forward`], [`Engine::backward`] and [`Engine::step`].
 //!
 //! Each rank owns an `Engine`. Between steps it holds what its ZeRO stage keeps (see
-//! [`ZeroStage`]): parameters in the model (stages 0-2) or as a flat shard (stage 3), a
-//! gradient accumulator (`engine/grads.rs`), and a Burn optimizer stepping its flat range
-//! (`engine/optimizer.rs`). fp32 parameters are their own master weights: the optimizer steps a
-//! transient copy of the rank's range, and the result is written back (stages 0-2) or kept
-//! as the shard (stage 3).
+//! [`ZeroStage`](zerotrain_zero::ZeroStage)): the model's parameters in the compute dtype (stages 0-2; gathered on
+//! demand at stage 3), fp32 master weights for its optimizer range (`engine/store.rs`; in
+//! fp32 training the model's parameters are the masters), a gradient accumulator
+//! (`engine/grads.rs`), a Burn optimizer stepping its flat range (`engine/optimizer.rs`) and,
+//! for fp16, a loss scaler. `engine/step.rs` has the optimizer step.
+//!
+//! # Note: mixed precision
+//! With fp16 or bf16 the model computes in that dtype (the engine casts its parameters;
+//! inputs must be in the same dtype). `backward` casts the loss to f32 and multiplies it by
+//! the loss scale; gradients accumulate in `grad_accum_dtype` and are reduced in
+//! `communication_data_type`; at the step they widen to f32, the global norm decides
+//! overflow, and one multiply unscales, averages and clips them. The optimizer steps the
+//! fp32 master, and the new values are cast to the compute dtype and all-gathered in it.
 
 mod grads;
 mod optimizer;
 mod params;
 mod stage3;
+mod step;
+mod store;
 
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor};
-use zerotrain_zero::{Collective, CommStats, FlatLayout, ReduceOp, ZeroStage};
+use burn::tensor::{Device, FloatDType, Tensor};
+use zerotrain_precision::{BufMut, FlatBuf, LossScaler, Precision};
+use zerotrain_zero::{Collective, CommStats, FlatLayout};
 
 use self::grads::GradAccumulator;
 use self::optimizer::FlatOptimizer;
 use self::params::{Fill, ParamIndex, read_params, write_params};
-use self::stage3::Partition;
+use self::store::ParamStore;
 use crate::config::Plan;
 use crate::launch::RankContext;
 use crate::{Error, Result};
@@ -45,6 +56,10 @@ pub struct StepReport {
     /// The gradients were not finite and the step was skipped: parameters, optimizer state
     /// and the lr schedule are unchanged (see [`Plan::check_grad_overflow`]).
     pub skipped: bool,
+    /// The loss scale the step's gradients carried (1 without fp16 scaling).
+    pub loss_scale: f64,
+    /// The loss scale for the next step (differs after an fp16 overflow or growth).
+    pub next_loss_scale: f64,
     /// Bytes this rank moved in collectives during the step's window.
     pub comm_bytes: u64,
 }
@@ -52,11 +67,13 @@ pub struct StepReport {
 /// Model-state bytes one rank holds, by kind (see [`Engine::memory_report`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryReport {
-    /// Trainable parameters in the model plus, at stage 3, the parameter shard.
+    /// Trainable parameters in the model (compute dtype) plus, in fp32 training at stage 3,
+    /// the parameter shard.
     pub params: u64,
     /// Gradient accumulator.
     pub grads: u64,
-    /// Separate fp32 master weights (0 in fp32 training: the parameters are the master).
+    /// Separate fp32 master weights (mixed precision; in fp32 training the parameters are
+    /// their own master).
     pub master: u64,
     /// Optimizer state.
     pub optimizer: u64,
@@ -78,7 +95,7 @@ pub struct Counters {
     pub global_steps: u64,
     /// Backward passes.
     pub micro_steps: u64,
-    /// Steps skipped (overflow).
+    /// Steps skipped because the gradients overflowed (every overflow skips a step).
     pub skipped_steps: u64,
     /// Samples consumed by all ranks.
     pub global_samples: u64,
@@ -92,9 +109,10 @@ pub struct Engine<M: Module> {
     device: Device,
     layout: FlatLayout,
     index: ParamIndex,
-    partition: Option<Partition>,
+    store: ParamStore,
     grads: GradAccumulator,
     optimizer: Box<dyn FlatOptimizer>,
+    scaler: Option<LossScaler>,
     counters: Counters,
     /// DeepSpeed's `last_batch_iteration` of the lr schedule (starts at -1).
     lr_iteration: i64,
@@ -131,27 +149,36 @@ impl<M: Module> Engine<M> {
         }
         let layout = FlatLayout::new(entries, plan.world_size, ALIGN_ELEMS)?;
         let mut full = vec![0.0; layout.padded_elems()];
-        read_params(&model, &index, &layout, 0..layout.num_elems(), &mut full)?;
-        comm.broadcast(&mut full, 0)?;
+        read_params(&model, &index, &layout, 0..layout.num_elems(), BufMut::F32(&mut full[..layout.num_elems()]))?;
+        comm.broadcast((&mut full).into(), 0)?;
         let stage = plan.zero.stage;
-        let (model, partition) = if stage.shards_parameters() {
-            let mut partition = Partition::new(&layout, comm.rank(), &full, plan.zero.param_persistence_threshold);
-            (partition.release(model, &index, &layout, &device), Some(partition))
-        } else {
-            (write_params(model, &index, &layout, Fill::From(&full), &device), None)
+        let compute = FlatBuf::from_f32(plan.precision, &full);
+        let model = write_params(model, &index, &layout, Fill::From(compute.as_ref()), &device);
+        let mut store =
+            ParamStore::new(stage, plan.precision, &layout, comm.rank(), &full, plan.zero.param_persistence_threshold);
+        let model = match store.partition() {
+            Some(partition) => partition.release(model, &index, &layout, &device),
+            None => model,
         };
         let engine = Self {
-            grads: GradAccumulator::new(stage, plan.zero.reduce_scatter, &layout),
+            grads: GradAccumulator::new(
+                stage,
+                plan.zero.reduce_scatter,
+                &layout,
+                plan.grad_accum_dtype,
+                plan.comm_dtype,
+            ),
             optimizer: optimizer::build(&plan.optimizer),
+            scaler: plan.loss_scale.map(|s| s.scaler()),
             window: Window { comm_at_start: comm.stats(), ..Window::default() },
-            peak_transient: (full.len() * size_of::<f32>()) as u64,
+            peak_transient: (full.len() * size_of::<f32>()) as u64 + compute.bytes(),
             model,
             plan: plan.clone(),
             comm,
             device,
             layout,
             index,
-            partition,
+            store,
             counters: Counters::default(),
             lr_iteration: -1,
             last_step: None,
@@ -162,10 +189,10 @@ impl<M: Module> Engine<M> {
     /// Runs `f` on the model (gathering stage-3 parameters first) and returns its result,
     /// typically the loss. Every rank must call it the same number of times at stage 3.
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
-        if let Some(partition) = &mut self.partition {
+        if let Some(partition) = self.store.partition() {
             let model = self.model.clone();
-            let (model, bytes) =
-                partition.gather(model, &self.index, &self.layout, self.comm.as_ref(), &self.device)?;
+            let target = (&self.device, self.plan.precision);
+            let (model, bytes) = partition.gather(model, &self.index, &self.layout, self.comm.as_ref(), target)?;
             self.model = model;
             self.peak_transient = self.peak_transient.max(bytes);
         }
@@ -179,12 +206,17 @@ impl<M: Module> Engine<M> {
         if loss.dims() != [1] {
             return Err(Error::Usage(format!("backward needs a one-element loss, got shape {:?}", loss.dims())));
         }
+        let loss = loss.cast(FloatDType::F32);
         let value = loss.clone().into_scalar::<f32>();
-        let gas = self.plan.batch.gradient_accumulation_steps;
-        let mut grads = GradientsParams::from_grads(loss.div_scalar(gas as f32).backward(), &self.model);
+        let gas = self.plan.batch.gradient_accumulation_steps as f32;
+        let scaled = match &self.scaler {
+            Some(scaler) => loss.mul_scalar(scaler.scale() as f32).div_scalar(gas),
+            None => loss.div_scalar(gas),
+        };
+        let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
         let bytes = self.grads.accumulate(&self.model, &mut grads, &self.index, &self.layout, self.comm.as_ref())?;
         drop(grads);
-        if let Some(partition) = &mut self.partition {
+        if let Some(partition) = self.store.partition() {
             let model = self.model.clone();
             self.model = partition.release(model, &self.index, &self.layout, &self.device);
         }
@@ -200,102 +232,10 @@ impl<M: Module> Engine<M> {
         self.window.micro_steps == self.plan.batch.gradient_accumulation_steps
     }
 
-    /// At an accumulation boundary: reduces the gradients, clips them to the global norm,
-    /// steps the optimizer and the lr schedule, and restores the parameters the stage keeps.
-    /// If the gradients are not finite (and the plan checks), it skips all of that instead
-    /// and counts a skipped step. Elsewhere it does nothing and returns `None`. Every rank
-    /// must call it.
-    pub fn step(&mut self) -> Result<Option<StepReport>> {
-        if self.window.micro_steps == 0 {
-            return Err(Error::Usage("step() called without a backward() since the last step".into()));
-        }
-        if !self.is_gradient_accumulation_boundary() {
-            return Ok(None);
-        }
-        let comm = Arc::clone(&self.comm);
-        let (rank, n) = (comm.rank(), comm.world_size());
-        let mut grads = self.grads.reduce(&self.layout, comm.as_ref())?;
-
-        // One all-reduce carries each rank's squared-norm partial and its loss.
-        let mut metrics = vec![0.0f32; n + 1];
-        if self.plan.zero.stage.shards_optimizer_states() {
-            metrics[rank] = squared_norm(&grads) as f32;
-        }
-        metrics[n] = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
-        comm.all_reduce(&mut metrics, ReduceOp::Sum)?;
-        if !self.plan.zero.stage.shards_optimizer_states() {
-            for (r, partial) in metrics[..n].iter_mut().enumerate() {
-                let shard = self.layout.shard_real_range(r);
-                *partial = squared_norm(&grads[shard]) as f32;
-            }
-        }
-        let sum_squares: f64 = metrics[..n].iter().map(|&p| f64::from(p)).sum();
-        let grad_norm = sum_squares.sqrt() / n as f64;
-        // Every rank sums the same partials, so every rank takes the same branch.
-        let skip = self.plan.check_grad_overflow && !grad_norm.is_finite();
-        let lr = self.plan.schedule.lr(self.lr_iteration);
-        if skip {
-            self.counters.skipped_steps += 1;
-        } else {
-            let clip = self.plan.gradient_clipping;
-            let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
-            let factor = (clip_coef / n as f64) as f32;
-            grads.iter_mut().for_each(|g| *g *= factor);
-            let transient = self.apply(lr, grads)?;
-            self.peak_transient = self.peak_transient.max(transient);
-            self.lr_iteration += 1;
-        }
-        self.counters.global_steps += 1;
-        self.counters.global_samples += self.plan.batch.train_batch_size;
-        let stats = comm.stats();
-        let report = StepReport {
-            global_step: self.counters.global_steps,
-            loss: metrics[n] / n as f32,
-            lr,
-            grad_norm: grad_norm as f32,
-            skipped: skip,
-            comm_bytes: stats.since(&self.window.comm_at_start).total_bytes(),
-        };
-        self.window = Window { comm_at_start: stats, ..Window::default() };
-        self.last_step = Some(report);
-        Ok(Some(report))
-    }
-
-    /// Steps the optimizer over the rank's range with the final gradients and puts the new
-    /// values where the stage keeps parameters. Returns the transient bytes it used.
-    fn apply(&mut self, lr: f64, grads: Vec<f32>) -> Result<u64> {
-        let stage = self.plan.zero.stage;
-        let range = match stage {
-            ZeroStage::Disabled => 0..self.layout.num_elems(),
-            _ => self.layout.shard_range(self.comm.rank()),
-        };
-        let params = match &mut self.partition {
-            Some(partition) => partition.take_shard(),
-            None => {
-                let mut params = vec![0.0; range.len()];
-                read_params(&self.model, &self.index, &self.layout, range.clone(), &mut params)?;
-                params
-            }
-        };
-        let mut transient = 2 * range.len();
-        let updated = self.optimizer.step(lr, params, grads, &self.device.clone().without_autodiff())?;
-        let model = self.model.clone();
-        self.model = match (stage, &mut self.partition) {
-            (ZeroStage::Disabled, _) => {
-                write_params(model, &self.index, &self.layout, Fill::From(&updated), &self.device)
-            }
-            (_, Some(partition)) => {
-                partition.put_shard(updated);
-                model
-            }
-            (_, None) => {
-                let mut full = vec![0.0; self.layout.padded_elems()];
-                self.comm.all_gather(&updated, &mut full)?;
-                transient += full.len();
-                write_params(model, &self.index, &self.layout, Fill::From(&full), &self.device)
-            }
-        };
-        Ok((transient * size_of::<f32>()) as u64)
+    /// The loss scale the next backward pass multiplies the loss by (1 without fp16
+    /// scaling).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
 
     /// The learning rate the next step will use.
@@ -336,11 +276,12 @@ impl<M: Module> Engine<M> {
 
     /// Model-state bytes this rank holds now, measured from its buffers and tensors.
     pub fn memory_report(&self) -> MemoryReport {
-        let shard = self.partition.as_ref().map_or(0, Partition::shard_bytes);
+        let held = self.store.bytes();
+        let fp32 = self.plan.precision == Precision::Fp32;
         MemoryReport {
-            params: trainable_bytes(&self.model, &self.index) + shard,
+            params: trainable_bytes(&self.model, &self.index) + if fp32 { held } else { 0 },
             grads: self.grads.bytes(),
-            master: 0,
+            master: if fp32 { 0 } else { held },
             optimizer: self.optimizer.state_bytes(),
             peak_transient: self.peak_transient,
         }
@@ -350,13 +291,20 @@ impl<M: Module> Engine<M> {
     /// present: at stage 3 the model is gathered for the call and released after it. Every
     /// rank must call it at stage 3.
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
-        let was_released = self.partition.as_ref().is_some_and(Partition::is_released);
+        let was_released = self.store.partition().is_some_and(|p| p.is_released());
         let result = self.forward(|model| f(&model.valid()))?;
-        if was_released && let Some(partition) = &mut self.partition {
+        if was_released && let Some(partition) = self.store.partition() {
             let model = self.model.clone();
             self.model = partition.release(model, &self.index, &self.layout, &self.device);
         }
         Ok(result)
+    }
+
+    /// The fp32 master weights of every trainable parameter, concatenated in layout order
+    /// (`layout().num_elems()` values; [`layout`](Self::layout) says where each parameter
+    /// is). In fp32 training these are the parameters themselves. Every rank must call it.
+    pub fn master_params(&self) -> Result<Vec<f32>> {
+        self.store.gather(&self.model, &self.index, &self.layout, self.comm.as_ref())
     }
 
     /// A copy of the model with every parameter present and current (gathered at stage 3),
@@ -364,10 +312,6 @@ impl<M: Module> Engine<M> {
     pub fn full_model(&mut self) -> Result<M> {
         self.eval(|model| model.clone())
     }
-}
-
-fn squared_norm(values: &[f32]) -> f64 {
-    values.iter().map(|&g| f64::from(g) * f64::from(g)).sum()
 }
 
 /// Bytes of the trainable parameters the model holds now (released ones are empty).

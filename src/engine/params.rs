@@ -10,7 +10,9 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use zerotrain_precision::half::{bf16, f16};
+use zerotrain_precision::{BufMut, BufRef, Precision, with_elem};
 use zerotrain_zero::FlatLayout;
 
 use crate::{Error, Result};
@@ -55,14 +57,14 @@ impl ParamIndex {
     }
 }
 
-/// Copies the flat range `range` of the module's parameters into `dst` (padding stays as
-/// it is in `dst`). Only parameters that overlap the range are read.
+/// Copies the flat range `range` of the module's parameters into `dst` (any dtype; padding
+/// stays as it is in `dst`). Only parameters that overlap the range are read.
 pub(crate) fn read_params<M: Module>(
     model: &M,
     index: &ParamIndex,
     layout: &FlatLayout,
     range: std::ops::Range<usize>,
-    dst: &mut [f32],
+    dst: BufMut<'_>,
 ) -> Result<()> {
     let mut reader = FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Params };
     model.visit(&mut reader);
@@ -70,16 +72,16 @@ pub(crate) fn read_params<M: Module>(
 }
 
 /// Copies (or with `add`, adds) the gradients of the module's trainable parameters into the
-/// full flat buffer `dst` (at least `layout.num_elems()` long). A parameter without a
-/// gradient (unused in the forward pass) contributes zeros.
-/// The gradients are removed from `grads` as they are read, so that each tensor is uniquely
-/// owned and Flex hands its buffer over without a copy.
+/// full flat buffer `dst` (at least `layout.num_elems()` long, any dtype: values convert
+/// through f32). A parameter without a gradient (unused in the forward pass) contributes
+/// zeros. The gradients are removed from `grads` as they are read, so that each tensor is
+/// uniquely owned and Flex hands its buffer over without a copy.
 pub(crate) fn read_grads<M: Module>(
     model: &M,
     grads: &mut GradientsParams,
     index: &ParamIndex,
     layout: &FlatLayout,
-    dst: &mut [f32],
+    dst: BufMut<'_>,
     add: bool,
 ) -> Result<()> {
     let range = 0..layout.num_elems();
@@ -98,7 +100,7 @@ struct FlatReader<'a> {
     index: &'a ParamIndex,
     layout: &'a FlatLayout,
     range: std::ops::Range<usize>,
-    dst: &'a mut [f32],
+    dst: BufMut<'a>,
     position: usize,
     error: Option<Error>,
     source: Source<'a>,
@@ -115,50 +117,64 @@ impl ModuleVisitor for FlatReader<'_> {
         if start >= end || self.error.is_some() {
             return;
         }
-        let out = &mut self.dst[start - self.range.start..end - self.range.start];
+        let mut out = self.dst.reborrow().slice(start - self.range.start..end - self.range.start);
         let (tensor, add) = match &mut self.source {
             Source::Params => (Some(param.val()), false),
             Source::Grads { grads, add } => (grads.remove::<D>(param.id), *add),
         };
         let Some(tensor) = tensor else {
             if !add {
-                out.fill(0.0);
+                out.copy_from(BufRef::F32(&vec![0.0; end - start]), false);
             }
             return;
         };
         let data = tensor.into_data();
-        match data.as_slice::<f32>() {
-            Ok(values) if values.len() == entry.num_elems => {
-                let values = &values[start - entry.offset..end - entry.offset];
-                if add {
-                    out.iter_mut().zip(values).for_each(|(o, v)| *o += v);
-                } else {
-                    out.copy_from_slice(values);
-                }
-            }
-            Ok(values) => {
-                self.error = Some(Error::Model(format!(
+        let values = match data_as_buf(&data) {
+            Some(values) if values.len() == entry.num_elems => values,
+            Some(values) => {
+                let message = format!(
                     "parameter `{}` has {} elements, the layout expects {}; was the model changed after Engine::new?",
                     entry.path,
                     values.len(),
                     entry.num_elems
-                )))
+                );
+                self.error = Some(Error::Model(message));
+                return;
             }
-            Err(_) => {
-                self.error = Some(Error::Model(format!(
-                    "parameter `{}` is {:?}; fp32 training needs f32 parameters",
-                    entry.path,
-                    data.dtype()
-                )))
+            None => {
+                let message =
+                    format!("parameter `{}` is {:?}; zerotrain trains f32, f16 and bf16", entry.path, data.dtype());
+                self.error = Some(Error::Model(message));
+                return;
             }
-        }
+        };
+        out.copy_from(values.slice(start - entry.offset..end - entry.offset), add);
+    }
+}
+
+/// The tensor data as a flat buffer, if its dtype is one zerotrain handles.
+fn data_as_buf(data: &TensorData) -> Option<BufRef<'_>> {
+    match data.dtype() {
+        DType::F32 => data.as_slice::<f32>().ok().map(BufRef::F32),
+        DType::F16 => data.as_slice::<f16>().ok().map(BufRef::F16),
+        DType::BF16 => data.as_slice::<bf16>().ok().map(BufRef::Bf16),
+        _ => None,
+    }
+}
+
+/// Burn's dtype for a flat-buffer dtype.
+pub(crate) fn burn_dtype(precision: Precision) -> DType {
+    match precision {
+        Precision::Fp32 => DType::F32,
+        Precision::Fp16 => DType::F16,
+        Precision::Bf16 => DType::BF16,
     }
 }
 
 /// What [`write_params`] puts into each trainable parameter.
 pub(crate) enum Fill<'a> {
-    /// Values from the full flat buffer (at least `layout.num_elems()` long).
-    From(&'a [f32]),
+    /// Values from the full flat buffer (at least `layout.num_elems()` long), in its dtype.
+    From(BufRef<'a>),
     /// Empty tensors (stage 3's released state), except the entries marked `true` in
     /// the slice, which keep their current value.
     Release(&'a [bool]),
@@ -187,10 +203,12 @@ pub(crate) fn write_params<M: Module>(
             let entry = &self.layout.entries()[entry_index];
             let tensor = match self.fill {
                 Fill::From(flat) => {
-                    let values = flat[entry.flat_range()].to_vec();
                     let shape: [usize; D] =
                         entry.shape.as_slice().try_into().expect("layout shapes come from this module");
-                    Tensor::<D>::from_data(TensorData::new(values, shape), self.device)
+                    let options = (self.device, burn_dtype(flat.dtype()));
+                    let values = flat.slice(entry.flat_range());
+                    let data = with_elem!(BufRef, values, v, _E => TensorData::new(v.to_vec(), shape));
+                    Tensor::<D>::from_data(data, options)
                 }
                 Fill::Release(keep) if keep[entry_index] => return param,
                 Fill::Release(_) => Tensor::<D>::empty([0; D], self.device),

@@ -11,6 +11,7 @@
 
 use burn::module::Module;
 use burn::tensor::Device;
+use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::{Collective, FlatLayout};
 
 use super::params::{Fill, ParamIndex, write_params};
@@ -39,24 +40,31 @@ impl Partition {
         Self { shard: full[layout.shard_range(rank)].to_vec(), resident, state: State::Gathered }
     }
 
-    /// Gathers every shard into the model (no-op if already gathered). Returns the model and
-    /// the transient bytes used.
+    /// Gathers every shard into the model in the compute dtype `dtype` (no-op if already
+    /// gathered). Returns the model and the transient bytes used.
     pub fn gather<M: Module>(
         &mut self,
         model: M,
         index: &ParamIndex,
         layout: &FlatLayout,
         comm: &dyn Collective,
-        device: &Device,
+        (device, dtype): (&Device, Precision),
     ) -> Result<(M, u64)> {
         if self.state == State::Gathered {
             return Ok((model, 0));
         }
-        let mut full = vec![0.0; layout.padded_elems()];
-        comm.all_gather(&self.shard, &mut full)?;
+        let converted;
+        let shard = if dtype == Precision::Fp32 {
+            BufRef::F32(&self.shard)
+        } else {
+            converted = FlatBuf::from_f32(dtype, &self.shard);
+            converted.as_ref()
+        };
+        let mut full = FlatBuf::zeros(dtype, layout.padded_elems());
+        comm.all_gather(shard, full.as_mut())?;
         self.state = State::Gathered;
-        let bytes = (full.len() * size_of::<f32>()) as u64;
-        Ok((write_params(model, index, layout, Fill::From(&full), device), bytes))
+        let bytes = full.bytes() + if dtype == Precision::Fp32 { 0 } else { shard.len() as u64 * 2 };
+        Ok((write_params(model, index, layout, Fill::From(full.as_ref()), device), bytes))
     }
 
     /// Replaces every non-resident parameter of the model with an empty tensor.
@@ -78,6 +86,11 @@ impl Partition {
     /// Stores the updated shard.
     pub fn put_shard(&mut self, shard: Vec<f32>) {
         self.shard = shard;
+    }
+
+    /// The fp32 shard.
+    pub fn shard(&self) -> &[f32] {
+        &self.shard
     }
 
     /// Bytes of the shard.

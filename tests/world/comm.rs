@@ -30,7 +30,7 @@ fn bytes_per_step_equal_each_stages_collectives() {
                 .unwrap();
                 for (rank, (bytes, layout)) in per_rank.iter().enumerate() {
                     let (n, psi, padded) = (world_size, layout.num_elems(), layout.padded_elems());
-                    let op = |kind, elems| convention_bytes(kind, elems, n, rank, 0);
+                    let op = |kind, elems| convention_bytes(kind, elems, 4, n, rank, 0);
                     let (rs, ag) = (op(OpKind::ReduceScatter, padded), op(OpKind::AllGather, padded));
                     let metrics = op(OpKind::AllReduce, n + 1);
                     let expected = metrics

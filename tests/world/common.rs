@@ -118,7 +118,8 @@ pub fn params_by_path<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
             self.0.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.1.push((self.0.join("."), param.val().into_data().try_to_vec::<f32>().unwrap()));
+            let data = param.val().into_data().try_cast(burn::tensor::DType::F32).unwrap();
+            self.1.push((self.0.join("."), data.try_to_vec::<f32>().unwrap()));
         }
     }
     let mut c = Collect(Vec::new(), Vec::new());

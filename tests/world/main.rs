@@ -7,6 +7,7 @@ mod common;
 mod equivalence;
 mod failure;
 mod memory;
+mod mixed;
 mod overflow;
 
 /// The README's minimal example, compiled and run as part of the suite.

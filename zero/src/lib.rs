@@ -22,7 +22,7 @@
 //!         s.spawn(move || {
 //!             let grads = vec![rank as f32 + 1.0; layout.padded_elems()];
 //!             let mut shard = vec![0.0; layout.shard_len()];
-//!             comm.reduce_scatter(&grads, &mut shard, ReduceOp::Sum).unwrap();
+//!             comm.reduce_scatter((&grads).into(), (&mut shard).into(), ReduceOp::Sum).unwrap();
 //!             shard
 //!         })
 //!     }).collect();

@@ -14,6 +14,8 @@ mod threads;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use zerotrain_precision::{BufMut, BufRef};
+
 pub use threads::{ThreadComm, ThreadWorld};
 
 use crate::ZeroError;
@@ -49,16 +51,17 @@ pub trait Collective: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Reduces `buf` across ranks in place; every rank ends with the same result.
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), ZeroError>;
-    /// Reduces `input` (length `world_size * output.len()`) across ranks; this rank receives
-    /// chunk `rank` of the result in `output`.
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<(), ZeroError>;
+    /// Reduces `buf` across ranks in place; every rank ends with the same result. Half
+    /// precision is reduced in f32 and rounded once.
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError>;
+    /// Reduces `input` (length `world_size * output.len()`, same dtype) across ranks; this
+    /// rank receives chunk `rank` of the result in `output`.
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError>;
     /// Concatenates every rank's `input` in rank order into `output`
-    /// (length `world_size * input.len()`).
-    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<(), ZeroError>;
+    /// (length `world_size * input.len()`, same dtype).
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError>;
     /// Copies `root`'s `buf` into every rank's `buf`.
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), ZeroError>;
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), ZeroError>;
     /// Marks the job failed: every rank's pending and future collectives return
@@ -169,12 +172,18 @@ impl CommCounters {
     }
 }
 
-/// Bytes one rank moves for `kind` on a buffer of `buffer_bytes` (the full, unscattered
-/// buffer) over `world_size` ranks, under the bus-bandwidth convention, for chunk
-/// boundaries at `chunk_range`. `rank` matters only for all-reduce with uneven chunks and
-/// broadcast.
-pub fn convention_bytes(kind: OpKind, buffer_elems: usize, world_size: usize, rank: usize, root: usize) -> u64 {
-    let f32_bytes = std::mem::size_of::<f32>();
+/// Bytes one rank moves for `kind` on a buffer of `buffer_elems` elements of `elem_bytes`
+/// each (the full, unscattered buffer) over `world_size` ranks, under the bus-bandwidth
+/// convention, for chunk boundaries at [`chunk_range`]. `rank` matters only for all-reduce
+/// with uneven chunks and for broadcast.
+pub fn convention_bytes(
+    kind: OpKind,
+    buffer_elems: usize,
+    elem_bytes: usize,
+    world_size: usize,
+    rank: usize,
+    root: usize,
+) -> u64 {
     let n = world_size;
     let elems = match kind {
         OpKind::AllReduce => {
@@ -192,7 +201,7 @@ pub fn convention_bytes(kind: OpKind, buffer_elems: usize, world_size: usize, ra
         }
         OpKind::Barrier => 0,
     };
-    (elems * f32_bytes) as u64
+    (elems * elem_bytes) as u64
 }
 
 /// The chunk of a `len`-element all-reduce buffer that `rank` reduces: `len / n` each, the

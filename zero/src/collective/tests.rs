@@ -2,6 +2,9 @@
 
 use std::time::{Duration, Instant};
 
+use zerotrain_precision::half::{bf16, f16};
+use zerotrain_precision::{FlatBuf, Precision};
+
 use super::*;
 
 /// Runs `f` on `n` rank threads of a fresh world and returns each rank's result.
@@ -42,7 +45,7 @@ fn all_reduce_matches_host_bitwise_and_counts_bus_bytes() {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                 let out = run_world(n, T, |c| {
                     let mut buf = input(c.rank(), len);
-                    c.all_reduce(&mut buf, op).unwrap();
+                    c.all_reduce((&mut buf).into(), op).unwrap();
                     (buf, c.stats())
                 });
                 let expected = host_reduce(n, len, op);
@@ -66,7 +69,7 @@ fn reduce_scatter_matches_host_and_counts_bus_bytes() {
         for chunk in [0, 1, 3, 7, 1001] {
             let out = run_world(n, T, |c| {
                 let mut shard = vec![f32::NAN; chunk];
-                c.reduce_scatter(&input(c.rank(), chunk * n), &mut shard, ReduceOp::Sum).unwrap();
+                c.reduce_scatter((&input(c.rank(), chunk * n)).into(), (&mut shard).into(), ReduceOp::Sum).unwrap();
                 (shard, c.stats())
             });
             let expected = host_reduce(n, chunk * n, ReduceOp::Sum);
@@ -84,7 +87,7 @@ fn all_gather_concatenates_in_rank_order_and_counts_bus_bytes() {
         for chunk in [0, 1, 3, 7, 1001] {
             let out = run_world(n, T, |c| {
                 let mut full = vec![f32::NAN; chunk * n];
-                c.all_gather(&input(c.rank(), chunk), &mut full).unwrap();
+                c.all_gather((&input(c.rank(), chunk)).into(), (&mut full).into()).unwrap();
                 (full, c.stats())
             });
             let expected: Vec<f32> = (0..n).flat_map(|r| input(r, chunk)).collect();
@@ -102,7 +105,7 @@ fn broadcast_copies_root_to_every_rank() {
         for root in 0..n {
             let out = run_world(n, T, |c| {
                 let mut buf = input(c.rank(), 13);
-                c.broadcast(&mut buf, root).unwrap();
+                c.broadcast((&mut buf).into(), root).unwrap();
                 c.barrier().unwrap();
                 (buf, c.stats())
             });
@@ -119,7 +122,7 @@ fn broadcast_copies_root_to_every_rank() {
 fn wrong_lengths_are_errors_not_corruption() {
     let out = run_world(3, T, |c| {
         let mut out = vec![0.0; 2];
-        c.reduce_scatter(&[0.0; 5], &mut out, ReduceOp::Sum)
+        c.reduce_scatter(BufRef::F32(&[0.0; 5]), (&mut out).into(), ReduceOp::Sum)
     });
     assert!(out.iter().all(|r| matches!(r, Err(ZeroError::BadBuffer { op: "reduce_scatter", .. }))));
 
@@ -128,7 +131,7 @@ fn wrong_lengths_are_errors_not_corruption() {
     let out = run_world(3, Duration::from_secs(600), |c| {
         let len = if c.rank() == 1 { 5 } else { 6 };
         let mut out = vec![0.0; 2];
-        c.reduce_scatter(&vec![0.0; len], &mut out, ReduceOp::Sum)
+        c.reduce_scatter((&vec![0.0f32; len]).into(), (&mut out).into(), ReduceOp::Sum)
     });
     assert!(start.elapsed() < Duration::from_secs(10));
     assert!(matches!(&out[1], Err(ZeroError::BadBuffer { rank: 1, .. })), "{:?}", out[1]);
@@ -139,7 +142,7 @@ fn wrong_lengths_are_errors_not_corruption() {
     // Ranks disagreeing on the length: every rank gets a mismatch, no buffer is touched.
     let out = run_world(2, T, |c| {
         let mut buf = vec![1.0; 3 + c.rank()];
-        let r = c.all_reduce(&mut buf, ReduceOp::Sum);
+        let r = c.all_reduce((&mut buf).into(), ReduceOp::Sum);
         (r, buf)
     });
     for (r, buf) in out {
@@ -158,7 +161,7 @@ fn an_aborting_rank_releases_every_waiting_rank() {
             return Err(ZeroError::Aborted { rank: 2, reason: "self".into() });
         }
         let mut buf = vec![1.0; 8];
-        c.all_reduce(&mut buf, ReduceOp::Sum)?;
+        c.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
         Ok(())
     });
     assert!(start.elapsed() < Duration::from_secs(10), "abort must not wait for the timeout");
@@ -199,10 +202,69 @@ fn a_missing_rank_times_out_and_poisons_the_world() {
 fn convention_bytes_sum_to_ring_volume_for_uneven_all_reduce() {
     for n in 1..=6 {
         for len in [0, 1, 5, 13, 100] {
-            let total: u64 = (0..n).map(|r| convention_bytes(OpKind::AllReduce, len, n, r, 0)).sum();
+            let total: u64 = (0..n).map(|r| convention_bytes(OpKind::AllReduce, len, 4, n, r, 0)).sum();
             assert_eq!(total, (2 * (n - 1) * len * 4) as u64);
             let covered: usize = (0..n).map(|r| chunk_range(len, n, r).len()).sum();
             assert_eq!(covered, len);
         }
     }
+}
+
+/// Host answer for half precision: widen, combine in rank order in f32, round once.
+fn host_reduce_half(n: usize, len: usize, dtype: Precision) -> FlatBuf {
+    let widened: Vec<Vec<f32>> = (0..n).map(|r| FlatBuf::from_f32(dtype, &input(r, len)).into_f32()).collect();
+    let sum: Vec<f32> = (0..len).map(|i| widened.iter().skip(1).fold(widened[0][i], |a, w| a + w[i])).collect();
+    FlatBuf::from_f32(dtype, &sum)
+}
+
+#[test]
+fn half_precision_reduces_in_f32_rounds_once_and_moves_half_the_bytes() {
+    for dtype in [Precision::Fp16, Precision::Bf16] {
+        for n in [2, 3, 5] {
+            let len = 1003 * n;
+            let out = run_world(n, T, |c| {
+                let mut buf = FlatBuf::from_f32(dtype, &input(c.rank(), len));
+                c.all_reduce(buf.as_mut(), ReduceOp::Sum).unwrap();
+                let src = FlatBuf::from_f32(dtype, &input(c.rank(), len));
+                let mut shard = FlatBuf::zeros(dtype, len / n);
+                c.reduce_scatter(src.as_ref(), shard.as_mut(), ReduceOp::Sum).unwrap();
+                let mut full = FlatBuf::zeros(dtype, len);
+                c.all_gather(shard.as_ref(), full.as_mut()).unwrap();
+                (buf, full, c.stats())
+            });
+            let expected = host_reduce_half(n, len, dtype);
+            for (rank, (reduced, gathered, stats)) in out.iter().enumerate() {
+                assert_eq!(reduced, &expected, "{dtype} n={n} rank {rank}");
+                assert_eq!(gathered, &expected, "{dtype} n={n} rank {rank}");
+                let f32_bytes = convention_bytes(OpKind::AllReduce, len, 4, n, rank, 0);
+                assert_eq!(2 * stats.all_reduce.bytes, f32_bytes);
+                assert_eq!(2 * stats.reduce_scatter.bytes, ((n - 1) * len / n * 4) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn dtypes_must_agree_across_ranks_and_between_input_and_output() {
+    let out = run_world(2, T, |c| {
+        let mut buf =
+            if c.rank() == 0 { FlatBuf::zeros(Precision::Fp16, 4) } else { FlatBuf::zeros(Precision::Bf16, 4) };
+        c.all_reduce(buf.as_mut(), ReduceOp::Sum)
+    });
+    for r in &out {
+        assert!(
+            matches!(r, Err(ZeroError::Mismatch { detail, .. }) if detail.contains("fp16") && detail.contains("bf16")),
+            "{r:?}"
+        );
+    }
+    let out = run_world(1, T, |c| {
+        let input = [f16::ONE; 2];
+        let mut output = [bf16::ZERO; 2];
+        c.reduce_scatter(BufRef::F16(&input), BufMut::Bf16(&mut output), ReduceOp::Sum)
+    });
+    assert!(
+        matches!(&out[0], Err(ZeroError::BadBuffer { detail, .. }) if detail == "input is fp16, output is bf16"),
+        "{:?}",
+        out[0]
+    );
 }

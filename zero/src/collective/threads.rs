@@ -17,6 +17,8 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use zerotrain_precision::{BufMut, BufRef, FlatElem, Precision, with_elem};
+
 use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, chunk_range, convention_bytes};
 use crate::ZeroError;
 
@@ -92,10 +94,11 @@ struct State {
 struct Slot {
     op: Option<OpKind>,
     reduce: Option<ReduceOp>,
+    dtype: Precision,
     root: usize,
-    src: *const f32,
+    src: *const u8,
     src_len: usize,
-    dst: *mut f32,
+    dst: *mut u8,
     dst_len: usize,
 }
 
@@ -108,12 +111,24 @@ impl Slot {
     const EMPTY: Slot = Slot {
         op: None,
         reduce: None,
+        dtype: Precision::Fp32,
         root: 0,
         src: std::ptr::null(),
         src_len: 0,
         dst: std::ptr::null_mut(),
         dst_len: 0,
     };
+
+    fn new<E: FlatElem>(
+        op: OpKind,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        src: (*const E, usize),
+        dst: (*mut E, usize),
+    ) -> Self {
+        let (src, src_len, dst, dst_len) = (src.0.cast(), src.1, dst.0.cast(), dst.1);
+        Slot { op: Some(op), reduce, dtype: E::DTYPE, root, src, src_len, dst, dst_len }
+    }
 }
 
 impl Hub {
@@ -184,6 +199,7 @@ impl ThreadComm {
         let mine = &slots[self.rank];
         let differs = |s: &Slot| {
             s.op != mine.op
+                || s.dtype != mine.dtype
                 || s.reduce != mine.reduce
                 || s.root != mine.root
                 || s.src_len != mine.src_len
@@ -193,17 +209,19 @@ impl ThreadComm {
             // Every rank sees the same slots, so every rank takes this branch; nobody has
             // touched a peer's buffer yet, so returning here is safe.
             let detail = format!(
-                "rank {} called {:?}/{:?} with {}->{} elements (root {}), rank {other} called {:?}/{:?} with {}->{} (root {})",
+                "rank {} called {:?}/{:?} with {}->{} {} elements (root {}), rank {other} called {:?}/{:?} with {}->{} {} (root {})",
                 self.rank,
                 mine.op,
                 mine.reduce,
                 mine.src_len,
                 mine.dst_len,
+                mine.dtype,
                 mine.root,
                 slots[other].op,
                 slots[other].reduce,
                 slots[other].src_len,
                 slots[other].dst_len,
+                slots[other].dtype,
                 slots[other].root,
             );
             self.hub.abort(self.rank, &detail);
@@ -224,15 +242,89 @@ impl ThreadComm {
         self.hub.abort(self.rank, &error.to_string());
         error
     }
+}
 
-    fn slot(
-        op: OpKind,
-        reduce: Option<ReduceOp>,
-        root: usize,
-        src: (*const f32, usize),
-        dst: (*mut f32, usize),
-    ) -> Slot {
-        Slot { op: Some(op), reduce, root, src: src.0, src_len: src.1, dst: dst.0, dst_len: dst.1 }
+impl ThreadComm {
+    fn all_reduce_typed<E: FlatElem>(&self, buf: &mut [E], op: ReduceOp) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        let len = buf.len();
+        let ptr = buf.as_mut_ptr();
+        let slots = self.rendezvous(Slot::new(OpKind::AllReduce, Some(op), 0, (ptr.cast_const(), len), (ptr, len)))?;
+        let own = chunk_range(len, n, self.rank);
+        let peers: Vec<*const E> = slots.iter().map(|s| s.dst.cast_const().cast::<E>()).collect();
+        // SAFETY: every buffer has `len` elements of E (checked at the rendezvous). In this
+        // phase rank r writes only chunk r of its own buffer and reads only chunk r of the others.
+        unsafe { reduce_block(ptr.add(own.start), &peers, own.start, own.len(), op) };
+        self.exit_barrier();
+        for (k, peer) in peers.iter().enumerate().filter(|&(k, _)| k != self.rank) {
+            let chunk = chunk_range(len, n, k);
+            // SAFETY: rank k finished chunk k before the barrier above and only writes other
+            // chunks of its own buffer now; we write chunk k of ours, which nobody reads.
+            unsafe { std::ptr::copy_nonoverlapping(peer.add(chunk.start), ptr.add(chunk.start), chunk.len()) };
+        }
+        self.exit_barrier();
+        self.record::<E>(OpKind::AllReduce, len, 0);
+        Ok(())
+    }
+
+    fn reduce_scatter_typed<E: FlatElem>(&self, input: &[E], output: &mut [E], op: ReduceOp) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        let chunk = output.len();
+        if input.len() != chunk * n {
+            let detail = format!("input has {} elements, expected world_size ({n}) x output ({chunk})", input.len());
+            return Err(self.bad_buffer(OpKind::ReduceScatter, detail));
+        }
+        let dst = output.as_mut_ptr();
+        let slot = Slot::new(OpKind::ReduceScatter, Some(op), 0, (input.as_ptr(), input.len()), (dst, chunk));
+        let slots = self.rendezvous(slot)?;
+        let peers: Vec<*const E> = slots.iter().map(|s| s.src.cast::<E>()).collect();
+        // SAFETY: inputs are only read during this call, and `output` is ours alone.
+        unsafe { reduce_block(dst, &peers, self.rank * chunk, chunk, op) };
+        self.exit_barrier();
+        self.record::<E>(OpKind::ReduceScatter, input.len(), 0);
+        Ok(())
+    }
+
+    fn all_gather_typed<E: FlatElem>(&self, input: &[E], output: &mut [E]) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        let chunk = input.len();
+        if output.len() != chunk * n {
+            let detail = format!("output has {} elements, expected world_size ({n}) x input ({chunk})", output.len());
+            return Err(self.bad_buffer(OpKind::AllGather, detail));
+        }
+        let dst = output.as_mut_ptr();
+        let slots =
+            self.rendezvous(Slot::new(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())))?;
+        for (k, slot) in slots.iter().enumerate() {
+            // SAFETY: inputs are only read during this call, and `output` is ours alone.
+            unsafe { std::ptr::copy_nonoverlapping(slot.src.cast::<E>(), dst.add(k * chunk), chunk) };
+        }
+        self.exit_barrier();
+        self.record::<E>(OpKind::AllGather, output.len(), 0);
+        Ok(())
+    }
+
+    fn broadcast_typed<E: FlatElem>(&self, buf: &mut [E], root: usize) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        if root >= n {
+            return Err(self.bad_buffer(OpKind::Broadcast, format!("root {root} is not a rank of {n}")));
+        }
+        let len = buf.len();
+        let ptr = buf.as_mut_ptr();
+        let slots = self.rendezvous(Slot::new(OpKind::Broadcast, None, root, (ptr.cast_const(), len), (ptr, len)))?;
+        if self.rank != root {
+            // SAFETY: the root does not write its buffer during the call; ours is ours alone.
+            unsafe { std::ptr::copy_nonoverlapping(slots[root].src.cast::<E>(), ptr, len) };
+        }
+        self.exit_barrier();
+        self.record::<E>(OpKind::Broadcast, len, root);
+        Ok(())
+    }
+
+    fn record<E: FlatElem>(&self, kind: OpKind, buffer_elems: usize, root: usize) {
+        let elem_bytes = std::mem::size_of::<E>();
+        let bytes = convention_bytes(kind, buffer_elems, elem_bytes, self.hub.world_size, self.rank, root);
+        self.counters.record(kind, bytes);
     }
 }
 
@@ -245,90 +337,40 @@ impl Collective for ThreadComm {
         self.hub.world_size
     }
 
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
-        let n = self.hub.world_size;
-        let len = buf.len();
-        let ptr = buf.as_mut_ptr();
-        let slots = self.rendezvous(Self::slot(OpKind::AllReduce, Some(op), 0, (ptr, len), (ptr, len)))?;
-        let own = chunk_range(len, n, self.rank);
-        let peers: Vec<*const f32> = slots.iter().map(|s| s.dst as *const f32).collect();
-        // SAFETY: every buffer has `len` elements (checked at the rendezvous). In this phase
-        // rank r writes only chunk r of its own buffer and reads only chunk r of the others.
-        unsafe { reduce_block(ptr.add(own.start), &peers, own.start, own.len(), op) };
-        self.exit_barrier();
-        for (k, peer) in peers.iter().enumerate().filter(|&(k, _)| k != self.rank) {
-            let chunk = chunk_range(len, n, k);
-            // SAFETY: rank k finished chunk k before the barrier above and only writes other
-            // chunks of its own buffer now; we write chunk k of ours, which nobody reads.
-            unsafe { std::ptr::copy_nonoverlapping(peer.add(chunk.start), ptr.add(chunk.start), chunk.len()) };
-        }
-        self.exit_barrier();
-        self.counters.record(OpKind::AllReduce, convention_bytes(OpKind::AllReduce, len, n, self.rank, 0));
-        Ok(())
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        with_elem!(BufMut, buf, v, E => self.all_reduce_typed::<E>(v, op))
     }
 
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
-        let n = self.hub.world_size;
-        let chunk = output.len();
-        if input.len() != chunk * n {
-            let detail = format!("input has {} elements, expected world_size ({n}) x output ({chunk})", input.len());
-            return Err(self.bad_buffer(OpKind::ReduceScatter, detail));
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        match (input, output) {
+            (BufRef::F32(i), BufMut::F32(o)) => self.reduce_scatter_typed(i, o, op),
+            (BufRef::F16(i), BufMut::F16(o)) => self.reduce_scatter_typed(i, o, op),
+            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.reduce_scatter_typed(i, o, op),
+            (i, o) => {
+                let detail = format!("input is {}, output is {}", i.dtype(), o.dtype());
+                Err(self.bad_buffer(OpKind::ReduceScatter, detail))
+            }
         }
-        let dst = output.as_mut_ptr();
-        let slots = self.rendezvous(Self::slot(
-            OpKind::ReduceScatter,
-            Some(op),
-            0,
-            (input.as_ptr(), input.len()),
-            (dst, chunk),
-        ))?;
-        let peers: Vec<*const f32> = slots.iter().map(|s| s.src).collect();
-        // SAFETY: inputs are only read during this call, and `output` is ours alone.
-        unsafe { reduce_block(dst, &peers, self.rank * chunk, chunk, op) };
-        self.exit_barrier();
-        self.counters
-            .record(OpKind::ReduceScatter, convention_bytes(OpKind::ReduceScatter, input.len(), n, self.rank, 0));
-        Ok(())
     }
 
-    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<(), ZeroError> {
-        let n = self.hub.world_size;
-        let chunk = input.len();
-        if output.len() != chunk * n {
-            let detail = format!("output has {} elements, expected world_size ({n}) x input ({chunk})", output.len());
-            return Err(self.bad_buffer(OpKind::AllGather, detail));
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
+        match (input, output) {
+            (BufRef::F32(i), BufMut::F32(o)) => self.all_gather_typed(i, o),
+            (BufRef::F16(i), BufMut::F16(o)) => self.all_gather_typed(i, o),
+            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.all_gather_typed(i, o),
+            (i, o) => {
+                Err(self.bad_buffer(OpKind::AllGather, format!("input is {}, output is {}", i.dtype(), o.dtype())))
+            }
         }
-        let dst = output.as_mut_ptr();
-        let slots =
-            self.rendezvous(Self::slot(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())))?;
-        for (k, slot) in slots.iter().enumerate() {
-            // SAFETY: inputs are only read during this call, and `output` is ours alone.
-            unsafe { std::ptr::copy_nonoverlapping(slot.src, dst.add(k * chunk), chunk) };
-        }
-        self.exit_barrier();
-        self.counters.record(OpKind::AllGather, convention_bytes(OpKind::AllGather, output.len(), n, self.rank, 0));
-        Ok(())
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), ZeroError> {
-        let n = self.hub.world_size;
-        if root >= n {
-            return Err(self.bad_buffer(OpKind::Broadcast, format!("root {root} is not a rank of {n}")));
-        }
-        let len = buf.len();
-        let ptr = buf.as_mut_ptr();
-        let slots = self.rendezvous(Self::slot(OpKind::Broadcast, None, root, (ptr, len), (ptr, len)))?;
-        if self.rank != root {
-            // SAFETY: the root does not write its buffer during the call; ours is ours alone.
-            unsafe { std::ptr::copy_nonoverlapping(slots[root].src, ptr, len) };
-        }
-        self.exit_barrier();
-        self.counters.record(OpKind::Broadcast, convention_bytes(OpKind::Broadcast, len, n, self.rank, root));
-        Ok(())
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError> {
+        with_elem!(BufMut, buf, v, E => self.broadcast_typed::<E>(v, root))
     }
 
     fn barrier(&self) -> Result<(), ZeroError> {
-        self.rendezvous(Self::slot(OpKind::Barrier, None, 0, (std::ptr::null(), 0), (std::ptr::null_mut(), 0)))?;
+        let slot = Slot::new::<f32>(OpKind::Barrier, None, 0, (std::ptr::null(), 0), (std::ptr::null_mut(), 0));
+        self.rendezvous(slot)?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
     }
@@ -342,13 +384,14 @@ impl Collective for ThreadComm {
     }
 }
 
-/// Writes `op`-reduction over `peers[k][offset..offset + len]` (in rank order) to `dst`.
+/// Writes the `op`-reduction of `peers[k][offset..offset + len]` to `dst`: widened to f32,
+/// combined in rank order, rounded once to `E` (for f32 this is a plain f32 reduction).
 ///
 /// # Safety
 /// Every peer pointer must be valid for reads of `offset + len` elements, `dst` for writes of
 /// `len`, and no other thread may write the read range or touch `dst` during the call.
 /// `dst` may be one of the read ranges: each block is read in full before it is written.
-unsafe fn reduce_block(dst: *mut f32, peers: &[*const f32], offset: usize, len: usize, op: ReduceOp) {
+unsafe fn reduce_block<E: FlatElem>(dst: *mut E, peers: &[*const E], offset: usize, len: usize, op: ReduceOp) {
     let mut acc = [0f32; BLOCK_ELEMS];
     let mut done = 0;
     while done < len {
@@ -356,16 +399,18 @@ unsafe fn reduce_block(dst: *mut f32, peers: &[*const f32], offset: usize, len: 
         let acc = &mut acc[..n];
         // SAFETY: within the ranges the caller guarantees.
         unsafe {
-            acc.copy_from_slice(std::slice::from_raw_parts(peers[0].add(offset + done), n));
+            let first = std::slice::from_raw_parts(peers[0].add(offset + done), n);
+            acc.iter_mut().zip(first).for_each(|(a, x)| *a = x.to_f32());
             for peer in &peers[1..] {
                 let x = std::slice::from_raw_parts(peer.add(offset + done), n);
                 match op {
-                    ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
-                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
-                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b)),
+                    ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b.to_f32()),
+                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(b.to_f32())),
+                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(b.to_f32())),
                 }
             }
-            std::ptr::copy_nonoverlapping(acc.as_ptr(), dst.add(done), n);
+            let out = std::slice::from_raw_parts_mut(dst.add(done), n);
+            out.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = E::from_f32(*a));
         }
         done += n;
     }

@@ -1,0 +1,287 @@
+//! Flat buffers tagged with their element type, and conversions between them.
+//!
+//! Collectives, gradient accumulators and parameter gathers move flat buffers whose element
+//! type is a run-time choice (`communication_data_type`, `grad_accum_dtype`, the compute
+//! dtype). [`FlatBuf`] owns one, [`BufRef`] and [`BufMut`] borrow one; [`FlatElem`] gives
+//! generic code the element's conversions to and from f32, where all arithmetic happens.
+
+use half::{bf16, f16};
+
+use crate::Precision;
+
+/// An element type of flat buffers: f32, f16 or bf16.
+pub trait FlatElem: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
+    /// The dtype tag.
+    const DTYPE: Precision;
+    /// Widens to f32 (exact).
+    fn to_f32(self) -> f32;
+    /// Narrows from f32, rounding to nearest even.
+    fn from_f32(value: f32) -> Self;
+}
+
+impl FlatElem for f32 {
+    const DTYPE: Precision = Precision::Fp32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+impl FlatElem for f16 {
+    const DTYPE: Precision = Precision::Fp16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}
+
+impl FlatElem for bf16 {
+    const DTYPE: Precision = Precision::Bf16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+
+/// Runs `$body` with `$v` bound to the inner slice or vector and `$E` to its element type.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_elem {
+    ($enum:ident, $buf:expr, $v:ident, $E:ident => $body:expr) => {
+        match $buf {
+            $enum::F32($v) => {
+                type $E = f32;
+                $body
+            }
+            $enum::F16($v) => {
+                type $E = $crate::half::f16;
+                $body
+            }
+            $enum::Bf16($v) => {
+                type $E = $crate::half::bf16;
+                $body
+            }
+        }
+    };
+}
+
+/// An owned flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FlatBuf {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f16 elements.
+    F16(Vec<f16>),
+    /// bf16 elements.
+    Bf16(Vec<bf16>),
+}
+
+/// A borrowed flat buffer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BufRef<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// f16 elements.
+    F16(&'a [f16]),
+    /// bf16 elements.
+    Bf16(&'a [bf16]),
+}
+
+/// A mutably borrowed flat buffer.
+#[derive(Debug, PartialEq)]
+pub enum BufMut<'a> {
+    /// f32 elements.
+    F32(&'a mut [f32]),
+    /// f16 elements.
+    F16(&'a mut [f16]),
+    /// bf16 elements.
+    Bf16(&'a mut [bf16]),
+}
+
+impl FlatBuf {
+    /// `len` zeros of `dtype`.
+    pub fn zeros(dtype: Precision, len: usize) -> Self {
+        match dtype {
+            Precision::Fp32 => Self::F32(vec![0.0; len]),
+            Precision::Fp16 => Self::F16(vec![f16::ZERO; len]),
+            Precision::Bf16 => Self::Bf16(vec![bf16::ZERO; len]),
+        }
+    }
+
+    /// `values` converted to `dtype`.
+    pub fn from_f32(dtype: Precision, values: &[f32]) -> Self {
+        let mut buf = Self::zeros(dtype, values.len());
+        buf.as_mut().copy_from(BufRef::F32(values), false);
+        buf
+    }
+
+    /// Borrows it.
+    pub fn as_ref(&self) -> BufRef<'_> {
+        with_elem!(Self, self, v, _E => BufRef::from(v.as_slice()))
+    }
+
+    /// Borrows it mutably.
+    pub fn as_mut(&mut self) -> BufMut<'_> {
+        with_elem!(Self, self, v, _E => BufMut::from(v.as_mut_slice()))
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.as_ref().len()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> Precision {
+        self.as_ref().dtype()
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        (self.len() * self.dtype().bytes_per_elem()) as u64
+    }
+
+    /// The values as f32 (a copy unless already f32, then moved).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Self::F32(v) => v,
+            other => other.as_ref().to_f32(),
+        }
+    }
+}
+
+impl<'a> BufRef<'a> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        with_elem!(Self, self, v, _E => v.len())
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> Precision {
+        with_elem!(Self, self, _v, E => <E as FlatElem>::DTYPE)
+    }
+
+    /// The elements in `range`.
+    pub fn slice(self, range: std::ops::Range<usize>) -> BufRef<'a> {
+        with_elem!(Self, self, v, _E => BufRef::from(&v[range]))
+    }
+
+    /// The values as a new f32 vector.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        BufMut::F32(&mut out).copy_from(*self, false);
+        out
+    }
+}
+
+impl<'a> BufMut<'a> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        with_elem!(Self, self, v, _E => v.len())
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> Precision {
+        with_elem!(Self, self, _v, E => <E as FlatElem>::DTYPE)
+    }
+
+    /// Reborrows it.
+    pub fn reborrow(&mut self) -> BufMut<'_> {
+        with_elem!(Self, self, v, _E => BufMut::from(&mut **v))
+    }
+
+    /// The elements in `range`.
+    pub fn slice(self, range: std::ops::Range<usize>) -> BufMut<'a> {
+        with_elem!(Self, self, v, _E => BufMut::from(&mut v[range]))
+    }
+
+    /// Copies `src` (same length, any dtype) into `self`, converting through f32; with
+    /// `add`, adds in f32 and rounds once.
+    ///
+    /// # Panics
+    /// If the lengths differ (a programmer error: both come from one layout).
+    pub fn copy_from(&mut self, src: BufRef<'_>, add: bool) {
+        assert_eq!(self.len(), src.len(), "flat buffer lengths differ");
+        with_elem!(BufRef, src, s, S => {
+            with_elem!(BufMut, self, d, D => convert::<S, D>(s, d, add))
+        })
+    }
+}
+
+fn convert<S: FlatElem, D: FlatElem>(src: &[S], dst: &mut [D], add: bool) {
+    if add {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = D::from_f32(d.to_f32() + s.to_f32()));
+    } else {
+        // Same-type copies compile to a plain copy: the f32 round trip is exact.
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = D::from_f32(s.to_f32()));
+    }
+}
+
+macro_rules! buf_from {
+    ($($t:ty => $variant:ident),*) => {$(
+        impl<'a> From<&'a [$t]> for BufRef<'a> {
+            fn from(v: &'a [$t]) -> Self { Self::$variant(v) }
+        }
+        impl<'a> From<&'a mut [$t]> for BufMut<'a> {
+            fn from(v: &'a mut [$t]) -> Self { Self::$variant(v) }
+        }
+        impl<'a> From<&'a Vec<$t>> for BufRef<'a> {
+            fn from(v: &'a Vec<$t>) -> Self { Self::$variant(v) }
+        }
+        impl<'a> From<&'a mut Vec<$t>> for BufMut<'a> {
+            fn from(v: &'a mut Vec<$t>) -> Self { Self::$variant(v) }
+        }
+    )*};
+}
+buf_from!(f32 => F32, f16 => F16, bf16 => Bf16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_round_once_and_adds_happen_in_f32() {
+        let mut acc = FlatBuf::zeros(Precision::Fp16, 3);
+        let step = [1.0f32 / 3.0, 1000.0, -2.5];
+        for _ in 0..3 {
+            acc.as_mut().copy_from(BufRef::F32(&step), true);
+        }
+        let got = acc.into_f32();
+        // Each add happens in f32 and rounds to f16 once.
+        let mut expect = f16::ZERO;
+        for _ in 0..3 {
+            expect = f16::from_f32(expect.to_f32() + 1.0 / 3.0);
+        }
+        assert_eq!(got[0], expect.to_f32());
+        assert_eq!(got[1..], [3000.0, -7.5]);
+        let bf = FlatBuf::from_f32(Precision::Bf16, &[1.0, 3.0e38]);
+        assert_eq!((bf.dtype(), bf.bytes()), (Precision::Bf16, 4));
+        assert_eq!(bf.as_ref().slice(1..2).to_f32(), [bf16::from_f32(3.0e38).to_f32()]);
+    }
+}

@@ -1,0 +1,154 @@
+//! Resolving `fp16`, `bf16`, `communication_data_type`, `data_types` and the loss scaler.
+
+use zerotrain_precision::{AtMinimum, DynamicScaleConfig, Precision};
+
+use super::raw::Fp16Config;
+use super::value::{AutoOr, Count};
+use super::{Config, ConfigError, LossScalePlan};
+
+/// The dtypes and loss scaling a config asks for.
+pub(super) struct Dtypes {
+    pub precision: Precision,
+    pub comm: Precision,
+    pub grad_accum: Precision,
+    pub loss_scale: Option<LossScalePlan>,
+    /// Accepted settings without effect, for the plan's warning.
+    pub not_implemented: Vec<String>,
+}
+
+fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::InvalidValue { origin: "config".into(), key: key.into(), message: message.into() }
+}
+
+fn dtype(key: &str, name: &str) -> Result<Precision, ConfigError> {
+    match name {
+        "fp32" | "float32" => Ok(Precision::Fp32),
+        "fp16" | "float16" => Ok(Precision::Fp16),
+        "bf16" | "bfloat16" => Ok(Precision::Bf16),
+        other => Err(invalid(key, format!("must be fp32, fp16 or bf16, got `{other}`"))),
+    }
+}
+
+pub(super) fn resolve(config: &Config, autos: &mut Vec<String>) -> Result<Dtypes, ConfigError> {
+    let raw = &config.raw;
+    let on = |v: Option<AutoOr<bool>>| v.and_then(AutoOr::value).unwrap_or(false);
+    let fp16 = on(raw.fp16.as_ref().and_then(|f| f.enabled));
+    let bf16 = on(raw.bf16.as_ref().and_then(|b| b.enabled));
+    let precision = match (fp16, bf16) {
+        (true, true) => {
+            return Err(ConfigError::Unsupported {
+                key: "fp16.enabled, bf16.enabled".into(),
+                message: "fp16 and bf16 are both enabled; enable at most one".into(),
+            });
+        }
+        (true, false) => Precision::Fp16,
+        (false, true) => Precision::Bf16,
+        (false, false) => Precision::Fp32,
+    };
+    let comm = match &raw.communication_data_type {
+        Some(AutoOr::Value(name)) => dtype("communication_data_type", name)?,
+        Some(AutoOr::Auto) => {
+            autos.push(format!("communication_data_type = {precision} (the compute dtype)"));
+            precision
+        }
+        None => precision,
+    };
+    let grad_accum = match raw.data_types.as_ref().and_then(|d| d.grad_accum_dtype.as_deref()) {
+        Some(name) => dtype("data_types.grad_accum_dtype", name)?,
+        None => precision,
+    };
+    let mut not_implemented = Vec::new();
+    let loss_scale = match (fp16, &raw.fp16) {
+        (true, Some(section)) => Some(resolve_fp16(section, config, autos, &mut not_implemented)?),
+        (true, None) => unreachable!("fp16 is on only when its section exists"),
+        _ => None,
+    };
+    if !fp16 && raw.zerotrain.as_ref().is_some_and(|z| z.loss_scale_at_minimum.is_some()) {
+        not_implemented.push("zerotrain.loss_scale_at_minimum (fp16 is off)".into());
+    }
+    Ok(Dtypes { precision, comm, grad_accum, loss_scale, not_implemented })
+}
+
+fn resolve_fp16(
+    f: &Fp16Config,
+    config: &Config,
+    autos: &mut Vec<String>,
+    not_implemented: &mut Vec<String>,
+) -> Result<LossScalePlan, ConfigError> {
+    if f.fp16_master_weights_and_grads == Some(true) {
+        return Err(ConfigError::Unsupported {
+            key: "fp16.fp16_master_weights_and_grads".into(),
+            message: "master weights and optimizer gradients are always fp32 here; remove the key".into(),
+        });
+    }
+    if f.auto_cast.and_then(AutoOr::value) == Some(true) {
+        not_implemented.push("fp16.auto_cast (build inputs in the compute dtype, or cast them in the model)".into());
+    }
+    let mut auto = |key: &str, note: String| autos.push(format!("fp16.{key} = {note}"));
+    let loss_scale = match f.loss_scale {
+        Some(AutoOr::Value(s)) => s,
+        Some(AutoOr::Auto) => {
+            auto("loss_scale", "0 (dynamic)".into());
+            0.0
+        }
+        None => 0.0,
+    };
+    if !(loss_scale.is_finite() && loss_scale >= 0.0) {
+        return Err(invalid("fp16.loss_scale", format!("must be 0 (dynamic) or a positive scale, got {loss_scale}")));
+    }
+    if loss_scale > 0.0 {
+        return Ok(LossScalePlan::Static { scale: loss_scale });
+    }
+    let mut count = |key: &str, v: Option<AutoOr<Count>>, default: u64| match v {
+        Some(AutoOr::Value(Count(n))) => n,
+        Some(AutoOr::Auto) => {
+            auto(key, format!("{default} (DeepSpeed default)"));
+            default
+        }
+        None => default,
+    };
+    let initial_scale_power = count("initial_scale_power", f.initial_scale_power, 16);
+    let window = count("loss_scale_window", f.loss_scale_window, 1000);
+    let hysteresis = count("hysteresis", f.hysteresis, 2);
+    let min_scale = match f.min_loss_scale {
+        Some(AutoOr::Value(v)) => v,
+        Some(AutoOr::Auto) => {
+            autos.push("fp16.min_loss_scale = 1 (DeepSpeed default)".into());
+            1.0
+        }
+        None => 1.0,
+    };
+    if initial_scale_power > 64 {
+        return Err(invalid("fp16.initial_scale_power", format!("must be at most 64, got {initial_scale_power}")));
+    }
+    if window == 0 {
+        return Err(invalid("fp16.loss_scale_window", "must be at least 1"));
+    }
+    if hysteresis == 0 || hysteresis > u64::from(u32::MAX) {
+        return Err(invalid("fp16.hysteresis", format!("must be at least 1, got {hysteresis}")));
+    }
+    if !(min_scale.is_finite() && min_scale > 0.0) || min_scale > 2f64.powi(initial_scale_power as i32) {
+        return Err(invalid(
+            "fp16.min_loss_scale",
+            format!("must be > 0 and at most 2^initial_scale_power, got {min_scale}"),
+        ));
+    }
+    let at_minimum = match config.raw.zerotrain.as_ref().and_then(|z| z.loss_scale_at_minimum.as_deref()) {
+        None | Some("error") => AtMinimum::Error,
+        Some("stay") => AtMinimum::Stay,
+        Some(other) => {
+            return Err(invalid(
+                "zerotrain.loss_scale_at_minimum",
+                format!("must be `error` or `stay`, got `{other}`"),
+            ));
+        }
+    };
+    Ok(LossScalePlan::Dynamic(DynamicScaleConfig {
+        initial_scale_power: initial_scale_power as u32,
+        window,
+        hysteresis: hysteresis as u32,
+        consecutive_hysteresis: f.consecutive_hysteresis.unwrap_or(false),
+        min_scale,
+        at_minimum,
+    }))
+}

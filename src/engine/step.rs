@@ -1,0 +1,132 @@
+//! The optimizer step: reduce, check for overflow, unscale and clip in one multiply, step
+//! the optimizer on the rank's range, and put the new values where the stage keeps them.
+
+use burn::module::Module;
+use zerotrain_precision::{BufRef, FlatBuf, Precision};
+use zerotrain_zero::{ReduceOp, ZeroStage};
+
+use super::params::{Fill, write_params};
+use super::{Engine, StepReport, Window};
+use crate::{Error, Result};
+
+impl<M: Module> Engine<M> {
+    /// At an accumulation boundary: reduces the gradients, unscales and clips them to the
+    /// global norm, steps the optimizer and the lr schedule, and restores the parameters
+    /// the stage keeps. If the gradients are not finite, the step is skipped instead (fp16
+    /// always, as its loss scaler decides; fp32 and bf16 when `check_grad_overflow` is on):
+    /// nothing is updated and `skipped_steps` counts it. Elsewhere it does nothing and
+    /// returns `None`. Every rank must call it.
+    pub fn step(&mut self) -> Result<Option<StepReport>> {
+        if self.window.micro_steps == 0 {
+            return Err(Error::Usage("step() called without a backward() since the last step".into()));
+        }
+        if !self.is_gradient_accumulation_boundary() {
+            return Ok(None);
+        }
+        let n = self.comm.world_size();
+        let mut grads = self.grads.reduce(&self.layout, self.comm.as_ref())?;
+        let (sum_squares, loss) = self.global_metrics(&grads)?;
+        let scale = self.loss_scale();
+        // Every rank sums the same partials, so every rank reaches the same decision.
+        let grad_norm = sum_squares.sqrt() / (n as f64 * scale);
+        let overflow = !grad_norm.is_finite();
+        let skip = match &mut self.scaler {
+            Some(scaler) => scaler.update(overflow)?.skip_step,
+            None => overflow && self.plan.check_grad_overflow,
+        };
+        let lr = self.plan.schedule.lr(self.lr_iteration);
+        if skip {
+            self.counters.skipped_steps += 1;
+        } else {
+            let clip = self.plan.gradient_clipping;
+            let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+            let factor = (clip_coef / (n as f64 * scale)) as f32;
+            grads.iter_mut().for_each(|g| *g *= factor);
+            let transient = self.apply(lr, grads)?;
+            self.peak_transient = self.peak_transient.max(transient);
+            self.lr_iteration += 1;
+        }
+        self.counters.global_steps += 1;
+        self.counters.global_samples += self.plan.batch.train_batch_size;
+        let stats = self.comm.stats();
+        let report = StepReport {
+            global_step: self.counters.global_steps,
+            loss,
+            lr,
+            grad_norm: grad_norm as f32,
+            skipped: skip,
+            loss_scale: scale,
+            next_loss_scale: self.loss_scale(),
+            comm_bytes: stats.since(&self.window.comm_at_start).total_bytes(),
+        };
+        self.window = Window { comm_at_start: stats, ..Window::default() };
+        self.last_step = Some(report);
+        Ok(Some(report))
+    }
+
+    /// One all-reduce of each rank's squared-norm partial of its (still scaled) gradient
+    /// range and of its mean loss: (sum of squares over all ranks, mean loss). At stage 0
+    /// every rank holds the full gradient and computes every shard's partial itself, so the
+    /// sum is the same as the sharded stages' to the last bit.
+    fn global_metrics(&self, grads: &[f32]) -> Result<(f64, f32)> {
+        let (rank, n) = (self.comm.rank(), self.comm.world_size());
+        let sharded = self.plan.zero.stage.shards_optimizer_states();
+        let mut metrics = vec![0.0f32; n + 1];
+        if sharded {
+            metrics[rank] = squared_norm(grads) as f32;
+        }
+        metrics[n] = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
+        self.comm.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        if !sharded {
+            for (r, partial) in metrics[..n].iter_mut().enumerate() {
+                *partial = squared_norm(&grads[self.layout.shard_real_range(r)]) as f32;
+            }
+        }
+        Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / n as f32))
+    }
+
+    /// Steps the optimizer over the rank's range with the final gradients and puts the new
+    /// values where the stage keeps parameters. Returns the transient bytes it used.
+    fn apply(&mut self, lr: f64, grads: Vec<f32>) -> Result<u64> {
+        let stage = self.plan.zero.stage;
+        let range = match stage {
+            ZeroStage::Disabled => 0..self.layout.num_elems(),
+            _ => self.layout.shard_range(self.comm.rank()),
+        };
+        let master = self.store.take(&self.model, &self.index, &self.layout, range.clone())?;
+        let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
+        let updated = self.optimizer.step(lr, master, grads, &self.device.clone().without_autodiff())?;
+        let dtype = self.plan.precision;
+        if stage != ZeroStage::Parameters {
+            let converted;
+            let values = if dtype == Precision::Fp32 {
+                BufRef::F32(&updated)
+            } else {
+                converted = FlatBuf::from_f32(dtype, &updated);
+                transient += converted.bytes();
+                converted.as_ref()
+            };
+            let model = self.model.clone();
+            self.model = if stage == ZeroStage::Disabled {
+                write_params(model, &self.index, &self.layout, Fill::From(values), &self.device)
+            } else {
+                let mut full = FlatBuf::zeros(dtype, self.layout.padded_elems());
+                self.comm.all_gather(values, full.as_mut())?;
+                transient += full.bytes();
+                write_params(model, &self.index, &self.layout, Fill::From(full.as_ref()), &self.device)
+            };
+        }
+        self.store.put(updated);
+        Ok(transient)
+    }
+}
+
+fn squared_norm(values: &[f32]) -> f64 {
+    values.iter().map(|&g| f64::from(g) * f64::from(g)).sum()
+}
+
+impl From<zerotrain_precision::ScaleError> for Error {
+    fn from(e: zerotrain_precision::ScaleError) -> Self {
+        Error::LossScale(e)
+    }
+}
