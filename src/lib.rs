@@ -48,6 +48,7 @@
 //! - *Note: padding*, *the three-barrier protocol*, *byte counting*: `zerotrain-zero`.
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod config;
 pub mod engine;
 mod error;

@@ -31,6 +31,25 @@ enum Command {
     /// Check a config: print the resolved plan, or the errors.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Measure and print benchmark tables.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// f32 <-> f16 / bf16 conversion of flat buffers beside memcpy of the same bytes.
+    Convert {
+        /// MiB of f32 to convert.
+        #[arg(long, default_value_t = 64)]
+        mib: usize,
+        /// Repeats per op (the best is kept).
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -69,6 +88,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&plan)?);
             } else {
                 println!("{} resolves to:\n{plan}", file.display());
+            }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Convert { mib, repeats, json }) => {
+            let elems = (mib << 20) / 4;
+            let rows = zerotrain::bench::conversion_table(elems, repeats);
+            match json {
+                true => println!("{}", serde_json::to_string_pretty(&rows)?),
+                false => print!("{}", zerotrain::bench::format_conversion_table(&rows, elems, repeats)),
             }
             Ok(())
         }

@@ -89,3 +89,16 @@ fn train_runs_the_built_in_job_and_lowers_the_validation_loss() {
     let numbers: Vec<f32> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
     assert!(numbers[1] < numbers[0], "{line}");
 }
+
+#[test]
+fn bench_convert_prints_every_conversion_beside_memcpy() {
+    let out = zerotrain(&["bench", "convert", "--mib", "1", "--repeats", "1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for op in ["memcpy f32", "f32 -> f16", "f16 -> f32", "f32 -> bf16", "bf16 -> f32"] {
+        assert!(stdout.lines().any(|l| l.starts_with(op)), "missing {op}:\n{stdout}");
+    }
+    let out = zerotrain(&["bench", "convert", "--mib", "1", "--repeats", "1", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.as_array().map(Vec::len), Some(5));
+}

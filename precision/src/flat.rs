@@ -5,6 +5,7 @@
 //! dtype). [`FlatBuf`] owns one, [`BufRef`] and [`BufMut`] borrow one; [`FlatElem`] gives
 //! generic code the element's conversions to and from f32, where all arithmetic happens.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::Precision;
@@ -17,6 +18,16 @@ pub trait FlatElem: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug +
     fn to_f32(self) -> f32;
     /// Narrows from f32, rounding to nearest even.
     fn from_f32(value: f32) -> Self;
+    /// Narrows a slice (same length): the bulk path, vectorised where the type allows.
+    fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
+        assert_eq!(src.len(), dst.len(), "flat buffer lengths differ");
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = Self::from_f32(s));
+    }
+    /// Widens a slice (same length).
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "flat buffer lengths differ");
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = s.to_f32());
+    }
 }
 
 impl FlatElem for f32 {
@@ -41,6 +52,13 @@ impl FlatElem for f16 {
     fn from_f32(value: f32) -> Self {
         f16::from_f32(value)
     }
+    /// The `half` crate's slice conversion, which uses the CPU's F16C instructions when present.
+    fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
 }
 
 impl FlatElem for bf16 {
@@ -52,6 +70,23 @@ impl FlatElem for bf16 {
     #[inline(always)]
     fn from_f32(value: f32) -> Self {
         bf16::from_f32(value)
+    }
+    /// Branchless round-to-nearest-even on the bit pattern (quiet NaN for NaN), which the
+    /// compiler vectorises; bit-identical to `bf16::from_f32` (tested), about 5x faster than
+    /// `half`'s slice conversion on this machine.
+    fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
+        assert_eq!(src.len(), dst.len(), "flat buffer lengths differ");
+        for (d, &x) in dst.iter_mut().zip(src) {
+            let bits = x.to_bits();
+            let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+            let quiet_nan = (bits >> 16) | 0x0040;
+            *d = bf16::from_bits(if x.is_nan() { quiet_nan } else { rounded } as u16);
+        }
+    }
+    /// bf16 is the top half of an f32: a shift.
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "flat buffer lengths differ");
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32::from_bits(u32::from(s.to_bits()) << 16));
     }
 }
 
@@ -228,6 +263,13 @@ impl<'a> BufMut<'a> {
     /// If the lengths differ (a programmer error: both come from one layout).
     pub fn copy_from(&mut self, src: BufRef<'_>, add: bool) {
         assert_eq!(self.len(), src.len(), "flat buffer lengths differ");
+        if !add {
+            match (src, self.reborrow()) {
+                (BufRef::F32(s), d) => return with_elem!(BufMut, d, d, D => D::slice_from_f32(s, d)),
+                (s, BufMut::F32(d)) => return with_elem!(BufRef, s, s, S => S::slice_to_f32(s, d)),
+                _ => {}
+            }
+        }
         with_elem!(BufRef, src, s, S => {
             with_elem!(BufMut, self, d, D => convert::<S, D>(s, d, add))
         })
@@ -264,6 +306,37 @@ buf_from!(f32 => F32, f16 => F16, bf16 => Bf16);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bulk_bf16_conversion_is_bit_identical_to_the_scalar_one() {
+        let mut patterns: Vec<u32> = vec![
+            0x3F80_8000, // tie, even lsb: stays
+            0x3F81_8000, // tie, odd lsb: rounds up
+            0x7F7F_FFFF, // f32::MAX rounds to infinity
+            0x7F80_0000, // infinity
+            0xFF80_0001, // signalling NaN: quieted
+            0x0000_0001, // smallest subnormal
+            0x8000_0000, // -0
+        ];
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        patterns.extend((0..100_000).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u32
+        }));
+        let src: Vec<f32> = patterns.iter().map(|&b| f32::from_bits(b)).collect();
+        let mut fast = vec![bf16::ZERO; src.len()];
+        bf16::slice_from_f32(&src, &mut fast);
+        for (x, f) in src.iter().zip(&fast) {
+            assert_eq!(f.to_bits(), bf16::from_f32(*x).to_bits(), "{:#010x}", x.to_bits());
+        }
+        let mut back = vec![0.0f32; src.len()];
+        bf16::slice_to_f32(&fast, &mut back);
+        for (b, f) in back.iter().zip(&fast) {
+            assert_eq!(b.to_bits(), f.to_f32().to_bits());
+        }
+    }
 
     #[test]
     fn conversions_round_once_and_adds_happen_in_f32() {

@@ -34,8 +34,6 @@
 mod flat;
 mod scaler;
 
-use half::slice::HalfFloatSliceExt;
-
 pub use flat::{BufMut, BufRef, FlatBuf, FlatElem};
 /// The `half` crate, whose `f16` and `bf16` the flat buffers hold.
 pub use half;
@@ -78,31 +76,22 @@ impl std::fmt::Display for Precision {
     }
 }
 
-/// A 16-bit float type that flat buffers convert to and from.
-pub trait HalfElem: Copy + Send + Sync + 'static {}
-impl HalfElem for half::f16 {}
-impl HalfElem for half::bf16 {}
-
-/// Converts `src` into `dst` (same length), rounding to nearest even.
+/// Converts `src` into `dst` (same length), rounding to nearest even: the bulk path
+/// ([`FlatElem::slice_from_f32`]: F16C instructions for f16, a vectorised bit operation for
+/// bf16).
 ///
 /// # Panics
 /// If the lengths differ (a programmer error: both buffers come from one layout).
-pub fn to_half<H>(src: &[f32], dst: &mut [H])
-where
-    [H]: HalfFloatSliceExt,
-{
-    dst.convert_from_f32_slice(src);
+pub fn to_half<H: FlatElem>(src: &[f32], dst: &mut [H]) {
+    H::slice_from_f32(src, dst);
 }
 
 /// Converts `src` into `dst` (same length), exactly.
 ///
 /// # Panics
 /// If the lengths differ.
-pub fn from_half<H>(src: &[H], dst: &mut [f32])
-where
-    [H]: HalfFloatSliceExt,
-{
-    src.convert_to_f32_slice(dst);
+pub fn from_half<H: FlatElem>(src: &[H], dst: &mut [f32]) {
+    H::slice_to_f32(src, dst);
 }
 
 #[cfg(test)]
