@@ -67,12 +67,6 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
                 let loss = engine.forward(|m| m.loss(&batch))?;
                 engine.backward(loss)?;
                 let Some(report) = engine.step()? else { continue };
-                if report.skipped && ctx.rank() == 0 {
-                    log(&format!(
-                        "[Rank 0] step={}: gradient overflow, step skipped; loss scale {} -> {}",
-                        report.global_step, report.loss_scale, report.next_loss_scale
-                    ));
-                }
                 last_train_loss = report.loss;
                 if ctx.rank() == 0 && (report.global_step % plan.steps_per_print == 0 || report.global_step == steps) {
                     let rate = (report.global_step * b.train_batch_size) as f64 / start.elapsed().as_secs_f64();

@@ -37,6 +37,14 @@ impl<M: Module> Engine<M> {
         let lr = self.plan.schedule.lr(self.lr_iteration);
         if skip {
             self.counters.skipped_steps += 1;
+            if self.comm.rank() == 0 {
+                // The one log line per overflow, as DeepSpeed prints it.
+                eprintln!(
+                    "[Rank 0] OVERFLOW! Skipping step {}. Attempted loss scale: {scale}, reducing to {}",
+                    self.counters.global_steps + 1,
+                    self.loss_scale()
+                );
+            }
         } else {
             let clip = self.plan.gradient_clipping;
             let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };

@@ -42,6 +42,13 @@ fn run_mlp(plan: &Plan, init: &Mlp, steps: &[u64], poison: &[u64]) -> Result<Run
         let master = engine.master_params()?;
         Ok::<_, Error>(Run { reports, master, memory, layout: engine.layout().clone() })
     })?;
+    // Every rank reaches the same decisions: the same steps skipped, the same scales.
+    let decisions =
+        |run: &Run| run.reports.iter().map(|r| (r.skipped, r.loss_scale, r.next_loss_scale)).collect::<Vec<_>>();
+    for (rank, run) in out.iter().enumerate() {
+        assert_eq!(decisions(run), decisions(&out[0]), "rank {rank} decided differently from rank 0");
+        assert!(run.master == out[0].master, "rank {rank}'s master differs");
+    }
     Ok(out.into_iter().next().unwrap())
 }
 
