@@ -10,6 +10,7 @@
 //! really moved; a backend that moves more must still count the convention, so that stage
 //! volumes (2Ψ, 3Ψ) stay comparable across backends.
 
+mod rendezvous;
 mod threads;
 
 use std::sync::atomic::{AtomicU64, Ordering};

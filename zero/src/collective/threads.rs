@@ -14,11 +14,12 @@
 //! every rank is inside the same call doing bounded memory work, and a rank that left early
 //! would free a buffer that a peer is still reading.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use zerotrain_precision::{BufMut, BufRef, FlatElem, Precision, with_elem};
+use zerotrain_precision::{BufMut, BufRef, FlatElem, with_elem};
 
+use super::rendezvous::{Hub, Slot};
 use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, chunk_range, convention_bytes};
 use crate::ZeroError;
 
@@ -39,9 +40,7 @@ impl ThreadWorld {
     /// If `world_size` is 0.
     pub fn new(world_size: usize, timeout: Duration) -> Self {
         assert!(world_size > 0, "a world needs at least one rank");
-        let state = State { generation: 0, arrived: 0, aborted: None, slots: vec![Slot::EMPTY; world_size] };
-        let hub = Hub { world_size, timeout, state: Mutex::new(state), cv: Condvar::new() };
-        Self { hub: Arc::new(hub) }
+        Self { hub: Arc::new(Hub::new(world_size, timeout)) }
     }
 
     /// The communicator for `rank`.
@@ -60,7 +59,7 @@ impl ThreadWorld {
 
     /// The first abort, if any: the failing rank and its reason.
     pub fn aborted(&self) -> Option<(usize, String)> {
-        self.hub.lock().aborted.clone()
+        self.hub.aborted()
     }
 }
 
@@ -72,169 +71,7 @@ pub struct ThreadComm {
     counters: CommCounters,
 }
 
-#[derive(Debug)]
-struct Hub {
-    world_size: usize,
-    timeout: Duration,
-    state: Mutex<State>,
-    cv: Condvar,
-}
-
-#[derive(Debug)]
-struct State {
-    /// Completed barriers; a waiter is released when this moves on.
-    generation: u64,
-    arrived: usize,
-    aborted: Option<(usize, String)>,
-    slots: Vec<Slot>,
-}
-
-/// What a rank publishes at the rendezvous.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Slot {
-    op: Option<OpKind>,
-    reduce: Option<ReduceOp>,
-    dtype: Precision,
-    root: usize,
-    src: *const u8,
-    src_len: usize,
-    dst: *mut u8,
-    dst_len: usize,
-}
-
-// SAFETY: a Slot is only an address book. The pointers are dereferenced only between the
-// rendezvous and the exit barrier of the call that published them, while the publishing
-// rank is blocked inside that same call holding the borrow of its buffers (module note).
-unsafe impl Send for Slot {}
-
-impl Slot {
-    const EMPTY: Slot = Slot {
-        op: None,
-        reduce: None,
-        dtype: Precision::Fp32,
-        root: 0,
-        src: std::ptr::null(),
-        src_len: 0,
-        dst: std::ptr::null_mut(),
-        dst_len: 0,
-    };
-
-    fn new<E: FlatElem>(
-        op: OpKind,
-        reduce: Option<ReduceOp>,
-        root: usize,
-        src: (*const E, usize),
-        dst: (*mut E, usize),
-    ) -> Self {
-        let (src, src_len, dst, dst_len) = (src.0.cast(), src.1, dst.0.cast(), dst.1);
-        Slot { op: Some(op), reduce, dtype: E::DTYPE, root, src, src_len, dst, dst_len }
-    }
-}
-
-impl Hub {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A poisoned lock only means a rank panicked while holding it; the state itself is
-        // plain data that every transition leaves consistent.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn abort(&self, rank: usize, reason: &str) {
-        let mut state = self.lock();
-        if state.aborted.is_none() {
-            state.aborted = Some((rank, reason.to_string()));
-        }
-        self.cv.notify_all();
-    }
-
-    /// Waits for every rank. With `publish`, this is a rendezvous: it fails on abort or
-    /// timeout and returns the slots every rank published. Without, it waits unconditionally.
-    fn sync(&self, rank: usize, publish: Option<Slot>) -> Result<Vec<Slot>, ZeroError> {
-        let mut state = self.lock();
-        let abortable = publish.is_some();
-        if abortable && let Some((by, reason)) = &state.aborted {
-            return Err(ZeroError::Aborted { rank: *by, reason: reason.clone() });
-        }
-        if let Some(slot) = publish {
-            state.slots[rank] = slot;
-        }
-        let generation = state.generation;
-        state.arrived += 1;
-        if state.arrived == self.world_size {
-            state.arrived = 0;
-            state.generation += 1;
-            self.cv.notify_all();
-            return Ok(state.slots.clone());
-        }
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            let wait = if abortable { deadline.saturating_duration_since(Instant::now()) } else { self.timeout };
-            state = self.cv.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0;
-            if state.generation != generation {
-                return Ok(state.slots.clone());
-            }
-            if !abortable {
-                continue;
-            }
-            if let Some((by, reason)) = state.aborted.clone() {
-                state.arrived -= 1;
-                return Err(ZeroError::Aborted { rank: by, reason });
-            }
-            if Instant::now() >= deadline {
-                state.arrived -= 1;
-                let op = publish.and_then(|s| s.op).map_or("barrier", OpKind::name);
-                let timeout_ms = self.timeout.as_millis() as u64;
-                let reason = format!("{op} timed out after {timeout_ms} ms");
-                state.aborted.get_or_insert((rank, reason));
-                self.cv.notify_all();
-                return Err(ZeroError::Timeout { rank, op, timeout_ms });
-            }
-        }
-    }
-}
-
 impl ThreadComm {
-    /// Rendezvous for `slot.op`, checking that every rank called the same thing.
-    fn rendezvous(&self, slot: Slot) -> Result<Vec<Slot>, ZeroError> {
-        let slots = self.hub.sync(self.rank, Some(slot))?;
-        let mine = &slots[self.rank];
-        let differs = |s: &Slot| {
-            s.op != mine.op
-                || s.dtype != mine.dtype
-                || s.reduce != mine.reduce
-                || s.root != mine.root
-                || s.src_len != mine.src_len
-                || s.dst_len != mine.dst_len
-        };
-        if let Some(other) = slots.iter().position(differs) {
-            // Every rank sees the same slots, so every rank takes this branch; nobody has
-            // touched a peer's buffer yet, so returning here is safe.
-            let detail = format!(
-                "rank {} called {:?}/{:?} with {}->{} {} elements (root {}), rank {other} called {:?}/{:?} with {}->{} {} (root {})",
-                self.rank,
-                mine.op,
-                mine.reduce,
-                mine.src_len,
-                mine.dst_len,
-                mine.dtype,
-                mine.root,
-                slots[other].op,
-                slots[other].reduce,
-                slots[other].src_len,
-                slots[other].dst_len,
-                slots[other].dtype,
-                slots[other].root,
-            );
-            self.hub.abort(self.rank, &detail);
-            return Err(ZeroError::Mismatch { rank: self.rank, detail });
-        }
-        Ok(slots)
-    }
-
-    fn exit_barrier(&self) {
-        // Cannot fail: see the module note on why later barriers are unconditional.
-        let _ = self.hub.sync(self.rank, None);
-    }
-
     /// A local usage error: the peers are (or will be) waiting in the rendezvous, so the
     /// world is aborted to release them at once rather than after the timeout.
     fn bad_buffer(&self, op: OpKind, detail: String) -> ZeroError {
@@ -249,20 +86,22 @@ impl ThreadComm {
         let n = self.hub.world_size;
         let len = buf.len();
         let ptr = buf.as_mut_ptr();
-        let slots = self.rendezvous(Slot::new(OpKind::AllReduce, Some(op), 0, (ptr.cast_const(), len), (ptr, len)))?;
+        let slots = self
+            .hub
+            .rendezvous(self.rank, Slot::new(OpKind::AllReduce, Some(op), 0, (ptr.cast_const(), len), (ptr, len)))?;
         let own = chunk_range(len, n, self.rank);
         let peers: Vec<*const E> = slots.iter().map(|s| s.dst.cast_const().cast::<E>()).collect();
         // SAFETY: every buffer has `len` elements of E (checked at the rendezvous). In this
         // phase rank r writes only chunk r of its own buffer and reads only chunk r of the others.
         unsafe { reduce_block(ptr.add(own.start), &peers, own.start, own.len(), op) };
-        self.exit_barrier();
+        self.hub.exit_barrier(self.rank);
         for (k, peer) in peers.iter().enumerate().filter(|&(k, _)| k != self.rank) {
             let chunk = chunk_range(len, n, k);
             // SAFETY: rank k finished chunk k before the barrier above and only writes other
             // chunks of its own buffer now; we write chunk k of ours, which nobody reads.
             unsafe { std::ptr::copy_nonoverlapping(peer.add(chunk.start), ptr.add(chunk.start), chunk.len()) };
         }
-        self.exit_barrier();
+        self.hub.exit_barrier(self.rank);
         self.record::<E>(OpKind::AllReduce, len, 0);
         Ok(())
     }
@@ -276,11 +115,11 @@ impl ThreadComm {
         }
         let dst = output.as_mut_ptr();
         let slot = Slot::new(OpKind::ReduceScatter, Some(op), 0, (input.as_ptr(), input.len()), (dst, chunk));
-        let slots = self.rendezvous(slot)?;
+        let slots = self.hub.rendezvous(self.rank, slot)?;
         let peers: Vec<*const E> = slots.iter().map(|s| s.src.cast::<E>()).collect();
         // SAFETY: inputs are only read during this call, and `output` is ours alone.
         unsafe { reduce_block(dst, &peers, self.rank * chunk, chunk, op) };
-        self.exit_barrier();
+        self.hub.exit_barrier(self.rank);
         self.record::<E>(OpKind::ReduceScatter, input.len(), 0);
         Ok(())
     }
@@ -293,13 +132,15 @@ impl ThreadComm {
             return Err(self.bad_buffer(OpKind::AllGather, detail));
         }
         let dst = output.as_mut_ptr();
-        let slots =
-            self.rendezvous(Slot::new(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())))?;
+        let slots = self.hub.rendezvous(
+            self.rank,
+            Slot::new(OpKind::AllGather, None, 0, (input.as_ptr(), chunk), (dst, output.len())),
+        )?;
         for (k, slot) in slots.iter().enumerate() {
             // SAFETY: inputs are only read during this call, and `output` is ours alone.
             unsafe { std::ptr::copy_nonoverlapping(slot.src.cast::<E>(), dst.add(k * chunk), chunk) };
         }
-        self.exit_barrier();
+        self.hub.exit_barrier(self.rank);
         self.record::<E>(OpKind::AllGather, output.len(), 0);
         Ok(())
     }
@@ -311,12 +152,14 @@ impl ThreadComm {
         }
         let len = buf.len();
         let ptr = buf.as_mut_ptr();
-        let slots = self.rendezvous(Slot::new(OpKind::Broadcast, None, root, (ptr.cast_const(), len), (ptr, len)))?;
+        let slots = self
+            .hub
+            .rendezvous(self.rank, Slot::new(OpKind::Broadcast, None, root, (ptr.cast_const(), len), (ptr, len)))?;
         if self.rank != root {
             // SAFETY: the root does not write its buffer during the call; ours is ours alone.
             unsafe { std::ptr::copy_nonoverlapping(slots[root].src.cast::<E>(), ptr, len) };
         }
-        self.exit_barrier();
+        self.hub.exit_barrier(self.rank);
         self.record::<E>(OpKind::Broadcast, len, root);
         Ok(())
     }
@@ -370,7 +213,7 @@ impl Collective for ThreadComm {
 
     fn barrier(&self) -> Result<(), ZeroError> {
         let slot = Slot::new::<f32>(OpKind::Barrier, None, 0, (std::ptr::null(), 0), (std::ptr::null_mut(), 0));
-        self.rendezvous(slot)?;
+        self.hub.rendezvous(self.rank, slot)?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
     }

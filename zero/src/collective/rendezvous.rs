@@ -1,0 +1,185 @@
+//! The rendezvous protocol under the threads backend: a generation-counting barrier whose
+//! first phase publishes each rank's buffers ([`Slot`]) and checks that every rank called the
+//! same collective, and whose later phases cannot fail (see the threads backend's note).
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use zerotrain_precision::{FlatElem, Precision};
+
+use super::{OpKind, ReduceOp};
+use crate::ZeroError;
+
+#[derive(Debug)]
+pub(super) struct Hub {
+    pub(super) world_size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Completed barriers; a waiter is released when this moves on.
+    generation: u64,
+    arrived: usize,
+    aborted: Option<(usize, String)>,
+    slots: Vec<Slot>,
+}
+
+/// What a rank publishes at the rendezvous.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Slot {
+    pub(super) op: Option<OpKind>,
+    pub(super) reduce: Option<ReduceOp>,
+    pub(super) dtype: Precision,
+    pub(super) root: usize,
+    pub(super) src: *const u8,
+    pub(super) src_len: usize,
+    pub(super) dst: *mut u8,
+    pub(super) dst_len: usize,
+}
+
+// SAFETY: a Slot is only an address book. The pointers are dereferenced only between the
+// rendezvous and the exit barrier of the call that published them, while the publishing
+// rank is blocked inside that same call holding the borrow of its buffers (module note).
+unsafe impl Send for Slot {}
+
+impl Slot {
+    const EMPTY: Slot = Slot {
+        op: None,
+        reduce: None,
+        dtype: Precision::Fp32,
+        root: 0,
+        src: std::ptr::null(),
+        src_len: 0,
+        dst: std::ptr::null_mut(),
+        dst_len: 0,
+    };
+
+    pub(super) fn new<E: FlatElem>(
+        op: OpKind,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        src: (*const E, usize),
+        dst: (*mut E, usize),
+    ) -> Self {
+        let (src, src_len, dst, dst_len) = (src.0.cast(), src.1, dst.0.cast(), dst.1);
+        Slot { op: Some(op), reduce, dtype: E::DTYPE, root, src, src_len, dst, dst_len }
+    }
+}
+
+impl Hub {
+    /// A hub for `world_size` ranks whose rendezvous gives up after `timeout`.
+    pub(super) fn new(world_size: usize, timeout: Duration) -> Self {
+        let state = State { generation: 0, arrived: 0, aborted: None, slots: vec![Slot::EMPTY; world_size] };
+        Self { world_size, timeout, state: Mutex::new(state), cv: Condvar::new() }
+    }
+
+    /// The first abort, if any: the failing rank and its reason.
+    pub(super) fn aborted(&self) -> Option<(usize, String)> {
+        self.lock().aborted.clone()
+    }
+
+    /// Rendezvous for `slot.op`, checking that every rank called the same thing.
+    pub(super) fn rendezvous(&self, rank: usize, slot: Slot) -> Result<Vec<Slot>, ZeroError> {
+        let slots = self.sync(rank, Some(slot))?;
+        let mine = &slots[rank];
+        let differs = |s: &Slot| {
+            s.op != mine.op
+                || s.dtype != mine.dtype
+                || s.reduce != mine.reduce
+                || s.root != mine.root
+                || s.src_len != mine.src_len
+                || s.dst_len != mine.dst_len
+        };
+        if let Some(other) = slots.iter().position(differs) {
+            // Every rank sees the same slots, so every rank takes this branch; nobody has
+            // touched a peer's buffer yet, so returning here is safe.
+            let detail = format!(
+                "rank {} called {:?}/{:?} with {}->{} {} elements (root {}), rank {other} called {:?}/{:?} with {}->{} {} (root {})",
+                rank,
+                mine.op,
+                mine.reduce,
+                mine.src_len,
+                mine.dst_len,
+                mine.dtype,
+                mine.root,
+                slots[other].op,
+                slots[other].reduce,
+                slots[other].src_len,
+                slots[other].dst_len,
+                slots[other].dtype,
+                slots[other].root,
+            );
+            self.abort(rank, &detail);
+            return Err(ZeroError::Mismatch { rank, detail });
+        }
+        Ok(slots)
+    }
+
+    /// A barrier after the rendezvous. It cannot fail: see the threads backend's note on why
+    /// later barriers are unconditional.
+    pub(super) fn exit_barrier(&self, rank: usize) {
+        let _ = self.sync(rank, None);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a rank panicked while holding it; the state itself is
+        // plain data that every transition leaves consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn abort(&self, rank: usize, reason: &str) {
+        let mut state = self.lock();
+        if state.aborted.is_none() {
+            state.aborted = Some((rank, reason.to_string()));
+        }
+        self.cv.notify_all();
+    }
+
+    /// Waits for every rank. With `publish`, this is a rendezvous: it fails on abort or
+    /// timeout and returns the slots every rank published. Without, it waits unconditionally.
+    fn sync(&self, rank: usize, publish: Option<Slot>) -> Result<Vec<Slot>, ZeroError> {
+        let mut state = self.lock();
+        let abortable = publish.is_some();
+        if abortable && let Some((by, reason)) = &state.aborted {
+            return Err(ZeroError::Aborted { rank: *by, reason: reason.clone() });
+        }
+        if let Some(slot) = publish {
+            state.slots[rank] = slot;
+        }
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.world_size {
+            state.arrived = 0;
+            state.generation += 1;
+            self.cv.notify_all();
+            return Ok(state.slots.clone());
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let wait = if abortable { deadline.saturating_duration_since(Instant::now()) } else { self.timeout };
+            state = self.cv.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0;
+            if state.generation != generation {
+                return Ok(state.slots.clone());
+            }
+            if !abortable {
+                continue;
+            }
+            if let Some((by, reason)) = state.aborted.clone() {
+                state.arrived -= 1;
+                return Err(ZeroError::Aborted { rank: by, reason });
+            }
+            if Instant::now() >= deadline {
+                state.arrived -= 1;
+                let op = publish.and_then(|s| s.op).map_or("barrier", OpKind::name);
+                let timeout_ms = self.timeout.as_millis() as u64;
+                let reason = format!("{op} timed out after {timeout_ms} ms");
+                state.aborted.get_or_insert((rank, reason));
+                self.cv.notify_all();
+                return Err(ZeroError::Timeout { rank, op, timeout_ms });
+            }
+        }
+    }
+}
