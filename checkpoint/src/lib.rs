@@ -1,68 +1,60 @@
-//! Sharded checkpoints for zerotrain.
+//! Sharded, atomic, checksummed checkpoints that load at any world size.
 //!
-//! A checkpoint lives in `<dir>/<tag>/`; the tag names one save. This crate starts with the
-//! rules every reader and writer shares: how tags are named and which are safe to join onto
-//! a directory. Writing, loading and resharding build on them.
+//! A checkpoint is `<root>/<tag>/`: a [`Manifest`] (`manifest.json`: layout by module path,
+//! which flat range each shard file holds, per-block checksums, engine and client state)
+//! and one safetensors file per rank that owns data, holding its fp32 master weights and
+//! optimizer-state leaves over its flat range. Writers call [`prepare`], [`write_shard`]
+//! on every rank and [`commit`] (see its protocol note); readers [`Checkpoint::open`] one
+//! and [`read_range`](Checkpoint::read_range) exactly the flat ranges they own, whatever
+//! world size wrote it. [`consolidate`] streams the masters into one safetensors file keyed
+//! by module path.
 //!
 //! ```
-//! use zerotrain_checkpoint::{default_tag, validate_tag};
-//! assert_eq!(default_tag(120), "global_step120");
-//! assert!(validate_tag("../elsewhere").is_err());
+//! use zerotrain_checkpoint::{commit, prepare, write_shard, Checkpoint, LayoutEntry, Manifest};
+//! let root = std::env::temp_dir().join(format!("zt-doc-{}", std::process::id()));
+//! let _ = std::fs::remove_dir_all(&root);
+//! let partial = prepare(&root, "global_step1")?;
+//! // Two ranks, each owning half of a 6-element model.
+//! write_shard(&partial, 0, 0, 3, &[("master", &[1.0, 2.0, 3.0][..])])?;
+//! write_shard(&partial, 1, 3, 6, &[("master", &[4.0, 5.0, 6.0][..])])?;
+//! let manifest = Manifest {
+//!     format_version: zerotrain_checkpoint::FORMAT_VERSION,
+//!     tag: "global_step1".into(), global_step: 1, world_size: 2, stage: 2, precision: "fp32".into(),
+//!     layout: vec![LayoutEntry { path: "w".into(), shape: vec![2, 3], offset: 0 }],
+//!     tensors: vec!["master".into()], files: vec![],
+//!     engine: serde_json::json!({}), config: serde_json::json!({}), client_state: serde_json::json!(null),
+//! };
+//! commit(&root, manifest, None)?;
+//! // Read it back as if by one of three ranks: elements 2..4 straddle both files.
+//! let ckpt = Checkpoint::open(&root, None)?;
+//! let mut mine = [0.0; 2];
+//! ckpt.read_range("master", 2..4, &mut mine)?;
+//! assert_eq!(mine, [3.0, 4.0]);
+//! # std::fs::remove_dir_all(&root).unwrap();
+//! # Ok::<(), zerotrain_checkpoint::CheckpointError>(())
 //! ```
+//!
+//! # Design notes
+//! - *Note: the commit protocol* — [`commit`]'s module.
+//! - *Note: block checksums* — the shard module.
+//! - *Note: the manifest's checksum* — [`Manifest`]'s module.
 #![deny(missing_docs)]
 
-/// Errors from checkpoint naming, writing and loading.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum CheckpointError {
-    /// A tag that is empty, too long, or could escape the checkpoint directory.
-    #[error("invalid checkpoint tag {tag:?}: {reason}")]
-    InvalidTag {
-        /// The tag as given.
-        tag: String,
-        /// What is wrong with it.
-        reason: &'static str,
-    },
-}
+mod checkpoint;
+mod commit;
+mod consolidate;
+mod error;
+mod manifest;
+mod shard;
+mod tag;
 
-/// DeepSpeed's default tag for a save after `global_step` optimizer steps.
-pub fn default_tag(global_step: u64) -> String {
-    format!("global_step{global_step}")
-}
-
-/// Accepts a tag only if it is one plain path component: 1-255 bytes of ASCII letters,
-/// digits, `.`, `_` and `-`, not `.` or `..`. Anything else could escape the directory or
-/// mean different things on different filesystems.
-pub fn validate_tag(tag: &str) -> Result<&str, CheckpointError> {
-    let reason = if tag.is_empty() {
-        Some("it is empty")
-    } else if tag.len() > 255 {
-        Some("it is longer than 255 bytes")
-    } else if tag == "." || tag == ".." {
-        Some("it names a directory, not a checkpoint")
-    } else if !tag.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
-        Some("only ASCII letters, digits, '.', '_' and '-' are allowed")
-    } else {
-        None
-    };
-    match reason {
-        Some(reason) => Err(CheckpointError::InvalidTag { tag: tag.to_string(), reason }),
-        None => Ok(tag),
-    }
-}
+pub use checkpoint::{Checkpoint, list};
+pub use commit::{LATEST, commit, crash_point, partial_dir, prepare, write_shard};
+pub use consolidate::consolidate;
+pub use error::{CheckpointError, Result};
+pub use manifest::{FORMAT_VERSION, LayoutEntry, Manifest, ShardFile};
+pub use shard::{BLOCK_BYTES, FileSummary, SafetensorsWriter, ShardReader, TensorSpec};
+pub use tag::{default_tag, validate_tag};
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tags_that_could_escape_or_confuse_are_rejected() {
-        for bad in ["", ".", "..", "../x", "a/b", "a\\b", "/abs", "x\0y", "tag with space", "ü"] {
-            assert!(validate_tag(bad).is_err(), "{bad:?}");
-        }
-        assert!(validate_tag(&"a".repeat(256)).is_err());
-        for good in ["global_step10", "best-v1.2", "latest_manual", "..hidden"] {
-            assert_eq!(validate_tag(good), Ok(good));
-        }
-    }
-}
+mod tests;

@@ -1,0 +1,116 @@
+//! Reading a checkpoint: find it, validate it, read flat ranges from whichever shards hold
+//! them.
+
+use std::fs;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use crate::commit::LATEST;
+use crate::manifest::MAX_MANIFEST_BYTES;
+use crate::shard::ShardReader;
+use crate::{CheckpointError, Manifest, Result, validate_tag};
+
+/// An opened, validated checkpoint.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    manifest: Manifest,
+}
+
+impl Checkpoint {
+    /// Opens `<root>/<tag>`, or the checkpoint `<root>/latest` names when `tag` is `None`,
+    /// and validates its manifest.
+    pub fn open(root: &Path, tag: Option<&str>) -> Result<Self> {
+        let tag = match tag {
+            Some(tag) => tag.to_string(),
+            None => {
+                let latest = root.join(LATEST);
+                let text = fs::read_to_string(&latest).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        CheckpointError::NotFound { path: latest.clone(), reason: "no `latest` file: nothing was saved here".into() }
+                    }
+                    _ => CheckpointError::io(&latest)(e),
+                })?;
+                text.trim().to_string()
+            }
+        };
+        validate_tag(&tag)?;
+        let dir = root.join(&tag);
+        let path = dir.join("manifest.json");
+        let size = fs::metadata(&path)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => CheckpointError::NotFound { path: path.clone(), reason: "no manifest".into() },
+                _ => CheckpointError::io(&path)(e),
+            })?
+            .len();
+        if size > MAX_MANIFEST_BYTES {
+            return Err(CheckpointError::Corrupted { path, reason: format!("manifest of {size} bytes is too large") });
+        }
+        let bytes = fs::read(&path).map_err(CheckpointError::io(&path))?;
+        let manifest = Manifest::from_bytes(&bytes, &path)?;
+        if manifest.tag != tag {
+            return Err(CheckpointError::InvalidManifest { path, reason: format!("it describes tag {:?}, not {tag:?}", manifest.tag) });
+        }
+        Ok(Self { dir, manifest })
+    }
+
+    /// The checkpoint's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The validated manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Reads elements `range` of the flat tensor `tensor` (`master` or an `optim.*` name)
+    /// into `out`, from whichever shard files hold them, verifying every block read.
+    pub fn read_range(&self, tensor: &str, range: Range<u64>, out: &mut [f32]) -> Result<()> {
+        if out.len() as u64 != range.end.saturating_sub(range.start) || range.end > self.manifest.num_elems() {
+            return Err(CheckpointError::Mismatch(format!(
+                "range {range:?} of `{tensor}` does not fit a checkpoint of {} elements",
+                self.manifest.num_elems()
+            )));
+        }
+        if !self.manifest.tensors.iter().any(|t| t == tensor) {
+            return Err(CheckpointError::Mismatch(format!("the checkpoint holds no tensor `{tensor}`")));
+        }
+        for file in self.manifest.files.iter().filter(|f| f.start < range.end && range.start < f.end) {
+            let (lo, hi) = (range.start.max(file.start), range.end.min(file.end));
+            let mut reader = ShardReader::open(&self.dir, file, &self.manifest.tensors)?;
+            let dst = &mut out[(lo - range.start) as usize..(hi - range.start) as usize];
+            reader.read_f32(tensor, lo - file.start..hi - file.start, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Reads every block of every shard file and checks its checksum.
+    pub fn verify(&self) -> Result<()> {
+        for file in &self.manifest.files {
+            ShardReader::open(&self.dir, file, &self.manifest.tensors)?.verify()?;
+        }
+        Ok(())
+    }
+}
+
+/// The complete checkpoints in `root` (those whose manifest opens), as (global step, tag).
+pub fn list(root: &Path) -> Result<Vec<(u64, String)>> {
+    let mut found = Vec::new();
+    let entries = match fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(found),
+        Err(e) => return Err(CheckpointError::io(root)(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(CheckpointError::io(root))?;
+        let Some(tag) = entry.file_name().to_str().map(str::to_string) else { continue };
+        if validate_tag(&tag).is_err() || !entry.path().join("manifest.json").is_file() {
+            continue;
+        }
+        if let Ok(ckpt) = Checkpoint::open(root, Some(&tag)) {
+            found.push((ckpt.manifest.global_step, tag));
+        }
+    }
+    Ok(found)
+}

@@ -1,0 +1,162 @@
+//! Writing a checkpoint atomically.
+//!
+//! # Note: the commit protocol
+//! 1. Rank 0 [`prepare`]s `<root>/<tag>.partial/` (refusing a tag that already exists).
+//! 2. Every rank with data [`write_shard`]s its file there, fsyncs it, and records its size
+//!    and checksums in a small `rank{r}.json` beside it.
+//! 3. After a barrier, rank 0 [`commit`]s: it builds the manifest from the records, writes
+//!    and fsyncs `manifest.json` and the directory, renames `<tag>.partial` to `<tag>`,
+//!    fsyncs the root, then replaces `<root>/latest` by writing `latest.partial` and renaming
+//!    it over. Each rename is atomic, so a crash at any instant leaves `latest` naming a
+//!    complete checkpoint: the old one until the last rename, the new one after it.
+//! 4. Retention removes the oldest complete checkpoints beyond `keep_last_n`, never the one
+//!    `latest` names, by renaming each to `<tag>.partial` before deleting it.
+//!
+//! Leftover `*.partial` directories are never read; the next save of that tag removes them.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::shard::{BLOCK_BYTES, SafetensorsWriter, TensorSpec};
+use crate::{CheckpointError, Manifest, Result, ShardFile, validate_tag};
+
+/// The name of the file naming the newest checkpoint (DeepSpeed's convention).
+pub const LATEST: &str = "latest";
+
+/// Testing hook: with `ZEROTRAIN_CRASH_AT=k` in the environment, the `k`-th crash point
+/// reached by this process announces itself on stderr and blocks forever, so that a test
+/// can SIGKILL the process at exactly that point of a save. Does nothing otherwise.
+pub fn crash_point(name: &str) {
+    static TARGET: OnceLock<Option<u64>> = OnceLock::new();
+    static REACHED: AtomicU64 = AtomicU64::new(0);
+    let Some(target) = *TARGET.get_or_init(|| std::env::var("ZEROTRAIN_CRASH_AT").ok().and_then(|v| v.parse().ok())) else {
+        return;
+    };
+    let n = REACHED.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == target {
+        eprintln!("zerotrain: crash point {n} ({name}) reached; waiting to be killed");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+}
+
+/// `<root>/<tag>.partial`: where a checkpoint is written before it is committed.
+pub fn partial_dir(root: &Path, tag: &str) -> PathBuf {
+    root.join(format!("{tag}.partial"))
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(CheckpointError::io(dir))
+}
+
+/// Rank 0, before any rank writes: checks the tag, refuses an existing checkpoint, and
+/// creates an empty `<tag>.partial` directory (removing a stale one).
+pub fn prepare(root: &Path, tag: &str) -> Result<PathBuf> {
+    validate_tag(tag)?;
+    let target = root.join(tag);
+    if target.exists() {
+        return Err(CheckpointError::Exists { path: target });
+    }
+    fs::create_dir_all(root).map_err(CheckpointError::io(root))?;
+    let partial = partial_dir(root, tag);
+    if partial.exists() {
+        fs::remove_dir_all(&partial).map_err(CheckpointError::io(&partial))?;
+    }
+    crash_point("stale partial removed");
+    fs::create_dir(&partial).map_err(CheckpointError::io(&partial))?;
+    crash_point("partial directory created");
+    Ok(partial)
+}
+
+/// Writes rank `rank`'s shard: `tensors` (name, values over the flat range `start..end`)
+/// into `<partial>/rank{rank}.safetensors`, fsynced, and its record beside it.
+pub fn write_shard(partial: &Path, rank: usize, start: u64, end: u64, tensors: &[(&str, &[f32])]) -> Result<ShardFile> {
+    let name = format!("rank{rank}.safetensors");
+    let path = partial.join(&name);
+    let len = (end - start) as usize;
+    let specs: Vec<TensorSpec> = tensors
+        .iter()
+        .map(|(n, v)| {
+            assert_eq!(v.len(), len, "tensor `{n}` must cover the shard's range");
+            TensorSpec { name: n.to_string(), dtype: safetensors::Dtype::F32, shape: vec![len] }
+        })
+        .collect();
+    let meta = [("zerotrain_range", format!("{start}..{end}"))];
+    let mut writer = SafetensorsWriter::create(&path, &specs, &meta)?;
+    for (_, values) in tensors {
+        writer.write_f32(values)?;
+    }
+    crash_point("shard written");
+    let summary = writer.finish()?;
+    crash_point("shard synced");
+    let info = ShardFile { name, rank, start, end, size: summary.size, block_bytes: BLOCK_BYTES, block_crc32: summary.block_crc32 };
+    let record = partial.join(format!("rank{rank}.json"));
+    let json = serde_json::to_vec(&info).map_err(|e| CheckpointError::Mismatch(format!("shard record: {e}")))?;
+    fs::write(&record, json).map_err(CheckpointError::io(&record))?;
+    crash_point("shard recorded");
+    Ok(info)
+}
+
+/// Rank 0, after every rank has written: completes `manifest` with the shard records found
+/// in `<tag>.partial`, makes the checkpoint visible and `latest`, and applies retention.
+/// Returns the checkpoint's directory.
+pub fn commit(root: &Path, mut manifest: Manifest, keep_last_n: Option<usize>) -> Result<PathBuf> {
+    let tag = manifest.tag.clone();
+    let partial = partial_dir(root, &tag);
+    let mut files = Vec::new();
+    for entry in fs::read_dir(&partial).map_err(CheckpointError::io(&partial))? {
+        let path = entry.map_err(CheckpointError::io(&partial))?.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let bytes = fs::read(&path).map_err(CheckpointError::io(&path))?;
+            let info: ShardFile = serde_json::from_slice(&bytes)
+                .map_err(|e| CheckpointError::Corrupted { path: path.clone(), reason: e.to_string() })?;
+            files.push(info);
+            fs::remove_file(&path).map_err(CheckpointError::io(&path))?;
+        }
+    }
+    files.sort_by_key(|f| f.start);
+    manifest.files = files;
+    let manifest_path = partial.join("manifest.json");
+    manifest
+        .validate()
+        .map_err(|reason| CheckpointError::InvalidManifest { path: manifest_path.clone(), reason })?;
+    let bytes = manifest.to_bytes()?;
+    let file = fs::File::create(&manifest_path).map_err(CheckpointError::io(&manifest_path))?;
+    std::io::Write::write_all(&mut &file, &bytes).map_err(CheckpointError::io(&manifest_path))?;
+    crash_point("manifest written");
+    file.sync_all().map_err(CheckpointError::io(&manifest_path))?;
+    sync_dir(&partial)?;
+    crash_point("manifest synced");
+    let target = root.join(&tag);
+    fs::rename(&partial, &target).map_err(CheckpointError::io(&target))?;
+    crash_point("checkpoint renamed");
+    sync_dir(root)?;
+    let latest_tmp = root.join(format!("{LATEST}.partial"));
+    fs::write(&latest_tmp, tag.as_bytes()).map_err(CheckpointError::io(&latest_tmp))?;
+    fs::File::open(&latest_tmp).and_then(|f| f.sync_all()).map_err(CheckpointError::io(&latest_tmp))?;
+    crash_point("latest written");
+    fs::rename(&latest_tmp, root.join(LATEST)).map_err(CheckpointError::io(root.join(LATEST)))?;
+    sync_dir(root)?;
+    crash_point("latest replaced");
+    if let Some(keep) = keep_last_n {
+        retain(root, keep, &tag)?;
+    }
+    Ok(target)
+}
+
+/// Removes the oldest complete checkpoints in `root` beyond the newest `keep` (by global
+/// step), never `latest`'s.
+fn retain(root: &Path, keep: usize, latest: &str) -> Result<()> {
+    let mut found = crate::list(root)?;
+    found.sort_by_key(|(step, tag)| std::cmp::Reverse((*step, tag.clone())));
+    for (_, tag) in found.into_iter().skip(keep.max(1)).filter(|(_, t)| t != latest) {
+        let doomed = partial_dir(root, &tag);
+        fs::rename(root.join(&tag), &doomed).map_err(CheckpointError::io(root.join(&tag)))?;
+        crash_point("old checkpoint hidden");
+        fs::remove_dir_all(&doomed).map_err(CheckpointError::io(&doomed))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,254 @@
+//! The manifest: everything a checkpoint is, except the tensor bytes.
+//!
+//! # Note: the manifest's checksum
+//! `manifest.json` is `{"manifest": {...}, "crc32": N}` where `N` is the CRC32 of the exact
+//! bytes of the `manifest` value as written (compact JSON). A reader takes those bytes
+//! verbatim (serde_json's `RawValue`), so any flipped byte inside the manifest changes the
+//! checksum and any flipped byte around it breaks the JSON: no corruption goes unseen.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use crate::{CheckpointError, Result, validate_tag};
+
+/// The manifest format this crate writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The largest manifest file read (bounded memory on hostile input).
+pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+/// Bounds that keep a hostile manifest from asking for unbounded memory or arithmetic.
+const MAX_WORLD_SIZE: usize = 1 << 20;
+const MAX_ELEMS: u64 = 1 << 42;
+const MAX_PARAMS: usize = 1 << 24;
+
+/// One trainable parameter's place in the flat buffer, keyed by module path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayoutEntry {
+    /// Module path, e.g. `blocks.0.attn.query.weight`.
+    pub path: String,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// First element in the (unpadded) flat buffer.
+    pub offset: u64,
+}
+
+/// One shard file: the flat range `[start, end)` of every tensor in [`Manifest::tensors`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardFile {
+    /// File name inside the checkpoint directory: `rank{rank}.safetensors`.
+    pub name: String,
+    /// The rank that wrote it.
+    pub rank: usize,
+    /// First flat element it holds.
+    pub start: u64,
+    /// One past the last flat element it holds.
+    pub end: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Bytes per checksummed block (the last block may be shorter).
+    pub block_bytes: u64,
+    /// CRC32 of each block of the file, in order.
+    pub block_crc32: Vec<u32>,
+}
+
+/// A checkpoint's description, as stored in `<dir>/<tag>/manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// [`FORMAT_VERSION`].
+    pub format_version: u32,
+    /// The tag (the directory's name).
+    pub tag: String,
+    /// Optimizer steps taken when it was written (orders checkpoints for retention).
+    pub global_step: u64,
+    /// World size of the job that wrote it.
+    pub world_size: usize,
+    /// ZeRO stage of the job that wrote it.
+    pub stage: u8,
+    /// Compute dtype of the job that wrote it (`fp32`, `fp16`, `bf16`); tensors are fp32.
+    pub precision: String,
+    /// Trainable parameters in flat order.
+    pub layout: Vec<LayoutEntry>,
+    /// Tensor names every shard file holds, each over the file's flat range: `master` (fp32
+    /// master weights) and `optim.*` (optimizer state leaves).
+    pub tensors: Vec<String>,
+    /// The shard files, in flat order; together they cover every element exactly once.
+    pub files: Vec<ShardFile>,
+    /// Engine state (counters, schedule, loss scaler, optimizer scalars), written by the engine.
+    pub engine: serde_json::Value,
+    /// The resolved configuration of the job that wrote it.
+    pub config: serde_json::Value,
+    /// The user's own state (data position, anything).
+    pub client_state: serde_json::Value,
+}
+
+#[derive(Serialize)]
+struct EnvelopeOut<'a> {
+    manifest: &'a RawValue,
+    crc32: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnvelopeIn<'a> {
+    #[serde(borrow)]
+    manifest: &'a RawValue,
+    crc32: u32,
+}
+
+impl Manifest {
+    /// Number of parameter elements (sum of the layout).
+    pub fn num_elems(&self) -> u64 {
+        self.layout.last().map_or(0, |e| e.offset + e.shape.iter().product::<u64>())
+    }
+
+    /// The manifest file's bytes, checksummed (see the module note).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let body = serde_json::to_string(self).map_err(|e| CheckpointError::Mismatch(format!("cannot serialise manifest: {e}")))?;
+        let raw = RawValue::from_string(body).map_err(|e| CheckpointError::Mismatch(format!("manifest JSON: {e}")))?;
+        let envelope = EnvelopeOut { manifest: &raw, crc32: crc32fast::hash(raw.get().as_bytes()) };
+        serde_json::to_vec(&envelope).map_err(|e| CheckpointError::Mismatch(format!("manifest JSON: {e}")))
+    }
+
+    /// Parses and validates manifest bytes read from `path`.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
+        let corrupted = |reason: String| CheckpointError::Corrupted { path: path.to_path_buf(), reason };
+        let envelope: EnvelopeIn<'_> = serde_json::from_slice(bytes).map_err(|e| corrupted(format!("not a manifest: {e}")))?;
+        let crc = crc32fast::hash(envelope.manifest.get().as_bytes());
+        if crc != envelope.crc32 {
+            return Err(corrupted(format!("checksum {crc:#010x} does not match the recorded {:#010x}", envelope.crc32)));
+        }
+        let manifest: Manifest =
+            serde_json::from_str(envelope.manifest.get()).map_err(|e| corrupted(format!("manifest fields: {e}")))?;
+        manifest.validate().map_err(|reason| CheckpointError::InvalidManifest { path: path.to_path_buf(), reason })?;
+        Ok(manifest)
+    }
+
+    /// Checks every invariant a reader relies on, with bounded arithmetic.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.format_version != FORMAT_VERSION {
+            return Err(format!("format version {} is not {FORMAT_VERSION}", self.format_version));
+        }
+        validate_tag(&self.tag).map_err(|e| e.to_string())?;
+        if !(1..=MAX_WORLD_SIZE).contains(&self.world_size) {
+            return Err(format!("world size {} out of range", self.world_size));
+        }
+        if self.stage > 3 {
+            return Err(format!("stage {} is not 0-3", self.stage));
+        }
+        if self.layout.len() > MAX_PARAMS {
+            return Err(format!("{} parameters is more than {MAX_PARAMS}", self.layout.len()));
+        }
+        let mut next = 0u64;
+        let mut paths = std::collections::HashSet::new();
+        for e in &self.layout {
+            if e.path.is_empty() || !paths.insert(e.path.as_str()) {
+                return Err(format!("parameter path {:?} is empty or repeated", e.path));
+            }
+            let elems = e.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n <= MAX_ELEMS);
+            let elems = elems.ok_or_else(|| format!("parameter `{}` has an impossible shape {:?}", e.path, e.shape))?;
+            if e.offset != next {
+                return Err(format!("parameter `{}` starts at {}, expected {next}", e.path, e.offset));
+            }
+            next = next.checked_add(elems).filter(|&n| n <= MAX_ELEMS).ok_or("the layout is too large")?;
+        }
+        if self.tensors.is_empty() || self.tensors[0] != "master" {
+            return Err("the first tensor must be `master`".into());
+        }
+        for t in &self.tensors[1..] {
+            if !t.starts_with("optim.") || t.len() > 200 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._".contains(&b)) {
+                return Err(format!("tensor name {t:?} is not `master` or `optim.*`"));
+            }
+        }
+        let mut covered = 0u64;
+        for f in &self.files {
+            if f.name != format!("rank{}.safetensors", f.rank) || f.rank >= self.world_size {
+                return Err(format!("shard file {:?} of rank {} is not a valid shard name", f.name, f.rank));
+            }
+            if f.start != covered || f.end <= f.start || f.end > next {
+                return Err(format!("shard {} covers [{}, {}), expected to start at {covered} within {next}", f.name, f.start, f.end));
+            }
+            covered = f.end;
+            if !(4096..=1 << 30).contains(&f.block_bytes) || f.size > MAX_ELEMS * 64 {
+                return Err(format!("shard {} has block size {} or size {} out of range", f.name, f.block_bytes, f.size));
+            }
+            if f.block_crc32.len() as u64 != f.size.div_ceil(f.block_bytes) {
+                return Err(format!("shard {} lists {} block checksums for {} bytes", f.name, f.block_crc32.len(), f.size));
+            }
+        }
+        if covered != next {
+            return Err(format!("the shard files cover {covered} of {next} elements"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            tag: "global_step3".into(),
+            global_step: 3,
+            world_size: 2,
+            stage: 2,
+            precision: "fp32".into(),
+            layout: vec![
+                LayoutEntry { path: "w".into(), shape: vec![3, 4], offset: 0 },
+                LayoutEntry { path: "b".into(), shape: vec![4], offset: 12 },
+            ],
+            tensors: vec!["master".into(), "optim.momentum.moment_1".into()],
+            files: vec![
+                ShardFile { name: "rank0.safetensors".into(), rank: 0, start: 0, end: 8, size: 10, block_bytes: 4096, block_crc32: vec![1] },
+                ShardFile { name: "rank1.safetensors".into(), rank: 1, start: 8, end: 16, size: 10, block_bytes: 4096, block_crc32: vec![2] },
+            ],
+            engine: serde_json::json!({"global_steps": 3}),
+            config: serde_json::json!({}),
+            client_state: serde_json::json!({"epoch": 1}),
+        }
+    }
+
+    #[test]
+    fn round_trips_and_every_single_byte_flip_is_detected() {
+        let m = sample();
+        let bytes = m.to_bytes().unwrap();
+        assert_eq!(Manifest::from_bytes(&bytes, Path::new("m.json")).unwrap(), m);
+        for i in 0..bytes.len() {
+            for flip in [0x01u8, 0x20, 0x80] {
+                let mut bad = bytes.clone();
+                bad[i] ^= flip;
+                assert!(Manifest::from_bytes(&bad, Path::new("m.json")).is_err(), "flip {flip:#x} at byte {i} not detected");
+            }
+        }
+        for len in 0..bytes.len() {
+            assert!(Manifest::from_bytes(&bytes[..len], Path::new("m.json")).is_err(), "truncation to {len}");
+        }
+    }
+
+    #[test]
+    fn impossible_manifests_are_rejected_with_a_reason() {
+        let cases: Vec<(fn(&mut Manifest), &str)> = vec![
+            (|m| m.format_version = 9, "format version"),
+            (|m| m.tag = "../x".into(), "invalid checkpoint tag"),
+            (|m| m.world_size = 0, "world size"),
+            (|m| m.layout[1].offset = 13, "starts at 13"),
+            (|m| m.layout[0].shape = vec![u64::MAX, 2], "impossible shape"),
+            (|m| m.files[1].name = "../../etc/passwd".into(), "not a valid shard name"),
+            (|m| m.files[1].start = 7, "expected to start at 8"),
+            (|m| m.files[1].end = 15, "cover 15 of 16"),
+            (|m| m.files[0].block_crc32 = vec![], "block checksums"),
+            (|m| m.tensors[1] = "optim/../x".into(), "tensor name"),
+        ];
+        for (corrupt, needle) in cases {
+            let mut m = sample();
+            corrupt(&mut m);
+            let err = Manifest::from_bytes(&m.to_bytes().unwrap(), Path::new("m.json")).unwrap_err().to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Whole-checkpoint tests: corruption anywhere is caught and names its file.
+
+use std::path::{Path, PathBuf};
+
+use zerotrain_precision::Precision;
+
+use crate::*;
+
+fn temp_root(name: &str) -> PathBuf {
+    let root = std::env::temp_dir().join(format!("zt-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    root
+}
+
+/// A 2-shard checkpoint of `elems` elements with a master and one optimizer tensor whose
+/// values are their flat index (and minus it).
+fn write_sample(root: &Path, tag: &str, step: u64, elems: u64) -> Checkpoint {
+    let partial = prepare(root, tag).unwrap();
+    let half = elems / 2;
+    for (rank, range) in [(0, 0..half), (1, half..elems)] {
+        let master: Vec<f32> = range.clone().map(|i| i as f32).collect();
+        let optim: Vec<f32> = range.clone().map(|i| -(i as f32)).collect();
+        write_shard(&partial, rank, range.start, range.end, &[("master", &master), ("optim.momentum.moment_1", &optim)]).unwrap();
+    }
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        tag: tag.into(),
+        global_step: step,
+        world_size: 2,
+        stage: 2,
+        precision: "fp32".into(),
+        layout: vec![
+            LayoutEntry { path: "big.weight".into(), shape: vec![elems - 10], offset: 0 },
+            LayoutEntry { path: "big.bias".into(), shape: vec![2, 5], offset: elems - 10 },
+        ],
+        tensors: vec!["master".into(), "optim.momentum.moment_1".into()],
+        files: vec![],
+        engine: serde_json::json!({}),
+        config: serde_json::json!({}),
+        client_state: serde_json::json!({"position": step}),
+    };
+    commit(root, manifest, None).unwrap();
+    Checkpoint::open(root, Some(tag)).unwrap()
+}
+
+#[test]
+fn ranges_across_shards_read_back_exactly() {
+    let root = temp_root("ranges");
+    let ckpt = write_sample(&root, "global_step1", 1, 700_000);
+    for range in [0..5, 349_998..350_003, 699_990..700_000, 123_456..654_321] {
+        let mut out = vec![0.0; (range.end - range.start) as usize];
+        ckpt.read_range("optim.momentum.moment_1", range.clone(), &mut out).unwrap();
+        assert!(out.iter().zip(range.clone()).all(|(v, i)| *v == -(i as f32)), "{range:?}");
+    }
+    assert!(ckpt.read_range("master", 699_999..700_001, &mut [0.0; 2]).is_err());
+    assert!(ckpt.read_range("optim.nope", 0..1, &mut [0.0]).is_err());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn every_sampled_byte_flip_and_truncation_is_detected_and_names_the_file() {
+    let root = temp_root("flips");
+    // 2 x 2 x 350k x 4 bytes: each shard spans three checksum blocks.
+    let ckpt = write_sample(&root, "global_step1", 1, 700_000);
+    let mut tried = 0;
+    for name in ["rank0.safetensors", "rank1.safetensors", "manifest.json"] {
+        let path = ckpt.dir().join(name);
+        let original = std::fs::read(&path).unwrap();
+        let positions: Vec<usize> = (0..original.len()).step_by(original.len() / 97 + 1).chain([original.len() - 1]).collect();
+        for &pos in &positions {
+            let mut bad = original.clone();
+            bad[pos] ^= 0x10;
+            std::fs::write(&path, &bad).unwrap();
+            let err = Checkpoint::open(&root, Some("global_step1")).and_then(|c| c.verify()).unwrap_err().to_string();
+            assert!(err.contains(name), "flip at {pos} of {name}: {err}");
+            tried += 1;
+        }
+        for len in [0, original.len() / 2, original.len() - 1] {
+            std::fs::write(&path, &original[..len]).unwrap();
+            let err = Checkpoint::open(&root, Some("global_step1")).and_then(|c| c.verify()).unwrap_err().to_string();
+            assert!(err.contains(name), "truncation to {len} of {name}: {err}");
+            tried += 1;
+        }
+        std::fs::write(&path, &original).unwrap();
+    }
+    assert!(tried >= 300, "{tried}");
+    Checkpoint::open(&root, None).unwrap().verify().unwrap();
+    std::fs::remove_file(ckpt.dir().join("rank1.safetensors")).unwrap();
+    let err = Checkpoint::open(&root, None).unwrap().verify().unwrap_err().to_string();
+    assert!(err.contains("rank1.safetensors") && err.contains("missing"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn tags_are_never_overwritten_and_retention_keeps_the_newest() {
+    let root = temp_root("retention");
+    write_sample(&root, "global_step1", 1, 100);
+    assert!(matches!(prepare(&root, "global_step1"), Err(CheckpointError::Exists { .. })));
+    assert!(matches!(Checkpoint::open(&root, Some("../global_step1")), Err(CheckpointError::InvalidTag { .. })));
+    write_sample(&root, "global_step2", 2, 100);
+    let partial = prepare(&root, "global_step3").unwrap();
+    write_shard(&partial, 0, 0, 100, &[("master", &[0.0; 100][..])]).unwrap();
+    let mut m = Checkpoint::open(&root, None).unwrap().manifest().clone();
+    (m.tag, m.global_step, m.tensors) = ("global_step3".into(), 3, vec!["master".into()]);
+    commit(&root, m, Some(2)).unwrap();
+    let mut tags: Vec<String> = list(&root).unwrap().into_iter().map(|(_, t)| t).collect();
+    tags.sort();
+    assert_eq!(tags, ["global_step2", "global_step3"]);
+    assert_eq!(Checkpoint::open(&root, None).unwrap().manifest().tag, "global_step3");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn consolidation_writes_one_valid_safetensors_file_by_module_path() {
+    let root = temp_root("consolidate");
+    let ckpt = write_sample(&root, "global_step1", 1, 1000);
+    for dtype in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+        let out = root.join(format!("model-{dtype}.safetensors"));
+        consolidate(&ckpt, &out, dtype).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let bias = st.tensor("big.bias").unwrap();
+        assert_eq!(bias.shape(), [2, 5]);
+        let first = match dtype {
+            Precision::Fp32 => f32::from_le_bytes(bias.data()[..4].try_into().unwrap()),
+            Precision::Bf16 => zerotrain_precision::half::bf16::from_le_bytes(bias.data()[..2].try_into().unwrap()).to_f32(),
+            Precision::Fp16 => zerotrain_precision::half::f16::from_le_bytes(bias.data()[..2].try_into().unwrap()).to_f32(),
+        };
+        let expected = match dtype {
+            Precision::Bf16 => zerotrain_precision::half::bf16::from_f32(990.0).to_f32(), // 992: 8-bit mantissa
+            _ => 990.0,
+        };
+        assert_eq!(first, expected);
+        assert_eq!(st.tensor("big.weight").unwrap().shape(), [990]);
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
