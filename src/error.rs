@@ -14,6 +14,9 @@ pub enum Error {
     /// A collective failed (another rank failed, a timeout, mismatched calls).
     #[error(transparent)]
     Comm(#[from] ZeroError),
+    /// A checkpoint could not be written or read.
+    #[error(transparent)]
+    Checkpoint(#[from] zerotrain_checkpoint::CheckpointError),
     /// fp16 gradients overflowed with the loss scale at its minimum.
     #[error(transparent)]
     LossScale(zerotrain_precision::ScaleError),
@@ -23,6 +26,15 @@ pub enum Error {
     /// The engine was driven out of order (e.g. `backward` twice without `forward`).
     #[error("engine used out of order: {0}")]
     Usage(String),
+    /// Another rank failed during a phase that all ranks run together (this rank's part
+    /// succeeded).
+    #[error("rank(s) {ranks:?} failed while {phase}")]
+    PeerFailed {
+        /// The ranks that failed.
+        ranks: Vec<usize>,
+        /// What they were doing.
+        phase: String,
+    },
     /// A rank's closure returned an error.
     #[error("rank {rank} failed: {message}")]
     Rank {
@@ -39,6 +51,16 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+}
+
+impl Error {
+    /// Whether this error only reports another rank's failure (so that [`launch`] can
+    /// report the root cause instead).
+    ///
+    /// [`launch`]: crate::launch
+    pub fn is_consequence(&self) -> bool {
+        matches!(self, Self::PeerFailed { .. } | Self::Comm(ZeroError::Aborted { .. }))
+    }
 }
 
 /// Shorthand for results with [`Error`].

@@ -60,7 +60,7 @@ where
     let Backend::Threads = plan.backend; // the only backend so far
     let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
     let device = Device::flex().autodiff();
-    let results: Vec<Result<T>> = std::thread::scope(|scope| {
+    let results: Vec<Result<T, (Error, bool)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..plan.world_size)
             .map(|rank| {
                 let ctx = RankContext::new(Arc::new(world.communicator(rank)), device.clone());
@@ -71,7 +71,7 @@ where
                 spawned.map_err(|e| {
                     let error = Error::Rank { rank, message: format!("could not start its thread: {e}") };
                     world.abort(rank, &error.to_string());
-                    error
+                    (error, false)
                 })
             })
             .collect();
@@ -80,31 +80,44 @@ where
             .map(|h| h.and_then(|h| h.join().unwrap_or_else(|_| unreachable!("run_rank catches panics"))))
             .collect()
     });
-    let first_failure = world.aborted().map(|(rank, _)| rank);
     let mut values = Vec::with_capacity(results.len());
-    let mut errors: Vec<(usize, Error)> = Vec::new();
+    let mut errors: Vec<(usize, Error, bool)> = Vec::new();
     for (rank, result) in results.into_iter().enumerate() {
         match result {
             Ok(v) => values.push(v),
-            Err(e) => errors.push((rank, e)),
+            Err((e, consequence)) => errors.push((rank, e, consequence)),
         }
     }
     if errors.is_empty() {
         return Ok(values);
     }
-    let root = errors.iter().position(|(rank, _)| Some(*rank) == first_failure).unwrap_or(0);
+    // The root cause: the first rank whose error is its own, else the first rank to abort.
+    let first_abort = world.aborted().map(|(rank, _)| rank);
+    let root = errors
+        .iter()
+        .position(|(_, _, consequence)| !consequence)
+        .or_else(|| errors.iter().position(|(rank, _, _)| Some(*rank) == first_abort))
+        .unwrap_or(0);
     Err(errors.swap_remove(root).1)
 }
 
-fn run_rank<T, E>(rank: usize, world: &ThreadWorld, f: impl FnOnce() -> std::result::Result<T, E>) -> Result<T>
+/// Runs one rank's closure; on failure aborts the world and returns the error and whether
+/// it is only a consequence of another rank's failure.
+fn run_rank<T, E>(
+    rank: usize,
+    world: &ThreadWorld,
+    f: impl FnOnce() -> std::result::Result<T, E>,
+) -> Result<T, (Error, bool)>
 where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let outcome = catch_unwind(AssertUnwindSafe(f));
+    let mut consequence = false;
     let error = match outcome {
         Ok(Ok(value)) => return Ok(value),
         Ok(Err(e)) => {
             let e: Box<dyn std::error::Error + Send + Sync> = e.into();
+            consequence = e.downcast_ref::<Error>().is_some_and(Error::is_consequence);
             Error::Rank { rank, message: error_chain(e.as_ref()) }
         }
         Err(panic) => {
@@ -117,7 +130,7 @@ where
         }
     };
     world.abort(rank, &error.to_string());
-    Err(error)
+    Err((error, consequence))
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

@@ -58,6 +58,6 @@ pub mod schedule;
 pub mod train;
 
 pub use config::{Config, Overrides, Plan};
-pub use engine::{Counters, Engine, MemoryReport, StepReport};
+pub use engine::{Counters, Engine, LoadOptions, MemoryReport, StepReport};
 pub use error::{Error, Result};
 pub use launch::{RankContext, launch};

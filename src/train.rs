@@ -38,9 +38,25 @@ pub struct DemoSummary {
     pub comm_bytes_per_step: u64,
 }
 
-/// Trains the demo model for `steps` optimizer steps under `plan`; `log` receives rank 0's
-/// lines.
-pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Result<DemoSummary> {
+/// Where and how often the demo saves checkpoints.
+#[derive(Debug, Clone)]
+pub struct CheckpointSettings {
+    /// The checkpoint directory.
+    pub dir: std::path::PathBuf,
+    /// Save every this many steps (0: only at the end).
+    pub every: u64,
+    /// Continue from the checkpoint `latest` names.
+    pub resume: bool,
+}
+
+/// Trains the demo model until `steps` optimizer steps are done under `plan` (resuming from
+/// a checkpoint if asked); `log` receives rank 0's lines.
+pub fn train_demo(
+    plan: &Plan,
+    steps: u64,
+    checkpoints: Option<&CheckpointSettings>,
+    log: &(dyn Fn(&str) + Sync),
+) -> Result<DemoSummary> {
     let task = DEMO_TASK;
     // Built once, before the rank threads start: Flex's RNG is process-wide, so seeding
     // inside racing ranks would not make the initial weights reproducible.
@@ -54,12 +70,19 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
         let val_loss = |engine: &mut Engine<TinyTransformer>| -> Result<f32> {
             engine.eval(|m| m.loss(&validation).into_scalar::<f32>())
         };
+        if let Some(c) = checkpoints.filter(|c| c.resume) {
+            engine.load_checkpoint(&c.dir, None, crate::LoadOptions::default())?;
+            if ctx.rank() == 0 {
+                log(&format!("resumed from {} at step {}", c.dir.display(), engine.counters().global_steps));
+            }
+        }
+        let first_step = engine.counters().global_steps;
         let initial_val_loss = val_loss(&mut engine)?;
         let (rank, b) = (ctx.rank() as u64, plan.batch);
         let start = Instant::now();
         let comm_start = engine.comm_stats().total_bytes();
         let mut last_train_loss = f32::NAN;
-        for step in 0..steps {
+        for step in first_step..steps {
             for micro in 0..b.gradient_accumulation_steps {
                 let first =
                     step * b.train_batch_size + (micro * plan.world_size as u64 + rank) * b.micro_batch_per_rank;
@@ -68,6 +91,9 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
                 engine.backward(loss)?;
                 let Some(report) = engine.step()? else { continue };
                 last_train_loss = report.loss;
+                if let Some(c) = checkpoints.filter(|c| c.every > 0 && report.global_step % c.every == 0) {
+                    engine.save_checkpoint(&c.dir, None, serde_json::json!({ "step": report.global_step }))?;
+                }
                 if ctx.rank() == 0 && (report.global_step % plan.steps_per_print == 0 || report.global_step == steps) {
                     let rate = (report.global_step * b.train_batch_size) as f64 / start.elapsed().as_secs_f64();
                     log(&format!(
@@ -82,8 +108,12 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
                 }
             }
         }
+        let saved_last = checkpoints.is_some_and(|c| c.every > 0 && steps.is_multiple_of(c.every));
+        if let Some(c) = checkpoints.filter(|_| !saved_last && steps > first_step) {
+            engine.save_checkpoint(&c.dir, None, serde_json::json!({ "step": steps }))?;
+        }
         let seconds = start.elapsed().as_secs_f64();
-        let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / steps.max(1);
+        let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / (steps - first_step).max(1);
         let final_val_loss = val_loss(&mut engine)?;
         Ok::<_, crate::Error>(DemoSummary {
             steps,
@@ -91,7 +121,7 @@ pub fn train_demo(plan: &Plan, steps: u64, log: &(dyn Fn(&str) + Sync)) -> Resul
             final_val_loss,
             last_train_loss,
             seconds,
-            samples_per_second: (steps * b.train_batch_size) as f64 / seconds,
+            samples_per_second: ((steps - first_step) * b.train_batch_size) as f64 / seconds,
             num_params: engine.layout().num_elems(),
             memory: engine.memory_report(),
             comm_bytes_per_step,

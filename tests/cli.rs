@@ -102,3 +102,117 @@ fn bench_convert_prints_every_conversion_beside_memcpy() {
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(rows.as_array().map(Vec::len), Some(5));
 }
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// SIGKILL at every crash point of a save (before, during and after each shard write,
+/// around the manifest and both renames): afterwards `latest` always names a complete
+/// checkpoint, the old one or the new one.
+#[test]
+fn a_save_killed_at_any_point_leaves_latest_complete() {
+    use std::io::BufRead;
+    let base = std::env::temp_dir().join(format!("zerotrain-crash-base-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let first = zerotrain(&[
+        "train",
+        "--config",
+        "configs/zero2.json",
+        "--steps",
+        "1",
+        "--out",
+        base.to_str().unwrap(),
+        "--save-every",
+        "1",
+    ]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let mut killed_at = Vec::new();
+    for k in 1.. {
+        let dir = std::env::temp_dir().join(format!("zerotrain-crash-{}-{k}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        copy_dir(&base, &dir);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+            .args(["train", "--config", "configs/zero2.json", "--steps", "2", "--save-every", "1", "--resume", "--out"])
+            .arg(&dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("ZEROTRAIN_CRASH_AT", k.to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let reached =
+            stderr.lines().map_while(Result::ok).find(|l| l.starts_with(&format!("zerotrain: crash point {k} ")));
+        let finished = reached.is_none();
+        match reached {
+            Some(line) => {
+                child.kill().unwrap(); // SIGKILL
+                child.wait().unwrap();
+                killed_at.push(line);
+            }
+            None => {
+                assert!(child.wait().unwrap().success(), "the uninterrupted save must succeed");
+            }
+        }
+        let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap_or_else(|e| panic!("kill point {k}: {e}"));
+        ckpt.verify().unwrap_or_else(|e| panic!("kill point {k}: {e}"));
+        let step = ckpt.manifest().global_step;
+        assert!(step == 1 || step == 2, "kill point {k}: latest is step {step}");
+        // Rerunning after the kill resumes and finishes at step 2, whatever was left behind.
+        let rerun = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+            .args(["train", "--config", "configs/zero2.json", "--steps", "2", "--save-every", "1", "--resume", "--out"])
+            .arg(&dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(rerun.status.success(), "rerun after kill point {k}: {}", text(&rerun.stderr));
+        assert_eq!(zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap().manifest().global_step, 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+        if finished {
+            assert_eq!(step, 2);
+            break;
+        }
+    }
+    std::fs::remove_dir_all(&base).unwrap();
+    eprintln!("killed a save at {} points: {killed_at:#?}", killed_at.len());
+    assert_eq!(killed_at.len(), 13, "2 ranks: prepare (2) + 2 shards (3 each) + commit (5) points");
+}
+
+#[test]
+fn inspect_verifies_and_consolidate_exports() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-cli-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    assert!(zerotrain(&["train", "--config", "configs/zero3.json", "--steps", "2", "--out", d]).status.success());
+    let out = zerotrain(&["inspect", d, "--verify"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("every checksum matches"), "{}", text(&out.stdout));
+    let file = dir.join("model.safetensors");
+    let out = zerotrain(&["consolidate", d, "--out", file.to_str().unwrap(), "--dtype", "bf16"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor("input.weight").unwrap().dtype(), safetensors::Dtype::BF16);
+    // Corrupt one byte of a shard: inspect --verify names the file and fails.
+    let shard = dir.join("global_step2/rank1.safetensors");
+    let mut data = std::fs::read(&shard).unwrap();
+    let middle = data.len() / 2;
+    data[middle] ^= 1;
+    std::fs::write(&shard, data).unwrap();
+    let out = zerotrain(&["inspect", d, "--verify"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("rank1.safetensors: corrupted"), "{}", text(&out.stderr));
+    let out = zerotrain(&["consolidate", d, "--out", file.to_str().unwrap(), "--dtype", "f8"]);
+    assert!(text(&out.stderr).contains("--dtype must be f32, f16 or bf16"), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -26,9 +26,10 @@ impl Checkpoint {
             None => {
                 let latest = root.join(LATEST);
                 let text = fs::read_to_string(&latest).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => {
-                        CheckpointError::NotFound { path: latest.clone(), reason: "no `latest` file: nothing was saved here".into() }
-                    }
+                    std::io::ErrorKind::NotFound => CheckpointError::NotFound {
+                        path: latest.clone(),
+                        reason: "no `latest` file: nothing was saved here".into(),
+                    },
                     _ => CheckpointError::io(&latest)(e),
                 })?;
                 text.trim().to_string()
@@ -39,7 +40,9 @@ impl Checkpoint {
         let path = dir.join("manifest.json");
         let size = fs::metadata(&path)
             .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => CheckpointError::NotFound { path: path.clone(), reason: "no manifest".into() },
+                std::io::ErrorKind::NotFound => {
+                    CheckpointError::NotFound { path: path.clone(), reason: "no manifest".into() }
+                }
                 _ => CheckpointError::io(&path)(e),
             })?
             .len();
@@ -49,7 +52,10 @@ impl Checkpoint {
         let bytes = fs::read(&path).map_err(CheckpointError::io(&path))?;
         let manifest = Manifest::from_bytes(&bytes, &path)?;
         if manifest.tag != tag {
-            return Err(CheckpointError::InvalidManifest { path, reason: format!("it describes tag {:?}, not {tag:?}", manifest.tag) });
+            return Err(CheckpointError::InvalidManifest {
+                path,
+                reason: format!("it describes tag {:?}, not {tag:?}", manifest.tag),
+            });
         }
         Ok(Self { dir, manifest })
     }

@@ -31,7 +31,8 @@ pub const LATEST: &str = "latest";
 pub fn crash_point(name: &str) {
     static TARGET: OnceLock<Option<u64>> = OnceLock::new();
     static REACHED: AtomicU64 = AtomicU64::new(0);
-    let Some(target) = *TARGET.get_or_init(|| std::env::var("ZEROTRAIN_CRASH_AT").ok().and_then(|v| v.parse().ok())) else {
+    let Some(target) = *TARGET.get_or_init(|| std::env::var("ZEROTRAIN_CRASH_AT").ok().and_then(|v| v.parse().ok()))
+    else {
         return;
     };
     let n = REACHED.fetch_add(1, Ordering::SeqCst) + 1;
@@ -52,13 +53,30 @@ fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir).and_then(|d| d.sync_all()).map_err(CheckpointError::io(dir))
 }
 
-/// Rank 0, before any rank writes: checks the tag, refuses an existing checkpoint, and
-/// creates an empty `<tag>.partial` directory (removing a stale one).
+/// Rank 0, before any rank writes: checks the tag and creates an empty `<tag>.partial`
+/// directory (removing a stale one).
+///
+/// A tag that `latest` names is never replaced ([`CheckpointError::Exists`]). A tag that
+/// exists but `latest` does not name is an orphan of a save killed between its rename and
+/// the `latest` update (a rerun resumes from the previous checkpoint and reaches the same
+/// step again): it is moved aside to `<tag>.orphaned-<unix seconds>`, kept, and reported on
+/// stderr.
 pub fn prepare(root: &Path, tag: &str) -> Result<PathBuf> {
     validate_tag(tag)?;
     let target = root.join(tag);
     if target.exists() {
-        return Err(CheckpointError::Exists { path: target });
+        let latest = fs::read_to_string(root.join(LATEST)).ok();
+        if latest.as_deref().map(str::trim) == Some(tag) {
+            return Err(CheckpointError::Exists { path: target });
+        }
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let aside = root.join(format!("{tag}.orphaned-{secs}"));
+        fs::rename(&target, &aside).map_err(CheckpointError::io(&target))?;
+        eprintln!(
+            "zerotrain: {} was not the latest checkpoint (left by an interrupted save); moved it to {}",
+            target.display(),
+            aside.display()
+        );
     }
     fs::create_dir_all(root).map_err(CheckpointError::io(root))?;
     let partial = partial_dir(root, tag);
@@ -92,7 +110,15 @@ pub fn write_shard(partial: &Path, rank: usize, start: u64, end: u64, tensors: &
     crash_point("shard written");
     let summary = writer.finish()?;
     crash_point("shard synced");
-    let info = ShardFile { name, rank, start, end, size: summary.size, block_bytes: BLOCK_BYTES, block_crc32: summary.block_crc32 };
+    let info = ShardFile {
+        name,
+        rank,
+        start,
+        end,
+        size: summary.size,
+        block_bytes: BLOCK_BYTES,
+        block_crc32: summary.block_crc32,
+    };
     let record = partial.join(format!("rank{rank}.json"));
     let json = serde_json::to_vec(&info).map_err(|e| CheckpointError::Mismatch(format!("shard record: {e}")))?;
     fs::write(&record, json).map_err(CheckpointError::io(&record))?;
@@ -120,9 +146,7 @@ pub fn commit(root: &Path, mut manifest: Manifest, keep_last_n: Option<usize>) -
     files.sort_by_key(|f| f.start);
     manifest.files = files;
     let manifest_path = partial.join("manifest.json");
-    manifest
-        .validate()
-        .map_err(|reason| CheckpointError::InvalidManifest { path: manifest_path.clone(), reason })?;
+    manifest.validate().map_err(|reason| CheckpointError::InvalidManifest { path: manifest_path.clone(), reason })?;
     let bytes = manifest.to_bytes()?;
     let file = fs::File::create(&manifest_path).map_err(CheckpointError::io(&manifest_path))?;
     std::io::Write::write_all(&mut &file, &bytes).map_err(CheckpointError::io(&manifest_path))?;

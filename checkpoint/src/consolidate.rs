@@ -23,7 +23,11 @@ pub fn consolidate(ckpt: &Checkpoint, out: &Path, dtype: Precision) -> Result<u6
     let specs: Vec<TensorSpec> = m
         .layout
         .iter()
-        .map(|e| TensorSpec { name: e.path.clone(), dtype: st_dtype, shape: e.shape.iter().map(|&d| d as usize).collect() })
+        .map(|e| TensorSpec {
+            name: e.path.clone(),
+            dtype: st_dtype,
+            shape: e.shape.iter().map(|&d| d as usize).collect(),
+        })
         .collect();
     let meta = [
         ("format", "pt".to_string()),
@@ -32,7 +36,9 @@ pub fn consolidate(ckpt: &Checkpoint, out: &Path, dtype: Precision) -> Result<u6
     ];
     let partial = out.with_file_name(format!(
         "{}.partial",
-        out.file_name().and_then(|n| n.to_str()).ok_or_else(|| CheckpointError::Mismatch(format!("{}: not a file path", out.display())))?
+        out.file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| CheckpointError::Mismatch(format!("{}: not a file path", out.display())))?
     ));
     let mut writer = SafetensorsWriter::create(&partial, &specs, &meta)?;
     for (entry, spec) in m.layout.iter().zip(&specs) {

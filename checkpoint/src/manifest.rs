@@ -107,7 +107,8 @@ impl Manifest {
 
     /// The manifest file's bytes, checksummed (see the module note).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let body = serde_json::to_string(self).map_err(|e| CheckpointError::Mismatch(format!("cannot serialise manifest: {e}")))?;
+        let body = serde_json::to_string(self)
+            .map_err(|e| CheckpointError::Mismatch(format!("cannot serialise manifest: {e}")))?;
         let raw = RawValue::from_string(body).map_err(|e| CheckpointError::Mismatch(format!("manifest JSON: {e}")))?;
         let envelope = EnvelopeOut { manifest: &raw, crc32: crc32fast::hash(raw.get().as_bytes()) };
         serde_json::to_vec(&envelope).map_err(|e| CheckpointError::Mismatch(format!("manifest JSON: {e}")))
@@ -116,10 +117,14 @@ impl Manifest {
     /// Parses and validates manifest bytes read from `path`.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
         let corrupted = |reason: String| CheckpointError::Corrupted { path: path.to_path_buf(), reason };
-        let envelope: EnvelopeIn<'_> = serde_json::from_slice(bytes).map_err(|e| corrupted(format!("not a manifest: {e}")))?;
+        let envelope: EnvelopeIn<'_> =
+            serde_json::from_slice(bytes).map_err(|e| corrupted(format!("not a manifest: {e}")))?;
         let crc = crc32fast::hash(envelope.manifest.get().as_bytes());
         if crc != envelope.crc32 {
-            return Err(corrupted(format!("checksum {crc:#010x} does not match the recorded {:#010x}", envelope.crc32)));
+            return Err(corrupted(format!(
+                "checksum {crc:#010x} does not match the recorded {:#010x}",
+                envelope.crc32
+            )));
         }
         let manifest: Manifest =
             serde_json::from_str(envelope.manifest.get()).map_err(|e| corrupted(format!("manifest fields: {e}")))?;
@@ -159,7 +164,10 @@ impl Manifest {
             return Err("the first tensor must be `master`".into());
         }
         for t in &self.tensors[1..] {
-            if !t.starts_with("optim.") || t.len() > 200 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._".contains(&b)) {
+            if !t.starts_with("optim.")
+                || t.len() > 200
+                || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._".contains(&b))
+            {
                 return Err(format!("tensor name {t:?} is not `master` or `optim.*`"));
             }
         }
@@ -169,14 +177,25 @@ impl Manifest {
                 return Err(format!("shard file {:?} of rank {} is not a valid shard name", f.name, f.rank));
             }
             if f.start != covered || f.end <= f.start || f.end > next {
-                return Err(format!("shard {} covers [{}, {}), expected to start at {covered} within {next}", f.name, f.start, f.end));
+                return Err(format!(
+                    "shard {} covers [{}, {}), expected to start at {covered} within {next}",
+                    f.name, f.start, f.end
+                ));
             }
             covered = f.end;
             if !(4096..=1 << 30).contains(&f.block_bytes) || f.size > MAX_ELEMS * 64 {
-                return Err(format!("shard {} has block size {} or size {} out of range", f.name, f.block_bytes, f.size));
+                return Err(format!(
+                    "shard {} has block size {} or size {} out of range",
+                    f.name, f.block_bytes, f.size
+                ));
             }
             if f.block_crc32.len() as u64 != f.size.div_ceil(f.block_bytes) {
-                return Err(format!("shard {} lists {} block checksums for {} bytes", f.name, f.block_crc32.len(), f.size));
+                return Err(format!(
+                    "shard {} lists {} block checksums for {} bytes",
+                    f.name,
+                    f.block_crc32.len(),
+                    f.size
+                ));
             }
         }
         if covered != next {
@@ -204,8 +223,24 @@ pub(crate) mod tests {
             ],
             tensors: vec!["master".into(), "optim.momentum.moment_1".into()],
             files: vec![
-                ShardFile { name: "rank0.safetensors".into(), rank: 0, start: 0, end: 8, size: 10, block_bytes: 4096, block_crc32: vec![1] },
-                ShardFile { name: "rank1.safetensors".into(), rank: 1, start: 8, end: 16, size: 10, block_bytes: 4096, block_crc32: vec![2] },
+                ShardFile {
+                    name: "rank0.safetensors".into(),
+                    rank: 0,
+                    start: 0,
+                    end: 8,
+                    size: 10,
+                    block_bytes: 4096,
+                    block_crc32: vec![1],
+                },
+                ShardFile {
+                    name: "rank1.safetensors".into(),
+                    rank: 1,
+                    start: 8,
+                    end: 16,
+                    size: 10,
+                    block_bytes: 4096,
+                    block_crc32: vec![2],
+                },
             ],
             engine: serde_json::json!({"global_steps": 3}),
             config: serde_json::json!({}),
@@ -222,7 +257,10 @@ pub(crate) mod tests {
             for flip in [0x01u8, 0x20, 0x80] {
                 let mut bad = bytes.clone();
                 bad[i] ^= flip;
-                assert!(Manifest::from_bytes(&bad, Path::new("m.json")).is_err(), "flip {flip:#x} at byte {i} not detected");
+                assert!(
+                    Manifest::from_bytes(&bad, Path::new("m.json")).is_err(),
+                    "flip {flip:#x} at byte {i} not detected"
+                );
             }
         }
         for len in 0..bytes.len() {
@@ -232,7 +270,8 @@ pub(crate) mod tests {
 
     #[test]
     fn impossible_manifests_are_rejected_with_a_reason() {
-        let cases: Vec<(fn(&mut Manifest), &str)> = vec![
+        type Corruption = (fn(&mut Manifest), &'static str);
+        let cases: Vec<Corruption> = vec![
             (|m| m.format_version = 9, "format version"),
             (|m| m.tag = "../x".into(), "invalid checkpoint tag"),
             (|m| m.world_size = 0, "world size"),

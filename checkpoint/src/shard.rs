@@ -161,17 +161,22 @@ impl<'a> ShardReader<'a> {
     pub fn open(dir: &Path, info: &'a ShardFile, tensors: &[String]) -> Result<Self> {
         let path = dir.join(&info.name);
         let file = File::open(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => CheckpointError::Corrupted { path: path.clone(), reason: "the shard file is missing".into() },
+            std::io::ErrorKind::NotFound => {
+                CheckpointError::Corrupted { path: path.clone(), reason: "the shard file is missing".into() }
+            }
             _ => CheckpointError::io(&path)(e),
         })?;
         let size = file.metadata().map_err(CheckpointError::io(&path))?.len();
         let mut reader = Self { path, file, info, tensor_start: HashMap::new() };
         if size != info.size {
-            return Err(reader.corrupted(format!("{size} bytes, the manifest records {} (truncated or extended)", info.size)));
+            return Err(
+                reader.corrupted(format!("{size} bytes, the manifest records {} (truncated or extended)", info.size))
+            );
         }
         let mut prefix = Vec::new();
         reader.read_verified(0..8.min(size), |b| prefix.extend_from_slice(b))?;
-        let header_len = u64::from_le_bytes(prefix.clone().try_into().map_err(|_| reader.corrupted("no header".into()))?);
+        let header_len =
+            u64::from_le_bytes(prefix.clone().try_into().map_err(|_| reader.corrupted("no header".into()))?);
         if header_len > MAX_HEADER_BYTES || 8 + header_len > size {
             return Err(reader.corrupted(format!("header length {header_len} does not fit the file")));
         }
@@ -188,8 +193,8 @@ impl<'a> ShardReader<'a> {
         let mut spans = Vec::new();
         for name in tensors {
             let entry = header.get(name).ok_or_else(|| reader.corrupted(format!("tensor `{name}` is missing")))?;
-            let t: HeaderEntry = serde_json::from_value(entry.clone())
-                .map_err(|e| reader.corrupted(format!("tensor `{name}`: {e}")))?;
+            let t: HeaderEntry =
+                serde_json::from_value(entry.clone()).map_err(|e| reader.corrupted(format!("tensor `{name}`: {e}")))?;
             let (begin, end) = t.data_offsets;
             if t.dtype != "F32" || t.shape != [elems] || end.checked_sub(begin) != Some(4 * elems) || end > data_len {
                 return Err(reader.corrupted(format!(
@@ -249,7 +254,10 @@ impl<'a> ShardReader<'a> {
             self.file.read_exact(&mut buf[..len]).map_err(CheckpointError::io(&self.path))?;
             let crc = crc32fast::hash(&buf[..len]);
             if Some(&crc) != self.info.block_crc32.get(block as usize) {
-                return Err(self.corrupted(format!("block {block} (bytes {block_start}..{}) fails its checksum", block_start + len as u64)));
+                return Err(self.corrupted(format!(
+                    "block {block} (bytes {block_start}..{}) fails its checksum",
+                    block_start + len as u64
+                )));
             }
             let lo = range.start.max(block_start) - block_start;
             let hi = range.end.min(block_start + len as u64) - block_start;

@@ -37,7 +37,8 @@ mod tests {
 
     #[test]
     fn tags_that_could_escape_or_confuse_are_rejected() {
-        for bad in ["", ".", "..", "../x", "a/b", "a\\b", "/abs", "x\0y", "tag with space", "ü", "latest", "s.partial"] {
+        for bad in ["", ".", "..", "../x", "a/b", "a\\b", "/abs", "x\0y", "tag with space", "ü", "latest", "s.partial"]
+        {
             assert!(validate_tag(bad).is_err(), "{bad:?}");
         }
         assert!(validate_tag(&"a".repeat(201)).is_err());

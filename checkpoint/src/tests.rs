@@ -20,7 +20,14 @@ fn write_sample(root: &Path, tag: &str, step: u64, elems: u64) -> Checkpoint {
     for (rank, range) in [(0, 0..half), (1, half..elems)] {
         let master: Vec<f32> = range.clone().map(|i| i as f32).collect();
         let optim: Vec<f32> = range.clone().map(|i| -(i as f32)).collect();
-        write_shard(&partial, rank, range.start, range.end, &[("master", &master), ("optim.momentum.moment_1", &optim)]).unwrap();
+        write_shard(
+            &partial,
+            rank,
+            range.start,
+            range.end,
+            &[("master", &master), ("optim.momentum.moment_1", &optim)],
+        )
+        .unwrap();
     }
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
@@ -66,7 +73,8 @@ fn every_sampled_byte_flip_and_truncation_is_detected_and_names_the_file() {
     for name in ["rank0.safetensors", "rank1.safetensors", "manifest.json"] {
         let path = ckpt.dir().join(name);
         let original = std::fs::read(&path).unwrap();
-        let positions: Vec<usize> = (0..original.len()).step_by(original.len() / 97 + 1).chain([original.len() - 1]).collect();
+        let positions: Vec<usize> =
+            (0..original.len()).step_by(original.len() / 97 + 1).chain([original.len() - 1]).collect();
         for &pos in &positions {
             let mut bad = original.clone();
             bad[pos] ^= 0x10;
@@ -96,6 +104,19 @@ fn tags_are_never_overwritten_and_retention_keeps_the_newest() {
     let root = temp_root("retention");
     write_sample(&root, "global_step1", 1, 100);
     assert!(matches!(prepare(&root, "global_step1"), Err(CheckpointError::Exists { .. })));
+    // A complete checkpoint that `latest` does not name (an interrupted save's) is kept aside.
+    std::fs::write(root.join(LATEST), "elsewhere").unwrap();
+    let partial = prepare(&root, "global_step1").unwrap();
+    assert!(partial.exists());
+    let aside: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("global_step1.orphaned-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "the orphan is kept, not deleted");
+    std::fs::remove_dir_all(root.join(&aside[0])).unwrap();
+    std::fs::remove_dir_all(&partial).unwrap();
+    std::fs::write(root.join(LATEST), "global_step1").unwrap();
     assert!(matches!(Checkpoint::open(&root, Some("../global_step1")), Err(CheckpointError::InvalidTag { .. })));
     write_sample(&root, "global_step2", 2, 100);
     let partial = prepare(&root, "global_step3").unwrap();
@@ -123,8 +144,12 @@ fn consolidation_writes_one_valid_safetensors_file_by_module_path() {
         assert_eq!(bias.shape(), [2, 5]);
         let first = match dtype {
             Precision::Fp32 => f32::from_le_bytes(bias.data()[..4].try_into().unwrap()),
-            Precision::Bf16 => zerotrain_precision::half::bf16::from_le_bytes(bias.data()[..2].try_into().unwrap()).to_f32(),
-            Precision::Fp16 => zerotrain_precision::half::f16::from_le_bytes(bias.data()[..2].try_into().unwrap()).to_f32(),
+            Precision::Bf16 => {
+                zerotrain_precision::half::bf16::from_le_bytes(bias.data()[..2].try_into().unwrap()).to_f32()
+            }
+            Precision::Fp16 => {
+                zerotrain_precision::half::f16::from_le_bytes(bias.data()[..2].try_into().unwrap()).to_f32()
+            }
         };
         let expected = match dtype {
             Precision::Bf16 => zerotrain_precision::half::bf16::from_f32(990.0).to_f32(), // 992: 8-bit mantissa

@@ -92,6 +92,15 @@ pub enum OptimizerPlan {
 }
 
 impl OptimizerPlan {
+    /// The optimizer's name as DeepSpeed spells it: `Adam`, `AdamW` or `SGD`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Adam { decoupled_weight_decay: true, .. } => "AdamW",
+            Self::Adam { .. } => "Adam",
+            Self::Sgd { .. } => "SGD",
+        }
+    }
+
     /// The configured learning rate.
     pub fn lr(&self) -> f64 {
         match self {
@@ -208,6 +217,8 @@ pub struct Plan {
     pub optimizer: OptimizerPlan,
     /// The learning-rate schedule.
     pub schedule: LrSchedule,
+    /// Checkpoints to keep in a directory (the oldest beyond are removed after a save).
+    pub keep_last_n_checkpoints: Option<usize>,
     /// How each `"auto"` was resolved.
     pub auto_resolved: Vec<String>,
     /// Active DeepSpeed keys that zerotrain accepted without implementing them.

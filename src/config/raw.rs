@@ -236,6 +236,9 @@ pub struct ZerotrainConfig {
     /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which
     /// have no loss scaler to do it). Default true.
     pub check_grad_overflow: Option<bool>,
+    /// Keep only the newest this many checkpoints in a save directory (never the one
+    /// `latest` names). Default: keep all.
+    pub keep_last_n_checkpoints: Option<Count>,
     /// fp16: what an overflow at `min_loss_scale` does: `error` (default; DeepSpeed stops the
     /// run) or `stay` (skip the step, keep the minimum scale, warn).
     pub loss_scale_at_minimum: Option<String>,

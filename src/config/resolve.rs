@@ -96,6 +96,11 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         seed: raw.seed.map_or(42, |c| c.0),
         optimizer,
         schedule,
+        keep_last_n_checkpoints: match zt.keep_last_n_checkpoints {
+            Some(Count(0)) => return Err(invalid("zerotrain.keep_last_n_checkpoints", "must be at least 1")),
+            Some(Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            None => None,
+        },
         auto_resolved: autos.0,
         not_implemented: config.not_implemented.iter().cloned().chain(dtypes.not_implemented).collect(),
     })

@@ -16,6 +16,7 @@
 //! overflow, and one multiply unscales, averages and clips them. The optimizer steps the
 //! fp32 master, and the new values are cast to the compute dtype and all-gathered in it.
 
+mod checkpoint;
 mod grads;
 mod optimizer;
 mod params;
@@ -31,6 +32,7 @@ use burn::tensor::{Device, FloatDType, Tensor};
 use zerotrain_precision::{BufMut, FlatBuf, LossScaler, Precision};
 use zerotrain_zero::{Collective, CommStats, FlatLayout};
 
+pub use self::checkpoint::LoadOptions;
 use self::grads::GradAccumulator;
 use self::optimizer::FlatOptimizer;
 use self::params::{Fill, ParamIndex, read_params, write_params};
@@ -89,7 +91,7 @@ impl MemoryReport {
 }
 
 /// Step counters, as DeepSpeed names them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
     /// Optimizer steps taken (skipped ones included).
     pub global_steps: u64,

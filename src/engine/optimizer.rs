@@ -6,11 +6,17 @@
 
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, Optimizer, RecordState, SgdConfig, StateSink};
+use std::collections::BTreeMap;
+
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, RecordState, SgdConfig, StateSink, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_pack::Scalar;
 
 use crate::config::OptimizerPlan;
 use crate::{Error, Result};
+
+/// Optimizer state as named flat tensors and named scalars.
+pub(crate) type ExportedState = (Vec<(String, Vec<f32>)>, Vec<(String, Scalar)>);
 
 /// An optimizer with its state for one flat range.
 pub(crate) trait FlatOptimizer: Send {
@@ -18,6 +24,17 @@ pub(crate) trait FlatOptimizer: Send {
     fn step(&mut self, lr: f64, params: Vec<f32>, grads: Vec<f32>, device: &Device) -> Result<Vec<f32>>;
     /// Bytes held by the optimizer state.
     fn state_bytes(&self) -> u64;
+    /// The state as named flat tensors (each the range's length) and scalars; empty before
+    /// the first step.
+    fn export(&self) -> ExportedState;
+    /// Replaces the state with tensors and scalars from [`export`](Self::export) (of any
+    /// range of the same length as the one stepped next); empty means no state yet.
+    fn import(
+        &mut self,
+        tensors: Vec<(String, Vec<f32>)>,
+        scalars: Vec<(String, Scalar)>,
+        device: &Device,
+    ) -> Result<()>;
 }
 
 struct Flat<O: Optimizer> {
@@ -43,6 +60,47 @@ impl<O: Optimizer> FlatOptimizer for Flat<O> {
         let mut sink = StateSink::default();
         state.state_flatten("", &mut sink);
         sink.tensors.iter().map(|(_, data)| data.as_bytes().len() as u64).sum()
+    }
+
+    fn export(&self) -> ExportedState {
+        let Some(state) = &self.state else { return (Vec::new(), Vec::new()) };
+        let mut sink = StateSink::default();
+        state.state_flatten("", &mut sink);
+        let tensors = sink
+            .tensors
+            .into_iter()
+            .map(|(name, data)| {
+                let values = data.try_into_vec::<f32>().expect("optimizer state of a flat f32 range is f32");
+                (name, values)
+            })
+            .collect();
+        (tensors, sink.scalars)
+    }
+
+    fn import(
+        &mut self,
+        tensors: Vec<(String, Vec<f32>)>,
+        scalars: Vec<(String, Scalar)>,
+        device: &Device,
+    ) -> Result<()> {
+        if tensors.is_empty() && scalars.is_empty() {
+            self.state = None;
+            return Ok(());
+        }
+        let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
+        let mut source = StateSource::new(scalars.into_iter().collect::<BTreeMap<_, _>>());
+        for (name, values) in tensors {
+            let n = values.len();
+            source.insert_tensor(name, TensorData::new(values, [n]));
+        }
+        let state = O::State::<1>::state_unflatten("", &mut source, device).ok_or_else(|| {
+            Error::Model(format!(
+                "the checkpoint's optimizer state ({}) does not fit the configured optimizer",
+                names.join(", ")
+            ))
+        })?;
+        self.state = Some(state);
+        Ok(())
     }
 }
 

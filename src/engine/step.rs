@@ -96,35 +96,51 @@ impl<M: Module> Engine<M> {
     /// Steps the optimizer over the rank's range with the final gradients and puts the new
     /// values where the stage keeps parameters. Returns the transient bytes it used.
     fn apply(&mut self, lr: f64, grads: Vec<f32>) -> Result<u64> {
-        let stage = self.plan.zero.stage;
-        let range = match stage {
-            ZeroStage::Disabled => 0..self.layout.num_elems(),
-            _ => self.layout.shard_range(self.comm.rank()),
-        };
+        let range = self.optimizer_range();
         let master = self.store.take(&self.model, &self.index, &self.layout, range.clone())?;
         let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
         let updated = self.optimizer.step(lr, master, grads, &self.device.clone().without_autodiff())?;
-        let dtype = self.plan.precision;
-        if stage != ZeroStage::Parameters {
-            let converted;
-            let values = if dtype == Precision::Fp32 {
-                BufRef::F32(&updated)
-            } else {
-                converted = FlatBuf::from_f32(dtype, &updated);
-                transient += converted.bytes();
-                converted.as_ref()
-            };
-            let model = self.model.clone();
-            self.model = if stage == ZeroStage::Disabled {
-                write_params(model, &self.index, &self.layout, Fill::From(values), &self.device)
-            } else {
-                let mut full = FlatBuf::zeros(dtype, self.layout.padded_elems());
-                self.comm.all_gather(values, full.as_mut())?;
-                transient += full.bytes();
-                write_params(model, &self.index, &self.layout, Fill::From(full.as_ref()), &self.device)
-            };
-        }
+        transient += self.publish(&updated)?;
         self.store.put(updated);
+        Ok(transient)
+    }
+
+    /// The flat range this rank's optimizer steps: everything at stage 0, its shard (with
+    /// padding) otherwise.
+    pub(super) fn optimizer_range(&self) -> std::ops::Range<usize> {
+        match self.plan.zero.stage {
+            ZeroStage::Disabled => 0..self.layout.num_elems(),
+            _ => self.layout.shard_range(self.comm.rank()),
+        }
+    }
+
+    /// Puts new fp32 master values of the rank's optimizer range into the model, as the
+    /// stage keeps parameters: all of them at stage 0, all-gathered in the compute dtype at
+    /// stages 1-2, nowhere at stage 3 (gathered at the next forward). Returns the transient
+    /// bytes it used.
+    pub(super) fn publish(&mut self, values: &[f32]) -> Result<u64> {
+        let stage = self.plan.zero.stage;
+        if stage == ZeroStage::Parameters {
+            return Ok(0);
+        }
+        let dtype = self.plan.precision;
+        let converted;
+        let values = if dtype == Precision::Fp32 {
+            BufRef::F32(values)
+        } else {
+            converted = FlatBuf::from_f32(dtype, values);
+            converted.as_ref()
+        };
+        let mut transient = if dtype == Precision::Fp32 { 0 } else { values.len() as u64 * 2 };
+        let model = self.model.clone();
+        self.model = if stage == ZeroStage::Disabled {
+            write_params(model, &self.index, &self.layout, Fill::From(values), &self.device)
+        } else {
+            let mut full = FlatBuf::zeros(dtype, self.layout.padded_elems());
+            self.comm.all_gather(values, full.as_mut())?;
+            transient += full.bytes();
+            write_params(model, &self.index, &self.layout, Fill::From(full.as_ref()), &self.device)
+        };
         Ok(transient)
     }
 }

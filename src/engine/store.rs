@@ -59,6 +59,25 @@ impl ParamStore {
         }
     }
 
+    /// A copy of the master values of `range` (the optimizer's range), leaving them in place.
+    pub fn values<M: Module>(
+        &self,
+        model: &M,
+        index: &ParamIndex,
+        layout: &FlatLayout,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        match self {
+            Self::InModel => {
+                let mut values = vec![0.0; range.len()];
+                read_params(model, index, layout, range, BufMut::F32(&mut values))?;
+                Ok(values)
+            }
+            Self::Master(master) => Ok(master.clone()),
+            Self::Partitioned(partition) => Ok(partition.shard().to_vec()),
+        }
+    }
+
     /// Stores the updated master values (dropped for [`ParamStore::InModel`], whose model
     /// receives them instead).
     pub fn put(&mut self, values: Vec<f32>) {

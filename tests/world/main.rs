@@ -2,6 +2,7 @@
 //! One test binary, so Burn is linked once.
 
 mod api;
+mod checkpoint;
 mod comm;
 mod common;
 mod equivalence;

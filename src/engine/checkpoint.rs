@@ -1,0 +1,256 @@
+//! Saving and loading the engine through `zerotrain-checkpoint`.
+//!
+//! # Note: what is saved, and where
+//! Each rank saves the fp32 master weights and optimizer-state leaves of the real (unpadded)
+//! part of the flat range its optimizer steps: at stage 0 every rank holds everything, so
+//! only rank 0 writes; at stages 1-3 each rank writes its shard. Parameters in the compute
+//! dtype are derived from the masters and are not saved again. Rank 0 writes the manifest
+//! with the engine state (counters, lr schedule position, loss scaler, optimizer scalars),
+//! the resolved plan and the caller's client state.
+//!
+//! On load each rank reads exactly its new range, whatever world size and stage wrote the
+//! checkpoint, then rebuilds its parameters as its own stage keeps them. After every phase
+//! that can fail on one rank, all ranks agree on success, so a failure is an error on every
+//! rank, never a hang.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn_pack::Scalar;
+use serde::{Deserialize, Serialize};
+use zerotrain_checkpoint::{Checkpoint, CheckpointError, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
+use zerotrain_precision::{LossScaler, ScalerState};
+use zerotrain_zero::{ReduceOp, ZeroStage};
+
+use super::store::ParamStore;
+use super::{Counters, Engine};
+use crate::{Error, Result};
+
+/// DeepSpeed's `load_checkpoint` options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Restore the optimizer state (default true); false starts it fresh.
+    pub load_optimizer_states: bool,
+    /// Restore the lr schedule's position (default true).
+    pub load_lr_scheduler_states: bool,
+    /// Restore only the parameters: no optimizer, schedule, counters or loss scale.
+    pub load_module_only: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { load_optimizer_states: true, load_lr_scheduler_states: true, load_module_only: false }
+    }
+}
+
+/// The engine state a manifest carries.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct EngineState {
+    counters: Counters,
+    lr_iteration: i64,
+    loss_scaler: Option<ScalerState>,
+    optimizer: String,
+    optimizer_scalars: Vec<(String, Scalar)>,
+}
+
+impl<M: Module> Engine<M> {
+    /// Saves a checkpoint to `<dir>/<tag>` (default tag `global_step{N}`) with the caller's
+    /// `client_state`, atomically (see `zerotrain-checkpoint`'s commit protocol). Every rank
+    /// must call it; it returns the checkpoint's directory on every rank, or the same
+    /// failure on every rank.
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        client_state: serde_json::Value,
+    ) -> Result<PathBuf> {
+        let root = dir.as_ref();
+        let tag = tag.map_or_else(|| default_tag(self.counters.global_steps), str::to_string);
+        let rank = self.comm.rank();
+        let prepared =
+            if rank == 0 { zerotrain_checkpoint::prepare(root, &tag).map(|_| ()).map_err(Error::from) } else { Ok(()) };
+        self.agree(prepared, "preparing the checkpoint")?;
+        let written = self.write_my_shard(root, &tag);
+        self.agree(written, "writing its shard")?;
+        let committed = if rank == 0 { self.commit(root, &tag, client_state).map(|_| ()) } else { Ok(()) };
+        self.agree(committed, "committing the checkpoint")?;
+        Ok(root.join(tag))
+    }
+
+    /// The real (unpadded) range of this rank's optimizer range, or `None` if it saves
+    /// nothing (stage 0 beyond rank 0, or a shard that is all padding).
+    fn saved_range(&self) -> Option<std::ops::Range<usize>> {
+        let rank = self.comm.rank();
+        let range = match self.plan.zero.stage {
+            ZeroStage::Disabled if rank == 0 => 0..self.layout.num_elems(),
+            ZeroStage::Disabled => return None,
+            _ => self.layout.shard_real_range(rank),
+        };
+        (!range.is_empty()).then_some(range)
+    }
+
+    fn write_my_shard(&self, root: &Path, tag: &str) -> Result<()> {
+        let Some(real) = self.saved_range() else { return Ok(()) };
+        let len = real.len();
+        let master = self.store.values(&self.model, &self.index, &self.layout, self.optimizer_range())?;
+        let (optim, _) = self.optimizer.export();
+        let names: Vec<String> = optim.iter().map(|(n, _)| format!("optim.{n}")).collect();
+        let mut tensors: Vec<(&str, &[f32])> = vec![("master", &master[..len])];
+        tensors.extend(names.iter().zip(&optim).map(|(n, (_, v))| (n.as_str(), &v[..len])));
+        let partial = zerotrain_checkpoint::partial_dir(root, tag);
+        zerotrain_checkpoint::write_shard(&partial, self.comm.rank(), real.start as u64, real.end as u64, &tensors)?;
+        Ok(())
+    }
+
+    fn commit(&self, root: &Path, tag: &str, client_state: serde_json::Value) -> Result<PathBuf> {
+        let (optim, optimizer_scalars) = self.optimizer.export();
+        let state = EngineState {
+            counters: self.counters,
+            lr_iteration: self.lr_iteration,
+            loss_scaler: match &self.scaler {
+                Some(LossScaler::Dynamic { state, .. }) => Some(*state),
+                _ => None,
+            },
+            optimizer: self.plan.optimizer.kind().to_string(),
+            optimizer_scalars,
+        };
+        let manifest = Manifest {
+            format_version: FORMAT_VERSION,
+            tag: tag.to_string(),
+            global_step: self.counters.global_steps,
+            world_size: self.comm.world_size(),
+            stage: self.plan.zero.stage.index(),
+            precision: self.plan.precision.to_string(),
+            layout: self
+                .layout
+                .entries()
+                .iter()
+                .map(|e| LayoutEntry {
+                    path: e.path.clone(),
+                    shape: e.shape.iter().map(|&d| d as u64).collect(),
+                    offset: e.offset as u64,
+                })
+                .collect(),
+            tensors: std::iter::once("master".to_string())
+                .chain(optim.iter().map(|(n, _)| format!("optim.{n}")))
+                .collect(),
+            files: Vec::new(),
+            engine: serde_json::to_value(&state)
+                .map_err(|e| Error::Usage(format!("serialising the engine state: {e}")))?,
+            config: serde_json::to_value(&self.plan).map_err(|e| Error::Usage(format!("serialising the plan: {e}")))?,
+            client_state,
+        };
+        Ok(zerotrain_checkpoint::commit(root, manifest, self.plan.keep_last_n_checkpoints)?)
+    }
+
+    /// Loads `<dir>/<tag>` (or the checkpoint `<dir>/latest` names) into this engine, at any
+    /// world size and stage, and returns the client state saved with it. Every rank must call
+    /// it.
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        options: LoadOptions,
+    ) -> Result<serde_json::Value> {
+        let opened = Checkpoint::open(dir.as_ref(), tag)
+            .map_err(Error::from)
+            .and_then(|c| self.check_fits(&c, options).map(|()| c));
+        let ckpt = self.agree(opened, "opening the checkpoint")?;
+        let m = ckpt.manifest();
+        let state: EngineState = serde_json::from_value(m.engine.clone())
+            .map_err(|e| CheckpointError::Mismatch(format!("{}: engine state: {e}", ckpt.dir().display())))?;
+        let range = self.optimizer_range();
+        let real = match self.plan.zero.stage {
+            ZeroStage::Disabled => range.clone(),
+            _ => self.layout.shard_real_range(self.comm.rank()),
+        };
+        let read = |name: &str| -> Result<Vec<f32>> {
+            let mut values = vec![0.0; range.len()];
+            let out = &mut values[real.start - range.start..real.end - range.start];
+            ckpt.read_range(name, real.start as u64..real.end as u64, out)?;
+            Ok(values)
+        };
+        let optim_names: Vec<&String> = m.tensors.iter().filter(|t| t.starts_with("optim.")).collect();
+        let loaded = (|| -> Result<_> {
+            let master = read("master")?;
+            let mut optim = Vec::new();
+            if options.load_optimizer_states && !options.load_module_only {
+                for name in &optim_names {
+                    optim.push((name["optim.".len()..].to_string(), read(name)?));
+                }
+            }
+            Ok((master, optim))
+        })();
+        let (master, optim) = self.agree(loaded, "reading its shard of the checkpoint")?;
+
+        self.publish(&master)?;
+        self.store.put(master);
+        if let ParamStore::Partitioned(partition) = &mut self.store {
+            let model = self.model.clone();
+            self.model = partition.release(model, &self.index, &self.layout, &self.device);
+        }
+        if !options.load_module_only {
+            if options.load_optimizer_states {
+                let scalars = if optim.is_empty() { Vec::new() } else { state.optimizer_scalars };
+                self.optimizer.import(optim, scalars, &self.device.clone().without_autodiff())?;
+            }
+            if options.load_lr_scheduler_states {
+                self.lr_iteration = state.lr_iteration;
+            }
+            self.counters = state.counters;
+            if let (Some(LossScaler::Dynamic { state: live, .. }), Some(saved)) = (&mut self.scaler, state.loss_scaler)
+            {
+                *live = saved;
+            }
+        }
+        Ok(m.client_state.clone())
+    }
+
+    /// Checks that the checkpoint's layout is this model's and its optimizer this plan's.
+    fn check_fits(&self, ckpt: &Checkpoint, options: LoadOptions) -> Result<()> {
+        let m = ckpt.manifest();
+        let live: Vec<(String, Vec<u64>)> = self
+            .layout
+            .entries()
+            .iter()
+            .map(|e| (e.path.clone(), e.shape.iter().map(|&d| d as u64).collect()))
+            .collect();
+        let saved: Vec<(String, Vec<u64>)> = m.layout.iter().map(|e| (e.path.clone(), e.shape.clone())).collect();
+        if live != saved {
+            let missing = live.iter().filter(|p| !saved.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
+            let extra = saved.iter().filter(|p| !live.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
+            return Err(CheckpointError::Mismatch(format!(
+                "{} does not fit this model: the model has [{}] that the checkpoint lacks, the checkpoint has [{}] that the model lacks",
+                ckpt.dir().display(),
+                missing.collect::<Vec<_>>().join(", "),
+                extra.collect::<Vec<_>>().join(", ")
+            ))
+            .into());
+        }
+        let kind = m.engine.get("optimizer").and_then(|v| v.as_str()).unwrap_or("?");
+        if options.load_optimizer_states && !options.load_module_only && kind != self.plan.optimizer.kind() {
+            return Err(CheckpointError::Mismatch(format!(
+                "{} holds {kind} optimizer state but the config trains with {}; load with load_optimizer_states = false",
+                ckpt.dir().display(),
+                self.plan.optimizer.kind()
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    /// All ranks agree on whether `result` succeeded everywhere: a failing rank returns its
+    /// own error, the others [`Error::PeerFailed`] naming the failed ranks. The world stays
+    /// usable, so a caller may catch a failed save and go on training.
+    fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
+        let mut failed = vec![0.0f32; self.comm.world_size()];
+        failed[self.comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
+        self.comm.all_reduce((&mut failed).into(), ReduceOp::Max)?;
+        let ranks: Vec<usize> = failed.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
+        match result {
+            Err(e) => Err(e),
+            Ok(_) if !ranks.is_empty() => Err(Error::PeerFailed { ranks, phase: phase.to_string() }),
+            Ok(v) => Ok(v),
+        }
+    }
+}

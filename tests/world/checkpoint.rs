@@ -1,0 +1,192 @@
+//! Checkpoints: exact resume, resharding to any world size and stage, bad input, export.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use zerotrain::models::Mlp;
+use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
+
+use crate::common::*;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zt-world-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn seeded(seed: u64) -> Mlp {
+    let device = Device::flex().autodiff();
+    device.seed(seed);
+    Mlp::new(&[6, 24, 24, 6], &device)
+}
+
+/// What a phase of training produced on rank 0.
+struct Trained {
+    losses: Vec<f32>,
+    master: Vec<f32>,
+    client: serde_json::Value,
+}
+
+/// Builds engines from `init`, optionally loads `resume_from`, trains steps `steps`, and
+/// optionally saves to `save_to` afterwards.
+fn train(
+    plan: &Plan,
+    init: &Mlp,
+    steps: std::ops::Range<u64>,
+    resume_from: Option<&Path>,
+    save_to: Option<&Path>,
+) -> Result<Trained, Error> {
+    let out = launch(plan, |ctx| {
+        let mut engine = Engine::new(init.clone(), plan, &ctx)?;
+        let client = match resume_from {
+            Some(dir) => engine.load_checkpoint(dir, None, LoadOptions::default())?,
+            None => serde_json::Value::Null,
+        };
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            for micro in 0..plan.batch.gradient_accumulation_steps {
+                let batch = TASK.batch(rank_indices(plan, step, micro, ctx.rank()), ctx.device());
+                let loss = engine.forward(|m| m.loss(&batch))?;
+                engine.backward(loss)?;
+                if let Some(r) = engine.step()? {
+                    losses.push(r.loss);
+                }
+            }
+        }
+        if let Some(dir) = save_to {
+            engine.save_checkpoint(dir, None, serde_json::json!({ "next_step": steps.end }))?;
+        }
+        Ok::<_, Error>(Trained { losses, master: engine.master_params()?, client })
+    })?;
+    Ok(out.into_iter().next().unwrap())
+}
+
+fn with_precision(json: String, precision: &str) -> String {
+    match precision {
+        "fp16" => json.replacen('{', r#"{ "fp16": {"enabled": true, "initial_scale_power": 12},"#, 1),
+        _ => json,
+    }
+}
+
+#[test]
+fn save_and_resume_is_bitwise_identical_to_an_uninterrupted_run() {
+    let init = seeded(21);
+    for precision in ["fp32", "fp16"] {
+        for stage in 0..=3 {
+            let what = format!("{precision} stage {stage}");
+            let plan = plan(&with_precision(recipe(stage, 2, 2, 0.05), precision), 2);
+            let whole = train(&plan, &init, 0..6, None, None).unwrap();
+            let dir = temp_dir(&format!("resume-{precision}-{stage}"));
+            let first = train(&plan, &init, 0..3, None, Some(&dir)).unwrap();
+            // A different initial model: everything must come from the checkpoint.
+            let second = train(&plan, &seeded(99), 3..6, Some(&dir), None).unwrap();
+            assert_eq!(second.client, serde_json::json!({ "next_step": 3 }), "{what}");
+            assert_eq!([first.losses, second.losses].concat(), whole.losses, "{what}: losses");
+            assert!(second.master == whole.master, "{what}: final fp32 masters differ");
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_from_4_ranks_resumes_at_2_3_and_5_ranks_and_other_stages() {
+    let init = seeded(22);
+    // A fixed global batch of 60 samples: every world size sees the same batches.
+    let json = |stage: u8| {
+        recipe(stage, 2, 1, 0.05).replace("\"train_micro_batch_size_per_gpu\": 2", "\"train_batch_size\": 60")
+    };
+    let dir = temp_dir("reshard");
+    train(&plan(&json(2), 4), &init, 0..3, None, Some(&dir)).unwrap();
+    for (world_size, stage) in [(2, 3), (3, 1), (5, 2)] {
+        let plan = plan(&json(stage), world_size);
+        let resumed = train(&plan, &init, 3..6, Some(&dir), None).unwrap();
+        let whole = train(&plan, &init, 0..6, None, None).unwrap();
+        let worst = resumed.master.iter().zip(&whole.master).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(worst <= 2e-6, "world {world_size} stage {stage}: max |resumed - uninterrupted| = {worst}");
+        for (a, b) in resumed.losses.iter().zip(&whole.losses[3..]) {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "world {world_size} stage {stage}: loss {a} vs {b}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_checkpoints_and_mismatched_models_give_specific_errors() {
+    let init = seeded(23);
+    let plan2 = plan(&recipe(2, 2, 1, 0.0), 2);
+    let dir = temp_dir("bad");
+    train(&plan2, &init, 0..1, None, Some(&dir)).unwrap();
+    let load = |plan: &Plan, model: &Mlp, tag: Option<&str>, options: LoadOptions| {
+        launch(plan, |ctx| {
+            let mut engine = Engine::new(model.clone(), plan, &ctx)?;
+            engine.load_checkpoint(&dir, tag, options).map(|_| ())
+        })
+    };
+    let err = load(&plan2, &init, Some("../bad"), LoadOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("invalid checkpoint tag \"../bad\""), "{err}");
+    let other = Mlp::new(&[6, 16, 6], &Device::flex().autodiff());
+    let err = load(&plan2, &other, None, LoadOptions::default()).unwrap_err().to_string();
+    assert!(
+        err.contains("does not fit this model")
+            && err.contains("layers.0.weight [6, 16]")
+            && err.contains("layers.2.bias [6]"),
+        "{err}"
+    );
+    let sgd = plan(
+        &recipe(2, 2, 1, 0.0)
+            .replace(r#""type": "AdamW""#, r#""type": "SGD""#)
+            .replace(r#", "betas": [0.9, 0.99], "eps": 1e-8"#, ""),
+        2,
+    );
+    let err = load(&sgd, &init, None, LoadOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("holds AdamW optimizer state but the config trains with SGD"), "{err}");
+    load(&sgd, &init, None, LoadOptions { load_module_only: true, ..LoadOptions::default() }).unwrap();
+    std::fs::remove_file(dir.join("global_step1/rank1.safetensors")).unwrap();
+    let err = load(&plan2, &init, None, LoadOptions::default()).unwrap_err().to_string();
+    // Rank 1 hit the missing file; rank 0 only saw a peer fail: the root cause is reported.
+    assert!(err.starts_with("rank 1 failed") && err.contains("rank1.safetensors") && err.contains("missing"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_consolidated_file_loads_into_burn_and_python_with_the_engines_values() {
+    use burn::store::{ModuleSnapshot, SafetensorsStore};
+    let init = seeded(24);
+    let plan = plan(&recipe(3, 2, 1, 0.0), 3);
+    let dir = temp_dir("consolidate");
+    let trained = train(&plan, &init, 0..2, None, Some(&dir)).unwrap();
+    let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap();
+    let file = dir.join("model.safetensors");
+    zerotrain_checkpoint::consolidate(&ckpt, &file, zerotrain_precision::Precision::Fp32).unwrap();
+
+    let mut model = seeded(1234);
+    let mut store = SafetensorsStore::from_file(&file);
+    let applied = model.load_from(&mut store).unwrap();
+    assert!(applied.errors.is_empty(), "{applied:?}");
+    let loaded: Vec<f32> = params_by_path(&model).into_iter().flat_map(|(_, v)| v).collect();
+    assert!(loaded == trained.master, "Burn's loader must give the engine's exact parameters");
+
+    // Python: `safetensors` + numpy read the same values (CI installs them; elsewhere the
+    // check is skipped with a note unless ZEROTRAIN_REQUIRE_PYTHON is set).
+    let script = format!(
+        "import numpy as np\nfrom safetensors.numpy import load_file\nt = load_file({:?})\n\
+         print(sum(int(v.size) for v in t.values()), float(np.float64(t['layers.0.weight'].astype(np.float64).sum())), t['layers.0.weight'].shape)",
+        file.display().to_string()
+    );
+    match std::process::Command::new("python3").args(["-c", &script]).output() {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let fields: Vec<&str> = text.split_whitespace().collect();
+            assert_eq!(fields[0].parse::<usize>().unwrap(), trained.master.len(), "{text}");
+            let expected: f64 = trained.master[..6 * 24].iter().map(|&v| f64::from(v)).sum();
+            let got: f64 = fields[1].parse().unwrap();
+            assert!((got - expected).abs() < 1e-9 * expected.abs().max(1.0), "{got} vs {expected}");
+            assert!(text.contains("(6, 24)"), "Burn's Linear weight is [in, out]: {text}");
+        }
+        other if std::env::var_os("ZEROTRAIN_REQUIRE_PYTHON").is_some() => {
+            panic!("python safetensors check failed: {other:?}")
+        }
+        other => eprintln!("note: skipped the Python check (pip install safetensors numpy to run it): {other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
