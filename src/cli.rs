@@ -14,7 +14,7 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Train the built-in transformer on the generated regression task.
+    /// Train the built-in GPT on generated arithmetic (or --data FILE): the main job.
     Train {
         /// A DeepSpeed-style JSON config.
         #[arg(long)]
@@ -22,18 +22,42 @@ pub enum Command {
         /// Number of ranks (overrides `zerotrain.world_size`).
         #[arg(long)]
         world_size: Option<usize>,
-        /// Optimizer steps.
-        #[arg(long, default_value_t = 600)]
+        /// Optimizer steps to reach.
+        #[arg(long, default_value_t = 2400)]
         steps: u64,
-        /// Checkpoint directory (checkpoints are saved only when it is given).
+        /// A UTF-8 text file to train on (default: generated arithmetic).
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Run folder for metrics.jsonl, loss.png and checkpoints/ (default: runs/<config name>).
         #[arg(long)]
         out: Option<PathBuf>,
-        /// Save every N steps (0: only at the end).
-        #[arg(long, default_value_t = 0, requires = "out")]
-        save_every: u64,
-        /// Continue from the checkpoint `<out>/latest` names.
-        #[arg(long, requires = "out")]
+        /// Save a checkpoint every N steps (overrides `zerotrain.checkpoint_every`; 0: at the end).
+        #[arg(long)]
+        save_every: Option<u64>,
+        /// Continue from the run folder's latest checkpoint.
+        #[arg(long)]
         resume: bool,
+    },
+    /// Estimate per-rank model-state memory for every ZeRO stage.
+    Estimate {
+        /// Parameters (e.g. 7.5e9); or take them from --model-config.
+        #[arg(long, required_unless_present = "model_config")]
+        params: Option<f64>,
+        /// Ranks (GPUs) per node.
+        #[arg(long)]
+        world_size: u64,
+        /// Nodes.
+        #[arg(long, default_value_t = 1)]
+        nodes: u64,
+        /// Show DeepSpeed's estimate with optimizer offload to CPU too.
+        #[arg(long)]
+        offload: bool,
+        /// A config whose `model` section gives the parameter count.
+        #[arg(long)]
+        model_config: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Check a config: print the resolved plan, or the errors.
     #[command(subcommand)]

@@ -2,42 +2,185 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use zerotrain::train::{StepMetrics, TrainOptions, TrainSummary};
 use zerotrain::{Config, Overrides};
 use zerotrain_checkpoint::Checkpoint;
 use zerotrain_precision::Precision;
 
 /// `zerotrain train`.
-pub fn train(
-    config: &Path,
-    world_size: Option<usize>,
-    steps: u64,
-    out: Option<PathBuf>,
-    save_every: u64,
-    resume: bool,
-) -> anyhow::Result<()> {
-    let plan = Config::from_file(config)?.resolve(Overrides { world_size, total_steps: Some(steps) })?;
+pub fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let plan = Config::from_file(&args.config)?
+        .resolve(Overrides { world_size: args.world_size, total_steps: Some(args.steps) })?;
     if let Some(warning) = plan.warning() {
         eprintln!("warning: {warning}");
     }
-    println!("training the built-in transformer: {} ranks, {}, {steps} steps", plan.world_size, plan.zero.stage);
-    let checkpoints = out.map(|dir| zerotrain::train::CheckpointSettings { dir, every: save_every, resume });
-    let s = zerotrain::train::train_demo(&plan, steps, checkpoints.as_ref(), &|line| println!("{line}"))
-        .context("training failed")?;
-    let m = s.memory;
+    let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
+    let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
+    let (corpus, shape) = zerotrain::train::load_corpus(&plan, args.data.as_deref())?;
     println!(
-        "validation loss {:.5} -> {:.5} ({:.1}x lower) in {:.1} s, {:.0} samples/s",
-        s.initial_val_loss,
-        s.final_val_loss,
-        s.initial_val_loss / s.final_val_loss,
+        "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {} ranks, {}, {}",
+        shape.num_params(),
+        shape.n_layer,
+        shape.n_embd,
+        shape.block_size,
+        corpus.name,
+        corpus.train.len() + corpus.valid.len(),
+        shape.vocab_size,
+        plan.world_size,
+        plan.zero.stage,
+        plan.precision
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            eprintln!("\nzerotrain: stopping now");
+            std::process::exit(130);
+        }
+        eprintln!("\nzerotrain: finishing this step, saving a checkpoint and stopping (Ctrl-C again to abort)");
+    })?;
+    let bar = ProgressBar::new(args.steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let log = |line: &str| if bar.is_hidden() { println!("{line}") } else { bar.println(line) };
+    let progress = |m: &StepMetrics| {
+        bar.set_position(m.step);
+        bar.set_message(format!(
+            "loss {:.4}  lr {:.2e}  scale {}  {:.0} tok/s",
+            m.loss, m.lr, m.loss_scale, m.tokens_per_s
+        ));
+    };
+    let options = TrainOptions {
+        steps: args.steps,
+        data: args.data,
+        out,
+        resume: args.resume,
+        save_every: args.save_every,
+        stop,
+    };
+    let s = zerotrain::train::train_gpt(&plan, &options, &log, &progress).context("training failed")?;
+    bar.finish_and_clear();
+    print_summary(&s);
+    Ok(())
+}
+
+/// `zerotrain train`'s arguments.
+pub struct TrainArgs {
+    pub config: PathBuf,
+    pub world_size: Option<usize>,
+    pub steps: u64,
+    pub data: Option<PathBuf>,
+    pub out: Option<PathBuf>,
+    pub save_every: Option<u64>,
+    pub resume: bool,
+}
+
+fn print_summary(s: &TrainSummary) {
+    let (a, b) = s.val_loss;
+    if s.interrupted {
+        println!("stopped by Ctrl-C at step {} (checkpoint saved)", s.last_step);
+    }
+    println!(
+        "validation loss {a:.5} -> {b:.5} ({:.1}x lower) in {:.1} s, steps {}..{}, {:.0} tokens/s",
+        a / b,
         s.seconds,
-        s.samples_per_second
+        s.first_step,
+        s.last_step,
+        s.tokens_per_s
     );
+    println!("model states per rank (bytes; Ψ = {}):", s.num_params);
     println!(
-        "rank 0 model states: params {} B, grads {} B, master {} B, optimizer {} B (Ψ = {}, {}); peak transient {} B",
-        m.params, m.grads, m.master, m.optimizer, s.num_params, plan.precision, m.peak_transient
+        "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
+        "rank", "params", "grads", "master", "optimizer", "peak transient"
     );
+    for (rank, m) in s.memory.iter().enumerate() {
+        println!(
+            "  {rank:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
+            m.params, m.grads, m.master, m.optimizer, m.peak_transient
+        );
+    }
     println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
+    println!("samples from the trained model:");
+    for sample in &s.samples {
+        println!("  {sample}");
+    }
+    let out = s.out.display();
+    println!("outputs: {out}/metrics.jsonl, {out}/loss.png, {out}/checkpoints/");
+}
+
+/// `zerotrain estimate`.
+pub fn estimate(
+    params: Option<f64>,
+    ranks: u64,
+    nodes: u64,
+    offload: bool,
+    model_config: Option<&Path>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let params = match (params, model_config) {
+        (_, Some(file)) => {
+            // Only the model section matters here (not, say, a schedule's "auto" length).
+            let model = Config::from_file(file)?.raw.model.unwrap_or_default();
+            if model.vocab_size == 0 {
+                bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
+            }
+            model.validate().map_err(anyhow::Error::msg)?;
+            model.num_params()
+        }
+        (Some(p), None) if p >= 1.0 && p.is_finite() => p as u64,
+        _ => bail!("--params must be a positive number"),
+    };
+    if ranks == 0 || nodes == 0 {
+        bail!("--world-size and --nodes must be at least 1");
+    }
+    let total = ranks * nodes;
+    let rows = zerotrain::estimate::paper(params, total);
+    let ds: Vec<(bool, u64, u64)> = [false, true]
+        .iter()
+        .filter(|&&o| !o || offload)
+        .map(|&o| {
+            let (cpu, gpu) = zerotrain::estimate::deepspeed_zero2(params, ranks, nodes, o, 1.5);
+            (o, cpu, gpu)
+        })
+        .collect();
+    if json {
+        let ds: Vec<_> = ds
+            .iter()
+            .map(|(o, cpu, gpu)| serde_json::json!({ "offload": o, "per_cpu_bytes": cpu, "per_gpu_bytes": gpu }))
+            .collect();
+        let value = serde_json::json!({ "params": params, "ranks": total, "zero_paper": rows, "deepspeed_zero2": ds });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(());
+    }
+    println!("model states per rank: {params} parameters on {total} ranks ({ranks} per node x {nodes} nodes)");
+    println!("ZeRO paper, mixed-precision Adam (2 + 2 + 12 bytes per parameter):");
+    println!(
+        "  {:>5} {:>16} {:>16} {:>16} {:>16} {:>9}",
+        "stage", "params B", "grads B", "optimizer B", "total B", "total GB"
+    );
+    for r in &rows {
+        println!(
+            "  {:>5} {:>16} {:>16} {:>16} {:>16} {:>9.2}",
+            r.stage,
+            r.params,
+            r.grads,
+            r.optimizer,
+            r.total,
+            r.total as f64 / 1e9
+        );
+    }
+    println!("DeepSpeed estimate_zero2_model_states_mem_needs (stage 2, additional_buffer_factor 1.5):");
+    for (o, cpu, gpu) in ds {
+        let option = if o { "offload_optimizer=cpu " } else { "offload_optimizer=none" };
+        println!("  {option}  per GPU {gpu:>16} B  per CPU {cpu:>16} B");
+    }
     Ok(())
 }
 

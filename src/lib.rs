@@ -50,8 +50,10 @@
 
 pub mod bench;
 pub mod config;
+pub mod data;
 pub mod engine;
 mod error;
+pub mod estimate;
 mod launch;
 pub mod models;
 pub mod schedule;

@@ -21,8 +21,11 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Train { config, world_size, steps, out, save_every, resume } => {
-            commands::train(&config, world_size, steps, out, save_every, resume)
+        Command::Train { config, world_size, steps, data, out, save_every, resume } => {
+            commands::train(commands::TrainArgs { config, world_size, steps, data, out, save_every, resume })
+        }
+        Command::Estimate { params, world_size, nodes, offload, model_config, json } => {
+            commands::estimate(params, world_size, nodes, offload, model_config.as_deref(), json)
         }
         Command::Config(ConfigCommand::Check { file, world_size, steps, json }) => {
             commands::config_check(&file, world_size, steps, json)

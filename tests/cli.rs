@@ -81,7 +81,19 @@ fn config_check_errors_name_the_file_and_key_and_exit_nonzero() {
 
 #[test]
 fn train_runs_the_built_in_job_and_lowers_the_validation_loss() {
-    let out = zerotrain(&["train", "--config", "configs/zero3.json", "--world-size", "3", "--steps", "40"]);
+    let out_dir = std::env::temp_dir().join(format!("zerotrain-cli-train-{}", std::process::id()));
+    let out = zerotrain(&[
+        "train",
+        "--config",
+        "configs/zero3.json",
+        "--world-size",
+        "3",
+        "--steps",
+        "40",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_dir_all(&out_dir);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}\n{}", stdout, text(&out.stderr));
     assert!(stdout.contains("[Rank 0] step=40, skipped=0"), "{stdout}");
@@ -164,7 +176,8 @@ fn a_save_killed_at_any_point_leaves_latest_complete() {
                 assert!(child.wait().unwrap().success(), "the uninterrupted save must succeed");
             }
         }
-        let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap_or_else(|e| panic!("kill point {k}: {e}"));
+        let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None)
+            .unwrap_or_else(|e| panic!("kill point {k}: {e}"));
         ckpt.verify().unwrap_or_else(|e| panic!("kill point {k}: {e}"));
         let step = ckpt.manifest().global_step;
         assert!(step == 1 || step == 2, "kill point {k}: latest is step {step}");
@@ -176,7 +189,10 @@ fn a_save_killed_at_any_point_leaves_latest_complete() {
             .output()
             .unwrap();
         assert!(rerun.status.success(), "rerun after kill point {k}: {}", text(&rerun.stderr));
-        assert_eq!(zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap().manifest().global_step, 2);
+        assert_eq!(
+            zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap().manifest().global_step,
+            2
+        );
         std::fs::remove_dir_all(&dir).unwrap();
         if finished {
             assert_eq!(step, 2);
@@ -192,8 +208,10 @@ fn a_save_killed_at_any_point_leaves_latest_complete() {
 fn inspect_verifies_and_consolidate_exports() {
     let dir = std::env::temp_dir().join(format!("zerotrain-cli-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let d = dir.to_str().unwrap();
-    assert!(zerotrain(&["train", "--config", "configs/zero3.json", "--steps", "2", "--out", d]).status.success());
+    let run = dir.to_str().unwrap();
+    assert!(zerotrain(&["train", "--config", "configs/tiny.json", "--steps", "2", "--out", run]).status.success());
+    let checkpoints = dir.join("checkpoints");
+    let d = checkpoints.to_str().unwrap();
     let out = zerotrain(&["inspect", d, "--verify"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("every checksum matches"), "{}", text(&out.stdout));
@@ -202,9 +220,9 @@ fn inspect_verifies_and_consolidate_exports() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let bytes = std::fs::read(&file).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    assert_eq!(st.tensor("input.weight").unwrap().dtype(), safetensors::Dtype::BF16);
+    assert_eq!(st.tensor("token.weight").unwrap().dtype(), safetensors::Dtype::BF16);
     // Corrupt one byte of a shard: inspect --verify names the file and fails.
-    let shard = dir.join("global_step2/rank1.safetensors");
+    let shard = checkpoints.join("global_step2/rank1.safetensors");
     let mut data = std::fs::read(&shard).unwrap();
     let middle = data.len() / 2;
     data[middle] ^= 1;
@@ -214,5 +232,132 @@ fn inspect_verifies_and_consolidate_exports() {
     assert!(text(&out.stderr).contains("rank1.safetensors: corrupted"), "{}", text(&out.stderr));
     let out = zerotrain(&["consolidate", d, "--out", file.to_str().unwrap(), "--dtype", "f8"]);
     assert!(text(&out.stderr).contains("--dtype must be f32, f16 or bf16"), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn temp_run(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerotrain-run-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn train_writes_metrics_plot_and_checkpoints_and_resumes_at_the_right_step() {
+    let dir = temp_run("e2e");
+    let run = dir.to_str().unwrap();
+    let out = zerotrain(&["train", "--config", "configs/tiny.json", "--steps", "6", "--out", run, "--save-every", "3"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let metrics = |dir: &std::path::Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let lines = metrics(&dir);
+    assert_eq!(lines.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
+    for m in &lines {
+        for key in ["loss", "lr", "loss_scale", "grad_norm", "tokens_per_s", "skipped"] {
+            assert!(m.get(key).is_some(), "{key} missing in {m}");
+        }
+    }
+    assert!(lines.iter().filter_map(|m| m.get("val_loss")).all(|v| v.as_f64().unwrap().is_finite()));
+    assert_eq!(lines.iter().filter(|m| m.get("val_loss").is_some()).count(), 3, "eval_every 2");
+    let png = std::fs::read(dir.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(png.len() > 10_000, "{} bytes", png.len());
+    let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap();
+    ckpt.verify().unwrap();
+    assert_eq!(ckpt.manifest().global_step, 6);
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("steps 0..6") && stdout.contains("samples from the trained model:"), "{stdout}");
+
+    let out = zerotrain(&["train", "--config", "configs/tiny.json", "--steps", "9", "--out", run, "--resume"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("steps 6..9"), "{}", text(&out.stdout));
+    assert!(text(&out.stdout).contains("[Rank 0] step=7,"), "resumed at step 7: {}", text(&out.stdout));
+    let steps: Vec<u64> = metrics(&dir).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=9).collect::<Vec<_>>());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn estimate_reproduces_the_paper_and_deepspeeds_estimator() {
+    let out = zerotrain(&["estimate", "--params", "7.5e9", "--world-size", "64", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let gb: Vec<f64> = v["zero_paper"].as_array().unwrap().iter().map(|r| r["total"].as_f64().unwrap() / 1e9).collect();
+    for (got, want) in gb.iter().zip([120.0, 31.4, 16.6, 1.88]) {
+        assert!((got - want).abs() <= 0.005 * want, "{gb:?}");
+    }
+    let out = zerotrain(&["estimate", "--params", "2851000000", "--world-size", "8", "--offload"]);
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("offload_optimizer=none  per GPU      12116750000 B"), "{stdout}");
+    assert!(stdout.contains("offload_optimizer=cpu   per GPU       5702000000 B"), "{stdout}");
+    let out = zerotrain(&["estimate", "--model-config", "configs/default.json", "--world-size", "2"]);
+    assert!(text(&out.stderr).contains("model.vocab_size must be set"), "{}", text(&out.stderr));
+    let model = temp_config(
+        "estimate-model",
+        r#"{"model": {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 32, "vocab_size": 13}}"#,
+    );
+    let out = zerotrain(&["estimate", "--model-config", model.to_str().unwrap(), "--world-size", "2", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["params"], 102_848, "the default job's GPT, as the engine counts it");
+}
+
+#[test]
+fn bad_training_input_is_a_one_line_error() {
+    let dir = temp_run("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "hello world").unwrap();
+    let bad_model = temp_config("bad-model", r#"{"train_batch_size": 2, "model": {"n_embd": 30, "n_head": 4}}"#);
+    let run = dir.join("run");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--data", "no/such/file.txt"], "cannot read data file no/such/file.txt"),
+        (vec!["--data", dir.to_str().unwrap()], "cannot read data file"),
+        (vec!["--data", empty.to_str().unwrap()], "the corpus is empty"),
+        (vec!["--data", short.to_str().unwrap()], "context length 8 needs at least 90 characters"),
+        (vec!["--resume"], "--resume: no checkpoint in"),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["train", "--config", "configs/tiny.json", "--steps", "2", "--out", run.to_str().unwrap()];
+        args.extend(extra);
+        let out = zerotrain(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(needle) && stderr.trim().lines().count() == 1 && !stderr.contains("panicked"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let out = zerotrain(&["train", "--config", bad_model.to_str().unwrap(), "--out", run.to_str().unwrap()]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr.contains("`model.n_embd`") && stderr.trim().lines().count() == 1, "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ctrl_c_finishes_the_step_saves_and_exits_cleanly() {
+    use std::io::BufRead;
+    let dir = temp_run("ctrlc");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["train", "--config", "configs/tiny.json", "--steps", "100000", "--out"])
+        .arg(&dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    stdout.by_ref().map_while(Result::ok).find(|l| l.starts_with("[Rank 0] step=20,")).expect("training runs");
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = stdout.map_while(Result::ok).collect();
+    assert!(child.wait().unwrap().success(), "exit 0 after Ctrl-C");
+    let stopped = rest.iter().find(|l| l.starts_with("stopped by Ctrl-C at step")).expect("a summary line");
+    let step: u64 = stopped.split_whitespace().nth(5).unwrap().parse().unwrap();
+    let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap();
+    assert_eq!(ckpt.manifest().global_step, step, "{stopped}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -217,6 +217,12 @@ pub struct Plan {
     pub optimizer: OptimizerPlan,
     /// The learning-rate schedule.
     pub schedule: LrSchedule,
+    /// The built-in GPT's shape (`vocab_size` 0: from the corpus).
+    pub model: crate::models::GptConfig,
+    /// `zerotrain train`: checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// `zerotrain train`: validation loss every this many steps.
+    pub eval_every: u64,
     /// Checkpoints to keep in a directory (the oldest beyond are removed after a save).
     pub keep_last_n_checkpoints: Option<usize>,
     /// How each `"auto"` was resolved.

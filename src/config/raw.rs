@@ -42,6 +42,8 @@ pub struct DeepSpeedConfig {
     pub data_types: Option<DataTypesConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
+    /// The built-in GPT's shape, for `zerotrain train` and `zerotrain estimate`.
+    pub model: Option<crate::models::GptConfig>,
 }
 
 /// `optimizer`: `{"type": ..., "params": {...}}`.
@@ -236,6 +238,11 @@ pub struct ZerotrainConfig {
     /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which
     /// have no loss scaler to do it). Default true.
     pub check_grad_overflow: Option<bool>,
+    /// `zerotrain train`: save a checkpoint every this many steps (0: only at the end).
+    /// Default 0.
+    pub checkpoint_every: Option<Count>,
+    /// `zerotrain train`: measure the validation loss every this many steps. Default 50.
+    pub eval_every: Option<Count>,
     /// Keep only the newest this many checkpoints in a save directory (never the one
     /// `latest` names). Default: keep all.
     pub keep_last_n_checkpoints: Option<Count>,

@@ -96,6 +96,17 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         seed: raw.seed.map_or(42, |c| c.0),
         optimizer,
         schedule,
+        model: {
+            let model = raw.model.unwrap_or_default();
+            let probe = crate::models::GptConfig { vocab_size: model.vocab_size.max(1), ..model };
+            probe.validate().map_err(|message| {
+                let key = message.split_whitespace().next().unwrap_or("model").to_string();
+                invalid(&key, message)
+            })?;
+            model
+        },
+        checkpoint_every: zt.checkpoint_every.map_or(0, |c| c.0),
+        eval_every: zt.eval_every.map_or(50, |c| c.0).max(1),
         keep_last_n_checkpoints: match zt.keep_last_n_checkpoints {
             Some(Count(0)) => return Err(invalid("zerotrain.keep_last_n_checkpoints", "must be at least 1")),
             Some(Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),

@@ -246,3 +246,15 @@ fn bad_precision_settings_name_their_key() {
         assert!(err.contains(&format!("`{key}`")), "{json}: {err}");
     }
 }
+
+#[test]
+fn the_model_section_is_checked_key_by_key() {
+    let p = plan(r#"{"train_batch_size": 1, "model": {"n_layer": 3}}"#).unwrap();
+    assert_eq!((p.model.n_layer, p.model.n_embd, p.model.vocab_size), (3, 64, 0));
+    let err = parse(r#"{"model": {"n_layers": 3}}"#).unwrap_err().to_string();
+    assert!(err.contains("unknown key `model.n_layers` (did you mean `n_layer`?)"), "{err}");
+    let err = plan(r#"{"train_batch_size": 1, "model": {"n_embd": 30, "n_head": 4}}"#).unwrap_err().to_string();
+    assert!(err.contains("`model.n_embd`") && err.contains("multiple of model.n_head"), "{err}");
+    let err = plan(r#"{"train_batch_size": 1, "model": {"block_size": 1}}"#).unwrap_err().to_string();
+    assert!(err.contains("`model.block_size`"), "{err}");
+}

@@ -316,6 +316,16 @@ impl<M: Module> Engine<M> {
     }
 }
 
+/// Counting a module's trainable parameters.
+pub struct ParamCount;
+
+impl ParamCount {
+    /// Elements of the float parameters that require gradients.
+    pub fn trainable<M: Module>(model: &M) -> u64 {
+        ParamIndex::scan(model).0.iter().map(|(_, shape)| shape.iter().product::<usize>() as u64).sum()
+    }
+}
+
 /// Bytes of the trainable parameters the model holds now (released ones are empty).
 fn trainable_bytes<M: Module>(model: &M, index: &ParamIndex) -> u64 {
     struct Count<'a> {

@@ -1,6 +1,10 @@
-//! Small built-in models for the examples, the CLI and the tests, and a deterministic
-//! regression task to train them on. Dropout is off everywhere so that runs are exactly
-//! reproducible.
+//! Built-in models: the [`Gpt`] of the main job, and small models ([`Mlp`],
+//! [`TinyTransformer`]) with a deterministic regression task for the examples and tests.
+//! Dropout is off everywhere so that runs are exactly reproducible.
+
+mod gpt;
+
+pub use gpt::{Block, Gpt, GptConfig};
 
 use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};

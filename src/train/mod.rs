@@ -1,0 +1,244 @@
+//! The main job behind `zerotrain train`: the built-in [`Gpt`] on a character corpus, every
+//! rank a thread, rank 0 reporting. Outputs go to the run folder: `metrics.jsonl`,
+//! `loss.png` and `checkpoints/`.
+
+mod metrics;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use burn::tensor::Device;
+use zerotrain_zero::ReduceOp;
+
+pub use self::metrics::{MetricsLog, StepMetrics, plot};
+use crate::data::{Corpus, windows};
+use crate::models::{Gpt, GptConfig};
+use crate::{Engine, Error, LoadOptions, MemoryReport, Plan, Result, launch};
+
+/// Lines in the generated arithmetic corpus.
+const ARITHMETIC_LINES: usize = 40_000;
+/// Validation sequences per measurement.
+const VALIDATION_SEQUENCES: u64 = 32;
+
+/// What `zerotrain train` was asked to do.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Optimizer steps to reach.
+    pub steps: u64,
+    /// A UTF-8 text file to train on instead of the generated arithmetic.
+    pub data: Option<PathBuf>,
+    /// The run folder.
+    pub out: PathBuf,
+    /// Continue from `<out>/checkpoints/latest`.
+    pub resume: bool,
+    /// Checkpoint interval, overriding `zerotrain.checkpoint_every` (0: only at the end).
+    pub save_every: Option<u64>,
+    /// Set (by Ctrl-C) to finish the current step, save and stop.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// What a run did, for the final summary.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// The step the run started after (0, or the resumed step).
+    pub first_step: u64,
+    /// The step it ended at.
+    pub last_step: u64,
+    /// Stopped early by Ctrl-C.
+    pub interrupted: bool,
+    /// Validation loss at the start and the end.
+    pub val_loss: (f32, f32),
+    /// Wall time of the training loop, seconds.
+    pub seconds: f64,
+    /// Training tokens per second over all ranks.
+    pub tokens_per_s: f64,
+    /// Trainable parameters.
+    pub num_params: usize,
+    /// Each rank's model-state memory at the end.
+    pub memory: Vec<MemoryReport>,
+    /// Bytes rank 0 moved per step (mean).
+    pub comm_bytes_per_step: u64,
+    /// Text the trained model wrote.
+    pub samples: Vec<String>,
+    /// Where the metrics, plot and checkpoints are.
+    pub out: PathBuf,
+}
+
+/// The corpus the options name, checked against the model's context.
+pub fn load_corpus(plan: &Plan, data: Option<&Path>) -> Result<(Corpus, GptConfig)> {
+    let corpus = match data {
+        Some(path) => Corpus::from_file(path).map_err(|e| Error::Model(e.to_string()))?,
+        None => Corpus::arithmetic(ARITHMETIC_LINES, plan.seed),
+    };
+    corpus.check(plan.model.block_size).map_err(|e| Error::Model(e.to_string()))?;
+    let vocab = corpus.vocab.len();
+    let model = match plan.model.vocab_size {
+        0 => GptConfig { vocab_size: vocab, ..plan.model },
+        n if n < vocab => {
+            return Err(Error::Model(format!(
+                "model.vocab_size is {n} but {} has {vocab} distinct characters",
+                corpus.name
+            )));
+        }
+        _ => plan.model,
+    };
+    model.validate().map_err(Error::Model)?;
+    Ok((corpus, model))
+}
+
+/// Runs the main job; `log` receives rank 0's lines, `progress` its per-step updates.
+pub fn train_gpt(
+    plan: &Plan,
+    options: &TrainOptions,
+    log: &(dyn Fn(&str) + Sync),
+    progress: &(dyn Fn(&StepMetrics) + Sync),
+) -> Result<TrainSummary> {
+    let (corpus, shape) = load_corpus(plan, options.data.as_deref())?;
+    let ckpt_dir = options.out.join("checkpoints");
+    if options.resume && !ckpt_dir.join(zerotrain_checkpoint::LATEST).is_file() {
+        return Err(Error::Usage(format!(
+            "--resume: no checkpoint in {} (nothing was saved there yet)",
+            ckpt_dir.display()
+        )));
+    }
+    std::fs::create_dir_all(&options.out)
+        .map_err(|e| Error::Usage(format!("cannot create {}: {e}", options.out.display())))?;
+    let device = Device::flex().autodiff();
+    device.seed(plan.seed);
+    let init = Gpt::new(&shape, &device);
+    let every = options.save_every.unwrap_or(plan.checkpoint_every);
+    let results = launch(plan, |ctx| {
+        let device = ctx.device().clone();
+        let mut engine = Engine::new(init.clone(), plan, &ctx)?;
+        if options.resume {
+            engine.load_checkpoint(&ckpt_dir, None, LoadOptions::default())?;
+        }
+        let first_step = engine.counters().global_steps;
+        let lead = ctx.rank() == 0;
+        let mut log_file =
+            if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io("metrics.jsonl"))?) } else { None };
+        let validation =
+            windows(&corpus.valid, shape.block_size, plan.seed, u64::MAX, 0, VALIDATION_SEQUENCES, &device);
+        let val_loss = |engine: &mut Engine<Gpt>| engine.eval(|m| m.loss(validation.clone()).into_scalar::<f32>());
+        let initial_val = val_loss(&mut engine)?;
+        let (b, n, rank) = (plan.batch, plan.world_size as u64, ctx.rank() as u64);
+        let tokens_per_step = (b.train_batch_size * shape.block_size as u64) as f64;
+        let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
+        let mut last_saved = first_step;
+        let mut step = first_step;
+        let mut interrupted = false;
+        while step < options.steps {
+            let step_start = Instant::now();
+            let mut report = None;
+            for micro in 0..b.gradient_accumulation_steps {
+                let first = (micro * n + rank) * b.micro_batch_per_rank;
+                let tokens =
+                    windows(&corpus.train, shape.block_size, plan.seed, step, first, b.micro_batch_per_rank, &device);
+                let loss = engine.forward(|m| m.loss(tokens))?;
+                engine.backward(loss)?;
+                report = engine.step()?;
+            }
+            let report = report.expect("the last micro-step is a boundary");
+            step = report.global_step;
+            let val =
+                (step % plan.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
+            let m = StepMetrics {
+                step,
+                loss: report.loss,
+                lr: report.lr,
+                loss_scale: report.loss_scale,
+                grad_norm: report.grad_norm,
+                tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
+                skipped: report.skipped,
+                val_loss: val,
+            };
+            if let Some(file) = &mut log_file {
+                file.push(&m).map_err(io("metrics.jsonl"))?;
+                progress(&m);
+                if step % plan.steps_per_print == 0 {
+                    log(&format!(
+                        "[Rank 0] step={step}, skipped={}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, loss_scale={}, tokens/s={:.0}{}",
+                        engine.counters().skipped_steps,
+                        m.lr,
+                        m.loss,
+                        m.grad_norm,
+                        report.next_loss_scale,
+                        m.tokens_per_s,
+                        val.map(|v| format!(", val_loss={v:.5}")).unwrap_or_default()
+                    ));
+                }
+            }
+            if every > 0 && step % every == 0 {
+                engine.save_checkpoint(&ckpt_dir, None, serde_json::json!({ "step": step }))?;
+                last_saved = step;
+            }
+            // Ctrl-C reaches every rank thread at a different moment: agree before acting.
+            let mut stop = [if options.stop.load(Ordering::Relaxed) { 1.0f32 } else { 0.0 }];
+            ctx.collective().all_reduce((&mut stop[..]).into(), ReduceOp::Max)?;
+            if stop[0] > 0.0 {
+                interrupted = true;
+                break;
+            }
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / (step - first_step).max(1);
+        if step > last_saved {
+            engine.save_checkpoint(&ckpt_dir, None, serde_json::json!({ "step": step }))?;
+        }
+        let final_val = val_loss(&mut engine)?;
+        let model = engine.full_model()?;
+        let samples = if lead { write_samples(&model, &corpus, &shape) } else { Vec::new() };
+        if let Some(file) = &mut log_file {
+            let all = file.read_all().map_err(io("metrics.jsonl"))?;
+            plot(&all, &options.out.join("loss.png")).map_err(|e| Error::Usage(format!("plotting loss.png: {e}")))?;
+        }
+        Ok::<_, Error>(TrainSummary {
+            first_step,
+            last_step: step,
+            interrupted,
+            val_loss: (initial_val, final_val),
+            seconds,
+            tokens_per_s: (step - first_step) as f64 * tokens_per_step / seconds.max(1e-9),
+            num_params: engine.layout().num_elems(),
+            memory: vec![engine.memory_report()],
+            comm_bytes_per_step,
+            samples,
+            out: options.out.clone(),
+        })
+    })?;
+    let memory = results.iter().map(|s| s.memory[0]).collect();
+    let mut summary = results.into_iter().next().expect("at least one rank");
+    summary.memory = memory;
+    Ok(summary)
+}
+
+fn io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |e| Error::Usage(format!("{what}: {e}"))
+}
+
+/// Text from the trained model: for the arithmetic corpus, completions of held-out sums
+/// (checked); for other text, a sampled continuation of the validation text.
+fn write_samples(model: &Gpt, corpus: &Corpus, shape: &GptConfig) -> Vec<String> {
+    let mut rng = 0x5EED;
+    if corpus.name == "generated arithmetic" {
+        let text = corpus.decode(&corpus.valid);
+        return text
+            .lines()
+            .skip(1)
+            .take(8)
+            .map(|line| {
+                let prompt = &line[..line.find('=').map_or(line.len(), |i| i + 1)];
+                let context = format!("\n{prompt}");
+                let out = model.generate(&corpus.encode(&context), 4, shape.block_size, 0.0, &mut rng);
+                let answer: String = corpus.decode(&out).chars().take_while(|c| *c != '\n').collect();
+                let verdict = if format!("{prompt}{answer}") == line { "correct" } else { "wrong" };
+                format!("{prompt}{answer}  ({verdict}; expected {line})")
+            })
+            .collect();
+    }
+    let prompt: Vec<u32> = corpus.valid.iter().take(shape.block_size / 2).copied().collect();
+    let out = model.generate(&prompt, 200, shape.block_size, 0.8, &mut rng);
+    vec![format!("{}|{}", corpus.decode(&prompt), corpus.decode(&out))]
+}
