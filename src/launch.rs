@@ -51,13 +51,61 @@ impl RankContext {
 /// If a rank returns an error or panics, every other rank's pending and later collectives
 /// fail at once, and `launch` returns the failing rank's error (not the others' consequent
 /// "aborted" errors).
+///
+/// Under `mpirun` (backend `mpi`) this process is one rank: `f` runs once, on the calling
+/// thread, the result holds this process's value only, and a failure ends the whole job
+/// (MPI_Abort) after printing it. MPI starts and stops inside the call, so under MPI a
+/// process may call `launch` once.
 pub fn launch<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
 where
     T: Send,
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
-    let Backend::Threads = plan.backend; // the only backend so far
+    match plan.backend {
+        Backend::Threads => launch_threads(plan, f),
+        Backend::Mpi => launch_mpi(plan, f),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn launch_mpi<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    F: Fn(RankContext) -> std::result::Result<T, E>,
+{
+    let comm = zerotrain_zero::collective::MpiComm::init()?;
+    if comm.world_size() != plan.world_size {
+        let n = comm.world_size();
+        return Err(Error::Usage(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size)));
+    }
+    let rank = comm.rank();
+    let comm: Arc<dyn Collective> = Arc::new(comm);
+    let ctx = RankContext::new(Arc::clone(&comm), Device::flex().autodiff());
+    match run_rank(rank, &|reason| comm.abort(reason), || f(ctx)) {
+        Ok(value) => Ok(vec![value]),
+        Err((error, _)) => Err(error),
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn launch_mpi<T, E, F>(_plan: &Plan, _f: F) -> Result<Vec<T>>
+where
+    F: Fn(RankContext) -> std::result::Result<T, E>,
+{
+    Err(Error::Usage(
+        "this process was started by mpirun (or zerotrain.backend is \"mpi\"), but this build has no MPI support: \
+         rebuild with `--features mpi` (see the README), or run without mpirun"
+            .into(),
+    ))
+}
+
+fn launch_threads<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
+{
     let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
     let device = Device::flex().autodiff();
     let results: Vec<Result<T, (Error, bool)>> = std::thread::scope(|scope| {
@@ -67,7 +115,7 @@ where
                 let (world, f) = (&world, &f);
                 let spawned = std::thread::Builder::new()
                     .name(format!("zerotrain-rank-{rank}"))
-                    .spawn_scoped(scope, move || run_rank(rank, world, || f(ctx)));
+                    .spawn_scoped(scope, move || run_rank(rank, &|reason| world.abort(rank, reason), || f(ctx)));
                 spawned.map_err(|e| {
                     let error = Error::Rank { rank, message: format!("could not start its thread: {e}") };
                     world.abort(rank, &error.to_string());
@@ -105,7 +153,7 @@ where
 /// it is only a consequence of another rank's failure.
 fn run_rank<T, E>(
     rank: usize,
-    world: &ThreadWorld,
+    abort: &dyn Fn(&str),
     f: impl FnOnce() -> std::result::Result<T, E>,
 ) -> Result<T, (Error, bool)>
 where
@@ -129,7 +177,7 @@ where
             Error::RankPanicked { rank, message }
         }
     };
-    world.abort(rank, &error.to_string());
+    abort(&error.to_string());
     Err((error, consequence))
 }
 

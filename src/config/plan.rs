@@ -179,6 +179,8 @@ impl LossScalePlan {
 pub enum Backend {
     /// One thread per rank in this process.
     Threads,
+    /// One process per rank, started by `mpirun` (needs the `mpi` feature).
+    Mpi,
 }
 
 /// A validated config: what the engine and the launcher run.

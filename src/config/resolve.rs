@@ -45,18 +45,32 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let mut autos = Autos::default();
     let zt = raw.zerotrain.clone().unwrap_or_default();
 
-    let world_size = match (overrides.world_size, zt.world_size) {
-        (Some(n), _) => n,
-        (None, Some(Count(n))) => usize::try_from(n).map_err(|_| invalid("zerotrain.world_size", "too large"))?,
-        (None, None) => 1,
+    let mpi = zerotrain_zero::collective::mpi_environment();
+    let backend = match (zt.backend.as_deref().unwrap_or("auto"), mpi) {
+        ("auto", Some(_)) | ("mpi", _) => Backend::Mpi,
+        ("auto", None) | ("threads", _) => Backend::Threads,
+        (other, _) => {
+            return Err(invalid(
+                "zerotrain.backend",
+                format!("unknown backend `{other}`; available: auto, threads, mpi"),
+            ));
+        }
+    };
+    // Under mpirun the process count decides; `zerotrain.world_size` is the threads default.
+    let world_size = match (backend, mpi, overrides.world_size) {
+        (Backend::Mpi, Some((_, size)), Some(n)) if n != size => {
+            return Err(invalid("--world-size", format!("is {n} but mpirun started {size} processes")));
+        }
+        (Backend::Mpi, Some((_, size)), _) => size,
+        (_, _, Some(n)) => n,
+        (_, _, None) => match zt.world_size {
+            Some(Count(n)) => usize::try_from(n).map_err(|_| invalid("zerotrain.world_size", "too large"))?,
+            None => 1,
+        },
     };
     if world_size == 0 {
         return Err(invalid("zerotrain.world_size", "must be at least 1"));
     }
-    let backend = match zt.backend.as_deref().unwrap_or("threads") {
-        "threads" => Backend::Threads,
-        other => return Err(invalid("zerotrain.backend", format!("unknown backend `{other}`; available: threads"))),
-    };
     let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
     if !(timeout_s > 0.0 && timeout_s <= 1e7) {
         return Err(invalid(

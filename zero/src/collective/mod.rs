@@ -10,6 +10,8 @@
 //! really moved; a backend that moves more must still count the convention, so that stage
 //! volumes (2Ψ, 3Ψ) stay comparable across backends.
 
+#[cfg(feature = "mpi")]
+mod mpi;
 mod rendezvous;
 mod threads;
 
@@ -17,7 +19,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use zerotrain_precision::{BufMut, BufRef};
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiComm;
 pub use threads::{ThreadComm, ThreadWorld};
+
+/// This process's (rank, world size) if `mpirun` (OpenMPI, MPICH or PMIx) started it.
+pub fn mpi_environment() -> Option<(usize, usize)> {
+    let get = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
+    [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", "PMIX_SIZE")]
+        .iter()
+        .find_map(|(r, s)| Some((get(r)?, get(s)?)))
+}
 
 use crate::ZeroError;
 

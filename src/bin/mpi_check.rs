@@ -1,0 +1,209 @@
+//! Checks the MPI backend from inside an MPI job; `tests/mpi.rs` runs it under `mpirun`.
+//!
+//! `zerotrain-mpi-check MODE [ARGS]` (every process prints `ok ...` lines; any failure
+//! panics, which aborts the whole job):
+//! - `collectives`: every collective, f32/f16/bf16, against host answers and byte counts.
+//! - `train`: stages 0-3, 4 steps, against the threads backend at the same world size run
+//!   inside this process.
+//! - `save DIR [WORLD]`: 3 steps at stage 2, then a checkpoint (threads if not under mpirun).
+//! - `resume DIR STAGE [WORLD]`: resume, 3 more steps, compare with an uninterrupted 6-step
+//!   run at the same world size (threads if not under mpirun).
+//! - `fail-error` / `fail-kill`: rank 1 returns an error / SIGKILLs itself at step 2.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::Device;
+use zerotrain::models::{Mlp, RegressionTask};
+use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
+use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_zero::collective::{OpKind, convention_bytes};
+use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
+
+const TASK: RegressionTask = RegressionTask { seq_len: 5, features: 6 };
+
+fn plan(stage: u8, world_size: Option<usize>) -> Plan {
+    let json = format!(
+        r#"{{"train_batch_size": 12, "gradient_clipping": 0.05, "zero_optimization": {{"stage": {stage}}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
+            "zerotrain": {{"comm_timeout_s": 60}}}}"#
+    );
+    Config::parse(&json, "mpi-check")
+        .and_then(|c| c.resolve(Overrides { world_size, total_steps: None }))
+        .expect("plan")
+}
+
+fn init() -> Mlp {
+    let device = Device::flex().autodiff();
+    device.seed(31);
+    Mlp::new(&[6, 24, 6], &device)
+}
+
+/// Trains `model` for `steps` on `ctx` (optionally resuming / saving / failing) and returns
+/// the fp32 masters. The model is built once per process, before any rank thread starts:
+/// rank threads building it would race on Flex's process-wide RNG.
+fn train(
+    model: Mlp,
+    ctx: &RankContext,
+    plan: &Plan,
+    steps: std::ops::Range<u64>,
+    resume: Option<&str>,
+    save: Option<&str>,
+    fail: Option<&str>,
+) -> Result<Vec<f32>, Error> {
+    let mut engine = Engine::new(model, plan, ctx)?;
+    if let Some(dir) = resume {
+        engine.load_checkpoint(dir, None, LoadOptions::default())?;
+    }
+    let (b, r) = (plan.batch, ctx.rank() as u64);
+    for step in steps {
+        if step == 2 && r == 1 {
+            match fail {
+                Some("fail-error") => return Err(Error::Usage("rank 1 injected an error at step 2".into())),
+                Some("fail-kill") => {
+                    let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+                    std::thread::sleep(Duration::from_secs(60));
+                }
+                _ => {}
+            }
+        }
+        let first = step * b.train_batch_size + r * b.micro_batch_per_rank;
+        let batch = TASK.batch(first..first + b.micro_batch_per_rank, ctx.device());
+        let loss = engine.forward(|m| m.loss(&batch))?;
+        engine.backward(loss)?;
+        engine.step()?;
+    }
+    if let Some(dir) = save {
+        engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
+    }
+    engine.master_params()
+}
+
+/// The same training on `world_size` threads inside this process (rank 0's masters).
+fn threads_reference(plan: &Plan, steps: std::ops::Range<u64>, resume: Option<&str>) -> Vec<f32> {
+    let model = init();
+    let mut plan = plan.clone();
+    plan.backend = zerotrain::config::Backend::Threads;
+    let world = ThreadWorld::new(plan.world_size, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..plan.world_size)
+            .map(|rank| {
+                let ctx = RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
+                let (plan, steps) = (&plan, steps.clone());
+                let model = model.clone();
+                s.spawn(move || train(model, &ctx, plan, steps, resume, None, None).expect("threads reference"))
+            })
+            .collect();
+        handles.into_iter().next().unwrap().join().unwrap()
+    })
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn input(rank: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| ((rank * 7919 + i * 31) % 1000) as f32 * 0.013 - 3.1).collect()
+}
+
+fn collectives(comm: &dyn Collective) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+        for len in [0, 1, 7, 1000 * n, 4099] {
+            let host = |op: ReduceOp| -> Vec<f32> {
+                let widened: Vec<Vec<f32>> =
+                    (0..n).map(|r| FlatBuf::from_f32(dtype, &input(r, len)).into_f32()).collect();
+                let combined = (0..len)
+                    .map(|i| widened.iter().skip(1).fold(widened[0][i], |a, w| op.apply(a, w[i])))
+                    .collect::<Vec<f32>>();
+                FlatBuf::from_f32(dtype, &combined).into_f32()
+            };
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                let mut buf = FlatBuf::from_f32(dtype, &input(rank, len));
+                comm.all_reduce(buf.as_mut(), op).unwrap();
+                let got = buf.into_f32();
+                let tolerance = if op == ReduceOp::Sum { 1e-5 } else { 0.0 };
+                for (g, h) in got.iter().zip(host(op)) {
+                    assert!(
+                        (g - h).abs()
+                            <= tolerance * h.abs().max(1.0)
+                                + if dtype == Precision::Fp32 { 0.0 } else { 0.02 * h.abs() },
+                        "{dtype} {op:?} len {len}: {g} vs {h}"
+                    );
+                }
+            }
+            let chunk = len / n;
+            let src = FlatBuf::from_f32(dtype, &input(rank, chunk * n));
+            let mut shard = FlatBuf::zeros(dtype, chunk);
+            let before = comm.stats();
+            comm.reduce_scatter(src.as_ref(), shard.as_mut(), ReduceOp::Sum).unwrap();
+            let mut full = FlatBuf::zeros(dtype, chunk * n);
+            comm.all_gather(shard.as_ref(), full.as_mut()).unwrap();
+            let moved = comm.stats().since(&before);
+            assert_eq!(moved.reduce_scatter.bytes, convention_bytes(OpKind::ReduceScatter, chunk * n, 4, n, rank, 0));
+            assert_eq!(
+                moved.all_gather.bytes,
+                convention_bytes(OpKind::AllGather, chunk * n, dtype.bytes_per_elem(), n, rank, 0)
+            );
+            let mut b = FlatBuf::from_f32(dtype, &input(rank, len));
+            comm.broadcast(b.as_mut(), n - 1).unwrap();
+            assert_eq!(b, FlatBuf::from_f32(dtype, &input(n - 1, len)));
+        }
+    }
+    comm.barrier().unwrap();
+    println!("ok collectives rank {rank} of {n}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().map(String::as_str).unwrap_or("");
+    let world = args.get(2).and_then(|w| w.parse().ok());
+    let stage = match mode {
+        "resume" => args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2),
+        _ => 2,
+    };
+    let world = match mode {
+        "resume" => args.get(3).and_then(|w| w.parse().ok()),
+        _ => world,
+    };
+    let the_plan = plan(stage, if mode == "save" || mode == "resume" { world } else { None });
+    let model = init();
+    let result = launch(&the_plan, |ctx| -> Result<(), Error> {
+        match mode {
+            "collectives" => collectives(ctx.collective().as_ref()),
+            "train" => {
+                for stage in 0..=3 {
+                    let plan = plan(stage, Some(ctx.world_size()));
+                    let got = train(model.clone(), &ctx, &plan, 0..4, None, None, None)?;
+                    let diff =
+                        if ctx.rank() == 0 { max_diff(&got, &threads_reference(&plan, 0..4, None)) } else { 0.0 };
+                    assert!(diff <= 1e-6, "stage {stage}: MPI vs threads differ by {diff}");
+                    println!("ok train stage {stage} rank {} diff {diff:e}", ctx.rank());
+                }
+            }
+            "save" => {
+                train(model.clone(), &ctx, &the_plan, 0..3, None, Some(&args[1]), None)?;
+                println!("ok save rank {} of {}", ctx.rank(), ctx.world_size());
+            }
+            "resume" => {
+                let got = train(model.clone(), &ctx, &the_plan, 3..6, Some(&args[1]), None, None)?;
+                if ctx.rank() == 0 {
+                    let whole = threads_reference(&the_plan, 0..6, None);
+                    let diff = max_diff(&got, &whole);
+                    assert!(diff <= 2e-6, "resumed vs uninterrupted: {diff}");
+                    println!("ok resume stage {stage} world {} diff {diff:e}", ctx.world_size());
+                }
+            }
+            "fail-error" | "fail-kill" => {
+                train(model.clone(), &ctx, &the_plan, 0..5, None, None, Some(mode))?;
+            }
+            other => panic!("unknown mode {other:?}"),
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

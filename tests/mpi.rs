@@ -1,0 +1,98 @@
+//! The MPI backend under `mpirun` (built with `--features mpi`; CI installs OpenMPI and
+//! runs these). Each case runs the `zerotrain-mpi-check` binary in an MPI job.
+#![cfg(feature = "mpi")]
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const CHECK: &str = env!("CARGO_BIN_EXE_zerotrain-mpi-check");
+
+/// Runs `args` under `mpirun -np n` (or directly for `n == 0`), failing the test after
+/// `limit` rather than hanging.
+fn run(n: usize, args: &[&str], limit: Duration) -> (Output, Duration) {
+    let mut cmd = if n == 0 {
+        Command::new(CHECK)
+    } else {
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string(), CHECK]);
+        c
+    };
+    let child = cmd
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun (apt-get install openmpi-bin)");
+    let start = Instant::now();
+    let id = child.id();
+    let watchdog = std::thread::spawn(move || {
+        std::thread::sleep(limit);
+        let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
+    });
+    let out = child.wait_with_output().unwrap();
+    let elapsed = start.elapsed();
+    assert!(elapsed < limit, "{args:?} with {n} processes did not finish within {limit:?}");
+    drop(watchdog);
+    (out, elapsed)
+}
+
+fn ok_lines(out: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("ok ")).map(str::to_string).collect()
+}
+
+fn assert_success(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn collectives_match_host_answers_at_2_3_and_4_processes() {
+    for n in [2, 3, 4] {
+        let (out, _) = run(n, &["collectives"], Duration::from_secs(120));
+        assert_success(&out, "collectives");
+        assert_eq!(ok_lines(&out).len(), n, "every rank checks");
+    }
+}
+
+#[test]
+fn training_at_every_stage_equals_the_threads_backend() {
+    for n in [2, 3, 4] {
+        let (out, _) = run(n, &["train"], Duration::from_secs(300));
+        assert_success(&out, "train");
+        assert_eq!(ok_lines(&out).len(), 4 * n, "4 stages on every rank");
+    }
+}
+
+#[test]
+fn checkpoints_move_between_mpi_processes_and_threads() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-mpi-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (a, b) = (dir.join("by-4-mpi"), dir.join("by-3-threads"));
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let limit = Duration::from_secs(120);
+    assert_success(&run(4, &["save", a], limit).0, "save by 4 MPI processes");
+    assert_success(&run(2, &["resume", a, "3"], limit).0, "resume by 2 MPI processes at stage 3");
+    assert_success(&run(0, &["resume", a, "1", "3"], limit).0, "resume by 3 threads at stage 1");
+    assert_success(&run(0, &["save", b, "3"], limit).0, "save by 3 threads");
+    assert_success(&run(4, &["resume", b, "2"], limit).0, "resume by 4 MPI processes");
+    assert_success(&run(2, &["resume", b, "3"], limit).0, "resume by 2 MPI processes");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failing_or_killed_rank_ends_the_job_promptly_with_no_process_left() {
+    for mode in ["fail-error", "fail-kill"] {
+        // A marker only this job's processes carry (other tests run the same binary).
+        let marker = format!("marker-{}-{mode}", std::process::id());
+        let (out, elapsed) = run(3, &[mode, &marker], Duration::from_secs(60));
+        assert!(!out.status.success(), "{mode} must fail the job");
+        assert!(elapsed < Duration::from_secs(30), "{mode}: {elapsed:?}");
+        std::thread::sleep(Duration::from_millis(500));
+        let left = Command::new("pgrep").args(["-f", &marker]).output().unwrap();
+        assert!(left.stdout.is_empty(), "{mode} left processes: {}", String::from_utf8_lossy(&left.stdout));
+    }
+}

@@ -1,0 +1,240 @@
+//! The MPI backend: one rank per process, under `mpirun`, on one or many machines.
+//!
+//! # Note: half precision over MPI
+//! MPI has no 16-bit float sum. Reductions of f16/bf16 buffers widen to f32, reduce, and
+//! round back once: twice the bytes of the half data on the wire, counted as such, plus
+//! one conversion each way. Gathers and broadcasts move the 16-bit patterns as `u16`,
+//! exactly half the bytes of f32.
+//!
+//! # Note: threads
+//! MPI is initialised with `MPI_THREAD_FUNNELED`: only the thread that initialised it may
+//! call it. The [`Collective`] trait needs `Send + Sync`, so [`MpiComm`] checks the calling
+//! thread in every method and returns an error on any other thread instead of calling MPI.
+
+use std::thread::ThreadId;
+
+use mpi::collective::SystemOperation;
+use mpi::environment::{Threading, Universe};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use zerotrain_precision::half::{bf16, f16};
+use zerotrain_precision::{BufMut, BufRef};
+
+use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
+use crate::ZeroError;
+
+/// This process's rank in an MPI job.
+pub struct MpiComm {
+    universe: Option<Universe>,
+    world: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    thread: ThreadId,
+    counters: CommCounters,
+}
+
+// SAFETY: every method that touches MPI first checks that it runs on `thread`, the thread
+// that initialised MPI with MPI_THREAD_FUNNELED, and returns an error otherwise; Drop leaks
+// the universe rather than finalising MPI from another thread. So no MPI call ever happens
+// off that thread, however the handle is shared or moved.
+unsafe impl Send for MpiComm {}
+// SAFETY: as above.
+unsafe impl Sync for MpiComm {}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm").field("rank", &self.rank).field("size", &self.size).finish()
+    }
+}
+
+impl MpiComm {
+    /// Initialises MPI on this thread (once per process: MPI cannot start twice).
+    pub fn init() -> Result<Self, ZeroError> {
+        let fail = |detail: String| ZeroError::Mismatch { rank: 0, detail };
+        let (universe, level) = mpi::initialize_with_threading(Threading::Funneled).ok_or_else(|| {
+            fail("MPI was already initialised in this process (one launch per process under mpirun)".into())
+        })?;
+        if level < Threading::Funneled {
+            return Err(fail(format!("the MPI library gives thread level {level:?}, zerotrain needs Funneled")));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok(Self {
+            universe: Some(universe),
+            world,
+            rank,
+            size,
+            thread: std::thread::current().id(),
+            counters: CommCounters::default(),
+        })
+    }
+
+    fn check(&self, op: OpKind) -> Result<(), ZeroError> {
+        if std::thread::current().id() == self.thread {
+            Ok(())
+        } else {
+            let detail = "MPI may only be called from the thread that initialised it".into();
+            Err(ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail })
+        }
+    }
+
+    fn record(&self, kind: OpKind, elems: usize, elem_bytes: usize, root: usize) {
+        self.counters.record(kind, convention_bytes(kind, elems, elem_bytes, self.size, self.rank, root));
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if std::thread::current().id() != self.thread {
+            // Finalising MPI from another thread is not allowed: leak it instead.
+            std::mem::forget(self.universe.take());
+        }
+    }
+}
+
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Min => SystemOperation::min(),
+    }
+}
+
+/// The 16-bit patterns of a half buffer, and back.
+fn bits(buf: BufRef<'_>) -> Vec<u16> {
+    match buf {
+        BufRef::F16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        BufRef::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        BufRef::F32(_) => unreachable!("only half buffers travel as bits"),
+    }
+}
+
+fn from_bits(bits: &[u16], out: BufMut<'_>) {
+    match out {
+        BufMut::F16(v) => v.iter_mut().zip(bits).for_each(|(o, &b)| *o = f16::from_bits(b)),
+        BufMut::Bf16(v) => v.iter_mut().zip(bits).for_each(|(o, &b)| *o = bf16::from_bits(b)),
+        BufMut::F32(_) => unreachable!("only half buffers travel as bits"),
+    }
+}
+
+impl Collective for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        self.check(OpKind::AllReduce)?;
+        let len = buf.len();
+        let send = as_ref(&buf).to_f32();
+        let mut recv = vec![0.0f32; len];
+        self.world.all_reduce_into(&send[..], &mut recv[..], system_op(op));
+        buf.copy_from(BufRef::F32(&recv), false);
+        self.record(OpKind::AllReduce, len, 4, 0);
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        self.check(OpKind::ReduceScatter)?;
+        if input.len() != output.len() * self.size || input.dtype() != output.dtype() {
+            let detail = format!(
+                "input {} x {}, output {} x {}, world size {}",
+                input.len(),
+                input.dtype(),
+                output.len(),
+                output.dtype(),
+                self.size
+            );
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::ReduceScatter.name(), detail });
+        }
+        let send = input.to_f32();
+        let mut recv = vec![0.0f32; output.len()];
+        self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
+        output.copy_from(BufRef::F32(&recv), false);
+        self.record(OpKind::ReduceScatter, input.len(), 4, 0);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
+        self.check(OpKind::AllGather)?;
+        if output.len() != input.len() * self.size || input.dtype() != output.dtype() {
+            let detail = format!(
+                "input {} x {}, output {} x {}, world size {}",
+                input.len(),
+                input.dtype(),
+                output.len(),
+                output.dtype(),
+                self.size
+            );
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::AllGather.name(), detail });
+        }
+        let total = output.len();
+        match (input, output) {
+            (BufRef::F32(i), BufMut::F32(o)) => {
+                self.world.all_gather_into(i, o);
+                self.record(OpKind::AllGather, total, 4, 0);
+            }
+            (i, o) => {
+                let mut gathered = vec![0u16; total];
+                self.world.all_gather_into(&bits(i)[..], &mut gathered[..]);
+                from_bits(&gathered, o);
+                self.record(OpKind::AllGather, total, 2, 0);
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError> {
+        self.check(OpKind::Broadcast)?;
+        if root >= self.size {
+            let detail = format!("root {root} is not a rank of {}", self.size);
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::Broadcast.name(), detail });
+        }
+        let len = buf.len();
+        let process = self.world.process_at_rank(root as i32);
+        match buf {
+            BufMut::F32(v) => {
+                process.broadcast_into(v);
+                self.record(OpKind::Broadcast, len, 4, root);
+            }
+            other => {
+                let mut b = bits(as_ref(&other));
+                process.broadcast_into(&mut b[..]);
+                from_bits(&b, other);
+                self.record(OpKind::Broadcast, len, 2, root);
+            }
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), ZeroError> {
+        self.check(OpKind::Barrier)?;
+        self.world.barrier();
+        self.counters.record(OpKind::Barrier, 0);
+        Ok(())
+    }
+
+    /// Ends the whole job at once (MPI_Abort): the other processes do not return.
+    fn abort(&self, reason: &str) {
+        eprintln!("zerotrain: rank {} aborts the MPI job: {reason}", self.rank);
+        if std::thread::current().id() == self.thread {
+            self.world.abort(1);
+        }
+        std::process::exit(1);
+    }
+
+    fn stats(&self) -> CommStats {
+        self.counters.snapshot()
+    }
+}
+
+fn as_ref<'a>(buf: &'a BufMut<'_>) -> BufRef<'a> {
+    match buf {
+        BufMut::F32(v) => BufRef::F32(v),
+        BufMut::F16(v) => BufRef::F16(v),
+        BufMut::Bf16(v) => BufRef::Bf16(v),
+    }
+}
