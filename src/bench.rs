@@ -85,3 +85,118 @@ mod tests {
         assert!(format_conversion_table(&rows, 4096, 2).contains("bf16 -> f32"));
     }
 }
+
+/// One row of the collectives table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CollectiveRow {
+    /// `threads` or `mpi`.
+    pub backend: &'static str,
+    /// The collective.
+    pub op: &'static str,
+    /// Bytes of the full buffer.
+    pub bytes: usize,
+    /// Ranks.
+    pub world_size: usize,
+    /// Seconds per call (slowest rank, best of the repeats' mean).
+    pub seconds: f64,
+    /// Algorithm bandwidth: buffer bytes / time, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth (nccl-tests convention): algbw x 2(N-1)/N for all-reduce, x (N-1)/N for
+    /// reduce-scatter and all-gather, GB/s.
+    pub busbw: f64,
+}
+
+/// Times all-reduce, reduce-scatter and all-gather of f32 buffers of `sizes` bytes on
+/// `comm`. Every rank must call it; every rank gets the same rows (slowest rank's time).
+pub fn collectives_on(
+    comm: &dyn zerotrain_zero::Collective,
+    backend: &'static str,
+    sizes: &[usize],
+    repeats: usize,
+) -> Result<Vec<CollectiveRow>, zerotrain_zero::ZeroError> {
+    use zerotrain_zero::ReduceOp;
+    let n = comm.world_size();
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        let elems = (bytes / 4).div_ceil(n) * n;
+        let mut full = vec![1.0f32; elems];
+        let mut shard = vec![0.0f32; elems / n];
+        for op in ["all_reduce", "reduce_scatter", "all_gather"] {
+            let mut call = || match op {
+                "all_reduce" => comm.all_reduce((&mut full).into(), ReduceOp::Sum),
+                "reduce_scatter" => comm.reduce_scatter((&full).into(), (&mut shard).into(), ReduceOp::Sum),
+                _ => comm.all_gather((&shard).into(), (&mut full).into()),
+            };
+            call()?; // warm up
+            comm.barrier()?;
+            let start = Instant::now();
+            for _ in 0..repeats.max(1) {
+                call()?;
+            }
+            let mut t = [(start.elapsed().as_secs_f64() / repeats.max(1) as f64) as f32];
+            comm.all_reduce((&mut t[..]).into(), ReduceOp::Max)?;
+            let t = [f64::from(t[0])];
+            let factor = match op {
+                "all_reduce" => 2.0 * (n as f64 - 1.0) / n as f64,
+                _ => (n as f64 - 1.0) / n as f64,
+            };
+            let algbw = (elems * 4) as f64 / t[0] / 1e9;
+            rows.push(CollectiveRow { backend, op, bytes: elems * 4, world_size: n, seconds: t[0], algbw, busbw: algbw * factor });
+        }
+    }
+    Ok(rows)
+}
+
+/// [`collectives_on`] for a threads world of `world_size` ranks in this process.
+pub fn collectives_threads(world_size: usize, sizes: &[usize], repeats: usize) -> Result<Vec<CollectiveRow>, zerotrain_zero::ZeroError> {
+    let world = zerotrain_zero::ThreadWorld::new(world_size, Duration::from_secs(300));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let comm = world.communicator(rank);
+                s.spawn(move || collectives_on(&comm, "threads", sizes, repeats))
+            })
+            .collect();
+        let mut results: Vec<_> = handles.into_iter().map(|h| h.join().expect("bench thread")).collect();
+        results.swap_remove(0)
+    })
+}
+
+/// Single-thread memcpy bandwidth of `bytes`, GB/s (best of `repeats`).
+pub fn memcpy_gbps(bytes: usize, repeats: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let best = (0..repeats.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    bytes as f64 / best / 1e9
+}
+
+/// The collectives table as text, with memcpy of the same bytes beside each size.
+pub fn format_collectives(rows: &[CollectiveRow], repeats: usize) -> String {
+    let mut out = format!("collectives on f32 buffers, mean of {repeats} calls, slowest rank; GB/s (nccl-tests convention)\n");
+    out.push_str(&format!(
+        "{:<8} {:<15} {:>6} {:>12} {:>11} {:>9} {:>9} {:>12}\n",
+        "backend", "op", "ranks", "bytes", "time (ms)", "algbw", "busbw", "busbw/memcpy"
+    ));
+    for r in rows {
+        let memcpy = memcpy_gbps(r.bytes.min(256 << 20), 3);
+        out.push_str(&format!(
+            "{:<8} {:<15} {:>6} {:>12} {:>11.3} {:>9.2} {:>9.2} {:>11.0}%\n",
+            r.backend,
+            r.op,
+            r.world_size,
+            r.bytes,
+            r.seconds * 1e3,
+            r.algbw,
+            r.busbw,
+            100.0 * r.busbw / memcpy
+        ));
+    }
+    out
+}

@@ -97,6 +97,35 @@ pub enum Command {
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
+    /// All-reduce, reduce-scatter and all-gather bandwidth: the threads backend and, under
+    /// mpirun (built with --features mpi), MPI, for the same sizes in the same run.
+    Collectives {
+        /// Ranks for the threads backend (under mpirun: the process count).
+        #[arg(long, default_value_t = 2)]
+        world_size: usize,
+        /// Largest buffer, MiB (sizes go up by 16x from 4 KiB).
+        #[arg(long, default_value_t = 64)]
+        max_mib: usize,
+        /// Calls per measurement.
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-rank memory of a large MLP after 2 steps at one stage (run under mpirun -np 4 for
+    /// per-process figures; bench/mpi_memory.sh runs every stage).
+    Memory {
+        /// Parameters, in millions.
+        #[arg(long, default_value_t = 60)]
+        millions: usize,
+        /// ZeRO stage.
+        #[arg(long)]
+        stage: u8,
+        /// Ranks for the threads backend (under mpirun: the process count).
+        #[arg(long, default_value_t = 4)]
+        world_size: usize,
+    },
     /// f32 <-> f16 / bf16 conversion of flat buffers beside memcpy of the same bytes.
     Convert {
         /// MiB of f32 to convert.

@@ -206,6 +206,83 @@ pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<(
     Ok(())
 }
 
+/// `zerotrain bench collectives`.
+pub fn bench_collectives(world_size: usize, max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
+    let sizes: Vec<usize> = std::iter::successors(Some(4usize << 10), |s| Some(s * 16)).take_while(|&s| s <= max_mib << 20).collect();
+    let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?
+        .resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
+    let rows = if plan.backend == zerotrain::config::Backend::Mpi {
+        // Under mpirun: every process joins the MPI measurement; rank 0 then measures the
+        // threads backend with as many ranks, in this process, while the others wait.
+        let all = zerotrain::launch(&plan, |ctx| {
+            let comm = ctx.collective();
+            let mut rows = zerotrain::bench::collectives_on(comm.as_ref(), "mpi", &sizes, repeats)?;
+            if ctx.rank() == 0 {
+                rows.extend(zerotrain::bench::collectives_threads(ctx.world_size(), &sizes, repeats)?);
+            }
+            comm.barrier()?;
+            Ok::<_, zerotrain::Error>((ctx.rank(), rows))
+        })?;
+        match all.into_iter().next() {
+            Some((0, rows)) => rows,
+            _ => return Ok(()),
+        }
+    } else {
+        zerotrain::bench::collectives_threads(world_size, &sizes, repeats)?
+    };
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&rows)?),
+        false => print!("{}", zerotrain::bench::format_collectives(&rows, repeats)),
+    }
+    Ok(())
+}
+
+/// `zerotrain bench memory`.
+pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Result<()> {
+    use burn::tensor::Device;
+    use zerotrain::models::{Mlp, RegressionTask};
+    let width = ((millions as f64 * 1e6 / 2.0).sqrt()) as usize;
+    let json = format!(r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#);
+    let plan = Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
+    let task = RegressionTask { seq_len: 1, features: width };
+    let rows = zerotrain::launch(&plan, |ctx| {
+        // Built inside the rank: under mpirun each process is one rank, and no copy of the
+        // initial model outlives the engine's own.
+        let model = Mlp::new(&[width, width, width], &Device::flex().autodiff());
+        let mut engine = zerotrain::Engine::new(model, &plan, &ctx)?;
+        for step in 0..2u64 {
+            let batch = task.batch([step * 64 + ctx.rank() as u64], ctx.device());
+            let loss = engine.forward(|m| m.loss(&batch))?;
+            engine.backward(loss)?;
+            engine.step()?;
+        }
+        let now = proc_status_kib("VmRSS:");
+        Ok::<_, zerotrain::Error>((ctx.rank(), engine.memory_report(), engine.layout().clone(), now))
+    })?;
+    let peak = proc_status_kib("VmHWM:");
+    let mib = |kib: Option<u64>| kib.map_or_else(|| "?".into(), |k| format!("{:.0}", k as f64 / 1024.0));
+    for (rank, m, layout, now) in rows {
+        let psi = layout.num_elems() as u64;
+        let stage = zerotrain_zero::ZeroStage::from_index(u64::from(plan.zero.stage.index())).expect("valid stage");
+        let formula = zerotrain_zero::memory::model_state_bytes(stage, psi, layout.shard_len() as u64, zerotrain_zero::memory::BytesPerParam::FP32_ADAM);
+        println!(
+            "row stage={} rank={rank} ranks={} params={psi} model_states_MiB={:.0} formula_MiB={:.0} process_peak_rss_MiB={} process_rss_after_MiB={}",
+            plan.zero.stage.index(),
+            plan.world_size,
+            m.model_states() as f64 / (1 << 20) as f64,
+            formula.total() as f64 / (1 << 20) as f64,
+            mib(peak),
+            mib(now),
+        );
+    }
+    Ok(())
+}
+
+fn proc_status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find(|l| l.starts_with(field))?.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// `zerotrain consolidate`.
 pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path, dtype: &str) -> anyhow::Result<()> {
     let dtype = match dtype {
@@ -224,7 +301,7 @@ pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path, dtype: &str) -> an
         m.num_elems(),
         ckpt.dir().display(),
         m.global_step,
-        peak_rss().map_or_else(|| "unknown".into(), |kib| format!("{:.1} MiB", kib as f64 / 1024.0))
+        proc_status_kib("VmHWM:").map_or_else(|| "unknown".into(), |kib| format!("{:.1} MiB", kib as f64 / 1024.0))
     );
     Ok(())
 }
@@ -256,11 +333,4 @@ pub fn inspect(dir: &Path, tag: Option<&str>, verify: bool, json: bool) -> anyho
         println!("verified    {} files, {bytes} bytes: every checksum matches", m.files.len());
     }
     Ok(())
-}
-
-/// This process's peak resident set, in KiB (Linux `VmHWM`).
-fn peak_rss() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
 }

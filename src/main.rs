@@ -31,6 +31,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             commands::config_check(&file, world_size, steps, json)
         }
         Command::Bench(BenchCommand::Convert { mib, repeats, json }) => commands::bench_convert(mib, repeats, json),
+        Command::Bench(BenchCommand::Collectives { world_size, max_mib, repeats, json }) => {
+            commands::bench_collectives(world_size, max_mib, repeats, json)
+        }
+        Command::Bench(BenchCommand::Memory { millions, stage, world_size }) => {
+            commands::bench_memory(millions, stage, world_size)
+        }
         Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),
     }

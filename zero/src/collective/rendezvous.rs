@@ -24,7 +24,13 @@ struct State {
     generation: u64,
     arrived: usize,
     aborted: Option<(usize, String)>,
+    /// What each rank published for the barrier in progress.
     slots: Vec<Slot>,
+    /// The slots as they were when the last barrier completed: what its waiters read. A
+    /// fast rank may publish its next slot before a slow one wakes (a plain `barrier()` has
+    /// no exit barrier to hold it back), so waiters must not read `slots` (regression test
+    /// `a_barrier_followed_at_once_by_another_collective_is_not_a_mismatch`).
+    completed: Vec<Slot>,
 }
 
 /// What a rank publishes at the rendezvous.
@@ -72,7 +78,8 @@ impl Slot {
 impl Hub {
     /// A hub for `world_size` ranks whose rendezvous gives up after `timeout`.
     pub(super) fn new(world_size: usize, timeout: Duration) -> Self {
-        let state = State { generation: 0, arrived: 0, aborted: None, slots: vec![Slot::EMPTY; world_size] };
+        let slots = vec![Slot::EMPTY; world_size];
+        let state = State { generation: 0, arrived: 0, aborted: None, completed: slots.clone(), slots };
         Self { world_size, timeout, state: Mutex::new(state), cv: Condvar::new() }
     }
 
@@ -155,14 +162,15 @@ impl Hub {
             state.arrived = 0;
             state.generation += 1;
             self.cv.notify_all();
-            return Ok(state.slots.clone());
+            state.completed = state.slots.clone();
+            return Ok(state.completed.clone());
         }
         let deadline = Instant::now() + self.timeout;
         loop {
             let wait = if abortable { deadline.saturating_duration_since(Instant::now()) } else { self.timeout };
             state = self.cv.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0;
             if state.generation != generation {
-                return Ok(state.slots.clone());
+                return Ok(state.completed.clone());
             }
             if !abortable {
                 continue;

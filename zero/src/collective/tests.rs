@@ -268,3 +268,24 @@ fn dtypes_must_agree_across_ranks_and_between_input_and_output() {
         out[0]
     );
 }
+
+/// Regression: a rank returning from a `barrier()` could publish its next collective before a
+/// slower rank had read the barrier's slots, which then saw a spurious mismatch (found by
+/// `zerotrain bench collectives`).
+#[test]
+fn a_barrier_followed_at_once_by_another_collective_is_not_a_mismatch() {
+    for n in [2, 3, 4] {
+        let out = run_world(n, T, |c| -> Result<(), ZeroError> {
+            let mut full = vec![1.0f32; 8 * n];
+            let mut shard = vec![0.0f32; 8];
+            for _ in 0..2000 {
+                c.barrier()?;
+                c.reduce_scatter((&full).into(), (&mut shard).into(), ReduceOp::Sum)?;
+                c.barrier()?;
+                c.all_gather((&shard).into(), (&mut full).into())?;
+            }
+            Ok(())
+        });
+        assert!(out.iter().all(Result::is_ok), "{out:?}");
+    }
+}
