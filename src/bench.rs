@@ -141,14 +141,26 @@ pub fn collectives_on(
                 _ => (n as f64 - 1.0) / n as f64,
             };
             let algbw = (elems * 4) as f64 / t[0] / 1e9;
-            rows.push(CollectiveRow { backend, op, bytes: elems * 4, world_size: n, seconds: t[0], algbw, busbw: algbw * factor });
+            rows.push(CollectiveRow {
+                backend,
+                op,
+                bytes: elems * 4,
+                world_size: n,
+                seconds: t[0],
+                algbw,
+                busbw: algbw * factor,
+            });
         }
     }
     Ok(rows)
 }
 
 /// [`collectives_on`] for a threads world of `world_size` ranks in this process.
-pub fn collectives_threads(world_size: usize, sizes: &[usize], repeats: usize) -> Result<Vec<CollectiveRow>, zerotrain_zero::ZeroError> {
+pub fn collectives_threads(
+    world_size: usize,
+    sizes: &[usize],
+    repeats: usize,
+) -> Result<Vec<CollectiveRow>, zerotrain_zero::ZeroError> {
     let world = zerotrain_zero::ThreadWorld::new(world_size, Duration::from_secs(300));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world_size)
@@ -179,7 +191,8 @@ pub fn memcpy_gbps(bytes: usize, repeats: usize) -> f64 {
 
 /// The collectives table as text, with memcpy of the same bytes beside each size.
 pub fn format_collectives(rows: &[CollectiveRow], repeats: usize) -> String {
-    let mut out = format!("collectives on f32 buffers, mean of {repeats} calls, slowest rank; GB/s (nccl-tests convention)\n");
+    let mut out =
+        format!("collectives on f32 buffers, mean of {repeats} calls, slowest rank; GB/s (nccl-tests convention)\n");
     out.push_str(&format!(
         "{:<8} {:<15} {:>6} {:>12} {:>11} {:>9} {:>9} {:>12}\n",
         "backend", "op", "ranks", "bytes", "time (ms)", "algbw", "busbw", "busbw/memcpy"

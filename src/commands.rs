@@ -22,7 +22,14 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
     let (corpus, shape) = zerotrain::train::load_corpus(&plan, args.data.as_deref())?;
-    println!(
+    // Under mpirun every process runs this; rank 0 alone speaks.
+    let lead = zerotrain_zero::collective::mpi_environment().is_none_or(|(rank, _)| rank == 0);
+    let say = |line: String| {
+        if lead {
+            println!("{line}");
+        }
+    };
+    say(format!(
         "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {} ranks, {}, {}",
         shape.num_params(),
         shape.n_layer,
@@ -34,7 +41,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         plan.world_size,
         plan.zero.stage,
         plan.precision
-    );
+    ));
     let stop = Arc::new(AtomicBool::new(false));
     let flag = Arc::clone(&stop);
     ctrlc::set_handler(move || {
@@ -44,7 +51,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         }
         eprintln!("\nzerotrain: finishing this step, saving a checkpoint and stopping (Ctrl-C again to abort)");
     })?;
-    let bar = ProgressBar::new(args.steps);
+    let bar = if lead { ProgressBar::new(args.steps) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -67,7 +74,9 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     };
     let s = zerotrain::train::train_gpt(&plan, &options, &log, &progress).context("training failed")?;
     bar.finish_and_clear();
-    print_summary(&s);
+    if lead {
+        print_summary(&s);
+    }
     Ok(())
 }
 
@@ -208,7 +217,8 @@ pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<(
 
 /// `zerotrain bench collectives`.
 pub fn bench_collectives(world_size: usize, max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
-    let sizes: Vec<usize> = std::iter::successors(Some(4usize << 10), |s| Some(s * 16)).take_while(|&s| s <= max_mib << 20).collect();
+    let sizes: Vec<usize> =
+        std::iter::successors(Some(4usize << 10), |s| Some(s * 16)).take_while(|&s| s <= max_mib << 20).collect();
     let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?
         .resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
     let rows = if plan.backend == zerotrain::config::Backend::Mpi {
@@ -242,7 +252,9 @@ pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Re
     use burn::tensor::Device;
     use zerotrain::models::{Mlp, RegressionTask};
     let width = ((millions as f64 * 1e6 / 2.0).sqrt()) as usize;
-    let json = format!(r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#);
+    let json = format!(
+        r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+    );
     let plan = Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
     let task = RegressionTask { seq_len: 1, features: width };
     let rows = zerotrain::launch(&plan, |ctx| {
@@ -264,7 +276,12 @@ pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Re
     for (rank, m, layout, now) in rows {
         let psi = layout.num_elems() as u64;
         let stage = zerotrain_zero::ZeroStage::from_index(u64::from(plan.zero.stage.index())).expect("valid stage");
-        let formula = zerotrain_zero::memory::model_state_bytes(stage, psi, layout.shard_len() as u64, zerotrain_zero::memory::BytesPerParam::FP32_ADAM);
+        let formula = zerotrain_zero::memory::model_state_bytes(
+            stage,
+            psi,
+            layout.shard_len() as u64,
+            zerotrain_zero::memory::BytesPerParam::FP32_ADAM,
+        );
         println!(
             "row stage={} rank={rank} ranks={} params={psi} model_states_MiB={:.0} formula_MiB={:.0} process_peak_rss_MiB={} process_rss_after_MiB={}",
             plan.zero.stage.index(),

@@ -96,3 +96,28 @@ fn a_failing_or_killed_rank_ends_the_job_promptly_with_no_process_left() {
         assert!(left.stdout.is_empty(), "{mode} left processes: {}", String::from_utf8_lossy(&left.stdout));
     }
 }
+
+#[test]
+fn the_main_job_runs_under_mpirun_speaks_once_and_resumes_at_another_size() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-mpi-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let train = |n: &str, steps: &str, resume: bool| {
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np", n, env!("CARGO_BIN_EXE_zerotrain"), "train"]);
+        c.args(["--config", "configs/tiny.json", "--steps", steps, "--out"])
+            .arg(&dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if resume {
+            c.arg("--resume");
+        }
+        c.output().unwrap()
+    };
+    let out = train("2", "4", false);
+    assert_success(&out, "train on 2 processes");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("validation loss")).count(), 1, "rank 0 alone prints: {stdout}");
+    let out = train("3", "6", true);
+    assert_success(&out, "resume on 3 processes");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("steps 4..6"), "{}", String::from_utf8_lossy(&out.stdout));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
