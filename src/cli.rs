@@ -101,15 +101,37 @@ pub enum BenchCommand {
     /// mpirun (built with --features mpi), MPI, for the same sizes in the same run.
     Collectives {
         /// Ranks for the threads backend (under mpirun: the process count).
-        #[arg(long, default_value_t = 2)]
-        world_size: usize,
-        /// Largest buffer, MiB (sizes go up by 16x from 4 KiB).
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        world_sizes: Vec<usize>,
+        /// Largest buffer, MiB (sizes go up by 4x from 4 KiB).
+        #[arg(long, default_value_t = 256)]
         max_mib: usize,
         /// Calls per measurement.
         #[arg(long, default_value_t = 5)]
         repeats: usize,
         /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Step time and per-rank memory as the model and the world size grow, and a PNG plot.
+    Growth {
+        /// Measured steps per configuration.
+        #[arg(long, default_value_t = 6)]
+        steps: u64,
+        /// Where to write the plot.
+        #[arg(long, default_value = "growth.png")]
+        plot: std::path::PathBuf,
+    },
+    /// Engine overhead against a plain Burn loop, and each stage's cost (step time, phase
+    /// breakdown, bytes per step against theory, memory against the formula).
+    Engine {
+        /// World sizes for the stage table.
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        world_sizes: Vec<usize>,
+        /// Measured steps per configuration.
+        #[arg(long, default_value_t = 10)]
+        steps: u64,
+        /// Print JSON instead of tables.
         #[arg(long)]
         json: bool,
     },

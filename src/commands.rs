@@ -216,11 +216,11 @@ pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<(
 }
 
 /// `zerotrain bench collectives`.
-pub fn bench_collectives(world_size: usize, max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
+pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
     let sizes: Vec<usize> =
-        std::iter::successors(Some(4usize << 10), |s| Some(s * 16)).take_while(|&s| s <= max_mib << 20).collect();
+        std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s <= max_mib << 20).collect();
     let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?
-        .resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
+        .resolve(Overrides { world_size: None, total_steps: None })?;
     let rows = if plan.backend == zerotrain::config::Backend::Mpi {
         // Under mpirun: every process joins the MPI measurement; rank 0 then measures the
         // threads backend with as many ranks, in this process, while the others wait.
@@ -238,12 +238,58 @@ pub fn bench_collectives(world_size: usize, max_mib: usize, repeats: usize, json
             _ => return Ok(()),
         }
     } else {
-        zerotrain::bench::collectives_threads(world_size, &sizes, repeats)?
+        let mut rows = Vec::new();
+        for &n in world_sizes {
+            rows.extend(zerotrain::bench::collectives_threads(n, &sizes, repeats)?);
+        }
+        rows
     };
     match json {
         true => println!("{}", serde_json::to_string_pretty(&rows)?),
         false => print!("{}", zerotrain::bench::format_collectives(&rows, repeats)),
     }
+    Ok(())
+}
+
+/// `zerotrain bench engine`.
+pub fn bench_engine(world_sizes: &[usize], steps: u64, json: bool) -> anyhow::Result<()> {
+    use zerotrain::bench::engine;
+    let (plain, ours) = engine::overhead(steps, 3)?;
+    let mut rows = Vec::new();
+    for &n in world_sizes {
+        rows.extend(engine::stages(n, steps)?);
+    }
+    if json {
+        let value = serde_json::json!({ "overhead": { "plain_burn_s": plain, "engine_s": ours, "ratio": ours / plain }, "stages": rows });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(());
+    }
+    println!(
+        "engine overhead (GPT 4x128, 16 sequences of 64 tokens, world size 1, stage 0; medians of 3 alternating rounds)"
+    );
+    println!("  plain Burn loop {:.1} ms/step, engine {:.1} ms/step: {:.3}x", plain * 1e3, ours * 1e3, ours / plain);
+    let base: Vec<f64> = rows
+        .iter()
+        .map(|r| {
+            rows.iter()
+                .find(|b| b.world_size == r.world_size && b.precision == r.precision && b.stage == 0)
+                .map_or(1.0, |b| b.step_seconds)
+        })
+        .collect();
+    print!("{}", engine::format_stages(&rows, &base));
+    Ok(())
+}
+
+/// `zerotrain bench growth`.
+pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
+    let rows = zerotrain::bench::engine::growth(steps)?;
+    println!("growth (ZeRO-2, fp32, 8 sequences of 64 tokens per rank; medians; rank 0)");
+    println!("{:>10} {:>6} {:>10} {:>16}", "params", "ranks", "step ms", "states B/rank");
+    for r in &rows {
+        println!("{:>10} {:>6} {:>10.1} {:>16}", r.params, r.world_size, r.step_seconds * 1e3, r.memory);
+    }
+    zerotrain::bench::engine::plot_growth(&rows, plot).map_err(anyhow::Error::msg)?;
+    println!("plot: {}", plot.display());
     Ok(())
 }
 

@@ -60,6 +60,6 @@ pub mod schedule;
 pub mod train;
 
 pub use config::{Config, Overrides, Plan};
-pub use engine::{Counters, Engine, LoadOptions, MemoryReport, StepReport};
+pub use engine::{Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, StepReport};
 pub use error::{Error, Result};
 pub use launch::{RankContext, launch};

@@ -31,8 +31,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             commands::config_check(&file, world_size, steps, json)
         }
         Command::Bench(BenchCommand::Convert { mib, repeats, json }) => commands::bench_convert(mib, repeats, json),
-        Command::Bench(BenchCommand::Collectives { world_size, max_mib, repeats, json }) => {
-            commands::bench_collectives(world_size, max_mib, repeats, json)
+        Command::Bench(BenchCommand::Collectives { world_sizes, max_mib, repeats, json }) => {
+            commands::bench_collectives(&world_sizes, max_mib, repeats, json)
+        }
+        Command::Bench(BenchCommand::Growth { steps, plot }) => commands::bench_growth(steps, &plot),
+        Command::Bench(BenchCommand::Engine { world_sizes, steps, json }) => {
+            commands::bench_engine(&world_sizes, steps, json)
         }
         Command::Bench(BenchCommand::Memory { millions, stage, world_size }) => {
             commands::bench_memory(millions, stage, world_size)

@@ -361,3 +361,14 @@ fn ctrl_c_finishes_the_step_saves_and_exits_cleanly() {
     assert_eq!(ckpt.manifest().global_step, step, "{stopped}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn bench_collectives_prints_every_op_and_world_size() {
+    let out =
+        zerotrain(&["bench", "collectives", "--max-mib", "1", "--world-sizes", "2,3", "--repeats", "1", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    // 4 KiB .. 1 MiB in 4x steps = 5 sizes, 3 ops, 2 world sizes.
+    assert_eq!(rows.len(), 5 * 3 * 2);
+    assert!(rows.iter().all(|r| r["busbw"].as_f64().unwrap() > 0.0 && r["backend"] == "threads"));
+}

@@ -9,7 +9,6 @@ pub const NOT_IMPLEMENTED: &[&str] = &[
     "prescale_gradients",
     "gradient_predivide_factor",
     "sparse_gradients",
-    "wall_clock_breakdown",
     "memory_breakdown",
     "dump_state",
     "zero_allow_untested_optimizer",

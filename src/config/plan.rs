@@ -213,6 +213,8 @@ pub struct Plan {
     pub check_grad_overflow: bool,
     /// Log every this many steps.
     pub steps_per_print: u64,
+    /// Add per-phase step times to the log lines.
+    pub wall_clock_breakdown: bool,
     /// Seed for initialisation and data.
     pub seed: u64,
     /// The optimizer.

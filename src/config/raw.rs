@@ -23,6 +23,9 @@ pub struct DeepSpeedConfig {
     pub gradient_clipping: Option<AutoOr<f64>>,
     /// Print a log line every this many optimizer steps. Default 10.
     pub steps_per_print: Option<AutoOr<Count>>,
+    /// Add the step's time per phase (forward, backward, reduce, optimizer, gather) to the
+    /// log lines. Default false.
+    pub wall_clock_breakdown: Option<bool>,
     /// Seed for the examples' and CLI's model initialisation and data. Default 42.
     pub seed: Option<Count>,
     /// The optimizer. Default: Adam (AdamW mode) with lr 1e-3.

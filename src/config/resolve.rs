@@ -107,6 +107,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         gradient_clipping,
         check_grad_overflow: zt.check_grad_overflow.unwrap_or(true),
         steps_per_print,
+        wall_clock_breakdown: raw.wall_clock_breakdown.unwrap_or(false),
         seed: raw.seed.map_or(42, |c| c.0),
         optimizer,
         schedule,

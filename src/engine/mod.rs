@@ -25,6 +25,7 @@ mod step;
 mod store;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -64,6 +65,30 @@ pub struct StepReport {
     pub next_loss_scale: f64,
     /// Bytes this rank moved in collectives during the step's window.
     pub comm_bytes: u64,
+    /// Where the step's time went (its micro-steps included).
+    pub times: PhaseTimes,
+}
+
+/// Where one optimizer step's wall time went (DeepSpeed's `wall_clock_breakdown`), seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PhaseTimes {
+    /// The forward closures.
+    pub forward: f64,
+    /// Back-propagation (Burn's `backward` and collecting the gradients).
+    pub backward: f64,
+    /// Gradient flattening and reduction (reduce-scatter / all-reduce, norm, overflow check).
+    pub reduce: f64,
+    /// The optimizer on the rank's range.
+    pub optimizer: f64,
+    /// Putting parameters back: all-gathers and writing them into the model.
+    pub gather: f64,
+}
+
+impl PhaseTimes {
+    /// All phases together.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.reduce + self.optimizer + self.gather
+    }
 }
 
 /// Model-state bytes one rank holds, by kind (see [`Engine::memory_report`]).
@@ -129,6 +154,7 @@ struct Window {
     micro_steps: u64,
     loss_sum: f64,
     comm_at_start: CommStats,
+    times: PhaseTimes,
 }
 
 impl<M: Module> Engine<M> {
@@ -192,13 +218,18 @@ impl<M: Module> Engine<M> {
     /// typically the loss. Every rank must call it the same number of times at stage 3.
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         if let Some(partition) = self.store.partition() {
+            let start = Instant::now();
             let model = self.model.clone();
             let target = (&self.device, self.plan.precision);
             let (model, bytes) = partition.gather(model, &self.index, &self.layout, self.comm.as_ref(), target)?;
             self.model = model;
             self.peak_transient = self.peak_transient.max(bytes);
+            self.window.times.gather += start.elapsed().as_secs_f64();
         }
-        Ok(f(&self.model))
+        let start = Instant::now();
+        let out = f(&self.model);
+        self.window.times.forward += start.elapsed().as_secs_f64();
+        Ok(out)
     }
 
     /// Back-propagates `loss` (a one-element tensor from [`forward`](Self::forward)),
@@ -215,8 +246,12 @@ impl<M: Module> Engine<M> {
             Some(scaler) => loss.mul_scalar(scaler.scale() as f32).div_scalar(gas),
             None => loss.div_scalar(gas),
         };
+        let start = Instant::now();
         let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
+        let reduce_start = Instant::now();
+        self.window.times.backward += (reduce_start - start).as_secs_f64();
         let bytes = self.grads.accumulate(&self.model, &mut grads, &self.index, &self.layout, self.comm.as_ref())?;
+        self.window.times.reduce += reduce_start.elapsed().as_secs_f64();
         drop(grads);
         if let Some(partition) = self.store.partition() {
             let model = self.model.clone();

@@ -1,6 +1,8 @@
 //! The optimizer step: reduce, check for overflow, unscale and clip in one multiply, step
 //! the optimizer on the rank's range, and put the new values where the stage keeps them.
 
+use std::time::Instant;
+
 use burn::module::Module;
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::{ReduceOp, ZeroStage};
@@ -24,8 +26,10 @@ impl<M: Module> Engine<M> {
             return Ok(None);
         }
         let n = self.comm.world_size();
+        let start = Instant::now();
         let mut grads = self.grads.reduce(&self.layout, self.comm.as_ref())?;
         let (sum_squares, loss) = self.global_metrics(&grads)?;
+        self.window.times.reduce += start.elapsed().as_secs_f64();
         let scale = self.loss_scale();
         // Every rank sums the same partials, so every rank reaches the same decision.
         let grad_norm = sum_squares.sqrt() / (n as f64 * scale);
@@ -66,6 +70,7 @@ impl<M: Module> Engine<M> {
             loss_scale: scale,
             next_loss_scale: self.loss_scale(),
             comm_bytes: stats.since(&self.window.comm_at_start).total_bytes(),
+            times: self.window.times,
         };
         self.window = Window { comm_at_start: stats, ..Window::default() };
         self.last_step = Some(report);
@@ -97,10 +102,14 @@ impl<M: Module> Engine<M> {
     /// values where the stage keeps parameters. Returns the transient bytes it used.
     fn apply(&mut self, lr: f64, grads: Vec<f32>) -> Result<u64> {
         let range = self.optimizer_range();
+        let start = Instant::now();
         let master = self.store.take(&self.model, &self.index, &self.layout, range.clone())?;
         let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
         let updated = self.optimizer.step(lr, master, grads, &self.device.clone().without_autodiff())?;
+        let gather_start = Instant::now();
+        self.window.times.optimizer += (gather_start - start).as_secs_f64();
         transient += self.publish(&updated)?;
+        self.window.times.gather += gather_start.elapsed().as_secs_f64();
         self.store.put(updated);
         Ok(transient)
     }

@@ -136,7 +136,7 @@ pub fn plot(metrics: &[StepMetrics], out: &Path) -> Result<(), String> {
 }
 
 /// Registers a system TrueType font as "sans-serif" once; whether one was found.
-fn register_font() -> bool {
+pub fn register_font() -> bool {
     static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FOUND.get_or_init(|| {
         const CANDIDATES: [&str; 4] = [

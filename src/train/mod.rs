@@ -12,7 +12,7 @@ use std::time::Instant;
 use burn::tensor::Device;
 use zerotrain_zero::ReduceOp;
 
-pub use self::metrics::{MetricsLog, StepMetrics, plot};
+pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 use crate::data::{Corpus, windows};
 use crate::models::{Gpt, GptConfig};
 use crate::{Engine, Error, LoadOptions, MemoryReport, Plan, Result, launch};
@@ -168,6 +168,18 @@ pub fn train_gpt(
                         m.tokens_per_s,
                         val.map(|v| format!(", val_loss={v:.5}")).unwrap_or_default()
                     ));
+                    if plan.wall_clock_breakdown {
+                        let t = report.times;
+                        let ms = |s: f64| s * 1e3;
+                        log(&format!(
+                            "[Rank 0] time (ms) | forward: {:.2} | backward: {:.2} | reduce: {:.2} | optimizer: {:.2} | gather: {:.2}",
+                            ms(t.forward),
+                            ms(t.backward),
+                            ms(t.reduce),
+                            ms(t.optimizer),
+                            ms(t.gather)
+                        ));
+                    }
                 }
             }
             if every > 0 && step % every == 0 {

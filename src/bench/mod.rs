@@ -1,6 +1,8 @@
 //! Benchmarks printed by `zerotrain bench`: each table measures its competitors in the same
 //! run, so that ratios hold on a noisy machine.
 
+pub mod engine;
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
