@@ -30,16 +30,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Config(ConfigCommand::Check { file, world_size, steps, json }) => {
             commands::config_check(&file, world_size, steps, json)
         }
-        Command::Bench(BenchCommand::Convert { mib, repeats, json }) => commands::bench_convert(mib, repeats, json),
-        Command::Bench(BenchCommand::Collectives { world_sizes, max_mib, repeats, json }) => {
-            commands::bench_collectives(&world_sizes, max_mib, repeats, json)
+        Command::Bench(BenchCommand::Convert { mib, repeats, json }) => {
+            commands::bench::bench_convert(mib, repeats, json)
         }
-        Command::Bench(BenchCommand::Growth { steps, plot }) => commands::bench_growth(steps, &plot),
+        Command::Bench(BenchCommand::Collectives { world_sizes, max_mib, repeats, json }) => {
+            commands::bench::bench_collectives(&world_sizes, max_mib, repeats, json)
+        }
+        Command::Bench(BenchCommand::Growth { steps, plot }) => commands::bench::bench_growth(steps, &plot),
         Command::Bench(BenchCommand::Engine { world_sizes, steps, json }) => {
-            commands::bench_engine(&world_sizes, steps, json)
+            commands::bench::bench_engine(&world_sizes, steps, json)
         }
         Command::Bench(BenchCommand::Memory { millions, stage, world_size }) => {
-            commands::bench_memory(millions, stage, world_size)
+            commands::bench::bench_memory(millions, stage, world_size)
         }
         Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),

@@ -1,4 +1,4 @@
-"""PyTorch DDP and FSDP (gloo, CPU) on the same GPT as `zerotrain bench engine`.
+"""PyTorch DDP and FSDP2 (gloo, CPU) on the same GPT as `zerotrain bench engine`.
 
 Prints a step-time table (median ms over measured steps, rank 0) beside which
 `zerotrain bench engine` can be read, on the same machine:
@@ -66,8 +66,13 @@ def run(rank, world_size, mode, steps, out):
     if mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        model = FullyShardedDataParallel(model)
+        # FSDP2 (fully_shard): FSDP1 refuses to run without an accelerator.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, eps=1e-8)
     generator = torch.Generator().manual_seed(rank)
     times = []

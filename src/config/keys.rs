@@ -160,7 +160,7 @@ mod tests {
     #[test]
     fn inert_not_implemented_keys_give_no_warning() {
         let mut v = serde_json::json!({
-            "wall_clock_breakdown": false,
+            "memory_breakdown": false,
             "tensorboard": {"enabled": false},
             "flops_profiler": {"enabled": true},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "round_robin_gradients": true}

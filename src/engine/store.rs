@@ -49,11 +49,7 @@ impl ParamStore {
         range: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
         match self {
-            Self::InModel => {
-                let mut values = vec![0.0; range.len()];
-                read_params(model, index, layout, range, BufMut::F32(&mut values))?;
-                Ok(values)
-            }
+            Self::InModel => self.values(model, index, layout, range),
             Self::Master(master) => Ok(std::mem::take(master)),
             Self::Partitioned(partition) => Ok(partition.take_shard()),
         }

@@ -78,6 +78,16 @@ impl MpiComm {
         }
     }
 
+    /// The shard is `shard` elements and the full buffer `full`: `full` must be `world_size`
+    /// shards, in one dtype.
+    fn check_shapes(&self, op: OpKind, shard: usize, full: usize, same_dtype: bool) -> Result<(), ZeroError> {
+        if full == shard * self.size && same_dtype {
+            return Ok(());
+        }
+        let detail = format!("{full} elements are not {} ranks x {shard}, or the dtypes differ", self.size);
+        Err(ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail })
+    }
+
     fn record(&self, kind: OpKind, elems: usize, elem_bytes: usize, root: usize) {
         self.counters.record(kind, convention_bytes(kind, elems, elem_bytes, self.size, self.rank, root));
     }
@@ -139,17 +149,7 @@ impl Collective for MpiComm {
 
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
         self.check(OpKind::ReduceScatter)?;
-        if input.len() != output.len() * self.size || input.dtype() != output.dtype() {
-            let detail = format!(
-                "input {} x {}, output {} x {}, world size {}",
-                input.len(),
-                input.dtype(),
-                output.len(),
-                output.dtype(),
-                self.size
-            );
-            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::ReduceScatter.name(), detail });
-        }
+        self.check_shapes(OpKind::ReduceScatter, output.len(), input.len(), input.dtype() == output.dtype())?;
         let send = input.to_f32();
         let mut recv = vec![0.0f32; output.len()];
         self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
@@ -160,17 +160,7 @@ impl Collective for MpiComm {
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
         self.check(OpKind::AllGather)?;
-        if output.len() != input.len() * self.size || input.dtype() != output.dtype() {
-            let detail = format!(
-                "input {} x {}, output {} x {}, world size {}",
-                input.len(),
-                input.dtype(),
-                output.len(),
-                output.dtype(),
-                self.size
-            );
-            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::AllGather.name(), detail });
-        }
+        self.check_shapes(OpKind::AllGather, input.len(), output.len(), input.dtype() == output.dtype())?;
         let total = output.len();
         match (input, output) {
             (BufRef::F32(i), BufMut::F32(o)) => {

@@ -1,0 +1,144 @@
+//! The `zerotrain bench` subcommands.
+
+use std::path::Path;
+
+use zerotrain::{Config, Overrides};
+
+use super::proc_status_kib;
+
+/// `zerotrain bench convert`.
+pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
+    let elems = (mib << 20) / 4;
+    let rows = zerotrain::bench::conversion_table(elems, repeats);
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&rows)?),
+        false => print!("{}", zerotrain::bench::format_conversion_table(&rows, elems, repeats)),
+    }
+    Ok(())
+}
+
+/// `zerotrain bench collectives`.
+pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
+    let sizes: Vec<usize> =
+        std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s <= max_mib << 20).collect();
+    let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?
+        .resolve(Overrides { world_size: None, total_steps: None })?;
+    let rows = if plan.backend == zerotrain::config::Backend::Mpi {
+        // Under mpirun: every process joins the MPI measurement; rank 0 then measures the
+        // threads backend with as many ranks, in this process, while the others wait.
+        let all = zerotrain::launch(&plan, |ctx| {
+            let comm = ctx.collective();
+            let mut rows = zerotrain::bench::collectives_on(comm.as_ref(), "mpi", &sizes, repeats)?;
+            if ctx.rank() == 0 {
+                rows.extend(zerotrain::bench::collectives_threads(ctx.world_size(), &sizes, repeats)?);
+            }
+            comm.barrier()?;
+            Ok::<_, zerotrain::Error>((ctx.rank(), rows))
+        })?;
+        match all.into_iter().next() {
+            Some((0, rows)) => rows,
+            _ => return Ok(()),
+        }
+    } else {
+        let mut rows = Vec::new();
+        for &n in world_sizes {
+            rows.extend(zerotrain::bench::collectives_threads(n, &sizes, repeats)?);
+        }
+        rows
+    };
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&rows)?),
+        false => print!("{}", zerotrain::bench::format_collectives(&rows, repeats)),
+    }
+    Ok(())
+}
+
+/// `zerotrain bench engine`.
+pub fn bench_engine(world_sizes: &[usize], steps: u64, json: bool) -> anyhow::Result<()> {
+    use zerotrain::bench::engine;
+    let (plain, ours) = engine::overhead(steps, 3)?;
+    let mut rows = Vec::new();
+    for &n in world_sizes {
+        rows.extend(engine::stages(n, steps)?);
+    }
+    if json {
+        let value = serde_json::json!({ "overhead": { "plain_burn_s": plain, "engine_s": ours, "ratio": ours / plain }, "stages": rows });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(());
+    }
+    println!(
+        "engine overhead (GPT 4x128, 16 sequences of 64 tokens, world size 1, stage 0; medians of 3 alternating rounds)"
+    );
+    println!("  plain Burn loop {:.1} ms/step, engine {:.1} ms/step: {:.3}x", plain * 1e3, ours * 1e3, ours / plain);
+    let base: Vec<f64> = rows
+        .iter()
+        .map(|r| {
+            rows.iter()
+                .find(|b| b.world_size == r.world_size && b.precision == r.precision && b.stage == 0)
+                .map_or(1.0, |b| b.step_seconds)
+        })
+        .collect();
+    print!("{}", engine::format_stages(&rows, &base));
+    Ok(())
+}
+
+/// `zerotrain bench growth`.
+pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
+    let rows = zerotrain::bench::engine::growth(steps)?;
+    println!("growth (ZeRO-2, fp32, 8 sequences of 64 tokens per rank; medians; rank 0)");
+    println!("{:>10} {:>6} {:>10} {:>16}", "params", "ranks", "step ms", "states B/rank");
+    for r in &rows {
+        println!("{:>10} {:>6} {:>10.1} {:>16}", r.params, r.world_size, r.step_seconds * 1e3, r.memory);
+    }
+    zerotrain::bench::engine::plot_growth(&rows, plot).map_err(anyhow::Error::msg)?;
+    println!("plot: {}", plot.display());
+    Ok(())
+}
+
+/// `zerotrain bench memory`.
+pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Result<()> {
+    use burn::tensor::Device;
+    use zerotrain::models::{Mlp, RegressionTask};
+    let width = ((millions as f64 * 1e6 / 2.0).sqrt()) as usize;
+    let json = format!(
+        r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+    );
+    let plan = Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
+    let task = RegressionTask { seq_len: 1, features: width };
+    let rows = zerotrain::launch(&plan, |ctx| {
+        // Built inside the rank: under mpirun each process is one rank, and no copy of the
+        // initial model outlives the engine's own.
+        let model = Mlp::new(&[width, width, width], &Device::flex().autodiff());
+        let mut engine = zerotrain::Engine::new(model, &plan, &ctx)?;
+        for step in 0..2u64 {
+            let batch = task.batch([step * 64 + ctx.rank() as u64], ctx.device());
+            let loss = engine.forward(|m| m.loss(&batch))?;
+            engine.backward(loss)?;
+            engine.step()?;
+        }
+        let now = proc_status_kib("VmRSS:");
+        Ok::<_, zerotrain::Error>((ctx.rank(), engine.memory_report(), engine.layout().clone(), now))
+    })?;
+    let peak = proc_status_kib("VmHWM:");
+    let mib = |kib: Option<u64>| kib.map_or_else(|| "?".into(), |k| format!("{:.0}", k as f64 / 1024.0));
+    for (rank, m, layout, now) in rows {
+        let psi = layout.num_elems() as u64;
+        let stage = zerotrain_zero::ZeroStage::from_index(u64::from(plan.zero.stage.index())).expect("valid stage");
+        let formula = zerotrain_zero::memory::model_state_bytes(
+            stage,
+            psi,
+            layout.shard_len() as u64,
+            zerotrain_zero::memory::BytesPerParam::FP32_ADAM,
+        );
+        println!(
+            "row stage={} rank={rank} ranks={} params={psi} model_states_MiB={:.0} formula_MiB={:.0} process_peak_rss_MiB={} process_rss_after_MiB={}",
+            plan.zero.stage.index(),
+            plan.world_size,
+            m.model_states() as f64 / (1 << 20) as f64,
+            formula.total() as f64 / (1 << 20) as f64,
+            mib(peak),
+            mib(now),
+        );
+    }
+    Ok(())
+}
