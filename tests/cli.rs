@@ -372,3 +372,16 @@ fn bench_collectives_prints_every_op_and_world_size() {
     assert_eq!(rows.len(), 5 * 3 * 2);
     assert!(rows.iter().all(|r| r["busbw"].as_f64().unwrap() > 0.0 && r["backend"] == "threads"));
 }
+
+/// The README's first command, `cargo run -- train ...`, needs cargo to know which of the
+/// package's binaries to run (`default-run`); a second binary once broke it.
+#[test]
+fn cargo_run_picks_the_zerotrain_binary() {
+    let out = Command::new(env!("CARGO"))
+        .args(["run", "--quiet", "--locked", "--", "config", "check", "configs/zero2.json"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("stage 2 (optimizer states and gradients sharded)"), "{}", text(&out.stdout));
+}
