@@ -15,7 +15,7 @@ use zerotrain_zero::ReduceOp;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 use crate::data::{Corpus, windows};
 use crate::models::{Gpt, GptConfig};
-use crate::{Engine, Error, LoadOptions, MemoryReport, Plan, Result, launch};
+use crate::{Engine, Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
 
 /// Lines in the generated arithmetic corpus.
 const ARITHMETIC_LINES: usize = 40_000;
@@ -109,42 +109,53 @@ pub fn train_gpt(
     device.seed(plan.seed);
     let init = Gpt::new(&shape, &device);
     let every = options.save_every.unwrap_or(plan.checkpoint_every);
-    let results = launch(plan, |ctx| {
-        let device = ctx.device().clone();
-        let mut engine = Engine::new(init.clone(), plan, &ctx)?;
+    let job = Job { plan, options, corpus: &corpus, shape, ckpt_dir, every, log, progress };
+    let results = launch(plan, |ctx| job.run_rank(init.clone(), &ctx))?;
+    let memory = results.iter().map(|s| s.memory[0]).collect();
+    let mut summary = results.into_iter().next().expect("at least one rank");
+    summary.memory = memory;
+    Ok(summary)
+}
+
+/// One `train_gpt` call, shared by its rank threads.
+struct Job<'a> {
+    plan: &'a Plan,
+    options: &'a TrainOptions,
+    corpus: &'a Corpus,
+    shape: GptConfig,
+    ckpt_dir: PathBuf,
+    /// Checkpoint interval in steps (0: only at the end).
+    every: u64,
+    log: &'a (dyn Fn(&str) + Sync),
+    progress: &'a (dyn Fn(&StepMetrics) + Sync),
+}
+
+impl Job<'_> {
+    /// One rank's whole run: resume, train to `options.steps` (or Ctrl-C), save, sample.
+    fn run_rank(&self, init: Gpt, ctx: &RankContext) -> Result<TrainSummary> {
+        let (plan, options, shape) = (self.plan, self.options, &self.shape);
+        let mut engine = Engine::new(init, plan, ctx)?;
         if options.resume {
-            engine.load_checkpoint(&ckpt_dir, None, LoadOptions::default())?;
+            engine.load_checkpoint(&self.ckpt_dir, None, LoadOptions::default())?;
         }
         let first_step = engine.counters().global_steps;
         let lead = ctx.rank() == 0;
         let mut log_file =
             if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io("metrics.jsonl"))?) } else { None };
         let validation =
-            windows(&corpus.valid, shape.block_size, plan.seed, u64::MAX, 0, VALIDATION_SEQUENCES, &device);
+            windows(&self.corpus.valid, shape.block_size, plan.seed, u64::MAX, 0, VALIDATION_SEQUENCES, ctx.device());
         let val_loss = |engine: &mut Engine<Gpt>| engine.eval(|m| m.loss(validation.clone()).into_scalar::<f32>());
         let initial_val = val_loss(&mut engine)?;
-        let (b, n, rank) = (plan.batch, plan.world_size as u64, ctx.rank() as u64);
-        let tokens_per_step = (b.train_batch_size * shape.block_size as u64) as f64;
+        let tokens_per_step = (plan.batch.train_batch_size * shape.block_size as u64) as f64;
         let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
-        let mut last_saved = first_step;
-        let mut step = first_step;
-        let mut interrupted = false;
+        let (mut step, mut last_saved, mut interrupted) = (first_step, first_step, false);
         while step < options.steps {
             let step_start = Instant::now();
-            let mut report = None;
-            for micro in 0..b.gradient_accumulation_steps {
-                let first = (micro * n + rank) * b.micro_batch_per_rank;
-                let tokens =
-                    windows(&corpus.train, shape.block_size, plan.seed, step, first, b.micro_batch_per_rank, &device);
-                let loss = engine.forward(|m| m.loss(tokens))?;
-                engine.backward(loss)?;
-                report = engine.step()?;
-            }
-            let report = report.expect("the last micro-step is a boundary");
+            let report = self.train_step(&mut engine, step, ctx)?;
             step = report.global_step;
             let val =
                 (step % plan.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
-            let m = StepMetrics {
+            let metrics = StepMetrics {
                 step,
                 loss: report.loss,
                 lr: report.lr,
@@ -155,41 +166,17 @@ pub fn train_gpt(
                 val_loss: val,
             };
             if let Some(file) = &mut log_file {
-                file.push(&m).map_err(io("metrics.jsonl"))?;
-                progress(&m);
+                file.push(&metrics).map_err(io("metrics.jsonl"))?;
+                (self.progress)(&metrics);
                 if step % plan.steps_per_print == 0 {
-                    log(&format!(
-                        "[Rank 0] step={step}, skipped={}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, loss_scale={}, tokens/s={:.0}{}",
-                        engine.counters().skipped_steps,
-                        m.lr,
-                        m.loss,
-                        m.grad_norm,
-                        report.next_loss_scale,
-                        m.tokens_per_s,
-                        val.map(|v| format!(", val_loss={v:.5}")).unwrap_or_default()
-                    ));
-                    if plan.wall_clock_breakdown {
-                        let t = report.times;
-                        let ms = |s: f64| s * 1e3;
-                        log(&format!(
-                            "[Rank 0] time (ms) | forward: {:.2} | backward: {:.2} | reduce: {:.2} | optimizer: {:.2} | gather: {:.2}",
-                            ms(t.forward),
-                            ms(t.backward),
-                            ms(t.reduce),
-                            ms(t.optimizer),
-                            ms(t.gather)
-                        ));
-                    }
+                    self.print_step(&metrics, &report, engine.counters().skipped_steps);
                 }
             }
-            if every > 0 && step % every == 0 {
-                engine.save_checkpoint(&ckpt_dir, None, serde_json::json!({ "step": step }))?;
+            if self.every > 0 && step % self.every == 0 {
+                self.save(&engine, step)?;
                 last_saved = step;
             }
-            // Ctrl-C reaches every rank thread at a different moment: agree before acting.
-            let mut stop = [if options.stop.load(Ordering::Relaxed) { 1.0f32 } else { 0.0 }];
-            ctx.collective().all_reduce((&mut stop[..]).into(), ReduceOp::Max)?;
-            if stop[0] > 0.0 {
+            if stop_requested(&options.stop, ctx)? {
                 interrupted = true;
                 break;
             }
@@ -197,16 +184,16 @@ pub fn train_gpt(
         let seconds = start.elapsed().as_secs_f64();
         let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / (step - first_step).max(1);
         if step > last_saved {
-            engine.save_checkpoint(&ckpt_dir, None, serde_json::json!({ "step": step }))?;
+            self.save(&engine, step)?;
         }
         let final_val = val_loss(&mut engine)?;
         let model = engine.full_model()?;
-        let samples = if lead { write_samples(&model, &corpus, &shape) } else { Vec::new() };
+        let samples = if lead { write_samples(&model, self.corpus, shape) } else { Vec::new() };
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io("metrics.jsonl"))?;
             plot(&all, &options.out.join("loss.png")).map_err(|e| Error::Usage(format!("plotting loss.png: {e}")))?;
         }
-        Ok::<_, Error>(TrainSummary {
+        Ok(TrainSummary {
             first_step,
             last_step: step,
             interrupted,
@@ -219,11 +206,64 @@ pub fn train_gpt(
             samples,
             out: options.out.clone(),
         })
-    })?;
-    let memory = results.iter().map(|s| s.memory[0]).collect();
-    let mut summary = results.into_iter().next().expect("at least one rank");
-    summary.memory = memory;
-    Ok(summary)
+    }
+
+    /// The optimizer step after `step`: every micro-batch of this rank, then the update.
+    /// Rank `r`'s micro-step `i` reads sequences `(i·world + r)·micro ..` of the step's batch.
+    fn train_step(&self, engine: &mut Engine<Gpt>, step: u64, ctx: &RankContext) -> Result<StepReport> {
+        let (b, block) = (&self.plan.batch, self.shape.block_size);
+        let (n, rank) = (ctx.world_size() as u64, ctx.rank() as u64);
+        let mut report = None;
+        for micro in 0..b.gradient_accumulation_steps {
+            let first = (micro * n + rank) * b.micro_batch_per_rank;
+            let tokens =
+                windows(&self.corpus.train, block, self.plan.seed, step, first, b.micro_batch_per_rank, ctx.device());
+            let loss = engine.forward(|m| m.loss(tokens))?;
+            engine.backward(loss)?;
+            report = engine.step()?;
+        }
+        Ok(report.expect("the last micro-step is a boundary"))
+    }
+
+    /// DeepSpeed's per-step log line (and the time breakdown when `wall_clock_breakdown`).
+    fn print_step(&self, m: &StepMetrics, report: &StepReport, skipped_steps: u64) {
+        (self.log)(&format!(
+            "[Rank 0] step={}, skipped={skipped_steps}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, loss_scale={}, tokens/s={:.0}{}",
+            m.step,
+            m.lr,
+            m.loss,
+            m.grad_norm,
+            report.next_loss_scale,
+            m.tokens_per_s,
+            m.val_loss.map(|v| format!(", val_loss={v:.5}")).unwrap_or_default()
+        ));
+        if self.plan.wall_clock_breakdown {
+            let t = report.times;
+            let ms = |s: f64| s * 1e3;
+            (self.log)(&format!(
+                "[Rank 0] time (ms) | forward: {:.2} | backward: {:.2} | reduce: {:.2} | optimizer: {:.2} | gather: {:.2}",
+                ms(t.forward),
+                ms(t.backward),
+                ms(t.reduce),
+                ms(t.optimizer),
+                ms(t.gather)
+            ));
+        }
+    }
+
+    /// Saves a checkpoint tagged with the step, its client state `{"step": step}`.
+    fn save(&self, engine: &Engine<Gpt>, step: u64) -> Result<()> {
+        engine.save_checkpoint(&self.ckpt_dir, None, serde_json::json!({ "step": step }))?;
+        Ok(())
+    }
+}
+
+/// Whether any rank saw Ctrl-C. The signal reaches each rank thread at a different moment,
+/// so the ranks agree (an all-reduce MAX) before acting on it.
+fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
+    let mut flag = [if stop.load(Ordering::Relaxed) { 1.0f32 } else { 0.0 }];
+    ctx.collective().all_reduce((&mut flag[..]).into(), ReduceOp::Max)?;
+    Ok(flag[0] > 0.0)
 }
 
 fn io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
