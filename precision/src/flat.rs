@@ -256,6 +256,11 @@ impl<'a> BufMut<'a> {
         with_elem!(Self, self, v, _E => BufMut::from(&mut v[range]))
     }
 
+    /// Sets every element to zero.
+    pub fn fill_zeros(&mut self) {
+        with_elem!(Self, self, v, E => v.fill(E::from_f32(0.0)))
+    }
+
     /// Copies `src` (same length, any dtype) into `self`, converting through f32; with
     /// `add`, adds in f32 and rounds once.
     ///

@@ -12,8 +12,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
-use zerotrain_precision::{BufMut, BufRef, Precision, with_elem};
-use zerotrain_zero::FlatLayout;
+use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision, with_elem};
+use zerotrain_zero::{Collective, FlatLayout};
 
 use crate::{Error, Result};
 
@@ -124,7 +124,7 @@ impl ModuleVisitor for FlatReader<'_> {
         };
         let Some(tensor) = tensor else {
             if !add {
-                out.copy_from(BufRef::F32(&vec![0.0; end - start]), false);
+                out.fill_zeros();
             }
             return;
         };
@@ -217,4 +217,30 @@ pub(crate) fn write_params<M: Module>(
         }
     }
     model.map(&mut Writer { index, layout, fill, device, position: 0 })
+}
+
+/// `values` in `dtype`: `None` when that is f32 (use `values` as they are), else a converted
+/// copy. Callers borrow it with `converted.as_ref().map_or(BufRef::F32(values), FlatBuf::as_ref)`.
+pub(crate) fn convert(values: &[f32], dtype: Precision) -> Option<FlatBuf> {
+    (dtype != Precision::Fp32).then(|| FlatBuf::from_f32(dtype, values))
+}
+
+/// All-gathers every rank's fp32 `shard` (its [`FlatLayout::shard_range`]) in the compute
+/// dtype `dtype` and writes the full parameters into the model. Every rank must call it.
+/// Returns the model and the transient bytes used (the gathered buffer and the converted
+/// shard).
+pub(crate) fn gather_params<M: Module>(
+    model: M,
+    index: &ParamIndex,
+    layout: &FlatLayout,
+    comm: &dyn Collective,
+    shard: &[f32],
+    (device, dtype): (&Device, Precision),
+) -> Result<(M, u64)> {
+    let converted = convert(shard, dtype);
+    let local = converted.as_ref().map_or(BufRef::F32(shard), FlatBuf::as_ref);
+    let mut full = FlatBuf::zeros(dtype, layout.padded_elems());
+    comm.all_gather(local, full.as_mut())?;
+    let bytes = full.bytes() + converted.as_ref().map_or(0, FlatBuf::bytes);
+    Ok((write_params(model, index, layout, Fill::From(full.as_ref()), device), bytes))
 }

@@ -11,10 +11,10 @@
 
 use burn::module::Module;
 use burn::tensor::Device;
-use zerotrain_precision::{BufRef, FlatBuf, Precision};
+use zerotrain_precision::Precision;
 use zerotrain_zero::{Collective, FlatLayout};
 
-use super::params::{Fill, ParamIndex, write_params};
+use super::params::{Fill, ParamIndex, gather_params, write_params};
 use crate::Result;
 
 /// Where the model's parameters are.
@@ -48,23 +48,14 @@ impl Partition {
         index: &ParamIndex,
         layout: &FlatLayout,
         comm: &dyn Collective,
-        (device, dtype): (&Device, Precision),
+        target: (&Device, Precision),
     ) -> Result<(M, u64)> {
         if self.state == State::Gathered {
             return Ok((model, 0));
         }
-        let converted;
-        let shard = if dtype == Precision::Fp32 {
-            BufRef::F32(&self.shard)
-        } else {
-            converted = FlatBuf::from_f32(dtype, &self.shard);
-            converted.as_ref()
-        };
-        let mut full = FlatBuf::zeros(dtype, layout.padded_elems());
-        comm.all_gather(shard, full.as_mut())?;
+        let gathered = gather_params(model, index, layout, comm, &self.shard, target)?;
         self.state = State::Gathered;
-        let bytes = full.bytes() + if dtype == Precision::Fp32 { 0 } else { shard.len() as u64 * 2 };
-        Ok((write_params(model, index, layout, Fill::From(full.as_ref()), device), bytes))
+        Ok(gathered)
     }
 
     /// Replaces every non-resident parameter of the model with an empty tensor.

@@ -4,10 +4,10 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use zerotrain_precision::{BufRef, FlatBuf, Precision};
+use zerotrain_precision::{BufRef, FlatBuf};
 use zerotrain_zero::{ReduceOp, ZeroStage};
 
-use super::params::{Fill, write_params};
+use super::params::{Fill, convert, gather_params, write_params};
 use super::{Engine, StepReport, Window};
 use crate::{Error, Result};
 
@@ -132,24 +132,16 @@ impl<M: Module> Engine<M> {
         if stage == ZeroStage::Parameters {
             return Ok(0);
         }
-        let dtype = self.plan.precision;
-        let converted;
-        let values = if dtype == Precision::Fp32 {
-            BufRef::F32(values)
-        } else {
-            converted = FlatBuf::from_f32(dtype, values);
-            converted.as_ref()
-        };
-        let mut transient = if dtype == Precision::Fp32 { 0 } else { values.len() as u64 * 2 };
-        let model = self.model.clone();
-        self.model = if stage == ZeroStage::Disabled {
-            write_params(model, &self.index, &self.layout, Fill::From(values), &self.device)
-        } else {
-            let mut full = FlatBuf::zeros(dtype, self.layout.padded_elems());
-            self.comm.all_gather(values, full.as_mut())?;
-            transient += full.bytes();
-            write_params(model, &self.index, &self.layout, Fill::From(full.as_ref()), &self.device)
-        };
+        let (model, dtype) = (self.model.clone(), self.plan.precision);
+        if stage == ZeroStage::Disabled {
+            let converted = convert(values, dtype);
+            let all = converted.as_ref().map_or(BufRef::F32(values), FlatBuf::as_ref);
+            self.model = write_params(model, &self.index, &self.layout, Fill::From(all), &self.device);
+            return Ok(converted.as_ref().map_or(0, FlatBuf::bytes));
+        }
+        let comm = self.comm.as_ref();
+        let (model, transient) = gather_params(model, &self.index, &self.layout, comm, values, (&self.device, dtype))?;
+        self.model = model;
         Ok(transient)
     }
 }

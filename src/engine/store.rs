@@ -94,11 +94,7 @@ impl ParamStore {
         comm: &dyn Collective,
     ) -> Result<Vec<f32>> {
         let shard = match self {
-            Self::InModel => {
-                let mut values = vec![0.0; layout.num_elems()];
-                read_params(model, index, layout, 0..layout.num_elems(), BufMut::F32(&mut values))?;
-                return Ok(values);
-            }
+            Self::InModel => return self.values(model, index, layout, 0..layout.num_elems()),
             Self::Master(master) if master.len() == layout.num_elems() => return Ok(master.clone()),
             Self::Master(master) => master.as_slice(),
             Self::Partitioned(partition) => partition.shard(),
