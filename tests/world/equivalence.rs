@@ -126,3 +126,49 @@ fn transformer_block_matches_plain_burn_at_every_world_size_and_stage() {
         |m: &TinyTransformer, b: &Batch| m.loss(b),
     );
 }
+
+/// A model with a layer its loss never touches.
+#[derive(burn::module::Module, Debug)]
+struct PartlyUsed {
+    used: Mlp,
+    unused: burn::nn::Linear,
+}
+
+/// A parameter the forward pass never touches contributes a zero gradient, as in
+/// DeepSpeed's flat buffers: the used parameters train exactly as plain Burn does, and
+/// AdamW only decays the unused one, `p <- p * (1 - lr * weight_decay)` each step, at every
+/// stage and with accumulation (the first micro-step fills its slot with zeros, the next
+/// one adds nothing).
+#[test]
+fn a_parameter_unused_in_forward_gets_a_zero_gradient() {
+    let device = Device::flex().autodiff();
+    device.seed(5);
+    let new = |d: &Device| PartlyUsed {
+        used: Mlp::new(&[TASK.features, 12, TASK.features], d),
+        unused: burn::nn::LinearConfig::new(3, 4).init(d),
+    };
+    let init = new(&device);
+    let init_unused: Vec<(String, Vec<f32>)> = params_by_path(&init.unused);
+    for stage in 0..=3 {
+        let plan = plan(&recipe(stage, 2, 2, 0.0), 2);
+        let (_, reference) = reference_run(&init.used, &plan, STEPS, |m: &Mlp, b: &Batch| m.loss(b), &device);
+        let (_, ranks) = engine_run(&init, &new, &plan, &|m: &PartlyUsed, b: &Batch| m.used.loss(b));
+        let (used, unused): (Params, Params) = ranks[0].iter().cloned().partition(|(path, _)| !path.contains("unused"));
+        let reference = params_by_path(&reference);
+        assert_eq!(used.len(), reference.len());
+        for ((path, got), (_, want)) in used.iter().zip(&reference) {
+            let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(diff <= PARAM_TOL, "stage {stage}: `{path}` differs from plain Burn by {diff}");
+        }
+        assert_eq!(unused.len(), init_unused.len());
+        for ((path, got), (_, start)) in unused.iter().zip(&init_unused) {
+            let mut want = start.clone();
+            for step in 0..STEPS {
+                let keep = (1.0 - plan.schedule.lr(step as i64 - 1) * 0.1) as f32;
+                want.iter_mut().for_each(|w| *w *= keep);
+            }
+            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(diff <= 1e-7, "stage {stage}: unused `{path}` is off the decay-only value by {diff}");
+        }
+    }
+}
