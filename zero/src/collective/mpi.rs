@@ -139,10 +139,16 @@ impl Collective for MpiComm {
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
         self.check(OpKind::AllReduce)?;
         let len = buf.len();
-        let send = as_ref(&buf).to_f32();
-        let mut recv = vec![0.0f32; len];
-        self.world.all_reduce_into(&send[..], &mut recv[..], system_op(op));
-        buf.copy_from(BufRef::F32(&recv), false);
+        // rsmpi has no MPI_IN_PLACE, so the send side is a copy; half buffers reduce in f32.
+        if let BufMut::F32(v) = &mut buf {
+            let send = v.to_vec();
+            self.world.all_reduce_into(&send[..], &mut v[..], system_op(op));
+        } else {
+            let send = as_ref(&buf).to_f32();
+            let mut recv = vec![0.0f32; len];
+            self.world.all_reduce_into(&send[..], &mut recv[..], system_op(op));
+            buf.copy_from(BufRef::F32(&recv), false);
+        }
         self.record(OpKind::AllReduce, len, 4, 0);
         Ok(())
     }
@@ -150,10 +156,15 @@ impl Collective for MpiComm {
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
         self.check(OpKind::ReduceScatter)?;
         self.check_shapes(OpKind::ReduceScatter, output.len(), input.len(), input.dtype() == output.dtype())?;
-        let send = input.to_f32();
-        let mut recv = vec![0.0f32; output.len()];
-        self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
-        output.copy_from(BufRef::F32(&recv), false);
+        if let (BufRef::F32(i), BufMut::F32(o)) = (input, &mut output) {
+            self.world.reduce_scatter_block_into(i, &mut o[..], system_op(op));
+        } else {
+            // MPI has no half-precision sum: half buffers reduce in f32.
+            let send = input.to_f32();
+            let mut recv = vec![0.0f32; output.len()];
+            self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
+            output.copy_from(BufRef::F32(&recv), false);
+        }
         self.record(OpKind::ReduceScatter, input.len(), 4, 0);
         Ok(())
     }
