@@ -121,16 +121,7 @@ impl<M: Module> Engine<M> {
             world_size: self.comm.world_size(),
             stage: self.plan.zero.stage.index(),
             precision: self.plan.precision.to_string(),
-            layout: self
-                .layout
-                .entries()
-                .iter()
-                .map(|e| LayoutEntry {
-                    path: e.path.clone(),
-                    shape: e.shape.iter().map(|&d| d as u64).collect(),
-                    offset: e.offset as u64,
-                })
-                .collect(),
+            layout: self.manifest_layout(),
             tensors: std::iter::once("master".to_string())
                 .chain(optim.iter().map(|(n, _)| format!("optim.{n}")))
                 .collect(),
@@ -209,13 +200,10 @@ impl<M: Module> Engine<M> {
     /// Checks that the checkpoint's layout is this model's and its optimizer this plan's.
     fn check_fits(&self, ckpt: &Checkpoint, options: LoadOptions) -> Result<()> {
         let m = ckpt.manifest();
-        let live: Vec<(String, Vec<u64>)> = self
-            .layout
-            .entries()
-            .iter()
-            .map(|e| (e.path.clone(), e.shape.iter().map(|&d| d as u64).collect()))
-            .collect();
-        let saved: Vec<(String, Vec<u64>)> = m.layout.iter().map(|e| (e.path.clone(), e.shape.clone())).collect();
+        let by_path = |entries: &[LayoutEntry]| -> Vec<(String, Vec<u64>)> {
+            entries.iter().map(|e| (e.path.clone(), e.shape.clone())).collect()
+        };
+        let (live, saved) = (by_path(&self.manifest_layout()), by_path(&m.layout));
         if live != saved {
             let missing = live.iter().filter(|p| !saved.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
             let extra = saved.iter().filter(|p| !live.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
@@ -237,6 +225,18 @@ impl<M: Module> Engine<M> {
             .into());
         }
         Ok(())
+    }
+
+    /// The layout as a manifest records it.
+    fn manifest_layout(&self) -> Vec<LayoutEntry> {
+        let entries = self.layout.entries().iter();
+        entries
+            .map(|e| LayoutEntry {
+                path: e.path.clone(),
+                shape: e.shape.iter().map(|&d| d as u64).collect(),
+                offset: e.offset as u64,
+            })
+            .collect()
     }
 
     /// All ranks agree on whether `result` succeeded everywhere: a failing rank returns its
