@@ -1,5 +1,7 @@
 //! The engine's error type.
 
+use std::path::PathBuf;
+
 use zerotrain_zero::ZeroError;
 
 use crate::config::ConfigError;
@@ -23,6 +25,18 @@ pub enum Error {
     /// The model cannot be trained as given.
     #[error("model: {0}")]
     Model(String),
+    /// A file or folder could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The ranks could not be started as the plan says (e.g. `mpirun` started another
+    /// number of processes, or this build has no MPI support).
+    #[error("cannot launch: {0}")]
+    Launch(String),
     /// The engine was driven out of order (e.g. `backward` twice without `forward`).
     #[error("engine used out of order: {0}")]
     Usage(String),

@@ -1,50 +1,16 @@
-//! Running ranks: [`launch`] starts one thread per rank, hands each a [`RankContext`], and
-//! turns a failure on any rank into an error on every rank and one error for the caller.
+//! Running ranks: [`launch`] starts one thread per rank (or runs this process's rank under
+//! `mpirun`), hands each a [`RankContext`], and turns a failure on any rank into an error
+//! on every rank and one error for the caller. Finding out whether this process runs
+//! under `mpirun` ([`detect_mpirun`]) belongs here, not to the config.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use zerotrain_zero::{Collective, ThreadWorld};
+use zerotrain_zero::ThreadWorld;
 
-use crate::config::{Backend, Plan};
-use crate::{Error, Result};
-
-/// What a rank's closure gets: its rank, the world size, its device and its collective.
-#[derive(Clone)]
-pub struct RankContext {
-    rank: usize,
-    world_size: usize,
-    device: Device,
-    comm: Arc<dyn Collective>,
-}
-
-impl RankContext {
-    /// A context on `comm`'s rank, training on `device` (an autodiff device).
-    pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
-        Self { rank: comm.rank(), world_size: comm.world_size(), device, comm }
-    }
-
-    /// This rank, `0..world_size`.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    /// The device to build the model and batches on (autodiff enabled).
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// The rank's collective.
-    pub fn collective(&self) -> Arc<dyn Collective> {
-        Arc::clone(&self.comm)
-    }
-}
+use crate::config::{Backend, MpirunEnvironment, Plan};
+use crate::{Error, RankContext, Result};
 
 /// Runs `f` once per rank of `plan` and returns each rank's result, in rank order.
 ///
@@ -62,10 +28,23 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
-    match plan.backend {
-        Backend::Threads => launch_threads(plan, f),
-        Backend::Mpi => launch_mpi(plan, f),
+    match (plan.backend, detect_mpirun()) {
+        (Backend::Threads, _) | (Backend::Auto, None) => launch_threads(plan, f),
+        (Backend::Mpi, _) => launch_mpi(plan, f),
+        (Backend::Auto, Some(mpirun)) if mpirun.world_size == plan.world_size => launch_mpi(plan, f),
+        (Backend::Auto, Some(mpirun)) => Err(Error::Launch(format!(
+            "mpirun started {} processes but the plan was resolved for {} ranks: resolve the config with \
+             `Overrides {{ mpirun: zerotrain::detect_mpirun(), .. }}`",
+            mpirun.world_size, plan.world_size
+        ))),
     }
+}
+
+/// This process's place in an `mpirun` job (OpenMPI's, MPICH's or PMIx's environment
+/// variables), or `None` when no MPI launcher started it. Pass it to
+/// [`Config::resolve`](crate::Config::resolve) in [`Overrides`](crate::Overrides).
+pub fn detect_mpirun() -> Option<MpirunEnvironment> {
+    zerotrain_zero::collective::mpi_environment().map(|(rank, world_size)| MpirunEnvironment { rank, world_size })
 }
 
 #[cfg(feature = "mpi")]
@@ -74,10 +53,11 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E>,
 {
+    use zerotrain_zero::Collective;
     let comm = zerotrain_zero::collective::MpiComm::init()?;
     if comm.world_size() != plan.world_size {
         let n = comm.world_size();
-        return Err(Error::Usage(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size)));
+        return Err(Error::Launch(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size)));
     }
     let rank = comm.rank();
     let comm: Arc<dyn Collective> = Arc::new(comm);
@@ -93,7 +73,7 @@ fn launch_mpi<T, E, F>(_plan: &Plan, _f: F) -> Result<Vec<T>>
 where
     F: Fn(RankContext) -> std::result::Result<T, E>,
 {
-    Err(Error::Usage(
+    Err(Error::Launch(
         "this process was started by mpirun (or zerotrain.backend is \"mpi\"), but this build has no MPI support: \
          rebuild with `--features mpi` (see the README), or run without mpirun"
             .into(),

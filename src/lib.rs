@@ -1,33 +1,44 @@
 //! zerotrain: DeepSpeed-style ZeRO training for [Burn](https://burn.dev).
 //!
 //! A DeepSpeed `ds_config.json` ([`Config`]) resolves into a validated [`Plan`]; [`launch`]
-//! runs one closure per rank (threads of this process) with a [`RankContext`]; in it an
-//! [`Engine`] wraps the rank's Burn model and trains it with `forward`, `backward` and
-//! `step`, partitioning optimizer state (ZeRO-1), gradients (ZeRO-2) and parameters
-//! (ZeRO-3) over the ranks as the plan's stage says. The partition math and collectives
-//! live in `zerotrain-zero`.
+//! runs one closure per rank (threads of this process, or this process under `mpirun`) with
+//! a [`RankContext`]; in it an [`Engine`] wraps the rank's Burn model and trains it with
+//! `forward`, `backward` and `step`, partitioning optimizer state (ZeRO-1), gradients
+//! (ZeRO-2) and parameters (ZeRO-3) over the ranks as the plan's stage says. The partition
+//! math and collectives live in `zerotrain-zero`, dtypes and loss scaling in
+//! `zerotrain-precision`, checkpoint files in `zerotrain-checkpoint`.
 //!
 //! ```
-//! use zerotrain::models::{Mlp, RegressionTask};
+//! use burn::module::Module;
+//! use burn::nn::{Linear, LinearConfig};
+//! use burn::tensor::{Device, Tensor, TensorData};
 //! use zerotrain::{launch, Config, Engine, Overrides};
 //!
+//! #[derive(Module, Debug)]
+//! struct Net {
+//!     layer: Linear,
+//! }
+//!
 //! let json = r#"{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
-//!                "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+//!                "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
 //!                "zerotrain": {"world_size": 2}}"#;
 //! let plan = Config::parse(json, "inline")?.resolve(Overrides::default())?;
-//! let task = RegressionTask { seq_len: 4, features: 3 };
 //! // Build the model once, seeded, so every run starts from the same weights; each rank
 //! // starts from a clone (the engine forks it onto the rank's device).
-//! let device = burn::tensor::Device::flex().autodiff();
+//! let device = Device::flex().autodiff();
 //! device.seed(plan.seed);
-//! let init = Mlp::new(&[3, 16, 3], &device);
+//! let init = Net { layer: LinearConfig::new(2, 1).init(&device) };
 //! let losses = launch(&plan, |ctx| {
 //!     let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
 //!     let mut losses = Vec::new();
 //!     for step in 0..60u64 {
-//!         let first = step * 8 + ctx.rank() as u64 * 4; // this rank's part of the global batch
-//!         let batch = task.batch(first..first + 4, ctx.device());
-//!         let loss = engine.forward(|model| model.loss(&batch))?;
+//!         // This rank's 4 samples of the global batch of 8: y = 2 x0 - x1.
+//!         let first = step * 8 + ctx.rank() as u64 * 4;
+//!         let x: Vec<f32> = (first..first + 4).flat_map(|i| [(i % 5) as f32 / 5.0, (i % 3) as f32 / 3.0]).collect();
+//!         let y: Vec<f32> = x.chunks(2).map(|v| 2.0 * v[0] - v[1]).collect();
+//!         let x = Tensor::<2>::from_data(TensorData::new(x, [4, 2]), ctx.device());
+//!         let y = Tensor::<2>::from_data(TensorData::new(y, [4, 1]), ctx.device());
+//!         let loss = engine.forward(|net| (net.layer.forward(x) - y).square().mean())?;
 //!         engine.backward(loss)?;
 //!         if let Some(report) = engine.step()? {
 //!             losses.push(report.loss);
@@ -40,6 +51,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! # The library and the application
+//! Everything at this level is the library a Burn program depends on
+//! (`zerotrain = { default-features = false }`): [`config`], [`engine`], [`launch`],
+//! [`RankContext`], [`schedule`], [`estimate`]. The `zerotrain` command (the built-in GPT,
+//! its corpus, the train job, metrics and plots, bench tables) is [`app`], behind the
+//! default `cli` feature. Imports point down: `app` uses the library; the library never
+//! uses `app`; the engine never uses the launcher.
+//!
 //! # Design notes
 //! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params.rs`.
 //! - *Note: why reduce-scatter per micro-step*: `engine/grads.rs`.
@@ -48,18 +67,19 @@
 //! - *Note: padding*, *the three-barrier protocol*, *byte counting*: `zerotrain-zero`.
 #![deny(missing_docs)]
 
-pub mod bench;
 pub mod config;
-pub mod data;
+mod context;
 pub mod engine;
 mod error;
 pub mod estimate;
 mod launch;
-pub mod models;
 pub mod schedule;
-pub mod train;
 
-pub use config::{Config, Overrides, Plan};
+#[cfg(feature = "cli")]
+pub mod app;
+
+pub use config::{Config, ConfigExtension, Overrides, Plan};
+pub use context::RankContext;
 pub use engine::{Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, StepReport};
 pub use error::{Error, Result};
-pub use launch::{RankContext, launch};
+pub use launch::{detect_mpirun, launch};

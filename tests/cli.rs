@@ -385,3 +385,58 @@ fn cargo_run_picks_the_zerotrain_binary() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("stage 2 (optimizer states and gradients sharded)"), "{}", text(&out.stdout));
 }
+
+#[test]
+fn estimate_world_size_is_the_total_and_nodes_times_gpus_per_node_must_agree() {
+    let json = |args: &[&str]| {
+        let out = zerotrain(&[&["estimate", "--params", "7.5e9", "--json"], args].concat());
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    // Regression: `--world-size 64 --nodes 8` meant 512 ranks (64 per node).
+    let total = json(&["--world-size", "64", "--nodes", "8"]);
+    assert_eq!(total["ranks"], 64);
+    assert_eq!(total["zero_paper"][3]["total"], 16 * 7_500_000_000u64 / 64, "stage 3 holds 16Ψ/N");
+    assert_eq!(json(&["--gpus-per-node", "8", "--nodes", "8"]), total);
+    assert_eq!(json(&["--world-size", "64", "--gpus-per-node", "8", "--nodes", "8"]), total);
+    for (args, needle) in [
+        (&["--world-size", "64", "--gpus-per-node", "4", "--nodes", "8"][..], "is not --nodes 8 x --gpus-per-node 4"),
+        (&["--world-size", "60", "--nodes", "8"][..], "--world-size 60 does not divide over --nodes 8"),
+        (&["--world-size", "0"][..], "at least 1"),
+    ] {
+        let out = zerotrain(&[&["estimate", "--params", "7.5e9"], args].concat());
+        assert!(!out.status.success() && text(&out.stderr).contains(needle), "{args:?}: {}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn the_command_tells_the_config_about_mpirun_and_the_library_refuses_a_plan_made_without_it() {
+    // The command reads mpirun's environment and passes it to the (pure) resolution.
+    let auto = temp_config("auto-backend", r#"{"train_micro_batch_size_per_gpu": 1, "zerotrain": {"world_size": 2}}"#);
+    let auto = auto.to_str().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["config", "check", auto, "--json"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "3")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((plan["backend"].as_str(), plan["world_size"].as_u64()), (Some("mpi"), Some(3)));
+    // The same file without that environment: threads, the file's world size.
+    let plan: serde_json::Value =
+        serde_json::from_slice(&zerotrain(&["config", "check", auto, "--json"]).stdout).unwrap();
+    assert_eq!((plan["backend"].as_str(), plan["world_size"].as_u64()), (Some("auto"), Some(2)));
+    // A library program that resolved without it (the minimal example) is stopped by
+    // `launch` inside a 3-process mpirun job instead of training 3 independent copies.
+    let examples = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
+    let out = Command::new(examples.join("minimal"))
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "3")
+        .output()
+        .expect("cargo test builds the examples");
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("mpirun started 3 processes but the plan was resolved for 2 ranks"), "{stderr}");
+}

@@ -6,6 +6,15 @@
 //! resharding) reads and verifies just the blocks covering them, so every byte it uses is
 //! checked without reading whole files. CRC32 detects every error of up to 32 bits in a
 //! block, so every single-byte flip.
+//!
+//! # Note: why the header is read here, not by the `safetensors` crate
+//! `safetensors::SafeTensors::deserialize` and `read_metadata` take the file as one byte
+//! slice: a reader would have to load (or map) a whole shard, possibly gigabytes of a
+//! hostile or truncated file, before any check. [`ShardReader::open`] instead reads the
+//! 8-byte length and then only the header, both through block-verified reads, refuses a
+//! header over the format's 100 MiB limit or past the end of the file, and checks every
+//! offset with overflow-free arithmetic. The file format itself is the crate's: tests below
+//! read files the `safetensors` crate writes and have it read the files written here.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -264,5 +273,87 @@ impl<'a> ShardReader<'a> {
             sink(&buf[lo as usize..hi as usize]);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use safetensors::tensor::TensorView;
+
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("zerotrain-shard-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The manifest's record of `path`, with CRC32s computed here, block by block.
+    fn shard_info(path: &Path, start: u64, end: u64, block_bytes: u64) -> ShardFile {
+        let bytes = std::fs::read(path).unwrap();
+        ShardFile {
+            name: path.file_name().unwrap().to_string_lossy().into_owned(),
+            rank: 0,
+            start,
+            end,
+            size: bytes.len() as u64,
+            block_bytes,
+            block_crc32: bytes.chunks(block_bytes as usize).map(crc32fast::hash).collect(),
+        }
+    }
+
+    fn le_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn reads_files_the_safetensors_crate_writes() {
+        let dir = temp_dir("crate-written");
+        let elems = 1000u64;
+        let master: Vec<f32> = (0..elems).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let moment: Vec<f32> = (0..elems).map(|i| (i as f32).sin()).collect();
+        let (master_bytes, moment_bytes) = (le_bytes(&master), le_bytes(&moment));
+        let views = [
+            ("master", TensorView::new(Dtype::F32, vec![elems as usize], &master_bytes).unwrap()),
+            ("optim.exp_avg", TensorView::new(Dtype::F32, vec![elems as usize], &moment_bytes).unwrap()),
+        ];
+        let metadata = [("format".to_string(), "zerotrain-test".to_string())].into();
+        let path = dir.join("rank0.safetensors");
+        safetensors::serialize_to_file(views, Some(metadata), &path).unwrap();
+        // Small blocks, so a range read crosses block boundaries.
+        let info = shard_info(&path, 500, 500 + elems, 256);
+        let tensors = ["master".to_string(), "optim.exp_avg".to_string()];
+        let mut reader = ShardReader::open(&dir, &info, &tensors).unwrap();
+        reader.verify().unwrap();
+        for (name, values) in [("master", &master), ("optim.exp_avg", &moment)] {
+            let mut out = vec![0.0f32; 700];
+            reader.read_f32(name, 123..823, &mut out).unwrap();
+            assert_eq!(out, values[123..823], "{name}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_safetensors_crate_reads_files_written_here() {
+        let dir = temp_dir("written-here");
+        let path = dir.join("rank1.safetensors");
+        let specs = [
+            TensorSpec { name: "master".into(), dtype: Dtype::F32, shape: vec![5] },
+            TensorSpec { name: "optim.exp_avg_sq".into(), dtype: Dtype::F32, shape: vec![5] },
+        ];
+        let mut writer = SafetensorsWriter::create(&path, &specs, &[("step", "7".into())]).unwrap();
+        writer.write_f32(&[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+        writer.write_f32(&[0.5; 5]).unwrap();
+        writer.finish().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let master = st.tensor("master").unwrap();
+        assert_eq!((master.dtype(), master.shape()), (Dtype::F32, &[5usize][..]));
+        assert_eq!(master.data(), le_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0]));
+        assert_eq!(st.tensor("optim.exp_avg_sq").unwrap().data(), le_bytes(&[0.5; 5]));
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(metadata.metadata().as_ref().and_then(|m| m.get("step")).map(String::as_str), Some("7"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -59,11 +59,6 @@ impl Precision {
             Self::Fp16 | Self::Bf16 => 2,
         }
     }
-
-    /// Whether the engine must keep a separate fp32 master copy.
-    pub fn needs_master_weights(self) -> bool {
-        self != Self::Fp32
-    }
 }
 
 impl std::fmt::Display for Precision {

@@ -1,7 +1,7 @@
-//! Key-level checks that run on the raw JSON before typed parsing: legacy forms, known
-//! DeepSpeed keys that zerotrain does not implement, and "did you mean" for unknown keys.
+//! Key-level rules that run on the raw JSON before typed parsing: legacy forms, and known
+//! DeepSpeed keys that zerotrain does not implement.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 /// DeepSpeed keys that zerotrain accepts but does not implement (dotted paths). A present,
 /// active one is reported once in the plan's warnings; the rest of the config still loads.
@@ -98,45 +98,9 @@ fn is_inert(value: &Value) -> bool {
     }
 }
 
-/// If `message` is serde's unknown-field error, returns the unknown key and the closest of
-/// the expected keys and the not-implemented keys at `parent` (a dotted path, "" for the top).
-pub fn unknown_field(message: &str, parent: &str) -> Option<(String, Option<String>)> {
-    let rest = message.strip_prefix("unknown field `")?;
-    let (key, expected) = rest.split_once('`')?;
-    // serde lists the expected names in backticks: "expected one of `a`, `b`" / "expected `a`".
-    let mut candidates: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
-    candidates.extend(NOT_IMPLEMENTED.iter().filter_map(|p| match p.rsplit_once('.') {
-        Some((par, k)) if par == parent => Some(k),
-        None if parent.is_empty() => Some(*p),
-        _ => None,
-    }));
-    let best =
-        candidates.into_iter().map(|c| (edit_distance(key, c), c)).filter(|&(d, c)| d <= (c.len() / 3).max(2)).min();
-    Some((key.to_string(), best.map(|(_, c)| c.to_string())))
-}
-
-/// Levenshtein distance over bytes (keys are ASCII).
-fn edit_distance(a: &str, b: &str) -> usize {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, &ca) in a.iter().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, &cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 /// Joins a dotted parent path and a key.
 pub fn join(parent: &str, key: &str) -> String {
     if parent.is_empty() { key.to_string() } else { format!("{parent}.{key}") }
-}
-
-/// An empty JSON object, for configs given as `{}`.
-pub fn empty() -> Value {
-    Value::Object(Map::new())
 }
 
 #[cfg(test)]
@@ -145,16 +109,13 @@ mod tests {
 
     #[test]
     fn suggestions_come_from_expected_and_not_implemented_keys() {
-        let msg = "unknown field `reduce_bucket_sise`, expected one of `stage`, `reduce_bucket_size`";
+        let err = crate::Config::parse(r#"{"zero_optimization": {"offload_optimiser": {}}}"#, "t").unwrap_err();
         assert_eq!(
-            unknown_field(msg, "zero_optimization"),
-            Some(("reduce_bucket_sise".into(), Some("reduce_bucket_size".into())))
+            err.to_string(),
+            "t: unknown key `zero_optimization.offload_optimiser` (did you mean `offload_optimizer`?)"
         );
-        let msg = "unknown field `offload_optimiser`, expected `stage`";
-        assert_eq!(unknown_field(msg, "zero_optimization").unwrap().1.as_deref(), Some("offload_optimizer"));
-        let msg = "unknown field `banana`, expected `stage`";
-        assert_eq!(unknown_field(msg, "zero_optimization"), Some(("banana".into(), None)));
-        assert_eq!(unknown_field("invalid type: string", ""), None);
+        let err = crate::Config::parse(r#"{"zero_optimization": {"banana": 1}}"#, "t").unwrap_err();
+        assert_eq!(err.to_string(), "t: unknown key `zero_optimization.banana`");
     }
 
     #[test]

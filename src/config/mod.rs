@@ -4,13 +4,20 @@
 //!
 //! Unknown keys are errors naming the key path and the closest known key. Known DeepSpeed
 //! keys that zerotrain does not implement ([`keys::NOT_IMPLEMENTED`]) load with one warning.
+//! A program that keeps its own keys in the same file (the `zerotrain` command keeps its
+//! model and cadence there) reads them with [`Config::parse_with`] and a
+//! [`ConfigExtension`]; the library's [`Plan`] never sees them.
 //! `"auto"` is derived where possible (batch sizes from each other, `warmup_max_lr` from the
 //! optimizer's `lr`), else set to DeepSpeed's default; each resolution is listed in
 //! [`Plan::auto_resolved`]. A required value given as `"auto"` that nothing can supply is an
 //! error naming the key.
+//!
+//! Resolution is a pure function of the file and the [`Overrides`]: nothing is read from
+//! the environment. Under `mpirun`, pass what [`detect_mpirun`](crate::detect_mpirun) finds.
 
 mod describe;
 pub mod keys;
+mod parse;
 mod plan;
 mod precision;
 pub mod raw;
@@ -19,6 +26,7 @@ mod value;
 
 use std::path::{Path, PathBuf};
 
+pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{Backend, BatchPlan, LossScalePlan, OptimizerPlan, Plan, ZeroPlan};
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};
@@ -34,6 +42,14 @@ pub enum ConfigError {
         path: PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// The file is larger than [`MAX_CONFIG_BYTES`].
+    #[error("config {path} is larger than {limit} bytes; it is not a config file")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit in bytes.
+        limit: u64,
     },
     /// The file is not valid JSON.
     #[error("{origin}: invalid JSON at line {line}, column {column}: {message}")]
@@ -119,50 +135,72 @@ pub struct Config {
     pub not_implemented: Vec<String>,
 }
 
-/// Values the command line can supply or override.
+/// Values the caller supplies or overrides: the command line's flags, and what the
+/// launcher's environment says.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Overrides {
     /// Overrides `zerotrain.world_size`.
     pub world_size: Option<usize>,
     /// Total optimizer steps of the run, used for `total_num_steps: "auto"`.
     pub total_steps: Option<u64>,
+    /// This process's place in an `mpirun` job, if it is in one (see
+    /// [`detect_mpirun`](crate::detect_mpirun)). With `zerotrain.backend` `auto` (the
+    /// default) it selects the MPI backend, and its process count is the world size.
+    pub mpirun: Option<MpirunEnvironment>,
+}
+
+/// This process's place in a job started by `mpirun`, as the launcher's environment says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct MpirunEnvironment {
+    /// This process's rank.
+    pub rank: usize,
+    /// The number of processes `mpirun` started.
+    pub world_size: usize,
 }
 
 impl Config {
-    /// Reads and checks `path`.
+    /// Reads and checks `path` (at most [`MAX_CONFIG_BYTES`]).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
-        Self::parse(&text, &path.display().to_string())
+        Self::parse(&parse::read_file(path)?, &path.display().to_string())
+    }
+
+    /// Reads and checks `path` holding the library's keys and `X`'s.
+    pub fn from_file_with<X: ConfigExtension>(path: impl AsRef<Path>) -> Result<(Self, X), ConfigError> {
+        let path = path.as_ref();
+        Self::parse_with(&parse::read_file(path)?, &path.display().to_string())
     }
 
     /// Parses JSON text; `origin` names it in errors (a file path, or `<string>`).
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let mut value: serde_json::Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
-            origin: origin.to_string(),
-            line: e.line(),
-            column: e.column(),
-            message: e.to_string(),
-        })?;
-        if value.is_null() {
-            value = keys::empty();
+        Self::parse_value(parse::json(text, origin)?, origin, &[])
+    }
+
+    /// Parses JSON text holding the library's keys and the keys of a program's extension
+    /// `X` (see [`ConfigExtension`]); both are checked key by key.
+    pub fn parse_with<X: ConfigExtension>(text: &str, origin: &str) -> Result<(Self, X), ConfigError> {
+        let mut value = parse::json(text, origin)?;
+        let extension = parse::split_off(&mut value, X::KEYS);
+        let config = Self::parse_value(value, origin, X::KEYS)?;
+        Ok((config, parse::typed(extension, origin, &X::known_keys)?))
+    }
+
+    /// The library's part of a parsed file; `extension_keys` only feed suggestions.
+    fn parse_value(
+        mut value: serde_json::Value,
+        origin: &str,
+        extension_keys: &[&'static str],
+    ) -> Result<Self, ConfigError> {
+        if !value.is_object() {
+            return Err(ConfigError::InvalidValue {
+                origin: origin.to_string(),
+                key: String::new(),
+                message: "a config is a JSON object".into(),
+            });
         }
         keys::normalize_legacy(&mut value);
         let not_implemented = keys::take_not_implemented(&mut value);
-        let raw = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let path = if path == "." { String::new() } else { path };
-            let message = e.inner().to_string();
-            // The path ends with the unknown key itself; suggestions come from its parent.
-            let parent = path.rsplit_once('.').map_or("", |(parent, _)| parent);
-            match keys::unknown_field(&message, parent) {
-                Some((key, suggestion)) => {
-                    ConfigError::UnknownKey { origin: origin.to_string(), key: keys::join(parent, &key), suggestion }
-                }
-                None => ConfigError::InvalidValue { origin: origin.to_string(), key: path, message },
-            }
-        })?;
+        let raw = parse::typed(value, origin, &|parent| parse::library_keys(parent, extension_keys))?;
         Ok(Self { raw, not_implemented })
     }
 

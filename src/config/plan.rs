@@ -177,6 +177,11 @@ impl LossScalePlan {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
+    /// Decided by [`launch`](crate::launch): threads, unless this process turns out to
+    /// have been started by `mpirun` (then MPI, if the plan's world size is mpirun's
+    /// process count; an error otherwise). What `backend: auto` resolves to when the
+    /// [`Overrides`](super::Overrides) say nothing about `mpirun`.
+    Auto,
     /// One thread per rank in this process.
     Threads,
     /// One process per rank, started by `mpirun` (needs the `mpi` feature).
@@ -221,12 +226,6 @@ pub struct Plan {
     pub optimizer: OptimizerPlan,
     /// The learning-rate schedule.
     pub schedule: LrSchedule,
-    /// The built-in GPT's shape (`vocab_size` 0: from the corpus).
-    pub model: crate::models::GptConfig,
-    /// `zerotrain train`: checkpoint every this many steps (0: only at the end).
-    pub checkpoint_every: u64,
-    /// `zerotrain train`: validation loss every this many steps.
-    pub eval_every: u64,
     /// Checkpoints to keep in a directory (the oldest beyond are removed after a save).
     pub keep_last_n_checkpoints: Option<usize>,
     /// How each `"auto"` was resolved.

@@ -3,6 +3,8 @@
 //!
 //! Known DeepSpeed keys that zerotrain does not implement are not fields here: they are
 //! listed in `keys::NOT_IMPLEMENTED`, removed before parsing and reported in one warning.
+//! Unknown keys are rejected by [`Config::parse`](super::Config::parse), not by these
+//! structs (they have no `deny_unknown_fields`): deserialise them through it.
 
 use serde::{Deserialize, Serialize};
 
@@ -10,7 +12,6 @@ use super::value::{AutoOr, Count};
 
 /// A DeepSpeed `ds_config.json`, plus zerotrain's own `zerotrain` section.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DeepSpeedConfig {
     /// Global batch size per optimizer step: micro batch x accumulation steps x world size.
     /// Any two of the three batch keys determine the third.
@@ -45,13 +46,10 @@ pub struct DeepSpeedConfig {
     pub data_types: Option<DataTypesConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
-    /// The built-in GPT's shape, for `zerotrain train` and `zerotrain estimate`.
-    pub model: Option<crate::models::GptConfig>,
 }
 
 /// `optimizer`: `{"type": ..., "params": {...}}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct OptimizerConfig {
     /// `Adam`, `AdamW` or `SGD` (case-insensitive). DeepSpeed's `Adam` is AdamW unless
     /// `adam_w_mode` is false.
@@ -64,7 +62,6 @@ pub struct OptimizerConfig {
 
 /// `optimizer.params`, the union of the supported optimizers' PyTorch parameter names.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct OptimizerParams {
     /// Learning rate. Default 1e-3 (FusedAdam's and torch's default).
     pub lr: Option<AutoOr<f64>>,
@@ -93,7 +90,6 @@ pub struct OptimizerParams {
 
 /// `scheduler`: `{"type": ..., "params": {...}}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
     /// `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR` or `OneCycle`.
     #[serde(rename = "type")]
@@ -105,7 +101,6 @@ pub struct SchedulerConfig {
 
 /// `scheduler.params`, the union of the supported schedules' parameters (DeepSpeed names).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct SchedulerParams {
     /// Warmup start lr. Default 0.
     pub warmup_min_lr: Option<AutoOr<f64>>,
@@ -153,7 +148,6 @@ pub struct SchedulerParams {
 
 /// `zero_optimization`. The legacy boolean form (`"zero_optimization": true`) means stage 1.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ZeroConfig {
     /// 0, 1, 2 or 3 (legacy `true`/`false`: 1/0). Default 0.
     pub stage: Option<Count>,
@@ -186,7 +180,6 @@ pub struct ZeroConfig {
 
 /// `fp16`: DeepSpeed's loss-scaling keys.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Fp16Config {
     /// Train in fp16. Default false (`"auto"`: false).
     pub enabled: Option<AutoOr<bool>>,
@@ -210,7 +203,6 @@ pub struct Fp16Config {
 
 /// `data_types`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DataTypesConfig {
     /// dtype gradients accumulate in between optimizer steps: `fp32`, `fp16` or `bf16`.
     /// Default: the compute dtype (the ZeRO paper's 2 bytes per gradient); `fp32` costs 2
@@ -220,7 +212,6 @@ pub struct DataTypesConfig {
 
 /// `bf16` (alias `bfloat16`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Bf16Config {
     /// Train in bf16. Default false (`"auto"`: false).
     pub enabled: Option<AutoOr<bool>>,
@@ -230,22 +221,17 @@ pub struct Bf16Config {
 
 /// `zerotrain`: settings DeepSpeed gets from its launcher.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ZerotrainConfig {
     /// Number of ranks. Default 1; the CLI's `--world-size` overrides it.
     pub world_size: Option<Count>,
-    /// How ranks talk: `threads` (default: one thread per rank in this process).
+    /// How ranks talk: `auto` (default: MPI when the caller says this process runs under
+    /// `mpirun`, else threads), `threads` (one thread per rank in this process) or `mpi`.
     pub backend: Option<String>,
     /// Seconds a rank waits at a collective for the others before the job fails. Default 300.
     pub comm_timeout_s: Option<f64>,
     /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which
     /// have no loss scaler to do it). Default true.
     pub check_grad_overflow: Option<bool>,
-    /// `zerotrain train`: save a checkpoint every this many steps (0: only at the end).
-    /// Default 0.
-    pub checkpoint_every: Option<Count>,
-    /// `zerotrain train`: measure the validation loss every this many steps. Default 50.
-    pub eval_every: Option<Count>,
     /// Keep only the newest this many checkpoints in a save directory (never the one
     /// `latest` names). Default: keep all.
     pub keep_last_n_checkpoints: Option<Count>,

@@ -45,10 +45,11 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let mut autos = Autos::default();
     let zt = raw.zerotrain.clone().unwrap_or_default();
 
-    let mpi = zerotrain_zero::collective::mpi_environment();
-    let backend = match (zt.backend.as_deref().unwrap_or("auto"), mpi) {
+    let mpirun = overrides.mpirun.map(|m| m.world_size);
+    let backend = match (zt.backend.as_deref().unwrap_or("auto"), mpirun) {
         ("auto", Some(_)) | ("mpi", _) => Backend::Mpi,
-        ("auto", None) | ("threads", _) => Backend::Threads,
+        ("auto", None) => Backend::Auto,
+        ("threads", _) => Backend::Threads,
         (other, _) => {
             return Err(invalid(
                 "zerotrain.backend",
@@ -57,11 +58,11 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         }
     };
     // Under mpirun the process count decides; `zerotrain.world_size` is the threads default.
-    let world_size = match (backend, mpi, overrides.world_size) {
-        (Backend::Mpi, Some((_, size)), Some(n)) if n != size => {
+    let world_size = match (backend, mpirun, overrides.world_size) {
+        (Backend::Mpi, Some(size), Some(n)) if n != size => {
             return Err(invalid("--world-size", format!("is {n} but mpirun started {size} processes")));
         }
-        (Backend::Mpi, Some((_, size)), _) => size,
+        (Backend::Mpi, Some(size), _) => size,
         (_, _, Some(n)) => n,
         (_, _, None) => match zt.world_size {
             Some(Count(n)) => usize::try_from(n).map_err(|_| invalid("zerotrain.world_size", "too large"))?,
@@ -111,17 +112,6 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         seed: raw.seed.map_or(42, |c| c.0),
         optimizer,
         schedule,
-        model: {
-            let model = raw.model.unwrap_or_default();
-            let probe = crate::models::GptConfig { vocab_size: model.vocab_size.max(1), ..model };
-            probe.validate().map_err(|message| {
-                let key = message.split_whitespace().next().unwrap_or("model").to_string();
-                invalid(&key, message)
-            })?;
-            model
-        },
-        checkpoint_every: zt.checkpoint_every.map_or(0, |c| c.0),
-        eval_every: zt.eval_every.map_or(50, |c| c.0).max(1),
         keep_last_n_checkpoints: match zt.keep_last_n_checkpoints {
             Some(Count(0)) => return Err(invalid("zerotrain.keep_last_n_checkpoints", "must be at least 1")),
             Some(Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),

@@ -39,7 +39,7 @@ use self::optimizer::FlatOptimizer;
 use self::params::{Fill, ParamIndex, read_params, write_params};
 use self::store::ParamStore;
 use crate::config::Plan;
-use crate::launch::RankContext;
+use crate::context::RankContext;
 use crate::{Error, Result};
 
 /// Shard alignment in elements (one 64-byte cache line of f32).

@@ -112,12 +112,9 @@ impl ModuleVisitor for FlatReader<'_> {
         self.position += 1;
         let Some(entry_index) = self.index.entry_of.get(position).copied().flatten() else { return };
         let entry = &self.layout.entries()[entry_index];
-        let start = entry.offset.max(self.range.start);
-        let end = (entry.offset + entry.num_elems).min(self.range.end);
-        if start >= end || self.error.is_some() {
-            return;
-        }
-        let mut out = self.dst.reborrow().slice(start - self.range.start..end - self.range.start);
+        let Some(segment) = entry.segment(self.range.clone()).filter(|_| self.error.is_none()) else { return };
+        let flat = segment.flat_range;
+        let mut out = self.dst.reborrow().slice(flat.start - self.range.start..flat.end - self.range.start);
         let (tensor, add) = match &mut self.source {
             Source::Params => (Some(param.val()), false),
             Source::Grads { grads, add } => (grads.remove::<D>(param.id), *add),
@@ -148,7 +145,7 @@ impl ModuleVisitor for FlatReader<'_> {
                 return;
             }
         };
-        out.copy_from(values.slice(start - entry.offset..end - entry.offset), add);
+        out.copy_from(values.slice(segment.param_range), add);
     }
 }
 

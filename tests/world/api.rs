@@ -1,6 +1,6 @@
 //! The engine's counters, boundaries, lr sequence and usage errors.
 
-use zerotrain::models::Mlp;
+use zerotrain::app::models::Mlp;
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
-use zerotrain::models::Mlp;
+use zerotrain::app::models::Mlp;
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
 
 use crate::common::*;

@@ -1,6 +1,6 @@
 //! Bytes communicated per step equal the stage's theoretical volume exactly.
 
-use zerotrain::models::Mlp;
+use zerotrain::app::models::Mlp;
 use zerotrain::{Engine, Error, launch};
 use zerotrain_zero::collective::{OpKind, convention_bytes};
 

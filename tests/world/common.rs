@@ -4,7 +4,7 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
-use zerotrain::models::{Batch, RegressionTask};
+use zerotrain::app::models::{Batch, RegressionTask};
 use zerotrain::{Config, Overrides, Plan};
 
 /// The task every equivalence test trains on.
@@ -12,7 +12,10 @@ pub const TASK: RegressionTask = RegressionTask { seq_len: 5, features: 6 };
 
 /// A plan from JSON text at `world_size`.
 pub fn plan(json: &str, world_size: usize) -> Plan {
-    Config::parse(json, "test").unwrap().resolve(Overrides { world_size: Some(world_size), total_steps: None }).unwrap()
+    Config::parse(json, "test")
+        .unwrap()
+        .resolve(Overrides { world_size: Some(world_size), ..Overrides::default() })
+        .unwrap()
 }
 
 /// The common recipe: AdamW, `micro` samples per rank, `gas` accumulation steps.

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use zerotrain::models::Mlp;
+use zerotrain::app::models::Mlp;
 use zerotrain::{Engine, Error, Plan, launch};
 
 use crate::common::*;

@@ -1,7 +1,7 @@
 //! A step whose gradients are not finite is skipped on every rank and leaves no trace.
 
 use burn::tensor::Device;
-use zerotrain::models::Mlp;
+use zerotrain::app::models::Mlp;
 use zerotrain::{Counters, Engine, Error, Plan, launch};
 
 use crate::common::*;

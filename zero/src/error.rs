@@ -7,6 +7,10 @@ pub enum ZeroError {
     /// A layout could not be built (zero world size, duplicate path, overflow).
     #[error("invalid flat layout: {0}")]
     InvalidLayout(String),
+    /// MPI could not be initialised (already initialised in this process, or without the
+    /// thread support zerotrain needs).
+    #[error("MPI initialisation failed: {0}")]
+    MpiInit(String),
     /// Another rank failed, so this collective (and every later one) cannot complete.
     #[error("rank {rank} aborted the job: {reason}")]
     Aborted {

@@ -32,13 +32,19 @@ impl FlatEntry {
     pub fn flat_range(&self) -> Range<usize> {
         self.offset..self.offset + self.num_elems
     }
+
+    /// The part of this parameter that falls inside `range` of the flat buffer, if any
+    /// (padding belongs to no parameter, so a range of padding yields none).
+    pub fn segment(&self, range: Range<usize>) -> Option<Segment> {
+        let start = self.offset.max(range.start);
+        let end = (self.offset + self.num_elems).min(range.end);
+        (start < end).then(|| Segment { param_range: start - self.offset..end - self.offset, flat_range: start..end })
+    }
 }
 
-/// A piece of one parameter that falls inside a flat range (see [`FlatLayout::segments`]).
+/// A piece of one parameter that falls inside a flat range (see [`FlatEntry::segment`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Segment {
-    /// Index of the parameter in [`FlatLayout::entries`].
-    pub entry: usize,
     /// Element range inside the parameter (row-major, flattened).
     pub param_range: Range<usize>,
     /// The same elements' range in the flat buffer.
@@ -107,11 +113,6 @@ impl FlatLayout {
         self.world_size
     }
 
-    /// Alignment of each shard, in elements.
-    pub fn align_elems(&self) -> usize {
-        self.align_elems
-    }
-
     /// Elements per shard (equal for every rank, padding included).
     pub fn shard_len(&self) -> usize {
         self.padded_elems / self.world_size
@@ -131,23 +132,6 @@ impl FlatLayout {
     pub fn shard_real_range(&self, rank: usize) -> Range<usize> {
         let range = self.shard_range(rank);
         range.start..self.num_elems.clamp(range.start, range.end)
-    }
-
-    /// The pieces of parameters that fall inside `range` of the flat buffer, in order.
-    /// Padding yields no segment.
-    pub fn segments(&self, range: Range<usize>) -> impl Iterator<Item = Segment> + '_ {
-        let first = self.entries.partition_point(|e| e.offset + e.num_elems <= range.start);
-        self.entries[first..].iter().enumerate().take_while(move |(_, e)| e.offset < range.end).filter_map(
-            move |(i, e)| {
-                let start = e.offset.max(range.start);
-                let end = (e.offset + e.num_elems).min(range.end);
-                (start < end).then(|| Segment {
-                    entry: first + i,
-                    param_range: start - e.offset..end - e.offset,
-                    flat_range: start..end,
-                })
-            },
-        )
     }
 
     /// The index of the parameter at `path`, if any.
@@ -170,7 +154,7 @@ mod tests {
     }
 
     /// Exhaustive over small cases: shards are disjoint, cover the padded buffer, and the
-    /// segments of all shards together cover every parameter element exactly once.
+    /// parameters' segments in all shards together cover every element exactly once.
     #[test]
     fn shards_are_disjoint_covering_and_segments_tile_every_parameter() {
         let size_sets: &[&[usize]] = &[
@@ -188,28 +172,27 @@ mod tests {
         for sizes in size_sets {
             for world_size in 1..=9 {
                 for align in [1, 2, 4, 8] {
-                    check_layout(&layout(sizes, world_size, align), sizes);
+                    check_layout(&layout(sizes, world_size, align), sizes, align);
                 }
             }
         }
     }
 
-    fn check_layout(l: &FlatLayout, sizes: &[usize]) {
+    fn check_layout(l: &FlatLayout, sizes: &[usize], align: usize) {
         let total: usize = sizes.iter().sum();
         assert_eq!(l.num_elems(), total);
-        assert_eq!(l.padded_elems() % (l.world_size() * l.align_elems()), 0);
-        assert!(l.padded_elems() >= total && l.padded_elems() - total < l.world_size() * l.align_elems());
+        assert_eq!(l.padded_elems() % (l.world_size() * align), 0);
+        assert!(l.padded_elems() >= total && l.padded_elems() - total < l.world_size() * align);
         let mut next = 0;
         let mut covered = vec![0u8; total];
         for rank in 0..l.world_size() {
             let r = l.shard_range(rank);
             assert_eq!(r.start, next, "shards must be contiguous and disjoint");
-            assert_eq!(r.len() % l.align_elems(), 0);
+            assert_eq!(r.len() % align, 0);
             next = r.end;
             let real = l.shard_real_range(rank);
             assert!(real.start >= r.start && real.end <= r.end);
-            for s in l.segments(r.clone()) {
-                let e = &l.entries()[s.entry];
+            for (e, s) in l.entries().iter().filter_map(|e| Some((e, e.segment(r.clone())?))) {
                 assert_eq!(s.flat_range.len(), s.param_range.len());
                 assert_eq!(s.flat_range.start, e.offset + s.param_range.start);
                 assert!(s.flat_range.start >= r.start && s.flat_range.end <= r.end);
@@ -228,8 +211,8 @@ mod tests {
         assert_eq!(l.padded_elems(), 5);
         assert_eq!(l.shard_len(), 1);
         assert_eq!(l.shard_real_range(3), 3..3);
-        assert_eq!(l.segments(l.shard_range(4)).count(), 0);
-        assert_eq!(l.segments(l.shard_range(2)).next().unwrap().param_range, 2..3);
+        assert_eq!(l.entries()[0].segment(l.shard_range(4)), None);
+        assert_eq!(l.entries()[0].segment(l.shard_range(2)).unwrap().param_range, 2..3);
     }
 
     #[test]
@@ -237,10 +220,10 @@ mod tests {
         // p0 has 10 elements over 4 ranks with shard_len 3: it spans ranks 0..=3.
         let l = layout(&[10, 2], 4, 1);
         assert_eq!(l.shard_len(), 3);
-        let seg: Vec<_> = l.segments(l.shard_range(3)).collect();
+        let seg: Vec<_> = l.entries().iter().filter_map(|e| e.segment(l.shard_range(3))).collect();
         assert_eq!(seg.len(), 2);
-        assert_eq!((seg[0].entry, seg[0].param_range.clone()), (0, 9..10));
-        assert_eq!((seg[1].entry, seg[1].param_range.clone()), (1, 0..2));
+        assert_eq!((seg[0].param_range.clone(), seg[0].flat_range.clone()), (9..10, 9..10));
+        assert_eq!((seg[1].param_range.clone(), seg[1].flat_range.clone()), (0..2, 10..12));
     }
 
     #[test]

@@ -50,7 +50,7 @@ impl std::fmt::Debug for MpiComm {
 impl MpiComm {
     /// Initialises MPI on this thread (once per process: MPI cannot start twice).
     pub fn init() -> Result<Self, ZeroError> {
-        let fail = |detail: String| ZeroError::Mismatch { rank: 0, detail };
+        let fail = ZeroError::MpiInit;
         let (universe, level) = mpi::initialize_with_threading(Threading::Funneled).ok_or_else(|| {
             fail("MPI was already initialised in this process (one launch per process under mpirun)".into())
         })?;

@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 
 /// The `model` section of a config: a GPT's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct GptConfig {
     /// Transformer blocks. Default 2.
     #[serde(default = "defaults::n_layer")]

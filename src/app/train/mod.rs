@@ -13,8 +13,11 @@ use burn::tensor::Device;
 use zerotrain_zero::ReduceOp;
 
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
-use crate::data::{Corpus, windows};
-use crate::models::{Gpt, GptConfig};
+use anyhow::{Context, bail};
+
+use crate::app::data::{Corpus, windows};
+use crate::app::keys::AppSettings;
+use crate::app::models::{Gpt, GptConfig};
 use crate::{Engine, Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
 
 /// Lines in the generated arithmetic corpus.
@@ -66,50 +69,44 @@ pub struct TrainSummary {
     pub out: PathBuf,
 }
 
-/// The corpus the options name, checked against the model's context.
-pub fn load_corpus(plan: &Plan, data: Option<&Path>) -> Result<(Corpus, GptConfig)> {
+/// The corpus the options name (generated from `seed`, or read from `data`), checked
+/// against the model's context; and the model's shape with its vocabulary filled in.
+pub fn load_corpus(model: &GptConfig, seed: u64, data: Option<&Path>) -> anyhow::Result<(Corpus, GptConfig)> {
     let corpus = match data {
-        Some(path) => Corpus::from_file(path).map_err(|e| Error::Model(e.to_string()))?,
-        None => Corpus::arithmetic(ARITHMETIC_LINES, plan.seed),
+        Some(path) => Corpus::from_file(path)?,
+        None => Corpus::arithmetic(ARITHMETIC_LINES, seed),
     };
-    corpus.check(plan.model.block_size).map_err(|e| Error::Model(e.to_string()))?;
+    corpus.check(model.block_size)?;
     let vocab = corpus.vocab.len();
-    let model = match plan.model.vocab_size {
-        0 => GptConfig { vocab_size: vocab, ..plan.model },
-        n if n < vocab => {
-            return Err(Error::Model(format!(
-                "model.vocab_size is {n} but {} has {vocab} distinct characters",
-                corpus.name
-            )));
-        }
-        _ => plan.model,
+    let model = match model.vocab_size {
+        0 => GptConfig { vocab_size: vocab, ..*model },
+        n if n < vocab => bail!("model.vocab_size is {n} but {} has {vocab} distinct characters", corpus.name),
+        _ => *model,
     };
-    model.validate().map_err(Error::Model)?;
+    model.validate().map_err(anyhow::Error::msg)?;
     Ok((corpus, model))
 }
 
 /// Runs the main job; `log` receives rank 0's lines, `progress` its per-step updates.
 pub fn train_gpt(
     plan: &Plan,
+    settings: &AppSettings,
     options: &TrainOptions,
     log: &(dyn Fn(&str) + Sync),
     progress: &(dyn Fn(&StepMetrics) + Sync),
-) -> Result<TrainSummary> {
-    let (corpus, shape) = load_corpus(plan, options.data.as_deref())?;
+) -> anyhow::Result<TrainSummary> {
+    let (corpus, shape) = load_corpus(&settings.model, plan.seed, options.data.as_deref())?;
     let ckpt_dir = options.out.join("checkpoints");
     if options.resume && !ckpt_dir.join(zerotrain_checkpoint::LATEST).is_file() {
-        return Err(Error::Usage(format!(
-            "--resume: no checkpoint in {} (nothing was saved there yet)",
-            ckpt_dir.display()
-        )));
+        bail!("--resume: no checkpoint in {} (nothing was saved there yet)", ckpt_dir.display());
     }
-    std::fs::create_dir_all(&options.out)
-        .map_err(|e| Error::Usage(format!("cannot create {}: {e}", options.out.display())))?;
+    std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
     let device = Device::flex().autodiff();
     device.seed(plan.seed);
     let init = Gpt::new(&shape, &device);
-    let every = options.save_every.unwrap_or(plan.checkpoint_every);
-    let job = Job { plan, options, corpus: &corpus, shape, ckpt_dir, every, log, progress };
+    let every = options.save_every.unwrap_or(settings.checkpoint_every);
+    let eval_every = settings.eval_every;
+    let job = Job { plan, options, corpus: &corpus, shape, ckpt_dir, every, eval_every, log, progress };
     let results = launch(plan, |ctx| job.run_rank(init.clone(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
     let mut summary = results.into_iter().next().expect("at least one rank");
@@ -126,6 +123,8 @@ struct Job<'a> {
     ckpt_dir: PathBuf,
     /// Checkpoint interval in steps (0: only at the end).
     every: u64,
+    /// Validation interval in steps.
+    eval_every: u64,
     log: &'a (dyn Fn(&str) + Sync),
     progress: &'a (dyn Fn(&StepMetrics) + Sync),
 }
@@ -140,8 +139,9 @@ impl Job<'_> {
         }
         let first_step = engine.counters().global_steps;
         let lead = ctx.rank() == 0;
+        let metrics_path = options.out.join("metrics.jsonl");
         let mut log_file =
-            if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io("metrics.jsonl"))?) } else { None };
+            if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io(&metrics_path))?) } else { None };
         let validation =
             windows(&self.corpus.valid, shape.block_size, plan.seed, u64::MAX, 0, VALIDATION_SEQUENCES, ctx.device());
         let val_loss = |engine: &mut Engine<Gpt>| engine.eval(|m| m.loss(validation.clone()).into_scalar::<f32>());
@@ -154,7 +154,7 @@ impl Job<'_> {
             let report = self.train_step(&mut engine, step, ctx)?;
             step = report.global_step;
             let val =
-                (step % plan.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
+                (step % self.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
             let metrics = StepMetrics {
                 step,
                 loss: report.loss,
@@ -166,7 +166,7 @@ impl Job<'_> {
                 val_loss: val,
             };
             if let Some(file) = &mut log_file {
-                file.push(&metrics).map_err(io("metrics.jsonl"))?;
+                file.push(&metrics).map_err(io(&metrics_path))?;
                 (self.progress)(&metrics);
                 if step % plan.steps_per_print == 0 {
                     self.print_step(&metrics, &report, engine.counters().skipped_steps);
@@ -190,8 +190,9 @@ impl Job<'_> {
         let model = engine.full_model()?;
         let samples = if lead { write_samples(&model, self.corpus, shape) } else { Vec::new() };
         if let Some(file) = &mut log_file {
-            let all = file.read_all().map_err(io("metrics.jsonl"))?;
-            plot(&all, &options.out.join("loss.png")).map_err(|e| Error::Usage(format!("plotting loss.png: {e}")))?;
+            let all = file.read_all().map_err(io(&metrics_path))?;
+            let png = options.out.join("loss.png");
+            plot(&all, &png).map_err(|e| io(&png)(std::io::Error::other(e)))?;
         }
         Ok(TrainSummary {
             first_step,
@@ -266,8 +267,8 @@ fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
     Ok(flag[0] > 0.0)
 }
 
-fn io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
-    move |e| Error::Usage(format!("{what}: {e}"))
+fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
 }
 
 /// Text from the trained model: for the arithmetic corpus, completions of held-out sums

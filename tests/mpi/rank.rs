@@ -1,7 +1,9 @@
-//! Checks the MPI backend from inside an MPI job; `tests/mpi.rs` runs it under `mpirun`.
+//! One rank's side of the MPI tests: the test binary runs itself under `mpirun` with
+//! `--ignored --exact rank::rank_program` and the arguments in `ZEROTRAIN_MPI_RANK_ARGS`
+//! (see `main.rs`), so the harness is part of the test, not an installed binary.
 //!
-//! `zerotrain-mpi-check MODE [ARGS]` (every process prints `ok ...` lines; any failure
-//! panics, which aborts the whole job):
+//! `MODE [ARGS]` (every process prints `ok ...` lines; any failure panics, which aborts the
+//! whole job):
 //! - `collectives`: every collective, f32/f16/bf16, against host answers and byte counts.
 //! - `train`: stages 0-3, 4 steps, against the threads backend at the same world size run
 //!   inside this process.
@@ -14,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
-use zerotrain::models::{Mlp, RegressionTask};
+use zerotrain::app::models::{Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
 use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::collective::{OpKind, convention_bytes};
@@ -29,7 +31,7 @@ fn plan(stage: u8, world_size: Option<usize>) -> Plan {
             "zerotrain": {{"comm_timeout_s": 60}}}}"#
     );
     Config::parse(&json, "mpi-check")
-        .and_then(|c| c.resolve(Overrides { world_size, total_steps: None }))
+        .and_then(|c| c.resolve(Overrides { world_size, total_steps: None, mpirun: zerotrain::detect_mpirun() }))
         .expect("plan")
 }
 
@@ -155,8 +157,19 @@ fn collectives(comm: &dyn Collective) {
     println!("ok collectives rank {rank} of {n}");
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+/// The variable that carries a rank's arguments, separated by [`ARG_SEPARATOR`].
+pub const ARGS_VAR: &str = "ZEROTRAIN_MPI_RANK_ARGS";
+/// Separates the arguments in [`ARGS_VAR`].
+pub const ARG_SEPARATOR: char = '\u{1f}';
+
+#[test]
+#[ignore = "one rank of an MPI job: the other tests in this file run it under mpirun"]
+fn rank_program() {
+    let args: Vec<String> = std::env::var(ARGS_VAR)
+        .unwrap_or_else(|_| panic!("{ARGS_VAR} is not set: this test runs only as a child of the MPI tests"))
+        .split(ARG_SEPARATOR)
+        .map(str::to_string)
+        .collect();
     let mode = args.first().map(String::as_str).unwrap_or("");
     let world = args.get(2).and_then(|w| w.parse().ok());
     let stage = match mode {
@@ -203,7 +216,6 @@ fn main() {
         Ok(())
     });
     if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+        panic!("error: {e}");
     }
 }

@@ -2,17 +2,17 @@
 
 use std::path::Path;
 
-use zerotrain::{Config, Overrides};
+use crate::Config;
 
-use super::proc_status_kib;
+use super::{overrides, proc_status_kib};
 
 /// `zerotrain bench convert`.
 pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
     let elems = (mib << 20) / 4;
-    let rows = zerotrain::bench::conversion_table(elems, repeats);
+    let rows = crate::app::bench::conversion_table(elems, repeats);
     match json {
         true => println!("{}", serde_json::to_string_pretty(&rows)?),
-        false => print!("{}", zerotrain::bench::format_conversion_table(&rows, elems, repeats)),
+        false => print!("{}", crate::app::bench::format_conversion_table(&rows, elems, repeats)),
     }
     Ok(())
 }
@@ -21,19 +21,18 @@ pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<(
 pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
     let sizes: Vec<usize> =
         std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s <= max_mib << 20).collect();
-    let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?
-        .resolve(Overrides { world_size: None, total_steps: None })?;
-    let rows = if plan.backend == zerotrain::config::Backend::Mpi {
+    let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?.resolve(overrides(None, None))?;
+    let rows = if plan.backend == crate::config::Backend::Mpi {
         // Under mpirun: every process joins the MPI measurement; rank 0 then measures the
         // threads backend with as many ranks, in this process, while the others wait.
-        let all = zerotrain::launch(&plan, |ctx| {
+        let all = crate::launch(&plan, |ctx| {
             let comm = ctx.collective();
-            let mut rows = zerotrain::bench::collectives_on(comm.as_ref(), "mpi", &sizes, repeats)?;
+            let mut rows = crate::app::bench::collectives_on(comm.as_ref(), "mpi", &sizes, repeats)?;
             if ctx.rank() == 0 {
-                rows.extend(zerotrain::bench::collectives_threads(ctx.world_size(), &sizes, repeats)?);
+                rows.extend(crate::app::bench::collectives_threads(ctx.world_size(), &sizes, repeats)?);
             }
             comm.barrier()?;
-            Ok::<_, zerotrain::Error>((ctx.rank(), rows))
+            Ok::<_, crate::Error>((ctx.rank(), rows))
         })?;
         match all.into_iter().next() {
             Some((0, rows)) => rows,
@@ -42,20 +41,20 @@ pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, 
     } else {
         let mut rows = Vec::new();
         for &n in world_sizes {
-            rows.extend(zerotrain::bench::collectives_threads(n, &sizes, repeats)?);
+            rows.extend(crate::app::bench::collectives_threads(n, &sizes, repeats)?);
         }
         rows
     };
     match json {
         true => println!("{}", serde_json::to_string_pretty(&rows)?),
-        false => print!("{}", zerotrain::bench::format_collectives(&rows, repeats)),
+        false => print!("{}", crate::app::bench::format_collectives(&rows, repeats)),
     }
     Ok(())
 }
 
 /// `zerotrain bench engine`.
 pub fn bench_engine(world_sizes: &[usize], steps: u64, json: bool) -> anyhow::Result<()> {
-    use zerotrain::bench::engine;
+    use crate::app::bench::engine;
     let (plain, ours) = engine::overhead(steps, 3)?;
     let mut rows = Vec::new();
     for &n in world_sizes {
@@ -84,32 +83,32 @@ pub fn bench_engine(world_sizes: &[usize], steps: u64, json: bool) -> anyhow::Re
 
 /// `zerotrain bench growth`.
 pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
-    let rows = zerotrain::bench::engine::growth(steps)?;
+    let rows = crate::app::bench::engine::growth(steps)?;
     println!("growth (ZeRO-2, fp32, 8 sequences of 64 tokens per rank; medians; rank 0)");
     println!("{:>10} {:>6} {:>10} {:>16}", "params", "ranks", "step ms", "states B/rank");
     for r in &rows {
         println!("{:>10} {:>6} {:>10.1} {:>16}", r.params, r.world_size, r.step_seconds * 1e3, r.memory);
     }
-    zerotrain::bench::engine::plot_growth(&rows, plot).map_err(anyhow::Error::msg)?;
+    crate::app::bench::engine::plot_growth(&rows, plot).map_err(anyhow::Error::msg)?;
     println!("plot: {}", plot.display());
     Ok(())
 }
 
 /// `zerotrain bench memory`.
 pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Result<()> {
+    use crate::app::models::{Mlp, RegressionTask};
     use burn::tensor::Device;
-    use zerotrain::models::{Mlp, RegressionTask};
     let width = ((millions as f64 * 1e6 / 2.0).sqrt()) as usize;
     let json = format!(
         r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
     );
-    let plan = Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), total_steps: None })?;
+    let plan = Config::parse(&json, "bench")?.resolve(overrides(Some(world_size), None))?;
     let task = RegressionTask { seq_len: 1, features: width };
-    let rows = zerotrain::launch(&plan, |ctx| {
+    let rows = crate::launch(&plan, |ctx| {
         // Built inside the rank: under mpirun each process is one rank, and no copy of the
         // initial model outlives the engine's own.
         let model = Mlp::new(&[width, width, width], &Device::flex().autodiff());
-        let mut engine = zerotrain::Engine::new(model, &plan, &ctx)?;
+        let mut engine = crate::Engine::new(model, &plan, &ctx)?;
         for step in 0..2u64 {
             let batch = task.batch([step * 64 + ctx.rank() as u64], ctx.device());
             let loss = engine.forward(|m| m.loss(&batch))?;
@@ -117,7 +116,7 @@ pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Re
             engine.step()?;
         }
         let now = proc_status_kib("VmRSS:");
-        Ok::<_, zerotrain::Error>((ctx.rank(), engine.memory_report(), engine.layout().clone(), now))
+        Ok::<_, crate::Error>((ctx.rank(), engine.memory_report(), engine.layout().clone(), now))
     })?;
     let peak = proc_status_kib("VmHWM:");
     let mib = |kib: Option<u64>| kib.map_or_else(|| "?".into(), |k| format!("{:.0}", k as f64 / 1024.0));

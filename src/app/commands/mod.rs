@@ -1,4 +1,4 @@
-//! What each `zerotrain` subcommand does (the binary's own module; errors are `anyhow`).
+//! What each `zerotrain` subcommand does (errors are `anyhow`).
 
 pub mod bench;
 
@@ -7,25 +7,25 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::app::keys;
+use crate::app::train::{StepMetrics, TrainOptions, TrainSummary};
+use crate::{Overrides, detect_mpirun};
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use zerotrain::train::{StepMetrics, TrainOptions, TrainSummary};
-use zerotrain::{Config, Overrides};
 use zerotrain_checkpoint::Checkpoint;
 use zerotrain_precision::Precision;
 
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
-    let plan = Config::from_file(&args.config)?
-        .resolve(Overrides { world_size: args.world_size, total_steps: Some(args.steps) })?;
+    let (plan, settings) = keys::load(&args.config, overrides(args.world_size, Some(args.steps)))?;
     if let Some(warning) = plan.warning() {
         eprintln!("warning: {warning}");
     }
     let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
-    let (corpus, shape) = zerotrain::train::load_corpus(&plan, args.data.as_deref())?;
+    let (corpus, shape) = crate::app::train::load_corpus(&settings.model, plan.seed, args.data.as_deref())?;
     // Under mpirun every process runs this; rank 0 alone speaks.
-    let lead = zerotrain_zero::collective::mpi_environment().is_none_or(|(rank, _)| rank == 0);
+    let lead = detect_mpirun().is_none_or(|m| m.rank == 0);
     let say = |line: String| {
         if lead {
             println!("{line}");
@@ -74,7 +74,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         save_every: args.save_every,
         stop,
     };
-    let s = zerotrain::train::train_gpt(&plan, &options, &log, &progress).context("training failed")?;
+    let s = crate::app::train::train_gpt(&plan, &settings, &options, &log, &progress).context("training failed")?;
     bar.finish_and_clear();
     if lead {
         print_summary(&s);
@@ -82,7 +82,12 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `zerotrain train`'s arguments.
+/// The command line's overrides, plus what the launcher's environment says.
+pub fn overrides(world_size: Option<usize>, total_steps: Option<u64>) -> Overrides {
+    Overrides { world_size, total_steps, mpirun: detect_mpirun() }
+}
+
+/// `zerotrain train`'s arguments (see `cli::Command::Train`).
 pub struct TrainArgs {
     pub config: PathBuf,
     pub world_size: Option<usize>,
@@ -91,6 +96,17 @@ pub struct TrainArgs {
     pub out: Option<PathBuf>,
     pub save_every: Option<u64>,
     pub resume: bool,
+}
+
+/// `zerotrain estimate`'s arguments (see `cli::Command::Estimate`).
+pub struct EstimateArgs {
+    pub params: Option<f64>,
+    pub world_size: Option<u64>,
+    pub gpus_per_node: Option<u64>,
+    pub nodes: u64,
+    pub offload: bool,
+    pub model_config: Option<PathBuf>,
+    pub json: bool,
 }
 
 fn print_summary(s: &TrainSummary) {
@@ -127,18 +143,12 @@ fn print_summary(s: &TrainSummary) {
 }
 
 /// `zerotrain estimate`.
-pub fn estimate(
-    params: Option<f64>,
-    ranks: u64,
-    nodes: u64,
-    offload: bool,
-    model_config: Option<&Path>,
-    json: bool,
-) -> anyhow::Result<()> {
+pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
+    let EstimateArgs { params, world_size, gpus_per_node, nodes, offload, model_config, json } = args;
     let params = match (params, model_config) {
         (_, Some(file)) => {
             // Only the model section matters here (not, say, a schedule's "auto" length).
-            let model = Config::from_file(file)?.raw.model.unwrap_or_default();
+            let model = keys::load_keys(&file)?.model.unwrap_or_default();
             if model.vocab_size == 0 {
                 bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
             }
@@ -148,16 +158,13 @@ pub fn estimate(
         (Some(p), None) if p >= 1.0 && p.is_finite() => p as u64,
         _ => bail!("--params must be a positive number"),
     };
-    if ranks == 0 || nodes == 0 {
-        bail!("--world-size and --nodes must be at least 1");
-    }
-    let total = ranks * nodes;
-    let rows = zerotrain::estimate::paper(params, total);
+    let (total, ranks) = ranks_per_node(world_size, gpus_per_node, nodes)?;
+    let rows = crate::estimate::paper(params, total);
     let ds: Vec<(bool, u64, u64)> = [false, true]
         .iter()
         .filter(|&&o| !o || offload)
         .map(|&o| {
-            let (cpu, gpu) = zerotrain::estimate::deepspeed_zero2(params, ranks, nodes, o, 1.5);
+            let (cpu, gpu) = crate::estimate::deepspeed_zero2(params, ranks, nodes, o, 1.5);
             (o, cpu, gpu)
         })
         .collect();
@@ -195,9 +202,30 @@ pub fn estimate(
     Ok(())
 }
 
+/// `--world-size` (total ranks), `--gpus-per-node` and `--nodes` -> (total ranks, ranks per
+/// node), as DeepSpeed's `num_gpus_per_node` x `num_nodes`.
+fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u64) -> anyhow::Result<(u64, u64)> {
+    if nodes == 0 || world_size == Some(0) || gpus_per_node == Some(0) {
+        bail!("--world-size, --gpus-per-node and --nodes must be at least 1");
+    }
+    match (world_size, gpus_per_node) {
+        (Some(total), Some(per_node)) if nodes.checked_mul(per_node) != Some(total) => {
+            bail!("--world-size {total} is not --nodes {nodes} x --gpus-per-node {per_node}; give two of the three")
+        }
+        (Some(total), Some(per_node)) => Ok((total, per_node)),
+        (Some(total), None) if total.is_multiple_of(nodes) => Ok((total, total / nodes)),
+        (Some(total), None) => bail!("--world-size {total} does not divide over --nodes {nodes}"),
+        (None, Some(per_node)) => {
+            let total = nodes.checked_mul(per_node).context("--nodes x --gpus-per-node overflows")?;
+            Ok((total, per_node))
+        }
+        (None, None) => bail!("give --world-size (total ranks) or --gpus-per-node"),
+    }
+}
+
 /// `zerotrain config check`.
 pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, json: bool) -> anyhow::Result<()> {
-    let plan = Config::from_file(file)?.resolve(Overrides { world_size, total_steps: steps })?;
+    let (plan, _) = keys::load(file, overrides(world_size, steps))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

@@ -9,8 +9,8 @@ use serde::Serialize;
 use zerotrain_zero::ZeroStage;
 use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
 
-use crate::data::{Corpus, windows};
-use crate::models::{Gpt, GptConfig};
+use crate::app::data::{Corpus, windows};
+use crate::app::models::{Gpt, GptConfig};
 use crate::{Config, Engine, Overrides, PhaseTimes, Plan, Result, launch};
 
 /// The benchmark model: a 4-layer GPT of width 128 (about 0.8M parameters).
@@ -27,7 +27,7 @@ fn bench_plan(stage: u8, precision: &str, world_size: usize, micro: u64) -> Resu
         r#"{{ {half} "train_micro_batch_size_per_gpu": {micro}, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
              "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.0}}}}, "zerotrain": {{"backend": "threads"}} }}"#
     );
-    Ok(Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), total_steps: None })?)
+    Ok(Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), ..Overrides::default() })?)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -245,7 +245,7 @@ pub fn growth(steps: u64) -> Result<Vec<GrowthRow>> {
 /// Two panels: step time and per-rank memory against parameters, one line per world size.
 pub fn plot_growth(rows: &[GrowthRow], out: &std::path::Path) -> std::result::Result<(), String> {
     use plotters::prelude::*;
-    crate::train::plot_font();
+    crate::app::train::plot_font();
     let root = BitMapBackend::new(out, (1100, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let panels = root.split_evenly((1, 2));

@@ -1,24 +1,28 @@
 //! The MPI backend under `mpirun` (built with `--features mpi`; CI installs OpenMPI and
-//! runs these). Each case runs the `zerotrain-mpi-check` binary in an MPI job.
-#![cfg(feature = "mpi")]
+//! runs these). Each case runs this test binary's `rank::rank_program` in an MPI job.
+
+mod rank;
 
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const CHECK: &str = env!("CARGO_BIN_EXE_zerotrain-mpi-check");
-
 /// Runs `args` under `mpirun -np n` (or directly for `n == 0`), failing the test after
 /// `limit` rather than hanging.
 fn run(n: usize, args: &[&str], limit: Duration) -> (Output, Duration) {
+    let exe = std::env::current_exe().expect("the test binary's path");
     let mut cmd = if n == 0 {
-        Command::new(CHECK)
+        Command::new(&exe)
     } else {
         let mut c = Command::new("mpirun");
-        c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string(), CHECK]);
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()]).arg(&exe);
         c
     };
+    // The arguments also go on the command line, as filters that match no test, so that
+    // `pgrep -f` finds this job's processes by them.
     let child = cmd
+        .args(["--ignored", "--nocapture", "--test-threads=1", "--exact", "rank::rank_program"])
         .args(args)
+        .env(rank::ARGS_VAR, args.join(&rank::ARG_SEPARATOR.to_string()))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -37,7 +41,10 @@ fn run(n: usize, args: &[&str], limit: Duration) -> (Output, Duration) {
 }
 
 fn ok_lines(out: &Output) -> Vec<String> {
-    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("ok ")).map(str::to_string).collect()
+    // libtest writes `test rank::rank_program ... ` before the first line the rank prints.
+    let lines = String::from_utf8_lossy(&out.stdout);
+    let lines = lines.lines().map(|l| l.trim_start_matches("test rank::rank_program ... "));
+    lines.filter(|l| l.starts_with("ok ")).map(str::to_string).collect()
 }
 
 fn assert_success(out: &Output, what: &str) {

@@ -1,4 +1,4 @@
-//! The command line's shape (clap derive); `commands.rs` does the work.
+//! The command line's shape (clap derive); `commands` does the work.
 
 use std::path::PathBuf;
 
@@ -43,10 +43,13 @@ pub enum Command {
         /// Parameters (e.g. 7.5e9); or take them from --model-config.
         #[arg(long, required_unless_present = "model_config")]
         params: Option<f64>,
-        /// Ranks (GPUs) per node.
+        /// Total number of ranks (GPUs) over all nodes; default: --nodes x --gpus-per-node.
+        #[arg(long, required_unless_present = "gpus_per_node")]
+        world_size: Option<u64>,
+        /// Ranks per node (DeepSpeed's `num_gpus_per_node`); default: --world-size / --nodes.
         #[arg(long)]
-        world_size: u64,
-        /// Nodes.
+        gpus_per_node: Option<u64>,
+        /// Nodes (machines) the ranks are spread over.
         #[arg(long, default_value_t = 1)]
         nodes: u64,
         /// Show DeepSpeed's estimate with optimizer offload to CPU too.

@@ -1,0 +1,147 @@
+//! The application's keys in a config file, beside DeepSpeed's: the built-in GPT's shape
+//! (`model`) and the train job's cadence (`zerotrain.checkpoint_every`,
+//! `zerotrain.eval_every`). The library never sees them: [`Config::parse_with`] hands
+//! them here, checked key by key like the library's own.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_aux::serde_introspection::serde_introspect;
+
+use crate::app::models::GptConfig;
+use crate::config::{ConfigError, Count};
+use crate::{Config, ConfigExtension, Overrides, Plan};
+
+/// The application's keys as written.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct AppKeys {
+    /// The built-in GPT's shape, for `zerotrain train` and `zerotrain estimate`.
+    #[serde(default)]
+    pub model: Option<GptConfig>,
+    /// The train job's keys inside the `zerotrain` section.
+    #[serde(default)]
+    pub zerotrain: JobKeys,
+}
+
+/// `zerotrain.checkpoint_every` and `zerotrain.eval_every`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct JobKeys {
+    /// `zerotrain train`: save a checkpoint every this many steps (0: only at the end).
+    /// Default 0.
+    pub checkpoint_every: Option<Count>,
+    /// `zerotrain train`: measure the validation loss every this many steps. Default 50.
+    pub eval_every: Option<Count>,
+}
+
+impl ConfigExtension for AppKeys {
+    const KEYS: &'static [&'static str] = &["model", "zerotrain.checkpoint_every", "zerotrain.eval_every"];
+
+    fn known_keys(parent: &str) -> Vec<&'static str> {
+        match parent {
+            "model" => serde_introspect::<GptConfig>().to_vec(),
+            "zerotrain" => serde_introspect::<JobKeys>().to_vec(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// The application's settings, resolved and validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppSettings {
+    /// The built-in GPT's shape (`vocab_size` 0: from the corpus).
+    pub model: GptConfig,
+    /// Checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Validation loss every this many steps (at least 1).
+    pub eval_every: u64,
+}
+
+impl AppKeys {
+    /// Defaults applied, the model's shape checked (a `vocab_size` of 0 is filled in from
+    /// the corpus later, so it passes here).
+    pub fn resolve(&self) -> Result<AppSettings, ConfigError> {
+        let model = self.model.unwrap_or_default();
+        let probe = GptConfig { vocab_size: model.vocab_size.max(1), ..model };
+        probe.validate().map_err(|message| {
+            let key = message.split_whitespace().next().unwrap_or("model").to_string();
+            ConfigError::InvalidValue { origin: "config".into(), key, message }
+        })?;
+        Ok(AppSettings {
+            model,
+            checkpoint_every: self.zerotrain.checkpoint_every.map_or(0, |c| c.0),
+            eval_every: self.zerotrain.eval_every.map_or(50, |c| c.0).max(1),
+        })
+    }
+}
+
+/// Reads `path` into the library's plan and the application's settings.
+pub fn load(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), ConfigError> {
+    let (config, keys) = Config::from_file_with::<AppKeys>(path)?;
+    Ok((config.resolve(overrides)?, keys.resolve()?))
+}
+
+/// The application's keys of `path`; the library's keys are checked but not resolved.
+pub fn load_keys(path: &Path) -> Result<AppKeys, ConfigError> {
+    Ok(Config::from_file_with::<AppKeys>(path)?.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<AppSettings, ConfigError> {
+        Config::parse_with::<AppKeys>(json, "test.json")?.1.resolve()
+    }
+
+    #[test]
+    fn every_shipped_recipe_parses_and_resolves() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json") {
+                let overrides = Overrides { total_steps: Some(100), ..Overrides::default() };
+                let (plan, _) = load(&path, overrides).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(plan.not_implemented.is_empty(), "{}: recipes use only implemented keys", path.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 5, "expected the zero0..3 and accumulation recipes, found {n}");
+    }
+
+    #[test]
+    fn the_model_section_is_checked_key_by_key() {
+        let s = parse(r#"{"train_batch_size": 1, "model": {"n_layer": 3}}"#).unwrap();
+        assert_eq!((s.model.n_layer, s.model.n_embd, s.model.vocab_size), (3, 64, 0));
+        let err = parse(r#"{"model": {"n_layers": 3}}"#).unwrap_err().to_string();
+        assert!(err.contains("unknown key `model.n_layers` (did you mean `n_layer`?)"), "{err}");
+        let err = parse(r#"{"train_batch_size": 1, "model": {"n_embd": 30, "n_head": 4}}"#).unwrap_err().to_string();
+        assert!(err.contains("`model.n_embd`") && err.contains("multiple of model.n_head"), "{err}");
+        let err = parse(r#"{"train_batch_size": 1, "model": {"block_size": 1}}"#).unwrap_err().to_string();
+        assert!(err.contains("`model.block_size`"), "{err}");
+    }
+
+    #[test]
+    fn cadence_keys_live_in_the_zerotrain_section_beside_the_library_keys() {
+        let (config, keys) = Config::parse_with::<AppKeys>(
+            r#"{"train_batch_size": 2, "zerotrain": {"world_size": 2, "eval_every": 7, "checkpoint_every": 3}}"#,
+            "t",
+        )
+        .unwrap();
+        let s = keys.resolve().unwrap();
+        assert_eq!((s.eval_every, s.checkpoint_every), (7, 3));
+        assert_eq!(config.resolve(Overrides::default()).unwrap().world_size, 2);
+        let err = Config::parse_with::<AppKeys>(r#"{"zerotrain": {"eval_evry": 7}}"#, "t").unwrap_err();
+        assert_eq!(err.to_string(), "t: unknown key `zerotrain.eval_evry` (did you mean `eval_every`?)");
+        let err = Config::parse_with::<AppKeys>(r#"{"modle": {}}"#, "t").unwrap_err();
+        assert_eq!(err.to_string(), "t: unknown key `modle` (did you mean `model`?)");
+    }
+
+    #[test]
+    fn the_library_alone_rejects_the_application_keys() {
+        let err = Config::parse(r#"{"model": {"n_layer": 3}}"#, "t").unwrap_err();
+        assert!(matches!(&err, ConfigError::UnknownKey { key, .. } if key == "model"), "{err}");
+        let err = Config::parse(r#"{"zerotrain": {"eval_every": 3}}"#, "t").unwrap_err();
+        assert!(matches!(&err, ConfigError::UnknownKey { key, .. } if key == "zerotrain.eval_every"), "{err}");
+    }
+}

@@ -1,0 +1,76 @@
+//! The `zerotrain` application (the default `cli` feature): everything the command line
+//! adds on top of the library, and nothing the library needs.
+//!
+//! | module | holds |
+//! |---|---|
+//! | [`keys`] | the application's keys in the config file (`model`, checkpoint and eval cadence) |
+//! | [`models`] | the built-in GPT, and the small MLP and transformer the tests and benches use |
+//! | [`data`] | the character corpus and its deterministic sampler |
+//! | [`train`] | the main job behind `zerotrain train`: metrics, plots, checkpoints, Ctrl-C |
+//! | [`bench`](mod@bench) | the tables behind `zerotrain bench` |
+//! | `cli`, `commands` | clap's declarations and each subcommand's body |
+//!
+//! Errors here are `anyhow` (an application's); the library's are typed.
+
+pub mod bench;
+mod cli;
+mod commands;
+pub mod data;
+pub mod keys;
+pub mod models;
+pub mod train;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use cli::{BenchCommand, Cli, Command, ConfigCommand};
+
+/// The `zerotrain` binary: parses the command line, runs the subcommand, prints an error
+/// as one `error:` line and maps it to exit code 1.
+pub fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Train { config, world_size, steps, data, out, save_every, resume } => {
+            commands::train(commands::TrainArgs { config, world_size, steps, data, out, save_every, resume })
+        }
+        Command::Estimate { params, world_size, gpus_per_node, nodes, offload, model_config, json } => {
+            commands::estimate(commands::EstimateArgs {
+                params,
+                world_size,
+                gpus_per_node,
+                nodes,
+                offload,
+                model_config,
+                json,
+            })
+        }
+        Command::Config(ConfigCommand::Check { file, world_size, steps, json }) => {
+            commands::config_check(&file, world_size, steps, json)
+        }
+        Command::Bench(BenchCommand::Convert { mib, repeats, json }) => {
+            commands::bench::bench_convert(mib, repeats, json)
+        }
+        Command::Bench(BenchCommand::Collectives { world_sizes, max_mib, repeats, json }) => {
+            commands::bench::bench_collectives(&world_sizes, max_mib, repeats, json)
+        }
+        Command::Bench(BenchCommand::Growth { steps, plot }) => commands::bench::bench_growth(steps, &plot),
+        Command::Bench(BenchCommand::Engine { world_sizes, steps, json }) => {
+            commands::bench::bench_engine(&world_sizes, steps, json)
+        }
+        Command::Bench(BenchCommand::Memory { millions, stage, world_size }) => {
+            commands::bench::bench_memory(millions, stage, world_size)
+        }
+        Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
+        Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),
+    }
+}

@@ -1,0 +1,213 @@
+//! JSON text -> typed sections, checked key by key.
+//!
+//! Unknown keys are found by `serde_ignored` (every key a section's struct has no field
+//! for), not by reading serde's error text; the closest known key comes from the fields the
+//! structs declare (`serde_aux`'s introspection) and `strsim`'s edit distance. Wrong types
+//! name their key path through `serde_path_to_error`. The raw structs therefore do not use
+//! `deny_unknown_fields`: the check happens here, once, for the library's sections and for
+//! a program's [`ConfigExtension`] alike.
+
+use std::io::Read;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde_aux::serde_introspection::serde_introspect;
+use serde_json::{Map, Value};
+
+use super::raw::{
+    Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, OptimizerConfig, OptimizerParams, SchedulerConfig,
+    SchedulerParams, ZeroConfig, ZerotrainConfig,
+};
+use super::{ConfigError, keys};
+
+/// Largest config file read, in bytes: far beyond any real config, small enough that
+/// `config check /dev/zero` fails at once instead of filling memory.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+/// Longest key quoted in an error, in characters; longer keys are cut (and get no
+/// suggestion), so a hostile file cannot make the message huge or the search slow.
+const MAX_KEY_CHARS: usize = 80;
+
+/// Keys a program adds to the config file beside DeepSpeed's and the `zerotrain` section,
+/// read from the same file by [`Config::parse_with`](super::Config::parse_with).
+///
+/// The library removes the paths in [`KEYS`](Self::KEYS) before checking its own keys, so
+/// they are not "unknown"; the program's type then gets them at the same paths (a key
+/// `"zerotrain.eval_every"` arrives as `{"zerotrain": {"eval_every": ...}}`), checked the
+/// same way: an unknown key names its path and the closest key of
+/// [`known_keys`](Self::known_keys).
+pub trait ConfigExtension: DeserializeOwned {
+    /// Dotted paths of the keys the program owns, e.g. `["model", "zerotrain.eval_every"]`.
+    const KEYS: &'static [&'static str];
+
+    /// The keys the program's type accepts inside the object at `parent` (a dotted path),
+    /// for "did you mean" suggestions. Default: none.
+    fn known_keys(parent: &str) -> Vec<&'static str> {
+        let _ = parent;
+        Vec::new()
+    }
+}
+
+/// Reads a config file of at most [`MAX_CONFIG_BYTES`].
+pub fn read_file(path: &Path) -> Result<String, ConfigError> {
+    let io = |source| ConfigError::Io { path: path.to_path_buf(), source };
+    let mut text = String::new();
+    std::fs::File::open(path).and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)).map_err(io)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(ConfigError::TooLarge { path: path.to_path_buf(), limit: MAX_CONFIG_BYTES });
+    }
+    Ok(text)
+}
+
+/// Parses JSON text into a value (`null` and `{}` alike mean an empty config).
+pub fn json(text: &str, origin: &str) -> Result<Value, ConfigError> {
+    let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+        origin: origin.to_string(),
+        line: e.line(),
+        column: e.column(),
+        message: e.to_string(),
+    })?;
+    Ok(if value.is_null() { Value::Object(Map::new()) } else { value })
+}
+
+/// Moves the dotted `paths` out of `root` into a new object, at the same paths.
+pub fn split_off(root: &mut Value, paths: &[&str]) -> Value {
+    let mut taken = Value::Object(Map::new());
+    for path in paths {
+        let (parent, key) = path.rsplit_once('.').unwrap_or(("", path));
+        let source = if parent.is_empty() { Some(&mut *root) } else { root.get_mut(parent) };
+        let Some(value) = source.and_then(Value::as_object_mut).and_then(|map| map.remove(key)) else { continue };
+        let mut target = &mut taken;
+        for segment in parent.split('.').filter(|s| !s.is_empty()) {
+            target = target
+                .as_object_mut()
+                .expect("built as objects")
+                .entry(segment)
+                .or_insert_with(|| Value::Object(Map::new()));
+        }
+        target.as_object_mut().expect("built as objects").insert(key.to_string(), value);
+    }
+    taken
+}
+
+/// Deserialises `value` into `T`, failing on the first key `T` does not know (with the
+/// closest of `known(parent)`) or on the first value of the wrong type (with its path).
+pub fn typed<T: DeserializeOwned>(
+    value: Value,
+    origin: &str,
+    known: &dyn Fn(&str) -> Vec<&'static str>,
+) -> Result<T, ConfigError> {
+    let mut unknown: Option<Vec<String>> = None;
+    let mut note = |path: serde_ignored::Path| {
+        unknown.get_or_insert_with(|| key_path(&path));
+    };
+    let parsed = serde_path_to_error::deserialize(serde_ignored::Deserializer::new(value, &mut note));
+    if let Some(path) = unknown {
+        let (key, parent) = path.split_last().expect("an ignored key has a name");
+        let parent = parent.join(".");
+        return Err(unknown_key(origin, &parent, key, &known(&parent)));
+    }
+    parsed.map_err(|e| {
+        let path = e.path().to_string();
+        ConfigError::InvalidValue {
+            origin: origin.to_string(),
+            key: if path == "." { String::new() } else { path },
+            message: e.into_inner().to_string(),
+        }
+    })
+}
+
+/// The map keys along an ignored path (`Some` and newtype levels carry no name).
+fn key_path(path: &serde_ignored::Path) -> Vec<String> {
+    use serde_ignored::Path;
+    match path {
+        Path::Root => Vec::new(),
+        Path::Seq { parent, index } => [key_path(parent), vec![index.to_string()]].concat(),
+        Path::Map { parent, key } => [key_path(parent), vec![key.clone()]].concat(),
+        Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => key_path(parent),
+    }
+}
+
+fn unknown_key(origin: &str, parent: &str, key: &str, candidates: &[&str]) -> ConfigError {
+    let short = key.chars().count() <= MAX_KEY_CHARS;
+    let suggestion = short.then(|| closest(key, candidates)).flatten().map(str::to_string);
+    let shown =
+        if short { key.to_string() } else { format!("{}...", key.chars().take(MAX_KEY_CHARS).collect::<String>()) };
+    ConfigError::UnknownKey { origin: origin.to_string(), key: keys::join(parent, &shown), suggestion }
+}
+
+/// The candidate within a third of its length (at least 2) edits of `key`, if any.
+fn closest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    candidates
+        .iter()
+        .map(|&c| (strsim::levenshtein(key, c), c))
+        .filter(|&(d, c)| d <= (c.len() / 3).max(2))
+        .min()
+        .map(|(_, c)| c)
+}
+
+/// The keys the library's sections accept inside the object at `parent`, plus the
+/// not-implemented DeepSpeed keys there and the `extension` keys there.
+pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static str> {
+    let fields: &[&str] = match parent {
+        "" => serde_introspect::<DeepSpeedConfig>(),
+        "optimizer" => serde_introspect::<OptimizerConfig>(),
+        "optimizer.params" => serde_introspect::<OptimizerParams>(),
+        "scheduler" => serde_introspect::<SchedulerConfig>(),
+        "scheduler.params" => serde_introspect::<SchedulerParams>(),
+        "zero_optimization" => serde_introspect::<ZeroConfig>(),
+        "fp16" => serde_introspect::<Fp16Config>(),
+        "bf16" | "bfloat16" => serde_introspect::<Bf16Config>(),
+        "data_types" => serde_introspect::<DataTypesConfig>(),
+        "zerotrain" => serde_introspect::<ZerotrainConfig>(),
+        _ => &[],
+    };
+    let below = |paths: &[&'static str]| -> Vec<&'static str> {
+        paths
+            .iter()
+            .filter_map(|p| match p.rsplit_once('.') {
+                Some((par, k)) if par == parent => Some(k),
+                None if parent.is_empty() => Some(*p),
+                _ => None,
+            })
+            .collect()
+    };
+    fields.iter().copied().chain(below(keys::NOT_IMPLEMENTED)).chain(below(extension)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_off_moves_nested_paths_and_leaves_the_rest() {
+        let mut v = serde_json::json!({"a": 1, "model": {"n": 2}, "zerotrain": {"world_size": 2, "every": 3}});
+        let taken = split_off(&mut v, &["model", "zerotrain.every", "missing", "zerotrain.missing"]);
+        assert_eq!(taken, serde_json::json!({"model": {"n": 2}, "zerotrain": {"every": 3}}));
+        assert_eq!(v, serde_json::json!({"a": 1, "zerotrain": {"world_size": 2}}));
+    }
+
+    #[test]
+    fn closest_keeps_only_near_candidates() {
+        assert_eq!(closest("reduce_bucket_sise", &["stage", "reduce_bucket_size"]), Some("reduce_bucket_size"));
+        assert_eq!(closest("banana", &["stage"]), None);
+        assert_eq!(closest("ab", &["abc", "xy"]), Some("abc"));
+    }
+
+    #[test]
+    fn a_huge_unknown_key_is_cut_and_gets_no_suggestion() {
+        let key = "x".repeat(1 << 20);
+        let err = unknown_key("f.json", "zero_optimization", &key, &["stage"]);
+        let text = err.to_string();
+        assert!(text.len() < 200, "{}", text.len());
+        assert!(text.starts_with("f.json: unknown key `zero_optimization.xxx") && text.ends_with("...`"), "{text}");
+    }
+
+    #[test]
+    fn library_keys_include_fields_not_implemented_and_extension_keys() {
+        let top = library_keys("", &["model", "zerotrain.eval_every"]);
+        assert!(top.contains(&"train_batch_size") && top.contains(&"amp") && top.contains(&"model"), "{top:?}");
+        let zt = library_keys("zerotrain", &["model", "zerotrain.eval_every"]);
+        assert!(zt.contains(&"world_size") && zt.contains(&"eval_every") && !zt.contains(&"model"), "{zt:?}");
+        assert!(library_keys("zero_optimization", &[]).contains(&"offload_optimizer"));
+    }
+}
