@@ -5,6 +5,8 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use zerotrain_zero::ThreadWorld;
@@ -54,7 +56,7 @@ where
     F: Fn(RankContext) -> std::result::Result<T, E>,
 {
     use zerotrain_zero::Collective;
-    let comm = zerotrain_zero::collective::MpiComm::init()?;
+    let comm = zerotrain_zero::collective::MpiComm::init(plan.comm_timeout)?;
     if comm.world_size() != plan.world_size {
         let n = comm.world_size();
         return Err(Error::Launch(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size)));
@@ -88,14 +90,18 @@ where
 {
     let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
     let device = Device::flex().autodiff();
+    let (done, finished) = mpsc::channel::<usize>();
     let results: Vec<Result<T, (Error, bool)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..plan.world_size)
             .map(|rank| {
                 let ctx = RankContext::new(Arc::new(world.communicator(rank)), device.clone());
-                let (world, f) = (&world, &f);
-                let spawned = std::thread::Builder::new()
-                    .name(format!("zerotrain-rank-{rank}"))
-                    .spawn_scoped(scope, move || run_rank(rank, &|reason| world.abort(rank, reason), || f(ctx)));
+                let (world, f, done) = (&world, &f, done.clone());
+                let spawned =
+                    std::thread::Builder::new().name(format!("zerotrain-rank-{rank}")).spawn_scoped(scope, move || {
+                        let result = run_rank(rank, &|reason| world.abort(rank, reason), || f(ctx));
+                        let _ = done.send(rank);
+                        result
+                    });
                 spawned.map_err(|e| {
                     let error = Error::Rank { rank, message: format!("could not start its thread: {e}") };
                     world.abort(rank, &error.to_string());
@@ -103,6 +109,8 @@ where
                 })
             })
             .collect();
+        let started = handles.iter().filter(|h| h.is_ok()).count();
+        watch_for_stalls(&world, &finished, started, stall_grace(plan));
         handles
             .into_iter()
             .map(|h| h.and_then(|h| h.join().unwrap_or_else(|_| unreachable!("run_rank catches panics"))))
@@ -127,6 +135,48 @@ where
         .or_else(|| errors.iter().position(|(rank, _, _)| Some(*rank) == first_abort))
         .unwrap_or(0);
     Err(errors.swap_remove(root).1)
+}
+
+/// How long rank threads get to finish once the job has failed: the collective timeout,
+/// at most 10 s (a failed job's ranks unwind in milliseconds; one still computing by then
+/// is stalled).
+fn stall_grace(plan: &Plan) -> Duration {
+    plan.comm_timeout.min(Duration::from_secs(10))
+}
+
+/// Waits until `started` rank threads have reported on `finished`. Once the job has failed,
+/// the others get `grace` to finish; a rank thread still running after that (stalled in its
+/// own code, outside any collective) can be neither stopped nor abandoned, since it borrows
+/// the caller's data, so the process prints the failure and the stalled ranks and exits
+/// with code 1: a failed job ends, as NCCL's watchdog ends it, rather than hang.
+///
+/// Note: a rank still running after every other rank returned *successfully* is not a
+/// failure (rank 0 may have more work, such as writing a report), so it is waited for.
+fn watch_for_stalls(world: &ThreadWorld, finished: &Receiver<usize>, started: usize, grace: Duration) {
+    let mut running = vec![true; world.world_size()];
+    let mut left = started;
+    let mut deadline: Option<Instant> = None;
+    while left > 0 {
+        match finished.recv_timeout(Duration::from_millis(50)) {
+            Ok(rank) => {
+                running[rank] = false;
+                left -= 1;
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        let Some((by, reason)) = world.aborted() else { continue };
+        let deadline = *deadline.get_or_insert_with(|| Instant::now() + grace);
+        if left > 0 && Instant::now() >= deadline {
+            let stalled: Vec<usize> = (0..running.len()).filter(|&r| running[r]).collect();
+            eprintln!(
+                "error: rank {by} failed: {reason}\nerror: rank(s) {stalled:?} stalled: still running {:.1} s after \
+                 the job failed, outside any collective; a thread cannot be stopped, so the process exits now",
+                grace.as_secs_f64()
+            );
+            std::process::exit(1);
+        }
+    }
 }
 
 /// Runs one rank's closure; on failure aborts the world and returns the error and whether

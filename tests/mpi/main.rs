@@ -104,6 +104,22 @@ fn a_failing_or_killed_rank_ends_the_job_promptly_with_no_process_left() {
     }
 }
 
+/// Regression: a stalled (SIGSTOPped) rank left the others spinning in blocking MPI
+/// collectives forever; `comm_timeout_s` had no effect under MPI.
+#[test]
+fn a_stalled_rank_times_the_job_out_and_ends_every_process() {
+    let marker = format!("marker-{}-stall", std::process::id());
+    let (out, elapsed) = run(3, &["fail-stall", &marker], Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a stalled rank must fail the job: {stderr}");
+    assert!(stderr.contains("timed out after 2000 ms waiting for the other ranks"), "{stderr}");
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let left = Command::new("pgrep").args(["-f", &marker]).output().unwrap();
+    assert!(left.stdout.is_empty(), "processes left: {}", String::from_utf8_lossy(&left.stdout));
+    println!("stall to job exit under mpirun -np 3: {elapsed:?} (timeout 2 s)");
+}
+
 #[test]
 fn the_main_job_runs_under_mpirun_speaks_once_and_resumes_at_another_size() {
     let dir = std::env::temp_dir().join(format!("zerotrain-mpi-train-{}", std::process::id()));

@@ -10,7 +10,8 @@
 //! - `save DIR [WORLD]`: 3 steps at stage 2, then a checkpoint (threads if not under mpirun).
 //! - `resume DIR STAGE [WORLD]`: resume, 3 more steps, compare with an uninterrupted 6-step
 //!   run at the same world size (threads if not under mpirun).
-//! - `fail-error` / `fail-kill`: rank 1 returns an error / SIGKILLs itself at step 2.
+//! - `fail-error` / `fail-kill` / `fail-stall`: rank 1 returns an error / SIGKILLs itself
+//!   / SIGSTOPs itself at step 2 (the last with a 2 s collective timeout).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +63,11 @@ fn train(
         if step == 2 && r == 1 {
             match fail {
                 Some("fail-error") => return Err(Error::Usage("rank 1 injected an error at step 2".into())),
+                Some("fail-stall") => {
+                    // Alive but stopped: no collective ever completes with it again.
+                    let _ =
+                        std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status();
+                }
                 Some("fail-kill") => {
                     let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
                     std::thread::sleep(Duration::from_secs(60));
@@ -180,7 +186,10 @@ fn rank_program() {
         "resume" => args.get(3).and_then(|w| w.parse().ok()),
         _ => world,
     };
-    let the_plan = plan(stage, if mode == "save" || mode == "resume" { world } else { None });
+    let mut the_plan = plan(stage, if mode == "save" || mode == "resume" { world } else { None });
+    if mode == "fail-stall" {
+        the_plan.comm_timeout = Duration::from_secs(2);
+    }
     let model = init();
     let result = launch(&the_plan, |ctx| -> Result<(), Error> {
         match mode {
@@ -208,7 +217,7 @@ fn rank_program() {
                     println!("ok resume stage {stage} world {} diff {diff:e}", ctx.world_size());
                 }
             }
-            "fail-error" | "fail-kill" => {
+            "fail-error" | "fail-kill" | "fail-stall" => {
                 train(model.clone(), &ctx, &the_plan, 0..5, None, None, Some(mode))?;
             }
             other => panic!("unknown mode {other:?}"),

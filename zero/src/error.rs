@@ -20,7 +20,7 @@ pub enum ZeroError {
         reason: String,
     },
     /// Not every rank reached the collective within the timeout.
-    #[error("rank {rank}: {op} timed out after {timeout_ms} ms waiting for the other ranks")]
+    #[error("rank {rank}: {op} timed out after {timeout_ms} ms waiting for {}", waiting_for(missing))]
     Timeout {
         /// The rank that gave up waiting.
         rank: usize,
@@ -28,6 +28,8 @@ pub enum ZeroError {
         op: &'static str,
         /// The configured timeout.
         timeout_ms: u64,
+        /// The ranks that had not arrived, where the backend can tell (empty: unknown).
+        missing: Vec<usize>,
     },
     /// Ranks called different collectives, or with different sizes or roots.
     #[error("rank {rank}: collective mismatch: {detail}")]
@@ -47,4 +49,12 @@ pub enum ZeroError {
         /// Expected versus actual lengths.
         detail: String,
     },
+}
+
+fn waiting_for(missing: &[usize]) -> String {
+    match missing {
+        [] => "the other ranks".into(),
+        [one] => format!("rank {one}, which stalled or left"),
+        many => format!("ranks {many:?}, which stalled or left"),
+    }
 }

@@ -6,15 +6,27 @@
 //! one conversion each way. Gathers and broadcasts move the 16-bit patterns as `u16`,
 //! exactly half the bytes of f32.
 //!
+//! # Note: timeouts
+//! Blocking MPI collectives wait forever for a rank that stalled (SIGSTOP, a livelock, a
+//! dead node whose process the launcher did not notice). Every collective here is the
+//! nonblocking form (`MPI_Iallreduce`, `MPI_Ireduce_scatter_block`, `MPI_Iallgather`,
+//! `MPI_Ibcast`, `MPI_Ibarrier`) polled with `MPI_Test` against the job's collective
+//! timeout. A pending request cannot be cancelled and still borrows its buffers, so a
+//! timeout ends the job: the rank prints what it waited for and calls `MPI_Abort`, which
+//! also ends the stalled process. Polling stays on the initialising thread, as
+//! `MPI_THREAD_FUNNELED` requires.
+//!
 //! # Note: threads
 //! MPI is initialised with `MPI_THREAD_FUNNELED`: only the thread that initialised it may
 //! call it. The [`Collective`] trait needs `Send + Sync`, so [`MpiComm`] checks the calling
 //! thread in every method and returns an error on any other thread instead of calling MPI.
 
 use std::thread::ThreadId;
+use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
 use mpi::environment::{Threading, Universe};
+use mpi::request::{Request, Scope, scope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use zerotrain_precision::half::{bf16, f16};
@@ -30,6 +42,7 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     thread: ThreadId,
+    timeout: Duration,
     counters: CommCounters,
 }
 
@@ -48,8 +61,9 @@ impl std::fmt::Debug for MpiComm {
 }
 
 impl MpiComm {
-    /// Initialises MPI on this thread (once per process: MPI cannot start twice).
-    pub fn init() -> Result<Self, ZeroError> {
+    /// Initialises MPI on this thread (once per process: MPI cannot start twice). A
+    /// collective that has not completed after `timeout` aborts the job (module note).
+    pub fn init(timeout: Duration) -> Result<Self, ZeroError> {
         let fail = ZeroError::MpiInit;
         let (universe, level) = mpi::initialize_with_threading(Threading::Funneled).ok_or_else(|| {
             fail("MPI was already initialised in this process (one launch per process under mpirun)".into())
@@ -65,6 +79,7 @@ impl MpiComm {
             rank,
             size,
             thread: std::thread::current().id(),
+            timeout,
             counters: CommCounters::default(),
         })
     }
@@ -86,6 +101,35 @@ impl MpiComm {
         }
         let detail = format!("{full} elements are not {} ranks x {shard}, or the dtypes differ", self.size);
         Err(ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail })
+    }
+
+    /// Polls `request` until it completes; past the timeout, aborts the job (module note).
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(&self, op: OpKind, mut request: Request<'a, D, S>) {
+        let start = Instant::now();
+        loop {
+            match request.test() {
+                Ok(_) => return,
+                Err(pending) => request = pending,
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                eprintln!(
+                    "zerotrain: rank {}: {} timed out after {} ms waiting for the other ranks (one stalled or died); \
+                     aborting the MPI job",
+                    self.rank,
+                    op.name(),
+                    self.timeout.as_millis()
+                );
+                self.world.abort(1);
+            }
+            // Spin briefly (most collectives finish within microseconds), then yield the
+            // core: ranks may outnumber cores.
+            if waited < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 
     fn record(&self, kind: OpKind, elems: usize, elem_bytes: usize, root: usize) {
@@ -140,13 +184,19 @@ impl Collective for MpiComm {
         self.check(OpKind::AllReduce)?;
         let len = buf.len();
         // rsmpi has no MPI_IN_PLACE, so the send side is a copy; half buffers reduce in f32.
+        let reduce = |send: &[f32], recv: &mut [f32]| {
+            scope(|s| {
+                let request = self.world.immediate_all_reduce_into(s, send, recv, system_op(op));
+                self.complete(OpKind::AllReduce, request);
+            })
+        };
         if let BufMut::F32(v) = &mut buf {
             let send = v.to_vec();
-            self.world.all_reduce_into(&send[..], &mut v[..], system_op(op));
+            reduce(&send, v);
         } else {
             let send = as_ref(&buf).to_f32();
             let mut recv = vec![0.0f32; len];
-            self.world.all_reduce_into(&send[..], &mut recv[..], system_op(op));
+            reduce(&send, &mut recv);
             buf.copy_from(BufRef::F32(&recv), false);
         }
         self.record(OpKind::AllReduce, len, 4, 0);
@@ -156,13 +206,19 @@ impl Collective for MpiComm {
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
         self.check(OpKind::ReduceScatter)?;
         self.check_shapes(OpKind::ReduceScatter, output.len(), input.len(), input.dtype() == output.dtype())?;
+        let reduce = |send: &[f32], recv: &mut [f32]| {
+            scope(|s| {
+                let request = self.world.immediate_reduce_scatter_block_into(s, send, recv, system_op(op));
+                self.complete(OpKind::ReduceScatter, request);
+            })
+        };
         if let (BufRef::F32(i), BufMut::F32(o)) = (input, &mut output) {
-            self.world.reduce_scatter_block_into(i, &mut o[..], system_op(op));
+            reduce(i, o);
         } else {
             // MPI has no half-precision sum: half buffers reduce in f32.
             let send = input.to_f32();
             let mut recv = vec![0.0f32; output.len()];
-            self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
+            reduce(&send, &mut recv);
             output.copy_from(BufRef::F32(&recv), false);
         }
         self.record(OpKind::ReduceScatter, input.len(), 4, 0);
@@ -175,12 +231,16 @@ impl Collective for MpiComm {
         let total = output.len();
         match (input, output) {
             (BufRef::F32(i), BufMut::F32(o)) => {
-                self.world.all_gather_into(i, o);
+                scope(|s| self.complete(OpKind::AllGather, self.world.immediate_all_gather_into(s, i, o)));
                 self.record(OpKind::AllGather, total, 4, 0);
             }
             (i, o) => {
                 let mut gathered = vec![0u16; total];
-                self.world.all_gather_into(&bits(i)[..], &mut gathered[..]);
+                let send = bits(i);
+                scope(|s| {
+                    let request = self.world.immediate_all_gather_into(s, &send[..], &mut gathered[..]);
+                    self.complete(OpKind::AllGather, request);
+                });
                 from_bits(&gathered, o);
                 self.record(OpKind::AllGather, total, 2, 0);
             }
@@ -198,12 +258,12 @@ impl Collective for MpiComm {
         let process = self.world.process_at_rank(root as i32);
         match buf {
             BufMut::F32(v) => {
-                process.broadcast_into(v);
+                scope(|s| self.complete(OpKind::Broadcast, process.immediate_broadcast_into(s, v)));
                 self.record(OpKind::Broadcast, len, 4, root);
             }
             other => {
                 let mut b = bits(as_ref(&other));
-                process.broadcast_into(&mut b[..]);
+                scope(|s| self.complete(OpKind::Broadcast, process.immediate_broadcast_into(s, &mut b[..])));
                 from_bits(&b, other);
                 self.record(OpKind::Broadcast, len, 2, root);
             }
@@ -213,7 +273,7 @@ impl Collective for MpiComm {
 
     fn barrier(&self) -> Result<(), ZeroError> {
         self.check(OpKind::Barrier)?;
-        self.world.barrier();
+        self.complete(OpKind::Barrier, self.world.immediate_barrier());
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
     }

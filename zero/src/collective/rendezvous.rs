@@ -23,6 +23,8 @@ struct State {
     /// Completed barriers; a waiter is released when this moves on.
     generation: u64,
     arrived: usize,
+    /// Which ranks wait at the barrier in progress (to name the missing ones on a timeout).
+    present: Vec<bool>,
     aborted: Option<(usize, String)>,
     /// What each rank published for the barrier in progress.
     slots: Vec<Slot>,
@@ -79,7 +81,8 @@ impl Hub {
     /// A hub for `world_size` ranks whose rendezvous gives up after `timeout`.
     pub(super) fn new(world_size: usize, timeout: Duration) -> Self {
         let slots = vec![Slot::EMPTY; world_size];
-        let state = State { generation: 0, arrived: 0, aborted: None, completed: slots.clone(), slots };
+        let present = vec![false; world_size];
+        let state = State { generation: 0, arrived: 0, present, aborted: None, completed: slots.clone(), slots };
         Self { world_size, timeout, state: Mutex::new(state), cv: Condvar::new() }
     }
 
@@ -158,8 +161,10 @@ impl Hub {
         }
         let generation = state.generation;
         state.arrived += 1;
+        state.present[rank] = true;
         if state.arrived == self.world_size {
             state.arrived = 0;
+            state.present.fill(false);
             state.generation += 1;
             self.cv.notify_all();
             state.completed = state.slots.clone();
@@ -177,16 +182,19 @@ impl Hub {
             }
             if let Some((by, reason)) = state.aborted.clone() {
                 state.arrived -= 1;
+                state.present[rank] = false;
                 return Err(ZeroError::Aborted { rank: by, reason });
             }
             if Instant::now() >= deadline {
+                let missing: Vec<usize> = (0..self.world_size).filter(|&r| !state.present[r]).collect();
                 state.arrived -= 1;
+                state.present[rank] = false;
                 let op = publish.and_then(|s| s.op).map_or("barrier", OpKind::name);
                 let timeout_ms = self.timeout.as_millis() as u64;
-                let reason = format!("{op} timed out after {timeout_ms} ms");
-                state.aborted.get_or_insert((rank, reason));
+                let error = ZeroError::Timeout { rank, op, timeout_ms, missing };
+                state.aborted.get_or_insert((rank, error.to_string()));
                 self.cv.notify_all();
-                return Err(ZeroError::Timeout { rank, op, timeout_ms });
+                return Err(error);
             }
         }
     }
