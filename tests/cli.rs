@@ -338,9 +338,15 @@ fn bad_training_input_is_a_one_line_error() {
 }
 
 #[test]
-fn ctrl_c_finishes_the_step_saves_and_exits_cleanly() {
+fn sigint_and_sigterm_finish_the_step_save_and_exit_cleanly() {
+    for signal in ["INT", "TERM"] {
+        stop_signal_finishes_the_step_saves_and_exits_cleanly(signal);
+    }
+}
+
+fn stop_signal_finishes_the_step_saves_and_exits_cleanly(signal: &str) {
     use std::io::BufRead;
-    let dir = temp_run("ctrlc");
+    let dir = temp_run(&format!("signal-{signal}"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args(["train", "--config", "configs/tiny.json", "--steps", "100000", "--out"])
         .arg(&dir)
@@ -351,11 +357,11 @@ fn ctrl_c_finishes_the_step_saves_and_exits_cleanly() {
         .unwrap();
     let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     stdout.by_ref().map_while(Result::ok).find(|l| l.starts_with("[Rank 0] step=20,")).expect("training runs");
-    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let status = Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let rest: Vec<String> = stdout.map_while(Result::ok).collect();
-    assert!(child.wait().unwrap().success(), "exit 0 after Ctrl-C");
-    let stopped = rest.iter().find(|l| l.starts_with("stopped by Ctrl-C at step")).expect("a summary line");
+    assert!(child.wait().unwrap().success(), "exit 0 after SIG{signal}");
+    let stopped = rest.iter().find(|l| l.starts_with("stopped by SIGINT/SIGTERM at step")).expect("a summary line");
     let step: u64 = stopped.split_whitespace().nth(5).unwrap().parse().unwrap();
     let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap();
     assert_eq!(ckpt.manifest().global_step, step, "{stopped}");

@@ -6,7 +6,7 @@
 //! | [`keys`] | the application's keys in the config file (`model`, checkpoint and eval cadence) |
 //! | [`models`] | the built-in GPT, and the small MLP and transformer the tests and benches use |
 //! | [`data`] | the character corpus and its deterministic sampler |
-//! | [`train`] | the main job behind `zerotrain train`: metrics, plots, checkpoints, Ctrl-C |
+//! | [`train`] | the main job behind `zerotrain train`: metrics, plots, checkpoints, SIGINT/SIGTERM |
 //! | [`bench`](mod@bench) | the tables behind `zerotrain bench` |
 //! | `cli`, `commands` | clap's declarations and each subcommand's body |
 //!

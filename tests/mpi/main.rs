@@ -144,3 +144,85 @@ fn the_main_job_runs_under_mpirun_speaks_once_and_resumes_at_another_size() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("steps 4..6"), "{}", String::from_utf8_lossy(&out.stdout));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `mpirun -np 2 zerotrain train` on the tiny config into `dir`, running for a long time;
+/// returns the job once rank 0 has logged step 20, with the rest of its stdout.
+fn long_training_job(dir: &std::path::Path, save_every: &str) -> (std::process::Child, impl Iterator<Item = String>) {
+    use std::io::BufRead;
+    let mut child = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", env!("CARGO_BIN_EXE_zerotrain"), "train"])
+        .args(["--config", "configs/tiny.json", "--steps", "100000", "--save-every", save_every, "--out"])
+        .arg(dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines().map_while(Result::ok);
+    lines.by_ref().find(|l| l.starts_with("[Rank 0] step=20,")).expect("training runs");
+    (child, lines)
+}
+
+/// The pids of `parent`'s child processes (the ranks of an mpirun job).
+fn children(parent: u32) -> Vec<String> {
+    let out = Command::new("pgrep").args(["-P", &parent.to_string()]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
+}
+
+/// Regression: under mpirun a stop signal saved nothing, and SIGTERM was not handled at all.
+/// A scheduler that signals the ranks (Slurm's srun, a pod's SIGTERM) may reach only some:
+/// the ranks agree at the next step, save there and exit 0.
+#[test]
+fn sigterm_to_one_rank_makes_every_rank_save_at_the_same_step_and_exit_zero() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-mpi-sigterm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (mut job, lines) = long_training_job(&dir, "0");
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    assert!(Command::new("kill").args(["-TERM", &ranks[1]]).status().unwrap().success());
+    let rest: Vec<String> = lines.collect();
+    assert!(job.wait().unwrap().success(), "the job exits 0: {rest:?}");
+    let stopped = rest.iter().find(|l| l.starts_with("stopped by SIGINT/SIGTERM at step")).expect("a summary line");
+    let step: u64 = stopped.split_whitespace().nth(5).unwrap().parse().unwrap();
+    let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap();
+    ckpt.verify().unwrap();
+    assert_eq!(ckpt.manifest().global_step, step, "{stopped}");
+    assert_eq!(ckpt.manifest().world_size, 2, "both ranks wrote their shard");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Regression: after mpirun was killed its ranks trained on and wrote checkpoints (with
+/// OpenMPI 4.1 here they wrote one more before the runtime noticed).
+#[test]
+fn ranks_stop_at_once_when_mpirun_is_killed_and_write_nothing_after() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-mpi-orphans-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (mut job, _lines) = long_training_job(&dir, "1");
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    let step = |tag: String| tag.trim().trim_start_matches("global_step").parse::<u64>().unwrap();
+    let latest = || step(std::fs::read_to_string(dir.join("checkpoints/latest")).unwrap());
+    job.kill().unwrap(); // SIGKILL: mpirun cannot pass anything on
+    let at_kill = latest();
+    job.wait().unwrap();
+    let start = Instant::now();
+    // A dead rank may stay a zombie until init reaps it.
+    let running = |pid: &String| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.rsplit(')').next().and_then(|s| s.split_whitespace().next()) != Some("Z"))
+    };
+    while ranks.iter().any(running) && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stopped = start.elapsed();
+    assert!(!ranks.iter().any(running), "ranks outlived mpirun by 10 s");
+    // The watchdog polls every 20 ms; OpenMPI's own detection took a second, enough to
+    // write another checkpoint.
+    assert!(stopped < Duration::from_millis(900), "ranks stopped only {stopped:?} after mpirun died");
+    // At most the save in flight when mpirun died may still commit.
+    let after = latest();
+    assert!(after <= at_kill + 1, "checkpoints {at_kill} -> {after} written after mpirun died");
+    zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap().verify().unwrap();
+    println!("ranks stopped {stopped:?} after mpirun was killed; latest step {at_kill} -> {after}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -48,10 +48,12 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let flag = Arc::clone(&stop);
     ctrlc::set_handler(move || {
         if flag.swap(true, Ordering::SeqCst) {
-            eprintln!("\nzerotrain: stopping now");
+            eprintln!("\nzerotrain: second signal: stopping now");
             std::process::exit(130);
         }
-        eprintln!("\nzerotrain: finishing this step, saving a checkpoint and stopping (Ctrl-C again to abort)");
+        eprintln!(
+            "\nzerotrain: SIGINT/SIGTERM: finishing this step, saving a checkpoint and stopping (again to abort)"
+        );
     })?;
     let bar = if lead { ProgressBar::new(args.steps) } else { ProgressBar::hidden() };
     bar.set_style(
@@ -112,7 +114,7 @@ pub struct EstimateArgs {
 fn print_summary(s: &TrainSummary) {
     let (a, b) = s.val_loss;
     if s.interrupted {
-        println!("stopped by Ctrl-C at step {} (checkpoint saved)", s.last_step);
+        println!("stopped by SIGINT/SIGTERM at step {} (checkpoint saved)", s.last_step);
     }
     println!(
         "validation loss {a:.5} -> {b:.5} ({:.1}x lower) in {:.1} s, steps {}..{}, {:.0} tokens/s",

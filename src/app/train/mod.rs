@@ -38,7 +38,7 @@ pub struct TrainOptions {
     pub resume: bool,
     /// Checkpoint interval, overriding `zerotrain.checkpoint_every` (0: only at the end).
     pub save_every: Option<u64>,
-    /// Set (by Ctrl-C) to finish the current step, save and stop.
+    /// Set (by SIGINT or SIGTERM) to finish the current step, save and stop.
     pub stop: Arc<AtomicBool>,
 }
 
@@ -49,7 +49,7 @@ pub struct TrainSummary {
     pub first_step: u64,
     /// The step it ended at.
     pub last_step: u64,
-    /// Stopped early by Ctrl-C.
+    /// Stopped early by SIGINT or SIGTERM.
     pub interrupted: bool,
     /// Validation loss at the start and the end.
     pub val_loss: (f32, f32),
@@ -130,7 +130,7 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// One rank's whole run: resume, train to `options.steps` (or Ctrl-C), save, sample.
+    /// One rank's whole run: resume, train to `options.steps` (or a stop signal), save, sample.
     fn run_rank(&self, init: Gpt, ctx: &RankContext) -> Result<TrainSummary> {
         let (plan, options, shape) = (self.plan, self.options, &self.shape);
         let mut engine = Engine::new(init, plan, ctx)?;
@@ -259,7 +259,8 @@ impl Job<'_> {
     }
 }
 
-/// Whether any rank saw Ctrl-C. The signal reaches each rank thread at a different moment,
+/// Whether any rank saw SIGINT or SIGTERM. The signal reaches each rank (thread, or process
+/// under mpirun, where a scheduler may signal only some) at a different moment,
 /// so the ranks agree (an all-reduce MAX) before acting on it.
 fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
     let mut flag = [if stop.load(Ordering::Relaxed) { 1.0f32 } else { 0.0 }];

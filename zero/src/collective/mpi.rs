@@ -16,6 +16,15 @@
 //! also ends the stalled process. Polling stays on the initialising thread, as
 //! `MPI_THREAD_FUNNELED` requires.
 //!
+//! # Note: a dead launcher
+//! A rank whose launcher died (`mpirun` SIGKILLed, its node daemon lost) would train on
+//! alone and go on writing checkpoints for a job nobody runs. [`MpiComm::init`] starts a
+//! watchdog thread that ends the process within 20 ms of its parent changing (the orphan
+//! is re-parented). It ends it with `_exit`: `exit` would run MPI's exit handlers, which
+//! wait a second for the dead runtime while the rank thread trains on. Ending a rank at
+//! any moment, a checkpoint save included, is safe: the commit protocol leaves the
+//! previous checkpoint and `latest` intact.
+//!
 //! # Note: threads
 //! MPI is initialised with `MPI_THREAD_FUNNELED`: only the thread that initialised it may
 //! call it. The [`Collective`] trait needs `Send + Sync`, so [`MpiComm`] checks the calling
@@ -73,6 +82,7 @@ impl MpiComm {
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
+        exit_when_the_launcher_dies();
         Ok(Self {
             universe: Some(universe),
             world,
@@ -113,13 +123,14 @@ impl MpiComm {
             }
             let waited = start.elapsed();
             if waited >= self.timeout {
-                eprintln!(
+                let message = format!(
                     "zerotrain: rank {}: {} timed out after {} ms waiting for the other ranks (one stalled or died); \
-                     aborting the MPI job",
+                     aborting the MPI job\n",
                     self.rank,
                     op.name(),
                     self.timeout.as_millis()
                 );
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
                 self.world.abort(1);
             }
             // Spin briefly (most collectives finish within microseconds), then yield the
@@ -143,6 +154,28 @@ impl Drop for MpiComm {
             // Finalising MPI from another thread is not allowed: leak it instead.
             std::mem::forget(self.universe.take());
         }
+    }
+}
+
+/// The watchdog of the module note "a dead launcher".
+fn exit_when_the_launcher_dies() {
+    let launcher = std::os::unix::process::parent_id();
+    let watch = move || {
+        loop {
+            std::thread::sleep(Duration::from_millis(20));
+            if std::os::unix::process::parent_id() != launcher {
+                // Not eprintln!: stderr was a pipe to the dead launcher, and a failed write
+                // must not panic this thread before it ends the process.
+                let message = format!("zerotrain: this rank's launcher (process {launcher}) is gone; the rank stops\n");
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
+                // SAFETY: `_exit` takes no pointers and is always sound to call; it ends the
+                // process at once without running exit handlers or destructors, as intended.
+                unsafe { libc::_exit(1) };
+            }
+        }
+    };
+    if let Err(e) = std::thread::Builder::new().name("zerotrain-launcher-watch".into()).spawn(watch) {
+        eprintln!("zerotrain: warning: cannot watch the launcher ({e}); if mpirun dies this rank runs on");
     }
 }
 
