@@ -132,6 +132,7 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 /// around the manifest and both renames): afterwards `latest` always names a complete
 /// checkpoint, the old one or the new one.
 #[test]
+#[cfg_attr(not(feature = "crash-points"), ignore = "needs `--features crash-points`, as the README's test command has")]
 fn a_save_killed_at_any_point_leaves_latest_complete() {
     use std::io::BufRead;
     let base = std::env::temp_dir().join(format!("zerotrain-crash-base-{}", std::process::id()));
@@ -383,8 +384,15 @@ fn bench_collectives_prints_every_op_and_world_size() {
 /// package's binaries to run (`default-run`); a second binary once broke it.
 #[test]
 fn cargo_run_picks_the_zerotrain_binary() {
+    // The features of this build, so that cargo finds the binary up to date instead of
+    // relinking it under the other tests that run it.
+    let features: Vec<&str> = [("crash-points", cfg!(feature = "crash-points")), ("mpi", cfg!(feature = "mpi"))]
+        .iter()
+        .filter_map(|(name, on)| on.then_some(*name))
+        .collect();
     let out = Command::new(env!("CARGO"))
-        .args(["run", "--quiet", "--locked", "--", "config", "check", "configs/zero2.json"])
+        .args(["run", "--quiet", "--locked", "--features", &features.join(","), "--"])
+        .args(["config", "check", "configs/zero2.json"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run cargo");
@@ -445,4 +453,54 @@ fn the_command_tells_the_config_about_mpirun_and_the_library_refuses_a_plan_made
     assert!(!out.status.success());
     let stderr = text(&out.stderr);
     assert!(stderr.contains("mpirun started 3 processes but the plan was resolved for 2 ranks"), "{stderr}");
+}
+
+fn train_in(dir: &std::path::Path, steps: &str, resume: bool) -> Output {
+    let dir = dir.to_str().unwrap();
+    let mut args = vec!["train", "--config", "configs/tiny.json", "--steps", steps, "--out", dir];
+    if resume {
+        args.push("--resume");
+    }
+    zerotrain(&args)
+}
+
+fn entries(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+/// Regressions: training into a folder with checkpoints but without `--resume` reset
+/// `latest` and moved the old checkpoint aside; two trainers on one folder corrupted each
+/// other; with `latest` deleted, `--resume` said nothing was saved.
+#[test]
+fn a_used_run_folder_is_refused_without_resume_locked_in_use_and_resumable_without_latest() {
+    let dir = temp_run("reuse");
+    let ckpts = dir.join("checkpoints");
+    assert!(train_in(&dir, "3", false).status.success());
+    let before = entries(&ckpts);
+    let latest = std::fs::read_to_string(ckpts.join("latest")).unwrap();
+
+    let out = train_in(&dir, "5", false);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--resume") && stderr.contains("nothing was changed"), "{stderr}");
+    assert_eq!(entries(&ckpts), before, "the earlier run's checkpoints are untouched");
+    assert_eq!(std::fs::read_to_string(ckpts.join("latest")).unwrap(), latest);
+
+    let held = std::fs::OpenOptions::new().write(true).open(dir.join(".zerotrain.lock")).unwrap();
+    held.lock().unwrap();
+    let out = train_in(&dir, "5", true);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("in use by another zerotrain run"), "{stderr}");
+    assert_eq!(entries(&ckpts), before);
+    held.unlock().unwrap();
+
+    std::fs::remove_file(ckpts.join("latest")).unwrap();
+    let out = train_in(&dir, "5", true);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("no `latest`; resuming from the newest complete checkpoint, global_step3"), "{stderr}");
+    assert!(stdout.contains("steps 3..5"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -10,14 +10,16 @@
 //!    it over. Each rename is atomic, so a crash at any instant leaves `latest` naming a
 //!    complete checkpoint: the old one until the last rename, the new one after it.
 //! 4. Retention removes the oldest complete checkpoints beyond `keep_last_n`, never the one
-//!    `latest` names, by renaming each to `<tag>.partial` before deleting it.
+//!    `latest` names, by renaming each to `<tag>.deleting` before deleting it.
 //!
-//! Leftover `*.partial` directories are never read; the next save of that tag removes them.
+//! Leftovers of a killed or failed save (`*.partial` directories, `*.deleting` directories
+//! of a killed retention, `latest.partial`) are never read, and the next [`prepare`] removes
+//! them: the run folder belongs to one job at a time (the `zerotrain` command locks it).
+//! A complete tag that `latest` does not name (killed between the two renames) is kept as
+//! `<tag>.orphaned-<unix seconds>[-n]`, a name no other save uses.
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::shard::{BLOCK_BYTES, SafetensorsWriter, TensorSpec};
 use crate::{CheckpointError, Manifest, Result, ShardFile, validate_tag};
@@ -25,10 +27,14 @@ use crate::{CheckpointError, Manifest, Result, ShardFile, validate_tag};
 /// The name of the file naming the newest checkpoint (DeepSpeed's convention).
 pub const LATEST: &str = "latest";
 
-/// Testing hook: with `ZEROTRAIN_CRASH_AT=k` in the environment, the `k`-th crash point
-/// reached by this process announces itself on stderr and blocks forever, so that a test
-/// can SIGKILL the process at exactly that point of a save. Does nothing otherwise.
+/// Testing hook, compiled only with the `crash-points` feature (the test builds turn it
+/// on; release behaviour never has it): with `ZEROTRAIN_CRASH_AT=k` in the environment, the
+/// `k`-th crash point reached by this process announces itself on stderr and blocks
+/// forever, so that a test can SIGKILL the process at exactly that point of a save.
+#[cfg(feature = "crash-points")]
 pub fn crash_point(name: &str) {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
     static TARGET: OnceLock<Option<u64>> = OnceLock::new();
     static REACHED: AtomicU64 = AtomicU64::new(0);
     let Some(target) = *TARGET.get_or_init(|| std::env::var("ZEROTRAIN_CRASH_AT").ok().and_then(|v| v.parse().ok()))
@@ -44,6 +50,14 @@ pub fn crash_point(name: &str) {
     }
 }
 
+/// Without the `crash-points` feature, crash points do nothing.
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn crash_point(_name: &str) {}
+
+/// Suffix of a checkpoint being deleted by retention.
+const DELETING: &str = ".deleting";
+
 /// `<root>/<tag>.partial`: where a checkpoint is written before it is committed.
 pub fn partial_dir(root: &Path, tag: &str) -> PathBuf {
     root.join(format!("{tag}.partial"))
@@ -53,16 +67,17 @@ fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir).and_then(|d| d.sync_all()).map_err(CheckpointError::io(dir))
 }
 
-/// Rank 0, before any rank writes: checks the tag and creates an empty `<tag>.partial`
-/// directory (removing a stale one).
+/// Rank 0, before any rank writes: checks the tag, removes the leftovers of killed or
+/// failed saves (module note), and creates an empty `<tag>.partial` directory.
 ///
 /// A tag that `latest` names is never replaced ([`CheckpointError::Exists`]). A tag that
 /// exists but `latest` does not name is an orphan of a save killed between its rename and
 /// the `latest` update (a rerun resumes from the previous checkpoint and reaches the same
-/// step again): it is moved aside to `<tag>.orphaned-<unix seconds>`, kept, and reported on
-/// stderr.
+/// step again): it is moved aside to a new `<tag>.orphaned-<unix seconds>[-n]`, kept, and
+/// reported on stderr.
 pub fn prepare(root: &Path, tag: &str) -> Result<PathBuf> {
     validate_tag(tag)?;
+    remove_leftovers(root)?;
     let target = root.join(tag);
     if target.exists() {
         let latest = fs::read_to_string(root.join(LATEST)).ok();
@@ -70,7 +85,11 @@ pub fn prepare(root: &Path, tag: &str) -> Result<PathBuf> {
             return Err(CheckpointError::Exists { path: target });
         }
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let aside = root.join(format!("{tag}.orphaned-{secs}"));
+        let base = format!("{tag}.orphaned-{secs}");
+        let aside = (0..)
+            .map(|n| root.join(if n == 0 { base.clone() } else { format!("{base}-{n}") }))
+            .find(|p| fs::symlink_metadata(p).is_err())
+            .expect("some name is free");
         fs::rename(&target, &aside).map_err(CheckpointError::io(&target))?;
         eprintln!(
             "zerotrain: {} was not the latest checkpoint (left by an interrupted save); moved it to {}",
@@ -80,13 +99,35 @@ pub fn prepare(root: &Path, tag: &str) -> Result<PathBuf> {
     }
     fs::create_dir_all(root).map_err(CheckpointError::io(root))?;
     let partial = partial_dir(root, tag);
-    if partial.exists() {
-        fs::remove_dir_all(&partial).map_err(CheckpointError::io(&partial))?;
-    }
     crash_point("stale partial removed");
     fs::create_dir(&partial).map_err(CheckpointError::io(&partial))?;
     crash_point("partial directory created");
     Ok(partial)
+}
+
+/// Removes what killed or failed saves left in `root`: `*.partial` and `*.deleting`
+/// entries (directories or files). Complete checkpoints and orphans are never touched.
+fn remove_leftovers(root: &Path) -> Result<()> {
+    let entries = match fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(CheckpointError::io(root)(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(CheckpointError::io(root))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.ends_with(".partial") || name.ends_with(DELETING)) {
+            continue;
+        }
+        let path = entry.path();
+        let removed = match entry.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            _ => fs::remove_file(&path),
+        };
+        removed.map_err(CheckpointError::io(&path))?;
+    }
+    Ok(())
 }
 
 /// Writes rank `rank`'s shard: `tensors` (name, values over the flat range `start..end`)
@@ -177,7 +218,7 @@ fn retain(root: &Path, keep: usize, latest: &str) -> Result<()> {
     let mut found = crate::list(root)?;
     found.sort_by_key(|(step, tag)| std::cmp::Reverse((*step, tag.clone())));
     for (_, tag) in found.into_iter().skip(keep.max(1)).filter(|(_, t)| t != latest) {
-        let doomed = partial_dir(root, &tag);
+        let doomed = root.join(format!("{tag}{DELETING}"));
         fs::rename(root.join(&tag), &doomed).map_err(CheckpointError::io(root.join(&tag)))?;
         crash_point("old checkpoint hidden");
         fs::remove_dir_all(&doomed).map_err(CheckpointError::io(&doomed))?;

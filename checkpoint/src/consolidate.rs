@@ -1,5 +1,7 @@
 //! Consolidation: one safetensors file of every parameter, keyed by module path, streamed
-//! parameter by parameter so that memory stays near one tensor.
+//! in chunks of [`CHUNK_ELEMS`], so that memory stays bounded whatever the manifest says a
+//! parameter's size is (a hostile manifest cannot make it allocate before the shards are
+//! read and checked).
 
 use std::fs;
 use std::path::Path;
@@ -10,10 +12,47 @@ use zerotrain_precision::{Precision, to_half};
 use crate::shard::{SafetensorsWriter, TensorSpec};
 use crate::{Checkpoint, CheckpointError, Result};
 
+/// Elements read, converted and written at a time (4 MiB of f32).
+pub const CHUNK_ELEMS: u64 = 1 << 20;
+
 /// Writes `ckpt`'s master weights to `out` as one safetensors file in `dtype`, one tensor
 /// per parameter (named by module path, in the model's shape), through `<out>.partial` and
-/// a rename, so that `out` is never half-written. Returns the bytes written.
+/// a rename, so that `out` is never half-written; on failure the partial file is removed.
+/// `out` must be a file path outside the checkpoint's directory. Returns the bytes written.
 pub fn consolidate(ckpt: &Checkpoint, out: &Path, dtype: Precision) -> Result<u64> {
+    let partial = check_output(ckpt, out)?;
+    let written = write_consolidated(ckpt, &partial, dtype).and_then(|size| {
+        fs::rename(&partial, out).map_err(CheckpointError::io(out))?;
+        Ok(size)
+    });
+    if written.is_err() {
+        let _ = fs::remove_file(&partial);
+    }
+    written
+}
+
+/// `<out>.partial`, after refusing an `out` that is a directory or lies inside the
+/// checkpoint being read (writing there could destroy the checkpoint).
+fn check_output(ckpt: &Checkpoint, out: &Path) -> Result<std::path::PathBuf> {
+    let refuse = |reason: &str| CheckpointError::InvalidOutput { path: out.to_path_buf(), reason: reason.into() };
+    if out.is_dir() {
+        return Err(refuse("is a directory; give a file path such as model.safetensors"));
+    }
+    let name = out.file_name().and_then(|n| n.to_str()).ok_or_else(|| refuse("not a file path"))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let parent = fs::canonicalize(parent).map_err(CheckpointError::io(parent))?;
+    let source = fs::canonicalize(ckpt.dir()).map_err(CheckpointError::io(ckpt.dir()))?;
+    let resolved = fs::canonicalize(out).unwrap_or_else(|_| parent.join(name));
+    if parent.starts_with(&source) || resolved.starts_with(&source) {
+        return Err(refuse(&format!("is inside the checkpoint being read ({}); write it elsewhere", source.display())));
+    }
+    Ok(parent.join(format!("{name}.partial")))
+}
+
+fn write_consolidated(ckpt: &Checkpoint, partial: &Path, dtype: Precision) -> Result<u64> {
     let m = ckpt.manifest();
     let st_dtype = match dtype {
         Precision::Fp32 => safetensors::Dtype::F32,
@@ -34,32 +73,30 @@ pub fn consolidate(ckpt: &Checkpoint, out: &Path, dtype: Precision) -> Result<u6
         ("zerotrain_tag", m.tag.clone()),
         ("zerotrain_global_step", m.global_step.to_string()),
     ];
-    let partial = out.with_file_name(format!(
-        "{}.partial",
-        out.file_name()
-            .and_then(|n| n.to_str())
-            .ok_or_else(|| CheckpointError::Mismatch(format!("{}: not a file path", out.display())))?
-    ));
-    let mut writer = SafetensorsWriter::create(&partial, &specs, &meta)?;
-    for (entry, spec) in m.layout.iter().zip(&specs) {
-        let elems = spec.shape.iter().product::<usize>();
-        let mut values = vec![0.0f32; elems];
-        ckpt.read_range("master", entry.offset..entry.offset + elems as u64, &mut values)?;
-        match dtype {
-            Precision::Fp32 => writer.write_f32(&values)?,
-            Precision::Fp16 => {
-                let mut half = vec![f16::ZERO; elems];
-                to_half(&values, &mut half);
-                writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())?;
-            }
-            Precision::Bf16 => {
-                let mut half = vec![bf16::ZERO; elems];
-                to_half(&values, &mut half);
-                writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())?;
+    let mut writer = SafetensorsWriter::create(partial, &specs, &meta)?;
+    let mut values = Vec::new();
+    for entry in &m.layout {
+        let elems = entry.shape.iter().product::<u64>();
+        let mut at = entry.offset;
+        while at < entry.offset + elems {
+            let n = CHUNK_ELEMS.min(entry.offset + elems - at);
+            values.resize(n as usize, 0.0f32);
+            ckpt.read_range("master", at..at + n, &mut values)?;
+            at += n;
+            match dtype {
+                Precision::Fp32 => writer.write_f32(&values)?,
+                Precision::Fp16 => {
+                    let mut half = vec![f16::ZERO; values.len()];
+                    to_half(&values, &mut half);
+                    writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())?;
+                }
+                Precision::Bf16 => {
+                    let mut half = vec![bf16::ZERO; values.len()];
+                    to_half(&values, &mut half);
+                    writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())?;
+                }
             }
         }
     }
-    let summary = writer.finish()?;
-    fs::rename(&partial, out).map_err(CheckpointError::io(out))?;
-    Ok(summary.size)
+    Ok(writer.finish()?.size)
 }

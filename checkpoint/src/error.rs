@@ -55,6 +55,15 @@ pub enum CheckpointError {
     /// The checkpoint does not fit the model or request it is loaded into.
     #[error("{0}")]
     Mismatch(String),
+    /// An output path that cannot be written safely (a directory, or inside the
+    /// checkpoint being read).
+    #[error("{path}: {reason}")]
+    InvalidOutput {
+        /// The path given.
+        path: PathBuf,
+        /// Why it is refused.
+        reason: String,
+    },
 }
 
 impl CheckpointError {

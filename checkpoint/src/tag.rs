@@ -20,8 +20,8 @@ pub fn validate_tag(tag: &str) -> Result<&str, CheckpointError> {
         Some("it names a directory, not a checkpoint")
     } else if !tag.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
         Some("only ASCII letters, digits, '.', '_' and '-' are allowed")
-    } else if tag.ends_with(".partial") || tag == "latest" {
-        Some("`latest` and names ending in `.partial` are reserved")
+    } else if tag.ends_with(".partial") || tag.ends_with(".deleting") || tag == "latest" {
+        Some("`latest` and names ending in `.partial` or `.deleting` are reserved")
     } else {
         None
     };
@@ -37,8 +37,21 @@ mod tests {
 
     #[test]
     fn tags_that_could_escape_or_confuse_are_rejected() {
-        for bad in ["", ".", "..", "../x", "a/b", "a\\b", "/abs", "x\0y", "tag with space", "ü", "latest", "s.partial"]
-        {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../x",
+            "a/b",
+            "a\\b",
+            "/abs",
+            "x\0y",
+            "tag with space",
+            "ü",
+            "latest",
+            "s.partial",
+            "s.deleting",
+        ] {
             assert!(validate_tag(bad).is_err(), "{bad:?}");
         }
         assert!(validate_tag(&"a".repeat(201)).is_err());

@@ -160,3 +160,85 @@ fn consolidation_writes_one_valid_safetensors_file_by_module_path() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Regression: two interrupted saves of one tag within a second collided on the orphan's
+/// name, and the next save failed with "Directory not empty" until the clock ticked.
+#[test]
+fn orphans_of_one_tag_get_distinct_names_within_one_second() {
+    let root = temp_root("orphans");
+    for _ in 0..3 {
+        std::fs::create_dir_all(root.join("global_step1")).unwrap();
+        std::fs::write(root.join("global_step1/manifest.json"), "left by a killed save").unwrap();
+        let partial = prepare(&root, "global_step1").unwrap();
+        std::fs::remove_dir(&partial).unwrap();
+    }
+    let orphans = std::fs::read_dir(&root)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("global_step1.orphaned-"))
+        .count();
+    assert_eq!(orphans, 3, "each orphan kept under its own name");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Regression: a kill during retention (or a failed save) left a full `<tag>.partial`
+/// directory forever.
+#[test]
+fn the_next_save_removes_what_killed_saves_and_retention_left() {
+    let root = temp_root("leftovers");
+    write_sample(&root, "global_step1", 1, 100);
+    for dir in ["global_step2.partial", "global_step0.deleting"] {
+        std::fs::create_dir_all(root.join(dir)).unwrap();
+        std::fs::write(root.join(dir).join("rank0.safetensors"), vec![0u8; 4096]).unwrap();
+    }
+    std::fs::write(root.join("latest.partial"), "global_step2").unwrap();
+    let partial = prepare(&root, "global_step3").unwrap();
+    let mut names: Vec<String> =
+        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["global_step1", "global_step3.partial", "latest"]);
+    assert!(partial.ends_with("global_step3.partial"));
+    Checkpoint::open(&root, None).unwrap().verify().unwrap();
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Regression: `consolidate --out` could overwrite a shard of the checkpoint it read,
+/// `--out /tmp` wrote `/tmp.partial`, and a failure left `<out>.partial` behind.
+#[test]
+fn consolidation_refuses_unsafe_outputs_and_leaves_nothing_on_failure() {
+    let root = temp_root("consolidate-out");
+    let ckpt = write_sample(&root, "global_step1", 1, 100);
+    let shard = ckpt.dir().join("rank0.safetensors");
+    for out in [shard.clone(), ckpt.dir().join("model.safetensors"), root.clone()] {
+        let err = consolidate(&ckpt, &out, Precision::Fp32).unwrap_err();
+        assert!(matches!(err, CheckpointError::InvalidOutput { .. }), "{}: {err}", out.display());
+    }
+    assert!(!root.with_file_name(format!("{}.partial", root.file_name().unwrap().to_string_lossy())).exists());
+    ckpt.verify().unwrap();
+    // A corrupted shard fails the export and leaves neither the file nor its partial.
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&shard, bytes).unwrap();
+    let out = root.join("model.safetensors");
+    assert!(consolidate(&ckpt, &out, Precision::Fp32).is_err());
+    assert!(!out.exists() && !root.join("model.safetensors.partial").exists());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn consolidation_streams_parameters_larger_than_one_chunk_exactly() {
+    let root = temp_root("consolidate-chunks");
+    let elems = crate::consolidate::CHUNK_ELEMS + 1010;
+    let ckpt = write_sample(&root, "global_step1", 1, elems);
+    let out = root.join("model.safetensors");
+    consolidate(&ckpt, &out, Precision::Fp32).unwrap();
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let weight = st.tensor("big.weight").unwrap();
+    let value = |i: usize| f32::from_le_bytes(weight.data()[4 * i..4 * i + 4].try_into().unwrap());
+    let chunk = crate::consolidate::CHUNK_ELEMS as usize;
+    for i in [0, chunk - 1, chunk, chunk + 999] {
+        assert_eq!(value(i), i as f32, "element {i}: the sample's master holds its flat index");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}

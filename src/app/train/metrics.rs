@@ -1,6 +1,6 @@
 //! The run folder's `metrics.jsonl` (one line per optimizer step) and its PNG plot.
 
-use std::io::{BufRead, BufWriter, Write};
+use std::io::{BufRead, LineWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -27,10 +27,15 @@ pub struct StepMetrics {
     pub val_loss: Option<f32>,
 }
 
-/// Appends lines to `metrics.jsonl`.
+/// Appends lines to `metrics.jsonl`, each written through to the file as it is pushed.
+///
+/// Note: no kill loses history. A resumed run keeps the lines up to its checkpoint's step;
+/// they are written to `metrics.jsonl.partial`, synced, and renamed over the old file, so
+/// at every instant `metrics.jsonl` is the old history or the kept one, never a truncated
+/// file. A kill mid-line leaves at most one unparsable last line, which the next open drops.
 pub struct MetricsLog {
     path: PathBuf,
-    file: BufWriter<std::fs::File>,
+    file: LineWriter<std::fs::File>,
 }
 
 impl MetricsLog {
@@ -44,16 +49,19 @@ impl MetricsLog {
                 .map_while(Result::ok)
                 .filter(|l| serde_json::from_str::<StepMetrics>(l).is_ok_and(|m| m.step <= first_step))
                 .collect(),
-            Err(_) => Vec::new(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
         };
-        let mut file = BufWriter::new(std::fs::File::create(&path)?);
-        for line in kept {
-            writeln!(file, "{line}")?;
-        }
-        Ok(Self { path, file })
+        let partial = dir.join("metrics.jsonl.partial");
+        let mut rewritten = std::fs::File::create(&partial)?;
+        rewritten.write_all(kept.iter().flat_map(|l| [l.as_str(), "\n"]).collect::<String>().as_bytes())?;
+        rewritten.sync_all()?;
+        std::fs::rename(&partial, &path)?;
+        let file = std::fs::OpenOptions::new().append(true).open(&path)?;
+        Ok(Self { path, file: LineWriter::new(file) })
     }
 
-    /// Appends one step.
+    /// Appends one step; the line is in the file when this returns.
     pub fn push(&mut self, m: &StepMetrics) -> std::io::Result<()> {
         let line = serde_json::to_string(m).map_err(std::io::Error::other)?;
         writeln!(self.file, "{line}")
@@ -150,4 +158,59 @@ pub fn register_font() -> bool {
             plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).is_ok()
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss: 1.0 / step as f32,
+            lr: 1e-3,
+            loss_scale: 1.0,
+            grad_norm: 0.5,
+            tokens_per_s: 1e4,
+            skipped: false,
+            val_loss: None,
+        }
+    }
+
+    fn steps_in(path: &Path) -> Vec<u64> {
+        let text = std::fs::read_to_string(path).unwrap();
+        text.lines().map(|l| serde_json::from_str::<StepMetrics>(l).unwrap().step).collect()
+    }
+
+    /// Regression: opening truncated the file and held the kept lines in an unflushed
+    /// buffer, so a kill during a resumed run left 0 bytes of a 20-step history.
+    #[test]
+    fn the_history_survives_a_kill_at_any_point_of_a_resumed_run() {
+        let dir = std::env::temp_dir().join(format!("zerotrain-metrics-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        let mut log = MetricsLog::open(&dir, 0).unwrap();
+        (1..=20).for_each(|s| log.push(&step(s)).unwrap());
+        std::mem::forget(log); // killed: no destructor, no flush
+        assert_eq!(steps_in(&path), (1..=20).collect::<Vec<_>>());
+
+        // Resumed from the checkpoint at step 12, then killed at once, then after 2 steps.
+        let log = MetricsLog::open(&dir, 12).unwrap();
+        std::mem::forget(log);
+        assert_eq!(steps_in(&path), (1..=12).collect::<Vec<_>>());
+        let mut log = MetricsLog::open(&dir, 12).unwrap();
+        log.push(&step(13)).unwrap();
+        log.push(&step(14)).unwrap();
+        std::mem::forget(log);
+        assert_eq!(steps_in(&path), (1..=14).collect::<Vec<_>>());
+
+        // A kill mid-line: the torn line is dropped at the next open, the rest kept.
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"step\": 15, \"lo").unwrap();
+        let log = MetricsLog::open(&dir, 20).unwrap();
+        drop(log);
+        assert_eq!(steps_in(&path), (1..=14).collect::<Vec<_>>());
+        assert!(!dir.join("metrics.jsonl.partial").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

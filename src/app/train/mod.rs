@@ -97,21 +97,74 @@ pub fn train_gpt(
 ) -> anyhow::Result<TrainSummary> {
     let (corpus, shape) = load_corpus(&settings.model, plan.seed, options.data.as_deref())?;
     let ckpt_dir = options.out.join("checkpoints");
-    if options.resume && !ckpt_dir.join(zerotrain_checkpoint::LATEST).is_file() {
-        bail!("--resume: no checkpoint in {} (nothing was saved there yet)", ckpt_dir.display());
-    }
     std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
+    let _lock = lock_run_folder(&options.out)?;
+    let resume_tag = resume_tag(&ckpt_dir, options.resume)?;
     let device = Device::flex().autodiff();
     device.seed(plan.seed);
     let init = Gpt::new(&shape, &device);
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
-    let job = Job { plan, options, corpus: &corpus, shape, ckpt_dir, every, eval_every, log, progress };
+    let job = Job { plan, options, corpus: &corpus, shape, ckpt_dir, resume_tag, every, eval_every, log, progress };
     let results = launch(plan, |ctx| job.run_rank(init.clone(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
     let mut summary = results.into_iter().next().expect("at least one rank");
     summary.memory = memory;
     Ok(summary)
+}
+
+/// The run folder's lock file: held for the whole run, so two trainers cannot write one
+/// folder. Under mpirun only rank 0's process takes it (the others share its run).
+pub const LOCK_FILE: &str = ".zerotrain.lock";
+
+/// Takes the run folder's exclusive lock (released when the returned file is dropped, or
+/// by the OS when the process dies).
+fn lock_run_folder(out: &Path) -> anyhow::Result<Option<std::fs::File>> {
+    if crate::detect_mpirun().is_some_and(|m| m.rank != 0) {
+        return Ok(None);
+    }
+    let path = out.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            bail!("{} is in use by another zerotrain run (its lock {} is held)", out.display(), path.display())
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
+    }
+}
+
+/// What to resume from, after checking the run folder: a run without `--resume` must not
+/// find an earlier run's checkpoints (it would replace them); `--resume` needs one, and
+/// with `latest` missing it takes the newest complete checkpoint, with a warning.
+fn resume_tag(ckpt_dir: &Path, resume: bool) -> anyhow::Result<Option<Option<String>>> {
+    let latest = ckpt_dir.join(zerotrain_checkpoint::LATEST).is_file();
+    let mut complete = zerotrain_checkpoint::list(ckpt_dir)?;
+    complete.sort();
+    match (resume, latest, complete.last()) {
+        (false, false, None) => Ok(None),
+        (false, _, _) => bail!(
+            "{} holds checkpoints of an earlier run: continue it with --resume, or choose another --out \
+             (nothing was changed)",
+            ckpt_dir.display()
+        ),
+        (true, true, _) => Ok(Some(None)),
+        (true, false, Some((step, tag))) => {
+            let tags: Vec<&str> = complete.iter().map(|(_, t)| t.as_str()).collect();
+            eprintln!(
+                "warning: {} has no `latest`; resuming from the newest complete checkpoint, {tag} (step {step}), of {}",
+                ckpt_dir.display(),
+                tags.join(", ")
+            );
+            Ok(Some(Some(tag.clone())))
+        }
+        (true, false, None) => bail!("--resume: no checkpoint in {} (nothing was saved there yet)", ckpt_dir.display()),
+    }
 }
 
 /// One `train_gpt` call, shared by its rank threads.
@@ -121,6 +174,8 @@ struct Job<'a> {
     corpus: &'a Corpus,
     shape: GptConfig,
     ckpt_dir: PathBuf,
+    /// The checkpoint to resume from: `Some(None)` for `latest`, `Some(Some(tag))` for a tag.
+    resume_tag: Option<Option<String>>,
     /// Checkpoint interval in steps (0: only at the end).
     every: u64,
     /// Validation interval in steps.
@@ -134,8 +189,8 @@ impl Job<'_> {
     fn run_rank(&self, init: Gpt, ctx: &RankContext) -> Result<TrainSummary> {
         let (plan, options, shape) = (self.plan, self.options, &self.shape);
         let mut engine = Engine::new(init, plan, ctx)?;
-        if options.resume {
-            engine.load_checkpoint(&self.ckpt_dir, None, LoadOptions::default())?;
+        if let Some(tag) = &self.resume_tag {
+            engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
         }
         let first_step = engine.counters().global_steps;
         let lead = ctx.rank() == 0;
