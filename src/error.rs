@@ -25,13 +25,15 @@ pub enum Error {
     /// The model cannot be trained as given.
     #[error("model: {0}")]
     Model(String),
-    /// A file or folder could not be read or written.
-    #[error("{}: {source}", path.display())]
+    /// A file or folder could not be read or written. (Errors here display their cause in
+    /// their own message and do not also return it as `source()`, so that an error chain
+    /// prints it once.)
+    #[error("{}: {cause}", path.display())]
     Io {
         /// The file or folder.
         path: PathBuf,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The ranks could not be started as the plan says (e.g. `mpirun` started another
     /// number of processes, or this build has no MPI support).

@@ -504,3 +504,60 @@ fn a_used_run_folder_is_refused_without_resume_locked_in_use_and_resumable_witho
     assert!(stdout.contains("steps 3..5"), "{stdout}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Regressions from hostile input: overflowing and absurd sizes panicked or aborted on an
+/// allocation, duplicate keys were accepted, endless files were read without bound, a
+/// 10 MB unknown key took 30 s and was echoed whole, I/O causes printed twice.
+#[test]
+fn hostile_inputs_are_short_one_line_errors_never_panics_or_aborts() {
+    let huge_key = format!(r#"{{"{}": 1}}"#, "k".repeat(10 << 20));
+    let configs = [
+        ("overflow", r#"{"train_micro_batch_size_per_gpu": 9223372036854775808, "zerotrain": {"world_size": 2}}"#),
+        ("micro", r#"{"train_micro_batch_size_per_gpu": 1099511627776}"#),
+        ("n-embd", r#"{"train_batch_size": 2, "model": {"n_embd": 4294967296, "n_head": 1}}"#),
+        ("too-big", r#"{"train_batch_size": 2, "model": {"n_embd": 65536, "n_head": 1}}"#),
+        ("duplicate", r#"{"train_batch_size": 2, "zero_optimization": {"stage": 1, "stage": 3}}"#),
+        ("huge-key", huge_key.as_str()),
+    ];
+    let expected = [
+        "batch sizes are inconsistent",
+        "`train_micro_batch_size_per_gpu`: 1099511627776 is more than the 1048576",
+        "model.n_embd is 4294967296, more than the built-in GPT's limit of 65536",
+        "more than the built-in GPT's limit of 4294967296",
+        "duplicate key `stage`",
+        "unknown key `kkkk",
+    ];
+    for ((name, json), needle) in configs.iter().zip(expected) {
+        let path = temp_config(&format!("hostile-{name}"), json);
+        let start = std::time::Instant::now();
+        let out = zerotrain(&["config", "check", path.to_str().unwrap()]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains(needle) && stderr.trim().lines().count() == 1, "{name}: {stderr}");
+        assert!(stderr.len() < 1000, "{name}: a {} byte message", stderr.len());
+        assert!(start.elapsed() < std::time::Duration::from_secs(20), "{name}: {:?}", start.elapsed());
+    }
+    let run = temp_run("hostile");
+    let big_model =
+        temp_config("hostile-memory", r#"{"train_batch_size": 2, "model": {"n_embd": 4096, "n_layer": 16}}"#);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["config", "check", "/dev/zero"], "is larger than 16777216 bytes"),
+        (vec!["config", "check", "configs/tiny.json", "--world-size", "20000"], "20000 thread ranks is more than"),
+        (vec!["train", "--config", "configs/tiny.json", "--data", "/dev/zero"], "larger than 268435456 bytes"),
+        (vec!["train", "--config", "configs/tiny.json", "--out", "/proc/zerotrain"], "cannot create /proc/zerotrain"),
+        (vec!["train", "--config", big_model.to_str().unwrap(), "--world-size", "2"], "of memory is available"),
+        (vec!["train", "--config", "configs/tiny.json", "--data", "no/such/file"], "No such file or directory"),
+    ];
+    for (args, needle) in cases {
+        let mut args = args;
+        if args[0] == "train" && !args.contains(&"--out") {
+            args.extend(["--out", run.to_str().unwrap()]);
+        }
+        let out = zerotrain(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle) && stderr.trim().lines().count() == 1, "{args:?}: {stderr}");
+        assert_eq!(stderr.matches(needle).count(), 1, "{args:?}: the cause is printed once: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&run);
+}

@@ -15,12 +15,12 @@ pub enum CheckpointError {
         reason: &'static str,
     },
     /// A file-system operation failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file or directory.
         path: PathBuf,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A file's contents are not what the manifest recorded (checksum, size, header).
     #[error("{path}: corrupted: {reason}")]
@@ -70,7 +70,7 @@ impl CheckpointError {
     /// An [`CheckpointError::Io`] for `path`.
     pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
-        move |source| Self::Io { path, source }
+        move |cause| Self::Io { path, cause }
     }
 }
 

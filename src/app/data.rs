@@ -11,17 +11,28 @@ use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+/// Largest `--data` file read, in bytes (the corpus keeps 4 bytes per character).
+pub const MAX_CORPUS_BYTES: u64 = 256 << 20;
+
 /// Errors building a corpus; each names its cause in one line.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DataError {
     /// The data file could not be read.
-    #[error("cannot read data file {path}: {source}")]
+    #[error("cannot read data file {path}: {cause}")]
     Read {
         /// The file.
         path: String,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
+    },
+    /// The data file is larger than [`MAX_CORPUS_BYTES`] (or endless, like `/dev/zero`).
+    #[error("data file {path} is larger than {limit} bytes, the most the character corpus holds in memory")]
+    TooLarge {
+        /// The file.
+        path: String,
+        /// The limit in bytes.
+        limit: u64,
     },
     /// The data file is not UTF-8.
     #[error("data file {path} is not UTF-8 text (first invalid byte at offset {offset})")]
@@ -66,10 +77,16 @@ impl Corpus {
         Self::from_text("generated arithmetic", &text)
     }
 
-    /// The UTF-8 file at `path`.
+    /// The UTF-8 file at `path`, of at most [`MAX_CORPUS_BYTES`].
     pub fn from_file(path: &Path) -> Result<Self, DataError> {
+        use std::io::Read;
         let name = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|source| DataError::Read { path: name.clone(), source })?;
+        let read = |cause| DataError::Read { path: name.clone(), cause };
+        let mut bytes = Vec::new();
+        std::fs::File::open(path).and_then(|f| f.take(MAX_CORPUS_BYTES + 1).read_to_end(&mut bytes)).map_err(read)?;
+        if bytes.len() as u64 > MAX_CORPUS_BYTES {
+            return Err(DataError::TooLarge { path: name, limit: MAX_CORPUS_BYTES });
+        }
         let text = String::from_utf8(bytes)
             .map_err(|e| DataError::NotUtf8 { path: name.clone(), offset: e.utf8_error().valid_up_to() })?;
         Ok(Self::from_text(&name, &text))

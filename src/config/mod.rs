@@ -27,7 +27,10 @@ mod value;
 use std::path::{Path, PathBuf};
 
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
-pub use plan::{Backend, BatchPlan, LossScalePlan, OptimizerPlan, Plan, ZeroPlan};
+pub use plan::{
+    Backend, BatchPlan, LossScalePlan, MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH, MAX_THREAD_RANKS, OptimizerPlan, Plan,
+    ZeroPlan,
+};
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};
 
@@ -36,12 +39,12 @@ pub use value::{AutoOr, Count};
 #[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
+    #[error("cannot read config {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file is larger than [`MAX_CONFIG_BYTES`].
     #[error("config {path} is larger than {limit} bytes; it is not a config file")]

@@ -49,7 +49,7 @@ pub trait ConfigExtension: DeserializeOwned {
 
 /// Reads a config file of at most [`MAX_CONFIG_BYTES`].
 pub fn read_file(path: &Path) -> Result<String, ConfigError> {
-    let io = |source| ConfigError::Io { path: path.to_path_buf(), source };
+    let io = |source| ConfigError::Io { path: path.to_path_buf(), cause: source };
     let mut text = String::new();
     std::fs::File::open(path).and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)).map_err(io)?;
     if text.len() as u64 > MAX_CONFIG_BYTES {
@@ -58,15 +58,76 @@ pub fn read_file(path: &Path) -> Result<String, ConfigError> {
     Ok(text)
 }
 
-/// Parses JSON text into a value (`null` and `{}` alike mean an empty config).
+/// Parses JSON text into a value (`null` and `{}` alike mean an empty config). An object
+/// with a repeated key is an error: `serde_json::Value` would keep the last silently, and
+/// DeepSpeed's own loader rejects duplicates.
 pub fn json(text: &str, origin: &str) -> Result<Value, ConfigError> {
-    let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+    let value: Value = serde_json::from_str::<Strict>(text).map(|s| s.0).map_err(|e| ConfigError::Json {
         origin: origin.to_string(),
         line: e.line(),
         column: e.column(),
         message: e.to_string(),
     })?;
     Ok(if value.is_null() { Value::Object(Map::new()) } else { value })
+}
+
+/// A JSON value whose objects have no repeated key.
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                let shown: String = key.chars().take(MAX_KEY_CHARS).collect();
+                return Err(serde::de::Error::custom(format!("duplicate key `{shown}`")));
+            }
+            let Strict(value) = map.next_value()?;
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
 }
 
 /// Moves the dotted `paths` out of `root` into a new object, at the same paths.
@@ -184,6 +245,15 @@ mod tests {
         let taken = split_off(&mut v, &["model", "zerotrain.every", "missing", "zerotrain.missing"]);
         assert_eq!(taken, serde_json::json!({"model": {"n": 2}, "zerotrain": {"every": 3}}));
         assert_eq!(v, serde_json::json!({"a": 1, "zerotrain": {"world_size": 2}}));
+    }
+
+    #[test]
+    fn repeated_keys_are_errors_at_any_depth() {
+        let err = json(r#"{"a": 1, "b": {"c": 2, "c": 3}}"#, "f.json").unwrap_err().to_string();
+        assert!(err.starts_with("f.json: invalid JSON at line 1") && err.contains("duplicate key `c`"), "{err}");
+        assert!(json(r#"{"train_batch_size": 8, "train_batch_size": 16}"#, "f").is_err());
+        let v = json(r#"{"a": [1, -2, 2.5, "x", null, true, {"b": {}}], "c": 18446744073709551615}"#, "f").unwrap();
+        assert_eq!(v, serde_json::json!({"a": [1, -2, 2.5, "x", null, true, {"b": {}}], "c": u64::MAX}));
     }
 
     #[test]

@@ -10,6 +10,15 @@ use zerotrain_zero::ZeroStage;
 use super::ConfigError;
 use crate::schedule::LrSchedule;
 
+/// Largest `train_micro_batch_size_per_gpu`: samples one rank holds at once; beyond a
+/// million it is a typo, and a batch that size would fail to allocate rather than train.
+pub const MAX_MICRO_BATCH: u64 = 1 << 20;
+/// Largest `gradient_accumulation_steps`.
+pub const MAX_ACCUMULATION_STEPS: u64 = 1 << 20;
+/// Largest world size of the threads backend (ranks are threads of one process; under
+/// `mpirun` the process count decides and is not limited here).
+pub const MAX_THREAD_RANKS: usize = 1024;
+
 /// Batch sizes after DeepSpeed's rule: `train_batch_size = micro x accumulation x world`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BatchPlan {
@@ -39,19 +48,33 @@ impl BatchPlan {
         if [train, micro, gas].contains(&Some(0)) {
             return Err(mismatch(train, micro, gas));
         }
+        // Checked arithmetic throughout: a product beyond u64 is a mismatch, not a panic.
+        let mul = |a: u64, b: u64| a.checked_mul(b).ok_or(mismatch(train, micro, gas));
         let divide =
             |num: u64, den: u64| num.is_multiple_of(den).then_some(num / den).ok_or(mismatch(train, micro, gas));
         let (t, m, g) = match (train, micro, gas) {
             (Some(t), Some(m), Some(g)) => (t, m, g),
-            (Some(t), Some(m), None) => (t, m, divide(t, m * world_size)?),
-            (Some(t), None, Some(g)) => (t, divide(t, g * world_size)?, g),
-            (None, Some(m), Some(g)) => (m * g * world_size, m, g),
+            (Some(t), Some(m), None) => (t, m, divide(t, mul(m, world_size)?)?),
+            (Some(t), None, Some(g)) => (t, divide(t, mul(g, world_size)?)?, g),
+            (None, Some(m), Some(g)) => (mul(mul(m, g)?, world_size)?, m, g),
             (Some(t), None, None) => (t, divide(t, world_size)?, 1),
-            (None, Some(m), None) => (m * world_size, m, 1),
+            (None, Some(m), None) => (mul(m, world_size)?, m, 1),
             (None, None, _) => return Err(ConfigError::MissingBatchSize),
         };
-        if t != m * g * world_size {
+        if Some(t) != m.checked_mul(g).and_then(|mg| mg.checked_mul(world_size)) {
             return Err(mismatch(train, micro, gas));
+        }
+        for (key, value, limit) in [
+            ("train_micro_batch_size_per_gpu", m, MAX_MICRO_BATCH),
+            ("gradient_accumulation_steps", g, MAX_ACCUMULATION_STEPS),
+        ] {
+            if value > limit {
+                return Err(ConfigError::InvalidValue {
+                    origin: "config".into(),
+                    key: key.into(),
+                    message: format!("{value} is more than the {limit} zerotrain accepts"),
+                });
+            }
         }
         Ok(Self { train_batch_size: t, micro_batch_per_rank: m, gradient_accumulation_steps: g })
     }

@@ -72,6 +72,11 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     if world_size == 0 {
         return Err(invalid("zerotrain.world_size", "must be at least 1"));
     }
+    if backend != Backend::Mpi && world_size > super::plan::MAX_THREAD_RANKS {
+        let key = if overrides.world_size.is_some() { "--world-size" } else { "zerotrain.world_size" };
+        let max = super::plan::MAX_THREAD_RANKS;
+        return Err(invalid(key, format!("{world_size} thread ranks is more than the {max} one process runs")));
+    }
     let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
     if !(timeout_s > 0.0 && timeout_s <= 1e7) {
         return Err(invalid(

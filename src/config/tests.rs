@@ -262,3 +262,29 @@ fn a_config_file_larger_than_the_limit_is_refused_without_reading_it_all() {
     assert!(matches!(&err, ConfigError::TooLarge { .. }), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Regressions from hostile configs: an overflowing batch product panicked; absurd sizes
+/// passed `config check` and aborted later on an allocation.
+#[test]
+fn huge_batch_sizes_and_world_sizes_are_errors_naming_the_key_not_panics() {
+    let overflow = r#"{"train_micro_batch_size_per_gpu": 9223372036854775808, "gradient_accumulation_steps": 3}"#;
+    let err = parse(overflow).unwrap().resolve(Overrides { world_size: Some(2), ..Overrides::default() });
+    assert!(matches!(err, Err(ConfigError::BatchMismatch { .. })), "{err:?}");
+    let err = plan(r#"{"train_micro_batch_size_per_gpu": 1099511627776}"#).unwrap_err().to_string();
+    assert!(err.contains("`train_micro_batch_size_per_gpu`: 1099511627776 is more than the 1048576"), "{err}");
+    let err = plan(r#"{"train_batch_size": 8, "gradient_accumulation_steps": 18446744073709551615}"#).unwrap_err();
+    assert!(matches!(err, ConfigError::BatchMismatch { .. }), "{err}");
+    let config = parse(r#"{"train_batch_size": 20000}"#).unwrap();
+    let err = config.resolve(Overrides { world_size: Some(20000), ..Overrides::default() }).unwrap_err();
+    assert!(err.to_string().contains("`--world-size`: 20000 thread ranks is more than the 1024"), "{err}");
+    let err = plan(r#"{"train_batch_size": 4, "zerotrain": {"world_size": 4096}}"#).unwrap_err();
+    assert!(err.to_string().contains("`zerotrain.world_size`"), "{err}");
+    // mpirun's process count is not limited by the threads cap.
+    let mpirun = Some(MpirunEnvironment { rank: 0, world_size: 2048 });
+    assert!(
+        parse(r#"{"train_micro_batch_size_per_gpu": 1}"#)
+            .unwrap()
+            .resolve(Overrides { mpirun, ..Overrides::default() })
+            .is_ok()
+    );
+}

@@ -73,18 +73,41 @@ impl GptConfig {
         if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!("model.n_embd ({}) must be a multiple of model.n_head ({})", self.n_embd, self.n_head));
         }
+        let limits = [
+            ("n_layer", self.n_layer, 1 << 10),
+            ("n_embd", self.n_embd, 1 << 16),
+            ("block_size", self.block_size, 1 << 16),
+            ("vocab_size", self.vocab_size, 1 << 24),
+        ];
+        if let Some((name, value, limit)) = limits.iter().find(|(_, v, limit)| v > limit) {
+            return Err(format!("model.{name} is {value}, more than the built-in GPT's limit of {limit}"));
+        }
+        if self.num_params() > MAX_PARAMS {
+            return Err(format!(
+                "model.n_embd and model.n_layer give {} parameters, more than the built-in GPT's limit of {MAX_PARAMS}",
+                self.num_params()
+            ));
+        }
         Ok(())
     }
 
-    /// Trainable parameters of this shape (no key bias; see [`Gpt`]).
+    /// Trainable parameters of this shape (no key bias; see [`Gpt`]). Saturates at
+    /// `u64::MAX` for shapes far beyond [`validate`](Self::validate)'s limits.
     pub fn num_params(&self) -> u64 {
-        let (d, v, t) = (self.n_embd as u64, self.vocab_size as u64, self.block_size as u64);
+        if [self.n_embd, self.vocab_size, self.block_size, self.n_layer].iter().any(|&x| x as u64 > 1 << 32) {
+            return u64::MAX;
+        }
+        let (d, v, t) = (self.n_embd as u128, self.vocab_size as u128, self.block_size as u128);
         // q, k, v, out projections (k without bias), 2 norms, MLP up and down.
         let block = 4 * d * d + 3 * d + 4 * d + (d * 4 * d + 4 * d) + (4 * d * d + d);
         let head = if self.tied_head { 0 } else { d * v + v };
-        v * d + t * d + self.n_layer as u64 * block + 2 * d + head
+        let total = v * d + t * d + self.n_layer as u128 * block + 2 * d + head;
+        u64::try_from(total).unwrap_or(u64::MAX)
     }
 }
+
+/// Largest built-in GPT, in parameters (16 GiB of fp32 weights alone).
+pub const MAX_PARAMS: u64 = 1 << 32;
 
 const EMBEDDING_INIT: Initializer = Initializer::Normal { mean: 0.0, std: 0.02 };
 

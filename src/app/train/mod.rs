@@ -100,6 +100,7 @@ pub fn train_gpt(
     std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
     let _lock = lock_run_folder(&options.out)?;
     let resume_tag = resume_tag(&ckpt_dir, options.resume)?;
+    check_memory(plan, shape.num_params())?;
     let device = Device::flex().autodiff();
     device.seed(plan.seed);
     let init = Gpt::new(&shape, &device);
@@ -111,6 +112,38 @@ pub fn train_gpt(
     let mut summary = results.into_iter().next().expect("at least one rank");
     summary.memory = memory;
     Ok(summary)
+}
+
+/// Refuses a model whose model states would not fit this machine's available memory,
+/// before allocating them: a failed allocation aborts the process without a message.
+/// Counts the ranks in this process (all of them under threads, one under mpirun) at
+/// the stage's ZeRO formula, plus the initial copy of the model.
+fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
+    use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
+    let ranks_here = if crate::detect_mpirun().is_some() { 1 } else { plan.world_size as u64 };
+    let cost = match plan.precision {
+        zerotrain_precision::Precision::Fp32 => BytesPerParam::FP32_ADAM,
+        _ => BytesPerParam::MIXED_ADAM,
+    };
+    let shard = params.div_ceil(plan.world_size as u64);
+    let per_rank = model_state_bytes(plan.zero.stage, params, shard, cost).total();
+    let needed = per_rank.saturating_mul(ranks_here).saturating_add(params.saturating_mul(4));
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
+        let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    });
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    match available {
+        Some(available) if needed > available => bail!(
+            "a GPT of {params} parameters needs about {:.1} GiB of model states in this process ({ranks_here} \
+             rank(s), {}), but only {:.1} GiB of memory is available: shrink the model section, or use a higher \
+             ZeRO stage or more processes",
+            gib(needed),
+            plan.zero.stage,
+            gib(available)
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// The run folder's lock file: held for the whole run, so two trainers cannot write one
@@ -324,7 +357,7 @@ fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
-    move |source| Error::Io { path: path.to_path_buf(), source }
+    move |source| Error::Io { path: path.to_path_buf(), cause: source }
 }
 
 /// Text from the trained model: for the arithmetic corpus, completions of held-out sums
