@@ -53,6 +53,65 @@ struct EngineState {
     optimizer_scalars: Vec<(String, Scalar)>,
 }
 
+/// Largest counter, lr position or optimizer step count a manifest may hold (exact in f64).
+const MAX_COUNT: u64 = 1 << 53;
+
+impl EngineState {
+    /// The engine state of `ckpt`'s manifest, checked: the checksum only proves the file is
+    /// what was written, not that it was written by zerotrain, and extreme values would
+    /// panic or poison training after a resume.
+    fn read(ckpt: &Checkpoint) -> Result<Self> {
+        let invalid = |reason: String| CheckpointError::InvalidManifest {
+            path: ckpt.dir().join("manifest.json"),
+            reason: format!("engine state: {reason}"),
+        };
+        let state: Self = serde_json::from_value(ckpt.manifest().engine.clone()).map_err(|e| invalid(e.to_string()))?;
+        state.validate().map_err(invalid)?;
+        Ok(state)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        let c = &self.counters;
+        for (name, value) in [
+            ("global_steps", c.global_steps),
+            ("micro_steps", c.micro_steps),
+            ("skipped_steps", c.skipped_steps),
+            ("global_samples", c.global_samples),
+        ] {
+            if value > MAX_COUNT {
+                return Err(format!("counter {name} is {value}, beyond {MAX_COUNT}"));
+            }
+        }
+        if c.skipped_steps > c.global_steps {
+            return Err(format!("{} skipped steps of {} steps", c.skipped_steps, c.global_steps));
+        }
+        if !(-1..=MAX_COUNT as i64).contains(&self.lr_iteration) {
+            return Err(format!("lr schedule position {} is out of range", self.lr_iteration));
+        }
+        if let Some(s) = &self.loss_scaler {
+            // The largest scale DeepSpeed's config allows is 2^64 (initial_scale_power <= 64).
+            if !(s.scale.is_finite() && s.scale > 0.0 && s.scale <= 2f64.powi(64)) {
+                return Err(format!("loss scale {} is not in (0, 2^64]", s.scale));
+            }
+            if s.iter > MAX_COUNT || s.last_overflow_iter < -1 || s.last_overflow_iter > s.iter as i64 {
+                return Err(format!("loss scaler iteration {} / last overflow {}", s.iter, s.last_overflow_iter));
+            }
+        }
+        for (name, scalar) in &self.optimizer_scalars {
+            let ok = match *scalar {
+                Scalar::Int(v) => (0..=i64::from(i32::MAX)).contains(&v),
+                Scalar::UInt(v) => v <= i32::MAX as u64,
+                Scalar::Float(v) => v.is_finite(),
+                Scalar::Bool(_) => true,
+            };
+            if !ok {
+                return Err(format!("optimizer scalar {name} = {scalar:?} is out of range"));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<M: Module> Engine<M> {
     /// Saves a checkpoint to `<dir>/<tag>` (default tag `global_step{N}`) with the caller's
     /// `client_state`, atomically (see `zerotrain-checkpoint`'s commit protocol). Every rank
@@ -143,13 +202,20 @@ impl<M: Module> Engine<M> {
         tag: Option<&str>,
         options: LoadOptions,
     ) -> Result<serde_json::Value> {
-        let opened = Checkpoint::open(dir.as_ref(), tag)
-            .map_err(Error::from)
-            .and_then(|c| self.check_fits(&c, options).map(|()| c));
-        let ckpt = self.agree(opened, "opening the checkpoint")?;
+        if self.window.micro_steps > 0 {
+            return Err(Error::Usage(format!(
+                "load_checkpoint inside an accumulation window ({} of {} micro-steps done): its gradients would \
+                 mix with the loaded weights; call step() first, or load before training",
+                self.window.micro_steps, self.plan.batch.gradient_accumulation_steps
+            )));
+        }
+        let opened = Checkpoint::open(dir.as_ref(), tag).map_err(Error::from).and_then(|c| {
+            self.check_fits(&c, options)?;
+            let state = EngineState::read(&c)?;
+            Ok((c, state))
+        });
+        let (ckpt, state) = self.agree(opened, "opening the checkpoint")?;
         let m = ckpt.manifest();
-        let state: EngineState = serde_json::from_value(m.engine.clone())
-            .map_err(|e| CheckpointError::Mismatch(format!("{}: engine state: {e}", ckpt.dir().display())))?;
         let range = self.optimizer_range();
         let real = match self.plan.zero.stage {
             ZeroStage::Disabled => range.clone(),
@@ -218,7 +284,9 @@ impl<M: Module> Engine<M> {
         let kind = m.engine.get("optimizer").and_then(|v| v.as_str()).unwrap_or("?");
         if options.load_optimizer_states && !options.load_module_only && kind != self.plan.optimizer.kind() {
             return Err(CheckpointError::Mismatch(format!(
-                "{} holds {kind} optimizer state but the config trains with {}; load with load_optimizer_states = false",
+                "{} holds {kind} optimizer state but the config trains with {}: set optimizer.type back to {kind} \
+                 to resume, or (from the library) load the weights alone with LoadOptions {{ load_optimizer_states: \
+                 false, .. }}",
                 ckpt.dir().display(),
                 self.plan.optimizer.kind()
             ))

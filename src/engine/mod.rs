@@ -23,6 +23,8 @@ mod params;
 mod stage3;
 mod step;
 mod store;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Instant;

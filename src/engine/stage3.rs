@@ -53,6 +53,12 @@ impl Partition {
         if self.state == State::Gathered {
             return Ok((model, 0));
         }
+        if self.shard.len() != layout.shard_len() {
+            return Err(crate::Error::Usage(
+                "this rank's parameter shard is gone (an optimizer step failed part-way); load a checkpoint to go on"
+                    .into(),
+            ));
+        }
         let gathered = gather_params(model, index, layout, comm, &self.shard, target)?;
         self.state = State::Gathered;
         Ok(gathered)

@@ -130,6 +130,14 @@ impl<M: Module> Engine<M> {
     pub(super) fn publish(&mut self, values: &[f32]) -> Result<u64> {
         let stage = self.plan.zero.stage;
         if stage == ZeroStage::Parameters {
+            // A forward between the last backward and this step gathered the pre-step
+            // weights; release them, or the next forward would silently train on them.
+            if let Some(partition) = self.store.partition()
+                && !partition.is_released()
+            {
+                let model = self.model.clone();
+                self.model = partition.release(model, &self.index, &self.layout, &self.device);
+            }
             return Ok(0);
         }
         let (model, dtype) = (self.model.clone(), self.plan.precision);

@@ -7,7 +7,18 @@ use zerotrain_zero::{Collective, FlatLayout, ZeroStage};
 
 use super::params::{ParamIndex, read_params};
 use super::stage3::Partition;
-use crate::Result;
+use crate::{Error, Result};
+
+/// Note: lost master weights. [`take`](ParamStore::take) moves the only fp32 copy
+/// (mixed precision, stage 3) into the optimizer; if the step fails, nothing puts it back.
+/// The store then holds an empty vector where its range has elements, and every later read
+/// is this error, never a panic or a checkpoint of empty values. Loading a checkpoint puts
+/// new values in and heals it.
+fn lost() -> Error {
+    Error::Usage(
+        "this rank's master weights are gone (an optimizer step failed part-way); load a checkpoint to go on".into(),
+    )
+}
 
 /// The master weights of a rank's optimizer range.
 pub(crate) enum ParamStore {
@@ -48,11 +59,22 @@ impl ParamStore {
         layout: &FlatLayout,
         range: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
+        self.check(range.len())?;
         match self {
             Self::InModel => self.values(model, index, layout, range),
             Self::Master(master) => Ok(std::mem::take(master)),
             Self::Partitioned(partition) => Ok(partition.take_shard()),
         }
+    }
+
+    /// Whether the values of a range of `len` elements are here (see [`lost`]).
+    fn check(&self, len: usize) -> Result<()> {
+        let held = match self {
+            Self::InModel => return Ok(()),
+            Self::Master(master) => master.len(),
+            Self::Partitioned(partition) => partition.shard().len(),
+        };
+        if held == len { Ok(()) } else { Err(lost()) }
     }
 
     /// A copy of the master values of `range` (the optimizer's range), leaving them in place.
@@ -63,6 +85,7 @@ impl ParamStore {
         layout: &FlatLayout,
         range: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
+        self.check(range.len())?;
         match self {
             Self::InModel => {
                 let mut values = vec![0.0; range.len()];
@@ -93,6 +116,8 @@ impl ParamStore {
         layout: &FlatLayout,
         comm: &dyn Collective,
     ) -> Result<Vec<f32>> {
+        let sharded = !matches!(self, Self::Master(m) if m.len() == layout.num_elems());
+        self.check(if sharded { layout.shard_len() } else { layout.num_elems() })?;
         let shard = match self {
             Self::InModel => return self.values(model, index, layout, 0..layout.num_elems()),
             Self::Master(master) if master.len() == layout.num_elems() => return Ok(master.clone()),

@@ -82,3 +82,32 @@ fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
     })
     .unwrap();
 }
+
+/// Regression: at stage 3, a forward between the last backward and `step` gathered the
+/// pre-step weights, and they stayed gathered: the next step's forward trained on them.
+#[test]
+fn a_forward_before_step_does_not_leave_stale_weights_at_stage_3() {
+    let plan = plan(&recipe(3, 2, 1, 0.0), 2);
+    let device = burn::tensor::Device::flex().autodiff();
+    device.seed(9);
+    let init = Mlp::new(&[6, 16, 6], &device);
+    let run = |extra_forward: bool| {
+        launch(&plan, |ctx| {
+            let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
+            let mut losses = Vec::new();
+            for step in 0..4 {
+                let batch = TASK.batch(rank_indices(&plan, step, 0, ctx.rank()), ctx.device());
+                let loss = engine.forward(|m| m.loss(&batch))?;
+                engine.backward(loss)?;
+                if extra_forward {
+                    engine.forward(|m| m.loss(&batch))?; // e.g. logging, discarded
+                }
+                losses.push(engine.step()?.expect("boundary").loss);
+            }
+            Ok::<_, Error>((losses, engine.master_params()?))
+        })
+        .unwrap()
+        .swap_remove(0)
+    };
+    assert_eq!(run(true), run(false), "losses and masters equal the run without the extra forward");
+}

@@ -190,3 +190,68 @@ fn the_consolidated_file_loads_into_burn_and_python_with_the_engines_values() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Regression: the manifest's engine state was not validated, so extreme counters panicked
+/// on resume and a loss scale of 0, -1 or 1e308 was accepted. The checksum only proves the
+/// file is unchanged since it was written, so these manifests carry valid checksums.
+#[test]
+fn hostile_engine_state_in_a_checksummed_manifest_is_refused() {
+    let dir = temp_dir("hostile-state");
+    let plan = plan(&recipe(2, 2, 1, 0.0), 2);
+    let init = seeded(5);
+    train(&plan, &init, 0..1, None, Some(&dir)).unwrap();
+    let original = zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap().manifest().clone();
+    let scaler =
+        |scale: f64| serde_json::json!({"scale": scale, "iter": 1, "last_overflow_iter": -1, "hysteresis_left": 2});
+    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        ("scale 0", Box::new(move |e| e["loss_scaler"] = scaler(0.0)), "loss scale 0 is not in"),
+        ("scale -1", Box::new(move |e| e["loss_scaler"] = scaler(-1.0)), "loss scale -1 is not in"),
+        ("scale 1e308", Box::new(move |e| e["loss_scaler"] = scaler(1e308)), "is not in (0, 2^64]"),
+        ("steps", Box::new(|e| e["counters"]["global_steps"] = u64::MAX.into()), "counter global_steps"),
+        ("lr", Box::new(|e| e["lr_iteration"] = i64::MAX.into()), "lr schedule position"),
+        ("skipped", Box::new(|e| e["counters"]["skipped_steps"] = 5.into()), "5 skipped steps of 1 steps"),
+        (
+            "adam step",
+            Box::new(|e| {
+                for item in e["optimizer_scalars"].as_array_mut().expect("Adam saves its step count") {
+                    item[1] = serde_json::json!({"Int": -5});
+                }
+            }),
+            "optimizer scalar",
+        ),
+    ];
+    for (name, mutate, needle) in cases {
+        let mut m = original.clone();
+        mutate(&mut m.engine);
+        std::fs::write(dir.join(&m.tag).join("manifest.json"), m.to_bytes().unwrap()).unwrap();
+        let err = launch(&plan, |ctx| {
+            let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
+            engine.load_checkpoint(&dir, None, LoadOptions::default()).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("engine state") && err.contains(needle), "{name}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Regression: loading inside an accumulation window kept the window's gradients, which
+/// the next step then applied to the loaded weights.
+#[test]
+fn loading_inside_an_accumulation_window_is_refused() {
+    let dir = temp_dir("load-in-window");
+    let plan = plan(&recipe(1, 2, 2, 0.0), 2);
+    let init = seeded(6);
+    train(&plan, &init, 0..1, None, Some(&dir)).unwrap();
+    let err = launch(&plan, |ctx| {
+        let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
+        let batch = TASK.batch(rank_indices(&plan, 0, 0, ctx.rank()), ctx.device());
+        let loss = engine.forward(|m| m.loss(&batch))?;
+        engine.backward(loss)?;
+        engine.load_checkpoint(&dir, None, LoadOptions::default()).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("inside an accumulation window (1 of 2 micro-steps done)"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
