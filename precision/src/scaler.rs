@@ -202,7 +202,7 @@ mod tests {
         }
     }
 
-    /// DESIGN.md's golden trace: init 2^16, window 4, hysteresis 2, not consecutive, min 1.
+    /// DeepSpeed 0.19.8's DynamicLossScaler, traced: init 2^16, window 4, hysteresis 2, min 1.
     #[test]
     fn reproduces_the_golden_trace() {
         let overflows = [4, 6, 7, 12, 15];
