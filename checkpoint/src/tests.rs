@@ -242,3 +242,28 @@ fn consolidation_streams_parameters_larger_than_one_chunk_exactly() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Regression: consolidation allocated each parameter as the manifest sized it before any
+/// shard was read, so a checksummed manifest claiming a 64 GiB parameter aborted the
+/// process. It now streams in bounded chunks and fails on the first shard that does not
+/// match.
+#[test]
+fn a_manifest_claiming_a_huge_parameter_fails_without_allocating_it() {
+    let root = temp_root("huge-param");
+    let ckpt = write_sample(&root, "global_step1", 1, 100);
+    let mut m = ckpt.manifest().clone();
+    let huge: u64 = 1 << 34; // 64 GiB of f32
+    m.layout = vec![LayoutEntry { path: "huge".into(), shape: vec![huge], offset: 0 }];
+    for (i, f) in m.files.iter_mut().enumerate() {
+        (f.start, f.end) = (i as u64 * huge / 2, (i as u64 + 1) * huge / 2);
+        f.size = 8 + 4 * (huge / 2) * 2;
+        f.block_crc32 = vec![0; f.size.div_ceil(f.block_bytes) as usize];
+    }
+    std::fs::write(ckpt.dir().join("manifest.json"), m.to_bytes().unwrap()).unwrap();
+    let ckpt = Checkpoint::open(&root, None).expect("the manifest itself is consistent");
+    let out = root.join("model.safetensors");
+    let err = consolidate(&ckpt, &out, Precision::Fp32).unwrap_err().to_string();
+    assert!(err.contains("rank0.safetensors"), "{err}");
+    assert!(!out.exists() && !root.join("model.safetensors.partial").exists());
+    std::fs::remove_dir_all(&root).unwrap();
+}
