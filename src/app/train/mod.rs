@@ -256,7 +256,10 @@ impl Job<'_> {
             if let Some(file) = &mut log_file {
                 file.push(&metrics).map_err(io(&metrics_path))?;
                 (self.progress)(&metrics);
-                if step % plan.steps_per_print == 0 {
+                // Once a stop signal has arrived, no more step lines: under mpirun the
+                // launcher stops draining the ranks' output as it shuts down, and a rank
+                // blocked on a full stdout pipe would never reach its save.
+                if step % plan.steps_per_print == 0 && !options.stop.load(Ordering::Relaxed) {
                     self.print_step(&metrics, &report, engine.counters().skipped_steps);
                 }
             }

@@ -18,9 +18,14 @@
 //!
 //! # Note: a dead launcher
 //! A rank whose launcher died (`mpirun` SIGKILLed, its node daemon lost) would train on
-//! alone and go on writing checkpoints for a job nobody runs. [`MpiComm::init`] starts a
-//! watchdog thread that ends the process within 20 ms of its parent changing (the orphan
-//! is re-parented). It ends it with `_exit`: `exit` would run MPI's exit handlers, which
+//! alone and go on writing checkpoints for a job nobody runs. Every collective checks
+//! first, and while it waits, that the process that started the rank is still its parent
+//! (an orphan is re-parented), so no collective completes after `mpirun` died; a save
+//! needs several, so at most a commit already in flight can still land. A watchdog thread
+//! also ends an idle rank within 20 ms (a 20 ms window alone let a loaded machine commit
+//! two more checkpoints). `PR_SET_PDEATHSIG` is not used: it fires when the *thread* of
+//! `mpirun` that forked the rank exits, which OpenMPI's shutdown on SIGINT does before the
+//! ranks have saved. Both end the process with `_exit`: `exit` would run MPI's exit handlers, which
 //! wait a second for the dead runtime while the rank thread trains on. Ending a rank at
 //! any moment, a checkpoint save included, is safe: the commit protocol leaves the
 //! previous checkpoint and `latest` intact.
@@ -52,6 +57,8 @@ pub struct MpiComm {
     size: usize,
     thread: ThreadId,
     timeout: Duration,
+    /// The process that started this rank (see the module note "a dead launcher").
+    launcher: u32,
     counters: CommCounters,
 }
 
@@ -82,7 +89,8 @@ impl MpiComm {
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        exit_when_the_launcher_dies();
+        let launcher = std::os::unix::process::parent_id();
+        exit_when_the_launcher_dies(launcher);
         Ok(Self {
             universe: Some(universe),
             world,
@@ -90,11 +98,13 @@ impl MpiComm {
             size,
             thread: std::thread::current().id(),
             timeout,
+            launcher,
             counters: CommCounters::default(),
         })
     }
 
     fn check(&self, op: OpKind) -> Result<(), ZeroError> {
+        exit_if_orphaned(self.launcher);
         if std::thread::current().id() == self.thread {
             Ok(())
         } else {
@@ -121,6 +131,7 @@ impl MpiComm {
                 Ok(_) => return,
                 Err(pending) => request = pending,
             }
+            exit_if_orphaned(self.launcher);
             let waited = start.elapsed();
             if waited >= self.timeout {
                 let message = format!(
@@ -157,21 +168,26 @@ impl Drop for MpiComm {
     }
 }
 
-/// The watchdog of the module note "a dead launcher".
-fn exit_when_the_launcher_dies() {
-    let launcher = std::os::unix::process::parent_id();
+/// Ends the process at once if `launcher` is no longer its parent (module note "a dead
+/// launcher").
+fn exit_if_orphaned(launcher: u32) {
+    if std::os::unix::process::parent_id() != launcher {
+        // Not eprintln!: stderr was a pipe to the dead launcher, and a failed write must
+        // not panic before the process ends.
+        let message = format!("zerotrain: this rank's launcher (process {launcher}) is gone; the rank stops\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
+        // SAFETY: `_exit` takes no pointers and is always sound to call; it ends the
+        // process at once without running exit handlers or destructors, as intended.
+        unsafe { libc::_exit(1) };
+    }
+}
+
+/// The watchdog of the module note "a dead launcher", for a rank between collectives.
+fn exit_when_the_launcher_dies(launcher: u32) {
     let watch = move || {
         loop {
             std::thread::sleep(Duration::from_millis(20));
-            if std::os::unix::process::parent_id() != launcher {
-                // Not eprintln!: stderr was a pipe to the dead launcher, and a failed write
-                // must not panic this thread before it ends the process.
-                let message = format!("zerotrain: this rank's launcher (process {launcher}) is gone; the rank stops\n");
-                let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
-                // SAFETY: `_exit` takes no pointers and is always sound to call; it ends the
-                // process at once without running exit handlers or destructors, as intended.
-                unsafe { libc::_exit(1) };
-            }
+            exit_if_orphaned(launcher);
         }
     };
     if let Err(e) = std::thread::Builder::new().name("zerotrain-launcher-watch".into()).spawn(watch) {
