@@ -109,8 +109,8 @@ where
                 })
             })
             .collect();
-        let started = handles.iter().filter(|h| h.is_ok()).count();
-        watch_for_stalls(&world, &finished, started, stall_grace(plan));
+        let running: Vec<bool> = handles.iter().map(Result::is_ok).collect();
+        watch_for_stalls(&world, &finished, running, stall_grace(plan));
         handles
             .into_iter()
             .map(|h| h.and_then(|h| h.join().unwrap_or_else(|_| unreachable!("run_rank catches panics"))))
@@ -144,7 +144,7 @@ fn stall_grace(plan: &Plan) -> Duration {
     plan.comm_timeout.min(Duration::from_secs(10))
 }
 
-/// Waits until `started` rank threads have reported on `finished`. Once the job has failed,
+/// Waits until the `running` rank threads have reported on `finished`. Once the job has failed,
 /// the others get `grace` to finish; a rank thread still running after that (stalled in its
 /// own code, outside any collective) can be neither stopped nor abandoned, since it borrows
 /// the caller's data, so the process prints the failure and the stalled ranks and exits
@@ -152,9 +152,8 @@ fn stall_grace(plan: &Plan) -> Duration {
 ///
 /// Note: a rank still running after every other rank returned *successfully* is not a
 /// failure (rank 0 may have more work, such as writing a report), so it is waited for.
-fn watch_for_stalls(world: &ThreadWorld, finished: &Receiver<usize>, started: usize, grace: Duration) {
-    let mut running = vec![true; world.world_size()];
-    let mut left = started;
+fn watch_for_stalls(world: &ThreadWorld, finished: &Receiver<usize>, mut running: Vec<bool>, grace: Duration) {
+    let mut left = running.iter().filter(|&&r| r).count();
     let mut deadline: Option<Instant> = None;
     while left > 0 {
         match finished.recv_timeout(Duration::from_millis(50)) {

@@ -116,14 +116,15 @@ impl ParamStore {
         layout: &FlatLayout,
         comm: &dyn Collective,
     ) -> Result<Vec<f32>> {
-        let sharded = !matches!(self, Self::Master(m) if m.len() == layout.num_elems());
-        self.check(if sharded { layout.shard_len() } else { layout.num_elems() })?;
         let shard = match self {
             Self::InModel => return self.values(model, index, layout, 0..layout.num_elems()),
             Self::Master(master) if master.len() == layout.num_elems() => return Ok(master.clone()),
             Self::Master(master) => master.as_slice(),
             Self::Partitioned(partition) => partition.shard(),
         };
+        if shard.len() != layout.shard_len() {
+            return Err(lost());
+        }
         let mut full = vec![0.0; layout.padded_elems()];
         comm.all_gather(shard.into(), (&mut full).into())?;
         full.truncate(layout.num_elems());

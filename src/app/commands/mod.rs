@@ -68,14 +68,8 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
             m.loss, m.lr, m.loss_scale, m.tokens_per_s
         ));
     };
-    let options = TrainOptions {
-        steps: args.steps,
-        data: args.data,
-        out,
-        resume: args.resume,
-        save_every: args.save_every,
-        stop,
-    };
+    let options =
+        TrainOptions { steps: args.steps, corpus, shape, out, resume: args.resume, save_every: args.save_every, stop };
     let s = crate::app::train::train_gpt(&plan, &settings, &options, &log, &progress).context("training failed")?;
     bar.finish_and_clear();
     if lead {

@@ -30,8 +30,10 @@ const VALIDATION_SEQUENCES: u64 = 32;
 pub struct TrainOptions {
     /// Optimizer steps to reach.
     pub steps: u64,
-    /// A UTF-8 text file to train on instead of the generated arithmetic.
-    pub data: Option<PathBuf>,
+    /// The corpus to train on, from [`load_corpus`].
+    pub corpus: Corpus,
+    /// The model's shape, its vocabulary filled in from the corpus ([`load_corpus`]).
+    pub shape: GptConfig,
     /// The run folder.
     pub out: PathBuf,
     /// Continue from `<out>/checkpoints/latest`.
@@ -95,7 +97,7 @@ pub fn train_gpt(
     log: &(dyn Fn(&str) + Sync),
     progress: &(dyn Fn(&StepMetrics) + Sync),
 ) -> anyhow::Result<TrainSummary> {
-    let (corpus, shape) = load_corpus(&settings.model, plan.seed, options.data.as_deref())?;
+    let (corpus, shape) = (&options.corpus, options.shape);
     let ckpt_dir = options.out.join("checkpoints");
     std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
     let _lock = lock_run_folder(&options.out)?;
@@ -106,7 +108,7 @@ pub fn train_gpt(
     let init = Gpt::new(&shape, &device);
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
-    let job = Job { plan, options, corpus: &corpus, shape, ckpt_dir, resume_tag, every, eval_every, log, progress };
+    let job = Job { plan, options, corpus, shape, ckpt_dir, resume_tag, every, eval_every, log, progress };
     let results = launch(plan, |ctx| job.run_rank(init.clone(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
     let mut summary = results.into_iter().next().expect("at least one rank");

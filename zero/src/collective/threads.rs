@@ -61,11 +61,6 @@ impl ThreadWorld {
     pub fn aborted(&self) -> Option<(usize, String)> {
         self.hub.aborted()
     }
-
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
-        self.hub.world_size
-    }
 }
 
 /// One rank's handle on a [`ThreadWorld`].
