@@ -15,6 +15,34 @@ use crate::{CheckpointError, Manifest, Result, validate_tag};
 pub struct Checkpoint {
     dir: PathBuf,
     manifest: Manifest,
+    /// Every range of every shard file, sorted by start (they tile the flat order).
+    index: Vec<Piece>,
+}
+
+/// Where one range of the flat order is stored.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    /// The range in the flat order.
+    start: u64,
+    end: u64,
+    /// The file (index into the manifest's files) and the range's first position in its
+    /// tensors.
+    file: usize,
+    at: u64,
+}
+
+/// The sorted index of `manifest`'s ranges (validated: they tile the flat order).
+fn index(manifest: &Manifest) -> Vec<Piece> {
+    let mut index = Vec::new();
+    for (file, f) in manifest.files.iter().enumerate() {
+        let mut at = 0;
+        for &[start, end] in &f.ranges {
+            index.push(Piece { start, end, file, at });
+            at += end - start;
+        }
+    }
+    index.sort_unstable_by_key(|p| p.start);
+    index
 }
 
 impl Checkpoint {
@@ -57,7 +85,7 @@ impl Checkpoint {
                 reason: format!("it describes tag {:?}, not {tag:?}", manifest.tag),
             });
         }
-        Ok(Self { dir, manifest })
+        Ok(Self { dir, index: index(&manifest), manifest })
     }
 
     /// The checkpoint's directory.
@@ -82,11 +110,18 @@ impl Checkpoint {
         if !self.manifest.tensors.iter().any(|t| t == tensor) {
             return Err(CheckpointError::Mismatch(format!("the checkpoint holds no tensor `{tensor}`")));
         }
-        for file in self.manifest.files.iter().filter(|f| f.start < range.end && range.start < f.end) {
-            let (lo, hi) = (range.start.max(file.start), range.end.min(file.end));
-            let mut reader = ShardReader::open(&self.dir, file, &self.manifest.tensors)?;
+        let first = self.index.partition_point(|p| p.end <= range.start);
+        let mut open: Option<(usize, ShardReader<'_>)> = None;
+        for piece in self.index[first..].iter().take_while(|p| p.start < range.end) {
+            let (lo, hi) = (range.start.max(piece.start), range.end.min(piece.end));
+            if open.as_ref().is_none_or(|(file, _)| *file != piece.file) {
+                let reader = ShardReader::open(&self.dir, &self.manifest.files[piece.file], &self.manifest.tensors)?;
+                open = Some((piece.file, reader));
+            }
+            let (_, reader) = open.as_mut().expect("opened above");
             let dst = &mut out[(lo - range.start) as usize..(hi - range.start) as usize];
-            reader.read_f32(tensor, lo - file.start..hi - file.start, dst)?;
+            let at = piece.at + (lo - piece.start);
+            reader.read_f32(tensor, at..at + (hi - lo), dst)?;
         }
         Ok(())
     }

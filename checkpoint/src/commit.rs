@@ -19,6 +19,7 @@
 //! `<tag>.orphaned-<unix seconds>[-n]`, a name no other save uses.
 
 use std::fs;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use crate::shard::{BLOCK_BYTES, SafetensorsWriter, TensorSpec};
@@ -130,20 +131,27 @@ fn remove_leftovers(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes rank `rank`'s shard: `tensors` (name, values over the flat range `start..end`)
-/// into `<partial>/rank{rank}.safetensors`, fsynced, and its record beside it.
-pub fn write_shard(partial: &Path, rank: usize, start: u64, end: u64, tensors: &[(&str, &[f32])]) -> Result<ShardFile> {
+/// Writes rank `rank`'s shard: `tensors` (name, values over the global flat `ranges`, back
+/// to back in that order) into `<partial>/rank{rank}.safetensors`, fsynced, and its record
+/// beside it.
+pub fn write_shard(
+    partial: &Path,
+    rank: usize,
+    ranges: &[Range<u64>],
+    tensors: &[(&str, &[f32])],
+) -> Result<ShardFile> {
     let name = format!("rank{rank}.safetensors");
     let path = partial.join(&name);
-    let len = (end - start) as usize;
+    let len = ranges.iter().map(|r| (r.end - r.start) as usize).sum::<usize>();
     let specs: Vec<TensorSpec> = tensors
         .iter()
         .map(|(n, v)| {
-            assert_eq!(v.len(), len, "tensor `{n}` must cover the shard's range");
+            assert_eq!(v.len(), len, "tensor `{n}` must cover the shard's ranges");
             TensorSpec { name: n.to_string(), dtype: safetensors::Dtype::F32, shape: vec![len] }
         })
         .collect();
-    let meta = [("zerotrain_range", format!("{start}..{end}"))];
+    let listed: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
+    let meta = [("zerotrain_ranges", listed.join(","))];
     let mut writer = SafetensorsWriter::create(&path, &specs, &meta)?;
     for (_, values) in tensors {
         writer.write_f32(values)?;
@@ -154,8 +162,7 @@ pub fn write_shard(partial: &Path, rank: usize, start: u64, end: u64, tensors: &
     let info = ShardFile {
         name,
         rank,
-        start,
-        end,
+        ranges: ranges.iter().map(|r| [r.start, r.end]).collect(),
         size: summary.size,
         block_bytes: BLOCK_BYTES,
         block_crc32: summary.block_crc32,
@@ -184,7 +191,7 @@ pub fn commit(root: &Path, mut manifest: Manifest, keep_last_n: Option<usize>) -
             fs::remove_file(&path).map_err(CheckpointError::io(&path))?;
         }
     }
-    files.sort_by_key(|f| f.start);
+    files.sort_by_key(|f| f.rank);
     manifest.files = files;
     let manifest_path = partial.join("manifest.json");
     manifest.validate().map_err(|reason| CheckpointError::InvalidManifest { path: manifest_path.clone(), reason })?;

@@ -15,8 +15,8 @@
 //! let _ = std::fs::remove_dir_all(&root);
 //! let partial = prepare(&root, "global_step1")?;
 //! // Two ranks, each owning half of a 6-element model.
-//! write_shard(&partial, 0, 0, 3, &[("master", &[1.0, 2.0, 3.0][..])])?;
-//! write_shard(&partial, 1, 3, 6, &[("master", &[4.0, 5.0, 6.0][..])])?;
+//! write_shard(&partial, 0, &[0..3], &[("master", &[1.0, 2.0, 3.0][..])])?;
+//! write_shard(&partial, 1, &[3..6], &[("master", &[4.0, 5.0, 6.0][..])])?;
 //! let manifest = Manifest {
 //!     format_version: zerotrain_checkpoint::FORMAT_VERSION,
 //!     tag: "global_step1".into(), global_step: 1, world_size: 2, stage: 2, precision: "fp32".into(),

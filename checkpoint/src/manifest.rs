@@ -13,14 +13,18 @@ use serde_json::value::RawValue;
 
 use crate::{CheckpointError, Result, validate_tag};
 
-/// The manifest format this crate writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest format this crate writes. Version 2 lets a shard file hold several flat
+/// ranges (a rank's shards of several units); this crate reads versions 1 and 2.
+pub const FORMAT_VERSION: u32 = 2;
 /// The largest manifest file read (bounded memory on hostile input).
 pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 /// Bounds that keep a hostile manifest from asking for unbounded memory or arithmetic.
 const MAX_WORLD_SIZE: usize = 1 << 20;
 const MAX_ELEMS: u64 = 1 << 42;
 const MAX_PARAMS: usize = 1 << 24;
+/// Most flat ranges all shard files may list together (each rank lists at most a few per
+/// parameter or unit).
+const MAX_RANGES: usize = 1 << 24;
 
 /// One trainable parameter's place in the flat buffer, keyed by module path.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,24 +38,71 @@ pub struct LayoutEntry {
     pub offset: u64,
 }
 
-/// One shard file: the flat range `[start, end)` of every tensor in [`Manifest::tensors`].
+/// One shard file: the flat ranges `ranges` of every tensor in [`Manifest::tensors`], each
+/// tensor holding those ranges back to back, in the order listed.
+///
+/// A file written by format version 1 held one range and recorded it as `start` and `end`;
+/// it reads as a file of that one range.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "ShardFileFields")]
 pub struct ShardFile {
     /// File name inside the checkpoint directory: `rank{rank}.safetensors`.
     pub name: String,
     /// The rank that wrote it.
     pub rank: usize,
-    /// First flat element it holds.
-    pub start: u64,
-    /// One past the last flat element it holds.
-    pub end: u64,
+    /// The global flat ranges `[start, end)` it holds, in the order its tensors hold them.
+    pub ranges: Vec<[u64; 2]>,
     /// Size in bytes.
     pub size: u64,
     /// Bytes per checksummed block (the last block may be shorter).
     pub block_bytes: u64,
     /// CRC32 of each block of the file, in order.
     pub block_crc32: Vec<u32>,
+}
+
+impl ShardFile {
+    /// Elements each of its tensors holds: the ranges' total length (saturating: a hostile
+    /// manifest's sum cannot overflow, and [`Manifest::validate`] rejects it).
+    pub fn num_elems(&self) -> u64 {
+        self.ranges.iter().fold(0u64, |n, [a, b]| n.saturating_add(b.saturating_sub(*a)))
+    }
+}
+
+/// [`ShardFile`] as written by either format version.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ShardFileFields {
+    name: String,
+    rank: usize,
+    #[serde(default)]
+    ranges: Option<Vec<[u64; 2]>>,
+    #[serde(default)]
+    start: Option<u64>,
+    #[serde(default)]
+    end: Option<u64>,
+    size: u64,
+    block_bytes: u64,
+    block_crc32: Vec<u32>,
+}
+
+impl TryFrom<ShardFileFields> for ShardFile {
+    type Error = String;
+
+    fn try_from(f: ShardFileFields) -> std::result::Result<Self, String> {
+        let ranges = match (f.ranges, f.start, f.end) {
+            (Some(ranges), None, None) => ranges,
+            (None, Some(start), Some(end)) => vec![[start, end]],
+            _ => return Err(format!("shard {} must have either `ranges` or `start` and `end`", f.name)),
+        };
+        Ok(Self {
+            name: f.name,
+            rank: f.rank,
+            ranges,
+            size: f.size,
+            block_bytes: f.block_bytes,
+            block_crc32: f.block_crc32,
+        })
+    }
 }
 
 /// A checkpoint's description, as stored in `<dir>/<tag>/manifest.json`.
@@ -75,7 +126,7 @@ pub struct Manifest {
     /// Tensor names every shard file holds, each over the file's flat range: `master` (fp32
     /// master weights) and `optim.*` (optimizer state leaves).
     pub tensors: Vec<String>,
-    /// The shard files, in flat order; together they cover every element exactly once.
+    /// The shard files, by rank; their ranges together cover every element exactly once.
     pub files: Vec<ShardFile>,
     /// Engine state (counters, schedule, loss scaler, optimizer scalars), written by the engine.
     pub engine: serde_json::Value,
@@ -134,8 +185,8 @@ impl Manifest {
 
     /// Checks every invariant a reader relies on, with bounded arithmetic.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.format_version != FORMAT_VERSION {
-            return Err(format!("format version {} is not {FORMAT_VERSION}", self.format_version));
+        if !(1..=FORMAT_VERSION).contains(&self.format_version) {
+            return Err(format!("format version {} is not 1 to {FORMAT_VERSION}", self.format_version));
         }
         validate_tag(&self.tag).map_err(|e| e.to_string())?;
         if !(1..=MAX_WORLD_SIZE).contains(&self.world_size) {
@@ -171,18 +222,20 @@ impl Manifest {
                 return Err(format!("tensor name {t:?} is not `master` or `optim.*`"));
             }
         }
-        let mut covered = 0u64;
+        let mut ranges: Vec<(u64, u64, &str)> = Vec::new();
         for f in &self.files {
             if f.name != format!("rank{}.safetensors", f.rank) || f.rank >= self.world_size {
                 return Err(format!("shard file {:?} of rank {} is not a valid shard name", f.name, f.rank));
             }
-            if f.start != covered || f.end <= f.start || f.end > next {
-                return Err(format!(
-                    "shard {} covers [{}, {}), expected to start at {covered} within {next}",
-                    f.name, f.start, f.end
-                ));
+            if f.ranges.is_empty() || ranges.len() + f.ranges.len() > MAX_RANGES {
+                return Err(format!("shard {} lists {} ranges (1 to {MAX_RANGES} in all)", f.name, f.ranges.len()));
             }
-            covered = f.end;
+            for &[start, end] in &f.ranges {
+                if end <= start || end > next {
+                    return Err(format!("shard {} has range [{start}, {end}), not inside [0, {next})", f.name));
+                }
+                ranges.push((start, end, &f.name));
+            }
             if !(4096..=1 << 30).contains(&f.block_bytes) || f.size > MAX_ELEMS * 64 {
                 return Err(format!(
                     "shard {} has block size {} or size {} out of range",
@@ -197,6 +250,16 @@ impl Manifest {
                     f.size
                 ));
             }
+        }
+        ranges.sort_unstable();
+        let mut covered = 0u64;
+        for (start, end, name) in ranges {
+            if start != covered {
+                return Err(format!(
+                    "shard {name} covers [{start}, {end}), expected a range to start at {covered} within {next}"
+                ));
+            }
+            covered = end;
         }
         if covered != next {
             return Err(format!("the shard files cover {covered} of {next} elements"));
@@ -226,8 +289,7 @@ pub(crate) mod tests {
                 ShardFile {
                     name: "rank0.safetensors".into(),
                     rank: 0,
-                    start: 0,
-                    end: 8,
+                    ranges: vec![[0, 8]],
                     size: 10,
                     block_bytes: 4096,
                     block_crc32: vec![1],
@@ -235,8 +297,7 @@ pub(crate) mod tests {
                 ShardFile {
                     name: "rank1.safetensors".into(),
                     rank: 1,
-                    start: 8,
-                    end: 16,
+                    ranges: vec![[8, 12], [12, 16]],
                     size: 10,
                     block_bytes: 4096,
                     block_crc32: vec![2],
@@ -278,8 +339,11 @@ pub(crate) mod tests {
             (|m| m.layout[1].offset = 13, "starts at 13"),
             (|m| m.layout[0].shape = vec![u64::MAX, 2], "impossible shape"),
             (|m| m.files[1].name = "../../etc/passwd".into(), "not a valid shard name"),
-            (|m| m.files[1].start = 7, "expected to start at 8"),
-            (|m| m.files[1].end = 15, "cover 15 of 16"),
+            (|m| m.files[1].ranges[0][0] = 7, "expected a range to start at 8"),
+            (|m| m.files[1].ranges[1][1] = 15, "cover 15 of 16"),
+            (|m| m.files[1].ranges[1] = [12, 12], "has range [12, 12)"),
+            (|m| m.files[0].ranges[0] = [0, 17], "not inside [0, 16)"),
+            (|m| m.files[1].ranges = vec![], "lists 0 ranges"),
             (|m| m.files[0].block_crc32 = vec![], "block checksums"),
             (|m| m.tensors[1] = "optim/../x".into(), "tensor name"),
         ];

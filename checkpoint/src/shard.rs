@@ -192,7 +192,7 @@ impl<'a> ShardReader<'a> {
         reader.read_verified(8..8 + header_len, |b| prefix.extend_from_slice(b))?;
         let header: HashMap<String, serde_json::Value> =
             serde_json::from_slice(&prefix[8..]).map_err(|e| reader.corrupted(format!("header: {e}")))?;
-        let elems = info.end - info.start;
+        let elems = info.num_elems();
         let data_start = 8 + header_len;
         let data_len = size - data_start;
         let listed = header.keys().filter(|k| *k != "__metadata__").count();
@@ -226,7 +226,8 @@ impl<'a> ShardReader<'a> {
         CheckpointError::Corrupted { path: self.path.clone(), reason }
     }
 
-    /// Reads elements `elems` (relative to the file's flat start) of `tensor` into `out`.
+    /// Reads elements `elems` of `tensor` (positions in the file's tensor, which holds the
+    /// file's ranges back to back) into `out`.
     pub fn read_f32(&mut self, tensor: &str, elems: Range<u64>, out: &mut [f32]) -> Result<()> {
         let start = *self.tensor_start.get(tensor).ok_or_else(|| self.corrupted(format!("no tensor `{tensor}`")))?;
         assert_eq!(out.len() as u64, elems.end - elems.start, "output length must match the range");
@@ -295,8 +296,7 @@ mod tests {
         ShardFile {
             name: path.file_name().unwrap().to_string_lossy().into_owned(),
             rank: 0,
-            start,
-            end,
+            ranges: vec![[start, end]],
             size: bytes.len() as u64,
             block_bytes,
             block_crc32: bytes.chunks(block_bytes as usize).map(crc32fast::hash).collect(),

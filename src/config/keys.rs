@@ -14,7 +14,6 @@ pub const NOT_IMPLEMENTED: &[&str] = &[
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
     "amp",
-    "activation_checkpointing",
     "flops_profiler",
     "tensorboard",
     "wandb",

@@ -15,8 +15,8 @@ use serde_aux::serde_introspection::serde_introspect;
 use serde_json::{Map, Value};
 
 use super::raw::{
-    Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, OptimizerConfig, OptimizerParams, SchedulerConfig,
-    SchedulerParams, ZeroConfig, ZerotrainConfig,
+    ActivationCheckpointingConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, OptimizerConfig,
+    OptimizerParams, SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
 };
 use super::{ConfigError, keys};
 
@@ -219,6 +219,7 @@ pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static st
         "fp16" => serde_introspect::<Fp16Config>(),
         "bf16" | "bfloat16" => serde_introspect::<Bf16Config>(),
         "data_types" => serde_introspect::<DataTypesConfig>(),
+        "activation_checkpointing" => serde_introspect::<ActivationCheckpointingConfig>(),
         "zerotrain" => serde_introspect::<ZerotrainConfig>(),
         _ => &[],
     };

@@ -161,12 +161,18 @@ pub struct ZeroPlan {
     pub stage: ZeroStage,
     /// Stage 1-2: reduce-scatter (true) or all-reduce (false) the gradients.
     pub reduce_scatter: bool,
-    /// Elements per reduction bucket (accepted; not used yet).
+    /// Stages 2-3: most elements (over all ranks) in one gradient reduce-scatter.
     pub reduce_bucket_size: u64,
-    /// Elements per all-gather bucket (accepted; not used yet).
+    /// Elements per all-gather bucket (accepted; parameters are gathered one unit at a time).
     pub allgather_bucket_size: u64,
+    /// Reductions run on the communication thread while backward goes on.
+    pub overlap_comm: bool,
     /// Stage 3: parameters with at most this many elements stay resident.
     pub param_persistence_threshold: u64,
+    /// Stage 3: the next unit is prefetched if it has at most this many elements (0: never).
+    pub prefetch_bucket_size: u64,
+    /// Stage 3: most gathered elements alive besides the unit in use.
+    pub max_live_parameters: u64,
 }
 
 fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S::Error> {
@@ -235,6 +241,9 @@ pub struct Plan {
     pub loss_scale: Option<LossScalePlan>,
     /// Max global gradient norm; 0 disables clipping.
     pub gradient_clipping: f64,
+    /// Recompute each unit in backward instead of keeping its activations (models declared
+    /// in units).
+    pub activation_checkpointing: bool,
     /// Skip (and count) a step whose gradients are not finite, instead of applying it.
     /// The check is the global norm: NaN/inf anywhere, on any rank, makes it non-finite
     /// (as does a squared norm beyond f32's range, i.e. a norm above 1.8e19).

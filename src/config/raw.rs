@@ -44,6 +44,10 @@ pub struct DeepSpeedConfig {
     pub communication_data_type: Option<AutoOr<String>>,
     /// DeepSpeed's `data_types` section.
     pub data_types: Option<DataTypesConfig>,
+    /// Activation checkpointing: present (even `{}`), a model declared in units
+    /// ([`UnitModel`](crate::engine::UnitModel)) keeps only the activations between units in
+    /// forward and recomputes each unit in backward. Default: absent (off).
+    pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
 }
@@ -151,27 +155,34 @@ pub struct SchedulerParams {
 pub struct ZeroConfig {
     /// 0, 1, 2 or 3 (legacy `true`/`false`: 1/0). Default 0.
     pub stage: Option<Count>,
-    /// Elements per gradient-reduction bucket. Accepted; today each reduction is one call
-    /// over the whole flat buffer. Default 5e8.
+    /// Stages 2-3: most elements (over all ranks) one gradient reduce-scatter carries; a
+    /// unit larger than this is reduced in several buckets, and no gradient buffer is
+    /// larger. Default 5e8.
     pub reduce_bucket_size: Option<AutoOr<Count>>,
-    /// Elements per parameter all-gather bucket. Accepted; today one call. Default 5e8.
+    /// Elements per parameter all-gather bucket. Accepted; parameters are all-gathered one
+    /// unit per call. Default 5e8.
     pub allgather_bucket_size: Option<AutoOr<Count>>,
     /// Stage 1-2: reduce gradients with reduce-scatter (true, default) or all-reduce (false).
     pub reduce_scatter: Option<bool>,
-    /// Accepted; gradients are always contiguous here (one flat buffer). Default true.
+    /// Accepted; gradients are always contiguous here (one flat buffer per bucket).
+    /// Default true.
     pub contiguous_gradients: Option<bool>,
-    /// Accepted; no overlap yet (Burn exposes no backward hooks). Default false.
+    /// Reduce a unit's gradients on the rank's communication thread while the next unit's
+    /// backward computes (and, at stages 2-3, leave them in flight into the next
+    /// micro-step). Default: true at stage 3, false otherwise (DeepSpeed's defaults).
     pub overlap_comm: Option<bool>,
     /// Accepted; parameters are always all-gathered as partitions. Default true.
     pub allgather_partitions: Option<bool>,
     /// Stage 3: parameters with at most this many elements stay resident between steps
     /// instead of being released. Default 1e5 (`"auto"` too).
     pub stage3_param_persistence_threshold: Option<AutoOr<Count>>,
-    /// Stage 3: accepted; the whole model is gathered at once today.
+    /// Stage 3: the next unit is gathered ahead, while the current one computes, if it has
+    /// at most this many elements; 0 turns prefetching off. Default 5e7.
     pub stage3_prefetch_bucket_size: Option<AutoOr<Count>>,
-    /// Stage 3: accepted; the whole model is gathered at once today.
+    /// Stage 3: most gathered parameter elements alive besides the unit in use (a prefetch
+    /// that would exceed it waits). Default 1e9.
     pub stage3_max_live_parameters: Option<AutoOr<Count>>,
-    /// Stage 3: accepted; the whole model is gathered at once today.
+    /// Stage 3: accepted; a unit is released after each use. Default 1e9.
     pub stage3_max_reuse_distance: Option<AutoOr<Count>>,
     /// Stage 3: accepted; checkpoint consolidation is a separate command.
     #[serde(alias = "stage3_gather_fp16_weights_on_model_save")]
@@ -199,6 +210,25 @@ pub struct Fp16Config {
     pub min_loss_scale: Option<AutoOr<f64>>,
     /// DeepSpeed's fp16 master weights and gradients; `true` is refused (masters are fp32).
     pub fp16_master_weights_and_grads: Option<bool>,
+}
+
+/// `activation_checkpointing`: DeepSpeed's keys. Recomputation is at unit boundaries; the
+/// keys below tune DeepSpeed's own implementation and have no effect here (one warning
+/// lists those set).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ActivationCheckpointingConfig {
+    /// Partition checkpoints across model-parallel ranks. No model parallelism here.
+    pub partition_activations: Option<bool>,
+    /// Move checkpoints to CPU memory. CPU ranks keep them in host memory anyway.
+    pub cpu_checkpointing: Option<bool>,
+    /// Copy checkpoints into one contiguous buffer.
+    pub contiguous_memory_optimization: Option<bool>,
+    /// Size of that buffer in checkpoints.
+    pub number_checkpoints: Option<Count>,
+    /// Synchronise the device at every checkpoint boundary.
+    pub synchronize_checkpoint_boundary: Option<bool>,
+    /// Time the checkpointed forward and backward passes.
+    pub profile: Option<bool>,
 }
 
 /// `data_types`.

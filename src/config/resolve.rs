@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use zerotrain_zero::ZeroStage;
 
-use super::raw::{OptimizerParams, SchedulerConfig};
+use super::raw::{ActivationCheckpointingConfig, OptimizerParams, SchedulerConfig};
 use super::value::{AutoOr, Count};
 use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, Plan, ZeroPlan};
 use crate::schedule::{LrSchedule, WarmupType};
@@ -13,6 +13,10 @@ use crate::schedule::{LrSchedule, WarmupType};
 const DEFAULT_BUCKET_ELEMS: u64 = 500_000_000;
 /// DeepSpeed's default `stage3_param_persistence_threshold`.
 const DEFAULT_PERSISTENCE_THRESHOLD: u64 = 100_000;
+/// DeepSpeed's default `stage3_prefetch_bucket_size`.
+const DEFAULT_PREFETCH_ELEMS: u64 = 50_000_000;
+/// DeepSpeed's default `stage3_max_live_parameters`.
+const DEFAULT_MAX_LIVE_ELEMS: u64 = 1_000_000_000;
 
 /// Collects how each `"auto"` was resolved.
 #[derive(Default)]
@@ -111,6 +115,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         grad_accum_dtype: dtypes.grad_accum,
         loss_scale: dtypes.loss_scale,
         gradient_clipping,
+        activation_checkpointing: raw.activation_checkpointing.is_some(),
         check_grad_overflow: zt.check_grad_overflow.unwrap_or(true),
         steps_per_print,
         wall_clock_breakdown: raw.wall_clock_breakdown.unwrap_or(false),
@@ -123,7 +128,13 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
             None => None,
         },
         auto_resolved: autos.0,
-        not_implemented: config.not_implemented.iter().cloned().chain(dtypes.not_implemented).collect(),
+        not_implemented: config
+            .not_implemented
+            .iter()
+            .cloned()
+            .chain(dtypes.not_implemented)
+            .chain(checkpointing_no_ops(raw.activation_checkpointing.as_ref()))
+            .collect(),
     })
 }
 
@@ -157,21 +168,46 @@ fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPlan, ConfigEr
     let stage_index = z.stage.map_or(0, |c| c.0);
     let stage = ZeroStage::from_index(stage_index)
         .ok_or_else(|| invalid("zero_optimization.stage", format!("must be 0, 1, 2 or 3, got {stage_index}")))?;
-    let bucket = |autos: &mut Autos, key: &str, v| autos.or(key, v, Count(DEFAULT_BUCKET_ELEMS), "DeepSpeed default").0;
+    let mut elems = |key: &str, v, default: u64| {
+        autos.or(&format!("zero_optimization.{key}"), v, Count(default), "DeepSpeed default").0
+    };
+    let reduce_bucket_size = elems("reduce_bucket_size", z.reduce_bucket_size, DEFAULT_BUCKET_ELEMS);
+    if reduce_bucket_size == 0 {
+        return Err(invalid("zero_optimization.reduce_bucket_size", "must be at least 1 element"));
+    }
     Ok(ZeroPlan {
         stage,
         reduce_scatter: z.reduce_scatter.unwrap_or(true),
-        reduce_bucket_size: bucket(autos, "zero_optimization.reduce_bucket_size", z.reduce_bucket_size),
-        allgather_bucket_size: bucket(autos, "zero_optimization.allgather_bucket_size", z.allgather_bucket_size),
-        param_persistence_threshold: autos
-            .or(
-                "zero_optimization.stage3_param_persistence_threshold",
-                z.stage3_param_persistence_threshold,
-                Count(DEFAULT_PERSISTENCE_THRESHOLD),
-                "DeepSpeed default",
-            )
-            .0,
+        reduce_bucket_size,
+        allgather_bucket_size: elems("allgather_bucket_size", z.allgather_bucket_size, DEFAULT_BUCKET_ELEMS),
+        overlap_comm: z.overlap_comm.unwrap_or(stage.shards_parameters()),
+        param_persistence_threshold: elems(
+            "stage3_param_persistence_threshold",
+            z.stage3_param_persistence_threshold,
+            DEFAULT_PERSISTENCE_THRESHOLD,
+        ),
+        prefetch_bucket_size: elems(
+            "stage3_prefetch_bucket_size",
+            z.stage3_prefetch_bucket_size,
+            DEFAULT_PREFETCH_ELEMS,
+        ),
+        max_live_parameters: elems("stage3_max_live_parameters", z.stage3_max_live_parameters, DEFAULT_MAX_LIVE_ELEMS),
     })
+}
+
+/// The `activation_checkpointing` keys set to something that would matter in DeepSpeed,
+/// which have no effect here.
+fn checkpointing_no_ops(section: Option<&ActivationCheckpointingConfig>) -> Vec<String> {
+    let Some(s) = section else { return Vec::new() };
+    let set = [
+        ("partition_activations", s.partition_activations == Some(true)),
+        ("cpu_checkpointing", s.cpu_checkpointing == Some(true)),
+        ("contiguous_memory_optimization", s.contiguous_memory_optimization == Some(true)),
+        ("number_checkpoints", s.number_checkpoints.is_some()),
+        ("synchronize_checkpoint_boundary", s.synchronize_checkpoint_boundary == Some(true)),
+        ("profile", s.profile == Some(true)),
+    ];
+    set.iter().filter(|(_, on)| *on).map(|(key, _)| format!("activation_checkpointing.{key}")).collect()
 }
 
 fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan, ConfigError> {

@@ -2,17 +2,20 @@
 //!
 //! # Note: what is saved, and where
 //! Each rank saves the fp32 master weights and optimizer-state leaves of the real (unpadded)
-//! part of the flat range its optimizer steps: at stage 0 every rank holds everything, so
-//! only rank 0 writes; at stages 1-3 each rank writes its shard. Parameters in the compute
-//! dtype are derived from the masters and are not saved again. Rank 0 writes the manifest
-//! with the engine state (counters, lr schedule position, loss scaler, optimizer scalars),
-//! the resolved plan and the caller's client state.
+//! part of each unit's range its optimizer steps: at stage 0 every rank holds everything,
+//! so only rank 0 writes; at stages 1-3 each rank writes its shards. Each piece is recorded
+//! at its place in the global order (module paths in visit order, whatever the units), so
+//! a rank's file holds a list of global ranges. Parameters in the compute dtype are derived
+//! from the masters and are not saved again. Rank 0 writes the manifest with the engine
+//! state (counters, lr schedule position, loss scaler, optimizer scalars), the resolved
+//! plan and the caller's client state.
 //!
-//! On load each rank reads exactly its new range, whatever world size and stage wrote the
-//! checkpoint, then rebuilds its parameters as its own stage keeps them. After every phase
-//! that can fail on one rank, all ranks agree on success, so a failure is an error on every
-//! rank, never a hang.
+//! On load each rank reads exactly the global ranges its units' ranges map to, whatever
+//! grouping, world size and stage wrote the checkpoint, then rebuilds its parameters as its
+//! own stage keeps them. After every phase that can fail on one rank, all ranks agree on
+//! success, so a failure is an error on every rank, never a hang.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
@@ -20,9 +23,8 @@ use burn_pack::Scalar;
 use serde::{Deserialize, Serialize};
 use zerotrain_checkpoint::{Checkpoint, CheckpointError, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
 use zerotrain_precision::{LossScaler, ScalerState};
-use zerotrain_zero::{ReduceOp, ZeroStage};
+use zerotrain_zero::ReduceOp;
 
-use super::store::ParamStore;
 use super::{Counters, Engine};
 use crate::{Error, Result};
 
@@ -125,7 +127,7 @@ impl<M: Module> Engine<M> {
     ) -> Result<PathBuf> {
         let root = dir.as_ref();
         let tag = tag.map_or_else(|| default_tag(self.counters.global_steps), str::to_string);
-        let rank = self.comm.rank();
+        let rank = self.shared.comm.rank();
         let prepared =
             if rank == 0 { zerotrain_checkpoint::prepare(root, &tag).map(|_| ()).map_err(Error::from) } else { Ok(()) };
         self.agree(prepared, "preparing the checkpoint")?;
@@ -136,33 +138,60 @@ impl<M: Module> Engine<M> {
         Ok(root.join(tag))
     }
 
-    /// The real (unpadded) range of this rank's optimizer range, or `None` if it saves
-    /// nothing (stage 0 beyond rank 0, or a shard that is all padding).
-    fn saved_range(&self) -> Option<std::ops::Range<usize>> {
-        let rank = self.comm.rank();
-        let range = match self.plan.zero.stage {
-            ZeroStage::Disabled if rank == 0 => 0..self.layout.num_elems(),
-            ZeroStage::Disabled => return None,
-            _ => self.layout.shard_real_range(rank),
-        };
-        (!range.is_empty()).then_some(range)
+    /// The pieces this rank saves, per unit: (range of the unit's flat buffer, range in the
+    /// global order). Nothing at stage 0 beyond rank 0 (every rank holds everything).
+    fn saved_segments(&self) -> Vec<Vec<(Range<usize>, Range<usize>)>> {
+        let stage0 = !self.shared.plan.zero.stage.shards_optimizer_states();
+        (0..self.units.len())
+            .map(|id| {
+                if stage0 && self.shared.comm.rank() != 0 {
+                    return Vec::new();
+                }
+                self.shared.sharding.global_segments(id, self.shared.optimizer_real_range(id))
+            })
+            .collect()
     }
 
     fn write_my_shard(&self, root: &Path, tag: &str) -> Result<()> {
-        let Some(real) = self.saved_range() else { return Ok(()) };
-        let len = real.len();
-        let master = self.store.values(&self.model, &self.index, &self.layout, self.optimizer_range())?;
-        let (optim, _) = self.optimizer.export();
-        let names: Vec<String> = optim.iter().map(|(n, _)| format!("optim.{n}")).collect();
-        let mut tensors: Vec<(&str, &[f32])> = vec![("master", &master[..len])];
-        tensors.extend(names.iter().zip(&optim).map(|(n, (_, v))| (n.as_str(), &v[..len])));
+        let segments = self.saved_segments();
+        if segments.iter().all(Vec::is_empty) {
+            return Ok(());
+        }
+        let mut master = Vec::new();
+        let mut optim: Vec<(String, Vec<f32>)> = Vec::new();
+        let mut ranges = Vec::new();
+        for (id, segments) in segments.iter().enumerate() {
+            let offset = self.shared.optimizer_range(id).start;
+            let values = self.units[id].values(&self.model, &self.shared)?;
+            let (state, _) = self.units[id].optimizer().export();
+            if id == 0 {
+                optim = state.iter().map(|(name, _)| (format!("optim.{name}"), Vec::new())).collect();
+            }
+            if state.len() != optim.len() {
+                return Err(Error::Model(format!(
+                    "unit {id}'s optimizer state has {} tensors, unit 0's {}",
+                    state.len(),
+                    optim.len()
+                )));
+            }
+            for (unit_range, global) in segments {
+                let local = unit_range.start - offset..unit_range.end - offset;
+                master.extend_from_slice(&values[local.clone()]);
+                for ((_, out), (_, leaf)) in optim.iter_mut().zip(&state) {
+                    out.extend_from_slice(&leaf[local.clone()]);
+                }
+                ranges.push(global.start as u64..global.end as u64);
+            }
+        }
+        let mut tensors: Vec<(&str, &[f32])> = vec![("master", &master)];
+        tensors.extend(optim.iter().map(|(n, v)| (n.as_str(), v.as_slice())));
         let partial = zerotrain_checkpoint::partial_dir(root, tag);
-        zerotrain_checkpoint::write_shard(&partial, self.comm.rank(), real.start as u64, real.end as u64, &tensors)?;
+        zerotrain_checkpoint::write_shard(&partial, self.shared.comm.rank(), &ranges, &tensors)?;
         Ok(())
     }
 
     fn commit(&self, root: &Path, tag: &str, client_state: serde_json::Value) -> Result<PathBuf> {
-        let (optim, optimizer_scalars) = self.optimizer.export();
+        let (optim, optimizer_scalars) = self.units[0].optimizer().export();
         let state = EngineState {
             counters: self.counters,
             lr_iteration: self.lr_iteration,
@@ -170,16 +199,16 @@ impl<M: Module> Engine<M> {
                 Some(LossScaler::Dynamic { state, .. }) => Some(*state),
                 _ => None,
             },
-            optimizer: self.plan.optimizer.kind().to_string(),
+            optimizer: self.shared.plan.optimizer.kind().to_string(),
             optimizer_scalars,
         };
         let manifest = Manifest {
             format_version: FORMAT_VERSION,
             tag: tag.to_string(),
             global_step: self.counters.global_steps,
-            world_size: self.comm.world_size(),
-            stage: self.plan.zero.stage.index(),
-            precision: self.plan.precision.to_string(),
+            world_size: self.shared.comm.world_size(),
+            stage: self.shared.plan.zero.stage.index(),
+            precision: self.shared.plan.precision.to_string(),
             layout: self.manifest_layout(),
             tensors: std::iter::once("master".to_string())
                 .chain(optim.iter().map(|(n, _)| format!("optim.{n}")))
@@ -187,10 +216,11 @@ impl<M: Module> Engine<M> {
             files: Vec::new(),
             engine: serde_json::to_value(&state)
                 .map_err(|e| Error::Usage(format!("serialising the engine state: {e}")))?,
-            config: serde_json::to_value(&self.plan).map_err(|e| Error::Usage(format!("serialising the plan: {e}")))?,
+            config: serde_json::to_value(&self.shared.plan)
+                .map_err(|e| Error::Usage(format!("serialising the plan: {e}")))?,
             client_state,
         };
-        Ok(zerotrain_checkpoint::commit(root, manifest, self.plan.keep_last_n_checkpoints)?)
+        Ok(zerotrain_checkpoint::commit(root, manifest, self.shared.plan.keep_last_n_checkpoints)?)
     }
 
     /// Loads `<dir>/<tag>` (or the checkpoint `<dir>/latest` names) into this engine, at any
@@ -206,7 +236,7 @@ impl<M: Module> Engine<M> {
             return Err(Error::Usage(format!(
                 "load_checkpoint inside an accumulation window ({} of {} micro-steps done): its gradients would \
                  mix with the loaded weights; call step() first, or load before training",
-                self.window.micro_steps, self.plan.batch.gradient_accumulation_steps
+                self.window.micro_steps, self.shared.plan.batch.gradient_accumulation_steps
             )));
         }
         let opened = Checkpoint::open(dir.as_ref(), tag).map_err(Error::from).and_then(|c| {
@@ -216,41 +246,42 @@ impl<M: Module> Engine<M> {
         });
         let (ckpt, state) = self.agree(opened, "opening the checkpoint")?;
         let m = ckpt.manifest();
-        let range = self.optimizer_range();
-        let real = match self.plan.zero.stage {
-            ZeroStage::Disabled => range.clone(),
-            _ => self.layout.shard_real_range(self.comm.rank()),
-        };
-        let read = |name: &str| -> Result<Vec<f32>> {
+        let optim_names: Vec<&String> = m.tensors.iter().filter(|t| t.starts_with("optim.")).collect();
+        let with_optimizer = options.load_optimizer_states && !options.load_module_only;
+        // Each unit's optimizer range, read from wherever the checkpoint holds it.
+        let read = |id: usize, name: &str| -> Result<Vec<f32>> {
+            let range = self.shared.optimizer_range(id);
             let mut values = vec![0.0; range.len()];
-            let out = &mut values[real.start - range.start..real.end - range.start];
-            ckpt.read_range(name, real.start as u64..real.end as u64, out)?;
+            for (unit_range, global) in self.shared.sharding.global_segments(id, self.shared.optimizer_real_range(id)) {
+                let out = &mut values[unit_range.start - range.start..unit_range.end - range.start];
+                ckpt.read_range(name, global.start as u64..global.end as u64, out)?;
+            }
             Ok(values)
         };
-        let optim_names: Vec<&String> = m.tensors.iter().filter(|t| t.starts_with("optim.")).collect();
-        let loaded = (|| -> Result<_> {
-            let master = read("master")?;
-            let mut optim = Vec::new();
-            if options.load_optimizer_states && !options.load_module_only {
-                for name in &optim_names {
-                    optim.push((name["optim.".len()..].to_string(), read(name)?));
+        let loaded = (0..self.units.len())
+            .map(|id| -> Result<_> {
+                let master = read(id, "master")?;
+                let mut optim = Vec::new();
+                if with_optimizer {
+                    for name in &optim_names {
+                        optim.push((name["optim.".len()..].to_string(), read(id, name)?));
+                    }
                 }
-            }
-            Ok((master, optim))
-        })();
-        let (master, optim) = self.agree(loaded, "reading its shard of the checkpoint")?;
+                Ok((master, optim))
+            })
+            .collect::<Result<Vec<_>>>();
+        let loaded = self.agree(loaded, "reading its shard of the checkpoint")?;
 
-        self.publish(&master)?;
-        self.store.put(master);
-        if let ParamStore::Partitioned(partition) = &mut self.store {
+        let device = self.shared.device.clone().without_autodiff();
+        for (id, (master, optim)) in loaded.into_iter().enumerate() {
             let model = self.model.clone();
-            self.model = partition.release(model, &self.index, &self.layout, &self.device);
+            self.model = self.units[id].load(model, master, &self.shared)?;
+            if with_optimizer {
+                let scalars = if optim.is_empty() { Vec::new() } else { state.optimizer_scalars.clone() };
+                self.units[id].optimizer_mut().import(optim, scalars, &device)?;
+            }
         }
         if !options.load_module_only {
-            if options.load_optimizer_states {
-                let scalars = if optim.is_empty() { Vec::new() } else { state.optimizer_scalars };
-                self.optimizer.import(optim, scalars, &self.device.clone().without_autodiff())?;
-            }
             if options.load_lr_scheduler_states {
                 self.lr_iteration = state.lr_iteration;
             }
@@ -282,22 +313,22 @@ impl<M: Module> Engine<M> {
             .into());
         }
         let kind = m.engine.get("optimizer").and_then(|v| v.as_str()).unwrap_or("?");
-        if options.load_optimizer_states && !options.load_module_only && kind != self.plan.optimizer.kind() {
+        if options.load_optimizer_states && !options.load_module_only && kind != self.shared.plan.optimizer.kind() {
             return Err(CheckpointError::Mismatch(format!(
                 "{} holds {kind} optimizer state but the config trains with {}: set optimizer.type back to {kind} \
                  to resume, or (from the library) load the weights alone with LoadOptions {{ load_optimizer_states: \
                  false, .. }}",
                 ckpt.dir().display(),
-                self.plan.optimizer.kind()
+                self.shared.plan.optimizer.kind()
             ))
             .into());
         }
         Ok(())
     }
 
-    /// The layout as a manifest records it.
+    /// The global order as a manifest records it.
     fn manifest_layout(&self) -> Vec<LayoutEntry> {
-        let entries = self.layout.entries().iter();
+        let entries = self.shared.sharding.global().entries().iter();
         entries
             .map(|e| LayoutEntry {
                 path: e.path.clone(),
@@ -311,9 +342,10 @@ impl<M: Module> Engine<M> {
     /// own error, the others [`Error::PeerFailed`] naming the failed ranks. The world stays
     /// usable, so a caller may catch a failed save and go on training.
     fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
-        let mut failed = vec![0.0f32; self.comm.world_size()];
-        failed[self.comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
-        self.comm.all_reduce((&mut failed).into(), ReduceOp::Max)?;
+        let comm = &self.shared.comm;
+        let mut failed = vec![0.0f32; comm.world_size()];
+        failed[comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
+        comm.all_reduce((&mut failed).into(), ReduceOp::Max)?;
         let ranks: Vec<usize> = failed.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
         match result {
             Err(e) => Err(e),

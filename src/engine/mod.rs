@@ -17,29 +17,29 @@
 //! fp32 master, and the new values are cast to the compute dtype and all-gathered in it.
 
 mod checkpoint;
+mod exec;
 mod grads;
+pub mod model;
 mod optimizer;
 mod params;
-mod stage3;
 mod step;
-mod store;
 #[cfg(test)]
 mod tests;
+mod unit;
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, FloatDType, Tensor};
-use zerotrain_precision::{BufMut, FlatBuf, LossScaler, Precision};
-use zerotrain_zero::{Collective, CommStats, FlatLayout};
+use burn::tensor::{FloatDType, Tensor};
+use zerotrain_precision::{BufMut, LossScaler, Precision};
+use zerotrain_zero::{CommStats, Sharding};
 
 pub use self::checkpoint::LoadOptions;
-use self::grads::GradAccumulator;
-use self::optimizer::FlatOptimizer;
-use self::params::{Fill, ParamIndex, read_params, write_params};
-use self::store::ParamStore;
+use self::grads::ReduceOptions;
+pub use self::model::{Activation, UnitModel, UnitSpec};
+use self::params::{ParamIndex, read_params, take_grads, trainable_bytes};
+use self::unit::{Shared, Unit};
 use crate::config::Plan;
 use crate::context::RankContext;
 use crate::{Error, Result};
@@ -72,22 +72,30 @@ pub struct StepReport {
 }
 
 /// Where one optimizer step's wall time went (DeepSpeed's `wall_clock_breakdown`), seconds.
+/// The first five phases partition the compute thread's time; `comm_wait` is the part of
+/// `reduce` and `gather` spent blocked on collectives, `comm_busy` the time collectives ran
+/// (on the communication thread, overlapping compute when they can).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct PhaseTimes {
-    /// The forward closures.
+    /// Forward passes (the closures, or the units and the loss).
     pub forward: f64,
-    /// Back-propagation (Burn's `backward` and collecting the gradients).
+    /// Back-propagation, recomputation of checkpointed units included.
     pub backward: f64,
-    /// Gradient flattening and reduction (reduce-scatter / all-reduce, norm, overflow check).
+    /// Collecting and reducing gradients (buckets, reduce-scatter / all-reduce, norm,
+    /// overflow check).
     pub reduce: f64,
     /// The optimizer on the rank's range.
     pub optimizer: f64,
-    /// Putting parameters back: all-gathers and writing them into the model.
+    /// Putting parameters in place: all-gathers and writing them into the model.
     pub gather: f64,
+    /// Time the compute thread waited for collectives to finish.
+    pub comm_wait: f64,
+    /// Time the collectives themselves took.
+    pub comm_busy: f64,
 }
 
 impl PhaseTimes {
-    /// All phases together.
+    /// The compute thread's phases together.
     pub fn total(&self) -> f64 {
         self.forward + self.backward + self.reduce + self.optimizer + self.gather
     }
@@ -97,9 +105,9 @@ impl PhaseTimes {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryReport {
     /// Trainable parameters in the model (compute dtype) plus, in fp32 training at stage 3,
-    /// the parameter shard.
+    /// the parameter shards.
     pub params: u64,
-    /// Gradient accumulator.
+    /// Gradient accumulators.
     pub grads: u64,
     /// Separate fp32 master weights (mixed precision; in fp32 training the parameters are
     /// their own master).
@@ -108,10 +116,15 @@ pub struct MemoryReport {
     pub optimizer: u64,
     /// Largest total of transient buffers alive at once inside a micro-step or step so far.
     pub peak_transient: u64,
+    /// Stage 3: most bytes of gathered parameters alive at once so far (units in the
+    /// model or being fetched), in the compute dtype; resident parameters not included.
+    pub peak_gathered: u64,
+    /// Stage 3: bytes of parameters that stay resident in the model (persistence).
+    pub persistent: u64,
 }
 
 impl MemoryReport {
-    /// Model states held between steps (everything but the transient peak).
+    /// Model states held between steps (everything but the transient peaks).
     pub fn model_states(&self) -> u64 {
         self.params + self.grads + self.master + self.optimizer
     }
@@ -133,21 +146,18 @@ pub struct Counters {
 /// A rank's training engine. See the module docs.
 pub struct Engine<M: Module> {
     model: M,
-    plan: Plan,
-    comm: Arc<dyn Collective>,
-    device: Device,
-    layout: FlatLayout,
-    index: ParamIndex,
-    store: ParamStore,
-    grads: GradAccumulator,
-    optimizer: Box<dyn FlatOptimizer>,
+    shared: Shared,
+    units: Vec<Unit>,
+    /// How many of `units` the model declared (0 for [`Engine::new`]); a unit after them
+    /// is the root.
+    num_declared: usize,
     scaler: Option<LossScaler>,
     counters: Counters,
     /// DeepSpeed's `last_batch_iteration` of the lr schedule (starts at -1).
     lr_iteration: i64,
     window: Window,
     last_step: Option<StepReport>,
-    peak_transient: u64,
+    peaks: Peaks,
 }
 
 /// The accumulation window in progress.
@@ -159,10 +169,39 @@ struct Window {
     times: PhaseTimes,
 }
 
+/// Transient memory high-water marks, in bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Peaks {
+    transient: u64,
+    gathered: u64,
+}
+
 impl<M: Module> Engine<M> {
-    /// Wraps `model` for training under `plan` on `ctx`'s rank. Every rank must call it;
-    /// rank 0's parameters are broadcast so that all ranks start identical.
+    /// Wraps `model` for training under `plan` on `ctx`'s rank, as one unit: at stage 3 the
+    /// whole model is gathered for [`forward`](Self::forward) and released after
+    /// [`backward`](Self::backward). Every rank must call it; rank 0's parameters are
+    /// broadcast so that all ranks start identical.
     pub fn new(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        let model = model.fork(ctx.device());
+        let (params, index) = ParamIndex::scan(&model);
+        if params.is_empty() {
+            return Err(Error::Model("the model has no trainable parameters".into()));
+        }
+        let sharding = Sharding::single(params, plan.world_size, ALIGN_ELEMS)?;
+        Self::build(model, plan, ctx, sharding, index, 0)
+    }
+
+    /// Every unit's state from the model's values: broadcast from rank 0 one unit at a time
+    /// (so no full-size buffer exists), written in the compute dtype, and kept as the stage
+    /// says.
+    fn build(
+        model: M,
+        plan: &Plan,
+        ctx: &RankContext,
+        sharding: Sharding,
+        index: ParamIndex,
+        num_declared: usize,
+    ) -> Result<Self> {
         let comm = ctx.collective();
         if comm.world_size() != plan.world_size {
             return Err(Error::Usage(format!(
@@ -171,63 +210,40 @@ impl<M: Module> Engine<M> {
                 comm.world_size()
             )));
         }
-        let device = ctx.device().clone();
-        let model = model.fork(&device);
-        let (entries, index) = ParamIndex::scan(&model);
-        if entries.is_empty() {
-            return Err(Error::Model("the model has no trainable parameters".into()));
+        let shared = Shared { comm, device: ctx.device().clone(), plan: plan.clone(), sharding, index };
+        let (mut model, mut units, mut transient) = (model, Vec::new(), 0);
+        for id in 0..shared.sharding.units().len() {
+            let layout = shared.layout(id);
+            let mut values = vec![0.0f32; layout.padded_elems()];
+            let real = BufMut::F32(&mut values[..layout.num_elems()]);
+            read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real)?;
+            shared.comm.broadcast((&mut values).into(), 0)?;
+            transient = transient.max((values.len() * (4 + plan.precision.bytes_per_elem())) as u64);
+            let (next, unit) = Unit::new(id, &values, model, &shared, optimizer::build(&plan.optimizer));
+            model = next;
+            units.push(unit);
         }
-        let layout = FlatLayout::new(entries, plan.world_size, ALIGN_ELEMS)?;
-        let mut full = vec![0.0; layout.padded_elems()];
-        read_params(&model, &index, &layout, 0..layout.num_elems(), BufMut::F32(&mut full[..layout.num_elems()]))?;
-        comm.broadcast((&mut full).into(), 0)?;
-        let stage = plan.zero.stage;
-        let compute = FlatBuf::from_f32(plan.precision, &full);
-        let model = write_params(model, &index, &layout, Fill::From(compute.as_ref()), &device);
-        let mut store =
-            ParamStore::new(stage, plan.precision, &layout, comm.rank(), &full, plan.zero.param_persistence_threshold);
-        let model = match store.partition() {
-            Some(partition) => partition.release(model, &index, &layout, &device),
-            None => model,
-        };
-        let engine = Self {
-            grads: GradAccumulator::new(
-                stage,
-                plan.zero.reduce_scatter,
-                &layout,
-                plan.grad_accum_dtype,
-                plan.comm_dtype,
-            ),
-            optimizer: optimizer::build(&plan.optimizer),
+        Ok(Self {
             scaler: plan.loss_scale.map(|s| s.scaler()),
-            window: Window { comm_at_start: comm.stats(), ..Window::default() },
-            peak_transient: (full.len() * size_of::<f32>()) as u64 + compute.bytes(),
+            window: Window { comm_at_start: shared.comm.stats(), ..Window::default() },
+            peaks: Peaks { transient, gathered: 0 },
             model,
-            plan: plan.clone(),
-            comm,
-            device,
-            layout,
-            index,
-            store,
+            shared,
+            units,
+            num_declared,
             counters: Counters::default(),
             lr_iteration: -1,
             last_step: None,
-        };
-        Ok(engine)
+        })
     }
 
-    /// Runs `f` on the model (gathering stage-3 parameters first) and returns its result,
-    /// typically the loss. Every rank must call it the same number of times at stage 3.
+    /// Runs `f` on the model with every parameter present (at stage 3 every unit is
+    /// gathered first) and returns its result, typically the loss for
+    /// [`backward`](Self::backward). Every rank must call it the same number of times at
+    /// stage 3. A model built with [`with_units`](Self::with_units) trains with less
+    /// memory through [`forward_backward`](Self::forward_backward).
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
-        if let Some(partition) = self.store.partition() {
-            let start = Instant::now();
-            let model = self.model.clone();
-            let target = (&self.device, self.plan.precision);
-            let (model, bytes) = partition.gather(model, &self.index, &self.layout, self.comm.as_ref(), target)?;
-            self.model = model;
-            self.peak_transient = self.peak_transient.max(bytes);
-            self.window.times.gather += start.elapsed().as_secs_f64();
-        }
+        self.gather_all()?;
         let start = Instant::now();
         let out = f(&self.model);
         self.window.times.forward += start.elapsed().as_secs_f64();
@@ -235,40 +251,128 @@ impl<M: Module> Engine<M> {
     }
 
     /// Back-propagates `loss` (a one-element tensor from [`forward`](Self::forward)),
-    /// divided by the accumulation steps, and accumulates the gradients as the stage
+    /// divided by the accumulation steps, and reduces every unit's gradients as the stage
     /// prescribes. Returns the loss value.
     pub fn backward(&mut self, loss: Tensor<1>) -> Result<f32> {
+        let (value, scaled) = self.scale_loss(loss)?;
+        let start = Instant::now();
+        let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
+        let reduce_start = Instant::now();
+        self.window.times.backward += (reduce_start - start).as_secs_f64();
+        let all = vec![true; self.units.len()];
+        let taken = take_grads(&self.model, &mut grads, &self.shared.index, &self.shared.sharding, &all)?;
+        drop(grads);
+        for (id, grads) in taken.into_iter().enumerate().rev() {
+            let grads = grads.expect("every unit was asked for");
+            let previous = (id + 1 < self.units.len()).then_some(id + 1);
+            self.reduce_unit(id, grads, previous)?;
+        }
+        self.window.times.reduce += reduce_start.elapsed().as_secs_f64();
+        for id in 0..self.units.len() {
+            self.release(id);
+        }
+        Ok(self.end_micro_step(value))
+    }
+
+    /// Checks the loss, and returns its value and the tensor to back-propagate: cast to
+    /// f32, times the loss scale, divided by the accumulation steps.
+    fn scale_loss(&self, loss: Tensor<1>) -> Result<(f32, Tensor<1>)> {
         if loss.dims() != [1] {
             return Err(Error::Usage(format!("backward needs a one-element loss, got shape {:?}", loss.dims())));
         }
         let loss = loss.cast(FloatDType::F32);
         let value = loss.clone().into_scalar::<f32>();
-        let gas = self.plan.batch.gradient_accumulation_steps as f32;
+        let gas = self.shared.plan.batch.gradient_accumulation_steps as f32;
         let scaled = match &self.scaler {
             Some(scaler) => loss.mul_scalar(scaler.scale() as f32).div_scalar(gas),
             None => loss.div_scalar(gas),
         };
-        let start = Instant::now();
-        let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
-        let reduce_start = Instant::now();
-        self.window.times.backward += (reduce_start - start).as_secs_f64();
-        let bytes = self.grads.accumulate(&self.model, &mut grads, &self.index, &self.layout, self.comm.as_ref())?;
-        self.window.times.reduce += reduce_start.elapsed().as_secs_f64();
-        drop(grads);
-        if let Some(partition) = self.store.partition() {
-            let model = self.model.clone();
-            self.model = partition.release(model, &self.index, &self.layout, &self.device);
+        Ok((value, scaled))
+    }
+
+    /// Starts reducing unit `id`'s gradients of this backward pass, after settling the
+    /// reductions still in flight of the unit reduced before it, `previous` (so at most one
+    /// unit's reductions overlap the next unit's backward).
+    fn reduce_unit(&mut self, id: usize, grads: params::UnitGrads, previous: Option<usize>) -> Result<()> {
+        let times = &mut self.window.times;
+        if let Some(previous) = previous {
+            self.units[previous].settle(times)?;
         }
-        self.peak_transient = self.peak_transient.max(bytes);
+        let plan = &self.shared.plan;
+        let options = ReduceOptions {
+            reduce_scatter: plan.zero.reduce_scatter,
+            comm_dtype: plan.comm_dtype,
+            bucket_elems: plan.zero.reduce_bucket_size,
+            first: self.window.micro_steps == 0,
+            boundary: self.window.micro_steps + 1 == plan.batch.gradient_accumulation_steps,
+            overlap: plan.zero.overlap_comm,
+        };
+        let bytes = self.units[id].reduce(grads, &self.shared, options, times)?;
+        self.peaks.transient = self.peaks.transient.max(bytes);
+        Ok(())
+    }
+
+    /// Counts a finished micro-step; returns the loss value.
+    fn end_micro_step(&mut self, value: f32) -> f32 {
         self.counters.micro_steps += 1;
         self.window.micro_steps += 1;
         self.window.loss_sum += f64::from(value);
-        Ok(value)
+        value
+    }
+
+    /// Stage 3: gathers every unit into the model (each fetch started before the previous
+    /// unit is written, so transfers overlap writes). Nothing to do at stages 0-2.
+    fn gather_all(&mut self) -> Result<()> {
+        if !self.shared.plan.zero.stage.shards_parameters() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        for id in 0..self.units.len() {
+            if let Some(next) = self.units.get_mut(id + 1) {
+                next.fetch(&self.shared)?;
+            }
+            self.gather(id)?;
+        }
+        self.window.times.gather += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Makes unit `id` present in the model (stage 3) and records the gathered peak.
+    fn gather(&mut self, id: usize) -> Result<()> {
+        let model = self.model.clone();
+        let (model, bytes) = self.units[id].gather(model, &self.shared, &mut self.window.times)?;
+        self.model = model;
+        self.note_gathered(bytes);
+        Ok(())
+    }
+
+    /// Stage 3: releases unit `id` from the model.
+    fn release(&mut self, id: usize) {
+        if self.shared.plan.zero.stage.shards_parameters()
+            && (self.units[id].is_gathered() || self.units[id].is_fetching())
+        {
+            let model = self.model.clone();
+            self.model = self.units[id].release(model, &self.shared);
+        }
+    }
+
+    /// Updates the peaks after a gather whose buffer held `buffer_bytes`: the gathered
+    /// units and fetches in flight now.
+    fn note_gathered(&mut self, buffer_bytes: u64) {
+        let elem_bytes = self.shared.plan.precision.bytes_per_elem() as u64;
+        let live: u64 = self
+            .units
+            .iter()
+            .filter(|u| u.is_gathered() || u.is_fetching())
+            .map(|u| u.gathered_elems(&self.shared))
+            .sum();
+        self.peaks.gathered = self.peaks.gathered.max(live * elem_bytes);
+        self.peaks.transient = self.peaks.transient.max(buffer_bytes);
     }
 
     /// Whether the next [`step`](Self::step) will update the parameters.
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
-        self.window.micro_steps == self.plan.batch.gradient_accumulation_steps
+        self.window.micro_steps == self.shared.plan.batch.gradient_accumulation_steps
     }
 
     /// The loss scale the next backward pass multiplies the loss by (1 without fp16
@@ -279,7 +383,7 @@ impl<M: Module> Engine<M> {
 
     /// The learning rate the next step will use.
     pub fn get_lr(&self) -> f64 {
-        self.plan.schedule.lr(self.lr_iteration)
+        self.shared.plan.schedule.lr(self.lr_iteration)
     }
 
     /// The global gradient norm of the last step, before clipping (DeepSpeed's
@@ -298,31 +402,45 @@ impl<M: Module> Engine<M> {
         self.counters
     }
 
-    /// The flat layout of the trainable parameters.
-    pub fn layout(&self) -> &FlatLayout {
-        &self.layout
+    /// The units and their flat layouts over the ranks; its global order is the one
+    /// checkpoints and [`master_params`](Self::master_params) use.
+    pub fn sharding(&self) -> &Sharding {
+        &self.shared.sharding
+    }
+
+    /// Number of trainable parameter elements (the model's Ψ).
+    pub fn num_params(&self) -> usize {
+        self.shared.sharding.global().num_elems()
     }
 
     /// The plan the engine runs.
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        &self.shared.plan
     }
 
     /// This rank's collective traffic so far.
     pub fn comm_stats(&self) -> CommStats {
-        self.comm.stats()
+        self.shared.comm.stats()
     }
 
     /// Model-state bytes this rank holds now, measured from its buffers and tensors.
     pub fn memory_report(&self) -> MemoryReport {
-        let held = self.store.bytes();
-        let fp32 = self.plan.precision == Precision::Fp32;
+        let held: u64 = self.units.iter().map(Unit::master_bytes).sum();
+        let fp32 = self.shared.plan.precision == Precision::Fp32;
+        let stage3 = self.shared.plan.zero.stage.shards_parameters();
+        let elem_bytes = self.shared.plan.precision.bytes_per_elem() as u64;
         MemoryReport {
-            params: trainable_bytes(&self.model, &self.index) + if fp32 { held } else { 0 },
-            grads: self.grads.bytes(),
+            params: trainable_bytes(&self.model, &self.shared.index) + if fp32 { held } else { 0 },
+            grads: self.units.iter().map(Unit::grad_bytes).sum(),
             master: if fp32 { 0 } else { held },
-            optimizer: self.optimizer.state_bytes(),
-            peak_transient: self.peak_transient,
+            optimizer: self.units.iter().map(|u| u.optimizer().state_bytes()).sum(),
+            peak_transient: self.peaks.transient,
+            peak_gathered: self.peaks.gathered,
+            persistent: if stage3 {
+                self.units.iter().map(|u| u.resident_elems(&self.shared) * elem_bytes).sum()
+            } else {
+                0
+            },
         }
     }
 
@@ -330,20 +448,38 @@ impl<M: Module> Engine<M> {
     /// present: at stage 3 the model is gathered for the call and released after it. Every
     /// rank must call it at stage 3.
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
-        let was_released = self.store.partition().is_some_and(|p| p.is_released());
+        let was_released: Vec<bool> = self.units.iter().map(|u| !u.is_gathered()).collect();
         let result = self.forward(|model| f(&model.valid()))?;
-        if was_released && let Some(partition) = self.store.partition() {
-            let model = self.model.clone();
-            self.model = partition.release(model, &self.index, &self.layout, &self.device);
+        for (id, released) in was_released.into_iter().enumerate() {
+            if released {
+                self.release(id);
+            }
         }
         Ok(result)
     }
 
-    /// The fp32 master weights of every trainable parameter, concatenated in layout order
-    /// (`layout().num_elems()` values; [`layout`](Self::layout) says where each parameter
-    /// is). In fp32 training these are the parameters themselves. Every rank must call it.
+    /// The fp32 master weights of every trainable parameter in the global order
+    /// (`num_params()` values; [`sharding`](Self::sharding)'s global layout says where each
+    /// parameter is). In fp32 training these are the parameters themselves. Every rank must
+    /// call it.
     pub fn master_params(&self) -> Result<Vec<f32>> {
-        self.store.gather(&self.model, &self.index, &self.layout, self.comm.as_ref())
+        let sharding = &self.shared.sharding;
+        let mut out = vec![0.0f32; sharding.global().num_elems()];
+        for (id, unit) in self.units.iter().enumerate() {
+            let layout = self.shared.layout(id);
+            let values = unit.values(&self.model, &self.shared)?;
+            let full = if self.shared.plan.zero.stage.shards_optimizer_states() {
+                let mut full = vec![0.0; layout.padded_elems()];
+                self.shared.comm.all_gather((&values).into(), (&mut full).into())?;
+                full
+            } else {
+                values
+            };
+            for (unit_range, global) in sharding.global_segments(id, 0..layout.num_elems()) {
+                out[global].copy_from_slice(&full[unit_range]);
+            }
+        }
+        Ok(out)
     }
 
     /// A copy of the model with every parameter present and current (gathered at stage 3),
@@ -361,25 +497,4 @@ impl ParamCount {
     pub fn trainable<M: Module>(model: &M) -> u64 {
         ParamIndex::scan(model).0.iter().map(|(_, shape)| shape.iter().product::<usize>() as u64).sum()
     }
-}
-
-/// Bytes of the trainable parameters the model holds now (released ones are empty).
-fn trainable_bytes<M: Module>(model: &M, index: &ParamIndex) -> u64 {
-    struct Count<'a> {
-        index: &'a ParamIndex,
-        position: usize,
-        bytes: u64,
-    }
-    impl ModuleVisitor for Count<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.index.is_trainable(self.position) {
-                let tensor = param.val();
-                self.bytes += (tensor.shape().num_elements() * tensor.dtype().size()) as u64;
-            }
-            self.position += 1;
-        }
-    }
-    let mut count = Count { index, position: 0, bytes: 0 };
-    model.visit(&mut count);
-    count.bytes
 }

@@ -1,23 +1,25 @@
-//! Moving values between a Burn module and flat buffers: the module's trainable parameters
-//! in visit order are the [`FlatLayout`]'s entries.
+//! Moving values between a Burn module and flat buffers, one unit at a time: a unit's
+//! trainable parameters are the entries of its [`FlatLayout`](zerotrain_zero::FlatLayout)
+//! in the [`Sharding`].
 //!
 //! # Note: identifying parameters
 //! `ParamId`s are random per process, so parameters are keyed by module path and found by
 //! their position among the module's float parameters in visit order (Burn's `visit` and
 //! `map` walk fields in declaration order). [`ParamIndex`] records, once, which of those
-//! positions are trainable and which layout entry each one is; later walks use it instead of
-//! asking the tensors again (a released stage-3 parameter is an empty tensor).
+//! positions are trainable and which global entry each one is; the [`Sharding`] says which
+//! unit that entry belongs to. Later walks use the index instead of asking the tensors
+//! again (a released stage-3 parameter is an empty tensor).
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision, with_elem};
-use zerotrain_zero::{Collective, FlatLayout};
+use zerotrain_zero::Sharding;
 
 use crate::{Error, Result};
 
-/// Which float parameters (by visit position) are trainable, and their layout entry.
+/// Which float parameters (by visit position) are trainable, and their global entry.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamIndex {
     entry_of: Vec<Option<usize>>,
@@ -26,7 +28,11 @@ pub(crate) struct ParamIndex {
 impl ParamIndex {
     /// Whether the float parameter at visit `position` is trainable.
     pub fn is_trainable(&self, position: usize) -> bool {
-        self.entry_of.get(position).copied().flatten().is_some()
+        self.entry(position).is_some()
+    }
+
+    fn entry(&self, position: usize) -> Option<usize> {
+        self.entry_of.get(position).copied().flatten()
     }
 
     /// Scans `model`, returning the (path, shape) of each trainable parameter in order.
@@ -57,106 +63,182 @@ impl ParamIndex {
     }
 }
 
-/// Copies the flat range `range` of the module's parameters into `dst` (any dtype; padding
-/// stays as it is in `dst`). Only parameters that overlap the range are read.
-pub(crate) fn read_params<M: Module>(
-    model: &M,
-    index: &ParamIndex,
-    layout: &FlatLayout,
-    range: std::ops::Range<usize>,
-    dst: BufMut<'_>,
-) -> Result<()> {
-    let mut reader = FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Params };
-    model.visit(&mut reader);
-    reader.error.map_or(Ok(()), Err)
-}
-
-/// Copies (or with `add`, adds) the gradients of the module's trainable parameters into the
-/// full flat buffer `dst` (at least `layout.num_elems()` long, any dtype: values convert
-/// through f32). A parameter without a gradient (unused in the forward pass) contributes
-/// zeros. The gradients are removed from `grads` as they are read, so that each tensor is
-/// uniquely owned and Flex hands its buffer over without a copy.
-pub(crate) fn read_grads<M: Module>(
-    model: &M,
-    grads: &mut GradientsParams,
-    index: &ParamIndex,
-    layout: &FlatLayout,
-    dst: BufMut<'_>,
-    add: bool,
-) -> Result<()> {
-    let range = 0..layout.num_elems();
-    let mut reader =
-        FlatReader { index, layout, range, dst, position: 0, error: None, source: Source::Grads { grads, add } };
-    model.visit(&mut reader);
-    reader.error.map_or(Ok(()), Err)
-}
-
-enum Source<'a> {
-    Params,
-    Grads { grads: &'a mut GradientsParams, add: bool },
-}
-
-struct FlatReader<'a> {
+/// Where a walk over the model is: the index, the sharding and the visit position.
+struct Walk<'a> {
     index: &'a ParamIndex,
-    layout: &'a FlatLayout,
-    range: std::ops::Range<usize>,
-    dst: BufMut<'a>,
+    sharding: &'a Sharding,
     position: usize,
-    error: Option<Error>,
-    source: Source<'a>,
 }
 
-impl ModuleVisitor for FlatReader<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+impl Walk<'_> {
+    /// The next float parameter's (unit, entry within the unit), if trainable.
+    fn next(&mut self) -> Option<(usize, usize)> {
         let position = self.position;
         self.position += 1;
-        let Some(entry_index) = self.index.entry_of.get(position).copied().flatten() else { return };
-        let entry = &self.layout.entries()[entry_index];
-        let Some(segment) = entry.segment(self.range.clone()).filter(|_| self.error.is_none()) else { return };
-        let flat = segment.flat_range;
-        let mut out = self.dst.reborrow().slice(flat.start - self.range.start..flat.end - self.range.start);
-        let (tensor, add) = match &mut self.source {
-            Source::Params => (Some(param.val()), false),
-            Source::Grads { grads, add } => (grads.remove::<D>(param.id), *add),
-        };
-        let Some(tensor) = tensor else {
-            if !add {
-                out.fill_zeros();
-            }
-            return;
-        };
-        let data = tensor.into_data();
-        let values = match data_as_buf(&data) {
-            Some(values) if values.len() == entry.num_elems => values,
-            Some(values) => {
-                let message = format!(
-                    "parameter `{}` has {} elements, the layout expects {}; was the model changed after Engine::new?",
-                    entry.path,
-                    values.len(),
-                    entry.num_elems
-                );
-                self.error = Some(Error::Model(message));
-                return;
-            }
-            None => {
-                let message =
-                    format!("parameter `{}` is {:?}; zerotrain trains f32, f16 and bf16", entry.path, data.dtype());
-                self.error = Some(Error::Model(message));
-                return;
-            }
-        };
-        out.copy_from(values.slice(segment.param_range), add);
+        self.index.entry(position).map(|g| self.sharding.location(g))
     }
 }
 
-/// The tensor data as a flat buffer, if its dtype is one zerotrain handles.
-fn data_as_buf(data: &TensorData) -> Option<BufRef<'_>> {
-    match data.dtype() {
+/// Copies the part of unit `unit`'s parameters that falls in `range` (of the unit's flat
+/// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is).
+pub(crate) fn read_params<M: Module>(
+    model: &M,
+    index: &ParamIndex,
+    sharding: &Sharding,
+    unit: usize,
+    range: std::ops::Range<usize>,
+    dst: BufMut<'_>,
+) -> Result<()> {
+    struct Reader<'a> {
+        walk: Walk<'a>,
+        unit: usize,
+        range: std::ops::Range<usize>,
+        dst: BufMut<'a>,
+        error: Option<Error>,
+    }
+    impl ModuleVisitor for Reader<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some((unit, e)) = self.walk.next().filter(|(u, _)| *u == self.unit) else { return };
+            let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
+            let Some(segment) = entry.segment(self.range.clone()).filter(|_| self.error.is_none()) else { return };
+            let data = param.val().into_data();
+            match as_flat(&data, &entry.path, entry.num_elems) {
+                Ok(values) => {
+                    let at = segment.flat_range.start - self.range.start..segment.flat_range.end - self.range.start;
+                    self.dst.reborrow().slice(at).copy_from(values.slice(segment.param_range), false);
+                }
+                Err(e) => self.error = Some(e),
+            }
+        }
+    }
+    let walk = Walk { index, sharding, position: 0 };
+    let mut reader = Reader { walk, unit, range, dst, error: None };
+    model.visit(&mut reader);
+    reader.error.map_or(Ok(()), Err)
+}
+
+/// One unit's gradients of one backward pass, per entry of the unit, in the dtype Burn
+/// produced them in; `None` for a parameter that got no gradient (it counts as zeros).
+#[derive(Debug)]
+pub(crate) struct UnitGrads {
+    pub entries: Vec<Option<FlatBuf>>,
+}
+
+impl UnitGrads {
+    /// No gradients yet for a unit of `num_entries` parameters.
+    pub fn empty(num_entries: usize) -> Self {
+        Self { entries: (0..num_entries).map(|_| None).collect() }
+    }
+
+    /// Adds `other`'s gradients (of the same unit) to these.
+    pub fn add(&mut self, other: UnitGrads) {
+        for (mine, theirs) in self.entries.iter_mut().zip(other.entries) {
+            match (mine.as_mut(), theirs) {
+                (Some(m), Some(t)) => m.as_mut().copy_from(t.as_ref(), true),
+                (None, Some(t)) => *mine = Some(t),
+                (_, None) => {}
+            }
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.entries.iter().flatten().map(FlatBuf::bytes).sum()
+    }
+}
+
+/// Takes the gradients of every unit `wanted` marks out of `grads`, per unit. A gradient
+/// of a parameter in a unit not wanted is an error naming it (a unit used a parameter it
+/// does not own; see the note on the root unit in [`super::model`]).
+pub(crate) fn take_grads<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    index: &ParamIndex,
+    sharding: &Sharding,
+    wanted: &[bool],
+) -> Result<Vec<Option<UnitGrads>>> {
+    struct Taker<'a> {
+        walk: Walk<'a>,
+        grads: &'a mut GradientsParams,
+        wanted: &'a [bool],
+        taken: Vec<Option<UnitGrads>>,
+        foreign: Vec<String>,
+        error: Option<Error>,
+    }
+    impl ModuleVisitor for Taker<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some((unit, e)) = self.walk.next() else { return };
+            let units = self.walk.sharding.units();
+            let entry = &units[unit].layout.entries()[e];
+            let Some(grad) = self.grads.remove::<D>(param.id) else { return };
+            if !self.wanted[unit] {
+                self.foreign.push(format!("`{}` (unit `{}`)", entry.path, units[unit].name));
+                return;
+            }
+            // Removed from `grads`, the tensor is uniquely owned, so Flex hands its buffer
+            // over without a copy.
+            match into_flat(grad.into_data(), &entry.path, entry.num_elems) {
+                Ok(values) => {
+                    let n = units[unit].layout.entries().len();
+                    self.taken[unit].get_or_insert_with(|| UnitGrads::empty(n)).entries[e] = Some(values);
+                }
+                Err(err) => self.error = Some(err),
+            }
+        }
+    }
+    let walk = Walk { index, sharding, position: 0 };
+    let taken = wanted.iter().map(|_| None).collect();
+    let mut taker = Taker { walk, grads, wanted, taken, foreign: Vec::new(), error: None };
+    model.visit(&mut taker);
+    if let Some(error) = taker.error {
+        return Err(error);
+    }
+    if !taker.foreign.is_empty() {
+        return Err(Error::Model(format!(
+            "a unit's backward pass produced gradients for parameters of other units: {}; a unit may use only its \
+             own parameters and the root's (leave a shared parameter to the root)",
+            taker.foreign.join(", ")
+        )));
+    }
+    let mut taken = taker.taken;
+    for (unit, wanted) in wanted.iter().enumerate() {
+        if *wanted && taken[unit].is_none() {
+            taken[unit] = Some(UnitGrads::empty(sharding.units()[unit].layout.entries().len()));
+        }
+    }
+    Ok(taken)
+}
+
+/// The tensor data as a flat buffer, checked against the layout.
+fn as_flat<'a>(data: &'a TensorData, path: &str, num_elems: usize) -> Result<BufRef<'a>> {
+    let values = match data.dtype() {
         DType::F32 => data.as_slice::<f32>().ok().map(BufRef::F32),
         DType::F16 => data.as_slice::<f16>().ok().map(BufRef::F16),
         DType::BF16 => data.as_slice::<bf16>().ok().map(BufRef::Bf16),
         _ => None,
+    };
+    match values {
+        Some(values) if values.len() == num_elems => Ok(values),
+        Some(values) => Err(Error::Model(format!(
+            "parameter `{path}` has {} elements, the layout expects {num_elems}; was the model changed after \
+             Engine::new?",
+            values.len()
+        ))),
+        None => {
+            Err(Error::Model(format!("parameter `{path}` is {:?}; zerotrain trains f32, f16 and bf16", data.dtype())))
+        }
     }
+}
+
+/// Like [`as_flat`], taking the data.
+fn into_flat(data: TensorData, path: &str, num_elems: usize) -> Result<FlatBuf> {
+    as_flat(&data, path, num_elems)?;
+    let buf = match data.dtype() {
+        DType::F32 => data.try_into_vec::<f32>().map(FlatBuf::F32),
+        DType::F16 => data.try_into_vec::<f16>().map(FlatBuf::F16),
+        _ => data.try_into_vec::<bf16>().map(FlatBuf::Bf16),
+    };
+    buf.map_err(|e| Error::Model(format!("gradient of `{path}`: {e:?}")))
 }
 
 /// Burn's dtype for a flat-buffer dtype.
@@ -168,36 +250,35 @@ pub(crate) fn burn_dtype(precision: Precision) -> DType {
     }
 }
 
-/// What [`write_params`] puts into each trainable parameter.
+/// What [`write_params`] puts into each trainable parameter of a unit.
 pub(crate) enum Fill<'a> {
-    /// Values from the full flat buffer (at least `layout.num_elems()` long), in its dtype.
+    /// Values from the unit's flat buffer (at least the unit's `num_elems` long), in its
+    /// dtype.
     From(BufRef<'a>),
-    /// Empty tensors (stage 3's released state), except the entries marked `true` in
-    /// the slice, which keep their current value.
+    /// Empty tensors (stage 3's released state), except the unit's entries marked `true`,
+    /// which keep their current value.
     Release(&'a [bool]),
 }
 
-/// Replaces the module's trainable parameters, keeping their ids.
+/// Replaces unit `unit`'s trainable parameters in the module, keeping their ids.
 pub(crate) fn write_params<M: Module>(
     model: M,
     index: &ParamIndex,
-    layout: &FlatLayout,
+    sharding: &Sharding,
+    unit: usize,
     fill: Fill<'_>,
     device: &Device,
 ) -> M {
     struct Writer<'a> {
-        index: &'a ParamIndex,
-        layout: &'a FlatLayout,
+        walk: Walk<'a>,
+        unit: usize,
         fill: Fill<'a>,
         device: &'a Device,
-        position: usize,
     }
     impl ModuleMapper for Writer<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let position = self.position;
-            self.position += 1;
-            let Some(entry_index) = self.index.entry_of.get(position).copied().flatten() else { return param };
-            let entry = &self.layout.entries()[entry_index];
+            let Some((unit, e)) = self.walk.next().filter(|(u, _)| *u == self.unit) else { return param };
+            let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
             let tensor = match self.fill {
                 Fill::From(flat) => {
                     let shape: [usize; D] =
@@ -207,37 +288,32 @@ pub(crate) fn write_params<M: Module>(
                     let data = with_elem!(BufRef, values, v, _E => TensorData::new(v.to_vec(), shape));
                     Tensor::<D>::from_data(data, options)
                 }
-                Fill::Release(keep) if keep[entry_index] => return param,
+                Fill::Release(keep) if keep[e] => return param,
                 Fill::Release(_) => Tensor::<D>::empty([0; D], self.device),
             };
             param.map(|_| tensor.require_grad())
         }
     }
-    model.map(&mut Writer { index, layout, fill, device, position: 0 })
+    model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, unit, fill, device })
 }
 
-/// `values` in `dtype`: `None` when that is f32 (use `values` as they are), else a converted
-/// copy. Callers borrow it with `converted.as_ref().map_or(BufRef::F32(values), FlatBuf::as_ref)`.
-pub(crate) fn convert(values: &[f32], dtype: Precision) -> Option<FlatBuf> {
-    (dtype != Precision::Fp32).then(|| FlatBuf::from_f32(dtype, values))
-}
-
-/// All-gathers every rank's fp32 `shard` (its [`FlatLayout::shard_range`]) in the compute
-/// dtype `dtype` and writes the full parameters into the model. Every rank must call it.
-/// Returns the model and the transient bytes used (the gathered buffer and the converted
-/// shard).
-pub(crate) fn gather_params<M: Module>(
-    model: M,
-    index: &ParamIndex,
-    layout: &FlatLayout,
-    comm: &dyn Collective,
-    shard: &[f32],
-    (device, dtype): (&Device, Precision),
-) -> Result<(M, u64)> {
-    let converted = convert(shard, dtype);
-    let local = converted.as_ref().map_or(BufRef::F32(shard), FlatBuf::as_ref);
-    let mut full = FlatBuf::zeros(dtype, layout.padded_elems());
-    comm.all_gather(local, full.as_mut())?;
-    let bytes = full.bytes() + converted.as_ref().map_or(0, FlatBuf::bytes);
-    Ok((write_params(model, index, layout, Fill::From(full.as_ref()), device), bytes))
+/// Bytes of the trainable parameters the model holds now (released ones are empty).
+pub(crate) fn trainable_bytes<M: Module>(model: &M, index: &ParamIndex) -> u64 {
+    struct Count<'a> {
+        index: &'a ParamIndex,
+        position: usize,
+        bytes: u64,
+    }
+    impl ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.index.is_trainable(self.position) {
+                let tensor = param.val();
+                self.bytes += (tensor.shape().num_elements() * tensor.dtype().size()) as u64;
+            }
+            self.position += 1;
+        }
+    }
+    let mut count = Count { index, position: 0, bytes: 0 };
+    model.visit(&mut count);
+    count.bytes
 }

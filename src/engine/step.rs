@@ -1,13 +1,12 @@
-//! The optimizer step: reduce, check for overflow, unscale and clip in one multiply, step
-//! the optimizer on the rank's range, and put the new values where the stage keeps them.
+//! The optimizer step: settle every unit's reductions, check for overflow, unscale and clip
+//! in one multiply, step each unit's optimizer on the rank's range, and put the new values
+//! where the stage keeps them.
 
 use std::time::Instant;
 
 use burn::module::Module;
-use zerotrain_precision::{BufRef, FlatBuf};
-use zerotrain_zero::{ReduceOp, ZeroStage};
+use zerotrain_zero::ReduceOp;
 
-use super::params::{Fill, convert, gather_params, write_params};
 use super::{Engine, StepReport, Window};
 use crate::{Error, Result};
 
@@ -25,9 +24,12 @@ impl<M: Module> Engine<M> {
         if !self.is_gradient_accumulation_boundary() {
             return Ok(None);
         }
-        let n = self.comm.world_size();
+        let n = self.shared.comm.world_size();
         let start = Instant::now();
-        let mut grads = self.grads.reduce(&self.layout, self.comm.as_ref())?;
+        let mut grads = Vec::with_capacity(self.units.len());
+        for unit in &mut self.units {
+            grads.push(unit.take_reduced(&mut self.window.times)?);
+        }
         let (sum_squares, loss) = self.global_metrics(&grads)?;
         self.window.times.reduce += start.elapsed().as_secs_f64();
         let scale = self.loss_scale();
@@ -36,12 +38,12 @@ impl<M: Module> Engine<M> {
         let overflow = !grad_norm.is_finite();
         let skip = match &mut self.scaler {
             Some(scaler) => scaler.update(overflow)?.skip_step,
-            None => overflow && self.plan.check_grad_overflow,
+            None => overflow && self.shared.plan.check_grad_overflow,
         };
-        let lr = self.plan.schedule.lr(self.lr_iteration);
+        let lr = self.shared.plan.schedule.lr(self.lr_iteration);
         if skip {
             self.counters.skipped_steps += 1;
-            if self.comm.rank() == 0 {
+            if self.shared.comm.rank() == 0 {
                 // The one log line per overflow, as DeepSpeed prints it.
                 eprintln!(
                     "[Rank 0] OVERFLOW! Skipping step {}. Attempted loss scale: {scale}, reducing to {}",
@@ -49,18 +51,27 @@ impl<M: Module> Engine<M> {
                     self.loss_scale()
                 );
             }
+            // Stage 3: a gather since the last backward holds parameters that stay valid,
+            // but nothing may stay gathered across the step.
+            for id in 0..self.units.len() {
+                self.release(id);
+            }
         } else {
-            let clip = self.plan.gradient_clipping;
+            let clip = self.shared.plan.gradient_clipping;
             let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
             let factor = (clip_coef / (n as f64 * scale)) as f32;
-            grads.iter_mut().for_each(|g| *g *= factor);
-            let transient = self.apply(lr, grads)?;
-            self.peak_transient = self.peak_transient.max(transient);
+            for (id, mut grads) in grads.into_iter().enumerate() {
+                grads.iter_mut().for_each(|g| *g *= factor);
+                let model = self.model.clone();
+                let (model, transient) = self.units[id].step(model, lr, grads, &self.shared, &mut self.window.times)?;
+                self.model = model;
+                self.peaks.transient = self.peaks.transient.max(transient);
+            }
             self.lr_iteration += 1;
         }
         self.counters.global_steps += 1;
-        self.counters.global_samples += self.plan.batch.train_batch_size;
-        let stats = self.comm.stats();
+        self.counters.global_samples += self.shared.plan.batch.train_batch_size;
+        let stats = self.shared.comm.stats();
         let report = StepReport {
             global_step: self.counters.global_steps,
             loss,
@@ -78,84 +89,38 @@ impl<M: Module> Engine<M> {
     }
 
     /// One all-reduce of each rank's squared-norm partial of its (still scaled) gradient
-    /// range and of its mean loss: (sum of squares over all ranks, mean loss). At stage 0
-    /// every rank holds the full gradient and computes every shard's partial itself, so the
-    /// sum is the same as the sharded stages' to the last bit.
-    fn global_metrics(&self, grads: &[f32]) -> Result<(f64, f32)> {
-        let (rank, n) = (self.comm.rank(), self.comm.world_size());
-        let sharded = self.plan.zero.stage.shards_optimizer_states();
+    /// and of its mean loss: (sum of squares over all ranks, mean loss). A rank's partial
+    /// runs over its shards of every unit in unit order, in one f64 sum. At stage 0 every
+    /// rank holds the full gradients and computes every rank's partial itself the same
+    /// way, so the total is the sharded stages' to the last bit.
+    fn global_metrics(&self, grads: &[Vec<f32>]) -> Result<(f64, f32)> {
+        let (rank, n) = (self.shared.comm.rank(), self.shared.comm.world_size());
+        let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
+        let partial = |r: usize| -> f32 {
+            let mut sum = 0.0f64;
+            for (id, values) in grads.iter().enumerate() {
+                let layout = self.shared.layout(id);
+                let real = layout.shard_real_range(r);
+                let offset = if sharded { layout.shard_range(r).start } else { 0 };
+                for &g in &values[real.start - offset..real.end - offset] {
+                    sum += f64::from(g) * f64::from(g);
+                }
+            }
+            sum as f32
+        };
         let mut metrics = vec![0.0f32; n + 1];
         if sharded {
-            metrics[rank] = squared_norm(grads) as f32;
+            metrics[rank] = partial(rank);
         }
         metrics[n] = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
-        self.comm.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        self.shared.comm.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
         if !sharded {
-            for (r, partial) in metrics[..n].iter_mut().enumerate() {
-                *partial = squared_norm(&grads[self.layout.shard_real_range(r)]) as f32;
+            for (r, slot) in metrics[..n].iter_mut().enumerate() {
+                *slot = partial(r);
             }
         }
         Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / n as f32))
     }
-
-    /// Steps the optimizer over the rank's range with the final gradients and puts the new
-    /// values where the stage keeps parameters. Returns the transient bytes it used.
-    fn apply(&mut self, lr: f64, grads: Vec<f32>) -> Result<u64> {
-        let range = self.optimizer_range();
-        let start = Instant::now();
-        let master = self.store.take(&self.model, &self.index, &self.layout, range.clone())?;
-        let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
-        let updated = self.optimizer.step(lr, master, grads, &self.device.clone().without_autodiff())?;
-        let gather_start = Instant::now();
-        self.window.times.optimizer += (gather_start - start).as_secs_f64();
-        transient += self.publish(&updated)?;
-        self.window.times.gather += gather_start.elapsed().as_secs_f64();
-        self.store.put(updated);
-        Ok(transient)
-    }
-
-    /// The flat range this rank's optimizer steps: everything at stage 0, its shard (with
-    /// padding) otherwise.
-    pub(super) fn optimizer_range(&self) -> std::ops::Range<usize> {
-        match self.plan.zero.stage {
-            ZeroStage::Disabled => 0..self.layout.num_elems(),
-            _ => self.layout.shard_range(self.comm.rank()),
-        }
-    }
-
-    /// Puts new fp32 master values of the rank's optimizer range into the model, as the
-    /// stage keeps parameters: all of them at stage 0, all-gathered in the compute dtype at
-    /// stages 1-2, nowhere at stage 3 (gathered at the next forward). Returns the transient
-    /// bytes it used.
-    pub(super) fn publish(&mut self, values: &[f32]) -> Result<u64> {
-        let stage = self.plan.zero.stage;
-        if stage == ZeroStage::Parameters {
-            // A forward between the last backward and this step gathered the pre-step
-            // weights; release them, or the next forward would silently train on them.
-            if let Some(partition) = self.store.partition()
-                && !partition.is_released()
-            {
-                let model = self.model.clone();
-                self.model = partition.release(model, &self.index, &self.layout, &self.device);
-            }
-            return Ok(0);
-        }
-        let (model, dtype) = (self.model.clone(), self.plan.precision);
-        if stage == ZeroStage::Disabled {
-            let converted = convert(values, dtype);
-            let all = converted.as_ref().map_or(BufRef::F32(values), FlatBuf::as_ref);
-            self.model = write_params(model, &self.index, &self.layout, Fill::From(all), &self.device);
-            return Ok(converted.as_ref().map_or(0, FlatBuf::bytes));
-        }
-        let comm = self.comm.as_ref();
-        let (model, transient) = gather_params(model, &self.index, &self.layout, comm, values, (&self.device, dtype))?;
-        self.model = model;
-        Ok(transient)
-    }
-}
-
-fn squared_norm(values: &[f32]) -> f64 {
-    values.iter().map(|&g| f64::from(g) * f64::from(g)).sum()
 }
 
 impl From<zerotrain_precision::ScaleError> for Error {

@@ -65,7 +65,7 @@ fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
     launch(&plan, |ctx| {
         let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
         let released = engine.memory_report().params;
-        assert_eq!(released, 4 * engine.layout().shard_len() as u64);
+        assert_eq!(released, 4 * engine.sharding().units()[0].layout.shard_len() as u64);
         let batch = TASK.batch(0..4, ctx.device());
         let evaluated = engine.eval(|m| m.loss(&batch).into_scalar::<f32>())?;
         assert_eq!(engine.memory_report().params, released, "eval must release what it gathered");
@@ -73,7 +73,7 @@ fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
         assert_eq!(trained.clone().into_scalar::<f32>(), evaluated);
         assert_eq!(
             engine.memory_report().params,
-            released + 4 * engine.layout().num_elems() as u64,
+            released + 4 * engine.sharding().units()[0].layout.num_elems() as u64,
             "forward keeps the model for backward"
         );
         engine.backward(trained)?;

@@ -25,7 +25,7 @@ fn bytes_per_step_equal_each_stages_collectives() {
                             }
                         }
                     }
-                    Ok::<_, Error>((bytes, engine.layout().clone()))
+                    Ok::<_, Error>((bytes, engine.sharding().units()[0].layout.clone()))
                 })
                 .unwrap();
                 for (rank, (bytes, layout)) in per_rank.iter().enumerate() {

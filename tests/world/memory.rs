@@ -18,7 +18,7 @@ fn report_after_one_step(json: &str, world_size: usize) -> Vec<(MemoryReport, Fl
         let loss = engine.forward(|m| m.loss(&batch))?;
         engine.backward(loss)?;
         engine.step()?;
-        Ok::<_, zerotrain::Error>((engine.memory_report(), engine.layout().clone()))
+        Ok::<_, zerotrain::Error>((engine.memory_report(), engine.sharding().units()[0].layout.clone()))
     })
     .unwrap()
 }

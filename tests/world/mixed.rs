@@ -40,7 +40,7 @@ fn run_mlp(plan: &Plan, init: &Mlp, steps: &[u64], poison: &[u64]) -> Result<Run
         }
         let memory = engine.memory_report();
         let master = engine.master_params()?;
-        Ok::<_, Error>(Run { reports, master, memory, layout: engine.layout().clone() })
+        Ok::<_, Error>(Run { reports, master, memory, layout: engine.sharding().units()[0].layout.clone() })
     })?;
     // Every rank reaches the same decisions: the same steps skipped, the same scales.
     let decisions =

@@ -39,6 +39,9 @@ pub enum ZeroError {
         /// What differed.
         detail: String,
     },
+    /// A rank's communication thread could not start, or stopped.
+    #[error("communication thread: {0}")]
+    CommThread(String),
     /// A buffer has the wrong length for the call.
     #[error("rank {rank}: {op}: {detail}")]
     BadBuffer {

@@ -113,6 +113,11 @@ impl FlatLayout {
         self.world_size
     }
 
+    /// Shards are a multiple of this many elements.
+    pub fn align_elems(&self) -> usize {
+        self.align_elems
+    }
+
     /// Elements per shard (equal for every rank, padding included).
     pub fn shard_len(&self) -> usize {
         self.padded_elems / self.world_size

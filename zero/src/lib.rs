@@ -42,9 +42,13 @@ pub mod collective;
 mod error;
 pub mod layout;
 pub mod memory;
+pub mod sharding;
 mod stage;
 
-pub use collective::{Collective, CommStats, OpStats, ReduceOp, ThreadComm, ThreadWorld};
+pub use collective::{
+    Collective, CommStats, CommThread, Completed, OpStats, Pending, ReduceOp, Request, ThreadComm, ThreadWorld,
+};
 pub use error::ZeroError;
 pub use layout::{FlatEntry, FlatLayout, Segment};
+pub use sharding::{ShardedUnit, Sharding};
 pub use stage::ZeroStage;

@@ -129,7 +129,12 @@ pub fn stages(world_size: usize, steps: u64) -> Result<Vec<StageRow>> {
                         reports.push(report);
                     }
                 }
-                Ok::<_, crate::Error>((step_times, reports, engine.memory_report(), engine.layout().clone()))
+                Ok::<_, crate::Error>((
+                    step_times,
+                    reports,
+                    engine.memory_report(),
+                    engine.sharding().units()[0].layout.clone(),
+                ))
             })?;
             let (step_times, reports, memory, layout) = out.into_iter().next().expect("rank 0");
             let pick = |f: fn(&PhaseTimes) -> f64| median(reports.iter().map(|r| f(&r.times)).collect());
@@ -139,6 +144,8 @@ pub fn stages(world_size: usize, steps: u64) -> Result<Vec<StageRow>> {
                 reduce: pick(|t| t.reduce),
                 optimizer: pick(|t| t.optimizer),
                 gather: pick(|t| t.gather),
+                comm_wait: pick(|t| t.comm_wait),
+                comm_busy: pick(|t| t.comm_busy),
             };
             let (n, padded, shard) = (world_size as u64, layout.padded_elems() as u64, layout.shard_len() as u64);
             let elem = if precision == "fp32" { 4 } else { 2 };

@@ -116,7 +116,7 @@ pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Re
             engine.step()?;
         }
         let now = proc_status_kib("VmRSS:");
-        Ok::<_, crate::Error>((ctx.rank(), engine.memory_report(), engine.layout().clone(), now))
+        Ok::<_, crate::Error>((ctx.rank(), engine.memory_report(), engine.sharding().units()[0].layout.clone(), now))
     })?;
     let peak = proc_status_kib("VmHWM:");
     let mib = |kib: Option<u64>| kib.map_or_else(|| "?".into(), |k| format!("{:.0}", k as f64 / 1024.0));

@@ -272,7 +272,11 @@ pub fn inspect(dir: &Path, tag: Option<&str>, verify: bool, json: bool) -> anyho
     println!("parameters  {} in {} tensors", m.num_elems(), m.layout.len());
     println!("state       {}", m.tensors.join(", "));
     for f in &m.files {
-        println!("  {:<20} elements {}..{}  {} bytes  {} blocks", f.name, f.start, f.end, f.size, f.block_crc32.len());
+        let ranges = match f.ranges.as_slice() {
+            [[start, end]] => format!("elements {start}..{end}"),
+            many => format!("{} elements in {} ranges", f.num_elems(), many.len()),
+        };
+        println!("  {:<20} {ranges}  {} bytes  {} blocks", f.name, f.size, f.block_crc32.len());
     }
     println!("client      {}", m.client_state);
     if verify {

@@ -294,7 +294,7 @@ impl Job<'_> {
             val_loss: (initial_val, final_val),
             seconds,
             tokens_per_s: (step - first_step) as f64 * tokens_per_step / seconds.max(1e-9),
-            num_params: engine.layout().num_elems(),
+            num_params: engine.num_params(),
             memory: vec![engine.memory_report()],
             comm_bytes_per_step,
             samples,

@@ -13,7 +13,9 @@
 #[cfg(feature = "mpi")]
 mod mpi;
 mod rendezvous;
+mod request;
 mod threads;
+mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -21,7 +23,9 @@ pub use zerotrain_precision::{BufMut, BufRef};
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
+pub use request::{Completed, Pending, Request};
 pub use threads::{ThreadComm, ThreadWorld};
+pub use worker::CommThread;
 
 /// This process's (rank, world size) if `mpirun` (OpenMPI, MPICH or PMIx) started it.
 pub fn mpi_environment() -> Option<(usize, usize)> {
@@ -77,6 +81,12 @@ pub trait Collective: Send + Sync {
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), ZeroError>;
+    /// Starts `request` and returns at once where the backend runs collectives on a thread
+    /// of their own ([`CommThread`]); otherwise (the default) runs it before returning. Its
+    /// place in the order of this rank's collectives is the moment of this call.
+    fn start(&self, request: Request) -> Pending {
+        Pending::ready(request.run(self))
+    }
     /// Marks the job failed: every rank's pending and future collectives return
     /// [`ZeroError::Aborted`] naming this rank and `reason`.
     fn abort(&self, reason: &str);

@@ -1,0 +1,278 @@
+//! Running a [`UnitModel`] one unit at a time: [`Engine::forward_backward`] and
+//! [`Engine::evaluate`].
+//!
+//! # Note: the unit walk
+//! Forward runs the units in order. At stage 3 each unit is gathered just before it runs
+//! (the next one is prefetched meanwhile, within `stage3_prefetch_bucket_size` and
+//! `stage3_max_live_parameters`) and the root is gathered for the whole pass. With
+//! activation checkpointing a unit runs without an autodiff graph, only its input (the
+//! boundary activation) is kept, and at stage 3 the unit is released at once; without it,
+//! each unit runs on a detached copy of its input and keeps its graph (and its gathered
+//! parameters, which the graph holds anyway) until its backward.
+//!
+//! Backward walks the units in reverse. With checkpointing a unit is gathered again,
+//! recomputed from its boundary with gradient tracking, and back-propagated by seeding its
+//! output with the next unit's input gradient, `sum(y * g)`; the gradient of its own input
+//! seeds the unit before. As soon as a unit's backward is done its gradients are reduced
+//! (overlapping the next unit's backward with `overlap_comm`) and, at stage 3, it is
+//! released. The root's gradient contributions from every unit and the loss are summed and
+//! reduced last. Traffic per micro-step at stage 3: the parameters are gathered twice with
+//! checkpointing (forward and recompute), once without, and gradients reduce-scattered
+//! once: 3Ψ or 2Ψ, DeepSpeed's and FSDP's volumes, the root counted once for its gather.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use zerotrain_zero::Sharding;
+
+use super::model::{Activation, UnitModel, group};
+use super::params::{ParamIndex, UnitGrads, take_grads};
+use super::{ALIGN_ELEMS, Engine};
+use crate::config::Plan;
+use crate::context::RankContext;
+use crate::{Error, Result};
+
+/// What the forward pass keeps of unit `i` for its backward.
+enum Saved<H> {
+    /// Checkpointed: the unit's input (`None` for unit 0, which reads the batch).
+    Boundary(Option<H>),
+    /// Its input leaf and output, with the unit's graph.
+    Graph(Option<H>, H),
+}
+
+/// Which way the walk goes, for prefetching.
+#[derive(Clone, Copy)]
+enum Direction {
+    Forward,
+    Backward,
+}
+
+impl<M: UnitModel> Engine<M> {
+    /// Wraps `model` like [`Engine::new`], sharded per unit as
+    /// [`UnitModel::units`] declares, for [`forward_backward`](Self::forward_backward).
+    pub fn with_units(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        let model = model.fork(ctx.device());
+        let (params, index) = ParamIndex::scan(&model);
+        if params.is_empty() {
+            return Err(Error::Model("the model has no trainable parameters".into()));
+        }
+        let specs = model.units();
+        let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
+        let (unit_of, names) = group(&paths, &specs)?;
+        let sharding = Sharding::new(params, &unit_of, names, plan.world_size, ALIGN_ELEMS)?;
+        Self::build(model, plan, ctx, sharding, index, specs.len())
+    }
+
+    /// One micro-step of a unit model: forward through the units and the loss, backward
+    /// through the units in reverse, each unit's gradients reduced as soon as they exist
+    /// (see the module note). Returns the loss value. The loss is divided by the
+    /// accumulation steps and scaled like [`backward`](Self::backward)'s. Every rank must
+    /// call it.
+    pub fn forward_backward(&mut self, batch: &M::Batch) -> Result<f32> {
+        if self.num_declared == 0 {
+            return Err(Error::Usage(
+                "forward_backward needs an engine built with Engine::with_units (this one is one unit)".into(),
+            ));
+        }
+        let recompute = self.shared.plan.activation_checkpointing;
+        let root = self.root();
+        if let Some(root) = root {
+            self.gather(root)?;
+        }
+        let mut saved = Vec::with_capacity(self.num_declared);
+        let mut hidden: Option<M::Hidden> = None;
+        for i in 0..self.num_declared {
+            self.enter(i, Direction::Forward)?;
+            let start = Instant::now();
+            let input = hidden.take();
+            if recompute {
+                let output = self.run_unit(i, input.clone(), batch, false)?;
+                saved.push(Saved::Boundary(input));
+                hidden = Some(output);
+            } else {
+                let input = input.map(Activation::leaf);
+                let output = self.run_unit(i, input.clone(), batch, true)?;
+                hidden = Some(output.clone().detached());
+                saved.push(Saved::Graph(input, output));
+            }
+            self.window.times.forward += start.elapsed().as_secs_f64();
+            if recompute {
+                self.release(i);
+            }
+        }
+        let start = Instant::now();
+        let last = hidden.expect("at least one unit").leaf();
+        let loss = self.model.loss(last.clone(), batch);
+        let (value, scaled) = self.scale_loss(loss)?;
+        self.window.times.forward += start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let grads = scaled.backward();
+        let mut upstream = last.grad(&grads);
+        let mut root_grads = self.take(grads, None)?;
+        self.window.times.backward += start.elapsed().as_secs_f64();
+        let mut previous = None;
+        for i in (0..self.num_declared).rev() {
+            let (input, output) = match saved.pop().expect("one per unit") {
+                Saved::Graph(input, output) => (input, output),
+                Saved::Boundary(input) => {
+                    self.enter(i, Direction::Backward)?;
+                    let start = Instant::now();
+                    let input = input.map(Activation::leaf);
+                    let output = self.run_unit(i, input.clone(), batch, true)?;
+                    self.window.times.backward += start.elapsed().as_secs_f64();
+                    (input, output)
+                }
+            };
+            let start = Instant::now();
+            // No upstream gradient: nothing downstream depends on this unit's output.
+            let grads = upstream.take().map(|g| output.seed(g).backward());
+            upstream = grads.as_ref().zip(input.as_ref()).and_then(|(grads, input)| input.grad(grads));
+            drop(input);
+            let mut taken = match grads {
+                Some(grads) => self.take(grads, Some(i))?,
+                None => UnitTake::empty(self, i),
+            };
+            self.window.times.backward += start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            if let (Some(mine), Some(root)) = (taken.root.take(), root_grads.root.as_mut()) {
+                root.add(mine);
+            }
+            self.reduce_unit(i, taken.unit.take().expect("asked for"), previous)?;
+            self.window.times.reduce += start.elapsed().as_secs_f64();
+            self.release(i);
+            previous = Some(i);
+        }
+        if let (Some(root), Some(grads)) = (root, root_grads.root.take()) {
+            let start = Instant::now();
+            self.reduce_unit(root, grads, previous)?;
+            self.window.times.reduce += start.elapsed().as_secs_f64();
+            self.release(root);
+        }
+        Ok(self.end_micro_step(value))
+    }
+
+    /// The loss of `batch` without gradients, one unit at a time (stage 3: each unit
+    /// gathered and released in turn). Every rank must call it at stage 3.
+    pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
+        if self.num_declared == 0 {
+            return Err(Error::Usage("evaluate needs an engine built with Engine::with_units".into()));
+        }
+        let root = self.root();
+        let root_was_released = root.is_some_and(|r| !self.units[r].is_gathered());
+        if let Some(root) = root {
+            self.gather(root)?;
+        }
+        let mut hidden = None;
+        for i in 0..self.num_declared {
+            let was_released = !self.units[i].is_gathered();
+            self.enter(i, Direction::Forward)?;
+            hidden = Some(self.run_unit(i, hidden.take(), batch, false)?);
+            if was_released {
+                self.release(i);
+            }
+        }
+        let loss = self.model.valid().loss(hidden.expect("at least one unit").without_autodiff(), batch);
+        if root_was_released && let Some(root) = root {
+            self.release(root);
+        }
+        Ok(loss.into_scalar::<f32>())
+    }
+
+    /// The root unit, if the model left parameters to it.
+    fn root(&self) -> Option<usize> {
+        (self.num_declared < self.units.len()).then_some(self.num_declared)
+    }
+
+    /// Before unit `i` runs: gathers it (stage 3) and prefetches the next unit in
+    /// `direction` if the bounds allow.
+    fn enter(&mut self, i: usize, direction: Direction) -> Result<()> {
+        if !self.shared.plan.zero.stage.shards_parameters() {
+            return Ok(());
+        }
+        self.gather(i)?;
+        let next = match direction {
+            Direction::Forward => i + 1,
+            Direction::Backward => i.wrapping_sub(1),
+        };
+        if next >= self.num_declared || !self.may_prefetch(i, next) {
+            return Ok(());
+        }
+        self.units[next].fetch(&self.shared)?;
+        self.note_gathered(0);
+        Ok(())
+    }
+
+    /// Whether unit `next` may be fetched while unit `current` is in use: it fits the
+    /// prefetch bucket, and the gathered elements beyond the unit in use stay within
+    /// `stage3_max_live_parameters`.
+    fn may_prefetch(&self, current: usize, next: usize) -> bool {
+        let zero = &self.shared.plan.zero;
+        let size = self.units[next].gathered_elems(&self.shared);
+        let beyond: u64 = (0..self.units.len())
+            .filter(|&id| id != current && (self.units[id].is_gathered() || self.units[id].is_fetching()))
+            .map(|id| self.units[id].gathered_elems(&self.shared))
+            .sum();
+        !self.units[next].is_gathered()
+            && size <= zero.prefetch_bucket_size
+            && beyond + size <= zero.max_live_parameters
+    }
+
+    /// Runs unit `i` with or without an autodiff graph. A panic inside the model's code
+    /// becomes an error (at stage 3 the likely cause is a parameter of another unit, which
+    /// is an empty tensor while that unit is released).
+    fn run_unit(&self, i: usize, input: Option<M::Hidden>, batch: &M::Batch, graph: bool) -> Result<M::Hidden> {
+        let run = || {
+            if graph {
+                self.model.forward_unit(i, input, batch)
+            } else {
+                let model = self.model.valid();
+                model.forward_unit(i, input.map(Activation::without_autodiff), batch).detached()
+            }
+        };
+        catch_unwind(AssertUnwindSafe(run)).map_err(|panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            let name = &self.shared.sharding.units()[i].name;
+            Error::Model(format!(
+                "forward_unit({i}) (unit `{name}`) panicked: {message}; a unit may use only its own parameters and \
+                 the root's (at stage 3 the others are empty tensors while it runs)"
+            ))
+        })
+    }
+
+    /// Takes the gradients of unit `unit` (if any) and of the root out of one backward
+    /// pass's `grads`; any other unit's gradient is an error.
+    fn take(&self, grads: burn::tensor::Gradients, unit: Option<usize>) -> Result<UnitTake> {
+        let mut grads = GradientsParams::from_grads(grads, &self.model);
+        let mut wanted = vec![false; self.units.len()];
+        if let Some(unit) = unit {
+            wanted[unit] = true;
+        }
+        let root = self.root();
+        if let Some(root) = root {
+            wanted[root] = true;
+        }
+        let (index, sharding) = (&self.shared.index, &self.shared.sharding);
+        let mut taken = take_grads(&self.model, &mut grads, index, sharding, &wanted)?;
+        Ok(UnitTake { unit: unit.and_then(|u| taken[u].take()), root: root.and_then(|r| taken[r].take()) })
+    }
+}
+
+/// One backward pass's gradients of a unit and of the root.
+struct UnitTake {
+    unit: Option<UnitGrads>,
+    root: Option<UnitGrads>,
+}
+
+impl UnitTake {
+    /// No gradients (the unit's output fed nothing): zeros for unit `i`.
+    fn empty<M: Module>(engine: &Engine<M>, i: usize) -> Self {
+        let entries = engine.shared.layout(i).entries().len();
+        Self { unit: Some(UnitGrads::empty(entries)), root: None }
+    }
+}

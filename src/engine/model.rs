@@ -1,0 +1,224 @@
+//! Declaring a model's units: [`UnitModel`], [`UnitSpec`] and the [`Activation`] that flows
+//! between units.
+//!
+//! A unit is the granule the engine gathers, releases, reduces and recomputes (a
+//! transformer block, the embeddings, the head). A model declares its units in execution
+//! order with the module paths of their parameters, and runs one unit at a time in
+//! [`UnitModel::forward_unit`]; the engine then drives the units itself
+//! ([`Engine::forward_backward`](crate::Engine::forward_backward)): at ZeRO stage 3 it
+//! gathers each unit just before it runs and releases it after, and it reduces each unit's
+//! gradients as soon as backward has produced them.
+//!
+//! # Note: the root unit
+//! Parameters that no declared unit claims form the *root* unit, as in PyTorch FSDP: it is
+//! gathered before the first unit runs and kept until the backward pass is over, so any
+//! unit (and the loss) may use it. A parameter used by two units (a token embedding tied to
+//! the output head) must be left to the root: its gradient contributions from every use
+//! are summed before it is reduced. A unit may use its own and the root's parameters only;
+//! the engine reports a gradient that appears in another unit's backward pass as an error.
+
+use burn::module::Module;
+use burn::tensor::{Gradients, Tensor};
+
+use crate::{Error, Result};
+
+/// A model the engine can run one unit at a time. See the module docs.
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use zerotrain::engine::{UnitModel, UnitSpec};
+///
+/// #[derive(Module, Debug)]
+/// struct Mlp {
+///     layers: Vec<Linear>,
+/// }
+///
+/// impl UnitModel for Mlp {
+///     type Batch = (Tensor<2>, Tensor<2>);
+///     type Hidden = Tensor<2>;
+///
+///     fn units(&self) -> Vec<UnitSpec> {
+///         (0..self.layers.len()).map(|i| UnitSpec::new(format!("layer{i}"), [format!("layers.{i}")])).collect()
+///     }
+///
+///     fn forward_unit(&self, unit: usize, input: Option<Tensor<2>>, batch: &Self::Batch) -> Tensor<2> {
+///         let x = input.unwrap_or_else(|| batch.0.clone());
+///         self.layers[unit].forward(x).tanh()
+///     }
+///
+///     fn loss(&self, output: Tensor<2>, batch: &Self::Batch) -> Tensor<1> {
+///         (output - batch.1.clone()).square().mean()
+///     }
+/// }
+/// ```
+pub trait UnitModel: Module {
+    /// What one micro-step reads (inputs and targets).
+    type Batch;
+    /// What flows from one unit to the next.
+    type Hidden: Activation;
+
+    /// The units in execution order, each with the module paths of its parameters.
+    /// Parameters no unit claims belong to the root unit (module note).
+    fn units(&self) -> Vec<UnitSpec>;
+
+    /// Runs unit `unit` (an index into [`units`](Self::units)). `input` is the previous
+    /// unit's output, `None` for unit 0, which reads `batch`. It may use the unit's own
+    /// parameters and the root's.
+    fn forward_unit(&self, unit: usize, input: Option<Self::Hidden>, batch: &Self::Batch) -> Self::Hidden;
+
+    /// The loss (a one-element tensor) from the last unit's output. It may use the root's
+    /// parameters.
+    fn loss(&self, output: Self::Hidden, batch: &Self::Batch) -> Tensor<1>;
+}
+
+/// One unit: a name and the module paths of its parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitSpec {
+    /// For messages and reports, e.g. `blocks.3`.
+    pub name: String,
+    /// Module paths, each naming a parameter (`head.weight`) or a module whose parameters
+    /// all belong to the unit (`blocks.3`).
+    pub params: Vec<String>,
+}
+
+impl UnitSpec {
+    /// A unit called `name` holding the parameters under `params`.
+    pub fn new(name: impl Into<String>, params: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self { name: name.into(), params: params.into_iter().map(Into::into).collect() }
+    }
+
+    /// Whether the parameter at `path` is under one of this unit's paths.
+    fn claims(&self, path: &str) -> bool {
+        self.params.iter().any(|p| path == p || path.strip_prefix(p.as_str()).is_some_and(|rest| rest.starts_with('.')))
+    }
+}
+
+/// The unit each parameter (by module path, in visit order) belongs to, and the units'
+/// names: the declared units, then the root (`"root"`) if any parameter is left to it.
+pub(crate) fn group(paths: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>, Vec<String>)> {
+    let invalid = |message: String| Err(Error::Model(format!("units: {message}")));
+    if specs.is_empty() {
+        return invalid("the model declares no units".into());
+    }
+    for (i, spec) in specs.iter().enumerate() {
+        if let Some(other) = specs[..i].iter().find(|s| s.name == spec.name) {
+            return invalid(format!("two units are called `{}`", other.name));
+        }
+        if let Some(unused) = spec.params.iter().find(|p| !paths.iter().any(|path| UnitSpec::claims_one(p, path))) {
+            return invalid(format!("unit `{}` lists `{unused}`, which holds no trainable parameter", spec.name));
+        }
+    }
+    let root = specs.len();
+    let mut unit_of = Vec::with_capacity(paths.len());
+    for path in paths {
+        let mut owners = specs.iter().enumerate().filter(|(_, s)| s.claims(path)).map(|(u, _)| u);
+        match (owners.next(), owners.next()) {
+            (Some(a), Some(b)) => {
+                return invalid(format!("`{path}` is claimed by both `{}` and `{}`", specs[a].name, specs[b].name));
+            }
+            (Some(u), None) => unit_of.push(u),
+            (None, _) => unit_of.push(root),
+        }
+    }
+    let mut names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+    if unit_of.contains(&root) {
+        names.push("root".into());
+    }
+    Ok((unit_of, names))
+}
+
+impl UnitSpec {
+    fn claims_one(prefix: &str, path: &str) -> bool {
+        Self { name: String::new(), params: vec![prefix.to_string()] }.claims(path)
+    }
+}
+
+/// What flows between units: a float tensor of any rank. The engine detaches it at unit
+/// boundaries, and in backward seeds a unit's output with the gradient of the next unit's
+/// input.
+pub trait Activation: Clone + Send + Sized + 'static {
+    /// Cut from the graph that produced it, gradient tracking on: a leaf whose gradient
+    /// [`grad`](Self::grad) reads after backward.
+    fn leaf(self) -> Self;
+    /// Cut from any graph, without gradient tracking (a checkpointed boundary).
+    fn detached(self) -> Self;
+    /// The gradient `grads` holds for this leaf.
+    fn grad(&self, grads: &Gradients) -> Option<Self>;
+    /// `sum(self * upstream)` with `upstream` treated as a constant: its backward pass
+    /// back-propagates `upstream` through the graph that produced `self`.
+    fn seed(self, upstream: Self) -> Tensor<1>;
+    /// The value on the inner (non-autodiff) backend, for a forward pass without a graph.
+    fn without_autodiff(self) -> Self;
+    /// Bytes it holds.
+    fn num_bytes(&self) -> u64;
+}
+
+impl<const D: usize> Activation for Tensor<D> {
+    fn leaf(self) -> Self {
+        self.detach().require_grad()
+    }
+
+    fn detached(self) -> Self {
+        self.detach().autodiff()
+    }
+
+    fn grad(&self, grads: &Gradients) -> Option<Self> {
+        Tensor::grad(self, grads)
+    }
+
+    fn seed(self, upstream: Self) -> Tensor<1> {
+        let upstream = upstream.detach();
+        (self * upstream).sum()
+    }
+
+    fn without_autodiff(self) -> Self {
+        Tensor::without_autodiff(self)
+    }
+
+    fn num_bytes(&self) -> u64 {
+        (self.shape().num_elements() * self.dtype().size()) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn paths(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn units_claim_by_module_path_and_leave_the_rest_to_the_root() {
+        let p = paths(&["token.weight", "blocks.0.w", "blocks.1.w", "blocks.10.w", "norm.gamma", "head.weight"]);
+        let specs = [
+            UnitSpec::new("b0", ["blocks.0"]),
+            UnitSpec::new("b1", ["blocks.1"]),
+            UnitSpec::new("b10", ["blocks.10"]),
+            UnitSpec::new("head", ["norm", "head.weight"]),
+        ];
+        let (unit_of, names) = group(&p, &specs).unwrap();
+        // `blocks.1` does not claim `blocks.10.w`; the token embedding is the root's.
+        assert_eq!(unit_of, [4, 0, 1, 2, 3, 3]);
+        assert_eq!(names, ["b0", "b1", "b10", "head", "root"]);
+        let (unit_of, names) = group(&p[1..], &specs).unwrap();
+        assert_eq!((unit_of, names.len()), (vec![0, 1, 2, 3, 3], 4), "no root when every parameter is claimed");
+    }
+
+    #[test]
+    fn bad_declarations_are_errors_that_name_the_unit_and_path() {
+        let p = paths(&["a.w", "b.w"]);
+        let cases = [
+            (vec![], "declares no units"),
+            (vec![UnitSpec::new("x", ["a"]), UnitSpec::new("x", ["b"])], "two units are called `x`"),
+            (vec![UnitSpec::new("x", ["a", "c"])], "unit `x` lists `c`"),
+            (vec![UnitSpec::new("x", ["a"]), UnitSpec::new("y", ["a.w"])], "`a.w` is claimed by both `x` and `y`"),
+        ];
+        for (specs, needle) in cases {
+            let err = group(&p, &specs).unwrap_err().to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
+}
