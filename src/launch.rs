@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
-use zerotrain_zero::ThreadWorld;
+use zerotrain_zero::{CommThread, ThreadWorld};
 
 use crate::config::{Backend, MpirunEnvironment, Plan};
 use crate::{Error, RankContext, Result};
@@ -22,8 +22,12 @@ use crate::{Error, RankContext, Result};
 ///
 /// Under `mpirun` (backend `mpi`) this process is one rank: `f` runs once, on the calling
 /// thread, the result holds this process's value only, and a failure ends the whole job
-/// (MPI_Abort) after printing it. MPI starts and stops inside the call, so under MPI a
-/// process may call `launch` once.
+/// after printing it. MPI starts and stops inside the call, so under MPI a process may
+/// call `launch` once.
+///
+/// Each rank's collectives run on a communication thread of its own
+/// ([`CommThread`](zerotrain_zero::CommThread)), so that reductions and prefetches overlap
+/// computation; under MPI that thread initialises, uses and finalises MPI.
 pub fn launch<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
 where
     T: Send,
@@ -55,8 +59,10 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E>,
 {
-    use zerotrain_zero::Collective;
-    let comm = zerotrain_zero::collective::MpiComm::init(plan.comm_timeout)?;
+    use zerotrain_zero::collective::MpiComm;
+    use zerotrain_zero::{Collective, CommThread};
+    let timeout = plan.comm_timeout;
+    let comm = CommThread::spawn("zerotrain-comm".into(), move || MpiComm::init(timeout))?;
     if comm.world_size() != plan.world_size {
         let n = comm.world_size();
         return Err(Error::Launch(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size)));
@@ -94,19 +100,23 @@ where
     let results: Vec<Result<T, (Error, bool)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..plan.world_size)
             .map(|rank| {
-                let ctx = RankContext::new(Arc::new(world.communicator(rank)), device.clone());
+                let not_started = |what: &str, e: &dyn std::fmt::Display| {
+                    let error = Error::Rank { rank, message: format!("could not start its {what}: {e}") };
+                    world.abort(rank, &error.to_string());
+                    (error, false)
+                };
+                let comm =
+                    CommThread::new(world.communicator(rank)).map_err(|e| not_started("communication thread", &e))?;
+                let ctx = RankContext::new(Arc::new(comm), device.clone());
                 let (world, f, done) = (&world, &f, done.clone());
-                let spawned =
-                    std::thread::Builder::new().name(format!("zerotrain-rank-{rank}")).spawn_scoped(scope, move || {
+                std::thread::Builder::new()
+                    .name(format!("zerotrain-rank-{rank}"))
+                    .spawn_scoped(scope, move || {
                         let result = run_rank(rank, &|reason| world.abort(rank, reason), || f(ctx));
                         let _ = done.send(rank);
                         result
-                    });
-                spawned.map_err(|e| {
-                    let error = Error::Rank { rank, message: format!("could not start its thread: {e}") };
-                    world.abort(rank, &error.to_string());
-                    (error, false)
-                })
+                    })
+                    .map_err(|e| not_started("thread", &e))
             })
             .collect();
         let running: Vec<bool> = handles.iter().map(Result::is_ok).collect();

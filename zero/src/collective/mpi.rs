@@ -32,8 +32,10 @@
 //!
 //! # Note: threads
 //! MPI is initialised with `MPI_THREAD_FUNNELED`: only the thread that initialised it may
-//! call it. The [`Collective`] trait needs `Send + Sync`, so [`MpiComm`] checks the calling
-//! thread in every method and returns an error on any other thread instead of calling MPI.
+//! call it. The launcher creates [`MpiComm`] on the rank's communication thread
+//! ([`CommThread`](super::CommThread)), which then makes every MPI call. The [`Collective`]
+//! trait needs `Send + Sync`, so [`MpiComm`] checks the calling thread in every method and
+//! returns an error on any other thread instead of calling MPI.
 
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -327,13 +329,19 @@ impl Collective for MpiComm {
         Ok(())
     }
 
-    /// Ends the whole job at once (MPI_Abort): the other processes do not return.
+    /// Ends the whole job at once: on the MPI thread with `MPI_Abort`; from any other
+    /// thread (the rank's own, while the MPI thread may be inside a collective) by ending
+    /// the process, which makes `mpirun` end the others. The other processes do not
+    /// return.
     fn abort(&self, reason: &str) {
-        eprintln!("zerotrain: rank {} aborts the MPI job: {reason}", self.rank);
+        let message = format!("zerotrain: rank {} aborts the MPI job: {reason}\n", self.rank);
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
         if std::thread::current().id() == self.thread {
             self.world.abort(1);
         }
-        std::process::exit(1);
+        // SAFETY: `_exit` takes no pointers and is always sound to call. Not `exit`: its
+        // handlers would wait on MPI, which the MPI thread may be using right now.
+        unsafe { libc::_exit(1) };
     }
 
     fn stats(&self) -> CommStats {
