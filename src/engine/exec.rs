@@ -173,11 +173,12 @@ impl<M: UnitModel> Engine<M> {
                 self.release(i);
             }
         }
-        let loss = self.model.valid().loss(hidden.expect("at least one unit").without_autodiff(), batch);
+        let output = hidden.expect("at least one unit").detached();
+        let loss = self.model.loss(output, batch).into_scalar::<f32>();
         if root_was_released && let Some(root) = root {
             self.release(root);
         }
-        Ok(loss.into_scalar::<f32>())
+        Ok(loss)
     }
 
     /// The root unit, if the model left parameters to it.
@@ -223,13 +224,13 @@ impl<M: UnitModel> Engine<M> {
     /// becomes an error (at stage 3 the likely cause is a parameter of another unit, which
     /// is an empty tensor while that unit is released).
     fn run_unit(&self, i: usize, input: Option<M::Hidden>, batch: &M::Batch, graph: bool) -> Result<M::Hidden> {
+        // Without a graph, the unit still runs on the autodiff model (on a detached input,
+        // its output detached at once, so the graph is dropped unit by unit): the inner
+        // backend's kernels need not round like the autodiff ones, and the recomputation in
+        // backward must reproduce the boundary activations bit for bit.
         let run = || {
-            if graph {
-                self.model.forward_unit(i, input, batch)
-            } else {
-                let model = self.model.valid();
-                model.forward_unit(i, input.map(Activation::without_autodiff), batch).detached()
-            }
+            let output = self.model.forward_unit(i, input.map(|x| if graph { x } else { x.detached() }), batch);
+            if graph { output } else { output.detached() }
         };
         catch_unwind(AssertUnwindSafe(run)).map_err(|panic| {
             let message = panic

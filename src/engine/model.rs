@@ -149,8 +149,6 @@ pub trait Activation: Clone + Send + Sized + 'static {
     /// `sum(self * upstream)` with `upstream` treated as a constant: its backward pass
     /// back-propagates `upstream` through the graph that produced `self`.
     fn seed(self, upstream: Self) -> Tensor<1>;
-    /// The value on the inner (non-autodiff) backend, for a forward pass without a graph.
-    fn without_autodiff(self) -> Self;
     /// Bytes it holds.
     fn num_bytes(&self) -> u64;
 }
@@ -171,10 +169,6 @@ impl<const D: usize> Activation for Tensor<D> {
     fn seed(self, upstream: Self) -> Tensor<1> {
         let upstream = upstream.detach();
         (self * upstream).sum()
-    }
-
-    fn without_autodiff(self) -> Self {
-        Tensor::without_autodiff(self)
     }
 
     fn num_bytes(&self) -> u64 {

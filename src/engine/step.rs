@@ -101,6 +101,9 @@ impl<M: Module> Engine<M> {
             for (id, values) in grads.iter().enumerate() {
                 let layout = self.shared.layout(id);
                 let real = layout.shard_real_range(r);
+                if real.is_empty() {
+                    continue; // an all-padding shard (more ranks than the unit has elements)
+                }
                 let offset = if sharded { layout.shard_range(r).start } else { 0 };
                 for &g in &values[real.start - offset..real.end - offset] {
                     sum += f64::from(g) * f64::from(g);

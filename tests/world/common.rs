@@ -57,12 +57,24 @@ pub fn reference_run<M: Module>(
     loss: impl Fn(&M, &Batch) -> Tensor<1>,
     device: &Device,
 ) -> (Vec<f32>, M) {
+    let global =
+        |step: u64| TASK.batch(step * plan.batch.train_batch_size..(step + 1) * plan.batch.train_batch_size, device);
+    reference_run_on(init, plan, steps, |model, step| loss(model, &global(step)), device)
+}
+
+/// [`reference_run`] with the loss of optimizer step `step`'s global batch from `loss`.
+pub fn reference_run_on<M: Module>(
+    init: &M,
+    plan: &Plan,
+    steps: u64,
+    loss: impl Fn(&M, u64) -> Tensor<1>,
+    device: &Device,
+) -> (Vec<f32>, M) {
     let mut model = init.clone().fork(device);
     let mut optim = reference_optimizer();
     let mut losses = Vec::new();
     for step in 0..steps {
-        let batch = TASK.batch(step * plan.batch.train_batch_size..(step + 1) * plan.batch.train_batch_size, device);
-        let l = loss(&model, &batch);
+        let l = loss(&model, step);
         losses.push(l.clone().into_scalar::<f32>());
         let mut grads = GradientsParams::from_grads(l.backward(), &model);
         if plan.gradient_clipping > 0.0 {

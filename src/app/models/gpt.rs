@@ -8,6 +8,8 @@ use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use crate::engine::{UnitModel, UnitSpec};
+
 /// The `model` section of a config: a GPT's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GptConfig {
@@ -159,19 +161,24 @@ impl Gpt {
 
     /// Logits `[batch, time, vocab]` for tokens `[batch, time]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let device = tokens.device();
-        let positions = Tensor::<1, Int>::arange(0..t as i64, &device).reshape([1, t]);
-        let mut h = self.token.forward(tokens) + self.position.forward(positions);
-        let mask = generate_autoregressive_mask(b, t, &device);
+        let mut h = self.embed(tokens);
         for block in &self.blocks {
-            let a = block.attn.forward(MhaInput::self_attn(block.norm_attn.forward(h.clone())).mask_attn(mask.clone()));
-            h = h + a.context;
-            let m = block.mlp_down.forward(gelu(block.mlp_up.forward(block.norm_mlp.forward(h.clone()))));
-            h = h + m;
+            h = block.forward(h);
         }
+        self.head(h)
+    }
+
+    /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]`.
+    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [_, t] = tokens.dims();
+        let positions = Tensor::<1, Int>::arange(0..t as i64, &tokens.device()).reshape([1, t]);
+        self.token.forward(tokens) + self.position.forward(positions)
+    }
+
+    /// The final norm and the output head (the token embedding, transposed, when tied).
+    fn head(&self, h: Tensor<3>) -> Tensor<3> {
         let h = self.norm.forward(h);
-        let [_, _, d] = h.dims();
+        let [b, t, d] = h.dims();
         match &self.head {
             Some(head) => head.forward(h),
             None => {
@@ -184,14 +191,7 @@ impl Gpt {
 
     /// Mean next-token cross-entropy (in f32) over `tokens` `[batch, time + 1]`.
     pub fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1> {
-        let [b, t1] = tokens.dims();
-        let t = t1 - 1;
-        let inputs = tokens.clone().slice([0..b, 0..t]);
-        let targets = tokens.slice([0..b, 1..t1]).reshape([b * t, 1]);
-        let logits = self.forward(inputs).cast(FloatDType::F32);
-        let vocab = logits.dims()[2];
-        let log_probs = log_softmax(logits.reshape([b * t, vocab]), 1);
-        log_probs.gather(1, targets).mean().neg()
+        cross_entropy(self.forward(inputs(&tokens)), &tokens)
     }
 
     /// Continues `prompt` by `count` tokens: greedy, or sampled at `temperature` with the
@@ -219,6 +219,70 @@ impl Gpt {
             tokens.push(pick(&last, temperature, rng));
         }
         tokens.split_off(prompt.len())
+    }
+}
+
+impl Block {
+    fn forward(&self, h: Tensor<3>) -> Tensor<3> {
+        let [b, t, _] = h.dims();
+        let mask = generate_autoregressive_mask(b, t, &h.device());
+        let a = self.attn.forward(MhaInput::self_attn(self.norm_attn.forward(h.clone())).mask_attn(mask));
+        let h = h + a.context;
+        let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
+        h + m
+    }
+}
+
+/// The model's input tokens: all but the last of each sequence in `tokens`.
+fn inputs(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
+    let [b, t1] = tokens.dims();
+    tokens.clone().slice([0..b, 0..t1 - 1])
+}
+
+/// Mean cross-entropy (in f32) of `logits` `[batch, time, vocab]` against the next tokens
+/// of `tokens` `[batch, time + 1]`.
+fn cross_entropy(logits: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<1> {
+    let [b, t1] = tokens.dims();
+    let t = t1 - 1;
+    let targets = tokens.clone().slice([0..b, 1..t1]).reshape([b * t, 1]);
+    let logits = logits.cast(FloatDType::F32);
+    let vocab = logits.dims()[2];
+    let log_probs = log_softmax(logits.reshape([b * t, vocab]), 1);
+    log_probs.gather(1, targets).mean().neg()
+}
+
+/// One unit per block, the embeddings and the head. A tied token embedding is used by the
+/// first and the last unit, so it is left to the root unit (gathered for the whole pass,
+/// its two gradient contributions summed); untied, it belongs to the embedding unit and
+/// the head to the last.
+impl UnitModel for Gpt {
+    /// Token sequences `[batch, time + 1]`: inputs and next-token targets.
+    type Batch = Tensor<2, Int>;
+    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    type Hidden = Tensor<3>;
+
+    fn units(&self) -> Vec<UnitSpec> {
+        let tied = self.head.is_none();
+        let embed: &[&str] = if tied { &["position"] } else { &["token", "position"] };
+        let head: &[&str] = if tied { &["norm"] } else { &["norm", "head"] };
+        let blocks = (0..self.blocks.len()).map(|i| UnitSpec::new(format!("blocks.{i}"), [format!("blocks.{i}")]));
+        std::iter::once(UnitSpec::new("embed", embed.iter().copied()))
+            .chain(blocks)
+            .chain(std::iter::once(UnitSpec::new("head", head.iter().copied())))
+            .collect()
+    }
+
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
+        match (unit, input) {
+            (0, _) => self.embed(inputs(tokens)),
+            (i, Some(h)) if i <= self.blocks.len() => self.blocks[i - 1].forward(h),
+            (_, Some(h)) => self.head(h),
+            (_, None) => unreachable!("only unit 0 runs without an input"),
+        }
+    }
+
+    fn loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
+        cross_entropy(logits, tokens)
     }
 }
 

@@ -12,6 +12,8 @@ use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
+use crate::engine::{UnitModel, UnitSpec};
+
 /// A multi-layer perceptron with GELU between layers.
 #[derive(Module, Debug)]
 pub struct Mlp {
@@ -46,6 +48,31 @@ impl Mlp {
     }
 }
 
+/// One unit per layer.
+impl UnitModel for Mlp {
+    type Batch = Batch;
+    /// `[batch * seq, features]`.
+    type Hidden = Tensor<2>;
+
+    fn units(&self) -> Vec<UnitSpec> {
+        (0..self.layers.len()).map(|i| UnitSpec::new(format!("layers.{i}"), [format!("layers.{i}")])).collect()
+    }
+
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<2>>, batch: &Batch) -> Tensor<2> {
+        let layer = &self.layers[unit];
+        let x = input.unwrap_or_else(|| {
+            let [b, t, d] = batch.input.dims();
+            batch.input.clone().cast(layer.weight.val().dtype()).reshape([b * t, d])
+        });
+        let y = layer.forward(x);
+        if unit + 1 < self.layers.len() { gelu(y) } else { y }
+    }
+
+    fn loss(&self, output: Tensor<2>, batch: &Batch) -> Tensor<1> {
+        mse(output.reshape(batch.target.dims()), batch.target.clone())
+    }
+}
+
 /// A pre-norm transformer block (causal self-attention and an MLP, each residual) between
 /// an input and an output projection.
 #[derive(Module, Debug)]
@@ -77,19 +104,50 @@ impl TinyTransformer {
 
     /// `[batch, seq, d_in] -> [batch, seq, d_in]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [b, t, _] = x.dims();
-        let h = self.input.forward(x);
+        self.output.forward(self.block(self.input.forward(x)))
+    }
+
+    /// The attention and MLP block on `[batch, seq, d_model]`.
+    fn block(&self, h: Tensor<3>) -> Tensor<3> {
+        let [b, t, _] = h.dims();
         let mask = generate_autoregressive_mask(b, t, &h.device());
         let a = self.attn.forward(MhaInput::self_attn(self.norm_attn.forward(h.clone())).mask_attn(mask));
         let h = h + a.context;
         let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
-        self.output.forward(h + m)
+        h + m
     }
 
     /// Mean squared error against `target`, in f32 (inputs are cast to the weights' dtype).
     pub fn loss(&self, batch: &Batch) -> Tensor<1> {
         let dtype = self.input.weight.val().dtype();
         mse(self.forward(batch.input.clone().cast(dtype)), batch.target.clone())
+    }
+}
+
+/// Three units: the input projection, the block, the output projection.
+impl UnitModel for TinyTransformer {
+    type Batch = Batch;
+    /// `[batch, seq, d_model]`, then `[batch, seq, d_in]`.
+    type Hidden = Tensor<3>;
+
+    fn units(&self) -> Vec<UnitSpec> {
+        vec![
+            UnitSpec::new("input", ["input"]),
+            UnitSpec::new("block", ["norm_attn", "attn", "norm_mlp", "mlp_up", "mlp_down"]),
+            UnitSpec::new("output", ["output"]),
+        ]
+    }
+
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, batch: &Batch) -> Tensor<3> {
+        match (unit, input) {
+            (1, Some(h)) => self.block(h),
+            (2, Some(h)) => self.output.forward(h),
+            _ => self.input.forward(batch.input.clone().cast(self.input.weight.val().dtype())),
+        }
+    }
+
+    fn loss(&self, output: Tensor<3>, batch: &Batch) -> Tensor<1> {
+        mse(output, batch.target.clone())
     }
 }
 

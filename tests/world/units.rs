@@ -1,0 +1,531 @@
+//! Models declared in units ([`Engine::with_units`], [`Engine::forward_backward`]): equal to
+//! a plain Burn loop at every stage, with and without activation checkpointing and
+//! overlapped reduction, and bit for bit to each other where the sums are the same;
+//! traffic and gathered memory exactly as the unit walk says; checkpoints that move between
+//! groupings; clear errors for misdeclared units.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use zerotrain::app::models::{Batch, Gpt, GptConfig, Mlp, TinyTransformer};
+use zerotrain::engine::{UnitModel, UnitSpec};
+use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Plan, launch};
+
+use crate::common::*;
+
+const STEPS: u64 = 3;
+/// As in `equivalence.rs`: the engine sums the same gradients in another order; Adam turns
+/// such rounding into parameter differences up to ~lr x 1e-4 where a gradient is near zero.
+/// Measured worst cases over several runs (`--nocapture`; the plain-Burn reference itself
+/// varies in the last bits from run to run): transformer 1.2e-6, tied GPT 9.4e-7, untied
+/// GPT 2.1e-6 (in its one-unit path, at stage 2 with accumulation 3).
+const PARAM_TOL: f32 = 5e-6;
+const LOSS_TOL: f32 = 1e-6;
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// How a run drives the engine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Mode {
+    /// `Engine::with_units` + `forward_backward`, or `Engine::new` + `forward`/`backward`.
+    units: bool,
+    checkpointing: bool,
+    overlap: bool,
+}
+
+const MODES: [Mode; 6] = [
+    Mode { units: false, checkpointing: false, overlap: false },
+    Mode { units: false, checkpointing: false, overlap: true },
+    Mode { units: true, checkpointing: false, overlap: false },
+    Mode { units: true, checkpointing: false, overlap: true },
+    Mode { units: true, checkpointing: true, overlap: false },
+    Mode { units: true, checkpointing: true, overlap: true },
+];
+
+/// The common recipe (clipping on), with `overlap_comm`, activation checkpointing, and
+/// `zero` extra keys in `zero_optimization`; `precision` "fp32" or "bf16".
+fn unit_recipe(stage: u8, gas: u64, mode: Mode, precision: &str, zero: &str) -> String {
+    let json = recipe(stage, 2, gas, 0.05).replace(
+        r#""stage3_param_persistence_threshold": 0"#,
+        &format!(r#""stage3_param_persistence_threshold": 0, "overlap_comm": {}{zero}"#, mode.overlap),
+    );
+    let mut top = String::new();
+    if mode.checkpointing {
+        top.push_str(r#""activation_checkpointing": {},"#);
+    }
+    if precision == "bf16" {
+        top.push_str(r#""bf16": {"enabled": true},"#);
+    }
+    json.replacen('{', &format!("{{ {top}"), 1)
+}
+
+/// A model and its data.
+trait Workload: Sync {
+    type Model: UnitModel + Sync;
+    /// Rank `rank`'s batch of micro-step `micro` of step `step`.
+    fn batch(
+        &self,
+        plan: &Plan,
+        step: u64,
+        micro: u64,
+        rank: usize,
+        device: &Device,
+    ) -> <Self::Model as UnitModel>::Batch;
+    /// The model's own loss on step `step`'s global batch (the reference).
+    fn global_loss(&self, model: &Self::Model, plan: &Plan, step: u64, device: &Device) -> Tensor<1>;
+}
+
+/// The regression task of the other tests.
+struct Regression<M>(std::marker::PhantomData<M>, fn(&M, &Batch) -> Tensor<1>);
+
+impl<M: UnitModel<Batch = Batch> + Sync> Workload for Regression<M> {
+    type Model = M;
+    fn batch(&self, plan: &Plan, step: u64, micro: u64, rank: usize, device: &Device) -> Batch {
+        TASK.batch(rank_indices(plan, step, micro, rank), device)
+    }
+    fn global_loss(&self, model: &M, plan: &Plan, step: u64, device: &Device) -> Tensor<1> {
+        let n = plan.batch.train_batch_size;
+        (self.1)(model, &TASK.batch(step * n..(step + 1) * n, device))
+    }
+}
+
+/// Deterministic token sequences for a GPT.
+struct Tokens {
+    vocab: usize,
+    len: usize,
+}
+
+impl Tokens {
+    fn tokens(&self, indices: std::ops::Range<u64>, device: &Device) -> Tensor<2, Int> {
+        let n = indices.end - indices.start;
+        let values: Vec<i64> = indices
+            .flat_map(|i| (0..self.len as u64).map(move |j| ((i * 7 + j * 3 + (i * j) % 5) % self.vocab as u64) as i64))
+            .collect();
+        Tensor::from_data(TensorData::new(values, [n as usize, self.len]), device)
+    }
+}
+
+impl Workload for Tokens {
+    type Model = Gpt;
+    fn batch(&self, plan: &Plan, step: u64, micro: u64, rank: usize, device: &Device) -> Tensor<2, Int> {
+        self.tokens(rank_indices(plan, step, micro, rank), device)
+    }
+    fn global_loss(&self, model: &Gpt, plan: &Plan, step: u64, device: &Device) -> Tensor<1> {
+        let n = plan.batch.train_batch_size;
+        model.loss(self.tokens(step * n..(step + 1) * n, device))
+    }
+}
+
+/// The whole model's loss through its units, for the one-unit path.
+fn whole_loss<M: UnitModel>(model: &M, batch: &M::Batch) -> Tensor<1> {
+    let mut hidden = None;
+    for i in 0..model.units().len() {
+        hidden = Some(model.forward_unit(i, hidden, batch));
+    }
+    model.loss(hidden.expect("units"), batch)
+}
+
+/// What a run produced: rank 0's losses, per-step bytes and fp32 masters (global order),
+/// every rank's parameters and memory report.
+struct Outcome {
+    losses: Vec<f32>,
+    bytes: Vec<u64>,
+    master: Vec<f32>,
+    params: Vec<Params>,
+    memory: Vec<MemoryReport>,
+}
+
+fn train<W: Workload>(w: &W, init: &W::Model, plan: &Plan, mode: Mode, steps: u64) -> Result<Outcome, Error> {
+    train_between(w, init, plan, mode, 0..steps, None, None)
+}
+
+/// Trains steps `steps`, after loading `resume` if given, and saves to `save` after.
+fn train_between<W: Workload>(
+    w: &W,
+    init: &W::Model,
+    plan: &Plan,
+    mode: Mode,
+    steps: std::ops::Range<u64>,
+    resume: Option<&Path>,
+    save: Option<&Path>,
+) -> Result<Outcome, Error> {
+    let out = launch(plan, |ctx| {
+        let mut engine = if mode.units {
+            Engine::with_units(init.clone(), plan, &ctx)?
+        } else {
+            Engine::new(init.clone(), plan, &ctx)?
+        };
+        if let Some(dir) = resume {
+            engine.load_checkpoint(dir, None, LoadOptions::default())?;
+        }
+        let (mut losses, mut bytes) = (Vec::new(), Vec::new());
+        for step in steps.clone() {
+            for micro in 0..plan.batch.gradient_accumulation_steps {
+                let batch = w.batch(plan, step, micro, ctx.rank(), ctx.device());
+                if mode.units {
+                    engine.forward_backward(&batch)?;
+                } else {
+                    let loss = engine.forward(|m| whole_loss(m, &batch))?;
+                    engine.backward(loss)?;
+                }
+                if let Some(r) = engine.step()? {
+                    losses.push(r.loss);
+                    bytes.push(r.comm_bytes);
+                }
+            }
+        }
+        if let Some(dir) = save {
+            engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
+        }
+        let memory = engine.memory_report();
+        let master = engine.master_params()?;
+        Ok::<_, Error>((losses, bytes, master, params_by_path(&engine.full_model()?), memory))
+    })?;
+    let (losses, bytes, master) = (out[0].0.clone(), out[0].1.clone(), out[0].2.clone());
+    let (params, memory) = out.into_iter().map(|(_, _, _, p, m)| (p, m)).unzip();
+    Ok(Outcome { losses, bytes, master, params, memory })
+}
+
+/// For each world size, accumulation and stage: every mode equals plain Burn, ranks agree,
+/// overlap changes no bit, checkpointing changes no bit, and the unit path's stages are
+/// bitwise equal where the summation order is the same (0 = 1 and 2 = 3; all at
+/// accumulation 1).
+fn check_equivalence<W: Workload>(w: &W, init: &W::Model, world_sizes: &[usize]) {
+    let device = Device::flex().autodiff();
+    let (mut worst_param, mut worst_loss) = (0.0f32, 0.0f32);
+    for &world_size in world_sizes {
+        for gas in [1, 3] {
+            let reference_plan = plan(&unit_recipe(0, gas, MODES[0], "fp32", ""), world_size);
+            let (ref_losses, reference) = reference_run_on(
+                init,
+                &reference_plan,
+                STEPS,
+                |m, step| w.global_loss(m, &reference_plan, step, &device),
+                &device,
+            );
+            let reference = params_by_path(&reference);
+            let mut unit_path_by_stage = Vec::new();
+            for stage in 0..=3 {
+                let mut by_mode: Vec<(Mode, Params)> = Vec::new();
+                for mode in MODES {
+                    let what = format!("world {world_size} gas {gas} stage {stage} {mode:?}");
+                    let plan = plan(&unit_recipe(stage, gas, mode, "fp32", ""), world_size);
+                    let out = train(w, init, &plan, mode, STEPS).unwrap();
+                    for (got, want) in out.losses.iter().zip(&ref_losses) {
+                        worst_loss = worst_loss.max((got - want).abs() / want.abs());
+                        assert!((got - want).abs() <= LOSS_TOL * want.abs(), "{what}: loss {got} vs {want}");
+                    }
+                    for (rank, params) in out.params.iter().enumerate() {
+                        assert!(params == &out.params[0], "{what}: rank {rank} differs from rank 0");
+                    }
+                    let (diff, path) = max_abs_diff(&out.params[0], &reference);
+                    assert!(diff <= PARAM_TOL, "{what}: max |param - reference| = {diff} at `{path}`");
+                    worst_param = worst_param.max(diff);
+                    by_mode.push((mode, out.params.into_iter().next().unwrap()));
+                }
+                for (mode, params) in &by_mode {
+                    let base = Mode { overlap: false, ..*mode };
+                    let (_, same) = by_mode.iter().find(|(m, _)| *m == base).unwrap();
+                    assert!(
+                        params == same,
+                        "world {world_size} gas {gas} stage {stage}: {mode:?} differs from {base:?}"
+                    );
+                }
+                let (_, recomputed) = by_mode.iter().find(|(m, _)| m.checkpointing).unwrap();
+                let (_, kept) = by_mode.iter().find(|(m, _)| m.units && !m.checkpointing).unwrap();
+                assert!(recomputed == kept, "world {world_size} gas {gas} stage {stage}: recomputation changed bits");
+                unit_path_by_stage.push(kept.clone());
+            }
+            let s = &unit_path_by_stage;
+            assert!(s[0] == s[1] && s[2] == s[3], "world {world_size} gas {gas}: stages 0 = 1 and 2 = 3 bitwise");
+            if gas == 1 {
+                assert!(s[0] == s[2], "world {world_size}: all stages bitwise equal at accumulation 1");
+            }
+        }
+    }
+    eprintln!(
+        "{}: worst |param - reference| {worst_param:e}, worst relative loss {worst_loss:e}",
+        std::any::type_name::<W::Model>()
+    );
+}
+
+#[test]
+fn a_transformer_in_units_matches_plain_burn_in_every_mode_and_stage() {
+    let device = Device::flex().autodiff();
+    device.seed(11);
+    let init = TinyTransformer::new(TASK.features, 16, 2, &device);
+    check_equivalence(&Regression(std::marker::PhantomData, |m: &TinyTransformer, b| m.loss(b)), &init, &[1, 2, 3]);
+}
+
+fn tiny_gpt(tied_head: bool, seed: u64) -> Gpt {
+    let device = Device::flex().autodiff();
+    device.seed(seed);
+    Gpt::new(&GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, tied_head }, &device)
+}
+
+/// The tied token embedding is the root unit: gathered for the whole pass, its gradients
+/// from the embedding and the head summed.
+#[test]
+fn a_gpt_with_a_tied_head_in_units_matches_plain_burn_in_every_mode_and_stage() {
+    check_equivalence(&Tokens { vocab: 11, len: 9 }, &tiny_gpt(true, 3), &[1, 2, 3]);
+}
+
+#[test]
+fn a_gpt_with_an_untied_head_in_units_matches_plain_burn_in_every_mode_and_stage() {
+    check_equivalence(&Tokens { vocab: 11, len: 9 }, &tiny_gpt(false, 4), &[2]);
+}
+
+/// In bf16 the unit walk computes what the one-unit path computes: losses and parameters
+/// agree within bf16 rounding at every stage and mode.
+#[test]
+fn in_bf16_the_unit_walk_agrees_with_the_one_unit_path() {
+    let init = tiny_gpt(true, 8);
+    let w = Tokens { vocab: 11, len: 9 };
+    let mut worst = (0.0f32, 0.0f32);
+    for gas in [1, 3] {
+        for stage in 0..=3 {
+            let one_unit =
+                train(&w, &init, &plan(&unit_recipe(stage, gas, MODES[0], "bf16", ""), 2), MODES[0], 4).unwrap();
+            for mode in &MODES[2..] {
+                let what = format!("bf16 gas {gas} stage {stage} {mode:?}");
+                let out = train(&w, &init, &plan(&unit_recipe(stage, gas, *mode, "bf16", ""), 2), *mode, 4).unwrap();
+                for (got, want) in out.losses.iter().zip(&one_unit.losses) {
+                    let rel = (got - want).abs() / want.abs();
+                    worst.0 = worst.0.max(rel);
+                    assert!(rel <= 2e-3, "{what}: loss {got} vs one unit {want}");
+                }
+                let (diff, path) = max_abs_diff(&out.params[0], &one_unit.params[0]);
+                worst.1 = worst.1.max(diff);
+                assert!(diff <= 2e-3, "{what}: parameters differ by {diff} at `{path}`");
+            }
+        }
+    }
+    eprintln!("bf16 unit walk vs one unit: worst relative loss {:e}, worst parameter {:e}", worst.0, worst.1);
+}
+
+/// Padded size of a unit of `n` elements over `world_size` ranks (16-element alignment),
+/// computed here from the rule, not by the engine.
+fn padded(n: usize, world_size: usize) -> usize {
+    n.div_ceil(16 * world_size) * 16 * world_size
+}
+
+/// Each declared unit's element count, and the root's (0 if none), grouping the model's
+/// parameters by the module paths its `units()` lists.
+fn unit_sizes<M: UnitModel>(model: &M) -> (Vec<usize>, usize) {
+    let specs = model.units();
+    let mut sizes = vec![0; specs.len()];
+    let mut root = 0;
+    for (path, values) in params_by_path(model) {
+        let under = |p: &String| path == *p || path.starts_with(&format!("{p}."));
+        match specs.iter().position(|s| s.params.iter().any(under)) {
+            Some(u) => sizes[u] += values.len(),
+            None => root += values.len(),
+        }
+    }
+    (sizes, root)
+}
+
+/// Bytes per step each stage moves for a unit model, computed from the ring algorithms'
+/// per-rank volumes: reduce-scatter and all-gather of `P` padded elements move
+/// `P (N-1)/N`; all-reduce of `L` elements moves `L - own + (N-1) own` where `own` is the
+/// rank's chunk. At stage 3 with checkpointing every declared unit is gathered twice per
+/// micro-step and the root once: 3Ψ.
+#[test]
+fn bytes_per_step_follow_the_unit_walk_and_stage_3_moves_3_psi_with_checkpointing() {
+    let init = tiny_gpt(true, 5);
+    let w = Tokens { vocab: 11, len: 9 };
+    let (sizes, root) = unit_sizes(&init);
+    assert!(root > 0 && sizes.len() == 4, "the tied GPT has a root and 4 units: {sizes:?} {root}");
+    for world_size in [2, 3] {
+        let n = world_size;
+        let bus = |p: usize| (p / n * (n - 1) * 4) as u64;
+        let all_reduce = |len: usize, rank: usize| {
+            let own = len / n + usize::from(rank < len % n);
+            ((len - own + (n - 1) * own) * 4) as u64
+        };
+        let declared: Vec<usize> = sizes.iter().map(|&s| padded(s, n)).collect();
+        let all: Vec<usize> = declared.iter().copied().chain([padded(root, n)]).collect();
+        let sum = |v: &[usize], f: &dyn Fn(usize) -> u64| v.iter().map(|&p| f(p)).sum::<u64>();
+        for gas in [1u64, 3] {
+            for stage in 0..=3u8 {
+                for mode in [MODES[2], MODES[4]] {
+                    let plan = plan(&unit_recipe(stage, gas, mode, "fp32", ""), world_size);
+                    let out = train(&w, &init, &plan, mode, 2).unwrap();
+                    let rank = 0;
+                    let data = match stage {
+                        0 => sizes.iter().chain([&root]).map(|&s| all_reduce(s, rank)).sum(),
+                        1 => 2 * sum(&all, &bus),
+                        2 => gas * sum(&all, &bus) + sum(&all, &bus),
+                        _ if mode.checkpointing => {
+                            gas * (2 * sum(&declared, &bus) + bus(padded(root, n)) + sum(&all, &bus))
+                        }
+                        _ => gas * 2 * sum(&all, &bus),
+                    };
+                    let expected = data + all_reduce(n + 1, rank);
+                    assert_eq!(out.bytes, vec![expected; 2], "world {n} gas {gas} stage {stage} {mode:?}");
+                    if stage == 3 && mode.checkpointing {
+                        // 3Ψ per micro-step, less the root's second gather.
+                        let three_psi = 3 * sum(&all, &bus);
+                        assert_eq!(data, gas * (three_psi - bus(padded(root, n))));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The stage-3 walk with checkpointing keeps at most the unit in use plus one prefetched
+/// neighbour gathered, within `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`
+/// (in elements): the peak the engine reports is exactly the largest such pair.
+#[test]
+fn gathered_parameters_never_exceed_the_unit_in_use_plus_the_prefetch_bound() {
+    let device = Device::flex().autodiff();
+    device.seed(6);
+    let init = Mlp::new(&[6, 40, 24, 56, 6], &device);
+    let w = Regression(std::marker::PhantomData, |m: &Mlp, b| m.loss(b));
+    let n = 2;
+    let (sizes, root) = unit_sizes(&init);
+    assert_eq!((sizes.len(), root), (4, 0));
+    let units: Vec<u64> = sizes.iter().map(|&s| padded(s, n) as u64).collect();
+    let mode = MODES[5];
+    for (prefetch, max_live) in [(1_000_000u64, 1_000_000u64), (0, 1_000_000), (1_000_000, 500), (1000, 1_000_000)] {
+        // The walk: forward 0..K prefetching i+1, backward K-1..0 prefetching i-1; a
+        // neighbour is prefetched if it fits both bounds.
+        let fits = |u: u64| u <= prefetch && u <= max_live;
+        let k = units.len();
+        let forward = (0..k).map(|i| units[i] + if i + 1 < k && fits(units[i + 1]) { units[i + 1] } else { 0 });
+        let backward = (0..k).map(|i| units[i] + if i > 0 && fits(units[i - 1]) { units[i - 1] } else { 0 });
+        let expected = forward.chain(backward).max().unwrap() * 4;
+        let zero = format!(r#", "stage3_prefetch_bucket_size": {prefetch}, "stage3_max_live_parameters": {max_live}"#);
+        let plan = plan(&unit_recipe(3, 2, mode, "fp32", &zero), n);
+        let out = train(&w, &init, &plan, mode, 2).unwrap();
+        for memory in &out.memory {
+            assert_eq!(memory.peak_gathered, expected, "prefetch {prefetch} max_live {max_live}");
+            let bound = (units.iter().max().unwrap() + prefetch.min(max_live).min(*units.iter().max().unwrap())) * 4;
+            assert!(memory.peak_gathered <= bound + memory.persistent);
+            // Between steps nothing is gathered: the model holds no parameter at all.
+            assert_eq!(memory.params, (units.iter().sum::<u64>() / n as u64) * 4);
+        }
+    }
+}
+
+/// Saved with one grouping, world size and stage, a checkpoint resumes with any other: the
+/// GPT's units interleave with its root in the global order, so each rank's file holds
+/// several ranges.
+#[test]
+fn checkpoints_move_between_groupings_world_sizes_and_stages() {
+    let init = tiny_gpt(true, 9);
+    let w = Tokens { vocab: 11, len: 9 };
+    let json = |stage: u8, mode: Mode| {
+        unit_recipe(stage, 1, mode, "fp32", "")
+            .replace("\"train_micro_batch_size_per_gpu\": 2", "\"train_batch_size\": 12")
+    };
+    let dir = std::env::temp_dir().join(format!("zt-units-ckpt-{}", std::process::id()));
+    for (saver, resumers) in [
+        ((4, 2, MODES[0]), [(2, 3, MODES[5]), (3, 1, MODES[3])]),
+        ((3, 3, MODES[4]), [(2, 2, MODES[0]), (4, 0, MODES[2])]),
+    ] {
+        let _ = std::fs::remove_dir_all(&dir);
+        let (n, stage, mode) = saver;
+        train_between(&w, &init, &plan(&json(stage, mode), n), mode, 0..2, None, Some(&dir)).unwrap();
+        let files = zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap().manifest().files.clone();
+        assert!(mode.units == files.iter().any(|f| f.ranges.len() > 1), "per-unit shards are several ranges");
+        for (n, stage, mode) in resumers {
+            let plan = plan(&json(stage, mode), n);
+            let resumed = train_between(&w, &init, &plan, mode, 2..4, Some(&dir), None).unwrap();
+            let whole = train(&w, &init, &plan, mode, 4).unwrap();
+            let worst = resumed.master.iter().zip(&whole.master).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            let what = format!("saved by {saver:?}, resumed by world {n} stage {stage} {mode:?}");
+            assert!(worst <= 2e-6, "{what}: max |resumed - uninterrupted| = {worst}");
+            for (a, b) in resumed.losses.iter().zip(&whole.losses[2..]) {
+                assert!((a - b).abs() <= 1e-6 * b.abs(), "{what}: loss {a} vs {b}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Unit `b` also runs layer `a`: a parameter of another unit.
+#[derive(Module, Debug)]
+struct Misdeclared {
+    a: Linear,
+    b: Linear,
+}
+
+impl UnitModel for Misdeclared {
+    type Batch = Tensor<2>;
+    type Hidden = Tensor<2>;
+    fn units(&self) -> Vec<UnitSpec> {
+        vec![UnitSpec::new("a", ["a"]), UnitSpec::new("b", ["b"])]
+    }
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<2>>, batch: &Tensor<2>) -> Tensor<2> {
+        match input {
+            None => self.a.forward(batch.clone()),
+            Some(h) if unit == 1 => self.b.forward(self.a.forward(h)),
+            Some(h) => h,
+        }
+    }
+    fn loss(&self, output: Tensor<2>, _: &Tensor<2>) -> Tensor<1> {
+        output.square().mean()
+    }
+}
+
+#[test]
+fn a_unit_using_another_units_parameter_or_a_one_unit_engine_is_a_clear_error() {
+    let device = Device::flex().autodiff();
+    let model = Misdeclared { a: LinearConfig::new(3, 3).init(&device), b: LinearConfig::new(3, 2).init(&device) };
+    let foreign = "produced gradients for parameters of other units: `a.weight` (unit `a`)";
+    // At stage 3 with checkpointing unit `a` is released while `b` runs; without, it is
+    // still gathered (its graph holds it) and its gradient shows up in `b`'s backward.
+    for (stage, mode, needle) in
+        [(0, MODES[2], foreign), (3, MODES[2], foreign), (3, MODES[4], "forward_unit(1) (unit `b`) panicked")]
+    {
+        let plan = plan(&unit_recipe(stage, 1, mode, "fp32", ""), 2);
+        let err = launch(&plan, |ctx| {
+            let mut engine = Engine::with_units(model.clone(), &plan, &ctx)?;
+            let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 6], [2, 3]), ctx.device());
+            engine.forward_backward(&x).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(needle), "stage {stage} {mode:?}: {err}");
+    }
+    let plan = plan(&unit_recipe(2, 1, MODES[2], "fp32", ""), 1);
+    let err = launch(&plan, |ctx| {
+        let mut engine = Engine::new(model.clone(), &plan, &ctx)?;
+        let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 6], [2, 3]), ctx.device());
+        engine.forward_backward(&x).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("forward_backward needs an engine built with Engine::with_units"), "{err}");
+}
+
+/// `evaluate` walks the units without gradients: the loss of the whole model, and at stage
+/// 3 nothing stays gathered after it.
+#[test]
+fn evaluate_gives_the_whole_models_loss_one_unit_at_a_time() {
+    let init = tiny_gpt(true, 10);
+    let w = Tokens { vocab: 11, len: 9 };
+    for stage in [0, 3] {
+        let plan = plan(&unit_recipe(stage, 1, MODES[5], "fp32", ""), 2);
+        let out = launch(&plan, |ctx| {
+            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+            let batch = w.batch(&plan, 0, 0, ctx.rank(), ctx.device());
+            engine.forward_backward(&batch)?;
+            engine.step()?;
+            let before = engine.memory_report().params;
+            let value = engine.evaluate(&batch)?;
+            let after = engine.memory_report().params;
+            let whole = engine.full_model()?.loss(batch.clone()).into_scalar::<f32>();
+            Ok::<_, Error>((value, whole, before, after))
+        })
+        .unwrap();
+        for (value, whole, before, after) in out {
+            assert!((value - whole).abs() <= 1e-6 * whole.abs(), "stage {stage}: {value} vs {whole}");
+            assert_eq!(before, after, "stage {stage}: evaluate leaves the model as it found it");
+        }
+    }
+}
