@@ -192,6 +192,26 @@ impl FlatBuf {
         (self.len() * self.dtype().bytes_per_elem()) as u64
     }
 
+    /// One owned buffer per range of this one (ranges may not overlap). The longest range
+    /// keeps this buffer's allocation (moved to its front, truncated and shrunk in place),
+    /// so splitting holds at most the other ranges' copies beside the original.
+    pub fn split(self, ranges: &[std::ops::Range<usize>]) -> Vec<FlatBuf> {
+        let longest = (0..ranges.len()).max_by_key(|&i| ranges[i].len());
+        with_elem!(Self, self, v, E => {
+            let mut v: Vec<E> = v;
+            let mut parts: Vec<Option<Vec<E>>> =
+                ranges.iter().enumerate().map(|(i, r)| (Some(i) != longest).then(|| v[r.clone()].to_vec())).collect();
+            if let Some(i) = longest {
+                let range = ranges[i].clone();
+                v.copy_within(range.clone(), 0);
+                v.truncate(range.len());
+                v.shrink_to_fit();
+                parts[i] = Some(v);
+            }
+            parts.into_iter().map(|p| FlatBuf::from(p.expect("every part filled"))).collect()
+        })
+    }
+
     /// The values as f32 (a copy unless already f32, then moved).
     pub fn into_f32(self) -> Vec<f32> {
         match self {
@@ -292,6 +312,9 @@ fn convert<S: FlatElem, D: FlatElem>(src: &[S], dst: &mut [D], add: bool) {
 
 macro_rules! buf_from {
     ($($t:ty => $variant:ident),*) => {$(
+        impl From<Vec<$t>> for FlatBuf {
+            fn from(v: Vec<$t>) -> Self { Self::$variant(v) }
+        }
         impl<'a> From<&'a [$t]> for BufRef<'a> {
             fn from(v: &'a [$t]) -> Self { Self::$variant(v) }
         }
@@ -311,6 +334,20 @@ buf_from!(f32 => F32, f16 => F16, bf16 => Bf16);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_gives_each_range_and_the_longest_keeps_the_allocation() {
+        for dtype in [Precision::Fp32, Precision::Bf16] {
+            let values: Vec<f32> = (0..100).map(|i| i as f32).collect();
+            let buf = FlatBuf::from_f32(dtype, &values);
+            let ranges = [0..10, 10..80, 85..100, 80..85];
+            let parts = buf.split(&ranges);
+            for (part, range) in parts.iter().zip(&ranges) {
+                assert_eq!(part.as_ref().to_f32(), values[range.clone()], "{dtype} {range:?}");
+            }
+            assert!(FlatBuf::from_f32(dtype, &values).split(&[]).is_empty());
+        }
+    }
 
     #[test]
     fn bulk_bf16_conversion_is_bit_identical_to_the_scalar_one() {

@@ -138,18 +138,25 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Per-rank memory of a large MLP after 2 steps at one stage (run under mpirun -np 4 for
-    /// per-process figures; bench/mpi_memory.sh runs every stage).
+    /// Per-rank memory of a large MLP over 2 steps at one stage: model states, the process's
+    /// peak resident size while building the engine and while training (run under mpirun
+    /// for per-process figures; bench/mpi_memory.sh runs every stage).
     Memory {
         /// Parameters, in millions.
         #[arg(long, default_value_t = 60)]
         millions: usize,
+        /// Layers of the MLP (each one unit).
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
         /// ZeRO stage.
         #[arg(long)]
         stage: u8,
         /// Ranks for the threads backend (under mpirun: the process count).
         #[arg(long, default_value_t = 4)]
         world_size: usize,
+        /// How the engine runs the model.
+        #[arg(long, value_enum, default_value = "checkpointed")]
+        mode: MemoryMode,
     },
     /// f32 <-> f16 / bf16 conversion of flat buffers beside memcpy of the same bytes.
     Convert {
@@ -163,6 +170,17 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// How `bench memory` runs its MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MemoryMode {
+    /// One unit (`Engine::new`, `forward` and `backward`): the whole model at once.
+    OneUnit,
+    /// One unit per layer (`Engine::with_units`, `forward_backward`), activations kept.
+    Units,
+    /// One unit per layer with activation checkpointing.
+    Checkpointed,
 }
 
 #[derive(Subcommand)]

@@ -29,12 +29,31 @@ use cli::{BenchCommand, Cli, Command, ConfigCommand};
 /// The `zerotrain` binary: parses the command line, runs the subcommand, prints an error
 /// as one `error:` line and maps it to exit code 1.
 pub fn main() -> ExitCode {
+    return_large_buffers_to_the_os();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Note: the allocator. A training step allocates and frees buffers of a unit's size
+/// (gathered parameters, gradient buckets). glibc serves allocations above a threshold
+/// with `mmap` and returns them to the system when freed, but raises that threshold
+/// (up to 32 MiB) each time such a buffer is freed; after that, unit-sized buffers come
+/// from the heap, whose freed space fragments and stays resident. On a 60M-parameter model
+/// at stage 3 that left 40% more resident memory at the peak than the buffers alive at
+/// once. The `zerotrain` command therefore fixes the threshold at 1 MiB (a library leaves
+/// such a process-wide choice to its program; a program can set
+/// `MALLOC_MMAP_THRESHOLD_=1048576` in the environment to the same effect).
+fn return_large_buffers_to_the_os() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes the allocator's tuning; it takes plain integers and is
+    // called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
 }
 
@@ -67,8 +86,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine { world_sizes, steps, json }) => {
             commands::bench::bench_engine(&world_sizes, steps, json)
         }
-        Command::Bench(BenchCommand::Memory { millions, stage, world_size }) => {
-            commands::bench::bench_memory(millions, stage, world_size)
+        Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode }) => {
+            commands::bench::bench_memory(millions, layers, stage, world_size, mode)
         }
         Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),

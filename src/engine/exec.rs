@@ -110,7 +110,7 @@ impl<M: UnitModel> Engine<M> {
         let start = Instant::now();
         let grads = scaled.backward();
         let mut upstream = last.grad(&grads);
-        let mut root_grads = self.take(grads, None)?;
+        let mut root_grads = self.take(GradientsParams::from_grads(grads, &self.model), None)?;
         self.window.times.backward += start.elapsed().as_secs_f64();
         let mut previous = None;
         for i in (0..self.num_declared).rev() {
@@ -130,6 +130,10 @@ impl<M: UnitModel> Engine<M> {
             let grads = upstream.take().map(|g| output.seed(g).backward());
             upstream = grads.as_ref().zip(input.as_ref()).and_then(|(grads, input)| input.grad(grads));
             drop(input);
+            // Keyed by parameter id, the gradients no longer need the unit's tensors: it is
+            // released before they are flattened, so the two never coexist.
+            let grads = grads.map(|grads| GradientsParams::from_grads(grads, &self.model));
+            self.release(i);
             let mut taken = match grads {
                 Some(grads) => self.take(grads, Some(i))?,
                 None => UnitTake::empty(self, i),
@@ -141,7 +145,6 @@ impl<M: UnitModel> Engine<M> {
             }
             self.reduce_unit(i, taken.unit.take().expect("asked for"), previous)?;
             self.window.times.reduce += start.elapsed().as_secs_f64();
-            self.release(i);
             previous = Some(i);
         }
         if let (Some(root), Some(grads)) = (root, root_grads.root.take()) {
@@ -248,8 +251,7 @@ impl<M: UnitModel> Engine<M> {
 
     /// Takes the gradients of unit `unit` (if any) and of the root out of one backward
     /// pass's `grads`; any other unit's gradient is an error.
-    fn take(&self, grads: burn::tensor::Gradients, unit: Option<usize>) -> Result<UnitTake> {
-        let mut grads = GradientsParams::from_grads(grads, &self.model);
+    fn take(&self, mut grads: GradientsParams, unit: Option<usize>) -> Result<UnitTake> {
         let mut wanted = vec![false; self.units.len()];
         if let Some(unit) = unit {
             wanted[unit] = true;

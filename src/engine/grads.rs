@@ -149,17 +149,16 @@ impl UnitGrad {
     /// Waits for every reduction in flight and adds its result where it belongs.
     pub fn settle(&mut self, times: &mut PhaseTimes) -> Result<()> {
         while let Some(bucket) = self.buckets.pop_front() {
-            let output = finish(bucket.pending, times)?.request.into_output();
+            let output = finish(bucket.pending, times)?.output;
             self.acc.as_mut().slice(bucket.range).copy_from(output.as_ref(), bucket.add);
         }
         let Some(pending) = self.whole.take() else { return Ok(()) };
-        let reduced = match finish(pending, times)?.request {
-            Request::ReduceScatter { output, .. } => output,
-            // Stage 1 without reduce-scatter keeps its shard of the all-reduced buffer.
-            Request::AllReduce { buf, .. } if self.stage == ZeroStage::OptimizerStates => {
-                FlatBuf::F32(buf.as_ref().slice(self.own.clone()).to_f32())
-            }
-            other => other.into_output(),
+        let reduced = finish(pending, times)?.output;
+        // Stage 1 without reduce-scatter all-reduced the whole buffer: keep its shard.
+        let reduced = if self.stage == ZeroStage::OptimizerStates && reduced.len() != self.own.len() {
+            FlatBuf::F32(reduced.as_ref().slice(self.own.clone()).to_f32())
+        } else {
+            reduced
         };
         self.reduced = Some(reduced);
         Ok(())

@@ -14,7 +14,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
-use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision, with_elem};
+use zerotrain_precision::{BufMut, BufRef, FlatBuf, with_elem};
 use zerotrain_zero::Sharding;
 
 use crate::{Error, Result};
@@ -241,20 +241,11 @@ fn into_flat(data: TensorData, path: &str, num_elems: usize) -> Result<FlatBuf> 
     buf.map_err(|e| Error::Model(format!("gradient of `{path}`: {e:?}")))
 }
 
-/// Burn's dtype for a flat-buffer dtype.
-pub(crate) fn burn_dtype(precision: Precision) -> DType {
-    match precision {
-        Precision::Fp32 => DType::F32,
-        Precision::Fp16 => DType::F16,
-        Precision::Bf16 => DType::BF16,
-    }
-}
-
 /// What [`write_params`] puts into each trainable parameter of a unit.
 pub(crate) enum Fill<'a> {
-    /// Values from the unit's flat buffer (at least the unit's `num_elems` long), in its
-    /// dtype.
-    From(BufRef<'a>),
+    /// The unit's flat buffer, taken apart into the parameters without copying the largest
+    /// one ([`FlatBuf::split`]).
+    Take(FlatBuf),
     /// Empty tensors (stage 3's released state), except the unit's entries marked `true`,
     /// which keep their current value.
     Release(&'a [bool]),
@@ -269,32 +260,43 @@ pub(crate) fn write_params<M: Module>(
     fill: Fill<'_>,
     device: &Device,
 ) -> M {
+    /// What each parameter gets.
+    enum Source<'a> {
+        Owned(Vec<Option<FlatBuf>>),
+        Release(&'a [bool]),
+    }
     struct Writer<'a> {
         walk: Walk<'a>,
         unit: usize,
-        fill: Fill<'a>,
+        source: Source<'a>,
         device: &'a Device,
     }
     impl ModuleMapper for Writer<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let Some((unit, e)) = self.walk.next().filter(|(u, _)| *u == self.unit) else { return param };
             let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
-            let tensor = match self.fill {
-                Fill::From(flat) => {
-                    let shape: [usize; D] =
-                        entry.shape.as_slice().try_into().expect("layout shapes come from this module");
-                    let options = (self.device, burn_dtype(flat.dtype()));
-                    let values = flat.slice(entry.flat_range());
-                    let data = with_elem!(BufRef, values, v, _E => TensorData::new(v.to_vec(), shape));
-                    Tensor::<D>::from_data(data, options)
+            let shape: [usize; D] = entry.shape.as_slice().try_into().expect("layout shapes come from this module");
+            let data = match &mut self.source {
+                Source::Owned(parts) => {
+                    let part = parts[e].take().expect("each parameter is visited once");
+                    with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
                 }
-                Fill::Release(keep) if keep[e] => return param,
-                Fill::Release(_) => Tensor::<D>::empty([0; D], self.device),
+                Source::Release(keep) if keep[e] => return param,
+                Source::Release(_) => return param.map(|_| Tensor::<D>::empty([0; D], self.device).require_grad()),
             };
+            let options = (self.device, data.dtype());
+            let tensor = Tensor::<D>::from_data(data, options);
             param.map(|_| tensor.require_grad())
         }
     }
-    model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, unit, fill, device })
+    let source = match fill {
+        Fill::Take(flat) => {
+            let ranges: Vec<_> = sharding.units()[unit].layout.entries().iter().map(|e| e.flat_range()).collect();
+            Source::Owned(flat.split(&ranges).into_iter().map(Some).collect())
+        }
+        Fill::Release(keep) => Source::Release(keep),
+    };
+    model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, unit, source, device })
 }
 
 /// Bytes of the trainable parameters the model holds now (released ones are empty).

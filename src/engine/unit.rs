@@ -131,8 +131,7 @@ impl Unit {
     ) -> (M, Self) {
         let (plan, layout) = (&shared.plan, shared.layout(id));
         let compute = FlatBuf::from_f32(plan.precision, &values[..layout.num_elems()]);
-        let model =
-            write_params(model, &shared.index, &shared.sharding, id, Fill::From(compute.as_ref()), &shared.device);
+        let model = write_params(model, &shared.index, &shared.sharding, id, Fill::Take(compute), &shared.device);
         let stage = plan.zero.stage;
         let master = match (stage.shards_parameters(), plan.precision) {
             (false, Precision::Fp32) => Master::InModel,
@@ -187,17 +186,11 @@ impl Unit {
             return Ok((model, 0));
         };
         let start = Instant::now();
-        let gathered = finish(pending, times)?.request.into_output();
-        let model = write_params(
-            model,
-            &shared.index,
-            &shared.sharding,
-            self.id,
-            Fill::From(gathered.as_ref()),
-            &shared.device,
-        );
+        let gathered = finish(pending, times)?.output;
+        let bytes = gathered.bytes();
+        let model = write_params(model, &shared.index, &shared.sharding, self.id, Fill::Take(gathered), &shared.device);
         times.gather += start.elapsed().as_secs_f64();
-        Ok((model, gathered.bytes()))
+        Ok((model, bytes))
     }
 
     /// Stage 3: replaces the unit's non-resident parameters in the model with empty
@@ -290,11 +283,10 @@ impl Unit {
             converted
         } else {
             let request = Request::AllGather { input: converted, output: FlatBuf::zeros(dtype, layout.padded_elems()) };
-            finish(shared.comm.start(request), times)?.request.into_output()
+            finish(shared.comm.start(request), times)?.output
         };
         let bytes = full.bytes();
-        let model =
-            write_params(model, &shared.index, &shared.sharding, self.id, Fill::From(full.as_ref()), &shared.device);
+        let model = write_params(model, &shared.index, &shared.sharding, self.id, Fill::Take(full), &shared.device);
         Ok((model, bytes))
     }
 

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use crate::Config;
+use crate::app::cli::MemoryMode;
 
 use super::{overrides, proc_status_kib};
 
@@ -94,50 +95,80 @@ pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `zerotrain bench memory`.
-pub fn bench_memory(millions: usize, stage: u8, world_size: usize) -> anyhow::Result<()> {
+/// `zerotrain bench memory`: one `row ...` line per rank.
+pub fn bench_memory(
+    millions: usize,
+    layers: usize,
+    stage: u8,
+    world_size: usize,
+    mode: MemoryMode,
+) -> anyhow::Result<()> {
     use crate::app::models::{Mlp, RegressionTask};
     use burn::tensor::Device;
-    let width = ((millions as f64 * 1e6 / 2.0).sqrt()) as usize;
+    let width = ((millions as f64 * 1e6 / layers.max(1) as f64).sqrt()) as usize;
+    let checkpointing = if mode == MemoryMode::Checkpointed { r#""activation_checkpointing": {},"# } else { "" };
     let json = format!(
-        r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+        r#"{{ {checkpointing} "train_micro_batch_size_per_gpu": 1,
+             "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
     );
     let plan = Config::parse(&json, "bench")?.resolve(overrides(Some(world_size), None))?;
     let task = RegressionTask { seq_len: 1, features: width };
     let rows = crate::launch(&plan, |ctx| {
         // Built inside the rank: under mpirun each process is one rank, and no copy of the
         // initial model outlives the engine's own.
-        let model = Mlp::new(&[width, width, width], &Device::flex().autodiff());
-        let mut engine = crate::Engine::new(model, &plan, &ctx)?;
+        let model = Mlp::new(&vec![width; layers + 1], &Device::flex().autodiff());
+        let mut engine = match mode {
+            MemoryMode::OneUnit => crate::Engine::new(model, &plan, &ctx)?,
+            _ => crate::Engine::with_units(model, &plan, &ctx)?,
+        };
+        let build_peak = proc_status_kib("VmHWM:");
+        reset_peak_rss();
         for step in 0..2u64 {
             let batch = task.batch([step * 64 + ctx.rank() as u64], ctx.device());
-            let loss = engine.forward(|m| m.loss(&batch))?;
-            engine.backward(loss)?;
+            if mode == MemoryMode::OneUnit {
+                let loss = engine.forward(|m| m.loss(&batch))?;
+                engine.backward(loss)?;
+            } else {
+                engine.forward_backward(&batch)?;
+            }
             engine.step()?;
         }
-        let now = proc_status_kib("VmRSS:");
-        Ok::<_, crate::Error>((ctx.rank(), engine.memory_report(), engine.sharding().units()[0].layout.clone(), now))
+        let (train_peak, now) = (proc_status_kib("VmHWM:"), proc_status_kib("VmRSS:"));
+        let layout = engine.sharding().global().clone();
+        Ok::<_, crate::Error>((ctx.rank(), engine.memory_report(), layout.num_elems(), build_peak, train_peak, now))
     })?;
-    let peak = proc_status_kib("VmHWM:");
     let mib = |kib: Option<u64>| kib.map_or_else(|| "?".into(), |k| format!("{:.0}", k as f64 / 1024.0));
-    for (rank, m, layout, now) in rows {
-        let psi = layout.num_elems() as u64;
+    let bytes_mib = |b: u64| format!("{:.0}", b as f64 / (1 << 20) as f64);
+    for (rank, m, psi, build_peak, train_peak, now) in rows {
+        let psi = psi as u64;
         let stage = zerotrain_zero::ZeroStage::from_index(u64::from(plan.zero.stage.index())).expect("valid stage");
+        let shard = psi.div_ceil(plan.world_size as u64);
         let formula = zerotrain_zero::memory::model_state_bytes(
             stage,
             psi,
-            layout.shard_len() as u64,
+            shard,
             zerotrain_zero::memory::BytesPerParam::FP32_ADAM,
         );
         println!(
-            "row stage={} rank={rank} ranks={} params={psi} model_states_MiB={:.0} formula_MiB={:.0} process_peak_rss_MiB={} process_rss_after_MiB={}",
+            "row stage={} mode={mode:?} rank={rank} ranks={} params={psi} model_states_MiB={} formula_MiB={} \
+             gathered_peak_MiB={} transient_peak_MiB={} build_peak_rss_MiB={} train_peak_rss_MiB={} rss_after_MiB={}",
             plan.zero.stage.index(),
             plan.world_size,
-            m.model_states() as f64 / (1 << 20) as f64,
-            formula.total() as f64 / (1 << 20) as f64,
-            mib(peak),
+            bytes_mib(m.model_states()),
+            bytes_mib(formula.total()),
+            bytes_mib(m.peak_gathered),
+            bytes_mib(m.peak_transient),
+            mib(build_peak),
+            mib(train_peak),
             mib(now),
         );
     }
     Ok(())
+}
+
+/// Resets this process's peak resident size (`VmHWM`) to its current size, so that the
+/// training peak is measured apart from the engine's construction (Linux 4.0+; elsewhere
+/// the peak stays cumulative).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }

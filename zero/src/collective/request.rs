@@ -43,23 +43,26 @@ pub enum Request {
 }
 
 impl Request {
-    /// Runs the request on `comm`, blocking, and returns it with its buffers filled.
-    pub fn run<C: Collective + ?Sized>(mut self, comm: &C) -> Result<Completed, ZeroError> {
+    /// Runs the request on `comm`, blocking, and returns its result. The input buffer is
+    /// dropped as soon as the collective is done, on the thread that ran it, so a finished
+    /// request nobody has waited for yet holds only its output.
+    pub fn run<C: Collective + ?Sized>(self, comm: &C) -> Result<Completed, ZeroError> {
         let start = Instant::now();
-        match &mut self {
-            Self::AllReduce { buf, op } => comm.all_reduce(buf.as_mut(), *op)?,
-            Self::ReduceScatter { input, output, op } => comm.reduce_scatter(input.as_ref(), output.as_mut(), *op)?,
-            Self::AllGather { input, output } => comm.all_gather(input.as_ref(), output.as_mut())?,
-        }
-        Ok(Completed { request: self, busy: start.elapsed() })
-    }
-
-    /// The buffer holding the result: `buf` (all-reduce) or `output`.
-    pub fn into_output(self) -> FlatBuf {
-        match self {
-            Self::AllReduce { buf, .. } => buf,
-            Self::ReduceScatter { output, .. } | Self::AllGather { output, .. } => output,
-        }
+        let output = match self {
+            Self::AllReduce { mut buf, op } => {
+                comm.all_reduce(buf.as_mut(), op)?;
+                buf
+            }
+            Self::ReduceScatter { input, mut output, op } => {
+                comm.reduce_scatter(input.as_ref(), output.as_mut(), op)?;
+                output
+            }
+            Self::AllGather { input, mut output } => {
+                comm.all_gather(input.as_ref(), output.as_mut())?;
+                output
+            }
+        };
+        Ok(Completed { output, busy: start.elapsed() })
     }
 
     /// Bytes of every buffer the request holds.
@@ -76,8 +79,8 @@ impl Request {
 /// A finished request.
 #[derive(Debug)]
 pub struct Completed {
-    /// The request, its output buffer filled.
-    pub request: Request,
+    /// The result: the all-reduced buffer, or the output of a reduce-scatter or all-gather.
+    pub output: FlatBuf,
     /// How long the collective itself ran (on whichever thread ran it).
     pub busy: Duration,
 }

@@ -324,7 +324,7 @@ fn a_comm_thread_runs_requests_in_issue_order_and_returns_at_once() {
                     comm.all_reduce((&mut flag[..]).into(), ReduceOp::Max).unwrap();
                     let rs = rs.wait().unwrap();
                     let ag = ag.wait().unwrap();
-                    (issued, not_done_yet, rs.request.into_output(), ag.request.into_output(), flag[0], comm.stats())
+                    (issued, not_done_yet, rs.output, ag.output, flag[0], comm.stats())
                 })
             })
             .collect();
