@@ -125,15 +125,20 @@ pub enum BenchCommand {
         #[arg(long, default_value = "growth.png")]
         plot: std::path::PathBuf,
     },
-    /// Engine overhead against a plain Burn loop, and each stage's cost (step time, phase
-    /// breakdown, bytes per step against theory, memory against the formula).
+    /// Engine overhead against a plain Burn loop, and each stage's cost in each mode (step
+    /// time, phase breakdown, time waiting on collectives against their own time, bytes per
+    /// step against theory, memory against the formula). Under mpirun: the stage table over
+    /// MPI, at mpirun's process count.
     Engine {
-        /// World sizes for the stage table.
+        /// World sizes for the stage table (threads).
         #[arg(long, value_delimiter = ',', default_value = "2,4")]
         world_sizes: Vec<usize>,
         /// Measured steps per configuration.
         #[arg(long, default_value_t = 10)]
         steps: u64,
+        /// Set `overlap_comm` at every stage (default: DeepSpeed's, on at stage 3 only).
+        #[arg(long)]
+        overlap: bool,
         /// Print JSON instead of tables.
         #[arg(long)]
         json: bool,
@@ -156,7 +161,7 @@ pub enum BenchCommand {
         world_size: usize,
         /// How the engine runs the model.
         #[arg(long, value_enum, default_value = "checkpointed")]
-        mode: MemoryMode,
+        mode: crate::app::bench::RunMode,
     },
     /// f32 <-> f16 / bf16 conversion of flat buffers beside memcpy of the same bytes.
     Convert {
@@ -170,17 +175,6 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-}
-
-/// How `bench memory` runs its MLP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum MemoryMode {
-    /// One unit (`Engine::new`, `forward` and `backward`): the whole model at once.
-    OneUnit,
-    /// One unit per layer (`Engine::with_units`, `forward_backward`), activations kept.
-    Units,
-    /// One unit per layer with activation checkpointing.
-    Checkpointed,
 }
 
 #[derive(Subcommand)]

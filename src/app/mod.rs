@@ -83,8 +83,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             commands::bench::bench_collectives(&world_sizes, max_mib, repeats, json)
         }
         Command::Bench(BenchCommand::Growth { steps, plot }) => commands::bench::bench_growth(steps, &plot),
-        Command::Bench(BenchCommand::Engine { world_sizes, steps, json }) => {
-            commands::bench::bench_engine(&world_sizes, steps, json)
+        Command::Bench(BenchCommand::Engine { world_sizes, steps, overlap, json }) => {
+            commands::bench::bench_engine(&world_sizes, steps, overlap, json)
         }
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode)

@@ -42,13 +42,29 @@ impl fmt::Display for Plan {
                 _ => "reduce-scattered every micro-step into the shard accumulator".to_string(),
             }
         )?;
+        if z.stage.shards_gradients() {
+            writeln!(f, "  buckets           at most {} elements per reduce-scatter", z.reduce_bucket_size)?;
+        }
+        let overlap = if z.overlap_comm { "overlaps the next unit's backward" } else { "waited for at once" };
+        writeln!(f, "  reduction         per unit, {overlap} (overlap_comm: {})", z.overlap_comm)?;
         if z.stage.shards_parameters() {
+            writeln!(
+                f,
+                "  gathering         per unit; the next prefetched if <= {} elements, <= {} gathered beside the unit in use",
+                z.prefetch_bucket_size, z.max_live_parameters
+            )?;
             writeln!(
                 f,
                 "  persistence       parameters of <= {} elements stay resident",
                 z.param_persistence_threshold
             )?;
         }
+        let recompute = if self.activation_checkpointing {
+            "on: models declared in units keep only unit boundaries and recompute each unit in backward"
+        } else {
+            "off"
+        };
+        writeln!(f, "activation ckpt     {recompute}")?;
         match self.precision {
             Precision::Fp32 => writeln!(f, "precision           fp32 (parameters are their own master weights)")?,
             p => writeln!(f, "precision           {p} compute, fp32 master weights and optimizer state")?,

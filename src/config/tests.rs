@@ -288,3 +288,56 @@ fn huge_batch_sizes_and_world_sizes_are_errors_naming_the_key_not_panics() {
             .is_ok()
     );
 }
+
+/// The per-unit keys: DeepSpeed's defaults (overlap on at stage 3 only), explicit values,
+/// the activation checkpointing section (present means on; its DeepSpeed tuning keys are
+/// listed as no-ops when set), and a zero bucket refused by name.
+#[test]
+fn unit_keys_resolve_with_deepspeeds_defaults_and_checkpointing_is_the_sections_presence() {
+    let zero = |stage: u8, extra: &str| {
+        plan(&format!(r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage} {extra}}}}}"#)).unwrap().zero
+    };
+    for stage in 0..=3 {
+        let z = zero(stage, "");
+        assert_eq!(z.overlap_comm, stage == 3, "stage {stage}");
+        assert_eq!(
+            (z.reduce_bucket_size, z.prefetch_bucket_size, z.max_live_parameters),
+            (500_000_000, 50_000_000, 1_000_000_000)
+        );
+    }
+    let z = zero(
+        3,
+        r#", "overlap_comm": false, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": "auto""#,
+    );
+    assert_eq!(
+        (z.overlap_comm, z.reduce_bucket_size, z.prefetch_bucket_size, z.max_live_parameters),
+        (false, 1000, 0, 1_000_000_000)
+    );
+    assert!(zero(1, r#", "overlap_comm": true"#).overlap_comm);
+
+    let on = plan(r#"{"train_batch_size": 4, "activation_checkpointing": {}}"#).unwrap();
+    assert!(on.activation_checkpointing && on.warning().is_none());
+    assert!(!plan(r#"{"train_batch_size": 4}"#).unwrap().activation_checkpointing);
+    let tuned = plan(
+        r#"{"train_batch_size": 4, "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": false,
+            "contiguous_memory_optimization": true, "number_checkpoints": 4, "synchronize_checkpoint_boundary": false, "profile": false}}"#,
+    )
+    .unwrap();
+    assert!(tuned.activation_checkpointing);
+    assert_eq!(
+        tuned.not_implemented,
+        [
+            "activation_checkpointing.partition_activations",
+            "activation_checkpointing.contiguous_memory_optimization",
+            "activation_checkpointing.number_checkpoints"
+        ]
+    );
+    let err = parse(r#"{"activation_checkpointing": {"partition_activation": true}}"#).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "test.json: unknown key `activation_checkpointing.partition_activation` (did you mean `partition_activations`?)"
+    );
+    let err =
+        plan(r#"{"train_batch_size": 4, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}"#).unwrap_err();
+    assert_eq!(err.to_string(), "config: `zero_optimization.reduce_bucket_size`: must be at least 1 element");
+}

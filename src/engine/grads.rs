@@ -26,6 +26,10 @@ use super::params::UnitGrads;
 use super::unit::finish;
 use crate::{Error, Result};
 
+/// Buckets of one unit in flight at once (stages 2-3): a larger unit waits for its oldest
+/// bucket before starting another, so at most this many bucket buffers exist.
+const MAX_BUCKETS_IN_FLIGHT: usize = 2;
+
 /// How one backward pass's gradients of a unit are reduced.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ReduceOptions {
@@ -111,6 +115,10 @@ impl UnitGrad {
                 }
                 let output = FlatBuf::zeros(options.comm_dtype, range.len());
                 transient += input.bytes() + output.bytes();
+                // Double buffering: one bucket in flight while the next is filled.
+                while self.buckets.len() >= MAX_BUCKETS_IN_FLIGHT {
+                    self.settle_oldest(times)?;
+                }
                 let pending = comm.start(Request::ReduceScatter { input, output, op: ReduceOp::Sum });
                 self.buckets.push_back(Bucket { range, add: !options.first, pending });
             }
@@ -146,11 +154,19 @@ impl UnitGrad {
         transient
     }
 
-    /// Waits for every reduction in flight and adds its result where it belongs.
-    pub fn settle(&mut self, times: &mut PhaseTimes) -> Result<()> {
-        while let Some(bucket) = self.buckets.pop_front() {
+    /// Waits for the oldest bucket in flight and adds its result to the accumulator.
+    fn settle_oldest(&mut self, times: &mut PhaseTimes) -> Result<()> {
+        if let Some(bucket) = self.buckets.pop_front() {
             let output = finish(bucket.pending, times)?.output;
             self.acc.as_mut().slice(bucket.range).copy_from(output.as_ref(), bucket.add);
+        }
+        Ok(())
+    }
+
+    /// Waits for every reduction in flight and adds its result where it belongs.
+    pub fn settle(&mut self, times: &mut PhaseTimes) -> Result<()> {
+        while !self.buckets.is_empty() {
+            self.settle_oldest(times)?;
         }
         let Some(pending) = self.whole.take() else { return Ok(()) };
         let reduced = finish(pending, times)?.output;

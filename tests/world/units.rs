@@ -529,3 +529,37 @@ fn evaluate_gives_the_whole_models_loss_one_unit_at_a_time() {
         }
     }
 }
+
+/// Stage 1 with `reduce_scatter: false` all-reduces each unit and keeps its shard: the
+/// same sums as the reduce-scatter, so the same bits, for twice the reduction traffic.
+#[test]
+fn stage_1_all_reduce_variant_equals_reduce_scatter_bit_for_bit() {
+    let init = tiny_gpt(true, 12);
+    let w = Tokens { vocab: 11, len: 9 };
+    for gas in [1, 3] {
+        let json = |rs: bool| unit_recipe(1, gas, MODES[3], "fp32", &format!(r#", "reduce_scatter": {rs}"#));
+        let scattered = train(&w, &init, &plan(&json(true), 3), MODES[3], 3).unwrap();
+        let reduced = train(&w, &init, &plan(&json(false), 3), MODES[3], 3).unwrap();
+        assert!(scattered.master == reduced.master, "gas {gas}");
+        assert_eq!(scattered.losses, reduced.losses);
+        assert!(reduced.bytes[0] > scattered.bytes[0]);
+    }
+}
+
+/// Buckets far smaller than a unit (several reduce-scatters per unit, two in flight at a
+/// time) move the same bytes and give the same bits as one bucket per unit.
+#[test]
+fn small_buckets_give_the_same_bits_and_bytes_as_one_bucket_per_unit() {
+    let init = tiny_gpt(true, 13);
+    let w = Tokens { vocab: 11, len: 9 };
+    for stage in [2, 3] {
+        for mode in [MODES[3], MODES[5]] {
+            let json =
+                |bucket: u64| unit_recipe(stage, 3, mode, "fp32", &format!(r#", "reduce_bucket_size": {bucket}"#));
+            let one = train(&w, &init, &plan(&json(500_000_000), 3), mode, 2).unwrap();
+            let many = train(&w, &init, &plan(&json(96), 3), mode, 2).unwrap();
+            assert!(one.master == many.master, "stage {stage} {mode:?}");
+            assert_eq!(one.bytes, many.bytes, "stage {stage} {mode:?}");
+        }
+    }
+}

@@ -6,9 +6,10 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
 use serde::Serialize;
-use zerotrain_zero::ZeroStage;
 use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
+use zerotrain_zero::{Sharding, ZeroStage};
 
+use super::RunMode;
 use crate::app::data::{Corpus, windows};
 use crate::app::models::{Gpt, GptConfig};
 use crate::{Config, Engine, Overrides, PhaseTimes, Plan, Result, launch};
@@ -18,16 +19,23 @@ pub fn bench_model(vocab: usize) -> GptConfig {
     GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: vocab, tied_head: true }
 }
 
-fn bench_plan(stage: u8, precision: &str, world_size: usize, micro: u64) -> Result<Plan> {
+/// The benchmarks' plan: AdamW, `micro` samples per rank, the stage, precision and mode;
+/// `overlap` sets `overlap_comm` (else DeepSpeed's default). Under mpirun it runs on MPI.
+fn bench_plan(stage: u8, precision: &str, world_size: usize, micro: u64, mode: RunMode, overlap: bool) -> Result<Plan> {
     let half = match precision {
         "bf16" => r#""bf16": {"enabled": true},"#,
         _ => "",
     };
+    let checkpointing = mode.config_keys();
+    let overlap = if overlap { r#", "overlap_comm": true"# } else { "" };
     let json = format!(
-        r#"{{ {half} "train_micro_batch_size_per_gpu": {micro}, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
-             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.0}}}}, "zerotrain": {{"backend": "threads"}} }}"#
+        r#"{{ {half} {checkpointing} "train_micro_batch_size_per_gpu": {micro},
+             "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0 {overlap}}},
+             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.0}}}} }}"#
     );
-    Ok(Config::parse(&json, "bench")?.resolve(Overrides { world_size: Some(world_size), ..Overrides::default() })?)
+    let mpirun = crate::detect_mpirun();
+    let world_size = if mpirun.is_some() { None } else { Some(world_size) };
+    Ok(Config::parse(&json, "bench")?.resolve(Overrides { world_size, mpirun, ..Overrides::default() })?)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -41,7 +49,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn overhead(steps: u64, rounds: usize) -> Result<(f64, f64)> {
     let corpus = Corpus::arithmetic(20_000, 1);
     let shape = bench_model(corpus.vocab.len());
-    let plan = bench_plan(0, "fp32", 1, 16)?;
+    let plan = bench_plan(0, "fp32", 1, 16, RunMode::OneUnit, false)?;
     let device = Device::flex().autodiff();
     device.seed(1);
     let init = Gpt::new(&shape, &device);
@@ -89,6 +97,8 @@ pub struct StageRow {
     pub stage: u8,
     /// `fp32` or `bf16`.
     pub precision: String,
+    /// How the model runs: one unit, units, units with activation checkpointing.
+    pub mode: RunMode,
     /// Median step time, seconds (rank 0).
     pub step_seconds: f64,
     /// Median of each phase, seconds (rank 0).
@@ -103,93 +113,130 @@ pub struct StageRow {
     pub formula: u64,
 }
 
-/// Stages 0-3 in fp32 and bf16 at `world_size` ranks: `steps` measured steps after 2 warm-up.
-pub fn stages(world_size: usize, steps: u64) -> Result<Vec<StageRow>> {
+/// The modes each dtype is measured in.
+const MODES: [(&str, &[RunMode]); 2] = [
+    ("fp32", &[RunMode::OneUnit, RunMode::Units, RunMode::Checkpointed]),
+    ("bf16", &[RunMode::OneUnit, RunMode::Checkpointed]),
+];
+
+/// Stages 0-3 in every mode of [`MODES`] at `world_size` ranks (`overlap`: with
+/// `overlap_comm` at every stage): `steps` measured steps after 2 warm-up. One launch for
+/// all of them, so that it runs under mpirun too (the world size then is mpirun's).
+pub fn stages(world_size: usize, steps: u64, overlap: bool) -> Result<Vec<StageRow>> {
     let corpus = Corpus::arithmetic(20_000, 1);
     let shape = bench_model(corpus.vocab.len());
     let device = Device::flex().autodiff();
     device.seed(1);
     let init = Gpt::new(&shape, &device);
-    let mut rows = Vec::new();
-    for precision in ["fp32", "bf16"] {
-        for stage in 0..=3u8 {
-            let plan = bench_plan(stage, precision, world_size, 8)?;
-            let out = launch(&plan, |ctx| {
-                let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
-                let (mut step_times, mut reports) = (Vec::new(), Vec::new());
-                for step in 0..steps + 2 {
-                    let t = Instant::now();
-                    let first = ctx.rank() as u64 * 8;
-                    let tokens = windows(&corpus.train, shape.block_size, 1, step, first, 8, ctx.device());
-                    let loss = engine.forward(|m| m.loss(tokens))?;
-                    engine.backward(loss)?;
-                    let report = engine.step()?.expect("accumulation 1");
-                    if step >= 2 {
-                        step_times.push(t.elapsed().as_secs_f64());
-                        reports.push(report);
-                    }
-                }
-                Ok::<_, crate::Error>((
-                    step_times,
-                    reports,
-                    engine.memory_report(),
-                    engine.sharding().units()[0].layout.clone(),
-                ))
-            })?;
-            let (step_times, reports, memory, layout) = out.into_iter().next().expect("rank 0");
-            let pick = |f: fn(&PhaseTimes) -> f64| median(reports.iter().map(|r| f(&r.times)).collect());
-            let times = PhaseTimes {
-                forward: pick(|t| t.forward),
-                backward: pick(|t| t.backward),
-                reduce: pick(|t| t.reduce),
-                optimizer: pick(|t| t.optimizer),
-                gather: pick(|t| t.gather),
-                comm_wait: pick(|t| t.comm_wait),
-                comm_busy: pick(|t| t.comm_busy),
-            };
-            let (n, padded, shard) = (world_size as u64, layout.padded_elems() as u64, layout.shard_len() as u64);
-            let elem = if precision == "fp32" { 4 } else { 2 };
-            // 2Ψ per step for every stage at accumulation 1 (stage 3 gathers once per step).
-            let theory = if n > 1 { 2 * padded * elem * (n - 1) / n } else { 0 };
-            let st = ZeroStage::from_index(stage.into()).expect("stage");
-            let cost = if precision == "fp32" { BytesPerParam::FP32_ADAM } else { BytesPerParam::MIXED_ADAM };
-            let formula = model_state_bytes(st, layout.num_elems() as u64, shard, cost).total();
-            rows.push(StageRow {
-                world_size,
-                stage,
-                precision: precision.into(),
-                step_seconds: median(step_times),
-                times,
-                comm_bytes: reports.last().map_or(0, |r| r.comm_bytes),
-                theory_bytes: theory,
-                memory: memory.model_states(),
-                formula,
-            });
+    let mut configs = Vec::new();
+    for (precision, modes) in MODES {
+        for &mode in modes {
+            for stage in 0..=3u8 {
+                configs.push((precision, mode, stage, bench_plan(stage, precision, world_size, 8, mode, overlap)?));
+            }
         }
     }
-    Ok(rows)
+    let out = launch(&configs[0].3, |ctx| {
+        let mut rows = Vec::new();
+        for (precision, mode, stage, plan) in &configs {
+            let mut engine = mode.engine(init.clone(), plan, &ctx)?;
+            let (mut step_times, mut reports) = (Vec::new(), Vec::new());
+            for step in 0..steps + 2 {
+                let t = Instant::now();
+                let first = ctx.rank() as u64 * 8;
+                let tokens = windows(&corpus.train, shape.block_size, 1, step, first, 8, ctx.device());
+                mode.micro_step(&mut engine, &tokens, |m, b| m.loss(b.clone()))?;
+                let report = engine.step()?.expect("accumulation 1");
+                if step >= 2 {
+                    step_times.push(t.elapsed().as_secs_f64());
+                    reports.push(report);
+                }
+            }
+            let (memory, sharding) = (engine.memory_report(), engine.sharding());
+            rows.push(StageRow {
+                world_size: plan.world_size,
+                stage: *stage,
+                precision: precision.to_string(),
+                mode: *mode,
+                step_seconds: median(step_times),
+                times: median_times(&reports),
+                comm_bytes: reports.last().map_or(0, |r| r.comm_bytes),
+                theory_bytes: theory_bytes(*stage, *mode, sharding, precision),
+                memory: memory.model_states(),
+                formula: formula_bytes(*stage, sharding, precision),
+            });
+        }
+        Ok::<_, crate::Error>(rows)
+    })?;
+    Ok(out.into_iter().next().expect("rank 0"))
 }
 
-/// The stage table as text.
-pub fn format_stages(rows: &[StageRow], stage0: &[f64]) -> String {
-    let mut out = String::from(
-        "stage cost (GPT 4x128, 8 sequences of 64 tokens per rank; medians; ms; rank 0)\n\
-         ranks stage dtype   step   vs st0  forward backward  reduce  optim  gather   bytes/step  theory(2Ψ)  states B    formula B\n",
+/// Each phase's median over the steps.
+fn median_times(reports: &[crate::StepReport]) -> PhaseTimes {
+    let pick = |f: fn(&PhaseTimes) -> f64| median(reports.iter().map(|r| f(&r.times)).collect());
+    PhaseTimes {
+        forward: pick(|t| t.forward),
+        backward: pick(|t| t.backward),
+        reduce: pick(|t| t.reduce),
+        optimizer: pick(|t| t.optimizer),
+        gather: pick(|t| t.gather),
+        comm_wait: pick(|t| t.comm_wait),
+        comm_busy: pick(|t| t.comm_busy),
+    }
+}
+
+/// The data volume of one step at accumulation 1, bus convention ((N-1)/N of each
+/// buffer; 16-bit elements gathered in bf16, reduced in bf16 over threads): 2Ψ (each unit
+/// reduced once and gathered once), except stage 3 with checkpointing, which gathers
+/// every declared unit twice: 3Ψ less the root's second gather.
+fn theory_bytes(stage: u8, mode: RunMode, sharding: &Sharding, precision: &str) -> u64 {
+    let n = sharding.world_size() as u64;
+    let elem = if precision == "fp32" { 4 } else { 2 };
+    let bus = |elems: u64| elems * elem * (n - 1) / n;
+    let units = sharding.units();
+    let padded: u64 = units.iter().map(|u| u.layout.padded_elems() as u64).sum();
+    let root = units.iter().find(|u| u.name == "root").map_or(0, |u| u.layout.padded_elems() as u64);
+    match (stage, mode) {
+        // All-reduce moves 2(N-1)/N of each unit's real elements.
+        (0, _) => 2 * units.iter().map(|u| bus(u.layout.num_elems() as u64)).sum::<u64>(),
+        (3, RunMode::Checkpointed) => 3 * bus(padded) - bus(root),
+        _ => 2 * bus(padded),
+    }
+}
+
+/// The ZeRO formula for a rank's model states (its shard: every unit's).
+fn formula_bytes(stage: u8, sharding: &Sharding, precision: &str) -> u64 {
+    let st = ZeroStage::from_index(stage.into()).expect("stage");
+    let cost = if precision == "fp32" { BytesPerParam::FP32_ADAM } else { BytesPerParam::MIXED_ADAM };
+    model_state_bytes(st, sharding.global().num_elems() as u64, sharding.local_len() as u64, cost).total()
+}
+
+/// The stage table as text; `base[i]` is row `i`'s stage 0 one-unit step time.
+pub fn format_stages(rows: &[StageRow], base: &[f64], backend: &str, overlap: bool) -> String {
+    let overlap = if overlap { "overlap_comm at every stage" } else { "overlap_comm at stage 3" };
+    let mut out = format!(
+        "stage cost ({backend}, {overlap}; GPT 4x128, 8 sequences of 64 tokens per rank; medians; ms; rank 0; \
+         vs st0: stage 0 one unit)\n{}",
+        "ranks stage dtype mode          step  vs st0 forward backward reduce  optim gather  wait  busy  bytes/step    theory  states B  formula B\n"
     );
-    for (r, base) in rows.iter().zip(stage0) {
+    for (r, base) in rows.iter().zip(base) {
         let t = r.times;
+        let ms = |s: f64| s * 1e3;
         out.push_str(&format!(
-            "{:>5} {:>5} {:<5} {:>6.1} {:>7.2}x {:>7.1} {:>8.1} {:>7.1} {:>6.1} {:>7.1} {:>12} {:>11} {:>9} {:>10}\n",
+            "{:>5} {:>5} {:<5} {:<12} {:>6.1} {:>6.2}x {:>7.1} {:>8.1} {:>6.1} {:>6.1} {:>6.1} {:>5.1} {:>5.1} {:>11} {:>9} {:>9} {:>10}\n",
             r.world_size,
             r.stage,
             r.precision,
-            r.step_seconds * 1e3,
+            format!("{:?}", r.mode).to_lowercase(),
+            ms(r.step_seconds),
             r.step_seconds / base,
-            t.forward * 1e3,
-            t.backward * 1e3,
-            t.reduce * 1e3,
-            t.optimizer * 1e3,
-            t.gather * 1e3,
+            ms(t.forward),
+            ms(t.backward),
+            ms(t.reduce),
+            ms(t.optimizer),
+            ms(t.gather),
+            ms(t.comm_wait),
+            ms(t.comm_busy),
             r.comm_bytes,
             r.theory_bytes,
             r.memory,
@@ -225,7 +272,7 @@ pub fn growth(steps: u64) -> Result<Vec<GrowthRow>> {
         device.seed(1);
         let init = Gpt::new(&shape, &device);
         for world_size in [1, 2, 4] {
-            let plan = bench_plan(2, "fp32", world_size, 8)?;
+            let plan = bench_plan(2, "fp32", world_size, 8, RunMode::OneUnit, false)?;
             let out = launch(&plan, |ctx| {
                 let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
                 let mut times = Vec::new();

@@ -3,6 +3,56 @@
 
 pub mod engine;
 
+use burn::tensor::Tensor;
+
+use crate::engine::UnitModel;
+use crate::{Engine, Result};
+
+/// How a benchmark runs its model through the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum RunMode {
+    /// One unit (`Engine::new`, `forward` and `backward`): the whole model at once.
+    OneUnit,
+    /// One unit per layer (`Engine::with_units`, `forward_backward`), activations kept.
+    Units,
+    /// One unit per layer with activation checkpointing.
+    Checkpointed,
+}
+
+impl RunMode {
+    /// The config keys the mode needs (the `activation_checkpointing` section), to put
+    /// first in a JSON object.
+    pub fn config_keys(self) -> &'static str {
+        if self == Self::Checkpointed { r#""activation_checkpointing": {},"# } else { "" }
+    }
+
+    /// The engine for `model` in this mode.
+    pub fn engine<M: UnitModel>(self, model: M, plan: &crate::Plan, ctx: &crate::RankContext) -> Result<Engine<M>> {
+        match self {
+            Self::OneUnit => Engine::new(model, plan, ctx),
+            _ => Engine::with_units(model, plan, ctx),
+        }
+    }
+
+    /// One micro-step on `batch`: `forward_backward` by units, or `forward` with `loss` and
+    /// `backward`. Returns the loss value.
+    pub fn micro_step<M: UnitModel>(
+        self,
+        engine: &mut Engine<M>,
+        batch: &M::Batch,
+        loss: impl FnOnce(&M, &M::Batch) -> Tensor<1>,
+    ) -> Result<f32> {
+        match self {
+            Self::OneUnit => {
+                let value = engine.forward(|m| loss(m, batch))?;
+                engine.backward(value)
+            }
+            _ => engine.forward_backward(batch),
+        }
+    }
+}
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

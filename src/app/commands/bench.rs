@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use crate::Config;
-use crate::app::cli::MemoryMode;
+use crate::app::bench::RunMode;
 
 use super::{overrides, proc_status_kib};
 
@@ -54,31 +54,52 @@ pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, 
 }
 
 /// `zerotrain bench engine`.
-pub fn bench_engine(world_sizes: &[usize], steps: u64, json: bool) -> anyhow::Result<()> {
+pub fn bench_engine(world_sizes: &[usize], steps: u64, overlap: bool, json: bool) -> anyhow::Result<()> {
     use crate::app::bench::engine;
-    let (plain, ours) = engine::overhead(steps, 3)?;
+    let mpirun = crate::detect_mpirun();
+    let overhead = if mpirun.is_none() { Some(engine::overhead(steps, 3)?) } else { None };
     let mut rows = Vec::new();
-    for &n in world_sizes {
-        rows.extend(engine::stages(n, steps)?);
+    match mpirun {
+        // One launch: under mpirun a process may start MPI once.
+        Some(m) => rows.extend(engine::stages(m.world_size, steps, overlap)?),
+        None => {
+            for &n in world_sizes {
+                rows.extend(engine::stages(n, steps, overlap)?);
+            }
+        }
+    }
+    if mpirun.is_some_and(|m| m.rank != 0) {
+        return Ok(());
     }
     if json {
-        let value = serde_json::json!({ "overhead": { "plain_burn_s": plain, "engine_s": ours, "ratio": ours / plain }, "stages": rows });
+        let overhead = overhead
+            .map(|(plain, ours)| serde_json::json!({ "plain_burn_s": plain, "engine_s": ours, "ratio": ours / plain }));
+        let value = serde_json::json!({ "overhead": overhead, "stages": rows });
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(());
     }
-    println!(
-        "engine overhead (GPT 4x128, 16 sequences of 64 tokens, world size 1, stage 0; medians of 3 alternating rounds)"
-    );
-    println!("  plain Burn loop {:.1} ms/step, engine {:.1} ms/step: {:.3}x", plain * 1e3, ours * 1e3, ours / plain);
+    if let Some((plain, ours)) = overhead {
+        println!(
+            "engine overhead (GPT 4x128, 16 sequences of 64 tokens, world size 1, stage 0; medians of 3 alternating rounds)"
+        );
+        println!(
+            "  plain Burn loop {:.1} ms/step, engine {:.1} ms/step: {:.3}x",
+            plain * 1e3,
+            ours * 1e3,
+            ours / plain
+        );
+    }
     let base: Vec<f64> = rows
         .iter()
         .map(|r| {
-            rows.iter()
-                .find(|b| b.world_size == r.world_size && b.precision == r.precision && b.stage == 0)
-                .map_or(1.0, |b| b.step_seconds)
+            let plain_dp = |b: &&engine::StageRow| {
+                b.world_size == r.world_size && b.precision == r.precision && b.stage == 0 && b.mode == RunMode::OneUnit
+            };
+            rows.iter().find(plain_dp).map_or(1.0, |b| b.step_seconds)
         })
         .collect();
-    print!("{}", engine::format_stages(&rows, &base));
+    let backend = if mpirun.is_some() { "mpi" } else { "threads" };
+    print!("{}", engine::format_stages(&rows, &base, backend, overlap));
     Ok(())
 }
 
@@ -96,17 +117,11 @@ pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
 }
 
 /// `zerotrain bench memory`: one `row ...` line per rank.
-pub fn bench_memory(
-    millions: usize,
-    layers: usize,
-    stage: u8,
-    world_size: usize,
-    mode: MemoryMode,
-) -> anyhow::Result<()> {
+pub fn bench_memory(millions: usize, layers: usize, stage: u8, world_size: usize, mode: RunMode) -> anyhow::Result<()> {
     use crate::app::models::{Mlp, RegressionTask};
     use burn::tensor::Device;
     let width = ((millions as f64 * 1e6 / layers.max(1) as f64).sqrt()) as usize;
-    let checkpointing = if mode == MemoryMode::Checkpointed { r#""activation_checkpointing": {},"# } else { "" };
+    let checkpointing = mode.config_keys();
     let json = format!(
         r#"{{ {checkpointing} "train_micro_batch_size_per_gpu": 1,
              "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
@@ -117,20 +132,12 @@ pub fn bench_memory(
         // Built inside the rank: under mpirun each process is one rank, and no copy of the
         // initial model outlives the engine's own.
         let model = Mlp::new(&vec![width; layers + 1], &Device::flex().autodiff());
-        let mut engine = match mode {
-            MemoryMode::OneUnit => crate::Engine::new(model, &plan, &ctx)?,
-            _ => crate::Engine::with_units(model, &plan, &ctx)?,
-        };
+        let mut engine = mode.engine(model, &plan, &ctx)?;
         let build_peak = proc_status_kib("VmHWM:");
         reset_peak_rss();
         for step in 0..2u64 {
             let batch = task.batch([step * 64 + ctx.rank() as u64], ctx.device());
-            if mode == MemoryMode::OneUnit {
-                let loss = engine.forward(|m| m.loss(&batch))?;
-                engine.backward(loss)?;
-            } else {
-                engine.forward_backward(&batch)?;
-            }
+            mode.micro_step(&mut engine, &batch, |m, b| m.loss(b))?;
             engine.step()?;
         }
         let (train_peak, now) = (proc_status_kib("VmHWM:"), proc_status_kib("VmRSS:"));

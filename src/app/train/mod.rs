@@ -223,7 +223,7 @@ impl Job<'_> {
     /// One rank's whole run: resume, train to `options.steps` (or a stop signal), save, sample.
     fn run_rank(&self, init: Gpt, ctx: &RankContext) -> Result<TrainSummary> {
         let (plan, options, shape) = (self.plan, self.options, &self.shape);
-        let mut engine = Engine::new(init, plan, ctx)?;
+        let mut engine = Engine::with_units(init, plan, ctx)?;
         if let Some(tag) = &self.resume_tag {
             engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
         }
@@ -234,7 +234,7 @@ impl Job<'_> {
             if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io(&metrics_path))?) } else { None };
         let validation =
             windows(&self.corpus.valid, shape.block_size, plan.seed, u64::MAX, 0, VALIDATION_SEQUENCES, ctx.device());
-        let val_loss = |engine: &mut Engine<Gpt>| engine.eval(|m| m.loss(validation.clone()).into_scalar::<f32>());
+        let val_loss = |engine: &mut Engine<Gpt>| engine.evaluate(&validation);
         let initial_val = val_loss(&mut engine)?;
         let tokens_per_step = (plan.batch.train_batch_size * shape.block_size as u64) as f64;
         let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
@@ -312,8 +312,7 @@ impl Job<'_> {
             let first = (micro * n + rank) * b.micro_batch_per_rank;
             let tokens =
                 windows(&self.corpus.train, block, self.plan.seed, step, first, b.micro_batch_per_rank, ctx.device());
-            let loss = engine.forward(|m| m.loss(tokens))?;
-            engine.backward(loss)?;
+            engine.forward_backward(&tokens)?;
             report = engine.step()?;
         }
         Ok(report.expect("the last micro-step is a boundary"))
