@@ -60,9 +60,11 @@
 //! uses `app`; the engine never uses the launcher.
 //!
 //! # Design notes
+//! - *Note: the root unit* (parameters no unit claims, tied weights): [`engine::model`].
+//! - *Note: the unit walk* (gather, prefetch, recompute, reduce per unit): `engine/exec.rs`.
 //! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params.rs`.
-//! - *Note: why reduce-scatter per micro-step*: `engine/grads.rs`.
-//! - *Note: persistence* (stage 3): `engine/stage3.rs`.
+//! - *Note: why reduce-scatter per micro-step*, *reductions in flight*: `engine/grads.rs`.
+//! - *Note: persistence* (stage 3), *lost master weights*: `engine/unit.rs`.
 //! - *Note: the iteration convention* (DeepSpeed's lr schedules): [`schedule`].
 //! - *Note: padding*, *the three-barrier protocol*, *byte counting*: `zerotrain-zero`.
 #![deny(missing_docs)]

@@ -1,9 +1,9 @@
 //! Sharded, atomic, checksummed checkpoints that load at any world size.
 //!
 //! A checkpoint is `<root>/<tag>/`: a [`Manifest`] (`manifest.json`: layout by module path,
-//! which flat range each shard file holds, per-block checksums, engine and client state)
+//! which flat ranges each shard file holds, per-block checksums, engine and client state)
 //! and one safetensors file per rank that owns data, holding its fp32 master weights and
-//! optimizer-state leaves over its flat range. Writers call [`prepare`], [`write_shard`]
+//! optimizer-state leaves over its flat ranges. Writers call [`prepare`], [`write_shard`]
 //! on every rank and [`commit`] (see its protocol note); readers [`Checkpoint::open`] one
 //! and [`read_range`](Checkpoint::read_range) exactly the flat ranges they own, whatever
 //! world size wrote it. [`consolidate`] streams the masters into one safetensors file keyed

@@ -1,12 +1,17 @@
 //! The training engine: a Burn model, a [`Plan`] and a rank's collective, driven with
-//! [`Engine::forward`], [`Engine::backward`] and [`Engine::step`].
+//! [`Engine::forward`], [`Engine::backward`] and [`Engine::step`] (the model as one unit),
+//! or [`Engine::forward_backward`] and [`Engine::step`] (a [`UnitModel`], one unit at a
+//! time).
 //!
-//! Each rank owns an `Engine`. Between steps it holds what its ZeRO stage keeps (see
-//! [`ZeroStage`](zerotrain_zero::ZeroStage)): the model's parameters in the compute dtype (stages 0-2; gathered on
-//! demand at stage 3), fp32 master weights for its optimizer range (`engine/store.rs`; in
-//! fp32 training the model's parameters are the masters), a gradient accumulator
-//! (`engine/grads.rs`), a Burn optimizer stepping its flat range (`engine/optimizer.rs`) and,
-//! for fp16, a loss scaler. `engine/step.rs` has the optimizer step.
+//! Each rank owns an `Engine`, and the engine a list of units (`engine/unit.rs`), each
+//! with its own flat layout sharded over every rank ([`Sharding`]). Between steps a unit
+//! holds what its ZeRO stage keeps (see [`ZeroStage`](zerotrain_zero::ZeroStage)): its
+//! parameters in the model in the compute dtype (stages 0-2; gathered on demand at stage
+//! 3), fp32 master weights for its optimizer range (in fp32 training at stages 0-2 the
+//! model's parameters are the masters), a gradient accumulator (`engine/grads.rs`) and a
+//! Burn optimizer stepping its flat range (`engine/optimizer.rs`). The engine adds the loss
+//! scaler, counters and the lr schedule; `engine/exec.rs` walks the units,
+//! `engine/step.rs` has the optimizer step, `engine/checkpoint.rs` saving and loading.
 //!
 //! # Note: mixed precision
 //! With fp16 or bf16 the model computes in that dtype (the engine casts its parameters;

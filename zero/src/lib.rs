@@ -1,11 +1,14 @@
-//! ZeRO's moving parts that need no tensors: where each parameter lives in the flat buffer
-//! ([`FlatLayout`]), what each stage partitions ([`ZeroStage`]), how ranks talk
-//! ([`Collective`], with the always-built [`ThreadWorld`] backend), and what a rank should
-//! hold in memory ([`memory::model_state_bytes`]).
+//! ZeRO's moving parts that need no tensors: where each parameter lives in a flat buffer
+//! ([`FlatLayout`]), how a model's units are each sharded over every rank ([`Sharding`]),
+//! what each stage partitions ([`ZeroStage`]), how ranks talk ([`Collective`], with the
+//! always-built [`ThreadWorld`] backend, owned-buffer [`Request`]s and the
+//! [`CommThread`] that runs them while the rank computes), and what a rank should hold in
+//! memory ([`memory::model_state_bytes`]).
 //!
-//! The engine in the `zerotrain` crate builds a [`FlatLayout`] from the model, asks the
-//! [`ZeroStage`] which state to keep for the whole buffer and which for its shard only, and
-//! moves gradients and parameters with the [`Collective`] calls.
+//! The engine in the `zerotrain` crate builds a [`Sharding`] from the model (one
+//! [`FlatLayout`] per unit), asks the [`ZeroStage`] which state to keep for a unit's whole
+//! buffer and which for its shard only, and moves gradients and parameters unit by unit
+//! with [`Collective::start`].
 //!
 //! ```
 //! use std::time::Duration;
@@ -34,6 +37,8 @@
 //!
 //! # Design notes
 //! - *Note: padding* — see [`layout`].
+//! - *Note: units*, *the global order*, *buckets* — see [`sharding`].
+//! - *Note: one thread, one order*, *borrowed buffers* — see [`CommThread`].
 //! - *Note: the three-barrier protocol* — see the threads backend in [`collective`].
 //! - *Note: byte counting* — see [`collective`].
 #![deny(missing_docs)]

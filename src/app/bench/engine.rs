@@ -119,7 +119,7 @@ const MODES: [(&str, &[RunMode]); 2] = [
     ("bf16", &[RunMode::OneUnit, RunMode::Checkpointed]),
 ];
 
-/// Stages 0-3 in every mode of [`MODES`] at `world_size` ranks (`overlap`: with
+/// Stages 0-3 in every mode of `MODES` at `world_size` ranks (`overlap`: with
 /// `overlap_comm` at every stage): `steps` measured steps after 2 warm-up. One launch for
 /// all of them, so that it runs under mpirun too (the world size then is mpirun's).
 pub fn stages(world_size: usize, steps: u64, overlap: bool) -> Result<Vec<StageRow>> {
