@@ -28,7 +28,7 @@ use burn::optim::GradientsParams;
 use zerotrain_zero::Sharding;
 
 use super::model::{Activation, UnitModel, group};
-use super::params::{ParamIndex, UnitGrads, take_grads};
+use super::params::{UnitGrads, take_grads};
 use super::{ALIGN_ELEMS, Engine};
 use crate::config::Plan;
 use crate::context::RankContext;
@@ -53,11 +53,7 @@ impl<M: UnitModel> Engine<M> {
     /// Wraps `model` like [`Engine::new`], sharded per unit as
     /// [`UnitModel::units`] declares, for [`forward_backward`](Self::forward_backward).
     pub fn with_units(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
-        let model = model.fork(ctx.device());
-        let (params, index) = ParamIndex::scan(&model);
-        if params.is_empty() {
-            return Err(Error::Model("the model has no trainable parameters".into()));
-        }
+        let (model, params, index) = Self::scan(model, ctx)?;
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
         let (unit_of, names) = group(&paths, &specs)?;

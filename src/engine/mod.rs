@@ -187,13 +187,20 @@ impl<M: Module> Engine<M> {
     /// [`backward`](Self::backward). Every rank must call it; rank 0's parameters are
     /// broadcast so that all ranks start identical.
     pub fn new(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        let (model, params, index) = Self::scan(model, ctx)?;
+        let sharding = Sharding::single(params, plan.world_size, ALIGN_ELEMS)?;
+        Self::build(model, plan, ctx, sharding, index, 0)
+    }
+
+    /// The model forked onto the rank's device, its trainable parameters (path, shape) and
+    /// their index; an error if it has none.
+    fn scan(model: M, ctx: &RankContext) -> Result<(M, Vec<(String, Vec<usize>)>, ParamIndex)> {
         let model = model.fork(ctx.device());
         let (params, index) = ParamIndex::scan(&model);
         if params.is_empty() {
             return Err(Error::Model("the model has no trainable parameters".into()));
         }
-        let sharding = Sharding::single(params, plan.world_size, ALIGN_ELEMS)?;
-        Self::build(model, plan, ctx, sharding, index, 0)
+        Ok((model, params, index))
     }
 
     /// Every unit's state from the model's values: broadcast from rank 0 one unit at a time

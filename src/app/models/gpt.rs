@@ -137,18 +137,7 @@ impl Gpt {
     /// A model of shape `config` on `device`.
     pub fn new(config: &GptConfig, device: &Device) -> Self {
         let d = config.n_embd;
-        let blocks = (0..config.n_layer)
-            .map(|_| Block {
-                norm_attn: LayerNormConfig::new(d).init(device),
-                attn: MultiHeadAttentionConfig::new(d, config.n_head)
-                    .with_dropout(0.0)
-                    .with_key_bias(false)
-                    .init(device),
-                norm_mlp: LayerNormConfig::new(d).init(device),
-                mlp_up: LinearConfig::new(d, 4 * d).init(device),
-                mlp_down: LinearConfig::new(4 * d, d).init(device),
-            })
-            .collect();
+        let blocks = (0..config.n_layer).map(|_| Block::new(d, config.n_head, device)).collect();
         Self {
             // GPT-2's N(0, 0.02): Burn's default N(0, 1) makes tied-head logits huge at start.
             token: EmbeddingConfig::new(config.vocab_size, d).with_initializer(EMBEDDING_INIT).init(device),
@@ -223,7 +212,21 @@ impl Gpt {
 }
 
 impl Block {
-    fn forward(&self, h: Tensor<3>) -> Tensor<3> {
+    /// A block of width `d` with `n_head` heads and an MLP of width `4 d`, without dropout
+    /// or attention key bias (softmax cancels it, so its gradient is zero and it would
+    /// train on rounding noise).
+    pub fn new(d: usize, n_head: usize, device: &Device) -> Self {
+        Self {
+            norm_attn: LayerNormConfig::new(d).init(device),
+            attn: MultiHeadAttentionConfig::new(d, n_head).with_dropout(0.0).with_key_bias(false).init(device),
+            norm_mlp: LayerNormConfig::new(d).init(device),
+            mlp_up: LinearConfig::new(d, 4 * d).init(device),
+            mlp_down: LinearConfig::new(4 * d, d).init(device),
+        }
+    }
+
+    /// Causal self-attention and the MLP, each residual, on `[batch, time, d]`.
+    pub fn forward(&self, h: Tensor<3>) -> Tensor<3> {
         let [b, t, _] = h.dims();
         let mask = generate_autoregressive_mask(b, t, &h.device());
         let a = self.attn.forward(MhaInput::self_attn(self.norm_attn.forward(h.clone())).mask_attn(mask));

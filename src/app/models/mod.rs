@@ -7,8 +7,7 @@ mod gpt;
 pub use gpt::{Block, Gpt, GptConfig};
 
 use burn::module::Module;
-use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};
-use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
@@ -73,16 +72,12 @@ impl UnitModel for Mlp {
     }
 }
 
-/// A pre-norm transformer block (causal self-attention and an MLP, each residual) between
-/// an input and an output projection.
+/// A pre-norm transformer block (causal self-attention and an MLP, each residual; the GPT's
+/// [`Block`]) between an input and an output projection.
 #[derive(Module, Debug)]
 pub struct TinyTransformer {
     input: Linear,
-    norm_attn: LayerNorm,
-    attn: MultiHeadAttention,
-    norm_mlp: LayerNorm,
-    mlp_up: Linear,
-    mlp_down: Linear,
+    block: Block,
     output: Linear,
 }
 
@@ -91,30 +86,14 @@ impl TinyTransformer {
     pub fn new(d_in: usize, d_model: usize, n_heads: usize, device: &Device) -> Self {
         Self {
             input: LinearConfig::new(d_in, d_model).init(device),
-            norm_attn: LayerNormConfig::new(d_model).init(device),
-            // No key bias: it adds the same q·b to every logit of a row, which softmax
-            // cancels, so its gradient is exactly zero and it would train on rounding noise.
-            attn: MultiHeadAttentionConfig::new(d_model, n_heads).with_dropout(0.0).with_key_bias(false).init(device),
-            norm_mlp: LayerNormConfig::new(d_model).init(device),
-            mlp_up: LinearConfig::new(d_model, 4 * d_model).init(device),
-            mlp_down: LinearConfig::new(4 * d_model, d_model).init(device),
+            block: Block::new(d_model, n_heads, device),
             output: LinearConfig::new(d_model, d_in).init(device),
         }
     }
 
     /// `[batch, seq, d_in] -> [batch, seq, d_in]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.output.forward(self.block(self.input.forward(x)))
-    }
-
-    /// The attention and MLP block on `[batch, seq, d_model]`.
-    fn block(&self, h: Tensor<3>) -> Tensor<3> {
-        let [b, t, _] = h.dims();
-        let mask = generate_autoregressive_mask(b, t, &h.device());
-        let a = self.attn.forward(MhaInput::self_attn(self.norm_attn.forward(h.clone())).mask_attn(mask));
-        let h = h + a.context;
-        let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
-        h + m
+        self.output.forward(self.block.forward(self.input.forward(x)))
     }
 
     /// Mean squared error against `target`, in f32 (inputs are cast to the weights' dtype).
@@ -131,16 +110,12 @@ impl UnitModel for TinyTransformer {
     type Hidden = Tensor<3>;
 
     fn units(&self) -> Vec<UnitSpec> {
-        vec![
-            UnitSpec::new("input", ["input"]),
-            UnitSpec::new("block", ["norm_attn", "attn", "norm_mlp", "mlp_up", "mlp_down"]),
-            UnitSpec::new("output", ["output"]),
-        ]
+        vec![UnitSpec::new("input", ["input"]), UnitSpec::new("block", ["block"]), UnitSpec::new("output", ["output"])]
     }
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, batch: &Batch) -> Tensor<3> {
         match (unit, input) {
-            (1, Some(h)) => self.block(h),
+            (1, Some(h)) => self.block.forward(h),
             (2, Some(h)) => self.output.forward(h),
             _ => self.input.forward(batch.input.clone().cast(self.input.weight.val().dtype())),
         }
