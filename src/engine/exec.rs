@@ -72,11 +72,35 @@ impl<M: UnitModel> Engine<M> {
                 "forward_backward needs an engine built with Engine::with_units (this one is one unit)".into(),
             ));
         }
-        let recompute = self.shared.plan.activation_checkpointing;
         let root = self.root();
         if let Some(root) = root {
             self.gather(root)?;
         }
+        let (saved, output) = self.forward_units(batch)?;
+        let start = Instant::now();
+        let last = output.leaf();
+        let loss = self.model.loss(last.clone(), batch);
+        let (value, scaled) = self.scale_loss(loss)?;
+        self.window.times.forward += start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let grads = scaled.backward();
+        let upstream = last.grad(&grads);
+        let root_grads = self.take(GradientsParams::from_grads(grads, &self.model), None)?.root;
+        self.window.times.backward += start.elapsed().as_secs_f64();
+        let root_grads = self.backward_units(saved, upstream, root_grads, batch)?;
+        if let (Some(root), Some(grads)) = (root, root_grads) {
+            let start = Instant::now();
+            self.reduce_unit(root, grads, Some(0))?;
+            self.window.times.reduce += start.elapsed().as_secs_f64();
+            self.release(root);
+        }
+        Ok(self.end_micro_step(value))
+    }
+
+    /// The forward half of the walk: every unit in order, with or without its graph as
+    /// checkpointing says. Returns what backward needs of each unit and the last output.
+    fn forward_units(&mut self, batch: &M::Batch) -> Result<(Vec<Saved<M::Hidden>>, M::Hidden)> {
+        let recompute = self.shared.plan.activation_checkpointing;
         let mut saved = Vec::with_capacity(self.num_declared);
         let mut hidden: Option<M::Hidden> = None;
         for i in 0..self.num_declared {
@@ -98,17 +122,20 @@ impl<M: UnitModel> Engine<M> {
                 self.release(i);
             }
         }
-        let start = Instant::now();
-        let last = hidden.expect("at least one unit").leaf();
-        let loss = self.model.loss(last.clone(), batch);
-        let (value, scaled) = self.scale_loss(loss)?;
-        self.window.times.forward += start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        let grads = scaled.backward();
-        let mut upstream = last.grad(&grads);
-        let mut root_grads = self.take(GradientsParams::from_grads(grads, &self.model), None)?;
-        self.window.times.backward += start.elapsed().as_secs_f64();
-        let mut previous = None;
+        Ok((saved, hidden.expect("at least one unit")))
+    }
+
+    /// The backward half: the units in reverse, each (recomputed if checkpointed) seeded
+    /// with `upstream`, the gradient of the next unit's input; each unit's gradients
+    /// reduced and the unit released as soon as its backward is done. Returns the root's
+    /// gradients: `root_grads` (the loss's) plus every unit's contribution.
+    fn backward_units(
+        &mut self,
+        mut saved: Vec<Saved<M::Hidden>>,
+        mut upstream: Option<M::Hidden>,
+        mut root_grads: Option<UnitGrads>,
+        batch: &M::Batch,
+    ) -> Result<Option<UnitGrads>> {
         for i in (0..self.num_declared).rev() {
             let (input, output) = match saved.pop().expect("one per unit") {
                 Saved::Graph(input, output) => (input, output),
@@ -130,26 +157,19 @@ impl<M: UnitModel> Engine<M> {
             // released before they are flattened, so the two never coexist.
             let grads = grads.map(|grads| GradientsParams::from_grads(grads, &self.model));
             self.release(i);
-            let mut taken = match grads {
+            let taken = match grads {
                 Some(grads) => self.take(grads, Some(i))?,
                 None => UnitTake::empty(self, i),
             };
             self.window.times.backward += start.elapsed().as_secs_f64();
             let start = Instant::now();
-            if let (Some(mine), Some(root)) = (taken.root.take(), root_grads.root.as_mut()) {
+            if let (Some(mine), Some(root)) = (taken.root, root_grads.as_mut()) {
                 root.add(mine);
             }
-            self.reduce_unit(i, taken.unit.take().expect("asked for"), previous)?;
+            self.reduce_unit(i, taken.unit.expect("asked for"), (i + 1 < self.num_declared).then_some(i + 1))?;
             self.window.times.reduce += start.elapsed().as_secs_f64();
-            previous = Some(i);
         }
-        if let (Some(root), Some(grads)) = (root, root_grads.root.take()) {
-            let start = Instant::now();
-            self.reduce_unit(root, grads, previous)?;
-            self.window.times.reduce += start.elapsed().as_secs_f64();
-            self.release(root);
-        }
-        Ok(self.end_micro_step(value))
+        Ok(root_grads)
     }
 
     /// The loss of `batch` without gradients, one unit at a time (stage 3: each unit

@@ -338,23 +338,24 @@ impl<M: Module> Engine<M> {
         if !self.shared.plan.zero.stage.shards_parameters() {
             return Ok(());
         }
-        let start = Instant::now();
         for id in 0..self.units.len() {
             if let Some(next) = self.units.get_mut(id + 1) {
                 next.fetch(&self.shared)?;
             }
             self.gather(id)?;
         }
-        self.window.times.gather += start.elapsed().as_secs_f64();
         Ok(())
     }
 
-    /// Makes unit `id` present in the model (stage 3) and records the gathered peak.
+    /// Makes unit `id` present in the model (stage 3) and records the gathered peak and
+    /// the time.
     fn gather(&mut self, id: usize) -> Result<()> {
+        let start = Instant::now();
         let model = self.model.clone();
         let (model, bytes) = self.units[id].gather(model, &self.shared, &mut self.window.times)?;
         self.model = model;
         self.note_gathered(bytes);
+        self.window.times.gather += start.elapsed().as_secs_f64();
         Ok(())
     }
 

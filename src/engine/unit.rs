@@ -179,17 +179,15 @@ impl Unit {
 
     /// Makes the unit's parameters present in the model (stage 3: fetching them unless a
     /// prefetch already did, and writing them in). Returns the model and the transient
-    /// bytes of the gathered buffer.
+    /// bytes of the gathered buffer. `times` gets the wait; the caller times the whole.
     pub fn gather<M: Module>(&mut self, model: M, shared: &Shared, times: &mut PhaseTimes) -> Result<(M, u64)> {
         self.fetch(shared)?;
         let Presence::Fetching(pending) = std::mem::replace(&mut self.presence, Presence::Gathered) else {
             return Ok((model, 0));
         };
-        let start = Instant::now();
         let gathered = finish(pending, times)?.output;
         let bytes = gathered.bytes();
         let model = write_params(model, &shared.index, &shared.sharding, self.id, Fill::Take(gathered), &shared.device);
-        times.gather += start.elapsed().as_secs_f64();
         Ok((model, bytes))
     }
 
