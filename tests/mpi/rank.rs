@@ -19,7 +19,7 @@ use std::time::Duration;
 use burn::tensor::Device;
 use zerotrain::app::models::{Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
-use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::collective::{OpKind, convention_bytes};
 use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
@@ -159,8 +159,32 @@ fn collectives(comm: &dyn Collective) {
             assert_eq!(b, FlatBuf::from_f32(dtype, &input(n - 1, len)));
         }
     }
+    point_to_point_and_groups(comm);
     comm.barrier().unwrap();
     println!("ok collectives rank {rank} of {n}");
+}
+
+/// Buffered sends (every rank sends a ring's worth, large enough for MPI's rendezvous
+/// protocol, before receiving), in order, in every dtype; and groups split by parity.
+fn point_to_point_and_groups(comm: &dyn Collective) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let (next, previous) = ((rank + 1) % n, (rank + n - 1) % n);
+    for dtype in [Precision::Fp32, Precision::Bf16] {
+        for k in 0..3 {
+            comm.send(FlatBuf::from_f32(dtype, &input(rank + k, 300_000)).as_ref(), next).unwrap();
+        }
+        for k in 0..3 {
+            let mut got = FlatBuf::zeros(dtype, 300_000);
+            comm.recv(got.as_mut(), previous).unwrap();
+            assert_eq!(got, FlatBuf::from_f32(dtype, &input(previous + k, 300_000)), "{dtype} message {k}");
+        }
+    }
+    let group = comm.split(rank % 2, n - rank).unwrap();
+    let members: Vec<usize> = (0..n).filter(|r| r % 2 == rank % 2).rev().collect();
+    assert_eq!((group.rank(), group.world_size()), (members.iter().position(|&r| r == rank).unwrap(), members.len()));
+    let mut gathered = vec![0.0f32; members.len()];
+    group.all_gather(BufRef::F32(&[rank as f32]), (&mut gathered).into()).unwrap();
+    assert_eq!(gathered, members.iter().map(|&r| r as f32).collect::<Vec<_>>());
 }
 
 /// The variable that carries a rank's arguments, separated by [`ARG_SEPARATOR`].

@@ -8,7 +8,8 @@
 //! being the full, unscattered buffer), broadcast `B` on every rank but the root. The threads
 //! backend reads exactly those bytes out of other ranks' buffers, so its counters are what it
 //! really moved; a backend that moves more must still count the convention, so that stage
-//! volumes (2Ψ, 3Ψ) stay comparable across backends.
+//! volumes (2Ψ, 3Ψ) stay comparable across backends. A point-to-point message counts its
+//! bytes as sent on the sender and as received on the receiver.
 
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -17,6 +18,7 @@ mod request;
 mod threads;
 mod worker;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use zerotrain_precision::{BufMut, BufRef};
@@ -81,6 +83,23 @@ pub trait Collective: Send + Sync {
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), ZeroError>;
+    /// Sends `buf` to rank `to`. Sends are buffered: one returns without waiting for its
+    /// receive, so a schedule of sends and receives deadlocks only if its receives alone
+    /// do. Messages from one rank to another arrive in the order they were sent.
+    fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError>;
+    /// Receives the next message from rank `from` into `buf`, whose length and dtype must
+    /// be the message's. Fails like a collective when `from` does not send within the
+    /// timeout or the job is aborted.
+    fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError>;
+    /// Splits the ranks: every rank calls it; those with the same `color` form a new
+    /// communicator, ranked by `key` (then by rank here). An abort anywhere in the job
+    /// reaches every communicator split from it.
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError>;
+    /// Drives this rank's outstanding nonblocking work (MPI's buffered sends) and says
+    /// whether any remains. Backends with none (the default) return false.
+    fn progress(&self) -> bool {
+        false
+    }
     /// Starts `request` and returns at once where the backend runs collectives on a thread
     /// of their own ([`CommThread`]); otherwise (the default) runs it before returning. Its
     /// place in the order of this rank's collectives is the moment of this call.
@@ -116,12 +135,21 @@ pub struct CommStats {
     pub broadcast: OpStats,
     /// Number of barriers.
     pub barrier_calls: u64,
+    /// Point-to-point messages sent (bytes sent; not in [`total_bytes`](Self::total_bytes),
+    /// which counts what a rank receives).
+    pub send: OpStats,
+    /// Point-to-point messages received (bytes received).
+    pub recv: OpStats,
 }
 
 impl CommStats {
-    /// Bytes moved by every kind of collective together.
+    /// Bytes this rank received, every kind of call together.
     pub fn total_bytes(&self) -> u64 {
-        self.all_reduce.bytes + self.reduce_scatter.bytes + self.all_gather.bytes + self.broadcast.bytes
+        self.all_reduce.bytes
+            + self.reduce_scatter.bytes
+            + self.all_gather.bytes
+            + self.broadcast.bytes
+            + self.recv.bytes
     }
 
     /// The traffic between `earlier` and `self`.
@@ -133,6 +161,8 @@ impl CommStats {
             all_gather: d(self.all_gather, earlier.all_gather),
             broadcast: d(self.broadcast, earlier.broadcast),
             barrier_calls: self.barrier_calls - earlier.barrier_calls,
+            send: d(self.send, earlier.send),
+            recv: d(self.recv, earlier.recv),
         }
     }
 }
@@ -140,7 +170,7 @@ impl CommStats {
 /// Thread-safe counters a backend updates and snapshots as [`CommStats`].
 #[derive(Debug, Default)]
 pub struct CommCounters {
-    counters: [AtomicU64; 9],
+    counters: [AtomicU64; 14],
 }
 
 /// Which counter pair a call updates.
@@ -156,6 +186,12 @@ pub enum OpKind {
     Broadcast,
     /// [`Collective::barrier`].
     Barrier,
+    /// [`Collective::send`].
+    Send,
+    /// [`Collective::recv`].
+    Recv,
+    /// [`Collective::split`] (no bytes, no counter of its own).
+    Split,
 }
 
 impl OpKind {
@@ -167,13 +203,19 @@ impl OpKind {
             Self::AllGather => "all_gather",
             Self::Broadcast => "broadcast",
             Self::Barrier => "barrier",
+            Self::Send => "send",
+            Self::Recv => "recv",
+            Self::Split => "split",
         }
     }
 }
 
 impl CommCounters {
-    /// Records one call of `kind` that moved `bytes`.
+    /// Records one call of `kind` that moved `bytes` (splits are not counted).
     pub fn record(&self, kind: OpKind, bytes: u64) {
+        if kind == OpKind::Split {
+            return;
+        }
         let i = kind as usize * 2;
         self.counters[i].fetch_add(1, Ordering::Relaxed);
         if kind != OpKind::Barrier {
@@ -191,6 +233,8 @@ impl CommCounters {
             all_gather: op(OpKind::AllGather),
             broadcast: op(OpKind::Broadcast),
             barrier_calls: g(OpKind::Barrier as usize * 2),
+            send: op(OpKind::Send),
+            recv: op(OpKind::Recv),
         }
     }
 }
@@ -223,6 +267,8 @@ pub fn convention_bytes(
             }
         }
         OpKind::Barrier => 0,
+        OpKind::Send | OpKind::Recv => buffer_elems,
+        OpKind::Split => 0,
     };
     (elems * elem_bytes) as u64
 }

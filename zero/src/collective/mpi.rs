@@ -6,6 +6,14 @@
 //! one conversion each way. Gathers and broadcasts move the 16-bit patterns as `u16`,
 //! exactly half the bytes of f32.
 //!
+//! # Note: point-to-point
+//! A send copies its buffer and starts an `MPI_Isend` of the copy, which stays in flight
+//! until MPI has delivered it: a send never waits for its receive (the buffered semantics
+//! the trait promises, which pipeline schedules rely on). MPI progresses a send only inside
+//! MPI calls, so the rank's communication thread drives the sends in flight between jobs
+//! and while it polls any other request; finished sends free their copies. A receive
+//! polls an `MPI_Irecv` against the timeout like a collective.
+//!
 //! # Note: reduce-scatter
 //! OpenMPI's nonblocking reduce-scatter (libnbc) reduces towards some ranks through
 //! temporary buffers of the whole input: at 4 ranks rank 0 held two extra copies and rank
@@ -44,13 +52,17 @@
 //! trait needs `Send + Sync`, so [`MpiComm`] checks the calling thread in every method and
 //! returns an error on any other thread instead of calling MPI.
 
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
 use mpi::environment::{Threading, Universe};
-use mpi::request::{Request, Scope, scope};
-use mpi::topology::SimpleCommunicator;
+use mpi::point_to_point::Status;
+use mpi::request::{Request, Scope, StaticScope, scope};
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{BufMut, BufRef, FlatElem, with_elem};
@@ -58,10 +70,12 @@ use zerotrain_precision::{BufMut, BufRef, FlatElem, with_elem};
 use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
 use crate::ZeroError;
 
-/// This process's rank in an MPI job.
+/// This process's rank in an MPI job (or in a group split from it).
 pub struct MpiComm {
     universe: Option<Universe>,
-    world: SimpleCommunicator,
+    /// Never dropped: freeing a communicator is an MPI call, and a group's handle may be
+    /// dropped on any thread or after MPI is finalised; MPI frees them at finalisation.
+    world: ManuallyDrop<SimpleCommunicator>,
     rank: usize,
     size: usize,
     thread: ThreadId,
@@ -69,6 +83,35 @@ pub struct MpiComm {
     /// The process that started this rank (see the module note "a dead launcher").
     launcher: u32,
     counters: CommCounters,
+    /// Sends in flight, of this communicator and every group split from it.
+    outgoing: Arc<Mutex<Vec<Outgoing>>>,
+}
+
+/// A send in flight and the buffer it reads, freed once it completes (module note on
+/// point-to-point).
+enum Outgoing {
+    F32(Request<'static, [f32], StaticScope>, *mut [f32]),
+    Bits(Request<'static, [u16], StaticScope>, *mut [u16]),
+}
+
+impl Outgoing {
+    /// Tests the send: `None` (and the buffer freed) if it completed.
+    fn test(self) -> Option<Self> {
+        match self {
+            Self::F32(request, buffer) => match request.test() {
+                // SAFETY: the buffer came from `Box::into_raw` when the send started, and the
+                // send, its only reader, has completed.
+                Ok(_) => drop(unsafe { Box::from_raw(buffer) }),
+                Err(request) => return Some(Self::F32(request, buffer)),
+            },
+            Self::Bits(request, buffer) => match request.test() {
+                // SAFETY: as above.
+                Ok(_) => drop(unsafe { Box::from_raw(buffer) }),
+                Err(request) => return Some(Self::Bits(request, buffer)),
+            },
+        }
+        None
+    }
 }
 
 // SAFETY: every method that touches MPI first checks that it runs on `thread`, the thread
@@ -102,14 +145,23 @@ impl MpiComm {
         exit_when_the_launcher_dies(launcher);
         Ok(Self {
             universe: Some(universe),
-            world,
+            world: ManuallyDrop::new(world),
             rank,
             size,
             thread: std::thread::current().id(),
             timeout,
             launcher,
             counters: CommCounters::default(),
+            outgoing: Arc::new(Mutex::new(Vec::new())),
         })
+    }
+
+    /// Tests every send in flight, freeing the finished ones; whether any remain.
+    fn drive_sends(&self) -> bool {
+        let mut outgoing = self.outgoing.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = std::mem::take(&mut *outgoing);
+        outgoing.extend(pending.into_iter().filter_map(Outgoing::test));
+        !outgoing.is_empty()
     }
 
     fn check(&self, op: OpKind) -> Result<(), ZeroError> {
@@ -133,14 +185,20 @@ impl MpiComm {
     }
 
     /// Polls `request` until it completes; past the timeout, aborts the job (module note).
-    fn complete<'a, D: ?Sized, S: Scope<'a>>(&self, op: OpKind, mut request: Request<'a, D, S>) {
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(&self, op: OpKind, request: Request<'a, D, S>) {
+        self.complete_with_status(op, request);
+    }
+
+    /// [`complete`](Self::complete), returning the request's status.
+    fn complete_with_status<'a, D: ?Sized, S: Scope<'a>>(&self, op: OpKind, mut request: Request<'a, D, S>) -> Status {
         let start = Instant::now();
         loop {
             match request.test() {
-                Ok(_) => return,
+                Ok(status) => return status,
                 Err(pending) => request = pending,
             }
             exit_if_orphaned(self.launcher);
+            self.drive_sends();
             let waited = start.elapsed();
             if waited >= self.timeout {
                 let message = format!(
@@ -163,6 +221,14 @@ impl MpiComm {
         }
     }
 
+    fn check_rank(&self, op: OpKind, peer: usize) -> Result<(), ZeroError> {
+        if peer < self.size {
+            return Ok(());
+        }
+        let detail = format!("rank {peer} is not a rank of {}", self.size);
+        Err(ZeroError::BadBuffer { rank: self.rank, op: op.name(), detail })
+    }
+
     fn record(&self, kind: OpKind, elems: usize, elem_bytes: usize, root: usize) {
         self.counters.record(kind, convention_bytes(kind, elems, elem_bytes, self.size, self.rank, root));
     }
@@ -171,8 +237,20 @@ impl MpiComm {
 impl Drop for MpiComm {
     fn drop(&mut self) {
         if std::thread::current().id() != self.thread {
-            // Finalising MPI from another thread is not allowed: leak it instead.
+            // Finalising MPI from another thread is not allowed: leak it instead, and the
+            // sends in flight with it (a request dropped unfinished would panic).
             std::mem::forget(self.universe.take());
+            std::mem::forget(std::mem::take(&mut *self.outgoing.lock().unwrap_or_else(|e| e.into_inner())));
+            return;
+        }
+        if self.universe.is_some() {
+            // Finalise only once every send has been received, within the timeout (after
+            // it the job is failing anyway).
+            let start = Instant::now();
+            while self.drive_sends() && start.elapsed() < self.timeout {
+                std::thread::yield_now();
+            }
+            std::mem::forget(std::mem::take(&mut *self.outgoing.lock().unwrap_or_else(|e| e.into_inner())));
         }
     }
 }
@@ -357,6 +435,89 @@ impl Collective for MpiComm {
         self.complete(OpKind::Barrier, self.world.immediate_barrier());
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
+    }
+
+    /// Starts a nonblocking send of a copy of `buf` and returns (module note on
+    /// point-to-point).
+    fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError> {
+        self.check(OpKind::Send)?;
+        self.check_rank(OpKind::Send, to)?;
+        let process = self.world.process_at_rank(to as i32);
+        let outgoing = match buf {
+            BufRef::F32(v) => {
+                let buffer = Box::into_raw(v.to_vec().into_boxed_slice());
+                // SAFETY: the buffer lives until the send completes (`Outgoing::test` frees it
+                // then, and Drop leaks it if it never does), so 'static is never violated.
+                let request = process.immediate_send(StaticScope, unsafe { &*buffer });
+                Outgoing::F32(request, buffer)
+            }
+            other => {
+                let buffer = Box::into_raw(bits(other).into_boxed_slice());
+                // SAFETY: as above.
+                let request = process.immediate_send(StaticScope, unsafe { &*buffer });
+                Outgoing::Bits(request, buffer)
+            }
+        };
+        self.outgoing.lock().unwrap_or_else(|e| e.into_inner()).push(outgoing);
+        self.drive_sends();
+        self.counters.record(OpKind::Send, (buf.len() * buf.dtype().bytes_per_elem()) as u64);
+        Ok(())
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
+        self.check(OpKind::Recv)?;
+        self.check_rank(OpKind::Recv, from)?;
+        let process = self.world.process_at_rank(from as i32);
+        let len = buf.len();
+        let count = match &mut buf {
+            BufMut::F32(v) => scope(|s| {
+                let request = process.immediate_receive_into(s, &mut v[..]);
+                self.complete_with_status(OpKind::Recv, request).count(f32::equivalent_datatype())
+            }),
+            other => {
+                let mut bits = vec![0u16; len];
+                let count = scope(|s| {
+                    let request = process.immediate_receive_into(s, &mut bits[..]);
+                    self.complete_with_status(OpKind::Recv, request).count(u16::equivalent_datatype())
+                });
+                from_bits(&bits, other.reborrow());
+                count
+            }
+        };
+        if count as usize != len {
+            let detail = format!("the message from rank {from} has {count} elements, the buffer {len}");
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::Recv.name(), detail });
+        }
+        self.counters.record(OpKind::Recv, (len * buf.dtype().bytes_per_elem()) as u64);
+        Ok(())
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
+        self.check(OpKind::Split)?;
+        let (Ok(color), Ok(key)) = (i32::try_from(color), i32::try_from(key)) else {
+            let detail = format!("color {color} or key {key} does not fit MPI's int");
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::Split.name(), detail });
+        };
+        let group = self.world.split_by_color_with_key(Color::with_value(color), key).ok_or_else(|| {
+            let detail = "MPI gave no communicator for the color".to_string();
+            ZeroError::BadBuffer { rank: self.rank, op: OpKind::Split.name(), detail }
+        })?;
+        let (rank, size) = (group.rank() as usize, group.size() as usize);
+        Ok(Arc::new(Self {
+            universe: None,
+            world: ManuallyDrop::new(group),
+            rank,
+            size,
+            thread: self.thread,
+            timeout: self.timeout,
+            launcher: self.launcher,
+            counters: CommCounters::default(),
+            outgoing: Arc::clone(&self.outgoing),
+        }))
+    }
+
+    fn progress(&self) -> bool {
+        std::thread::current().id() == self.thread && self.drive_sends()
     }
 
     /// Ends the whole job at once: on the MPI thread with `MPI_Abort`; from any other

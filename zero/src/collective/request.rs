@@ -40,6 +40,20 @@ pub enum Request {
         /// Receives every rank's chunk, in rank order.
         output: FlatBuf,
     },
+    /// [`Collective::send`] of `buf` to rank `to`.
+    Send {
+        /// The message.
+        buf: FlatBuf,
+        /// The receiving rank.
+        to: usize,
+    },
+    /// [`Collective::recv`] into `buf` from rank `from`.
+    Recv {
+        /// Receives the message (its length and dtype).
+        buf: FlatBuf,
+        /// The sending rank.
+        from: usize,
+    },
 }
 
 impl Request {
@@ -61,6 +75,14 @@ impl Request {
                 comm.all_gather(input.as_ref(), output.as_mut())?;
                 output
             }
+            Self::Send { buf, to } => {
+                comm.send(buf.as_ref(), to)?;
+                FlatBuf::zeros(buf.dtype(), 0)
+            }
+            Self::Recv { mut buf, from } => {
+                comm.recv(buf.as_mut(), from)?;
+                buf
+            }
         };
         Ok(Completed { output, busy: start.elapsed() })
     }
@@ -68,7 +90,7 @@ impl Request {
     /// Bytes of every buffer the request holds.
     pub fn bytes(&self) -> u64 {
         match self {
-            Self::AllReduce { buf, .. } => buf.bytes(),
+            Self::AllReduce { buf, .. } | Self::Send { buf, .. } | Self::Recv { buf, .. } => buf.bytes(),
             Self::ReduceScatter { input, output, .. } | Self::AllGather { input, output } => {
                 input.bytes() + output.bytes()
             }
@@ -79,7 +101,8 @@ impl Request {
 /// A finished request.
 #[derive(Debug)]
 pub struct Completed {
-    /// The result: the all-reduced buffer, or the output of a reduce-scatter or all-gather.
+    /// The result: the all-reduced buffer, the output of a reduce-scatter or all-gather,
+    /// the received message (empty for a send).
     pub output: FlatBuf,
     /// How long the collective itself ran (on whichever thread ran it).
     pub busy: Duration,

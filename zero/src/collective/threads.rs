@@ -15,9 +15,10 @@
 //! would free a buffer that a peer is still reading.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use zerotrain_precision::{BufMut, BufRef, FlatElem, with_elem};
+use zerotrain_precision::{BufMut, BufRef, FlatBuf, FlatElem, with_elem};
 
 use super::rendezvous::{Hub, Slot};
 use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, chunk_range, convention_bytes};
@@ -40,7 +41,7 @@ impl ThreadWorld {
     /// If `world_size` is 0.
     pub fn new(world_size: usize, timeout: Duration) -> Self {
         assert!(world_size > 0, "a world needs at least one rank");
-        Self { hub: Arc::new(Hub::new(world_size, timeout)) }
+        Self { hub: Hub::new(world_size, timeout) }
     }
 
     /// The communicator for `rank`.
@@ -49,7 +50,7 @@ impl ThreadWorld {
     /// If `rank >= world_size`.
     pub fn communicator(&self, rank: usize) -> ThreadComm {
         assert!(rank < self.hub.world_size, "rank {rank} out of range");
-        ThreadComm { rank, hub: Arc::clone(&self.hub), counters: CommCounters::default() }
+        ThreadComm { rank, hub: Arc::clone(&self.hub), counters: CommCounters::default(), splits: AtomicU64::new(0) }
     }
 
     /// Aborts the world on behalf of `rank` (see [`Collective::abort`]).
@@ -63,12 +64,14 @@ impl ThreadWorld {
     }
 }
 
-/// One rank's handle on a [`ThreadWorld`].
+/// One rank's handle on a [`ThreadWorld`] (or on a group split from it).
 #[derive(Debug)]
 pub struct ThreadComm {
     rank: usize,
     hub: Arc<Hub>,
     counters: CommCounters,
+    /// Splits made on this handle so far: the same on every rank, so it names the split.
+    splits: AtomicU64,
 }
 
 impl ThreadComm {
@@ -216,6 +219,50 @@ impl Collective for ThreadComm {
         self.hub.rendezvous(self.rank, slot)?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
+    }
+
+    /// Posts a copy of `buf` to `to`'s mailbox: the send is done when this returns.
+    fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        if to >= n {
+            return Err(self.bad_buffer(OpKind::Send, format!("rank {to} is not a rank of {n}")));
+        }
+        let message = with_elem!(BufRef, buf, v, _E => FlatBuf::from(v.to_vec()));
+        self.hub.post(self.rank, to, message);
+        self.counters.record(OpKind::Send, (buf.len() * buf.dtype().bytes_per_elem()) as u64);
+        Ok(())
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
+        let n = self.hub.world_size;
+        if from >= n {
+            return Err(self.bad_buffer(OpKind::Recv, format!("rank {from} is not a rank of {n}")));
+        }
+        let message = self.hub.take(from, self.rank)?;
+        if message.len() != buf.len() || message.dtype() != buf.dtype() {
+            let detail = format!(
+                "the message from rank {from} has {} {} elements, the buffer {} {}",
+                message.len(),
+                message.dtype(),
+                buf.len(),
+                buf.dtype()
+            );
+            return Err(self.bad_buffer(OpKind::Recv, detail));
+        }
+        buf.copy_from(message.as_ref(), false);
+        self.counters.record(OpKind::Recv, message.bytes());
+        Ok(())
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
+        let slot = Slot::new::<f32>(OpKind::Split, None, color, (std::ptr::null(), key), (std::ptr::null_mut(), 0));
+        let slots = self.hub.rendezvous(self.rank, slot)?;
+        let mut members: Vec<usize> = (0..slots.len()).filter(|&r| slots[r].root == color).collect();
+        members.sort_by_key(|&r| (slots[r].src_len, r));
+        let rank = members.iter().position(|&r| r == self.rank).expect("a rank is in its own color");
+        let split = self.splits.fetch_add(1, Ordering::Relaxed);
+        let hub = self.hub.group(split, color, &members);
+        Ok(Arc::new(ThreadComm { rank, hub, counters: CommCounters::default(), splits: AtomicU64::new(0) }))
     }
 
     fn abort(&self, reason: &str) {

@@ -13,26 +13,45 @@
 //! The blocking methods take borrowed buffers and hand them to the thread. They block until
 //! the thread has finished with them (or dropped the job unrun), so the borrow outlives
 //! every use, as with a scoped thread. Their jobs never outlive the call.
+//!
+//! # Note: groups
+//! A group split from a rank's collective ([`Collective::split`]) is created on the
+//! communication thread and its calls run there too, in the same one order: the handle
+//! [`CommThread::split`] returns shares the thread. The handle that started the thread
+//! stops it when dropped (after the jobs already queued); a group handle used after that
+//! gets an error.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use zerotrain_precision::{BufMut, BufRef};
 
 use super::{Collective, CommStats, Pending, ReduceOp, Request};
 use crate::ZeroError;
 
-type Job = Box<dyn FnOnce(&dyn Collective) + Send + 'static>;
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// What the communication thread is asked.
+enum Message {
+    Run(Job),
+    Stop,
+}
+
+/// How often an idle thread drives its collective's outstanding work (MPI's sends).
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(1);
 
 /// A collective run on a thread of its own (see the module notes).
 pub struct CommThread {
     rank: usize,
     world_size: usize,
-    /// For the calls that need no ordering (`abort`, `stats`); `None` only while dropping.
-    shared: Option<Arc<dyn Collective>>,
-    jobs: Option<Sender<Job>>,
+    /// The collective this handle's jobs run on (the thread's own, or a group's); `None`
+    /// only while dropping.
+    target: Option<Arc<dyn Collective>>,
+    jobs: Option<Sender<Message>>,
+    /// The thread, held by the handle that started it.
     worker: Option<JoinHandle<()>>,
 }
 
@@ -57,7 +76,7 @@ impl CommThread {
         F: FnOnce() -> Result<C, ZeroError> + Send + 'static,
     {
         let (ready_tx, ready_rx) = mpsc::channel::<Result<Arc<dyn Collective>, ZeroError>>();
-        let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+        let (jobs_tx, jobs_rx) = mpsc::channel::<Message>();
         let worker = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
@@ -69,54 +88,69 @@ impl CommThread {
                     }
                 };
                 let _ = ready_tx.send(Ok(Arc::clone(&comm)));
-                for job in jobs_rx {
+                loop {
+                    let message = if comm.progress() {
+                        match jobs_rx.recv_timeout(PROGRESS_INTERVAL) {
+                            Ok(message) => message,
+                            Err(RecvTimeoutError::Timeout) => continue,
+                            Err(RecvTimeoutError::Disconnected) => break,
+                        }
+                    } else {
+                        match jobs_rx.recv() {
+                            Ok(message) => message,
+                            Err(_) => break,
+                        }
+                    };
+                    let Message::Run(job) = message else { break };
                     // A panicking job has dropped its reply channel while unwinding, so its
                     // caller gets an error; the thread stops, and so do later callers.
-                    if catch_unwind(AssertUnwindSafe(|| job(comm.as_ref()))).is_err() {
+                    if catch_unwind(AssertUnwindSafe(job)).is_err() {
                         break;
                     }
                 }
                 // `comm` is dropped here, on its own thread, after the caller's handle.
             })
             .map_err(|e| ZeroError::CommThread(format!("cannot start it: {e}")))?;
-        let shared = ready_rx
+        let target = ready_rx
             .recv()
             .unwrap_or_else(|_| Err(ZeroError::CommThread("it stopped while creating its collective".into())))?;
         Ok(Self {
-            rank: shared.rank(),
-            world_size: shared.world_size(),
-            shared: Some(shared),
+            rank: target.rank(),
+            world_size: target.world_size(),
+            target: Some(target),
             jobs: Some(jobs_tx),
             worker: Some(worker),
         })
     }
 
-    fn send(&self, job: Job) -> Result<(), ZeroError> {
+    fn submit(&self, job: Job) -> Result<(), ZeroError> {
         let jobs = self.jobs.as_ref().ok_or_else(stopped)?;
         // A failed send hands the job back inside the error, and it is dropped unrun here.
-        jobs.send(job).map_err(|_| stopped())
+        jobs.send(Message::Run(job)).map_err(|_| stopped())
     }
 
-    /// Runs `f` on the thread and waits for its result (see the note on borrowed buffers).
+    /// Runs `f` on the thread, on this handle's collective, and waits for its result (see
+    /// the note on borrowed buffers).
     fn call<'a, R: Send + 'a>(
         &self,
         f: impl FnOnce(&dyn Collective) -> Result<R, ZeroError> + Send + 'a,
     ) -> Result<R, ZeroError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        let job: Box<dyn FnOnce(&dyn Collective) + Send + 'a> = Box::new(move |comm| {
-            let _ = tx.send(f(comm));
+        let target = Arc::clone(self.target());
+        let job: Box<dyn FnOnce() + Send + 'a> = Box::new(move || {
+            let _ = tx.send(f(target.as_ref()));
         });
         // SAFETY: only the lifetime changes. The job may borrow data of lifetime 'a; this
         // function does not return before the job has run (its result arrived) or has been
         // dropped unrun (its sender dropped, so `recv` fails), and neither the thread nor
         // anything else keeps the job or its captures after that.
-        let job: Job = unsafe { std::mem::transmute::<Box<dyn FnOnce(&dyn Collective) + Send + 'a>, Job>(job) };
-        self.send(job)?;
+        let job: Job = unsafe { std::mem::transmute::<Box<dyn FnOnce() + Send + 'a>, Job>(job) };
+        self.submit(job)?;
         rx.recv().unwrap_or_else(|_| Err(stopped()))
     }
 
-    fn shared(&self) -> &dyn Collective {
-        self.shared.as_deref().expect("only None while dropping")
+    fn target(&self) -> &Arc<dyn Collective> {
+        self.target.as_ref().expect("only None while dropping")
     }
 }
 
@@ -153,12 +187,33 @@ impl Collective for CommThread {
         self.call(|comm| comm.barrier())
     }
 
+    fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError> {
+        self.call(move |comm| comm.send(buf, to))
+    }
+
+    fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
+        self.call(move |comm| comm.recv(buf, from))
+    }
+
+    /// Splits on the thread; the group's handle shares the thread (module note on groups).
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
+        let group = self.call(move |comm| comm.split(color, key))?;
+        Ok(Arc::new(Self {
+            rank: group.rank(),
+            world_size: group.world_size(),
+            target: Some(group),
+            jobs: self.jobs.clone(),
+            worker: None,
+        }))
+    }
+
     fn start(&self, request: Request) -> Pending {
         let (tx, rx) = mpsc::sync_channel(1);
-        let job: Job = Box::new(move |comm| {
-            let _ = tx.send(request.run(comm));
+        let target = Arc::clone(self.target());
+        let job: Job = Box::new(move || {
+            let _ = tx.send(request.run(target.as_ref()));
         });
-        match self.send(job) {
+        match self.submit(job) {
             Ok(()) => Pending::running(rx),
             Err(e) => Pending::ready(Err(e)),
         }
@@ -167,21 +222,24 @@ impl Collective for CommThread {
     /// Aborts at once, from the calling thread: the communication thread may be waiting
     /// inside a collective that only the abort can end.
     fn abort(&self, reason: &str) {
-        self.shared().abort(reason);
+        self.target().abort(reason);
     }
 
     fn stats(&self) -> CommStats {
-        self.shared().stats()
+        self.target().stats()
     }
 }
 
 impl Drop for CommThread {
     fn drop(&mut self) {
-        // The thread must hold the last handle, so that it drops (for MPI: finalises) the
-        // collective itself; then closing the queue ends it.
-        drop(self.shared.take());
-        drop(self.jobs.take());
+        // The thread must hold the last handle to its collective, so that it drops (for
+        // MPI: finalises) it itself: this handle's goes first, then the thread is stopped
+        // after the jobs already queued.
+        drop(self.target.take());
         if let Some(worker) = self.worker.take() {
+            if let Some(jobs) = self.jobs.take() {
+                let _ = jobs.send(Message::Stop);
+            }
             let _ = worker.join();
         }
     }
