@@ -30,6 +30,7 @@ use cli::{BenchCommand, Cli, Command, ConfigCommand};
 /// as one `error:` line and maps it to exit code 1.
 pub fn main() -> ExitCode {
     return_large_buffers_to_the_os();
+    end_quietly_on_a_closed_pipe();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -54,6 +55,16 @@ fn return_large_buffers_to_the_os() {
     // called before any other thread exists.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
+/// `zerotrain config check FILE | head` closes the pipe early: end quietly as other Unix
+/// tools do (Rust ignores SIGPIPE, and a failed print panics).
+fn end_quietly_on_a_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: restoring a signal's default disposition before other threads exist.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -11,7 +11,9 @@ impl fmt::Display for Plan {
         let b = &self.batch;
         let z = &self.zero;
         let n = self.world_size;
-        let share = |sharded: bool| if sharded { format!("1/{n} shard") } else { "full copy".to_string() };
+        // Units are sharded over the data-parallel ranks: the world, or a pipeline stage's.
+        let d = self.pipeline.map_or(n, |p| p.data_parallel(n));
+        let share = |sharded: bool| if sharded && d > 1 { format!("1/{d} shard") } else { "full copy".to_string() };
         let json = |v: &dyn erased::Json| v.json();
         writeln!(
             f,
@@ -21,8 +23,11 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "batch               train_batch_size {} = micro batch {} x accumulation {} x world size {n}",
-            b.train_batch_size, b.micro_batch_per_rank, b.gradient_accumulation_steps
+            "batch               train_batch_size {} = micro batch {} x accumulation {} x {}",
+            b.train_batch_size,
+            b.micro_batch_per_rank,
+            b.gradient_accumulation_steps,
+            if d == n { format!("world size {n}") } else { format!("data-parallel ranks {d}") }
         )?;
         writeln!(f, "zero                {}", z.stage)?;
         writeln!(
@@ -57,6 +62,25 @@ impl fmt::Display for Plan {
                 f,
                 "  persistence       parameters of <= {} elements stay resident",
                 z.param_persistence_threshold
+            )?;
+        }
+        if let Some(p) = &self.pipeline {
+            let m = self.batch.gradient_accumulation_steps as usize;
+            writeln!(
+                f,
+                "pipeline            {} stages x {} data-parallel rank(s), schedule {}, partition by {}, recompute every {} unit(s) (0: none)",
+                p.stages,
+                p.data_parallel(n),
+                json(&p.schedule).trim_matches('"'),
+                json(&p.partition).trim_matches('"'),
+                p.checkpoint_interval
+            )?;
+            writeln!(
+                f,
+                "  bubble            (K-1)/(M+K-1) = {}/{} = {:.1}% of each step with M = {m} micro-batches (gradient_accumulation_steps)",
+                p.stages - 1,
+                m + p.stages - 1,
+                100.0 * zerotrain_zero::pipeline::bubble_fraction(p.stages, m)
             )?;
         }
         let recompute = if self.activation_checkpointing {

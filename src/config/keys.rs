@@ -28,7 +28,6 @@ pub const NOT_IMPLEMENTED: &[&str] = &[
     "aio",
     "compression_training",
     "sparse_attention",
-    "pipeline",
     "eigenvalue",
     "progressive_layer_drop",
     "quantize_training",

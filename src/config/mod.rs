@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
-    Backend, BatchPlan, LossScalePlan, MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH, MAX_THREAD_RANKS, OptimizerPlan, Plan,
-    ZeroPlan,
+    Backend, BatchPlan, LossScalePlan, MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH, MAX_THREAD_RANKS, OptimizerPlan,
+    PipelinePlan, Plan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};

@@ -16,7 +16,7 @@ use serde_json::{Map, Value};
 
 use super::raw::{
     ActivationCheckpointingConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, OptimizerConfig,
-    OptimizerParams, SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
+    OptimizerParams, PipelineConfig, SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
 };
 use super::{ConfigError, keys};
 
@@ -220,6 +220,7 @@ pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static st
         "bf16" | "bfloat16" => serde_introspect::<Bf16Config>(),
         "data_types" => serde_introspect::<DataTypesConfig>(),
         "activation_checkpointing" => serde_introspect::<ActivationCheckpointingConfig>(),
+        "pipeline" => serde_introspect::<PipelineConfig>(),
         "zerotrain" => serde_introspect::<ZerotrainConfig>(),
         _ => &[],
     };

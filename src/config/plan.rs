@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 use zerotrain_precision::{DynamicScaleConfig, LossScaler, Precision};
 use zerotrain_zero::ZeroStage;
+use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
 use super::ConfigError;
 use crate::schedule::LrSchedule;
@@ -217,6 +218,26 @@ pub enum Backend {
     Mpi,
 }
 
+/// Pipeline parallelism (see [`zerotrain_zero::pipeline`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PipelinePlan {
+    /// Stages `K`; the world's ranks are `K` stages of `world_size / K` data-parallel ranks.
+    pub stages: usize,
+    /// How units are divided between the stages.
+    pub partition: PartitionMethod,
+    /// The order of each stage's forward and backward passes.
+    pub schedule: ScheduleKind,
+    /// Recompute every this many units (0: keep every unit's activations).
+    pub checkpoint_interval: usize,
+}
+
+impl PipelinePlan {
+    /// Data-parallel ranks per stage for `world_size` ranks.
+    pub fn data_parallel(&self, world_size: usize) -> usize {
+        world_size / self.stages
+    }
+}
+
 /// A validated config: what the engine and the launcher run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Plan {
@@ -244,6 +265,8 @@ pub struct Plan {
     /// Recompute each unit in backward instead of keeping its activations (models declared
     /// in units).
     pub activation_checkpointing: bool,
+    /// Pipeline parallelism; `None` without (one stage).
+    pub pipeline: Option<PipelinePlan>,
     /// Skip (and count) a step whose gradients are not finite, instead of applying it.
     /// The check is the global norm: NaN/inf anywhere, on any rank, makes it non-finite
     /// (as does a squared norm beyond f32's range, i.e. a norm above 1.8e19).

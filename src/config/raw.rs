@@ -44,6 +44,8 @@ pub struct DeepSpeedConfig {
     pub communication_data_type: Option<AutoOr<String>>,
     /// DeepSpeed's `data_types` section.
     pub data_types: Option<DataTypesConfig>,
+    /// Pipeline parallelism over a model's units. Default: none.
+    pub pipeline: Option<PipelineConfig>,
     /// Activation checkpointing: present (even `{}`), a model declared in units
     /// ([`UnitModel`](crate::engine::UnitModel)) keeps only the activations between units in
     /// forward and recomputes each unit in backward. Default: absent (off).
@@ -268,4 +270,30 @@ pub struct ZerotrainConfig {
     /// fp16: what an overflow at `min_loss_scale` does: `error` (default; DeepSpeed stops the
     /// run) or `stay` (skip the step, keep the minimum scale, warn).
     pub loss_scale_at_minimum: Option<String>,
+    /// The pipeline schedule: `1f1b` (default: one forward, one backward, at most as many
+    /// micro-batches in flight as stages) or `gpipe` (all forwards, then all backwards).
+    pub schedule: Option<String>,
+}
+
+/// `pipeline`: DeepSpeed's pipeline keys. Micro-batches per step are
+/// `gradient_accumulation_steps`, as in DeepSpeed's pipeline engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PipelineConfig {
+    /// Pipeline stages `K` (dividing the world size; the rest is data parallelism).
+    /// Default 1 (`"auto"` too): no pipeline.
+    pub stages: Option<AutoOr<Count>>,
+    /// How units are divided: `parameters` (default; balance parameter counts; DeepSpeed's
+    /// `best` means the same) or `uniform` (balance unit counts).
+    #[serde(alias = "partition_method")]
+    pub partition: Option<String>,
+    /// Recompute every this many units in backward (0: keep activations). Default: 1 with
+    /// an `activation_checkpointing` section, else 0.
+    pub activation_checkpoint_interval: Option<Count>,
+    /// DeepSpeed seeds each layer's RNG by its index; `true` is accepted with a warning.
+    pub seed_layers: Option<bool>,
+    /// Partition activations / gradients across tensor-parallel ranks: no tensor
+    /// parallelism here; accepted, no effect.
+    pub pipe_partitioned: Option<bool>,
+    /// See `pipe_partitioned`.
+    pub grad_partitioned: Option<bool>,
 }

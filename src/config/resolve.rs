@@ -3,10 +3,11 @@
 use std::time::Duration;
 
 use zerotrain_zero::ZeroStage;
+use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
 use super::raw::{ActivationCheckpointingConfig, OptimizerParams, SchedulerConfig};
 use super::value::{AutoOr, Count};
-use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, Plan, ZeroPlan};
+use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, PipelinePlan, Plan, ZeroPlan};
 use crate::schedule::{LrSchedule, WarmupType};
 
 /// DeepSpeed's default bucket sizes (elements).
@@ -89,9 +90,19 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         ));
     }
 
-    let batch = resolve_batch(config, world_size as u64, &mut autos)?;
+    let pipeline = resolve_pipeline(config, world_size, &zt, &mut autos)?;
+    let data_parallel = pipeline.map_or(world_size, |p| p.data_parallel(world_size));
+    let batch = resolve_batch(config, data_parallel as u64, &mut autos)?;
     let dtypes = super::precision::resolve(config, &mut autos.0)?;
     let zero = resolve_zero(config, &mut autos)?;
+    if pipeline.is_some() && zero.stage.shards_parameters() {
+        return Err(ConfigError::Unsupported {
+            key: "zero_optimization.stage".into(),
+            message: "stage 3 with pipeline.stages > 1 is not supported (as in DeepSpeed's pipeline engine): use \
+                      stage 0, 1 or 2"
+                .into(),
+        });
+    }
 
     let gradient_clipping = autos.or("gradient_clipping", raw.gradient_clipping, 0.0, "DeepSpeed default: off");
     if !(gradient_clipping >= 0.0 && gradient_clipping.is_finite()) {
@@ -116,6 +127,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         loss_scale: dtypes.loss_scale,
         gradient_clipping,
         activation_checkpointing: raw.activation_checkpointing.is_some(),
+        pipeline,
         check_grad_overflow: zt.check_grad_overflow.unwrap_or(true),
         steps_per_print,
         wall_clock_breakdown: raw.wall_clock_breakdown.unwrap_or(false),
@@ -134,8 +146,47 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
             .cloned()
             .chain(dtypes.not_implemented)
             .chain(checkpointing_no_ops(raw.activation_checkpointing.as_ref()))
+            .chain(raw.pipeline.as_ref().filter(|p| p.seed_layers == Some(true)).map(|_| "pipeline.seed_layers".into()))
             .collect(),
     })
+}
+
+/// The `pipeline` section and `zerotrain.schedule`; `None` for one stage.
+fn resolve_pipeline(
+    config: &Config,
+    world_size: usize,
+    zt: &super::raw::ZerotrainConfig,
+    autos: &mut Autos,
+) -> Result<Option<PipelinePlan>, ConfigError> {
+    let schedule = match zt.schedule.as_deref().unwrap_or("1f1b") {
+        "1f1b" => ScheduleKind::OneFOneB,
+        "gpipe" => ScheduleKind::GPipe,
+        other => return Err(invalid("zerotrain.schedule", format!("must be `1f1b` or `gpipe`, got `{other}`"))),
+    };
+    let Some(p) = &config.raw.pipeline else { return Ok(None) };
+    let stages = autos.or("pipeline.stages", p.stages, Count(1), "no pipeline").0;
+    let stages = usize::try_from(stages).map_err(|_| invalid("pipeline.stages", "too large"))?;
+    if stages == 0 || !world_size.is_multiple_of(stages) {
+        return Err(invalid(
+            "pipeline.stages",
+            format!("must divide the world size ({world_size}) into equal data-parallel groups, got {stages}"),
+        ));
+    }
+    let partition = match p.partition.as_deref().unwrap_or("parameters") {
+        "parameters" | "best" => PartitionMethod::Parameters,
+        "uniform" => PartitionMethod::Uniform,
+        other => {
+            return Err(ConfigError::Unsupported {
+                key: "pipeline.partition".into(),
+                message: format!("`{other}` is not supported; use `parameters` or `uniform`"),
+            });
+        }
+    };
+    let default_interval = u64::from(config.raw.activation_checkpointing.is_some());
+    let interval = p.activation_checkpoint_interval.map_or(default_interval, |c| c.0);
+    let checkpoint_interval =
+        usize::try_from(interval).map_err(|_| invalid("pipeline.activation_checkpoint_interval", "too large"))?;
+    Ok((stages > 1).then_some(PipelinePlan { stages, partition, schedule, checkpoint_interval }))
 }
 
 fn resolve_batch(config: &Config, world_size: u64, autos: &mut Autos) -> Result<BatchPlan, ConfigError> {

@@ -127,7 +127,7 @@ impl<M: Module> Engine<M> {
     ) -> Result<PathBuf> {
         let root = dir.as_ref();
         let tag = tag.map_or_else(|| default_tag(self.counters.global_steps), str::to_string);
-        let rank = self.shared.comm.rank();
+        let rank = self.shared.world.rank();
         let prepared =
             if rank == 0 { zerotrain_checkpoint::prepare(root, &tag).map(|_| ()).map_err(Error::from) } else { Ok(()) };
         self.agree(prepared, "preparing the checkpoint")?;
@@ -142,9 +142,12 @@ impl<M: Module> Engine<M> {
     /// global order). Nothing at stage 0 beyond rank 0 (every rank holds everything).
     fn saved_segments(&self) -> Vec<Vec<(Range<usize>, Range<usize>)>> {
         let stage0 = !self.shared.plan.zero.stage.shards_optimizer_states();
+        let later_stage = self.stage.as_ref().is_some_and(|s| s.index > 0);
         (0..self.units.len())
             .map(|id| {
-                if stage0 && self.shared.comm.rank() != 0 {
+                // At stage 0 a group's first rank saves for it; the root's replicas on
+                // later pipeline stages are the first stage's.
+                if (stage0 && self.shared.comm.rank() != 0) || (later_stage && self.root() == Some(id)) {
                     return Vec::new();
                 }
                 self.shared.sharding.global_segments(id, self.shared.optimizer_real_range(id))
@@ -186,7 +189,7 @@ impl<M: Module> Engine<M> {
         let mut tensors: Vec<(&str, &[f32])> = vec![("master", &master)];
         tensors.extend(optim.iter().map(|(n, v)| (n.as_str(), v.as_slice())));
         let partial = zerotrain_checkpoint::partial_dir(root, tag);
-        zerotrain_checkpoint::write_shard(&partial, self.shared.comm.rank(), &ranges, &tensors)?;
+        zerotrain_checkpoint::write_shard(&partial, self.shared.world.rank(), &ranges, &tensors)?;
         Ok(())
     }
 
@@ -206,7 +209,7 @@ impl<M: Module> Engine<M> {
             format_version: FORMAT_VERSION,
             tag: tag.to_string(),
             global_step: self.counters.global_steps,
-            world_size: self.shared.comm.world_size(),
+            world_size: self.shared.world.world_size(),
             stage: self.shared.plan.zero.stage.index(),
             precision: self.shared.plan.precision.to_string(),
             layout: self.manifest_layout(),
@@ -342,7 +345,7 @@ impl<M: Module> Engine<M> {
     /// own error, the others [`Error::PeerFailed`] naming the failed ranks. The world stays
     /// usable, so a caller may catch a failed save and go on training.
     fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
-        let comm = &self.shared.comm;
+        let comm = &self.shared.world;
         let mut failed = vec![0.0f32; comm.world_size()];
         failed[comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
         comm.all_reduce((&mut failed).into(), ReduceOp::Max)?;

@@ -29,36 +29,50 @@ use zerotrain_zero::Sharding;
 
 use super::model::{Activation, UnitModel, group};
 use super::params::{UnitGrads, take_grads};
-use super::{ALIGN_ELEMS, Engine};
+use super::{ALIGN_ELEMS, Engine, Placement};
 use crate::config::Plan;
 use crate::context::RankContext;
 use crate::{Error, Result};
 
 /// What the forward pass keeps of unit `i` for its backward.
-enum Saved<H> {
-    /// Checkpointed: the unit's input (`None` for unit 0, which reads the batch).
+pub(super) enum Saved<H> {
+    /// Checkpointed, first of its group: the unit's input (`None` for the model's first
+    /// unit, which reads the batch).
     Boundary(Option<H>),
+    /// Checkpointed inside a group (`activation_checkpoint_interval` > 1): nothing; it is
+    /// recomputed from its group's boundary.
+    Inside,
     /// Its input leaf and output, with the unit's graph.
     Graph(Option<H>, H),
+    /// Its backward is done.
+    Done,
 }
 
 /// Which way the walk goes, for prefetching.
 #[derive(Clone, Copy)]
-enum Direction {
+pub(super) enum Direction {
     Forward,
     Backward,
 }
 
 impl<M: UnitModel> Engine<M> {
-    /// Wraps `model` like [`Engine::new`], sharded per unit as
-    /// [`UnitModel::units`] declares, for [`forward_backward`](Self::forward_backward).
+    /// Wraps `model` like [`Engine::new`], sharded per unit as [`UnitModel::units`]
+    /// declares, for [`forward_backward`](Self::forward_backward); with pipeline stages in
+    /// the plan, as this rank's stage of the pipeline, for
+    /// [`train_batch`](Self::train_batch).
     pub fn with_units(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
         let (model, params, index) = Self::scan(model, ctx)?;
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
         let (unit_of, names) = group(&paths, &specs)?;
+        if let Some(pipeline) = plan.pipeline {
+            return Self::pipelined(model, plan, ctx, (params, index), (unit_of, names, specs.len()), pipeline);
+        }
+        let unit_of: Vec<Option<usize>> = unit_of.into_iter().map(Some).collect();
         let sharding = Sharding::new(params, &unit_of, names, plan.world_size, ALIGN_ELEMS)?;
-        Self::build(model, plan, ctx, sharding, index, specs.len())
+        let num_declared = specs.len();
+        let placement = Placement { comm: ctx.collective(), sharding, index, num_declared, stage: None };
+        Self::build(model, plan, ctx, placement)
     }
 
     /// One micro-step of a unit model: forward through the units and the loss, backward
@@ -67,16 +81,31 @@ impl<M: UnitModel> Engine<M> {
     /// accumulation steps and scaled like [`backward`](Self::backward)'s. Every rank must
     /// call it.
     pub fn forward_backward(&mut self, batch: &M::Batch) -> Result<f32> {
-        if self.num_declared == 0 {
+        if self.num_declared == 0 || self.stage.is_some() {
             return Err(Error::Usage(
-                "forward_backward needs an engine built with Engine::with_units (this one is one unit)".into(),
+                "forward_backward needs an engine built with Engine::with_units and no pipeline (a pipelined \
+                 engine trains with train_batch)"
+                    .into(),
             ));
         }
         let root = self.root();
         if let Some(root) = root {
             self.gather(root)?;
         }
-        let (saved, output) = self.forward_units(batch)?;
+        let (saved, output) = self.forward_units(None, batch)?;
+        let (value, upstream, root_grads) = self.loss_backward(output, batch)?;
+        let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch)?;
+        self.reduce_root(root_grads)?;
+        Ok(self.end_micro_step(value))
+    }
+
+    /// The loss of the last unit's `output`, back-propagated (scaled): the loss value,
+    /// the gradient of `output`, and the root's gradients from the loss.
+    pub(super) fn loss_backward(
+        &mut self,
+        output: M::Hidden,
+        batch: &M::Batch,
+    ) -> Result<(f32, Option<M::Hidden>, Option<UnitGrads>)> {
         let start = Instant::now();
         let last = output.leaf();
         let loss = self.model.loss(last.clone(), batch);
@@ -87,29 +116,48 @@ impl<M: UnitModel> Engine<M> {
         let upstream = last.grad(&grads);
         let root_grads = self.take(GradientsParams::from_grads(grads, &self.model), None)?.root;
         self.window.times.backward += start.elapsed().as_secs_f64();
-        let root_grads = self.backward_units(saved, upstream, root_grads, batch)?;
-        if let (Some(root), Some(grads)) = (root, root_grads) {
+        Ok((value, upstream, root_grads))
+    }
+
+    /// Reduces the root's gradients of one micro-step (after the last unit's) and, at
+    /// stage 3, releases it.
+    pub(super) fn reduce_root(&mut self, grads: Option<UnitGrads>) -> Result<()> {
+        if let (Some(root), Some(grads)) = (self.root(), grads) {
             let start = Instant::now();
             self.reduce_unit(root, grads, Some(0))?;
             self.window.times.reduce += start.elapsed().as_secs_f64();
             self.release(root);
         }
-        Ok(self.end_micro_step(value))
+        Ok(())
     }
 
-    /// The forward half of the walk: every unit in order, with or without its graph as
-    /// checkpointing says. Returns what backward needs of each unit and the last output.
-    fn forward_units(&mut self, batch: &M::Batch) -> Result<(Vec<Saved<M::Hidden>>, M::Hidden)> {
-        let recompute = self.shared.plan.activation_checkpointing;
+    /// Recompute every this many units in backward (0: keep every unit's graph).
+    fn checkpoint_interval(&self) -> usize {
+        match self.shared.plan.pipeline {
+            Some(pipeline) => pipeline.checkpoint_interval,
+            None => usize::from(self.shared.plan.activation_checkpointing),
+        }
+    }
+
+    /// The forward half of the walk from `input` (the previous stage's output, or `None`
+    /// where the first unit reads the batch): every unit in order, with or without its
+    /// graph as checkpointing says. Returns what backward needs of each unit and the last
+    /// output.
+    pub(super) fn forward_units(
+        &mut self,
+        input: Option<M::Hidden>,
+        batch: &M::Batch,
+    ) -> Result<(Vec<Saved<M::Hidden>>, M::Hidden)> {
+        let interval = self.checkpoint_interval();
         let mut saved = Vec::with_capacity(self.num_declared);
-        let mut hidden: Option<M::Hidden> = None;
+        let mut hidden: Option<M::Hidden> = input;
         for i in 0..self.num_declared {
             self.enter(i, Direction::Forward)?;
             let start = Instant::now();
             let input = hidden.take();
-            if recompute {
+            if interval > 0 {
                 let output = self.run_unit(i, input.clone(), batch, false)?;
-                saved.push(Saved::Boundary(input));
+                saved.push(if i % interval == 0 { Saved::Boundary(input) } else { Saved::Inside });
                 hidden = Some(output);
             } else {
                 let input = input.map(Activation::leaf);
@@ -118,35 +166,50 @@ impl<M: UnitModel> Engine<M> {
                 saved.push(Saved::Graph(input, output));
             }
             self.window.times.forward += start.elapsed().as_secs_f64();
-            if recompute {
+            if interval > 0 {
                 self.release(i);
             }
         }
         Ok((saved, hidden.expect("at least one unit")))
     }
 
+    /// Recomputes the checkpointed group that ends at unit `last`, from its boundary,
+    /// with graphs (each unit on a leaf of its own input, so each backs up on its own).
+    fn recompute_group(&mut self, last: usize, saved: &mut [Saved<M::Hidden>], batch: &M::Batch) -> Result<()> {
+        let first = last - last % self.checkpoint_interval().max(1);
+        let Saved::Boundary(mut input) = std::mem::replace(&mut saved[first], Saved::Done) else {
+            unreachable!("a checkpointed group starts with its boundary")
+        };
+        for i in first..=last {
+            self.enter(i, Direction::Backward)?;
+            let start = Instant::now();
+            let leaf = input.take().map(Activation::leaf);
+            let output = self.run_unit(i, leaf.clone(), batch, true)?;
+            self.window.times.backward += start.elapsed().as_secs_f64();
+            input = Some(output.clone().detached());
+            saved[i] = Saved::Graph(leaf, output);
+        }
+        Ok(())
+    }
+
     /// The backward half: the units in reverse, each (recomputed if checkpointed) seeded
     /// with `upstream`, the gradient of the next unit's input; each unit's gradients
     /// reduced and the unit released as soon as its backward is done. Returns the root's
-    /// gradients: `root_grads` (the loss's) plus every unit's contribution.
-    fn backward_units(
+    /// gradients, `root_grads` (the loss's) plus every unit's contribution, and the
+    /// gradient of the first unit's input (`None` where it reads the batch).
+    pub(super) fn backward_units(
         &mut self,
         mut saved: Vec<Saved<M::Hidden>>,
         mut upstream: Option<M::Hidden>,
         mut root_grads: Option<UnitGrads>,
         batch: &M::Batch,
-    ) -> Result<Option<UnitGrads>> {
+    ) -> Result<(Option<UnitGrads>, Option<M::Hidden>)> {
         for i in (0..self.num_declared).rev() {
-            let (input, output) = match saved.pop().expect("one per unit") {
-                Saved::Graph(input, output) => (input, output),
-                Saved::Boundary(input) => {
-                    self.enter(i, Direction::Backward)?;
-                    let start = Instant::now();
-                    let input = input.map(Activation::leaf);
-                    let output = self.run_unit(i, input.clone(), batch, true)?;
-                    self.window.times.backward += start.elapsed().as_secs_f64();
-                    (input, output)
-                }
+            if !matches!(saved[i], Saved::Graph(..)) {
+                self.recompute_group(i, &mut saved, batch)?;
+            }
+            let Saved::Graph(input, output) = std::mem::replace(&mut saved[i], Saved::Done) else {
+                unreachable!("recomputed above")
             };
             let start = Instant::now();
             // No upstream gradient: nothing downstream depends on this unit's output.
@@ -169,7 +232,7 @@ impl<M: UnitModel> Engine<M> {
             self.reduce_unit(i, taken.unit.expect("asked for"), (i + 1 < self.num_declared).then_some(i + 1))?;
             self.window.times.reduce += start.elapsed().as_secs_f64();
         }
-        Ok(root_grads)
+        Ok((root_grads, upstream))
     }
 
     /// The loss of `batch` without gradients, one unit at a time (stage 3: each unit
@@ -177,6 +240,9 @@ impl<M: UnitModel> Engine<M> {
     pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
         if self.num_declared == 0 {
             return Err(Error::Usage("evaluate needs an engine built with Engine::with_units".into()));
+        }
+        if self.stage.is_some() {
+            return self.evaluate_pipelined(batch);
         }
         let root = self.root();
         let root_was_released = root.is_some_and(|r| !self.units[r].is_gathered());
@@ -200,14 +266,9 @@ impl<M: UnitModel> Engine<M> {
         Ok(loss)
     }
 
-    /// The root unit, if the model left parameters to it.
-    fn root(&self) -> Option<usize> {
-        (self.num_declared < self.units.len()).then_some(self.num_declared)
-    }
-
     /// Before unit `i` runs: gathers it (stage 3) and prefetches the next unit in
     /// `direction` if the bounds allow.
-    fn enter(&mut self, i: usize, direction: Direction) -> Result<()> {
+    pub(super) fn enter(&mut self, i: usize, direction: Direction) -> Result<()> {
         if !self.shared.plan.zero.stage.shards_parameters() {
             return Ok(());
         }
@@ -242,13 +303,20 @@ impl<M: UnitModel> Engine<M> {
     /// Runs unit `i` with or without an autodiff graph. A panic inside the model's code
     /// becomes an error (at stage 3 the likely cause is a parameter of another unit, which
     /// is an empty tensor while that unit is released).
-    fn run_unit(&self, i: usize, input: Option<M::Hidden>, batch: &M::Batch, graph: bool) -> Result<M::Hidden> {
+    pub(super) fn run_unit(
+        &self,
+        i: usize,
+        input: Option<M::Hidden>,
+        batch: &M::Batch,
+        graph: bool,
+    ) -> Result<M::Hidden> {
         // Without a graph, the unit still runs on the autodiff model (on a detached input,
         // its output detached at once, so the graph is dropped unit by unit): the inner
         // backend's kernels need not round like the autodiff ones, and the recomputation in
         // backward must reproduce the boundary activations bit for bit.
+        let unit = self.first_unit() + i;
         let run = || {
-            let output = self.model.forward_unit(i, input.map(|x| if graph { x } else { x.detached() }), batch);
+            let output = self.model.forward_unit(unit, input.map(|x| if graph { x } else { x.detached() }), batch);
             if graph { output } else { output.detached() }
         };
         catch_unwind(AssertUnwindSafe(run)).map_err(|panic| {
@@ -259,8 +327,8 @@ impl<M: UnitModel> Engine<M> {
                 .unwrap_or_default();
             let name = &self.shared.sharding.units()[i].name;
             Error::Model(format!(
-                "forward_unit({i}) (unit `{name}`) panicked: {message}; a unit may use only its own parameters and \
-                 the root's (at stage 3 the others are empty tensors while it runs)"
+                "forward_unit({unit}) (unit `{name}`) panicked: {message}; a unit may use only its own parameters \
+                 and the root's (at stage 3, and in other pipeline stages, the others are empty tensors)"
             ))
         })
     }

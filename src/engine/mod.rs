@@ -27,18 +27,20 @@ mod grads;
 pub mod model;
 mod optimizer;
 mod params;
+mod pipeline;
 mod step;
 #[cfg(test)]
 mod tests;
 mod unit;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Tensor};
 use zerotrain_precision::{BufMut, LossScaler, Precision};
-use zerotrain_zero::{CommStats, Sharding};
+use zerotrain_zero::{Collective, CommStats, ReduceOp, Sharding};
 
 pub use self::checkpoint::LoadOptions;
 use self::grads::ReduceOptions;
@@ -97,6 +99,9 @@ pub struct PhaseTimes {
     pub comm_wait: f64,
     /// Time the collectives themselves took.
     pub comm_busy: f64,
+    /// Pipeline stages: time waiting for activations and gradients from the neighbouring
+    /// stages (the bubble, and any imbalance); part of `forward` and `backward`.
+    pub pipe_wait: f64,
 }
 
 impl PhaseTimes {
@@ -163,6 +168,8 @@ pub struct Engine<M: Module> {
     window: Window,
     last_step: Option<StepReport>,
     peaks: Peaks,
+    /// Where this rank sits in a pipeline, if the plan has one.
+    stage: Option<pipeline::Stage>,
 }
 
 /// The accumulation window in progress.
@@ -172,6 +179,18 @@ struct Window {
     loss_sum: f64,
     comm_at_start: CommStats,
     times: PhaseTimes,
+}
+
+/// Which units a rank holds and where they are sharded: what [`Engine::build`] needs
+/// beside the model, the plan and the rank.
+struct Placement {
+    /// The group the units are sharded over.
+    comm: Arc<dyn Collective>,
+    sharding: Sharding,
+    index: ParamIndex,
+    /// How many of the sharding's units are declared ones (0: the model as one unit).
+    num_declared: usize,
+    stage: Option<pipeline::Stage>,
 }
 
 /// Transient memory high-water marks, in bytes.
@@ -187,9 +206,17 @@ impl<M: Module> Engine<M> {
     /// [`backward`](Self::backward). Every rank must call it; rank 0's parameters are
     /// broadcast so that all ranks start identical.
     pub fn new(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        if plan.pipeline.is_some() {
+            return Err(Error::Usage(
+                "the plan has pipeline stages: build the engine with Engine::with_units (a pipeline runs a model's \
+                 units)"
+                    .into(),
+            ));
+        }
         let (model, params, index) = Self::scan(model, ctx)?;
         let sharding = Sharding::single(params, plan.world_size, ALIGN_ELEMS)?;
-        Self::build(model, plan, ctx, sharding, index, 0)
+        let placement = Placement { comm: ctx.collective(), sharding, index, num_declared: 0, stage: None };
+        Self::build(model, plan, ctx, placement)
     }
 
     /// The model forked onto the rank's device, its trainable parameters (path, shape) and
@@ -203,26 +230,20 @@ impl<M: Module> Engine<M> {
         Ok((model, params, index))
     }
 
-    /// Every unit's state from the model's values: broadcast from rank 0 one unit at a time
-    /// (so no full-size buffer exists), written in the compute dtype, and kept as the stage
-    /// says.
-    fn build(
-        model: M,
-        plan: &Plan,
-        ctx: &RankContext,
-        sharding: Sharding,
-        index: ParamIndex,
-        num_declared: usize,
-    ) -> Result<Self> {
-        let comm = ctx.collective();
-        if comm.world_size() != plan.world_size {
+    /// Every unit's state from the model's values: broadcast from the sharding group's
+    /// rank 0 one unit at a time (so no full-size buffer exists), written in the compute
+    /// dtype, and kept as the stage says.
+    fn build(model: M, plan: &Plan, ctx: &RankContext, placement: Placement) -> Result<Self> {
+        let world = ctx.collective();
+        if world.world_size() != plan.world_size {
             return Err(Error::Usage(format!(
                 "plan is for {} ranks, the communicator has {}",
                 plan.world_size,
-                comm.world_size()
+                world.world_size()
             )));
         }
-        let shared = Shared { comm, device: ctx.device().clone(), plan: plan.clone(), sharding, index };
+        let Placement { comm, sharding, index, num_declared, stage } = placement;
+        let shared = Shared { comm, world, device: ctx.device().clone(), plan: plan.clone(), sharding, index };
         let (mut model, mut units, mut transient) = (model, Vec::new(), 0);
         for id in 0..shared.sharding.units().len() {
             let layout = shared.layout(id);
@@ -237,7 +258,7 @@ impl<M: Module> Engine<M> {
         }
         Ok(Self {
             scaler: plan.loss_scale.map(|s| s.scaler()),
-            window: Window { comm_at_start: shared.comm.stats(), ..Window::default() },
+            window: Window::default(),
             peaks: Peaks { transient, gathered: 0 },
             model,
             shared,
@@ -246,6 +267,11 @@ impl<M: Module> Engine<M> {
             counters: Counters::default(),
             lr_iteration: -1,
             last_step: None,
+            stage,
+        })
+        .map(|mut engine| {
+            engine.window.comm_at_start = engine.comm_stats();
+            engine
         })
     }
 
@@ -255,6 +281,9 @@ impl<M: Module> Engine<M> {
     /// stage 3. A model built with [`with_units`](Self::with_units) trains with less
     /// memory through [`forward_backward`](Self::forward_backward).
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        if self.stage.is_some() {
+            return Err(Error::Usage("a pipeline stage holds only its own units: train it with train_batch".into()));
+        }
         self.gather_all()?;
         let start = Instant::now();
         let out = f(&self.model);
@@ -322,6 +351,11 @@ impl<M: Module> Engine<M> {
         let bytes = self.units[id].reduce(grads, &self.shared, options, times)?;
         self.peaks.transient = self.peaks.transient.max(bytes);
         Ok(())
+    }
+
+    /// The root unit, if the model left parameters to it.
+    fn root(&self) -> Option<usize> {
+        (self.num_declared > 0 && self.num_declared < self.units.len()).then_some(self.num_declared)
     }
 
     /// Counts a finished micro-step; returns the loss value.
@@ -431,9 +465,14 @@ impl<M: Module> Engine<M> {
         &self.shared.plan
     }
 
-    /// This rank's collective traffic so far.
+    /// This rank's traffic so far, every communicator it uses together.
     pub fn comm_stats(&self) -> CommStats {
-        self.shared.comm.stats()
+        let world = self.shared.world.stats();
+        match &self.stage {
+            // A stage talks over the world, its data-parallel group and its pipeline.
+            Some(stage) => world.plus(&self.shared.comm.stats()).plus(&stage.pipe.stats()),
+            None => world,
+        }
     }
 
     /// Model-state bytes this rank holds now, measured from its buffers and tensors.
@@ -461,6 +500,9 @@ impl<M: Module> Engine<M> {
     /// present: at stage 3 the model is gathered for the call and released after it. Every
     /// rank must call it at stage 3.
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        if self.stage.is_some() {
+            return Ok(f(&self.full_model()?.valid()));
+        }
         let was_released: Vec<bool> = self.units.iter().map(|u| !u.is_gathered()).collect();
         let result = self.forward(|model| f(&model.valid()))?;
         for (id, released) in was_released.into_iter().enumerate() {
@@ -479,6 +521,9 @@ impl<M: Module> Engine<M> {
         let sharding = &self.shared.sharding;
         let mut out = vec![0.0f32; sharding.global().num_elems()];
         for (id, unit) in self.units.iter().enumerate() {
+            if self.root() == Some(id) && self.stage.as_ref().is_some_and(|s| s.index > 0) {
+                continue; // the first stage reports the root (summed over the stages below)
+            }
             let layout = self.shared.layout(id);
             let values = unit.values(&self.model, &self.shared)?;
             let full = if self.shared.plan.zero.stage.shards_optimizer_states() {
@@ -492,12 +537,22 @@ impl<M: Module> Engine<M> {
                 out[global].copy_from_slice(&full[unit_range]);
             }
         }
+        if let Some(stage) = &self.stage {
+            // Each element comes from exactly one stage.
+            stage.pipe.all_reduce((&mut out).into(), ReduceOp::Sum)?;
+        }
         Ok(out)
     }
 
     /// A copy of the model with every parameter present and current (gathered at stage 3),
     /// for evaluation or export. Every rank must call it at stage 3.
     pub fn full_model(&mut self) -> Result<M> {
+        if self.stage.is_some() {
+            let values = self.master_params()?;
+            let (index, sharding) = (&self.shared.index, &self.shared.sharding);
+            let dtype = self.shared.plan.precision;
+            return Ok(params::write_global(self.model.clone(), index, sharding, &values, dtype, &self.shared.device));
+        }
         self.eval(|model| model.clone())
     }
 }

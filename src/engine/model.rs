@@ -18,7 +18,9 @@
 //! the engine reports a gradient that appears in another unit's backward pass as an error.
 
 use burn::module::Module;
-use burn::tensor::{Gradients, Tensor};
+use burn::tensor::{DType, Device, Gradients, Tensor, TensorData};
+use zerotrain_precision::half::{bf16, f16};
+use zerotrain_precision::{FlatBuf, with_elem};
 
 use crate::{Error, Result};
 
@@ -151,6 +153,11 @@ pub trait Activation: Clone + Send + Sized + 'static {
     fn seed(self, upstream: Self) -> Tensor<1>;
     /// Bytes it holds.
     fn num_bytes(&self) -> u64;
+    /// Its values as a flat buffer and its shape (to send to another pipeline stage); an
+    /// error for a dtype other than f32, f16 and bf16.
+    fn into_flat(self) -> Result<(FlatBuf, Vec<usize>)>;
+    /// The activation of shape `shape` holding `values`, on `device`.
+    fn from_flat(values: FlatBuf, shape: &[usize], device: &Device) -> Result<Self>;
 }
 
 impl<const D: usize> Activation for Tensor<D> {
@@ -173,6 +180,29 @@ impl<const D: usize> Activation for Tensor<D> {
 
     fn num_bytes(&self) -> u64 {
         (self.shape().num_elements() * self.dtype().size()) as u64
+    }
+
+    fn into_flat(self) -> Result<(FlatBuf, Vec<usize>)> {
+        let shape = self.dims().to_vec();
+        let data = self.into_data();
+        let dtype = data.dtype();
+        let values = match dtype {
+            DType::F32 => data.try_into_vec::<f32>().map(FlatBuf::F32),
+            DType::F16 => data.try_into_vec::<f16>().map(FlatBuf::F16),
+            DType::BF16 => data.try_into_vec::<bf16>().map(FlatBuf::Bf16),
+            other => return Err(Error::Model(format!("an activation of dtype {other:?} cannot pass between stages"))),
+        };
+        let values = values.map_err(|e| Error::Model(format!("activation data: {e:?}")))?;
+        Ok((values, shape))
+    }
+
+    fn from_flat(values: FlatBuf, shape: &[usize], device: &Device) -> Result<Self> {
+        let shape: [usize; D] = shape.try_into().map_err(|_| {
+            Error::Model(format!("an activation of rank {} arrived where rank {D} was expected", shape.len()))
+        })?;
+        let data = with_elem!(FlatBuf, values, v, _E => TensorData::new(v, shape));
+        let dtype = data.dtype();
+        Ok(Tensor::from_data(data, (device, dtype)))
     }
 }
 

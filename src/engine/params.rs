@@ -15,7 +15,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, with_elem};
-use zerotrain_zero::Sharding;
+use zerotrain_zero::{Collective, Sharding};
 
 use crate::{Error, Result};
 
@@ -75,7 +75,7 @@ impl Walk<'_> {
     fn next(&mut self) -> Option<(usize, usize)> {
         let position = self.position;
         self.position += 1;
-        self.index.entry(position).map(|g| self.sharding.location(g))
+        self.index.entry(position).and_then(|g| self.sharding.location(g))
     }
 }
 
@@ -318,4 +318,82 @@ pub(crate) fn trainable_bytes<M: Module>(model: &M, index: &ParamIndex) -> u64 {
     let mut count = Count { index, position: 0, bytes: 0 };
     model.visit(&mut count);
     count.bytes
+}
+
+/// Replaces every trainable parameter that no unit of `sharding` holds with an empty
+/// tensor (a pipeline stage's other stages' parameters).
+pub(crate) fn release_unheld<M: Module>(model: M, index: &ParamIndex, sharding: &Sharding, device: &Device) -> M {
+    struct Releaser<'a> {
+        index: &'a ParamIndex,
+        sharding: &'a Sharding,
+        device: &'a Device,
+        position: usize,
+    }
+    impl ModuleMapper for Releaser<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let position = self.position;
+            self.position += 1;
+            match self.index.entry(position) {
+                Some(g) if self.sharding.location(g).is_none() => {
+                    param.map(|_| Tensor::<D>::empty([0; D], self.device).require_grad())
+                }
+                _ => param,
+            }
+        }
+    }
+    model.map(&mut Releaser { index, sharding, device, position: 0 })
+}
+
+/// Makes every rank's parameters world rank 0's, one unit of `full` (a sharding of every
+/// unit over one rank) at a time, in f32.
+pub(crate) fn agree_initial_values<M: Module>(
+    mut model: M,
+    world: &dyn Collective,
+    index: &ParamIndex,
+    full: &Sharding,
+    device: &Device,
+) -> Result<M> {
+    for (unit, sharded) in full.units().iter().enumerate() {
+        let n = sharded.layout.num_elems();
+        let mut values = vec![0.0f32; n];
+        read_params(&model, index, full, unit, 0..n, BufMut::F32(&mut values))?;
+        world.broadcast((&mut values).into(), 0)?;
+        model = write_params(model, index, full, unit, Fill::Take(FlatBuf::F32(values)), device);
+    }
+    Ok(model)
+}
+
+/// Writes every trainable parameter from `values` (fp32, the global order of `sharding`),
+/// cast to `dtype`: a full model, whatever the engine holds.
+pub(crate) fn write_global<M: Module>(
+    model: M,
+    index: &ParamIndex,
+    sharding: &Sharding,
+    values: &[f32],
+    dtype: zerotrain_precision::Precision,
+    device: &Device,
+) -> M {
+    struct Writer<'a> {
+        index: &'a ParamIndex,
+        sharding: &'a Sharding,
+        values: &'a [f32],
+        dtype: zerotrain_precision::Precision,
+        device: &'a Device,
+        position: usize,
+    }
+    impl ModuleMapper for Writer<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let position = self.position;
+            self.position += 1;
+            let Some(g) = self.index.entry(position) else { return param };
+            let entry = &self.sharding.global().entries()[g];
+            let shape: [usize; D] = entry.shape.as_slice().try_into().expect("layout shapes come from this module");
+            let flat = FlatBuf::from_f32(self.dtype, &self.values[entry.flat_range()]);
+            let data = with_elem!(FlatBuf, flat, v, _E => TensorData::new(v, shape));
+            let dtype = data.dtype();
+            let tensor = Tensor::<D>::from_data(data, (self.device, dtype));
+            param.map(|_| tensor.require_grad())
+        }
+    }
+    model.map(&mut Writer { index, sharding, values, dtype, device, position: 0 })
 }

@@ -30,6 +30,9 @@ impl<M: Module> Engine<M> {
         for unit in &mut self.units {
             grads.push(unit.take_reduced(&mut self.window.times)?);
         }
+        if let Some(root) = self.root() {
+            self.sum_root_over_stages(&mut grads[root])?;
+        }
         let (sum_squares, loss) = self.global_metrics(&grads)?;
         self.window.times.reduce += start.elapsed().as_secs_f64();
         let scale = self.loss_scale();
@@ -71,7 +74,7 @@ impl<M: Module> Engine<M> {
         }
         self.counters.global_steps += 1;
         self.counters.global_samples += self.shared.plan.batch.train_batch_size;
-        let stats = self.shared.comm.stats();
+        let stats = self.comm_stats();
         let report = StepReport {
             global_step: self.counters.global_steps,
             loss,
@@ -88,21 +91,25 @@ impl<M: Module> Engine<M> {
         Ok(Some(report))
     }
 
-    /// One all-reduce of each rank's squared-norm partial of its (still scaled) gradient
-    /// and of its mean loss: (sum of squares over all ranks, mean loss). A rank's partial
-    /// runs over its shards of every unit in unit order, in one f64 sum. At stage 0 every
-    /// rank holds the full gradients and computes every rank's partial itself the same
-    /// way, so the total is the sharded stages' to the last bit.
+    /// One all-reduce over the world of each rank's squared-norm partial of its (still
+    /// scaled) gradient and of its mean loss: (sum of squares over all ranks, mean loss). A
+    /// rank's partial runs over its shards of every unit in unit order, in one f64 sum, the
+    /// slots summed in world rank order. At stage 0 every rank holds the full gradients of
+    /// its units, and its group's first rank computes every rank's partial the same way, so
+    /// the total is the sharded stages' to the last bit. In a pipeline, the root (the same
+    /// on every stage) counts on the first stage only and the loss comes from the last.
     fn global_metrics(&self, grads: &[Vec<f32>]) -> Result<(f64, f32)> {
-        let (rank, n) = (self.shared.comm.rank(), self.shared.comm.world_size());
+        let (world, group) = (&self.shared.world, &self.shared.comm);
+        let n = world.world_size();
         let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
+        let counts_root = self.stage.as_ref().is_none_or(|s| s.index == 0);
         let partial = |r: usize| -> f32 {
             let mut sum = 0.0f64;
             for (id, values) in grads.iter().enumerate() {
                 let layout = self.shared.layout(id);
                 let real = layout.shard_real_range(r);
-                if real.is_empty() {
-                    continue; // an all-padding shard (more ranks than the unit has elements)
+                if real.is_empty() || (self.root() == Some(id) && !counts_root) {
+                    continue; // an all-padding shard, or the root counted by another stage
                 }
                 let offset = if sharded { layout.shard_range(r).start } else { 0 };
                 for &g in &values[real.start - offset..real.end - offset] {
@@ -111,18 +118,30 @@ impl<M: Module> Engine<M> {
             }
             sum as f32
         };
+        // The world rank of this group's rank `r`.
+        let slot = |r: usize| match &self.stage {
+            Some(stage) => stage.topology.rank(stage.index, r),
+            None => r,
+        };
         let mut metrics = vec![0.0f32; n + 1];
         if sharded {
-            metrics[rank] = partial(rank);
-        }
-        metrics[n] = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
-        self.shared.comm.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
-        if !sharded {
-            for (r, slot) in metrics[..n].iter_mut().enumerate() {
-                *slot = partial(r);
+            metrics[slot(group.rank())] = partial(group.rank());
+        } else if group.rank() == 0 {
+            for r in 0..group.world_size() {
+                metrics[slot(r)] = partial(r);
             }
         }
-        Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / n as f32))
+        let loss_ranks = match &self.stage {
+            Some(stage) if stage.index + 1 < stage.topology.stages => 0,
+            Some(stage) => stage.topology.data_parallel,
+            None => n,
+        };
+        if loss_ranks > 0 {
+            metrics[n] = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
+        }
+        world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        let contributors = self.stage.as_ref().map_or(n, |s| s.topology.data_parallel);
+        Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32))
     }
 }
 

@@ -27,10 +27,14 @@ use super::params::{Fill, ParamIndex, UnitGrads, read_params, write_params};
 use crate::config::Plan;
 use crate::{Error, Result};
 
-/// What every unit works with: the rank's collective and device, the plan, the units'
+/// What every unit works with: the rank's collectives and device, the plan, the units'
 /// layouts and the index of the model's parameters.
 pub(crate) struct Shared {
+    /// The ranks the units are sharded over: the world, or a pipeline stage's
+    /// data-parallel group.
     pub comm: Arc<dyn Collective>,
+    /// Every rank of the job (the gradient norm, the loss, checkpoints agree over it).
+    pub world: Arc<dyn Collective>,
     pub device: Device,
     pub plan: Plan,
     pub sharding: Sharding,

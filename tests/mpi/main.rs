@@ -74,6 +74,16 @@ fn training_at_every_stage_equals_the_threads_backend() {
     }
 }
 
+/// A 2-stage pipeline of 2 data-parallel processes each (activations and gradients as
+/// point-to-point messages, groups split from MPI's world) trains as the same pipeline of
+/// threads does, under both schedules.
+#[test]
+fn a_pipeline_over_mpi_processes_trains_like_threads() {
+    let (out, _) = run(4, &["pipeline"], Duration::from_secs(300));
+    assert_success(&out, "pipeline");
+    assert_eq!(ok_lines(&out).len(), 2 * 4, "2 schedules on every rank");
+}
+
 #[test]
 fn checkpoints_move_between_mpi_processes_and_threads() {
     let dir = std::env::temp_dir().join(format!("zerotrain-mpi-{}", std::process::id()));

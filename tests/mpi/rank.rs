@@ -187,6 +187,32 @@ fn point_to_point_and_groups(comm: &dyn Collective) {
     assert_eq!(gathered, members.iter().map(|&r| r as f32).collect::<Vec<_>>());
 }
 
+/// A 2-stage pipeline of 2 data-parallel ranks each, 3 micro-batches per step.
+fn pipeline_plan(world_size: Option<usize>, schedule: &str) -> Plan {
+    let json = format!(
+        r#"{{"train_batch_size": 12, "gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
+            "zero_optimization": {{"stage": 1}}, "pipeline": {{"stages": 2}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
+            "zerotrain": {{"comm_timeout_s": 60, "schedule": "{schedule}"}}}}"#
+    );
+    Config::parse(&json, "mpi-pipeline")
+        .and_then(|c| c.resolve(Overrides { world_size, total_steps: None, mpirun: zerotrain::detect_mpirun() }))
+        .expect("plan")
+}
+
+/// Pipelined training of `model` (its layers the units) for `steps`: the fp32 masters.
+fn train_pipelined(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::Range<u64>) -> Result<Vec<f32>, Error> {
+    let mut engine = Engine::with_units(model, plan, ctx)?;
+    let (b, d) = (plan.batch, ctx.rank() as u64 % 2);
+    for step in steps {
+        engine.train_batch(|micro| {
+            let first = step * b.train_batch_size + (micro as u64 * 2 + d) * b.micro_batch_per_rank;
+            TASK.batch(first..first + b.micro_batch_per_rank, ctx.device())
+        })?;
+    }
+    engine.master_params()
+}
+
 /// The variable that carries a rank's arguments, separated by [`ARG_SEPARATOR`].
 pub const ARGS_VAR: &str = "ZEROTRAIN_MPI_RANK_ARGS";
 /// Separates the arguments in [`ARGS_VAR`].
@@ -218,6 +244,35 @@ fn rank_program() {
     let result = launch(&the_plan, |ctx| -> Result<(), Error> {
         match mode {
             "collectives" => collectives(ctx.collective().as_ref()),
+            "pipeline" => {
+                for schedule in ["gpipe", "1f1b"] {
+                    let plan = pipeline_plan(None, schedule);
+                    let got = train_pipelined(model.clone(), &ctx, &plan, 0..3)?;
+                    let diff = if ctx.rank() == 0 {
+                        let mut threads = pipeline_plan(Some(4), schedule);
+                        threads.backend = zerotrain::config::Backend::Threads;
+                        let world = ThreadWorld::new(4, Duration::from_secs(60));
+                        let reference = std::thread::scope(|s| {
+                            let handles: Vec<_> = (0..4)
+                                .map(|rank| {
+                                    let ctx =
+                                        RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
+                                    let (plan, model) = (&threads, model.clone());
+                                    s.spawn(move || {
+                                        train_pipelined(model, &ctx, plan, 0..3).expect("threads reference")
+                                    })
+                                })
+                                .collect();
+                            handles.into_iter().next().unwrap().join().unwrap()
+                        });
+                        max_diff(&got, &reference)
+                    } else {
+                        0.0
+                    };
+                    assert!(diff <= 1e-6, "{schedule}: MPI vs threads differ by {diff}");
+                    println!("ok pipeline {schedule} rank {} diff {diff:e}", ctx.rank());
+                }
+            }
             "train" => {
                 for stage in 0..=3 {
                     let plan = plan(stage, Some(ctx.world_size()));

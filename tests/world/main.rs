@@ -10,6 +10,7 @@ mod failure;
 mod memory;
 mod mixed;
 mod overflow;
+mod pipeline;
 mod units;
 
 /// The README's minimal example, compiled and run as part of the suite.

@@ -92,13 +92,13 @@ impl<M: UnitModel<Batch = Batch> + Sync> Workload for Regression<M> {
 }
 
 /// Deterministic token sequences for a GPT.
-struct Tokens {
-    vocab: usize,
-    len: usize,
+pub(crate) struct Tokens {
+    pub vocab: usize,
+    pub len: usize,
 }
 
 impl Tokens {
-    fn tokens(&self, indices: std::ops::Range<u64>, device: &Device) -> Tensor<2, Int> {
+    pub(crate) fn tokens(&self, indices: std::ops::Range<u64>, device: &Device) -> Tensor<2, Int> {
         let n = indices.end - indices.start;
         let values: Vec<i64> = indices
             .flat_map(|i| (0..self.len as u64).map(move |j| ((i * 7 + j * 3 + (i * j) % 5) % self.vocab as u64) as i64))
@@ -259,7 +259,7 @@ fn a_transformer_in_units_matches_plain_burn_in_every_mode_and_stage() {
     check_equivalence(&Regression(std::marker::PhantomData, |m: &TinyTransformer, b| m.loss(b)), &init, &[1, 2, 3]);
 }
 
-fn tiny_gpt(tied_head: bool, seed: u64) -> Gpt {
+pub(crate) fn tiny_gpt(tied_head: bool, seed: u64) -> Gpt {
     let device = Device::flex().autodiff();
     device.seed(seed);
     Gpt::new(&GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, tied_head }, &device)

@@ -47,6 +47,7 @@ pub mod collective;
 mod error;
 pub mod layout;
 pub mod memory;
+pub mod pipeline;
 pub mod sharding;
 mod stage;
 

@@ -40,26 +40,29 @@ pub struct ShardedUnit {
 }
 
 /// Every unit's flat layout over `world_size` ranks, and the global order they map onto.
+///
+/// The global order may hold parameters in no unit here: a pipeline stage's sharding has
+/// its own units only, but places them in the whole model's order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sharding {
     global: FlatLayout,
     units: Vec<ShardedUnit>,
-    /// `(unit, entry within the unit)` of each global entry.
-    location: Vec<(usize, usize)>,
+    /// `(unit, entry within the unit)` of each global entry held here.
+    location: Vec<Option<(usize, usize)>>,
     /// Start of each unit's shard in the local buffer, then the local buffer's length.
     local_starts: Vec<usize>,
 }
 
 impl Sharding {
     /// Groups `params` (path, shape), given in global order, into units: parameter `i`
-    /// belongs to unit `unit_of[i]`, and unit `u` is called `names[u]`. Each unit is padded
-    /// to a multiple of `world_size * align_elems`.
+    /// belongs to unit `unit_of[i]` (`None`: to no unit here), and unit `u` is called
+    /// `names[u]`. Each unit is padded to a multiple of `world_size * align_elems`.
     ///
     /// Errors on a unit index out of range, a unit without parameters, and whatever
     /// [`FlatLayout::new`] refuses.
     pub fn new(
         params: Vec<(String, Vec<usize>)>,
-        unit_of: &[usize],
+        unit_of: &[Option<usize>],
         names: Vec<String>,
         world_size: usize,
         align_elems: usize,
@@ -71,15 +74,17 @@ impl Sharding {
                 params.len()
             )));
         }
-        if let Some(&bad) = unit_of.iter().find(|&&u| u >= names.len()) {
+        if let Some(bad) = unit_of.iter().flatten().find(|&&u| u >= names.len()) {
             return Err(ZeroError::InvalidLayout(format!("unit {bad} of {} units", names.len())));
         }
         let global = FlatLayout::new(params.clone(), 1, 1)?;
         let mut members: Vec<Vec<usize>> = vec![Vec::new(); names.len()];
         let mut location = Vec::with_capacity(params.len());
-        for (i, &u) in unit_of.iter().enumerate() {
-            location.push((u, members[u].len()));
-            members[u].push(i);
+        for (i, unit) in unit_of.iter().enumerate() {
+            location.push(unit.map(|u| (u, members[u].len())));
+            if let Some(u) = *unit {
+                members[u].push(i);
+            }
         }
         let mut units = Vec::with_capacity(names.len());
         let mut local_starts: Vec<usize> = vec![0];
@@ -98,7 +103,7 @@ impl Sharding {
 
     /// Every parameter in one unit: the grouping of a model that declares none.
     pub fn single(params: Vec<(String, Vec<usize>)>, world_size: usize, align_elems: usize) -> Result<Self, ZeroError> {
-        let unit_of = vec![0; params.len()];
+        let unit_of = vec![Some(0); params.len()];
         Self::new(params, &unit_of, vec!["model".into()], world_size, align_elems)
     }
 
@@ -117,8 +122,9 @@ impl Sharding {
         self.units[0].layout.world_size()
     }
 
-    /// `(unit, entry within the unit)` of global parameter `global_entry`.
-    pub fn location(&self, global_entry: usize) -> (usize, usize) {
+    /// `(unit, entry within the unit)` of global parameter `global_entry`, if a unit here
+    /// holds it.
+    pub fn location(&self, global_entry: usize) -> Option<(usize, usize)> {
         self.location[global_entry]
     }
 
@@ -182,7 +188,8 @@ mod tests {
     fn sharding(sizes: &[usize], unit_of: &[usize], units: usize, world_size: usize, align: usize) -> Sharding {
         let params = sizes.iter().enumerate().map(|(i, &n)| (format!("p{i}"), vec![n])).collect();
         let names = (0..units).map(|u| format!("u{u}")).collect();
-        Sharding::new(params, unit_of, names, world_size, align).unwrap()
+        let unit_of: Vec<Option<usize>> = unit_of.iter().map(|&u| Some(u)).collect();
+        Sharding::new(params, &unit_of, names, world_size, align).unwrap()
     }
 
     /// Deterministic pseudo-random groupings: a parameter may go to any unit, units may
@@ -251,7 +258,7 @@ mod tests {
         assert_eq!(s.local_range(0), 0..4);
         assert_eq!(s.local_range(1), 4..16);
         assert_eq!(s.local_len(), 16);
-        assert_eq!(s.location(2), (1, 1));
+        assert_eq!(s.location(2), Some((1, 1)));
         assert_eq!(s.units()[1].global_entries, vec![0, 2]);
         // Unit 1's buffer is p0 then p2; p2 starts at global 13. Rank 1 owns 12..24: p2's
         // elements 2..7, then padding.
@@ -290,14 +297,25 @@ mod tests {
         }
     }
 
+    /// A stage's sharding: parameters of other stages have no unit here but keep their
+    /// place in the global order.
+    #[test]
+    fn parameters_in_no_unit_keep_their_global_place() {
+        let params = vec![("a".to_string(), vec![4]), ("b".to_string(), vec![3]), ("c".to_string(), vec![5])];
+        let s = Sharding::new(params, &[None, Some(0), None], vec!["mine".into()], 2, 1).unwrap();
+        assert_eq!((s.global().num_elems(), s.location(0), s.location(1)), (12, None, Some((0, 0))));
+        assert_eq!(s.units()[0].layout.num_elems(), 3);
+        assert_eq!(s.global_segments(0, 0..4), vec![(0..3, 4..7)]);
+    }
+
     #[test]
     fn bad_groupings_are_errors() {
         let params = || vec![("a".to_string(), vec![2]), ("b".to_string(), vec![3])];
         let names = || vec!["x".to_string(), "y".to_string()];
-        let err = Sharding::new(params(), &[0, 0], names(), 2, 1).unwrap_err().to_string();
+        let err = Sharding::new(params(), &[Some(0), Some(0)], names(), 2, 1).unwrap_err().to_string();
         assert!(err.contains("unit `y` has no parameters"), "{err}");
-        assert!(Sharding::new(params(), &[0, 2], names(), 2, 1).is_err());
-        assert!(Sharding::new(params(), &[0], names(), 2, 1).is_err());
+        assert!(Sharding::new(params(), &[Some(0), Some(2)], names(), 2, 1).is_err());
+        assert!(Sharding::new(params(), &[Some(0)], names(), 2, 1).is_err());
         assert_eq!(Sharding::single(params(), 3, 2).unwrap().units().len(), 1);
     }
 }

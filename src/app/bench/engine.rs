@@ -182,6 +182,7 @@ fn median_times(reports: &[crate::StepReport]) -> PhaseTimes {
         gather: pick(|t| t.gather),
         comm_wait: pick(|t| t.comm_wait),
         comm_busy: pick(|t| t.comm_busy),
+        pipe_wait: pick(|t| t.pipe_wait),
     }
 }
 

@@ -221,11 +221,36 @@ fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u6
 
 /// `zerotrain config check`.
 pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, json: bool) -> anyhow::Result<()> {
-    let (plan, _) = keys::load(file, overrides(world_size, steps))?;
+    let (plan, settings) = keys::load(file, overrides(world_size, steps))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {
         println!("{} resolves to:\n{plan}", file.display());
+        if let Some(pipeline) = plan.pipeline {
+            print_stages(&settings.model, pipeline)?;
+        }
+    }
+    Ok(())
+}
+
+/// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the
+/// generated corpus when the config leaves it to the data).
+fn print_stages(model: &crate::app::models::GptConfig, pipeline: crate::config::PipelinePlan) -> anyhow::Result<()> {
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    let (units, root) = model.unit_params();
+    let weights: Vec<u64> = units.iter().map(|(_, n)| *n).collect();
+    let parts = zerotrain_zero::pipeline::partition(&weights, pipeline.stages, pipeline.partition)
+        .map_err(|_| anyhow::anyhow!("pipeline.stages is {} but the GPT has {} units", pipeline.stages, units.len()))?;
+    for (stage, range) in parts.into_iter().enumerate() {
+        let names: Vec<&str> = units[range.clone()].iter().map(|(name, _)| name.as_str()).collect();
+        let params: u64 = weights[range].iter().sum();
+        println!("  {:<17} {} ({params} parameters)", format!("stage {stage}"), names.join(", "));
+    }
+    if root > 0 {
+        println!("  every stage       the root: the tied token embedding ({root} parameters), summed over the stages");
     }
     Ok(())
 }

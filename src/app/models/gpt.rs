@@ -93,6 +93,19 @@ impl GptConfig {
         Ok(())
     }
 
+    /// The units the [`Gpt`] declares, with their parameter counts, and the root's count
+    /// (the tied token embedding; 0 when untied), for shapes within the limits.
+    pub fn unit_params(&self) -> (Vec<(String, u64)>, u64) {
+        let (d, v, t) = (self.n_embd as u64, self.vocab_size as u64, self.block_size as u64);
+        let block = 4 * d * d + 3 * d + 4 * d + (d * 4 * d + 4 * d) + (4 * d * d + d);
+        let (embed, head, root) =
+            if self.tied_head { (t * d, 2 * d, v * d) } else { (t * d + v * d, 2 * d + d * v + v, 0) };
+        let mut units = vec![("embed".to_string(), embed)];
+        units.extend((0..self.n_layer).map(|i| (format!("blocks.{i}"), block)));
+        units.push(("head".to_string(), head));
+        (units, root)
+    }
+
     /// Trainable parameters of this shape (no key bias; see [`Gpt`]). Saturates at
     /// `u64::MAX` for shapes far beyond [`validate`](Self::validate)'s limits.
     pub fn num_params(&self) -> u64 {
@@ -321,6 +334,9 @@ mod tests {
             let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, tied_head };
             let model = Gpt::new(&config, &device);
             assert_eq!(ParamCount::trainable(&model), config.num_params(), "tied {tied_head}");
+            let (units, root) = config.unit_params();
+            assert_eq!(units.iter().map(|(_, n)| n).sum::<u64>() + root, config.num_params());
+            assert_eq!(units.len(), model.units().len());
             let loss =
                 model.loss(Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 2, 3, 4, 5, 6], [2, 3]), &device));
             assert!(loss.into_scalar::<f32>() > 0.0);

@@ -303,19 +303,19 @@ impl Job<'_> {
     }
 
     /// The optimizer step after `step`: every micro-batch of this rank, then the update.
-    /// Rank `r`'s micro-step `i` reads sequences `(i·world + r)·micro ..` of the step's batch.
+    /// Data index `d`'s micro-step `i` reads sequences `(i·D + d)·micro ..` of the step's
+    /// batch, `D` the data-parallel ranks.
     fn train_step(&self, engine: &mut Engine<Gpt>, step: u64, ctx: &RankContext) -> Result<StepReport> {
         let (b, block) = (&self.plan.batch, self.shape.block_size);
-        let (n, rank) = (ctx.world_size() as u64, ctx.rank() as u64);
-        let mut report = None;
-        for micro in 0..b.gradient_accumulation_steps {
-            let first = (micro * n + rank) * b.micro_batch_per_rank;
-            let tokens =
-                windows(&self.corpus.train, block, self.plan.seed, step, first, b.micro_batch_per_rank, ctx.device());
-            engine.forward_backward(&tokens)?;
-            report = engine.step()?;
-        }
-        Ok(report.expect("the last micro-step is a boundary"))
+        // Data parallelism: the world, or each pipeline stage's group (every stage of one
+        // pipeline reads the same micro-batches).
+        let stages = self.plan.pipeline.map_or(1, |p| p.stages);
+        let n = (ctx.world_size() / stages) as u64;
+        let d = ctx.rank() as u64 % n;
+        engine.train_batch(|micro| {
+            let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
+            windows(&self.corpus.train, block, self.plan.seed, step, first, b.micro_batch_per_rank, ctx.device())
+        })
     }
 
     /// DeepSpeed's per-step log line (and the time breakdown when `wall_clock_breakdown`).

@@ -154,15 +154,24 @@ impl CommStats {
 
     /// The traffic between `earlier` and `self`.
     pub fn since(&self, earlier: &CommStats) -> CommStats {
-        let d = |a: OpStats, b: OpStats| OpStats { calls: a.calls - b.calls, bytes: a.bytes - b.bytes };
+        self.combine(earlier, u64::wrapping_sub)
+    }
+
+    /// The traffic of `self` and `other` together (a rank's communicators added up).
+    pub fn plus(&self, other: &CommStats) -> CommStats {
+        self.combine(other, u64::saturating_add)
+    }
+
+    fn combine(&self, other: &CommStats, f: fn(u64, u64) -> u64) -> CommStats {
+        let op = |a: OpStats, b: OpStats| OpStats { calls: f(a.calls, b.calls), bytes: f(a.bytes, b.bytes) };
         CommStats {
-            all_reduce: d(self.all_reduce, earlier.all_reduce),
-            reduce_scatter: d(self.reduce_scatter, earlier.reduce_scatter),
-            all_gather: d(self.all_gather, earlier.all_gather),
-            broadcast: d(self.broadcast, earlier.broadcast),
-            barrier_calls: self.barrier_calls - earlier.barrier_calls,
-            send: d(self.send, earlier.send),
-            recv: d(self.recv, earlier.recv),
+            all_reduce: op(self.all_reduce, other.all_reduce),
+            reduce_scatter: op(self.reduce_scatter, other.reduce_scatter),
+            all_gather: op(self.all_gather, other.all_gather),
+            broadcast: op(self.broadcast, other.broadcast),
+            barrier_calls: f(self.barrier_calls, other.barrier_calls),
+            send: op(self.send, other.send),
+            recv: op(self.recv, other.recv),
         }
     }
 }
