@@ -163,6 +163,20 @@ pub enum BenchCommand {
         #[arg(long, value_enum, default_value = "checkpointed")]
         mode: crate::app::bench::RunMode,
     },
+    /// Pipeline parallelism: each stage's idle fraction against GPipe's bubble for K stages
+    /// and 1, 4, 8, 16 micro-batches, both schedules, kept activations, and plain data
+    /// parallelism on the same ranks (under mpirun: over MPI, K = the process count).
+    Pipeline {
+        /// Stage counts (threads).
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        stages: Vec<usize>,
+        /// Measured steps per configuration.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// f32 <-> f16 / bf16 conversion of flat buffers beside memcpy of the same bytes.
     Convert {
         /// MiB of f32 to convert.

@@ -97,6 +97,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine { world_sizes, steps, overlap, json }) => {
             commands::bench::bench_engine(&world_sizes, steps, overlap, json)
         }
+        Command::Bench(BenchCommand::Pipeline { stages, steps, json }) => {
+            commands::bench::bench_pipeline(&stages, steps, json)
+        }
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode)
         }

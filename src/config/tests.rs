@@ -3,6 +3,7 @@
 use super::*;
 use crate::schedule::LrSchedule;
 use zerotrain_zero::ZeroStage;
+use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
 fn parse(json: &str) -> Result<Config, ConfigError> {
     Config::parse(json, "test.json")
@@ -340,4 +341,56 @@ fn unit_keys_resolve_with_deepspeeds_defaults_and_checkpointing_is_the_sections_
     let err =
         plan(r#"{"train_batch_size": 4, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}"#).unwrap_err();
     assert_eq!(err.to_string(), "config: `zero_optimization.reduce_bucket_size`: must be at least 1 element");
+}
+
+/// The pipeline section: stages dividing the world, the batch derived over the
+/// data-parallel ranks, DeepSpeed's partition names, the schedule, and refusals by key.
+#[test]
+fn pipeline_keys_resolve_over_the_data_parallel_ranks_and_bad_ones_name_their_key() {
+    let at = |json: &str, n: usize| parse(json)?.resolve(Overrides { world_size: Some(n), ..Overrides::default() });
+    let plan = at(
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+            "pipeline": {"stages": 2, "partition_method": "uniform", "activation_checkpoint_interval": 2},
+            "zerotrain": {"schedule": "gpipe"}}"#,
+        6,
+    )
+    .unwrap();
+    let p = plan.pipeline.unwrap();
+    assert_eq!((p.stages, p.data_parallel(6), p.checkpoint_interval), (2, 3, 2));
+    assert_eq!((p.partition, p.schedule), (PartitionMethod::Uniform, ScheduleKind::GPipe));
+    assert_eq!(plan.batch.train_batch_size, 2 * 4 * 3, "micro x accumulation x data-parallel ranks");
+    let defaults = at(
+        r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "partition": "best"}, "activation_checkpointing": {}}"#,
+        2,
+    )
+    .unwrap()
+    .pipeline
+    .unwrap();
+    assert_eq!(
+        (defaults.partition, defaults.schedule, defaults.checkpoint_interval),
+        (PartitionMethod::Parameters, ScheduleKind::OneFOneB, 1)
+    );
+    assert!(at(r#"{"train_batch_size": 4, "pipeline": {"stages": "auto"}}"#, 2).unwrap().pipeline.is_none());
+    assert!(at(r#"{"train_batch_size": 4, "pipeline": {"stages": 1}}"#, 2).unwrap().pipeline.is_none());
+    let warned =
+        at(r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "seed_layers": true, "pipe_partitioned": true}}"#, 2);
+    assert_eq!(warned.unwrap().not_implemented, ["pipeline.seed_layers"]);
+
+    let err = |json: &str, n: usize| at(json, n).unwrap_err().to_string();
+    assert!(
+        err(r#"{"train_batch_size": 4, "pipeline": {"stages": 4}}"#, 6)
+            .contains("`pipeline.stages`: must divide the world size (6)")
+    );
+    assert!(
+        err(r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "partition": "type:Block"}}"#, 2)
+            .contains("pipeline.partition")
+    );
+    assert!(
+        err(r#"{"train_batch_size": 4, "zerotrain": {"schedule": "interleaved"}}"#, 2)
+            .contains("`zerotrain.schedule`: must be `1f1b` or `gpipe`")
+    );
+    let stage3 = err(r#"{"train_batch_size": 4, "zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}"#, 2);
+    assert!(stage3.contains("stage 3 with pipeline.stages > 1 is not supported"), "{stage3}");
+    let unknown = parse(r#"{"pipeline": {"stage": 2}}"#).unwrap_err().to_string();
+    assert_eq!(unknown, "test.json: unknown key `pipeline.stage` (did you mean `stages`?)");
 }

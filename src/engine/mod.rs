@@ -100,7 +100,8 @@ pub struct PhaseTimes {
     /// Time the collectives themselves took.
     pub comm_busy: f64,
     /// Pipeline stages: time waiting for activations and gradients from the neighbouring
-    /// stages (the bubble, and any imbalance); part of `forward` and `backward`.
+    /// stages, and at the flush for the last stage to finish (the bubble, and any
+    /// imbalance); outside the other phases but for the flush, which is part of `reduce`.
     pub pipe_wait: f64,
 }
 
@@ -131,6 +132,10 @@ pub struct MemoryReport {
     pub peak_gathered: u64,
     /// Stage 3: bytes of parameters that stay resident in the model (persistence).
     pub persistent: u64,
+    /// A pipeline stage: most bytes of activations kept at once for pending backwards
+    /// (unit boundaries, and inputs and outputs of units that keep their graphs; the
+    /// graphs' insides are not counted).
+    pub peak_activations: u64,
 }
 
 impl MemoryReport {
@@ -198,6 +203,7 @@ struct Placement {
 struct Peaks {
     transient: u64,
     gathered: u64,
+    activations: u64,
 }
 
 impl<M: Module> Engine<M> {
@@ -259,7 +265,7 @@ impl<M: Module> Engine<M> {
         Ok(Self {
             scaler: plan.loss_scale.map(|s| s.scaler()),
             window: Window::default(),
-            peaks: Peaks { transient, gathered: 0 },
+            peaks: Peaks { transient, gathered: 0, activations: 0 },
             model,
             shared,
             units,
@@ -488,6 +494,7 @@ impl<M: Module> Engine<M> {
             optimizer: self.units.iter().map(|u| u.optimizer().state_bytes()).sum(),
             peak_transient: self.peaks.transient,
             peak_gathered: self.peaks.gathered,
+            peak_activations: self.peaks.activations,
             persistent: if stage3 {
                 self.units.iter().map(|u| u.resident_elems(&self.shared) * elem_bytes).sum()
             } else {

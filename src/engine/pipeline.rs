@@ -65,6 +65,23 @@ struct InFlight<M: UnitModel> {
     input: Option<(Vec<usize>, Precision)>,
 }
 
+impl<M: UnitModel> InFlight<M> {
+    /// Bytes of the activations kept for the backward: the units' boundaries (inputs and
+    /// outputs of those that keep a graph, not the graphs' insides) and the last output.
+    fn kept_bytes(&self) -> u64 {
+        let saved: u64 = self
+            .saved
+            .iter()
+            .map(|s| match s {
+                Saved::Boundary(input) => input.as_ref().map_or(0, Activation::num_bytes),
+                Saved::Graph(input, output) => input.as_ref().map_or(0, Activation::num_bytes) + output.num_bytes(),
+                Saved::Inside | Saved::Done => 0,
+            })
+            .sum();
+        saved + self.output.as_ref().map_or(0, Activation::num_bytes)
+    }
+}
+
 /// Floats in an activation's header: dtype code, rank, up to 7 dimensions.
 const HEADER_LEN: usize = 9;
 
@@ -138,6 +155,8 @@ impl<M: UnitModel> Engine<M> {
                 Work::Forward(i) => {
                     let flight = self.forward_micro_batch(batch(i), &mut sends)?;
                     in_flight.insert(i, flight);
+                    let kept: u64 = in_flight.values().map(InFlight::kept_bytes).sum();
+                    self.peaks.activations = self.peaks.activations.max(kept);
                 }
                 Work::Backward(i) => {
                     let flight = in_flight.remove(&i).expect("a schedule runs each forward before its backward");

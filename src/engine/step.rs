@@ -98,7 +98,7 @@ impl<M: Module> Engine<M> {
     /// its units, and its group's first rank computes every rank's partial the same way, so
     /// the total is the sharded stages' to the last bit. In a pipeline, the root (the same
     /// on every stage) counts on the first stage only and the loss comes from the last.
-    fn global_metrics(&self, grads: &[Vec<f32>]) -> Result<(f64, f32)> {
+    fn global_metrics(&mut self, grads: &[Vec<f32>]) -> Result<(f64, f32)> {
         let (world, group) = (&self.shared.world, &self.shared.comm);
         let n = world.world_size();
         let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
@@ -139,7 +139,13 @@ impl<M: Module> Engine<M> {
         if loss_ranks > 0 {
             metrics[n] = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
         }
+        let wait = Instant::now();
         world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        if self.stage.is_some() {
+            // At the flush the stages that finish first wait here for the last: the
+            // pipeline's bubble, as waiting for a neighbour's activations is.
+            self.window.times.pipe_wait += wait.elapsed().as_secs_f64();
+        }
         let contributors = self.stage.as_ref().map_or(n, |s| s.topology.data_parallel);
         Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32))
     }

@@ -103,6 +103,25 @@ pub fn bench_engine(world_sizes: &[usize], steps: u64, overlap: bool, json: bool
     Ok(())
 }
 
+/// `zerotrain bench pipeline`.
+pub fn bench_pipeline(stages: &[usize], steps: usize, json: bool) -> anyhow::Result<()> {
+    use crate::app::bench::pipeline;
+    let mpirun = crate::detect_mpirun();
+    let stages = match mpirun {
+        Some(m) => vec![m.world_size],
+        None => stages.to_vec(),
+    };
+    let rows = pipeline::table(&stages, steps)?;
+    if mpirun.is_some_and(|m| m.rank != 0) {
+        return Ok(());
+    }
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&rows)?),
+        false => print!("{}", pipeline::format(&rows, if mpirun.is_some() { "mpi" } else { "threads" })),
+    }
+    Ok(())
+}
+
 /// `zerotrain bench growth`.
 pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
     let rows = crate::app::bench::engine::growth(steps)?;

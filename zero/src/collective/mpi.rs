@@ -212,11 +212,15 @@ impl MpiComm {
                 self.world.abort(1);
             }
             // Spin briefly (most collectives finish within microseconds), then yield the
-            // core: ranks may outnumber cores.
+            // core, then sleep: ranks (and their computing threads) may outnumber cores, and
+            // a long wait (a pipeline stage waiting for its neighbour) must not take the
+            // core from the rank it waits for.
             if waited < Duration::from_micros(200) {
                 std::hint::spin_loop();
-            } else {
+            } else if waited < Duration::from_millis(2) {
                 std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
             }
         }
     }
