@@ -561,3 +561,33 @@ fn hostile_inputs_are_short_one_line_errors_never_panics_or_aborts() {
     }
     let _ = std::fs::remove_dir_all(&run);
 }
+
+/// The pipeline recipe: `config check` names each stage's units and the bubble; the job
+/// trains on 2 stages, and its checkpoint resumes without a pipeline (configs/zero1.json
+/// trains the same GPT shape).
+#[test]
+fn the_pipeline_recipe_checks_trains_and_resumes_without_the_pipeline() {
+    let out = zerotrain(&["config", "check", "configs/pipeline.json", "--steps", "20"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for needle in [
+        "pipeline            2 stages x 1 data-parallel rank(s), schedule 1f1b",
+        "bubble            (K-1)/(M+K-1) = 1/5 = 20.0%",
+        "stage 0           embed, blocks.0 (51968 parameters)",
+        "stage 1           blocks.1, head (50048 parameters)",
+        "the root: the tied token embedding",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+    let dir = temp_run("pipeline");
+    let run = dir.to_str().unwrap();
+    let out = zerotrain(&["train", "--config", "configs/pipeline.json", "--steps", "8", "--out", run]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("steps 0..8"), "{}", text(&out.stdout));
+    let ckpt = zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap();
+    assert_eq!((ckpt.manifest().global_step, ckpt.manifest().world_size), (8, 2));
+    let out = zerotrain(&["train", "--config", "configs/zero1.json", "--steps", "10", "--out", run, "--resume"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("steps 8..10"), "{}", text(&out.stdout));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
