@@ -17,6 +17,7 @@
 
 mod describe;
 pub mod keys;
+mod parallel;
 mod parse;
 mod plan;
 mod precision;

@@ -2,30 +2,25 @@
 
 use std::time::Duration;
 
-use zerotrain_zero::ZeroStage;
-use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
-
-use super::raw::{ActivationCheckpointingConfig, OptimizerParams, SchedulerConfig};
+use super::parallel::{checkpointing_no_ops, resolve_pipeline, resolve_zero};
+use super::raw::{OptimizerParams, SchedulerConfig};
 use super::value::{AutoOr, Count};
-use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, PipelinePlan, Plan, ZeroPlan};
+use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, Plan};
 use crate::schedule::{LrSchedule, WarmupType};
-
-/// DeepSpeed's default bucket sizes (elements).
-const DEFAULT_BUCKET_ELEMS: u64 = 500_000_000;
-/// DeepSpeed's default `stage3_param_persistence_threshold`.
-const DEFAULT_PERSISTENCE_THRESHOLD: u64 = 100_000;
-/// DeepSpeed's default `stage3_prefetch_bucket_size`.
-const DEFAULT_PREFETCH_ELEMS: u64 = 50_000_000;
-/// DeepSpeed's default `stage3_max_live_parameters`.
-const DEFAULT_MAX_LIVE_ELEMS: u64 = 1_000_000_000;
 
 /// Collects how each `"auto"` was resolved.
 #[derive(Default)]
-struct Autos(Vec<String>);
+pub(super) struct Autos(pub(super) Vec<String>);
 
 impl Autos {
     /// The value, or `default` (noted) when `"auto"`, or `default` silently when absent.
-    fn or<T: Copy + std::fmt::Debug>(&mut self, key: &str, v: Option<AutoOr<T>>, default: T, why: &str) -> T {
+    pub(super) fn or<T: Copy + std::fmt::Debug>(
+        &mut self,
+        key: &str,
+        v: Option<AutoOr<T>>,
+        default: T,
+        why: &str,
+    ) -> T {
         match v {
             Some(AutoOr::Value(v)) => v,
             Some(AutoOr::Auto) => {
@@ -41,7 +36,7 @@ fn count(v: Option<AutoOr<Count>>) -> Option<u64> {
     v.and_then(AutoOr::value).map(|c| c.0)
 }
 
-fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+pub(super) fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::InvalidValue { origin: "config".into(), key: key.into(), message: message.into() }
 }
 
@@ -151,44 +146,6 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     })
 }
 
-/// The `pipeline` section and `zerotrain.schedule`; `None` for one stage.
-fn resolve_pipeline(
-    config: &Config,
-    world_size: usize,
-    zt: &super::raw::ZerotrainConfig,
-    autos: &mut Autos,
-) -> Result<Option<PipelinePlan>, ConfigError> {
-    let schedule = match zt.schedule.as_deref().unwrap_or("1f1b") {
-        "1f1b" => ScheduleKind::OneFOneB,
-        "gpipe" => ScheduleKind::GPipe,
-        other => return Err(invalid("zerotrain.schedule", format!("must be `1f1b` or `gpipe`, got `{other}`"))),
-    };
-    let Some(p) = &config.raw.pipeline else { return Ok(None) };
-    let stages = autos.or("pipeline.stages", p.stages, Count(1), "no pipeline").0;
-    let stages = usize::try_from(stages).map_err(|_| invalid("pipeline.stages", "too large"))?;
-    if stages == 0 || !world_size.is_multiple_of(stages) {
-        return Err(invalid(
-            "pipeline.stages",
-            format!("must divide the world size ({world_size}) into equal data-parallel groups, got {stages}"),
-        ));
-    }
-    let partition = match p.partition.as_deref().unwrap_or("parameters") {
-        "parameters" | "best" => PartitionMethod::Parameters,
-        "uniform" => PartitionMethod::Uniform,
-        other => {
-            return Err(ConfigError::Unsupported {
-                key: "pipeline.partition".into(),
-                message: format!("`{other}` is not supported; use `parameters` or `uniform`"),
-            });
-        }
-    };
-    let default_interval = u64::from(config.raw.activation_checkpointing.is_some());
-    let interval = p.activation_checkpoint_interval.map_or(default_interval, |c| c.0);
-    let checkpoint_interval =
-        usize::try_from(interval).map_err(|_| invalid("pipeline.activation_checkpoint_interval", "too large"))?;
-    Ok((stages > 1).then_some(PipelinePlan { stages, partition, schedule, checkpoint_interval }))
-}
-
 fn resolve_batch(config: &Config, world_size: u64, autos: &mut Autos) -> Result<BatchPlan, ConfigError> {
     let raw = &config.raw;
     let (t, m, g) = (raw.train_batch_size, raw.train_micro_batch_size_per_gpu, raw.gradient_accumulation_steps);
@@ -212,53 +169,6 @@ fn resolve_batch(config: &Config, world_size: u64, autos: &mut Autos) -> Result<
         }
     }
     Ok(batch)
-}
-
-fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPlan, ConfigError> {
-    let z = config.raw.zero_optimization.clone().unwrap_or_default();
-    let stage_index = z.stage.map_or(0, |c| c.0);
-    let stage = ZeroStage::from_index(stage_index)
-        .ok_or_else(|| invalid("zero_optimization.stage", format!("must be 0, 1, 2 or 3, got {stage_index}")))?;
-    let mut elems = |key: &str, v, default: u64| {
-        autos.or(&format!("zero_optimization.{key}"), v, Count(default), "DeepSpeed default").0
-    };
-    let reduce_bucket_size = elems("reduce_bucket_size", z.reduce_bucket_size, DEFAULT_BUCKET_ELEMS);
-    if reduce_bucket_size == 0 {
-        return Err(invalid("zero_optimization.reduce_bucket_size", "must be at least 1 element"));
-    }
-    Ok(ZeroPlan {
-        stage,
-        reduce_scatter: z.reduce_scatter.unwrap_or(true),
-        reduce_bucket_size,
-        allgather_bucket_size: elems("allgather_bucket_size", z.allgather_bucket_size, DEFAULT_BUCKET_ELEMS),
-        overlap_comm: z.overlap_comm.unwrap_or(stage.shards_parameters()),
-        param_persistence_threshold: elems(
-            "stage3_param_persistence_threshold",
-            z.stage3_param_persistence_threshold,
-            DEFAULT_PERSISTENCE_THRESHOLD,
-        ),
-        prefetch_bucket_size: elems(
-            "stage3_prefetch_bucket_size",
-            z.stage3_prefetch_bucket_size,
-            DEFAULT_PREFETCH_ELEMS,
-        ),
-        max_live_parameters: elems("stage3_max_live_parameters", z.stage3_max_live_parameters, DEFAULT_MAX_LIVE_ELEMS),
-    })
-}
-
-/// The `activation_checkpointing` keys set to something that would matter in DeepSpeed,
-/// which have no effect here.
-fn checkpointing_no_ops(section: Option<&ActivationCheckpointingConfig>) -> Vec<String> {
-    let Some(s) = section else { return Vec::new() };
-    let set = [
-        ("partition_activations", s.partition_activations == Some(true)),
-        ("cpu_checkpointing", s.cpu_checkpointing == Some(true)),
-        ("contiguous_memory_optimization", s.contiguous_memory_optimization == Some(true)),
-        ("number_checkpoints", s.number_checkpoints.is_some()),
-        ("synchronize_checkpoint_boundary", s.synchronize_checkpoint_boundary == Some(true)),
-        ("profile", s.profile == Some(true)),
-    ];
-    set.iter().filter(|(_, on)| *on).map(|(key, _)| format!("activation_checkpointing.{key}")).collect()
 }
 
 fn resolve_optimizer(config: &Config, autos: &mut Autos) -> Result<OptimizerPlan, ConfigError> {

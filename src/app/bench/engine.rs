@@ -12,7 +12,7 @@ use zerotrain_zero::{Sharding, ZeroStage};
 use super::RunMode;
 use crate::app::data::{Corpus, windows};
 use crate::app::models::{Gpt, GptConfig};
-use crate::{Config, Engine, Overrides, PhaseTimes, Plan, Result, launch};
+use crate::{Engine, PhaseTimes, Plan, Result, launch};
 
 /// The benchmark model: a 4-layer GPT of width 128 (about 0.8M parameters).
 pub fn bench_model(vocab: usize) -> GptConfig {
@@ -33,9 +33,7 @@ fn bench_plan(stage: u8, precision: &str, world_size: usize, micro: u64, mode: R
              "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0 {overlap}}},
              "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.0}}}} }}"#
     );
-    let mpirun = crate::detect_mpirun();
-    let world_size = if mpirun.is_some() { None } else { Some(world_size) };
-    Ok(Config::parse(&json, "bench")?.resolve(Overrides { world_size, mpirun, ..Overrides::default() })?)
+    super::resolve(&json, world_size)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

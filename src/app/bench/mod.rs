@@ -9,6 +9,14 @@ use burn::tensor::Tensor;
 use crate::engine::UnitModel;
 use crate::{Engine, Result};
 
+/// Resolves a benchmark's config text: over MPI under mpirun (its process count the world
+/// size), else on `world_size` threads.
+pub fn resolve(json: &str, world_size: usize) -> Result<crate::Plan> {
+    let mpirun = crate::detect_mpirun();
+    let world_size = if mpirun.is_some() { None } else { Some(world_size) };
+    Ok(crate::Config::parse(json, "bench")?.resolve(crate::Overrides { world_size, mpirun, ..Default::default() })?)
+}
+
 /// How a benchmark runs its model through the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

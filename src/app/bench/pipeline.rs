@@ -8,7 +8,7 @@ use serde::Serialize;
 use zerotrain_zero::pipeline::bubble_fraction;
 
 use crate::app::models::{Mlp, RegressionTask};
-use crate::{Config, Engine, Overrides, Plan, Result, launch};
+use crate::{Engine, Plan, Result, launch};
 
 /// The benchmark model: an MLP of `LAYERS` equal layers (balanced stages), one unit each.
 const LAYERS: usize = 8;
@@ -58,9 +58,7 @@ fn plan(stages: usize, micro_batches: usize, schedule: &str, world_size: usize) 
              "zero_optimization": {{"stage": 1}}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
              "zerotrain": {{"schedule": "{schedule}"}} }}"#
     );
-    let mpirun = crate::detect_mpirun();
-    let world_size = if mpirun.is_some() { None } else { Some(world_size) };
-    Ok(Config::parse(&json, "bench")?.resolve(Overrides { world_size, mpirun, ..Overrides::default() })?)
+    super::resolve(&json, world_size)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

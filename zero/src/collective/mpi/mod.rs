@@ -7,19 +7,10 @@
 //! exactly half the bytes of f32.
 //!
 //! # Note: point-to-point
-//! A send copies its buffer and starts an `MPI_Isend` of the copy, which stays in flight
-//! until MPI has delivered it: a send never waits for its receive (the buffered semantics
-//! the trait promises, which pipeline schedules rely on). MPI progresses a send only inside
-//! MPI calls, so the rank's communication thread drives the sends in flight between jobs
-//! and while it polls any other request; finished sends free their copies. A receive
-//! polls an `MPI_Irecv` against the timeout like a collective.
+//! See the `p2p` module: sends are buffered, driven by the communication thread.
 //!
 //! # Note: reduce-scatter
-//! OpenMPI's nonblocking reduce-scatter (libnbc) reduces towards some ranks through
-//! temporary buffers of the whole input: at 4 ranks rank 0 held two extra copies and rank
-//! 2 one, a peak the others did not have. Reduce-scatter here is a ring of nonblocking
-//! sends and receives instead: every rank holds two chunks besides its buffers, and moves
-//! the same `(N-1)/N` of the buffer as any bandwidth-optimal algorithm.
+//! See the `ring` module: a ring of nonblocking sends and receives, not libnbc's.
 //!
 //! # Note: timeouts
 //! Blocking MPI collectives wait forever for a rank that stalled (SIGSTOP, a livelock, a
@@ -32,18 +23,8 @@
 //! `MPI_THREAD_FUNNELED` requires.
 //!
 //! # Note: a dead launcher
-//! A rank whose launcher died (`mpirun` SIGKILLed, its node daemon lost) would train on
-//! alone and go on writing checkpoints for a job nobody runs. Every collective checks
-//! first, and while it waits, that the process that started the rank is still its parent
-//! (an orphan is re-parented), so no collective completes after `mpirun` died; a save
-//! needs several, so at most a commit already in flight can still land. A watchdog thread
-//! also ends an idle rank within 20 ms (a 20 ms window alone let a loaded machine commit
-//! two more checkpoints). `PR_SET_PDEATHSIG` is not used: it fires when the *thread* of
-//! `mpirun` that forked the rank exits, which OpenMPI's shutdown on SIGINT does before the
-//! ranks have saved. Both end the process with `_exit`: `exit` would run MPI's exit handlers, which
-//! wait a second for the dead runtime while the rank thread trains on. Ending a rank at
-//! any moment, a checkpoint save included, is safe: the commit protocol leaves the
-//! previous checkpoint and `latest` intact.
+//! See the `launcher` module: no collective completes, and an idle rank ends within 20 ms,
+//! once the `mpirun` that started the rank has died.
 //!
 //! # Note: threads
 //! MPI is initialised with `MPI_THREAD_FUNNELED`: only the thread that initialised it may
@@ -58,17 +39,22 @@ use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
-use mpi::datatype::Equivalence;
 use mpi::environment::{Threading, Universe};
 use mpi::point_to_point::Status;
-use mpi::request::{Request, Scope, StaticScope, scope};
+use mpi::request::{Request, Scope, scope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use zerotrain_precision::half::{bf16, f16};
-use zerotrain_precision::{BufMut, BufRef, FlatElem, with_elem};
+use zerotrain_precision::{BufMut, BufRef};
 
-use super::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
+use self::launcher::{exit_if_orphaned, exit_when_the_launcher_dies};
+use self::p2p::Outgoing;
 use crate::ZeroError;
+use crate::collective::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
+
+mod launcher;
+mod p2p;
+mod ring;
 
 /// This process's rank in an MPI job (or in a group split from it).
 pub struct MpiComm {
@@ -85,33 +71,6 @@ pub struct MpiComm {
     counters: CommCounters,
     /// Sends in flight, of this communicator and every group split from it.
     outgoing: Arc<Mutex<Vec<Outgoing>>>,
-}
-
-/// A send in flight and the buffer it reads, freed once it completes (module note on
-/// point-to-point).
-enum Outgoing {
-    F32(Request<'static, [f32], StaticScope>, *mut [f32]),
-    Bits(Request<'static, [u16], StaticScope>, *mut [u16]),
-}
-
-impl Outgoing {
-    /// Tests the send: `None` (and the buffer freed) if it completed.
-    fn test(self) -> Option<Self> {
-        match self {
-            Self::F32(request, buffer) => match request.test() {
-                // SAFETY: the buffer came from `Box::into_raw` when the send started, and the
-                // send, its only reader, has completed.
-                Ok(_) => drop(unsafe { Box::from_raw(buffer) }),
-                Err(request) => return Some(Self::F32(request, buffer)),
-            },
-            Self::Bits(request, buffer) => match request.test() {
-                // SAFETY: as above.
-                Ok(_) => drop(unsafe { Box::from_raw(buffer) }),
-                Err(request) => return Some(Self::Bits(request, buffer)),
-            },
-        }
-        None
-    }
 }
 
 // SAFETY: every method that touches MPI first checks that it runs on `thread`, the thread
@@ -154,14 +113,6 @@ impl MpiComm {
             counters: CommCounters::default(),
             outgoing: Arc::new(Mutex::new(Vec::new())),
         })
-    }
-
-    /// Tests every send in flight, freeing the finished ones; whether any remain.
-    fn drive_sends(&self) -> bool {
-        let mut outgoing = self.outgoing.lock().unwrap_or_else(|e| e.into_inner());
-        let pending = std::mem::take(&mut *outgoing);
-        outgoing.extend(pending.into_iter().filter_map(Outgoing::test));
-        !outgoing.is_empty()
     }
 
     fn check(&self, op: OpKind) -> Result<(), ZeroError> {
@@ -259,33 +210,6 @@ impl Drop for MpiComm {
     }
 }
 
-/// Ends the process at once if `launcher` is no longer its parent (module note "a dead
-/// launcher").
-fn exit_if_orphaned(launcher: u32) {
-    if std::os::unix::process::parent_id() != launcher {
-        // Not eprintln!: stderr was a pipe to the dead launcher, and a failed write must
-        // not panic before the process ends.
-        let message = format!("zerotrain: this rank's launcher (process {launcher}) is gone; the rank stops\n");
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
-        // SAFETY: `_exit` takes no pointers and is always sound to call; it ends the
-        // process at once without running exit handlers or destructors, as intended.
-        unsafe { libc::_exit(1) };
-    }
-}
-
-/// The watchdog of the module note "a dead launcher", for a rank between collectives.
-fn exit_when_the_launcher_dies(launcher: u32) {
-    let watch = move || {
-        loop {
-            std::thread::sleep(Duration::from_millis(20));
-            exit_if_orphaned(launcher);
-        }
-    };
-    if let Err(e) = std::thread::Builder::new().name("zerotrain-launcher-watch".into()).spawn(watch) {
-        eprintln!("zerotrain: warning: cannot watch the launcher ({e}); if mpirun dies this rank runs on");
-    }
-}
-
 fn system_op(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Sum => SystemOperation::sum(),
@@ -343,49 +267,8 @@ impl Collective for MpiComm {
         Ok(())
     }
 
-    /// A ring (see the module note on reduce-scatter): `N - 1` steps, each sending one
-    /// chunk to the next rank and adding the chunk received from the previous one.
-    fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
-        self.check(OpKind::ReduceScatter)?;
-        self.check_shapes(OpKind::ReduceScatter, output.len(), input.len(), input.dtype() == output.dtype())?;
-        let (n, r, c) = (self.size, self.rank, output.len());
-        let chunk = |k: usize| input.slice(k * c..(k + 1) * c);
-        // The partial sum this rank passes on, in f32 (the output itself when it is f32):
-        // first its own part of chunk r - 1.
-        let mut widened = Vec::new();
-        let acc: &mut [f32] = match &mut output {
-            BufMut::F32(out) => out,
-            _ => {
-                widened.resize(c, 0.0);
-                &mut widened
-            }
-        };
-        BufMut::F32(acc).copy_from(chunk((r + n - 1) % n), false);
-        let mut received = vec![0.0f32; c];
-        let next = self.world.process_at_rank(((r + 1) % n) as i32);
-        let previous = self.world.process_at_rank(((r + n - 1) % n) as i32);
-        for step in 0..n - 1 {
-            scope(|s| {
-                let receive = previous.immediate_receive_into(s, &mut received[..]);
-                let send = next.immediate_send(s, &acc[..]);
-                self.complete(OpKind::ReduceScatter, receive);
-                self.complete(OpKind::ReduceScatter, send);
-            });
-            // The received partial is of chunk r - 2 - step; add this rank's part of it.
-            let mine = chunk((r + 2 * n - 2 - step) % n);
-            with_elem!(BufRef, mine, m, _E => {
-                for ((a, &theirs), x) in acc.iter_mut().zip(&received).zip(m) {
-                    *a = op.apply(theirs, x.to_f32());
-                }
-            });
-        }
-        // After N - 1 steps the partial is chunk r, summed over every rank.
-        if !widened.is_empty() {
-            output.copy_from(BufRef::F32(&widened), false);
-        }
-        // Half buffers travel widened, as f32 (module note on half precision).
-        self.record(OpKind::ReduceScatter, input.len(), 4, 0);
-        Ok(())
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        self.reduce_scatter_ring(input, output, op)
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
@@ -441,59 +324,12 @@ impl Collective for MpiComm {
         Ok(())
     }
 
-    /// Starts a nonblocking send of a copy of `buf` and returns (module note on
-    /// point-to-point).
     fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError> {
-        self.check(OpKind::Send)?;
-        self.check_rank(OpKind::Send, to)?;
-        let process = self.world.process_at_rank(to as i32);
-        let outgoing = match buf {
-            BufRef::F32(v) => {
-                let buffer = Box::into_raw(v.to_vec().into_boxed_slice());
-                // SAFETY: the buffer lives until the send completes (`Outgoing::test` frees it
-                // then, and Drop leaks it if it never does), so 'static is never violated.
-                let request = process.immediate_send(StaticScope, unsafe { &*buffer });
-                Outgoing::F32(request, buffer)
-            }
-            other => {
-                let buffer = Box::into_raw(bits(other).into_boxed_slice());
-                // SAFETY: as above.
-                let request = process.immediate_send(StaticScope, unsafe { &*buffer });
-                Outgoing::Bits(request, buffer)
-            }
-        };
-        self.outgoing.lock().unwrap_or_else(|e| e.into_inner()).push(outgoing);
-        self.drive_sends();
-        self.counters.record(OpKind::Send, (buf.len() * buf.dtype().bytes_per_elem()) as u64);
-        Ok(())
+        self.send_buffered(buf, to)
     }
 
-    fn recv(&self, mut buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
-        self.check(OpKind::Recv)?;
-        self.check_rank(OpKind::Recv, from)?;
-        let process = self.world.process_at_rank(from as i32);
-        let len = buf.len();
-        let count = match &mut buf {
-            BufMut::F32(v) => scope(|s| {
-                let request = process.immediate_receive_into(s, &mut v[..]);
-                self.complete_with_status(OpKind::Recv, request).count(f32::equivalent_datatype())
-            }),
-            other => {
-                let mut bits = vec![0u16; len];
-                let count = scope(|s| {
-                    let request = process.immediate_receive_into(s, &mut bits[..]);
-                    self.complete_with_status(OpKind::Recv, request).count(u16::equivalent_datatype())
-                });
-                from_bits(&bits, other.reborrow());
-                count
-            }
-        };
-        if count as usize != len {
-            let detail = format!("the message from rank {from} has {count} elements, the buffer {len}");
-            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::Recv.name(), detail });
-        }
-        self.counters.record(OpKind::Recv, (len * buf.dtype().bytes_per_elem()) as u64);
-        Ok(())
+    fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
+        self.recv_polled(buf, from)
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
