@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use burn::tensor::Device;
 use zerotrain_zero::{CommThread, ThreadWorld};
 
 use crate::config::{Backend, MpirunEnvironment, Plan};
+use crate::device::Placement;
+#[cfg(feature = "mpi")]
+use crate::device::mpi_local_rank;
 use crate::{Error, RankContext, Result};
 
 /// Runs `f` once per rank of `plan` and returns each rank's result, in rank order.
@@ -24,6 +26,10 @@ use crate::{Error, RankContext, Result};
 /// thread, the result holds this process's value only, and a failure ends the whole job
 /// after printing it. MPI starts and stops inside the call, so under MPI a process may
 /// call `launch` once.
+///
+/// Each rank computes on its device of `plan.device` (see [`zerotrain.device`](crate::config::ComputeDevice)):
+/// thread ranks take the machine's devices round-robin by rank, MPI processes by their
+/// local rank on the node.
 ///
 /// Each rank's collectives run on a communication thread of its own
 /// ([`CommThread`](zerotrain_zero::CommThread)), so that reductions and prefetches overlap
@@ -69,7 +75,14 @@ where
     }
     let rank = comm.rank();
     let comm: Arc<dyn Collective> = Arc::new(comm);
-    let ctx = RankContext::new(Arc::clone(&comm), Device::flex().autodiff());
+    let device = Placement::find(plan.device).map(|p| p.device(mpi_local_rank().unwrap_or(rank)));
+    let ctx = match device {
+        Ok(device) => RankContext::new(Arc::clone(&comm), device),
+        Err(e) => {
+            comm.abort(&e.to_string());
+            return Err(e);
+        }
+    };
     match run_rank(rank, &|reason| comm.abort(reason), || f(ctx)) {
         Ok(value) => Ok(vec![value]),
         Err((error, _)) => Err(error),
@@ -94,8 +107,8 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
+    let placement = Placement::find(plan.device)?;
     let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
-    let device = Device::flex().autodiff();
     let (done, finished) = mpsc::channel::<usize>();
     let results: Vec<Result<T, (Error, bool)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..plan.world_size)
@@ -107,7 +120,7 @@ where
                 };
                 let comm =
                     CommThread::new(world.communicator(rank)).map_err(|e| not_started("communication thread", &e))?;
-                let ctx = RankContext::new(Arc::new(comm), device.clone());
+                let ctx = RankContext::new(Arc::new(comm), placement.device(rank));
                 let (world, f, done) = (&world, &f, done.clone());
                 std::thread::Builder::new()
                     .name(format!("zerotrain-rank-{rank}"))

@@ -71,6 +71,7 @@
 
 pub mod config;
 mod context;
+mod device;
 pub mod engine;
 mod error;
 pub mod estimate;

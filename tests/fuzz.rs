@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use serde_json::Value;
 use zerotrain::app::keys::AppKeys;
-use zerotrain::config::MpirunEnvironment;
+use zerotrain::config::{ComputeDevice, MpirunEnvironment};
 use zerotrain::{Config, Overrides};
 use zerotrain_checkpoint::{Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, commit, prepare, write_shard};
 use zerotrain_precision::Precision;
@@ -138,7 +138,18 @@ fn overrides() -> impl Strategy<Value = Overrides> {
     let sizes = prop_oneof![Just(None), (1usize..6).prop_map(Some), Just(Some(20_000)), Just(Some(usize::MAX))];
     let steps = prop_oneof![Just(None), Just(Some(0u64)), Just(Some(100)), Just(Some(u64::MAX))];
     let mpirun = prop_oneof![Just(None), (1usize..5).prop_map(|n| Some(MpirunEnvironment { rank: 0, world_size: n }))];
-    (sizes, steps, mpirun).prop_map(|(world_size, total_steps, mpirun)| Overrides { world_size, total_steps, mpirun })
+    let device = prop_oneof![
+        Just(None),
+        Just(Some(ComputeDevice::Cpu)),
+        Just(Some(ComputeDevice::Wgpu)),
+        Just(Some(ComputeDevice::Cuda))
+    ];
+    (sizes, steps, mpirun, device).prop_map(|(world_size, total_steps, mpirun, device)| Overrides {
+        world_size,
+        total_steps,
+        mpirun,
+        device,
+    })
 }
 
 /// Parses and resolves `text` as the `zerotrain` command does; any result is fine.

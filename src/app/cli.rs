@@ -22,6 +22,9 @@ pub enum Command {
         /// Number of ranks (overrides `zerotrain.world_size`).
         #[arg(long)]
         world_size: Option<usize>,
+        /// Where the ranks compute: cpu, wgpu or cuda (overrides `zerotrain.device`).
+        #[arg(long)]
+        device: Option<crate::config::ComputeDevice>,
         /// Optimizer steps to reach.
         #[arg(long, default_value_t = 2400)]
         steps: u64,
@@ -173,6 +176,50 @@ pub enum BenchCommand {
         /// Measured steps per configuration.
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A GPT on one device (default: GPT-2 small's shape on wgpu): a plain Burn loop and
+    /// the engine at each stage, in tokens/s and model FLOPs utilisation, with the memory
+    /// the device's allocator holds and the engine's phase times.
+    Gpu {
+        /// Where to run: cpu, wgpu or cuda.
+        #[arg(long, default_value = "wgpu")]
+        device: crate::config::ComputeDevice,
+        /// Transformer blocks.
+        #[arg(long, default_value_t = 12)]
+        layers: usize,
+        /// Model width.
+        #[arg(long, default_value_t = 768)]
+        width: usize,
+        /// Attention heads.
+        #[arg(long, default_value_t = 12)]
+        heads: usize,
+        /// Context length, tokens.
+        #[arg(long, default_value_t = 1024)]
+        context: usize,
+        /// Vocabulary size.
+        #[arg(long, default_value_t = 50304)]
+        vocab: usize,
+        /// Sequences per step.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Measured steps (after 2 warm-up steps).
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// ZeRO stages for the engine rows.
+        #[arg(long, value_delimiter = ',', default_value = "0,3")]
+        stages: Vec<u8>,
+        /// The engine's compute dtype: fp32, fp16 or bf16.
+        #[arg(long, default_value = "fp32")]
+        precision: String,
+        /// How the engine runs the model.
+        #[arg(long, value_enum, default_value = "units")]
+        mode: crate::app::bench::RunMode,
+        /// The device's dense peak in TFLOPS, for MFU (H200 and H100 SXM: 989 in bf16).
+        #[arg(long, default_value_t = 989.0)]
+        peak_tflops: f64,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,

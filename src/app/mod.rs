@@ -70,8 +70,8 @@ fn end_quietly_on_a_closed_pipe() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Train { config, world_size, steps, data, out, save_every, resume } => {
-            commands::train(commands::TrainArgs { config, world_size, steps, data, out, save_every, resume })
+        Command::Train { config, world_size, device, steps, data, out, save_every, resume } => {
+            commands::train(commands::TrainArgs { config, world_size, device, steps, data, out, save_every, resume })
         }
         Command::Estimate { params, world_size, gpus_per_node, nodes, offload, model_config, json } => {
             commands::estimate(commands::EstimateArgs {
@@ -99,6 +99,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::Pipeline { stages, steps, json }) => {
             commands::bench::bench_pipeline(&stages, steps, json)
+        }
+        Command::Bench(BenchCommand::Gpu {
+            device,
+            layers,
+            width,
+            heads,
+            context,
+            vocab,
+            batch,
+            steps,
+            stages,
+            precision,
+            mode,
+            peak_tflops,
+            json,
+        }) => {
+            let shape = crate::app::models::GptConfig {
+                n_layer: layers,
+                n_head: heads,
+                n_embd: width,
+                block_size: context,
+                vocab_size: vocab,
+                tied_head: true,
+            };
+            let bench =
+                crate::app::bench::gpu::GpuBench { shape, device, batch, steps, stages, precision, mode, peak_tflops };
+            commands::bench::bench_gpu(&bench, json)
         }
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode)

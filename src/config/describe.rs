@@ -17,8 +17,9 @@ impl fmt::Display for Plan {
         let json = |v: &dyn erased::Json| v.json();
         writeln!(
             f,
-            "world size          {n} ({:?} backend, collective timeout {:.0} s)",
+            "world size          {n} ({:?} backend, {} device, collective timeout {:.0} s)",
             self.backend,
+            self.device.name(),
             self.comm_timeout.as_secs_f64()
         )?;
         writeln!(

@@ -29,8 +29,8 @@ use std::path::{Path, PathBuf};
 
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
-    Backend, BatchPlan, LossScalePlan, MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH, MAX_THREAD_RANKS, OptimizerPlan,
-    PipelinePlan, Plan, ZeroPlan,
+    Backend, BatchPlan, ComputeDevice, LossScalePlan, MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH, MAX_THREAD_RANKS,
+    OptimizerPlan, PipelinePlan, Plan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};
@@ -151,6 +151,8 @@ pub struct Overrides {
     /// [`detect_mpirun`](crate::detect_mpirun)). With `zerotrain.backend` `auto` (the
     /// default) it selects the MPI backend, and its process count is the world size.
     pub mpirun: Option<MpirunEnvironment>,
+    /// Overrides `zerotrain.device`.
+    pub device: Option<ComputeDevice>,
 }
 
 /// This process's place in a job started by `mpirun`, as the launcher's environment says.

@@ -218,6 +218,52 @@ pub enum Backend {
     Mpi,
 }
 
+/// Where each rank computes (`zerotrain.device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDevice {
+    /// The CPU, through Burn's Flex backend; every rank of a process shares it.
+    #[default]
+    Cpu,
+    /// A GPU through Burn's wgpu backend (the `wgpu` feature).
+    Wgpu,
+    /// An NVIDIA GPU through Burn's CUDA backend (the `cuda` feature).
+    Cuda,
+}
+
+impl ComputeDevice {
+    /// The value `zerotrain.device` names it by.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Wgpu => "wgpu",
+            Self::Cuda => "cuda",
+        }
+    }
+
+    /// Whether this build can compute on it (the Cargo feature it needs is on).
+    pub fn is_built(self) -> bool {
+        match self {
+            Self::Cpu => true,
+            Self::Wgpu => cfg!(feature = "wgpu"),
+            Self::Cuda => cfg!(feature = "cuda"),
+        }
+    }
+}
+
+impl std::str::FromStr for ComputeDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "wgpu" => Ok(Self::Wgpu),
+            "cuda" => Ok(Self::Cuda),
+            other => Err(format!("unknown device `{other}`; available: cpu, wgpu, cuda")),
+        }
+    }
+}
+
 /// Pipeline parallelism (see [`zerotrain_zero::pipeline`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct PipelinePlan {
@@ -245,6 +291,8 @@ pub struct Plan {
     pub world_size: usize,
     /// The collective backend.
     pub backend: Backend,
+    /// Where each rank computes.
+    pub device: ComputeDevice,
     /// How long a collective waits for the other ranks.
     #[serde(serialize_with = "seconds")]
     pub comm_timeout: Duration,

@@ -259,6 +259,10 @@ pub struct ZerotrainConfig {
     /// How ranks talk: `auto` (default: MPI when the caller says this process runs under
     /// `mpirun`, else threads), `threads` (one thread per rank in this process) or `mpi`.
     pub backend: Option<String>,
+    /// Where each rank computes: `cpu` (default; Burn's Flex backend), `wgpu` (the `wgpu`
+    /// feature: a GPU through Vulkan, Metal or DX12) or `cuda` (the `cuda` feature). The
+    /// CLI's `--device` overrides it.
+    pub device: Option<String>,
     /// Seconds a rank waits at a collective for the others before the job fails. Default 300.
     pub comm_timeout_s: Option<f64>,
     /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which

@@ -5,7 +5,7 @@ use std::time::Duration;
 use super::parallel::{checkpointing_no_ops, resolve_pipeline, resolve_zero};
 use super::raw::{OptimizerParams, SchedulerConfig};
 use super::value::{AutoOr, Count};
-use super::{Backend, BatchPlan, Config, ConfigError, OptimizerPlan, Overrides, Plan};
+use super::{Backend, BatchPlan, ComputeDevice, Config, ConfigError, OptimizerPlan, Overrides, Plan};
 use crate::schedule::{LrSchedule, WarmupType};
 
 /// Collects how each `"auto"` was resolved.
@@ -57,6 +57,19 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
             ));
         }
     };
+    let device = match (overrides.device, zt.device.as_deref()) {
+        (Some(device), _) => device,
+        (None, None) => ComputeDevice::Cpu,
+        (None, Some(name)) => name.parse().map_err(|e: String| invalid("zerotrain.device", e))?,
+    };
+    if !device.is_built() {
+        let key = if overrides.device.is_some() { "--device" } else { "zerotrain.device" };
+        let name = device.name();
+        return Err(ConfigError::Unsupported {
+            key: key.into(),
+            message: format!("this build has no `{name}` support: rebuild with `--features {name}` (see the README)"),
+        });
+    }
     // Under mpirun the process count decides; `zerotrain.world_size` is the threads default.
     let world_size = match (backend, mpirun, overrides.world_size) {
         (Backend::Mpi, Some(size), Some(n)) if n != size => {
@@ -113,6 +126,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     Ok(Plan {
         world_size,
         backend,
+        device,
         comm_timeout: Duration::from_secs_f64(timeout_s),
         batch,
         zero,

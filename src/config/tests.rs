@@ -394,3 +394,33 @@ fn pipeline_keys_resolve_over_the_data_parallel_ranks_and_bad_ones_name_their_ke
     let unknown = parse(r#"{"pipeline": {"stage": 2}}"#).unwrap_err().to_string();
     assert_eq!(unknown, "test.json: unknown key `pipeline.stage` (did you mean `stages`?)");
 }
+
+#[test]
+fn the_device_is_cpu_unless_set_and_a_device_this_build_lacks_names_its_feature() {
+    assert_eq!(plan(r#"{"train_batch_size": 1}"#).unwrap().device, ComputeDevice::Cpu);
+    let err = plan(r#"{"train_batch_size": 1, "zerotrain": {"device": "tpu"}}"#).unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::InvalidValue { key, message, .. }
+            if key == "zerotrain.device" && message.contains("available: cpu, wgpu, cuda")),
+        "{err}"
+    );
+    for device in [ComputeDevice::Wgpu, ComputeDevice::Cuda] {
+        let json = format!(r#"{{"train_batch_size": 1, "zerotrain": {{"device": "{}"}}}}"#, device.name());
+        let from_file = plan(&json);
+        let from_cli = parse(r#"{"train_batch_size": 1}"#)
+            .unwrap()
+            .resolve(Overrides { device: Some(device), ..Overrides::default() });
+        if device.is_built() {
+            assert_eq!(from_file.unwrap().device, device);
+            assert_eq!(from_cli.unwrap().device, device);
+        } else {
+            let feature = format!("--features {}", device.name());
+            for (err, key) in [(from_file.unwrap_err(), "zerotrain.device"), (from_cli.unwrap_err(), "--device")] {
+                assert!(
+                    matches!(&err, ConfigError::Unsupported { key: k, message } if k == key && message.contains(&feature)),
+                    "{err}"
+                );
+            }
+        }
+    }
+}

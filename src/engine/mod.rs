@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
 use zerotrain_precision::{BufMut, LossScaler, Precision};
 use zerotrain_zero::{Collective, CommStats, ReduceOp, Sharding};
 
@@ -47,7 +47,7 @@ use self::grads::ReduceOptions;
 pub use self::model::{Activation, UnitModel, UnitSpec};
 use self::params::{ParamIndex, read_params, take_grads, trainable_bytes};
 use self::unit::{Shared, Unit};
-use crate::config::Plan;
+use crate::config::{ComputeDevice, ConfigError, Plan};
 use crate::context::RankContext;
 use crate::{Error, Result};
 
@@ -206,6 +206,26 @@ struct Peaks {
     activations: u64,
 }
 
+/// An error naming the config key if `device` (the plan's `kind`) cannot compute in
+/// `precision` (wgpu has no bf16, and f16 only where the adapter offers it).
+fn check_dtype(precision: Precision, kind: ComputeDevice, device: &Device) -> Result<()> {
+    let (dtype, key) = match precision {
+        Precision::Fp32 => return Ok(()),
+        Precision::Fp16 => (DType::F16, "fp16.enabled"),
+        Precision::Bf16 => (DType::BF16, "bf16.enabled"),
+    };
+    if device.supports_dtype(dtype) {
+        return Ok(());
+    }
+    Err(Error::Config(ConfigError::Unsupported {
+        key: key.into(),
+        message: format!(
+            "this rank's {} device cannot compute in {precision}: train in a dtype it has (fp32 always works)",
+            kind.name()
+        ),
+    }))
+}
+
 impl<M: Module> Engine<M> {
     /// Wraps `model` for training under `plan` on `ctx`'s rank, as one unit: at stage 3 the
     /// whole model is gathered for [`forward`](Self::forward) and released after
@@ -248,6 +268,7 @@ impl<M: Module> Engine<M> {
                 world.world_size()
             )));
         }
+        check_dtype(plan.precision, plan.device, ctx.device())?;
         let Placement { comm, sharding, index, num_declared, stage } = placement;
         let shared = Shared { comm, world, device: ctx.device().clone(), plan: plan.clone(), sharding, index };
         let (mut model, mut units, mut transient) = (model, Vec::new(), 0);

@@ -32,7 +32,7 @@ fn plan(stage: u8, world_size: Option<usize>) -> Plan {
             "zerotrain": {{"comm_timeout_s": 60}}}}"#
     );
     Config::parse(&json, "mpi-check")
-        .and_then(|c| c.resolve(Overrides { world_size, total_steps: None, mpirun: zerotrain::detect_mpirun() }))
+        .and_then(|c| c.resolve(Overrides { world_size, mpirun: zerotrain::detect_mpirun(), ..Overrides::default() }))
         .expect("plan")
 }
 
@@ -196,7 +196,7 @@ fn pipeline_plan(world_size: Option<usize>, schedule: &str) -> Plan {
             "zerotrain": {{"comm_timeout_s": 60, "schedule": "{schedule}"}}}}"#
     );
     Config::parse(&json, "mpi-pipeline")
-        .and_then(|c| c.resolve(Overrides { world_size, total_steps: None, mpirun: zerotrain::detect_mpirun() }))
+        .and_then(|c| c.resolve(Overrides { world_size, mpirun: zerotrain::detect_mpirun(), ..Overrides::default() }))
         .expect("plan")
 }
 

@@ -36,7 +36,8 @@ fn bench_plan(stage: u8, precision: &str, world_size: usize, micro: u64, mode: R
     super::resolve(&json, world_size)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the upper one of an even count).
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -170,7 +171,7 @@ pub fn stages(world_size: usize, steps: u64, overlap: bool) -> Result<Vec<StageR
 }
 
 /// Each phase's median over the steps.
-fn median_times(reports: &[crate::StepReport]) -> PhaseTimes {
+pub(super) fn median_times(reports: &[crate::StepReport]) -> PhaseTimes {
     let pick = |f: fn(&PhaseTimes) -> f64| median(reports.iter().map(|r| f(&r.times)).collect());
     PhaseTimes {
         forward: pick(|t| t.forward),

@@ -2,6 +2,7 @@
 //! run, so that ratios hold on a noisy machine.
 
 pub mod engine;
+pub mod gpu;
 pub mod pipeline;
 
 use burn::tensor::Tensor;

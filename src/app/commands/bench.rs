@@ -198,3 +198,30 @@ pub fn bench_memory(millions: usize, layers: usize, stage: u8, world_size: usize
 fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
+
+/// `zerotrain bench gpu`.
+pub fn bench_gpu(bench: &crate::app::bench::gpu::GpuBench, json: bool) -> anyhow::Result<()> {
+    if let Err(e) = bench.shape.validate() {
+        let flags = [
+            ("model.n_layer", "--layers"),
+            ("model.n_head", "--heads"),
+            ("model.n_embd", "--width"),
+            ("model.block_size", "--context"),
+            ("model.vocab_size", "--vocab"),
+        ];
+        anyhow::bail!("{}", flags.iter().fold(e, |e, (key, flag)| e.replace(key, flag)));
+    }
+    if !bench.device.is_built() {
+        let name = bench.device.name();
+        anyhow::bail!("--device {name}: this build has no {name} support; rebuild with `--features {name}`");
+    }
+    if bench.steps == 0 || bench.batch == 0 {
+        anyhow::bail!("--steps and --batch must be at least 1");
+    }
+    let rows = bench.run()?;
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&rows)?),
+        false => print!("{}", bench.format(&rows)),
+    }
+    Ok(())
+}

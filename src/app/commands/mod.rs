@@ -17,7 +17,8 @@ use zerotrain_precision::Precision;
 
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
-    let (plan, settings) = keys::load(&args.config, overrides(args.world_size, Some(args.steps)))?;
+    let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps)) };
+    let (plan, settings) = keys::load(&args.config, overrides)?;
     if let Some(warning) = plan.warning() {
         eprintln!("warning: {warning}");
     }
@@ -32,7 +33,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         }
     };
     say(format!(
-        "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {} ranks, {}, {}",
+        "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {} ranks on {}, {}, {}",
         shape.num_params(),
         shape.n_layer,
         shape.n_embd,
@@ -41,6 +42,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         corpus.train.len() + corpus.valid.len(),
         shape.vocab_size,
         plan.world_size,
+        plan.device.name(),
         plan.zero.stage,
         plan.precision
     ));
@@ -80,13 +82,14 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
 
 /// The command line's overrides, plus what the launcher's environment says.
 pub fn overrides(world_size: Option<usize>, total_steps: Option<u64>) -> Overrides {
-    Overrides { world_size, total_steps, mpirun: detect_mpirun() }
+    Overrides { world_size, total_steps, mpirun: detect_mpirun(), device: None }
 }
 
 /// `zerotrain train`'s arguments (see `cli::Command::Train`).
 pub struct TrainArgs {
     pub config: PathBuf,
     pub world_size: Option<usize>,
+    pub device: Option<crate::config::ComputeDevice>,
     pub steps: u64,
     pub data: Option<PathBuf>,
     pub out: Option<PathBuf>,

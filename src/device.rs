@@ -1,0 +1,103 @@
+//! Each rank's compute device (`zerotrain.device`): which [`Device`] a rank builds its
+//! model and batches on.
+//!
+//! Ranks are numbered per machine (the *local rank*: the thread index for thread ranks, the
+//! launcher's local rank under `mpirun`) and take the machine's GPUs round-robin, so one
+//! binary places one rank per GPU on every node, and several thread ranks share a GPU when
+//! there are more ranks than GPUs. Collectives stay host-staged on every device: a rank's
+//! flat buffers cross to the host for the threads or MPI backend, and the optimizer steps
+//! its shard on the device.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use burn::tensor::Device;
+
+use crate::config::ComputeDevice;
+use crate::{Error, Result};
+
+/// The devices ranks of this machine are placed on, in local-rank order (round-robin).
+pub(crate) struct Placement {
+    devices: Vec<Device>,
+}
+
+impl Placement {
+    /// Finds the devices of `kind` (opening each once).
+    ///
+    /// - `cpu`: Burn's Flex backend, one device every rank shares.
+    /// - `wgpu`: every GPU wgpu reaches, in its enumeration order (a software adapter such as
+    ///   lavapipe is no GPU); on a machine with none, wgpu's default adapter (which
+    ///   `CUBECL_WGPU_DEFAULT_DEVICE` overrides), so that the wgpu path runs anywhere.
+    /// - `cuda`: every CUDA device; an error if there is none.
+    pub(crate) fn find(kind: ComputeDevice) -> Result<Self> {
+        if !kind.is_built() {
+            let name = kind.name();
+            return Err(Error::Launch(format!(
+                "zerotrain.device is \"{name}\" but this build has no {name} support: rebuild with `--features {name}`"
+            )));
+        }
+        let devices = match kind {
+            ComputeDevice::Cpu => vec![Device::flex()],
+            ComputeDevice::Wgpu => guarded(kind, wgpu_devices)?,
+            ComputeDevice::Cuda => guarded(kind, cuda_devices)?,
+        };
+        if devices.is_empty() {
+            return Err(Error::Launch(format!(
+                "zerotrain.device is \"{}\" but this machine has no such device (no driver, or no GPU)",
+                kind.name()
+            )));
+        }
+        Ok(Self { devices: devices.into_iter().map(Device::autodiff).collect() })
+    }
+
+    /// The device of local rank `local_rank` (autodiff enabled).
+    pub(crate) fn device(&self, local_rank: usize) -> Device {
+        self.devices[local_rank % self.devices.len()].clone()
+    }
+}
+
+/// Runs a backend's device discovery, turning a panic in it (a missing driver library,
+/// say) into an error that names the setting.
+fn guarded(kind: ComputeDevice, find: fn() -> Vec<Device>) -> Result<Vec<Device>> {
+    catch_unwind(AssertUnwindSafe(find)).map_err(|panic| {
+        let reason = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown failure".into());
+        Error::Launch(format!("zerotrain.device is \"{}\" but its runtime failed to start: {reason}", kind.name()))
+    })
+}
+
+#[cfg(feature = "wgpu")]
+fn wgpu_devices() -> Vec<Device> {
+    use burn::tensor::{DeviceKind, DeviceType};
+    let gpus: Vec<Device> = Device::enumerate(DeviceType::Wgpu)
+        .into_iter()
+        .filter(|d| d.identity().is_some_and(|identity| identity.physical.is_some()))
+        .collect();
+    if gpus.is_empty() { vec![Device::wgpu(DeviceKind::DefaultDevice)] } else { gpus }
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn wgpu_devices() -> Vec<Device> {
+    Vec::new()
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Vec<Device> {
+    Device::enumerate(burn::tensor::DeviceType::Cuda).into_iter().collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Vec<Device> {
+    Vec::new()
+}
+
+/// This process's rank among the processes `mpirun` (or Slurm) started on this machine;
+/// `None` outside such a launcher.
+#[cfg(feature = "mpi")]
+pub(crate) fn mpi_local_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.parse().ok())
+}
