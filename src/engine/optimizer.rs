@@ -2,7 +2,9 @@
 //!
 //! Adam, AdamW and SGD are element-wise, so stepping one 1-D tensor that holds a rank's
 //! shard of the flat buffer gives exactly the values of stepping each parameter tensor
-//! (Burn's `Optimizer::step` is generic over the rank). The state tensors stay Burn tensors.
+//! (Burn's `Optimizer::step` is generic over the rank). The range's values and the state
+//! tensors are Burn tensors on the rank's device: only the reduced gradient arrives from
+//! the host.
 
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
@@ -20,8 +22,9 @@ pub(crate) type ExportedState = (Vec<(String, Vec<f32>)>, Vec<(String, Scalar)>)
 
 /// An optimizer with its state for one flat range.
 pub(crate) trait FlatOptimizer: Send {
-    /// Steps `params` with `grads` (same length) at `lr`, returning the new values.
-    fn step(&mut self, lr: f64, params: Vec<f32>, grads: Vec<f32>, device: &Device) -> Result<Vec<f32>>;
+    /// Steps `params` (a 1-D f32 tensor on the rank's device, without autodiff) with
+    /// `grads` (same length) at `lr`, returning the new values on the same device.
+    fn step(&mut self, lr: f64, params: Tensor<1>, grads: Vec<f32>) -> Result<Tensor<1>>;
     /// Bytes held by the optimizer state.
     fn state_bytes(&self) -> u64;
     /// The state as named flat tensors (each the range's length) and scalars; empty before
@@ -43,16 +46,15 @@ struct Flat<O: Optimizer> {
 }
 
 impl<O: Optimizer> FlatOptimizer for Flat<O> {
-    fn step(&mut self, lr: f64, params: Vec<f32>, grads: Vec<f32>, device: &Device) -> Result<Vec<f32>> {
-        let n = params.len();
-        let params = Tensor::<1>::from_data(TensorData::new(params, [n]), device);
-        let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), device);
+    fn step(&mut self, lr: f64, params: Tensor<1>, grads: Vec<f32>) -> Result<Tensor<1>> {
+        let n = params.dims()[0];
+        if grads.len() != n {
+            return Err(Error::Model(format!("{} gradients for an optimizer range of {n}", grads.len())));
+        }
+        let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &params.device());
         let (params, state) = self.optim.step(lr, params, grads, self.state.take());
         self.state = state;
-        params
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| Error::Model(format!("optimizer returned unexpected data: {e:?}")))
+        Ok(params)
     }
 
     fn state_bytes(&self) -> u64 {

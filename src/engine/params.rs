@@ -230,15 +230,15 @@ fn as_flat<'a>(data: &'a TensorData, path: &str, num_elems: usize) -> Result<Buf
     }
 }
 
-/// Like [`as_flat`], taking the data.
-fn into_flat(data: TensorData, path: &str, num_elems: usize) -> Result<FlatBuf> {
+/// Like [`as_flat`], taking the data (`path` names it in errors).
+pub(crate) fn into_flat(data: TensorData, path: &str, num_elems: usize) -> Result<FlatBuf> {
     as_flat(&data, path, num_elems)?;
     let buf = match data.dtype() {
         DType::F32 => data.try_into_vec::<f32>().map(FlatBuf::F32),
         DType::F16 => data.try_into_vec::<f16>().map(FlatBuf::F16),
         _ => data.try_into_vec::<bf16>().map(FlatBuf::Bf16),
     };
-    buf.map_err(|e| Error::Model(format!("gradient of `{path}`: {e:?}")))
+    buf.map_err(|e| Error::Model(format!("`{path}`: unreadable tensor data: {e:?}")))
 }
 
 /// What [`write_params`] puts into each trainable parameter of a unit.

@@ -21,7 +21,7 @@ struct Net {
 struct Failing;
 
 impl FlatOptimizer for Failing {
-    fn step(&mut self, _: f64, _: Vec<f32>, _: Vec<f32>, _: &Device) -> crate::Result<Vec<f32>> {
+    fn step(&mut self, _: f64, _: Tensor<1>, _: Vec<f32>) -> crate::Result<Tensor<1>> {
         Err(Error::Model("injected optimizer failure".into()))
     }
     fn state_bytes(&self) -> u64 {

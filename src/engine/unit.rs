@@ -16,14 +16,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Collective, Completed, FlatLayout, Pending, Request, Sharding, ZeroStage};
 
 use super::PhaseTimes;
 use super::grads::{ReduceOptions, UnitGrad};
 use super::optimizer::FlatOptimizer;
-use super::params::{Fill, ParamIndex, UnitGrads, read_params, write_params};
+use super::params::{Fill, ParamIndex, UnitGrads, into_flat, read_params, write_params};
 use crate::config::Plan;
 use crate::{Error, Result};
 
@@ -49,6 +49,11 @@ impl Shared {
 
     fn stage(&self) -> ZeroStage {
         self.plan.zero.stage
+    }
+
+    /// The rank's device without autodiff: where master weights and optimizer state live.
+    pub fn state_device(&self) -> Device {
+        self.device.clone().without_autodiff()
     }
 
     /// The range of unit `unit`'s flat buffer this rank's optimizer steps: all of its
@@ -81,9 +86,9 @@ pub(crate) fn finish(pending: Pending, times: &mut PhaseTimes) -> Result<Complet
 }
 
 /// Note: lost master weights. [`Unit::step`] moves the only fp32 copy of a range into the
-/// optimizer; if the step fails, nothing puts it back. The unit then holds an empty vector
-/// where its range has elements, and every later use is this error, never a panic or a
-/// checkpoint of empty values. Loading a checkpoint puts new values in and heals it.
+/// optimizer; if the step fails, nothing puts it back. The unit then holds no master
+/// tensor, and every later use is this error, never a panic or a checkpoint of empty
+/// values. Loading a checkpoint puts new values in and heals it.
 fn lost() -> Error {
     Error::Usage(
         "this rank's master weights are gone (an optimizer step failed part-way); load a checkpoint to go on".into(),
@@ -91,13 +96,33 @@ fn lost() -> Error {
 }
 
 /// Where a unit's fp32 master weights are.
+#[expect(clippy::large_enum_variant, reason = "one per unit, never moved in a hot loop")]
 enum Master {
     /// fp32 training, stages 0-2: the model's parameters are the master weights; the
     /// optimizer steps a transient copy of the range.
     InModel,
-    /// The fp32 values of the optimizer range: mixed precision at stages 0-2 (the model
-    /// holds compute-dtype copies), and stage 3, where they are the only persistent copy.
-    Held(Vec<f32>),
+    /// The fp32 values of the optimizer range, a 1-D tensor on the rank's device (`None`:
+    /// lost, see [`lost`]): mixed precision at stages 0-2 (the model holds compute-dtype
+    /// copies), and stage 3, where they are the only persistent copy. They cross to the
+    /// host only in the compute dtype, as a collective's input, and for checkpoints.
+    Held(Option<Tensor<1>>),
+}
+
+/// `values` as a 1-D f32 tensor on `device`.
+fn master_tensor(values: Vec<f32>, device: &Device) -> Tensor<1> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32))
+}
+
+/// `master` cast to `dtype` on its device and read to the host: a collective's input.
+fn to_host(master: Tensor<1>, dtype: Precision, unit: usize) -> Result<FlatBuf> {
+    let n = master.dims()[0];
+    let dtype_of = match dtype {
+        Precision::Fp32 => FloatDType::F32,
+        Precision::Fp16 => FloatDType::F16,
+        Precision::Bf16 => FloatDType::BF16,
+    };
+    into_flat(master.cast(dtype_of).into_data(), &format!("master weights of unit {unit}"), n)
 }
 
 /// Where a unit's parameters are at stage 3 (at stages 0-2 they are always present).
@@ -139,7 +164,10 @@ impl Unit {
         let stage = plan.zero.stage;
         let master = match (stage.shards_parameters(), plan.precision) {
             (false, Precision::Fp32) => Master::InModel,
-            _ => Master::Held(values[shared.optimizer_range(id)].to_vec()),
+            _ => {
+                let range = values[shared.optimizer_range(id)].to_vec();
+                Master::Held(Some(master_tensor(range, &shared.state_device())))
+            }
         };
         let threshold = plan.zero.param_persistence_threshold;
         let resident = layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect();
@@ -172,9 +200,9 @@ impl Unit {
             return Ok(());
         }
         let layout = shared.layout(self.id);
-        let shard = self.held(layout.shard_len())?;
+        let shard = self.held(layout.shard_len())?.clone();
         let request = Request::AllGather {
-            input: FlatBuf::from_f32(shared.plan.precision, shard),
+            input: to_host(shard, shared.plan.precision, self.id)?,
             output: FlatBuf::zeros(shared.plan.precision, layout.padded_elems()),
         };
         self.presence = Presence::Fetching(shared.comm.start(request));
@@ -243,32 +271,30 @@ impl Unit {
         let range = shared.optimizer_range(self.id);
         let start = Instant::now();
         let values = match &mut self.master {
-            Master::InModel => self.values(&model, shared)?,
-            Master::Held(held) if held.len() == range.len() => std::mem::take(held),
-            Master::Held(_) => return Err(lost()),
+            Master::InModel => master_tensor(self.values(&model, shared)?, &shared.state_device()),
+            Master::Held(held) => held.take().filter(|t| t.dims()[0] == range.len()).ok_or_else(lost)?,
         };
         let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
-        let device = shared.device.clone().without_autodiff();
-        let updated = self.optimizer.step(lr, values, grads, &device)?;
+        let updated = self.optimizer.step(lr, values, grads)?;
         times.optimizer += start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let (model, published) = self.publish(model, &updated, shared, times)?;
+        let (model, published) = self.publish(model, updated.clone(), shared, times)?;
         transient += published;
         times.gather += start.elapsed().as_secs_f64();
         if let Master::Held(held) = &mut self.master {
-            *held = updated;
+            *held = Some(updated);
         }
         Ok((model, transient))
     }
 
-    /// Puts new fp32 master values of the unit's optimizer range into the model, as the
-    /// stage keeps parameters: all of them at stage 0, all-gathered in the compute dtype at
-    /// stages 1-2, nowhere at stage 3 (gathered at the next use). Returns the transient
-    /// bytes it used.
+    /// Puts new fp32 master values of the unit's optimizer range (on the rank's device)
+    /// into the model, as the stage keeps parameters: all of them at stage 0, all-gathered
+    /// in the compute dtype at stages 1-2, nowhere at stage 3 (gathered at the next use).
+    /// Returns the transient bytes it used.
     pub fn publish<M: Module>(
         &mut self,
         model: M,
-        values: &[f32],
+        values: Tensor<1>,
         shared: &Shared,
         times: &mut PhaseTimes,
     ) -> Result<(M, u64)> {
@@ -280,7 +306,7 @@ impl Unit {
             return Ok((model, 0));
         }
         let (dtype, layout) = (shared.plan.precision, shared.layout(self.id));
-        let converted = FlatBuf::from_f32(dtype, values);
+        let converted = to_host(values, dtype, self.id)?;
         let full = if stage == ZeroStage::Disabled {
             converted
         } else {
@@ -302,24 +328,29 @@ impl Unit {
                 read_params(model, index, sharding, self.id, range, BufMut::F32(&mut values))?;
                 Ok(values)
             }
-            Master::Held(_) => Ok(self.held(range.len())?.to_vec()),
+            Master::Held(_) => {
+                let data = self.held(range.len())?.clone().into_data();
+                data.try_into_vec::<f32>()
+                    .map_err(|e| Error::Model(format!("master weights of unit {}: {e:?}", self.id)))
+            }
         }
     }
 
     /// Replaces the master values of the optimizer range (a checkpoint load) and puts them
     /// where the stage keeps parameters.
     pub fn load<M: Module>(&mut self, model: M, values: Vec<f32>, shared: &Shared) -> Result<M> {
-        let (model, _) = self.publish(model, &values, shared, &mut PhaseTimes::default())?;
+        let values = master_tensor(values, &shared.state_device());
+        let (model, _) = self.publish(model, values.clone(), shared, &mut PhaseTimes::default())?;
         if let Master::Held(held) = &mut self.master {
-            *held = values;
+            *held = Some(values);
         }
         Ok(model)
     }
 
     /// The held fp32 values, checked to have `len` elements (see [`lost`]).
-    fn held(&self, len: usize) -> Result<&[f32]> {
+    fn held(&self, len: usize) -> Result<&Tensor<1>> {
         match &self.master {
-            Master::Held(held) if held.len() == len => Ok(held),
+            Master::Held(Some(held)) if held.dims()[0] == len => Ok(held),
             Master::Held(_) => Err(lost()),
             Master::InModel => unreachable!("stage 3 and mixed precision hold their masters"),
         }
@@ -345,7 +376,7 @@ impl Unit {
     pub fn master_bytes(&self) -> u64 {
         match &self.master {
             Master::InModel => 0,
-            Master::Held(held) => (held.len() * size_of::<f32>()) as u64,
+            Master::Held(held) => held.as_ref().map_or(0, |t| (t.dims()[0] * size_of::<f32>()) as u64),
         }
     }
 
