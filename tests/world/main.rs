@@ -7,6 +7,8 @@ mod comm;
 mod common;
 mod equivalence;
 mod failure;
+#[cfg(feature = "wgpu")]
+mod gpu;
 mod memory;
 mod mixed;
 mod overflow;

@@ -157,16 +157,19 @@ fn in_bf16_a_pipeline_agrees_with_the_unpipelined_walk() {
 
 /// Each rank's model states are its stage's units (and the root) over its data-parallel
 /// group: the stages' states add up to the unpipelined engine's, the root once per stage.
+/// Time waiting for other stages is counted in a pipeline, and only there.
 #[test]
 fn a_stage_holds_only_its_units() {
     let init = tiny_gpt(false, 23);
     let flat = run(&plan(&recipe(0, 1, 2, 0.05), 1), &init, 0..1, None, None).unwrap();
     let whole = flat.memory[0].model_states();
+    assert_eq!(flat.pipe_wait, 0.0, "one stage waits for no neighbour");
     for stages in [2, 4] {
         let out = run(&plan(&pipeline_recipe(0, stages, "1f1b", 2, ""), stages), &init, 0..1, None, None).unwrap();
         let sum: u64 = out.memory.iter().map(MemoryReport::model_states).sum();
         assert_eq!(sum, whole, "K={stages}: the untied GPT has no root, so the stages partition its states");
         assert!(out.memory.iter().all(|m| m.model_states() < whole), "K={stages}");
+        assert!(out.pipe_wait > 0.0, "K={stages}: stages wait for their neighbours' activations");
     }
 }
 

@@ -15,7 +15,7 @@ use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Plan, launch};
 
 use crate::common::*;
 
-const STEPS: u64 = 3;
+pub(crate) const STEPS: u64 = 3;
 /// As in `equivalence.rs`: the engine sums the same gradients in another order; Adam turns
 /// such rounding into parameter differences up to ~lr x 1e-4 where a gradient is near zero.
 /// Measured worst cases over several runs (`--nocapture`; the plain-Burn reference itself
@@ -24,18 +24,18 @@ const STEPS: u64 = 3;
 const PARAM_TOL: f32 = 5e-6;
 const LOSS_TOL: f32 = 1e-6;
 
-type Params = Vec<(String, Vec<f32>)>;
+pub(crate) type Params = Vec<(String, Vec<f32>)>;
 
 /// How a run drives the engine.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Mode {
+pub(crate) struct Mode {
     /// `Engine::with_units` + `forward_backward`, or `Engine::new` + `forward`/`backward`.
-    units: bool,
-    checkpointing: bool,
-    overlap: bool,
+    pub units: bool,
+    pub checkpointing: bool,
+    pub overlap: bool,
 }
 
-const MODES: [Mode; 6] = [
+pub(crate) const MODES: [Mode; 6] = [
     Mode { units: false, checkpointing: false, overlap: false },
     Mode { units: false, checkpointing: false, overlap: true },
     Mode { units: true, checkpointing: false, overlap: false },
@@ -46,7 +46,7 @@ const MODES: [Mode; 6] = [
 
 /// The common recipe (clipping on), with `overlap_comm`, activation checkpointing, and
 /// `zero` extra keys in `zero_optimization`; `precision` "fp32" or "bf16".
-fn unit_recipe(stage: u8, gas: u64, mode: Mode, precision: &str, zero: &str) -> String {
+pub(crate) fn unit_recipe(stage: u8, gas: u64, mode: Mode, precision: &str, zero: &str) -> String {
     let json = recipe(stage, 2, gas, 0.05).replace(
         r#""stage3_param_persistence_threshold": 0"#,
         &format!(r#""stage3_param_persistence_threshold": 0, "overlap_comm": {}{zero}"#, mode.overlap),
@@ -62,7 +62,7 @@ fn unit_recipe(stage: u8, gas: u64, mode: Mode, precision: &str, zero: &str) -> 
 }
 
 /// A model and its data.
-trait Workload: Sync {
+pub(crate) trait Workload: Sync {
     type Model: UnitModel + Sync;
     /// Rank `rank`'s batch of micro-step `micro` of step `step`.
     fn batch(
@@ -129,15 +129,21 @@ fn whole_loss<M: UnitModel>(model: &M, batch: &M::Batch) -> Tensor<1> {
 
 /// What a run produced: rank 0's losses, per-step bytes and fp32 masters (global order),
 /// every rank's parameters and memory report.
-struct Outcome {
-    losses: Vec<f32>,
-    bytes: Vec<u64>,
-    master: Vec<f32>,
-    params: Vec<Params>,
-    memory: Vec<MemoryReport>,
+pub(crate) struct Outcome {
+    pub losses: Vec<f32>,
+    pub bytes: Vec<u64>,
+    pub master: Vec<f32>,
+    pub params: Vec<Params>,
+    pub memory: Vec<MemoryReport>,
 }
 
-fn train<W: Workload>(w: &W, init: &W::Model, plan: &Plan, mode: Mode, steps: u64) -> Result<Outcome, Error> {
+pub(crate) fn train<W: Workload>(
+    w: &W,
+    init: &W::Model,
+    plan: &Plan,
+    mode: Mode,
+    steps: u64,
+) -> Result<Outcome, Error> {
     train_between(w, init, plan, mode, 0..steps, None, None)
 }
 
@@ -188,6 +194,23 @@ fn train_between<W: Workload>(
     Ok(Outcome { losses, bytes, master, params, memory })
 }
 
+/// Checks a run against reference losses and parameters: every loss within `tol.0`
+/// relative, every rank's parameters the same, rank 0's within `tol.1` of `reference`.
+/// Returns the worst relative loss and parameter differences.
+pub(crate) fn check_run(what: &str, out: &Outcome, losses: &[f32], reference: &Params, tol: (f32, f32)) -> (f32, f32) {
+    let mut worst_loss = 0.0f32;
+    for (got, want) in out.losses.iter().zip(losses) {
+        worst_loss = worst_loss.max((got - want).abs() / want.abs());
+        assert!((got - want).abs() <= tol.0 * want.abs(), "{what}: loss {got} vs {want}");
+    }
+    for (rank, params) in out.params.iter().enumerate() {
+        assert!(params == &out.params[0], "{what}: rank {rank} differs from rank 0");
+    }
+    let (diff, path) = max_abs_diff(&out.params[0], reference);
+    assert!(diff <= tol.1, "{what}: max |param - reference| = {diff} at `{path}`");
+    (worst_loss, diff)
+}
+
 /// For each world size, accumulation and stage: every mode equals plain Burn, ranks agree,
 /// overlap changes no bit, checkpointing changes no bit, and the unit path's stages are
 /// bitwise equal where the summation order is the same (0 = 1 and 2 = 3; all at
@@ -213,16 +236,8 @@ fn check_equivalence<W: Workload>(w: &W, init: &W::Model, world_sizes: &[usize])
                     let what = format!("world {world_size} gas {gas} stage {stage} {mode:?}");
                     let plan = plan(&unit_recipe(stage, gas, mode, "fp32", ""), world_size);
                     let out = train(w, init, &plan, mode, STEPS).unwrap();
-                    for (got, want) in out.losses.iter().zip(&ref_losses) {
-                        worst_loss = worst_loss.max((got - want).abs() / want.abs());
-                        assert!((got - want).abs() <= LOSS_TOL * want.abs(), "{what}: loss {got} vs {want}");
-                    }
-                    for (rank, params) in out.params.iter().enumerate() {
-                        assert!(params == &out.params[0], "{what}: rank {rank} differs from rank 0");
-                    }
-                    let (diff, path) = max_abs_diff(&out.params[0], &reference);
-                    assert!(diff <= PARAM_TOL, "{what}: max |param - reference| = {diff} at `{path}`");
-                    worst_param = worst_param.max(diff);
+                    let (loss, param) = check_run(&what, &out, &ref_losses, &reference, (LOSS_TOL, PARAM_TOL));
+                    (worst_loss, worst_param) = (worst_loss.max(loss), worst_param.max(param));
                     by_mode.push((mode, out.params.into_iter().next().unwrap()));
                 }
                 for (mode, params) in &by_mode {
@@ -307,13 +322,13 @@ fn in_bf16_the_unit_walk_agrees_with_the_one_unit_path() {
 
 /// Padded size of a unit of `n` elements over `world_size` ranks (16-element alignment),
 /// computed here from the rule, not by the engine.
-fn padded(n: usize, world_size: usize) -> usize {
+pub(crate) fn padded(n: usize, world_size: usize) -> usize {
     n.div_ceil(16 * world_size) * 16 * world_size
 }
 
 /// Each declared unit's element count, and the root's (0 if none), grouping the model's
 /// parameters by the module paths its `units()` lists.
-fn unit_sizes<M: UnitModel>(model: &M) -> (Vec<usize>, usize) {
+pub(crate) fn unit_sizes<M: UnitModel>(model: &M) -> (Vec<usize>, usize) {
     let specs = model.units();
     let mut sizes = vec![0; specs.len()];
     let mut root = 0;

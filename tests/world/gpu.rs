@@ -1,0 +1,215 @@
+//! The engine on a wgpu device (`--features wgpu`; in CI a GPU-less machine runs them on
+//! lavapipe, Mesa's Vulkan on the CPU): the tiny GPT trained in units at every stage, one
+//! rank and two thread ranks sharing the device, against plain Burn on the device and on
+//! the CPU; the device each rank gets; half precision the device lacks.
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn::tensor::{DType, Device, DeviceKind};
+use zerotrain::config::ComputeDevice;
+use zerotrain::{Engine, Error, launch};
+
+use crate::common::*;
+use crate::units::{MODES, Mode, STEPS, Tokens, Workload, check_run, padded, tiny_gpt, train, unit_recipe, unit_sizes};
+
+/// The engine on wgpu against plain Burn on the same device: the engine's arithmetic is
+/// the device's, summed in another order, as on the CPU (`units.rs`: 5e-6). Measured
+/// worst case on lavapipe: 8.7e-7 (`--nocapture`).
+const PARAM_TOL: f32 = 5e-6;
+/// Plain Burn on wgpu against plain Burn on the CPU (Flex): another implementation of every
+/// op. Losses agree to about 1e-6 relative on lavapipe; the parameters do not compare
+/// usefully, since Adam turns the last-bit differences of a near-zero gradient into steps
+/// of up to lr (1.2e-3 measured), on the CPU reference's own path as much as the engine's.
+const DEVICE_LOSS_TOL: f32 = 1e-5;
+
+/// The tests here take turns on the device, so that the one reading its allocator sees
+/// only its own allocations.
+fn device_alone() -> MutexGuard<'static, ()> {
+    static DEVICE: Mutex<()> = Mutex::new(());
+    DEVICE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `json` with `zerotrain.device` set to `device`.
+fn on_device(json: &str, device: &str) -> String {
+    json.replace(r#""zerotrain": {"#, &format!(r#""zerotrain": {{"device": "{device}", "#))
+}
+
+/// Every stage at one rank and at two thread ranks sharing the device, in the unit walk
+/// with overlapped reduction and recomputation (the most device work): the engine equals
+/// plain Burn on the device, and plain Burn on the device trains like plain Burn on the CPU.
+#[test]
+fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 3);
+    let w = Tokens { vocab: 11, len: 9 };
+    let cpu = Device::flex().autodiff();
+    let gpu = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+    let (mut worst_param, mut worst_loss) = (0.0f32, 0.0f32);
+    for world_size in [1, 2] {
+        let reference_plan = plan(&unit_recipe(0, 2, MODES[0], "fp32", ""), world_size);
+        let reference = |device: &Device| {
+            let loss = |m: &_, step| w.global_loss(m, &reference_plan, step, device);
+            let (losses, model) = reference_run_on(&init, &reference_plan, STEPS, loss, device);
+            (losses, params_by_path(&model))
+        };
+        let (cpu_losses, _) = reference(&cpu);
+        let (gpu_losses, gpu_params) = reference(&gpu);
+        for (got, want) in gpu_losses.iter().zip(&cpu_losses) {
+            worst_loss = worst_loss.max((got - want).abs() / want.abs());
+            assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "plain Burn: wgpu loss {got} vs cpu {want}");
+        }
+        for stage in 0..=3 {
+            let mode = Mode { units: true, checkpointing: true, overlap: true };
+            let what = format!("wgpu world {world_size} stage {stage}");
+            let plan = plan(&on_device(&unit_recipe(stage, 2, mode, "fp32", ""), "wgpu"), world_size);
+            assert_eq!(plan.device, ComputeDevice::Wgpu);
+            let out = train(&w, &init, &plan, mode, STEPS).unwrap();
+            // Losses against the CPU, parameters against plain Burn on the device.
+            let (loss, param) = check_run(&what, &out, &cpu_losses, &gpu_params, (DEVICE_LOSS_TOL, PARAM_TOL));
+            (worst_loss, worst_param) = (worst_loss.max(loss), worst_param.max(param));
+        }
+    }
+    eprintln!("wgpu: worst |param - plain Burn| {worst_param:e}, worst relative loss vs the CPU {worst_loss:e}");
+}
+
+/// Each rank computes on the wgpu device `zerotrain.device` names, not on the CPU.
+#[test]
+fn ranks_compute_on_the_configured_device() {
+    let _alone = device_alone();
+    let plan = plan(&on_device(&recipe(0, 1, 1, 0.0), "wgpu"), 2);
+    let devices = launch(&plan, |ctx| Ok::<_, Error>(format!("{:?}", ctx.device()))).unwrap();
+    for device in &devices {
+        assert!(device.to_lowercase().contains("wgpu"), "a rank computes on {device}");
+    }
+    let plan = crate::common::plan(&recipe(0, 1, 1, 0.0), 1);
+    let cpu = launch(&plan, |ctx| Ok::<_, Error>(format!("{:?}", ctx.device()))).unwrap();
+    assert!(cpu[0].to_lowercase().contains("flex"), "the default device is {}", cpu[0]);
+}
+
+/// Half precision the device cannot compute in is an error naming the key, before any
+/// step; where the device has it, the engine builds.
+#[test]
+fn half_precision_the_device_lacks_is_a_clear_error() {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 5);
+    for (key, dtype) in [("bf16", DType::BF16), ("fp16", DType::F16)] {
+        let mode = MODES[0];
+        let json =
+            unit_recipe(0, 1, mode, "fp32", "").replacen('{', &format!(r#"{{ "{key}": {{"enabled": true}},"#), 1);
+        let plan = plan(&on_device(&json, "wgpu"), 1);
+        let built = launch(&plan, |ctx| {
+            let supported = ctx.device().supports_dtype(dtype);
+            Ok::<_, Error>((
+                supported,
+                Engine::with_units(init.clone(), &plan, &ctx).map(|_| ()).map_err(|e| e.to_string()),
+            ))
+        });
+        let (supported, outcome) = built.unwrap().remove(0);
+        eprintln!("{key} on wgpu: supported {supported}, engine {outcome:?}");
+        match outcome {
+            Ok(()) => assert!(supported, "{key}: the engine built on a device without {dtype:?}"),
+            Err(e) => {
+                assert!(!supported, "{key}: {e}");
+                assert!(e.contains(&format!("{key}.enabled")) && e.contains("wgpu device cannot compute in"), "{e}");
+            }
+        }
+    }
+}
+
+/// fp16 on the device (where it has f16: lavapipe does): the engine at stages 0 and 3 on
+/// two ranks trains as the same engine on the CPU does, within fp16 rounding (a step the
+/// loss scaler skipped on one device only would put the later losses far apart).
+#[test]
+fn fp16_on_wgpu_trains_as_fp16_on_the_cpu() {
+    let _alone = device_alone();
+    let gpu = Device::wgpu(DeviceKind::DefaultDevice);
+    if !gpu.supports_dtype(DType::F16) {
+        eprintln!("this wgpu device has no f16: nothing to compare (the error is tested above)");
+        return;
+    }
+    let init = tiny_gpt(true, 6);
+    let w = Tokens { vocab: 11, len: 9 };
+    let mode = Mode { units: true, checkpointing: false, overlap: true };
+    let (mut worst, mut worst_param) = (0.0f32, 0.0f32);
+    for stage in [0, 3] {
+        let json = unit_recipe(stage, 2, mode, "fp32", "").replacen(
+            '{',
+            r#"{ "fp16": {"enabled": true, "initial_scale_power": 8},"#,
+            1,
+        );
+        let cpu = train(&w, &init, &plan(&json, 2), mode, 4).unwrap();
+        let on_gpu = train(&w, &init, &plan(&on_device(&json, "wgpu"), 2), mode, 4).unwrap();
+        assert_eq!(on_gpu.losses.len(), cpu.losses.len());
+        for (got, want) in on_gpu.losses.iter().zip(&cpu.losses) {
+            let rel = (got - want).abs() / want.abs();
+            worst = worst.max(rel);
+            assert!(rel <= 2e-3, "fp16 stage {stage}: wgpu loss {got} vs cpu {want}");
+        }
+        let (diff, path) = max_abs_diff(&on_gpu.params[0], &cpu.params[0]);
+        assert!(diff <= 5e-3, "fp16 stage {stage}: parameters differ by {diff} at `{path}`");
+        worst_param = worst_param.max(diff);
+    }
+    eprintln!("fp16 wgpu vs cpu: worst relative loss {worst:e}, worst parameter {worst_param:e}");
+}
+
+/// Model states on the device, as the device's allocator counts them, fall with the stage
+/// as the ZeRO formula says for what lives there: the parameters (all of them at stages
+/// 0-2, none at stage 3), fp32 masters (stage 3: the rank's shard) and Adam's two moments
+/// (the whole model at stage 0, the rank's shard at 1-3); gradients are reduced on the
+/// host. Two thread ranks share the device, so its count is twice one rank's.
+///
+/// Besides them each rank's thread holds a few hundred small allocations of the runtime's
+/// own (about 7 KB per rank here, the same at every stage, left behind when the thread
+/// ends; 80 B more at stage 0 on lavapipe), so the measurement is the growth of the count
+/// over the run, and each stage's must be its formula plus that overhead, within 128 B:
+/// the stages differ by 27 KB and more.
+#[test]
+fn model_states_on_the_device_fall_with_the_stage() {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 7);
+    let w = Tokens { vocab: 11, len: 9 };
+    let (sizes, root) = unit_sizes(&init);
+    let units: Vec<usize> = sizes.into_iter().chain([root]).collect();
+    let psi: usize = units.iter().sum();
+    let n = 2;
+    let shard: usize = units.iter().map(|&u| padded(u, n) / n).sum();
+    let mode = Mode { units: true, checkpointing: false, overlap: false };
+    let mut measured = Vec::new();
+    // The first run also allocates what the process keeps for good: not measured.
+    for (run, stage) in [0u8, 0, 1, 2, 3].into_iter().enumerate() {
+        let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", ""), "wgpu"), n);
+        let grown = launch(&plan, |ctx| {
+            let comm = ctx.collective();
+            let in_use = || ctx.device().memory_pool_usage().expect("wgpu reports its memory pools").bytes_in_use;
+            comm.barrier()?;
+            let before = in_use();
+            comm.barrier()?;
+            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+            for step in 0..2 {
+                engine.forward_backward(&w.batch(&plan, step, 0, ctx.rank(), ctx.device()))?;
+                engine.step()?;
+            }
+            comm.barrier()?;
+            let after = in_use();
+            comm.barrier()?;
+            Ok::<_, Error>(after - before)
+        })
+        .unwrap()[0];
+        let per_rank = match stage {
+            0 => 4 * psi + 8 * psi,
+            1 | 2 => 4 * psi + 8 * shard,
+            _ => 4 * shard + 8 * shard,
+        } as u64;
+        if run > 0 {
+            measured.push((stage, grown, n as u64 * per_rank));
+        }
+    }
+    eprintln!("device bytes grown over 2 steps, 2 ranks (stage, measured, formula): {measured:?}");
+    let overhead = measured.iter().map(|&(_, bytes, formula)| bytes - formula).min().unwrap();
+    assert!(overhead < 16 * 1024 * n as u64, "{overhead} B besides model states: {measured:?}");
+    for &(stage, bytes, formula) in &measured {
+        let what = format!("stage {stage}: the device holds {bytes} B, the formula says {formula} B + {overhead} B");
+        assert!(bytes - formula - overhead <= 128, "{what}");
+    }
+    assert!(measured[0].1 > measured[1].1 && measured[1].1 == measured[2].1 && measured[2].1 > measured[3].1);
+}
