@@ -25,36 +25,38 @@ VOCAB, WIDTH, LAYERS, HEADS, CONTEXT, PER_RANK = 13, 128, 4, 4, 64, 8
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width=WIDTH, heads=HEADS):
         super().__init__()
-        self.norm_attn, self.norm_mlp = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=name != "k") for name in "qkvo")
-        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.heads = heads
+        self.norm_attn, self.norm_mlp = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=name != "k") for name in "qkvo")
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
     def forward(self, x):
         b, t, d = x.shape
         h = self.norm_attn(x)
-        split = lambda y: y.view(b, t, HEADS, d // HEADS).transpose(1, 2)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         return x + self.down(F.gelu(self.up(self.norm_mlp(x))))
 
 
 class Gpt(nn.Module):
-    def __init__(self):
+    def __init__(self, vocab=VOCAB, width=WIDTH, layers=LAYERS, heads=HEADS, context=CONTEXT):
         super().__init__()
-        self.token, self.position = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
+        self.token, self.position = nn.Embedding(vocab, width), nn.Embedding(context, width)
         nn.init.normal_(self.token.weight, std=0.02)
         nn.init.normal_(self.position.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(WIDTH)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
 
     def forward(self, tokens):
-        x = self.token(tokens[:, :-1]) + self.position(torch.arange(tokens.shape[1] - 1))
+        positions = torch.arange(tokens.shape[1] - 1, device=tokens.device)
+        x = self.token(tokens[:, :-1]) + self.position(positions)
         for block in self.blocks:
             x = block(x)
         logits = self.norm(x) @ self.token.weight.T
-        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
 def run(rank, world_size, mode, steps, out):
