@@ -102,3 +102,119 @@ pub(super) fn resolve_pipeline(
         usize::try_from(interval).map_err(|_| invalid("pipeline.activation_checkpoint_interval", "too large"))?;
     Ok((stages > 1).then_some(PipelinePlan { stages, partition, schedule, checkpoint_interval }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{parse, plan};
+    use super::super::*;
+    use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
+
+    /// The per-unit keys: DeepSpeed's defaults (overlap on at stage 3 only), explicit values,
+    /// the activation checkpointing section (present means on; its DeepSpeed tuning keys are
+    /// listed as no-ops when set), and a zero bucket refused by name.
+    #[test]
+    fn unit_keys_resolve_with_deepspeeds_defaults_and_checkpointing_is_the_sections_presence() {
+        let zero = |stage: u8, extra: &str| {
+            plan(&format!(r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage} {extra}}}}}"#))
+                .unwrap()
+                .zero
+        };
+        for stage in 0..=3 {
+            let z = zero(stage, "");
+            assert_eq!(z.overlap_comm, stage == 3, "stage {stage}");
+            assert_eq!(
+                (z.reduce_bucket_size, z.prefetch_bucket_size, z.max_live_parameters),
+                (500_000_000, 50_000_000, 1_000_000_000)
+            );
+        }
+        let z = zero(
+            3,
+            r#", "overlap_comm": false, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": "auto""#,
+        );
+        assert_eq!(
+            (z.overlap_comm, z.reduce_bucket_size, z.prefetch_bucket_size, z.max_live_parameters),
+            (false, 1000, 0, 1_000_000_000)
+        );
+        assert!(zero(1, r#", "overlap_comm": true"#).overlap_comm);
+
+        let on = plan(r#"{"train_batch_size": 4, "activation_checkpointing": {}}"#).unwrap();
+        assert!(on.activation_checkpointing && on.warning().is_none());
+        assert!(!plan(r#"{"train_batch_size": 4}"#).unwrap().activation_checkpointing);
+        let tuned = plan(
+            r#"{"train_batch_size": 4, "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": false,
+                "contiguous_memory_optimization": true, "number_checkpoints": 4, "synchronize_checkpoint_boundary": false, "profile": false}}"#,
+        )
+        .unwrap();
+        assert!(tuned.activation_checkpointing);
+        assert_eq!(
+            tuned.not_implemented,
+            [
+                "activation_checkpointing.partition_activations",
+                "activation_checkpointing.contiguous_memory_optimization",
+                "activation_checkpointing.number_checkpoints"
+            ]
+        );
+        let err = parse(r#"{"activation_checkpointing": {"partition_activation": true}}"#).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "test.json: unknown key `activation_checkpointing.partition_activation` (did you mean `partition_activations`?)"
+        );
+        let err =
+            plan(r#"{"train_batch_size": 4, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}"#).unwrap_err();
+        assert_eq!(err.to_string(), "config: `zero_optimization.reduce_bucket_size`: must be at least 1 element");
+    }
+
+    /// The pipeline section: stages dividing the world, the batch derived over the
+    /// data-parallel ranks, DeepSpeed's partition names, the schedule, and refusals by key.
+    #[test]
+    fn pipeline_keys_resolve_over_the_data_parallel_ranks_and_bad_ones_name_their_key() {
+        let at = |json: &str, n: usize| parse(json)?.resolve(Overrides { world_size: Some(n), ..Overrides::default() });
+        let plan = at(
+            r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                "pipeline": {"stages": 2, "partition_method": "uniform", "activation_checkpoint_interval": 2},
+                "zerotrain": {"schedule": "gpipe"}}"#,
+            6,
+        )
+        .unwrap();
+        let p = plan.pipeline.unwrap();
+        assert_eq!((p.stages, p.data_parallel(6), p.checkpoint_interval), (2, 3, 2));
+        assert_eq!((p.partition, p.schedule), (PartitionMethod::Uniform, ScheduleKind::GPipe));
+        assert_eq!(plan.batch.train_batch_size, 2 * 4 * 3, "micro x accumulation x data-parallel ranks");
+        let defaults = at(
+            r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "partition": "best"}, "activation_checkpointing": {}}"#,
+            2,
+        )
+        .unwrap()
+        .pipeline
+        .unwrap();
+        assert_eq!(
+            (defaults.partition, defaults.schedule, defaults.checkpoint_interval),
+            (PartitionMethod::Parameters, ScheduleKind::OneFOneB, 1)
+        );
+        assert!(at(r#"{"train_batch_size": 4, "pipeline": {"stages": "auto"}}"#, 2).unwrap().pipeline.is_none());
+        assert!(at(r#"{"train_batch_size": 4, "pipeline": {"stages": 1}}"#, 2).unwrap().pipeline.is_none());
+        let warned = at(
+            r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "seed_layers": true, "pipe_partitioned": true}}"#,
+            2,
+        );
+        assert_eq!(warned.unwrap().not_implemented, ["pipeline.seed_layers"]);
+
+        let err = |json: &str, n: usize| at(json, n).unwrap_err().to_string();
+        assert!(
+            err(r#"{"train_batch_size": 4, "pipeline": {"stages": 4}}"#, 6)
+                .contains("`pipeline.stages`: must divide the world size (6)")
+        );
+        assert!(
+            err(r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "partition": "type:Block"}}"#, 2)
+                .contains("pipeline.partition")
+        );
+        assert!(
+            err(r#"{"train_batch_size": 4, "zerotrain": {"schedule": "interleaved"}}"#, 2)
+                .contains("`zerotrain.schedule`: must be `1f1b` or `gpipe`")
+        );
+        let stage3 = err(r#"{"train_batch_size": 4, "zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}"#, 2);
+        assert!(stage3.contains("stage 3 with pipeline.stages > 1 is not supported"), "{stage3}");
+        let unknown = parse(r#"{"pipeline": {"stage": 2}}"#).unwrap_err().to_string();
+        assert_eq!(unknown, "test.json: unknown key `pipeline.stage` (did you mean `stages`?)");
+    }
+}
