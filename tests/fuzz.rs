@@ -207,7 +207,8 @@ fn sample_checkpoint(root: &Path) -> Manifest {
     let partial = prepare(root, "global_step1").unwrap();
     for (rank, range) in [(0, 0u64..500), (1, 500..1000)] {
         let master: Vec<f32> = range.clone().map(|i| i as f32).collect();
-        write_shard(&partial, rank, &[range.clone()], &[("master", &master), ("optim.m", &master)]).unwrap();
+        write_shard(&partial, rank, std::slice::from_ref(&range), &[("master", &master), ("optim.m", &master)])
+            .unwrap();
     }
     let manifest = Manifest {
         format_version: FORMAT_VERSION,

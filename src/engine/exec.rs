@@ -48,6 +48,9 @@ pub(super) enum Saved<H> {
     Done,
 }
 
+/// What the forward half returns: each unit's [`Saved`] and the last unit's output.
+pub(super) type Forward<H> = (Vec<Saved<H>>, H);
+
 /// Which way the walk goes, for prefetching.
 #[derive(Clone, Copy)]
 pub(super) enum Direction {
@@ -143,11 +146,7 @@ impl<M: UnitModel> Engine<M> {
     /// where the first unit reads the batch): every unit in order, with or without its
     /// graph as checkpointing says. Returns what backward needs of each unit and the last
     /// output.
-    pub(super) fn forward_units(
-        &mut self,
-        input: Option<M::Hidden>,
-        batch: &M::Batch,
-    ) -> Result<(Vec<Saved<M::Hidden>>, M::Hidden)> {
+    pub(super) fn forward_units(&mut self, input: Option<M::Hidden>, batch: &M::Batch) -> Result<Forward<M::Hidden>> {
         let interval = self.checkpoint_interval();
         let mut saved = Vec::with_capacity(self.num_declared);
         let mut hidden: Option<M::Hidden> = input;
@@ -180,14 +179,14 @@ impl<M: UnitModel> Engine<M> {
         let Saved::Boundary(mut input) = std::mem::replace(&mut saved[first], Saved::Done) else {
             unreachable!("a checkpointed group starts with its boundary")
         };
-        for i in first..=last {
+        for (i, slot) in saved.iter_mut().enumerate().take(last + 1).skip(first) {
             self.enter(i, Direction::Backward)?;
             let start = Instant::now();
             let leaf = input.take().map(Activation::leaf);
             let output = self.run_unit(i, leaf.clone(), batch, true)?;
             self.window.times.backward += start.elapsed().as_secs_f64();
             input = Some(output.clone().detached());
-            saved[i] = Saved::Graph(leaf, output);
+            *slot = Saved::Graph(leaf, output);
         }
         Ok(())
     }

@@ -24,6 +24,7 @@
 mod checkpoint;
 mod exec;
 mod grads;
+mod master;
 pub mod model;
 mod optimizer;
 mod params;
@@ -45,7 +46,7 @@ use zerotrain_zero::{Collective, CommStats, ReduceOp, Sharding};
 pub use self::checkpoint::LoadOptions;
 use self::grads::ReduceOptions;
 pub use self::model::{Activation, UnitModel, UnitSpec};
-use self::params::{ParamIndex, read_params, take_grads, trainable_bytes};
+use self::params::{ParamIndex, ParamShapes, read_params, take_grads, trainable_bytes};
 use self::unit::{Shared, Unit};
 use crate::config::{ComputeDevice, ConfigError, Plan};
 use crate::context::RankContext;
@@ -247,7 +248,7 @@ impl<M: Module> Engine<M> {
 
     /// The model forked onto the rank's device, its trainable parameters (path, shape) and
     /// their index; an error if it has none.
-    fn scan(model: M, ctx: &RankContext) -> Result<(M, Vec<(String, Vec<usize>)>, ParamIndex)> {
+    fn scan(model: M, ctx: &RankContext) -> Result<(M, ParamShapes, ParamIndex)> {
         let model = model.fork(ctx.device());
         let (params, index) = ParamIndex::scan(&model);
         if params.is_empty() {

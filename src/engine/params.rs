@@ -19,6 +19,9 @@ use zerotrain_zero::{Collective, Sharding};
 
 use crate::{Error, Result};
 
+/// The (module path, shape) of each trainable parameter, in the model's order.
+pub(crate) type ParamShapes = Vec<(String, Vec<usize>)>;
+
 /// Which float parameters (by visit position) are trainable, and their global entry.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamIndex {
@@ -36,10 +39,10 @@ impl ParamIndex {
     }
 
     /// Scans `model`, returning the (path, shape) of each trainable parameter in order.
-    pub fn scan<M: Module>(model: &M) -> (Vec<(String, Vec<usize>)>, Self) {
+    pub fn scan<M: Module>(model: &M) -> (ParamShapes, Self) {
         struct Scan {
             path: Vec<String>,
-            params: Vec<(String, Vec<usize>)>,
+            params: ParamShapes,
             entry_of: Vec<Option<usize>>,
         }
         impl ModuleVisitor for Scan {

@@ -31,7 +31,7 @@ use zerotrain_zero::{Collective, Pending, ReduceOp, Request, Sharding};
 
 use super::exec::Saved;
 use super::model::{Activation, UnitModel};
-use super::params::{ParamIndex, UnitGrads, agree_initial_values, release_unheld};
+use super::params::{ParamIndex, ParamShapes, UnitGrads, agree_initial_values, release_unheld};
 use super::{ALIGN_ELEMS, Engine, Placement, StepReport};
 use crate::config::{PipelinePlan, Plan};
 use crate::context::RankContext;
@@ -93,7 +93,7 @@ impl<M: UnitModel> Engine<M> {
         model: M,
         plan: &Plan,
         ctx: &RankContext,
-        (params, index): (Vec<(String, Vec<usize>)>, ParamIndex),
+        (params, index): (ParamShapes, ParamIndex),
         (unit_of, names, declared): (Vec<usize>, Vec<String>, usize),
         pipeline: PipelinePlan,
     ) -> Result<Self> {

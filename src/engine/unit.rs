@@ -16,15 +16,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn::tensor::Device;
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Collective, Completed, FlatLayout, Pending, Request, Sharding, ZeroStage};
 
 use super::PhaseTimes;
 use super::grads::{ReduceOptions, UnitGrad};
+use super::master::Values;
 use super::optimizer::FlatOptimizer;
-use super::params::{Fill, ParamIndex, UnitGrads, into_flat, read_params, write_params};
-use crate::config::Plan;
+use super::params::{Fill, ParamIndex, UnitGrads, read_params, write_params};
+use crate::config::{ComputeDevice, Plan};
 use crate::{Error, Result};
 
 /// What every unit works with: the rank's collectives and device, the plan, the units'
@@ -54,6 +55,11 @@ impl Shared {
     /// The rank's device without autodiff: where master weights and optimizer state live.
     pub fn state_device(&self) -> Device {
         self.device.clone().without_autodiff()
+    }
+
+    /// Whether the rank computes on the CPU (see [`Values`]).
+    pub fn on_cpu(&self) -> bool {
+        self.plan.device == ComputeDevice::Cpu
     }
 
     /// The range of unit `unit`'s flat buffer this rank's optimizer steps: all of its
@@ -101,28 +107,10 @@ enum Master {
     /// fp32 training, stages 0-2: the model's parameters are the master weights; the
     /// optimizer steps a transient copy of the range.
     InModel,
-    /// The fp32 values of the optimizer range, a 1-D tensor on the rank's device (`None`:
-    /// lost, see [`lost`]): mixed precision at stages 0-2 (the model holds compute-dtype
-    /// copies), and stage 3, where they are the only persistent copy. They cross to the
-    /// host only in the compute dtype, as a collective's input, and for checkpoints.
-    Held(Option<Tensor<1>>),
-}
-
-/// `values` as a 1-D f32 tensor on `device`.
-fn master_tensor(values: Vec<f32>, device: &Device) -> Tensor<1> {
-    let n = values.len();
-    Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32))
-}
-
-/// `master` cast to `dtype` on its device and read to the host: a collective's input.
-fn to_host(master: Tensor<1>, dtype: Precision, unit: usize) -> Result<FlatBuf> {
-    let n = master.dims()[0];
-    let dtype_of = match dtype {
-        Precision::Fp32 => FloatDType::F32,
-        Precision::Fp16 => FloatDType::F16,
-        Precision::Bf16 => FloatDType::BF16,
-    };
-    into_flat(master.cast(dtype_of).into_data(), &format!("master weights of unit {unit}"), n)
+    /// The fp32 values of the optimizer range, where the rank computes (`None`: lost, see
+    /// [`lost`]): mixed precision at stages 0-2 (the model holds compute-dtype copies), and
+    /// stage 3, where they are the only persistent copy.
+    Held(Option<Values>),
 }
 
 /// Where a unit's parameters are at stage 3 (at stages 0-2 they are always present).
@@ -166,7 +154,7 @@ impl Unit {
             (false, Precision::Fp32) => Master::InModel,
             _ => {
                 let range = values[shared.optimizer_range(id)].to_vec();
-                Master::Held(Some(master_tensor(range, &shared.state_device())))
+                Master::Held(Some(Values::new(range, shared.on_cpu(), &shared.state_device())))
             }
         };
         let threshold = plan.zero.param_persistence_threshold;
@@ -200,9 +188,8 @@ impl Unit {
             return Ok(());
         }
         let layout = shared.layout(self.id);
-        let shard = self.held(layout.shard_len())?.clone();
         let request = Request::AllGather {
-            input: to_host(shard, shared.plan.precision, self.id)?,
+            input: self.held(layout.shard_len())?.to_host(shared.plan.precision)?,
             output: FlatBuf::zeros(shared.plan.precision, layout.padded_elems()),
         };
         self.presence = Presence::Fetching(shared.comm.start(request));
@@ -271,14 +258,15 @@ impl Unit {
         let range = shared.optimizer_range(self.id);
         let start = Instant::now();
         let values = match &mut self.master {
-            Master::InModel => master_tensor(self.values(&model, shared)?, &shared.state_device()),
-            Master::Held(held) => held.take().filter(|t| t.dims()[0] == range.len()).ok_or_else(lost)?,
+            Master::InModel => Values::Host(self.values(&model, shared)?),
+            Master::Held(held) => held.take().filter(|v| v.len() == range.len()).ok_or_else(lost)?,
         };
+        let values = values.into_tensor(&shared.state_device());
         let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
-        let updated = self.optimizer.step(lr, values, grads)?;
+        let updated = Values::from_tensor(self.optimizer.step(lr, values, grads)?, shared.on_cpu())?;
         times.optimizer += start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let (model, published) = self.publish(model, updated.clone(), shared, times)?;
+        let (model, published) = self.publish(model, &updated, shared, times)?;
         transient += published;
         times.gather += start.elapsed().as_secs_f64();
         if let Master::Held(held) = &mut self.master {
@@ -287,14 +275,14 @@ impl Unit {
         Ok((model, transient))
     }
 
-    /// Puts new fp32 master values of the unit's optimizer range (on the rank's device)
-    /// into the model, as the stage keeps parameters: all of them at stage 0, all-gathered
-    /// in the compute dtype at stages 1-2, nowhere at stage 3 (gathered at the next use).
+    /// Puts new fp32 master values of the unit's optimizer range into the model, as the
+    /// stage keeps parameters: all of them at stage 0, all-gathered in the compute dtype
+    /// at stages 1-2, nowhere at stage 3 (gathered at the next use).
     /// Returns the transient bytes it used.
     pub fn publish<M: Module>(
         &mut self,
         model: M,
-        values: Tensor<1>,
+        values: &Values,
         shared: &Shared,
         times: &mut PhaseTimes,
     ) -> Result<(M, u64)> {
@@ -306,7 +294,7 @@ impl Unit {
             return Ok((model, 0));
         }
         let (dtype, layout) = (shared.plan.precision, shared.layout(self.id));
-        let converted = to_host(values, dtype, self.id)?;
+        let converted = values.to_host(dtype)?;
         let full = if stage == ZeroStage::Disabled {
             converted
         } else {
@@ -328,19 +316,15 @@ impl Unit {
                 read_params(model, index, sharding, self.id, range, BufMut::F32(&mut values))?;
                 Ok(values)
             }
-            Master::Held(_) => {
-                let data = self.held(range.len())?.clone().into_data();
-                data.try_into_vec::<f32>()
-                    .map_err(|e| Error::Model(format!("master weights of unit {}: {e:?}", self.id)))
-            }
+            Master::Held(_) => self.held(range.len())?.to_vec(),
         }
     }
 
     /// Replaces the master values of the optimizer range (a checkpoint load) and puts them
     /// where the stage keeps parameters.
     pub fn load<M: Module>(&mut self, model: M, values: Vec<f32>, shared: &Shared) -> Result<M> {
-        let values = master_tensor(values, &shared.state_device());
-        let (model, _) = self.publish(model, values.clone(), shared, &mut PhaseTimes::default())?;
+        let values = Values::new(values, shared.on_cpu(), &shared.state_device());
+        let (model, _) = self.publish(model, &values, shared, &mut PhaseTimes::default())?;
         if let Master::Held(held) = &mut self.master {
             *held = Some(values);
         }
@@ -348,9 +332,9 @@ impl Unit {
     }
 
     /// The held fp32 values, checked to have `len` elements (see [`lost`]).
-    fn held(&self, len: usize) -> Result<&Tensor<1>> {
+    fn held(&self, len: usize) -> Result<&Values> {
         match &self.master {
-            Master::Held(Some(held)) if held.dims()[0] == len => Ok(held),
+            Master::Held(Some(held)) if held.len() == len => Ok(held),
             Master::Held(_) => Err(lost()),
             Master::InModel => unreachable!("stage 3 and mixed precision hold their masters"),
         }
@@ -376,7 +360,7 @@ impl Unit {
     pub fn master_bytes(&self) -> u64 {
         match &self.master {
             Master::InModel => 0,
-            Master::Held(held) => held.as_ref().map_or(0, |t| (t.dims()[0] * size_of::<f32>()) as u64),
+            Master::Held(held) => held.as_ref().map_or(0, |v| (v.len() * size_of::<f32>()) as u64),
         }
     }
 
