@@ -74,11 +74,16 @@ struct Walk<'a> {
 }
 
 impl Walk<'_> {
-    /// The next float parameter's (unit, entry within the unit), if trainable.
-    fn next(&mut self) -> Option<(usize, usize)> {
+    /// The next float parameter's global entry, if trainable.
+    fn next_global(&mut self) -> Option<usize> {
         let position = self.position;
         self.position += 1;
-        self.index.entry(position).and_then(|g| self.sharding.location(g))
+        self.index.entry(position)
+    }
+
+    /// The next float parameter's (unit, entry within the unit), if trainable and held.
+    fn next(&mut self) -> Option<(usize, usize)> {
+        self.next_global().and_then(|g| self.sharding.location(g))
     }
 }
 
@@ -327,24 +332,20 @@ pub(crate) fn trainable_bytes<M: Module>(model: &M, index: &ParamIndex) -> u64 {
 /// tensor (a pipeline stage's other stages' parameters).
 pub(crate) fn release_unheld<M: Module>(model: M, index: &ParamIndex, sharding: &Sharding, device: &Device) -> M {
     struct Releaser<'a> {
-        index: &'a ParamIndex,
-        sharding: &'a Sharding,
+        walk: Walk<'a>,
         device: &'a Device,
-        position: usize,
     }
     impl ModuleMapper for Releaser<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let position = self.position;
-            self.position += 1;
-            match self.index.entry(position) {
-                Some(g) if self.sharding.location(g).is_none() => {
+            match self.walk.next_global() {
+                Some(g) if self.walk.sharding.location(g).is_none() => {
                     param.map(|_| Tensor::<D>::empty([0; D], self.device).require_grad())
                 }
                 _ => param,
             }
         }
     }
-    model.map(&mut Releaser { index, sharding, device, position: 0 })
+    model.map(&mut Releaser { walk: Walk { index, sharding, position: 0 }, device })
 }
 
 /// Makes every rank's parameters world rank 0's, one unit of `full` (a sharding of every
@@ -377,19 +378,15 @@ pub(crate) fn write_global<M: Module>(
     device: &Device,
 ) -> M {
     struct Writer<'a> {
-        index: &'a ParamIndex,
-        sharding: &'a Sharding,
+        walk: Walk<'a>,
         values: &'a [f32],
         dtype: zerotrain_precision::Precision,
         device: &'a Device,
-        position: usize,
     }
     impl ModuleMapper for Writer<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let position = self.position;
-            self.position += 1;
-            let Some(g) = self.index.entry(position) else { return param };
-            let entry = &self.sharding.global().entries()[g];
+            let Some(g) = self.walk.next_global() else { return param };
+            let entry = &self.walk.sharding.global().entries()[g];
             let shape: [usize; D] = entry.shape.as_slice().try_into().expect("layout shapes come from this module");
             let flat = FlatBuf::from_f32(self.dtype, &self.values[entry.flat_range()]);
             let data = with_elem!(FlatBuf, flat, v, _E => TensorData::new(v, shape));
@@ -398,5 +395,5 @@ pub(crate) fn write_global<M: Module>(
             param.map(|_| tensor.require_grad())
         }
     }
-    model.map(&mut Writer { index, sharding, values, dtype, device, position: 0 })
+    model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, values, dtype, device })
 }
