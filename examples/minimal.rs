@@ -58,7 +58,7 @@ pub fn train() -> (f32, f32) {
     // 2. The model, built once from a seed; every rank starts from a clone (the engine
     //    forks it onto the rank's device and broadcasts rank 0's values).
     let device = Device::flex().autodiff();
-    device.seed(plan.seed);
+    device.seed(plan.runtime.seed);
     let init = Net::new(&device);
     // 3. One closure per rank.
     let losses = launch(&plan, |ctx| {
@@ -85,7 +85,7 @@ pub fn train() -> (f32, f32) {
     println!(
         "{} steps on {} ranks at ZeRO {}: loss {first:.4} -> {last:.4}",
         losses[0].len(),
-        plan.world_size,
+        plan.world_size(),
         plan.zero.stage
     );
     (first, last)

@@ -6,20 +6,35 @@ use std::sync::Arc;
 
 use burn::tensor::Device;
 use zerotrain_zero::Collective;
+use zerotrain_zero::pipeline::Topology;
 
-/// One rank's view of the world: its rank, the world size, its device and its collective.
+use crate::Result;
+
+/// One rank's view of the world: its rank, the world size, its device, its collective, and
+/// its place among the pipeline stages and data-parallel ranks.
 #[derive(Clone)]
 pub struct RankContext {
     rank: usize,
     world_size: usize,
     device: Device,
     comm: Arc<dyn Collective>,
+    topology: Topology,
 }
 
 impl RankContext {
-    /// A context on `comm`'s rank, training on `device` (an autodiff device).
+    /// A context on `comm`'s rank, training on `device` (an autodiff device), without a
+    /// pipeline (every rank is a data-parallel rank).
     pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
-        Self { rank: comm.rank(), world_size: comm.world_size(), device, comm }
+        let (rank, world_size) = (comm.rank(), comm.world_size());
+        Self { rank, world_size, device, comm, topology: Topology { stages: 1, data_parallel: world_size } }
+    }
+
+    /// The same rank in a job of `stages` pipeline stages (DeepSpeed's order: rank `r` is
+    /// stage `r / D`, data-parallel rank `r % D`); an error unless `stages` divides the
+    /// world size. [`launch`](crate::launch) sets it from the plan.
+    pub fn with_stages(mut self, stages: usize) -> Result<Self> {
+        self.topology = Topology::new(self.world_size, stages)?;
+        Ok(self)
     }
 
     /// This rank, `0..world_size`.
@@ -30,6 +45,27 @@ impl RankContext {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// This rank's pipeline stage (0 without a pipeline).
+    pub fn stage(&self) -> usize {
+        self.topology.stage(self.rank)
+    }
+
+    /// Pipeline stages (1 without a pipeline).
+    pub fn num_stages(&self) -> usize {
+        self.topology.stages
+    }
+
+    /// This rank's index among the ranks that split each batch (its stage's data-parallel
+    /// ranks; without a pipeline, its rank): which part of a global batch it reads.
+    pub fn data_parallel_rank(&self) -> usize {
+        self.topology.data_index(self.rank)
+    }
+
+    /// Ranks that split each batch (per stage).
+    pub fn data_parallel_size(&self) -> usize {
+        self.topology.data_parallel
     }
 
     /// The device to build the model and batches on (autodiff enabled).

@@ -13,6 +13,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use burn::tensor::Device;
 
 use crate::config::ComputeDevice;
+use crate::error::panic_message;
 use crate::{Error, Result};
 
 /// The devices ranks of this machine are placed on, in local-rank order (round-robin).
@@ -59,11 +60,7 @@ impl Placement {
 /// say) into an error that names the setting.
 fn guarded(kind: ComputeDevice, find: fn() -> Vec<Device>) -> Result<Vec<Device>> {
     catch_unwind(AssertUnwindSafe(find)).map_err(|panic| {
-        let reason = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown failure".into());
+        let reason = panic_message(panic.as_ref());
         Error::Launch(format!("zerotrain.device is \"{}\" but its runtime failed to start: {reason}", kind.name()))
     })
 }

@@ -81,3 +81,12 @@ impl Error {
 
 /// Shorthand for results with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The message of a caught panic's payload (`&str` or `String`, the two `panic!` makes).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

@@ -14,6 +14,7 @@ use crate::config::{Backend, MpirunEnvironment, Plan};
 use crate::device::Placement;
 #[cfg(feature = "mpi")]
 use crate::device::mpi_local_rank;
+use crate::error::panic_message;
 use crate::{Error, RankContext, Result};
 
 /// Runs `f` once per rank of `plan` and returns each rank's result, in rank order.
@@ -40,14 +41,21 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
-    match (plan.backend, detect_mpirun()) {
+    match (plan.runtime.backend, detect_mpirun()) {
+        (Backend::Threads, Some(mpirun)) if mpirun.world_size > 1 => Err(Error::Launch(format!(
+            "zerotrain.backend is \"threads\" but mpirun started {} processes: each would train its own copy of the \
+             job; resolve the config with `Overrides {{ mpirun: zerotrain::detect_mpirun(), .. }}` and leave the \
+             backend \"auto\" (or set \"mpi\")",
+            mpirun.world_size
+        ))),
         (Backend::Threads, _) | (Backend::Auto, None) => launch_threads(plan, f),
         (Backend::Mpi, _) => launch_mpi(plan, f),
-        (Backend::Auto, Some(mpirun)) if mpirun.world_size == plan.world_size => launch_mpi(plan, f),
+        (Backend::Auto, Some(mpirun)) if mpirun.world_size == plan.world_size() => launch_mpi(plan, f),
         (Backend::Auto, Some(mpirun)) => Err(Error::Launch(format!(
             "mpirun started {} processes but the plan was resolved for {} ranks: resolve the config with \
              `Overrides {{ mpirun: zerotrain::detect_mpirun(), .. }}`",
-            mpirun.world_size, plan.world_size
+            mpirun.world_size,
+            plan.world_size()
         ))),
     }
 }
@@ -67,17 +75,17 @@ where
 {
     use zerotrain_zero::collective::MpiComm;
     use zerotrain_zero::{Collective, CommThread};
-    let timeout = plan.comm_timeout;
+    let timeout = plan.runtime.comm_timeout;
     let comm = CommThread::spawn("zerotrain-comm".into(), move || MpiComm::init(timeout))?;
-    if comm.world_size() != plan.world_size {
+    if comm.world_size() != plan.world_size() {
         let n = comm.world_size();
-        return Err(Error::Launch(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size)));
+        return Err(Error::Launch(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size())));
     }
     let rank = comm.rank();
     let comm: Arc<dyn Collective> = Arc::new(comm);
-    let device = Placement::find(plan.device).map(|p| p.device(mpi_local_rank().unwrap_or(rank)));
-    let ctx = match device {
-        Ok(device) => RankContext::new(Arc::clone(&comm), device),
+    let device = Placement::find(plan.runtime.device).map(|p| p.device(mpi_local_rank().unwrap_or(rank)));
+    let ctx = match device.and_then(|device| RankContext::new(Arc::clone(&comm), device).with_stages(stages(plan))) {
+        Ok(ctx) => ctx,
         Err(e) => {
             comm.abort(&e.to_string());
             return Err(e);
@@ -107,11 +115,11 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
-    let placement = Placement::find(plan.device)?;
-    let world = ThreadWorld::new(plan.world_size, plan.comm_timeout);
+    let placement = Placement::find(plan.runtime.device)?;
+    let world = ThreadWorld::new(plan.world_size(), plan.runtime.comm_timeout);
     let (done, finished) = mpsc::channel::<usize>();
     let results: Vec<Result<T, (Error, bool)>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..plan.world_size)
+        let handles: Vec<_> = (0..plan.world_size())
             .map(|rank| {
                 let not_started = |what: &str, e: &dyn std::fmt::Display| {
                     let error = Error::Rank { rank, message: format!("could not start its {what}: {e}") };
@@ -120,7 +128,9 @@ where
                 };
                 let comm =
                     CommThread::new(world.communicator(rank)).map_err(|e| not_started("communication thread", &e))?;
-                let ctx = RankContext::new(Arc::new(comm), placement.device(rank));
+                let ctx = RankContext::new(Arc::new(comm), placement.device(rank))
+                    .with_stages(stages(plan))
+                    .map_err(|e| not_started("context", &e))?;
                 let (world, f, done) = (&world, &f, done.clone());
                 std::thread::Builder::new()
                     .name(format!("zerotrain-rank-{rank}"))
@@ -164,7 +174,12 @@ where
 /// at most 10 s (a failed job's ranks unwind in milliseconds; one still computing by then
 /// is stalled).
 fn stall_grace(plan: &Plan) -> Duration {
-    plan.comm_timeout.min(Duration::from_secs(10))
+    plan.runtime.comm_timeout.min(Duration::from_secs(10))
+}
+
+/// The plan's pipeline stages (1 without a pipeline).
+fn stages(plan: &Plan) -> usize {
+    plan.pipeline.map_or(1, |p| p.stages)
 }
 
 /// Waits until the `running` rank threads have reported on `finished`. Once the job has failed,
@@ -220,14 +235,7 @@ where
             consequence = e.downcast_ref::<Error>().is_some_and(Error::is_consequence);
             Error::Rank { rank, message: error_chain(e.as_ref()) }
         }
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".into());
-            Error::RankPanicked { rank, message }
-        }
+        Err(panic) => Error::RankPanicked { rank, message: panic_message(panic.as_ref()) },
     };
     abort(&error.to_string());
     Err((error, consequence))

@@ -3,8 +3,10 @@
 //! A DeepSpeed `ds_config.json` ([`Config`]) resolves into a validated [`Plan`]; [`launch`]
 //! runs one closure per rank (threads of this process, or this process under `mpirun`) with
 //! a [`RankContext`]; in it an [`Engine`] wraps the rank's Burn model and trains it with
-//! `forward`, `backward` and `step`, partitioning optimizer state (ZeRO-1), gradients
-//! (ZeRO-2) and parameters (ZeRO-3) over the ranks as the plan's stage says. The partition
+//! `forward`, `backward` and `step` (or, for a model declared in units, `forward_backward`
+//! and `step`), partitioning optimizer state (ZeRO-1), gradients (ZeRO-2) and parameters
+//! (ZeRO-3) over the ranks as the plan's stage says; a [`Pipeline`] stage trains a run of a
+//! model's units when the plan has pipeline stages. The partition
 //! math and collectives live in `zerotrain-zero`, dtypes and loss scaling in
 //! `zerotrain-precision`, checkpoint files in `zerotrain-checkpoint`.
 //!
@@ -65,6 +67,10 @@
 //! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params.rs`.
 //! - *Note: why reduce-scatter per micro-step*, *reductions in flight*: `engine/grads.rs`.
 //! - *Note: persistence* (stage 3), *lost master weights*: `engine/unit.rs`.
+//! - *Note: one engine, any span* (what a pipeline stage changes): `engine/span.rs`.
+//! - *Note: buffers* (running statistics: averaged when observed): `engine/buffers.rs`.
+//! - *Note: flat shards*, *parameter groups*: [`engine::optimizer`].
+//! - *Note: a pipeline stage*, *seeding the stages*, *the header*: `engine/pipeline/`.
 //! - *Note: the iteration convention* (DeepSpeed's lr schedules): [`schedule`].
 //! - *Note: padding*, *the three-barrier protocol*, *byte counting*: `zerotrain-zero`.
 #![deny(missing_docs)]
@@ -83,6 +89,12 @@ pub mod app;
 
 pub use config::{Config, ConfigExtension, Overrides, Plan};
 pub use context::RankContext;
-pub use engine::{Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, StepReport};
+pub use engine::{
+    Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, Pipeline, StepReport, Trainer, consolidate, resume_point,
+    trainer,
+};
 pub use error::{Error, Result};
 pub use launch::{detect_mpirun, launch};
+/// The JSON values checkpoints carry as client state (`save_checkpoint`'s last argument),
+/// re-exported so that a program needs no dependency of its own for it.
+pub use serde_json;

@@ -44,9 +44,9 @@ fn config_check_json_is_machine_readable() {
     let out = zerotrain(&["config", "check", "tests/data/hf_trainer_zero3.json", "--world-size", "2", "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(plan["world_size"], 2);
+    assert_eq!(plan["runtime"]["world_size"], 2);
     assert_eq!(plan["zero"]["stage"], 3);
-    assert_eq!(plan["not_implemented"][0], "zero_optimization.offload_optimizer");
+    assert_eq!(plan["notes"]["no_effect"][0], "zero_optimization.offload_optimizer");
 }
 
 #[test]
@@ -437,11 +437,11 @@ fn the_command_tells_the_config_about_mpirun_and_the_library_refuses_a_plan_made
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!((plan["backend"].as_str(), plan["world_size"].as_u64()), (Some("mpi"), Some(3)));
+    assert_eq!((plan["runtime"]["backend"].as_str(), plan["runtime"]["world_size"].as_u64()), (Some("mpi"), Some(3)));
     // The same file without that environment: threads, the file's world size.
     let plan: serde_json::Value =
         serde_json::from_slice(&zerotrain(&["config", "check", auto, "--json"]).stdout).unwrap();
-    assert_eq!((plan["backend"].as_str(), plan["world_size"].as_u64()), (Some("auto"), Some(2)));
+    assert_eq!((plan["runtime"]["backend"].as_str(), plan["runtime"]["world_size"].as_u64()), (Some("auto"), Some(2)));
     // A library program that resolved without it (the minimal example) is stopped by
     // `launch` inside a 3-process mpirun job instead of training 3 independent copies.
     let examples = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");

@@ -15,7 +15,9 @@ use serde_json::Value;
 use zerotrain::app::keys::AppKeys;
 use zerotrain::config::{ComputeDevice, MpirunEnvironment};
 use zerotrain::{Config, Overrides};
-use zerotrain_checkpoint::{Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, commit, prepare, write_shard};
+use zerotrain_checkpoint::{
+    Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, commit, prepare, write_buffers, write_shard,
+};
 use zerotrain_precision::Precision;
 
 const FUZZ_CASES_DEFAULT: u32 = 300;
@@ -210,6 +212,11 @@ fn sample_checkpoint(root: &Path) -> Manifest {
         write_shard(&partial, rank, std::slice::from_ref(&range), &[("master", &master), ("optim.m", &master)])
             .unwrap();
     }
+    let buffer_layout = vec![
+        LayoutEntry { path: "bn.running_mean".into(), shape: vec![3], offset: 0 },
+        LayoutEntry { path: "bn.running_var".into(), shape: vec![3], offset: 3 },
+    ];
+    let buffers = write_buffers(&partial, buffer_layout, &[0.0, 0.1, 0.2, 1.0, 1.1, 1.2]).unwrap();
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
         tag: "global_step1".into(),
@@ -223,6 +230,7 @@ fn sample_checkpoint(root: &Path) -> Manifest {
         ],
         tensors: vec!["master".into(), "optim.m".into()],
         files: vec![],
+        buffers: Some(buffers),
         engine: serde_json::json!({}),
         config: serde_json::json!({}),
         client_state: serde_json::json!({}),
@@ -253,6 +261,14 @@ const MANIFEST_FIELDS: &[&str] = &[
     "/files/0/size",
     "/files/1/block_bytes",
     "/files/0/block_crc32",
+    "/buffers",
+    "/buffers/layout/0/shape/0",
+    "/buffers/layout/1/offset",
+    "/buffers/layout/1/path",
+    "/buffers/file/name",
+    "/buffers/file/ranges/0/1",
+    "/buffers/file/size",
+    "/buffers/file/block_crc32",
     "/engine",
     "/client_state",
 ];

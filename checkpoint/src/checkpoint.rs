@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use crate::commit::LATEST;
 use crate::manifest::MAX_MANIFEST_BYTES;
 use crate::shard::ShardReader;
-use crate::{CheckpointError, Manifest, Result, validate_tag};
+use crate::{CheckpointError, LayoutEntry, Manifest, Result, validate_tag};
 
 /// An opened, validated checkpoint.
 #[derive(Debug, Clone)]
@@ -126,12 +126,32 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Reads every block of every shard file and checks its checksum.
+    /// Reads every block of every shard file (and the buffers' file) and checks its
+    /// checksum.
     pub fn verify(&self) -> Result<()> {
         for file in &self.manifest.files {
             ShardReader::open(&self.dir, file, &self.manifest.tensors)?.verify()?;
         }
+        if let Some(buffers) = &self.manifest.buffers {
+            ShardReader::open(&self.dir, &buffers.file, &["buffers".to_string()])?.verify()?;
+        }
         Ok(())
+    }
+
+    /// The model's buffers, by module path, verified as they are read; `None` for a
+    /// checkpoint that holds none (a model without buffers, or format 1-2).
+    pub fn read_buffers(&self) -> Result<Option<Vec<(LayoutEntry, Vec<f32>)>>> {
+        let Some(buffers) = &self.manifest.buffers else { return Ok(None) };
+        let mut reader = ShardReader::open(&self.dir, &buffers.file, &["buffers".to_string()])?;
+        let mut out = Vec::with_capacity(buffers.layout.len());
+        for entry in &buffers.layout {
+            let elems = entry.shape.iter().product::<u64>();
+            // The reader checked the file holds the layout's elements: this is bounded.
+            let mut values = vec![0.0f32; elems as usize];
+            reader.read_f32("buffers", entry.offset..entry.offset + elems, &mut values)?;
+            out.push((entry.clone(), values));
+        }
+        Ok(Some(out))
     }
 }
 

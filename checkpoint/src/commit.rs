@@ -3,7 +3,8 @@
 //! # Note: the commit protocol
 //! 1. Rank 0 [`prepare`]s `<root>/<tag>.partial/` (refusing a tag that already exists).
 //! 2. Every rank with data [`write_shard`]s its file there, fsyncs it, and records its size
-//!    and checksums in a small `rank{r}.json` beside it.
+//!    and checksums in a small `rank{r}.json` beside it; rank 0 also writes the model's
+//!    buffers ([`write_buffers`]) when it has any.
 //! 3. After a barrier, rank 0 [`commit`]s: it builds the manifest from the records, writes
 //!    and fsyncs `manifest.json` and the directory, renames `<tag>.partial` to `<tag>`,
 //!    fsyncs the root, then replaces `<root>/latest` by writing `latest.partial` and renaming
@@ -22,8 +23,9 @@ use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use crate::manifest::BUFFERS_FILE;
 use crate::shard::{BLOCK_BYTES, SafetensorsWriter, TensorSpec};
-use crate::{CheckpointError, Manifest, Result, ShardFile, validate_tag};
+use crate::{BufferSet, CheckpointError, LayoutEntry, Manifest, Result, ShardFile, validate_tag};
 
 /// The name of the file naming the newest checkpoint (DeepSpeed's convention).
 pub const LATEST: &str = "latest";
@@ -172,6 +174,28 @@ pub fn write_shard(
     fs::write(&record, json).map_err(CheckpointError::io(&record))?;
     crash_point("shard recorded");
     Ok(info)
+}
+
+/// Rank 0: writes the model's buffers (`layout` by module path, `values` back to back) into
+/// `<partial>/buffers.safetensors`, fsynced, and returns their record for
+/// [`Manifest::buffers`].
+pub fn write_buffers(partial: &Path, layout: Vec<LayoutEntry>, values: &[f32]) -> Result<BufferSet> {
+    let path = partial.join(BUFFERS_FILE);
+    let spec = TensorSpec { name: "buffers".into(), dtype: safetensors::Dtype::F32, shape: vec![values.len()] };
+    let paths: Vec<&str> = layout.iter().map(|e| e.path.as_str()).collect();
+    let mut writer = SafetensorsWriter::create(&path, &[spec], &[("zerotrain_buffers", paths.join(","))])?;
+    writer.write_f32(values)?;
+    let summary = writer.finish()?;
+    crash_point("buffers written");
+    let file = ShardFile {
+        name: BUFFERS_FILE.into(),
+        rank: 0,
+        ranges: vec![[0, values.len() as u64]],
+        size: summary.size,
+        block_bytes: BLOCK_BYTES,
+        block_crc32: summary.block_crc32,
+    };
+    Ok(BufferSet { layout, file })
 }
 
 /// Rank 0, after every rank has written: completes `manifest` with the shard records found

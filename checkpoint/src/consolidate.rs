@@ -1,4 +1,5 @@
-//! Consolidation: one safetensors file of every parameter, keyed by module path, streamed
+//! Consolidation: one safetensors file of every parameter and buffer, keyed by module path
+//! (what a strict Burn load expects), the parameters streamed
 //! in chunks of [`CHUNK_ELEMS`], so that memory stays bounded whatever the manifest says a
 //! parameter's size is (a hostile manifest cannot make it allocate before the shards are
 //! read and checked).
@@ -59,9 +60,11 @@ fn write_consolidated(ckpt: &Checkpoint, partial: &Path, dtype: Precision) -> Re
         Precision::Fp16 => safetensors::Dtype::F16,
         Precision::Bf16 => safetensors::Dtype::BF16,
     };
+    let buffers = m.buffers.as_ref().map(|b| b.layout.as_slice()).unwrap_or_default();
     let specs: Vec<TensorSpec> = m
         .layout
         .iter()
+        .chain(buffers)
         .map(|e| TensorSpec {
             name: e.path.clone(),
             dtype: st_dtype,
@@ -83,20 +86,29 @@ fn write_consolidated(ckpt: &Checkpoint, partial: &Path, dtype: Precision) -> Re
             values.resize(n as usize, 0.0f32);
             ckpt.read_range("master", at..at + n, &mut values)?;
             at += n;
-            match dtype {
-                Precision::Fp32 => writer.write_f32(&values)?,
-                Precision::Fp16 => {
-                    let mut half = vec![f16::ZERO; values.len()];
-                    to_half(&values, &mut half);
-                    writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())?;
-                }
-                Precision::Bf16 => {
-                    let mut half = vec![bf16::ZERO; values.len()];
-                    to_half(&values, &mut half);
-                    writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())?;
-                }
-            }
+            write_as(&mut writer, &values, dtype)?;
         }
     }
+    // Buffers are small (running statistics): read whole, verified.
+    for (_, values) in ckpt.read_buffers()?.unwrap_or_default() {
+        write_as(&mut writer, &values, dtype)?;
+    }
     Ok(writer.finish()?.size)
+}
+
+/// Writes f32 `values` in `dtype`.
+fn write_as(writer: &mut SafetensorsWriter, values: &[f32], dtype: Precision) -> Result<()> {
+    match dtype {
+        Precision::Fp32 => writer.write_f32(values),
+        Precision::Fp16 => {
+            let mut half = vec![f16::ZERO; values.len()];
+            to_half(values, &mut half);
+            writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())
+        }
+        Precision::Bf16 => {
+            let mut half = vec![bf16::ZERO; values.len()];
+            to_half(values, &mut half);
+            writer.write(&half.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>())
+        }
+    }
 }

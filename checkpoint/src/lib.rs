@@ -3,11 +3,12 @@
 //! A checkpoint is `<root>/<tag>/`: a [`Manifest`] (`manifest.json`: layout by module path,
 //! which flat ranges each shard file holds, per-block checksums, engine and client state)
 //! and one safetensors file per rank that owns data, holding its fp32 master weights and
-//! optimizer-state leaves over its flat ranges. Writers call [`prepare`], [`write_shard`]
+//! optimizer-state leaves over its flat ranges, plus the model's buffers (running
+//! statistics) in one file of their own ([`write_buffers`], [`Checkpoint::read_buffers`]). Writers call [`prepare`], [`write_shard`]
 //! on every rank and [`commit`] (see its protocol note); readers [`Checkpoint::open`] one
 //! and [`read_range`](Checkpoint::read_range) exactly the flat ranges they own, whatever
-//! world size wrote it. [`consolidate`] streams the masters into one safetensors file keyed
-//! by module path.
+//! world size wrote it. [`consolidate`] streams the masters and buffers into one
+//! safetensors file keyed by module path.
 //!
 //! ```
 //! use zerotrain_checkpoint::{commit, prepare, write_shard, Checkpoint, LayoutEntry, Manifest};
@@ -21,7 +22,7 @@
 //!     format_version: zerotrain_checkpoint::FORMAT_VERSION,
 //!     tag: "global_step1".into(), global_step: 1, world_size: 2, stage: 2, precision: "fp32".into(),
 //!     layout: vec![LayoutEntry { path: "w".into(), shape: vec![2, 3], offset: 0 }],
-//!     tensors: vec!["master".into()], files: vec![],
+//!     tensors: vec!["master".into()], files: vec![], buffers: None,
 //!     engine: serde_json::json!({}), config: serde_json::json!({}), client_state: serde_json::json!(null),
 //! };
 //! commit(&root, manifest, None)?;
@@ -49,10 +50,10 @@ mod shard;
 mod tag;
 
 pub use checkpoint::{Checkpoint, list};
-pub use commit::{LATEST, commit, crash_point, partial_dir, prepare, write_shard};
+pub use commit::{LATEST, commit, crash_point, partial_dir, prepare, write_buffers, write_shard};
 pub use consolidate::consolidate;
 pub use error::{CheckpointError, Result};
-pub use manifest::{FORMAT_VERSION, LayoutEntry, Manifest, ShardFile};
+pub use manifest::{BUFFERS_FILE, BufferSet, FORMAT_VERSION, LayoutEntry, Manifest, ShardFile};
 pub use shard::{BLOCK_BYTES, FileSummary, SafetensorsWriter, ShardReader, TensorSpec};
 pub use tag::{default_tag, validate_tag};
 

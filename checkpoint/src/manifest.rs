@@ -14,8 +14,11 @@ use serde_json::value::RawValue;
 use crate::{CheckpointError, Result, validate_tag};
 
 /// The manifest format this crate writes. Version 2 lets a shard file hold several flat
-/// ranges (a rank's shards of several units); this crate reads versions 1 and 2.
-pub const FORMAT_VERSION: u32 = 2;
+/// ranges (a rank's shards of several units); version 3 adds the model's buffers
+/// ([`BufferSet`]). This crate reads versions 1 to 3.
+pub const FORMAT_VERSION: u32 = 3;
+/// The name of the buffers' file.
+pub const BUFFERS_FILE: &str = "buffers.safetensors";
 /// The largest manifest file read (bounded memory on hostile input).
 pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 /// Bounds that keep a hostile manifest from asking for unbounded memory or arithmetic.
@@ -105,6 +108,17 @@ impl TryFrom<ShardFileFields> for ShardFile {
     }
 }
 
+/// The model's buffers (non-trainable tensors such as running statistics): one file,
+/// [`BUFFERS_FILE`], whose one f32 tensor `buffers` holds them back to back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BufferSet {
+    /// Each buffer by module path, its offset in the `buffers` tensor.
+    pub layout: Vec<LayoutEntry>,
+    /// The file (rank 0's, holding the one range `[0, total)`).
+    pub file: ShardFile,
+}
+
 /// A checkpoint's description, as stored in `<dir>/<tag>/manifest.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -128,6 +142,9 @@ pub struct Manifest {
     pub tensors: Vec<String>,
     /// The shard files, by rank; their ranges together cover every element exactly once.
     pub files: Vec<ShardFile>,
+    /// The model's buffers, if it has any (format 3; earlier checkpoints hold none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffers: Option<BufferSet>,
     /// Engine state (counters, schedule, loss scaler, optimizer scalars), written by the engine.
     pub engine: serde_json::Value,
     /// The resolved configuration of the job that wrote it.
@@ -195,22 +212,7 @@ impl Manifest {
         if self.stage > 3 {
             return Err(format!("stage {} is not 0-3", self.stage));
         }
-        if self.layout.len() > MAX_PARAMS {
-            return Err(format!("{} parameters is more than {MAX_PARAMS}", self.layout.len()));
-        }
-        let mut next = 0u64;
-        let mut paths = std::collections::HashSet::new();
-        for e in &self.layout {
-            if e.path.is_empty() || !paths.insert(e.path.as_str()) {
-                return Err(format!("parameter path {:?} is empty or repeated", e.path));
-            }
-            let elems = e.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n <= MAX_ELEMS);
-            let elems = elems.ok_or_else(|| format!("parameter `{}` has an impossible shape {:?}", e.path, e.shape))?;
-            if e.offset != next {
-                return Err(format!("parameter `{}` starts at {}, expected {next}", e.path, e.offset));
-            }
-            next = next.checked_add(elems).filter(|&n| n <= MAX_ELEMS).ok_or("the layout is too large")?;
-        }
+        let next = validate_layout(&self.layout, "parameter")?;
         if self.tensors.is_empty() || self.tensors[0] != "master" {
             return Err("the first tensor must be `master`".into());
         }
@@ -236,20 +238,7 @@ impl Manifest {
                 }
                 ranges.push((start, end, &f.name));
             }
-            if !(4096..=1 << 30).contains(&f.block_bytes) || f.size > MAX_ELEMS * 64 {
-                return Err(format!(
-                    "shard {} has block size {} or size {} out of range",
-                    f.name, f.block_bytes, f.size
-                ));
-            }
-            if f.block_crc32.len() as u64 != f.size.div_ceil(f.block_bytes) {
-                return Err(format!(
-                    "shard {} lists {} block checksums for {} bytes",
-                    f.name,
-                    f.block_crc32.len(),
-                    f.size
-                ));
-            }
+            validate_blocks(f)?;
         }
         ranges.sort_unstable();
         let mut covered = 0u64;
@@ -264,8 +253,49 @@ impl Manifest {
         if covered != next {
             return Err(format!("the shard files cover {covered} of {next} elements"));
         }
+        if let Some(buffers) = &self.buffers {
+            let total = validate_layout(&buffers.layout, "buffer")?;
+            let f = &buffers.file;
+            if f.name != BUFFERS_FILE || f.rank != 0 || f.ranges != [[0, total]] || total == 0 {
+                return Err(format!("the buffers' file {:?} does not hold exactly [0, {total})", f.name));
+            }
+            validate_blocks(f)?;
+        }
         Ok(())
     }
+}
+
+/// Checks that `layout` tiles `[0, total)` in order with unique paths and possible shapes;
+/// returns `total`. `what` names an entry in errors.
+fn validate_layout(layout: &[LayoutEntry], what: &str) -> std::result::Result<u64, String> {
+    if layout.len() > MAX_PARAMS {
+        return Err(format!("{} {what}s is more than {MAX_PARAMS}", layout.len()));
+    }
+    let mut next = 0u64;
+    let mut paths = std::collections::HashSet::new();
+    for e in layout {
+        if e.path.is_empty() || !paths.insert(e.path.as_str()) {
+            return Err(format!("{what} path {:?} is empty or repeated", e.path));
+        }
+        let elems = e.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n <= MAX_ELEMS);
+        let elems = elems.ok_or_else(|| format!("{what} `{}` has an impossible shape {:?}", e.path, e.shape))?;
+        if e.offset != next {
+            return Err(format!("{what} `{}` starts at {}, expected {next}", e.path, e.offset));
+        }
+        next = next.checked_add(elems).filter(|&n| n <= MAX_ELEMS).ok_or("the layout is too large")?;
+    }
+    Ok(next)
+}
+
+/// Checks a file's block size, size and checksum count.
+fn validate_blocks(f: &ShardFile) -> std::result::Result<(), String> {
+    if !(4096..=1 << 30).contains(&f.block_bytes) || f.size > MAX_ELEMS * 64 {
+        return Err(format!("file {} has block size {} or size {} out of range", f.name, f.block_bytes, f.size));
+    }
+    if f.block_crc32.len() as u64 != f.size.div_ceil(f.block_bytes) {
+        return Err(format!("file {} lists {} block checksums for {} bytes", f.name, f.block_crc32.len(), f.size));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -303,6 +333,7 @@ pub(crate) mod tests {
                     block_crc32: vec![2],
                 },
             ],
+            buffers: None,
             engine: serde_json::json!({"global_steps": 3}),
             config: serde_json::json!({}),
             client_state: serde_json::json!({"epoch": 1}),
@@ -346,9 +377,29 @@ pub(crate) mod tests {
             (|m| m.files[1].ranges = vec![], "lists 0 ranges"),
             (|m| m.files[0].block_crc32 = vec![], "block checksums"),
             (|m| m.tensors[1] = "optim/../x".into(), "tensor name"),
+            (|m| m.buffers.as_mut().unwrap().file.name = "../x".into(), "does not hold exactly [0, 5)"),
+            (|m| m.buffers.as_mut().unwrap().file.ranges = vec![[0, 4]], "does not hold exactly [0, 5)"),
+            (|m| m.buffers.as_mut().unwrap().layout[1].offset = 2, "buffer `bn.running_var` starts at 2"),
+            (|m| m.buffers.as_mut().unwrap().layout[1].path = "bn.running_mean".into(), "repeated"),
+            (|m| m.buffers.as_mut().unwrap().file.block_crc32 = vec![], "block checksums"),
         ];
         for (corrupt, needle) in cases {
             let mut m = sample();
+            m.buffers = Some(BufferSet {
+                layout: vec![
+                    LayoutEntry { path: "bn.running_mean".into(), shape: vec![3], offset: 0 },
+                    LayoutEntry { path: "bn.running_var".into(), shape: vec![2], offset: 3 },
+                ],
+                file: ShardFile {
+                    name: BUFFERS_FILE.into(),
+                    rank: 0,
+                    ranges: vec![[0, 5]],
+                    size: 100,
+                    block_bytes: 4096,
+                    block_crc32: vec![7],
+                },
+            });
+            assert!(m.validate().is_ok(), "{:?}", m.validate());
             corrupt(&mut m);
             let err = Manifest::from_bytes(&m.to_bytes().unwrap(), Path::new("m.json")).unwrap_err().to_string();
             assert!(err.contains(needle), "{needle}: {err}");

@@ -40,6 +40,7 @@ fn write_ranges(root: &Path, tag: &str, step: u64, elems: u64, ranges: &[Vec<std
         ],
         tensors: vec!["master".into(), "optim.momentum.moment_1".into()],
         files: vec![],
+        buffers: None,
         engine: serde_json::json!({}),
         config: serde_json::json!({}),
         client_state: serde_json::json!({"position": step}),
@@ -311,4 +312,58 @@ fn a_manifest_claiming_a_huge_parameter_fails_without_allocating_it() {
     assert!(err.contains("rank0.safetensors"), "{err}");
     assert!(!out.exists() && !root.join("model.safetensors.partial").exists());
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Buffers (format 3) are one checksummed file: they read back by path, a flipped byte in
+/// it is caught, and consolidation writes them beside the parameters.
+#[test]
+fn buffers_round_trip_are_verified_and_consolidated() {
+    let root = temp_root("buffers");
+    let partial = prepare(&root, "global_step1").unwrap();
+    write_shard(&partial, 0, &[0..6], &[("master", &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0][..])]).unwrap();
+    let layout = vec![
+        LayoutEntry { path: "bn.running_mean".into(), shape: vec![2], offset: 0 },
+        LayoutEntry { path: "bn.running_var".into(), shape: vec![2], offset: 2 },
+    ];
+    let buffers = write_buffers(&partial, layout.clone(), &[0.5, -0.5, 2.0, 3.0]).unwrap();
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        tag: "global_step1".into(),
+        global_step: 1,
+        world_size: 1,
+        stage: 0,
+        precision: "fp32".into(),
+        layout: vec![LayoutEntry { path: "w".into(), shape: vec![2, 3], offset: 0 }],
+        tensors: vec!["master".into()],
+        files: vec![],
+        buffers: Some(buffers),
+        engine: serde_json::json!({}),
+        config: serde_json::json!({}),
+        client_state: serde_json::json!(null),
+    };
+    commit(&root, manifest, None).unwrap();
+    let ckpt = Checkpoint::open(&root, None).unwrap();
+    let read = ckpt.read_buffers().unwrap().unwrap();
+    assert_eq!(read, vec![(layout[0].clone(), vec![0.5, -0.5]), (layout[1].clone(), vec![2.0, 3.0])]);
+    ckpt.verify().unwrap();
+
+    let out = root.with_extension("safetensors");
+    consolidate(&ckpt, &out, Precision::Fp32).unwrap();
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let var = st.tensor("bn.running_var").unwrap();
+    assert_eq!(var.shape(), [2]);
+    assert_eq!(var.data(), [2.0f32.to_le_bytes(), 3.0f32.to_le_bytes()].concat());
+    assert_eq!(st.names().len(), 3, "the parameter and both buffers");
+
+    let file = root.join("global_step1").join(BUFFERS_FILE);
+    let mut data = std::fs::read(&file).unwrap();
+    let last = data.len() - 1;
+    data[last] ^= 0x40;
+    std::fs::write(&file, data).unwrap();
+    for err in [ckpt.read_buffers().unwrap_err(), ckpt.verify().unwrap_err()] {
+        assert!(err.to_string().contains(BUFFERS_FILE), "{err}");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+    std::fs::remove_file(&out).unwrap();
 }

@@ -102,7 +102,7 @@ mod tests {
             if path.extension().is_some_and(|e| e == "json") {
                 let overrides = Overrides { total_steps: Some(100), ..Overrides::default() };
                 let (plan, _) = load(&path, overrides).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                assert!(plan.not_implemented.is_empty(), "{}: recipes use only implemented keys", path.display());
+                assert!(plan.notes.no_effect.is_empty(), "{}: recipes use only implemented keys", path.display());
                 n += 1;
             }
         }
@@ -130,7 +130,7 @@ mod tests {
         .unwrap();
         let s = keys.resolve().unwrap();
         assert_eq!((s.eval_every, s.checkpoint_every), (7, 3));
-        assert_eq!(config.resolve(Overrides::default()).unwrap().world_size, 2);
+        assert_eq!(config.resolve(Overrides::default()).unwrap().world_size(), 2);
         let err = Config::parse_with::<AppKeys>(r#"{"zerotrain": {"eval_evry": 7}}"#, "t").unwrap_err();
         assert_eq!(err.to_string(), "t: unknown key `zerotrain.eval_evry` (did you mean `eval_every`?)");
         let err = Config::parse_with::<AppKeys>(r#"{"modle": {}}"#, "t").unwrap_err();

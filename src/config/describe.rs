@@ -8,19 +8,18 @@ use super::{LossScalePlan, Plan};
 
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = &self.batch;
-        let z = &self.zero;
-        let n = self.world_size;
+        let (b, z, r, precision, optim) = (&self.batch, &self.zero, &self.runtime, &self.precision, &self.optim);
+        let n = r.world_size;
         // Units are sharded over the data-parallel ranks: the world, or a pipeline stage's.
-        let d = self.pipeline.map_or(n, |p| p.data_parallel(n));
+        let d = self.data_parallel_size();
         let share = |sharded: bool| if sharded && d > 1 { format!("1/{d} shard") } else { "full copy".to_string() };
         let json = |v: &dyn erased::Json| v.json();
         writeln!(
             f,
             "world size          {n} ({:?} backend, {} device, collective timeout {:.0} s)",
-            self.backend,
-            self.device.name(),
-            self.comm_timeout.as_secs_f64()
+            r.backend,
+            r.device.name(),
+            r.comm_timeout.as_secs_f64()
         )?;
         writeln!(
             f,
@@ -85,17 +84,22 @@ impl fmt::Display for Plan {
             )?;
         }
         let recompute = if self.activation_checkpointing {
-            "on: models declared in units keep only unit boundaries and recompute each unit in backward"
+            "on: models declared in units keep only unit boundaries and recompute each unit in backward \
+             (Engine::new is one unit and cannot)"
+        } else if z.stage.shards_parameters() {
+            "off: at stage 3 each unit stays gathered from its forward to its backward (Burn's autodiff graph \
+             holds its weights), so the peak is about the whole model; add an activation_checkpointing section \
+             to release units after their forward"
         } else {
             "off"
         };
         writeln!(f, "activation ckpt     {recompute}")?;
-        match self.precision {
+        match precision.compute {
             Precision::Fp32 => writeln!(f, "precision           fp32 (parameters are their own master weights)")?,
             p => writeln!(f, "precision           {p} compute, fp32 master weights and optimizer state")?,
         }
-        writeln!(f, "  gradients         reduced in {}, accumulated in {}", self.comm_dtype, self.grad_accum_dtype)?;
-        match &self.loss_scale {
+        writeln!(f, "  gradients         reduced in {}, accumulated in {}", precision.comm, precision.grad_accum)?;
+        match &precision.loss_scale {
             None => {}
             Some(LossScalePlan::Static { scale }) => writeln!(f, "  loss scale        static {scale}")?,
             Some(LossScalePlan::Dynamic(c)) => writeln!(
@@ -109,18 +113,27 @@ impl fmt::Display for Plan {
                 c.at_minimum
             )?,
         }
-        let clip = if self.gradient_clipping > 0.0 {
-            format!("global L2 norm <= {}", self.gradient_clipping)
+        let clip = if optim.gradient_clipping > 0.0 {
+            format!("global L2 norm <= {}", optim.gradient_clipping)
         } else {
             "off".into()
         };
         writeln!(f, "gradient clipping   {clip}")?;
-        let check = if self.check_grad_overflow { "on: steps with NaN/inf gradients are skipped" } else { "off" };
+        let check = if precision.check_grad_overflow { "on: steps with NaN/inf gradients are skipped" } else { "off" };
         writeln!(f, "overflow check      {check}")?;
-        writeln!(f, "optimizer           {}", json(&self.optimizer))?;
-        writeln!(f, "scheduler           {}", json(&self.schedule))?;
-        writeln!(f, "steps_per_print     {}, seed {}", self.steps_per_print, self.seed)?;
-        for note in &self.auto_resolved {
+        writeln!(f, "optimizer           {}", json(&optim.optimizer))?;
+        for group in &optim.param_groups {
+            writeln!(
+                f,
+                "  param group       {}: lr x {}, weight_decay {}",
+                group.patterns.join(", "),
+                group.lr_scale,
+                group.weight_decay
+            )?;
+        }
+        writeln!(f, "scheduler           {}", json(&optim.schedule))?;
+        writeln!(f, "steps_per_print     {}, seed {}", r.steps_per_print, r.seed)?;
+        for note in &self.notes.auto_resolved {
             writeln!(f, "auto                {note}")?;
         }
         if let Some(warning) = self.warning() {

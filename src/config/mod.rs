@@ -3,34 +3,40 @@
 //! key by key; [`Config::resolve`] turns it into a [`Plan`] with every value concrete.
 //!
 //! Unknown keys are errors naming the key path and the closest known key. Known DeepSpeed
-//! keys that zerotrain does not implement ([`keys::NOT_IMPLEMENTED`]) load with one warning.
+//! keys that zerotrain does not implement ([`keys::NOT_IMPLEMENTED`]), and switches for
+//! behaviour it fixes one way set otherwise ([`keys::FIXED_BEHAVIOUR`]), load with one
+//! warning ([`Plan::warning`]).
 //! A program that keeps its own keys in the same file (the `zerotrain` command keeps its
 //! model and cadence there) reads them with [`Config::parse_with`] and a
 //! [`ConfigExtension`]; the library's [`Plan`] never sees them.
 //! `"auto"` is derived where possible (batch sizes from each other, `warmup_max_lr` from the
 //! optimizer's `lr`), else set to DeepSpeed's default; each resolution is listed in
-//! [`Plan::auto_resolved`]. A required value given as `"auto"` that nothing can supply is an
+//! [`PlanNotes::auto_resolved`]. A required value given as `"auto"` that nothing can supply is an
 //! error naming the key.
 //!
 //! Resolution is a pure function of the file and the [`Overrides`]: nothing is read from
 //! the environment. Under `mpirun`, pass what [`detect_mpirun`](crate::detect_mpirun) finds.
 
+mod batch;
 mod describe;
 pub mod keys;
+mod optim;
 mod parallel;
 mod parse;
 mod plan;
 mod precision;
 pub mod raw;
 mod resolve;
+mod runtime;
 mod value;
 
 use std::path::{Path, PathBuf};
 
+pub use batch::{MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH};
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
-    Backend, BatchPlan, ComputeDevice, LossScalePlan, MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH, MAX_THREAD_RANKS,
-    OptimizerPlan, PipelinePlan, Plan, ZeroPlan,
+    Backend, BatchPlan, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OptimPlan, OptimizerPlan, ParamGroupPlan,
+    PipelinePlan, Plan, PlanNotes, PrecisionPlan, RuntimePlan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};
@@ -135,7 +141,8 @@ fn show(v: &Option<u64>) -> String {
 pub struct Config {
     /// The typed fields.
     pub raw: DeepSpeedConfig,
-    /// Active keys from [`keys::NOT_IMPLEMENTED`] found in the file.
+    /// Active keys from [`keys::NOT_IMPLEMENTED`] and [`keys::FIXED_BEHAVIOUR`] found in
+    /// the file (the latter with why they have no effect).
     pub not_implemented: Vec<String>,
 }
 

@@ -4,7 +4,6 @@
 use zerotrain_zero::ZeroStage;
 use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
-use super::raw::{ActivationCheckpointingConfig, ZerotrainConfig};
 use super::resolve::{Autos, invalid};
 use super::value::Count;
 use super::{Config, ConfigError, PipelinePlan, ZeroPlan};
@@ -34,7 +33,6 @@ pub(super) fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPla
         stage,
         reduce_scatter: z.reduce_scatter.unwrap_or(true),
         reduce_bucket_size,
-        allgather_bucket_size: elems("allgather_bucket_size", z.allgather_bucket_size, DEFAULT_BUCKET_ELEMS),
         overlap_comm: z.overlap_comm.unwrap_or(stage.shards_parameters()),
         param_persistence_threshold: elems(
             "stage3_param_persistence_threshold",
@@ -50,10 +48,10 @@ pub(super) fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPla
     })
 }
 
-/// The `activation_checkpointing` keys set to something that would matter in DeepSpeed,
-/// which have no effect here.
-pub(super) fn checkpointing_no_ops(section: Option<&ActivationCheckpointingConfig>) -> Vec<String> {
-    let Some(s) = section else { return Vec::new() };
+/// Whether `activation_checkpointing` is on (the section is present), noting its
+/// DeepSpeed tuning keys that are set, which have no effect here.
+pub(super) fn resolve_checkpointing(config: &Config, autos: &mut Autos) -> bool {
+    let Some(s) = &config.raw.activation_checkpointing else { return false };
     let set = [
         ("partition_activations", s.partition_activations == Some(true)),
         ("cpu_checkpointing", s.cpu_checkpointing == Some(true)),
@@ -62,22 +60,28 @@ pub(super) fn checkpointing_no_ops(section: Option<&ActivationCheckpointingConfi
         ("synchronize_checkpoint_boundary", s.synchronize_checkpoint_boundary == Some(true)),
         ("profile", s.profile == Some(true)),
     ];
-    set.iter().filter(|(_, on)| *on).map(|(key, _)| format!("activation_checkpointing.{key}")).collect()
+    for (key, _) in set.iter().filter(|(_, on)| *on) {
+        autos.no_effect(format!("activation_checkpointing.{key}"));
+    }
+    true
 }
 
 /// The `pipeline` section and `zerotrain.schedule`; `None` for one stage.
 pub(super) fn resolve_pipeline(
     config: &Config,
     world_size: usize,
-    zt: &ZerotrainConfig,
     autos: &mut Autos,
 ) -> Result<Option<PipelinePlan>, ConfigError> {
-    let schedule = match zt.schedule.as_deref().unwrap_or("1f1b") {
+    let zt = config.raw.zerotrain.as_ref();
+    let schedule = match zt.and_then(|z| z.schedule.as_deref()).unwrap_or("1f1b") {
         "1f1b" => ScheduleKind::OneFOneB,
         "gpipe" => ScheduleKind::GPipe,
         other => return Err(invalid("zerotrain.schedule", format!("must be `1f1b` or `gpipe`, got `{other}`"))),
     };
     let Some(p) = &config.raw.pipeline else { return Ok(None) };
+    if p.seed_layers == Some(true) {
+        autos.no_effect("pipeline.seed_layers (layers are seeded by the model's own construction)".into());
+    }
     let stages = autos.or("pipeline.stages", p.stages, Count(1), "no pipeline").0;
     let stages = usize::try_from(stages).map_err(|_| invalid("pipeline.stages", "too large"))?;
     if stages == 0 || !world_size.is_multiple_of(stages) {
@@ -147,7 +151,7 @@ mod tests {
         .unwrap();
         assert!(tuned.activation_checkpointing);
         assert_eq!(
-            tuned.not_implemented,
+            tuned.notes.no_effect,
             [
                 "activation_checkpointing.partition_activations",
                 "activation_checkpointing.contiguous_memory_optimization",
@@ -197,7 +201,9 @@ mod tests {
             r#"{"train_batch_size": 4, "pipeline": {"stages": 2, "seed_layers": true, "pipe_partitioned": true}}"#,
             2,
         );
-        assert_eq!(warned.unwrap().not_implemented, ["pipeline.seed_layers"]);
+        let warned: Vec<String> =
+            warned.unwrap().notes.no_effect.iter().map(|k| k.split(' ').next().unwrap().into()).collect();
+        assert_eq!(warned, ["pipeline.pipe_partitioned", "pipeline.seed_layers"]);
 
         let err = |json: &str, n: usize| at(json, n).unwrap_err().to_string();
         assert!(

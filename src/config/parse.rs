@@ -16,7 +16,7 @@ use serde_json::{Map, Value};
 
 use super::raw::{
     ActivationCheckpointingConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, OptimizerConfig,
-    OptimizerParams, PipelineConfig, SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
+    OptimizerParams, ParamGroupConfig, PipelineConfig, SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
 };
 use super::{ConfigError, keys};
 
@@ -222,6 +222,7 @@ pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static st
         "activation_checkpointing" => serde_introspect::<ActivationCheckpointingConfig>(),
         "pipeline" => serde_introspect::<PipelineConfig>(),
         "zerotrain" => serde_introspect::<ZerotrainConfig>(),
+        group if group.starts_with("zerotrain.param_groups.") => serde_introspect::<ParamGroupConfig>(),
         _ => &[],
     };
     let below = |paths: &[&'static str]| -> Vec<&'static str> {
@@ -234,7 +235,8 @@ pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static st
             })
             .collect()
     };
-    fields.iter().copied().chain(below(keys::NOT_IMPLEMENTED)).chain(below(extension)).collect()
+    let fixed: Vec<&'static str> = keys::FIXED_BEHAVIOUR.iter().map(|(path, _, _)| *path).collect();
+    fields.iter().copied().chain(below(keys::NOT_IMPLEMENTED)).chain(below(&fixed)).chain(below(extension)).collect()
 }
 
 #[cfg(test)]

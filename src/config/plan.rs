@@ -1,5 +1,8 @@
 //! The validated plan a config resolves to: every value concrete, every default applied,
-//! every `"auto"` resolved and noted.
+//! every `"auto"` resolved and noted. A [`Plan`] is a handful of sub-plans, one per
+//! concern, each resolved by its own module: [`RuntimePlan`] (`runtime.rs`),
+//! [`BatchPlan`](super::BatchPlan) (`batch.rs`), [`ZeroPlan`] and [`PipelinePlan`]
+//! (`parallel.rs`), [`PrecisionPlan`] (`precision.rs`) and [`OptimPlan`] (`optim.rs`).
 
 use std::time::Duration;
 
@@ -8,199 +11,77 @@ use zerotrain_precision::{DynamicScaleConfig, LossScaler, Precision};
 use zerotrain_zero::ZeroStage;
 use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
-use super::ConfigError;
-use crate::schedule::LrSchedule;
+pub use super::batch::BatchPlan;
+pub use super::optim::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 
-/// Largest `train_micro_batch_size_per_gpu`: samples one rank holds at once; beyond a
-/// million it is a typo, and a batch that size would fail to allocate rather than train.
-pub const MAX_MICRO_BATCH: u64 = 1 << 20;
-/// Largest `gradient_accumulation_steps`.
-pub const MAX_ACCUMULATION_STEPS: u64 = 1 << 20;
 /// Largest world size of the threads backend (ranks are threads of one process; under
 /// `mpirun` the process count decides and is not limited here).
 pub const MAX_THREAD_RANKS: usize = 1024;
 
-/// Batch sizes after DeepSpeed's rule: `train_batch_size = micro x accumulation x world`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct BatchPlan {
-    /// Samples per optimizer step over all ranks.
-    pub train_batch_size: u64,
-    /// Samples per rank per micro-step.
-    pub micro_batch_per_rank: u64,
-    /// Micro-steps per optimizer step.
-    pub gradient_accumulation_steps: u64,
-}
-
-impl BatchPlan {
-    /// Applies DeepSpeed's rule: any two of the three sizes give the third; all three must
-    /// agree; with only one of train/micro, accumulation is 1. `None` means absent.
-    pub fn derive(
-        train: Option<u64>,
-        micro: Option<u64>,
-        gas: Option<u64>,
-        world_size: u64,
-    ) -> Result<Self, ConfigError> {
-        let mismatch = |t: Option<u64>, m: Option<u64>, g: Option<u64>| ConfigError::BatchMismatch {
-            train_batch_size: t,
-            micro_batch_per_rank: m,
-            gradient_accumulation_steps: g,
-            world_size,
-        };
-        if [train, micro, gas].contains(&Some(0)) {
-            return Err(mismatch(train, micro, gas));
-        }
-        // Checked arithmetic throughout: a product beyond u64 is a mismatch, not a panic.
-        let mul = |a: u64, b: u64| a.checked_mul(b).ok_or(mismatch(train, micro, gas));
-        let divide =
-            |num: u64, den: u64| num.is_multiple_of(den).then_some(num / den).ok_or(mismatch(train, micro, gas));
-        let (t, m, g) = match (train, micro, gas) {
-            (Some(t), Some(m), Some(g)) => (t, m, g),
-            (Some(t), Some(m), None) => (t, m, divide(t, mul(m, world_size)?)?),
-            (Some(t), None, Some(g)) => (t, divide(t, mul(g, world_size)?)?, g),
-            (None, Some(m), Some(g)) => (mul(mul(m, g)?, world_size)?, m, g),
-            (Some(t), None, None) => (t, divide(t, world_size)?, 1),
-            (None, Some(m), None) => (mul(m, world_size)?, m, 1),
-            (None, None, _) => return Err(ConfigError::MissingBatchSize),
-        };
-        if Some(t) != m.checked_mul(g).and_then(|mg| mg.checked_mul(world_size)) {
-            return Err(mismatch(train, micro, gas));
-        }
-        for (key, value, limit) in [
-            ("train_micro_batch_size_per_gpu", m, MAX_MICRO_BATCH),
-            ("gradient_accumulation_steps", g, MAX_ACCUMULATION_STEPS),
-        ] {
-            if value > limit {
-                return Err(ConfigError::InvalidValue {
-                    origin: "config".into(),
-                    key: key.into(),
-                    message: format!("{value} is more than the {limit} zerotrain accepts"),
-                });
-            }
-        }
-        Ok(Self { train_batch_size: t, micro_batch_per_rank: m, gradient_accumulation_steps: g })
-    }
-}
-
-/// The optimizer, with every hyper-parameter explicit.
+/// A validated config: what the engine and the launcher run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "type")]
-pub enum OptimizerPlan {
-    /// Adam; `decoupled_weight_decay` makes it AdamW.
-    Adam {
-        /// Learning rate (the schedule may override it per step).
-        lr: f64,
-        /// (beta1, beta2).
-        betas: [f64; 2],
-        /// Epsilon added to sqrt(v).
-        eps: f64,
-        /// Weight decay coefficient.
-        weight_decay: f64,
-        /// AdamW (true) or L2 regularisation (false).
-        decoupled_weight_decay: bool,
-        /// AMSGrad variant.
-        amsgrad: bool,
-    },
-    /// SGD with optional momentum.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum factor (0: none).
-        momentum: f64,
-        /// Dampening of the momentum.
-        dampening: f64,
-        /// Nesterov momentum.
-        nesterov: bool,
-        /// L2 weight decay.
-        weight_decay: f64,
-    },
+pub struct Plan {
+    /// Ranks, backend, device, timeouts and logging.
+    pub runtime: RuntimePlan,
+    /// Batch sizes.
+    pub batch: BatchPlan,
+    /// ZeRO settings.
+    pub zero: ZeroPlan,
+    /// Pipeline parallelism; `None` without (one stage).
+    pub pipeline: Option<PipelinePlan>,
+    /// Dtypes, loss scaling and the non-finite gradient check.
+    pub precision: PrecisionPlan,
+    /// The optimizer, its parameter groups, the lr schedule and clipping.
+    pub optim: OptimPlan,
+    /// Recompute each unit in backward instead of keeping its activations (models declared
+    /// in units; an engine built with `Engine::new` is one unit and warns that it cannot).
+    pub activation_checkpointing: bool,
+    /// How `"auto"` values were resolved, and the keys that have no effect.
+    pub notes: PlanNotes,
 }
 
-impl OptimizerPlan {
-    /// The optimizer's name as DeepSpeed spells it: `Adam`, `AdamW` or `SGD`.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Adam { decoupled_weight_decay: true, .. } => "AdamW",
-            Self::Adam { .. } => "Adam",
-            Self::Sgd { .. } => "SGD",
-        }
+impl Plan {
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.runtime.world_size
     }
 
-    /// The configured learning rate.
-    pub fn lr(&self) -> f64 {
-        match self {
-            Self::Adam { lr, .. } | Self::Sgd { lr, .. } => *lr,
-        }
+    /// Ranks that hold the same units and split each batch between them: the world, or a
+    /// pipeline stage's data-parallel group.
+    pub fn data_parallel_size(&self) -> usize {
+        self.pipeline.map_or(self.runtime.world_size, |p| p.data_parallel(self.runtime.world_size))
     }
 
-    /// fp32 optimizer-state bytes per parameter (Adam: m and v; AMSGrad adds max v; SGD:
-    /// the velocity when momentum is on).
-    pub fn state_bytes_per_param(&self) -> u64 {
-        match self {
-            Self::Adam { amsgrad, .. } => {
-                if *amsgrad {
-                    12
-                } else {
-                    8
-                }
-            }
-            Self::Sgd { momentum, .. } => {
-                if *momentum > 0.0 {
-                    4
-                } else {
-                    0
-                }
-            }
-        }
+    /// The one warning for accepted keys that have no effect, if any.
+    pub fn warning(&self) -> Option<String> {
+        self.notes.warning()
     }
 }
 
-/// ZeRO settings after defaults.
+/// Where and how the ranks run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ZeroPlan {
-    /// The stage.
-    #[serde(serialize_with = "stage_index")]
-    pub stage: ZeroStage,
-    /// Stage 1-2: reduce-scatter (true) or all-reduce (false) the gradients.
-    pub reduce_scatter: bool,
-    /// Stages 2-3: most elements (over all ranks) in one gradient reduce-scatter.
-    pub reduce_bucket_size: u64,
-    /// Elements per all-gather bucket (accepted; parameters are gathered one unit at a time).
-    pub allgather_bucket_size: u64,
-    /// Reductions run on the communication thread while backward goes on.
-    pub overlap_comm: bool,
-    /// Stage 3: parameters with at most this many elements stay resident.
-    pub param_persistence_threshold: u64,
-    /// Stage 3: the next unit is prefetched if it has at most this many elements (0: never).
-    pub prefetch_bucket_size: u64,
-    /// Stage 3: most gathered elements alive besides the unit in use.
-    pub max_live_parameters: u64,
+pub struct RuntimePlan {
+    /// Number of ranks.
+    pub world_size: usize,
+    /// The collective backend.
+    pub backend: Backend,
+    /// Where each rank computes.
+    pub device: ComputeDevice,
+    /// How long a collective waits for the other ranks.
+    #[serde(serialize_with = "seconds")]
+    pub comm_timeout: Duration,
+    /// Seed for initialisation and data.
+    pub seed: u64,
+    /// Log every this many steps.
+    pub steps_per_print: u64,
+    /// Add per-phase step times to the log lines.
+    pub wall_clock_breakdown: bool,
+    /// Checkpoints to keep in a directory (the oldest beyond are removed after a save).
+    pub keep_last_n_checkpoints: Option<usize>,
 }
 
-fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_u8(stage.index())
-}
-
-/// fp16 loss scaling.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-#[serde(tag = "type")]
-pub enum LossScalePlan {
-    /// A fixed scale (`fp16.loss_scale > 0`).
-    Static {
-        /// The scale.
-        scale: f64,
-    },
-    /// DeepSpeed's dynamic scaling (`fp16.loss_scale: 0`).
-    Dynamic(DynamicScaleConfig),
-}
-
-impl LossScalePlan {
-    /// A scaler at its initial state.
-    pub fn scaler(&self) -> LossScaler {
-        match *self {
-            Self::Static { scale } => LossScaler::Static { scale },
-            Self::Dynamic(config) => LossScaler::dynamic(config),
-        }
-    }
+fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
 }
 
 /// Which collective backend runs the ranks.
@@ -212,7 +93,8 @@ pub enum Backend {
     /// process count; an error otherwise). What `backend: auto` resolves to when the
     /// [`Overrides`](super::Overrides) say nothing about `mpirun`.
     Auto,
-    /// One thread per rank in this process.
+    /// One thread per rank in this process (refused inside a multi-process `mpirun` job:
+    /// each process would train a separate copy).
     Threads,
     /// One process per rank, started by `mpirun` (needs the `mpi` feature).
     Mpi,
@@ -264,6 +146,30 @@ impl std::str::FromStr for ComputeDevice {
     }
 }
 
+/// ZeRO settings after defaults.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ZeroPlan {
+    /// The stage.
+    #[serde(serialize_with = "stage_index")]
+    pub stage: ZeroStage,
+    /// Stage 1: reduce-scatter (true) or all-reduce (false) the gradients at the boundary.
+    pub reduce_scatter: bool,
+    /// Stages 2-3: most elements (over all ranks) in one gradient reduce-scatter.
+    pub reduce_bucket_size: u64,
+    /// Reductions run on the communication thread while backward goes on.
+    pub overlap_comm: bool,
+    /// Stage 3: parameters with at most this many elements stay resident.
+    pub param_persistence_threshold: u64,
+    /// Stage 3: the next unit is prefetched if it has at most this many elements (0: never).
+    pub prefetch_bucket_size: u64,
+    /// Stage 3: most gathered elements alive besides the unit in use.
+    pub max_live_parameters: u64,
+}
+
+fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u8(stage.index())
+}
+
 /// Pipeline parallelism (see [`zerotrain_zero::pipeline`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct PipelinePlan {
@@ -284,110 +190,61 @@ impl PipelinePlan {
     }
 }
 
-/// A validated config: what the engine and the launcher run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Plan {
-    /// Number of ranks.
-    pub world_size: usize,
-    /// The collective backend.
-    pub backend: Backend,
-    /// Where each rank computes.
-    pub device: ComputeDevice,
-    /// How long a collective waits for the other ranks.
-    #[serde(serialize_with = "seconds")]
-    pub comm_timeout: Duration,
-    /// Batch sizes.
-    pub batch: BatchPlan,
-    /// ZeRO settings.
-    pub zero: ZeroPlan,
+/// Dtypes, loss scaling and the non-finite check.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PrecisionPlan {
     /// The compute dtype: parameters and activations.
-    pub precision: Precision,
+    pub compute: Precision,
     /// The dtype gradients are reduced in.
-    pub comm_dtype: Precision,
+    pub comm: Precision,
     /// The dtype gradients accumulate in between optimizer steps.
-    pub grad_accum_dtype: Precision,
+    pub grad_accum: Precision,
     /// fp16's loss scaling; `None` for fp32 and bf16.
     pub loss_scale: Option<LossScalePlan>,
-    /// Max global gradient norm; 0 disables clipping.
-    pub gradient_clipping: f64,
-    /// Recompute each unit in backward instead of keeping its activations (models declared
-    /// in units).
-    pub activation_checkpointing: bool,
-    /// Pipeline parallelism; `None` without (one stage).
-    pub pipeline: Option<PipelinePlan>,
     /// Skip (and count) a step whose gradients are not finite, instead of applying it.
     /// The check is the global norm: NaN/inf anywhere, on any rank, makes it non-finite
     /// (as does a squared norm beyond f32's range, i.e. a norm above 1.8e19).
     pub check_grad_overflow: bool,
-    /// Log every this many steps.
-    pub steps_per_print: u64,
-    /// Add per-phase step times to the log lines.
-    pub wall_clock_breakdown: bool,
-    /// Seed for initialisation and data.
-    pub seed: u64,
-    /// The optimizer.
-    pub optimizer: OptimizerPlan,
-    /// The learning-rate schedule.
-    pub schedule: LrSchedule,
-    /// Checkpoints to keep in a directory (the oldest beyond are removed after a save).
-    pub keep_last_n_checkpoints: Option<usize>,
+}
+
+/// fp16 loss scaling.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "type")]
+pub enum LossScalePlan {
+    /// A fixed scale (`fp16.loss_scale > 0`).
+    Static {
+        /// The scale.
+        scale: f64,
+    },
+    /// DeepSpeed's dynamic scaling (`fp16.loss_scale: 0`).
+    Dynamic(DynamicScaleConfig),
+}
+
+impl LossScalePlan {
+    /// A scaler at its initial state.
+    pub fn scaler(&self) -> LossScaler {
+        match *self {
+            Self::Static { scale } => LossScaler::Static { scale },
+            Self::Dynamic(config) => LossScaler::dynamic(config),
+        }
+    }
+}
+
+/// What resolution decided on the user's behalf, to show them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PlanNotes {
     /// How each `"auto"` was resolved.
     pub auto_resolved: Vec<String>,
-    /// Active DeepSpeed keys that zerotrain accepted without implementing them.
-    pub not_implemented: Vec<String>,
+    /// Keys the config sets that have no effect here, each with why (DeepSpeed keys
+    /// zerotrain does not implement, and settings the chosen path ignores).
+    pub no_effect: Vec<String>,
 }
 
-fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64())
-}
-
-impl Plan {
-    /// The one warning for accepted-but-unimplemented keys, if any.
+impl PlanNotes {
+    /// The one warning for accepted keys that have no effect, if any.
     pub fn warning(&self) -> Option<String> {
-        (!self.not_implemented.is_empty()).then(|| {
-            format!(
-                "zerotrain accepts but does not implement these DeepSpeed keys; they have no effect: {}",
-                self.not_implemented.join(", ")
-            )
+        (!self.no_effect.is_empty()).then(|| {
+            format!("zerotrain accepts these keys but they have no effect here: {}", self.no_effect.join(", "))
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn any_two_batch_sizes_give_the_third() {
-        let p = |t, m, g| {
-            BatchPlan::derive(t, m, g, 4)
-                .map(|b| (b.train_batch_size, b.micro_batch_per_rank, b.gradient_accumulation_steps))
-        };
-        assert_eq!(p(Some(32), Some(2), None).unwrap(), (32, 2, 4));
-        assert_eq!(p(Some(32), None, Some(2)).unwrap(), (32, 4, 2));
-        assert_eq!(p(None, Some(2), Some(3)).unwrap(), (24, 2, 3));
-        assert_eq!(p(Some(32), Some(2), Some(4)).unwrap(), (32, 2, 4));
-        assert_eq!(p(Some(8), None, None).unwrap(), (8, 2, 1));
-        assert_eq!(p(None, Some(3), None).unwrap(), (12, 3, 1));
-    }
-
-    #[test]
-    fn inconsistent_batch_sizes_name_all_four_numbers() {
-        let err = BatchPlan::derive(Some(32), Some(2), Some(3), 4).unwrap_err().to_string();
-        for needle in [
-            "train_batch_size (32)",
-            "train_micro_batch_size_per_gpu (2)",
-            "gradient_accumulation_steps (3)",
-            "world size (4)",
-        ] {
-            assert!(err.contains(needle), "{err}");
-        }
-        let err = BatchPlan::derive(Some(30), Some(4), None, 4).unwrap_err().to_string();
-        assert!(
-            err.contains("train_batch_size (30)") && err.contains("gradient_accumulation_steps (not set)"),
-            "{err}"
-        );
-        assert!(matches!(BatchPlan::derive(None, None, Some(2), 1), Err(ConfigError::MissingBatchSize)));
-        assert!(BatchPlan::derive(Some(0), None, None, 1).is_err());
     }
 }

@@ -1,24 +1,12 @@
-//! Resolving `fp16`, `bf16`, `communication_data_type`, `data_types` and the loss scaler.
+//! Resolving `fp16`, `bf16`, `communication_data_type`, `data_types`, the loss scaler and
+//! the non-finite gradient check.
 
 use zerotrain_precision::{AtMinimum, DynamicScaleConfig, Precision};
 
 use super::raw::Fp16Config;
+use super::resolve::{Autos, invalid};
 use super::value::{AutoOr, Count};
-use super::{Config, ConfigError, LossScalePlan};
-
-/// The dtypes and loss scaling a config asks for.
-pub(super) struct Dtypes {
-    pub precision: Precision,
-    pub comm: Precision,
-    pub grad_accum: Precision,
-    pub loss_scale: Option<LossScalePlan>,
-    /// Accepted settings without effect, for the plan's warning.
-    pub not_implemented: Vec<String>,
-}
-
-fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError::InvalidValue { origin: "config".into(), key: key.into(), message: message.into() }
-}
+use super::{Config, ConfigError, LossScalePlan, PrecisionPlan};
 
 fn dtype(key: &str, name: &str) -> Result<Precision, ConfigError> {
     match name {
@@ -29,12 +17,12 @@ fn dtype(key: &str, name: &str) -> Result<Precision, ConfigError> {
     }
 }
 
-pub(super) fn resolve(config: &Config, autos: &mut Vec<String>) -> Result<Dtypes, ConfigError> {
+pub(super) fn resolve(config: &Config, autos: &mut Autos) -> Result<PrecisionPlan, ConfigError> {
     let raw = &config.raw;
     let on = |v: Option<AutoOr<bool>>| v.and_then(AutoOr::value).unwrap_or(false);
     let fp16 = on(raw.fp16.as_ref().and_then(|f| f.enabled));
     let bf16 = on(raw.bf16.as_ref().and_then(|b| b.enabled));
-    let precision = match (fp16, bf16) {
+    let compute = match (fp16, bf16) {
         (true, true) => {
             return Err(ConfigError::Unsupported {
                 key: "fp16.enabled, bf16.enabled".into(),
@@ -48,33 +36,30 @@ pub(super) fn resolve(config: &Config, autos: &mut Vec<String>) -> Result<Dtypes
     let comm = match &raw.communication_data_type {
         Some(AutoOr::Value(name)) => dtype("communication_data_type", name)?,
         Some(AutoOr::Auto) => {
-            autos.push(format!("communication_data_type = {precision} (the compute dtype)"));
-            precision
+            autos.note(format!("communication_data_type = {compute} (the compute dtype)"));
+            compute
         }
-        None => precision,
+        None => compute,
     };
     let grad_accum = match raw.data_types.as_ref().and_then(|d| d.grad_accum_dtype.as_deref()) {
         Some(name) => dtype("data_types.grad_accum_dtype", name)?,
-        None => precision,
+        None => compute,
     };
-    let mut not_implemented = Vec::new();
-    let loss_scale = match (fp16, &raw.fp16) {
-        (true, Some(section)) => Some(resolve_fp16(section, config, autos, &mut not_implemented)?),
-        (true, None) => unreachable!("fp16 is on only when its section exists"),
-        _ => None,
+    let zt = raw.zerotrain.as_ref();
+    let loss_scale = match raw.fp16.as_ref().filter(|_| fp16) {
+        Some(section) => Some(fp16_scaling(section, config, autos)?),
+        None => {
+            if zt.is_some_and(|z| z.loss_scale_at_minimum.is_some()) {
+                autos.no_effect("zerotrain.loss_scale_at_minimum (fp16 is off)".into());
+            }
+            None
+        }
     };
-    if !fp16 && raw.zerotrain.as_ref().is_some_and(|z| z.loss_scale_at_minimum.is_some()) {
-        not_implemented.push("zerotrain.loss_scale_at_minimum (fp16 is off)".into());
-    }
-    Ok(Dtypes { precision, comm, grad_accum, loss_scale, not_implemented })
+    let check_grad_overflow = zt.and_then(|z| z.check_grad_overflow).unwrap_or(true);
+    Ok(PrecisionPlan { compute, comm, grad_accum, loss_scale, check_grad_overflow })
 }
 
-fn resolve_fp16(
-    f: &Fp16Config,
-    config: &Config,
-    autos: &mut Vec<String>,
-    not_implemented: &mut Vec<String>,
-) -> Result<LossScalePlan, ConfigError> {
+fn fp16_scaling(f: &Fp16Config, config: &Config, autos: &mut Autos) -> Result<LossScalePlan, ConfigError> {
     if f.fp16_master_weights_and_grads == Some(true) {
         return Err(ConfigError::Unsupported {
             key: "fp16.fp16_master_weights_and_grads".into(),
@@ -82,13 +67,12 @@ fn resolve_fp16(
         });
     }
     if f.auto_cast.and_then(AutoOr::value) == Some(true) {
-        not_implemented.push("fp16.auto_cast (build inputs in the compute dtype, or cast them in the model)".into());
+        autos.no_effect("fp16.auto_cast (build inputs in the compute dtype, or cast them in the model)".into());
     }
-    let mut auto = |key: &str, note: String| autos.push(format!("fp16.{key} = {note}"));
     let loss_scale = match f.loss_scale {
         Some(AutoOr::Value(s)) => s,
         Some(AutoOr::Auto) => {
-            auto("loss_scale", "0 (dynamic)".into());
+            autos.note("fp16.loss_scale = 0 (dynamic)".into());
             0.0
         }
         None => 0.0,
@@ -99,25 +83,18 @@ fn resolve_fp16(
     if loss_scale > 0.0 {
         return Ok(LossScalePlan::Static { scale: loss_scale });
     }
-    let mut count = |key: &str, v: Option<AutoOr<Count>>, default: u64| match v {
-        Some(AutoOr::Value(Count(n))) => n,
-        Some(AutoOr::Auto) => {
-            auto(key, format!("{default} (DeepSpeed default)"));
-            default
-        }
-        None => default,
+    dynamic_scaling(f, config, autos).map(LossScalePlan::Dynamic)
+}
+
+/// DeepSpeed's dynamic scaler's keys, with its defaults.
+fn dynamic_scaling(f: &Fp16Config, config: &Config, autos: &mut Autos) -> Result<DynamicScaleConfig, ConfigError> {
+    let mut count = |key: &str, v: Option<AutoOr<Count>>, default: u64| {
+        autos.or(&format!("fp16.{key}"), v, Count(default), "DeepSpeed default").0
     };
     let initial_scale_power = count("initial_scale_power", f.initial_scale_power, 16);
     let window = count("loss_scale_window", f.loss_scale_window, 1000);
     let hysteresis = count("hysteresis", f.hysteresis, 2);
-    let min_scale = match f.min_loss_scale {
-        Some(AutoOr::Value(v)) => v,
-        Some(AutoOr::Auto) => {
-            autos.push("fp16.min_loss_scale = 1 (DeepSpeed default)".into());
-            1.0
-        }
-        None => 1.0,
-    };
+    let min_scale = autos.or("fp16.min_loss_scale", f.min_loss_scale, 1.0, "DeepSpeed default");
     if initial_scale_power > 64 {
         return Err(invalid("fp16.initial_scale_power", format!("must be at most 64, got {initial_scale_power}")));
     }
@@ -128,27 +105,23 @@ fn resolve_fp16(
         return Err(invalid("fp16.hysteresis", format!("must be at least 1, got {hysteresis}")));
     }
     if !(min_scale.is_finite() && min_scale > 0.0) || min_scale > 2f64.powi(initial_scale_power as i32) {
-        return Err(invalid(
-            "fp16.min_loss_scale",
-            format!("must be > 0 and at most 2^initial_scale_power, got {min_scale}"),
-        ));
+        let message = format!("must be > 0 and at most 2^initial_scale_power, got {min_scale}");
+        return Err(invalid("fp16.min_loss_scale", message));
     }
     let at_minimum = match config.raw.zerotrain.as_ref().and_then(|z| z.loss_scale_at_minimum.as_deref()) {
         None | Some("error") => AtMinimum::Error,
         Some("stay") => AtMinimum::Stay,
         Some(other) => {
-            return Err(invalid(
-                "zerotrain.loss_scale_at_minimum",
-                format!("must be `error` or `stay`, got `{other}`"),
-            ));
+            let message = format!("must be `error` or `stay`, got `{other}`");
+            return Err(invalid("zerotrain.loss_scale_at_minimum", message));
         }
     };
-    Ok(LossScalePlan::Dynamic(DynamicScaleConfig {
+    Ok(DynamicScaleConfig {
         initial_scale_power: initial_scale_power as u32,
         window,
         hysteresis: hysteresis as u32,
         consecutive_hysteresis: f.consecutive_hysteresis.unwrap_or(false),
         min_scale,
         at_minimum,
-    }))
+    })
 }

@@ -1,8 +1,10 @@
 //! The config file as written: DeepSpeed's field names, every one optional, validated into
 //! a [`Plan`](super::Plan) by [`Config::resolve`](super::Config::resolve).
 //!
-//! Known DeepSpeed keys that zerotrain does not implement are not fields here: they are
-//! listed in `keys::NOT_IMPLEMENTED`, removed before parsing and reported in one warning.
+//! Known DeepSpeed keys that zerotrain does not implement, and DeepSpeed switches for
+//! behaviour zerotrain fixes one way, are not fields here: they are listed in
+//! `keys::NOT_IMPLEMENTED` and `keys::FIXED_BEHAVIOUR`, removed before parsing and
+//! reported in one warning when they would matter.
 //! Unknown keys are rejected by [`Config::parse`](super::Config::parse), not by these
 //! structs (they have no `deny_unknown_fields`): deserialise them through it.
 
@@ -84,8 +86,6 @@ pub struct OptimizerParams {
     pub amsgrad: Option<bool>,
     /// Adam only: bias correction. Must be true (the default); false is refused.
     pub bias_correction: Option<bool>,
-    /// Adam only: DeepSpeed's choice of torch vs fused kernel; no effect here.
-    pub torch_adam: Option<bool>,
     /// SGD only: momentum factor. Default 0 (no momentum).
     pub momentum: Option<f64>,
     /// SGD only: dampening for momentum. Default 0 (PyTorch's; Burn's own default is 0.1).
@@ -161,20 +161,12 @@ pub struct ZeroConfig {
     /// unit larger than this is reduced in several buckets, and no gradient buffer is
     /// larger. Default 5e8.
     pub reduce_bucket_size: Option<AutoOr<Count>>,
-    /// Elements per parameter all-gather bucket. Accepted; parameters are all-gathered one
-    /// unit per call. Default 5e8.
-    pub allgather_bucket_size: Option<AutoOr<Count>>,
     /// Stage 1-2: reduce gradients with reduce-scatter (true, default) or all-reduce (false).
     pub reduce_scatter: Option<bool>,
-    /// Accepted; gradients are always contiguous here (one flat buffer per bucket).
-    /// Default true.
-    pub contiguous_gradients: Option<bool>,
     /// Reduce a unit's gradients on the rank's communication thread while the next unit's
     /// backward computes (and, at stages 2-3, leave them in flight into the next
     /// micro-step). Default: true at stage 3, false otherwise (DeepSpeed's defaults).
     pub overlap_comm: Option<bool>,
-    /// Accepted; parameters are always all-gathered as partitions. Default true.
-    pub allgather_partitions: Option<bool>,
     /// Stage 3: parameters with at most this many elements stay resident between steps
     /// instead of being released. Default 1e5 (`"auto"` too).
     pub stage3_param_persistence_threshold: Option<AutoOr<Count>>,
@@ -184,11 +176,6 @@ pub struct ZeroConfig {
     /// Stage 3: most gathered parameter elements alive besides the unit in use (a prefetch
     /// that would exceed it waits). Default 1e9.
     pub stage3_max_live_parameters: Option<AutoOr<Count>>,
-    /// Stage 3: accepted; a unit is released after each use. Default 1e9.
-    pub stage3_max_reuse_distance: Option<AutoOr<Count>>,
-    /// Stage 3: accepted; checkpoint consolidation is a separate command.
-    #[serde(alias = "stage3_gather_fp16_weights_on_model_save")]
-    pub stage3_gather_16bit_weights_on_model_save: Option<bool>,
 }
 
 /// `fp16`: DeepSpeed's loss-scaling keys.
@@ -247,8 +234,6 @@ pub struct DataTypesConfig {
 pub struct Bf16Config {
     /// Train in bf16. Default false (`"auto"`: false).
     pub enabled: Option<AutoOr<bool>>,
-    /// DeepSpeed's option to step the optimizer per micro-step. Parsed only.
-    pub immediate_grad_update: Option<bool>,
 }
 
 /// `zerotrain`: settings DeepSpeed gets from its launcher.
@@ -277,6 +262,23 @@ pub struct ZerotrainConfig {
     /// The pipeline schedule: `1f1b` (default: one forward, one backward, at most as many
     /// micro-batches in flight as stages) or `gpipe` (all forwards, then all backwards).
     pub schedule: Option<String>,
+    /// Parameter groups with their own lr and weight decay, by module-path pattern (the
+    /// first matching group wins; the rest is `optimizer.params`). Default: none.
+    #[serde(default)]
+    pub param_groups: Vec<ParamGroupConfig>,
+}
+
+/// One of `zerotrain.param_groups`: PyTorch's parameter group, its parameters named by
+/// module-path pattern.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ParamGroupConfig {
+    /// Module-path patterns; `*` matches any run of characters (`*.bias`, `blocks.*.norm.*`).
+    pub params: Vec<String>,
+    /// The group's base lr (the schedule scales it as it scales `optimizer.params.lr`).
+    /// Default: the optimizer's.
+    pub lr: Option<f64>,
+    /// The group's weight decay. Default: the optimizer's.
+    pub weight_decay: Option<f64>,
 }
 
 /// `pipeline`: DeepSpeed's pipeline keys. Micro-batches per step are
@@ -295,9 +297,4 @@ pub struct PipelineConfig {
     pub activation_checkpoint_interval: Option<Count>,
     /// DeepSpeed seeds each layer's RNG by its index; `true` is accepted with a warning.
     pub seed_layers: Option<bool>,
-    /// Partition activations / gradients across tensor-parallel ranks: no tensor
-    /// parallelism here; accepted, no effect.
-    pub pipe_partitioned: Option<bool>,
-    /// See `pipe_partitioned`.
-    pub grad_partitioned: Option<bool>,
 }

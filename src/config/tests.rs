@@ -12,6 +12,11 @@ pub(super) fn plan(json: &str) -> Result<Plan, ConfigError> {
     parse(json)?.resolve(Overrides::default())
 }
 
+/// The keys of no-effect notes (`key (why)`).
+fn keys_of(notes: &[String]) -> Vec<&str> {
+    notes.iter().map(|n| n.split(' ').next().unwrap_or_default()).collect()
+}
+
 #[test]
 fn hf_trainer_zero3_config_loads_with_autos_resolved_and_one_warning() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/hf_trainer_zero3.json");
@@ -23,7 +28,7 @@ fn hf_trainer_zero3_config_loads_with_autos_resolved_and_one_warning() {
         (2, 1, 1)
     );
     assert_eq!(
-        plan.optimizer,
+        plan.optim.optimizer,
         OptimizerPlan::Adam {
             lr: 1e-3,
             betas: [0.9, 0.999],
@@ -34,7 +39,7 @@ fn hf_trainer_zero3_config_loads_with_autos_resolved_and_one_warning() {
         }
     );
     assert_eq!(
-        plan.schedule,
+        plan.optim.schedule,
         LrSchedule::WarmupLR {
             min_lr: 0.0,
             max_lr: 1e-3,
@@ -44,15 +49,21 @@ fn hf_trainer_zero3_config_loads_with_autos_resolved_and_one_warning() {
     );
     assert_eq!(plan.zero.param_persistence_threshold, 100_000);
     assert_eq!(
-        plan.not_implemented,
-        ["zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.sub_group_size"]
+        keys_of(&plan.notes.no_effect),
+        [
+            "zero_optimization.offload_optimizer",
+            "zero_optimization.offload_param",
+            "zero_optimization.sub_group_size",
+            "zero_optimization.stage3_max_reuse_distance",
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save"
+        ]
     );
     let warning = plan.warning().unwrap();
     assert!(warning.contains("zero_optimization.offload_param"), "{warning}");
     assert!(
-        plan.auto_resolved.iter().any(|a| a.starts_with("scheduler.params.warmup_max_lr = 0.001")),
+        plan.notes.auto_resolved.iter().any(|a| a.starts_with("scheduler.params.warmup_max_lr = 0.001")),
         "{:?}",
-        plan.auto_resolved
+        plan.notes.auto_resolved
     );
 }
 
@@ -64,8 +75,15 @@ fn llama_factory_zero2_config_loads() {
     assert_eq!(plan.zero.stage, ZeroStage::Gradients);
     assert_eq!(plan.zero.reduce_bucket_size, 500_000_000);
     assert_eq!(plan.batch.train_batch_size, 4);
-    assert_eq!(plan.gradient_clipping, 0.0);
-    assert_eq!(plan.not_implemented, ["zero_allow_untested_optimizer", "zero_optimization.round_robin_gradients"]);
+    assert_eq!(plan.optim.gradient_clipping, 0.0);
+    assert_eq!(
+        keys_of(&plan.notes.no_effect),
+        [
+            "zero_allow_untested_optimizer",
+            "zero_optimization.round_robin_gradients",
+            "zero_optimization.allgather_bucket_size"
+        ]
+    );
 }
 
 #[test]
@@ -120,7 +138,7 @@ fn auto_that_nothing_can_supply_is_an_error_naming_the_key() {
         "{err}"
     );
     let ok = parse(json).unwrap().resolve(Overrides { total_steps: Some(50), ..Overrides::default() }).unwrap();
-    assert!(matches!(ok.schedule, LrSchedule::WarmupDecayLR { total_num_steps: 50, .. }));
+    assert!(matches!(ok.optim.schedule, LrSchedule::WarmupDecayLR { total_num_steps: 50, .. }));
 }
 
 #[test]
@@ -151,40 +169,48 @@ fn deepspeed_adam_is_adamw_unless_adam_w_mode_is_false() {
     let opt = |params: &str| {
         plan(&format!(r#"{{"train_batch_size": 1, "optimizer": {{"type": "Adam", "params": {params}}}}}"#))
             .unwrap()
+            .optim
             .optimizer
     };
     assert!(matches!(opt("{}"), OptimizerPlan::Adam { decoupled_weight_decay: true, .. }));
     assert!(matches!(opt(r#"{"adam_w_mode": false}"#), OptimizerPlan::Adam { decoupled_weight_decay: false, .. }));
     let sgd = plan(r#"{"train_batch_size": 1, "optimizer": {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}}"#)
         .unwrap()
+        .optim
         .optimizer;
     assert_eq!(sgd, OptimizerPlan::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 });
 }
 
 #[test]
 fn the_overflow_check_is_on_unless_turned_off() {
-    assert!(plan(r#"{"train_batch_size": 1}"#).unwrap().check_grad_overflow);
+    assert!(plan(r#"{"train_batch_size": 1}"#).unwrap().precision.check_grad_overflow);
     assert!(
-        !plan(r#"{"train_batch_size": 1, "zerotrain": {"check_grad_overflow": false}}"#).unwrap().check_grad_overflow
+        !plan(r#"{"train_batch_size": 1, "zerotrain": {"check_grad_overflow": false}}"#)
+            .unwrap()
+            .precision
+            .check_grad_overflow
     );
 }
 
 #[test]
 fn world_size_comes_from_the_cli_then_the_config_then_one() {
     let c = parse(r#"{"train_micro_batch_size_per_gpu": 2, "zerotrain": {"world_size": 3}}"#).unwrap();
-    assert_eq!(c.resolve(Overrides::default()).unwrap().world_size, 3);
+    assert_eq!(c.resolve(Overrides::default()).unwrap().world_size(), 3);
     assert_eq!(
         c.resolve(Overrides { world_size: Some(5), ..Overrides::default() }).unwrap().batch.train_batch_size,
         10
     );
-    assert_eq!(plan(r#"{"train_batch_size": 2}"#).unwrap().world_size, 1);
+    assert_eq!(plan(r#"{"train_batch_size": 2}"#).unwrap().world_size(), 1);
 }
 
 #[test]
 fn fp16_resolves_to_deepspeeds_dynamic_scaler_with_its_defaults() {
     use zerotrain_precision::{AtMinimum, DynamicScaleConfig, Precision};
     let p = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true}}"#).unwrap();
-    assert_eq!((p.precision, p.comm_dtype, p.grad_accum_dtype), (Precision::Fp16, Precision::Fp16, Precision::Fp16));
+    assert_eq!(
+        (p.precision.compute, p.precision.comm, p.precision.grad_accum),
+        (Precision::Fp16, Precision::Fp16, Precision::Fp16)
+    );
     let expected = DynamicScaleConfig {
         initial_scale_power: 16,
         window: 1000,
@@ -193,23 +219,23 @@ fn fp16_resolves_to_deepspeeds_dynamic_scaler_with_its_defaults() {
         min_scale: 1.0,
         at_minimum: AtMinimum::Error,
     };
-    assert_eq!(p.loss_scale, Some(LossScalePlan::Dynamic(expected)));
+    assert_eq!(p.precision.loss_scale, Some(LossScalePlan::Dynamic(expected)));
     let p =
         plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true, "loss_scale": 128, "auto_cast": true}}"#).unwrap();
-    assert_eq!(p.loss_scale, Some(LossScalePlan::Static { scale: 128.0 }));
-    assert!(p.not_implemented[0].starts_with("fp16.auto_cast"), "{:?}", p.not_implemented);
+    assert_eq!(p.precision.loss_scale, Some(LossScalePlan::Static { scale: 128.0 }));
+    assert!(p.notes.no_effect[0].starts_with("fp16.auto_cast"), "{:?}", p.notes.no_effect);
     let p = plan(
         r#"{"train_batch_size": 1, "bf16": {"enabled": true}, "communication_data_type": "fp32",
             "data_types": {"grad_accum_dtype": "fp32"}}"#,
     )
     .unwrap();
     assert_eq!(
-        (p.precision, p.comm_dtype, p.grad_accum_dtype, p.loss_scale),
+        (p.precision.compute, p.precision.comm, p.precision.grad_accum, p.precision.loss_scale),
         (Precision::Bf16, Precision::Fp32, Precision::Fp32, None)
     );
     let p = plan(r#"{"train_batch_size": 1, "fp16": {"enabled": true, "consecutive_hysteresis": true, "loss_scale_window": 50}, "zerotrain": {"loss_scale_at_minimum": "stay"}}"#).unwrap();
     assert!(
-        matches!(p.loss_scale, Some(LossScalePlan::Dynamic(c)) if c.consecutive_hysteresis && c.window == 50 && c.at_minimum == AtMinimum::Stay)
+        matches!(p.precision.loss_scale, Some(LossScalePlan::Dynamic(c)) if c.consecutive_hysteresis && c.window == 50 && c.at_minimum == AtMinimum::Stay)
     );
 }
 
@@ -239,14 +265,29 @@ fn bad_precision_settings_name_their_key() {
 fn resolution_reads_mpirun_from_the_overrides_not_the_environment() {
     let config = parse(r#"{"train_micro_batch_size_per_gpu": 2, "zerotrain": {"world_size": 2}}"#).unwrap();
     let plain = config.resolve(Overrides::default()).unwrap();
-    assert_eq!((plain.backend, plain.world_size, plain.batch.train_batch_size), (Backend::Auto, 2, 4));
+    assert_eq!((plain.runtime.backend, plain.world_size(), plain.batch.train_batch_size), (Backend::Auto, 2, 4));
     let mpirun = Some(MpirunEnvironment { rank: 1, world_size: 3 });
     let under = config.resolve(Overrides { mpirun, ..Overrides::default() }).unwrap();
-    assert_eq!((under.backend, under.world_size, under.batch.train_batch_size), (Backend::Mpi, 3, 6));
+    assert_eq!((under.runtime.backend, under.world_size(), under.batch.train_batch_size), (Backend::Mpi, 3, 6));
     let err = config.resolve(Overrides { mpirun, world_size: Some(4), ..Overrides::default() }).unwrap_err();
     assert!(err.to_string().contains("is 4 but mpirun started 3 processes"), "{err}");
+}
+
+/// Regression: `mpirun -np 2 zerotrain train` over a recipe with `"backend": "threads"`
+/// trained two independent jobs into one run folder.
+#[test]
+fn an_explicit_threads_backend_inside_a_multi_process_mpirun_is_refused() {
     let threads = parse(r#"{"train_batch_size": 2, "zerotrain": {"backend": "threads"}}"#).unwrap();
-    assert_eq!(threads.resolve(Overrides { mpirun, ..Overrides::default() }).unwrap().backend, Backend::Threads);
+    let under = |processes| {
+        let mpirun = Some(MpirunEnvironment { rank: 0, world_size: processes });
+        threads.resolve(Overrides { mpirun, ..Overrides::default() })
+    };
+    let err = under(3).unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::Unsupported { key, message } if key == "zerotrain.backend" && message.contains("mpirun started 3 processes")),
+        "{err}"
+    );
+    assert_eq!(under(1).unwrap().runtime.backend, Backend::Threads, "one process is one job");
 }
 
 #[test]
@@ -291,7 +332,7 @@ fn huge_batch_sizes_and_world_sizes_are_errors_naming_the_key_not_panics() {
 
 #[test]
 fn the_device_is_cpu_unless_set_and_a_device_this_build_lacks_names_its_feature() {
-    assert_eq!(plan(r#"{"train_batch_size": 1}"#).unwrap().device, ComputeDevice::Cpu);
+    assert_eq!(plan(r#"{"train_batch_size": 1}"#).unwrap().runtime.device, ComputeDevice::Cpu);
     let err = plan(r#"{"train_batch_size": 1, "zerotrain": {"device": "tpu"}}"#).unwrap_err();
     assert!(
         matches!(&err, ConfigError::InvalidValue { key, message, .. }
@@ -305,8 +346,8 @@ fn the_device_is_cpu_unless_set_and_a_device_this_build_lacks_names_its_feature(
             .unwrap()
             .resolve(Overrides { device: Some(device), ..Overrides::default() });
         if device.is_built() {
-            assert_eq!(from_file.unwrap().device, device);
-            assert_eq!(from_cli.unwrap().device, device);
+            assert_eq!(from_file.unwrap().runtime.device, device);
+            assert_eq!(from_cli.unwrap().runtime.device, device);
         } else {
             let feature = format!("--features {}", device.name());
             for (err, key) in [(from_file.unwrap_err(), "zerotrain.device"), (from_cli.unwrap_err(), "--device")] {

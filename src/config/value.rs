@@ -37,9 +37,16 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for AutoOr<T> {
 
 /// A non-negative integer that may be written as a float (`5e8`, `2.0`), as DeepSpeed
 /// configs often do for bucket sizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(transparent)]
 pub struct Count(pub u64);
+
+/// The number alone, as the plan's notes show it (`= 500000000`, not `= Count(500000000)`).
+impl std::fmt::Debug for Count {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 impl<'de> Deserialize<'de> for Count {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

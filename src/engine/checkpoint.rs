@@ -8,7 +8,8 @@
 //! a rank's file holds a list of global ranges. Parameters in the compute dtype are derived
 //! from the masters and are not saved again. Rank 0 writes the manifest with the engine
 //! state (counters, lr schedule position, loss scaler, optimizer scalars), the resolved
-//! plan and the caller's client state.
+//! plan and the caller's client state, and the model's buffers (averaged over the ranks
+//! first; a pipeline's gathered from the stages that hold them).
 //!
 //! On load each rank reads exactly the global ranges its units' ranges map to, whatever
 //! grouping, world size and stage wrote the checkpoint, then rebuilds its parameters as its
@@ -21,10 +22,13 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn_pack::Scalar;
 use serde::{Deserialize, Serialize};
-use zerotrain_checkpoint::{Checkpoint, CheckpointError, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
+use zerotrain_checkpoint::{
+    BufferSet, Checkpoint, CheckpointError, FORMAT_VERSION, LayoutEntry, Manifest, default_tag,
+};
 use zerotrain_precision::{LossScaler, ScalerState};
 use zerotrain_zero::ReduceOp;
 
+use super::buffers::BufferEntry;
 use super::{Counters, Engine};
 use crate::{Error, Result};
 
@@ -53,6 +57,9 @@ struct EngineState {
     loss_scaler: Option<ScalerState>,
     optimizer: String,
     optimizer_scalars: Vec<(String, Scalar)>,
+    /// A learning rate set by hand ([`Engine::set_lr`]); absent in older checkpoints.
+    #[serde(default)]
+    lr_override: Option<f64>,
 }
 
 /// Largest counter, lr position or optimizer step count a manifest may hold (exact in f64).
@@ -90,6 +97,9 @@ impl EngineState {
         if !(-1..=MAX_COUNT as i64).contains(&self.lr_iteration) {
             return Err(format!("lr schedule position {} is out of range", self.lr_iteration));
         }
+        if self.lr_override.is_some_and(|lr| !(lr.is_finite() && lr >= 0.0)) {
+            return Err(format!("learning rate {:?} set by hand is not a finite number >= 0", self.lr_override));
+        }
         if let Some(s) = &self.loss_scaler {
             // The largest scale DeepSpeed's config allows is 2^64 (initial_scale_power <= 64).
             if !(s.scale.is_finite() && s.scale > 0.0 && s.scale <= 2f64.powi(64)) {
@@ -119,35 +129,72 @@ impl<M: Module> Engine<M> {
     /// `client_state`, atomically (see `zerotrain-checkpoint`'s commit protocol). Every rank
     /// must call it; it returns the checkpoint's directory on every rank, or the same
     /// failure on every rank.
+    ///
+    /// It averages the buffers over the ranks first (see [`sync_buffers`](Self::sync_buffers)).
     pub fn save_checkpoint(
-        &self,
+        &mut self,
         dir: impl AsRef<Path>,
         tag: Option<&str>,
         client_state: serde_json::Value,
     ) -> Result<PathBuf> {
-        let root = dir.as_ref();
-        let tag = tag.map_or_else(|| default_tag(self.counters.global_steps), str::to_string);
+        let paused = self.window.pause(self.comm_stats());
+        let saved = self.save(dir.as_ref(), tag, client_state);
+        self.window.resume(paused, self.comm_stats());
+        saved
+    }
+
+    fn save(&mut self, root: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
+        let tag = tag.map_or_else(|| default_tag(self.progress.counters.global_steps), str::to_string);
+        self.sync_buffers()?;
+        let buffers = self.stage_buffers()?;
         let rank = self.shared.world.rank();
         let prepared =
             if rank == 0 { zerotrain_checkpoint::prepare(root, &tag).map(|_| ()).map_err(Error::from) } else { Ok(()) };
         self.agree(prepared, "preparing the checkpoint")?;
         let written = self.write_my_shard(root, &tag);
         self.agree(written, "writing its shard")?;
-        let committed = if rank == 0 { self.commit(root, &tag, client_state).map(|_| ()) } else { Ok(()) };
+        let committed = if rank == 0 { self.commit(root, &tag, client_state, buffers).map(|_| ()) } else { Ok(()) };
         self.agree(committed, "committing the checkpoint")?;
         Ok(root.join(tag))
+    }
+
+    /// Whether this rank's stage holds buffer `e` for the checkpoint (a pipeline's root
+    /// buffers count on the first stage).
+    pub(super) fn counts_buffer(&self, e: &BufferEntry) -> bool {
+        e.unit.is_some_and(|u| self.granularity.root() != Some(u) || self.span.counts_root())
+    }
+
+    /// Every buffer's values (each from the stage that holds it) and their layout.
+    fn stage_buffers(&self) -> Result<(Vec<LayoutEntry>, Vec<f32>)> {
+        let entries = self.buffers.entries();
+        if entries.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let mut values = self.buffers.read(&self.model, |e| self.counts_buffer(e), true)?;
+        self.span.sum_over_stages((&mut values).into())?;
+        let mut offset = 0;
+        let layout = entries
+            .iter()
+            .map(|e| {
+                let entry =
+                    LayoutEntry { path: e.path.clone(), shape: e.shape.iter().map(|&d| d as u64).collect(), offset };
+                offset += e.shape.iter().product::<usize>() as u64;
+                entry
+            })
+            .collect();
+        Ok((layout, values))
     }
 
     /// The pieces this rank saves, per unit: (range of the unit's flat buffer, range in the
     /// global order). Nothing at stage 0 beyond rank 0 (every rank holds everything).
     fn saved_segments(&self) -> Vec<Vec<(Range<usize>, Range<usize>)>> {
         let stage0 = !self.shared.plan.zero.stage.shards_optimizer_states();
-        let later_stage = self.stage.as_ref().is_some_and(|s| s.index > 0);
+        let skip_root = self.granularity.root().filter(|_| !self.span.counts_root());
         (0..self.units.len())
             .map(|id| {
                 // At stage 0 a group's first rank saves for it; the root's replicas on
                 // later pipeline stages are the first stage's.
-                if (stage0 && self.shared.comm.rank() != 0) || (later_stage && self.root() == Some(id)) {
+                if (stage0 && self.shared.comm.rank() != 0) || skip_root == Some(id) {
                     return Vec::new();
                 }
                 self.shared.sharding.global_segments(id, self.shared.optimizer_real_range(id))
@@ -193,37 +240,52 @@ impl<M: Module> Engine<M> {
         Ok(())
     }
 
-    fn commit(&self, root: &Path, tag: &str, client_state: serde_json::Value) -> Result<PathBuf> {
+    fn commit(
+        &self,
+        root: &Path,
+        tag: &str,
+        client_state: serde_json::Value,
+        (buffer_layout, buffer_values): (Vec<LayoutEntry>, Vec<f32>),
+    ) -> Result<PathBuf> {
         let (optim, optimizer_scalars) = self.units[0].optimizer().export();
+        let progress = &self.progress;
         let state = EngineState {
-            counters: self.counters,
-            lr_iteration: self.lr_iteration,
-            loss_scaler: match &self.scaler {
+            counters: progress.counters,
+            lr_iteration: progress.lr_iteration,
+            loss_scaler: match &progress.scaler {
                 Some(LossScaler::Dynamic { state, .. }) => Some(*state),
                 _ => None,
             },
-            optimizer: self.shared.plan.optimizer.kind().to_string(),
+            optimizer: self.shared.plan.optim.optimizer.kind().to_string(),
             optimizer_scalars,
+            lr_override: progress.lr_override,
+        };
+        let buffers: Option<BufferSet> = if buffer_values.is_empty() {
+            None
+        } else {
+            let partial = zerotrain_checkpoint::partial_dir(root, tag);
+            Some(zerotrain_checkpoint::write_buffers(&partial, buffer_layout, &buffer_values)?)
         };
         let manifest = Manifest {
             format_version: FORMAT_VERSION,
             tag: tag.to_string(),
-            global_step: self.counters.global_steps,
+            global_step: progress.counters.global_steps,
             world_size: self.shared.world.world_size(),
             stage: self.shared.plan.zero.stage.index(),
-            precision: self.shared.plan.precision.to_string(),
+            precision: self.shared.plan.precision.compute.to_string(),
             layout: self.manifest_layout(),
             tensors: std::iter::once("master".to_string())
                 .chain(optim.iter().map(|(n, _)| format!("optim.{n}")))
                 .collect(),
             files: Vec::new(),
+            buffers,
             engine: serde_json::to_value(&state)
                 .map_err(|e| Error::Usage(format!("serialising the engine state: {e}")))?,
             config: serde_json::to_value(&self.shared.plan)
                 .map_err(|e| Error::Usage(format!("serialising the plan: {e}")))?,
             client_state,
         };
-        Ok(zerotrain_checkpoint::commit(root, manifest, self.shared.plan.keep_last_n_checkpoints)?)
+        Ok(zerotrain_checkpoint::commit(root, manifest, self.shared.plan.runtime.keep_last_n_checkpoints)?)
     }
 
     /// Loads `<dir>/<tag>` (or the checkpoint `<dir>/latest` names) into this engine, at any
@@ -261,6 +323,8 @@ impl<M: Module> Engine<M> {
             }
             Ok(values)
         };
+        let buffers = ckpt.read_buffers().map_err(Error::from).and_then(|b| self.check_buffers(&ckpt, b));
+        let buffers = self.agree(buffers, "reading the checkpoint's buffers")?;
         let loaded = (0..self.units.len())
             .map(|id| -> Result<_> {
                 let master = read(id, "master")?;
@@ -281,20 +345,62 @@ impl<M: Module> Engine<M> {
             self.model = self.units[id].load(model, master, &self.shared)?;
             if with_optimizer {
                 let scalars = if optim.is_empty() { Vec::new() } else { state.optimizer_scalars.clone() };
-                self.units[id].optimizer_mut().import(optim, scalars, &device)?;
+                self.units[id].optimizer_mut().import((optim, scalars), &device)?;
             }
         }
-        if !options.load_module_only {
-            if options.load_lr_scheduler_states {
-                self.lr_iteration = state.lr_iteration;
+        match buffers {
+            Some(values) => {
+                let model = self.model.clone();
+                self.model = self.buffers.write(model, &values, |_| true);
             }
-            self.counters = state.counters;
-            if let (Some(LossScaler::Dynamic { state: live, .. }), Some(saved)) = (&mut self.scaler, state.loss_scaler)
+            None if !self.buffers.entries().is_empty() => self.notices.warn(format!(
+                "{} holds no buffers (it was written before checkpoints kept them): the model's running \
+                 statistics keep the values they had",
+                ckpt.dir().display()
+            )),
+            None => {}
+        }
+        if !options.load_module_only {
+            let progress = &mut self.progress;
+            if options.load_lr_scheduler_states {
+                progress.lr_iteration = state.lr_iteration;
+                progress.lr_override = state.lr_override;
+            }
+            progress.counters = state.counters;
+            if let (Some(LossScaler::Dynamic { state: live, .. }), Some(saved)) =
+                (&mut progress.scaler, state.loss_scaler)
             {
                 *live = saved;
             }
         }
         Ok(m.client_state.clone())
+    }
+
+    /// The checkpoint's buffer values in this model's buffer order, checked to be this
+    /// model's buffers (by path and shape); `None` when the checkpoint holds none.
+    fn check_buffers(
+        &self,
+        ckpt: &Checkpoint,
+        saved: Option<Vec<(LayoutEntry, Vec<f32>)>>,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(saved) = saved else { return Ok(None) };
+        let live: Vec<(String, Vec<u64>)> = (self.buffers.entries().iter())
+            .map(|e| (e.path.clone(), e.shape.iter().map(|&d| d as u64).collect()))
+            .collect();
+        let stored: Vec<(String, Vec<u64>)> = saved.iter().map(|(e, _)| (e.path.clone(), e.shape.clone())).collect();
+        if live != stored {
+            let missing = live.iter().filter(|p| !stored.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
+            let extra = stored.iter().filter(|p| !live.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
+            return Err(CheckpointError::Mismatch(format!(
+                "{}'s buffers do not fit this model: the model has [{}] that the checkpoint lacks, the checkpoint \
+                 has [{}] that the model lacks",
+                ckpt.dir().display(),
+                missing.collect::<Vec<_>>().join(", "),
+                extra.collect::<Vec<_>>().join(", ")
+            ))
+            .into());
+        }
+        Ok(Some(saved.into_iter().flat_map(|(_, values)| values).collect()))
     }
 
     /// Checks that the checkpoint's layout is this model's and its optimizer this plan's.
@@ -316,13 +422,14 @@ impl<M: Module> Engine<M> {
             .into());
         }
         let kind = m.engine.get("optimizer").and_then(|v| v.as_str()).unwrap_or("?");
-        if options.load_optimizer_states && !options.load_module_only && kind != self.shared.plan.optimizer.kind() {
+        let configured = self.shared.plan.optim.optimizer.kind();
+        if options.load_optimizer_states && !options.load_module_only && kind != configured {
             return Err(CheckpointError::Mismatch(format!(
                 "{} holds {kind} optimizer state but the config trains with {}: set optimizer.type back to {kind} \
                  to resume, or (from the library) load the weights alone with LoadOptions {{ load_optimizer_states: \
                  false, .. }}",
                 ckpt.dir().display(),
-                self.shared.plan.optimizer.kind()
+                configured
             ))
             .into());
         }
@@ -344,7 +451,7 @@ impl<M: Module> Engine<M> {
     /// All ranks agree on whether `result` succeeded everywhere: a failing rank returns its
     /// own error, the others [`Error::PeerFailed`] naming the failed ranks. The world stays
     /// usable, so a caller may catch a failed save and go on training.
-    fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
+    pub(super) fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
         let comm = &self.shared.world;
         let mut failed = vec![0.0f32; comm.world_size()];
         failed[comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
@@ -354,6 +461,38 @@ impl<M: Module> Engine<M> {
             Err(e) => Err(e),
             Ok(_) if !ranks.is_empty() => Err(Error::PeerFailed { ranks, phase: phase.to_string() }),
             Ok(v) => Ok(v),
+        }
+    }
+}
+
+/// The checkpoint to resume from in `dir`, checked before training, so that a run into a
+/// used directory fails at once instead of at its first save: without `resume`, a
+/// directory that already holds checkpoints is an error (nothing is changed); with it,
+/// `latest`'s tag (`Some(None)`), or with `latest` missing the newest complete checkpoint
+/// (`Some(Some(tag))`, with a warning on standard error), and an error if it holds none.
+/// `Ok(None)`: start fresh.
+pub fn resume_point(dir: &Path, resume: bool) -> Result<Option<Option<String>>> {
+    let latest = dir.join(zerotrain_checkpoint::LATEST).is_file();
+    let mut complete = zerotrain_checkpoint::list(dir)?;
+    complete.sort();
+    match (resume, latest, complete.last()) {
+        (false, false, None) => Ok(None),
+        (false, _, _) => Err(Error::Usage(format!(
+            "{} holds checkpoints of an earlier run: resume them, or save to another directory (nothing was changed)",
+            dir.display()
+        ))),
+        (true, true, _) => Ok(Some(None)),
+        (true, false, Some((step, tag))) => {
+            let tags: Vec<&str> = complete.iter().map(|(_, t)| t.as_str()).collect();
+            eprintln!(
+                "warning: {} has no `latest`; resuming from the newest complete checkpoint, {tag} (step {step}), of {}",
+                dir.display(),
+                tags.join(", ")
+            );
+            Ok(Some(Some(tag.clone())))
+        }
+        (true, false, None) => {
+            Err(Error::Usage(format!("no checkpoint in {} to resume (nothing was saved there yet)", dir.display())))
         }
     }
 }

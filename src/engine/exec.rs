@@ -12,26 +12,26 @@
 //!
 //! Backward walks the units in reverse. With checkpointing a unit is gathered again,
 //! recomputed from its boundary with gradient tracking, and back-propagated by seeding its
-//! output with the next unit's input gradient, `sum(y * g)`; the gradient of its own input
-//! seeds the unit before. As soon as a unit's backward is done its gradients are reduced
-//! (overlapping the next unit's backward with `overlap_comm`) and, at stage 3, it is
-//! released. The root's gradient contributions from every unit and the loss are summed and
-//! reduced last. Traffic per micro-step at stage 3: the parameters are gathered twice with
-//! checkpointing (forward and recompute), once without, and gradients reduce-scattered
-//! once: 3Ψ or 2Ψ, DeepSpeed's and FSDP's volumes, the root counted once for its gather.
+//! output with the next unit's input gradient, `sum(y * g)`, plus its own loss term if it
+//! has one; the gradient of its own input seeds the unit before. As soon as a unit's
+//! backward is done its gradients are reduced (overlapping the next unit's backward with
+//! `overlap_comm`) and, at stage 3, it is released. The root's gradient contributions from
+//! every unit and the loss are summed and reduced last. Traffic per micro-step at stage 3:
+//! the parameters are gathered twice with checkpointing (forward and recompute), once
+//! without, and gradients reduce-scattered once: 3Ψ or 2Ψ, DeepSpeed's and FSDP's volumes,
+//! the root counted once for its gather.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use zerotrain_zero::Sharding;
+use burn::tensor::{FloatDType, Tensor};
 
-use super::model::{Activation, UnitModel, group};
+use super::model::{Activation, UnitModel};
 use super::params::{UnitGrads, take_grads};
-use super::{ALIGN_ELEMS, Engine, Placement};
-use crate::config::Plan;
-use crate::context::RankContext;
+use super::{Engine, Granularity};
+use crate::error::panic_message;
 use crate::{Error, Result};
 
 /// What the forward pass keeps of unit `i` for its backward.
@@ -42,14 +42,15 @@ pub(super) enum Saved<H> {
     /// Checkpointed inside a group (`activation_checkpoint_interval` > 1): nothing; it is
     /// recomputed from its group's boundary.
     Inside,
-    /// Its input leaf and output, with the unit's graph.
-    Graph(Option<H>, H),
+    /// Its input leaf, output and loss term, with the unit's graph.
+    Graph { input: Option<H>, output: H, term: Option<Tensor<1>> },
     /// Its backward is done.
     Done,
 }
 
-/// What the forward half returns: each unit's [`Saved`] and the last unit's output.
-pub(super) type Forward<H> = (Vec<Saved<H>>, H);
+/// What the forward half returns: each unit's [`Saved`], the last unit's output, and the
+/// units' loss terms' sum.
+pub(super) type Forward<H> = (Vec<Saved<H>>, H, f32);
 
 /// Which way the walk goes, for prefetching.
 #[derive(Clone, Copy)]
@@ -59,47 +60,55 @@ pub(super) enum Direction {
 }
 
 impl<M: UnitModel> Engine<M> {
-    /// Wraps `model` like [`Engine::new`], sharded per unit as [`UnitModel::units`]
-    /// declares, for [`forward_backward`](Self::forward_backward); with pipeline stages in
-    /// the plan, as this rank's stage of the pipeline, for
-    /// [`train_batch`](Self::train_batch).
-    pub fn with_units(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
-        let (model, params, index) = Self::scan(model, ctx)?;
-        let specs = model.units();
-        let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
-        let (unit_of, names) = group(&paths, &specs)?;
-        if let Some(pipeline) = plan.pipeline {
-            return Self::pipelined(model, plan, ctx, (params, index), (unit_of, names, specs.len()), pipeline);
-        }
-        let unit_of: Vec<Option<usize>> = unit_of.into_iter().map(Some).collect();
-        let sharding = Sharding::new(params, &unit_of, names, plan.world_size, ALIGN_ELEMS)?;
-        let num_declared = specs.len();
-        let placement = Placement { comm: ctx.collective(), sharding, index, num_declared, stage: None };
-        Self::build(model, plan, ctx, placement)
-    }
-
     /// One micro-step of a unit model: forward through the units and the loss, backward
     /// through the units in reverse, each unit's gradients reduced as soon as they exist
-    /// (see the module note). Returns the loss value. The loss is divided by the
-    /// accumulation steps and scaled like [`backward`](Self::backward)'s. Every rank must
-    /// call it.
+    /// (see the module note). Returns the loss value (with the units' loss terms). The loss
+    /// is divided by the accumulation steps and scaled like [`backward`](Self::backward)'s.
+    /// Every rank must call it.
     pub fn forward_backward(&mut self, batch: &M::Batch) -> Result<f32> {
-        if self.num_declared == 0 || self.stage.is_some() {
+        if !matches!(self.granularity, Granularity::Declared { .. }) {
             return Err(Error::Usage(
-                "forward_backward needs an engine built with Engine::with_units and no pipeline (a pipelined \
-                 engine trains with train_batch)"
+                "forward_backward needs an engine built with Engine::with_units (Engine::new runs the model as \
+                 one unit: use forward and backward)"
                     .into(),
             ));
         }
-        let root = self.root();
-        if let Some(root) = root {
+        self.check_batch_size(batch);
+        if let Some(root) = self.granularity.root() {
             self.gather(root)?;
         }
-        let (saved, output) = self.forward_units(None, batch)?;
+        let (saved, output, terms) = self.forward_units(None, batch)?;
         let (value, upstream, root_grads) = self.loss_backward(output, batch)?;
         let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch)?;
         self.reduce_root(root_grads)?;
-        Ok(self.end_micro_step(value))
+        Ok(self.end_micro_step(value + terms))
+    }
+
+    /// One optimizer step: [`forward_backward`](Self::forward_backward) on each of the
+    /// `gradient_accumulation_steps` micro-batches `batch(i)`, then [`step`](Self::step)
+    /// (a [`Pipeline`](super::Pipeline) stage's `train_batch` runs its schedule instead).
+    /// Every rank must call it.
+    pub fn train_batch(&mut self, mut batch: impl FnMut(usize) -> M::Batch) -> Result<super::StepReport> {
+        if self.window.micro_steps > 0 {
+            return Err(Error::Usage("train_batch inside an accumulation window: call step() first".into()));
+        }
+        for i in 0..self.shared.plan.batch.gradient_accumulation_steps as usize {
+            self.forward_backward(&batch(i))?;
+        }
+        self.step()?.ok_or_else(|| {
+            Error::Usage("train_batch's last micro-step was no boundary (set_gradient_accumulation_boundary?)".into())
+        })
+    }
+
+    /// Warns once when `batch` is not the configured micro-batch size (if the model says).
+    pub(super) fn check_batch_size(&mut self, batch: &M::Batch) {
+        let expected = self.shared.plan.batch.micro_batch_per_rank;
+        if let Some(n) = self.model.batch_size(batch).filter(|&n| n as u64 != expected) {
+            self.notices.warn(format!(
+                "a micro-batch of {n} samples where train_micro_batch_size_per_gpu is {expected}: its mean loss \
+                 weighs like a full micro-batch's"
+            ));
+        }
     }
 
     /// The loss of the last unit's `output`, back-propagated (scaled): the loss value,
@@ -111,7 +120,7 @@ impl<M: UnitModel> Engine<M> {
     ) -> Result<(f32, Option<M::Hidden>, Option<UnitGrads>)> {
         let start = Instant::now();
         let last = output.leaf();
-        let loss = self.model.loss(last.clone(), batch);
+        let loss = self.model.output_loss(last.clone(), batch);
         let (value, scaled) = self.scale_loss(loss)?;
         self.window.times.forward += start.elapsed().as_secs_f64();
         let start = Instant::now();
@@ -125,7 +134,7 @@ impl<M: UnitModel> Engine<M> {
     /// Reduces the root's gradients of one micro-step (after the last unit's) and, at
     /// stage 3, releases it.
     pub(super) fn reduce_root(&mut self, grads: Option<UnitGrads>) -> Result<()> {
-        if let (Some(root), Some(grads)) = (self.root(), grads) {
+        if let (Some(root), Some(grads)) = (self.granularity.root(), grads) {
             let start = Instant::now();
             self.reduce_unit(root, grads, Some(0))?;
             self.window.times.reduce += start.elapsed().as_secs_f64();
@@ -134,48 +143,51 @@ impl<M: UnitModel> Engine<M> {
         Ok(())
     }
 
-    /// Recompute every this many units in backward (0: keep every unit's graph).
-    fn checkpoint_interval(&self) -> usize {
-        match self.shared.plan.pipeline {
-            Some(pipeline) => pipeline.checkpoint_interval,
-            None => usize::from(self.shared.plan.activation_checkpointing),
+    /// The declared units and the recomputation interval (0: keep every unit's graph).
+    fn walk(&self) -> (usize, usize) {
+        match self.granularity {
+            Granularity::Declared { declared, recompute_every, .. } => (declared, recompute_every),
+            Granularity::WholeModel => unreachable!("the unit walk runs declared units"),
         }
     }
 
     /// The forward half of the walk from `input` (the previous stage's output, or `None`
     /// where the first unit reads the batch): every unit in order, with or without its
-    /// graph as checkpointing says. Returns what backward needs of each unit and the last
-    /// output.
+    /// graph as checkpointing says. Returns what backward needs of each unit, the last
+    /// output and the units' loss terms' sum.
     pub(super) fn forward_units(&mut self, input: Option<M::Hidden>, batch: &M::Batch) -> Result<Forward<M::Hidden>> {
-        let interval = self.checkpoint_interval();
-        let mut saved = Vec::with_capacity(self.num_declared);
+        let (declared, interval) = self.walk();
+        let (mut saved, mut terms) = (Vec::with_capacity(declared), 0.0f32);
         let mut hidden: Option<M::Hidden> = input;
-        for i in 0..self.num_declared {
+        for i in 0..declared {
             self.enter(i, Direction::Forward)?;
             let start = Instant::now();
             let input = hidden.take();
             if interval > 0 {
-                let output = self.run_unit(i, input.clone(), batch, false)?;
+                let (output, term) = self.run_unit(i, input.clone(), batch, true, false)?;
+                terms += value_of(term.as_ref());
                 saved.push(if i % interval == 0 { Saved::Boundary(input) } else { Saved::Inside });
                 hidden = Some(output);
             } else {
                 let input = input.map(Activation::leaf);
-                let output = self.run_unit(i, input.clone(), batch, true)?;
+                let (output, term) = self.run_unit(i, input.clone(), batch, true, true)?;
+                terms += value_of(term.as_ref());
                 hidden = Some(output.clone().detached());
-                saved.push(Saved::Graph(input, output));
+                saved.push(Saved::Graph { input, output, term });
             }
             self.window.times.forward += start.elapsed().as_secs_f64();
             if interval > 0 {
                 self.release(i);
             }
         }
-        Ok((saved, hidden.expect("at least one unit")))
+        Ok((saved, hidden.expect("at least one unit"), terms))
     }
 
     /// Recomputes the checkpointed group that ends at unit `last`, from its boundary,
     /// with graphs (each unit on a leaf of its own input, so each backs up on its own).
+    /// Each unit's buffers are put back after its second forward (note in `buffers.rs`).
     fn recompute_group(&mut self, last: usize, saved: &mut [Saved<M::Hidden>], batch: &M::Batch) -> Result<()> {
-        let first = last - last % self.checkpoint_interval().max(1);
+        let first = last - last % self.walk().1.max(1);
         let Saved::Boundary(mut input) = std::mem::replace(&mut saved[first], Saved::Done) else {
             unreachable!("a checkpointed group starts with its boundary")
         };
@@ -183,19 +195,23 @@ impl<M: UnitModel> Engine<M> {
             self.enter(i, Direction::Backward)?;
             let start = Instant::now();
             let leaf = input.take().map(Activation::leaf);
-            let output = self.run_unit(i, leaf.clone(), batch, true)?;
+            let before = self.buffers.snapshot(&self.model, i)?;
+            let (output, term) = self.run_unit(i, leaf.clone(), batch, true, true)?;
+            let model = self.model.clone();
+            self.model = self.buffers.restore(model, before);
             self.window.times.backward += start.elapsed().as_secs_f64();
             input = Some(output.clone().detached());
-            *slot = Saved::Graph(leaf, output);
+            *slot = Saved::Graph { input: leaf, output, term };
         }
         Ok(())
     }
 
     /// The backward half: the units in reverse, each (recomputed if checkpointed) seeded
-    /// with `upstream`, the gradient of the next unit's input; each unit's gradients
-    /// reduced and the unit released as soon as its backward is done. Returns the root's
-    /// gradients, `root_grads` (the loss's) plus every unit's contribution, and the
-    /// gradient of the first unit's input (`None` where it reads the batch).
+    /// with `upstream`, the gradient of the next unit's input, and its own loss term; each
+    /// unit's gradients reduced and the unit released as soon as its backward is done.
+    /// Returns the root's gradients, `root_grads` (the loss's) plus every unit's
+    /// contribution, and the gradient of the first unit's input (`None` where it reads the
+    /// batch).
     pub(super) fn backward_units(
         &mut self,
         mut saved: Vec<Saved<M::Hidden>>,
@@ -203,16 +219,22 @@ impl<M: UnitModel> Engine<M> {
         mut root_grads: Option<UnitGrads>,
         batch: &M::Batch,
     ) -> Result<(Option<UnitGrads>, Option<M::Hidden>)> {
-        for i in (0..self.num_declared).rev() {
-            if !matches!(saved[i], Saved::Graph(..)) {
+        let declared = self.walk().0;
+        for i in (0..declared).rev() {
+            if !matches!(saved[i], Saved::Graph { .. }) {
                 self.recompute_group(i, &mut saved, batch)?;
             }
-            let Saved::Graph(input, output) = std::mem::replace(&mut saved[i], Saved::Done) else {
+            let Saved::Graph { input, output, term } = std::mem::replace(&mut saved[i], Saved::Done) else {
                 unreachable!("recomputed above")
             };
             let start = Instant::now();
-            // No upstream gradient: nothing downstream depends on this unit's output.
-            let grads = upstream.take().map(|g| output.seed(g).backward());
+            let seed = match (upstream.take(), term.map(|t| self.scaled(t.cast(FloatDType::F32)))) {
+                (Some(g), None) => Some(output.seed(g)),
+                (Some(g), Some(term)) => Some(output.seed(g).cast(FloatDType::F32) + term),
+                (None, term) => term,
+            };
+            // No seed: nothing downstream depends on this unit's output.
+            let grads = seed.map(|seed| seed.backward());
             upstream = grads.as_ref().zip(input.as_ref()).and_then(|(grads, input)| input.grad(grads));
             drop(input);
             // Keyed by parameter id, the gradients no longer need the unit's tensors: it is
@@ -228,41 +250,54 @@ impl<M: UnitModel> Engine<M> {
             if let (Some(mine), Some(root)) = (taken.root, root_grads.as_mut()) {
                 root.add(mine);
             }
-            self.reduce_unit(i, taken.unit.expect("asked for"), (i + 1 < self.num_declared).then_some(i + 1))?;
+            let unit = taken.unit.unwrap_or_else(|| UnitGrads::empty(self.shared.layout(i).entries().len()));
+            self.reduce_unit(i, unit, (i + 1 < declared).then_some(i + 1))?;
             self.window.times.reduce += start.elapsed().as_secs_f64();
         }
         Ok((root_grads, upstream))
     }
 
     /// The loss of `batch` without gradients, one unit at a time (stage 3: each unit
-    /// gathered and released in turn). Every rank must call it at stage 3.
+    /// gathered and released in turn), in inference mode: buffers (running statistics) are
+    /// read, averaged over the ranks first, and not updated. The units' own loss terms are
+    /// training terms and are not included. Neither its time nor its traffic counts in the
+    /// next step's report. Every rank must call it.
     pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
-        if self.num_declared == 0 {
+        if !matches!(self.granularity, Granularity::Declared { .. }) {
             return Err(Error::Usage("evaluate needs an engine built with Engine::with_units".into()));
         }
-        if self.stage.is_some() {
-            return self.evaluate_pipelined(batch);
-        }
-        let root = self.root();
+        let paused = self.window.pause(self.comm_stats());
+        let loss = self.sync_buffers().and_then(|()| self.evaluate_units(batch));
+        self.window.resume(paused, self.comm_stats());
+        loss
+    }
+
+    fn evaluate_units(&mut self, batch: &M::Batch) -> Result<f32> {
+        let root = self.granularity.root();
         let root_was_released = root.is_some_and(|r| !self.units[r].is_gathered());
         if let Some(root) = root {
             self.gather(root)?;
         }
-        let mut hidden = None;
-        for i in 0..self.num_declared {
-            let was_released = !self.units[i].is_gathered();
-            self.enter(i, Direction::Forward)?;
-            hidden = Some(self.run_unit(i, hidden.take(), batch, false)?);
-            if was_released {
-                self.release(i);
-            }
-        }
-        let output = hidden.expect("at least one unit").detached();
-        let loss = self.model.loss(output, batch).into_scalar::<f32>();
+        let output = self.infer_units(None, batch)?;
+        let loss = self.model.valid().output_loss(output, batch).into_scalar::<f32>();
         if root_was_released && let Some(root) = root {
             self.release(root);
         }
         Ok(loss)
+    }
+
+    /// Runs every declared unit in inference mode from `input`, each gathered for its run
+    /// and released after if it was released before. Returns the last output.
+    pub(super) fn infer_units(&mut self, mut hidden: Option<M::Hidden>, batch: &M::Batch) -> Result<M::Hidden> {
+        for i in 0..self.walk().0 {
+            let was_released = !self.units[i].is_gathered();
+            self.enter(i, Direction::Forward)?;
+            hidden = Some(self.run_unit(i, hidden.take(), batch, false, false)?.0);
+            if was_released {
+                self.release(i);
+            }
+        }
+        Ok(hidden.expect("at least one unit"))
     }
 
     /// Before unit `i` runs: gathers it (stage 3) and prefetches the next unit in
@@ -276,7 +311,7 @@ impl<M: UnitModel> Engine<M> {
             Direction::Forward => i + 1,
             Direction::Backward => i.wrapping_sub(1),
         };
-        if next >= self.num_declared || !self.may_prefetch(i, next) {
+        if next >= self.walk().0 || !self.may_prefetch(i, next) {
             return Ok(());
         }
         self.units[next].fetch(&self.shared)?;
@@ -299,35 +334,38 @@ impl<M: UnitModel> Engine<M> {
             && beyond + size <= zero.max_live_parameters
     }
 
-    /// Runs unit `i` with or without an autodiff graph. A panic inside the model's code
-    /// becomes an error (at stage 3 the likely cause is a parameter of another unit, which
-    /// is an empty tensor while that unit is released).
+    /// Runs unit `i`: `training` on the training model (else in inference mode, on the
+    /// valid model), with or without an autodiff `graph`. Returns its output and loss term.
+    /// A panic inside the model's code becomes an error (at stage 3 the likely cause is a
+    /// parameter of another unit, which is an empty tensor while that unit is released).
     pub(super) fn run_unit(
         &self,
         i: usize,
         input: Option<M::Hidden>,
         batch: &M::Batch,
+        training: bool,
         graph: bool,
-    ) -> Result<M::Hidden> {
-        // Without a graph, the unit still runs on the autodiff model (on a detached input,
-        // its output detached at once, so the graph is dropped unit by unit): the inner
-        // backend's kernels need not round like the autodiff ones, and the recomputation in
-        // backward must reproduce the boundary activations bit for bit.
-        let unit = self.first_unit() + i;
+    ) -> Result<(M::Hidden, Option<Tensor<1>>)> {
+        // Without a graph, a training run still uses the autodiff model (on a detached
+        // input, its output detached at once, so the graph is dropped unit by unit): the
+        // inner backend's kernels need not round like the autodiff ones, and the
+        // recomputation in backward must reproduce the boundary activations bit for bit.
+        let unit = self.span.first_unit + i;
         let run = || {
-            let output = self.model.forward_unit(unit, input.map(|x| if graph { x } else { x.detached() }), batch);
-            if graph { output } else { output.detached() }
+            let input = input.map(|x| if graph { x } else { x.detached() });
+            let (output, term) = if training {
+                self.model.forward_unit_with_loss(unit, input, batch)
+            } else {
+                (self.model.valid().forward_unit(unit, input, batch), None)
+            };
+            if graph { (output, term) } else { (output.detached(), term.map(|t| t.detach())) }
         };
         catch_unwind(AssertUnwindSafe(run)).map_err(|panic| {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
             let name = &self.shared.sharding.units()[i].name;
             Error::Model(format!(
-                "forward_unit({unit}) (unit `{name}`) panicked: {message}; a unit may use only its own parameters \
-                 and the root's (at stage 3, and in other pipeline stages, the others are empty tensors)"
+                "forward_unit({unit}) (unit `{name}`) panicked: {}; a unit may use only its own parameters and the \
+                 root's (at stage 3, and in other pipeline stages, the others are empty tensors)",
+                panic_message(panic.as_ref())
             ))
         })
     }
@@ -339,7 +377,7 @@ impl<M: UnitModel> Engine<M> {
         if let Some(unit) = unit {
             wanted[unit] = true;
         }
-        let root = self.root();
+        let root = self.granularity.root();
         if let Some(root) = root {
             wanted[root] = true;
         }
@@ -347,6 +385,11 @@ impl<M: UnitModel> Engine<M> {
         let mut taken = take_grads(&self.model, &mut grads, index, sharding, &wanted)?;
         Ok(UnitTake { unit: unit.and_then(|u| taken[u].take()), root: root.and_then(|r| taken[r].take()) })
     }
+}
+
+/// A loss term's value in f32 (0 without one).
+fn value_of(term: Option<&Tensor<1>>) -> f32 {
+    term.map_or(0.0, |t| t.clone().cast(FloatDType::F32).into_scalar::<f32>())
 }
 
 /// One backward pass's gradients of a unit and of the root.

@@ -4,9 +4,11 @@
 //! Stages 0-1 keep a full-size accumulator per unit, add each micro-step's local gradients
 //! into it and reduce once, at the accumulation boundary (the least communication). Stages
 //! 2-3 keep only their shard: each micro-step's gradients are reduce-scattered in buckets
-//! and added to the shard accumulator, so no full-size gradient buffer exists. The two
-//! orders sum the same numbers differently, so with accumulation > 1 stages 0-1 and 2-3 can
-//! differ in the last bits; with accumulation 1 all four stages are bitwise identical.
+//! and added to the shard accumulator, so no full-size *accumulator* exists (the unit's
+//! per-parameter gradients of one backward pass exist whole until they are copied into
+//! buckets: Burn produces them per parameter). The two orders sum the same numbers
+//! differently, so with accumulation > 1 stages 0-1 and 2-3 can differ in the last bits;
+//! with accumulation 1 all four stages are bitwise identical.
 //!
 //! # Note: reductions in flight
 //! A reduction starts as soon as backward has produced the unit's gradients and, with
@@ -14,6 +16,13 @@
 //! computes; its result is added to the accumulator when the engine *settles* the unit
 //! (before the next unit's reduction starts, and at the step). Without `overlap_comm` every
 //! reduction is settled as soon as it starts.
+//!
+//! # Note: the accumulator's states
+//! [`GradState`]: `Accumulating` through the window (stages 2-3 with bucket reductions in
+//! flight); stages 0-1 at the boundary hand the accumulator to its reduction
+//! (`Reducing`), which settles into the optimizer range's reduced gradient (`Reduced`);
+//! the step takes it and a fresh accumulator begins the next window. A backward pass
+//! after the boundary and before the step is an error, not a lost gradient.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -56,23 +65,28 @@ struct Bucket {
     pending: Pending,
 }
 
+/// Where a unit's gradient is (module note on the accumulator's states).
+#[derive(Debug)]
+enum GradState {
+    /// The window's gradients, in the accumulation dtype (stage 0: `num_elems`; stage 1:
+    /// `padded_elems`; stages 2-3: `shard_len`), with stages 2-3's buckets in flight.
+    Accumulating { acc: FlatBuf, buckets: VecDeque<Bucket> },
+    /// Stages 0-1 at the boundary: the accumulator's reduction in flight.
+    Reducing(Pending),
+    /// Stages 0-1: the reduced gradient of the optimizer range, for the step.
+    Reduced(FlatBuf),
+}
+
 /// One unit's gradient accumulator and the reductions in flight.
 #[derive(Debug)]
 pub(crate) struct UnitGrad {
     stage: ZeroStage,
-    /// In `grad_accum_dtype`. Stage 0: `num_elems`; stage 1: `padded_elems`; stages 2-3:
-    /// `shard_len`. Empty while a stage 0-1 reduction holds it.
-    acc: FlatBuf,
-    /// Its length, to renew it.
+    /// The accumulator's dtype and length.
+    acc_dtype: Precision,
     acc_len: usize,
     /// This rank's shard of the unit's flat buffer.
     own: Range<usize>,
-    /// Stages 0-1: the boundary reduction of the accumulator, in flight.
-    whole: Option<Pending>,
-    /// Stages 0-1: the reduced gradient of the optimizer range, once `whole` finished.
-    reduced: Option<FlatBuf>,
-    /// Stages 2-3: bucket reductions in flight, oldest first.
-    buckets: VecDeque<Bucket>,
+    state: GradState,
 }
 
 impl UnitGrad {
@@ -84,14 +98,17 @@ impl UnitGrad {
             ZeroStage::OptimizerStates => layout.padded_elems(),
             ZeroStage::Gradients | ZeroStage::Parameters => layout.shard_len(),
         };
-        let acc = FlatBuf::zeros(accum_dtype, acc_len);
         let own = layout.shard_range(rank);
-        Self { stage, acc, acc_len, own, whole: None, reduced: None, buckets: VecDeque::new() }
+        Self { stage, acc_dtype: accum_dtype, acc_len, own, state: fresh(accum_dtype, acc_len) }
     }
 
     /// Bytes held between steps.
     pub fn bytes(&self) -> u64 {
-        self.acc.bytes()
+        match &self.state {
+            GradState::Accumulating { acc, .. } => acc.bytes(),
+            GradState::Reducing(_) => 0,
+            GradState::Reduced(reduced) => reduced.bytes(),
+        }
     }
 
     /// Accumulates and (as the stage and `options` say) starts reducing one backward
@@ -104,6 +121,11 @@ impl UnitGrad {
         options: ReduceOptions,
         times: &mut PhaseTimes,
     ) -> Result<u64> {
+        let GradState::Accumulating { acc, buckets } = &mut self.state else {
+            return Err(Error::Usage(
+                "a backward pass after the accumulation boundary: call step() before the next micro-step".into(),
+            ));
+        };
         let mut transient = grads.bytes();
         if self.stage.shards_gradients() {
             let n = layout.world_size();
@@ -116,15 +138,15 @@ impl UnitGrad {
                 let output = FlatBuf::zeros(options.comm_dtype, range.len());
                 transient += input.bytes() + output.bytes();
                 // Double buffering: one bucket in flight while the next is filled.
-                while self.buckets.len() >= MAX_BUCKETS_IN_FLIGHT {
-                    self.settle_oldest(times)?;
+                while buckets.len() >= MAX_BUCKETS_IN_FLIGHT {
+                    settle_oldest(acc, buckets, times)?;
                 }
                 let pending = comm.start(Request::ReduceScatter { input, output, op: ReduceOp::Sum });
-                self.buckets.push_back(Bucket { range, add: !options.first, pending });
+                buckets.push_back(Bucket { range, add: !options.first, pending });
             }
         } else {
-            let len = self.acc.len();
-            fill(&grads, layout, 0..len, self.acc.as_mut(), !options.first);
+            let len = acc.len();
+            fill(&grads, layout, 0..len, acc.as_mut(), !options.first);
             if options.boundary {
                 transient += self.start_whole(layout, comm, options);
             }
@@ -139,7 +161,10 @@ impl UnitGrad {
     /// Stages 0-1 at the boundary: starts reducing the whole accumulator. Returns the
     /// transient bytes (a converted copy and the reduce-scatter's output).
     fn start_whole(&mut self, layout: &FlatLayout, comm: &dyn Collective, options: ReduceOptions) -> u64 {
-        let acc = std::mem::replace(&mut self.acc, FlatBuf::zeros(options.comm_dtype, 0));
+        let placeholder = GradState::Reduced(FlatBuf::zeros(options.comm_dtype, 0));
+        let GradState::Accumulating { acc, .. } = std::mem::replace(&mut self.state, placeholder) else {
+            unreachable!("reduce checked the state")
+        };
         let converted = acc.dtype() != options.comm_dtype;
         let buf = if converted { FlatBuf::from_f32(options.comm_dtype, &acc.into_f32()) } else { acc };
         let mut transient = if converted { buf.bytes() } else { 0 };
@@ -150,50 +175,65 @@ impl UnitGrad {
         } else {
             Request::AllReduce { buf, op: ReduceOp::Sum }
         };
-        self.whole = Some(comm.start(request));
+        self.state = GradState::Reducing(comm.start(request));
         transient
     }
 
-    /// Waits for the oldest bucket in flight and adds its result to the accumulator.
-    fn settle_oldest(&mut self, times: &mut PhaseTimes) -> Result<()> {
-        if let Some(bucket) = self.buckets.pop_front() {
-            let output = finish(bucket.pending, times)?.output;
-            self.acc.as_mut().slice(bucket.range).copy_from(output.as_ref(), bucket.add);
-        }
-        Ok(())
-    }
-
-    /// Waits for every reduction in flight and adds its result where it belongs.
+    /// Waits for every reduction in flight and puts its result where it belongs.
     pub fn settle(&mut self, times: &mut PhaseTimes) -> Result<()> {
-        while !self.buckets.is_empty() {
-            self.settle_oldest(times)?;
+        match &mut self.state {
+            GradState::Accumulating { acc, buckets } => {
+                while !buckets.is_empty() {
+                    settle_oldest(acc, buckets, times)?;
+                }
+            }
+            GradState::Reducing(_) => {
+                let placeholder = GradState::Reduced(FlatBuf::zeros(self.acc_dtype, 0));
+                let GradState::Reducing(pending) = std::mem::replace(&mut self.state, placeholder) else {
+                    unreachable!("matched above")
+                };
+                let reduced = finish(pending, times)?.output;
+                // Stage 1 without reduce-scatter all-reduced the whole buffer: keep its shard.
+                let reduced = if self.stage == ZeroStage::OptimizerStates && reduced.len() != self.own.len() {
+                    FlatBuf::F32(reduced.as_ref().slice(self.own.clone()).to_f32())
+                } else {
+                    reduced
+                };
+                self.state = GradState::Reduced(reduced);
+            }
+            GradState::Reduced(_) => {}
         }
-        let Some(pending) = self.whole.take() else { return Ok(()) };
-        let reduced = finish(pending, times)?.output;
-        // Stage 1 without reduce-scatter all-reduced the whole buffer: keep its shard.
-        let reduced = if self.stage == ZeroStage::OptimizerStates && reduced.len() != self.own.len() {
-            FlatBuf::F32(reduced.as_ref().slice(self.own.clone()).to_f32())
-        } else {
-            reduced
-        };
-        self.reduced = Some(reduced);
         Ok(())
     }
 
-    /// At the step: the reduced gradient of the optimizer range, in f32. Renews the
-    /// accumulator.
+    /// At the step: the reduced gradient of the optimizer range, in f32 (summed over the
+    /// ranks, still scaled). A fresh accumulator begins the next window.
     pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<Vec<f32>> {
         self.settle(times)?;
-        let fresh = FlatBuf::zeros(self.acc.dtype(), self.acc_len);
-        let acc = std::mem::replace(&mut self.acc, fresh);
-        if self.stage.shards_gradients() {
-            return Ok(acc.into_f32());
+        let state = std::mem::replace(&mut self.state, fresh(self.acc_dtype, self.acc_len));
+        match state {
+            GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(acc.into_f32()),
+            GradState::Reduced(reduced) => Ok(reduced.into_f32()),
+            other => {
+                self.state = other;
+                Err(Error::Usage("the step found no reduced gradients: the last micro-step was not a boundary".into()))
+            }
         }
-        let reduced = self.reduced.take().ok_or_else(|| {
-            Error::Usage("the step found no reduced gradients: the last micro-step was not a boundary".into())
-        })?;
-        Ok(reduced.into_f32())
     }
+}
+
+/// A zeroed accumulator.
+fn fresh(dtype: Precision, len: usize) -> GradState {
+    GradState::Accumulating { acc: FlatBuf::zeros(dtype, len), buckets: VecDeque::new() }
+}
+
+/// Waits for the oldest bucket in flight and adds its result to the accumulator.
+fn settle_oldest(acc: &mut FlatBuf, buckets: &mut VecDeque<Bucket>, times: &mut PhaseTimes) -> Result<()> {
+    if let Some(bucket) = buckets.pop_front() {
+        let output = finish(bucket.pending, times)?.output;
+        acc.as_mut().slice(bucket.range).copy_from(output.as_ref(), bucket.add);
+    }
+    Ok(())
 }
 
 /// Copies (or with `add`, adds) the gradients in `range` of the unit's flat buffer into

@@ -65,6 +65,15 @@ impl Values {
         }
     }
 
+    /// [`to_host`](Self::to_host), consuming the values: a host vector asked for in f32
+    /// is moved, not copied.
+    pub fn into_host(self, dtype: Precision) -> Result<FlatBuf> {
+        match (self, dtype) {
+            (Self::Host(values), Precision::Fp32) => Ok(FlatBuf::F32(values)),
+            (values, dtype) => values.to_host(dtype),
+        }
+    }
+
     /// The values in fp32 on the host (checkpoints).
     pub fn to_vec(&self) -> Result<Vec<f32>> {
         match self {

@@ -18,7 +18,7 @@
 //! the engine reports a gradient that appears in another unit's backward pass as an error.
 
 use burn::module::Module;
-use burn::tensor::{DType, Device, Gradients, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{FlatBuf, with_elem};
 
@@ -50,7 +50,7 @@ use crate::{Error, Result};
 ///         self.layers[unit].forward(x).tanh()
 ///     }
 ///
-///     fn loss(&self, output: Tensor<2>, batch: &Self::Batch) -> Tensor<1> {
+///     fn output_loss(&self, output: Tensor<2>, batch: &Self::Batch) -> Tensor<1> {
 ///         (output - batch.1.clone()).square().mean()
 ///     }
 /// }
@@ -58,7 +58,8 @@ use crate::{Error, Result};
 pub trait UnitModel: Module {
     /// What one micro-step reads (inputs and targets).
     type Batch;
-    /// What flows from one unit to the next.
+    /// What flows from one unit to the next: a float tensor, or a tuple of them (a
+    /// residual stream and a side input such as an encoder's output).
     type Hidden: Activation;
 
     /// The units in execution order, each with the module paths of its parameters.
@@ -70,9 +71,31 @@ pub trait UnitModel: Module {
     /// parameters and the root's.
     fn forward_unit(&self, unit: usize, input: Option<Self::Hidden>, batch: &Self::Batch) -> Self::Hidden;
 
+    /// [`forward_unit`](Self::forward_unit) with a loss term of the unit's own (a one-element
+    /// tensor, such as a mixture-of-experts auxiliary loss), added to the model's loss and
+    /// back-propagated through the unit. Default: no term. Override it (and let
+    /// `forward_unit` return its first half) for a model with such terms.
+    fn forward_unit_with_loss(
+        &self,
+        unit: usize,
+        input: Option<Self::Hidden>,
+        batch: &Self::Batch,
+    ) -> (Self::Hidden, Option<Tensor<1>>) {
+        (self.forward_unit(unit, input, batch), None)
+    }
+
     /// The loss (a one-element tensor) from the last unit's output. It may use the root's
-    /// parameters.
-    fn loss(&self, output: Self::Hidden, batch: &Self::Batch) -> Tensor<1>;
+    /// parameters. (Named apart from a model's own `loss` method, which often takes a
+    /// batch.)
+    fn output_loss(&self, output: Self::Hidden, batch: &Self::Batch) -> Tensor<1>;
+
+    /// How many samples `batch` holds, if the model can tell: the engine then warns once
+    /// when a micro-batch is not `train_micro_batch_size_per_gpu` samples (the loss of a
+    /// short batch weighs like a full one). Default: it cannot tell.
+    fn batch_size(&self, batch: &Self::Batch) -> Option<usize> {
+        let _ = batch;
+        None
+    }
 }
 
 /// One unit: a name and the module paths of its parameters.
@@ -90,11 +113,15 @@ impl UnitSpec {
     pub fn new(name: impl Into<String>, params: impl IntoIterator<Item = impl Into<String>>) -> Self {
         Self { name: name.into(), params: params.into_iter().map(Into::into).collect() }
     }
+}
 
-    /// Whether the parameter at `path` is under one of this unit's paths.
-    fn claims(&self, path: &str) -> bool {
-        self.params.iter().any(|p| path == p || path.strip_prefix(p.as_str()).is_some_and(|rest| rest.starts_with('.')))
-    }
+/// Whether the parameter (or buffer) at `path` is under one of `spec`'s paths.
+pub(crate) fn claims(spec: &UnitSpec, path: &str) -> bool {
+    spec.params.iter().any(|p| claims_one(p, path))
+}
+
+fn claims_one(prefix: &str, path: &str) -> bool {
+    path == prefix || path.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
 }
 
 /// The unit each parameter (by module path, in visit order) belongs to, and the units'
@@ -108,14 +135,14 @@ pub(crate) fn group(paths: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>,
         if let Some(other) = specs[..i].iter().find(|s| s.name == spec.name) {
             return invalid(format!("two units are called `{}`", other.name));
         }
-        if let Some(unused) = spec.params.iter().find(|p| !paths.iter().any(|path| UnitSpec::claims_one(p, path))) {
+        if let Some(unused) = spec.params.iter().find(|p| !paths.iter().any(|path| claims_one(p, path))) {
             return invalid(format!("unit `{}` lists `{unused}`, which holds no trainable parameter", spec.name));
         }
     }
     let root = specs.len();
     let mut unit_of = Vec::with_capacity(paths.len());
     for path in paths {
-        let mut owners = specs.iter().enumerate().filter(|(_, s)| s.claims(path)).map(|(u, _)| u);
+        let mut owners = specs.iter().enumerate().filter(|(_, s)| claims(s, path)).map(|(u, _)| u);
         match (owners.next(), owners.next()) {
             (Some(a), Some(b)) => {
                 return invalid(format!("`{path}` is claimed by both `{}` and `{}`", specs[a].name, specs[b].name));
@@ -131,36 +158,35 @@ pub(crate) fn group(paths: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>,
     Ok((unit_of, names))
 }
 
-impl UnitSpec {
-    fn claims_one(prefix: &str, path: &str) -> bool {
-        Self { name: String::new(), params: vec![prefix.to_string()] }.claims(path)
-    }
-}
-
-/// What flows between units: a float tensor of any rank. The engine detaches it at unit
-/// boundaries, and in backward seeds a unit's output with the gradient of the next unit's
-/// input.
+/// What flows between units: a float tensor of any rank, or a tuple of up to three of
+/// them. The engine detaches it at unit boundaries, and in backward seeds a unit's output
+/// with the gradient of the next unit's input.
 pub trait Activation: Clone + Send + Sized + 'static {
+    /// How many tensors it is.
+    const PARTS: usize;
     /// Cut from the graph that produced it, gradient tracking on: a leaf whose gradient
     /// [`grad`](Self::grad) reads after backward.
     fn leaf(self) -> Self;
     /// Cut from any graph, without gradient tracking (a checkpointed boundary).
     fn detached(self) -> Self;
-    /// The gradient `grads` holds for this leaf.
+    /// The gradient `grads` holds for this leaf (zeros for a part nothing depended on);
+    /// `None` if no part has one.
     fn grad(&self, grads: &Gradients) -> Option<Self>;
-    /// `sum(self * upstream)` with `upstream` treated as a constant: its backward pass
-    /// back-propagates `upstream` through the graph that produced `self`.
+    /// `sum(self * upstream)` over every part, with `upstream` treated as a constant: its
+    /// backward pass back-propagates `upstream` through the graph that produced `self`.
     fn seed(self, upstream: Self) -> Tensor<1>;
     /// Bytes it holds.
     fn num_bytes(&self) -> u64;
-    /// Its values as a flat buffer and its shape (to send to another pipeline stage); an
-    /// error for a dtype other than f32, f16 and bf16.
-    fn into_flat(self) -> Result<(FlatBuf, Vec<usize>)>;
-    /// The activation of shape `shape` holding `values`, on `device`.
-    fn from_flat(values: FlatBuf, shape: &[usize], device: &Device) -> Result<Self>;
+    /// Its tensors as flat buffers with their shapes (to send to another pipeline stage);
+    /// an error for a dtype other than f32, f16 and bf16.
+    fn into_parts(self) -> Result<Vec<(FlatBuf, Vec<usize>)>>;
+    /// The activation from [`PARTS`](Self::PARTS) parts, on `device`.
+    fn from_parts(parts: &mut dyn Iterator<Item = (FlatBuf, Vec<usize>)>, device: &Device) -> Result<Self>;
 }
 
 impl<const D: usize> Activation for Tensor<D> {
+    const PARTS: usize = 1;
+
     fn leaf(self) -> Self {
         self.detach().require_grad()
     }
@@ -182,29 +208,93 @@ impl<const D: usize> Activation for Tensor<D> {
         (self.shape().num_elements() * self.dtype().size()) as u64
     }
 
-    fn into_flat(self) -> Result<(FlatBuf, Vec<usize>)> {
+    fn into_parts(self) -> Result<Vec<(FlatBuf, Vec<usize>)>> {
         let shape = self.dims().to_vec();
         let data = self.into_data();
-        let dtype = data.dtype();
-        let values = match dtype {
+        let values = match data.dtype() {
             DType::F32 => data.try_into_vec::<f32>().map(FlatBuf::F32),
             DType::F16 => data.try_into_vec::<f16>().map(FlatBuf::F16),
             DType::BF16 => data.try_into_vec::<bf16>().map(FlatBuf::Bf16),
             other => return Err(Error::Model(format!("an activation of dtype {other:?} cannot pass between stages"))),
         };
         let values = values.map_err(|e| Error::Model(format!("activation data: {e:?}")))?;
-        Ok((values, shape))
+        Ok(vec![(values, shape)])
     }
 
-    fn from_flat(values: FlatBuf, shape: &[usize], device: &Device) -> Result<Self> {
-        let shape: [usize; D] = shape.try_into().map_err(|_| {
+    fn from_parts(parts: &mut dyn Iterator<Item = (FlatBuf, Vec<usize>)>, device: &Device) -> Result<Self> {
+        let (values, shape) =
+            parts.next().ok_or_else(|| Error::Model("an activation arrived with too few parts".into()))?;
+        let shape: [usize; D] = shape.as_slice().try_into().map_err(|_| {
             Error::Model(format!("an activation of rank {} arrived where rank {D} was expected", shape.len()))
         })?;
+        if values.len() != shape.iter().product::<usize>() {
+            return Err(Error::Model(format!("an activation of shape {shape:?} arrived with {} values", values.len())));
+        }
         let data = with_elem!(FlatBuf, values, v, _E => TensorData::new(v, shape));
         let dtype = data.dtype();
         Ok(Tensor::from_data(data, (device, dtype)))
     }
 }
+
+/// Tuples: each part flows as its own tensor; a part nothing downstream used gets a zero
+/// gradient.
+macro_rules! tuple_activation {
+    ($($name:ident $index:tt),+) => {
+        impl<$($name: Activation + ZerosLike),+> Activation for ($($name,)+) {
+            const PARTS: usize = 0 $(+ $name::PARTS)+;
+
+            fn leaf(self) -> Self {
+                ($(self.$index.leaf(),)+)
+            }
+
+            fn detached(self) -> Self {
+                ($(self.$index.detached(),)+)
+            }
+
+            fn grad(&self, grads: &Gradients) -> Option<Self> {
+                let parts = ($(self.$index.grad(grads),)+);
+                if true $(&& parts.$index.is_none())+ {
+                    return None;
+                }
+                Some(($(parts.$index.unwrap_or_else(|| self.$index.zeros_like()),)+))
+            }
+
+            fn seed(self, upstream: Self) -> Tensor<1> {
+                let seeds = [$(self.$index.seed(upstream.$index).cast(FloatDType::F32),)+];
+                seeds.into_iter().reduce(|a, b| a + b).expect("a tuple has parts")
+            }
+
+            fn num_bytes(&self) -> u64 {
+                0 $(+ self.$index.num_bytes())+
+            }
+
+            fn into_parts(self) -> Result<Vec<(FlatBuf, Vec<usize>)>> {
+                let mut parts = Vec::with_capacity(Self::PARTS);
+                $(parts.extend(self.$index.into_parts()?);)+
+                Ok(parts)
+            }
+
+            fn from_parts(parts: &mut dyn Iterator<Item = (FlatBuf, Vec<usize>)>, device: &Device) -> Result<Self> {
+                Ok(($($name::from_parts(parts, device)?,)+))
+            }
+        }
+    };
+}
+
+/// A zero activation shaped like another (for a tuple part without a gradient).
+pub trait ZerosLike {
+    /// Zeros of the same shape, dtype and device.
+    fn zeros_like(&self) -> Self;
+}
+
+impl<const D: usize> ZerosLike for Tensor<D> {
+    fn zeros_like(&self) -> Self {
+        Tensor::zeros_like(self)
+    }
+}
+
+tuple_activation!(A 0, B 1);
+tuple_activation!(A 0, B 1, C 2);
 
 #[cfg(test)]
 mod tests {

@@ -1,57 +1,122 @@
-//! Burn's optimizers stepping a flat shard.
+//! Optimizers over flat shards: the public [`ShardOptimizer`] trait, Burn's optimizers as
+//! its built-in implementations, and a unit's parameter groups.
 //!
-//! Adam, AdamW and SGD are element-wise, so stepping one 1-D tensor that holds a rank's
-//! shard of the flat buffer gives exactly the values of stepping each parameter tensor
-//! (Burn's `Optimizer::step` is generic over the rank). The range's values and the state
-//! tensors are Burn tensors on the rank's device: only the reduced gradient arrives from
-//! the host.
+//! # Note: flat shards
+//! A rank's optimizer steps one unit's range of the unit's flat buffer (the unit's
+//! parameters in visit order, concatenated): all of it at stage 0, the rank's shard at
+//! stages 1-3, which may begin and end inside a parameter. An element-wise optimizer
+//! (Adam, AdamW, SGD, Lion, ...) steps such a range exactly as it would step each
+//! parameter tensor: Burn's `Optimizer::step` is generic over the rank, so stepping one 1-D
+//! tensor gives the same bits. An optimizer that needs whole tensors (Adafactor's factored
+//! moments, Muon's orthogonalisation) sees, in [`ShardSegment`]s, which piece of which
+//! parameter each part of its range is, and must handle a parameter split between ranks.
+//!
+//! # Note: parameter groups
+//! With `zerotrain.param_groups` a unit's range holds elements of several groups. Each group
+//! present in the range gets its own optimizer over its elements, gathered into one
+//! contiguous tensor, stepped at the group's lr and weight decay, and put back in place.
+//! For an element-wise optimizer that equals stepping each parameter with its group's
+//! settings. A range wholly in one group (the common case, and always without groups) is
+//! stepped in place, with no gather.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
 
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use std::collections::BTreeMap;
-
 use burn::optim::{AdamConfig, AdamWConfig, Optimizer, RecordState, SgdConfig, StateSink, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_pack::Scalar;
 
-use crate::config::OptimizerPlan;
+use crate::config::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 use crate::{Error, Result};
 
-/// Optimizer state as named flat tensors and named scalars.
-pub(crate) type ExportedState = (Vec<(String, Vec<f32>)>, Vec<(String, Scalar)>);
+/// Optimizer state as named flat vectors (each the stepped range's length) and named
+/// scalars (step counts).
+pub type ExportedState = (Vec<(String, Vec<f32>)>, Vec<(String, Scalar)>);
 
-/// An optimizer with its state for one flat range.
-pub(crate) trait FlatOptimizer: Send {
+/// An optimizer with its state for one flat range of one rank (module note).
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use zerotrain::engine::optimizer::{ExportedState, ShardOptimizer};
+///
+/// /// Sign descent: p -= lr * sign(g), stateless.
+/// struct SignSgd;
+///
+/// impl ShardOptimizer for SignSgd {
+///     fn step(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> zerotrain::Result<Tensor<1>> {
+///         Ok(params - grads.sign().mul_scalar(lr))
+///     }
+///     fn state_bytes(&self) -> u64 {
+///         0
+///     }
+///     fn export(&self) -> ExportedState {
+///         (Vec::new(), Vec::new())
+///     }
+///     fn import(&mut self, _: ExportedState, _: &Device) -> zerotrain::Result<()> {
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait ShardOptimizer: Send {
     /// Steps `params` (a 1-D f32 tensor on the rank's device, without autodiff) with
-    /// `grads` (same length) at `lr`, returning the new values on the same device.
-    fn step(&mut self, lr: f64, params: Tensor<1>, grads: Vec<f32>) -> Result<Tensor<1>>;
-    /// Bytes held by the optimizer state.
+    /// `grads` (same length and device: averaged over the ranks, unscaled, clipped) at
+    /// `lr` (the schedule's, times the parameter group's scale). Returns the new values.
+    fn step(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> Result<Tensor<1>>;
+    /// Bytes of state held.
     fn state_bytes(&self) -> u64;
-    /// The state as named flat tensors (each the range's length) and scalars; empty before
-    /// the first step.
+    /// The state, for checkpoints; empty before the first step.
     fn export(&self) -> ExportedState;
-    /// Replaces the state with tensors and scalars from [`export`](Self::export) (of any
-    /// range of the same length as the one stepped next); empty means no state yet.
-    fn import(
-        &mut self,
-        tensors: Vec<(String, Vec<f32>)>,
-        scalars: Vec<(String, Scalar)>,
-        device: &Device,
-    ) -> Result<()>;
+    /// Replaces the state with one [`export`](Self::export) gave (for a range of the same
+    /// length; checkpoints re-slice the vectors when the world size changes). Empty: no
+    /// state yet.
+    fn import(&mut self, state: ExportedState, device: &Device) -> Result<()>;
 }
 
-struct Flat<O: Optimizer> {
+/// One piece of a parameter inside the range an optimizer steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSegment {
+    /// The parameter's module path.
+    pub path: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Which of its elements (row-major) this piece is.
+    pub param_range: Range<usize>,
+    /// Where they are in the tensors the optimizer steps.
+    pub range: Range<usize>,
+}
+
+/// What a [`OptimizerFactory`] builds an optimizer for: one parameter group's elements in
+/// one unit's range on this rank.
+#[derive(Debug, Clone)]
+pub struct ShardGroup<'a> {
+    /// The config's optimizer with this group's weight decay.
+    pub optimizer: OptimizerPlan,
+    /// The group (`None`: the default group).
+    pub group: Option<&'a ParamGroupPlan>,
+    /// The pieces of parameters the optimizer will step, in order.
+    pub segments: &'a [ShardSegment],
+}
+
+/// Builds a rank's optimizers, one per parameter group per unit range
+/// ([`EngineBuilder::optimizer`](super::build::EngineBuilder::optimizer)).
+pub type OptimizerFactory = Arc<dyn Fn(&ShardGroup<'_>) -> Box<dyn ShardOptimizer> + Send + Sync>;
+
+/// The factory of the built-in optimizers: Burn's, configured from the plan.
+pub(crate) fn built_in() -> OptimizerFactory {
+    Arc::new(|group: &ShardGroup<'_>| build(&group.optimizer))
+}
+
+/// One of Burn's optimizers stepping a flat range.
+struct BurnOptimizer<O: Optimizer> {
     optim: O,
     state: Option<O::State<1>>,
 }
 
-impl<O: Optimizer> FlatOptimizer for Flat<O> {
-    fn step(&mut self, lr: f64, params: Tensor<1>, grads: Vec<f32>) -> Result<Tensor<1>> {
-        let n = params.dims()[0];
-        if grads.len() != n {
-            return Err(Error::Model(format!("{} gradients for an optimizer range of {n}", grads.len())));
-        }
-        let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &params.device());
+impl<O: Optimizer> ShardOptimizer for BurnOptimizer<O> {
+    fn step(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> Result<Tensor<1>> {
         let (params, state) = self.optim.step(lr, params, grads, self.state.take());
         self.state = state;
         Ok(params)
@@ -79,12 +144,7 @@ impl<O: Optimizer> FlatOptimizer for Flat<O> {
         (tensors, sink.scalars)
     }
 
-    fn import(
-        &mut self,
-        tensors: Vec<(String, Vec<f32>)>,
-        scalars: Vec<(String, Scalar)>,
-        device: &Device,
-    ) -> Result<()> {
+    fn import(&mut self, (tensors, scalars): ExportedState, device: &Device) -> Result<()> {
         if tensors.is_empty() && scalars.is_empty() {
             self.state = None;
             return Ok(());
@@ -108,7 +168,7 @@ impl<O: Optimizer> FlatOptimizer for Flat<O> {
 
 /// Builds the Burn optimizer for `plan`, with every hyper-parameter set explicitly (Burn's
 /// defaults differ from DeepSpeed's: Adam eps 1e-5, SGD dampening 0.1).
-pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn FlatOptimizer> {
+pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn ShardOptimizer> {
     match *plan {
         OptimizerPlan::Adam { betas, eps, weight_decay, decoupled_weight_decay: true, amsgrad, .. } => {
             let optim = AdamWConfig::new()
@@ -118,7 +178,7 @@ pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn FlatOptimizer> {
                 .with_weight_decay(weight_decay as f32)
                 .with_amsgrad(amsgrad)
                 .build();
-            Box::new(Flat { optim, state: None })
+            Box::new(BurnOptimizer { optim, state: None })
         }
         OptimizerPlan::Adam { betas, eps, weight_decay, decoupled_weight_decay: false, amsgrad, .. } => {
             let optim = AdamConfig::new()
@@ -128,7 +188,7 @@ pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn FlatOptimizer> {
                 .with_amsgrad(amsgrad)
                 .with_weight_decay((weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)))
                 .build();
-            Box::new(Flat { optim, state: None })
+            Box::new(BurnOptimizer { optim, state: None })
         }
         OptimizerPlan::Sgd { momentum, dampening, nesterov, weight_decay, .. } => {
             let momentum = (momentum > 0.0).then_some(MomentumConfig { momentum, dampening, nesterov });
@@ -136,7 +196,203 @@ pub(crate) fn build(plan: &OptimizerPlan) -> Box<dyn FlatOptimizer> {
                 .with_momentum(momentum)
                 .with_weight_decay((weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)))
                 .build();
-            Box::new(Flat { optim, state: None })
+            Box::new(BurnOptimizer { optim, state: None })
         }
+    }
+}
+
+/// One parameter group's elements of a unit's range and their optimizer.
+struct GroupPart {
+    /// The group's pieces of the range, in order (relative to the range's start).
+    ranges: Vec<Range<usize>>,
+    lr_scale: f64,
+    optimizer: Box<dyn ShardOptimizer>,
+}
+
+impl GroupPart {
+    fn len(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum()
+    }
+}
+
+/// A unit's optimizers: one per parameter group present in the rank's range of the unit
+/// (module note on parameter groups).
+pub(crate) struct UnitOptimizer {
+    len: usize,
+    parts: Vec<GroupPart>,
+}
+
+impl UnitOptimizer {
+    /// The optimizers of a range of `len` elements whose pieces are `segments` (padding
+    /// has none), as `optim` groups them, built by `factory`.
+    pub fn new(len: usize, segments: &[ShardSegment], optim: &OptimPlan, factory: &OptimizerFactory) -> Self {
+        // Group of each segment: the first whose pattern matches, else the default (last).
+        let default = optim.param_groups.len();
+        let group_of = |s: &ShardSegment| optim.param_groups.iter().position(|g| g.matches(&s.path)).unwrap_or(default);
+        let mut parts = Vec::new();
+        for g in 0..=default {
+            let mine: Vec<ShardSegment> = segments.iter().filter(|s| group_of(s) == g).cloned().collect();
+            // The default group also takes the range's padding, so that one group covers
+            // a range it wholly owns in one piece.
+            let owns_all = mine.len() == segments.len();
+            if mine.is_empty() && !(g == default && segments.is_empty()) {
+                continue;
+            }
+            let group = optim.param_groups.get(g);
+            let weight_decay = group.map(|g| g.weight_decay);
+            let plan = weight_decay.map_or(optim.optimizer, |wd| optim.optimizer.with_weight_decay(wd));
+            let optimizer = factory(&ShardGroup { optimizer: plan, group, segments: &mine });
+            let ranges = if owns_all { vec![0..len] } else { merge(mine.iter().map(|s| s.range.clone())) };
+            parts.push(GroupPart { ranges, lr_scale: group.map_or(1.0, |g| g.lr_scale), optimizer });
+        }
+        Self { len, parts }
+    }
+
+    /// Steps `params` (the range's values) with `grads` at `lr`; see the module note.
+    pub fn step(&mut self, lr: f64, params: Tensor<1>, grads: Vec<f32>) -> Result<Tensor<1>> {
+        let n = params.dims()[0];
+        if grads.len() != n || n != self.len {
+            return Err(Error::Model(format!(
+                "{} gradients for an optimizer range of {n} ({})",
+                grads.len(),
+                self.len
+            )));
+        }
+        let device = params.device();
+        if let [part] = self.parts.as_mut_slice()
+            && part.ranges == [0..n]
+        {
+            let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &device);
+            return part.optimizer.step(lr * part.lr_scale, params, grads);
+        }
+        let mut pieces: Vec<(usize, Tensor<1>)> = Vec::new();
+        for part in &mut self.parts {
+            let values = Tensor::cat(part.ranges.iter().map(|r| params.clone().slice(r.clone())).collect(), 0);
+            let g: Vec<f32> = part.ranges.iter().flat_map(|r| grads[r.clone()].iter().copied()).collect();
+            let g = Tensor::<1>::from_data(TensorData::new(g, [part.len()]), &device);
+            let mut stepped = part.optimizer.step(lr * part.lr_scale, values, g)?;
+            for r in &part.ranges {
+                let (piece, rest) = split_front(stepped, r.len());
+                pieces.push((r.start, piece));
+                stepped = rest;
+            }
+        }
+        // Elements of no group (padding between groups) keep their values.
+        let mut covered: Vec<Range<usize>> = self.parts.iter().flat_map(|p| p.ranges.iter().cloned()).collect();
+        covered.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for r in covered {
+            if r.start > at {
+                pieces.push((at, params.clone().slice(at..r.start)));
+            }
+            at = r.end;
+        }
+        if at < n {
+            pieces.push((at, params.slice(at..n)));
+        }
+        pieces.sort_by_key(|(start, _)| *start);
+        Ok(Tensor::cat(pieces.into_iter().map(|(_, t)| t).collect(), 0))
+    }
+
+    /// Bytes of state held.
+    pub fn state_bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.optimizer.state_bytes()).sum()
+    }
+
+    /// The state over the whole range: each group's vectors put back at its elements (the
+    /// rest 0), and the first group's scalars (every group steps together).
+    pub fn export(&self) -> ExportedState {
+        if let [part] = self.parts.as_slice()
+            && part.ranges == [0..self.len]
+        {
+            return part.optimizer.export();
+        }
+        let mut tensors: Vec<(String, Vec<f32>)> = Vec::new();
+        let mut scalars = Vec::new();
+        for part in &self.parts {
+            let (state, part_scalars) = part.optimizer.export();
+            if scalars.is_empty() {
+                scalars = part_scalars;
+            }
+            for (name, values) in state {
+                let slot = match tensors.iter().position(|(n, _)| *n == name) {
+                    Some(i) => i,
+                    None => {
+                        tensors.push((name, vec![0.0; self.len]));
+                        tensors.len() - 1
+                    }
+                };
+                let mut at = 0;
+                for r in &part.ranges {
+                    tensors[slot].1[r.clone()].copy_from_slice(&values[at..at + r.len()]);
+                    at += r.len();
+                }
+            }
+        }
+        (tensors, scalars)
+    }
+
+    /// Replaces the state with vectors over the whole range and shared scalars.
+    pub fn import(&mut self, (tensors, scalars): ExportedState, device: &Device) -> Result<()> {
+        let len = self.len;
+        if let [part] = self.parts.as_mut_slice()
+            && part.ranges == [0..len]
+        {
+            return part.optimizer.import((tensors, scalars), device);
+        }
+        if let Some((name, values)) = tensors.iter().find(|(_, v)| v.len() != len) {
+            return Err(Error::Model(format!(
+                "optimizer state `{name}` has {} values for a range of {len}",
+                values.len()
+            )));
+        }
+        for part in &mut self.parts {
+            let mine = tensors
+                .iter()
+                .map(|(name, values)| {
+                    let picked = part.ranges.iter().flat_map(|r| values[r.clone()].iter().copied()).collect();
+                    (name.clone(), picked)
+                })
+                .collect();
+            part.optimizer.import((mine, scalars.clone()), device)?;
+        }
+        Ok(())
+    }
+
+    /// Replaces every group's optimizer (tests inject failures).
+    #[cfg(test)]
+    pub fn replace(&mut self, make: impl Fn() -> Box<dyn ShardOptimizer>) {
+        for part in &mut self.parts {
+            part.optimizer = make();
+        }
+    }
+}
+
+/// `ranges` in order, adjacent ones merged.
+fn merge(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+    let mut merged: Vec<Range<usize>> = Vec::new();
+    for r in ranges {
+        match merged.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
+/// The first `n` elements of `t` and the rest.
+fn split_front(t: Tensor<1>, n: usize) -> (Tensor<1>, Tensor<1>) {
+    let len = t.dims()[0];
+    (t.clone().slice(0..n), t.slice(n..len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adjacent_ranges_merge_and_others_stay_apart() {
+        assert_eq!(merge([0..2, 2..5, 7..9, 9..10].into_iter()), vec![0..5, 7..10]);
+        assert_eq!(merge(std::iter::empty()), Vec::<Range<usize>>::new());
     }
 }

@@ -15,7 +15,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, with_elem};
-use zerotrain_zero::{Collective, Sharding};
+use zerotrain_zero::Sharding;
 
 use crate::{Error, Result};
 
@@ -346,25 +346,6 @@ pub(crate) fn release_unheld<M: Module>(model: M, index: &ParamIndex, sharding: 
         }
     }
     model.map(&mut Releaser { walk: Walk { index, sharding, position: 0 }, device })
-}
-
-/// Makes every rank's parameters world rank 0's, one unit of `full` (a sharding of every
-/// unit over one rank) at a time, in f32.
-pub(crate) fn agree_initial_values<M: Module>(
-    mut model: M,
-    world: &dyn Collective,
-    index: &ParamIndex,
-    full: &Sharding,
-    device: &Device,
-) -> Result<M> {
-    for (unit, sharded) in full.units().iter().enumerate() {
-        let n = sharded.layout.num_elems();
-        let mut values = vec![0.0f32; n];
-        read_params(&model, index, full, unit, 0..n, BufMut::F32(&mut values))?;
-        world.broadcast((&mut values).into(), 0)?;
-        model = write_params(model, index, full, unit, Fill::Take(FlatBuf::F32(values)), device);
-    }
-    Ok(model)
 }
 
 /// Writes every trainable parameter from `values` (fp32, the global order of `sharding`),

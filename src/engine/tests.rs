@@ -6,10 +6,9 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
-use burn_pack::Scalar;
 use zerotrain_zero::ThreadWorld;
 
-use super::optimizer::{ExportedState, FlatOptimizer};
+use super::optimizer::{ExportedState, ShardOptimizer};
 use crate::{Config, Engine, Error, Overrides, RankContext};
 
 #[derive(Module, Debug)]
@@ -20,8 +19,8 @@ struct Net {
 /// An optimizer whose step fails, as a step may (a conversion error, a device error).
 struct Failing;
 
-impl FlatOptimizer for Failing {
-    fn step(&mut self, _: f64, _: Tensor<1>, _: Vec<f32>) -> crate::Result<Tensor<1>> {
+impl ShardOptimizer for Failing {
+    fn step(&mut self, _: f64, _: Tensor<1>, _: Tensor<1>) -> crate::Result<Tensor<1>> {
         Err(Error::Model("injected optimizer failure".into()))
     }
     fn state_bytes(&self) -> u64 {
@@ -30,7 +29,7 @@ impl FlatOptimizer for Failing {
     fn export(&self) -> ExportedState {
         (Vec::new(), Vec::new())
     }
-    fn import(&mut self, _: Vec<(String, Vec<f32>)>, _: Vec<(String, Scalar)>, _: &Device) -> crate::Result<()> {
+    fn import(&mut self, _: ExportedState, _: &Device) -> crate::Result<()> {
         Ok(())
     }
 }
@@ -52,7 +51,7 @@ fn a_failed_optimizer_step_makes_later_uses_errors_not_panics_or_empty_checkpoin
         let net = Net { layer: LinearConfig::new(3, 2).init(&device) };
         let mut engine = Engine::new(net, &plan, &ctx).unwrap();
         for unit in &mut engine.units {
-            unit.replace_optimizer(Box::new(Failing));
+            unit.optimizer_mut().replace(|| Box::new(Failing));
         }
         let dtype = if bf16 { FloatDType::BF16 } else { FloatDType::F32 };
         let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 6], [2, 3]), &device).cast(dtype);

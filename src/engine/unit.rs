@@ -23,7 +23,7 @@ use zerotrain_zero::{Collective, Completed, FlatLayout, Pending, Request, Shardi
 use super::PhaseTimes;
 use super::grads::{ReduceOptions, UnitGrad};
 use super::master::Values;
-use super::optimizer::FlatOptimizer;
+use super::optimizer::{ShardSegment, UnitOptimizer};
 use super::params::{Fill, ParamIndex, UnitGrads, read_params, write_params};
 use crate::config::{ComputeDevice, Plan};
 use crate::{Error, Result};
@@ -59,7 +59,30 @@ impl Shared {
 
     /// Whether the rank computes on the CPU (see [`Values`]).
     pub fn on_cpu(&self) -> bool {
-        self.plan.device == ComputeDevice::Cpu
+        self.plan.runtime.device == ComputeDevice::Cpu
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> Precision {
+        self.plan.precision.compute
+    }
+
+    /// The pieces of parameters in unit `unit`'s optimizer range, placed relative to it.
+    pub fn optimizer_segments(&self, unit: usize) -> Vec<ShardSegment> {
+        let range = self.optimizer_range(unit);
+        let entries = self.layout(unit).entries().iter();
+        entries
+            .filter_map(|e| {
+                let s = e.segment(range.clone())?;
+                let at = s.flat_range.start - range.start..s.flat_range.end - range.start;
+                Some(ShardSegment {
+                    path: e.path.clone(),
+                    shape: e.shape.clone(),
+                    param_range: s.param_range,
+                    range: at,
+                })
+            })
+            .collect()
     }
 
     /// The range of unit `unit`'s flat buffer this rank's optimizer steps: all of its
@@ -129,7 +152,7 @@ pub(crate) struct Unit {
     id: usize,
     master: Master,
     grad: UnitGrad,
-    optimizer: Box<dyn FlatOptimizer>,
+    optimizer: UnitOptimizer,
     presence: Presence,
     /// Stage 3: which of the unit's parameters stay resident when it is released.
     resident: Vec<bool>,
@@ -139,18 +162,12 @@ impl Unit {
     /// Unit `id`, starting from `values` (its whole flat buffer in fp32, identical on every
     /// rank): writes them into `model` in the compute dtype, keeps the masters the stage
     /// keeps, and at stage 3 releases the unit. Returns the model.
-    pub fn new<M: Module>(
-        id: usize,
-        values: &[f32],
-        model: M,
-        shared: &Shared,
-        optimizer: Box<dyn FlatOptimizer>,
-    ) -> (M, Self) {
+    pub fn new<M: Module>(id: usize, values: &[f32], model: M, shared: &Shared, optimizer: UnitOptimizer) -> (M, Self) {
         let (plan, layout) = (&shared.plan, shared.layout(id));
-        let compute = FlatBuf::from_f32(plan.precision, &values[..layout.num_elems()]);
+        let compute = FlatBuf::from_f32(shared.dtype(), &values[..layout.num_elems()]);
         let model = write_params(model, &shared.index, &shared.sharding, id, Fill::Take(compute), &shared.device);
         let stage = plan.zero.stage;
-        let master = match (stage.shards_parameters(), plan.precision) {
+        let master = match (stage.shards_parameters(), shared.dtype()) {
             (false, Precision::Fp32) => Master::InModel,
             _ => {
                 let range = values[shared.optimizer_range(id)].to_vec();
@@ -159,7 +176,7 @@ impl Unit {
         };
         let threshold = plan.zero.param_persistence_threshold;
         let resident = layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect();
-        let grad = UnitGrad::new(stage, layout, plan.grad_accum_dtype, shared.comm.rank());
+        let grad = UnitGrad::new(stage, layout, plan.precision.grad_accum, shared.comm.rank());
         let mut unit = Self { id, master, grad, optimizer, presence: Presence::Gathered, resident };
         let model = if stage.shards_parameters() { unit.release(model, shared) } else { model };
         (model, unit)
@@ -189,8 +206,8 @@ impl Unit {
         }
         let layout = shared.layout(self.id);
         let request = Request::AllGather {
-            input: self.held(layout.shard_len())?.to_host(shared.plan.precision)?,
-            output: FlatBuf::zeros(shared.plan.precision, layout.padded_elems()),
+            input: self.held(layout.shard_len())?.to_host(shared.dtype())?,
+            output: FlatBuf::zeros(shared.dtype(), layout.padded_elems()),
         };
         self.presence = Presence::Fetching(shared.comm.start(request));
         Ok(())
@@ -266,23 +283,29 @@ impl Unit {
         let updated = Values::from_tensor(self.optimizer.step(lr, values, grads)?, shared.on_cpu())?;
         times.optimizer += start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let (model, published) = self.publish(model, &updated, shared, times)?;
+        let (model, published) = if matches!(self.master, Master::InModel) {
+            // The model's parameters are the masters: the new values go there, moved, not
+            // copied (f32 in, f32 out).
+            self.publish(model, || updated.into_host(Precision::Fp32), shared, times)?
+        } else {
+            let dtype = shared.dtype();
+            let published = self.publish(model, || updated.to_host(dtype), shared, times)?;
+            self.master = Master::Held(Some(updated));
+            published
+        };
         transient += published;
         times.gather += start.elapsed().as_secs_f64();
-        if let Master::Held(held) = &mut self.master {
-            *held = Some(updated);
-        }
         Ok((model, transient))
     }
 
-    /// Puts new fp32 master values of the unit's optimizer range into the model, as the
-    /// stage keeps parameters: all of them at stage 0, all-gathered in the compute dtype
-    /// at stages 1-2, nowhere at stage 3 (gathered at the next use).
-    /// Returns the transient bytes it used.
+    /// Puts new values of the unit's optimizer range into the model, as the stage keeps
+    /// parameters: all of them at stage 0, all-gathered in the compute dtype at stages 1-2,
+    /// nowhere at stage 3 (gathered at the next use). `values` gives them in the compute
+    /// dtype, on the host. Returns the transient bytes it used.
     pub fn publish<M: Module>(
         &mut self,
         model: M,
-        values: &Values,
+        values: impl FnOnce() -> Result<FlatBuf>,
         shared: &Shared,
         times: &mut PhaseTimes,
     ) -> Result<(M, u64)> {
@@ -293,8 +316,8 @@ impl Unit {
             let model = if self.is_gathered() || self.is_fetching() { self.release(model, shared) } else { model };
             return Ok((model, 0));
         }
-        let (dtype, layout) = (shared.plan.precision, shared.layout(self.id));
-        let converted = values.to_host(dtype)?;
+        let (dtype, layout) = (shared.dtype(), shared.layout(self.id));
+        let converted = values()?;
         let full = if stage == ZeroStage::Disabled {
             converted
         } else {
@@ -324,7 +347,7 @@ impl Unit {
     /// where the stage keeps parameters.
     pub fn load<M: Module>(&mut self, model: M, values: Vec<f32>, shared: &Shared) -> Result<M> {
         let values = Values::new(values, shared.on_cpu(), &shared.state_device());
-        let (model, _) = self.publish(model, &values, shared, &mut PhaseTimes::default())?;
+        let (model, _) = self.publish(model, || values.to_host(shared.dtype()), shared, &mut PhaseTimes::default())?;
         if let Master::Held(held) = &mut self.master {
             *held = Some(values);
         }
@@ -340,20 +363,14 @@ impl Unit {
         }
     }
 
-    /// The unit's optimizer.
-    pub fn optimizer(&self) -> &dyn FlatOptimizer {
-        self.optimizer.as_ref()
+    /// The unit's optimizers.
+    pub fn optimizer(&self) -> &UnitOptimizer {
+        &self.optimizer
     }
 
-    /// Swaps the unit's optimizer (tests inject failures).
-    #[cfg(test)]
-    pub fn replace_optimizer(&mut self, optimizer: Box<dyn FlatOptimizer>) {
-        self.optimizer = optimizer;
-    }
-
-    /// The unit's optimizer, to import state into.
-    pub fn optimizer_mut(&mut self) -> &mut dyn FlatOptimizer {
-        self.optimizer.as_mut()
+    /// The unit's optimizers, to import state into (or, in tests, to replace).
+    pub fn optimizer_mut(&mut self) -> &mut UnitOptimizer {
+        &mut self.optimizer
     }
 
     /// Bytes of fp32 master values held (not counting parameters in the model).

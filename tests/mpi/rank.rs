@@ -91,10 +91,10 @@ fn train(
 fn threads_reference(plan: &Plan, steps: std::ops::Range<u64>, resume: Option<&str>) -> Vec<f32> {
     let model = init();
     let mut plan = plan.clone();
-    plan.backend = zerotrain::config::Backend::Threads;
-    let world = ThreadWorld::new(plan.world_size, Duration::from_secs(60));
+    plan.runtime.backend = zerotrain::config::Backend::Threads;
+    let world = ThreadWorld::new(plan.world_size(), Duration::from_secs(60));
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..plan.world_size)
+        let handles: Vec<_> = (0..plan.world_size())
             .map(|rank| {
                 let ctx = RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
                 let (plan, steps) = (&plan, steps.clone());
@@ -202,7 +202,7 @@ fn pipeline_plan(world_size: Option<usize>, schedule: &str) -> Plan {
 
 /// Pipelined training of `model` (its layers the units) for `steps`: the fp32 masters.
 fn train_pipelined(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::Range<u64>) -> Result<Vec<f32>, Error> {
-    let mut engine = Engine::with_units(model, plan, ctx)?;
+    let mut engine = zerotrain::Pipeline::new(model, plan, ctx)?;
     let (b, d) = (plan.batch, ctx.rank() as u64 % 2);
     for step in steps {
         engine.train_batch(|micro| {
@@ -238,7 +238,7 @@ fn rank_program() {
     };
     let mut the_plan = plan(stage, if mode == "save" || mode == "resume" { world } else { None });
     if mode == "fail-stall" {
-        the_plan.comm_timeout = Duration::from_secs(2);
+        the_plan.runtime.comm_timeout = Duration::from_secs(2);
     }
     let model = init();
     let result = launch(&the_plan, |ctx| -> Result<(), Error> {
@@ -250,7 +250,7 @@ fn rank_program() {
                     let got = train_pipelined(model.clone(), &ctx, &plan, 0..3)?;
                     let diff = if ctx.rank() == 0 {
                         let mut threads = pipeline_plan(Some(4), schedule);
-                        threads.backend = zerotrain::config::Backend::Threads;
+                        threads.runtime.backend = zerotrain::config::Backend::Threads;
                         let world = ThreadWorld::new(4, Duration::from_secs(60));
                         let reference = std::thread::scope(|s| {
                             let handles: Vec<_> = (0..4)

@@ -42,7 +42,7 @@ pub fn reference_optimizer() -> ModuleOptimizer {
 pub fn rank_indices(plan: &Plan, step: u64, micro_step: u64, rank: usize) -> std::ops::Range<u64> {
     let b = &plan.batch;
     let start = step * b.train_batch_size
-        + micro_step * b.micro_batch_per_rank * plan.world_size as u64
+        + micro_step * b.micro_batch_per_rank * plan.world_size() as u64
         + rank as u64 * b.micro_batch_per_rank;
     start..start + b.micro_batch_per_rank
 }
@@ -77,14 +77,14 @@ pub fn reference_run_on<M: Module>(
         let l = loss(&model, step);
         losses.push(l.clone().into_scalar::<f32>());
         let mut grads = GradientsParams::from_grads(l.backward(), &model);
-        if plan.gradient_clipping > 0.0 {
+        if plan.optim.gradient_clipping > 0.0 {
             let norm = global_norm(&model, &grads);
-            let coef = plan.gradient_clipping / (norm + 1e-6);
+            let coef = plan.optim.gradient_clipping / (norm + 1e-6);
             if coef < 1.0 {
                 scale_grads(&model, &mut grads, coef as f32);
             }
         }
-        let lr = plan.schedule.lr(step as i64 - 1);
+        let lr = plan.optim.schedule.lr(step as i64 - 1);
         model = optim.step(lr, model, grads);
     }
     (losses, model)

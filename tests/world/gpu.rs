@@ -62,7 +62,7 @@ fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
             let mode = Mode { units: true, checkpointing: true, overlap: true };
             let what = format!("wgpu world {world_size} stage {stage}");
             let plan = plan(&on_device(&unit_recipe(stage, 2, mode, "fp32", ""), "wgpu"), world_size);
-            assert_eq!(plan.device, ComputeDevice::Wgpu);
+            assert_eq!(plan.runtime.device, ComputeDevice::Wgpu);
             let out = train(&w, &init, &plan, mode, STEPS).unwrap();
             // Losses against the CPU, parameters against plain Burn on the device.
             let (loss, param) = check_run(&what, &out, &cpu_losses, &gpu_params, (DEVICE_LOSS_TOL, PARAM_TOL));

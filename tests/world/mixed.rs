@@ -34,7 +34,7 @@ fn run_mlp(plan: &Plan, init: &Mlp, steps: &[u64], poison: &[u64]) -> Result<Run
         for &step in steps {
             let batch = TASK.batch(rank_indices(plan, step, 0, ctx.rank()), ctx.device());
             let loss = engine.forward(|m| m.loss(&batch))?;
-            let poisoned = poison.contains(&step) && ctx.rank() == plan.world_size - 1;
+            let poisoned = poison.contains(&step) && ctx.rank() == plan.world_size() - 1;
             engine.backward(if poisoned { loss.mul_scalar(f32::INFINITY) } else { loss })?;
             reports.push(engine.step()?.expect("accumulation 1"));
         }

@@ -17,7 +17,7 @@ fn run(plan: &Plan, init: &Mlp, data_steps: &[u64], poison: Option<u64>) -> Outc
         let mut skipped = Vec::new();
         for &step in data_steps {
             let batch = TASK.batch(rank_indices(plan, step, 0, ctx.rank()), ctx.device());
-            let poisoned = poison == Some(step) && ctx.rank() == plan.world_size - 1;
+            let poisoned = poison == Some(step) && ctx.rank() == plan.world_size() - 1;
             let loss = engine.forward(|m| m.loss(&batch))?;
             let loss = if poisoned { loss.mul_scalar(f32::INFINITY) } else { loss };
             engine.backward(loss)?;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Int, Tensor};
 use zerotrain::app::models::Gpt;
-use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Plan, launch};
+use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Pipeline, Plan, launch};
 
 use crate::common::*;
 use crate::units::{Tokens, tiny_gpt};
@@ -60,17 +60,18 @@ fn run(
     save: Option<&Path>,
 ) -> Result<Run, Error> {
     let stages = plan.pipeline.map_or(1, |p| p.stages);
-    let data_parallel = plan.world_size / stages;
+    let data_parallel = plan.world_size() / stages;
     let out = launch(plan, |ctx| {
-        let mut engine = Engine::with_units(init.clone(), plan, &ctx)?;
+        let mut engine = zerotrain::trainer(init.clone(), plan, &ctx)?;
         if let Some(dir) = resume {
             engine.load_checkpoint(dir, None, LoadOptions::default())?;
         }
-        let d = ctx.rank() % data_parallel;
+        let d = ctx.data_parallel_rank();
+        assert_eq!((d, ctx.data_parallel_size()), (ctx.rank() % data_parallel, data_parallel));
         let (mut losses, mut pipe_wait) = (Vec::new(), 0.0);
         for step in steps.clone() {
-            let report =
-                engine.train_batch(|micro| W.tokens(indices(plan, step, micro, d, data_parallel), ctx.device()))?;
+            let report = engine
+                .train_batch(&mut |micro| W.tokens(indices(plan, step, micro, d, data_parallel), ctx.device()))?;
             losses.push(report.loss);
             pipe_wait += report.times.pipe_wait;
         }
@@ -202,7 +203,7 @@ fn checkpoints_move_between_pipelines_and_plain_runs() {
                 "saved {:?}, resumed {:?} x {}",
                 saver.pipeline.map(|p| p.stages),
                 plan.pipeline.map(|p| p.stages),
-                plan.world_size
+                plan.world_size()
             );
             assert!(worst <= 2e-6, "{what}: {worst}");
             for (a, b) in resumed.losses.iter().zip(&whole.losses[2..]) {
@@ -222,7 +223,7 @@ fn a_stage_failing_mid_pipeline_ends_the_job_with_its_error() {
         let plan = plan(&pipeline_recipe(1, 3, schedule, 4, ""), 6);
         let start = Instant::now();
         let err = launch(&plan, |ctx| {
-            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+            let mut engine = Pipeline::new(init.clone(), &plan, &ctx)?;
             for step in 0..2u64 {
                 engine.train_batch(|micro| {
                     if step == 1 && micro == 1 && ctx.rank() == 3 {
@@ -245,22 +246,16 @@ fn a_stage_failing_mid_pipeline_ends_the_job_with_its_error() {
 fn pipeline_misuse_is_a_clear_error() {
     let init = tiny_gpt(true, 26);
     let five = plan(&pipeline_recipe(0, 5, "1f1b", 2, ""), 5);
-    let err = launch(&five, |ctx| Engine::with_units(init.clone(), &five, &ctx).map(|_| ())).unwrap_err().to_string();
+    let err = launch(&five, |ctx| Pipeline::new(init.clone(), &five, &ctx).map(|_| ())).unwrap_err().to_string();
     assert!(err.contains("pipeline.stages is 5 but the model declares 4 units"), "{err}");
+    // A pipeline plan builds a Pipeline, never an Engine, and the reverse.
     let two = plan(&pipeline_recipe(0, 2, "1f1b", 2, ""), 2);
     let err = launch(&two, |ctx| Engine::new(init.clone(), &two, &ctx).map(|_| ())).unwrap_err().to_string();
-    assert!(err.contains("build the engine with Engine::with_units"), "{err}");
-    let err = launch(&two, |ctx| {
-        let mut engine = Engine::with_units(init.clone(), &two, &ctx)?;
-        let tokens: Tensor<2, Int> = W.tokens(0..1, ctx.device());
-        engine.forward_backward(&tokens).map(|_| ())
-    })
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("a pipelined engine trains with train_batch"), "{err}");
-    let _ = run_unused_warning_guard();
-}
-
-fn run_unused_warning_guard() -> f64 {
-    0.0
+    assert!(err.contains("build a Pipeline (Pipeline::new)"), "{err}");
+    let err = launch(&two, |ctx| Engine::with_units(init.clone(), &two, &ctx).map(|_| ())).unwrap_err().to_string();
+    assert!(err.contains("build the rank's stage with Pipeline::new"), "{err}");
+    let flat = plan(&recipe(0, 1, 2, 0.05), 2);
+    let err = launch(&flat, |ctx| Pipeline::new(init.clone(), &flat, &ctx).map(|_| ())).unwrap_err().to_string();
+    assert!(err.contains("the plan has no pipeline section"), "{err}");
+    let _: fn(&mut Pipeline<Gpt>, &Tensor<2, Int>) -> zerotrain::Result<f32> = Pipeline::evaluate;
 }

@@ -124,7 +124,7 @@ fn whole_loss<M: UnitModel>(model: &M, batch: &M::Batch) -> Tensor<1> {
     for i in 0..model.units().len() {
         hidden = Some(model.forward_unit(i, hidden, batch));
     }
-    model.loss(hidden.expect("units"), batch)
+    model.output_loss(hidden.expect("units"), batch)
 }
 
 /// What a run produced: rank 0's losses, per-step bytes and fp32 masters (global order),
@@ -482,7 +482,7 @@ impl UnitModel for Misdeclared {
             Some(h) => h,
         }
     }
-    fn loss(&self, output: Tensor<2>, _: &Tensor<2>) -> Tensor<1> {
+    fn output_loss(&self, output: Tensor<2>, _: &Tensor<2>) -> Tensor<1> {
         output.square().mean()
     }
 }

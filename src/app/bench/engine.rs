@@ -153,7 +153,7 @@ pub fn stages(world_size: usize, steps: u64, overlap: bool) -> Result<Vec<StageR
             }
             let (memory, sharding) = (engine.memory_report(), engine.sharding());
             rows.push(StageRow {
-                world_size: plan.world_size,
+                world_size: plan.world_size(),
                 stage: *stage,
                 precision: precision.to_string(),
                 mode: *mode,

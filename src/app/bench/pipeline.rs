@@ -95,7 +95,7 @@ pub fn table(stages: &[usize], steps: usize) -> Result<Vec<PipelineRow>> {
         let rank0 = out.into_iter().next().expect("rank 0");
         for ((m, name, plan), (step_seconds, per_rank)) in configs.iter().zip(rank0) {
             let stages = plan.pipeline.map_or(1, |p| p.stages);
-            let first_of = |s: usize| &per_rank[s * (plan.world_size / stages)];
+            let first_of = |s: usize| &per_rank[s * (plan.world_size() / stages)];
             rows.push(PipelineRow {
                 stages: k,
                 micro_batches: *m,
@@ -122,7 +122,7 @@ fn measure(
     steps: usize,
 ) -> Result<(f64, Vec<[f64; 3]>)> {
     let stages = plan.pipeline.map_or(1, |p| p.stages);
-    let data_parallel = plan.world_size / stages;
+    let data_parallel = plan.world_size() / stages;
     let mut engine = Engine::with_units(init.clone(), plan, ctx)?;
     let (d, per) = ((ctx.rank() % data_parallel) as u64, plan.batch.micro_batch_per_rank);
     let (mut times, mut idle) = (Vec::new(), Vec::new());
@@ -141,7 +141,7 @@ fn measure(
     let memory = engine.memory_report();
     let kib = |bytes: u64| (bytes as f64 / 1024.0) as f32;
     let mine = [median(idle) as f32, kib(memory.model_states()), kib(memory.peak_activations)];
-    let mut all = vec![0.0f32; 3 * plan.world_size];
+    let mut all = vec![0.0f32; 3 * plan.world_size()];
     ctx.collective().all_gather((&mine[..]).into(), (&mut all).into())?;
     let per_rank = all.chunks(3).map(|c| [f64::from(c[0]), f64::from(c[1]), f64::from(c[2])]).collect();
     Ok((median(times), per_rank))

@@ -23,7 +23,7 @@ pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, 
     let sizes: Vec<usize> =
         std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s <= max_mib << 20).collect();
     let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?.resolve(overrides(None, None))?;
-    let rows = if plan.backend == crate::config::Backend::Mpi {
+    let rows = if plan.runtime.backend == crate::config::Backend::Mpi {
         // Under mpirun: every process joins the MPI measurement; rank 0 then measures the
         // threads backend with as many ranks, in this process, while the others wait.
         let all = crate::launch(&plan, |ctx| {
@@ -168,7 +168,7 @@ pub fn bench_memory(millions: usize, layers: usize, stage: u8, world_size: usize
     for (rank, m, psi, build_peak, train_peak, now) in rows {
         let psi = psi as u64;
         let stage = zerotrain_zero::ZeroStage::from_index(u64::from(plan.zero.stage.index())).expect("valid stage");
-        let shard = psi.div_ceil(plan.world_size as u64);
+        let shard = psi.div_ceil(plan.world_size() as u64);
         let formula = zerotrain_zero::memory::model_state_bytes(
             stage,
             psi,
@@ -179,7 +179,7 @@ pub fn bench_memory(millions: usize, layers: usize, stage: u8, world_size: usize
             "row stage={} mode={mode:?} rank={rank} ranks={} params={psi} model_states_MiB={} formula_MiB={} \
              gathered_peak_MiB={} transient_peak_MiB={} build_peak_rss_MiB={} train_peak_rss_MiB={} rss_after_MiB={}",
             plan.zero.stage.index(),
-            plan.world_size,
+            plan.world_size(),
             bytes_mib(m.model_states()),
             bytes_mib(formula.total()),
             bytes_mib(m.peak_gathered),

@@ -24,7 +24,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     }
     let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
-    let (corpus, shape) = crate::app::train::load_corpus(&settings.model, plan.seed, args.data.as_deref())?;
+    let (corpus, shape) = crate::app::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
     // Under mpirun every process runs this; rank 0 alone speaks.
     let lead = detect_mpirun().is_none_or(|m| m.rank == 0);
     let say = |line: String| {
@@ -41,10 +41,10 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         corpus.name,
         corpus.train.len() + corpus.valid.len(),
         shape.vocab_size,
-        plan.world_size,
-        plan.device.name(),
+        plan.world_size(),
+        plan.runtime.device.name(),
         plan.zero.stage,
-        plan.precision
+        plan.precision.compute
     ));
     let stop = Arc::new(AtomicBool::new(false));
     let flag = Arc::clone(&stop);

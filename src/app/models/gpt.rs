@@ -297,8 +297,12 @@ impl UnitModel for Gpt {
         }
     }
 
-    fn loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
+    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
         cross_entropy(logits, tokens)
+    }
+
+    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
+        Some(tokens.dims()[0])
     }
 }
 

@@ -67,8 +67,12 @@ impl UnitModel for Mlp {
         if unit + 1 < self.layers.len() { gelu(y) } else { y }
     }
 
-    fn loss(&self, output: Tensor<2>, batch: &Batch) -> Tensor<1> {
+    fn output_loss(&self, output: Tensor<2>, batch: &Batch) -> Tensor<1> {
         mse(output.reshape(batch.target.dims()), batch.target.clone())
+    }
+
+    fn batch_size(&self, batch: &Batch) -> Option<usize> {
+        Some(batch.input.dims()[0])
     }
 }
 
@@ -121,8 +125,12 @@ impl UnitModel for TinyTransformer {
         }
     }
 
-    fn loss(&self, output: Tensor<3>, batch: &Batch) -> Tensor<1> {
+    fn output_loss(&self, output: Tensor<3>, batch: &Batch) -> Tensor<1> {
         mse(output, batch.target.clone())
+    }
+
+    fn batch_size(&self, batch: &Batch) -> Option<usize> {
+        Some(batch.input.dims()[0])
     }
 }
 

@@ -18,7 +18,8 @@ use anyhow::{Context, bail};
 use crate::app::data::{Corpus, windows};
 use crate::app::keys::AppSettings;
 use crate::app::models::{Gpt, GptConfig};
-use crate::{Engine, Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
+use crate::engine::Trainer;
+use crate::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
 
 /// Lines in the generated arithmetic corpus.
 const ARITHMETIC_LINES: usize = 40_000;
@@ -101,10 +102,18 @@ pub fn train_gpt(
     let ckpt_dir = options.out.join("checkpoints");
     std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
     let _lock = lock_run_folder(&options.out)?;
-    let resume_tag = resume_tag(&ckpt_dir, options.resume)?;
+    let resume_tag = crate::resume_point(&ckpt_dir, options.resume).map_err(|e| match (e, options.resume) {
+        (Error::Usage(_), false) => anyhow::anyhow!(
+            "{} holds checkpoints of an earlier run: continue it with --resume, or choose another --out (nothing \
+             was changed)",
+            ckpt_dir.display()
+        ),
+        (Error::Usage(message), true) => anyhow::anyhow!("--resume: {message}"),
+        (other, _) => other.into(),
+    })?;
     check_memory(plan, shape.num_params())?;
     let device = Device::flex().autodiff();
-    device.seed(plan.seed);
+    device.seed(plan.runtime.seed);
     let init = Gpt::new(&shape, &device);
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
@@ -122,12 +131,12 @@ pub fn train_gpt(
 /// the stage's ZeRO formula, plus the initial copy of the model.
 fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
     use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
-    let ranks_here = if crate::detect_mpirun().is_some() { 1 } else { plan.world_size as u64 };
-    let cost = match plan.precision {
+    let ranks_here = if crate::detect_mpirun().is_some() { 1 } else { plan.world_size() as u64 };
+    let cost = match plan.precision.compute {
         zerotrain_precision::Precision::Fp32 => BytesPerParam::FP32_ADAM,
         _ => BytesPerParam::MIXED_ADAM,
     };
-    let shard = params.div_ceil(plan.world_size as u64);
+    let shard = params.div_ceil(plan.world_size() as u64);
     let per_rank = model_state_bytes(plan.zero.stage, params, shard, cost).total();
     let needed = per_rank.saturating_mul(ranks_here).saturating_add(params.saturating_mul(4));
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
@@ -149,16 +158,24 @@ fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
 }
 
 /// The run folder's lock file: held for the whole run, so two trainers cannot write one
-/// folder. Under mpirun only rank 0's process takes it (the others share its run).
+/// folder. Under mpirun every process holds one, `.zerotrain.lock` for rank 0 and
+/// `.zerotrain.rank<r>.lock` for rank `r`: a second job in the same folder fails on the
+/// first rank the two share (rank 0 at least), and no process writes a folder it has not
+/// locked.
 pub const LOCK_FILE: &str = ".zerotrain.lock";
 
-/// Takes the run folder's exclusive lock (released when the returned file is dropped, or
-/// by the OS when the process dies).
-fn lock_run_folder(out: &Path) -> anyhow::Result<Option<std::fs::File>> {
-    if crate::detect_mpirun().is_some_and(|m| m.rank != 0) {
-        return Ok(None);
+/// The lock file of this process: [`LOCK_FILE`], or rank `r`'s under mpirun.
+pub fn lock_file_name() -> String {
+    match crate::detect_mpirun() {
+        Some(m) if m.rank != 0 => format!(".zerotrain.rank{}.lock", m.rank),
+        _ => LOCK_FILE.to_string(),
     }
-    let path = out.join(LOCK_FILE);
+}
+
+/// Takes this process's exclusive lock of the run folder (released when the returned file
+/// is dropped, or by the OS when the process dies).
+fn lock_run_folder(out: &Path) -> anyhow::Result<std::fs::File> {
+    let path = out.join(lock_file_name());
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -166,39 +183,11 @@ fn lock_run_folder(out: &Path) -> anyhow::Result<Option<std::fs::File>> {
         .open(&path)
         .with_context(|| format!("cannot create {}", path.display()))?;
     match file.try_lock() {
-        Ok(()) => Ok(Some(file)),
+        Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => {
             bail!("{} is in use by another zerotrain run (its lock {} is held)", out.display(), path.display())
         }
         Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
-    }
-}
-
-/// What to resume from, after checking the run folder: a run without `--resume` must not
-/// find an earlier run's checkpoints (it would replace them); `--resume` needs one, and
-/// with `latest` missing it takes the newest complete checkpoint, with a warning.
-fn resume_tag(ckpt_dir: &Path, resume: bool) -> anyhow::Result<Option<Option<String>>> {
-    let latest = ckpt_dir.join(zerotrain_checkpoint::LATEST).is_file();
-    let mut complete = zerotrain_checkpoint::list(ckpt_dir)?;
-    complete.sort();
-    match (resume, latest, complete.last()) {
-        (false, false, None) => Ok(None),
-        (false, _, _) => bail!(
-            "{} holds checkpoints of an earlier run: continue it with --resume, or choose another --out \
-             (nothing was changed)",
-            ckpt_dir.display()
-        ),
-        (true, true, _) => Ok(Some(None)),
-        (true, false, Some((step, tag))) => {
-            let tags: Vec<&str> = complete.iter().map(|(_, t)| t.as_str()).collect();
-            eprintln!(
-                "warning: {} has no `latest`; resuming from the newest complete checkpoint, {tag} (step {step}), of {}",
-                ckpt_dir.display(),
-                tags.join(", ")
-            );
-            Ok(Some(Some(tag.clone())))
-        }
-        (true, false, None) => bail!("--resume: no checkpoint in {} (nothing was saved there yet)", ckpt_dir.display()),
     }
 }
 
@@ -223,7 +212,7 @@ impl Job<'_> {
     /// One rank's whole run: resume, train to `options.steps` (or a stop signal), save, sample.
     fn run_rank(&self, init: Gpt, ctx: &RankContext) -> Result<TrainSummary> {
         let (plan, options, shape) = (self.plan, self.options, &self.shape);
-        let mut engine = Engine::with_units(init, plan, ctx)?;
+        let mut engine = crate::trainer(init, plan, ctx)?;
         if let Some(tag) = &self.resume_tag {
             engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
         }
@@ -232,16 +221,23 @@ impl Job<'_> {
         let metrics_path = options.out.join("metrics.jsonl");
         let mut log_file =
             if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io(&metrics_path))?) } else { None };
-        let validation =
-            windows(&self.corpus.valid, shape.block_size, plan.seed, u64::MAX, 0, VALIDATION_SEQUENCES, ctx.device());
-        let val_loss = |engine: &mut Engine<Gpt>| engine.evaluate(&validation);
+        let validation = windows(
+            &self.corpus.valid,
+            shape.block_size,
+            plan.runtime.seed,
+            u64::MAX,
+            0,
+            VALIDATION_SEQUENCES,
+            ctx.device(),
+        );
+        let val_loss = |engine: &mut Box<dyn Trainer<Gpt>>| engine.evaluate(&validation);
         let initial_val = val_loss(&mut engine)?;
         let tokens_per_step = (plan.batch.train_batch_size * shape.block_size as u64) as f64;
         let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
         let (mut step, mut last_saved, mut interrupted) = (first_step, first_step, false);
         while step < options.steps {
             let step_start = Instant::now();
-            let report = self.train_step(&mut engine, step, ctx)?;
+            let report = self.train_step(engine.as_mut(), step, ctx)?;
             step = report.global_step;
             let val =
                 (step % self.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
@@ -261,12 +257,12 @@ impl Job<'_> {
                 // Once a stop signal has arrived, no more step lines: under mpirun the
                 // launcher stops draining the ranks' output as it shuts down, and a rank
                 // blocked on a full stdout pipe would never reach its save.
-                if step % plan.steps_per_print == 0 && !options.stop.load(Ordering::Relaxed) {
+                if step % plan.runtime.steps_per_print == 0 && !options.stop.load(Ordering::Relaxed) {
                     self.print_step(&metrics, &report, engine.counters().skipped_steps);
                 }
             }
             if self.every > 0 && step % self.every == 0 {
-                self.save(&engine, step)?;
+                self.save(engine.as_mut(), step)?;
                 last_saved = step;
             }
             if stop_requested(&options.stop, ctx)? {
@@ -277,11 +273,11 @@ impl Job<'_> {
         let seconds = start.elapsed().as_secs_f64();
         let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / (step - first_step).max(1);
         if step > last_saved {
-            self.save(&engine, step)?;
+            self.save(engine.as_mut(), step)?;
         }
         let final_val = val_loss(&mut engine)?;
-        let model = engine.full_model()?;
-        let samples = if lead { write_samples(&model, self.corpus, shape) } else { Vec::new() };
+        let model = engine.gather_model(0)?;
+        let samples = model.map(|model| write_samples(&model, self.corpus, shape)).unwrap_or_default();
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io(&metrics_path))?;
             let png = options.out.join("loss.png");
@@ -303,18 +299,23 @@ impl Job<'_> {
     }
 
     /// The optimizer step after `step`: every micro-batch of this rank, then the update.
-    /// Data index `d`'s micro-step `i` reads sequences `(i·D + d)·micro ..` of the step's
-    /// batch, `D` the data-parallel ranks.
-    fn train_step(&self, engine: &mut Engine<Gpt>, step: u64, ctx: &RankContext) -> Result<StepReport> {
+    /// Data-parallel rank `d`'s micro-step `i` reads sequences `(i·D + d)·micro ..` of the
+    /// step's batch, `D` the data-parallel ranks (every stage of one pipeline reads the same
+    /// micro-batches).
+    fn train_step(&self, engine: &mut dyn Trainer<Gpt>, step: u64, ctx: &RankContext) -> Result<StepReport> {
         let (b, block) = (&self.plan.batch, self.shape.block_size);
-        // Data parallelism: the world, or each pipeline stage's group (every stage of one
-        // pipeline reads the same micro-batches).
-        let stages = self.plan.pipeline.map_or(1, |p| p.stages);
-        let n = (ctx.world_size() / stages) as u64;
-        let d = ctx.rank() as u64 % n;
-        engine.train_batch(|micro| {
+        let (n, d) = (ctx.data_parallel_size() as u64, ctx.data_parallel_rank() as u64);
+        engine.train_batch(&mut |micro| {
             let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
-            windows(&self.corpus.train, block, self.plan.seed, step, first, b.micro_batch_per_rank, ctx.device())
+            windows(
+                &self.corpus.train,
+                block,
+                self.plan.runtime.seed,
+                step,
+                first,
+                b.micro_batch_per_rank,
+                ctx.device(),
+            )
         })
     }
 
@@ -330,7 +331,7 @@ impl Job<'_> {
             m.tokens_per_s,
             m.val_loss.map(|v| format!(", val_loss={v:.5}")).unwrap_or_default()
         ));
-        if self.plan.wall_clock_breakdown {
+        if self.plan.runtime.wall_clock_breakdown {
             let t = report.times;
             let ms = |s: f64| s * 1e3;
             (self.log)(&format!(
@@ -345,7 +346,7 @@ impl Job<'_> {
     }
 
     /// Saves a checkpoint tagged with the step, its client state `{"step": step}`.
-    fn save(&self, engine: &Engine<Gpt>, step: u64) -> Result<()> {
+    fn save(&self, engine: &mut dyn Trainer<Gpt>, step: u64) -> Result<()> {
         engine.save_checkpoint(&self.ckpt_dir, None, serde_json::json!({ "step": step }))?;
         Ok(())
     }

@@ -1,0 +1,100 @@
+//! Where and how the ranks run: `zerotrain.backend`, `device`, `world_size`,
+//! `comm_timeout_s`, retention, and the logging keys.
+
+use std::time::Duration;
+
+use super::plan::MAX_THREAD_RANKS;
+use super::raw::ZerotrainConfig;
+use super::resolve::{Autos, invalid};
+use super::value::Count;
+use super::{Backend, ComputeDevice, Config, ConfigError, Overrides, RuntimePlan};
+
+pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) -> Result<RuntimePlan, ConfigError> {
+    let raw = &config.raw;
+    let zt = raw.zerotrain.clone().unwrap_or_default();
+    let backend = backend(&zt, overrides)?;
+    let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
+    if !(timeout_s > 0.0 && timeout_s <= 1e7) {
+        let message = format!("must be a positive number of seconds, got {timeout_s}");
+        return Err(invalid("zerotrain.comm_timeout_s", message));
+    }
+    let keep_last_n_checkpoints = match zt.keep_last_n_checkpoints {
+        Some(Count(0)) => return Err(invalid("zerotrain.keep_last_n_checkpoints", "must be at least 1")),
+        Some(Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    Ok(RuntimePlan {
+        world_size: world_size(&zt, backend, overrides)?,
+        backend,
+        device: device(&zt, overrides)?,
+        comm_timeout: Duration::from_secs_f64(timeout_s),
+        seed: raw.seed.map_or(42, |c| c.0),
+        steps_per_print: autos.or("steps_per_print", raw.steps_per_print, Count(10), "default").0.max(1),
+        wall_clock_breakdown: raw.wall_clock_breakdown.unwrap_or(false),
+        keep_last_n_checkpoints,
+    })
+}
+
+/// `zerotrain.backend`. Inside an `mpirun` job of several processes only MPI trains one
+/// job: threads would train an independent copy in every process, all writing one run
+/// folder, so an explicit `threads` there is an error.
+fn backend(zt: &ZerotrainConfig, overrides: Overrides) -> Result<Backend, ConfigError> {
+    let mpirun = overrides.mpirun.map(|m| m.world_size);
+    match (zt.backend.as_deref().unwrap_or("auto"), mpirun) {
+        ("auto", Some(_)) | ("mpi", _) => Ok(Backend::Mpi),
+        ("auto", None) => Ok(Backend::Auto),
+        ("threads", Some(processes)) if processes > 1 => Err(ConfigError::Unsupported {
+            key: "zerotrain.backend".into(),
+            message: format!(
+                "is \"threads\" but mpirun started {processes} processes: each would train its own copy of the job \
+                 into the same folder. Remove the key (\"auto\" uses MPI under mpirun) or set it to \"mpi\""
+            ),
+        }),
+        ("threads", _) => Ok(Backend::Threads),
+        (other, _) => {
+            Err(invalid("zerotrain.backend", format!("unknown backend `{other}`; available: auto, threads, mpi")))
+        }
+    }
+}
+
+fn device(zt: &ZerotrainConfig, overrides: Overrides) -> Result<ComputeDevice, ConfigError> {
+    let device = match (overrides.device, zt.device.as_deref()) {
+        (Some(device), _) => device,
+        (None, None) => ComputeDevice::Cpu,
+        (None, Some(name)) => name.parse().map_err(|e: String| invalid("zerotrain.device", e))?,
+    };
+    if !device.is_built() {
+        let key = if overrides.device.is_some() { "--device" } else { "zerotrain.device" };
+        let name = device.name();
+        return Err(ConfigError::Unsupported {
+            key: key.into(),
+            message: format!("this build has no `{name}` support: rebuild with `--features {name}` (see the README)"),
+        });
+    }
+    Ok(device)
+}
+
+/// Under mpirun the process count decides; `zerotrain.world_size` is the threads default.
+fn world_size(zt: &ZerotrainConfig, backend: Backend, overrides: Overrides) -> Result<usize, ConfigError> {
+    let mpirun = overrides.mpirun.map(|m| m.world_size);
+    let world_size = match (backend, mpirun, overrides.world_size) {
+        (Backend::Mpi, Some(size), Some(n)) if n != size => {
+            return Err(invalid("--world-size", format!("is {n} but mpirun started {size} processes")));
+        }
+        (Backend::Mpi, Some(size), _) => size,
+        (_, _, Some(n)) => n,
+        (_, _, None) => match zt.world_size {
+            Some(Count(n)) => usize::try_from(n).map_err(|_| invalid("zerotrain.world_size", "too large"))?,
+            None => 1,
+        },
+    };
+    if world_size == 0 {
+        return Err(invalid("zerotrain.world_size", "must be at least 1"));
+    }
+    if backend != Backend::Mpi && world_size > MAX_THREAD_RANKS {
+        let key = if overrides.world_size.is_some() { "--world-size" } else { "zerotrain.world_size" };
+        let message = format!("{world_size} thread ranks is more than the {MAX_THREAD_RANKS} one process runs");
+        return Err(invalid(key, message));
+    }
+    Ok(world_size)
+}

@@ -1,0 +1,217 @@
+//! The model's buffers: its float tensors that are not trained (Burn's `RunningState`, such
+//! as BatchNorm's running mean and variance, and frozen parameters).
+//!
+//! # Note: buffers
+//! DDP broadcasts rank 0's buffers before every forward; zerotrain averages them over the
+//! data-parallel ranks, so that running statistics see every rank's batches (the running
+//! mean then equals single-process training's on the global batch). Running statistics are
+//! an exponential average, linear in their inputs, so averaging once before they are read
+//! equals averaging after every step; zerotrain therefore averages them when they are
+//! *observed*: before evaluation (`evaluate`, `eval`), before a checkpoint is saved, before
+//! the model is exported, and on [`Engine::sync_buffers`](super::Engine::sync_buffers) — not
+//! every step, so that a frozen backbone costs no traffic per step. The average is rank 0's
+//! value plus the mean of every rank's difference from it, so values equal on every rank (a
+//! frozen parameter) stay bit for bit.
+//!
+//! Each rank's buffers are its own: building the engine copies them out of the caller's
+//! model (Burn's `clone()` shares a `RunningState` between clones, which had thread ranks
+//! train one shared object). Evaluation runs the model in inference mode, which reads
+//! running statistics without updating them; a unit recomputed in backward (activation
+//! checkpointing) runs its forward twice, and its buffers are put back after the second
+//! run, so each micro-step updates them once.
+//!
+//! Buffers stay whole on every rank at every stage (they are not sharded) and are saved in
+//! checkpoints and consolidated files by module path.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{DType, Tensor, TensorData};
+use zerotrain_precision::BufMut;
+use zerotrain_zero::{Collective, ReduceOp};
+
+use crate::{Error, Result};
+
+/// One buffer: its visit position among the model's float tensors, path and shape, and the
+/// engine unit whose module holds it (`None`: a unit of another pipeline stage).
+#[derive(Debug, Clone)]
+pub(crate) struct BufferEntry {
+    position: usize,
+    pub path: String,
+    pub shape: Vec<usize>,
+    pub unit: Option<usize>,
+}
+
+impl BufferEntry {
+    fn num_elems(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The model's buffers, in visit order.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Buffers {
+    entries: Vec<BufferEntry>,
+}
+
+/// Buffer values of one unit, to put back.
+pub(crate) struct Snapshot {
+    unit: usize,
+    values: Vec<f32>,
+}
+
+impl Buffers {
+    /// Finds `model`'s buffers; `unit_of(path)` says which engine unit holds each.
+    pub fn scan<M: Module>(model: &M, unit_of: impl Fn(&str) -> Option<usize>) -> Self {
+        struct Scan {
+            path: Vec<String>,
+            position: usize,
+            found: Vec<(usize, String, Vec<usize>)>,
+        }
+        impl ModuleVisitor for Scan {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let tensor = param.val();
+                if !tensor.is_require_grad() {
+                    self.found.push((self.position, self.path.join("."), tensor.dims().to_vec()));
+                }
+                self.position += 1;
+            }
+        }
+        let mut scan = Scan { path: Vec::new(), position: 0, found: Vec::new() };
+        model.visit(&mut scan);
+        let entries = scan
+            .found
+            .into_iter()
+            .map(|(position, path, shape)| BufferEntry { unit: unit_of(&path), position, path, shape })
+            .collect();
+        Self { entries }
+    }
+
+    /// The buffers, in visit order.
+    pub fn entries(&self) -> &[BufferEntry] {
+        &self.entries
+    }
+
+    /// Applies Burn's pending running-state updates (a `RunningState` keeps the last update
+    /// aside until it is next read), so that what is read or written next is current.
+    fn flush<M: Module>(model: &M) {
+        drop(model.valid());
+    }
+
+    /// The values of the buffers `pick` selects, in f32, back to back in visit order; the
+    /// others read as zeros when `zeros_elsewhere`, else are skipped.
+    pub fn read<M: Module>(
+        &self,
+        model: &M,
+        pick: impl Fn(&BufferEntry) -> bool,
+        zeros_elsewhere: bool,
+    ) -> Result<Vec<f32>> {
+        Self::flush(model);
+        struct Reader<'a, F> {
+            entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,
+            pick: F,
+            zeros: bool,
+            position: usize,
+            out: Vec<f32>,
+            error: Option<Error>,
+        }
+        impl<F: Fn(&BufferEntry) -> bool> ModuleVisitor for Reader<'_, F> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let position = self.position;
+                self.position += 1;
+                let Some(entry) = self.entries.next_if(|e| e.position == position) else { return };
+                if (self.pick)(entry) {
+                    match param.val().into_data().try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
+                        Ok(Ok(values)) if values.len() == entry.num_elems() => self.out.extend(values),
+                        _ => {
+                            let what = format!("buffer `{}` is not the {:?} tensor it was", entry.path, entry.shape);
+                            self.error.get_or_insert(Error::Model(what));
+                        }
+                    }
+                } else if self.zeros {
+                    self.out.resize(self.out.len() + entry.num_elems(), 0.0);
+                }
+            }
+        }
+        let mut reader = Reader {
+            entries: self.entries.iter().peekable(),
+            pick,
+            zeros: zeros_elsewhere,
+            position: 0,
+            out: Vec::new(),
+            error: None,
+        };
+        model.visit(&mut reader);
+        reader.error.map_or(Ok(reader.out), Err)
+    }
+
+    /// Writes `values` (as [`read`](Self::read) with the same `pick` gives them, without
+    /// zeros) into the picked buffers, each in its own dtype.
+    pub fn write<M: Module>(&self, model: M, values: &[f32], pick: impl Fn(&BufferEntry) -> bool) -> M {
+        Self::flush(&model);
+        struct Writer<'a, F> {
+            entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,
+            pick: F,
+            position: usize,
+            values: &'a [f32],
+        }
+        impl<F: Fn(&BufferEntry) -> bool> ModuleMapper for Writer<'_, F> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let position = self.position;
+                self.position += 1;
+                let Some(entry) = self.entries.next_if(|e| e.position == position) else { return param };
+                if !(self.pick)(entry) {
+                    return param;
+                }
+                let (mine, rest) = self.values.split_at(entry.num_elems());
+                self.values = rest;
+                let shape: [usize; D] = entry.shape.as_slice().try_into().expect("scanned from this module");
+                param.map(|old| {
+                    // The f32 values go in as f32 and the tensor casts itself back to its
+                    // dtype: no conversion here can fail.
+                    let (device, dtype) = (old.device(), old.dtype());
+                    let data = TensorData::new(mine.to_vec(), shape);
+                    Tensor::<D>::from_data(data, (&device, DType::F32)).cast(dtype)
+                })
+            }
+        }
+        let mut writer = Writer { entries: self.entries.iter().peekable(), pick, position: 0, values };
+        model.map(&mut writer)
+    }
+
+    /// Makes every rank's buffers the average over `group` (module note).
+    pub fn average<M: Module>(&self, model: M, group: &dyn Collective) -> Result<M> {
+        if self.entries.is_empty() || group.world_size() == 1 {
+            return Ok(model);
+        }
+        let mine = self.read(&model, |_| true, false)?;
+        let mut reference = mine.clone();
+        group.broadcast((&mut reference).into(), 0)?;
+        let mut deltas: Vec<f32> = mine.iter().zip(&reference).map(|(x, r)| x - r).collect();
+        group.all_reduce(BufMut::F32(&mut deltas), ReduceOp::Sum)?;
+        let n = group.world_size() as f32;
+        let averaged: Vec<f32> = reference.iter().zip(&deltas).map(|(r, d)| r + d / n).collect();
+        Ok(self.write(model, &averaged, |_| true))
+    }
+
+    /// Unit `unit`'s buffer values, to put back with [`restore`](Self::restore).
+    pub fn snapshot<M: Module>(&self, model: &M, unit: usize) -> Result<Option<Snapshot>> {
+        if !self.entries.iter().any(|e| e.unit == Some(unit)) {
+            return Ok(None);
+        }
+        let values = self.read(model, |e| e.unit == Some(unit), false)?;
+        Ok(Some(Snapshot { unit, values }))
+    }
+
+    /// Puts a unit's buffers back as `snapshot` found them.
+    pub fn restore<M: Module>(&self, model: M, snapshot: Option<Snapshot>) -> M {
+        match snapshot {
+            Some(s) => self.write(model, &s.values, |e| e.unit == Some(s.unit)),
+            None => model,
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! Making an engine: [`Engine::new`] (the model as one unit), [`Engine::with_units`] (its
+//! declared units), [`Pipeline::new`](super::Pipeline::new) (a stage's run of them), and
+//! the [`EngineBuilder`] behind all three, where a program brings its own optimizer.
+
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{DType, Device, Tensor};
+use zerotrain_precision::{BufMut, Precision};
+use zerotrain_zero::{Collective, Sharding};
+
+use super::buffers::Buffers;
+use super::model::{UnitModel, claims, group};
+use super::notices::Notices;
+use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, UnitOptimizer, built_in};
+use super::params::{ParamIndex, ParamShapes, read_params};
+use super::report::{Counters, Peaks, Window};
+use super::span::Span;
+use super::unit::{Shared, Unit};
+use super::{Engine, Granularity, Pipeline, Progress};
+use crate::config::{ComputeDevice, ConfigError, Plan};
+use crate::context::RankContext;
+use crate::{Error, Result};
+
+/// Shard alignment in elements (one 64-byte cache line of f32).
+pub(super) const ALIGN_ELEMS: usize = 16;
+
+/// Builds an [`Engine`] (or a [`Pipeline`] stage) with options beyond the plan's.
+///
+/// ```no_run
+/// # use zerotrain::engine::optimizer::{ShardGroup, ShardOptimizer};
+/// # fn lion(group: &ShardGroup<'_>) -> Box<dyn ShardOptimizer> { unimplemented!() }
+/// # fn demo<M: burn::module::Module>(model: M, plan: &zerotrain::Plan, ctx: &zerotrain::RankContext) -> zerotrain::Result<()> {
+/// let engine = zerotrain::Engine::builder(model, plan, ctx).optimizer(lion).build()?;
+/// # Ok(()) }
+/// ```
+pub struct EngineBuilder<'a, M: Module> {
+    model: M,
+    plan: &'a Plan,
+    ctx: &'a RankContext,
+    optimizer: OptimizerFactory,
+}
+
+impl<M: Module> Engine<M> {
+    /// Wraps `model` for training under `plan` on `ctx`'s rank, as one unit: at stage 3 the
+    /// whole model is gathered for [`forward`](Self::forward) and released after
+    /// [`backward`](Self::backward). Every rank must call it; rank 0's parameters and
+    /// buffers are broadcast so that all ranks start identical.
+    pub fn new(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        Self::builder(model, plan, ctx).build()
+    }
+
+    /// A builder for options the plan does not carry (a program's own optimizer).
+    pub fn builder<'a>(model: M, plan: &'a Plan, ctx: &'a RankContext) -> EngineBuilder<'a, M> {
+        EngineBuilder { model, plan, ctx, optimizer: built_in() }
+    }
+}
+
+impl<M: UnitModel> Engine<M> {
+    /// Wraps `model` like [`Engine::new`], sharded per unit as [`UnitModel::units`]
+    /// declares, for [`forward_backward`](Self::forward_backward). A plan with pipeline
+    /// stages builds a [`Pipeline`] instead.
+    pub fn with_units(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        Self::builder(model, plan, ctx).build_units()
+    }
+}
+
+impl<'a, M: Module> EngineBuilder<'a, M> {
+    /// Steps every parameter group of every unit with the optimizers `factory` builds
+    /// instead of the config's (`optimizer.type` still names what checkpoints record).
+    pub fn optimizer(
+        mut self,
+        factory: impl Fn(&ShardGroup<'_>) -> Box<dyn ShardOptimizer> + Send + Sync + 'static,
+    ) -> Self {
+        self.optimizer = Arc::new(factory);
+        self
+    }
+
+    /// The engine of the model as one unit ([`Engine::new`]).
+    pub fn build(self) -> Result<Engine<M>> {
+        if self.plan.pipeline.is_some() {
+            return Err(Error::Usage(
+                "the plan has pipeline stages: build a Pipeline (Pipeline::new) of a model declared in units".into(),
+            ));
+        }
+        let (model, params, index) = prepare(self.model, self.ctx)?;
+        let sharding = Sharding::single(params, self.plan.world_size(), ALIGN_ELEMS)?;
+        let buffers = Buffers::scan(&model, |_| Some(0));
+        let parts =
+            Parts { comm: self.ctx.collective(), sharding, index, buffers, span: Span::whole(self.plan.world_size()) };
+        let (plan, ctx) = (self.plan, self.ctx);
+        let mut engine = assemble(model, plan, ctx, parts, Granularity::WholeModel, &self.optimizer)?;
+        if plan.activation_checkpointing {
+            engine.notices.warn(
+                "activation_checkpointing is set, but Engine::new runs the model as one unit, which cannot be \
+                 recomputed: declare the model's units (UnitModel) and build it with Engine::with_units"
+                    .into(),
+            );
+        }
+        if plan.zero.stage.shards_parameters() {
+            engine.notices.warn(
+                "at stage 3, Engine::new gathers the whole model for forward and keeps it through backward: \
+                 declare the model's units (UnitModel) to gather one at a time"
+                    .into(),
+            );
+        }
+        Ok(engine)
+    }
+
+    /// Which of the model's float tensors are trainable, and each unit's name, of a model
+    /// declared in units: (model, parameters, index, unit of each parameter, names).
+    fn declared(self) -> Result<(Self, Declared)>
+    where
+        M: UnitModel,
+    {
+        let EngineBuilder { model, plan, ctx, optimizer } = self;
+        let (model, params, index) = prepare(model, ctx)?;
+        let specs = model.units();
+        let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
+        let (unit_of, names) = group(&paths, &specs)?;
+        let root_paths: Vec<String> =
+            paths.iter().zip(&unit_of).filter(|(_, u)| **u == specs.len()).map(|(p, _)| p.clone()).collect();
+        let declared = Declared { params, index, unit_of, names, specs, root_paths };
+        Ok((EngineBuilder { model, plan, ctx, optimizer }, declared))
+    }
+
+    /// The engine of the model's declared units ([`Engine::with_units`]).
+    pub fn build_units(self) -> Result<Engine<M>>
+    where
+        M: UnitModel,
+    {
+        if self.plan.pipeline.is_some() {
+            return Err(Error::Usage(
+                "the plan has pipeline stages: build the rank's stage with Pipeline::new (or \
+                 Engine::builder(..).build_pipeline())"
+                    .into(),
+            ));
+        }
+        let (builder, declared) = self.declared()?;
+        let EngineBuilder { model, plan, ctx, optimizer } = builder;
+        let unit_of: Vec<Option<usize>> = declared.unit_of.iter().copied().map(Some).collect();
+        let sharding = Sharding::new(declared.params, &unit_of, declared.names, plan.world_size(), ALIGN_ELEMS)?;
+        let specs = &declared.specs;
+        let buffers =
+            Buffers::scan(&model, |path| Some(specs.iter().position(|s| claims(s, path)).unwrap_or(specs.len())));
+        let root = sharding.units().len() > specs.len();
+        let recompute_every = usize::from(plan.activation_checkpointing);
+        let granularity = Granularity::Declared { declared: specs.len(), root, recompute_every };
+        let parts = Parts {
+            comm: ctx.collective(),
+            sharding,
+            index: declared.index,
+            buffers,
+            span: Span::whole(plan.world_size()),
+        };
+        let mut engine = assemble(model, plan, ctx, parts, granularity, &optimizer)?;
+        engine.note_layout(&declared.root_paths);
+        Ok(engine)
+    }
+
+    /// This rank's stage of a pipeline ([`Pipeline::new`]).
+    pub fn build_pipeline(self) -> Result<Pipeline<M>>
+    where
+        M: UnitModel,
+    {
+        let Some(pipeline) = self.plan.pipeline else {
+            return Err(Error::Usage(
+                "the plan has no pipeline section: build an Engine (Engine::with_units) for data parallelism".into(),
+            ));
+        };
+        let (builder, declared) = self.declared()?;
+        let EngineBuilder { model, plan, ctx, optimizer } = builder;
+        let root_paths = declared.root_paths.clone();
+        let placed = super::pipeline::place(model, ctx, pipeline, declared)?;
+        let root = placed.parts.sharding.units().len() > placed.stage_units;
+        let recompute_every = pipeline.checkpoint_interval;
+        let granularity = Granularity::Declared { declared: placed.stage_units, root, recompute_every };
+        let mut engine = assemble(placed.model, plan, ctx, placed.parts, granularity, &optimizer)?;
+        engine.note_layout(&root_paths);
+        Pipeline::from_engine(engine, pipeline, placed.stage_ranges)
+    }
+}
+
+/// A model's declared units, found by [`EngineBuilder::declared`].
+pub(super) struct Declared {
+    pub params: ParamShapes,
+    pub index: ParamIndex,
+    /// Each parameter's unit (the root is `specs.len()`).
+    pub unit_of: Vec<usize>,
+    pub names: Vec<String>,
+    pub specs: Vec<super::UnitSpec>,
+    /// Parameters no unit claims.
+    pub root_paths: Vec<String>,
+}
+
+/// Which units a rank holds and where: what [`assemble`] needs beside the model and plan.
+pub(super) struct Parts {
+    /// The group the units are sharded over.
+    pub comm: Arc<dyn Collective>,
+    pub sharding: Sharding,
+    pub index: ParamIndex,
+    pub buffers: Buffers,
+    pub span: Span,
+}
+
+/// The model with buffers of its own, forked onto the rank's device, its trainable
+/// parameters (path, shape) and their index; an error if it has none, saying why.
+pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, ParamShapes, ParamIndex)> {
+    // `valid()` copies every running state out of the caller's model (a clone shares
+    // them), `train()` restores each parameter's gradient tracking (module note in
+    // `buffers.rs`).
+    let model = model.valid().train().fork(ctx.device());
+    let (params, index) = ParamIndex::scan(&model);
+    if params.is_empty() {
+        let floats = count_floats(&model);
+        let why = if floats == 0 {
+            "it has no float parameters".to_string()
+        } else if !ctx.device().is_autodiff() {
+            format!(
+                "its {floats} float tensors do not track gradients because the rank's device has no autodiff: \
+                 build the context on an autodiff device (Device::flex().autodiff())"
+            )
+        } else {
+            format!(
+                "none of its {floats} float tensors tracks gradients: build it on an autodiff device \
+                 (Device::flex().autodiff()), and unfreeze what should train"
+            )
+        };
+        return Err(Error::Model(format!("the model has no trainable parameters: {why}")));
+    }
+    Ok((model, params, index))
+}
+
+fn count_floats<M: Module>(model: &M) -> usize {
+    struct Count(usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
+            self.0 += 1;
+        }
+    }
+    let mut count = Count(0);
+    model.visit(&mut count);
+    count.0
+}
+
+/// An error naming the config key if `device` (the plan's `kind`) cannot compute in
+/// `precision` (wgpu has no bf16, and f16 only where the adapter offers it).
+fn check_dtype(precision: Precision, kind: ComputeDevice, device: &Device) -> Result<()> {
+    let (dtype, key) = match precision {
+        Precision::Fp32 => return Ok(()),
+        Precision::Fp16 => (DType::F16, "fp16.enabled"),
+        Precision::Bf16 => (DType::BF16, "bf16.enabled"),
+    };
+    if device.supports_dtype(dtype) {
+        return Ok(());
+    }
+    Err(Error::Config(ConfigError::Unsupported {
+        key: key.into(),
+        message: format!(
+            "this rank's {} device cannot compute in {precision}: train in a dtype it has (fp32 always works)",
+            kind.name()
+        ),
+    }))
+}
+
+/// Every unit's state from the model's values, broadcast from the group's rank 0 one unit
+/// at a time (so no full-size buffer exists), written in the compute dtype, kept as the
+/// stage says; the buffers likewise.
+fn assemble<M: Module>(
+    mut model: M,
+    plan: &Plan,
+    ctx: &RankContext,
+    parts: Parts,
+    granularity: Granularity,
+    factory: &OptimizerFactory,
+) -> Result<Engine<M>> {
+    let world = ctx.collective();
+    if world.world_size() != plan.world_size() {
+        let (planned, actual) = (plan.world_size(), world.world_size());
+        return Err(Error::Usage(format!("plan is for {planned} ranks, the communicator has {actual}")));
+    }
+    check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
+    let Parts { comm, sharding, index, buffers, span } = parts;
+    let lead = world.rank() == 0;
+    let shared = Shared { comm, world, device: ctx.device().clone(), plan: plan.clone(), sharding, index };
+    let (mut units, mut transient) = (Vec::new(), 0);
+    for id in 0..shared.sharding.units().len() {
+        let layout = shared.layout(id);
+        let mut values = vec![0.0f32; layout.padded_elems()];
+        let real = BufMut::F32(&mut values[..layout.num_elems()]);
+        read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real)?;
+        shared.comm.broadcast((&mut values).into(), 0)?;
+        transient = transient.max((values.len() * (4 + shared.dtype().bytes_per_elem())) as u64);
+        let range_len = shared.optimizer_range(id).len();
+        let optimizer = UnitOptimizer::new(range_len, &shared.optimizer_segments(id), &plan.optim, factory);
+        let (next, unit) = Unit::new(id, &values, model, &shared, optimizer);
+        model = next;
+        units.push(unit);
+    }
+    if !buffers.entries().is_empty() {
+        let mut values = buffers.read(&model, |_| true, false)?;
+        shared.comm.broadcast((&mut values).into(), 0)?;
+        model = buffers.write(model, &values, |_| true);
+    }
+    let progress = Progress {
+        scaler: plan.precision.loss_scale.map(|s| s.scaler()),
+        counters: Counters::default(),
+        lr_iteration: -1,
+        lr_override: None,
+        boundary_override: None,
+        last_step: None,
+        prepared: None,
+    };
+    let mut engine = Engine {
+        model,
+        units,
+        granularity,
+        span,
+        progress,
+        window: Window::default(),
+        peaks: Peaks { transient, gathered: 0, activations: 0 },
+        buffers,
+        notices: Notices::new(lead),
+        shared,
+    };
+    engine.window.comm_at_start = engine.comm_stats();
+    Ok(engine)
+}
+
+impl<M: Module> Engine<M> {
+    /// The notes a model declared in units gets once: which parameters the root holds, and
+    /// what stage 3 without recomputation keeps.
+    fn note_layout(&mut self, root_paths: &[String]) {
+        if !root_paths.is_empty() {
+            let shown: Vec<&str> = root_paths.iter().take(8).map(String::as_str).collect();
+            let more = root_paths.len().saturating_sub(shown.len());
+            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+            self.notices.warn(format!(
+                "no declared unit claims {}{more}: they form the root unit, gathered for the whole pass (right for \
+                 a parameter two units share; otherwise list them in a unit)",
+                shown.join(", ")
+            ));
+        }
+        let recompute =
+            matches!(self.granularity, Granularity::Declared { recompute_every, .. } if recompute_every > 0);
+        if self.shared.plan.zero.stage.shards_parameters() && !recompute {
+            self.notices.warn(
+                "stage 3 without activation_checkpointing: each unit stays gathered from its forward until its \
+                 backward (Burn's autodiff graph holds its weights), so the peak is about the whole model; add an \
+                 activation_checkpointing section to release each unit after its forward"
+                    .into(),
+            );
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! The step's gradients before the optimizer sees them: reduced, measured (the global norm
+//! and the loss, agreed over the world), and open to the caller through [`Gradients`] for
+//! logging and custom clipping.
+//!
+//! # Note: one multiply
+//! The reduced gradients are sums over the ranks of loss-scaled gradients. The step scales
+//! them once, by `clip / (N * loss_scale)`, so that unscaling, averaging and clipping round
+//! once. A caller's [`Gradients::scale`] joins that multiply; only
+//! [`Gradients::for_each_mut`] applies the pending factor to the values first (one more
+//! rounding, the price of editing them).
+
+use std::ops::Range;
+use std::time::Instant;
+
+use burn::module::Module;
+use zerotrain_zero::ReduceOp;
+
+use super::Engine;
+use super::unit::Shared;
+use crate::{Error, Result};
+
+/// The step's gradients, reduced and measured (module note).
+pub(crate) struct Prepared {
+    /// Each unit's reduced gradient over its optimizer range.
+    pub grads: Vec<Vec<f32>>,
+    /// Sum over the world of the squares of `grads`' elements (each counted once).
+    pub sum_squares: f64,
+    /// Mean loss over every rank and micro-step.
+    pub loss: f32,
+    /// The factor still to apply, as `numerator / denominator`: 1 / (N * loss scale) times
+    /// the caller's scales (kept apart so that without them the bits are one division's).
+    pub numerator: f64,
+    pub denominator: f64,
+    /// The values were edited since `sum_squares` was computed.
+    pub stale_norm: bool,
+}
+
+impl Prepared {
+    /// The global norm of the averaged, unscaled gradient the optimizer would see now.
+    pub fn norm(&self) -> f64 {
+        self.sum_squares.sqrt() * self.numerator / self.denominator
+    }
+}
+
+impl<M: Module> Engine<M> {
+    /// Reduces and measures the step's gradients, once per step (at the boundary).
+    pub(super) fn prepare_step(&mut self) -> Result<()> {
+        if self.progress.prepared.is_some() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut grads = Vec::with_capacity(self.units.len());
+        for unit in &mut self.units {
+            grads.push(unit.take_reduced(&mut self.window.times)?);
+        }
+        if let Some(root) = self.granularity.root() {
+            self.span.sum_over_stages((&mut grads[root]).into())?;
+        }
+        let loss = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
+        let (sum_squares, loss) = self.global_metrics(&grads, Some(loss))?;
+        self.window.times.reduce += start.elapsed().as_secs_f64();
+        let denominator = self.shared.comm.world_size() as f64 * self.loss_scale();
+        let (numerator, stale_norm) = (1.0, false);
+        self.progress.prepared = Some(Prepared { grads, sum_squares, loss, numerator, denominator, stale_norm });
+        Ok(())
+    }
+
+    /// One all-reduce over the world of each rank's squared-norm partial of `grads` and of
+    /// its mean `loss` (if given): (sum of squares over all ranks, mean loss). A rank's
+    /// partial runs over its shards of every unit in unit order, in one f64 sum, the slots
+    /// summed in world rank order. At stage 0 every rank holds the full gradients of its
+    /// units, and its group's first rank computes every rank's partial the same way, so
+    /// the total is the sharded stages' to the last bit. The root (the same on every
+    /// pipeline stage) counts on the first stage only; every rank's loss counts (a pipeline
+    /// stage's is its units' loss terms, the last stage's also the model's loss).
+    pub(super) fn global_metrics(&mut self, grads: &[Vec<f32>], loss: Option<f32>) -> Result<(f64, f32)> {
+        let (world, group) = (&self.shared.world, &self.shared.comm);
+        let n = world.world_size();
+        let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
+        let root = self.granularity.root().filter(|_| !self.span.counts_root());
+        let partial = |r: usize| -> f32 { partial_sum_squares(&self.shared, grads, r, sharded, root) };
+        let mut metrics = vec![0.0f32; n + 1];
+        if sharded {
+            metrics[self.span.world_rank(group.rank())] = partial(group.rank());
+        } else if group.rank() == 0 {
+            for r in 0..group.world_size() {
+                metrics[self.span.world_rank(r)] = partial(r);
+            }
+        }
+        metrics[n] = loss.unwrap_or(0.0);
+        let wait = Instant::now();
+        world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        if self.span.is_pipelined() {
+            // At the flush the stages that finish first wait here for the last: the
+            // pipeline's bubble, as waiting for a neighbour's activations is.
+            self.window.times.pipe_wait += wait.elapsed().as_secs_f64();
+        }
+        let contributors = self.span.topology.data_parallel;
+        Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32))
+    }
+
+    /// The step's gradients, before [`step`](Self::step): for logging them, clipping them
+    /// another way, or editing them. Available once the last micro-step of the window has
+    /// run (at [`is_gradient_accumulation_boundary`](Self::is_gradient_accumulation_boundary));
+    /// it reduces them, which `step` would do, and `step` then uses what the caller left.
+    /// Every rank must call it.
+    pub fn gradients(&mut self) -> Result<Gradients<'_>> {
+        if !self.is_gradient_accumulation_boundary() {
+            return Err(Error::Usage(
+                "gradients() before the accumulation boundary: run the window's last micro-step first".into(),
+            ));
+        }
+        self.prepare_step()?;
+        let prepared = self.progress.prepared.as_mut().expect("prepared above");
+        Ok(Gradients {
+            prepared,
+            shared: &self.shared,
+            world: self.shared.world.as_ref(),
+            counts_root: self.span.counts_root(),
+            root: self.granularity.root(),
+        })
+    }
+}
+
+/// This rank's partial of the squared norm of `grads` as group rank `r` holds them.
+fn partial_sum_squares(shared: &Shared, grads: &[Vec<f32>], r: usize, sharded: bool, skip: Option<usize>) -> f32 {
+    let mut sum = 0.0f64;
+    for (id, values) in grads.iter().enumerate() {
+        let layout = shared.layout(id);
+        let real = layout.shard_real_range(r);
+        if real.is_empty() || skip == Some(id) {
+            continue; // an all-padding shard, or the root counted by another stage
+        }
+        let offset = if sharded { layout.shard_range(r).start } else { 0 };
+        for &g in &values[real.start - offset..real.end - offset] {
+            sum += f64::from(g) * f64::from(g);
+        }
+    }
+    sum as f32
+}
+
+/// The step's gradients on this rank, averaged over the ranks and unscaled, as the
+/// optimizer will see them before clipping ([`Engine::gradients`]).
+pub struct Gradients<'a> {
+    prepared: &'a mut Prepared,
+    shared: &'a Shared,
+    world: &'a dyn zerotrain_zero::Collective,
+    counts_root: bool,
+    root: Option<usize>,
+}
+
+impl Gradients<'_> {
+    /// The global L2 norm (over every rank), the one `gradient_clipping` clips to. After
+    /// [`for_each_mut`](Self::for_each_mut) it is measured again: every rank must then call
+    /// it (or leave it to `step`).
+    pub fn global_norm(&mut self) -> Result<f32> {
+        if self.prepared.stale_norm {
+            self.remeasure()?;
+        }
+        Ok(self.prepared.norm() as f32)
+    }
+
+    /// Multiplies the gradients by `factor` (custom clipping: `max / norm`), exactly: the
+    /// factor joins the step's one multiply.
+    pub fn scale(&mut self, factor: f32) {
+        self.prepared.numerator *= f64::from(factor);
+    }
+
+    /// Calls `f` with each piece of a parameter this rank holds a gradient for: its module
+    /// path, which of its elements (row-major) the piece is, and their values. At stages
+    /// 1-3 a rank holds its shard only; the pieces of every rank make the whole gradient.
+    pub fn for_each(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) {
+        let factor = (self.prepared.numerator / self.prepared.denominator) as f32;
+        let mut scratch = Vec::new();
+        self.pieces(|path, param_range, values: &[f32]| {
+            scratch.clear();
+            scratch.extend(values.iter().map(|g| g * factor));
+            f(path, param_range, &scratch);
+        });
+    }
+
+    /// Like [`for_each`](Self::for_each), with the values to edit (the pending factor is
+    /// applied to them first; the step measures the norm again).
+    pub fn for_each_mut(&mut self, mut f: impl FnMut(&str, Range<usize>, &mut [f32])) {
+        let factor = (self.prepared.numerator / self.prepared.denominator) as f32;
+        for values in &mut self.prepared.grads {
+            values.iter_mut().for_each(|g| *g *= factor);
+        }
+        (self.prepared.numerator, self.prepared.denominator, self.prepared.stale_norm) = (1.0, 1.0, true);
+        let shared = self.shared;
+        for (id, values) in self.prepared.grads.iter_mut().enumerate() {
+            if self.root == Some(id) && !self.counts_root {
+                continue;
+            }
+            for segment in shared.optimizer_segments(id) {
+                f(&segment.path, segment.param_range, &mut values[segment.range]);
+            }
+        }
+    }
+
+    /// Each piece of a parameter this rank holds (the root only where it counts).
+    fn pieces(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) {
+        for (id, values) in self.prepared.grads.iter().enumerate() {
+            if self.root == Some(id) && !self.counts_root {
+                continue;
+            }
+            for segment in self.shared.optimizer_segments(id) {
+                f(&segment.path, segment.param_range, &values[segment.range]);
+            }
+        }
+    }
+
+    fn remeasure(&mut self) -> Result<()> {
+        let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
+        let skip = self.root.filter(|_| !self.counts_root);
+        let group = self.shared.comm.as_ref();
+        let n = self.world.world_size();
+        let mut metrics = vec![0.0f32; n];
+        // Each rank's partial in its world slot, as the step's metrics are laid out.
+        let slot = self.world.rank();
+        metrics[slot] = if sharded || group.world_size() == 1 {
+            partial_sum_squares(self.shared, &self.prepared.grads, group.rank(), sharded, skip)
+        } else if group.rank() == 0 {
+            (0..group.world_size())
+                .map(|r| partial_sum_squares(self.shared, &self.prepared.grads, r, sharded, skip))
+                .sum()
+        } else {
+            0.0
+        };
+        self.world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        self.prepared.sum_squares = metrics.iter().map(|&p| f64::from(p)).sum();
+        self.prepared.stale_norm = false;
+        Ok(())
+    }
+}

@@ -1,0 +1,353 @@
+//! Pipeline parallelism over a [`UnitModel`]'s units: [`Pipeline`], one rank's stage.
+//!
+//! # Note: a pipeline stage
+//! With `pipeline.stages = K`, the world's `N` ranks form `K` stages of `D = N / K`
+//! data-parallel ranks ([`Topology`](zerotrain_zero::pipeline::Topology)). Each stage
+//! holds a contiguous run of the model's declared units plus the root, and releases every
+//! other parameter (`place.rs`). A stage is an ordinary [`Engine`] over its units, sharded
+//! over its `D` ranks exactly as a data-parallel engine is over the world (ZeRO stages
+//! 0-2); what a stage adds is here: the schedule. Each micro-batch's activations pass
+//! forward and its gradients back between neighbouring stages as point-to-point messages
+//! (`wire.rs`); a stage runs its forwards and backwards in the order its schedule gives
+//! (GPipe or 1F1B), recomputing units from their boundaries as
+//! `activation_checkpoint_interval` says, and every stage steps at the flush after its
+//! last backward.
+//!
+//! What is agreed across the whole world: the initial parameters (world rank 0's), the
+//! gradient norm and overflow (every rank's shard of its units, the root counted on the
+//! first stage only), the loss. The root's gradient, to which the first and last stages may
+//! both contribute (a tied embedding), is summed over the stages at the flush, so every
+//! stage steps its replica of it identically. Checkpoints record each unit once, in the one
+//! global order, so they resume at any `K` and `D`, or without a pipeline.
+
+mod place;
+mod wire;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_zero::pipeline::{ScheduleKind, Work, schedule};
+use zerotrain_zero::{Collective, CommStats, Pending, Sharding};
+
+pub(super) use self::place::place;
+use super::exec::Saved;
+use super::model::{Activation, UnitModel};
+use super::params::UnitGrads;
+use super::{Counters, Engine, LoadOptions, MemoryReport, StepReport};
+use crate::config::{PipelinePlan, Plan};
+use crate::context::RankContext;
+use crate::{Error, Result};
+
+/// One rank's stage of a pipeline (module note): an [`Engine`] over the stage's units and
+/// the schedule that moves micro-batches through the stages. Build it with
+/// [`Pipeline::new`] under a plan with a `pipeline` section.
+pub struct Pipeline<M: UnitModel> {
+    engine: Engine<M>,
+    schedule: ScheduleKind,
+    /// This data index's ranks on every stage, ranked by stage.
+    pipe: Arc<dyn Collective>,
+    /// Every stage's run of the model's declared units.
+    parts: Vec<std::ops::Range<usize>>,
+}
+
+/// A micro-batch between its forward and its backward on this stage.
+struct InFlight<M: UnitModel> {
+    batch: M::Batch,
+    saved: Vec<Saved<M::Hidden>>,
+    /// The last stage's output, for the loss.
+    output: Option<M::Hidden>,
+    /// The units' loss terms' sum of its forward.
+    terms: f32,
+    /// The parts (dtype, shape) of the input received, to answer with zeros if no gradient
+    /// reaches it.
+    input: Vec<(Precision, Vec<usize>)>,
+}
+
+impl<M: UnitModel> InFlight<M> {
+    /// Bytes of the activations kept for the backward: the units' boundaries (inputs and
+    /// outputs of those that keep a graph, not the graphs' insides) and the last output.
+    fn kept_bytes(&self) -> u64 {
+        let saved: u64 = self
+            .saved
+            .iter()
+            .map(|s| match s {
+                Saved::Boundary(input) => input.as_ref().map_or(0, Activation::num_bytes),
+                Saved::Graph { input, output, .. } => {
+                    input.as_ref().map_or(0, Activation::num_bytes) + output.num_bytes()
+                }
+                Saved::Inside | Saved::Done => 0,
+            })
+            .sum();
+        saved + self.output.as_ref().map_or(0, Activation::num_bytes)
+    }
+}
+
+impl<M: UnitModel> Pipeline<M> {
+    /// This rank's stage of `model` under `plan`'s `pipeline` section: the stage's units,
+    /// sharded over its data-parallel ranks, starting from world rank 0's values. Every
+    /// rank must call it.
+    pub fn new(model: M, plan: &Plan, ctx: &RankContext) -> Result<Self> {
+        Engine::builder(model, plan, ctx).build_pipeline()
+    }
+
+    pub(super) fn from_engine(
+        engine: Engine<M>,
+        plan: PipelinePlan,
+        parts: Vec<std::ops::Range<usize>>,
+    ) -> Result<Self> {
+        let pipe = engine.span.pipe.clone().ok_or_else(|| Error::Usage("a pipeline stage needs its pipe".into()))?;
+        Ok(Self { engine, schedule: plan.schedule, pipe, parts })
+    }
+
+    /// This rank's stage, `0..num_stages()`.
+    pub fn stage(&self) -> usize {
+        self.engine.span.stage
+    }
+
+    /// Stages `K`.
+    pub fn num_stages(&self) -> usize {
+        self.engine.span.topology.stages
+    }
+
+    /// This rank's index among its stage's data-parallel ranks: which part of each batch
+    /// its micro-batches are.
+    pub fn data_parallel_rank(&self) -> usize {
+        self.engine.data_parallel_rank()
+    }
+
+    /// Data-parallel ranks per stage `D`.
+    pub fn data_parallel_size(&self) -> usize {
+        self.engine.span.topology.data_parallel
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches, `batch(i)`
+    /// giving micro-batch `i` of this rank's data index (every stage asks for it: the first
+    /// reads its inputs, the last its targets). The stage runs its schedule and steps at
+    /// the flush. Every rank must call it.
+    pub fn train_batch(&mut self, mut batch: impl FnMut(usize) -> M::Batch) -> Result<StepReport> {
+        if self.engine.window.micro_steps > 0 {
+            return Err(Error::Usage("train_batch inside an accumulation window: call step() first".into()));
+        }
+        let micro_batches = self.engine.shared.plan.batch.gradient_accumulation_steps as usize;
+        let (stage, stages) = (self.stage(), self.num_stages());
+        let mut in_flight: HashMap<usize, InFlight<M>> = HashMap::new();
+        let mut sends = Vec::new();
+        for work in schedule(self.schedule, stage, stages, micro_batches) {
+            match work {
+                Work::Forward(i) => {
+                    let flight = self.forward_micro_batch(batch(i), &mut sends)?;
+                    in_flight.insert(i, flight);
+                    let kept: u64 = in_flight.values().map(InFlight::kept_bytes).sum();
+                    self.engine.peaks.activations = self.engine.peaks.activations.max(kept);
+                }
+                Work::Backward(i) => {
+                    let flight = in_flight.remove(&i).expect("a schedule runs each forward before its backward");
+                    self.backward_micro_batch(flight, &mut sends)?;
+                }
+            }
+        }
+        for send in sends {
+            send.wait()?;
+        }
+        self.engine.step()?.ok_or_else(|| Error::Usage("the last backward of a pipeline step was no boundary".into()))
+    }
+
+    /// One micro-batch's forward on this stage: receive the input (but on the first stage),
+    /// run the stage's units, send the output on (but from the last stage).
+    fn forward_micro_batch(&mut self, batch: M::Batch, sends: &mut Vec<Pending>) -> Result<InFlight<M>> {
+        let (first, last, stage) = (self.stage() == 0, self.stage() + 1 == self.num_stages(), self.stage());
+        self.engine.check_batch_size(&batch);
+        let (input, received) =
+            if first { (None, Vec::new()) } else { self.recv_activation(stage - 1).map(|(h, r)| (Some(h), r))? };
+        let (saved, output, terms) = self.engine.forward_units(input, &batch)?;
+        let output = if last {
+            Some(output)
+        } else {
+            sends.extend(wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)?);
+            None
+        };
+        Ok(InFlight { batch, saved, output, terms, input: received })
+    }
+
+    /// One micro-batch's backward on this stage: the loss (on the last stage) or the
+    /// gradient received from the next stage, back through the stage's units, the input's
+    /// gradient sent back (but from the first stage).
+    fn backward_micro_batch(&mut self, flight: InFlight<M>, sends: &mut Vec<Pending>) -> Result<()> {
+        let (first, stage) = (self.stage() == 0, self.stage());
+        let engine = &mut self.engine;
+        let (value, upstream, root_grads) = match flight.output {
+            Some(output) => engine.loss_backward(output, &flight.batch)?,
+            None => {
+                // The root's gradient starts at zero here; the stage's units may add to it.
+                let root = engine.granularity.root().map(|r| UnitGrads::empty(engine.shared.layout(r).entries().len()));
+                let start = Instant::now();
+                let parts = wire::recv(self.pipe.as_ref(), M::Hidden::PARTS, stage + 1)?;
+                engine.window.times.pipe_wait += start.elapsed().as_secs_f64();
+                let upstream = M::Hidden::from_parts(&mut parts.into_iter(), &engine.shared.device)?;
+                (0.0, Some(upstream), root)
+            }
+        };
+        let (root_grads, input_grad) = engine.backward_units(flight.saved, upstream, root_grads, &flight.batch)?;
+        engine.reduce_root(root_grads)?;
+        if !first {
+            let parts = match input_grad {
+                Some(grad) => grad.into_parts()?,
+                // Nothing this stage computed depends on its input: its gradient is zero.
+                None => flight
+                    .input
+                    .into_iter()
+                    .map(|(dtype, shape)| (FlatBuf::zeros(dtype, shape.iter().product()), shape))
+                    .collect(),
+            };
+            sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
+        }
+        engine.end_micro_step(value + flight.terms);
+        Ok(())
+    }
+
+    /// Receives an activation from stage `from`, counting the wait; returns it and its
+    /// parts' dtypes and shapes.
+    fn recv_activation(&mut self, from: usize) -> Result<(M::Hidden, Vec<(Precision, Vec<usize>)>)> {
+        let start = Instant::now();
+        let parts = wire::recv(self.pipe.as_ref(), M::Hidden::PARTS, from)?;
+        self.engine.window.times.pipe_wait += start.elapsed().as_secs_f64();
+        let shapes = parts.iter().map(|(values, shape)| (values.dtype(), shape.clone())).collect();
+        let hidden = M::Hidden::from_parts(&mut parts.into_iter(), &self.engine.shared.device)?;
+        Ok((hidden, shapes))
+    }
+
+    /// The loss of `batch` without gradients, through the stages in inference mode (each
+    /// stage runs its units and passes the activation on), as
+    /// [`Engine::evaluate`] computes it; the last stage's loss is broadcast to the whole
+    /// pipeline. No rank holds more than its stage. Every rank must call it.
+    pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
+        let paused = self.engine.window.pause(self.engine.comm_stats());
+        let loss = self.engine.sync_buffers().and_then(|()| self.evaluate_stages(batch));
+        self.engine.window.resume(paused, self.engine.comm_stats());
+        loss
+    }
+
+    fn evaluate_stages(&mut self, batch: &M::Batch) -> Result<f32> {
+        let (first, last, stage) = (self.stage() == 0, self.stage() + 1 == self.num_stages(), self.stage());
+        let input = if first { None } else { Some(self.recv_activation(stage - 1)?.0) };
+        let output = self.engine.infer_units(input, batch)?;
+        let mut loss = [0.0f32];
+        if last {
+            loss[0] = self.engine.model.valid().output_loss(output, batch).into_scalar::<f32>();
+        } else {
+            for send in wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)? {
+                send.wait()?;
+            }
+        }
+        self.pipe.broadcast((&mut loss[..]).into(), self.num_stages() - 1)?;
+        Ok(loss[0])
+    }
+
+    /// Saves a checkpoint ([`Engine::save_checkpoint`]): each unit once, from the stage that
+    /// holds it. Every rank must call it.
+    pub fn save_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        client_state: serde_json::Value,
+    ) -> Result<PathBuf> {
+        self.engine.save_checkpoint(dir, tag, client_state)
+    }
+
+    /// Loads a checkpoint saved at any shape, pipelined or not ([`Engine::load_checkpoint`]).
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        options: LoadOptions,
+    ) -> Result<serde_json::Value> {
+        self.engine.load_checkpoint(dir, tag, options)
+    }
+
+    /// The whole model's fp32 master weights in the global order, every stage contributing
+    /// its units ([`Engine::master_params`]); every rank gets them all. Every rank must call
+    /// it.
+    pub fn master_params(&self) -> Result<Vec<f32>> {
+        self.engine.master_params()
+    }
+
+    /// The whole model on world rank `root` only (`None` elsewhere): each stage's first
+    /// data-parallel rank sends its units' parameters there (the root's from the first
+    /// stage), with the buffers. Every rank must call it.
+    pub fn gather_model(&mut self, root: usize) -> Result<Option<M>> {
+        place::gather_model(self, root)
+    }
+
+    /// Writes the whole model to one safetensors file from world rank 0
+    /// ([`Engine::save_model`]). Every rank must call it.
+    pub fn save_model(&mut self, path: impl AsRef<Path>, dtype: Precision) -> Result<()> {
+        let written = match self.gather_model(0)? {
+            Some(model) => super::export::write_safetensors(&model, path.as_ref(), dtype),
+            None => Ok(()),
+        };
+        self.engine.agree(written, "writing the model")
+    }
+
+    /// Averages the buffers over the stage's data-parallel ranks ([`Engine::sync_buffers`]).
+    pub fn sync_buffers(&mut self) -> Result<()> {
+        self.engine.sync_buffers()
+    }
+
+    /// Step counters.
+    pub fn counters(&self) -> Counters {
+        self.engine.counters()
+    }
+
+    /// This rank's model-state bytes, with the activations the schedule kept.
+    pub fn memory_report(&self) -> MemoryReport {
+        self.engine.memory_report()
+    }
+
+    /// This rank's traffic: the world's, its data-parallel group's and its pipe's.
+    pub fn comm_stats(&self) -> CommStats {
+        self.engine.comm_stats()
+    }
+
+    /// The learning rate the next step will use ([`Engine::get_lr`]).
+    pub fn get_lr(&self) -> f64 {
+        self.engine.get_lr()
+    }
+
+    /// Sets the learning rate by hand ([`Engine::set_lr`]).
+    pub fn set_lr(&mut self, lr: Option<f64>) {
+        self.engine.set_lr(lr);
+    }
+
+    /// The report of the last step.
+    pub fn last_step(&self) -> Option<StepReport> {
+        self.engine.last_step()
+    }
+
+    /// The stage's units and their layouts over its data-parallel ranks.
+    pub fn sharding(&self) -> &Sharding {
+        self.engine.sharding()
+    }
+
+    /// The model's trainable elements Ψ (all stages).
+    pub fn num_params(&self) -> usize {
+        self.engine.num_params()
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        self.engine.plan()
+    }
+
+    /// The model as this rank holds it: other stages' parameters are empty tensors.
+    pub fn module(&self) -> &M {
+        self.engine.module()
+    }
+
+    /// One-time warnings the stage gave ([`Engine::notices`]).
+    pub fn notices(&self) -> &[String] {
+        self.engine.notices()
+    }
+}

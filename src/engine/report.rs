@@ -1,0 +1,152 @@
+//! What the engine reports: each step ([`StepReport`], [`PhaseTimes`]), the memory a rank
+//! holds ([`MemoryReport`]) and DeepSpeed's step [`Counters`].
+
+use zerotrain_zero::CommStats;
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// `global_steps` after this step.
+    pub global_step: u64,
+    /// Mean loss over every rank and micro-step of the step (with the units' extra loss
+    /// terms, as back-propagated).
+    pub loss: f32,
+    /// The learning rate the step used (the default group's; a parameter group's is this
+    /// times its `lr` scale).
+    pub lr: f64,
+    /// Global L2 norm of the averaged gradient, before clipping (inf or NaN on overflow).
+    pub grad_norm: f32,
+    /// The gradients were not finite and the step was skipped: parameters, optimizer state
+    /// and the lr schedule are unchanged (see `precision.check_grad_overflow`).
+    pub skipped: bool,
+    /// The loss scale the step's gradients carried (1 without fp16 scaling).
+    pub loss_scale: f64,
+    /// The loss scale for the next step (differs after an fp16 overflow or growth).
+    pub next_loss_scale: f64,
+    /// Bytes this rank moved in collectives during the step's window (evaluation between
+    /// steps not counted).
+    pub comm_bytes: u64,
+    /// Where the step's time went (its micro-steps included; evaluation not).
+    pub times: PhaseTimes,
+}
+
+/// Where one optimizer step's wall time went (DeepSpeed's `wall_clock_breakdown`), seconds.
+/// The first five phases partition the compute thread's time; `comm_wait` is the part of
+/// `reduce` and `gather` spent blocked on collectives, `comm_busy` the time collectives ran
+/// (on the communication thread, overlapping compute when they can).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PhaseTimes {
+    /// Forward passes (the closures, or the units and the loss).
+    pub forward: f64,
+    /// Back-propagation, recomputation of checkpointed units included.
+    pub backward: f64,
+    /// Collecting and reducing gradients (buckets, reduce-scatter / all-reduce, norm,
+    /// overflow check).
+    pub reduce: f64,
+    /// The optimizer on the rank's range.
+    pub optimizer: f64,
+    /// Putting parameters in place: all-gathers and writing them into the model.
+    pub gather: f64,
+    /// Time the compute thread waited for collectives to finish.
+    pub comm_wait: f64,
+    /// Time the collectives themselves took.
+    pub comm_busy: f64,
+    /// Pipeline stages: time waiting for activations and gradients from the neighbouring
+    /// stages, and at the flush for the last stage to finish (the bubble, and any
+    /// imbalance); outside the other phases but for the flush, which is part of `reduce`.
+    pub pipe_wait: f64,
+}
+
+impl PhaseTimes {
+    /// The compute thread's phases together.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.reduce + self.optimizer + self.gather
+    }
+}
+
+/// Model-state bytes one rank holds, by kind (see [`Engine::memory_report`](super::Engine::memory_report)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Trainable parameters in the model (compute dtype) plus, in fp32 training at stage 3,
+    /// the parameter shards.
+    pub params: u64,
+    /// Gradient accumulators.
+    pub grads: u64,
+    /// Separate fp32 master weights (mixed precision; in fp32 training the parameters are
+    /// their own master).
+    pub master: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+    /// Largest total of transient buffers alive at once inside a micro-step or step so far.
+    pub peak_transient: u64,
+    /// Stage 3: most bytes of gathered parameters alive at once so far (units in the
+    /// model or being fetched), in the compute dtype; resident parameters not included.
+    pub peak_gathered: u64,
+    /// Stage 3: bytes of parameters that stay resident in the model (persistence).
+    pub persistent: u64,
+    /// A pipeline stage: most bytes of activations kept at once for pending backwards
+    /// (unit boundaries, and inputs and outputs of units that keep their graphs; the
+    /// graphs' insides are not counted).
+    pub peak_activations: u64,
+}
+
+impl MemoryReport {
+    /// Model states held between steps (everything but the transient peaks).
+    pub fn model_states(&self) -> u64 {
+        self.params + self.grads + self.master + self.optimizer
+    }
+}
+
+/// Step counters, as DeepSpeed names them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Counters {
+    /// Optimizer steps taken (skipped ones included).
+    pub global_steps: u64,
+    /// Backward passes.
+    pub micro_steps: u64,
+    /// Steps skipped because the gradients overflowed (every overflow skips a step).
+    pub skipped_steps: u64,
+    /// Samples consumed by all ranks.
+    pub global_samples: u64,
+}
+
+/// The accumulation window in progress.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Window {
+    pub micro_steps: u64,
+    pub loss_sum: f64,
+    /// The traffic counters when the window began, moved on by the bytes of anything
+    /// between that is not training (evaluation).
+    pub comm_at_start: CommStats,
+    pub times: PhaseTimes,
+}
+
+impl Window {
+    /// Marks the start of work that is not training (evaluation, an export): [`resume`]
+    /// leaves its time and bytes out of the step's report.
+    ///
+    /// [`resume`]: Self::resume
+    pub fn pause(&self, stats: CommStats) -> Paused {
+        Paused { times: self.times, stats }
+    }
+
+    /// Ends what [`pause`](Self::pause) began; `stats` are the rank's counters now.
+    pub fn resume(&mut self, paused: Paused, stats: CommStats) {
+        self.times = paused.times;
+        self.comm_at_start = self.comm_at_start.plus(&stats.since(&paused.stats));
+    }
+}
+
+/// The window's time and the rank's traffic when non-training work began.
+pub(super) struct Paused {
+    times: PhaseTimes,
+    stats: CommStats,
+}
+
+/// Transient memory high-water marks, in bytes.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Peaks {
+    pub transient: u64,
+    pub gathered: u64,
+    pub activations: u64,
+}

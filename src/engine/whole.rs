@@ -1,0 +1,196 @@
+//! The model as a whole: [`Engine::forward`] and [`Engine::backward`] with the caller's
+//! closures, and [`Engine::eval`]. Every unit is gathered for the call at stage 3; Burn
+//! produces every gradient at once, and each unit's are reduced in reverse order.
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::{FloatDType, Tensor};
+
+use super::Engine;
+use super::grads::ReduceOptions;
+use super::params::{UnitGrads, take_grads};
+use crate::{Error, Result};
+
+impl<M: Module> Engine<M> {
+    /// Runs `f` on the model with every parameter present (at stage 3 every unit is
+    /// gathered first) and returns its result, typically the loss for
+    /// [`backward`](Self::backward). Every rank must call it the same number of times at
+    /// stage 3. A model built with [`with_units`](Self::with_units) trains with less
+    /// memory through [`forward_backward`](Self::forward_backward).
+    pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        self.gather_all()?;
+        let start = Instant::now();
+        let out = f(&self.model);
+        self.window.times.forward += start.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// Back-propagates `loss` (a one-element tensor from [`forward`](Self::forward)),
+    /// divided by the accumulation steps, and reduces every unit's gradients as the stage
+    /// prescribes. Returns the loss value.
+    pub fn backward(&mut self, loss: Tensor<1>) -> Result<f32> {
+        let (value, scaled) = self.scale_loss(loss)?;
+        let start = Instant::now();
+        let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
+        let reduce_start = Instant::now();
+        self.window.times.backward += (reduce_start - start).as_secs_f64();
+        let all = vec![true; self.units.len()];
+        let taken = take_grads(&self.model, &mut grads, &self.shared.index, &self.shared.sharding, &all)?;
+        drop(grads);
+        for (id, grads) in taken.into_iter().enumerate().rev() {
+            let grads = grads.unwrap_or_else(|| UnitGrads::empty(self.shared.layout(id).entries().len()));
+            let previous = (id + 1 < self.units.len()).then_some(id + 1);
+            self.reduce_unit(id, grads, previous)?;
+        }
+        self.window.times.reduce += reduce_start.elapsed().as_secs_f64();
+        for id in 0..self.units.len() {
+            self.release(id);
+        }
+        Ok(self.end_micro_step(value))
+    }
+
+    /// Checks the loss, and returns its value and the tensor to back-propagate: cast to
+    /// f32, times the loss scale, divided by the accumulation steps.
+    pub(super) fn scale_loss(&self, loss: Tensor<1>) -> Result<(f32, Tensor<1>)> {
+        if loss.dims() != [1] {
+            return Err(Error::Usage(format!("backward needs a one-element loss, got shape {:?}", loss.dims())));
+        }
+        let loss = loss.cast(FloatDType::F32);
+        let value = loss.clone().into_scalar::<f32>();
+        Ok((value, self.scaled(loss)))
+    }
+
+    /// `loss` (f32) times the loss scale, divided by the accumulation steps.
+    pub(super) fn scaled(&self, loss: Tensor<1>) -> Tensor<1> {
+        let gas = self.shared.plan.batch.gradient_accumulation_steps as f32;
+        match &self.progress.scaler {
+            Some(scaler) => loss.mul_scalar(scaler.scale() as f32).div_scalar(gas),
+            None => loss.div_scalar(gas),
+        }
+    }
+
+    /// Starts reducing unit `id`'s gradients of this backward pass, after settling the
+    /// reductions still in flight of the unit reduced before it, `previous` (so at most one
+    /// unit's reductions overlap the next unit's backward).
+    pub(super) fn reduce_unit(&mut self, id: usize, grads: UnitGrads, previous: Option<usize>) -> Result<()> {
+        if let Some(previous) = previous {
+            self.units[previous].settle(&mut self.window.times)?;
+        }
+        let plan = &self.shared.plan;
+        let options = ReduceOptions {
+            reduce_scatter: plan.zero.reduce_scatter,
+            comm_dtype: plan.precision.comm,
+            bucket_elems: plan.zero.reduce_bucket_size,
+            first: self.window.micro_steps == 0,
+            boundary: self.next_micro_step_is_boundary(),
+            overlap: plan.zero.overlap_comm,
+        };
+        let bytes = self.units[id].reduce(grads, &self.shared, options, &mut self.window.times)?;
+        self.peaks.transient = self.peaks.transient.max(bytes);
+        Ok(())
+    }
+
+    /// Counts a finished micro-step whose losses (the model's and its units' terms) sum to
+    /// `value`; returns it.
+    pub(super) fn end_micro_step(&mut self, value: f32) -> f32 {
+        self.progress.counters.micro_steps += 1;
+        self.window.micro_steps += 1;
+        self.window.loss_sum += f64::from(value);
+        value
+    }
+
+    /// Stage 3: gathers every unit into the model (each fetch started before the previous
+    /// unit is written, so transfers overlap writes). Nothing to do at stages 0-2.
+    pub(super) fn gather_all(&mut self) -> Result<()> {
+        if !self.shared.plan.zero.stage.shards_parameters() {
+            return Ok(());
+        }
+        for id in 0..self.units.len() {
+            if let Some(next) = self.units.get_mut(id + 1) {
+                next.fetch(&self.shared)?;
+            }
+            self.gather(id)?;
+        }
+        Ok(())
+    }
+
+    /// Makes unit `id` present in the model (stage 3) and records the gathered peak and
+    /// the time.
+    pub(super) fn gather(&mut self, id: usize) -> Result<()> {
+        let start = Instant::now();
+        let model = self.model.clone();
+        let (model, bytes) = self.units[id].gather(model, &self.shared, &mut self.window.times)?;
+        self.model = model;
+        self.note_gathered(bytes);
+        self.window.times.gather += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Stage 3: releases unit `id` from the model.
+    pub(super) fn release(&mut self, id: usize) {
+        if self.shared.plan.zero.stage.shards_parameters()
+            && (self.units[id].is_gathered() || self.units[id].is_fetching())
+        {
+            let model = self.model.clone();
+            self.model = self.units[id].release(model, &self.shared);
+        }
+    }
+
+    /// Updates the peaks after a gather whose buffer held `buffer_bytes`: the gathered
+    /// units and fetches in flight now.
+    pub(super) fn note_gathered(&mut self, buffer_bytes: u64) {
+        let elem_bytes = self.shared.dtype().bytes_per_elem() as u64;
+        let live: u64 = self
+            .units
+            .iter()
+            .filter(|u| u.is_gathered() || u.is_fetching())
+            .map(|u| u.gathered_elems(&self.shared))
+            .sum();
+        self.peaks.gathered = self.peaks.gathered.max(live * elem_bytes);
+        self.peaks.transient = self.peaks.transient.max(buffer_bytes);
+    }
+
+    /// Runs `f` on the model in evaluation mode (no autodiff graph, buffers read, not
+    /// updated: Burn's inference path), with every parameter present: at stage 3 the model
+    /// is gathered for the call and released after it. The buffers are first averaged over
+    /// the data-parallel ranks. Neither its time nor its traffic counts in the next step's
+    /// report. Every rank must call it.
+    pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        let paused = self.window.pause(self.comm_stats());
+        let result = self.eval_gathered(f);
+        self.window.resume(paused, self.comm_stats());
+        result
+    }
+
+    fn eval_gathered<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        self.sync_buffers()?;
+        let was_released: Vec<bool> = self.units.iter().map(|u| !u.is_gathered()).collect();
+        self.gather_all()?;
+        let result = f(&self.model.valid());
+        for (id, released) in was_released.into_iter().enumerate() {
+            if released {
+                self.release(id);
+            }
+        }
+        Ok(result)
+    }
+
+    /// Averages the model's buffers (BatchNorm's running statistics, frozen parameters)
+    /// over the data-parallel ranks, so that every rank holds the same values (see the note
+    /// in `engine/buffers.rs`); evaluation, checkpoints and exports do it themselves. Every
+    /// rank must call it.
+    pub fn sync_buffers(&mut self) -> Result<()> {
+        let model = self.model.clone();
+        self.model = self.buffers.average(model, self.shared.comm.as_ref())?;
+        Ok(())
+    }
+
+    /// A copy of the model with every parameter present and current (gathered at stage 3)
+    /// and the buffers averaged, on every rank: for evaluation or export. Every rank must
+    /// call it. [`gather_model`](Self::gather_model) makes it on one rank only.
+    pub fn full_model(&mut self) -> Result<M> {
+        self.eval(|model| model.clone().train())
+    }
+}
