@@ -206,6 +206,13 @@ pub(super) struct Parts {
 /// The model with buffers of its own, forked onto the rank's device, its trainable
 /// parameters (path, shape) and their index; an error if it has none, saying why.
 pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, ParamShapes, ParamIndex)> {
+    if !ctx.device().is_autodiff() {
+        return Err(Error::Usage(
+            "the rank's device has no autodiff, so nothing can train: build the context on an autodiff device \
+             (Device::flex().autodiff()); launch does"
+                .into(),
+        ));
+    }
     // `valid()` copies every running state out of the caller's model (a clone shares
     // them), `train()` restores each parameter's gradient tracking (module note in
     // `buffers.rs`).
@@ -215,15 +222,10 @@ pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, Para
         let floats = count_floats(&model);
         let why = if floats == 0 {
             "it has no float parameters".to_string()
-        } else if !ctx.device().is_autodiff() {
-            format!(
-                "its {floats} float tensors do not track gradients because the rank's device has no autodiff: \
-                 build the context on an autodiff device (Device::flex().autodiff())"
-            )
         } else {
             format!(
-                "none of its {floats} float tensors tracks gradients: build it on an autodiff device \
-                 (Device::flex().autodiff()), and unfreeze what should train"
+                "none of its {floats} float tensors is set to train (frozen with no_grad or freeze?): unfreeze what \
+                 should train"
             )
         };
         return Err(Error::Model(format!("the model has no trainable parameters: {why}")));

@@ -157,7 +157,10 @@ fn the_main_job_runs_under_mpirun_speaks_once_and_resumes_at_another_size() {
 
 /// `mpirun -np 2 zerotrain train` on the tiny config into `dir`, running for a long time;
 /// returns the job once rank 0 has logged step 20, with the rest of its stdout.
-fn long_training_job(dir: &std::path::Path, save_every: &str) -> (std::process::Child, impl Iterator<Item = String>) {
+fn long_training_job(
+    dir: &std::path::Path,
+    save_every: &str,
+) -> (std::process::Child, impl Iterator<Item = String> + Send + use<>) {
     use std::io::BufRead;
     let mut child = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", env!("CARGO_BIN_EXE_zerotrain"), "train"])
@@ -235,4 +238,78 @@ fn ranks_stop_at_once_when_mpirun_is_killed_and_write_nothing_after() {
     zerotrain_checkpoint::Checkpoint::open(&dir.join("checkpoints"), None).unwrap().verify().unwrap();
     println!("ranks stopped {stopped:?} after mpirun was killed; latest step {at_kill} -> {after}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Regression: `mpirun -np 2 zerotrain train` over a recipe with `"backend": "threads"`
+/// trained two independent jobs into one run folder. Now both processes refuse it before
+/// anything is written, naming the key and the process count.
+#[test]
+fn an_explicit_threads_backend_under_mpirun_is_refused_before_anything_is_written() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-mpi-threads-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let tiny = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/tiny.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&tiny).unwrap();
+    config["zerotrain"]["backend"] = "threads".into();
+    let file = dir.join("threads.json");
+    std::fs::write(&file, config.to_string()).unwrap();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", env!("CARGO_BIN_EXE_zerotrain"), "train"])
+        .arg("--config")
+        .arg(&file)
+        .args(["--steps", "2", "--out"])
+        .arg(dir.join("run"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("`zerotrain.backend`: is \"threads\" but mpirun started 2 processes"), "{stderr}");
+    assert!(!dir.join("run").exists(), "nothing may be written");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Regression: only MPI rank 0 locked the run folder, so another job's cleanup could
+/// delete this job's partial checkpoint. Every process now holds a lock of its own while
+/// it trains, and a second job into the same folder fails at once.
+#[test]
+fn every_process_of_a_job_holds_its_lock_on_the_run_folder() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-mpi-locks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (mut job, lines) = long_training_job(&dir, "0");
+    // Keep reading the job's output: a rank blocked on a full pipe never reaches a step
+    // boundary to stop at.
+    let drain = std::thread::spawn(move || lines.count());
+    for name in [".zerotrain.lock", ".zerotrain.rank1.lock"] {
+        let file = std::fs::OpenOptions::new().write(true).open(dir.join(name)).expect(name);
+        assert!(
+            matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)),
+            "{name} is not held while the job trains"
+        );
+    }
+    let second = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", env!("CARGO_BIN_EXE_zerotrain"), "train"])
+        .args(["--config", "configs/tiny.json", "--steps", "3", "--resume", "--out"])
+        .arg(&dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success() && stderr.contains("is in use by another zerotrain run"), "{stderr}");
+    for rank in children(job.id()) {
+        let _ = Command::new("kill").args(["-TERM", &rank]).status();
+    }
+    assert!(job.wait().unwrap().success(), "the first job saves and exits 0");
+    drain.join().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Regression: MPI ranks' BatchNorm running statistics diverged (2.8e-2 after 60 steps)
+/// and exports took rank 0's. Every process now ends with the same statistics, those the
+/// same training on threads gives.
+#[test]
+fn batchnorm_statistics_agree_across_mpi_processes_like_threads() {
+    let (out, _) = run(3, &["buffers"], Duration::from_secs(300));
+    assert_success(&out, "buffers");
+    assert_eq!(ok_lines(&out).len(), 3, "every rank checks");
 }

@@ -12,12 +12,14 @@
 //!   run at the same world size (threads if not under mpirun).
 //! - `fail-error` / `fail-kill` / `fail-stall`: rank 1 returns an error / SIGKILLs itself
 //!   / SIGSTOPs itself at step 2 (the last with a 2 s collective timeout).
+//! - `buffers`: a BatchNorm conv net, 6 steps at stage 2: every rank's running statistics
+//!   equal, and equal to the threads backend's.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
-use zerotrain::app::models::{Mlp, RegressionTask};
+use zerotrain::app::models::{ConvNet, ImageTask, Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::collective::{OpKind, convention_bytes};
@@ -213,6 +215,40 @@ fn train_pipelined(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::
     engine.master_params()
 }
 
+fn conv_net() -> ConvNet {
+    let device = Device::flex().autodiff();
+    device.seed(35);
+    ConvNet::new(4, &device)
+}
+
+/// Six steps of the conv net at this rank's share of 12 images per step; returns its
+/// running statistics (after the engine averaged them over the ranks).
+fn train_conv(model: ConvNet, ctx: &RankContext, plan: &Plan) -> Result<Vec<f32>, Error> {
+    let mut engine = Engine::with_units(model, plan, ctx)?;
+    let per = plan.batch.micro_batch_per_rank;
+    for step in 0..6u64 {
+        let first = step * plan.batch.train_batch_size + ctx.rank() as u64 * per;
+        engine.forward_backward(&ImageTask.batch(first..first + per, ctx.device()))?;
+        engine.step()?;
+    }
+    engine.sync_buffers()?;
+    drop(burn::module::Module::valid(engine.module()));
+    let mut values = Vec::new();
+    burn::module::Module::visit(engine.module(), &mut Statistics(&mut values));
+    Ok(values)
+}
+
+/// Collects the non-trainable tensors' values.
+struct Statistics<'a>(&'a mut Vec<f32>);
+
+impl burn::module::ModuleVisitor for Statistics<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<D>>) {
+        if !param.val().is_require_grad() {
+            self.0.extend(param.val().into_data().try_to_vec::<f32>().expect("f32 statistics"));
+        }
+    }
+}
+
 /// The variable that carries a rank's arguments, separated by [`ARG_SEPARATOR`].
 pub const ARGS_VAR: &str = "ZEROTRAIN_MPI_RANK_ARGS";
 /// Separates the arguments in [`ARGS_VAR`].
@@ -295,6 +331,40 @@ fn rank_program() {
                     assert!(diff <= 2e-6, "resumed vs uninterrupted: {diff}");
                     println!("ok resume stage {stage} world {} diff {diff:e}", ctx.world_size());
                 }
+            }
+            "buffers" => {
+                let conv = conv_net();
+                let plan = plan(2, Some(ctx.world_size()));
+                let mine = train_conv(conv.clone(), &ctx, &plan)?;
+                let comm = ctx.collective();
+                let mut all = vec![0.0f32; mine.len() * ctx.world_size()];
+                comm.all_gather((&mine).into(), (&mut all).into())?;
+                for (rank, theirs) in all.chunks(mine.len()).enumerate() {
+                    assert!(
+                        theirs == mine.as_slice(),
+                        "rank {rank}'s running statistics differ from rank {}'s",
+                        ctx.rank()
+                    );
+                }
+                if ctx.rank() == 0 {
+                    let mut threads = plan.clone();
+                    threads.runtime.backend = zerotrain::config::Backend::Threads;
+                    let world = ThreadWorld::new(threads.world_size(), Duration::from_secs(60));
+                    let reference = std::thread::scope(|s| {
+                        let handles: Vec<_> = (0..threads.world_size())
+                            .map(|rank| {
+                                let ctx =
+                                    RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
+                                let (plan, conv) = (&threads, conv.clone());
+                                s.spawn(move || train_conv(conv, &ctx, plan).expect("threads reference"))
+                            })
+                            .collect();
+                        handles.into_iter().next().unwrap().join().unwrap()
+                    });
+                    let diff = max_diff(&mine, &reference);
+                    assert!(diff <= 1e-6, "MPI vs threads running statistics differ by {diff}");
+                }
+                println!("ok buffers rank {}", ctx.rank());
             }
             "fail-error" | "fail-kill" | "fail-stall" => {
                 train(model.clone(), &ctx, &the_plan, 0..5, None, None, Some(mode))?;

@@ -111,3 +111,75 @@ fn a_forward_before_step_does_not_leave_stale_weights_at_stage_3() {
     };
     assert_eq!(run(true), run(false), "losses and masters equal the run without the extra forward");
 }
+
+/// What the engine does otherwise than a user may believe, it says once, on rank 0's
+/// standard error and in `notices()`: each of these ran silently before (issue 22).
+#[test]
+fn settings_the_chosen_path_ignores_and_surprising_layouts_are_noticed_once() {
+    use zerotrain::app::models::{Gpt, GptConfig};
+    let device = burn::tensor::Device::flex().autodiff();
+    let gpt = Gpt::new(
+        &GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 7, tied_head: true },
+        &device,
+    );
+    let json = |stage: u8, checkpointing: bool| {
+        let section = if checkpointing { r#""activation_checkpointing": {},"# } else { "" };
+        format!(r#"{{ {section} "train_micro_batch_size_per_gpu": 2, "zero_optimization": {{"stage": {stage}}}}}"#)
+    };
+    let notices = |stage: u8, checkpointing: bool, units: bool, micro: usize| {
+        let plan = plan(&json(stage, checkpointing), 1);
+        launch(&plan, |ctx| {
+            let mut engine = if units {
+                Engine::with_units(gpt.clone(), &plan, &ctx)?
+            } else {
+                Engine::new(gpt.clone(), &plan, &ctx)?
+            };
+            let tokens = burn::tensor::Tensor::<2, burn::tensor::Int>::zeros([micro, 5], ctx.device());
+            if units {
+                engine.forward_backward(&tokens)?;
+                engine.step()?;
+                engine.forward_backward(&tokens)?;
+            }
+            Ok::<_, Error>(engine.notices().to_vec())
+        })
+        .unwrap()
+        .swap_remove(0)
+    };
+    let has = |list: &[String], needle: &str| list.iter().filter(|n| n.contains(needle)).count();
+    // activation_checkpointing with Engine::new: ignored, and said so.
+    let one_unit = notices(0, true, false, 2);
+    assert_eq!(has(&one_unit, "activation_checkpointing is set, but Engine::new"), 1, "{one_unit:?}");
+    // Stage 3 in units without checkpointing keeps each unit gathered until its backward.
+    let kept = notices(3, false, true, 2);
+    assert_eq!(has(&kept, "stage 3 without activation_checkpointing"), 1, "{kept:?}");
+    assert_eq!(has(&notices(3, true, true, 2), "stage 3 without"), 0);
+    // The tied embedding joins the root, named once.
+    assert_eq!(has(&kept, "no declared unit claims token.weight"), 1, "{kept:?}");
+    // A micro-batch smaller than the config's, once however often it happens.
+    let short = notices(0, false, true, 1);
+    assert_eq!(has(&short, "a micro-batch of 1 samples where train_micro_batch_size_per_gpu is 2"), 1, "{short:?}");
+    assert_eq!(has(&notices(0, false, true, 2), "a micro-batch of"), 0);
+}
+
+/// Regression: a model built without `.autodiff()` was reported only as "no trainable
+/// parameters". Such a model now trains (its parameters are configured to train, a setting
+/// Burn keeps, and the engine forks them onto the rank's autodiff device); a frozen model's
+/// error says why, and a context without autodiff is refused by name.
+#[test]
+fn a_model_without_gradient_tracking_is_an_error_that_says_why() {
+    use burn::nn::LinearConfig;
+    let plan = plan(&recipe(0, 2, 1, 0.0), 1);
+    let frozen = burn::module::Module::no_grad(Mlp::new(&[6, 8, 6], &burn::tensor::Device::flex().autodiff()));
+    let err = launch(&plan, |ctx| Engine::new(frozen.clone(), &plan, &ctx).map(|_| ())).unwrap_err().to_string();
+    assert!(err.contains("none of its 4 float tensors is set to train (frozen"), "{err}");
+    let plain = burn::tensor::Device::flex();
+    let layer = LinearConfig::new(3, 2).init(&plain);
+    let trained = launch(&plan, |ctx| Engine::new(layer.clone(), &plan, &ctx).map(|e| e.num_params())).unwrap();
+    assert_eq!(trained, vec![3 * 2 + 2], "built on a plain device, configured to train");
+    let wrong_ctx = zerotrain::RankContext::new(
+        std::sync::Arc::new(zerotrain_zero::ThreadWorld::new(1, std::time::Duration::from_secs(5)).communicator(0)),
+        plain.clone(),
+    );
+    let err = Engine::new(layer, &plan, &wrong_ctx).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("the rank's device has no autodiff"), "{err}");
+}

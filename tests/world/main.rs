@@ -2,6 +2,7 @@
 //! One test binary, so Burn is linked once.
 
 mod api;
+mod buffers;
 mod checkpoint;
 mod comm;
 mod common;

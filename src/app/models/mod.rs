@@ -1,9 +1,12 @@
 //! Built-in models: the [`Gpt`] of the main job, and small models ([`Mlp`],
-//! [`TinyTransformer`]) with a deterministic regression task for the examples and tests.
-//! Dropout is off everywhere so that runs are exactly reproducible.
+//! [`TinyTransformer`]) with a deterministic regression task, and a BatchNorm
+//! [`ConvNet`] with a classification task, for the examples and tests. Dropout is off
+//! everywhere so that runs are exactly reproducible.
 
+mod conv;
 mod gpt;
 
+pub use conv::{ConvBlock, ConvNet, ImageTask, Images};
 pub use gpt::{Block, Gpt, GptConfig};
 
 use burn::module::Module;

@@ -1,0 +1,288 @@
+//! Buffers (BatchNorm's running statistics) with DeepSpeed/DDP semantics, on a conv net in
+//! the shape of Burn's MNIST example: every rank ends with the same values (the average of
+//! what each rank's batches give), no rank shares them with another or with the caller's
+//! model, checkpoints and consolidated files keep them, evaluation and recomputation leave
+//! them alone. Each test failed before buffers were handled (issue 22).
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor, TensorData};
+use zerotrain::app::models::{ConvNet, ImageTask};
+use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
+use zerotrain_precision::Precision;
+
+use crate::common::*;
+
+const TASK_IMAGES: ImageTask = ImageTask;
+const MICRO: u64 = 4;
+const LR: f64 = 0.02;
+
+/// AdamW at a constant lr (no schedule, so the reference needs none), `world` ranks.
+fn conv_plan(stage: u8, world: usize, extra: &str) -> Plan {
+    plan(
+        &format!(
+            r#"{{ {extra} "train_micro_batch_size_per_gpu": {MICRO},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}}}},
+                "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
+                "zerotrain": {{"comm_timeout_s": 60}}}}"#
+        ),
+        world,
+    )
+}
+
+fn seeded(seed: u64) -> ConvNet {
+    let device = Device::flex().autodiff();
+    device.seed(seed);
+    ConvNet::new(4, &device)
+}
+
+/// Samples of rank `rank`'s micro-batch at step `step` of `world` ranks.
+fn samples(step: u64, rank: usize, world: usize) -> std::ops::Range<u64> {
+    let first = (step * world as u64 + rank as u64) * MICRO;
+    first..first + MICRO
+}
+
+/// Every non-trainable float tensor by path, read as Burn's own `valid()` sees it (a
+/// `RunningState` defers its last update until it is next read).
+pub(crate) fn buffers_of<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
+    struct Collect(Vec<String>, Vec<(String, Vec<f32>)>);
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.val().is_require_grad() {
+                self.1.push((self.0.join("."), param.val().into_data().try_to_vec::<f32>().expect("f32 buffer")));
+            }
+        }
+    }
+    drop(model.valid());
+    let mut c = Collect(Vec::new(), Vec::new());
+    model.visit(&mut c);
+    c.1
+}
+
+/// `model` with its buffers set to `values` (in [`buffers_of`]'s order).
+fn with_buffers<M: Module>(model: M, values: &[(String, Vec<f32>)]) -> M {
+    struct Set<'a>(std::slice::Iter<'a, (String, Vec<f32>)>);
+    impl ModuleMapper for Set<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if param.val().is_require_grad() {
+                return param;
+            }
+            let (_, values) = self.0.next().expect("as many buffers");
+            param.map(|t| {
+                let shape: [usize; D] = t.dims();
+                Tensor::from_data(TensorData::new(values.clone(), shape), &t.device())
+            })
+        }
+    }
+    drop(model.valid());
+    model.map(&mut Set(values.iter()))
+}
+
+fn mean_of(sets: &[Vec<(String, Vec<f32>)>]) -> Vec<(String, Vec<f32>)> {
+    let n = sets.len() as f32;
+    (0..sets[0].len())
+        .map(|b| {
+            let len = sets[0][b].1.len();
+            let mean = (0..len).map(|i| sets.iter().map(|s| s[b].1[i]).sum::<f32>() / n).collect();
+            (sets[0][b].0.clone(), mean)
+        })
+        .collect()
+}
+
+/// Plain Burn, one process: each step every rank's micro-batch runs on the model as the
+/// step found it (its own batch statistics, as a rank normalises over its micro-batch), the
+/// losses are averaged for one backward, and the running statistics become the mean of
+/// what each rank's forward left (DDP-style averaging, written here, not by the engine).
+fn reference(init: &ConvNet, world: usize, steps: u64) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+    let device = Device::flex().autodiff();
+    let mut model = init.clone().valid().train().fork(&device);
+    let mut optim: ModuleOptimizer = burn::optim::AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.99)
+        .with_epsilon(1e-8)
+        .with_weight_decay(0.1)
+        .init();
+    for step in 0..steps {
+        let before = buffers_of(&model);
+        let (mut total, mut after) = (None::<Tensor<1>>, Vec::new());
+        for rank in 0..world {
+            model = with_buffers(model, &before);
+            let loss = model.loss(&TASK_IMAGES.batch(samples(step, rank, world), &device));
+            total = Some(match total {
+                Some(t) => t + loss,
+                None => loss,
+            });
+            after.push(buffers_of(&model));
+        }
+        let loss = total.unwrap().div_scalar(world as f32);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(LR, model, grads);
+        model = with_buffers(model, &mean_of(&after));
+    }
+    (params_by_path(&model), buffers_of(&model))
+}
+
+/// Trains `steps` with the engine (units or one unit), syncs the buffers, and returns
+/// every rank's (parameters, buffers).
+fn engine_run(init: &ConvNet, plan: &Plan, steps: u64, units: bool) -> Vec<(Params, Params)> {
+    let world = plan.world_size();
+    launch(plan, |ctx| {
+        let mut engine =
+            if units { Engine::with_units(init.clone(), plan, &ctx)? } else { Engine::new(init.clone(), plan, &ctx)? };
+        for step in 0..steps {
+            let batch = TASK_IMAGES.batch(samples(step, ctx.rank(), world), ctx.device());
+            if units {
+                engine.forward_backward(&batch)?;
+            } else {
+                let loss = engine.forward(|m| m.loss(&batch))?;
+                engine.backward(loss)?;
+            }
+            engine.step()?;
+        }
+        engine.sync_buffers()?;
+        let buffers = buffers_of(engine.module());
+        Ok::<_, Error>((params_by_path(&engine.full_model()?), buffers))
+    })
+    .unwrap()
+}
+
+type Params = Vec<(String, Vec<f32>)>;
+
+fn max_diff(a: &Params, b: &Params) -> f32 {
+    max_abs_diff(a, b).0
+}
+
+/// Regression: running statistics were handled by accident (shared by thread ranks through
+/// `clone()`, divergent under MPI). Now every rank holds the average of its ranks', which
+/// the plain-Burn reference computes step by step.
+#[test]
+fn a_batchnorm_model_trains_like_the_per_rank_batch_reference_with_averaged_running_statistics() {
+    let init = seeded(31);
+    for world in [1, 2, 3] {
+        let (ref_params, ref_buffers) = reference(&init, world, 4);
+        assert!(ref_buffers.iter().any(|(p, _)| p.ends_with("running_mean")), "{ref_buffers:?}");
+        for stage in [0, 2, 3] {
+            for units in [false, true] {
+                let what = format!("world {world} stage {stage} units {units}");
+                let ranks = engine_run(&init, &conv_plan(stage, world, ""), 4, units);
+                for (rank, (params, buffers)) in ranks.iter().enumerate() {
+                    assert!(buffers == &ranks[0].1, "{what}: rank {rank}'s buffers differ from rank 0's");
+                    assert!(params == &ranks[0].0, "{what}: rank {rank}'s parameters differ");
+                }
+                let (params, buffers) = &ranks[0];
+                let (dp, db) = (max_diff(params, &ref_params), max_diff(buffers, &ref_buffers));
+                assert!(dp <= 2e-6, "{what}: parameters differ from the reference by {dp}");
+                assert!(db <= 2e-6, "{what}: running statistics differ from the reference by {db}");
+                if world == 1 {
+                    assert_eq!(db, 0.0, "{what}: one rank has nothing to average");
+                }
+            }
+        }
+    }
+}
+
+/// Regression: thread ranks trained the caller's own `RunningState` (Burn's `clone()`
+/// shares it), so the "initial" model ended up holding trained statistics.
+#[test]
+fn the_callers_model_keeps_its_running_statistics() {
+    let init = seeded(32);
+    let before = buffers_of(&init);
+    let trained = engine_run(&init, &conv_plan(2, 2, ""), 3, true);
+    assert!(buffers_of(&init) == before, "the caller's model was trained");
+    assert!(trained[0].1 != before, "the engine's model trained its statistics");
+}
+
+/// Evaluation runs in inference mode: it reads the running statistics and changes nothing,
+/// so evaluating twice gives the same loss and leaves the buffers as they were; and a
+/// recomputed unit (activation checkpointing) updates them once, as without recomputation.
+#[test]
+fn evaluation_and_recomputation_leave_running_statistics_alone() {
+    let init = seeded(33);
+    for stage in [0, 3] {
+        let plan = conv_plan(stage, 2, "");
+        let checkpointed = conv_plan(stage, 2, r#""activation_checkpointing": {},"#);
+        let kept = engine_run(&init, &plan, 3, true);
+        let recomputed = engine_run(&init, &checkpointed, 3, true);
+        assert!(kept[0] == recomputed[0], "stage {stage}: recomputation changed parameters or statistics");
+        let held_out = launch(&plan, |ctx| {
+            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+            let batch = TASK_IMAGES.batch(samples(0, ctx.rank(), 2), ctx.device());
+            engine.forward_backward(&batch)?;
+            engine.step()?;
+            let test = TASK_IMAGES.batch(1000..1032, ctx.device());
+            let first = engine.evaluate(&test)?;
+            let after_first = buffers_of(engine.module());
+            let second = engine.evaluate(&test)?;
+            let closure = engine.eval(|m| m.loss(&test).into_scalar::<f32>())?;
+            Ok::<_, Error>((first, second, closure, after_first, buffers_of(engine.module())))
+        })
+        .unwrap();
+        for (first, second, closure, after_first, after) in held_out {
+            assert_eq!(first, second, "stage {stage}: evaluation changed the model");
+            assert!(after_first == after, "stage {stage}: evaluation changed the running statistics");
+            assert!((first - closure).abs() <= 1e-6 * first.abs(), "stage {stage}: {first} vs eval's {closure}");
+        }
+    }
+}
+
+/// Regression: checkpoints dropped the running statistics (held-out accuracy after a
+/// resume fell from 0.88 to 0.59 with identical weights) and `consolidate` omitted them, so
+/// a strict Burn load failed. Now a resume at another world size evaluates exactly as the
+/// saving run did, and the consolidated and exported files load strictly into Burn.
+#[test]
+fn checkpoints_and_exports_keep_running_statistics() {
+    use burn::store::{ModuleSnapshot, SafetensorsStore};
+    let init = seeded(34);
+    let dir = std::env::temp_dir().join(format!("zt-buffers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let exported = dir.join("exported.safetensors");
+    let saving = conv_plan(2, 2, "");
+    let test = |device: &Device| TASK_IMAGES.batch(1000..1064, device);
+    let saved = launch(&saving, |ctx| {
+        let mut engine = Engine::with_units(init.clone(), &saving, &ctx)?;
+        for step in 0..6 {
+            engine.forward_backward(&TASK_IMAGES.batch(samples(step, ctx.rank(), 2), ctx.device()))?;
+            engine.step()?;
+        }
+        engine.save_checkpoint(&dir, None, serde_json::Value::Null)?;
+        engine.save_model(&exported, Precision::Fp32)?;
+        let model = engine.gather_model(0)?;
+        assert_eq!(model.is_some(), ctx.rank() == 0, "the model is gathered on rank 0 only");
+        Ok::<_, Error>((engine.evaluate(&test(ctx.device()))?, buffers_of(engine.module())))
+    })
+    .unwrap();
+    let (loss, buffers) = saved[0].clone();
+    assert!(buffers.iter().any(|(_, v)| v.iter().any(|&x| x != 0.0 && x != 1.0)), "statistics were trained");
+    for world in [1, 3] {
+        let plan = conv_plan(3, world, "");
+        let resumed = launch(&plan, |ctx| {
+            let mut engine = Engine::with_units(seeded(99), &plan, &ctx)?;
+            engine.load_checkpoint(&dir, None, LoadOptions::default())?;
+            Ok::<_, Error>((engine.evaluate(&test(ctx.device()))?, buffers_of(engine.module())))
+        })
+        .unwrap();
+        for (got, statistics) in resumed {
+            assert!(statistics == buffers, "world {world}: the resumed running statistics differ");
+            assert_eq!(got, loss, "world {world}: the resumed model evaluates differently");
+        }
+    }
+    let file = dir.join("consolidated.safetensors");
+    zerotrain::consolidate(&dir, None, &file, Precision::Fp32).unwrap();
+    for path in [&file, &exported] {
+        let mut model = seeded(1234);
+        let mut store = SafetensorsStore::from_file(path).allow_partial(false);
+        let applied = model.load_from(&mut store).unwrap();
+        assert!(applied.errors.is_empty() && applied.missing.is_empty(), "{}: {applied:?}", path.display());
+        assert!(buffers_of(&model) == buffers, "{}: running statistics", path.display());
+        let device = Device::flex().autodiff();
+        let loss_here = model.valid().loss(&test(&device)).into_scalar::<f32>();
+        assert!((loss_here - loss).abs() <= 1e-5 * loss.abs(), "{}: {loss_here} vs {loss}", path.display());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
