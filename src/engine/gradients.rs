@@ -150,20 +150,21 @@ pub struct Gradients<'a> {
 }
 
 impl Gradients<'_> {
-    /// The global L2 norm (over every rank), the one `gradient_clipping` clips to. After
-    /// [`for_each_mut`](Self::for_each_mut) it is measured again: every rank must then call
-    /// it (or leave it to `step`).
-    pub fn global_norm(&mut self) -> Result<f32> {
+    /// The global L2 norm (over every rank), exactly the one `gradient_clipping` clips to
+    /// (in f64, as the step computes it). After [`for_each_mut`](Self::for_each_mut) it is
+    /// measured again: every rank must then call it (or leave it to `step`).
+    pub fn global_norm(&mut self) -> Result<f64> {
         if self.prepared.stale_norm {
             self.remeasure()?;
         }
-        Ok(self.prepared.norm() as f32)
+        Ok(self.prepared.norm())
     }
 
     /// Multiplies the gradients by `factor` (custom clipping: `max / norm`), exactly: the
-    /// factor joins the step's one multiply.
-    pub fn scale(&mut self, factor: f32) {
-        self.prepared.numerator *= f64::from(factor);
+    /// factor joins the step's one multiply, so scaling to a norm by hand gives the bits
+    /// `gradient_clipping` gives.
+    pub fn scale(&mut self, factor: f64) {
+        self.prepared.numerator *= factor;
     }
 
     /// Calls `f` with each piece of a parameter this rank holds a gradient for: its module

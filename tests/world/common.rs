@@ -33,6 +33,19 @@ pub fn recipe(stage: u8, micro: u64, gas: u64, clip: f64) -> String {
     )
 }
 
+/// The lr of optimizer step `step` (from 0) under the recipe's schedule, written from
+/// DeepSpeed's definition rather than asked of the engine: WarmupLR, linear, 0.001 to 0.01
+/// over 3 steps, and DeepSpeed's convention that step `k` runs at the schedule's value for
+/// `last_batch_iteration = k - 1` (the min at -1 and 0, then `min + (max - min) * i / 3`).
+pub fn recipe_lr(step: u64) -> f64 {
+    let (min, max, warmup) = (0.001, 0.01, 3.0);
+    match step.checked_sub(1) {
+        None => min,
+        Some(i) if (i as f64) < warmup => min + (max - min) * i as f64 / warmup,
+        Some(_) => max,
+    }
+}
+
 /// The Burn optimizer the recipe describes, built independently of the engine.
 pub fn reference_optimizer() -> ModuleOptimizer {
     AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.99).with_epsilon(1e-8).with_weight_decay(0.1).init()
@@ -84,8 +97,7 @@ pub fn reference_run_on<M: Module>(
                 scale_grads(&model, &mut grads, coef as f32);
             }
         }
-        let lr = plan.optim.schedule.lr(step as i64 - 1);
-        model = optim.step(lr, model, grads);
+        model = optim.step(recipe_lr(step), model, grads);
     }
     (losses, model)
 }

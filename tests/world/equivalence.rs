@@ -164,7 +164,7 @@ fn a_parameter_unused_in_forward_gets_a_zero_gradient() {
         for ((path, got), (_, start)) in unused.iter().zip(&init_unused) {
             let mut want = start.clone();
             for step in 0..STEPS {
-                let keep = (1.0 - plan.optim.schedule.lr(step as i64 - 1) * 0.1) as f32;
+                let keep = (1.0 - recipe_lr(step) * 0.1) as f32;
                 want.iter_mut().for_each(|w| *w *= keep);
             }
             let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);

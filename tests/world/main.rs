@@ -10,6 +10,7 @@ mod equivalence;
 mod failure;
 #[cfg(feature = "wgpu")]
 mod gpu;
+mod handles;
 mod memory;
 mod mixed;
 mod overflow;

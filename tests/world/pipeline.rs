@@ -259,3 +259,34 @@ fn pipeline_misuse_is_a_clear_error() {
     assert!(err.contains("the plan has no pipeline section"), "{err}");
     let _: fn(&mut Pipeline<Gpt>, &Tensor<2, Int>) -> zerotrain::Result<f32> = Pipeline::evaluate;
 }
+
+/// A pipeline's model goes back to one rank only: each stage's first rank sends its units
+/// (the root from the first stage), so rank 0 holds exactly the masters of every stage and
+/// no other rank holds the model; the exported file loads into Burn with those values.
+#[test]
+fn a_pipelines_model_is_gathered_on_one_rank_and_exported() {
+    use burn::store::{ModuleSnapshot, SafetensorsStore};
+    let init = tiny_gpt(true, 27);
+    let plan = plan(&pipeline_recipe(1, 2, "1f1b", 2, ""), 4);
+    let file = std::env::temp_dir().join(format!("zt-pipeline-export-{}.safetensors", std::process::id()));
+    let out = launch(&plan, |ctx| {
+        let mut pipeline = Pipeline::new(init.clone(), &plan, &ctx)?;
+        let d = pipeline.data_parallel_rank();
+        pipeline.train_batch(|micro| W.tokens(indices(&plan, 0, micro, d, 2), ctx.device()))?;
+        let model = pipeline.gather_model(0)?;
+        pipeline.save_model(&file, zerotrain_precision::Precision::Fp32)?;
+        Ok::<_, Error>((model.map(|m| params_by_path(&m)), pipeline.master_params()?))
+    })
+    .unwrap();
+    for (rank, (model, _)) in out.iter().enumerate() {
+        assert_eq!(model.is_some(), rank == 0, "rank {rank}");
+    }
+    let (model, master) = (out[0].0.clone().unwrap(), &out[0].1);
+    let gathered: Vec<f32> = model.iter().flat_map(|(_, v)| v.iter().copied()).collect();
+    assert!(&gathered == master, "the gathered model holds every stage's masters");
+    let mut loaded = tiny_gpt(true, 999);
+    let applied = loaded.load_from(&mut SafetensorsStore::from_file(&file).allow_partial(false)).unwrap();
+    assert!(applied.errors.is_empty() && applied.missing.is_empty(), "{applied:?}");
+    assert!(params_by_path(&loaded) == model, "the exported file holds the gathered values");
+    std::fs::remove_file(&file).unwrap();
+}
