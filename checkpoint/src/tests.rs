@@ -289,10 +289,62 @@ fn consolidation_streams_parameters_larger_than_one_chunk_exactly() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// The largest single allocation each thread asks for, so that a test can bound memory
+/// whatever the machine would grant (an overcommitting kernel hands out 64 GiB of virtual
+/// memory without complaint, so a failed test could otherwise pass).
+mod largest_allocation {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static LARGEST: Cell<usize> = const { Cell::new(0) };
+    }
+
+    fn note(size: usize) {
+        // `try_with`: the thread may be tearing down its locals.
+        let _ = LARGEST.try_with(|l| l.set(l.get().max(size)));
+    }
+
+    /// The system allocator, noting request sizes.
+    pub struct Tracking;
+
+    // SAFETY: every call forwards to `System` with the caller's arguments unchanged; the
+    // note is a `const`-initialised thread-local `Cell`, whose access never allocates.
+    unsafe impl GlobalAlloc for Tracking {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            note(layout.size());
+            // SAFETY: the caller's contract for `alloc` holds unchanged.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            note(layout.size());
+            // SAFETY: as above.
+            unsafe { System.alloc_zeroed(layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            note(new_size);
+            // SAFETY: as above, for `realloc`.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: as above, for `dealloc`.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static GLOBAL: Tracking = Tracking;
+
+    /// The largest allocation this thread asked for since the last call.
+    pub fn take() -> usize {
+        LARGEST.with(|l| l.replace(0))
+    }
+}
+
 /// Regression: consolidation allocated each parameter as the manifest sized it before any
 /// shard was read, so a checksummed manifest claiming a 64 GiB parameter aborted the
 /// process. It now streams in bounded chunks and fails on the first shard that does not
-/// match.
+/// match; no allocation beyond a few chunks is ever asked for.
 #[test]
 fn a_manifest_claiming_a_huge_parameter_fails_without_allocating_it() {
     let root = temp_root("huge-param");
@@ -308,7 +360,10 @@ fn a_manifest_claiming_a_huge_parameter_fails_without_allocating_it() {
     std::fs::write(ckpt.dir().join("manifest.json"), m.to_bytes().unwrap()).unwrap();
     let ckpt = Checkpoint::open(&root, None).expect("the manifest itself is consistent");
     let out = root.join("model.safetensors");
+    largest_allocation::take();
     let err = consolidate(&ckpt, &out, Precision::Fp32).unwrap_err().to_string();
+    let largest = largest_allocation::take();
+    assert!(largest <= 4 * crate::consolidate::CHUNK_ELEMS as usize * 2, "asked for {largest} bytes at once");
     assert!(err.contains("rank0.safetensors"), "{err}");
     assert!(!out.exists() && !root.join("model.safetensors.partial").exists());
     std::fs::remove_dir_all(&root).unwrap();

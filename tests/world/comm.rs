@@ -2,7 +2,6 @@
 
 use zerotrain::app::models::Mlp;
 use zerotrain::{Engine, Error, launch};
-use zerotrain_zero::collective::{OpKind, convention_bytes};
 
 use crate::common::*;
 
@@ -30,12 +29,20 @@ fn bytes_per_step_equal_each_stages_collectives() {
                 .unwrap();
                 for (rank, (bytes, layout)) in per_rank.iter().enumerate() {
                     let (n, psi, padded) = (world_size, layout.num_elems(), layout.padded_elems());
-                    let op = |kind, elems| convention_bytes(kind, elems, 4, n, rank, 0);
-                    let (rs, ag) = (op(OpKind::ReduceScatter, padded), op(OpKind::AllGather, padded));
-                    let metrics = op(OpKind::AllReduce, n + 1);
+                    // The ring algorithms' per-rank volumes, written from their definition:
+                    // reduce-scatter and all-gather of P padded elements receive P (N-1)/N;
+                    // an all-reduce of L elements reduces this rank's chunk from N-1 peers
+                    // and fetches the other chunks (the first L % N chunks one longer).
+                    let ring = |elems: usize| (elems / n * (n - 1) * 4) as u64;
+                    let all_reduce = |len: usize| {
+                        let own = len / n + usize::from(rank < len % n);
+                        ((len - own + (n - 1) * own) * 4) as u64
+                    };
+                    let (rs, ag) = (ring(padded), ring(padded));
+                    let metrics = all_reduce(n + 1);
                     let expected = metrics
                         + match stage {
-                            0 => op(OpKind::AllReduce, psi),
+                            0 => all_reduce(psi),
                             1 => rs + ag,
                             2 => gas * rs + ag,
                             _ => gas * (ag + rs),

@@ -43,10 +43,30 @@ fn memory_report_equals_the_fp32_adam_formula_plus_padding() {
                 assert_eq!(report.master, 0, "{what}: fp32 parameters are their own master");
                 assert_eq!(report.optimizer, formula.optimizer, "{what}: optimizer");
                 assert!(padded - psi < 16 * world_size as u64, "{what}: padding beyond one alignment quantum");
-                assert!(report.peak_transient > 0, "{what}");
+                assert_eq!(report.peak_transient, transient_peak(stage_index, psi, padded, shard), "{what}");
             }
         }
     }
+}
+
+/// The largest set of transient buffers one fp32 step of one unit holds at once, from the
+/// rule (bytes; `psi` elements, `padded` with padding, `shard` per rank, one bucket):
+/// - building: the broadcast values and their compute-dtype copy, `8 padded`;
+/// - backward: Burn's per-parameter gradients (`4 psi`), plus at stage 1 the
+///   reduce-scatter's output shard, at stages 2-3 the bucket (`4 padded`) and its shard;
+/// - the step: the optimizer's range in and out (`8 range`), plus the parameters it
+///   publishes (stage 0: all `psi`; stages 1-2: the all-gathered `padded`; stage 3: none);
+/// - stage 3's gather of the unit (`4 padded`).
+fn transient_peak(stage: u8, psi: u64, padded: u64, shard: u64) -> u64 {
+    let build = 8 * padded;
+    let backward = 4 * psi + [0, 4 * shard, 4 * padded + 4 * shard, 4 * padded + 4 * shard][stage as usize];
+    let step = match stage {
+        0 => 8 * psi + 4 * psi,
+        1 | 2 => 8 * shard + 4 * padded,
+        _ => 8 * shard,
+    };
+    let gather = if stage == 3 { 4 * padded } else { 0 };
+    build.max(backward).max(step).max(gather)
 }
 
 #[test]
