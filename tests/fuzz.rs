@@ -103,6 +103,84 @@ const WORDS: &[&str] = &[
     "mpi",
     "linear",
     "none",
+    "pipeline",
+    "stages",
+    "partition",
+    "partition_method",
+    "activation_checkpoint_interval",
+    "activation_checkpointing",
+    "partition_activations",
+    "number_checkpoints",
+    "overlap_comm",
+    "reduce_scatter",
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "contiguous_gradients",
+    "allgather_bucket_size",
+    "schedule",
+    "1f1b",
+    "gpipe",
+    "parameters",
+    "uniform",
+    "param_groups",
+    "*.bias",
+];
+
+/// A config with every section the library resolves, valid as written; the structured
+/// fuzzer edits it at [`CONFIG_FIELDS`], so each case gets past parsing into the sections'
+/// rules (random configs rarely nest known keys deep enough).
+fn full_config() -> Value {
+    serde_json::json!({
+        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0, "steps_per_print": 5, "wall_clock_breakdown": true, "seed": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100,
+                                                          "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}},
+        "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_scatter": true, "reduce_bucket_size": 1000,
+                              "stage3_prefetch_bucket_size": 100, "stage3_max_live_parameters": 1000,
+                              "stage3_param_persistence_threshold": 10, "contiguous_gradients": true},
+        "bf16": {"enabled": true},
+        "communication_data_type": "bf16",
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "pipeline": {"stages": 2, "partition": "parameters", "activation_checkpoint_interval": 1},
+        "activation_checkpointing": {"partition_activations": false, "number_checkpoints": 2},
+        "zerotrain": {"world_size": 2, "schedule": "gpipe", "comm_timeout_s": 30, "keep_last_n_checkpoints": 2,
+                      "param_groups": [{"params": ["*.bias"], "weight_decay": 0}, {"params": ["head.*"], "lr": 1e-4}]}
+    })
+}
+
+/// JSON pointers into [`full_config`] whose values the structured fuzzer replaces.
+const CONFIG_FIELDS: &[&str] = &[
+    "/train_batch_size",
+    "/gradient_accumulation_steps",
+    "/gradient_clipping",
+    "/optimizer/type",
+    "/optimizer/params/lr",
+    "/optimizer/params/betas",
+    "/scheduler/type",
+    "/scheduler/params/warmup_num_steps",
+    "/scheduler/params/total_num_steps",
+    "/zero_optimization/stage",
+    "/zero_optimization/overlap_comm",
+    "/zero_optimization/reduce_bucket_size",
+    "/zero_optimization/stage3_prefetch_bucket_size",
+    "/zero_optimization/stage3_max_live_parameters",
+    "/zero_optimization/contiguous_gradients",
+    "/bf16",
+    "/bf16/enabled",
+    "/communication_data_type",
+    "/pipeline",
+    "/pipeline/stages",
+    "/pipeline/partition",
+    "/pipeline/activation_checkpoint_interval",
+    "/activation_checkpointing",
+    "/activation_checkpointing/number_checkpoints",
+    "/zerotrain/world_size",
+    "/zerotrain/schedule",
+    "/zerotrain/param_groups",
+    "/zerotrain/param_groups/0/params",
+    "/zerotrain/param_groups/1/lr",
+    "/zerotrain/param_groups/0/weight_decay",
 ];
 
 fn text() -> impl Strategy<Value = String> {
@@ -173,6 +251,30 @@ fn generated_configs_resolve_or_fail_cleanly() {
         })
         .unwrap();
     println!("configs: {cases} generated cases, no panic");
+}
+
+#[test]
+fn edits_of_a_config_with_every_section_resolve_or_fail_cleanly() {
+    let base = full_config();
+    assert!(
+        Config::parse(&base.to_string(), "base").unwrap().resolve(Overrides::default()).is_ok(),
+        "the base config resolves, so edits reach each section's rules"
+    );
+    let (mut runner, cases) = runner();
+    let strategy = (vec((prop::sample::select(CONFIG_FIELDS), value()), 1..6), overrides());
+    runner
+        .run(&strategy, |(edits, overrides)| {
+            let mut config = base.clone();
+            for (pointer, replacement) in edits {
+                if let Some(slot) = config.pointer_mut(pointer) {
+                    *slot = replacement;
+                }
+            }
+            parse_and_resolve(&config.to_string(), overrides);
+            Ok(())
+        })
+        .unwrap();
+    println!("structured configs: {cases} generated cases, no panic");
 }
 
 #[test]

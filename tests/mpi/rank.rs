@@ -41,7 +41,15 @@ fn plan(stage: u8, world_size: Option<usize>) -> Plan {
 fn init() -> Mlp {
     let device = Device::flex().autodiff();
     device.seed(31);
-    Mlp::new(&[6, 24, 6], &device)
+    drawn(Mlp::new(&[6, 24, 6], &device))
+}
+
+/// `model` with its lazily initialised values drawn now, from the seed just set (Burn
+/// draws a parameter's values at its first access, which would otherwise happen in the
+/// rank threads).
+fn drawn<M: burn::module::Module>(model: M) -> M {
+    drop(burn::module::Module::valid(&model));
+    model
 }
 
 /// Trains `model` for `steps` on `ctx` (optionally resuming / saving / failing) and returns
@@ -218,7 +226,7 @@ fn train_pipelined(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::
 fn conv_net() -> ConvNet {
     let device = Device::flex().autodiff();
     device.seed(35);
-    ConvNet::new(4, &device)
+    drawn(ConvNet::new(4, &device))
 }
 
 /// Six steps of the conv net at this rank's share of 12 images per step; returns its

@@ -9,7 +9,7 @@ use crate::common::*;
 fn step_acts_only_at_accumulation_boundaries_and_counts_like_deepspeed() {
     let plan = plan(&recipe(2, 2, 3, 0.0), 2);
     let lrs = launch(&plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), &plan, &ctx)?;
         assert_eq!(engine.get_global_grad_norm(), None);
         let mut lrs = vec![engine.get_lr()];
         for micro in 0..9u64 {
@@ -44,7 +44,7 @@ fn step_acts_only_at_accumulation_boundaries_and_counts_like_deepspeed() {
 fn usage_errors_are_errors_not_panics() {
     let plan = plan(&recipe(0, 2, 1, 0.0), 1);
     launch(&plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), &plan, &ctx)?;
         assert!(matches!(engine.step(), Err(Error::Usage(m)) if m.contains("without a backward")));
         let batch = TASK.batch(0..2, ctx.device());
         let per_sample =
@@ -55,7 +55,7 @@ fn usage_errors_are_errors_not_panics() {
     .unwrap();
     let wrong = super::common::plan(&recipe(0, 2, 1, 0.0), 2);
     let err =
-        launch(&plan, |ctx| Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &wrong, &ctx).map(|_| ())).unwrap_err();
+        launch(&plan, |ctx| Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), &wrong, &ctx).map(|_| ())).unwrap_err();
     assert!(err.to_string().contains("plan is for 2 ranks, the communicator has 1"), "{err}");
 }
 
@@ -63,7 +63,7 @@ fn usage_errors_are_errors_not_panics() {
 fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
     let plan = plan(&recipe(3, 2, 1, 0.0), 2);
     launch(&plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), &plan, &ctx)?;
         let released = engine.memory_report().params;
         assert_eq!(released, 4 * engine.sharding().units()[0].layout.shard_len() as u64);
         let batch = TASK.batch(0..4, ctx.device());
@@ -88,9 +88,7 @@ fn eval_at_stage3_gathers_for_the_call_and_releases_after_it() {
 #[test]
 fn a_forward_before_step_does_not_leave_stale_weights_at_stage_3() {
     let plan = plan(&recipe(3, 2, 1, 0.0), 2);
-    let device = burn::tensor::Device::flex().autodiff();
-    device.seed(9);
-    let init = Mlp::new(&[6, 16, 6], &device);
+    let init = seeded(9, |d| Mlp::new(&[6, 16, 6], d));
     let run = |extra_forward: bool| {
         launch(&plan, |ctx| {
             let mut engine = Engine::new(init.clone(), &plan, &ctx)?;
@@ -117,11 +115,9 @@ fn a_forward_before_step_does_not_leave_stale_weights_at_stage_3() {
 #[test]
 fn settings_the_chosen_path_ignores_and_surprising_layouts_are_noticed_once() {
     use zerotrain::app::models::{Gpt, GptConfig};
-    let device = burn::tensor::Device::flex().autodiff();
-    let gpt = Gpt::new(
-        &GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 7, tied_head: true },
-        &device,
-    );
+    let gpt = fresh(|device| {
+        Gpt::new(&GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 7, tied_head: true }, device)
+    });
     let json = |stage: u8, checkpointing: bool| {
         let section = if checkpointing { r#""activation_checkpointing": {},"# } else { "" };
         format!(r#"{{ {section} "train_micro_batch_size_per_gpu": 2, "zero_optimization": {{"stage": {stage}}}}}"#)
@@ -169,11 +165,11 @@ fn settings_the_chosen_path_ignores_and_surprising_layouts_are_noticed_once() {
 fn a_model_without_gradient_tracking_is_an_error_that_says_why() {
     use burn::nn::LinearConfig;
     let plan = plan(&recipe(0, 2, 1, 0.0), 1);
-    let frozen = burn::module::Module::no_grad(Mlp::new(&[6, 8, 6], &burn::tensor::Device::flex().autodiff()));
+    let frozen = burn::module::Module::no_grad(fresh(|d| Mlp::new(&[6, 8, 6], d)));
     let err = launch(&plan, |ctx| Engine::new(frozen.clone(), &plan, &ctx).map(|_| ())).unwrap_err().to_string();
     assert!(err.contains("none of its 4 float tensors is set to train (frozen"), "{err}");
     let plain = burn::tensor::Device::flex();
-    let layer = LinearConfig::new(3, 2).init(&plain);
+    let layer = fresh(|_| LinearConfig::new(3, 2).init(&plain));
     let trained = launch(&plan, |ctx| Engine::new(layer.clone(), &plan, &ctx).map(|e| e.num_params())).unwrap();
     assert_eq!(trained, vec![3 * 2 + 2], "built on a plain device, configured to train");
     let wrong_ctx = zerotrain::RankContext::new(

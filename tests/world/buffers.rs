@@ -30,10 +30,8 @@ fn conv_plan(stage: u8, world: usize, extra: &str) -> Plan {
     )
 }
 
-fn seeded(seed: u64) -> ConvNet {
-    let device = Device::flex().autodiff();
-    device.seed(seed);
-    ConvNet::new(4, &device)
+fn seeded_net(seed: u64) -> ConvNet {
+    seeded(seed, |d| ConvNet::new(4, d))
 }
 
 /// Samples of rank `rank`'s micro-batch at step `step` of `world` ranks.
@@ -163,7 +161,7 @@ fn max_diff(a: &Params, b: &Params) -> f32 {
 /// the plain-Burn reference computes step by step.
 #[test]
 fn a_batchnorm_model_trains_like_the_per_rank_batch_reference_with_averaged_running_statistics() {
-    let init = seeded(31);
+    let init = seeded_net(31);
     for world in [1, 2, 3] {
         let (ref_params, ref_buffers) = reference(&init, world, 4);
         assert!(ref_buffers.iter().any(|(p, _)| p.ends_with("running_mean")), "{ref_buffers:?}");
@@ -191,7 +189,7 @@ fn a_batchnorm_model_trains_like_the_per_rank_batch_reference_with_averaged_runn
 /// shares it), so the "initial" model ended up holding trained statistics.
 #[test]
 fn the_callers_model_keeps_its_running_statistics() {
-    let init = seeded(32);
+    let init = seeded_net(32);
     let before = buffers_of(&init);
     let trained = engine_run(&init, &conv_plan(2, 2, ""), 3, true);
     assert!(buffers_of(&init) == before, "the caller's model was trained");
@@ -203,7 +201,7 @@ fn the_callers_model_keeps_its_running_statistics() {
 /// recomputed unit (activation checkpointing) updates them once, as without recomputation.
 #[test]
 fn evaluation_and_recomputation_leave_running_statistics_alone() {
-    let init = seeded(33);
+    let init = seeded_net(33);
     for stage in [0, 3] {
         let plan = conv_plan(stage, 2, "");
         let checkpointed = conv_plan(stage, 2, r#""activation_checkpointing": {},"#);
@@ -238,7 +236,7 @@ fn evaluation_and_recomputation_leave_running_statistics_alone() {
 #[test]
 fn checkpoints_and_exports_keep_running_statistics() {
     use burn::store::{ModuleSnapshot, SafetensorsStore};
-    let init = seeded(34);
+    let init = seeded_net(34);
     let dir = std::env::temp_dir().join(format!("zt-buffers-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let exported = dir.join("exported.safetensors");
@@ -262,7 +260,7 @@ fn checkpoints_and_exports_keep_running_statistics() {
     for world in [1, 3] {
         let plan = conv_plan(3, world, "");
         let resumed = launch(&plan, |ctx| {
-            let mut engine = Engine::with_units(seeded(99), &plan, &ctx)?;
+            let mut engine = Engine::with_units(seeded_net(99), &plan, &ctx)?;
             engine.load_checkpoint(&dir, None, LoadOptions::default())?;
             Ok::<_, Error>((engine.evaluate(&test(ctx.device()))?, buffers_of(engine.module())))
         })
@@ -275,7 +273,7 @@ fn checkpoints_and_exports_keep_running_statistics() {
     let file = dir.join("consolidated.safetensors");
     zerotrain::consolidate(&dir, None, &file, Precision::Fp32).unwrap();
     for path in [&file, &exported] {
-        let mut model = seeded(1234);
+        let mut model = seeded_net(1234);
         let mut store = SafetensorsStore::from_file(path).allow_partial(false);
         let applied = model.load_from(&mut store).unwrap();
         assert!(applied.errors.is_empty() && applied.missing.is_empty(), "{}: {applied:?}", path.display());

@@ -12,7 +12,7 @@ fn bytes_per_step_equal_each_stages_collectives() {
             for stage in 0..=3u8 {
                 let plan = plan(&recipe(stage, 2, gas, 0.0), world_size);
                 let per_rank = launch(&plan, |ctx| {
-                    let mut engine = Engine::new(Mlp::new(&[6, 24, 24, 6], ctx.device()), &plan, &ctx)?;
+                    let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 24, 24, 6], d)), &plan, &ctx)?;
                     let mut bytes = Vec::new();
                     for step in 0..2 {
                         for micro in 0..gas {

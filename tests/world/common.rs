@@ -7,6 +7,43 @@ use burn::tensor::{Device, Tensor};
 use zerotrain::app::models::{Batch, RegressionTask};
 use zerotrain::{Config, Overrides, Plan};
 
+/// Note: building models in tests. Burn draws a parameter's initial values from Flex's
+/// process-wide RNG at the parameter's first access, not at construction. Tests run in
+/// threads of one process, so a test that seeded and built a model could get values shaped
+/// by another test seeding or drawing before the first access: the initial model, and so
+/// every measured difference, varied from run to run (engine and reference always shared
+/// it, so no comparison was wrong, but none was repeatable). Every model the tests build is
+/// therefore seeded (or not), built and materialised under one lock.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `build` on a fresh autodiff device after seeding Flex's RNG with `seed`, every value
+/// drawn before the lock is released (see the note above).
+pub fn seeded<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M {
+    let _rng = RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let device = Device::flex().autodiff();
+    device.seed(seed);
+    materialized(build(&device))
+}
+
+/// `build` without a seed (values do not matter), still under the lock so that it cannot
+/// draw between another test's seed and that test's draws.
+pub fn fresh<M: Module>(build: impl FnOnce(&Device) -> M) -> M {
+    let _rng = RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    materialized(build(&Device::flex().autodiff()))
+}
+
+/// `model` with every lazily initialised value drawn.
+fn materialized<M: Module>(model: M) -> M {
+    struct Touch;
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            drop(param.val());
+        }
+    }
+    model.visit(&mut Touch);
+    model
+}
+
 /// The task every equivalence test trains on.
 pub const TASK: RegressionTask = RegressionTask { seq_len: 5, features: 6 };
 

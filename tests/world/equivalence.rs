@@ -108,21 +108,17 @@ where
 
 #[test]
 fn mlp_matches_plain_burn_at_every_world_size_and_stage() {
-    let device = Device::flex().autodiff();
-    device.seed(7);
     let dims = [TASK.features, 24, 24, TASK.features];
-    let init = Mlp::new(&dims, &device);
-    check_model(&init, &|d: &Device| Mlp::new(&dims, d), |m: &Mlp, b: &Batch| m.loss(b));
+    let init = seeded(7, |d| Mlp::new(&dims, d));
+    check_model(&init, &|_: &Device| crate::common::fresh(|d| Mlp::new(&dims, d)), |m: &Mlp, b: &Batch| m.loss(b));
 }
 
 #[test]
 fn transformer_block_matches_plain_burn_at_every_world_size_and_stage() {
-    let device = Device::flex().autodiff();
-    device.seed(11);
-    let init = TinyTransformer::new(TASK.features, 16, 2, &device);
+    let init = seeded(11, |d| TinyTransformer::new(TASK.features, 16, 2, d));
     check_model(
         &init,
-        &|d: &Device| TinyTransformer::new(TASK.features, 16, 2, d),
+        &|_: &Device| crate::common::fresh(|d| TinyTransformer::new(TASK.features, 16, 2, d)),
         |m: &TinyTransformer, b: &Batch| m.loss(b),
     );
 }
@@ -142,12 +138,12 @@ struct PartlyUsed {
 #[test]
 fn a_parameter_unused_in_forward_gets_a_zero_gradient() {
     let device = Device::flex().autodiff();
-    device.seed(5);
-    let new = |d: &Device| PartlyUsed {
+    let build = |d: &Device| PartlyUsed {
         used: Mlp::new(&[TASK.features, 12, TASK.features], d),
         unused: burn::nn::LinearConfig::new(3, 4).init(d),
     };
-    let init = new(&device);
+    let new = |_: &Device| crate::common::fresh(build);
+    let init = seeded(5, build);
     let init_unused: Vec<(String, Vec<f32>)> = params_by_path(&init.unused);
     for stage in 0..=3 {
         let plan = plan(&recipe(stage, 2, 2, 0.0), 2);

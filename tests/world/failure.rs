@@ -14,7 +14,7 @@ fn train_with_fault(
     fault: impl Fn(usize, u64) -> Result<(), String> + Sync,
 ) -> Result<Vec<()>, Error> {
     launch(plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), plan, &ctx)?;
         for step in 0..steps {
             if let Err(message) = fault(ctx.rank(), step) {
                 return Err(Box::<dyn std::error::Error + Send + Sync>::from(message));
@@ -69,7 +69,7 @@ fn a_rank_that_stops_calling_collectives_times_the_others_out() {
     let start = Instant::now();
     let plan = plan(&json, 3);
     let result = launch(&plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), &plan, &ctx)?;
         if ctx.rank() == 0 {
             return Ok(()); // leaves without training: a hung or vanished rank
         }
@@ -131,7 +131,7 @@ fn stalled_rank_child() {
     let json = recipe(1, 2, 1, 0.0).replace("\"comm_timeout_s\": 60", "\"comm_timeout_s\": 0.5");
     let plan = plan(&json, 3);
     let _ = launch(&plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&[6, 8, 6], ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), &plan, &ctx)?;
         if ctx.rank() == 0 {
             loop {
                 std::thread::sleep(Duration::from_secs(1)); // alive, stuck in its own code

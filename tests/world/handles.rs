@@ -32,9 +32,7 @@ fn constant(stage: u8, micro: u64, world: usize, extra: &str, zerotrain: &str) -
 }
 
 fn seeded_mlp(seed: u64) -> Mlp {
-    let device = Device::flex().autodiff();
-    device.seed(seed);
-    Mlp::new(&[6, 16, 16, 6], &device)
+    seeded(seed, |d| Mlp::new(&[6, 16, 16, 6], d))
 }
 
 /// The global batch of step `step` for `plan`.
@@ -473,8 +471,7 @@ impl UnitModel for TwoStream {
 #[test]
 fn tuples_between_units_and_a_units_loss_term_train_like_plain_burn() {
     let device = Device::flex().autodiff();
-    device.seed(48);
-    let init = TwoStream::new(&device);
+    let init = seeded(48, TwoStream::new);
     let base = constant(0, 2, 2, "", "");
     let mut model = init.clone().fork(&device);
     let mut optim: ModuleOptimizer =

@@ -27,3 +27,26 @@ fn the_minimal_example_trains() {
     let (first, last) = minimal_example::train();
     assert!(last < first / 5.0, "loss {first} -> {last}");
 }
+
+/// A library program that resolved its config without `detect_mpirun` (the minimal
+/// example) is stopped by `launch` inside a 3-process mpirun job instead of training 3
+/// independent copies. This test binary runs the example again as its own child, with
+/// mpirun's environment (so the program checked is the one this build compiled).
+#[test]
+fn the_minimal_example_refuses_a_plan_made_without_mpirun_inside_an_mpirun_job() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "minimal_example_under_mpirun_child", "--nocapture"])
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "3")
+        .output()
+        .unwrap();
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("mpirun started 3 processes but the plan was resolved for 2 ranks"), "{all}");
+}
+
+#[test]
+#[ignore = "the child process of the_minimal_example_refuses_a_plan_made_without_mpirun_inside_an_mpirun_job"]
+fn minimal_example_under_mpirun_child() {
+    minimal_example::train();
+}

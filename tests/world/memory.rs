@@ -13,7 +13,7 @@ const DIMS: [usize; 4] = [6, 24, 24, 6];
 fn report_after_one_step(json: &str, world_size: usize) -> Vec<(MemoryReport, FlatLayout)> {
     let plan = plan(json, world_size);
     launch(&plan, |ctx| {
-        let mut engine = Engine::new(Mlp::new(&DIMS, ctx.device()), &plan, &ctx)?;
+        let mut engine = Engine::new(fresh(|d| Mlp::new(&DIMS, d)), &plan, &ctx)?;
         let batch = TASK.batch(rank_indices(&plan, 0, 0, ctx.rank()), ctx.device());
         let loss = engine.forward(|m| m.loss(&batch))?;
         engine.backward(loss)?;

@@ -1,6 +1,5 @@
 //! fp16 and bf16 training: loss scaling, skipped steps, half-precision traffic and memory.
 
-use burn::tensor::Device;
 use zerotrain::app::models::{Mlp, TinyTransformer};
 use zerotrain::{Engine, Error, MemoryReport, Plan, StepReport, launch};
 use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
@@ -53,16 +52,12 @@ fn run_mlp(plan: &Plan, init: &Mlp, steps: &[u64], poison: &[u64]) -> Result<Run
 }
 
 fn seeded_mlp() -> Mlp {
-    let device = Device::flex().autodiff();
-    device.seed(5);
-    Mlp::new(&[6, 16, 6], &device)
+    seeded(5, |d| Mlp::new(&[6, 16, 6], d))
 }
 
 #[test]
 fn fp16_and_bf16_track_the_fp32_loss_curve_at_every_stage() {
-    let device = Device::flex().autodiff();
-    device.seed(9);
-    let init = TinyTransformer::new(TASK.features, 16, 2, &device);
+    let init = seeded(9, |d| TinyTransformer::new(TASK.features, 16, 2, d));
     const STEPS: u64 = 200;
     let curve = |precision: &str, stage: u8| {
         let plan = plan(&mixed_recipe(stage, precision, ""), 2);

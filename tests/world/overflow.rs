@@ -1,6 +1,5 @@
 //! A step whose gradients are not finite is skipped on every rank and leaves no trace.
 
-use burn::tensor::Device;
 use zerotrain::app::models::Mlp;
 use zerotrain::{Counters, Engine, Error, Plan, launch};
 
@@ -31,9 +30,7 @@ fn run(plan: &Plan, init: &Mlp, data_steps: &[u64], poison: Option<u64>) -> Outc
 
 #[test]
 fn an_overflowing_step_is_skipped_everywhere_and_changes_nothing() {
-    let device = Device::flex().autodiff();
-    device.seed(3);
-    let init = Mlp::new(&[6, 16, 6], &device);
+    let init = seeded(3, |d| Mlp::new(&[6, 16, 6], d));
     for world_size in [2, 3] {
         for stage in 0..=3 {
             let what = format!("world {world_size} stage {stage}");
@@ -53,9 +50,7 @@ fn an_overflowing_step_is_skipped_everywhere_and_changes_nothing() {
 
 #[test]
 fn with_the_check_off_a_non_finite_step_is_applied() {
-    let device = Device::flex().autodiff();
-    device.seed(3);
-    let init = Mlp::new(&[6, 16, 6], &device);
+    let init = seeded(3, |d| Mlp::new(&[6, 16, 6], d));
     let json = recipe(2, 2, 1, 0.0)
         .replace("\"comm_timeout_s\": 60", "\"comm_timeout_s\": 60, \"check_grad_overflow\": false");
     let plan = plan(&json, 2);

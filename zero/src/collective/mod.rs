@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use zerotrain_precision::{BufMut, BufRef};
 
 #[cfg(feature = "mpi")]
-pub use self::mpi::MpiComm;
+pub use self::mpi::{LAUNCHER_GONE_EXIT_CODE, MpiComm};
 pub use request::{Completed, Pending, Request};
 pub use threads::{ThreadComm, ThreadWorld};
 pub use worker::CommThread;

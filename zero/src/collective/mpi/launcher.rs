@@ -16,17 +16,25 @@
 
 use std::time::Duration;
 
+/// The exit status of a rank that ended because its launcher died (`EX_TEMPFAIL`), so
+/// that whoever reaps it can tell this watchdog from any other end.
+pub const LAUNCHER_GONE_EXIT_CODE: i32 = 75;
+
 /// Ends the process at once if `launcher` is no longer its parent (module note "a dead
 /// launcher").
 pub(super) fn exit_if_orphaned(launcher: u32) {
     if std::os::unix::process::parent_id() != launcher {
-        // Not eprintln!: stderr was a pipe to the dead launcher, and a failed write must
-        // not panic before the process ends.
+        // stderr was a pipe to the dead launcher: writing to it raises SIGPIPE, which (the
+        // `zerotrain` command restores its default) would end the process before it exits
+        // with its own status. Ignore it for this last write.
+        // SAFETY: setting a signal's disposition to SIG_IGN takes plain integers.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        // Not eprintln!: a failed write must not panic before the process ends.
         let message = format!("zerotrain: this rank's launcher (process {launcher}) is gone; the rank stops\n");
         let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
         // SAFETY: `_exit` takes no pointers and is always sound to call; it ends the
         // process at once without running exit handlers or destructors, as intended.
-        unsafe { libc::_exit(1) };
+        unsafe { libc::_exit(LAUNCHER_GONE_EXIT_CODE) };
     }
 }
 

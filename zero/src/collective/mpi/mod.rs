@@ -47,6 +47,7 @@ use mpi::traits::*;
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{BufMut, BufRef};
 
+pub use self::launcher::LAUNCHER_GONE_EXIT_CODE;
 use self::launcher::{exit_if_orphaned, exit_when_the_launcher_dies};
 use self::p2p::Outgoing;
 use crate::ZeroError;

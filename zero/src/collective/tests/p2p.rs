@@ -41,13 +41,19 @@ fn sends_are_buffered_and_arrive_in_order() {
 #[test]
 fn a_missing_message_times_out_naming_its_sender() {
     let start = Instant::now();
+    // Rank 1 calls nothing until rank 0's receive has timed out (no race on who times out
+    // first), then finds the world aborted.
+    let timed_out = std::sync::atomic::AtomicBool::new(false);
     let out = run_world(2, Duration::from_millis(300), |c| {
         let mut buf = [0.0f32; 2];
         if c.rank() == 0 {
-            c.recv((&mut buf[..]).into(), 1)
+            let result = c.recv((&mut buf[..]).into(), 1);
+            timed_out.store(true, std::sync::atomic::Ordering::SeqCst);
+            result
         } else {
-            // Enters the barrier later than rank 0 its receive, so rank 0 times out first.
-            std::thread::sleep(Duration::from_millis(100));
+            while !timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
             c.barrier()
         }
     });
