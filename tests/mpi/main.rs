@@ -74,6 +74,17 @@ fn training_at_every_stage_equals_the_threads_backend() {
     }
 }
 
+/// 16-bit gradients reduce over MPI as the threads backend reduces them: the same bits
+/// (summed in f32 in rank order, rounded once) and the same 16-bit bytes on the wire.
+#[test]
+fn half_precision_training_over_mpi_equals_threads_and_moves_16_bit_gradients() {
+    for n in [2, 3] {
+        let (out, _) = run(n, &["half"], Duration::from_secs(300));
+        assert_success(&out, "half");
+        assert_eq!(ok_lines(&out).len(), 4 * n, "2 precisions x 2 stages on every rank");
+    }
+}
+
 /// A 2-stage pipeline of 2 data-parallel processes each (activations and gradients as
 /// point-to-point messages, groups split from MPI's world) trains as the same pipeline of
 /// threads does, under both schedules.

@@ -12,6 +12,9 @@
 //!   run at the same world size (threads if not under mpirun).
 //! - `fail-error` / `fail-kill` / `fail-stall`: rank 1 returns an error / SIGKILLs itself
 //!   / SIGSTOPs itself at step 2 (the last with a 2 s collective timeout).
+//! - `half`: bf16 and fp16 at stages 0 and 2, 4 steps: the threads backend's masters (the
+//!   same bits at 2 processes) and the same bytes of every collective (16-bit gradients
+//!   travel as 16 bits).
 //! - `buffers`: a BatchNorm conv net, 6 steps at stage 2: every rank's running statistics
 //!   equal, and equal to the threads backend's.
 
@@ -22,14 +25,19 @@ use burn::tensor::Device;
 use zerotrain::app::models::{ConvNet, ImageTask, Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
-use zerotrain_zero::collective::{OpKind, convention_bytes};
+use zerotrain_zero::collective::{CommStats, OpKind, convention_bytes};
 use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
 const TASK: RegressionTask = RegressionTask { seq_len: 5, features: 6 };
 
 fn plan(stage: u8, world_size: Option<usize>) -> Plan {
+    plan_with(stage, world_size, "")
+}
+
+/// [`plan`] with `extra` top-level fields (each followed by a comma).
+fn plan_with(stage: u8, world_size: Option<usize>, extra: &str) -> Plan {
     let json = format!(
-        r#"{{"train_batch_size": 12, "gradient_clipping": 0.05, "zero_optimization": {{"stage": {stage}}},
+        r#"{{{extra} "train_batch_size": 12, "gradient_clipping": 0.05, "zero_optimization": {{"stage": {stage}}},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
             "zerotrain": {{"comm_timeout_s": 60}}}}"#
     );
@@ -99,6 +107,15 @@ fn train(
 
 /// The same training on `world_size` threads inside this process (rank 0's masters).
 fn threads_reference(plan: &Plan, steps: std::ops::Range<u64>, resume: Option<&str>) -> Vec<f32> {
+    threads_reference_with_traffic(plan, steps, resume).0
+}
+
+/// [`threads_reference`], with the traffic rank 0 recorded.
+fn threads_reference_with_traffic(
+    plan: &Plan,
+    steps: std::ops::Range<u64>,
+    resume: Option<&str>,
+) -> (Vec<f32>, CommStats) {
     let model = init();
     let mut plan = plan.clone();
     plan.runtime.backend = zerotrain::config::Backend::Threads;
@@ -109,7 +126,11 @@ fn threads_reference(plan: &Plan, steps: std::ops::Range<u64>, resume: Option<&s
                 let ctx = RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
                 let (plan, steps) = (&plan, steps.clone());
                 let model = model.clone();
-                s.spawn(move || train(model, &ctx, plan, steps, resume, None, None).expect("threads reference"))
+                s.spawn(move || {
+                    let before = ctx.collective().stats();
+                    let masters = train(model, &ctx, plan, steps, resume, None, None).expect("threads reference");
+                    (masters, ctx.collective().stats().since(&before))
+                })
             })
             .collect();
         handles.into_iter().next().unwrap().join().unwrap()
@@ -139,27 +160,46 @@ fn collectives(comm: &dyn Collective) {
             };
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                 let mut buf = FlatBuf::from_f32(dtype, &input(rank, len));
+                let before_reduce = comm.stats();
                 comm.all_reduce(buf.as_mut(), op).unwrap();
                 let got = buf.into_f32();
-                let tolerance = if op == ReduceOp::Sum { 1e-5 } else { 0.0 };
+                // 16-bit sums are combined in f32 in rank order and rounded once, as the
+                // host does: the same bits. MPI sums f32 in an order of its own.
+                let tolerance = if op == ReduceOp::Sum && dtype == Precision::Fp32 { 1e-5 } else { 0.0 };
                 for (g, h) in got.iter().zip(host(op)) {
-                    assert!(
-                        (g - h).abs()
-                            <= tolerance * h.abs().max(1.0)
-                                + if dtype == Precision::Fp32 { 0.0 } else { 0.02 * h.abs() },
-                        "{dtype} {op:?} len {len}: {g} vs {h}"
-                    );
+                    assert!((g - h).abs() <= tolerance * h.abs().max(1.0), "{dtype} {op:?} len {len}: {g} vs {h}");
                 }
+                let moved = comm.stats().since(&before_reduce);
+                assert_eq!(
+                    moved.all_reduce.bytes,
+                    convention_bytes(OpKind::AllReduce, len, dtype.bytes_per_elem(), n, rank, 0),
+                    "{dtype} all-reduce of {len} moves its own dtype's bytes"
+                );
             }
             let chunk = len / n;
             let src = FlatBuf::from_f32(dtype, &input(rank, chunk * n));
             let mut shard = FlatBuf::zeros(dtype, chunk);
             let before = comm.stats();
             comm.reduce_scatter(src.as_ref(), shard.as_mut(), ReduceOp::Sum).unwrap();
+            let expected: Vec<f32> = {
+                let widened: Vec<Vec<f32>> =
+                    (0..n).map(|r| FlatBuf::from_f32(dtype, &input(r, chunk * n)).into_f32()).collect();
+                let mine = rank * chunk..(rank + 1) * chunk;
+                let sums: Vec<f32> =
+                    mine.map(|i| widened.iter().skip(1).fold(widened[0][i], |a, w| a + w[i])).collect();
+                FlatBuf::from_f32(dtype, &sums).into_f32()
+            };
+            for (g, h) in shard.clone().into_f32().iter().zip(&expected) {
+                let tolerance = if dtype == Precision::Fp32 { 1e-5 * h.abs().max(1.0) } else { 0.0 };
+                assert!((g - h).abs() <= tolerance, "{dtype} reduce-scatter of {len}: {g} vs {h}");
+            }
             let mut full = FlatBuf::zeros(dtype, chunk * n);
             comm.all_gather(shard.as_ref(), full.as_mut()).unwrap();
             let moved = comm.stats().since(&before);
-            assert_eq!(moved.reduce_scatter.bytes, convention_bytes(OpKind::ReduceScatter, chunk * n, 4, n, rank, 0));
+            assert_eq!(
+                moved.reduce_scatter.bytes,
+                convention_bytes(OpKind::ReduceScatter, chunk * n, dtype.bytes_per_elem(), n, rank, 0)
+            );
             assert_eq!(
                 moved.all_gather.bytes,
                 convention_bytes(OpKind::AllGather, chunk * n, dtype.bytes_per_elem(), n, rank, 0)
@@ -325,6 +365,34 @@ fn rank_program() {
                         if ctx.rank() == 0 { max_diff(&got, &threads_reference(&plan, 0..4, None)) } else { 0.0 };
                     assert!(diff <= 1e-6, "stage {stage}: MPI vs threads differ by {diff}");
                     println!("ok train stage {stage} rank {} diff {diff:e}", ctx.rank());
+                }
+            }
+            "half" => {
+                let precisions =
+                    [r#""bf16": {"enabled": true},"#, r#""fp16": {"enabled": true, "initial_scale_power": 10},"#];
+                for precision in precisions {
+                    for stage in [0, 2] {
+                        let plan = plan_with(stage, Some(ctx.world_size()), precision);
+                        let comm = ctx.collective();
+                        let before = comm.stats();
+                        let got = train(model.clone(), &ctx, &plan, 0..4, None, None, None)?;
+                        let moved = comm.stats().since(&before);
+                        if ctx.rank() == 0 {
+                            let (reference, expected) = threads_reference_with_traffic(&plan, 0..4, None);
+                            // Two f32 terms sum alike in any order: the bits must agree.
+                            let diff = max_diff(&got, &reference);
+                            let bound = if ctx.world_size() == 2 { 0.0 } else { 1e-6 };
+                            assert!(diff <= bound, "{precision} stage {stage}: MPI vs threads differ by {diff}");
+                            for (kind, mpi, threads) in [
+                                ("all-reduce", moved.all_reduce.bytes, expected.all_reduce.bytes),
+                                ("reduce-scatter", moved.reduce_scatter.bytes, expected.reduce_scatter.bytes),
+                                ("all-gather", moved.all_gather.bytes, expected.all_gather.bytes),
+                            ] {
+                                assert_eq!(mpi, threads, "{precision} stage {stage}: {kind} bytes, MPI vs threads");
+                            }
+                        }
+                        println!("ok half {precision} stage {stage} rank {}", ctx.rank());
+                    }
                 }
             }
             "save" => {

@@ -1,10 +1,9 @@
 //! The MPI backend: one rank per process, under `mpirun`, on one or many machines.
 //!
 //! # Note: half precision over MPI
-//! MPI has no 16-bit float sum. Reductions of f16/bf16 buffers widen to f32, reduce, and
-//! round back once: twice the bytes of the half data on the wire, counted as such, plus
-//! one conversion each way. Gathers and broadcasts move the 16-bit patterns as `u16`,
-//! exactly half the bytes of f32.
+//! See the `half` module: f16/bf16 reductions travel as 16 bits and are summed in f32 in
+//! rank order, as the threads backend sums them (the same bits, half the bytes of f32).
+//! Gathers and broadcasts move the 16-bit patterns as `u16`.
 //!
 //! # Note: point-to-point
 //! See the `p2p` module: sends are buffered, driven by the communication thread.
@@ -53,6 +52,7 @@ use self::p2p::Outgoing;
 use crate::ZeroError;
 use crate::collective::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
 
+mod half;
 mod launcher;
 mod p2p;
 mod ring;
@@ -245,31 +245,26 @@ impl Collective for MpiComm {
         self.size
     }
 
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
         self.check(OpKind::AllReduce)?;
-        let len = buf.len();
-        // rsmpi has no MPI_IN_PLACE, so the send side is a copy; half buffers reduce in f32.
-        let reduce = |send: &[f32], recv: &mut [f32]| {
-            scope(|s| {
-                let request = self.world.immediate_all_reduce_into(s, send, recv, system_op(op));
-                self.complete(OpKind::AllReduce, request);
-            })
-        };
-        if let BufMut::F32(v) = &mut buf {
-            let send = v.to_vec();
-            reduce(&send, v);
-        } else {
-            let send = as_ref(&buf).to_f32();
-            let mut recv = vec![0.0f32; len];
-            reduce(&send, &mut recv);
-            buf.copy_from(BufRef::F32(&recv), false);
-        }
-        self.record(OpKind::AllReduce, len, 4, 0);
+        let BufMut::F32(v) = buf else { return self.all_reduce_half(buf, op) };
+        // rsmpi has no MPI_IN_PLACE, so the send side is a copy.
+        let send = v.to_vec();
+        scope(|s| {
+            let request = self.world.immediate_all_reduce_into(s, &send[..], &mut v[..], system_op(op));
+            self.complete(OpKind::AllReduce, request);
+        });
+        self.record(OpKind::AllReduce, send.len(), 4, 0);
         Ok(())
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
-        self.reduce_scatter_ring(input, output, op)
+        self.check(OpKind::ReduceScatter)?;
+        self.check_shapes(OpKind::ReduceScatter, output.len(), input.len(), input.dtype() == output.dtype())?;
+        match (input, output) {
+            (BufRef::F32(input), BufMut::F32(output)) => self.reduce_scatter_ring(input, output, op),
+            (input, output) => self.reduce_scatter_half(input, output, op),
+        }
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
