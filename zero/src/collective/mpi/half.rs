@@ -11,7 +11,7 @@
 //! ring algorithms' volume, and holds the received chunks at once (a bucket's worth).
 //!
 //! The messages carry [`COLLECTIVE_TAG`], so that they never match the program's own
-//! point-to-point messages on the same communicator.
+//! point-to-point messages on the same communicator (the ring reduce-scatter's carry it too).
 
 use std::ops::Range;
 
@@ -25,7 +25,7 @@ use crate::ZeroError;
 use crate::collective::{OpKind, ReduceOp, chunk_range};
 
 /// The tag of the point-to-point messages collectives exchange (the program's own
-/// messages use MPI's default tag, 0).
+/// messages use `p2p::POINT_TO_POINT_TAG`).
 pub(super) const COLLECTIVE_TAG: i32 = 0x7a74;
 
 /// A 16-bit dtype's widening and rounding.

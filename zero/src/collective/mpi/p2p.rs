@@ -8,6 +8,9 @@
 //! and while it polls any other request; finished sends free their copies. A receive
 //! polls an `MPI_Irecv` against the timeout like a collective.
 //!
+//! Sends and receives carry [`POINT_TO_POINT_TAG`], and collectives their own tag, so a
+//! send still in flight is never taken by a peer's collective and a receive never takes a
+//! collective's message.
 
 use mpi::datatype::Equivalence;
 use mpi::request::{Request, StaticScope, scope};
@@ -17,6 +20,10 @@ use zerotrain_precision::{BufMut, BufRef};
 use super::{MpiComm, bits, from_bits};
 use crate::ZeroError;
 use crate::collective::OpKind;
+
+/// The tag of [`Collective::send`](crate::Collective::send) messages (collectives use
+/// another, `half::COLLECTIVE_TAG`).
+pub(super) const POINT_TO_POINT_TAG: i32 = 0;
 
 /// A send in flight and the buffer it reads, freed once it completes (module note on
 /// point-to-point).
@@ -65,13 +72,13 @@ impl MpiComm {
                 let buffer = Box::into_raw(v.to_vec().into_boxed_slice());
                 // SAFETY: the buffer lives until the send completes (`Outgoing::test` frees it
                 // then, and Drop leaks it if it never does), so 'static is never violated.
-                let request = process.immediate_send(StaticScope, unsafe { &*buffer });
+                let request = process.immediate_send_with_tag(StaticScope, unsafe { &*buffer }, POINT_TO_POINT_TAG);
                 Outgoing::F32(request, buffer)
             }
             other => {
                 let buffer = Box::into_raw(bits(other).into_boxed_slice());
                 // SAFETY: as above.
-                let request = process.immediate_send(StaticScope, unsafe { &*buffer });
+                let request = process.immediate_send_with_tag(StaticScope, unsafe { &*buffer }, POINT_TO_POINT_TAG);
                 Outgoing::Bits(request, buffer)
             }
         };
@@ -89,13 +96,13 @@ impl MpiComm {
         let len = buf.len();
         let count = match &mut buf {
             BufMut::F32(v) => scope(|s| {
-                let request = process.immediate_receive_into(s, &mut v[..]);
+                let request = process.immediate_receive_into_with_tag(s, &mut v[..], POINT_TO_POINT_TAG);
                 self.complete_with_status(OpKind::Recv, request).count(f32::equivalent_datatype())
             }),
             other => {
                 let mut bits = vec![0u16; len];
                 let count = scope(|s| {
-                    let request = process.immediate_receive_into(s, &mut bits[..]);
+                    let request = process.immediate_receive_into_with_tag(s, &mut bits[..], POINT_TO_POINT_TAG);
                     self.complete_with_status(OpKind::Recv, request).count(u16::equivalent_datatype())
                 });
                 from_bits(&bits, other.reborrow());
