@@ -39,6 +39,44 @@ fn config_check_prints_the_plan_and_exits_zero() {
     }
 }
 
+/// What a user needs before training: a stage-3 config without activation checkpointing
+/// says its peak stays near the whole model, and parameter groups are listed as resolved.
+#[test]
+fn config_check_explains_stage_3_without_checkpointing_and_lists_param_groups() {
+    let config = temp_config(
+        "groups",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.1}},
+            "zerotrain": {"param_groups": [{"params": ["*.bias"], "weight_decay": 0},
+                                           {"params": ["head.*"], "lr": 0.0005}]}}"#,
+    );
+    let out = zerotrain(&["config", "check", config.to_str().unwrap(), "--world-size", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let line = |prefix: &str| stdout.lines().filter(|l| l.starts_with(prefix)).map(str::to_string).collect::<Vec<_>>();
+    let checkpointing = line("activation ckpt");
+    assert_eq!(checkpointing.len(), 1, "{stdout}");
+    assert!(checkpointing[0].contains("off: at stage 3") && checkpointing[0].contains("activation_checkpointing"));
+    // 0.0005 / 0.001: a group's lr is a scale of the scheduled lr.
+    assert_eq!(
+        line("  param group"),
+        [
+            "  param group       *.bias: lr x 1, weight_decay 0",
+            "  param group       head.*: lr x 0.5, weight_decay 0.1"
+        ],
+        "{stdout}"
+    );
+
+    let on = temp_config(
+        "groups-on",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3}, "activation_checkpointing": {}}"#,
+    );
+    let out = zerotrain(&["config", "check", on.to_str().unwrap(), "--world-size", "2"]);
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("activation ckpt     on:"), "{stdout}");
+    assert!(!stdout.contains("param group"), "{stdout}");
+}
+
 #[test]
 fn config_check_json_is_machine_readable() {
     let out = zerotrain(&["config", "check", "tests/data/hf_trainer_zero3.json", "--world-size", "2", "--json"]);
