@@ -1,14 +1,16 @@
-//! The flat layout: where every trainable parameter lives in one padded flat buffer, and
-//! which contiguous range of that buffer each rank owns.
+//! The flat layout: where every trainable parameter of one unit (see `sharding`) lives in
+//! one padded flat buffer, and which contiguous range of that buffer each rank owns.
 //!
 //! # Note: padding
 //! The flat buffer holds the parameters in visit order, back to back, then zeros up to a
-//! multiple of `world_size * align_elems`. Every rank owns an equal shard
-//! `[rank * shard_len, (rank + 1) * shard_len)`, so collectives with equal chunk sizes
-//! (NCCL and MPI's `reduce_scatter_block`) work directly on it. The padding always lands in
-//! the last shard(s); with fewer elements than ranks, whole shards are padding. A parameter
-//! may straddle two or more shards. This module is the only place that does this arithmetic:
-//! the engine, the checkpoint writer and the resharding reader all ask it.
+//! multiple of `world_size * align_elems` (`world_size` here is the number of ranks that
+//! share the unit: the data-parallel ranks, a pipeline stage's group in a pipeline). Every
+//! rank owns an equal shard `[rank * shard_len, (rank + 1) * shard_len)`, so collectives
+//! with equal chunk sizes (a ring reduce-scatter, NCCL's) work directly on it. The padding
+//! always lands in the last shard(s); with fewer elements than ranks, whole shards are
+//! padding. A parameter may straddle two or more shards. This module is the only place that
+//! does this arithmetic: the engine, the checkpoint writer and the resharding reader all
+//! ask it.
 
 use std::ops::Range;
 

@@ -1,9 +1,11 @@
 //! Per-unit sharding: a model's trainable parameters grouped into *units*, each unit with
-//! its own [`FlatLayout`] sharded over every rank, and where a rank keeps its pieces.
+//! its own [`FlatLayout`] sharded over the data-parallel ranks, and where a rank keeps its
+//! pieces.
 //!
 //! # Note: units
 //! A unit is the granule of gathering and reduction: a transformer block, the embeddings,
-//! or a whole model that declares nothing. Every rank owns `1/N` of every unit (the unit's
+//! or a whole model that declares nothing. Every one of the `N` ranks that share the units
+//! (the world, or in a pipeline the ranks of one stage) owns `1/N` of every unit (the unit's
 //! [`FlatLayout::shard_range`]), so gathering one unit is one all-gather of that unit and no
 //! rank holds a whole unit between uses. A rank keeps its shards of all units back to back
 //! in one *local* buffer (unit 0's shard, then unit 1's, ...), which is what its optimizer
@@ -22,7 +24,8 @@
 //! A unit's gradients are reduce-scattered in buckets: bucket `k` is the same sub-range of
 //! every rank's shard ([`FlatLayout::bucket_ranges`]), so its input holds `N` pieces, one
 //! per rank ([`FlatLayout::piece`]), and each rank receives exactly the part of its own
-//! shard that the bucket covers. No buffer larger than a bucket is needed to reduce a unit.
+//! shard that the bucket covers. The reduction stages no buffer larger than a bucket (the
+//! per-parameter gradients Burn's autodiff produces are whole tensors until reduced).
 
 use std::ops::Range;
 
