@@ -10,6 +10,10 @@ use crate::manifest::MAX_MANIFEST_BYTES;
 use crate::shard::ShardReader;
 use crate::{CheckpointError, LayoutEntry, Manifest, Result, validate_tag};
 
+/// A checkpoint's buffers as [`Checkpoint::read_buffers`] returns them: each buffer's
+/// place (module path, shape) and its values.
+pub type SavedBuffers = Vec<(LayoutEntry, Vec<f32>)>;
+
 /// An opened, validated checkpoint.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
@@ -140,7 +144,7 @@ impl Checkpoint {
 
     /// The model's buffers, by module path, verified as they are read; `None` for a
     /// checkpoint that holds none (a model without buffers, or format 1-2).
-    pub fn read_buffers(&self) -> Result<Option<Vec<(LayoutEntry, Vec<f32>)>>> {
+    pub fn read_buffers(&self) -> Result<Option<SavedBuffers>> {
         let Some(buffers) = &self.manifest.buffers else { return Ok(None) };
         let mut reader = ShardReader::open(&self.dir, &buffers.file, &["buffers".to_string()])?;
         let mut out = Vec::with_capacity(buffers.layout.len());

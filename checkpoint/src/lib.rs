@@ -49,7 +49,7 @@ mod manifest;
 mod shard;
 mod tag;
 
-pub use checkpoint::{Checkpoint, list};
+pub use checkpoint::{Checkpoint, SavedBuffers, list};
 pub use commit::{LATEST, commit, crash_point, partial_dir, prepare, write_buffers, write_shard};
 pub use consolidate::consolidate;
 pub use error::{CheckpointError, Result};

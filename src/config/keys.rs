@@ -52,10 +52,13 @@ pub const NOT_IMPLEMENTED: &[&str] = &[
     "zero_optimization.memory_efficient_linear",
 ];
 
+/// Whether a config value asks for what zerotrain does anyway.
+pub type ValueCheck = fn(&Value) -> bool;
+
 /// DeepSpeed keys for behaviour zerotrain fixes one way: (dotted path, whether a value
 /// asks for what zerotrain does anyway, why any other value has no effect). A value that
 /// matches is accepted quietly; any other is reported with the reason.
-pub const FIXED_BEHAVIOUR: &[(&str, fn(&Value) -> bool, &str)] = &[
+pub const FIXED_BEHAVIOUR: &[(&str, ValueCheck, &str)] = &[
     ("zero_optimization.allgather_bucket_size", any_value_differs, "parameters are all-gathered one unit per call"),
     ("zero_optimization.contiguous_gradients", is_true, "gradients are always reduced from one flat buffer per bucket"),
     ("zero_optimization.allgather_partitions", is_true, "parameters are always all-gathered as partitions"),

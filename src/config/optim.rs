@@ -158,7 +158,7 @@ fn param_group(i: usize, g: &ParamGroupConfig, optimizer: &OptimizerPlan) -> Res
     if g.params.is_empty() || g.params.iter().any(String::is_empty) {
         return Err(invalid(&key("params"), "must list at least one non-empty module-path pattern"));
     }
-    let weight_decay = g.weight_decay.unwrap_or_else(|| match optimizer {
+    let weight_decay = g.weight_decay.unwrap_or(match optimizer {
         OptimizerPlan::Adam { weight_decay, .. } | OptimizerPlan::Sgd { weight_decay, .. } => *weight_decay,
     });
     if !(weight_decay >= 0.0 && weight_decay.is_finite()) {

@@ -35,6 +35,7 @@ use crate::error::panic_message;
 use crate::{Error, Result};
 
 /// What the forward pass keeps of unit `i` for its backward.
+#[allow(clippy::large_enum_variant, reason = "one per unit, alive for a step: boxing would allocate per unit")]
 pub(super) enum Saved<H> {
     /// Checkpointed, first of its group: the unit's input (`None` for the model's first
     /// unit, which reads the batch).

@@ -242,7 +242,7 @@ impl UnitOptimizer {
             let weight_decay = group.map(|g| g.weight_decay);
             let plan = weight_decay.map_or(optim.optimizer, |wd| optim.optimizer.with_weight_decay(wd));
             let optimizer = factory(&ShardGroup { optimizer: plan, group, segments: &mine });
-            let ranges = if owns_all { vec![0..len] } else { merge(mine.iter().map(|s| s.range.clone())) };
+            let ranges = if owns_all { whole(len) } else { merge(mine.iter().map(|s| s.range.clone())) };
             parts.push(GroupPart { ranges, lr_scale: group.map_or(1.0, |g| g.lr_scale), optimizer });
         }
         Self { len, parts }
@@ -260,7 +260,7 @@ impl UnitOptimizer {
         }
         let device = params.device();
         if let [part] = self.parts.as_mut_slice()
-            && part.ranges == [0..n]
+            && part.ranges == whole(n)
         {
             let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &device);
             return part.optimizer.step(lr * part.lr_scale, params, grads);
@@ -303,7 +303,7 @@ impl UnitOptimizer {
     /// rest 0), and the first group's scalars (every group steps together).
     pub fn export(&self) -> ExportedState {
         if let [part] = self.parts.as_slice()
-            && part.ranges == [0..self.len]
+            && part.ranges == whole(self.len)
         {
             return part.optimizer.export();
         }
@@ -336,7 +336,7 @@ impl UnitOptimizer {
     pub fn import(&mut self, (tensors, scalars): ExportedState, device: &Device) -> Result<()> {
         let len = self.len;
         if let [part] = self.parts.as_mut_slice()
-            && part.ranges == [0..len]
+            && part.ranges == whole(len)
         {
             return part.optimizer.import((tensors, scalars), device);
         }
@@ -384,6 +384,11 @@ fn merge(ranges: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
 fn split_front(t: Tensor<1>, n: usize) -> (Tensor<1>, Tensor<1>) {
     let len = t.dims()[0];
     (t.clone().slice(0..n), t.slice(n..len))
+}
+
+/// The one range `0..len`: a group part that covers a shard whole.
+fn whole(len: usize) -> Vec<Range<usize>> {
+    std::iter::once(0..len).collect()
 }
 
 #[cfg(test)]

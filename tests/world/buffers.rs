@@ -93,11 +93,14 @@ fn mean_of(sets: &[Vec<(String, Vec<f32>)>]) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
+/// Values by module path.
+type Named = Vec<(String, Vec<f32>)>;
+
 /// Plain Burn, one process: each step every rank's micro-batch runs on the model as the
 /// step found it (its own batch statistics, as a rank normalises over its micro-batch), the
 /// losses are averaged for one backward, and the running statistics become the mean of
 /// what each rank's forward left (DDP-style averaging, written here, not by the engine).
-fn reference(init: &ConvNet, world: usize, steps: u64) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+fn reference(init: &ConvNet, world: usize, steps: u64) -> (Named, Named) {
     let device = Device::flex().autodiff();
     let mut model = init.clone().valid().train().fork(&device);
     let mut optim: ModuleOptimizer = burn::optim::AdamWConfig::new()

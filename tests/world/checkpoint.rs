@@ -208,7 +208,8 @@ fn hostile_engine_state_in_a_checksummed_manifest_is_refused() {
     let original = zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap().manifest().clone();
     let scaler =
         |scale: f64| serde_json::json!({"scale": scale, "iter": 1, "last_overflow_iter": -1, "hysteresis_left": 2});
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         ("scale 0", Box::new(move |e| e["loss_scaler"] = scaler(0.0)), "loss scale 0 is not in"),
         ("scale -1", Box::new(move |e| e["loss_scaler"] = scaler(-1.0)), "loss scale -1 is not in"),
         ("scale 1e308", Box::new(move |e| e["loss_scaler"] = scaler(1e308)), "is not in (0, 2^64]"),

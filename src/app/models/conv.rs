@@ -142,7 +142,7 @@ impl ImageTask {
         let pixels = (0..SIDE * SIDE)
             .map(|p| {
                 let (row, col) = (p / SIDE, p % SIDE);
-                let on = if class % 2 == 0 { row == line } else { col == line };
+                let on = if class.is_multiple_of(2) { row == line } else { col == line };
                 noise() * 0.6 + if on { 1.5 } else { 0.0 }
             })
             .collect();

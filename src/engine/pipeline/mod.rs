@@ -63,7 +63,7 @@ struct InFlight<M: UnitModel> {
     terms: f32,
     /// The parts (dtype, shape) of the input received, to answer with zeros if no gradient
     /// reaches it.
-    input: Vec<(Precision, Vec<usize>)>,
+    input: wire::Shapes,
 }
 
 impl<M: UnitModel> InFlight<M> {
@@ -210,7 +210,7 @@ impl<M: UnitModel> Pipeline<M> {
 
     /// Receives an activation from stage `from`, counting the wait; returns it and its
     /// parts' dtypes and shapes.
-    fn recv_activation(&mut self, from: usize) -> Result<(M::Hidden, Vec<(Precision, Vec<usize>)>)> {
+    fn recv_activation(&mut self, from: usize) -> Result<(M::Hidden, wire::Shapes)> {
         let start = Instant::now();
         let parts = wire::recv(self.pipe.as_ref(), M::Hidden::PARTS, from)?;
         self.engine.window.times.pipe_wait += start.elapsed().as_secs_f64();

@@ -23,6 +23,9 @@ const MAGIC: u32 = 0x7A70_6970; // "zpip"
 /// Most elements one part may claim (a garbled header must not allocate without bound).
 const MAX_PART_ELEMS: u64 = 1 << 40;
 
+/// The parts of an activation as they travel: each part's dtype and shape.
+pub(super) type Shapes = Vec<(Precision, Vec<usize>)>;
+
 /// Header words for `parts` parts.
 pub(super) fn header_len(parts: usize) -> usize {
     1 + parts * PART_WORDS
@@ -56,7 +59,7 @@ fn encode(parts: &[(FlatBuf, Vec<usize>)]) -> Result<Vec<f32>> {
 }
 
 /// Each part's (dtype, shape) from a header, checked.
-fn decode(header: &[f32], from: usize) -> Result<Vec<(Precision, Vec<usize>)>> {
+fn decode(header: &[f32], from: usize) -> Result<Shapes> {
     let words: Vec<u32> = header.iter().map(|w| w.to_bits()).collect();
     let garbled = |what: String| Error::Model(format!("a garbled activation header from stage {from}: {what}"));
     if words.first() != Some(&MAGIC) {

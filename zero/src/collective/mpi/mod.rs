@@ -112,6 +112,7 @@ impl MpiComm {
             timeout,
             launcher,
             counters: CommCounters::default(),
+            #[allow(clippy::arc_with_non_send_sync, reason = "used on MPI's thread only (see the SAFETY note)")]
             outgoing: Arc::new(Mutex::new(Vec::new())),
         })
     }

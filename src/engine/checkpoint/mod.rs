@@ -20,109 +20,18 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use burn_pack::Scalar;
-use serde::{Deserialize, Serialize};
-use zerotrain_checkpoint::{
-    BufferSet, Checkpoint, CheckpointError, FORMAT_VERSION, LayoutEntry, Manifest, default_tag,
-};
-use zerotrain_precision::{LossScaler, ScalerState};
+use zerotrain_checkpoint::{BufferSet, Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
+use zerotrain_precision::LossScaler;
 use zerotrain_zero::ReduceOp;
 
+use self::state::EngineState;
+pub use self::state::LoadOptions;
+use super::Engine;
 use super::buffers::BufferEntry;
-use super::{Counters, Engine};
 use crate::{Error, Result};
 
-/// DeepSpeed's `load_checkpoint` options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoadOptions {
-    /// Restore the optimizer state (default true); false starts it fresh.
-    pub load_optimizer_states: bool,
-    /// Restore the lr schedule's position (default true).
-    pub load_lr_scheduler_states: bool,
-    /// Restore only the parameters: no optimizer, schedule, counters or loss scale.
-    pub load_module_only: bool,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        Self { load_optimizer_states: true, load_lr_scheduler_states: true, load_module_only: false }
-    }
-}
-
-/// The engine state a manifest carries.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct EngineState {
-    counters: Counters,
-    lr_iteration: i64,
-    loss_scaler: Option<ScalerState>,
-    optimizer: String,
-    optimizer_scalars: Vec<(String, Scalar)>,
-    /// A learning rate set by hand ([`Engine::set_lr`]); absent in older checkpoints.
-    #[serde(default)]
-    lr_override: Option<f64>,
-}
-
-/// Largest counter, lr position or optimizer step count a manifest may hold (exact in f64).
-const MAX_COUNT: u64 = 1 << 53;
-
-impl EngineState {
-    /// The engine state of `ckpt`'s manifest, checked: the checksum only proves the file is
-    /// what was written, not that it was written by zerotrain, and extreme values would
-    /// panic or poison training after a resume.
-    fn read(ckpt: &Checkpoint) -> Result<Self> {
-        let invalid = |reason: String| CheckpointError::InvalidManifest {
-            path: ckpt.dir().join("manifest.json"),
-            reason: format!("engine state: {reason}"),
-        };
-        let state: Self = serde_json::from_value(ckpt.manifest().engine.clone()).map_err(|e| invalid(e.to_string()))?;
-        state.validate().map_err(invalid)?;
-        Ok(state)
-    }
-
-    fn validate(&self) -> std::result::Result<(), String> {
-        let c = &self.counters;
-        for (name, value) in [
-            ("global_steps", c.global_steps),
-            ("micro_steps", c.micro_steps),
-            ("skipped_steps", c.skipped_steps),
-            ("global_samples", c.global_samples),
-        ] {
-            if value > MAX_COUNT {
-                return Err(format!("counter {name} is {value}, beyond {MAX_COUNT}"));
-            }
-        }
-        if c.skipped_steps > c.global_steps {
-            return Err(format!("{} skipped steps of {} steps", c.skipped_steps, c.global_steps));
-        }
-        if !(-1..=MAX_COUNT as i64).contains(&self.lr_iteration) {
-            return Err(format!("lr schedule position {} is out of range", self.lr_iteration));
-        }
-        if self.lr_override.is_some_and(|lr| !(lr.is_finite() && lr >= 0.0)) {
-            return Err(format!("learning rate {:?} set by hand is not a finite number >= 0", self.lr_override));
-        }
-        if let Some(s) = &self.loss_scaler {
-            // The largest scale DeepSpeed's config allows is 2^64 (initial_scale_power <= 64).
-            if !(s.scale.is_finite() && s.scale > 0.0 && s.scale <= 2f64.powi(64)) {
-                return Err(format!("loss scale {} is not in (0, 2^64]", s.scale));
-            }
-            if s.iter > MAX_COUNT || s.last_overflow_iter < -1 || s.last_overflow_iter > s.iter as i64 {
-                return Err(format!("loss scaler iteration {} / last overflow {}", s.iter, s.last_overflow_iter));
-            }
-        }
-        for (name, scalar) in &self.optimizer_scalars {
-            let ok = match *scalar {
-                Scalar::Int(v) => (0..=i64::from(i32::MAX)).contains(&v),
-                Scalar::UInt(v) => v <= i32::MAX as u64,
-                Scalar::Float(v) => v.is_finite(),
-                Scalar::Bool(_) => true,
-            };
-            if !ok {
-                return Err(format!("optimizer scalar {name} = {scalar:?} is out of range"));
-            }
-        }
-        Ok(())
-    }
-}
+mod fit;
+mod state;
 
 impl<M: Module> Engine<M> {
     /// Saves a checkpoint to `<dir>/<tag>` (default tag `global_step{N}`) with the caller's
@@ -374,78 +283,6 @@ impl<M: Module> Engine<M> {
             }
         }
         Ok(m.client_state.clone())
-    }
-
-    /// The checkpoint's buffer values in this model's buffer order, checked to be this
-    /// model's buffers (by path and shape); `None` when the checkpoint holds none.
-    fn check_buffers(
-        &self,
-        ckpt: &Checkpoint,
-        saved: Option<Vec<(LayoutEntry, Vec<f32>)>>,
-    ) -> Result<Option<Vec<f32>>> {
-        let Some(saved) = saved else { return Ok(None) };
-        let live: Vec<(String, Vec<u64>)> = (self.buffers.entries().iter())
-            .map(|e| (e.path.clone(), e.shape.iter().map(|&d| d as u64).collect()))
-            .collect();
-        let stored: Vec<(String, Vec<u64>)> = saved.iter().map(|(e, _)| (e.path.clone(), e.shape.clone())).collect();
-        if live != stored {
-            let missing = live.iter().filter(|p| !stored.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
-            let extra = stored.iter().filter(|p| !live.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
-            return Err(CheckpointError::Mismatch(format!(
-                "{}'s buffers do not fit this model: the model has [{}] that the checkpoint lacks, the checkpoint \
-                 has [{}] that the model lacks",
-                ckpt.dir().display(),
-                missing.collect::<Vec<_>>().join(", "),
-                extra.collect::<Vec<_>>().join(", ")
-            ))
-            .into());
-        }
-        Ok(Some(saved.into_iter().flat_map(|(_, values)| values).collect()))
-    }
-
-    /// Checks that the checkpoint's layout is this model's and its optimizer this plan's.
-    fn check_fits(&self, ckpt: &Checkpoint, options: LoadOptions) -> Result<()> {
-        let m = ckpt.manifest();
-        let by_path = |entries: &[LayoutEntry]| -> Vec<(String, Vec<u64>)> {
-            entries.iter().map(|e| (e.path.clone(), e.shape.clone())).collect()
-        };
-        let (live, saved) = (by_path(&self.manifest_layout()), by_path(&m.layout));
-        if live != saved {
-            let missing = live.iter().filter(|p| !saved.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
-            let extra = saved.iter().filter(|p| !live.contains(p)).take(8).map(|(p, s)| format!("{p} {s:?}"));
-            return Err(CheckpointError::Mismatch(format!(
-                "{} does not fit this model: the model has [{}] that the checkpoint lacks, the checkpoint has [{}] that the model lacks",
-                ckpt.dir().display(),
-                missing.collect::<Vec<_>>().join(", "),
-                extra.collect::<Vec<_>>().join(", ")
-            ))
-            .into());
-        }
-        let kind = m.engine.get("optimizer").and_then(|v| v.as_str()).unwrap_or("?");
-        let configured = self.shared.plan.optim.optimizer.kind();
-        if options.load_optimizer_states && !options.load_module_only && kind != configured {
-            return Err(CheckpointError::Mismatch(format!(
-                "{} holds {kind} optimizer state but the config trains with {}: set optimizer.type back to {kind} \
-                 to resume, or (from the library) load the weights alone with LoadOptions {{ load_optimizer_states: \
-                 false, .. }}",
-                ckpt.dir().display(),
-                configured
-            ))
-            .into());
-        }
-        Ok(())
-    }
-
-    /// The global order as a manifest records it.
-    fn manifest_layout(&self) -> Vec<LayoutEntry> {
-        let entries = self.shared.sharding.global().entries().iter();
-        entries
-            .map(|e| LayoutEntry {
-                path: e.path.clone(),
-                shape: e.shape.iter().map(|&d| d as u64).collect(),
-                offset: e.offset as u64,
-            })
-            .collect()
     }
 
     /// All ranks agree on whether `result` succeeded everywhere: a failing rank returns its
