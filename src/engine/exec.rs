@@ -1,5 +1,5 @@
-//! Running a [`UnitModel`] one unit at a time: [`Engine::forward_backward`] and
-//! [`Engine::evaluate`].
+//! Training a [`UnitModel`] one unit at a time: [`Engine::forward_backward`] (the
+//! inference walk, [`Engine::evaluate`], is in `infer`).
 //!
 //! # Note: the unit walk
 //! Forward runs the units in order. At stage 3 each unit is gathered just before it runs
@@ -145,7 +145,7 @@ impl<M: UnitModel> Engine<M> {
     }
 
     /// The declared units and the recomputation interval (0: keep every unit's graph).
-    fn walk(&self) -> (usize, usize) {
+    pub(super) fn walk(&self) -> (usize, usize) {
         match self.granularity {
             Granularity::Declared { declared, recompute_every, .. } => (declared, recompute_every),
             Granularity::WholeModel => unreachable!("the unit walk runs declared units"),
@@ -256,49 +256,6 @@ impl<M: UnitModel> Engine<M> {
             self.window.times.reduce += start.elapsed().as_secs_f64();
         }
         Ok((root_grads, upstream))
-    }
-
-    /// The loss of `batch` without gradients, one unit at a time (stage 3: each unit
-    /// gathered and released in turn), in inference mode: buffers (running statistics) are
-    /// read, averaged over the ranks first, and not updated. The units' own loss terms are
-    /// training terms and are not included. Neither its time nor its traffic counts in the
-    /// next step's report. Every rank must call it.
-    pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
-        if !matches!(self.granularity, Granularity::Declared { .. }) {
-            return Err(Error::Usage("evaluate needs an engine built with Engine::with_units".into()));
-        }
-        let paused = self.window.pause(self.comm_stats());
-        let loss = self.sync_buffers().and_then(|()| self.evaluate_units(batch));
-        self.window.resume(paused, self.comm_stats());
-        loss
-    }
-
-    fn evaluate_units(&mut self, batch: &M::Batch) -> Result<f32> {
-        let root = self.granularity.root();
-        let root_was_released = root.is_some_and(|r| !self.units[r].is_gathered());
-        if let Some(root) = root {
-            self.gather(root)?;
-        }
-        let output = self.infer_units(None, batch)?;
-        let loss = self.model.valid().output_loss(output, batch).into_scalar::<f32>();
-        if root_was_released && let Some(root) = root {
-            self.release(root);
-        }
-        Ok(loss)
-    }
-
-    /// Runs every declared unit in inference mode from `input`, each gathered for its run
-    /// and released after if it was released before. Returns the last output.
-    pub(super) fn infer_units(&mut self, mut hidden: Option<M::Hidden>, batch: &M::Batch) -> Result<M::Hidden> {
-        for i in 0..self.walk().0 {
-            let was_released = !self.units[i].is_gathered();
-            self.enter(i, Direction::Forward)?;
-            hidden = Some(self.run_unit(i, hidden.take(), batch, false, false)?.0);
-            if was_released {
-                self.release(i);
-            }
-        }
-        Ok(hidden.expect("at least one unit"))
     }
 
     /// Before unit `i` runs: gathers it (stage 3) and prefetches the next unit in

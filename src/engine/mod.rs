@@ -32,6 +32,7 @@ mod exec;
 mod export;
 mod gradients;
 mod grads;
+mod infer;
 mod master;
 pub mod model;
 mod notices;
