@@ -28,7 +28,7 @@
 //! // Build the model once, seeded, so every run starts from the same weights; each rank
 //! // starts from a clone (the engine forks it onto the rank's device).
 //! let device = Device::flex().autodiff();
-//! device.seed(plan.seed);
+//! device.seed(plan.runtime.seed);
 //! let init = Net { layer: LinearConfig::new(2, 1).init(&device) };
 //! let losses = launch(&plan, |ctx| {
 //!     let mut engine = Engine::new(init.clone(), &plan, &ctx)?;

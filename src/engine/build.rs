@@ -10,7 +10,7 @@ use zerotrain_precision::{BufMut, Precision};
 use zerotrain_zero::{Collective, Sharding};
 
 use super::buffers::Buffers;
-use super::model::{UnitModel, claims, group};
+use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, UnitOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, read_params};
@@ -118,8 +118,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
         let (unit_of, names) = group(&paths, &specs)?;
-        let root_paths: Vec<String> =
-            paths.iter().zip(&unit_of).filter(|(_, u)| **u == specs.len()).map(|(p, _)| p.clone()).collect();
+        let root_paths = unshared_root(&paths, &unit_of, &specs, &model.shared())?;
         let declared = Declared { params, index, unit_of, names, specs, root_paths };
         Ok((EngineBuilder { model, plan, ctx, optimizer }, declared))
     }
@@ -181,6 +180,21 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
     }
 }
 
+/// The root's parameters (those no unit claims, `unit_of[i] == specs.len()`) that
+/// `shared` does not name; an error for a `shared` path that names no root parameter.
+fn unshared_root(paths: &[String], unit_of: &[usize], specs: &[UnitSpec], shared: &[String]) -> Result<Vec<String>> {
+    let root: Vec<&String> = paths.iter().zip(unit_of).filter(|(_, u)| **u == specs.len()).map(|(p, _)| p).collect();
+    if let Some(stray) = shared.iter().find(|s| !root.iter().any(|p| under(s, p))) {
+        let owner = paths.iter().zip(unit_of).find(|(p, _)| under(stray, p)).map(|(_, &u)| &specs[u].name);
+        let why = match owner {
+            Some(unit) => format!("unit `{unit}` claims it"),
+            None => "it names no trainable parameter".to_string(),
+        };
+        return Err(Error::Model(format!("units: shared parameter path `{stray}` is not left to the root: {why}")));
+    }
+    Ok(root.into_iter().filter(|p| !shared.iter().any(|s| under(s, p))).cloned().collect())
+}
+
 /// A model's declared units, found by [`EngineBuilder::declared`].
 pub(super) struct Declared {
     pub params: ParamShapes,
@@ -189,7 +203,7 @@ pub(super) struct Declared {
     pub unit_of: Vec<usize>,
     pub names: Vec<String>,
     pub specs: Vec<super::UnitSpec>,
-    /// Parameters no unit claims.
+    /// Parameters no unit claims and the model does not list as shared.
     pub root_paths: Vec<String>,
 }
 

@@ -14,7 +14,9 @@
 //! gathered before the first unit runs and kept until the backward pass is over, so any
 //! unit (and the loss) may use it. A parameter used by two units (a token embedding tied to
 //! the output head) must be left to the root: its gradient contributions from every use
-//! are summed before it is reduced. A unit may use its own and the root's parameters only;
+//! are summed before it is reduced ([`UnitModel::shared`] says so, and silences the
+//! engine's warning about root parameters). A unit may use its own and the root's
+//! parameters only;
 //! the engine reports a gradient that appears in another unit's backward pass as an error.
 
 use burn::module::Module;
@@ -65,6 +67,14 @@ pub trait UnitModel: Module {
     /// The units in execution order, each with the module paths of its parameters.
     /// Parameters no unit claims belong to the root unit (module note).
     fn units(&self) -> Vec<UnitSpec>;
+
+    /// Module paths of parameters left to the root on purpose, because several units use
+    /// them (a token embedding tied to the output head). The engine warns about root
+    /// parameters not listed here, which are usually a unit's forgotten layer. Each path
+    /// must name a parameter (or module) no unit claims. Default: none.
+    fn shared(&self) -> Vec<String> {
+        Vec::new()
+    }
 
     /// Runs unit `unit` (an index into [`units`](Self::units)). `input` is the previous
     /// unit's output, `None` for unit 0, which reads `batch`. It may use the unit's own
@@ -117,10 +127,11 @@ impl UnitSpec {
 
 /// Whether the parameter (or buffer) at `path` is under one of `spec`'s paths.
 pub(crate) fn claims(spec: &UnitSpec, path: &str) -> bool {
-    spec.params.iter().any(|p| claims_one(p, path))
+    spec.params.iter().any(|p| under(p, path))
 }
 
-fn claims_one(prefix: &str, path: &str) -> bool {
+/// Whether `path` is `prefix` or under the module `prefix`.
+pub(crate) fn under(prefix: &str, path: &str) -> bool {
     path == prefix || path.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
 }
 
@@ -135,7 +146,7 @@ pub(crate) fn group(paths: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>,
         if let Some(other) = specs[..i].iter().find(|s| s.name == spec.name) {
             return invalid(format!("two units are called `{}`", other.name));
         }
-        if let Some(unused) = spec.params.iter().find(|p| !paths.iter().any(|path| claims_one(p, path))) {
+        if let Some(unused) = spec.params.iter().find(|p| !paths.iter().any(|path| under(p, path))) {
             return invalid(format!("unit `{}` lists `{unused}`, which holds no trainable parameter", spec.name));
         }
     }

@@ -551,6 +551,76 @@ fn a_unit_using_another_units_parameter_or_a_one_unit_engine_is_a_clear_error() 
     assert!(err.contains("forward_backward needs an engine built with Engine::with_units"), "{err}");
 }
 
+/// Models of two units and a layer `extra` no unit claims, each listing `$shared` as
+/// shared parameters.
+macro_rules! partial_model {
+    ($name:ident, [$($shared:literal),*]) => {
+        #[derive(Module, Debug)]
+        struct $name {
+            a: Linear,
+            b: Linear,
+            extra: Linear,
+        }
+
+        impl UnitModel for $name {
+            type Batch = Tensor<2>;
+            type Hidden = Tensor<2>;
+            fn units(&self) -> Vec<UnitSpec> {
+                vec![UnitSpec::new("a", ["a"]), UnitSpec::new("b", ["b"])]
+            }
+            fn shared(&self) -> Vec<String> {
+                vec![$($shared.to_string()),*]
+            }
+            fn forward_unit(&self, unit: usize, input: Option<Tensor<2>>, batch: &Tensor<2>) -> Tensor<2> {
+                match input {
+                    None => self.extra.forward(self.a.forward(batch.clone())),
+                    Some(h) if unit == 1 => self.extra.forward(self.b.forward(h)),
+                    Some(h) => h,
+                }
+            }
+            fn output_loss(&self, output: Tensor<2>, _: &Tensor<2>) -> Tensor<1> {
+                output.square().mean()
+            }
+        }
+
+        impl $name {
+            fn new(device: &Device) -> Self {
+                let layer = || LinearConfig::new(3, 3).init(device);
+                Self { a: layer(), b: layer(), extra: layer() }
+            }
+        }
+    };
+}
+
+partial_model!(Forgetful, []);
+partial_model!(SharesExtra, ["extra"]);
+partial_model!(SharesClaimed, ["a.weight"]);
+partial_model!(SharesNothing, ["extr"]);
+
+/// Root parameters the model does not list as shared are named in a warning; listed ones
+/// are not; a shared path that a unit claims, or that names nothing, is an error.
+#[test]
+fn root_parameters_not_declared_shared_are_named_and_bad_shared_paths_are_errors() {
+    let plan = plan(&unit_recipe(2, 1, MODES[2], "fp32", ""), 2);
+    fn notices_or_error<M: UnitModel + Sync + 'static>(plan: &Plan, model: M) -> Result<Vec<String>, String> {
+        launch(plan, |ctx| Engine::with_units(model.clone(), plan, &ctx).map(|e| e.notices().to_vec()))
+            .map(|mut all| all.swap_remove(0))
+            .map_err(|e| e.to_string())
+    }
+    let root = "no declared unit claims extra.weight, extra.bias: they form the root unit";
+    let forgetful = notices_or_error(&plan, fresh(Forgetful::new)).unwrap();
+    assert_eq!(forgetful.iter().filter(|n| n.contains(root)).count(), 1, "{forgetful:?}");
+    let shared = notices_or_error(&plan, fresh(SharesExtra::new)).unwrap();
+    assert!(!shared.iter().any(|n| n.contains("no declared unit claims")), "{shared:?}");
+    let claimed = notices_or_error(&plan, fresh(SharesClaimed::new)).unwrap_err();
+    assert!(
+        claimed.contains("shared parameter path `a.weight` is not left to the root: unit `a` claims it"),
+        "{claimed}"
+    );
+    let nothing = notices_or_error(&plan, fresh(SharesNothing::new)).unwrap_err();
+    assert!(nothing.contains("shared parameter path `extr` is not left to the root: it names no trainable parameter"));
+}
+
 /// `evaluate` walks the units without gradients: the loss of the whole model, and at stage
 /// 3 nothing stays gathered after it.
 #[test]

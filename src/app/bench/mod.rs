@@ -66,6 +66,7 @@ impl RunMode {
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use zerotrain_precision::half::slice::HalfFloatSliceExt;
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{from_half, to_half};
 
@@ -83,7 +84,8 @@ pub struct ConversionRow {
 }
 
 /// Converts `elems` f32 values to and from f16 and bf16, and copies them, `repeats` times
-/// each; reports the best time of each.
+/// each; reports the best time of each. The last row is `half`'s slice conversion to bf16,
+/// for comparison with zerotrain's.
 pub fn conversion_table(elems: usize, repeats: usize) -> Vec<ConversionRow> {
     let src: Vec<f32> = (0..elems).map(|i| (i % 4099) as f32 * 0.37 - 700.0).collect();
     let mut f32_out = vec![0.0f32; elems];
@@ -107,6 +109,8 @@ pub fn conversion_table(elems: usize, repeats: usize) -> Vec<ConversionRow> {
         ("f16 -> f32", best(&mut || from_half(black_box(&halves), &mut f32_out))),
         ("f32 -> bf16", best(&mut || to_half(black_box(&src), &mut brains))),
         ("bf16 -> f32", best(&mut || from_half(black_box(&brains), &mut f32_out))),
+        // The `half` crate's own slice conversion, the baseline of zerotrain's bf16 rounding.
+        ("f32 -> bf16 (half)", best(&mut || black_box(&mut brains[..]).convert_from_f32_slice(black_box(&src)))),
     ];
     black_box((&f32_out, &halves, &brains));
     let bytes = (elems * size_of::<f32>()) as f64;
@@ -126,9 +130,9 @@ pub fn format_conversion_table(rows: &[ConversionRow], elems: usize, repeats: us
         "flat-buffer conversion, {elems} elements ({:.0} MiB of f32), best of {repeats}; GB/s of f32-side bytes\n",
         (elems * 4) as f64 / (1 << 20) as f64
     );
-    out.push_str(&format!("{:<12} {:>10} {:>9} {:>10}\n", "op", "ms", "GB/s", "vs memcpy"));
+    out.push_str(&format!("{:<18} {:>10} {:>9} {:>10}\n", "op", "ms", "GB/s", "vs memcpy"));
     for r in rows {
-        out.push_str(&format!("{:<12} {:>10.3} {:>9.2} {:>9.2}x\n", r.op, r.seconds * 1e3, r.gb_per_s, r.vs_memcpy));
+        out.push_str(&format!("{:<18} {:>10.3} {:>9.2} {:>9.2}x\n", r.op, r.seconds * 1e3, r.gb_per_s, r.vs_memcpy));
     }
     out
 }
@@ -141,7 +145,7 @@ mod tests {
     fn the_conversion_table_measures_every_op_against_memcpy() {
         let rows = conversion_table(4096, 2);
         let ops: Vec<&str> = rows.iter().map(|r| r.op).collect();
-        assert_eq!(ops, ["memcpy f32", "f32 -> f16", "f16 -> f32", "f32 -> bf16", "bf16 -> f32"]);
+        assert_eq!(ops, ["memcpy f32", "f32 -> f16", "f16 -> f32", "f32 -> bf16", "bf16 -> f32", "f32 -> bf16 (half)"]);
         for r in &rows {
             assert!(r.seconds > 0.0, "{}: timed nothing", r.op);
             // Throughput counts the f32 side's 4 bytes per element; ratios are to memcpy's

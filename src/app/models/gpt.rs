@@ -288,6 +288,11 @@ impl UnitModel for Gpt {
             .collect()
     }
 
+    fn shared(&self) -> Vec<String> {
+        // The tied token embedding serves the first unit and the head.
+        if self.head.is_none() { vec!["token".into()] } else { Vec::new() }
+    }
+
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         match (unit, input) {
             (0, _) => self.embed(inputs(tokens)),
