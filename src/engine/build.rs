@@ -117,7 +117,8 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let (model, params, index) = prepare(model, ctx)?;
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
-        let (unit_of, names) = group(&paths, &specs)?;
+        let frozen: Vec<String> = Buffers::scan(&model, |_| None).entries().iter().map(|e| e.path.clone()).collect();
+        let (unit_of, names) = group(&paths, &frozen, &specs)?;
         let root_paths = unshared_root(&paths, &unit_of, &specs, &model.shared())?;
         let declared = Declared { params, index, unit_of, names, specs, root_paths };
         Ok((EngineBuilder { model, plan, ctx, optimizer }, declared))

@@ -234,8 +234,9 @@ impl<M: UnitModel> Engine<M> {
                 (Some(g), Some(term)) => Some(output.seed(g).cast(FloatDType::F32) + term),
                 (None, term) => term,
             };
-            // No seed: nothing downstream depends on this unit's output.
-            let grads = seed.map(|seed| seed.backward());
+            // No seed: nothing downstream depends on this unit's output. An untracked seed:
+            // nothing that trains fed the unit (frozen layers reading the batch).
+            let grads = seed.filter(Tensor::is_tracked).map(|seed| seed.backward());
             upstream = grads.as_ref().zip(input.as_ref()).and_then(|(grads, input)| input.grad(grads));
             drop(input);
             // Keyed by parameter id, the gradients no longer need the unit's tensors: it is

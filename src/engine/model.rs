@@ -137,7 +137,9 @@ pub(crate) fn under(prefix: &str, path: &str) -> bool {
 
 /// The unit each parameter (by module path, in visit order) belongs to, and the units'
 /// names: the declared units, then the root (`"root"`) if any parameter is left to it.
-pub(crate) fn group(paths: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>, Vec<String>)> {
+/// `frozen` are the model's float tensors that do not train (buffers, frozen layers): a
+/// unit may list a module of those alone (a frozen layer is still a step of the forward).
+pub(crate) fn group(paths: &[String], frozen: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>, Vec<String>)> {
     let invalid = |message: String| Err(Error::Model(format!("units: {message}")));
     if specs.is_empty() {
         return invalid("the model declares no units".into());
@@ -146,8 +148,9 @@ pub(crate) fn group(paths: &[String], specs: &[UnitSpec]) -> Result<(Vec<usize>,
         if let Some(other) = specs[..i].iter().find(|s| s.name == spec.name) {
             return invalid(format!("two units are called `{}`", other.name));
         }
-        if let Some(unused) = spec.params.iter().find(|p| !paths.iter().any(|path| under(p, path))) {
-            return invalid(format!("unit `{}` lists `{unused}`, which holds no trainable parameter", spec.name));
+        let names_something = |p: &String| paths.iter().chain(frozen).any(|path| under(p, path));
+        if let Some(unused) = spec.params.iter().find(|p| !names_something(p)) {
+            return invalid(format!("unit `{}` lists `{unused}`, which names no parameter or buffer", spec.name));
         }
     }
     let root = specs.len();
@@ -324,11 +327,11 @@ mod tests {
             UnitSpec::new("b10", ["blocks.10"]),
             UnitSpec::new("head", ["norm", "head.weight"]),
         ];
-        let (unit_of, names) = group(&p, &specs).unwrap();
+        let (unit_of, names) = group(&p, &[], &specs).unwrap();
         // `blocks.1` does not claim `blocks.10.w`; the token embedding is the root's.
         assert_eq!(unit_of, [4, 0, 1, 2, 3, 3]);
         assert_eq!(names, ["b0", "b1", "b10", "head", "root"]);
-        let (unit_of, names) = group(&p[1..], &specs).unwrap();
+        let (unit_of, names) = group(&p[1..], &[], &specs).unwrap();
         assert_eq!((unit_of, names.len()), (vec![0, 1, 2, 3, 3], 4), "no root when every parameter is claimed");
     }
 
@@ -338,12 +341,17 @@ mod tests {
         let cases = [
             (vec![], "declares no units"),
             (vec![UnitSpec::new("x", ["a"]), UnitSpec::new("x", ["b"])], "two units are called `x`"),
-            (vec![UnitSpec::new("x", ["a", "c"])], "unit `x` lists `c`"),
+            (vec![UnitSpec::new("x", ["a", "c"])], "unit `x` lists `c`, which names no parameter or buffer"),
             (vec![UnitSpec::new("x", ["a"]), UnitSpec::new("y", ["a.w"])], "`a.w` is claimed by both `x` and `y`"),
         ];
         for (specs, needle) in cases {
-            let err = group(&p, &specs).unwrap_err().to_string();
+            let err = group(&p, &[], &specs).unwrap_err().to_string();
             assert!(err.contains(needle), "{needle}: {err}");
         }
+        // A unit of frozen tensors alone is a unit with nothing to train, not a typo.
+        let frozen = paths(&["c.w"]);
+        let (unit_of, names) =
+            group(&p, &frozen, &[UnitSpec::new("x", ["a", "b"]), UnitSpec::new("c", ["c"])]).unwrap();
+        assert_eq!((unit_of, names), (vec![0, 0], paths(&["x", "c"])));
     }
 }

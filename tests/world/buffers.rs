@@ -287,3 +287,87 @@ fn checkpoints_and_exports_keep_running_statistics() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `model` with the parameters under module path `prefix` frozen (not trained).
+fn frozen<M: Module>(model: M, prefix: &str) -> M {
+    struct Freeze<'a>(Vec<String>, &'a str);
+    impl ModuleMapper for Freeze<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let path = self.0.join(".");
+            if path == self.1 || path.starts_with(&format!("{}.", self.1)) {
+                param.set_require_grad(false)
+            } else {
+                param
+            }
+        }
+    }
+    model.map(&mut Freeze(Vec::new(), prefix))
+}
+
+/// A frozen layer is a buffer: it keeps its exact bits on every rank at every stage (the
+/// average of equal values is that value) and in checkpoints, while the other layers train
+/// as plain Burn trains them (Burn's optimizer skips a parameter without a gradient). A
+/// frozen first unit reads the batch alone, so nothing in it is tracked; a frozen middle
+/// unit passes the gradient through.
+#[test]
+fn frozen_parameters_keep_their_bits_while_the_rest_trains_like_plain_burn() {
+    use zerotrain::app::models::Mlp;
+    let dir = std::env::temp_dir().join(format!("zt-frozen-{}", std::process::id()));
+    for layer in ["layers.0", "layers.1"] {
+        let init = frozen(seeded(35, |d| Mlp::new(&[6, 8, 8, 6], d)), layer);
+        let frozen_before: Named = buffers_of(&init);
+        let names: Vec<&str> = frozen_before.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(names, [format!("{layer}.weight"), format!("{layer}.bias")]);
+        let frozen_elems: usize = frozen_before.iter().map(|(_, v)| v.len()).sum();
+        let all_elems: usize = params_by_path(&init).iter().map(|(_, v)| v.len()).sum();
+        let reference_plan = plan(&recipe(0, 2, 1, 0.0), 3);
+        let device = Device::flex().autodiff();
+        let (_, reference) = reference_run(&init, &reference_plan, 3, |m, b| m.loss(b), &device);
+        let reference = params_by_path(&reference);
+        for stage in [0, 2, 3] {
+            for units in [false, true] {
+                let _ = std::fs::remove_dir_all(&dir);
+                let what = format!("{layer} frozen, stage {stage}, units {units}");
+                let plan = plan(&recipe(stage, 2, 1, 0.0), 3);
+                let ranks = launch(&plan, |ctx| {
+                    let mut engine = if units {
+                        Engine::with_units(init.clone(), &plan, &ctx)?
+                    } else {
+                        Engine::new(init.clone(), &plan, &ctx)?
+                    };
+                    assert_eq!(engine.num_params(), all_elems - frozen_elems, "{what}: the frozen layer trains");
+                    for step in 0..3u64 {
+                        let batch = TASK.batch(rank_indices(&plan, step, 0, ctx.rank()), ctx.device());
+                        if units {
+                            engine.forward_backward(&batch)?;
+                        } else {
+                            let loss = engine.forward(|m| m.loss(&batch))?;
+                            engine.backward(loss)?;
+                        }
+                        engine.step()?;
+                    }
+                    engine.save_checkpoint(&dir, None, serde_json::Value::Null)?;
+                    let model = engine.full_model()?;
+                    Ok::<_, Error>((buffers_of(&model), params_by_path(&model)))
+                })
+                .unwrap();
+                for (rank, (buffers, params)) in ranks.iter().enumerate() {
+                    assert!(buffers == &frozen_before, "{what}: rank {rank}'s frozen layer changed");
+                    let (diff, path) = max_abs_diff(params, &reference);
+                    assert!(diff <= 2e-6, "{what}: rank {rank} differs from plain Burn by {diff} at {path}");
+                }
+                let saved =
+                    zerotrain_checkpoint::Checkpoint::open(&dir, None).unwrap().read_buffers().unwrap().unwrap();
+                let saved: Named = saved.into_iter().map(|(e, v)| (e.path, v)).collect();
+                assert!(saved == frozen_before, "{what}: the checkpoint's frozen layer differs");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

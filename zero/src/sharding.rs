@@ -92,9 +92,6 @@ impl Sharding {
         let mut units = Vec::with_capacity(names.len());
         let mut local_starts: Vec<usize> = vec![0];
         for (name, global_entries) in names.into_iter().zip(members) {
-            if global_entries.is_empty() {
-                return Err(ZeroError::InvalidLayout(format!("unit `{name}` has no parameters")));
-            }
             let entries = global_entries.iter().map(|&i| params[i].clone());
             let layout = FlatLayout::new(entries, world_size, align_elems)?;
             let end = local_starts.last().copied().unwrap_or(0).checked_add(layout.shard_len());
@@ -315,8 +312,10 @@ mod tests {
     fn bad_groupings_are_errors() {
         let params = || vec![("a".to_string(), vec![2]), ("b".to_string(), vec![3])];
         let names = || vec!["x".to_string(), "y".to_string()];
-        let err = Sharding::new(params(), &[Some(0), Some(0)], names(), 2, 1).unwrap_err().to_string();
-        assert!(err.contains("unit `y` has no parameters"), "{err}");
+        // A unit may hold nothing (a frozen layer): an empty layout, shards of 0 elements.
+        let s = Sharding::new(params(), &[Some(0), Some(0)], names(), 2, 1).unwrap();
+        assert_eq!((s.units()[1].layout.padded_elems(), s.units()[1].layout.shard_len()), (0, 0));
+        assert_eq!(s.local_range(1), s.local_range(0).end..s.local_range(0).end);
         assert!(Sharding::new(params(), &[Some(0), Some(2)], names(), 2, 1).is_err());
         assert!(Sharding::new(params(), &[Some(0)], names(), 2, 1).is_err());
         assert_eq!(Sharding::single(params(), 3, 2).unwrap().units().len(), 1);
