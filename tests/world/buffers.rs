@@ -371,3 +371,106 @@ fn frozen_parameters_keep_their_bits_while_the_rest_trains_like_plain_burn() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The variable that gives [`buffers_save_child`] its run folder and step count.
+const CHILD_VAR: &str = "ZEROTRAIN_BUFFERS_CHILD";
+
+/// The child process of the kill test: the conv net at stage 2 on 2 thread ranks, resumed
+/// from `DIR`'s latest checkpoint if any, trained and saved after every step up to step
+/// `STEPS` (`DIR:STEPS` in [`CHILD_VAR`]).
+#[test]
+#[ignore = "the child process of a_save_of_buffers_killed_at_any_point_leaves_latest_complete"]
+fn buffers_save_child() {
+    let spec = std::env::var(CHILD_VAR).expect("run by a_save_of_buffers_killed_at_any_point_leaves_latest_complete");
+    let (dir, steps) = spec.rsplit_once(':').expect("DIR:STEPS");
+    let steps: u64 = steps.parse().unwrap();
+    let init = seeded_net(36);
+    let plan = conv_plan(2, 2, "");
+    let resume = zerotrain::resume_point(std::path::Path::new(dir), true).ok().flatten();
+    launch(&plan, |ctx| {
+        let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+        if let Some(tag) = &resume {
+            engine.load_checkpoint(dir, tag.as_deref(), LoadOptions::default())?;
+        }
+        for step in engine.counters().global_steps..steps {
+            engine.forward_backward(&TASK_IMAGES.batch(samples(step, ctx.rank(), 2), ctx.device()))?;
+            engine.step()?;
+            engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+/// Runs [`buffers_save_child`] on `dir` up to `steps`, SIGKILLed at crash point `kill_at`
+/// if it reaches it; returns the line naming the point, if it did.
+fn run_save_child(dir: &std::path::Path, steps: u64, kill_at: Option<u64>) -> Option<String> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "buffers::buffers_save_child", "--nocapture"])
+        .env(CHILD_VAR, format!("{}:{steps}", dir.display()))
+        .env("ZEROTRAIN_CRASH_AT", kill_at.map_or(String::new(), |k| k.to_string()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let prefix = kill_at.map(|k| format!("zerotrain: crash point {k} "));
+    let mut lines = Vec::new();
+    for line in stderr.lines().map_while(Result::ok) {
+        if prefix.as_ref().is_some_and(|p| line.starts_with(p)) {
+            child.kill().unwrap(); // SIGKILL
+            child.wait().unwrap();
+            return Some(line);
+        }
+        lines.push(line);
+    }
+    assert!(child.wait().unwrap().success(), "the child failed:\n{}", lines.join("\n"));
+    None
+}
+
+/// The kill test of `tests/cli.rs`, for a model with buffers (whose file is one more step
+/// of a save): SIGKILL at every crash point of the second save leaves `latest` naming a
+/// complete checkpoint with its buffers, and rerunning finishes with exactly the buffers
+/// of an uninterrupted run.
+#[test]
+#[cfg_attr(not(feature = "crash-points"), ignore = "needs `--features crash-points`, as the README's test command has")]
+fn a_save_of_buffers_killed_at_any_point_leaves_latest_complete() {
+    let root = std::env::temp_dir().join(format!("zt-buffers-kill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (base, whole) = (root.join("base"), root.join("whole"));
+    assert_eq!(run_save_child(&base, 1, None), None);
+    assert_eq!(run_save_child(&whole, 2, None), None);
+    let open = |dir: &std::path::Path| zerotrain_checkpoint::Checkpoint::open(dir, None).unwrap();
+    let expected = open(&whole).read_buffers().unwrap().expect("the conv net has buffers");
+    // The first save's points are reached again by the resumed run's second save.
+    let mut killed_at = Vec::new();
+    for k in 1.. {
+        let dir = root.join(format!("kill-{k}"));
+        let copied = std::process::Command::new("cp").arg("-a").arg(&base).arg(&dir).status().unwrap();
+        assert!(copied.success());
+        let reached = run_save_child(&dir, 2, Some(k));
+        let ckpt = open(&dir);
+        ckpt.verify().unwrap_or_else(|e| panic!("kill point {k}: {e}"));
+        let step = ckpt.manifest().global_step;
+        assert!(step == 1 || step == 2, "kill point {k}: latest is step {step}");
+        assert!(ckpt.read_buffers().unwrap().is_some(), "kill point {k}: latest lost its buffers");
+        assert_eq!(run_save_child(&dir, 2, None), None, "rerun after kill point {k}");
+        let ckpt = open(&dir);
+        assert_eq!(ckpt.manifest().global_step, 2);
+        assert!(ckpt.read_buffers().unwrap().unwrap() == expected, "kill point {k}: the buffers differ");
+        std::fs::remove_dir_all(&dir).unwrap();
+        match reached {
+            Some(line) => killed_at.push(line),
+            None => break,
+        }
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+    eprintln!("killed a save at {} points: {killed_at:#?}", killed_at.len());
+    assert!(killed_at.iter().any(|l| l.contains("(buffers written)")), "{killed_at:#?}");
+    assert_eq!(
+        killed_at.len(),
+        14,
+        "2 ranks: prepare (2) + 2 shards (3 each) + buffers (1) + commit (5): {killed_at:#?}"
+    );
+}
