@@ -145,12 +145,13 @@ fn bench_convert_prints_every_conversion_beside_memcpy() {
     let out = zerotrain(&["bench", "convert", "--mib", "1", "--repeats", "1"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
-    for op in ["memcpy f32", "f32 -> f16", "f16 -> f32", "f32 -> bf16", "bf16 -> f32"] {
-        assert!(stdout.lines().any(|l| l.starts_with(op)), "missing {op}:\n{stdout}");
+    let ops = ["memcpy f32", "f32 -> f16", "f16 -> f32", "f32 -> bf16", "bf16 -> f32", "f32 -> bf16 (half)"];
+    for op in ops {
+        assert!(stdout.lines().any(|l| l.starts_with(&format!("{op} "))), "missing {op}:\n{stdout}");
     }
     let out = zerotrain(&["bench", "convert", "--mib", "1", "--repeats", "1", "--json"]);
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows.as_array().map(Vec::len), Some(5));
+    assert_eq!(rows.as_array().map(Vec::len), Some(ops.len()));
 }
 
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
