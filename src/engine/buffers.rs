@@ -28,6 +28,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use zerotrain_precision::BufMut;
 use zerotrain_zero::{Collective, ReduceOp};
 
+use super::params::for_each_float;
 use crate::{Error, Result};
 
 /// One buffer: its visit position among the model's float tensors, path and shape, and the
@@ -61,33 +62,14 @@ pub(crate) struct Snapshot {
 impl Buffers {
     /// Finds `model`'s buffers; `unit_of(path)` says which engine unit holds each.
     pub fn scan<M: Module>(model: &M, unit_of: impl Fn(&str) -> Option<usize>) -> Self {
-        struct Scan {
-            path: Vec<String>,
-            position: usize,
-            found: Vec<(usize, String, Vec<usize>)>,
-        }
-        impl ModuleVisitor for Scan {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.path.push(name.to_string());
+        let (mut entries, mut position) = (Vec::new(), 0);
+        for_each_float(model, |float| {
+            if !float.trainable {
+                let path = float.path.to_string();
+                entries.push(BufferEntry { unit: unit_of(&path), position, path, shape: float.shape.to_vec() });
             }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let tensor = param.val();
-                if !tensor.is_require_grad() {
-                    self.found.push((self.position, self.path.join("."), tensor.dims().to_vec()));
-                }
-                self.position += 1;
-            }
-        }
-        let mut scan = Scan { path: Vec::new(), position: 0, found: Vec::new() };
-        model.visit(&mut scan);
-        let entries = scan
-            .found
-            .into_iter()
-            .map(|(position, path, shape)| BufferEntry { unit: unit_of(&path), position, path, shape })
-            .collect();
+            position += 1;
+        });
         Self { entries }
     }
 

@@ -4,13 +4,13 @@
 
 use std::path::Path;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{DType, Tensor};
+use burn::module::Module;
+use burn::tensor::DType;
 use zerotrain_checkpoint::{SafetensorsWriter, TensorSpec};
 use zerotrain_precision::{FlatBuf, Precision};
 
 use super::Engine;
-use super::params::{Fill, read_params, write_params};
+use super::params::{Fill, for_each_float, read_params, write_params};
 use crate::{Error, Result};
 
 impl<M: Module> Engine<M> {
@@ -95,29 +95,17 @@ impl<M: Module> Engine<M> {
 
 /// Writes every float tensor of `model` (trainable or not) to `path` in `dtype`.
 pub(super) fn write_safetensors<M: Module>(model: &M, path: &Path, dtype: Precision) -> Result<()> {
-    struct Collect(Vec<String>, Vec<(String, Vec<usize>, Vec<f32>)>, Option<Error>);
-    impl ModuleVisitor for Collect {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.into());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let tensor = param.val();
-            let shape = tensor.dims().to_vec();
-            match tensor.into_data().try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
-                Ok(Ok(values)) => self.1.push((self.0.join("."), shape, values)),
-                _ => {
-                    let path = self.0.join(".");
-                    self.2.get_or_insert(Error::Model(format!("`{path}` cannot be read as f32 for the export")));
-                }
+    let (mut tensors, mut error) = (Vec::new(), None);
+    for_each_float(model, |float| {
+        match float.flat().into_data().try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
+            Ok(Ok(values)) => tensors.push((float.path.to_string(), float.shape.to_vec(), values)),
+            _ => {
+                let path = float.path;
+                error.get_or_insert(Error::Model(format!("`{path}` cannot be read as f32 for the export")));
             }
         }
-    }
-    let mut collect = Collect(Vec::new(), Vec::new(), None);
-    model.visit(&mut collect);
-    if let Some(error) = collect.2 {
+    });
+    if let Some(error) = error {
         return Err(error);
     }
     let st = match dtype {
@@ -125,8 +113,7 @@ pub(super) fn write_safetensors<M: Module>(model: &M, path: &Path, dtype: Precis
         Precision::Fp16 => safetensors::Dtype::F16,
         Precision::Bf16 => safetensors::Dtype::BF16,
     };
-    let specs: Vec<TensorSpec> = collect
-        .1
+    let specs: Vec<TensorSpec> = tensors
         .iter()
         .map(|(name, shape, _)| TensorSpec { name: name.clone(), dtype: st, shape: shape.clone() })
         .collect();
@@ -135,7 +122,7 @@ pub(super) fn write_safetensors<M: Module>(model: &M, path: &Path, dtype: Precis
     let partial = std::path::PathBuf::from(partial);
     let written = (|| {
         let mut writer = SafetensorsWriter::create(&partial, &specs, &[("format", "pt".to_string())])?;
-        for (_, _, values) in &collect.1 {
+        for (_, _, values) in &tensors {
             let bytes: Vec<u8> = match FlatBuf::from_f32(dtype, values) {
                 FlatBuf::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
                 FlatBuf::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),

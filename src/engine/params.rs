@@ -40,30 +40,57 @@ impl ParamIndex {
 
     /// Scans `model`, returning the (path, shape) of each trainable parameter in order.
     pub fn scan<M: Module>(model: &M) -> (ParamShapes, Self) {
-        struct Scan {
-            path: Vec<String>,
-            params: ParamShapes,
-            entry_of: Vec<Option<usize>>,
-        }
-        impl ModuleVisitor for Scan {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.path.push(name.to_string());
+        let (mut params, mut entry_of) = (Vec::new(), Vec::new());
+        for_each_float(model, |float| {
+            entry_of.push(float.trainable.then_some(params.len()));
+            if float.trainable {
+                params.push((float.path.to_string(), float.shape.to_vec()));
             }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let trainable = param.val().is_require_grad();
-                self.entry_of.push(trainable.then_some(self.params.len()));
-                if trainable {
-                    self.params.push((self.path.join("."), param.val().dims().to_vec()));
-                }
-            }
-        }
-        let mut scan = Scan { path: Vec::new(), params: Vec::new(), entry_of: Vec::new() };
-        model.visit(&mut scan);
-        (scan.params, Self { entry_of: scan.entry_of })
+        });
+        (params, Self { entry_of })
     }
+}
+
+/// One float tensor of a model, as [`for_each_float`] meets it.
+pub(crate) struct FloatTensor<'a> {
+    /// Its module path.
+    pub path: &'a str,
+    /// Whether it trains (a parameter) or not (a buffer).
+    pub trainable: bool,
+    pub shape: &'a [usize],
+    flat: &'a dyn Fn() -> Tensor<1>,
+}
+
+impl FloatTensor<'_> {
+    /// Its values as a 1-D tensor.
+    pub fn flat(&self) -> Tensor<1> {
+        (self.flat)()
+    }
+}
+
+/// Calls `f` with every float tensor of `model`, in visit order (the order every walk of
+/// this module assumes).
+pub(crate) fn for_each_float<M: Module>(model: &M, f: impl FnMut(FloatTensor<'_>)) {
+    struct Floats<F> {
+        path: Vec<String>,
+        f: F,
+    }
+    impl<F: FnMut(FloatTensor<'_>)> ModuleVisitor for Floats<F> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            let shape = tensor.dims();
+            let flat = || tensor.clone().reshape([shape.iter().product::<usize>()]);
+            let path = self.path.join(".");
+            (self.f)(FloatTensor { path: &path, trainable: tensor.is_require_grad(), shape: &shape, flat: &flat });
+        }
+    }
+    model.visit(&mut Floats { path: Vec::new(), f });
 }
 
 /// Where a walk over the model is: the index, the sharding and the visit position.

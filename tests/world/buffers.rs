@@ -4,7 +4,7 @@
 //! model, checkpoints and consolidated files keep them, evaluation and recomputation leave
 //! them alone. Each test failed before buffers were handled (issue 22).
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use zerotrain::app::models::{ConvNet, ImageTask};
@@ -43,24 +43,8 @@ fn samples(step: u64, rank: usize, world: usize) -> std::ops::Range<u64> {
 /// Every non-trainable float tensor by path, read as Burn's own `valid()` sees it (a
 /// `RunningState` defers its last update until it is next read).
 pub(crate) fn buffers_of<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
-    struct Collect(Vec<String>, Vec<(String, Vec<f32>)>);
-    impl ModuleVisitor for Collect {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.into());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.val().is_require_grad() {
-                self.1.push((self.0.join("."), param.val().into_data().try_to_vec::<f32>().expect("f32 buffer")));
-            }
-        }
-    }
     drop(model.valid());
-    let mut c = Collect(Vec::new(), Vec::new());
-    model.visit(&mut c);
-    c.1
+    floats_by_path(model, |trainable| !trainable)
 }
 
 /// `model` with its buffers set to `values` (in [`buffers_of`]'s order).

@@ -173,8 +173,14 @@ fn scale_grads<M: Module>(model: &M, grads: &mut GradientsParams, coef: f32) {
 
 /// Every float parameter as (module path, values), in visit order.
 pub fn params_by_path<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
-    struct Collect(Vec<String>, Vec<(String, Vec<f32>)>);
-    impl ModuleVisitor for Collect {
+    floats_by_path(model, |_| true)
+}
+
+/// The float tensors whose gradient tracking `keep` accepts, as (module path, values in
+/// f32), in visit order.
+pub fn floats_by_path<M: Module>(model: &M, keep: impl Fn(bool) -> bool) -> Vec<(String, Vec<f32>)> {
+    struct Collect<F>(Vec<String>, Vec<(String, Vec<f32>)>, F);
+    impl<F: Fn(bool) -> bool> ModuleVisitor for Collect<F> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.0.push(name.into());
         }
@@ -182,11 +188,13 @@ pub fn params_by_path<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
             self.0.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let data = param.val().into_data().try_cast(burn::tensor::DType::F32).unwrap();
-            self.1.push((self.0.join("."), data.try_to_vec::<f32>().unwrap()));
+            if (self.2)(param.val().is_require_grad()) {
+                let data = param.val().into_data().try_cast(burn::tensor::DType::F32).unwrap();
+                self.1.push((self.0.join("."), data.try_to_vec::<f32>().unwrap()));
+            }
         }
     }
-    let mut c = Collect(Vec::new(), Vec::new());
+    let mut c = Collect(Vec::new(), Vec::new(), keep);
     model.visit(&mut c);
     c.1
 }
