@@ -64,7 +64,7 @@
 //! # Design notes
 //! - *Note: the root unit* (parameters no unit claims, tied weights): [`engine::model`].
 //! - *Note: the unit walk* (gather, prefetch, recompute, reduce per unit): `engine/exec.rs`.
-//! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params.rs`.
+//! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params/index.rs`.
 //! - *Note: why reduce-scatter per micro-step*, *reductions in flight*: `engine/grads.rs`.
 //! - *Note: persistence* (stage 3), *lost master weights*: `engine/unit.rs`.
 //! - *Note: one engine, any span* (what a pipeline stage changes): `engine/span.rs`.
