@@ -73,6 +73,14 @@ impl Buffers {
         Self { entries }
     }
 
+    /// The same buffers with each unit `u` renumbered `f(u)` (`None`: held by no unit here).
+    pub fn map_units(mut self, f: impl Fn(usize) -> Option<usize>) -> Self {
+        for e in &mut self.entries {
+            e.unit = e.unit.and_then(&f);
+        }
+        self
+    }
+
     /// The buffers, in visit order.
     pub fn entries(&self) -> &[BufferEntry] {
         &self.entries
@@ -180,7 +188,8 @@ impl Buffers {
         Ok(self.write(model, &averaged, |_| true))
     }
 
-    /// Unit `unit`'s buffer values, to put back with [`restore`](Self::restore).
+    /// Unit `unit`'s buffer values, to put back with [`restore`](Self::restore); `None` for
+    /// a unit without buffers (nothing to put back).
     pub fn snapshot<M: Module>(&self, model: &M, unit: usize) -> Result<Option<Snapshot>> {
         if !self.entries.iter().any(|e| e.unit == Some(unit)) {
             return Ok(None);
@@ -190,10 +199,7 @@ impl Buffers {
     }
 
     /// Puts a unit's buffers back as `snapshot` found them.
-    pub fn restore<M: Module>(&self, model: M, snapshot: Option<Snapshot>) -> M {
-        match snapshot {
-            Some(s) => self.write(model, &s.values, |e| e.unit == Some(s.unit)),
-            None => model,
-        }
+    pub fn restore<M: Module>(&self, model: M, snapshot: Snapshot) -> M {
+        self.write(model, &snapshot.values, |e| e.unit == Some(snapshot.unit))
     }
 }

@@ -117,10 +117,13 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let (model, params, index) = prepare(model, ctx)?;
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
-        let frozen: Vec<String> = Buffers::scan(&model, |_| None).entries().iter().map(|e| e.path.clone()).collect();
+        // Buffers belong to the unit whose module holds them, else to the root.
+        let buffers =
+            Buffers::scan(&model, |path| Some(specs.iter().position(|s| claims(s, path)).unwrap_or(specs.len())));
+        let frozen: Vec<String> = buffers.entries().iter().map(|e| e.path.clone()).collect();
         let (unit_of, names) = group(&paths, &frozen, &specs)?;
         let root_paths = unshared_root(&paths, &unit_of, &specs, &model.shared())?;
-        let declared = Declared { params, index, unit_of, names, specs, root_paths };
+        let declared = Declared { params, index, unit_of, names, specs, root_paths, buffers };
         Ok((EngineBuilder { model, plan, ctx, optimizer }, declared))
     }
 
@@ -140,17 +143,15 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let EngineBuilder { model, plan, ctx, optimizer } = builder;
         let unit_of: Vec<Option<usize>> = declared.unit_of.iter().copied().map(Some).collect();
         let sharding = Sharding::new(declared.params, &unit_of, declared.names, plan.world_size(), ALIGN_ELEMS)?;
-        let specs = &declared.specs;
-        let buffers =
-            Buffers::scan(&model, |path| Some(specs.iter().position(|s| claims(s, path)).unwrap_or(specs.len())));
-        let root = sharding.units().len() > specs.len();
+        let declared_units = declared.specs.len();
+        let root = sharding.units().len() > declared_units;
         let recompute_every = usize::from(plan.activation_checkpointing);
-        let granularity = Granularity::Declared { declared: specs.len(), root, recompute_every };
+        let granularity = Granularity::Declared { declared: declared_units, root, recompute_every };
         let parts = Parts {
             comm: ctx.collective(),
             sharding,
             index: declared.index,
-            buffers,
+            buffers: declared.buffers,
             span: Span::whole(plan.world_size()),
         };
         let mut engine = assemble(model, plan, ctx, parts, granularity, &optimizer)?;
@@ -206,6 +207,8 @@ pub(super) struct Declared {
     pub specs: Vec<super::UnitSpec>,
     /// Parameters no unit claims and the model does not list as shared.
     pub root_paths: Vec<String>,
+    /// The model's buffers, each in its declared unit (the root's are `specs.len()`).
+    pub buffers: Buffers,
 }
 
 /// Which units a rank holds and where: what [`assemble`] needs beside the model and plan.

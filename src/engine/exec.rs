@@ -198,8 +198,10 @@ impl<M: UnitModel> Engine<M> {
             let leaf = input.take().map(Activation::leaf);
             let before = self.buffers.snapshot(&self.model, i)?;
             let (output, term) = self.run_unit(i, leaf.clone(), batch, true, true)?;
-            let model = self.model.clone();
-            self.model = self.buffers.restore(model, before);
+            if let Some(before) = before {
+                let model = self.model.clone();
+                self.model = self.buffers.restore(model, before);
+            }
             self.window.times.backward += start.elapsed().as_secs_f64();
             input = Some(output.clone().detached());
             *slot = Saved::Graph { input: leaf, output, term };

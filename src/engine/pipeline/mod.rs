@@ -177,19 +177,16 @@ impl<M: UnitModel> Pipeline<M> {
     /// gradient sent back (but from the first stage).
     fn backward_micro_batch(&mut self, flight: InFlight<M>, sends: &mut Vec<Pending>) -> Result<()> {
         let (first, stage) = (self.stage() == 0, self.stage());
-        let engine = &mut self.engine;
         let (value, upstream, root_grads) = match flight.output {
-            Some(output) => engine.loss_backward(output, &flight.batch)?,
+            Some(output) => self.engine.loss_backward(output, &flight.batch)?,
             None => {
                 // The root's gradient starts at zero here; the stage's units may add to it.
+                let engine = &self.engine;
                 let root = engine.granularity.root().map(|r| UnitGrads::empty(engine.shared.layout(r).entries().len()));
-                let start = Instant::now();
-                let parts = wire::recv(self.pipe.as_ref(), M::Hidden::PARTS, stage + 1)?;
-                engine.window.times.pipe_wait += start.elapsed().as_secs_f64();
-                let upstream = M::Hidden::from_parts(&mut parts.into_iter(), &engine.shared.device)?;
-                (0.0, Some(upstream), root)
+                (0.0, Some(self.recv_activation(stage + 1)?.0), root)
             }
         };
+        let engine = &mut self.engine;
         let (root_grads, input_grad) = engine.backward_units(flight.saved, upstream, root_grads, &flight.batch)?;
         engine.reduce_root(root_grads)?;
         if !first {
@@ -208,8 +205,8 @@ impl<M: UnitModel> Pipeline<M> {
         Ok(())
     }
 
-    /// Receives an activation from stage `from`, counting the wait; returns it and its
-    /// parts' dtypes and shapes.
+    /// Receives an activation (or its gradient) from stage `from`, counting the wait;
+    /// returns it and its parts' dtypes and shapes.
     fn recv_activation(&mut self, from: usize) -> Result<(M::Hidden, wire::Shapes)> {
         let start = Instant::now();
         let parts = wire::recv(self.pipe.as_ref(), M::Hidden::PARTS, from)?;

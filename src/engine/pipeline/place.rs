@@ -17,7 +17,6 @@ use zerotrain_zero::{Collective, Sharding};
 use super::Pipeline;
 use crate::config::PipelinePlan;
 use crate::context::RankContext;
-use crate::engine::buffers::Buffers;
 use crate::engine::build::{ALIGN_ELEMS, Declared, Parts};
 use crate::engine::model::{UnitModel, claims};
 use crate::engine::params::{Fill, read_params, release_unheld, write_global, write_params};
@@ -61,20 +60,16 @@ pub(in crate::engine) fn place<M: UnitModel>(
     let holds = |s: usize, u: usize| u == count || ranges[s].contains(&u);
     let model = seed(model, world.as_ref(), topology, &declared, &holds, ctx)?;
     let units = ranges[stage].clone();
-    let local: Vec<Option<usize>> = (declared.unit_of.iter())
-        .map(|&u| if u < count { units.contains(&u).then(|| u - units.start) } else { Some(units.len()) })
-        .collect();
+    // A declared unit's index on this stage (`None` elsewhere); the root comes last.
+    let to_local = |u: usize| if u < count { units.contains(&u).then(|| u - units.start) } else { Some(units.len()) };
+    let local: Vec<Option<usize>> = declared.unit_of.iter().map(|&u| to_local(u)).collect();
     let mut names = declared.names[units.clone()].to_vec();
     names.extend(declared.names.get(count).cloned());
     let data_group = world.split(stage, data)?;
     let pipe = world.split(data, stage)?;
     let sharding = Sharding::new(declared.params, &local, names, topology.data_parallel, ALIGN_ELEMS)?;
     let model = release_unheld(model, &declared.index, &sharding, ctx.device());
-    let specs = &declared.specs;
-    let buffers = Buffers::scan(&model, |path| match specs.iter().position(|s| claims(s, path)) {
-        Some(u) => units.contains(&u).then(|| u - units.start),
-        None => Some(units.len()),
-    });
+    let buffers = declared.buffers.map_units(to_local);
     let span = Span { topology, stage, first_unit: units.start, pipe: Some(pipe) };
     let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span };
     Ok(Placed { model, parts, stage_units: units.len(), stage_ranges: ranges })
@@ -91,7 +86,7 @@ fn seed<M: UnitModel>(
     ctx: &RankContext,
 ) -> Result<M> {
     let me = world.rank();
-    let buffers = Buffers::scan(&model, |_| Some(0));
+    let buffers = &declared.buffers;
     for stage in 1..topology.stages {
         let leader = topology.rank(stage, 0);
         if me != 0 && me != leader {
