@@ -90,28 +90,11 @@ impl MpiComm {
         half: Half,
         op: ReduceOp,
     ) -> Result<Vec<u16>, ZeroError> {
-        let (n, r) = (self.size, self.rank);
-        let mine = ranges[r].clone();
+        let (n, mine) = (self.size, ranges[self.rank].clone());
         let mut received = vec![0u16; mine.len() * n];
-        received[r * mine.len()..(r + 1) * mine.len()].copy_from_slice(&bits[mine.clone()]);
-        scope(|s| {
-            let mut receives = Vec::with_capacity(n);
-            for (k, slot) in received.chunks_mut(mine.len().max(1)).enumerate().take(n) {
-                if k != r && !mine.is_empty() {
-                    let from = self.world.process_at_rank(k as i32);
-                    receives.push(from.immediate_receive_into_with_tag(s, slot, COLLECTIVE_TAG));
-                }
-            }
-            let mut sends = Vec::with_capacity(n);
-            for (k, range) in ranges.iter().enumerate() {
-                if k != r && !range.is_empty() {
-                    let to = self.world.process_at_rank(k as i32);
-                    sends.push(to.immediate_send_with_tag(s, &bits[range.clone()], COLLECTIVE_TAG));
-                }
-            }
-            receives.into_iter().for_each(|request| self.complete(OpKind::ReduceScatter, request));
-            sends.into_iter().for_each(|request| self.complete(OpKind::ReduceScatter, request));
-        });
+        received[self.rank * mine.len()..(self.rank + 1) * mine.len()].copy_from_slice(&bits[mine.clone()]);
+        let outgoing: Vec<&[u16]> = ranges.iter().map(|r| &bits[r.clone()]).collect();
+        self.exchange(&outgoing, tile(&mut received, &vec![mine.len(); n]), OpKind::ReduceScatter);
         let chunk = |k: usize| &received[k * mine.len()..(k + 1) * mine.len()];
         let mut acc: Vec<f32> = chunk(0).iter().map(|&b| half.widen(b)).collect();
         for k in 1..n {
@@ -123,32 +106,38 @@ impl MpiComm {
     /// Sends this rank's chunk of `bits` to every peer and receives every peer's chunk in
     /// place (an all-gather of near-equal chunks).
     fn exchange_chunks(&self, bits: &mut [u16], ranges: &[Range<usize>]) -> Result<(), ZeroError> {
-        let (n, r) = (self.size, self.rank);
-        let mine: Vec<u16> = bits[ranges[r].clone()].to_vec();
-        // Split `bits` into the peers' chunks (ranges tile it in order).
-        let mut slots: Vec<&mut [u16]> = Vec::with_capacity(n);
-        let mut rest = bits;
-        for range in ranges {
-            let (slot, tail) = rest.split_at_mut(range.len());
-            slots.push(slot);
-            rest = tail;
-        }
-        scope(|s| {
-            let mut receives = Vec::with_capacity(n);
-            for (k, slot) in slots.into_iter().enumerate() {
-                if k != r && !slot.is_empty() {
-                    let from = self.world.process_at_rank(k as i32);
-                    receives.push(from.immediate_receive_into_with_tag(s, slot, COLLECTIVE_TAG));
-                }
-            }
-            let mut sends = Vec::with_capacity(n);
-            for k in (0..n).filter(|&k| k != r && !mine.is_empty()) {
-                let to = self.world.process_at_rank(k as i32);
-                sends.push(to.immediate_send_with_tag(s, &mine[..], COLLECTIVE_TAG));
-            }
-            receives.into_iter().for_each(|request| self.complete(OpKind::AllReduce, request));
-            sends.into_iter().for_each(|request| self.complete(OpKind::AllReduce, request));
-        });
+        let mine: Vec<u16> = bits[ranges[self.rank].clone()].to_vec();
+        let lens: Vec<usize> = ranges.iter().map(Range::len).collect();
+        self.exchange(&vec![&mine[..]; self.size], tile(bits, &lens), OpKind::AllReduce);
         Ok(())
     }
+
+    /// Sends `outgoing[k]` to every peer `k` and receives peer `k`'s message into
+    /// `incoming[k]`, all at once (this rank's own slots, and empty ones, are skipped).
+    fn exchange(&self, outgoing: &[&[u16]], incoming: Vec<&mut [u16]>, kind: OpKind) {
+        let r = self.rank;
+        scope(|s| {
+            let mut requests = Vec::with_capacity(2 * self.size);
+            for (k, slot) in incoming.into_iter().enumerate().filter(|(k, slot)| *k != r && !slot.is_empty()) {
+                let from = self.world.process_at_rank(k as i32);
+                requests.push(from.immediate_receive_into_with_tag(s, slot, COLLECTIVE_TAG));
+            }
+            for (k, message) in outgoing.iter().enumerate().filter(|(k, m)| *k != r && !m.is_empty()) {
+                let to = self.world.process_at_rank(k as i32);
+                requests.push(to.immediate_send_with_tag(s, *message, COLLECTIVE_TAG));
+            }
+            requests.into_iter().for_each(|request| self.complete(kind, request));
+        });
+    }
+}
+
+/// `bits` cut into consecutive slices of `lens` (which sum to at most its length).
+fn tile<'a>(mut bits: &'a mut [u16], lens: &[usize]) -> Vec<&'a mut [u16]> {
+    lens.iter()
+        .map(|&len| {
+            let (slot, rest) = std::mem::take(&mut bits).split_at_mut(len);
+            bits = rest;
+            slot
+        })
+        .collect()
 }
