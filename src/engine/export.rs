@@ -21,7 +21,7 @@ impl<M: Module> Engine<M> {
     pub fn master_params(&self) -> Result<Vec<f32>> {
         let sharding = &self.shared.sharding;
         let mut out = vec![0.0f32; sharding.global().num_elems()];
-        let skip_root = self.granularity.root().filter(|_| !self.span.counts_root());
+        let skip_root = self.root_counted_elsewhere();
         for (id, unit) in self.units.iter().enumerate() {
             if skip_root == Some(id) {
                 continue; // the first stage reports the root

@@ -16,6 +16,7 @@ use burn::module::Module;
 use zerotrain_zero::ReduceOp;
 
 use super::Engine;
+use super::span::Span;
 use super::unit::Shared;
 use crate::{Error, Result};
 
@@ -74,29 +75,14 @@ impl<M: Module> Engine<M> {
     /// pipeline stage) counts on the first stage only; every rank's loss counts (a pipeline
     /// stage's is its units' loss terms, the last stage's also the model's loss).
     pub(super) fn global_metrics(&mut self, grads: &[Vec<f32>], loss: Option<f32>) -> Result<(f64, f32)> {
-        let (world, group) = (&self.shared.world, &self.shared.comm);
-        let n = world.world_size();
-        let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
-        let root = self.granularity.root().filter(|_| !self.span.counts_root());
-        let partial = |r: usize| -> f32 { partial_sum_squares(&self.shared, grads, r, sharded, root) };
-        let mut metrics = vec![0.0f32; n + 1];
-        if sharded {
-            metrics[self.span.world_rank(group.rank())] = partial(group.rank());
-        } else if group.rank() == 0 {
-            for r in 0..group.world_size() {
-                metrics[self.span.world_rank(r)] = partial(r);
-            }
-        }
-        metrics[n] = loss.unwrap_or(0.0);
-        let wait = Instant::now();
-        world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+        let skip = self.root_counted_elsewhere();
+        let (sum_squares, loss, wait) = world_metrics(&self.shared, &self.span, skip, grads, loss)?;
         if self.span.is_pipelined() {
             // At the flush the stages that finish first wait here for the last: the
             // pipeline's bubble, as waiting for a neighbour's activations is.
-            self.window.times.pipe_wait += wait.elapsed().as_secs_f64();
+            self.window.times.pipe_wait += wait;
         }
-        let contributors = self.span.topology.data_parallel;
-        Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32))
+        Ok((sum_squares, loss))
     }
 
     /// The step's gradients, before [`step`](Self::step): for logging them, clipping them
@@ -111,15 +97,39 @@ impl<M: Module> Engine<M> {
             ));
         }
         self.prepare_step()?;
+        let skip = self.root_counted_elsewhere();
         let prepared = self.progress.prepared.as_mut().expect("prepared above");
-        Ok(Gradients {
-            prepared,
-            shared: &self.shared,
-            world: self.shared.world.as_ref(),
-            counts_root: self.span.counts_root(),
-            root: self.granularity.root(),
-        })
+        Ok(Gradients { prepared, shared: &self.shared, span: &self.span, skip })
     }
+}
+
+/// [`Engine::global_metrics`] of `grads` (`skip`: a root another stage counts), and the
+/// seconds spent in the all-reduce.
+fn world_metrics(
+    shared: &Shared,
+    span: &Span,
+    skip: Option<usize>,
+    grads: &[Vec<f32>],
+    loss: Option<f32>,
+) -> Result<(f64, f32, f64)> {
+    let (world, group) = (&shared.world, &shared.comm);
+    let n = world.world_size();
+    let sharded = shared.plan.zero.stage.shards_optimizer_states();
+    let partial = |r: usize| -> f32 { partial_sum_squares(shared, grads, r, sharded, skip) };
+    let mut metrics = vec![0.0f32; n + 1];
+    if sharded {
+        metrics[span.world_rank(group.rank())] = partial(group.rank());
+    } else if group.rank() == 0 {
+        for r in 0..group.world_size() {
+            metrics[span.world_rank(r)] = partial(r);
+        }
+    }
+    metrics[n] = loss.unwrap_or(0.0);
+    let wait = Instant::now();
+    world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+    let wait = wait.elapsed().as_secs_f64();
+    let contributors = span.topology.data_parallel;
+    Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32, wait))
 }
 
 /// This rank's partial of the squared norm of `grads` as group rank `r` holds them.
@@ -144,9 +154,9 @@ fn partial_sum_squares(shared: &Shared, grads: &[Vec<f32>], r: usize, sharded: b
 pub struct Gradients<'a> {
     prepared: &'a mut Prepared,
     shared: &'a Shared,
-    world: &'a dyn zerotrain_zero::Collective,
-    counts_root: bool,
-    root: Option<usize>,
+    span: &'a Span,
+    /// The root, where another pipeline stage counts it.
+    skip: Option<usize>,
 }
 
 impl Gradients<'_> {
@@ -190,7 +200,7 @@ impl Gradients<'_> {
         (self.prepared.numerator, self.prepared.denominator, self.prepared.stale_norm) = (1.0, 1.0, true);
         let shared = self.shared;
         for (id, values) in self.prepared.grads.iter_mut().enumerate() {
-            if self.root == Some(id) && !self.counts_root {
+            if self.skip == Some(id) {
                 continue;
             }
             for segment in shared.optimizer_segments(id) {
@@ -202,7 +212,7 @@ impl Gradients<'_> {
     /// Each piece of a parameter this rank holds (the root only where it counts).
     fn pieces(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) {
         for (id, values) in self.prepared.grads.iter().enumerate() {
-            if self.root == Some(id) && !self.counts_root {
+            if self.skip == Some(id) {
                 continue;
             }
             for segment in self.shared.optimizer_segments(id) {
@@ -212,24 +222,8 @@ impl Gradients<'_> {
     }
 
     fn remeasure(&mut self) -> Result<()> {
-        let sharded = self.shared.plan.zero.stage.shards_optimizer_states();
-        let skip = self.root.filter(|_| !self.counts_root);
-        let group = self.shared.comm.as_ref();
-        let n = self.world.world_size();
-        let mut metrics = vec![0.0f32; n];
-        // Each rank's partial in its world slot, as the step's metrics are laid out.
-        let slot = self.world.rank();
-        metrics[slot] = if sharded || group.world_size() == 1 {
-            partial_sum_squares(self.shared, &self.prepared.grads, group.rank(), sharded, skip)
-        } else if group.rank() == 0 {
-            (0..group.world_size())
-                .map(|r| partial_sum_squares(self.shared, &self.prepared.grads, r, sharded, skip))
-                .sum()
-        } else {
-            0.0
-        };
-        self.world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
-        self.prepared.sum_squares = metrics.iter().map(|&p| f64::from(p)).sum();
+        let (sum_squares, _, _) = world_metrics(self.shared, self.span, self.skip, &self.prepared.grads, None)?;
+        self.prepared.sum_squares = sum_squares;
         self.prepared.stale_norm = false;
         Ok(())
     }

@@ -130,6 +130,12 @@ struct Progress {
 }
 
 impl<M: Module> Engine<M> {
+    /// The root unit where another pipeline stage's replica of it is the one that counts
+    /// (in the norm, checkpoints and the model's values): this rank skips it there.
+    pub(super) fn root_counted_elsewhere(&self) -> Option<usize> {
+        self.granularity.root().filter(|_| !self.span.counts_root())
+    }
+
     /// Whether the next [`step`](Self::step) will update the parameters: the window has
     /// `gradient_accumulation_steps` micro-steps, or the caller said so with
     /// [`set_gradient_accumulation_boundary`](Self::set_gradient_accumulation_boundary).

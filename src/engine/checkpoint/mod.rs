@@ -98,7 +98,7 @@ impl<M: Module> Engine<M> {
     /// global order). Nothing at stage 0 beyond rank 0 (every rank holds everything).
     fn saved_segments(&self) -> Vec<Vec<(Range<usize>, Range<usize>)>> {
         let stage0 = !self.shared.plan.zero.stage.shards_optimizer_states();
-        let skip_root = self.granularity.root().filter(|_| !self.span.counts_root());
+        let skip_root = self.root_counted_elsewhere();
         (0..self.units.len())
             .map(|id| {
                 // At stage 0 a group's first rank saves for it; the root's replicas on
