@@ -49,10 +49,7 @@ impl<M: Module> Engine<M> {
     /// gathered one at a time: no other rank holds more than one unit beyond its shards.
     /// Every rank must call it.
     pub fn gather_model(&mut self, root: usize) -> Result<Option<M>> {
-        let paused = self.window.pause(self.comm_stats());
-        let gathered = self.gather_on(root);
-        self.window.resume(paused, self.comm_stats());
-        gathered
+        self.off_the_clock(|engine| engine.gather_on(root))
     }
 
     fn gather_on(&mut self, root: usize) -> Result<Option<M>> {

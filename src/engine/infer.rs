@@ -17,10 +17,7 @@ impl<M: UnitModel> Engine<M> {
         if !matches!(self.granularity, Granularity::Declared { .. }) {
             return Err(Error::Usage("evaluate needs an engine built with Engine::with_units".into()));
         }
-        let paused = self.window.pause(self.comm_stats());
-        let loss = self.sync_buffers().and_then(|()| self.evaluate_units(batch));
-        self.window.resume(paused, self.comm_stats());
-        loss
+        self.off_the_clock(|engine| engine.sync_buffers().and_then(|()| engine.evaluate_units(batch)))
     }
 
     fn evaluate_units(&mut self, batch: &M::Batch) -> Result<f32> {

@@ -130,6 +130,15 @@ struct Progress {
 }
 
 impl<M: Module> Engine<M> {
+    /// Runs `f`, work that is not training (evaluation, a save, an export), leaving its time
+    /// and traffic out of the step's report.
+    pub(super) fn off_the_clock<T>(&mut self, f: impl FnOnce(&mut Self) -> crate::Result<T>) -> crate::Result<T> {
+        let paused = self.window.pause(self.comm_stats());
+        let result = f(self);
+        self.window.resume(paused, self.comm_stats());
+        result
+    }
+
     /// The root unit where another pipeline stage's replica of it is the one that counts
     /// (in the norm, checkpoints and the model's values): this rank skips it there.
     pub(super) fn root_counted_elsewhere(&self) -> Option<usize> {

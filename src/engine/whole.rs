@@ -158,10 +158,7 @@ impl<M: Module> Engine<M> {
     /// the data-parallel ranks. Neither its time nor its traffic counts in the next step's
     /// report. Every rank must call it.
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
-        let paused = self.window.pause(self.comm_stats());
-        let result = self.eval_gathered(f);
-        self.window.resume(paused, self.comm_stats());
-        result
+        self.off_the_clock(|engine| engine.eval_gathered(f))
     }
 
     fn eval_gathered<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {

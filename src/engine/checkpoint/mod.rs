@@ -46,10 +46,7 @@ impl<M: Module> Engine<M> {
         tag: Option<&str>,
         client_state: serde_json::Value,
     ) -> Result<PathBuf> {
-        let paused = self.window.pause(self.comm_stats());
-        let saved = self.save(dir.as_ref(), tag, client_state);
-        self.window.resume(paused, self.comm_stats());
-        saved
+        self.off_the_clock(|engine| engine.save(dir.as_ref(), tag, client_state))
     }
 
     fn save(&mut self, root: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
