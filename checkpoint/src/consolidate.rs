@@ -1,17 +1,18 @@
 //! Consolidation: one safetensors file of every parameter and buffer, keyed by module path
-//! (what a strict Burn load expects), the parameters streamed
-//! in chunks of [`CHUNK_ELEMS`], so that memory stays bounded whatever the manifest says a
-//! parameter's size is (a hostile manifest cannot make it allocate before the shards are
-//! read and checked).
+//! (what a strict Burn load expects), streamed in chunks of [`CHUNK_ELEMS`], so that memory
+//! stays bounded whatever the manifest says a tensor's size is (a hostile manifest cannot
+//! make it allocate before the shards are read and checked, and a large frozen layer, a
+//! buffer, streams like a parameter).
 
 use std::fs;
+use std::ops::Range;
 use std::path::Path;
 
 use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{Precision, to_half};
 
-use crate::shard::{SafetensorsWriter, TensorSpec};
-use crate::{Checkpoint, CheckpointError, Result};
+use crate::shard::{SafetensorsWriter, ShardReader, TensorSpec};
+use crate::{Checkpoint, CheckpointError, LayoutEntry, Result};
 
 /// Elements read, converted and written at a time (4 MiB of f32).
 pub const CHUNK_ELEMS: u64 = 1 << 20;
@@ -77,23 +78,35 @@ fn write_consolidated(ckpt: &Checkpoint, partial: &Path, dtype: Precision) -> Re
         ("zerotrain_global_step", m.global_step.to_string()),
     ];
     let mut writer = SafetensorsWriter::create(partial, &specs, &meta)?;
-    let mut values = Vec::new();
-    for entry in &m.layout {
-        let elems = entry.shape.iter().product::<u64>();
-        let mut at = entry.offset;
-        while at < entry.offset + elems {
-            let n = CHUNK_ELEMS.min(entry.offset + elems - at);
-            values.resize(n as usize, 0.0f32);
-            ckpt.read_range("master", at..at + n, &mut values)?;
-            at += n;
-            write_as(&mut writer, &values, dtype)?;
-        }
-    }
-    // Buffers are small (running statistics): read whole, verified.
-    for (_, values) in ckpt.read_buffers()?.unwrap_or_default() {
-        write_as(&mut writer, &values, dtype)?;
+    stream(&m.layout, |range, out| ckpt.read_range("master", range, out), &mut writer, dtype)?;
+    if let Some(buffers) = &m.buffers {
+        let mut reader = ShardReader::open(ckpt.dir(), &buffers.file, &["buffers".to_string()])?;
+        stream(&buffers.layout, |range, out| reader.read_f32("buffers", range, out), &mut writer, dtype)?;
     }
     Ok(writer.finish()?.size)
+}
+
+/// Writes each tensor of `layout` in `dtype`, read by `read` (a range of the flat order
+/// into a buffer of its length) in chunks of at most [`CHUNK_ELEMS`].
+fn stream(
+    layout: &[LayoutEntry],
+    mut read: impl FnMut(Range<u64>, &mut [f32]) -> Result<()>,
+    writer: &mut SafetensorsWriter,
+    dtype: Precision,
+) -> Result<()> {
+    let mut values = Vec::new();
+    for entry in layout {
+        let end = entry.offset + entry.shape.iter().product::<u64>();
+        let mut at = entry.offset;
+        while at < end {
+            let n = CHUNK_ELEMS.min(end - at);
+            values.resize(n as usize, 0.0f32);
+            read(at..at + n, &mut values)?;
+            at += n;
+            write_as(writer, &values, dtype)?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes f32 `values` in `dtype`.
