@@ -155,12 +155,10 @@ fn a_manifest_claiming_a_huge_parameter_fails_without_allocating_it() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// Buffers (format 3) are one checksummed file: they read back by path, a flipped byte in
-/// it is caught, and consolidation writes them beside the parameters.
-#[test]
-fn buffers_round_trip_are_verified_and_consolidated() {
-    let root = temp_root("buffers");
-    let partial = prepare(&root, "global_step1").unwrap();
+/// A checkpoint in `root` of one parameter `w` (2 x 3) and two buffers, `bn.running_mean`
+/// = [0.5, -0.5] and `bn.running_var` = [2, 3]; returns the buffers' layout.
+fn write_with_buffers(root: &Path) -> Vec<LayoutEntry> {
+    let partial = prepare(root, "global_step1").unwrap();
     write_shard(&partial, 0, &[0..6], &[("master", &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0][..])]).unwrap();
     let layout = vec![
         LayoutEntry { path: "bn.running_mean".into(), shape: vec![2], offset: 0 },
@@ -182,7 +180,16 @@ fn buffers_round_trip_are_verified_and_consolidated() {
         config: serde_json::json!({}),
         client_state: serde_json::json!(null),
     };
-    commit(&root, manifest, None).unwrap();
+    commit(root, manifest, None).unwrap();
+    layout
+}
+
+/// Buffers (format 3) are one checksummed file: they read back by path, a flipped byte in
+/// it is caught, and consolidation writes them beside the parameters.
+#[test]
+fn buffers_round_trip_are_verified_and_consolidated() {
+    let root = temp_root("buffers");
+    let layout = write_with_buffers(&root);
     let ckpt = Checkpoint::open(&root, None).unwrap();
     let read = ckpt.read_buffers().unwrap().unwrap();
     assert_eq!(read, vec![(layout[0].clone(), vec![0.5, -0.5]), (layout[1].clone(), vec![2.0, 3.0])]);
@@ -207,4 +214,49 @@ fn buffers_round_trip_are_verified_and_consolidated() {
     }
     std::fs::remove_dir_all(&root).unwrap();
     std::fs::remove_file(&out).unwrap();
+}
+
+/// A frozen layer is a buffer, and may be large: buffers stream through consolidation in
+/// chunks like parameters, never read whole.
+#[test]
+fn consolidation_streams_a_large_buffer_in_chunks() {
+    let root = temp_root("big-buffer");
+    let chunk = crate::consolidate::CHUNK_ELEMS as usize;
+    let elems = 4 * chunk + 7;
+    let values: Vec<f32> = (0..elems).map(|i| i as f32).collect();
+    let partial = prepare(&root, "global_step1").unwrap();
+    write_shard(&partial, 0, &[0..2], &[("master", &[1.0, 2.0][..])]).unwrap();
+    let layout = vec![LayoutEntry { path: "frozen.weight".into(), shape: vec![elems as u64], offset: 0 }];
+    let buffers = write_buffers(&partial, layout, &values).unwrap();
+    drop(values);
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        tag: "global_step1".into(),
+        global_step: 1,
+        world_size: 1,
+        stage: 0,
+        precision: "fp32".into(),
+        layout: vec![LayoutEntry { path: "w".into(), shape: vec![2], offset: 0 }],
+        tensors: vec!["master".into()],
+        files: vec![],
+        buffers: Some(buffers),
+        engine: serde_json::json!({}),
+        config: serde_json::json!({}),
+        client_state: serde_json::json!(null),
+    };
+    commit(&root, manifest, None).unwrap();
+    let ckpt = Checkpoint::open(&root, None).unwrap();
+    let out = root.join("model.safetensors");
+    largest_allocation::take();
+    consolidate(&ckpt, &out, Precision::Fp32).unwrap();
+    let largest = largest_allocation::take();
+    assert!(largest <= 2 * 4 * chunk, "asked for {largest} bytes at once for a {} byte buffer", 4 * elems);
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let frozen = st.tensor("frozen.weight").unwrap();
+    let value = |i: usize| f32::from_le_bytes(frozen.data()[4 * i..4 * i + 4].try_into().unwrap());
+    for i in [0, chunk - 1, chunk, 3 * chunk + 5, elems - 1] {
+        assert_eq!(value(i), i as f32, "element {i}");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
 }
