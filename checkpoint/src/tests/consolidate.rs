@@ -155,6 +155,25 @@ fn a_manifest_claiming_a_huge_parameter_fails_without_allocating_it() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// The manifest of a one-rank checkpoint of one parameter `w` of `shape` and `buffers`.
+fn one_rank_manifest(shape: Vec<u64>, buffers: BufferSet) -> Manifest {
+    Manifest {
+        format_version: FORMAT_VERSION,
+        tag: "global_step1".into(),
+        global_step: 1,
+        world_size: 1,
+        stage: 0,
+        precision: "fp32".into(),
+        layout: vec![LayoutEntry { path: "w".into(), shape, offset: 0 }],
+        tensors: vec!["master".into()],
+        files: vec![],
+        buffers: Some(buffers),
+        engine: serde_json::json!({}),
+        config: serde_json::json!({}),
+        client_state: serde_json::json!(null),
+    }
+}
+
 /// A checkpoint in `root` of one parameter `w` (2 x 3) and two buffers, `bn.running_mean`
 /// = [0.5, -0.5] and `bn.running_var` = [2, 3]; returns the buffers' layout.
 fn write_with_buffers(root: &Path) -> Vec<LayoutEntry> {
@@ -165,22 +184,7 @@ fn write_with_buffers(root: &Path) -> Vec<LayoutEntry> {
         LayoutEntry { path: "bn.running_var".into(), shape: vec![2], offset: 2 },
     ];
     let buffers = write_buffers(&partial, layout.clone(), &[0.5, -0.5, 2.0, 3.0]).unwrap();
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        tag: "global_step1".into(),
-        global_step: 1,
-        world_size: 1,
-        stage: 0,
-        precision: "fp32".into(),
-        layout: vec![LayoutEntry { path: "w".into(), shape: vec![2, 3], offset: 0 }],
-        tensors: vec!["master".into()],
-        files: vec![],
-        buffers: Some(buffers),
-        engine: serde_json::json!({}),
-        config: serde_json::json!({}),
-        client_state: serde_json::json!(null),
-    };
-    commit(root, manifest, None).unwrap();
+    commit(root, one_rank_manifest(vec![2, 3], buffers), None).unwrap();
     layout
 }
 
@@ -229,22 +233,7 @@ fn consolidation_streams_a_large_buffer_in_chunks() {
     let layout = vec![LayoutEntry { path: "frozen.weight".into(), shape: vec![elems as u64], offset: 0 }];
     let buffers = write_buffers(&partial, layout, &values).unwrap();
     drop(values);
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        tag: "global_step1".into(),
-        global_step: 1,
-        world_size: 1,
-        stage: 0,
-        precision: "fp32".into(),
-        layout: vec![LayoutEntry { path: "w".into(), shape: vec![2], offset: 0 }],
-        tensors: vec!["master".into()],
-        files: vec![],
-        buffers: Some(buffers),
-        engine: serde_json::json!({}),
-        config: serde_json::json!({}),
-        client_state: serde_json::json!(null),
-    };
-    commit(&root, manifest, None).unwrap();
+    commit(&root, one_rank_manifest(vec![2], buffers), None).unwrap();
     let ckpt = Checkpoint::open(&root, None).unwrap();
     let out = root.join("model.safetensors");
     largest_allocation::take();
