@@ -83,6 +83,7 @@ mod error;
 pub mod estimate;
 mod launch;
 pub mod schedule;
+mod swap;
 
 #[cfg(feature = "cli")]
 pub mod app;

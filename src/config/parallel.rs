@@ -6,7 +6,7 @@ use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
 use super::resolve::{Autos, invalid};
 use super::value::Count;
-use super::{Config, ConfigError, PipelinePlan, ZeroPlan};
+use super::{ComputeDevice, Config, ConfigError, PipelinePlan, ZeroPlan};
 
 /// DeepSpeed's default bucket sizes (elements).
 const DEFAULT_BUCKET_ELEMS: u64 = 500_000_000;
@@ -17,7 +17,7 @@ const DEFAULT_PREFETCH_ELEMS: u64 = 50_000_000;
 /// DeepSpeed's default `stage3_max_live_parameters`.
 const DEFAULT_MAX_LIVE_ELEMS: u64 = 1_000_000_000;
 
-pub(super) fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPlan, ConfigError> {
+pub(super) fn resolve_zero(config: &Config, device: ComputeDevice, autos: &mut Autos) -> Result<ZeroPlan, ConfigError> {
     let z = config.raw.zero_optimization.clone().unwrap_or_default();
     let stage_index = z.stage.map_or(0, |c| c.0);
     let stage = ZeroStage::from_index(stage_index)
@@ -45,6 +45,7 @@ pub(super) fn resolve_zero(config: &Config, autos: &mut Autos) -> Result<ZeroPla
             DEFAULT_PREFETCH_ELEMS,
         ),
         max_live_parameters: elems("stage3_max_live_parameters", z.stage3_max_live_parameters, DEFAULT_MAX_LIVE_ELEMS),
+        offload: super::offload::resolve(config, stage, device, autos)?,
     })
 }
 

@@ -15,8 +15,9 @@ use serde_aux::serde_introspection::serde_introspect;
 use serde_json::{Map, Value};
 
 use super::raw::{
-    ActivationCheckpointingConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, OptimizerConfig,
-    OptimizerParams, ParamGroupConfig, PipelineConfig, SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
+    ActivationCheckpointingConfig, AioConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config,
+    OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, OptimizerParams, ParamGroupConfig, PipelineConfig,
+    SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
 };
 use super::{ConfigError, keys};
 
@@ -216,6 +217,9 @@ pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static st
         "scheduler" => serde_introspect::<SchedulerConfig>(),
         "scheduler.params" => serde_introspect::<SchedulerParams>(),
         "zero_optimization" => serde_introspect::<ZeroConfig>(),
+        "zero_optimization.offload_optimizer" => serde_introspect::<OffloadOptimizerConfig>(),
+        "zero_optimization.offload_param" => serde_introspect::<OffloadParamConfig>(),
+        "aio" => serde_introspect::<AioConfig>(),
         "fp16" => serde_introspect::<Fp16Config>(),
         "bf16" | "bfloat16" => serde_introspect::<Bf16Config>(),
         "data_types" => serde_introspect::<DataTypesConfig>(),

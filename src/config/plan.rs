@@ -12,6 +12,7 @@ use zerotrain_zero::ZeroStage;
 use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
 pub use super::batch::BatchPlan;
+pub use super::offload::{AioPlan, OffloadPlan, Tier};
 pub use super::optim::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 
 /// Largest world size of the threads backend (ranks are threads of one process; under
@@ -164,6 +165,8 @@ pub struct ZeroPlan {
     pub prefetch_bucket_size: u64,
     /// Stage 3: most gathered elements alive besides the unit in use.
     pub max_live_parameters: u64,
+    /// Where master weights, optimizer state and parameter shards live between uses.
+    pub offload: OffloadPlan,
 }
 
 fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S::Error> {

@@ -52,6 +52,9 @@ pub struct DeepSpeedConfig {
     /// ([`UnitModel`](crate::engine::UnitModel)) keeps only the activations between units in
     /// forward and recomputes each unit in backward. Default: absent (off).
     pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
+    /// Asynchronous I/O of the NVMe offload tiers (DeepSpeed's `aio` section). Default: the
+    /// values each key documents.
+    pub aio: Option<AioConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
 }
@@ -176,6 +179,79 @@ pub struct ZeroConfig {
     /// Stage 3: most gathered parameter elements alive besides the unit in use (a prefetch
     /// that would exceed it waits). Default 1e9.
     pub stage3_max_live_parameters: Option<AutoOr<Count>>,
+    /// Where the fp32 master weights and optimizer state of the rank's shards live and are
+    /// stepped (ZeRO-Offload, ZeRO-Infinity). Default: where the rank computes.
+    pub offload_optimizer: Option<OffloadOptimizerConfig>,
+    /// Stage 3: where each unit's parameter shard lives between uses. Default: where the
+    /// rank computes.
+    pub offload_param: Option<OffloadParamConfig>,
+    /// Elements per optimizer tile: an offloaded optimizer reads, steps and writes back
+    /// each unit's range in tiles of at most this many elements. Default 1e9 (`"auto"` too).
+    pub sub_group_size: Option<AutoOr<Count>>,
+}
+
+/// `zero_optimization.offload_optimizer` (DeepSpeed's keys and meanings).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OffloadOptimizerConfig {
+    /// `none` (default), `cpu` (host memory) or `nvme` (files under `nvme_path`).
+    pub device: Option<String>,
+    /// `nvme`: the folder the swap files go in (a per-run, per-rank folder is made inside).
+    pub nvme_path: Option<String>,
+    /// Page-locked host buffers for device transfers. Accepted; CPU ranks have no
+    /// transfers to speed up, and the GPU paths copy through Burn.
+    pub pin_memory: Option<bool>,
+    /// `nvme`: tile buffers in memory at once, one per tensor of a tile (master weights and
+    /// each optimizer moment; Adam needs 3 per tile). Default 4.
+    pub buffer_count: Option<Count>,
+    /// `nvme`: read the next tile while the current one steps. Default false.
+    pub pipeline_read: Option<bool>,
+    /// `nvme`: write the previous tile back while the current one steps. Default false.
+    pub pipeline_write: Option<bool>,
+    /// DeepSpeed's older name for turning on both `pipeline_read` and `pipeline_write`.
+    pub pipeline: Option<bool>,
+    /// DeepSpeed's faster swap-file creation. Accepted; swap files are written as they are
+    /// first filled.
+    pub fast_init: Option<bool>,
+    /// Partial offload: the fraction of the optimizer stepped off the device. Only 1
+    /// (the default, everything) is supported.
+    pub ratio: Option<f64>,
+}
+
+/// `zero_optimization.offload_param` (DeepSpeed's keys and meanings; stage 3 only).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OffloadParamConfig {
+    /// `none` (default), `cpu` (host memory) or `nvme` (files under `nvme_path`).
+    pub device: Option<String>,
+    /// `nvme`: the folder the swap files go in.
+    pub nvme_path: Option<String>,
+    /// See [`OffloadOptimizerConfig::pin_memory`].
+    pub pin_memory: Option<bool>,
+    /// `nvme`: unit shards read ahead at most (the prefetch bound applies too). Default 5.
+    pub buffer_count: Option<Count>,
+    /// `nvme`: DeepSpeed's size of each parameter buffer in elements. Accepted; a buffer
+    /// here is one unit's shard, whatever its size. Default 1e8.
+    pub buffer_size: Option<AutoOr<Count>>,
+    /// `nvme`: elements of unit shards kept cached in host memory (the most recently used
+    /// units). Default 1e9.
+    pub max_in_cpu: Option<AutoOr<Count>>,
+}
+
+/// `aio`: DeepSpeed's asynchronous I/O settings, used by the NVMe tiers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AioConfig {
+    /// Bytes per read or write request. Default 1048576.
+    pub block_size: Option<Count>,
+    /// Requests in flight per I/O thread. Default 8.
+    pub queue_depth: Option<Count>,
+    /// I/O threads. Default 1 (DeepSpeed's newer name `intra_op_parallelism` too).
+    #[serde(alias = "intra_op_parallelism")]
+    pub thread_count: Option<Count>,
+    /// Submit requests one at a time instead of in batches. Default false.
+    pub single_submit: Option<bool>,
+    /// Overlap submitting and completing requests. Default true.
+    pub overlap_events: Option<bool>,
+    /// GPUDirect Storage. Only `false` (the default) is supported.
+    pub use_gds: Option<bool>,
 }
 
 /// `fp16`: DeepSpeed's loss-scaling keys.

@@ -54,7 +54,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let data_parallel = pipeline.map_or(runtime.world_size, |p| p.data_parallel(runtime.world_size));
     let batch = batch::resolve(config, data_parallel as u64, &mut autos)?;
     let precision = precision::resolve(config, &mut autos)?;
-    let zero = parallel::resolve_zero(config, &mut autos)?;
+    let zero = parallel::resolve_zero(config, runtime.device, &mut autos)?;
     if pipeline.is_some() && zero.stage.shards_parameters() {
         return Err(ConfigError::Unsupported {
             key: "zero_optimization.stage".into(),

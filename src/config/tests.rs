@@ -51,15 +51,19 @@ fn hf_trainer_zero3_config_loads_with_autos_resolved_and_one_warning() {
     assert_eq!(
         keys_of(&plan.notes.no_effect),
         [
-            "zero_optimization.offload_optimizer",
-            "zero_optimization.offload_param",
-            "zero_optimization.sub_group_size",
             "zero_optimization.stage3_max_reuse_distance",
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save"
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+            // CPU ranks: host memory is where they compute, so "cpu" offload changes nothing.
+            "zero_optimization.offload_optimizer.device",
+            "zero_optimization.offload_optimizer.pin_memory",
+            "zero_optimization.offload_param.device",
+            "zero_optimization.offload_param.pin_memory",
+            "zero_optimization.sub_group_size",
         ]
     );
     let warning = plan.warning().unwrap();
-    assert!(warning.contains("zero_optimization.offload_param"), "{warning}");
+    assert!(warning.contains("zero_optimization.offload_param.device \"cpu\" (a CPU rank's"), "{warning}");
+    assert_eq!((plan.zero.offload.optimizer.clone(), plan.zero.offload.param.clone()), (Tier::Host, Tier::Host));
     assert!(
         plan.notes.auto_resolved.iter().any(|a| a.starts_with("scheduler.params.warmup_max_lr = 0.001")),
         "{:?}",

@@ -12,14 +12,17 @@ use zerotrain_zero::{Collective, Sharding};
 use super::buffers::Buffers;
 use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
-use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, UnitOptimizer, built_in};
+use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, read_params};
 use super::report::{Counters, Peaks, Window};
+use super::shared::Swaps;
 use super::span::Span;
 use super::unit::{Shared, Unit};
 use super::{Engine, Granularity, Pipeline, Progress};
+use crate::config::Tier;
 use crate::config::{ComputeDevice, ConfigError, Plan};
 use crate::context::RankContext;
+use crate::swap::SwapDir;
 use crate::{Error, Result};
 
 /// Shard alignment in elements (one 64-byte cache line of f32).
@@ -283,6 +286,27 @@ fn check_dtype(precision: Precision, kind: ComputeDevice, device: &Device) -> Re
     }))
 }
 
+/// The rank's swap folders for the plan's NVMe tiers, agreed over the world: if any rank
+/// cannot open its folder (unwritable, or in use by another job), every rank fails at
+/// once, the failing one naming the path, instead of the others waiting at the next
+/// collective.
+fn open_swaps(plan: &Plan, world: &dyn zerotrain_zero::Collective) -> Result<Swaps> {
+    let offload = &plan.zero.offload;
+    let open = |tier: &Tier, name: &str| -> Result<Option<Arc<SwapDir>>> {
+        tier.nvme_path().map(|path| SwapDir::open(path, name, world.rank(), offload.aio).map(Arc::new)).transpose()
+    };
+    let opened = open(&offload.optimizer, "optimizer")
+        .and_then(|optimizer| Ok(Swaps { optimizer, param: open(&offload.param, "param")? }));
+    let mut failed = vec![0.0f32; world.world_size()];
+    failed[world.rank()] = f32::from(u8::from(opened.is_err()));
+    world.all_reduce((&mut failed).into(), zerotrain_zero::ReduceOp::Sum)?;
+    let ranks: Vec<usize> = (0..failed.len()).filter(|&r| failed[r] > 0.0).collect();
+    match opened {
+        Ok(_) if !ranks.is_empty() => Err(Error::PeerFailed { ranks, phase: "opening their NVMe swap folders".into() }),
+        opened => opened,
+    }
+}
+
 /// Every unit's state from the model's values, broadcast from the group's rank 0 one unit
 /// at a time (so no full-size buffer exists), written in the compute dtype, kept as the
 /// stage says; the buffers likewise.
@@ -302,7 +326,8 @@ fn assemble<M: Module>(
     check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
     let Parts { comm, sharding, index, buffers, span } = parts;
     let lead = world.rank() == 0;
-    let shared = Shared { comm, world, device: ctx.device().clone(), plan: plan.clone(), sharding, index };
+    let swaps = open_swaps(plan, world.as_ref())?;
+    let shared = Shared { comm, world, device: ctx.device().clone(), plan: plan.clone(), sharding, index, swaps };
     let (mut units, mut transient) = (Vec::new(), 0);
     for id in 0..shared.sharding.units().len() {
         let layout = shared.layout(id);
@@ -311,9 +336,7 @@ fn assemble<M: Module>(
         read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real)?;
         shared.comm.broadcast((&mut values).into(), 0)?;
         transient = transient.max((values.len() * (4 + shared.dtype().bytes_per_elem())) as u64);
-        let range_len = shared.optimizer_range(id).len();
-        let optimizer = UnitOptimizer::new(range_len, &shared.optimizer_segments(id), &plan.optim, factory);
-        let (next, unit) = Unit::new(id, &values, model, &shared, optimizer);
+        let (next, unit) = Unit::new(id, &values, model, &shared, factory)?;
         model = next;
         units.push(unit);
     }
@@ -344,6 +367,14 @@ fn assemble<M: Module>(
         shared,
     };
     engine.window.comm_at_start = engine.comm_stats();
+    let swaps = &engine.shared.swaps;
+    for dir in [&swaps.optimizer, &swaps.param].into_iter().flatten().filter(|d| !d.is_direct()) {
+        engine.notices.warn(format!(
+            "{}: this filesystem refuses direct I/O (O_DIRECT), so swap files go through the page cache, which \
+             holds copies of them in memory; put nvme_path on a disk's filesystem (ext4, xfs)",
+            dir.path().display()
+        ));
+    }
     Ok(engine)
 }
 

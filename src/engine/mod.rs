@@ -32,6 +32,7 @@ mod exec;
 mod export;
 mod gradients;
 mod grads;
+mod home;
 mod infer;
 mod master;
 pub mod model;
@@ -40,8 +41,10 @@ pub mod optimizer;
 mod params;
 mod pipeline;
 mod report;
+mod shared;
 mod span;
 mod step;
+mod swapped;
 #[cfg(test)]
 mod tests;
 mod trainer;
@@ -258,10 +261,13 @@ impl<M: Module> Engine<M> {
         let stage3 = self.shared.plan.zero.stage.shards_parameters();
         let elem_bytes = self.shared.plan.precision.compute.bytes_per_elem() as u64;
         MemoryReport {
-            params: trainable_bytes(&self.model, &self.shared.index) + if fp32 { held } else { 0 },
+            params: trainable_bytes(&self.model, &self.shared.index)
+                + if fp32 { held } else { 0 }
+                + self.units.iter().map(Unit::shard_bytes).sum::<u64>(),
             grads: self.units.iter().map(Unit::grad_bytes).sum(),
             master: if fp32 { 0 } else { held },
-            optimizer: self.units.iter().map(|u| u.optimizer().state_bytes()).sum(),
+            optimizer: self.units.iter().map(Unit::state_bytes).sum(),
+            swapped: self.units.iter().map(|u| u.swapped_bytes(&self.shared)).sum(),
             peak_transient: self.peaks.transient,
             peak_gathered: self.peaks.gathered,
             peak_activations: self.peaks.activations,

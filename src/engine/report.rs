@@ -67,8 +67,9 @@ impl PhaseTimes {
 /// Model-state bytes one rank holds, by kind (see [`Engine::memory_report`](super::Engine::memory_report)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryReport {
-    /// Trainable parameters in the model (compute dtype) plus, in fp32 training at stage 3,
-    /// the parameter shards.
+    /// Trainable parameters in the model (compute dtype) plus, at stage 3, the parameter
+    /// shards kept in memory (fp32 training's held shards, or compute-dtype copies when the
+    /// optimizer is offloaded).
     pub params: u64,
     /// Gradient accumulators.
     pub grads: u64,
@@ -77,6 +78,10 @@ pub struct MemoryReport {
     pub master: u64,
     /// Optimizer state.
     pub optimizer: u64,
+    /// Bytes in NVMe swap files (`offload_optimizer` / `offload_param` with device
+    /// `nvme`): master weights, optimizer state and parameter shards kept there instead of
+    /// in memory. Not part of [`model_states`](Self::model_states).
+    pub swapped: u64,
     /// Largest total of transient buffers alive at once inside a micro-step or step so far.
     pub peak_transient: u64,
     /// Stage 3: most bytes of gathered parameters alive at once so far (units in the

@@ -51,7 +51,7 @@ fn a_failed_optimizer_step_makes_later_uses_errors_not_panics_or_empty_checkpoin
         let net = Net { layer: LinearConfig::new(3, 2).init(&device) };
         let mut engine = Engine::new(net, &plan, &ctx).unwrap();
         for unit in &mut engine.units {
-            unit.optimizer_mut().replace(|| Box::new(Failing));
+            unit.replace_optimizers(|| Box::new(Failing));
         }
         let dtype = if bf16 { FloatDType::BF16 } else { FloatDType::F32 };
         let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 6], [2, 3]), &device).cast(dtype);

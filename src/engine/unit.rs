@@ -11,98 +11,21 @@
 //! use after a step on; between `step()` and that use they still hold the previous step's
 //! values. [`crate::Engine::full_model`] always returns current values.
 
-use std::ops::Range;
-use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::Device;
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
-use zerotrain_zero::{Collective, Completed, FlatLayout, Pending, Request, Sharding, ZeroStage};
+use zerotrain_zero::{Completed, Pending, Request, ZeroStage};
 
 use super::PhaseTimes;
 use super::grads::{ReduceOptions, UnitGrad};
+use super::home::{Home, Master, ParamShard, lost};
 use super::master::Values;
-use super::optimizer::{ShardSegment, UnitOptimizer};
-use super::params::{Fill, ParamIndex, UnitGrads, read_params, write_params};
-use crate::config::{ComputeDevice, Plan};
-use crate::{Error, Result};
-
-/// What every unit works with: the rank's collectives and device, the plan, the units'
-/// layouts and the index of the model's parameters.
-pub(crate) struct Shared {
-    /// The ranks the units are sharded over: the world, or a pipeline stage's
-    /// data-parallel group.
-    pub comm: Arc<dyn Collective>,
-    /// Every rank of the job (the gradient norm, the loss, checkpoints agree over it).
-    pub world: Arc<dyn Collective>,
-    pub device: Device,
-    pub plan: Plan,
-    pub sharding: Sharding,
-    pub index: ParamIndex,
-}
-
-impl Shared {
-    /// Unit `unit`'s flat layout.
-    pub fn layout(&self, unit: usize) -> &FlatLayout {
-        &self.sharding.units()[unit].layout
-    }
-
-    fn stage(&self) -> ZeroStage {
-        self.plan.zero.stage
-    }
-
-    /// The rank's device without autodiff: where master weights and optimizer state live.
-    pub fn state_device(&self) -> Device {
-        self.device.clone().without_autodiff()
-    }
-
-    /// Whether the rank computes on the CPU (see [`Values`]).
-    pub fn on_cpu(&self) -> bool {
-        self.plan.runtime.device == ComputeDevice::Cpu
-    }
-
-    /// The compute dtype.
-    pub fn dtype(&self) -> Precision {
-        self.plan.precision.compute
-    }
-
-    /// The pieces of parameters in unit `unit`'s optimizer range, placed relative to it.
-    pub fn optimizer_segments(&self, unit: usize) -> Vec<ShardSegment> {
-        let range = self.optimizer_range(unit);
-        let entries = self.layout(unit).entries().iter();
-        entries
-            .filter_map(|e| {
-                let s = e.segment(range.clone())?;
-                let at = s.flat_range.start - range.start..s.flat_range.end - range.start;
-                Some(ShardSegment {
-                    path: e.path.clone(),
-                    shape: e.shape.clone(),
-                    param_range: s.param_range,
-                    range: at,
-                })
-            })
-            .collect()
-    }
-
-    /// The range of unit `unit`'s flat buffer this rank's optimizer steps: all of its
-    /// parameters at stage 0, its shard (padding included) otherwise.
-    pub fn optimizer_range(&self, unit: usize) -> Range<usize> {
-        let layout = self.layout(unit);
-        match self.stage() {
-            ZeroStage::Disabled => 0..layout.num_elems(),
-            _ => layout.shard_range(self.comm.rank()),
-        }
-    }
-
-    /// The part of [`optimizer_range`](Self::optimizer_range) that holds parameters.
-    pub fn optimizer_real_range(&self, unit: usize) -> Range<usize> {
-        match self.stage() {
-            ZeroStage::Disabled => self.optimizer_range(unit),
-            _ => self.layout(unit).shard_real_range(self.comm.rank()),
-        }
-    }
-}
+use super::optimizer::{ExportedState, OptimizerFactory, UnitOptimizer};
+use super::params::{Fill, UnitGrads, read_params, write_params};
+pub(crate) use super::shared::Shared;
+use super::swapped::SwappedOptimizer;
+use crate::Result;
 
 /// Waits for `pending`, counting the wait and the collective's own time in `times`.
 pub(crate) fn finish(pending: Pending, times: &mut PhaseTimes) -> Result<Completed> {
@@ -112,28 +35,6 @@ pub(crate) fn finish(pending: Pending, times: &mut PhaseTimes) -> Result<Complet
     let done = done?;
     times.comm_busy += done.busy.as_secs_f64();
     Ok(done)
-}
-
-/// Note: lost master weights. [`Unit::step`] moves the only fp32 copy of a range into the
-/// optimizer; if the step fails, nothing puts it back. The unit then holds no master
-/// tensor, and every later use is this error, never a panic or a checkpoint of empty
-/// values. Loading a checkpoint puts new values in and heals it.
-fn lost() -> Error {
-    Error::Usage(
-        "this rank's master weights are gone (an optimizer step failed part-way); load a checkpoint to go on".into(),
-    )
-}
-
-/// Where a unit's fp32 master weights are.
-#[expect(clippy::large_enum_variant, reason = "one per unit, never moved in a hot loop")]
-enum Master {
-    /// fp32 training, stages 0-2: the model's parameters are the master weights; the
-    /// optimizer steps a transient copy of the range.
-    InModel,
-    /// The fp32 values of the optimizer range, where the rank computes (`None`: lost, see
-    /// [`lost`]): mixed precision at stages 0-2 (the model holds compute-dtype copies), and
-    /// stage 3, where they are the only persistent copy.
-    Held(Option<Values>),
 }
 
 /// Where a unit's parameters are at stage 3 (at stages 0-2 they are always present).
@@ -150,9 +51,10 @@ enum Presence {
 /// One unit. See the module docs.
 pub(crate) struct Unit {
     id: usize,
-    master: Master,
+    home: Home,
+    /// Stage 3: where the parameter shard lives (`FromMaster` below stage 3).
+    shard: ParamShard,
     grad: UnitGrad,
-    optimizer: UnitOptimizer,
     presence: Presence,
     /// Stage 3: which of the unit's parameters stay resident when it is released.
     resident: Vec<bool>,
@@ -160,26 +62,60 @@ pub(crate) struct Unit {
 
 impl Unit {
     /// Unit `id`, starting from `values` (its whole flat buffer in fp32, identical on every
-    /// rank): writes them into `model` in the compute dtype, keeps the masters the stage
-    /// keeps, and at stage 3 releases the unit. Returns the model.
-    pub fn new<M: Module>(id: usize, values: &[f32], model: M, shared: &Shared, optimizer: UnitOptimizer) -> (M, Self) {
+    /// rank): writes them into `model` in the compute dtype, keeps the masters and optimizer
+    /// state where the plan's tiers say, and at stage 3 releases the unit. Returns the model.
+    pub fn new<M: Module>(
+        id: usize,
+        values: &[f32],
+        model: M,
+        shared: &Shared,
+        factory: &OptimizerFactory,
+    ) -> Result<(M, Self)> {
         let (plan, layout) = (&shared.plan, shared.layout(id));
         let compute = FlatBuf::from_f32(shared.dtype(), &values[..layout.num_elems()]);
         let model = write_params(model, &shared.index, &shared.sharding, id, Fill::Take(compute), &shared.device);
         let stage = plan.zero.stage;
-        let master = match (stage.shards_parameters(), shared.dtype()) {
-            (false, Precision::Fp32) => Master::InModel,
-            _ => {
-                let range = values[shared.optimizer_range(id)].to_vec();
-                Master::Held(Some(Values::new(range, shared.on_cpu(), &shared.state_device())))
+        let range = shared.optimizer_range(id);
+        let segments = shared.optimizer_segments(id);
+        let fp32 = shared.dtype() == Precision::Fp32;
+        let home = match &shared.swaps.optimizer {
+            Some(dir) => {
+                let masters = (!fp32).then(|| &values[range.clone()]);
+                let swapped = SwappedOptimizer::new(
+                    id,
+                    range.len(),
+                    &segments,
+                    &plan.optim,
+                    factory,
+                    &plan.zero.offload,
+                    dir,
+                    masters,
+                )?;
+                Home::Swapped(Box::new(swapped))
             }
+            None => {
+                let master = match (stage.shards_parameters(), fp32) {
+                    (false, true) => Master::InModel,
+                    _ => Master::Held(Some(Values::new(
+                        values[range.clone()].to_vec(),
+                        shared.states_on_host(),
+                        &shared.state_device(),
+                    ))),
+                };
+                Home::Resident { master, optimizer: UnitOptimizer::new(range.len(), &segments, &plan.optim, factory) }
+            }
+        };
+        let shard = if stage.shards_parameters() {
+            param_shard(id, &values[range], &home, shared)?
+        } else {
+            ParamShard::FromMaster
         };
         let threshold = plan.zero.param_persistence_threshold;
         let resident = layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect();
         let grad = UnitGrad::new(stage, layout, plan.precision.grad_accum, shared.comm.rank());
-        let mut unit = Self { id, master, grad, optimizer, presence: Presence::Gathered, resident };
+        let mut unit = Self { id, home, shard, grad, presence: Presence::Gathered, resident };
         let model = if stage.shards_parameters() { unit.release(model, shared) } else { model };
-        (model, unit)
+        Ok((model, unit))
     }
 
     /// Elements the unit's gathered flat buffer holds (its padded size).
@@ -205,10 +141,9 @@ impl Unit {
             return Ok(());
         }
         let layout = shared.layout(self.id);
-        let request = Request::AllGather {
-            input: self.held(layout.shard_len())?.to_host(shared.dtype())?,
-            output: FlatBuf::zeros(shared.dtype(), layout.padded_elems()),
-        };
+        let len = layout.shard_len();
+        let input = self.shard.values(len, shared.dtype(), || self.held(len)?.to_host(shared.dtype()))?;
+        let request = Request::AllGather { input, output: FlatBuf::zeros(shared.dtype(), layout.padded_elems()) };
         self.presence = Presence::Fetching(shared.comm.start(request));
         Ok(())
     }
@@ -274,28 +209,45 @@ impl Unit {
     ) -> Result<(M, u64)> {
         let range = shared.optimizer_range(self.id);
         let start = Instant::now();
-        let values = match &mut self.master {
-            Master::InModel => Values::Host(self.values(&model, shared)?),
+        let transient = (2 * range.len() * size_of::<f32>()) as u64;
+        if let Home::Swapped(_) = &self.home {
+            let masters = self.fp32_masters(&model, shared)?;
+            let Home::Swapped(swapped) = &mut self.home else { unreachable!("matched above") };
+            let new = swapped.step(lr, &grads, masters, shared.dtype(), &shared.state_device())?;
+            times.optimizer += start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            let (model, published) = if shared.stage().shards_parameters() {
+                self.shard.store(new)?;
+                self.publish(model, || unreachable!("stage 3 publishes nothing"), shared, times)?
+            } else {
+                self.publish(model, || Ok(new), shared, times)?
+            };
+            times.gather += start.elapsed().as_secs_f64();
+            return Ok((model, transient + published));
+        }
+        let Home::Resident { master, optimizer } = &mut self.home else { unreachable!("swapped returned above") };
+        let values = match master {
+            Master::InModel => Values::Host(in_model(&model, shared, self.id)?),
             Master::Held(held) => held.take().filter(|v| v.len() == range.len()).ok_or_else(lost)?,
         };
         let values = values.into_tensor(&shared.state_device());
-        let mut transient = (2 * range.len() * size_of::<f32>()) as u64;
-        let updated = Values::from_tensor(self.optimizer.step(lr, values, grads)?, shared.on_cpu())?;
+        let updated = Values::from_tensor(optimizer.step(lr, values, grads)?, shared.states_on_host())?;
         times.optimizer += start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let (model, published) = if matches!(self.master, Master::InModel) {
+        let (model, published) = if matches!(master, Master::InModel) {
             // The model's parameters are the masters: the new values go there, moved, not
             // copied (f32 in, f32 out).
             self.publish(model, || updated.into_host(Precision::Fp32), shared, times)?
         } else {
             let dtype = shared.dtype();
             let published = self.publish(model, || updated.to_host(dtype), shared, times)?;
-            self.master = Master::Held(Some(updated));
+            if let Home::Resident { master, .. } = &mut self.home {
+                *master = Master::Held(Some(updated));
+            }
             published
         };
-        transient += published;
         times.gather += start.elapsed().as_secs_f64();
-        Ok((model, transient))
+        Ok((model, transient + published))
     }
 
     /// Puts new values of the unit's optimizer range into the model, as the stage keeps
@@ -331,54 +283,92 @@ impl Unit {
 
     /// The master values of the optimizer range, leaving them in place.
     pub fn values<M: Module>(&self, model: &M, shared: &Shared) -> Result<Vec<f32>> {
-        let range = shared.optimizer_range(self.id);
-        match &self.master {
-            Master::InModel => {
-                let mut values = vec![0.0; range.len()];
-                let (index, sharding) = (&shared.index, &shared.sharding);
-                read_params(model, index, sharding, self.id, range, BufMut::F32(&mut values))?;
-                Ok(values)
-            }
-            Master::Held(_) => self.held(range.len())?.to_vec(),
+        let len = shared.optimizer_range(self.id).len();
+        match &self.home {
+            Home::Resident { master: Master::InModel, .. } => in_model(model, shared, self.id),
+            Home::Resident { .. } => self.held(len)?.to_vec(),
+            Home::Swapped(swapped) => match swapped.masters()? {
+                Some(masters) => Ok(masters),
+                None => Ok(self.fp32_masters(model, shared)?.expect("fp32 without swapped masters")),
+            },
         }
+    }
+
+    /// fp32 training with swapped optimizer state: the masters, which are the parameters
+    /// (from the model at stages 1-2, the shard at stage 3). `None` in mixed precision.
+    fn fp32_masters<M: Module>(&self, model: &M, shared: &Shared) -> Result<Option<Vec<f32>>> {
+        if shared.dtype() != Precision::Fp32 {
+            return Ok(None);
+        }
+        if !shared.stage().shards_parameters() {
+            return in_model(model, shared, self.id).map(Some);
+        }
+        let len = shared.optimizer_range(self.id).len();
+        let shard = self.shard.values(len, Precision::Fp32, || unreachable!("a swapped home keeps its shard"))?;
+        Ok(Some(shard.into_f32()))
     }
 
     /// Replaces the master values of the optimizer range (a checkpoint load) and puts them
     /// where the stage keeps parameters.
     pub fn load<M: Module>(&mut self, model: M, values: Vec<f32>, shared: &Shared) -> Result<M> {
-        let values = Values::new(values, shared.on_cpu(), &shared.state_device());
-        let (model, _) = self.publish(model, || values.to_host(shared.dtype()), shared, &mut PhaseTimes::default())?;
-        if let Master::Held(held) = &mut self.master {
-            *held = Some(values);
+        let dtype = shared.dtype();
+        if let Home::Swapped(swapped) = &mut self.home {
+            swapped.load_masters(&values)?;
+        }
+        self.shard.store(FlatBuf::from_f32(dtype, &values))?;
+        let values = Values::new(values, shared.states_on_host(), &shared.state_device());
+        let (model, _) = self.publish(model, || values.to_host(dtype), shared, &mut PhaseTimes::default())?;
+        if let Home::Resident { master: master @ Master::Held(_), .. } = &mut self.home {
+            *master = Master::Held(Some(values));
         }
         Ok(model)
     }
 
     /// The held fp32 values, checked to have `len` elements (see [`lost`]).
     fn held(&self, len: usize) -> Result<&Values> {
-        match &self.master {
-            Master::Held(Some(held)) if held.len() == len => Ok(held),
-            Master::Held(_) => Err(lost()),
-            Master::InModel => unreachable!("stage 3 and mixed precision hold their masters"),
+        match &self.home {
+            Home::Resident { master: Master::Held(Some(held)), .. } if held.len() == len => Ok(held),
+            Home::Resident { master: Master::Held(_), .. } => Err(lost()),
+            _ => unreachable!("only a held master is read as held"),
         }
     }
 
-    /// The unit's optimizers.
-    pub fn optimizer(&self) -> &UnitOptimizer {
-        &self.optimizer
+    /// The optimizer state over the unit's range (checkpoints).
+    pub fn export_state(&self) -> Result<ExportedState> {
+        self.home.export()
     }
 
-    /// The unit's optimizers, to import state into (or, in tests, to replace).
-    pub fn optimizer_mut(&mut self) -> &mut UnitOptimizer {
-        &mut self.optimizer
+    /// Replaces the optimizer state (a checkpoint load).
+    pub fn import_state(&mut self, state: ExportedState, shared: &Shared) -> Result<()> {
+        self.home.import(state, &shared.state_device())
+    }
+
+    /// Replaces every optimizer (tests inject failures).
+    #[cfg(test)]
+    pub fn replace_optimizers(&mut self, make: impl Fn() -> Box<dyn super::optimizer::ShardOptimizer>) {
+        if let Home::Resident { optimizer, .. } = &mut self.home {
+            optimizer.replace(make);
+        }
+    }
+
+    /// Bytes of optimizer state in memory.
+    pub fn state_bytes(&self) -> u64 {
+        self.home.state_bytes()
     }
 
     /// Bytes of fp32 master values held (not counting parameters in the model).
     pub fn master_bytes(&self) -> u64 {
-        match &self.master {
-            Master::InModel => 0,
-            Master::Held(held) => held.as_ref().map_or(0, |v| (v.len() * size_of::<f32>()) as u64),
-        }
+        self.home.master_bytes()
+    }
+
+    /// Bytes of the stage-3 parameter shard kept in memory apart from the masters.
+    pub fn shard_bytes(&self) -> u64 {
+        self.shard.memory_bytes()
+    }
+
+    /// Bytes in swap files (masters, optimizer state, parameter shard).
+    pub fn swapped_bytes(&self, shared: &Shared) -> u64 {
+        self.home.swapped_bytes() + self.shard.swapped_bytes(shared.layout(self.id).shard_len())
     }
 
     /// Bytes of the gradient accumulator.
@@ -390,5 +380,32 @@ impl Unit {
     pub fn resident_elems(&self, shared: &Shared) -> u64 {
         let entries = shared.layout(self.id).entries();
         entries.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(e, _)| e.num_elems as u64).sum()
+    }
+}
+
+/// The model's fp32 values of unit `id`'s optimizer range (fp32 stages 0-2, where the
+/// parameters are the masters).
+fn in_model<M: Module>(model: &M, shared: &Shared, id: usize) -> Result<Vec<f32>> {
+    let range = shared.optimizer_range(id);
+    let mut values = vec![0.0; range.len()];
+    read_params(model, &shared.index, &shared.sharding, id, range, BufMut::F32(&mut values))?;
+    Ok(values)
+}
+
+/// Stage 3: where unit `id`'s parameter shard (`values`, fp32) lives: in a swap file with
+/// `offload_param: nvme` (unless the unit is among the first `max_in_cpu` elements), in
+/// memory when the masters are swapped, and cast from the masters otherwise.
+fn param_shard(id: usize, values: &[f32], home: &Home, shared: &Shared) -> Result<ParamShard> {
+    let compute = || FlatBuf::from_f32(shared.dtype(), values);
+    let cached_before: u64 = (0..id).map(|u| shared.layout(u).shard_len() as u64).sum();
+    let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
+    match (&shared.swaps.param, home) {
+        (Some(dir), _) if !in_cpu => {
+            let file = dir.file(&format!("u{id}.param"), values.len())?;
+            file.write_slice(0, &compute().into_f32())?;
+            Ok(ParamShard::Swapped(file))
+        }
+        (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
+        (None, Home::Resident { .. }) => Ok(ParamShard::FromMaster),
     }
 }

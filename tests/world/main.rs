@@ -13,6 +13,7 @@ mod gpu;
 mod handles;
 mod memory;
 mod mixed;
+mod offload;
 mod overflow;
 mod pipeline;
 mod units;

@@ -119,7 +119,7 @@ impl<M: Module> Engine<M> {
         for (id, segments) in segments.iter().enumerate() {
             let offset = self.shared.optimizer_range(id).start;
             let values = self.units[id].values(&self.model, &self.shared)?;
-            let (state, _) = self.units[id].optimizer().export();
+            let (state, _) = self.units[id].export_state()?;
             if id == 0 {
                 optim = state.iter().map(|(name, _)| (format!("optim.{name}"), Vec::new())).collect();
             }
@@ -153,7 +153,7 @@ impl<M: Module> Engine<M> {
         client_state: serde_json::Value,
         (buffer_layout, buffer_values): (Vec<LayoutEntry>, Vec<f32>),
     ) -> Result<PathBuf> {
-        let (optim, optimizer_scalars) = self.units[0].optimizer().export();
+        let (optim, optimizer_scalars) = self.units[0].export_state()?;
         let progress = &self.progress;
         let state = EngineState {
             counters: progress.counters,
@@ -245,13 +245,12 @@ impl<M: Module> Engine<M> {
             .collect::<Result<Vec<_>>>();
         let loaded = self.agree(loaded, "reading its shard of the checkpoint")?;
 
-        let device = self.shared.device.clone().without_autodiff();
         for (id, (master, optim)) in loaded.into_iter().enumerate() {
             let model = self.model.clone();
             self.model = self.units[id].load(model, master, &self.shared)?;
             if with_optimizer {
                 let scalars = if optim.is_empty() { Vec::new() } else { state.optimizer_scalars.clone() };
-                self.units[id].optimizer_mut().import((optim, scalars), &device)?;
+                self.units[id].import_state((optim, scalars), &self.shared)?;
             }
         }
         match buffers {

@@ -1,0 +1,152 @@
+//! Where a unit's states live between uses: its fp32 master weights and optimizer state
+//! ([`Home`]) and, at stage 3, its parameter shard ([`ParamShard`]). The offload tiers are
+//! variants here; the unit lifecycle (`unit.rs`) asks them for values and hands them new
+//! ones, and never branches on the config.
+//!
+//! # Note: lost master weights
+//! A resident step moves the only fp32 copy of a range into the optimizer; if the step
+//! fails, nothing puts it back. The unit then holds no master tensor, and every later use
+//! is [`lost`], never a panic or a checkpoint of empty values. Loading a checkpoint puts
+//! new values in and heals it. (A swapped step reads from and writes to its files, so a
+//! failure leaves the last written values there.)
+
+use zerotrain_precision::FlatBuf;
+
+use super::master::Values;
+use super::optimizer::{ExportedState, UnitOptimizer};
+use super::swapped::SwappedOptimizer;
+use crate::swap::SwapFile;
+use crate::{Error, Result};
+
+/// The error of every use of lost master weights (module note).
+pub(crate) fn lost() -> Error {
+    Error::Usage(
+        "this rank's master weights are gone (an optimizer step failed part-way); load a checkpoint to go on".into(),
+    )
+}
+
+/// Where a unit's fp32 master weights are, when they are not swapped.
+#[expect(clippy::large_enum_variant, reason = "one per unit, never moved in a hot loop")]
+pub(crate) enum Master {
+    /// fp32 training, stages 0-2: the model's parameters are the master weights; the
+    /// optimizer steps a transient copy of the range.
+    InModel,
+    /// The fp32 values of the optimizer range, where the rank keeps states (`None`: lost):
+    /// mixed precision at stages 0-2 (the model holds compute-dtype copies), and stage 3,
+    /// where they are the only persistent copy.
+    Held(Option<Values>),
+}
+
+/// Where a unit's optimizer state (and master weights) live.
+#[expect(clippy::large_enum_variant, reason = "one per unit, never moved in a hot loop")]
+pub(crate) enum Home {
+    /// In memory: on the rank's device, or in host memory (`offload_optimizer: cpu`).
+    Resident {
+        /// The master weights.
+        master: Master,
+        /// The optimizer, holding its state.
+        optimizer: UnitOptimizer,
+    },
+    /// In swap files, stepped tile by tile (`offload_optimizer: nvme`).
+    Swapped(Box<SwappedOptimizer>),
+}
+
+impl Home {
+    /// The optimizer state over the unit's range (checkpoints).
+    pub fn export(&self) -> Result<ExportedState> {
+        match self {
+            Self::Resident { optimizer, .. } => Ok(optimizer.export()),
+            Self::Swapped(swapped) => swapped.export(),
+        }
+    }
+
+    /// Replaces the optimizer state (a checkpoint load).
+    pub fn import(&mut self, state: ExportedState, device: &burn::tensor::Device) -> Result<()> {
+        match self {
+            Self::Resident { optimizer, .. } => optimizer.import(state, device),
+            Self::Swapped(swapped) => swapped.import(state),
+        }
+    }
+
+    /// Bytes of optimizer state in memory.
+    pub fn state_bytes(&self) -> u64 {
+        match self {
+            Self::Resident { optimizer, .. } => optimizer.state_bytes(),
+            Self::Swapped(_) => 0,
+        }
+    }
+
+    /// Bytes of separately held master weights in memory.
+    pub fn master_bytes(&self) -> u64 {
+        match self {
+            Self::Resident { master: Master::Held(Some(v)), .. } => (v.len() * size_of::<f32>()) as u64,
+            _ => 0,
+        }
+    }
+
+    /// Bytes in swap files.
+    pub fn swapped_bytes(&self) -> u64 {
+        match self {
+            Self::Resident { .. } => 0,
+            Self::Swapped(swapped) => swapped.swapped_bytes(),
+        }
+    }
+}
+
+/// Stage 3: where a unit's parameter shard (what its all-gather sends) lives.
+pub(crate) enum ParamShard {
+    /// Cast from the held master weights at each gather (no offload; below stage 3 the
+    /// model holds the parameters and this is unused).
+    FromMaster,
+    /// A compute-dtype copy in memory: the masters are swapped, or the unit is among the
+    /// first `max_in_cpu` elements of an NVMe parameter tier.
+    Memory(FlatBuf),
+    /// In a swap file (`offload_param: nvme`), read at each gather. The file holds the
+    /// compute-dtype values as f32 (exactly).
+    Swapped(SwapFile),
+}
+
+impl ParamShard {
+    /// The shard's values in the compute dtype of `dtype`'s kind; `master` gives them
+    /// for [`FromMaster`](Self::FromMaster).
+    pub fn values(
+        &self,
+        len: usize,
+        dtype: zerotrain_precision::Precision,
+        master: impl FnOnce() -> Result<FlatBuf>,
+    ) -> Result<FlatBuf> {
+        match self {
+            Self::FromMaster => master(),
+            Self::Memory(values) => Ok(values.clone()),
+            Self::Swapped(file) => Ok(FlatBuf::from_f32(dtype, &file.read_vec(0..len)?)),
+        }
+    }
+
+    /// Replaces the shard's values (after a step or a load). `FromMaster` keeps nothing.
+    pub fn store(&mut self, values: FlatBuf) -> Result<()> {
+        match self {
+            Self::FromMaster => Ok(()),
+            Self::Memory(held) => {
+                *held = values;
+                Ok(())
+            }
+            Self::Swapped(file) => file.write_slice(0, &values.into_f32()),
+        }
+    }
+
+    /// Bytes in memory.
+    pub fn memory_bytes(&self) -> u64 {
+        match self {
+            Self::Memory(values) => values.bytes(),
+            _ => 0,
+        }
+    }
+
+    /// Bytes in the swap file.
+    pub fn swapped_bytes(&self, len: usize) -> u64 {
+        match self {
+            Self::Swapped(_) => (len * size_of::<f32>()) as u64,
+            _ => 0,
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! [`Shared`]: what every unit of a rank works with.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use zerotrain_precision::Precision;
+use zerotrain_zero::{Collective, FlatLayout, Sharding, ZeroStage};
+
+use super::optimizer::ShardSegment;
+use super::params::ParamIndex;
+use crate::config::{ComputeDevice, Plan, Tier};
+use crate::swap::SwapDir;
+
+/// The rank's swap folders, one per NVMe tier in use.
+#[derive(Default)]
+pub(crate) struct Swaps {
+    /// Master weights and optimizer state (`offload_optimizer.device: "nvme"`).
+    pub optimizer: Option<Arc<SwapDir>>,
+    /// Stage 3 parameter shards (`offload_param.device: "nvme"`).
+    pub param: Option<Arc<SwapDir>>,
+}
+
+/// What every unit works with: the rank's collectives and device, the plan, the units'
+/// layouts and the index of the model's parameters.
+pub(crate) struct Shared {
+    /// The ranks the units are sharded over: the world, or a pipeline stage's
+    /// data-parallel group.
+    pub comm: Arc<dyn Collective>,
+    /// Every rank of the job (the gradient norm, the loss, checkpoints agree over it).
+    pub world: Arc<dyn Collective>,
+    pub device: Device,
+    pub plan: Plan,
+    pub sharding: Sharding,
+    pub index: ParamIndex,
+    /// The swap folders of the NVMe tiers.
+    pub swaps: Swaps,
+}
+
+impl Shared {
+    /// Unit `unit`'s flat layout.
+    pub fn layout(&self, unit: usize) -> &FlatLayout {
+        &self.sharding.units()[unit].layout
+    }
+
+    pub fn stage(&self) -> ZeroStage {
+        self.plan.zero.stage
+    }
+
+    /// Where master weights and optimizer state live and are stepped: the rank's device
+    /// without autodiff, or the CPU when `offload_optimizer` puts them in host memory.
+    pub fn state_device(&self) -> Device {
+        if self.states_on_host() && self.plan.runtime.device != ComputeDevice::Cpu {
+            Device::flex()
+        } else {
+            self.device.clone().without_autodiff()
+        }
+    }
+
+    /// Whether master weights and optimizer state are host vectors (see
+    /// [`Values`](super::master::Values)): on a CPU rank, and with CPU or NVMe offload.
+    pub fn states_on_host(&self) -> bool {
+        !matches!(self.plan.zero.offload.optimizer, Tier::Device) || self.plan.runtime.device == ComputeDevice::Cpu
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> Precision {
+        self.plan.precision.compute
+    }
+
+    /// The pieces of parameters in unit `unit`'s optimizer range, placed relative to it.
+    pub fn optimizer_segments(&self, unit: usize) -> Vec<ShardSegment> {
+        let range = self.optimizer_range(unit);
+        let entries = self.layout(unit).entries().iter();
+        entries
+            .filter_map(|e| {
+                let s = e.segment(range.clone())?;
+                let at = s.flat_range.start - range.start..s.flat_range.end - range.start;
+                Some(ShardSegment {
+                    path: e.path.clone(),
+                    shape: e.shape.clone(),
+                    param_range: s.param_range,
+                    range: at,
+                })
+            })
+            .collect()
+    }
+
+    /// The range of unit `unit`'s flat buffer this rank's optimizer steps: all of its
+    /// parameters at stage 0, its shard (padding included) otherwise.
+    pub fn optimizer_range(&self, unit: usize) -> Range<usize> {
+        let layout = self.layout(unit);
+        match self.stage() {
+            ZeroStage::Disabled => 0..layout.num_elems(),
+            _ => layout.shard_range(self.comm.rank()),
+        }
+    }
+
+    /// The part of [`optimizer_range`](Self::optimizer_range) that holds parameters.
+    pub fn optimizer_real_range(&self, unit: usize) -> Range<usize> {
+        match self.stage() {
+            ZeroStage::Disabled => self.optimizer_range(unit),
+            _ => self.layout(unit).shard_real_range(self.comm.rank()),
+        }
+    }
+}

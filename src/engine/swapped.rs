@@ -1,0 +1,335 @@
+//! The NVMe optimizer tier: one unit's fp32 master weights and optimizer state in swap
+//! files, stepped tile by tile.
+//!
+//! # Note: tiles
+//! The unit's optimizer range is cut into tiles of `sub_group_size` elements (starting at
+//! 4 KiB boundaries), each with its own [`UnitOptimizer`] over its pieces of parameters.
+//! For a tile the step reads the master weights and every optimizer moment, imports them
+//! into the tile's optimizer, steps it, exports the new moments and writes everything back;
+//! between steps the optimizer holds no state and memory holds no tile. An element-wise
+//! optimizer (all of Burn's) steps a tile exactly as it steps the whole range, so the
+//! offloaded step gives the in-memory step's bits. With `pipeline_read` the next tile is
+//! read while this one steps; with `pipeline_write` a tile's write-back finishes while the
+//! next one steps; `buffer_count` bounds the tile buffers alive (one per tensor of a tile),
+//! and pipelining that would exceed it is not done.
+//!
+//! # Note: fp32 parameters are their own master
+//! In fp32 training the model's values (stages 1-2) or the parameter shard (stage 3) equal
+//! the master weights bit for bit, so only the moments are swapped and the caller passes
+//! the masters in; in fp16/bf16 the masters are swapped with the moments.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_pack::Scalar;
+use zerotrain_precision::{FlatBuf, Precision};
+
+use super::optimizer::{ExportedState, ShardSegment, UnitOptimizer};
+use crate::config::{OffloadPlan, OptimPlan};
+use crate::swap::{ALIGN_ELEMS, AlignedBuf, SwapDir, SwapFile, Ticket, wait};
+use crate::{Error, Result};
+
+use super::optimizer::OptimizerFactory;
+
+/// One tile: its range (relative to the unit's optimizer range) and optimizer.
+struct Tile {
+    range: Range<usize>,
+    optimizer: UnitOptimizer,
+    /// Whether the state files hold this tile's state (it has stepped, or was loaded).
+    has_state: bool,
+}
+
+/// A tile's tensors read from the swap, in flight or arrived.
+struct Loading {
+    master: Option<Ticket>,
+    states: Vec<Ticket>,
+}
+
+/// A tile's values once read: its masters (if swapped) and each state's values.
+type Arrived = (Option<Vec<f32>>, Vec<Vec<f32>>);
+
+/// A tile's write-back in flight.
+struct Writing(Vec<Ticket>);
+
+impl Writing {
+    fn finish(self) -> Result<()> {
+        self.0.into_iter().try_for_each(|t| wait(t).map(drop))
+    }
+}
+
+/// One unit's swapped optimizer (module docs).
+pub(crate) struct SwappedOptimizer {
+    unit: usize,
+    len: usize,
+    tiles: Vec<Tile>,
+    /// Mixed precision: the masters' file (`None` in fp32; see the module notes).
+    master: Option<SwapFile>,
+    /// Each optimizer state tensor's name and file, from the first step (or a load) on.
+    states: Vec<(String, SwapFile)>,
+    /// The optimizer's scalars (step counts), the same for every tile.
+    scalars: Vec<(String, Scalar)>,
+    buffer_count: u64,
+    pipeline_read: bool,
+    pipeline_write: bool,
+    dir: Arc<SwapDir>,
+}
+
+impl SwappedOptimizer {
+    /// Unit `unit`'s optimizer over a range of `len` elements whose pieces are `segments`,
+    /// tiled and swapped to `dir`; `masters` are the range's initial fp32 values in mixed
+    /// precision (`None` in fp32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        unit: usize,
+        len: usize,
+        segments: &[ShardSegment],
+        optim: &OptimPlan,
+        factory: &OptimizerFactory,
+        offload: &OffloadPlan,
+        dir: &Arc<SwapDir>,
+        masters: Option<&[f32]>,
+    ) -> Result<Self> {
+        let tile = (offload.sub_group_size as usize).max(ALIGN_ELEMS);
+        let tiles = (0..len.div_ceil(tile).max(1))
+            .map(|t| {
+                let range = t * tile..((t + 1) * tile).min(len);
+                let mine: Vec<ShardSegment> = segments
+                    .iter()
+                    .filter_map(|s| {
+                        let start = s.range.start.max(range.start);
+                        let end = s.range.end.min(range.end);
+                        (start < end).then(|| ShardSegment {
+                            path: s.path.clone(),
+                            shape: s.shape.clone(),
+                            param_range: s.param_range.start + (start - s.range.start)
+                                ..s.param_range.start + (end - s.range.start),
+                            range: start - range.start..end - range.start,
+                        })
+                    })
+                    .collect();
+                let optimizer = UnitOptimizer::new(range.len(), &mine, optim, factory);
+                Tile { range, optimizer, has_state: false }
+            })
+            .collect();
+        let master = match masters {
+            Some(values) => {
+                let file = dir.file(&format!("u{unit}.master"), len)?;
+                file.write_slice(0, values)?;
+                Some(file)
+            }
+            None => None,
+        };
+        Ok(Self {
+            unit,
+            len,
+            tiles,
+            master,
+            states: Vec::new(),
+            scalars: Vec::new(),
+            buffer_count: offload.buffer_count,
+            pipeline_read: offload.pipeline_read,
+            pipeline_write: offload.pipeline_write,
+            dir: Arc::clone(dir),
+        })
+    }
+
+    /// Tiles alive at once as `buffer_count` allows: (read ahead, write behind).
+    fn pipelining(&self) -> (bool, bool) {
+        let per_tile = 1 + self.states.len() as u64;
+        let tiles = (self.buffer_count / per_tile).max(1);
+        let read = self.pipeline_read && tiles >= 2;
+        let write = self.pipeline_write && tiles >= 2 + u64::from(read);
+        (read, write)
+    }
+
+    fn start_read(&self, t: usize) -> Result<Loading> {
+        let range = self.tiles[t].range.clone();
+        let master = self.master.as_ref().map(|f| f.read(range.clone())).transpose()?;
+        let states = match self.tiles[t].has_state {
+            true => self.states.iter().map(|(_, f)| f.read(range.clone())).collect::<Result<_>>()?,
+            false => Vec::new(),
+        };
+        Ok(Loading { master, states })
+    }
+
+    /// Steps the range with the final gradients `grads` at `lr`; `masters` are the fp32
+    /// values in fp32 training (`None` in mixed precision). Returns the new values in
+    /// `dtype` (the caller publishes them), having written the swapped ones back.
+    pub fn step(
+        &mut self,
+        lr: f64,
+        grads: &[f32],
+        mut masters: Option<Vec<f32>>,
+        dtype: Precision,
+        device: &Device,
+    ) -> Result<FlatBuf> {
+        if grads.len() != self.len || masters.as_ref().is_some_and(|m| m.len() != self.len) {
+            return Err(Error::Model(format!("unit {}: gradients for a range of {} elements", self.unit, self.len)));
+        }
+        let (read_ahead, write_behind) = self.pipelining();
+        let mut out = match &masters {
+            Some(_) => None,
+            None => Some(FlatBuf::zeros(dtype, self.len)),
+        };
+        // Every tile starts from the state before this step (its step counts included).
+        let before = self.scalars.clone();
+        let mut next = Some(self.start_read(0)?);
+        let mut writing: Option<Writing> = None;
+        for t in 0..self.tiles.len() {
+            let loading = next.take().expect("each tile's read is started before its turn");
+            let (tile_master, states) = self.arrive(loading)?;
+            if read_ahead && t + 1 < self.tiles.len() {
+                next = Some(self.start_read(t + 1)?);
+            }
+            let range = self.tiles[t].range.clone();
+            let values = match (&masters, tile_master) {
+                (Some(all), _) => all[range.clone()].to_vec(),
+                (None, Some(values)) => values,
+                (None, None) => unreachable!("mixed precision swaps its masters"),
+            };
+            // A tile read before the first state was written has none (nor step counts).
+            let scalars = if states.is_empty() { Vec::new() } else { before.clone() };
+            let state = (self.states.iter().map(|(n, _)| n.clone()).zip(states).collect(), scalars);
+            let tile = &mut self.tiles[t];
+            tile.optimizer.import(state, device)?;
+            let params = Tensor::<1>::from_data(TensorData::new(values, [range.len()]), device);
+            let stepped = tile.optimizer.step(lr, params, grads[range.clone()].to_vec())?;
+            let exported = tile.optimizer.export();
+            tile.optimizer.import((Vec::new(), Vec::new()), device)?;
+            let new = stepped
+                .into_data()
+                .try_into_vec::<f32>()
+                .map_err(|e| Error::Model(format!("master weights: {e:?}")))?;
+            if let Some(prev) = writing.take() {
+                prev.finish()?;
+            }
+            let write = self.write_tile(t, &new, exported)?;
+            match &mut masters {
+                Some(all) => all[range].copy_from_slice(&new),
+                None => {
+                    let converted = FlatBuf::from_f32(dtype, &new);
+                    out.as_mut().expect("mixed precision").as_mut().slice(range).copy_from(converted.as_ref(), false);
+                }
+            }
+            if write_behind {
+                writing = Some(write);
+            } else {
+                write.finish()?;
+            }
+            if !read_ahead && t + 1 < self.tiles.len() {
+                next = Some(self.start_read(t + 1)?);
+            }
+        }
+        if let Some(last) = writing {
+            last.finish()?;
+        }
+        Ok(match masters {
+            Some(all) => FlatBuf::F32(all),
+            None => out.expect("mixed precision"),
+        })
+    }
+
+    /// A tile's values once read: (masters, each state's values).
+    fn arrive(&self, loading: Loading) -> Result<Arrived> {
+        let master = loading.master.map(|t| wait(t).map(|b| b.as_slice().to_vec())).transpose()?;
+        let states =
+            loading.states.into_iter().map(|t| wait(t).map(|b| b.as_slice().to_vec())).collect::<Result<_>>()?;
+        Ok((master, states))
+    }
+
+    /// Starts writing tile `t`'s new masters (if swapped) and state; the first state of
+    /// the run creates the state files.
+    fn write_tile(&mut self, t: usize, masters: &[f32], (tensors, scalars): ExportedState) -> Result<Writing> {
+        if self.states.is_empty() && !tensors.is_empty() {
+            self.create_state_files(tensors.iter().map(|(n, _)| n.as_str()))?;
+        }
+        let names: Vec<&str> = self.states.iter().map(|(n, _)| n.as_str()).collect();
+        if tensors.iter().map(|(n, _)| n.as_str()).ne(names.iter().copied()) {
+            return Err(Error::Model(format!(
+                "unit {}: the optimizer's state changed shape between tiles or steps ({names:?})",
+                self.unit
+            )));
+        }
+        self.scalars = scalars;
+        self.tiles[t].has_state = !tensors.is_empty();
+        let start = self.tiles[t].range.start;
+        let mut tickets = Vec::with_capacity(1 + tensors.len());
+        if let Some(file) = &self.master {
+            tickets.push(file.write(start, aligned(masters))?);
+        }
+        for ((_, file), (_, values)) in self.states.iter().zip(&tensors) {
+            tickets.push(file.write(start, aligned(values))?);
+        }
+        Ok(Writing(tickets))
+    }
+
+    fn create_state_files<'a>(&mut self, names: impl Iterator<Item = &'a str>) -> Result<()> {
+        self.states = names
+            .map(|name| {
+                let file = self.dir.file(&format!("u{}.{}", self.unit, sanitize(name)), self.len)?;
+                Ok((name.to_string(), file))
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    /// Replaces the optimizer state with one over the whole range (a checkpoint load; empty:
+    /// no state yet).
+    pub fn import(&mut self, (tensors, scalars): ExportedState) -> Result<()> {
+        if let Some((name, values)) = tensors.iter().find(|(_, v)| v.len() != self.len) {
+            return Err(Error::Model(format!(
+                "optimizer state `{name}` has {} values for a range of {}",
+                values.len(),
+                self.len
+            )));
+        }
+        self.create_state_files(tensors.iter().map(|(n, _)| n.as_str()))?;
+        for ((_, file), (_, values)) in self.states.iter().zip(&tensors) {
+            file.write_slice(0, values)?;
+        }
+        for tile in &mut self.tiles {
+            tile.has_state = !tensors.is_empty();
+        }
+        self.scalars = scalars;
+        Ok(())
+    }
+
+    /// The masters of the whole range (mixed precision; checkpoints).
+    pub fn masters(&self) -> Result<Option<Vec<f32>>> {
+        self.master.as_ref().map(|f| f.read_vec(0..self.len)).transpose()
+    }
+
+    /// Replaces the masters (mixed precision; a checkpoint load).
+    pub fn load_masters(&mut self, values: &[f32]) -> Result<()> {
+        match &self.master {
+            Some(file) => file.write_slice(0, values),
+            None => Ok(()),
+        }
+    }
+
+    /// The optimizer state over the whole range (checkpoints).
+    pub fn export(&self) -> Result<ExportedState> {
+        let tensors =
+            self.states.iter().map(|(n, f)| Ok((n.clone(), f.read_vec(0..self.len)?))).collect::<Result<_>>()?;
+        Ok((tensors, self.scalars.clone()))
+    }
+
+    /// Bytes in the swap: masters and state.
+    pub fn swapped_bytes(&self) -> u64 {
+        let tensors = self.states.len() + usize::from(self.master.is_some());
+        (tensors * self.len * size_of::<f32>()) as u64
+    }
+}
+
+/// `values` in a new aligned buffer.
+fn aligned(values: &[f32]) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(values.len());
+    buf.as_mut_slice().copy_from_slice(values);
+    buf
+}
+
+/// A state name as a file name (`momentum.moment_1` stays; anything odd becomes `_`).
+fn sanitize(name: &str) -> String {
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '_' { c } else { '_' }).collect()
+}

@@ -1,0 +1,250 @@
+//! Aligned buffers and the I/O threads that move them to and from swap files.
+//!
+//! # Note: threads and direct I/O, not io_uring
+//! Each request (a tile or a unit shard) is cut into `aio.block_size` blocks, and
+//! `thread_count x queue_depth` threads each `pread`/`pwrite` one block at a time on a file
+//! opened with `O_DIRECT`, so that many blocks are in flight, as DeepSpeed's `aio` keeps
+//! `queue_depth` requests per thread. io_uring would save the threads, but Docker's
+//! default seccomp profile and many CI sandboxes refuse its system calls, and a swap tier
+//! that fails where containers run is no tier; blocking calls on a few threads reach the
+//! disk's sequential bandwidth here (the bench measures it). Direct I/O keeps the page
+//! cache from holding a second copy of every state (the point of offloading is that memory
+//! does not hold them) and from hiding the disk's real speed; a filesystem without it
+//! (tmpfs) falls back to buffered I/O, said once by the engine.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// Alignment of buffers, file offsets and lengths for direct I/O.
+pub const ALIGN: usize = 4096;
+
+/// A zeroed, [`ALIGN`]-aligned buffer of f32 whose byte length is a multiple of [`ALIGN`]
+/// (what `O_DIRECT` needs), holding `len` meaningful values.
+pub struct AlignedBuf {
+    ptr: NonNull<f32>,
+    len: usize,
+    /// Capacity in f32 elements (a multiple of `ALIGN / 4`).
+    cap: usize,
+}
+
+// SAFETY: the buffer owns its allocation exclusively (like a `Vec<f32>`); no aliasing
+// pointer is kept anywhere else.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references only read the elements, as for `&[f32]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer for `len` values.
+    pub fn zeroed(len: usize) -> Self {
+        let cap = len.max(1).next_multiple_of(ALIGN / size_of::<f32>());
+        let layout = Self::layout(cap);
+        // SAFETY: `layout` has a non-zero size (cap >= 1024 elements).
+        let raw = unsafe { alloc_zeroed(layout) }.cast::<f32>();
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, len, cap }
+    }
+
+    fn layout(cap: usize) -> Layout {
+        Layout::from_size_align(cap * size_of::<f32>(), ALIGN).expect("swap buffer size fits a Layout")
+    }
+
+    /// The meaningful values.
+    pub fn as_slice(&self) -> &[f32] {
+        // SAFETY: `ptr` points to `cap >= len` initialised (zeroed or written) f32s.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The meaningful values, to fill.
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The whole allocation as bytes (a multiple of [`ALIGN`]).
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation is `cap * 4` initialised bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<u8>(), self.cap * size_of::<f32>()) }
+    }
+
+    /// Bytes of the allocation.
+    pub fn capacity_bytes(&self) -> u64 {
+        (self.cap * size_of::<f32>()) as u64
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this very layout.
+        unsafe { dealloc(self.ptr.as_ptr().cast::<u8>(), Self::layout(self.cap)) }
+    }
+}
+
+/// One block of a request, done by one I/O thread.
+struct Block {
+    file: Arc<File>,
+    path: Arc<PathBuf>,
+    offset: u64,
+    /// The request's buffer (kept alive until every block is done) and this block's
+    /// byte range in it; the ranges of one request are disjoint.
+    buf: Arc<AlignedBuf>,
+    at: std::ops::Range<usize>,
+    write: bool,
+    done: Arc<Completion>,
+}
+
+/// Counts a request's blocks down and keeps its first error.
+struct Completion {
+    state: Mutex<(usize, Option<IoFailure>)>,
+    cv: Condvar,
+}
+
+/// A failed request: the file and what happened (the byte offset in the message).
+pub type IoFailure = (PathBuf, std::io::Error);
+
+/// A request in flight; [`wait`](Self::wait) gives its buffer back.
+#[must_use = "a request's buffer comes back only through wait()"]
+pub struct Ticket {
+    buf: Arc<AlignedBuf>,
+    done: Arc<Completion>,
+}
+
+impl Ticket {
+    /// Waits for every block; the buffer, or the first error and its file.
+    pub fn wait(self) -> Result<AlignedBuf, IoFailure> {
+        let mut state = self.done.state.lock().unwrap_or_else(|e| e.into_inner());
+        while state.0 > 0 {
+            state = self.done.cv.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        if let Some(error) = state.1.take() {
+            return Err(error);
+        }
+        drop(state);
+        // Every block has finished and dropped its reference before counting down.
+        Ok(Arc::try_unwrap(self.buf)
+            .unwrap_or_else(|_| unreachable!("every block dropped its buffer before counting down")))
+    }
+}
+
+/// The I/O threads of one rank's swap folder.
+pub struct IoPool {
+    queue: Option<Sender<Block>>,
+    threads: Vec<JoinHandle<()>>,
+    block_bytes: usize,
+}
+
+impl IoPool {
+    /// `threads` I/O threads moving `block_bytes` (a multiple of [`ALIGN`]) per call.
+    pub fn new(threads: usize, block_bytes: usize) -> Self {
+        let (tx, rx) = channel::<Block>();
+        let rx = Arc::new(Mutex::new(rx));
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let rx = Arc::clone(&rx);
+                std::thread::Builder::new()
+                    .name(format!("zerotrain-io-{i}"))
+                    .spawn(move || serve(&rx))
+                    .expect("spawning an I/O thread")
+            })
+            .collect();
+        Self { queue: Some(tx), threads, block_bytes: block_bytes.next_multiple_of(ALIGN).max(ALIGN) }
+    }
+
+    /// Starts reading (`write: false`) or writing `buf`'s whole allocation at byte `offset`
+    /// (a multiple of [`ALIGN`]) of `file`.
+    pub fn submit(&self, file: &Arc<File>, path: &Arc<PathBuf>, offset: u64, buf: AlignedBuf, write: bool) -> Ticket {
+        let total = buf.bytes().len();
+        let blocks = total.div_ceil(self.block_bytes);
+        let done = Arc::new(Completion { state: Mutex::new((blocks, None)), cv: Condvar::new() });
+        let buf = Arc::new(buf);
+        for b in 0..blocks {
+            let at = b * self.block_bytes..((b + 1) * self.block_bytes).min(total);
+            let block = Block {
+                file: Arc::clone(file),
+                path: Arc::clone(path),
+                offset: offset + at.start as u64,
+                buf: Arc::clone(&buf),
+                at,
+                write,
+                done: Arc::clone(&done),
+            };
+            if let Some(Err(std::sync::mpsc::SendError(block))) = self.queue.as_ref().map(|q| q.send(block)) {
+                let done = Arc::clone(&block.done);
+                drop(block);
+                let error = std::io::Error::other("the I/O threads have stopped");
+                finish(&done, Some((path.as_ref().clone(), error)));
+            }
+        }
+        Ticket { buf, done }
+    }
+}
+
+impl Drop for IoPool {
+    fn drop(&mut self) {
+        self.queue.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(rx: &Mutex<Receiver<Block>>) {
+    loop {
+        let block = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
+            Ok(block) => block,
+            Err(_) => return,
+        };
+        let error = run(&block).err().map(|e| {
+            let verb = if block.write { "writing" } else { "reading" };
+            let what = format!("{verb} {} bytes at byte {}: {e}", block.at.len(), block.offset);
+            (block.path.as_ref().clone(), std::io::Error::new(e.kind(), what))
+        });
+        let done = Arc::clone(&block.done);
+        // The buffer's reference goes before the count does, so `wait` can take it back.
+        drop(block);
+        finish(&done, error);
+    }
+}
+
+/// One block's system call, straight from or into its part of the request's buffer.
+fn run(block: &Block) -> std::io::Result<()> {
+    let base = block.buf.ptr.as_ptr().cast::<u8>();
+    // SAFETY: `at` lies inside the allocation (`submit` cuts it from its length); the
+    // blocks of one request cover disjoint ranges, and nothing else reads or writes the
+    // buffer until `Ticket::wait` has seen every block finish, so this is the only
+    // reference to these bytes while it lives. The `Arc` keeps the allocation alive.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(base.add(block.at.start), block.at.len()) };
+    if block.write {
+        block.file.write_all_at(bytes, block.offset)
+    } else {
+        block.file.read_exact_at(bytes, block.offset)
+    }
+}
+
+fn finish(done: &Completion, error: Option<IoFailure>) {
+    let mut state = done.state.lock().unwrap_or_else(|e| e.into_inner());
+    state.0 -= 1;
+    if state.1.is_none() {
+        state.1 = error;
+    }
+    done.cv.notify_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_aligned_zeroed_and_whole_pages() {
+        let buf = AlignedBuf::zeroed(1500);
+        assert_eq!(buf.as_slice().len(), 1500);
+        assert!(buf.as_slice().iter().all(|&v| v == 0.0));
+        assert_eq!(buf.ptr.as_ptr() as usize % ALIGN, 0);
+        assert_eq!(buf.capacity_bytes(), 8192);
+    }
+}

@@ -1,0 +1,288 @@
+//! Swap files: where the NVMe offload tiers keep a rank's states between uses.
+//!
+//! A [`SwapDir`] is one rank's folder for one tier, `<nvme_path>/zerotrain-<tier>.rank<r>`,
+//! locked for as long as the engine lives (a second job pointed at the same `nvme_path`
+//! fails at once, naming the lock) and emptied when it is dropped. Swap files are scratch:
+//! they are never checkpoints (those are written by `save_checkpoint` elsewhere), and the
+//! ones a killed run left behind are removed when the next run takes the lock. A
+//! [`SwapFile`] holds one flat f32 range (a unit's master weights, one optimizer moment,
+//! a parameter shard); requests read or write whole tiles through the folder's I/O threads
+//! (see `io.rs` for why threads and direct I/O).
+
+mod io;
+
+use std::fs::{File, OpenOptions};
+use std::ops::Range;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use io::{ALIGN, AlignedBuf, IoPool, Ticket};
+
+use crate::config::AioPlan;
+use crate::{Error, Result};
+
+/// Elements per [`ALIGN`] bytes: tiles start at multiples of it.
+pub const ALIGN_ELEMS: usize = ALIGN / size_of::<f32>();
+
+/// Name of the lock file in a swap folder.
+const LOCK: &str = ".lock";
+/// Suffix of swap files.
+const SUFFIX: &str = ".swap";
+
+/// One rank's swap folder for one tier (module docs).
+pub struct SwapDir {
+    dir: PathBuf,
+    /// Held for the folder's life (the OS releases it if the process dies).
+    _lock: File,
+    io: Arc<IoPool>,
+    /// Whether files are opened with `O_DIRECT` (false on filesystems without it).
+    direct: bool,
+}
+
+impl SwapDir {
+    /// Creates (or takes over from a killed run) `<root>/zerotrain-<tier>.rank<rank>`.
+    pub fn open(root: &Path, tier: &str, rank: usize, aio: AioPlan) -> Result<Self> {
+        let io_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |cause| Error::Io { path, cause }
+        };
+        std::fs::create_dir_all(root).map_err(io_err(root))?;
+        let dir = root.join(format!("zerotrain-{tier}.rank{rank}"));
+        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        let lock_path = dir.join(LOCK);
+        let lock =
+            OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(io_err(&lock_path))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::Io {
+                    path: dir,
+                    cause: std::io::Error::new(
+                        std::io::ErrorKind::ResourceBusy,
+                        format!(
+                            "in use by another zerotrain run (its lock {} is held): give each job its own nvme_path",
+                            lock_path.display()
+                        ),
+                    ),
+                });
+            }
+            Err(std::fs::TryLockError::Error(cause)) => return Err(Error::Io { path: lock_path, cause }),
+        }
+        // Whatever is here belongs to a run that is gone: scratch, never a checkpoint.
+        remove_swap_files(&dir)?;
+        let direct = supports_direct_io(&dir);
+        let io = Arc::new(IoPool::new(aio.requests_in_flight, aio.block_size as usize));
+        Ok(Self { dir, _lock: lock, io, direct })
+    }
+
+    /// The folder.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether the files bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// A new swap file `name` for `elems` values (created empty; sparse until written).
+    pub fn file(&self, name: &str, elems: usize) -> Result<SwapFile> {
+        let path = self.dir.join(format!("{name}{SUFFIX}"));
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(true);
+        if self.direct {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        let file = options.open(&path).map_err(|cause| Error::Io { path: path.clone(), cause })?;
+        let bytes = (elems.next_multiple_of(ALIGN_ELEMS) * size_of::<f32>()) as u64;
+        file.set_len(bytes).map_err(|cause| Error::Io { path: path.clone(), cause })?;
+        let inode = file.metadata().map_err(|cause| Error::Io { path: path.clone(), cause })?.ino();
+        Ok(SwapFile { path: Arc::new(path), file: Arc::new(file), bytes, inode, io: Arc::clone(&self.io) })
+    }
+}
+
+impl Drop for SwapDir {
+    fn drop(&mut self) {
+        // Scratch: nothing here outlives the engine. Failing to clean up leaves files the
+        // next run removes.
+        let _ = remove_swap_files(&self.dir);
+    }
+}
+
+/// Removes the `*.swap` files of `dir` (nothing else: a user's file there stays).
+fn remove_swap_files(dir: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(dir).map_err(|cause| Error::Io { path: dir.to_path_buf(), cause })?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| format!(".{}", e.to_string_lossy()) == SUFFIX) {
+            std::fs::remove_file(&path).map_err(|cause| Error::Io { path, cause })?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether files in `dir` open with `O_DIRECT` (tmpfs refuses it).
+fn supports_direct_io(dir: &Path) -> bool {
+    let probe = dir.join(format!("probe{SUFFIX}"));
+    let ok =
+        OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(&probe).is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+/// One flat f32 range in a file (module docs).
+pub struct SwapFile {
+    path: Arc<PathBuf>,
+    file: Arc<File>,
+    /// The file's size as created.
+    bytes: u64,
+    inode: u64,
+    io: Arc<IoPool>,
+}
+
+impl SwapFile {
+    /// The file.
+    #[cfg(test)]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Starts reading elements `range` (its start a multiple of [`ALIGN_ELEMS`]).
+    pub fn read(&self, range: Range<usize>) -> Result<Ticket> {
+        self.check_intact()?;
+        let buf = AlignedBuf::zeroed(range.len());
+        self.check_span(range.start, &buf)?;
+        Ok(self.io.submit(&self.file, &self.path, (range.start * size_of::<f32>()) as u64, buf, false))
+    }
+
+    /// Starts writing `buf` at element `start` (a multiple of [`ALIGN_ELEMS`]).
+    pub fn write(&self, start: usize, buf: AlignedBuf) -> Result<Ticket> {
+        self.check_span(start, &buf)?;
+        Ok(self.io.submit(&self.file, &self.path, (start * size_of::<f32>()) as u64, buf, true))
+    }
+
+    /// Reads elements `range` into a vector (waiting).
+    pub fn read_vec(&self, range: Range<usize>) -> Result<Vec<f32>> {
+        Ok(wait(self.read(range)?)?.as_slice().to_vec())
+    }
+
+    /// Writes `values` at element `start` (waiting).
+    pub fn write_slice(&self, start: usize, values: &[f32]) -> Result<()> {
+        let mut buf = AlignedBuf::zeroed(values.len());
+        buf.as_mut_slice().copy_from_slice(values);
+        wait(self.write(start, buf)?).map(drop)
+    }
+
+    fn check_span(&self, start: usize, buf: &AlignedBuf) -> Result<()> {
+        let offset = (start * size_of::<f32>()) as u64;
+        assert!(start.is_multiple_of(ALIGN_ELEMS), "swap requests start on a {ALIGN}-byte boundary");
+        assert!(offset + buf.capacity_bytes() <= self.bytes, "swap request inside the file");
+        Ok(())
+    }
+
+    /// A swap file truncated, deleted or replaced under a running job is an error naming
+    /// it, not zeros read from a hole or values from another file.
+    fn check_intact(&self) -> Result<()> {
+        let damaged = |why: String| Error::Io {
+            path: self.path.as_ref().clone(),
+            cause: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+        };
+        let meta = std::fs::metadata(self.path.as_ref())
+            .map_err(|e| damaged(format!("the swap file is gone ({e}): it was deleted while the job ran")))?;
+        if meta.ino() != self.inode {
+            return Err(damaged("the swap file was replaced while the job ran".into()));
+        }
+        if meta.len() < self.bytes {
+            return Err(damaged(format!(
+                "the swap file was truncated while the job ran ({} bytes, {} expected)",
+                meta.len(),
+                self.bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Waits for `ticket`, turning a failure into an error naming the file.
+pub fn wait(ticket: Ticket) -> Result<AlignedBuf> {
+    ticket.wait().map_err(|(path, cause)| Error::Io { path, cause })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn aio() -> AioPlan {
+        AioPlan { block_size: 8192, requests_in_flight: 3 }
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("zerotrain-swap-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// Values written in tiles through several threads come back bit for bit, from any
+    /// aligned offset, and the folder is emptied when dropped.
+    #[test]
+    fn tiles_round_trip_and_the_folder_is_scratch() {
+        let root = scratch("roundtrip");
+        let dir = SwapDir::open(&root, "optimizer", 0, aio()).unwrap();
+        assert!(dir.is_direct(), "the test folder's filesystem supports O_DIRECT");
+        let n = 3 * ALIGN_ELEMS + 17;
+        let values: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
+        let file = dir.file("u0.master", n).unwrap();
+        file.write_slice(0, &values[..2 * ALIGN_ELEMS]).unwrap();
+        file.write_slice(2 * ALIGN_ELEMS, &values[2 * ALIGN_ELEMS..]).unwrap();
+        assert_eq!(file.read_vec(0..n).unwrap(), values);
+        assert_eq!(file.read_vec(ALIGN_ELEMS..n).unwrap(), values[ALIGN_ELEMS..]);
+        let path = dir.path().join("u0.master.swap");
+        assert!(path.exists());
+        drop(file);
+        drop(dir);
+        assert!(!path.exists(), "swap files are removed with their folder");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A second job on the same folder is refused, naming the lock; a killed job's files
+    /// (its lock died with it) are removed by the next one, and a user's other files stay.
+    #[test]
+    fn the_folder_is_locked_and_stale_files_are_removed() {
+        let root = scratch("lock");
+        let first = SwapDir::open(&root, "optimizer", 1, aio()).unwrap();
+        let err = SwapDir::open(&root, "optimizer", 1, aio()).err().unwrap().to_string();
+        assert!(err.contains("zerotrain-optimizer.rank1") && err.contains("in use by another zerotrain run"), "{err}");
+        assert!(SwapDir::open(&root, "optimizer", 2, aio()).is_ok(), "another rank's folder is its own");
+        drop(first);
+        // What a SIGKILLed run leaves: swap files and a lock file nobody holds.
+        let dir = root.join("zerotrain-optimizer.rank0");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(LOCK), b"").unwrap();
+        std::fs::write(dir.join("u0.master.swap"), b"old").unwrap();
+        std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
+        let taken = SwapDir::open(&root, "optimizer", 0, aio()).unwrap();
+        assert!(!dir.join("u0.master.swap").exists(), "a killed run's swap file is removed");
+        assert!(dir.join("notes.txt").exists(), "a file that is not a swap file stays");
+        drop(taken);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A swap file truncated or deleted under the job is an error naming it.
+    #[test]
+    fn damaged_swap_files_are_errors_naming_them() {
+        let root = scratch("damaged");
+        let dir = SwapDir::open(&root, "param", 0, aio()).unwrap();
+        let n = 2 * ALIGN_ELEMS;
+        let file = dir.file("u1.param", n).unwrap();
+        file.write_slice(0, &vec![1.0; n]).unwrap();
+        std::fs::OpenOptions::new().write(true).open(file.path()).unwrap().set_len(100).unwrap();
+        let err = file.read_vec(0..n).unwrap_err().to_string();
+        assert!(err.contains("u1.param.swap") && err.contains("truncated"), "{err}");
+        std::fs::remove_file(file.path()).unwrap();
+        let err = file.read_vec(0..n).unwrap_err().to_string();
+        assert!(err.contains("u1.param.swap") && err.contains("deleted"), "{err}");
+        drop(dir);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}

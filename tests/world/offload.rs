@@ -1,0 +1,202 @@
+//! Offload tiers (`offload_optimizer`, `offload_param`): offloaded training equals
+//! in-memory training bit for bit, checkpoints move between offloaded and in-memory runs,
+//! and every fault names its path.
+
+use std::path::{Path, PathBuf};
+
+use zerotrain::{Engine, Error, LoadOptions, launch};
+
+use crate::common::*;
+use crate::units::{MODES, Mode, Outcome, Tokens, tiny_gpt, train, unit_recipe};
+
+/// A fresh scratch folder for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerotrain-offload-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// `zero_optimization` keys that put the optimizer (and at stage 3 the parameters) on
+/// NVMe under `root`, in tiles of 1024 elements (several per unit shard of the tiny GPT),
+/// pipelined, with only the first unit's shard cached in memory.
+fn nvme_keys(root: &Path, stage: u8) -> String {
+    let opt = format!(
+        r#", "sub_group_size": 1000, "offload_optimizer": {{"device": "nvme", "nvme_path": "{}",
+            "pipeline_read": true, "pipeline_write": true, "buffer_count": 9}}"#,
+        root.join("opt").display()
+    );
+    let param = format!(
+        r#", "offload_param": {{"device": "nvme", "nvme_path": "{}", "max_in_cpu": 600}}"#,
+        root.join("param").display()
+    );
+    if stage == 3 { opt + &param } else { opt }
+}
+
+fn same(what: &str, got: &Outcome, want: &Outcome) {
+    assert_eq!(got.losses, want.losses, "{what}: losses");
+    assert!(got.master == want.master, "{what}: master weights differ");
+    let (diff, path) = max_abs_diff(&got.params[0], &want.params[0]);
+    assert!(got.params == want.params, "{what}: parameters differ by {diff} at `{path}`");
+}
+
+/// DeepSpeed issue 2272 (NVMe offload silently hurting convergence) is the bug never to
+/// have: in every stage, precision, world size, accumulation and walk, with clipping on,
+/// the tiled, pipelined NVMe step and the NVMe parameter shards give the in-memory run's
+/// bits, and the swap holds what the engine says it holds.
+#[test]
+fn offloaded_training_equals_in_memory_training_bit_for_bit() {
+    let init = tiny_gpt(true, 21);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("equal");
+    for world_size in [1, 2] {
+        for stage in 1..=3u8 {
+            for precision in ["fp32", "bf16"] {
+                for gas in [1, 3] {
+                    for mode in [MODES[0], MODES[5]] {
+                        let what = format!("world {world_size} stage {stage} {precision} gas {gas} {mode:?}");
+                        let in_memory = plan(&unit_recipe(stage, gas, mode, precision, ""), world_size);
+                        let offloaded =
+                            plan(&unit_recipe(stage, gas, mode, precision, &nvme_keys(&root, stage)), world_size);
+                        let want = train(&w, &init, &in_memory, mode, 3).unwrap();
+                        let got = train(&w, &init, &offloaded, mode, 3).unwrap();
+                        same(&what, &got, &want);
+                        for (m, reference) in got.memory.iter().zip(&want.memory) {
+                            assert_eq!(m.optimizer, 0, "{what}: no optimizer state in memory");
+                            // Adam's two moments always; the masters too in mixed precision.
+                            let swapped_states = reference.optimizer + reference.master;
+                            assert!(m.swapped >= swapped_states, "{what}: {} swapped < {swapped_states}", m.swapped);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// fp16's skipped steps (an overflowing first scale) skip the offloaded step the same way.
+#[test]
+fn a_skipped_fp16_step_is_skipped_offloaded_too() {
+    let init = tiny_gpt(true, 22);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("fp16");
+    let fp16 = |stage: u8, zero: &str| {
+        unit_recipe(stage, 1, MODES[0], "fp32", zero).replacen(
+            '{',
+            r#"{"fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1},"#,
+            1,
+        )
+    };
+    for stage in [2, 3] {
+        let want = train(&w, &init, &plan(&fp16(stage, ""), 2), MODES[0], 3).unwrap();
+        let got = train(&w, &init, &plan(&fp16(stage, &nvme_keys(&root, stage)), 2), MODES[0], 3).unwrap();
+        same(&format!("fp16 stage {stage}"), &got, &want);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A checkpoint taken mid-run moves between offloaded and in-memory runs (and world
+/// sizes), and the resumed run equals the uninterrupted one bit for bit.
+#[test]
+fn checkpoints_move_between_offloaded_and_in_memory_runs() {
+    let init = tiny_gpt(true, 23);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("resume");
+    let mode = MODES[5];
+    for precision in ["fp32", "bf16"] {
+        let in_memory = plan(&unit_recipe(3, 1, mode, precision, ""), 2);
+        let offloaded = plan(&unit_recipe(3, 1, mode, precision, &nvme_keys(&root, 3)), 2);
+        let whole = train(&w, &init, &in_memory, mode, 4).unwrap();
+        for (first, second) in [(&offloaded, &in_memory), (&in_memory, &offloaded), (&offloaded, &offloaded)] {
+            let ckpt = root.join("ckpt");
+            let _ = std::fs::remove_dir_all(&ckpt);
+            run_steps(&w, &init, first, 0..2, None, Some(&ckpt));
+            let (losses, master) = run_steps(&w, &init, second, 2..4, Some(&ckpt), None);
+            assert_eq!(losses, whole.losses[2..], "{precision}: losses after the resume");
+            assert!(master == whole.master, "{precision}: masters after the resume");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Trains `steps` in units, loading `resume` first and saving to `save` after: rank 0's
+/// losses and the masters.
+fn run_steps(
+    w: &Tokens,
+    init: &zerotrain::app::models::Gpt,
+    plan: &zerotrain::Plan,
+    steps: std::ops::Range<u64>,
+    resume: Option<&Path>,
+    save: Option<&Path>,
+) -> (Vec<f32>, Vec<f32>) {
+    let out = launch(plan, |ctx| {
+        let mut engine = Engine::with_units(init.clone(), plan, &ctx)?;
+        if let Some(dir) = resume {
+            engine.load_checkpoint(dir, None, LoadOptions::default())?;
+        }
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            use crate::units::Workload;
+            engine.forward_backward(&w.batch(plan, step, 0, ctx.rank(), ctx.device()))?;
+            losses.extend(engine.step()?.map(|r| r.loss));
+        }
+        if let Some(dir) = save {
+            engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
+        }
+        Ok::<_, Error>((losses, engine.master_params()?))
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+/// Bad places for swap files end with an error naming the path, on every rank, and
+/// nothing hangs: an unwritable `nvme_path`, a second job on the same `nvme_path`, and a
+/// swap file deleted or truncated while the job runs.
+#[test]
+fn swap_faults_are_errors_naming_the_path() {
+    let init = tiny_gpt(true, 24);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("faults");
+    std::fs::create_dir_all(&root).unwrap();
+    let mode = Mode { units: true, checkpointing: false, overlap: false };
+    // A regular file where the folder should be.
+    let blocker = root.join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    let bad = plan(&unit_recipe(2, 1, mode, "bf16", &nvme_keys(&blocker, 2)), 2);
+    let err = launch(&bad, |ctx| Engine::with_units(init.clone(), &bad, &ctx).map(drop)).unwrap_err().to_string();
+    assert!(err.contains("not-a-dir"), "{err}");
+
+    // A second job while the first holds the folder.
+    let shared = root.join("shared");
+    let first = plan(&unit_recipe(2, 1, mode, "bf16", &nvme_keys(&shared, 2)), 1);
+    let err = launch(&first, |ctx| {
+        let _holder = Engine::with_units(init.clone(), &first, &ctx)?;
+        let second = launch(&first, |ctx| Engine::with_units(init.clone(), &first, &ctx).map(drop));
+        Ok::<_, Error>(second.unwrap_err().to_string())
+    })
+    .unwrap()
+    .remove(0);
+    assert!(err.contains("zerotrain-optimizer.rank0") && err.contains("in use by another zerotrain run"), "{err}");
+
+    // Damaged swap files, found at the next step.
+    for damage in ["delete", "truncate"] {
+        let p = plan(&unit_recipe(2, 1, mode, "bf16", &nvme_keys(&shared, 2)), 1);
+        let err = launch(&p, |ctx| {
+            let mut engine = Engine::with_units(init.clone(), &p, &ctx)?;
+            use crate::units::Workload;
+            engine.forward_backward(&w.batch(&p, 0, 0, ctx.rank(), ctx.device()))?;
+            engine.step()?;
+            let victim = shared.join("opt/zerotrain-optimizer.rank0/u1.master.swap");
+            match damage {
+                "delete" => std::fs::remove_file(&victim).unwrap(),
+                _ => std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(8).unwrap(),
+            }
+            engine.forward_backward(&w.batch(&p, 1, 0, ctx.rank(), ctx.device()))?;
+            engine.step().map(drop)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("u1.master.swap"), "{damage}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
