@@ -62,6 +62,68 @@ pub fn deepspeed_zero2(
     }
 }
 
+/// Where one rank's model states live between steps, by tier, for a plan and a model of
+/// `params` trainable parameters (`zerotrain config check`): bytes on the rank's device,
+/// in host memory and in NVMe swap files. On a CPU rank the device is host memory, so
+/// everything not on NVMe counts as host memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Placement {
+    /// Bytes on the rank's device (0 on a CPU rank).
+    pub device: u64,
+    /// Bytes in host memory.
+    pub host: u64,
+    /// Bytes in swap files.
+    pub nvme: u64,
+}
+
+/// [`Placement`] by the rules the engine follows (padding ignored): parameters in the
+/// compute dtype (stage 3: only the shard, which is the fp32 master in fp32 training, and
+/// a compute-dtype copy when the optimizer is offloaded), gradients in the accumulation
+/// dtype, fp32 masters in mixed precision, and the optimizer's moments (Adam 2, AMSGrad 3,
+/// SGD with momentum 1), each where the plan's tiers put it.
+pub fn placement(plan: &crate::Plan, params: u64) -> Placement {
+    use crate::config::{ComputeDevice, OptimizerPlan, Tier};
+    let (zero, precision) = (&plan.zero, &plan.precision);
+    let shard = params.div_ceil(plan.data_parallel_size().max(1) as u64);
+    let pick = |sharded: bool| if sharded { shard } else { params };
+    let compute = precision.compute.bytes_per_elem() as u64;
+    let fp32 = compute == 4;
+    let moments = match plan.optim.optimizer {
+        OptimizerPlan::Adam { amsgrad, .. } => 2 + u64::from(amsgrad),
+        OptimizerPlan::Sgd { momentum, .. } => u64::from(momentum > 0.0),
+    };
+    let stage = zero.stage;
+    let optimizer_elems = pick(stage.shards_optimizer_states());
+    let swapped = zero.offload.optimizer.nvme_path().is_some();
+    // Masters are separate in mixed precision, and at stage 3 in fp32 unless swapped (then
+    // the parameter shard is the master).
+    let master = if !fp32 || (stage.shards_parameters() && !swapped) { 4 * optimizer_elems } else { 0 };
+    let moments = 4 * moments * optimizer_elems;
+    let (mut out, cpu) = (Placement::default(), plan.runtime.device == ComputeDevice::Cpu);
+    let mut put = |tier: &Tier, bytes: u64| match tier {
+        Tier::Nvme(_) => out.nvme += bytes,
+        Tier::Host => out.host += bytes,
+        Tier::Device if cpu => out.host += bytes,
+        Tier::Device => out.device += bytes,
+    };
+    put(&zero.offload.optimizer, master + moments);
+    put(&Tier::Device, precision.grad_accum.bytes_per_elem() as u64 * pick(stage.shards_gradients()));
+    if !stage.shards_parameters() {
+        put(&Tier::Device, compute * params);
+    } else if swapped || zero.offload.param.nvme_path().is_some() {
+        // The shard as the gather sends it; an NVMe file holds it as f32.
+        let cached = zero.offload.max_in_cpu.min(shard);
+        match &zero.offload.param {
+            Tier::Nvme(_) => {
+                put(&Tier::Host, compute * cached);
+                put(&zero.offload.param, 4 * (shard - cached));
+            }
+            tier => put(tier, compute * shard),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +148,33 @@ mod tests {
             let got = deepspeed_zero2(n("params"), n("gpus_per_node"), n("nodes"), case["offload"] == true, 1.5);
             assert_eq!(got, (n("cpu_bytes"), n("gpu_bytes")), "{case}");
         }
+    }
+
+    /// Per-tier bytes written out by hand for Ψ = 1000 over 2 ranks (a 500-element shard).
+    #[test]
+    fn placement_puts_each_state_in_its_tier() {
+        let plan = |zero: &str, extra: &str| {
+            crate::Config::parse(
+                &format!(r#"{{"train_batch_size": 2, "zero_optimization": {{{zero}}}, {extra} "zerotrain": {{"world_size": 2}}}}"#),
+                "t",
+            )
+            .unwrap()
+            .resolve(crate::Overrides::default())
+            .unwrap()
+        };
+        let nvme = r#""offload_optimizer": {"device": "nvme", "nvme_path": "/x"}"#;
+        let param = r#""offload_param": {"device": "nvme", "nvme_path": "/y", "max_in_cpu": 100}"#;
+        // bf16 stage 3, both tiers on NVMe: grads 2 x 500 and the cached 100 shard
+        // elements x 2 in memory; masters 4 x 500, moments 8 x 500, the rest of the shard
+        // 4 x 400 on NVMe.
+        let p = placement(&plan(&format!(r#""stage": 3, {nvme}, {param}"#), r#""bf16": {"enabled": true},"#), 1000);
+        assert_eq!(p, Placement { device: 0, host: 1000 + 200, nvme: 2000 + 4000 + 1600 });
+        // fp32 stage 2, optimizer on NVMe: the model's 4 x 1000 parameters are the masters;
+        // grads 4 x 500; moments 8 x 500 on NVMe.
+        let p = placement(&plan(&format!(r#""stage": 2, {nvme}"#), ""), 1000);
+        assert_eq!(p, Placement { device: 0, host: 4000 + 2000, nvme: 4000 });
+        // No offload, fp32 stage 3: master shard 4 x 500, moments 8 x 500, grads 4 x 500.
+        let p = placement(&plan(r#""stage": 3"#, ""), 1000);
+        assert_eq!(p, Placement { device: 0, host: 2000 + 4000 + 2000, nvme: 0 });
     }
 }

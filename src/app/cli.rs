@@ -165,6 +165,10 @@ pub enum BenchCommand {
         /// How the engine runs the model.
         #[arg(long, value_enum, default_value = "checkpointed")]
         mode: crate::app::bench::RunMode,
+        /// Offload the optimizer (stages 1-3) and, at stage 3, the parameters to NVMe swap
+        /// files under this folder.
+        #[arg(long)]
+        nvme: Option<std::path::PathBuf>,
     },
     /// Pipeline parallelism: each stage's idle fraction against GPipe's bubble for K stages
     /// and 1, 4, 8, 16 micro-batches, both schedules, kept activations, and plain data

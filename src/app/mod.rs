@@ -127,8 +127,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 crate::app::bench::gpu::GpuBench { shape, device, batch, steps, stages, precision, mode, peak_tflops };
             commands::bench::bench_gpu(&bench, json)
         }
-        Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode }) => {
-            commands::bench::bench_memory(millions, layers, stage, world_size, mode)
+        Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode, nvme }) => {
+            commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())
         }
         Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),

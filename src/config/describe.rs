@@ -64,6 +64,30 @@ impl fmt::Display for Plan {
                 z.param_persistence_threshold
             )?;
         }
+        let o = &z.offload;
+        let tier = |t: &super::Tier| match t {
+            super::Tier::Device => "where the rank computes".to_string(),
+            super::Tier::Host => "host memory".to_string(),
+            super::Tier::Nvme(path) => format!("NVMe under {}", path.display()),
+        };
+        if o.optimizer != super::Tier::Device || o.param != super::Tier::Device {
+            writeln!(f, "  offload optimizer {} (masters and moments, stepped there)", tier(&o.optimizer))?;
+            if o.optimizer.nvme_path().is_some() {
+                writeln!(
+                    f,
+                    "    tiles           {} elements; read ahead {}, write behind {}, {} tile buffers; {} I/O requests of {} bytes in flight",
+                    o.sub_group_size,
+                    o.pipeline_read,
+                    o.pipeline_write,
+                    o.buffer_count,
+                    o.aio.requests_in_flight,
+                    o.aio.block_size
+                )?;
+            }
+            if z.stage.shards_parameters() {
+                writeln!(f, "  offload param     {} (each unit's shard between gathers)", tier(&o.param))?;
+            }
+        }
         if let Some(p) = &self.pipeline {
             let m = self.batch.gradient_accumulation_steps as usize;
             writeln!(

@@ -136,14 +136,36 @@ pub fn bench_growth(steps: u64, plot: &Path) -> anyhow::Result<()> {
 }
 
 /// `zerotrain bench memory`: one `row ...` line per rank.
-pub fn bench_memory(millions: usize, layers: usize, stage: u8, world_size: usize, mode: RunMode) -> anyhow::Result<()> {
+pub fn bench_memory(
+    millions: usize,
+    layers: usize,
+    stage: u8,
+    world_size: usize,
+    mode: RunMode,
+    nvme: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     use crate::app::models::{Mlp, RegressionTask};
     use burn::tensor::Device;
     let width = ((millions as f64 * 1e6 / layers.max(1) as f64).sqrt()) as usize;
     let checkpointing = mode.config_keys();
+    let offload = match nvme {
+        Some(dir) => {
+            let dir = serde_json::to_string(&dir.display().to_string())?;
+            let param = if stage == 3 {
+                format!(r#", "offload_param": {{"device": "nvme", "nvme_path": {dir}, "max_in_cpu": 0}}"#)
+            } else {
+                String::new()
+            };
+            format!(
+                r#", "sub_group_size": 4e6, "offload_optimizer": {{"device": "nvme", "nvme_path": {dir},
+                   "pipeline_read": true, "pipeline_write": true, "buffer_count": 9}}{param}"#
+            )
+        }
+        None => String::new(),
+    };
     let json = format!(
         r#"{{ {checkpointing} "train_micro_batch_size_per_gpu": 1,
-             "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+             "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0 {offload}}}}}"#
     );
     let plan = Config::parse(&json, "bench")?.resolve(overrides(Some(world_size), None))?;
     let task = RegressionTask { seq_len: 1, features: width };
@@ -176,11 +198,12 @@ pub fn bench_memory(millions: usize, layers: usize, stage: u8, world_size: usize
             zerotrain_zero::memory::BytesPerParam::FP32_ADAM,
         );
         println!(
-            "row stage={} mode={mode:?} rank={rank} ranks={} params={psi} model_states_MiB={} formula_MiB={} \
+            "row stage={} mode={mode:?} rank={rank} ranks={} params={psi} model_states_MiB={} swapped_MiB={} formula_MiB={} \
              gathered_peak_MiB={} transient_peak_MiB={} build_peak_rss_MiB={} train_peak_rss_MiB={} rss_after_MiB={}",
             plan.zero.stage.index(),
             plan.world_size(),
             bytes_mib(m.model_states()),
+            bytes_mib(m.swapped),
             bytes_mib(formula.total()),
             bytes_mib(m.peak_gathered),
             bytes_mib(m.peak_transient),

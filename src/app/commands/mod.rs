@@ -229,11 +229,29 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {
         println!("{} resolves to:\n{plan}", file.display());
+        print_placement(&plan, &settings.model);
         if let Some(pipeline) = plan.pipeline {
             print_stages(&settings.model, pipeline)?;
         }
     }
     Ok(())
+}
+
+/// Where each rank's model states live, by tier, for the built-in GPT the config describes.
+fn print_placement(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    let psi = model.num_params();
+    let p = crate::estimate::placement(plan, psi);
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    println!(
+        "model states        per rank for the GPT of {psi} parameters: device {}, host memory {}, NVMe {}",
+        mib(p.device),
+        mib(p.host),
+        mib(p.nvme)
+    );
 }
 
 /// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the
