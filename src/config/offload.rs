@@ -203,12 +203,7 @@ fn optimizer_keys(
         autos.no_effect(format!("{S}.device \"cpu\" (a CPU rank's optimizer state is in host memory already)"));
     }
     let nvme = plan.optimizer.nvme_path().is_some();
-    if let Some(Count(n)) = o.buffer_count {
-        if n == 0 {
-            return Err(invalid(&format!("{S}.buffer_count"), "must be at least 1"));
-        }
-        plan.buffer_count = n;
-    }
+    plan.buffer_count = buffer_count(S, o.buffer_count, plan.buffer_count)?;
     let both = o.pipeline.unwrap_or(false);
     plan.pipeline_read = o.pipeline_read.unwrap_or(both);
     plan.pipeline_write = o.pipeline_write.unwrap_or(both);
@@ -243,12 +238,7 @@ fn param_keys(
         autos.no_effect(format!("{S}.device \"cpu\" (a CPU rank's parameter shards are in host memory already)"));
     }
     let nvme = plan.param.nvme_path().is_some();
-    if let Some(Count(n)) = p.buffer_count {
-        if n == 0 {
-            return Err(invalid(&format!("{S}.buffer_count"), "must be at least 1"));
-        }
-        plan.param_buffer_count = n;
-    }
+    plan.param_buffer_count = buffer_count(S, p.buffer_count, plan.param_buffer_count)?;
     plan.max_in_cpu = autos.or(&format!("{S}.max_in_cpu"), p.max_in_cpu, Count(plan.max_in_cpu), "DeepSpeed default").0;
     let nvme_only =
         [("buffer_count", p.buffer_count.is_some()), ("max_in_cpu", matches!(p.max_in_cpu, Some(AutoOr::Value(_))))];
@@ -264,6 +254,14 @@ fn param_keys(
         autos.no_effect(format!("{S}.pin_memory (host buffers are not page-locked: {})", pin_why(device)));
     }
     Ok(())
+}
+
+/// A section's `buffer_count`, or `default`; 0 is an error naming the key.
+fn buffer_count(section: &str, v: Option<Count>, default: u64) -> Result<u64, ConfigError> {
+    match v.map_or(default, |c| c.0) {
+        0 => Err(invalid(&format!("{section}.buffer_count"), "must be at least 1")),
+        n => Ok(n),
+    }
 }
 
 fn pin_why(device: ComputeDevice) -> &'static str {
