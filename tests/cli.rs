@@ -629,3 +629,39 @@ fn the_pipeline_recipe_checks_trains_and_resumes_without_the_pipeline() {
     assert!(text(&out.stdout).contains("steps 8..10"), "{}", text(&out.stdout));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `bench offload` runs end to end on a small range: the NVMe step reads and writes 12
+/// bytes per element each way (bf16 training: fp32 masters and Adam's two moments), its
+/// swap folder is left empty, and every figure is a positive rate.
+#[test]
+fn bench_offload_measures_the_tiers_and_leaves_no_swap_files() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-cli-{}-bench-offload", std::process::id()));
+    let out = zerotrain(&[
+        "bench",
+        "offload",
+        "--millions",
+        "1",
+        "--tile-millions",
+        "1",
+        "--repeats",
+        "1",
+        "--json",
+        "--nvme",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["elems"], 1_000_000);
+    assert_eq!(r["nvme_step_bytes"], 2 * 12 * 1_000_000);
+    for key in ["memcpy_gb_s", "host_adam_gb_s", "burn_adam_s", "disk_write_gb_s", "disk_read_gb_s", "nvme_step_s"] {
+        assert!(r[key].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()), "{key}: {}", r[key]);
+    }
+    let swap = dir.join("zerotrain-bench.rank0");
+    let left: Vec<_> = std::fs::read_dir(&swap)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "swap"))
+        .collect();
+    assert!(left.is_empty(), "swap files left in {}", swap.display());
+    let _ = std::fs::remove_dir_all(&dir);
+}

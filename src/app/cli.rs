@@ -103,6 +103,26 @@ pub enum Command {
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
+    /// The offload tiers against the hardware, each pair in the same run: the host AdamW
+    /// step against memcpy and Burn's AdamW, the NVMe optimizer step against the disk's
+    /// direct sequential bandwidth on files of the same size.
+    Offload {
+        /// Elements of the optimizer range, in millions.
+        #[arg(long, default_value_t = 64)]
+        millions: usize,
+        /// Folder for the swap files (on the disk to measure).
+        #[arg(long)]
+        nvme: std::path::PathBuf,
+        /// Elements per optimizer tile (`sub_group_size`), in millions.
+        #[arg(long, default_value_t = 16)]
+        tile_millions: usize,
+        /// Repeats of each measurement (the best is reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// All-reduce, reduce-scatter and all-gather bandwidth: the threads backend and, under
     /// mpirun (built with --features mpi), MPI, for the same sizes in the same run.
     Collectives {

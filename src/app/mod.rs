@@ -127,6 +127,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 crate::app::bench::gpu::GpuBench { shape, device, batch, steps, stages, precision, mode, peak_tflops };
             commands::bench::bench_gpu(&bench, json)
         }
+        Command::Bench(BenchCommand::Offload { millions, nvme, tile_millions, repeats, json }) => {
+            let report = bench::offload::run(millions * 1_000_000, &nvme, tile_millions * 1_000_000, repeats)?;
+            match json {
+                true => println!("{}", serde_json::to_string_pretty(&report)?),
+                false => print!("{}", bench::offload::format(&report)),
+            }
+            Ok(())
+        }
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode, nvme }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())
         }

@@ -33,6 +33,8 @@ mod export;
 mod gradients;
 mod grads;
 mod home;
+mod host_adam;
+pub(crate) use host_adam::{AdamW as HostAdamWParams, HostAdamW};
 mod infer;
 mod master;
 pub mod model;
@@ -45,6 +47,7 @@ mod shared;
 mod span;
 mod step;
 mod swapped;
+pub(crate) use swapped::SwappedOptimizer;
 #[cfg(test)]
 mod tests;
 mod trainer;

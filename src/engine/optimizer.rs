@@ -29,6 +29,7 @@ use burn::optim::{AdamConfig, AdamWConfig, Optimizer, RecordState, SgdConfig, St
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_pack::Scalar;
 
+use super::host_adam::{AdamW, HostAdamW};
 use crate::config::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 use crate::{Error, Result};
 
@@ -69,6 +70,15 @@ pub trait ShardOptimizer: Send {
     fn state_bytes(&self) -> u64;
     /// The state, for checkpoints; empty before the first step.
     fn export(&self) -> ExportedState;
+    /// The state, moved out (the optimizer is left without state): what the NVMe tier
+    /// writes to its swap files after each tile. The default exports and then clears.
+    fn take_state(&mut self) -> ExportedState {
+        let state = self.export();
+        // An optimizer that cannot clear keeps its state; the tier overwrites it at the
+        // next import.
+        let _ = self.import((Vec::new(), Vec::new()), &Device::flex());
+        state
+    }
     /// Replaces the state with one [`export`](Self::export) gave (for a range of the same
     /// length; checkpoints re-slice the vectors when the world size changes). Empty: no
     /// state yet.
@@ -98,15 +108,31 @@ pub struct ShardGroup<'a> {
     pub group: Option<&'a ParamGroupPlan>,
     /// The pieces of parameters the optimizer will step, in order.
     pub segments: &'a [ShardSegment],
+    /// Whether the optimizer steps host memory (a CPU rank, or `offload_optimizer`): its
+    /// tensors are on Burn's CPU backend.
+    pub on_host: bool,
 }
 
 /// Builds a rank's optimizers, one per parameter group per unit range
 /// ([`EngineBuilder::optimizer`](super::build::EngineBuilder::optimizer)).
 pub type OptimizerFactory = Arc<dyn Fn(&ShardGroup<'_>) -> Box<dyn ShardOptimizer> + Send + Sync>;
 
-/// The factory of the built-in optimizers: Burn's, configured from the plan.
+/// The factory of the built-in optimizers: Burn's, configured from the plan, and AdamW
+/// on host memory as one fused pass with Burn's bits (`host_adam.rs`).
 pub(crate) fn built_in() -> OptimizerFactory {
-    Arc::new(|group: &ShardGroup<'_>| build(&group.optimizer))
+    Arc::new(|group: &ShardGroup<'_>| match group.optimizer {
+        OptimizerPlan::Adam { betas, eps, weight_decay, decoupled_weight_decay: true, amsgrad: false, .. }
+            if group.on_host =>
+        {
+            Box::new(HostAdamW::new(AdamW {
+                beta_1: betas[0] as f32,
+                beta_2: betas[1] as f32,
+                epsilon: eps as f32,
+                weight_decay: weight_decay as f32,
+            }))
+        }
+        _ => build(&group.optimizer),
+    })
 }
 
 /// One of Burn's optimizers stepping a flat range.
@@ -225,7 +251,13 @@ pub(crate) struct UnitOptimizer {
 impl UnitOptimizer {
     /// The optimizers of a range of `len` elements whose pieces are `segments` (padding
     /// has none), as `optim` groups them, built by `factory`.
-    pub fn new(len: usize, segments: &[ShardSegment], optim: &OptimPlan, factory: &OptimizerFactory) -> Self {
+    pub fn new(
+        len: usize,
+        segments: &[ShardSegment],
+        optim: &OptimPlan,
+        factory: &OptimizerFactory,
+        on_host: bool,
+    ) -> Self {
         // Group of each segment: the first whose pattern matches, else the default (last).
         let default = optim.param_groups.len();
         let group_of = |s: &ShardSegment| optim.param_groups.iter().position(|g| g.matches(&s.path)).unwrap_or(default);
@@ -241,7 +273,7 @@ impl UnitOptimizer {
             let group = optim.param_groups.get(g);
             let weight_decay = group.map(|g| g.weight_decay);
             let plan = weight_decay.map_or(optim.optimizer, |wd| optim.optimizer.with_weight_decay(wd));
-            let optimizer = factory(&ShardGroup { optimizer: plan, group, segments: &mine });
+            let optimizer = factory(&ShardGroup { optimizer: plan, group, segments: &mine, on_host });
             let ranges = if owns_all { whole(len) } else { merge(mine.iter().map(|s| s.range.clone())) };
             parts.push(GroupPart { ranges, lr_scale: group.map_or(1.0, |g| g.lr_scale), optimizer });
         }
@@ -330,6 +362,21 @@ impl UnitOptimizer {
             }
         }
         (tensors, scalars)
+    }
+
+    /// The state over the whole range, moved out of the optimizers (see
+    /// [`ShardOptimizer::take_state`]).
+    pub fn take_state(&mut self) -> ExportedState {
+        if let [part] = self.parts.as_mut_slice()
+            && part.ranges == whole(self.len)
+        {
+            return part.optimizer.take_state();
+        }
+        let state = self.export();
+        for part in &mut self.parts {
+            part.optimizer.take_state();
+        }
+        state
     }
 
     /// Replaces the state with vectors over the whole range and shared scalars.

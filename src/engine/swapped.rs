@@ -108,7 +108,8 @@ impl SwappedOptimizer {
                         })
                     })
                     .collect();
-                let optimizer = UnitOptimizer::new(range.len(), &mine, optim, factory);
+                // Swapped state is always stepped in host memory.
+                let optimizer = UnitOptimizer::new(range.len(), &mine, optim, factory, true);
                 Tile { range, optimizer, has_state: false }
             })
             .collect();
@@ -195,8 +196,7 @@ impl SwappedOptimizer {
             tile.optimizer.import(state, device)?;
             let params = Tensor::<1>::from_data(TensorData::new(values, [range.len()]), device);
             let stepped = tile.optimizer.step(lr, params, grads[range.clone()].to_vec())?;
-            let exported = tile.optimizer.export();
-            tile.optimizer.import((Vec::new(), Vec::new()), device)?;
+            let exported = tile.optimizer.take_state();
             let new = stepped
                 .into_data()
                 .try_into_vec::<f32>()

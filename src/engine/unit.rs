@@ -102,7 +102,16 @@ impl Unit {
                         &shared.state_device(),
                     ))),
                 };
-                Home::Resident { master, optimizer: UnitOptimizer::new(range.len(), &segments, &plan.optim, factory) }
+                Home::Resident {
+                    master,
+                    optimizer: UnitOptimizer::new(
+                        range.len(),
+                        &segments,
+                        &plan.optim,
+                        factory,
+                        shared.states_on_host(),
+                    ),
+                }
             }
         };
         let shard = if stage.shards_parameters() {

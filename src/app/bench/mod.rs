@@ -3,6 +3,7 @@
 
 pub mod engine;
 pub mod gpu;
+pub mod offload;
 pub mod pipeline;
 
 use burn::tensor::Tensor;
