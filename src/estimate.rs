@@ -62,6 +62,61 @@ pub fn deepspeed_zero2(
     }
 }
 
+/// What DeepSpeed's ZeRO-3 estimator is asked: which states are offloaded to the CPU, and
+/// whether the model is built already partitioned (`zero.Init`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Zero3Options {
+    /// `offload_optimizer: cpu`.
+    pub offload_optimizer: bool,
+    /// `offload_param: cpu` (DeepSpeed counts it only with `offload_optimizer`).
+    pub offload_param: bool,
+    /// The model is built partitioned (`zero.Init`). zerotrain builds whole models, so its
+    /// CPU memory is the `false` figure.
+    pub zero_init: bool,
+}
+
+/// DeepSpeed's `estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage3.py),
+/// reproduced in its own arithmetic (Python's int and float steps in order): (per-CPU bytes,
+/// per-GPU bytes) for `params` parameters whose largest layer has `largest_layer` of them.
+///
+/// Without offload each GPU holds the largest layer's fp32 copy plus 18Ψ/N; with optimizer
+/// offload the largest layer plus 2Ψ/N, the CPU 16Ψ per node's share; with parameter offload
+/// too, the GPU holds only the largest layer and the CPU 18Ψ per node's share. Without
+/// `zero_init` every process first holds the whole fp32 model (4Ψ per GPU of the node).
+pub fn deepspeed_zero3(
+    params: u64,
+    largest_layer: u64,
+    gpus_per_node: u64,
+    nodes: u64,
+    o: Zero3Options,
+    buffer_factor: f64,
+) -> (u64, u64) {
+    let gpus = gpus_per_node * nodes;
+    let gpus_factor = 1.0 / nodes as f64;
+    let largest_memory = 4 * largest_layer;
+    // Python's `total_params * max(4 * num_gpus_per_node, k * gpus_factor)`: an int product
+    // when the int wins the max (it comes first, so a tie picks it), a float one otherwise.
+    let whole_or_share = |k: f64| -> f64 {
+        let per_gpu = (4 * gpus_per_node) as f64;
+        if per_gpu >= k * gpus_factor { (params * 4 * gpus_per_node) as f64 } else { params as f64 * (k * gpus_factor) }
+    };
+    let (cpu, gpu) = match (o.offload_optimizer, o.offload_param) {
+        (true, true) => {
+            let cpu = if o.zero_init { (params * 18) as f64 * gpus_factor } else { whole_or_share(18.0) };
+            (cpu * buffer_factor, largest_memory)
+        }
+        (true, false) => {
+            let cpu = if o.zero_init { (params * 16) as f64 * gpus_factor } else { whole_or_share(16.0) };
+            (cpu * buffer_factor, largest_memory + ((2 * params) as f64 / gpus as f64) as u64)
+        }
+        (false, _) => {
+            let cpu = if o.zero_init { largest_layer * 4 * gpus_per_node } else { params * 4 * gpus_per_node };
+            (cpu as f64 * buffer_factor, largest_memory + ((18 * params) as f64 / gpus as f64) as u64)
+        }
+    };
+    (cpu as u64, gpu)
+}
+
 /// Where one rank's model states live between steps, by tier, for a plan and a model of
 /// `params` trainable parameters (`zerotrain config check`): bytes on the rank's device,
 /// in host memory and in NVMe swap files. On a CPU rank the device is host memory, so
@@ -146,6 +201,27 @@ mod tests {
         for case in cases {
             let n = |key: &str| case[key].as_u64().unwrap();
             let got = deepspeed_zero2(n("params"), n("gpus_per_node"), n("nodes"), case["offload"] == true, 1.5);
+            assert_eq!(got, (n("cpu_bytes"), n("gpu_bytes")), "{case}");
+        }
+    }
+
+    /// Against DeepSpeed 0.19.8's own ZeRO-3 estimator, every offload and `zero_init`
+    /// combination (`bench/reference/deepspeed_traces.py`).
+    #[test]
+    fn reproduces_deepspeeds_zero3_estimator() {
+        let text = include_str!("../bench/reference/deepspeed_traces.json");
+        let all: serde_json::Value = serde_json::from_str(text).expect("the committed traces parse");
+        let cases = all["zero3_estimates"].as_array().expect("estimates");
+        assert!(cases.len() >= 18);
+        for case in cases {
+            let n = |key: &str| case[key].as_u64().unwrap();
+            let options = Zero3Options {
+                offload_optimizer: case["offload_optimizer"] == true,
+                offload_param: case["offload_param"] == true,
+                zero_init: case["zero_init"] == true,
+            };
+            let got =
+                deepspeed_zero3(n("params"), n("largest_layer_params"), n("gpus_per_node"), n("nodes"), options, 1.5);
             assert_eq!(got, (n("cpu_bytes"), n("gpu_bytes")), "{case}");
         }
     }

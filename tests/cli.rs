@@ -665,3 +665,33 @@ fn bench_offload_measures_the_tiers_and_leaves_no_swap_files() {
     assert!(left.is_empty(), "swap files left in {}", swap.display());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `estimate` gives DeepSpeed's ZeRO-3 estimator's figures (DeepSpeed 0.19.8's own values
+/// for 2.851B parameters, a 1e8-parameter largest layer, 8 GPUs: see
+/// `bench/reference/deepspeed_traces.json`), and asks for the largest layer when it lacks it.
+#[test]
+fn estimate_shows_deepspeeds_zero3_figures_with_offload() {
+    let args = ["estimate", "--params", "2.851e9", "--world-size", "8", "--offload", "--json"];
+    let out = zerotrain(&[&args[..], &["--largest-layer-params", "1e8"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["deepspeed_zero3"].as_array().unwrap();
+    let got: Vec<(u64, u64, u64)> = rows
+        .iter()
+        .map(|r| {
+            let n = |k: &str| r[k].as_u64().unwrap();
+            (n("per_gpu_bytes"), n("per_cpu_bytes_zero_init"), n("per_cpu_bytes"))
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (6_814_750_000, 4_800_000_000, 136_848_000_000),
+            (1_112_750_000, 68_424_000_000, 136_848_000_000),
+            (400_000_000, 76_977_000_000, 136_848_000_000)
+        ]
+    );
+    let out = zerotrain(&args[..5]);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("needs the largest layer"), "{}", text(&out.stdout));
+}

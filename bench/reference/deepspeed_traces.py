@@ -5,9 +5,9 @@ DeepSpeed's own source code.
 Provenance: DeepSpeed 0.19.8's source distribution from PyPI
 (deepspeed-0.19.8.tar.gz, sha256 9e491abd0827ea5c389dd702e15e11e13d83d904bac4a20d6c2a4cb37207a9af).
 The script runs two of its files unmodified, `deepspeed/runtime/lr_schedules.py` and
-`deepspeed/runtime/fp16/loss_scaler.py`, and the pure function
-`estimate_zero2_model_states_mem_needs` lifted verbatim (by `ast`) out of
-`deepspeed/runtime/zero/stage_1_and_2.py`. Importing DeepSpeed whole needs PyTorch and
+`deepspeed/runtime/fp16/loss_scaler.py`, and the pure functions
+`estimate_zero2_model_states_mem_needs` and `estimate_zero3_model_states_mem_needs` lifted
+verbatim (by `ast`) out of `deepspeed/runtime/zero/stage_1_and_2.py` and `stage3.py`. Importing DeepSpeed whole needs PyTorch and
 compiled ops; these two files only need a few names from torch and from DeepSpeed's logging
 and communication modules, which the script provides as small stand-ins (an optimizer
 holding `param_groups`, rank 0, a logger): nothing the arithmetic depends on.
@@ -141,14 +141,34 @@ def scaler_traces(loss_scaler):
     }
 
 
-def estimator_values(path):
-    """DeepSpeed's ZeRO-2 model-state estimate (cpu bytes, gpu bytes) per case."""
+def lift(path, name):
+    """The module-level function `name` of the file at `path`, run from its own source."""
     tree = ast.parse(path.read_text())
-    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
-                    and n.name == "estimate_zero2_model_states_mem_needs")
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     scope = {}
     exec(compile(ast.Module(body=[function], type_ignores=[]), str(path), "exec"), scope)
-    estimate = scope["estimate_zero2_model_states_mem_needs"]
+    return scope[name]
+
+
+def zero3_estimator_values(path):
+    """DeepSpeed's ZeRO-3 model-state estimate (cpu bytes, gpu bytes) per case, for every
+    combination of optimizer offload, parameter offload and zero_init."""
+    estimate = lift(path, "estimate_zero3_model_states_mem_needs")
+    cases = [(2_851_000_000, 100_000_000, 8, 1), (7_500_000_000, 250_000_003, 8, 8), (1_000_003, 4_099, 3, 2)]
+    out = []
+    for (p, largest, g, n) in cases:
+        for (o, op) in ((False, False), (True, False), (True, True)):
+            for zi in (False, True):
+                cpu, gpu, _ = estimate(p, largest, g, n, o, op, zi, 1.5)
+                out.append({"params": p, "largest_layer_params": largest, "gpus_per_node": g, "nodes": n,
+                            "offload_optimizer": o, "offload_param": op, "zero_init": zi,
+                            "cpu_bytes": cpu, "gpu_bytes": gpu})
+    return out
+
+
+def estimator_values(path):
+    """DeepSpeed's ZeRO-2 model-state estimate (cpu bytes, gpu bytes) per case."""
+    estimate = lift(path, "estimate_zero2_model_states_mem_needs")
     cases = [(2_851_000_000, 8, 1), (7_500_000_000, 8, 8), (1_000_003, 3, 2)]
     return [{"params": p, "gpus_per_node": g, "nodes": n, "offload": o,
              "cpu_bytes": estimate(p, g, n, o, 1.5)[0], "gpu_bytes": estimate(p, g, n, o, 1.5)[1]}
@@ -165,7 +185,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(archive) as tar:
             for member in ["deepspeed/runtime/lr_schedules.py", "deepspeed/runtime/fp16/loss_scaler.py",
-                           "deepspeed/runtime/zero/stage_1_and_2.py"]:
+                           "deepspeed/runtime/zero/stage_1_and_2.py", "deepspeed/runtime/zero/stage3.py"]:
                 tar.extract(f"deepspeed-0.19.8/{member}", tmp, filter="data")
         root = Path(tmp) / "deepspeed-0.19.8"
         lr_schedules = load(root / "deepspeed/runtime/lr_schedules.py", "lr_schedules")
@@ -176,6 +196,7 @@ def main():
             "schedules": schedule_values(lr_schedules, Optimizer),
             "loss_scaler": scaler_traces(loss_scaler),
             "zero2_estimates": estimator_values(root / "deepspeed/runtime/zero/stage_1_and_2.py"),
+            "zero3_estimates": zero3_estimator_values(root / "deepspeed/runtime/zero/stage3.py"),
         }
     target = Path(__file__).with_name("deepspeed_traces.json")
     target.write_text(json.dumps(out, indent=1) + "\n")

@@ -46,6 +46,10 @@ pub enum Command {
         /// Parameters (e.g. 7.5e9); or take them from --model-config.
         #[arg(long, required_unless_present = "model_config")]
         params: Option<f64>,
+        /// Parameters of the largest layer (unit), for DeepSpeed's ZeRO-3 estimate; or take
+        /// it from --model-config (the largest unit of the GPT).
+        #[arg(long)]
+        largest_layer_params: Option<f64>,
         /// Total number of ranks (GPUs) over all nodes; default: --nodes x --gpus-per-node.
         #[arg(long, required_unless_present = "gpus_per_node")]
         world_size: Option<u64>,
@@ -55,7 +59,8 @@ pub enum Command {
         /// Nodes (machines) the ranks are spread over.
         #[arg(long, default_value_t = 1)]
         nodes: u64,
-        /// Show DeepSpeed's estimate with optimizer offload to CPU too.
+        /// Show DeepSpeed's estimates with offload to CPU too (stage 2: the optimizer;
+        /// stage 3: the optimizer, then the parameters too).
         #[arg(long)]
         offload: bool,
         /// A config whose `model` section gives the parameter count.

@@ -73,17 +73,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train { config, world_size, device, steps, data, out, save_every, resume } => {
             commands::train(commands::TrainArgs { config, world_size, device, steps, data, out, save_every, resume })
         }
-        Command::Estimate { params, world_size, gpus_per_node, nodes, offload, model_config, json } => {
-            commands::estimate(commands::EstimateArgs {
-                params,
-                world_size,
-                gpus_per_node,
-                nodes,
-                offload,
-                model_config,
-                json,
-            })
-        }
+        Command::Estimate {
+            params,
+            largest_layer_params,
+            world_size,
+            gpus_per_node,
+            nodes,
+            offload,
+            model_config,
+            json,
+        } => commands::estimate(commands::EstimateArgs {
+            params,
+            largest_layer_params,
+            world_size,
+            gpus_per_node,
+            nodes,
+            offload,
+            model_config,
+            json,
+        }),
         Command::Config(ConfigCommand::Check { file, world_size, steps, json }) => {
             commands::config_check(&file, world_size, steps, json)
         }

@@ -100,6 +100,7 @@ pub struct TrainArgs {
 /// `zerotrain estimate`'s arguments (see `cli::Command::Estimate`).
 pub struct EstimateArgs {
     pub params: Option<f64>,
+    pub largest_layer_params: Option<f64>,
     pub world_size: Option<u64>,
     pub gpus_per_node: Option<u64>,
     pub nodes: u64,
@@ -143,8 +144,12 @@ fn print_summary(s: &TrainSummary) {
 
 /// `zerotrain estimate`.
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
-    let EstimateArgs { params, world_size, gpus_per_node, nodes, offload, model_config, json } = args;
-    let params = match (params, model_config) {
+    let EstimateArgs { params, largest_layer_params, world_size, gpus_per_node, nodes, offload, model_config, json } =
+        args;
+    let count = |v: f64, flag: &str| -> anyhow::Result<u64> {
+        if v >= 1.0 && v.is_finite() { Ok(v as u64) } else { bail!("{flag} must be a positive number") }
+    };
+    let (params, largest) = match (params, model_config) {
         (_, Some(file)) => {
             // Only the model section matters here (not, say, a schedule's "auto" length).
             let model = keys::load_keys(&file)?.model.unwrap_or_default();
@@ -152,10 +157,14 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
                 bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
             }
             model.validate().map_err(anyhow::Error::msg)?;
-            model.num_params()
+            let (units, root) = model.unit_params();
+            (model.num_params(), units.iter().map(|(_, n)| *n).max().unwrap_or(0).max(root))
         }
-        (Some(p), None) if p >= 1.0 && p.is_finite() => p as u64,
-        _ => bail!("--params must be a positive number"),
+        (Some(p), None) => {
+            let largest = largest_layer_params.map(|l| count(l, "--largest-layer-params")).transpose()?;
+            (count(p, "--params")?, largest.unwrap_or(0))
+        }
+        (None, None) => bail!("--params must be a positive number"),
     };
     let (total, ranks) = ranks_per_node(world_size, gpus_per_node, nodes)?;
     let rows = crate::estimate::paper(params, total);
@@ -167,12 +176,33 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
             (o, cpu, gpu)
         })
         .collect();
+    // DeepSpeed's ZeRO-3 rows: no offload; with --offload, the optimizer, then the
+    // parameters too. Each with zero_init (DeepSpeed's default) and without (zerotrain's
+    // case: every process builds the whole model first).
+    let zero3: Vec<serde_json::Value> = if largest == 0 {
+        Vec::new()
+    } else {
+        [(false, false), (true, false), (true, true)]
+            .into_iter()
+            .filter(|&(o, _)| !o || offload)
+            .map(|(o, p)| {
+                let options =
+                    |zero_init| crate::estimate::Zero3Options { offload_optimizer: o, offload_param: p, zero_init };
+                let (cpu_init, gpu) =
+                    crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(true), 1.5);
+                let (cpu, _) = crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(false), 1.5);
+                serde_json::json!({ "offload_optimizer": o, "offload_param": p, "per_gpu_bytes": gpu,
+                                    "per_cpu_bytes_zero_init": cpu_init, "per_cpu_bytes": cpu })
+            })
+            .collect()
+    };
     if json {
         let ds: Vec<_> = ds
             .iter()
             .map(|(o, cpu, gpu)| serde_json::json!({ "offload": o, "per_cpu_bytes": cpu, "per_gpu_bytes": gpu }))
             .collect();
-        let value = serde_json::json!({ "params": params, "ranks": total, "zero_paper": rows, "deepspeed_zero2": ds });
+        let value = serde_json::json!({ "params": params, "ranks": total, "zero_paper": rows, "deepspeed_zero2": ds,
+                                        "largest_layer_params": largest, "deepspeed_zero3": zero3 });
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(());
     }
@@ -197,6 +227,27 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     for (o, cpu, gpu) in ds {
         let option = if o { "offload_optimizer=cpu " } else { "offload_optimizer=none" };
         println!("  {option}  per GPU {gpu:>16} B  per CPU {cpu:>16} B");
+    }
+    if zero3.is_empty() {
+        println!("DeepSpeed's ZeRO-3 estimate needs the largest layer: --largest-layer-params or --model-config");
+        return Ok(());
+    }
+    println!(
+        "DeepSpeed estimate_zero3_model_states_mem_needs (stage 3, largest layer {largest} parameters, \
+         additional_buffer_factor 1.5; per CPU with zero_init / without, as zerotrain builds models):"
+    );
+    for row in &zero3 {
+        let option = match (row["offload_optimizer"] == true, row["offload_param"] == true) {
+            (false, _) => "offload none               ",
+            (true, false) => "offload_optimizer=cpu      ",
+            (true, true) => "offload_optimizer+param=cpu",
+        };
+        println!(
+            "  {option}  per GPU {:>16} B  per CPU {:>16} B / {:>16} B",
+            row["per_gpu_bytes"].as_u64().unwrap_or_default(),
+            row["per_cpu_bytes_zero_init"].as_u64().unwrap_or_default(),
+            row["per_cpu_bytes"].as_u64().unwrap_or_default()
+        );
     }
     Ok(())
 }
