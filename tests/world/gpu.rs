@@ -214,3 +214,73 @@ fn model_states_on_the_device_fall_with_the_stage() {
     }
     assert!(measured[0].1 > measured[1].1 && measured[1].1 == measured[2].1 && measured[2].1 > measured[3].1);
 }
+
+/// `offload_optimizer.device: "cpu"` on a device rank: the fp32 masters and Adam's moments
+/// leave the device for host memory and are stepped there, so the device's allocator counts
+/// only the parameters (all of them at stages 1-2, none at stage 3: their shards are cast
+/// from the host masters at each gather), two thread ranks sharing it; and training goes on
+/// as with the states on the device (the host AdamW is another implementation of Adam's
+/// arithmetic, so within the engine's tolerance, not bit for bit).
+#[test]
+fn cpu_offload_leaves_only_the_parameters_on_the_device() {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 8);
+    let w = Tokens { vocab: 11, len: 9 };
+    let (sizes, root) = unit_sizes(&init);
+    let psi: usize = sizes.iter().sum::<usize>() + root;
+    let n = 2;
+    let mode = Mode { units: true, checkpointing: false, overlap: false };
+    let cpu = r#", "offload_optimizer": {"device": "cpu"}"#;
+    let mut measured = Vec::new();
+    for (run, (stage, offload)) in [(1u8, ""), (1, cpu), (2, cpu), (3, cpu), (1, "")].into_iter().enumerate() {
+        let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", offload), "wgpu"), n);
+        let (grown, params) = launch(&plan, |ctx| {
+            let comm = ctx.collective();
+            let in_use = || ctx.device().memory_pool_usage().expect("wgpu reports its memory pools").bytes_in_use;
+            comm.barrier()?;
+            let before = in_use();
+            comm.barrier()?;
+            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+            for step in 0..2 {
+                engine.forward_backward(&w.batch(&plan, step, 0, ctx.rank(), ctx.device()))?;
+                engine.step()?;
+            }
+            comm.barrier()?;
+            let after = in_use();
+            comm.barrier()?;
+            let params = params_by_path(&engine.full_model()?);
+            Ok::<_, Error>((after - before, params))
+        })
+        .unwrap()
+        .remove(0);
+        let per_rank = match (stage, offload.is_empty()) {
+            (1 | 2, true) => 4 * psi + 8 * padded_shard(&sizes, root, n),
+            (1 | 2, false) => 4 * psi,
+            _ => 0,
+        } as u64;
+        if run > 0 {
+            measured.push((stage, !offload.is_empty(), grown, n as u64 * per_rank, params));
+        }
+    }
+    // The in-memory run is the parameters' reference only: its bytes are
+    // `model_states_on_the_device_fall_with_the_stage`'s subject.
+    let offloaded = &measured[..3];
+    let overhead = offloaded.iter().map(|m| m.2 - m.3).min().unwrap();
+    assert!(overhead < 16 * 1024 * n as u64, "{overhead} B besides model states");
+    for (stage, offloaded, bytes, formula, _) in offloaded {
+        let what =
+            format!("stage {stage} offloaded {offloaded}: {bytes} B on the device, formula {formula} B + {overhead} B");
+        eprintln!("{what}");
+        assert!(bytes - formula - overhead <= 128, "{what}");
+    }
+    let in_memory = &measured[3].4;
+    for (stage, _, _, _, params) in &measured[..3] {
+        let (diff, path) = max_abs_diff(params, in_memory);
+        assert!(diff <= PARAM_TOL, "stage {stage} offloaded: parameters differ by {diff} at `{path}`");
+    }
+}
+
+/// The rank's shard of every unit (and the root), padded as the rule says.
+fn padded_shard(sizes: &[usize], root: usize, n: usize) -> usize {
+    sizes.iter().chain([&root]).map(|&u| padded(u, n) / n).sum()
+}
