@@ -695,3 +695,63 @@ fn estimate_shows_deepspeeds_zero3_figures_with_offload() {
     assert!(out.status.success());
     assert!(text(&out.stdout).contains("needs the largest layer"), "{}", text(&out.stdout));
 }
+
+/// A job training with its optimizer and parameters on NVMe, SIGKILLed in the middle of
+/// its second save, leaves stale swap files behind; the rerun removes them, resumes from the
+/// last checkpoint and trains the remaining steps exactly as the uninterrupted job did.
+#[test]
+fn a_killed_nvme_job_resumes_as_if_uninterrupted() {
+    use std::io::BufRead;
+    let root = std::env::temp_dir().join(format!("zerotrain-cli-{}-nvme-kill", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let swap = root.join("swap");
+    let recipe = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/zero3_nvme.json")).unwrap();
+    let config =
+        temp_config("nvme-kill", &recipe.replace("\"runs/swap\"", &format!("{:?}", swap.display().to_string())));
+    let train = |out: &std::path::Path, resume: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerotrain"));
+        cmd.args(["train", "--config", config.to_str().unwrap(), "--steps", "4", "--save-every", "2"])
+            .args(resume.then_some("--resume"))
+            .arg("--out")
+            .arg(out)
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        cmd
+    };
+    let losses = |out: &std::path::Path| -> Vec<String> {
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let lines = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+        lines
+            .filter(|v| v["step"].as_u64().is_some_and(|s| s > 2))
+            .map(|v| format!("{}:{}", v["step"], v["loss"]))
+            .collect()
+    };
+    let whole = root.join("whole");
+    let out = train(&whole, false).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    let killed = root.join("killed");
+    // Two ranks: 13 crash points per save; 16 is inside the second (step 4) save.
+    let mut child = train(&killed, false)
+        .env("ZEROTRAIN_CRASH_AT", "16")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let reached = stderr.lines().map_while(Result::ok).find(|l| l.starts_with("zerotrain: crash point 16 "));
+    assert!(reached.is_some(), "the job reached its second save");
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let stale = |rank: usize| {
+        let dir = swap.join(format!("zerotrain-optimizer.rank{rank}"));
+        std::fs::read_dir(dir).unwrap().flatten().filter(|e| e.path().extension().is_some_and(|x| x == "swap")).count()
+    };
+    assert!(stale(0) > 0 && stale(1) > 0, "the killed job left its swap files");
+    let rerun = train(&killed, true).output().unwrap();
+    assert!(rerun.status.success(), "{}", text(&rerun.stderr));
+    assert_eq!(stale(0) + stale(1), 0, "swap files are scratch: none outlive the job");
+    let (got, want) = (losses(&killed), losses(&whole));
+    // The killed job logged steps 3-4 before its save; the rerun logs them again from step 2.
+    assert_eq!(got[got.len() - 2..], want[..], "steps 3-4 after the resume");
+    let _ = std::fs::remove_dir_all(&root);
+}
