@@ -15,6 +15,7 @@ use zerotrain_precision::FlatBuf;
 use super::master::Values;
 use super::optimizer::{ExportedState, UnitOptimizer};
 use super::swapped::SwappedOptimizer;
+use super::unit::Shared;
 use crate::swap::SwapFile;
 use crate::{Error, Result};
 
@@ -107,6 +108,24 @@ pub(crate) enum ParamShard {
 }
 
 impl ParamShard {
+    /// Stage 3: where unit `id`'s parameter shard (`values`, fp32) lives: in a swap file with
+    /// `offload_param: nvme` (unless the unit is among the first `max_in_cpu` elements), in
+    /// memory when the masters are swapped, and cast from the masters otherwise.
+    pub fn for_unit(id: usize, values: &[f32], home: &Home, shared: &Shared) -> Result<Self> {
+        let compute = || FlatBuf::from_f32(shared.dtype(), values);
+        let cached_before: u64 = (0..id).map(|u| shared.layout(u).shard_len() as u64).sum();
+        let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
+        match (&shared.swaps.param, home) {
+            (Some(dir), _) if !in_cpu => {
+                let file = dir.file(&format!("u{id}.param"), values.len())?;
+                file.write_slice(0, &compute().into_f32())?;
+                Ok(ParamShard::Swapped(file))
+            }
+            (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
+            (None, Home::Resident { .. }) => Ok(ParamShard::FromMaster),
+        }
+    }
+
     /// The shard's values in the compute dtype of `dtype`'s kind; `master` gives them
     /// for [`FromMaster`](Self::FromMaster).
     pub fn values(

@@ -4,7 +4,7 @@
 //! time); a [`Pipeline`] stage trains a run of a model's units with
 //! [`Pipeline::train_batch`].
 //!
-//! Each rank owns an `Engine`, and the engine a list of units (`engine/unit.rs`), each
+//! Each rank owns an `Engine`, and the engine a list of units (`engine/unit/`), each
 //! with its own flat layout sharded over the ranks that hold it ([`Sharding`]). Between
 //! steps a unit holds what its ZeRO stage keeps (see [`ZeroStage`](zerotrain_zero::ZeroStage)):
 //! its parameters in the model in the compute dtype (stages 0-2; gathered on demand at
@@ -27,6 +27,7 @@
 
 mod buffers;
 mod build;
+mod builtin;
 mod checkpoint;
 mod exec;
 mod export;

@@ -11,6 +11,7 @@ use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
 use crate::config::{ComputeDevice, Plan, Tier};
 use crate::swap::SwapDir;
+use crate::{Error, Result};
 
 /// The rank's swap folders, one per NVMe tier in use.
 #[derive(Default)]
@@ -19,6 +20,31 @@ pub(crate) struct Swaps {
     pub optimizer: Option<Arc<SwapDir>>,
     /// Stage 3 parameter shards (`offload_param.device: "nvme"`).
     pub param: Option<Arc<SwapDir>>,
+}
+
+impl Swaps {
+    /// The rank's swap folders for the plan's NVMe tiers, agreed over the world: if any rank
+    /// cannot open its folder (unwritable, or in use by another job), every rank fails at
+    /// once, the failing one naming the path, instead of the others waiting at the next
+    /// collective.
+    pub fn open(plan: &Plan, world: &dyn zerotrain_zero::Collective) -> Result<Self> {
+        let offload = &plan.zero.offload;
+        let open = |tier: &Tier, name: &str| -> Result<Option<Arc<SwapDir>>> {
+            tier.nvme_path().map(|path| SwapDir::open(path, name, world.rank(), offload.aio).map(Arc::new)).transpose()
+        };
+        let opened = open(&offload.optimizer, "optimizer")
+            .and_then(|optimizer| Ok(Self { optimizer, param: open(&offload.param, "param")? }));
+        let mut failed = vec![0.0f32; world.world_size()];
+        failed[world.rank()] = f32::from(u8::from(opened.is_err()));
+        world.all_reduce((&mut failed).into(), zerotrain_zero::ReduceOp::Sum)?;
+        let ranks: Vec<usize> = (0..failed.len()).filter(|&r| failed[r] > 0.0).collect();
+        match opened {
+            Ok(_) if !ranks.is_empty() => {
+                Err(Error::PeerFailed { ranks, phase: "opening their NVMe swap folders".into() })
+            }
+            opened => opened,
+        }
+    }
 }
 
 /// What every unit works with: the rank's collectives and device, the plan, the units'

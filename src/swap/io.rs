@@ -114,6 +114,12 @@ pub struct Ticket {
     done: Arc<Completion>,
 }
 
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ticket")
+    }
+}
+
 impl Ticket {
     /// Waits for every block; the buffer, or the first error and its file.
     pub fn wait(self) -> Result<AlignedBuf, IoFailure> {

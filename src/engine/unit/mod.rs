@@ -21,10 +21,13 @@ use super::PhaseTimes;
 use super::grads::{ReduceOptions, UnitGrad};
 use super::home::{Home, Master, ParamShard, lost};
 use super::master::Values;
-use super::optimizer::{ExportedState, OptimizerFactory, UnitOptimizer};
+use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params};
 pub(crate) use super::shared::Shared;
 use super::swapped::SwappedOptimizer;
+use crate::swap::{Ticket, wait};
+
+mod state;
 use crate::Result;
 
 /// Waits for `pending`, counting the wait and the collective's own time in `times`.
@@ -44,6 +47,9 @@ enum Presence {
     Gathered,
     /// Only the shard (and resident parameters) exist.
     Released,
+    /// The shard is being read from its swap file (`offload_param: nvme`; a prefetch
+    /// overlaps the read with the unit before); the all-gather starts when it has arrived.
+    Reading(Ticket),
     /// An all-gather is in flight (a prefetch).
     Fetching(Pending),
 }
@@ -115,7 +121,7 @@ impl Unit {
             }
         };
         let shard = if stage.shards_parameters() {
-            param_shard(id, &values[range], &home, shared)?
+            ParamShard::for_unit(id, &values[range], &home, shared)?
         } else {
             ParamShard::FromMaster
         };
@@ -137,24 +143,31 @@ impl Unit {
         matches!(self.presence, Presence::Gathered)
     }
 
-    /// Whether an all-gather of the unit is in flight.
+    /// Whether a read or an all-gather of the unit is in flight.
     pub fn is_fetching(&self) -> bool {
-        matches!(self.presence, Presence::Fetching(_))
+        matches!(self.presence, Presence::Fetching(_) | Presence::Reading(_))
     }
 
-    /// Stage 3: starts the all-gather of the unit's parameters in the compute dtype (a
-    /// prefetch, when the unit is not needed yet). Nothing to do if it is gathered or
-    /// already being fetched.
+    /// Stage 3: starts fetching the unit's parameters in the compute dtype (a prefetch,
+    /// when the unit is not needed yet): the all-gather of its shard, or first the shard's
+    /// read from its swap file. Nothing to do if it is gathered or already being fetched.
     pub fn fetch(&mut self, shared: &Shared) -> Result<()> {
         if !matches!(self.presence, Presence::Released) {
             return Ok(());
         }
-        let layout = shared.layout(self.id);
-        let len = layout.shard_len();
+        let len = shared.layout(self.id).shard_len();
+        if let ParamShard::Swapped(file) = &self.shard {
+            self.presence = Presence::Reading(file.read(0..len)?);
+            return Ok(());
+        }
         let input = self.shard.values(len, shared.dtype(), || self.held(len)?.to_host(shared.dtype()))?;
-        let request = Request::AllGather { input, output: FlatBuf::zeros(shared.dtype(), layout.padded_elems()) };
-        self.presence = Presence::Fetching(shared.comm.start(request));
+        self.start_gather(input, shared);
         Ok(())
+    }
+
+    fn start_gather(&mut self, input: FlatBuf, shared: &Shared) {
+        let output = FlatBuf::zeros(shared.dtype(), shared.layout(self.id).padded_elems());
+        self.presence = Presence::Fetching(shared.comm.start(Request::AllGather { input, output }));
     }
 
     /// Makes the unit's parameters present in the model (stage 3: fetching them unless a
@@ -162,6 +175,15 @@ impl Unit {
     /// bytes of the gathered buffer. `times` gets the wait; the caller times the whole.
     pub fn gather<M: Module>(&mut self, model: M, shared: &Shared, times: &mut PhaseTimes) -> Result<(M, u64)> {
         self.fetch(shared)?;
+        if let Presence::Reading(_) = &self.presence {
+            let Presence::Reading(ticket) = std::mem::replace(&mut self.presence, Presence::Released) else {
+                unreachable!("matched above")
+            };
+            let start = Instant::now();
+            let read = wait(ticket);
+            times.comm_wait += start.elapsed().as_secs_f64();
+            self.start_gather(FlatBuf::from_f32(shared.dtype(), read?.as_slice()), shared);
+        }
         let Presence::Fetching(pending) = std::mem::replace(&mut self.presence, Presence::Gathered) else {
             return Ok((model, 0));
         };
@@ -175,9 +197,12 @@ impl Unit {
     /// tensors. A fetch in flight is completed first (and its values dropped), so no
     /// collective is left behind.
     pub fn release<M: Module>(&mut self, model: M, shared: &Shared) -> M {
-        if let Presence::Fetching(pending) = std::mem::replace(&mut self.presence, Presence::Released) {
+        match std::mem::replace(&mut self.presence, Presence::Released) {
             // The result is not needed; an error here resurfaces at the next collective.
-            let _ = pending.wait();
+            Presence::Fetching(pending) => drop(pending.wait()),
+            // Likewise at the next read of the file.
+            Presence::Reading(ticket) => drop(ticket.wait()),
+            _ => {}
         }
         write_params(model, &shared.index, &shared.sharding, self.id, Fill::Release(&self.resident), &shared.device)
     }
@@ -341,55 +366,6 @@ impl Unit {
             _ => unreachable!("only a held master is read as held"),
         }
     }
-
-    /// The optimizer state over the unit's range (checkpoints).
-    pub fn export_state(&self) -> Result<ExportedState> {
-        self.home.export()
-    }
-
-    /// Replaces the optimizer state (a checkpoint load).
-    pub fn import_state(&mut self, state: ExportedState, shared: &Shared) -> Result<()> {
-        self.home.import(state, &shared.state_device())
-    }
-
-    /// Replaces every optimizer (tests inject failures).
-    #[cfg(test)]
-    pub fn replace_optimizers(&mut self, make: impl Fn() -> Box<dyn super::optimizer::ShardOptimizer>) {
-        if let Home::Resident { optimizer, .. } = &mut self.home {
-            optimizer.replace(make);
-        }
-    }
-
-    /// Bytes of optimizer state in memory.
-    pub fn state_bytes(&self) -> u64 {
-        self.home.state_bytes()
-    }
-
-    /// Bytes of fp32 master values held (not counting parameters in the model).
-    pub fn master_bytes(&self) -> u64 {
-        self.home.master_bytes()
-    }
-
-    /// Bytes of the stage-3 parameter shard kept in memory apart from the masters.
-    pub fn shard_bytes(&self) -> u64 {
-        self.shard.memory_bytes()
-    }
-
-    /// Bytes in swap files (masters, optimizer state, parameter shard).
-    pub fn swapped_bytes(&self, shared: &Shared) -> u64 {
-        self.home.swapped_bytes() + self.shard.swapped_bytes(shared.layout(self.id).shard_len())
-    }
-
-    /// Bytes of the gradient accumulator.
-    pub fn grad_bytes(&self) -> u64 {
-        self.grad.bytes()
-    }
-
-    /// Elements of the unit's resident (persistent) parameters at stage 3.
-    pub fn resident_elems(&self, shared: &Shared) -> u64 {
-        let entries = shared.layout(self.id).entries();
-        entries.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(e, _)| e.num_elems as u64).sum()
-    }
 }
 
 /// The model's fp32 values of unit `id`'s optimizer range (fp32 stages 0-2, where the
@@ -399,22 +375,4 @@ fn in_model<M: Module>(model: &M, shared: &Shared, id: usize) -> Result<Vec<f32>
     let mut values = vec![0.0; range.len()];
     read_params(model, &shared.index, &shared.sharding, id, range, BufMut::F32(&mut values))?;
     Ok(values)
-}
-
-/// Stage 3: where unit `id`'s parameter shard (`values`, fp32) lives: in a swap file with
-/// `offload_param: nvme` (unless the unit is among the first `max_in_cpu` elements), in
-/// memory when the masters are swapped, and cast from the masters otherwise.
-fn param_shard(id: usize, values: &[f32], home: &Home, shared: &Shared) -> Result<ParamShard> {
-    let compute = || FlatBuf::from_f32(shared.dtype(), values);
-    let cached_before: u64 = (0..id).map(|u| shared.layout(u).shard_len() as u64).sum();
-    let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
-    match (&shared.swaps.param, home) {
-        (Some(dir), _) if !in_cpu => {
-            let file = dir.file(&format!("u{id}.param"), values.len())?;
-            file.write_slice(0, &compute().into_f32())?;
-            Ok(ParamShard::Swapped(file))
-        }
-        (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
-        (None, Home::Resident { .. }) => Ok(ParamShard::FromMaster),
-    }
 }

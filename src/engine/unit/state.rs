@@ -1,0 +1,57 @@
+//! A unit's state seen from outside its lifecycle: the optimizer state for checkpoints, and
+//! the bytes each kind of state holds for memory reports.
+
+use super::super::optimizer::ExportedState;
+use super::{Shared, Unit};
+use crate::Result;
+
+impl Unit {
+    /// The optimizer state over the unit's range (checkpoints).
+    pub fn export_state(&self) -> Result<ExportedState> {
+        self.home.export()
+    }
+
+    /// Replaces the optimizer state (a checkpoint load).
+    pub fn import_state(&mut self, state: ExportedState, shared: &Shared) -> Result<()> {
+        self.home.import(state, &shared.state_device())
+    }
+
+    /// Replaces every optimizer (tests inject failures).
+    #[cfg(test)]
+    pub fn replace_optimizers(&mut self, make: impl Fn() -> Box<dyn super::super::optimizer::ShardOptimizer>) {
+        if let super::Home::Resident { optimizer, .. } = &mut self.home {
+            optimizer.replace(make);
+        }
+    }
+
+    /// Bytes of optimizer state in memory.
+    pub fn state_bytes(&self) -> u64 {
+        self.home.state_bytes()
+    }
+
+    /// Bytes of fp32 master values held (not counting parameters in the model).
+    pub fn master_bytes(&self) -> u64 {
+        self.home.master_bytes()
+    }
+
+    /// Bytes of the stage-3 parameter shard kept in memory apart from the masters.
+    pub fn shard_bytes(&self) -> u64 {
+        self.shard.memory_bytes()
+    }
+
+    /// Bytes in swap files (masters, optimizer state, parameter shard).
+    pub fn swapped_bytes(&self, shared: &Shared) -> u64 {
+        self.home.swapped_bytes() + self.shard.swapped_bytes(shared.layout(self.id).shard_len())
+    }
+
+    /// Bytes of the gradient accumulator.
+    pub fn grad_bytes(&self) -> u64 {
+        self.grad.bytes()
+    }
+
+    /// Elements of the unit's resident (persistent) parameters at stage 3.
+    pub fn resident_elems(&self, shared: &Shared) -> u64 {
+        let entries = shared.layout(self.id).entries();
+        entries.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(e, _)| e.num_elems as u64).sum()
+    }
+}
