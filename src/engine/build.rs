@@ -13,7 +13,7 @@ use super::buffers::Buffers;
 use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
-use super::params::{ParamIndex, ParamShapes, read_params};
+use super::params::{ParamIndex, ParamShapes, is_all_lazy, read_params};
 use super::report::{Counters, Peaks, Window};
 use super::shared::Swaps;
 use super::span::Span;
@@ -234,8 +234,13 @@ pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, Para
     }
     // `valid()` copies every running state out of the caller's model (a clone shares
     // them), `train()` restores each parameter's gradient tracking (module note in
-    // `buffers.rs`).
-    let model = model.valid().train().fork(ctx.device());
+    // `buffers.rs`). Both give every parameter its value. A model whose tensors are all
+    // still lazy (built and handed over untouched) has no running state to copy and gets
+    // its tracking when each parameter initialises, so it skips them: the engine then
+    // initialises one unit at a time as it shards them, and no rank ever holds the whole
+    // model (the construction peak).
+    let model = if is_all_lazy(&model) { model } else { model.valid().train() };
+    let model = model.fork(ctx.device());
     let (params, index) = ParamIndex::scan(&model);
     if params.is_empty() {
         let floats = count_floats(&model);
@@ -309,8 +314,12 @@ fn assemble<M: Module>(
     for id in 0..shared.sharding.units().len() {
         let layout = shared.layout(id);
         let mut values = vec![0.0f32; layout.padded_elems()];
-        let real = BufMut::F32(&mut values[..layout.num_elems()]);
-        read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real)?;
+        // Only the group's first rank reads (the broadcast overwrites the others' values):
+        // a lazily built model is then initialised once, on one thread, in one order.
+        if shared.comm.rank() == 0 {
+            let real = BufMut::F32(&mut values[..layout.num_elems()]);
+            read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real)?;
+        }
         shared.comm.broadcast((&mut values).into(), 0)?;
         transient = transient.max((values.len() * (4 + shared.dtype().bytes_per_elem())) as u64);
         let (next, unit) = Unit::new(id, &values, model, &shared, factory)?;

@@ -16,6 +16,13 @@ use zerotrain::{Config, Overrides, Plan};
 /// therefore seeded (or not), built and materialised under one lock.
 static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The lock every seeded draw from Flex's RNG happens under (see the note above), for a
+/// test whose draws happen later than `seeded` allows (a lazily built model the engine
+/// initialises).
+pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// `build` on a fresh autodiff device after seeding Flex's RNG with `seed`, every value
 /// drawn before the lock is released (see the note above).
 pub fn seeded<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M {

@@ -200,3 +200,28 @@ fn swap_faults_are_errors_naming_the_path() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A model handed over untouched (Burn initialises parameters lazily) is initialised by the
+/// engine one unit at a time, on the group's first rank only, so no rank holds the whole
+/// model (`zerotrain bench memory` measures the construction peak); its values are the ones
+/// the same seeded model gets when initialised up front, since an MLP's units are in visit
+/// order. Two thread ranks share the lazy model, as `launch` callers' clones do.
+#[test]
+fn a_lazy_model_is_initialised_unit_by_unit_with_the_values_it_would_have_had() {
+    use burn::tensor::Device;
+    use zerotrain::app::models::Mlp;
+    let dims = [6, 16, 16, 1];
+    let plan = plan(&unit_recipe(3, 1, MODES[2], "fp32", ""), 2);
+    let masters = |model: &Mlp| {
+        launch(&plan, |ctx| Engine::with_units(model.clone(), &plan, &ctx)?.master_params()).unwrap().remove(0)
+    };
+    let eager = masters(&seeded(9, |d| Mlp::new(&dims, d)));
+    let lazy = {
+        let _rng = rng_lock();
+        let device = Device::flex().autodiff();
+        device.seed(9);
+        let model = Mlp::new(&dims, &device);
+        masters(&model)
+    };
+    assert!(lazy == eager, "the lazily built model's initial values differ");
+}

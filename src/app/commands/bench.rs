@@ -157,7 +157,7 @@ pub fn bench_memory(
                 String::new()
             };
             format!(
-                r#", "sub_group_size": 4e6, "offload_optimizer": {{"device": "nvme", "nvme_path": {dir},
+                r#", "sub_group_size": 1e6, "offload_optimizer": {{"device": "nvme", "nvme_path": {dir},
                    "pipeline_read": true, "pipeline_write": true, "buffer_count": 9}}{param}"#
             )
         }

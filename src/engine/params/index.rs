@@ -77,14 +77,42 @@ pub(crate) fn for_each_float<M: Module>(model: &M, f: impl FnMut(FloatTensor<'_>
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let tensor = param.val();
-            let shape = tensor.dims();
-            let flat = || tensor.clone().reshape([shape.iter().product::<usize>()]);
             let path = self.path.join(".");
-            (self.f)(FloatTensor { path: &path, trainable: tensor.is_require_grad(), shape: &shape, flat: &flat });
+            let shape: Vec<usize> = param.lazy_shape().iter().copied().collect();
+            let n = shape.iter().product::<usize>();
+            let flat = || param.val().reshape([n]);
+            let trainable = lazy_is_require_grad(param);
+            (self.f)(FloatTensor { path: &path, trainable, shape: &shape, flat: &flat });
         }
     }
     model.visit(&mut Floats { path: Vec::new(), f });
+}
+
+/// Whether `param` trains, without initialising it if it is still lazy (Burn initialises a
+/// module's parameters on first use, so a model built and handed over untouched holds no
+/// values yet). Burn answers this only inside its loading path: `transform_for_load` gives
+/// a loaded parameter the gradient setting the lazy one would have, so it is asked to load
+/// an empty tensor into a clone. Reading every value here instead would materialise the
+/// whole model at once before the engine shards it unit by unit.
+fn lazy_is_require_grad<const D: usize>(param: &Param<Tensor<D>>) -> bool {
+    if param.is_initialized() {
+        return param.val().is_require_grad();
+    }
+    let empty = Tensor::<D>::empty([0; D], &param.lazy_device());
+    param.clone().transform_for_load(empty, param.id).val().is_require_grad()
+}
+
+/// Whether no float tensor of `model` has a value yet (every one is a lazy parameter).
+pub(crate) fn is_all_lazy<M: Module>(model: &M) -> bool {
+    struct Lazy(bool);
+    impl ModuleVisitor for Lazy {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 &= !param.is_initialized();
+        }
+    }
+    let mut lazy = Lazy(true);
+    model.visit(&mut lazy);
+    lazy.0
 }
 
 /// Where a walk over the model is: the index, the sharding and the visit position.
@@ -105,5 +133,35 @@ impl Walk<'_> {
     /// The next float parameter's (unit, entry within the unit), if trainable and held.
     pub fn next(&mut self) -> Option<(usize, usize)> {
         self.next_global().and_then(|g| self.sharding.location(g))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::ParamId;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::Device;
+
+    use super::*;
+
+    /// A lazy parameter is walked (path, shape, whether it trains) without being given a
+    /// value, frozen or not; an initialised one reports its own tracking.
+    #[test]
+    fn lazy_parameters_are_walked_without_initialising_them() {
+        let device = Device::flex().autodiff();
+        let mut linear: Linear = LinearConfig::new(3, 2).init(&device);
+        let shape = burn::tensor::Shape::new([2]);
+        let frozen =
+            Param::uninitialized(ParamId::new(), |d, _| Tensor::<1>::zeros([2], d), device.clone(), false, shape);
+        linear.bias = Some(frozen);
+        let mut seen = Vec::new();
+        for_each_float(&linear, |f| seen.push((f.path.to_string(), f.shape.to_vec(), f.trainable)));
+        assert_eq!(seen, [("weight".to_string(), vec![3, 2], true), ("bias".to_string(), vec![2], false)]);
+        assert!(is_all_lazy(&linear), "walking initialised nothing");
+        drop(linear.weight.val());
+        assert!(!is_all_lazy(&linear));
+        let mut trainable = Vec::new();
+        for_each_float(&linear, |f| trainable.push(f.trainable));
+        assert_eq!(trainable, [true, false]);
     }
 }

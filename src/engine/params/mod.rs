@@ -13,7 +13,7 @@ use zerotrain_precision::{BufMut, BufRef, FlatBuf, with_elem};
 use zerotrain_zero::Sharding;
 
 use self::index::Walk;
-pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float};
+pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_lazy};
 use crate::{Error, Result};
 
 mod index;
