@@ -13,6 +13,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use burn::module::Module;
+use zerotrain_precision::{BufRef, FlatBuf};
 use zerotrain_zero::ReduceOp;
 
 use super::Engine;
@@ -22,8 +23,10 @@ use crate::{Error, Result};
 
 /// The step's gradients, reduced and measured (module note).
 pub(crate) struct Prepared {
-    /// Each unit's reduced gradient over its optimizer range.
-    pub grads: Vec<Vec<f32>>,
+    /// Each unit's reduced gradient over its optimizer range, in the dtype it was reduced
+    /// in (f32 once edited through [`Gradients::for_each_mut`]); the step converts a unit's
+    /// to f32 as it steps it.
+    pub grads: Vec<FlatBuf>,
     /// Sum over the world of the squares of `grads`' elements (each counted once).
     pub sum_squares: f64,
     /// Mean loss over every rank and micro-step.
@@ -55,7 +58,10 @@ impl<M: Module> Engine<M> {
             grads.push(unit.take_reduced(&mut self.window.times)?);
         }
         if let Some(root) = self.granularity.root() {
-            self.span.sum_over_stages((&mut grads[root]).into())?;
+            // Summed over the stages in f32, as the step will use it.
+            let mut values = std::mem::replace(&mut grads[root], FlatBuf::F32(Vec::new())).into_f32();
+            self.span.sum_over_stages((&mut values).into())?;
+            grads[root] = FlatBuf::F32(values);
         }
         let loss = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
         let (sum_squares, loss) = self.global_metrics(&grads, Some(loss))?;
@@ -74,7 +80,7 @@ impl<M: Module> Engine<M> {
     /// the total is the sharded stages' to the last bit. The root (the same on every
     /// pipeline stage) counts on the first stage only; every rank's loss counts (a pipeline
     /// stage's is its units' loss terms, the last stage's also the model's loss).
-    pub(super) fn global_metrics(&mut self, grads: &[Vec<f32>], loss: Option<f32>) -> Result<(f64, f32)> {
+    pub(super) fn global_metrics(&mut self, grads: &[FlatBuf], loss: Option<f32>) -> Result<(f64, f32)> {
         let skip = self.root_counted_elsewhere();
         let (sum_squares, loss, wait) = world_metrics(&self.shared, &self.span, skip, grads, loss)?;
         if self.span.is_pipelined() {
@@ -109,7 +115,7 @@ fn world_metrics(
     shared: &Shared,
     span: &Span,
     skip: Option<usize>,
-    grads: &[Vec<f32>],
+    grads: &[FlatBuf],
     loss: Option<f32>,
 ) -> Result<(f64, f32, f64)> {
     let (world, group) = (&shared.world, &shared.comm);
@@ -133,7 +139,7 @@ fn world_metrics(
 }
 
 /// This rank's partial of the squared norm of `grads` as group rank `r` holds them.
-fn partial_sum_squares(shared: &Shared, grads: &[Vec<f32>], r: usize, sharded: bool, skip: Option<usize>) -> f32 {
+fn partial_sum_squares(shared: &Shared, grads: &[FlatBuf], r: usize, sharded: bool, skip: Option<usize>) -> f32 {
     let mut sum = 0.0f64;
     for (id, values) in grads.iter().enumerate() {
         let layout = shared.layout(id);
@@ -142,8 +148,13 @@ fn partial_sum_squares(shared: &Shared, grads: &[Vec<f32>], r: usize, sharded: b
             continue; // an all-padding shard, or the root counted by another stage
         }
         let offset = if sharded { layout.shard_range(r).start } else { 0 };
-        for &g in &values[real.start - offset..real.end - offset] {
-            sum += f64::from(g) * f64::from(g);
+        let at = real.start - offset..real.end - offset;
+        // Each element as the f32 the step will see (a half value converts exactly).
+        let mut add = |g: f32| sum += f64::from(g) * f64::from(g);
+        match values.as_ref().slice(at) {
+            BufRef::F32(v) => v.iter().copied().for_each(&mut add),
+            BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+            BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
         }
     }
     sum as f32
@@ -194,12 +205,15 @@ impl Gradients<'_> {
     /// applied to them first; the step measures the norm again).
     pub fn for_each_mut(&mut self, mut f: impl FnMut(&str, Range<usize>, &mut [f32])) {
         let factor = (self.prepared.numerator / self.prepared.denominator) as f32;
-        for values in &mut self.prepared.grads {
+        for grads in &mut self.prepared.grads {
+            let mut values = std::mem::replace(grads, FlatBuf::F32(Vec::new())).into_f32();
             values.iter_mut().for_each(|g| *g *= factor);
+            *grads = FlatBuf::F32(values);
         }
         (self.prepared.numerator, self.prepared.denominator, self.prepared.stale_norm) = (1.0, 1.0, true);
         let shared = self.shared;
-        for (id, values) in self.prepared.grads.iter_mut().enumerate() {
+        for (id, grads) in self.prepared.grads.iter_mut().enumerate() {
+            let FlatBuf::F32(values) = grads else { unreachable!("converted to f32 above") };
             if self.skip == Some(id) {
                 continue;
             }
@@ -211,12 +225,13 @@ impl Gradients<'_> {
 
     /// Each piece of a parameter this rank holds (the root only where it counts).
     fn pieces(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) {
-        for (id, values) in self.prepared.grads.iter().enumerate() {
+        for (id, grads) in self.prepared.grads.iter().enumerate() {
             if self.skip == Some(id) {
                 continue;
             }
             for segment in self.shared.optimizer_segments(id) {
-                f(&segment.path, segment.param_range, &values[segment.range]);
+                let values = grads.as_ref().slice(segment.range).to_f32();
+                f(&segment.path, segment.param_range, &values);
             }
         }
     }

@@ -21,8 +21,9 @@
 //! [`GradState`]: `Accumulating` through the window (stages 2-3 with bucket reductions in
 //! flight); stages 0-1 at the boundary hand the accumulator to its reduction
 //! (`Reducing`), which settles into the optimizer range's reduced gradient (`Reduced`);
-//! the step takes it and a fresh accumulator begins the next window. A backward pass
-//! after the boundary and before the step is an error, not a lost gradient.
+//! the step takes it and the unit is `Idle` until the next window's first reduction
+//! allocates its accumulator. A backward pass after the boundary and before the step is an
+//! error, not a lost gradient.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -68,6 +69,10 @@ struct Bucket {
 /// Where a unit's gradient is (module note on the accumulator's states).
 #[derive(Debug)]
 enum GradState {
+    /// No accumulator yet this window: it is allocated by the window's first reduction,
+    /// so that between the step and the next backward (and, during backward, for the units
+    /// not reached yet) no unit holds one.
+    Idle,
     /// The window's gradients, in the accumulation dtype (stage 0: `num_elems`; stage 1:
     /// `padded_elems`; stages 2-3: `shard_len`), with stages 2-3's buckets in flight.
     Accumulating { acc: FlatBuf, buckets: VecDeque<Bucket> },
@@ -99,13 +104,16 @@ impl UnitGrad {
             ZeroStage::Gradients | ZeroStage::Parameters => layout.shard_len(),
         };
         let own = layout.shard_range(rank);
-        Self { stage, acc_dtype: accum_dtype, acc_len, own, state: fresh(accum_dtype, acc_len) }
+        Self { stage, acc_dtype: accum_dtype, acc_len, own, state: GradState::Idle }
     }
 
-    /// Bytes held between steps.
+    /// Bytes of the accumulator while a window accumulates: what the rank holds for this
+    /// unit's gradients during training (between the step and the next backward it holds
+    /// none, and the accumulator is counted at the size the next window allocates).
     pub fn bytes(&self) -> u64 {
         match &self.state {
             GradState::Accumulating { acc, .. } => acc.bytes(),
+            GradState::Idle => (self.acc_len * self.acc_dtype.bytes_per_elem()) as u64,
             GradState::Reducing(_) => 0,
             GradState::Reduced(reduced) => reduced.bytes(),
         }
@@ -121,6 +129,9 @@ impl UnitGrad {
         options: ReduceOptions,
         times: &mut PhaseTimes,
     ) -> Result<u64> {
+        if let GradState::Idle = self.state {
+            self.state = fresh(self.acc_dtype, self.acc_len);
+        }
         let GradState::Accumulating { acc, buckets } = &mut self.state else {
             return Err(Error::Usage(
                 "a backward pass after the accumulation boundary: call step() before the next micro-step".into(),
@@ -201,19 +212,23 @@ impl UnitGrad {
                 };
                 self.state = GradState::Reduced(reduced);
             }
-            GradState::Reduced(_) => {}
+            GradState::Idle | GradState::Reduced(_) => {}
         }
         Ok(())
     }
 
-    /// At the step: the reduced gradient of the optimizer range, in f32 (summed over the
-    /// ranks, still scaled). A fresh accumulator begins the next window.
-    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<Vec<f32>> {
+    /// At the step: the reduced gradient of the optimizer range (summed over the ranks,
+    /// still scaled), in the dtype it was accumulated or reduced in: the step converts
+    /// each unit's to f32 when it steps that unit, so the whole model's never exists in f32
+    /// at once. The unit is idle until the next window's first reduction.
+    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<FlatBuf> {
         self.settle(times)?;
-        let state = std::mem::replace(&mut self.state, fresh(self.acc_dtype, self.acc_len));
+        let state = std::mem::replace(&mut self.state, GradState::Idle);
         match state {
-            GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(acc.into_f32()),
-            GradState::Reduced(reduced) => Ok(reduced.into_f32()),
+            GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(acc),
+            // A unit no backward reached this window (stages 2-3) has zero gradients.
+            GradState::Idle if self.stage.shards_gradients() => Ok(FlatBuf::zeros(self.acc_dtype, self.acc_len)),
+            GradState::Reduced(reduced) => Ok(reduced),
             other => {
                 self.state = other;
                 Err(Error::Usage("the step found no reduced gradients: the last micro-step was not a boundary".into()))

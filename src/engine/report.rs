@@ -71,7 +71,8 @@ pub struct MemoryReport {
     /// shards kept in memory (fp32 training's held shards, or compute-dtype copies when the
     /// optimizer is offloaded).
     pub params: u64,
-    /// Gradient accumulators.
+    /// Gradient accumulators, at the size they have while a window accumulates (each is
+    /// allocated by the window's first backward and freed at the step).
     pub grads: u64,
     /// Separate fp32 master weights (mixed precision; in fp32 training the parameters are
     /// their own master).

@@ -46,7 +46,9 @@ impl<M: Module> Engine<M> {
             let clip = self.shared.plan.optim.gradient_clipping;
             let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
             let factor = (clip_coef * prepared.numerator / prepared.denominator) as f32;
-            for (id, mut grads) in prepared.grads.into_iter().enumerate() {
+            for (id, grads) in prepared.grads.into_iter().enumerate() {
+                // One unit's gradient in f32 at a time.
+                let mut grads = grads.into_f32();
                 grads.iter_mut().for_each(|g| *g *= factor);
                 let model = self.model.clone();
                 let (model, transient) = self.units[id].step(model, lr, grads, &self.shared, &mut self.window.times)?;

@@ -224,9 +224,9 @@ impl Unit {
         self.grad.settle(times)
     }
 
-    /// At the step: the unit's reduced gradient over its optimizer range, in f32 (unscaled,
-    /// not averaged). Resets the accumulator.
-    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<Vec<f32>> {
+    /// At the step: the unit's reduced gradient over its optimizer range (unscaled, not
+    /// averaged), in its accumulation or communication dtype. Resets the accumulator.
+    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<FlatBuf> {
         self.grad.take_reduced(times)
     }
 
