@@ -755,3 +755,40 @@ fn a_killed_nvme_job_resumes_as_if_uninterrupted() {
     assert_eq!(got[got.len() - 2..], want[..], "steps 3-4 after the resume");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `bench offload-gpt` trains the same seeded GPT with its states on NVMe and in memory to
+/// the same losses (the headline's correctness, on a model that fits), the loss on its
+/// repeated batch falls, and the report's swap traffic is the tiers' sizes: the first step
+/// reads the parameter shards twice (forward and recomputation: 2 x 4 bytes per parameter)
+/// and the masters (4; no moments exist yet), and writes masters, both moments and the new
+/// shards (16 bytes per parameter).
+#[test]
+fn bench_offload_gpt_trains_the_same_on_nvme_as_in_memory() {
+    let dir = std::env::temp_dir().join(format!("zerotrain-cli-{}-offload-gpt", std::process::id()));
+    let run = |nvme: bool| -> serde_json::Value {
+        let mut args = vec!["bench", "offload-gpt", "--layers", "2", "--width", "128", "--tokens", "8", "--steps", "3"];
+        args.extend(["--lr", "1e-3", "--json"]);
+        let path = dir.display().to_string();
+        if nvme {
+            args.extend(["--nvme", &path]);
+        }
+        let out = zerotrain(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (swapped, in_memory) = (run(true), run(false));
+    let losses = |r: &serde_json::Value| -> Vec<f64> {
+        r["steps"].as_array().unwrap().iter().map(|s| s[0].as_f64().unwrap()).collect()
+    };
+    assert_eq!(losses(&swapped), losses(&in_memory));
+    let l = losses(&swapped);
+    assert!(l[2] < l[0], "the loss on the repeated batch falls: {l:?}");
+    let params = swapped["params"].as_u64().unwrap();
+    let first = &swapped["steps"][0];
+    // Direct I/O moves whole 4 KiB pages: each file of each unit rounds up.
+    let (read, written) = (first[2].as_u64().unwrap(), first[3].as_u64().unwrap());
+    assert!(read >= 12 * params && read < 12 * params + (1 << 20), "read {read} for {params} parameters");
+    assert!(written >= 16 * params && written < 16 * params + (1 << 20), "wrote {written} for {params} parameters");
+    assert_eq!(in_memory["steps"][0][2], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -253,6 +253,17 @@ impl<M: Module> Engine<M> {
         self.shared.comm.rank()
     }
 
+    /// Bytes this rank has read from and written to its NVMe swap files so far
+    /// (`offload_optimizer` / `offload_param` with device `nvme`): (read, written).
+    pub fn swap_traffic(&self) -> (u64, u64) {
+        let swaps = &self.shared.swaps;
+        [&swaps.optimizer, &swaps.param]
+            .into_iter()
+            .flatten()
+            .map(|d| d.moved())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+
     /// This rank's traffic so far, every communicator it uses together.
     pub fn comm_stats(&self) -> CommStats {
         self.span.comm_stats(self.shared.world.as_ref(), self.shared.comm.as_ref())

@@ -17,6 +17,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -142,6 +143,8 @@ pub struct IoPool {
     queue: Option<Sender<Block>>,
     threads: Vec<JoinHandle<()>>,
     block_bytes: usize,
+    /// Bytes requested so far: (read, written).
+    moved: [AtomicU64; 2],
 }
 
 impl IoPool {
@@ -158,13 +161,20 @@ impl IoPool {
                     .expect("spawning an I/O thread")
             })
             .collect();
-        Self { queue: Some(tx), threads, block_bytes: block_bytes.next_multiple_of(ALIGN).max(ALIGN) }
+        let block_bytes = block_bytes.next_multiple_of(ALIGN).max(ALIGN);
+        Self { queue: Some(tx), threads, block_bytes, moved: [AtomicU64::new(0), AtomicU64::new(0)] }
+    }
+
+    /// Bytes requested so far: (read, written).
+    pub fn moved(&self) -> (u64, u64) {
+        (self.moved[0].load(Ordering::Relaxed), self.moved[1].load(Ordering::Relaxed))
     }
 
     /// Starts reading (`write: false`) or writing `buf`'s whole allocation at byte `offset`
     /// (a multiple of [`ALIGN`]) of `file`.
     pub fn submit(&self, file: &Arc<File>, path: &Arc<PathBuf>, offset: u64, buf: AlignedBuf, write: bool) -> Ticket {
         let total = buf.bytes().len();
+        self.moved[usize::from(write)].fetch_add(total as u64, Ordering::Relaxed);
         let blocks = total.div_ceil(self.block_bytes);
         let done = Arc::new(Completion { state: Mutex::new((blocks, None)), cv: Condvar::new() });
         let buf = Arc::new(buf);

@@ -81,6 +81,11 @@ impl SwapDir {
         &self.dir
     }
 
+    /// Bytes read from and written to this folder's files so far.
+    pub fn moved(&self) -> (u64, u64) {
+        self.io.moved()
+    }
+
     /// Whether the files bypass the page cache.
     pub fn is_direct(&self) -> bool {
         self.direct

@@ -176,3 +176,113 @@ pub fn format(r: &OffloadReport) -> String {
         100.0 * r.nvme_step_of_disk,
     )
 }
+
+/// What the GPT run measured (`zerotrain bench offload-gpt`).
+#[derive(Debug, Clone, Serialize)]
+pub struct GptOffloadReport {
+    /// Trainable parameters.
+    pub params: u64,
+    /// fp32 Adam model states (16 bytes per parameter), for scale.
+    pub fp32_adam_state_bytes: u64,
+    /// Seconds to build the engine (the model initialised unit by unit and swapped out).
+    pub build_s: f64,
+    /// Each step: (loss, seconds, bytes read from swap, bytes written to swap).
+    pub steps: Vec<(f32, f64, u64, u64)>,
+    /// The process's peak resident size (`VmHWM`), bytes.
+    pub peak_rss_bytes: u64,
+    /// Bytes in swap files after the run.
+    pub swapped_bytes: u64,
+}
+
+/// The GPT of [`run_gpt`]: `layers` blocks of width `width` (heads of 128), a batch of
+/// `tokens` tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct GptShape {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Model width.
+    pub width: usize,
+    /// Tokens in the batch.
+    pub tokens: usize,
+}
+
+/// Trains the built-in GPT of `shape` at stage 3 in units with activation checkpointing,
+/// bf16, AdamW at `lr`, the optimizer and the parameters on NVMe under `nvme` (in memory
+/// without it, for comparison), `steps` steps on one repeated batch, one rank. The model is
+/// built inside the rank and handed over untouched, so the engine initialises it one unit
+/// at a time.
+pub fn run_gpt(shape: GptShape, steps: u64, lr: f64, nvme: Option<&Path>) -> anyhow::Result<GptOffloadReport> {
+    let GptShape { layers, width, tokens } = shape;
+    use crate::app::models::{Gpt, GptConfig};
+    use burn::tensor::{Int, Tensor, TensorData};
+    let shape = GptConfig {
+        n_layer: layers,
+        n_head: (width / 128).max(1),
+        n_embd: width,
+        block_size: tokens,
+        vocab_size: 32,
+        tied_head: true,
+    };
+    shape.validate().map_err(anyhow::Error::msg)?;
+    let offload = match nvme {
+        Some(nvme) => {
+            let path = serde_json::to_string(&nvme.display().to_string())?;
+            format!(
+                r#", "offload_optimizer": {{"device": "nvme", "nvme_path": {path}, "pipeline_read": true,
+                      "pipeline_write": true, "buffer_count": 6}},
+                   "offload_param": {{"device": "nvme", "nvme_path": {path}, "max_in_cpu": 0}}"#
+            )
+        }
+        None => String::new(),
+    };
+    let json = format!(
+        r#"{{"train_micro_batch_size_per_gpu": 1, "bf16": {{"enabled": true}}, "gradient_clipping": 1.0,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": {lr}, "weight_decay": 0.0}}}},
+            "activation_checkpointing": {{}},
+            "zero_optimization": {{"stage": 3, "reduce_bucket_size": 2e7, "sub_group_size": 2e7,
+              "stage3_param_persistence_threshold": 1e5 {offload}}},
+            "aio": {{"block_size": 1048576, "queue_depth": 8, "thread_count": 1}},
+            "zerotrain": {{"world_size": 1, "comm_timeout_s": 3600}}}}"#
+    );
+    let plan = Config::parse(&json, "bench")?.resolve(Overrides::default())?;
+    let params = shape.num_params();
+    let mut report = crate::launch(&plan, |ctx| {
+        let start = Instant::now();
+        ctx.device().seed(plan.runtime.seed);
+        let model = Gpt::new(&shape, ctx.device());
+        let mut engine = crate::Engine::with_units(model, &plan, &ctx)?;
+        let build_s = start.elapsed().as_secs_f64();
+        eprintln!("built in {build_s:.1} s ({} units)", engine.sharding().units().len());
+        let values: Vec<i64> = (0..=tokens as i64).map(|i| (i * 7 + 3) % 32).collect();
+        let batch = Tensor::<2, Int>::from_data(TensorData::new(values, [1, tokens + 1]), ctx.device());
+        let mut rows = Vec::new();
+        for step in 0..steps {
+            let (before, start) = (engine.swap_traffic(), Instant::now());
+            engine.forward_backward(&batch)?;
+            let loss = engine.step()?.map_or(f32::NAN, |r| r.loss);
+            let (after, seconds) = (engine.swap_traffic(), start.elapsed().as_secs_f64());
+            let row = (loss, seconds, after.0 - before.0, after.1 - before.1);
+            let gb = |b: u64| b as f64 / 1e9;
+            eprintln!(
+                "step {}: loss {:.5}, {:.1} s, {:.1} GB read, {:.1} GB written",
+                step + 1,
+                row.0,
+                row.1,
+                gb(row.2),
+                gb(row.3)
+            );
+            rows.push(row);
+        }
+        Ok::<_, crate::Error>(GptOffloadReport {
+            params,
+            fp32_adam_state_bytes: 16 * params,
+            build_s,
+            steps: rows,
+            peak_rss_bytes: 0,
+            swapped_bytes: engine.memory_report().swapped,
+        })
+    })?
+    .remove(0);
+    report.peak_rss_bytes = crate::app::commands::proc_status_kib("VmHWM:").unwrap_or(0) * 1024;
+    Ok(report)
+}
