@@ -142,21 +142,37 @@ pub fn write_shard(
     ranges: &[Range<u64>],
     tensors: &[(&str, &[f32])],
 ) -> Result<ShardFile> {
+    let len = ranges.iter().map(|r| (r.end - r.start) as usize).sum::<usize>();
+    for (n, v) in tensors {
+        assert_eq!(v.len(), len, "tensor `{n}` must cover the shard's ranges");
+    }
+    let names: Vec<&str> = tensors.iter().map(|(n, _)| *n).collect();
+    write_shard_streamed(partial, rank, ranges, &names, |t, out| out.write_f32(tensors[t].1))
+}
+
+/// [`write_shard`] with each tensor's values given by `fill(index, writer)` in pieces, in
+/// the order of `ranges`: a writer whose states live elsewhere (swap files) streams them
+/// without holding a whole tensor. The file's size check catches a `fill` that writes too
+/// little or too much.
+pub fn write_shard_streamed(
+    partial: &Path,
+    rank: usize,
+    ranges: &[Range<u64>],
+    names: &[&str],
+    mut fill: impl FnMut(usize, &mut SafetensorsWriter) -> Result<()>,
+) -> Result<ShardFile> {
     let name = format!("rank{rank}.safetensors");
     let path = partial.join(&name);
     let len = ranges.iter().map(|r| (r.end - r.start) as usize).sum::<usize>();
-    let specs: Vec<TensorSpec> = tensors
+    let specs: Vec<TensorSpec> = names
         .iter()
-        .map(|(n, v)| {
-            assert_eq!(v.len(), len, "tensor `{n}` must cover the shard's ranges");
-            TensorSpec { name: n.to_string(), dtype: safetensors::Dtype::F32, shape: vec![len] }
-        })
+        .map(|n| TensorSpec { name: n.to_string(), dtype: safetensors::Dtype::F32, shape: vec![len] })
         .collect();
     let listed: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let meta = [("zerotrain_ranges", listed.join(","))];
     let mut writer = SafetensorsWriter::create(&path, &specs, &meta)?;
-    for (_, values) in tensors {
-        writer.write_f32(values)?;
+    for t in 0..names.len() {
+        fill(t, &mut writer)?;
     }
     crash_point("shard written");
     let summary = writer.finish()?;

@@ -61,6 +61,29 @@ impl Home {
         }
     }
 
+    /// The names of the optimizer state's tensors and its scalars (without reading a
+    /// swapped state's values).
+    pub fn state_layout(&self) -> (Vec<String>, Vec<(String, burn_pack::Scalar)>) {
+        match self {
+            Self::Resident { optimizer, .. } => {
+                let (tensors, scalars) = optimizer.export();
+                (tensors.into_iter().map(|(n, _)| n).collect(), scalars)
+            }
+            Self::Swapped(swapped) => (swapped.state_names(), swapped.scalars().to_vec()),
+        }
+    }
+
+    /// One optimizer state tensor over the unit's range (checkpoints stream them one at a
+    /// time): a swapped state reads that tensor's file alone.
+    pub fn state_tensor(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        match self {
+            Self::Resident { optimizer, .. } => {
+                Ok(optimizer.export().0.into_iter().find(|(n, _)| n == name).map(|(_, v)| v))
+            }
+            Self::Swapped(swapped) => swapped.state_tensor(name),
+        }
+    }
+
     /// Replaces the optimizer state (a checkpoint load).
     pub fn import(&mut self, state: ExportedState, device: &burn::tensor::Device) -> Result<()> {
         match self {

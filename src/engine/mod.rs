@@ -49,6 +49,8 @@ mod span;
 mod step;
 mod swapped;
 pub(crate) use swapped::SwappedOptimizer;
+#[cfg(all(test, feature = "cli"))]
+mod stream_tests;
 #[cfg(test)]
 mod tests;
 mod trainer;

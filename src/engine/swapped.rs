@@ -308,6 +308,21 @@ impl SwappedOptimizer {
         }
     }
 
+    /// The names of the optimizer state's tensors (empty before the first step).
+    pub fn state_names(&self) -> Vec<String> {
+        self.states.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// One optimizer state tensor over the whole range, read from its file alone.
+    pub fn state_tensor(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        self.states.iter().find(|(n, _)| n == name).map(|(_, f)| f.read_vec(0..self.len)).transpose()
+    }
+
+    /// The optimizer's scalars (step counts).
+    pub fn scalars(&self) -> &[(String, Scalar)] {
+        &self.scalars
+    }
+
     /// The optimizer state over the whole range (checkpoints).
     pub fn export(&self) -> Result<ExportedState> {
         let tensors =

@@ -108,42 +108,68 @@ impl<M: Module> Engine<M> {
             .collect()
     }
 
+    /// Writes this rank's shard one tensor at a time and, within it, one unit at a time,
+    /// so that no more than one unit's values of one tensor exist at once (offloaded states
+    /// are read from their swap files as they are written).
     fn write_my_shard(&self, root: &Path, tag: &str) -> Result<()> {
         let segments = self.saved_segments();
         if segments.iter().all(Vec::is_empty) {
             return Ok(());
         }
-        let mut master = Vec::new();
-        let mut optim: Vec<(String, Vec<f32>)> = Vec::new();
-        let mut ranges = Vec::new();
-        for (id, segments) in segments.iter().enumerate() {
-            let offset = self.shared.optimizer_range(id).start;
-            let values = self.units[id].values(&self.model, &self.shared)?;
-            let (state, _) = self.units[id].export_state()?;
-            if id == 0 {
-                optim = state.iter().map(|(name, _)| (format!("optim.{name}"), Vec::new())).collect();
-            }
-            if state.len() != optim.len() {
+        let (optim, _) = self.units[0].state_layout();
+        for (id, unit) in self.units.iter().enumerate() {
+            let (names, _) = unit.state_layout();
+            if names != optim {
                 return Err(Error::Model(format!(
-                    "unit {id}'s optimizer state has {} tensors, unit 0's {}",
-                    state.len(),
+                    "unit {id}'s optimizer state has {} tensors ({names:?}), unit 0's {} ({optim:?})",
+                    names.len(),
                     optim.len()
                 )));
             }
-            for (unit_range, global) in segments {
-                let local = unit_range.start - offset..unit_range.end - offset;
-                master.extend_from_slice(&values[local.clone()]);
-                for ((_, out), (_, leaf)) in optim.iter_mut().zip(&state) {
-                    out.extend_from_slice(&leaf[local.clone()]);
-                }
-                ranges.push(global.start as u64..global.end as u64);
-            }
         }
-        let mut tensors: Vec<(&str, &[f32])> = vec![("master", &master)];
-        tensors.extend(optim.iter().map(|(n, v)| (n.as_str(), v.as_slice())));
+        let ranges: Vec<Range<u64>> =
+            segments.iter().flatten().map(|(_, global)| global.start as u64..global.end as u64).collect();
+        let names: Vec<String> =
+            std::iter::once("master".to_string()).chain(optim.iter().map(|n| format!("optim.{n}"))).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut failure = None;
         let partial = zerotrain_checkpoint::partial_dir(root, tag);
-        zerotrain_checkpoint::write_shard(&partial, self.shared.world.rank(), &ranges, &tensors)?;
-        Ok(())
+        let written = zerotrain_checkpoint::write_shard_streamed(
+            &partial,
+            self.shared.world.rank(),
+            &ranges,
+            &names,
+            |t, out| {
+                for (id, segments) in segments.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+                    let unit = &self.units[id];
+                    let values = match t {
+                        0 => unit.values(&self.model, &self.shared),
+                        _ => unit.state_tensor(&optim[t - 1]).and_then(|v| {
+                            v.ok_or_else(|| {
+                                Error::Model(format!("unit {id} has no optimizer state `{}`", optim[t - 1]))
+                            })
+                        }),
+                    };
+                    let values = match values {
+                        Ok(values) => values,
+                        Err(e) => {
+                            // Surfaced below: the writer's own error type cannot carry it.
+                            failure = Some(e);
+                            return Err(zerotrain_checkpoint::CheckpointError::Mismatch(format!("unit {id}'s states")));
+                        }
+                    };
+                    let offset = self.shared.optimizer_range(id).start;
+                    for (unit_range, _) in segments {
+                        out.write_f32(&values[unit_range.start - offset..unit_range.end - offset])?;
+                    }
+                }
+                Ok(())
+            },
+        );
+        match (written, failure) {
+            (_, Some(e)) => Err(e),
+            (written, None) => written.map(drop).map_err(Error::from),
+        }
     }
 
     fn commit(
@@ -231,21 +257,38 @@ impl<M: Module> Engine<M> {
         };
         let buffers = ckpt.read_buffers().map_err(Error::from).and_then(|b| self.check_buffers(&ckpt, b));
         let buffers = self.agree(buffers, "reading the checkpoint's buffers")?;
-        let loaded = (0..self.units.len())
-            .map(|id| -> Result<_> {
-                let master = read(id, "master")?;
-                let mut optim = Vec::new();
-                if with_optimizer {
-                    for name in &optim_names {
-                        optim.push((name["optim.".len()..].to_string(), read(id, name)?));
-                    }
+        let read_unit = |id: usize| -> Result<_> {
+            let master = read(id, "master")?;
+            let mut optim = Vec::new();
+            if with_optimizer {
+                for name in &optim_names {
+                    optim.push((name["optim.".len()..].to_string(), read(id, name)?));
                 }
-                Ok((master, optim))
-            })
-            .collect::<Result<Vec<_>>>();
-        let loaded = self.agree(loaded, "reading its shard of the checkpoint")?;
-
-        for (id, (master, optim)) in loaded.into_iter().enumerate() {
+            }
+            Ok((master, optim))
+        };
+        // Every rank reads (and so checks, block by block) all it needs before any rank
+        // changes anything. An engine whose states are offloaded may not hold them all in
+        // memory: it reads everything once to check it, keeping nothing, and reads again
+        // one unit at a time to load it.
+        let streaming = self.shared.swaps.optimizer.is_some() || self.shared.swaps.param.is_some();
+        let loaded = match streaming {
+            true => (0..self.units.len()).try_for_each(|id| read_unit(id).map(drop)).map(|()| None),
+            false => (0..self.units.len()).map(read_unit).collect::<Result<Vec<_>>>().map(Some),
+        };
+        let mut loaded = self.agree(loaded, "reading its shard of the checkpoint")?.map(Vec::into_iter);
+        for id in 0..self.units.len() {
+            let (master, optim) = match &mut loaded {
+                Some(all) => all.next().expect("one per unit"),
+                // Checked in the first pass: failing now means the files changed since, and
+                // the units before this one are already loaded; the error says so.
+                None => read_unit(id).map_err(|e| {
+                    Error::Usage(format!(
+                        "{e}; the checkpoint changed while it was being loaded, and units 0..{id} hold its values: \
+                         load a checkpoint again before training"
+                    ))
+                })?,
+            };
             let model = self.model.clone();
             self.model = self.units[id].load(model, master, &self.shared)?;
             if with_optimizer {

@@ -11,6 +11,16 @@ impl Unit {
         self.home.export()
     }
 
+    /// The names of the optimizer state's tensors and its scalars.
+    pub fn state_layout(&self) -> (Vec<String>, Vec<(String, burn_pack::Scalar)>) {
+        self.home.state_layout()
+    }
+
+    /// One optimizer state tensor over the unit's range.
+    pub fn state_tensor(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        self.home.state_tensor(name)
+    }
+
     /// Replaces the optimizer state (a checkpoint load).
     pub fn import_state(&mut self, state: ExportedState, shared: &Shared) -> Result<()> {
         self.home.import(state, &shared.state_device())
