@@ -225,3 +225,39 @@ fn a_lazy_model_is_initialised_unit_by_unit_with_the_values_it_would_have_had() 
     };
     assert!(lazy == eager, "the lazily built model's initial values differ");
 }
+
+/// An offloaded checkpoint loads at another world size and stage, offloaded or not, and an
+/// offloaded engine loads one written at another world size: the loaded masters are the
+/// saved ones exactly.
+#[test]
+fn offloaded_checkpoints_move_between_world_sizes_and_stages() {
+    let init = tiny_gpt(true, 25);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("reshard");
+    let mode = MODES[5];
+    let cases = [
+        // (saved: world, stage, offloaded) -> (loaded: world, stage, offloaded)
+        ((2, 3, true), (1, 1, true)),
+        ((2, 3, true), (1, 2, false)),
+        ((1, 2, false), (2, 3, true)),
+        ((2, 1, true), (2, 3, true)),
+    ];
+    for ((sw, ss, so), (lw, ls, lo)) in cases {
+        let what = format!("world {sw} stage {ss} offloaded {so} -> world {lw} stage {ls} offloaded {lo}");
+        let keys = |stage: u8, offloaded: bool| if offloaded { nvme_keys(&root, stage) } else { String::new() };
+        let saved_plan = plan(&unit_recipe(ss, 1, mode, "bf16", &keys(ss, so)), sw);
+        let ckpt = root.join("ckpt");
+        let _ = std::fs::remove_dir_all(&ckpt);
+        let (_, saved) = run_steps(&w, &init, &saved_plan, 0..2, None, Some(&ckpt));
+        let load_plan = plan(&unit_recipe(ls, 1, mode, "bf16", &keys(ls, lo)), lw);
+        let loaded = launch(&load_plan, |ctx| {
+            let mut engine = Engine::with_units(init.clone(), &load_plan, &ctx)?;
+            engine.load_checkpoint(&ckpt, None, LoadOptions::default())?;
+            engine.master_params()
+        })
+        .unwrap()
+        .remove(0);
+        assert!(loaded == saved, "{what}: the loaded masters differ");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
