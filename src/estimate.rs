@@ -166,12 +166,12 @@ pub fn placement(plan: &crate::Plan, params: u64) -> Placement {
     if !stage.shards_parameters() {
         put(&Tier::Device, compute * params);
     } else if swapped || zero.offload.param.nvme_path().is_some() {
-        // The shard as the gather sends it; an NVMe file holds it as f32.
+        // The shard as the gather sends it, in the compute dtype (in memory or in a file).
         let cached = zero.offload.max_in_cpu.min(shard);
         match &zero.offload.param {
             Tier::Nvme(_) => {
                 put(&Tier::Host, compute * cached);
-                put(&zero.offload.param, 4 * (shard - cached));
+                put(&zero.offload.param, compute * (shard - cached));
             }
             tier => put(tier, compute * shard),
         }
@@ -242,9 +242,9 @@ mod tests {
         let param = r#""offload_param": {"device": "nvme", "nvme_path": "/y", "max_in_cpu": 100}"#;
         // bf16 stage 3, both tiers on NVMe: grads 2 x 500 and the cached 100 shard
         // elements x 2 in memory; masters 4 x 500, moments 8 x 500, the rest of the shard
-        // 4 x 400 on NVMe.
+        // 2 x 400 (bf16) on NVMe.
         let p = placement(&plan(&format!(r#""stage": 3, {nvme}, {param}"#), r#""bf16": {"enabled": true},"#), 1000);
-        assert_eq!(p, Placement { device: 0, host: 1000 + 200, nvme: 2000 + 4000 + 1600 });
+        assert_eq!(p, Placement { device: 0, host: 1000 + 200, nvme: 2000 + 4000 + 800 });
         // fp32 stage 2, optimizer on NVMe: the model's 4 x 1000 parameters are the masters;
         // grads 4 x 500; moments 8 x 500 on NVMe.
         let p = placement(&plan(&format!(r#""stage": 2, {nvme}"#), ""), 1000);

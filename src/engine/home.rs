@@ -16,7 +16,7 @@ use super::master::Values;
 use super::optimizer::{ExportedState, UnitOptimizer};
 use super::swapped::SwappedOptimizer;
 use super::unit::Shared;
-use crate::swap::SwapFile;
+use crate::swap::{SwapFile, pack, unpack, wait, words};
 use crate::{Error, Result};
 
 /// The error of every use of lost master weights (module note).
@@ -125,8 +125,8 @@ pub(crate) enum ParamShard {
     /// A compute-dtype copy in memory: the masters are swapped, or the unit is among the
     /// first `max_in_cpu` elements of an NVMe parameter tier.
     Memory(FlatBuf),
-    /// In a swap file (`offload_param: nvme`), read at each gather. The file holds the
-    /// compute-dtype values as f32 (exactly).
+    /// In a swap file (`offload_param: nvme`), read at each gather, in the compute dtype's
+    /// own bytes (half types two to a word: `swap::pack`).
     Swapped(SwapFile),
 }
 
@@ -140,8 +140,8 @@ impl ParamShard {
         let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
         match (&shared.swaps.param, home) {
             (Some(dir), _) if !in_cpu => {
-                let file = dir.file(&format!("u{id}.param"), values.len())?;
-                file.write_slice(0, &compute().into_f32())?;
+                let file = dir.file(&format!("u{id}.param"), words(shared.dtype(), values.len()))?;
+                wait(file.write(0, pack(&compute()))?)?;
                 Ok(ParamShard::Swapped(file))
             }
             (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
@@ -160,7 +160,7 @@ impl ParamShard {
         match self {
             Self::FromMaster => master(),
             Self::Memory(values) => Ok(values.clone()),
-            Self::Swapped(file) => Ok(FlatBuf::from_f32(dtype, &file.read_vec(0..len)?)),
+            Self::Swapped(file) => Ok(unpack(&file.read_vec(0..words(dtype, len))?, dtype, len)),
         }
     }
 
@@ -172,7 +172,7 @@ impl ParamShard {
                 *held = values;
                 Ok(())
             }
-            Self::Swapped(file) => file.write_slice(0, &values.into_f32()),
+            Self::Swapped(file) => wait(file.write(0, pack(&values))?).map(drop),
         }
     }
 
@@ -185,9 +185,9 @@ impl ParamShard {
     }
 
     /// Bytes in the swap file.
-    pub fn swapped_bytes(&self, len: usize) -> u64 {
+    pub fn swapped_bytes(&self, len: usize, dtype: zerotrain_precision::Precision) -> u64 {
         match self {
-            Self::Swapped(_) => (len * size_of::<f32>()) as u64,
+            Self::Swapped(_) => (words(dtype, len) * size_of::<f32>()) as u64,
             _ => 0,
         }
     }

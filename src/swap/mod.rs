@@ -19,6 +19,8 @@ use std::sync::Arc;
 
 pub use io::{ALIGN, AlignedBuf, IoPool, Ticket};
 
+use zerotrain_precision::{FlatBuf, Precision};
+
 use crate::config::AioPlan;
 use crate::{Error, Result};
 
@@ -209,6 +211,45 @@ impl SwapFile {
     }
 }
 
+/// f32 words that `len` elements of `dtype` take in a swap file: half types are packed two
+/// to a word, so a shard is stored in its own dtype's bytes.
+pub fn words(dtype: Precision, len: usize) -> usize {
+    match dtype {
+        Precision::Fp32 => len,
+        Precision::Fp16 | Precision::Bf16 => len.div_ceil(2),
+    }
+}
+
+/// `values`' bytes as the words of an aligned buffer ([`words`] of them).
+pub fn pack(values: &FlatBuf) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(words(values.dtype(), values.len()));
+    let out = buf.as_mut_slice();
+    let pair = |a: u16, b: u16| f32::from_bits(u32::from(a) | (u32::from(b) << 16));
+    match values {
+        FlatBuf::F32(v) => out.copy_from_slice(v),
+        FlatBuf::F16(v) => pack_pairs(out, v.iter().map(|h| h.to_bits()), pair),
+        FlatBuf::Bf16(v) => pack_pairs(out, v.iter().map(|h| h.to_bits()), pair),
+    }
+    buf
+}
+
+fn pack_pairs(out: &mut [f32], mut bits: impl Iterator<Item = u16>, pair: impl Fn(u16, u16) -> f32) {
+    for word in out {
+        let (a, b) = (bits.next().unwrap_or(0), bits.next().unwrap_or(0));
+        *word = pair(a, b);
+    }
+}
+
+/// The `len` elements of `dtype` that [`pack`] stored in `words`.
+pub fn unpack(words: &[f32], dtype: Precision, len: usize) -> FlatBuf {
+    let halves = || words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]).take(len);
+    match dtype {
+        Precision::Fp32 => FlatBuf::F32(words[..len].to_vec()),
+        Precision::Fp16 => FlatBuf::F16(halves().map(half::f16::from_bits).collect()),
+        Precision::Bf16 => FlatBuf::Bf16(halves().map(half::bf16::from_bits).collect()),
+    }
+}
+
 /// Waits for `ticket`, turning a failure into an error naming the file.
 pub fn wait(ticket: Ticket) -> Result<AlignedBuf> {
     ticket.wait().map_err(|(path, cause)| Error::Io { path, cause })
@@ -271,6 +312,20 @@ mod tests {
         assert!(dir.join("notes.txt").exists(), "a file that is not a swap file stays");
         drop(taken);
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// Half-precision values are stored in their own bytes and come back bit for bit, odd
+    /// lengths included; f32 values are themselves.
+    #[test]
+    fn half_values_pack_two_to_a_word() {
+        let values: Vec<f32> = (0..7).map(|i| i as f32 * 1.5 - 2.0).collect();
+        for dtype in [Precision::Bf16, Precision::Fp16, Precision::Fp32] {
+            let buf = FlatBuf::from_f32(dtype, &values);
+            let packed = pack(&buf);
+            assert_eq!(packed.as_slice().len(), words(dtype, 7));
+            assert_eq!(unpack(packed.as_slice(), dtype, 7), buf, "{dtype:?}");
+        }
+        assert_eq!(words(Precision::Bf16, 7), 4);
     }
 
     /// A swap file truncated or deleted under the job is an error naming it.

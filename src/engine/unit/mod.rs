@@ -25,7 +25,7 @@ use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params};
 pub(crate) use super::shared::Shared;
 use super::swapped::SwappedOptimizer;
-use crate::swap::{Ticket, wait};
+use crate::swap::{Ticket, unpack, wait, words};
 
 mod state;
 use crate::Result;
@@ -157,7 +157,7 @@ impl Unit {
         }
         let len = shared.layout(self.id).shard_len();
         if let ParamShard::Swapped(file) = &self.shard {
-            self.presence = Presence::Reading(file.read(0..len)?);
+            self.presence = Presence::Reading(file.read(0..words(shared.dtype(), len))?);
             return Ok(());
         }
         let input = self.shard.values(len, shared.dtype(), || self.held(len)?.to_host(shared.dtype()))?;
@@ -182,7 +182,8 @@ impl Unit {
             let start = Instant::now();
             let read = wait(ticket);
             times.comm_wait += start.elapsed().as_secs_f64();
-            self.start_gather(FlatBuf::from_f32(shared.dtype(), read?.as_slice()), shared);
+            let len = shared.layout(self.id).shard_len();
+            self.start_gather(unpack(read?.as_slice(), shared.dtype(), len), shared);
         }
         let Presence::Fetching(pending) = std::mem::replace(&mut self.presence, Presence::Gathered) else {
             return Ok((model, 0));

@@ -51,7 +51,7 @@ impl Unit {
 
     /// Bytes in swap files (masters, optimizer state, parameter shard).
     pub fn swapped_bytes(&self, shared: &Shared) -> u64 {
-        self.home.swapped_bytes() + self.shard.swapped_bytes(shared.layout(self.id).shard_len())
+        self.home.swapped_bytes() + self.shard.swapped_bytes(shared.layout(self.id).shard_len(), shared.dtype())
     }
 
     /// Bytes of the gradient accumulator.
