@@ -79,8 +79,6 @@ pub struct OffloadPlan {
     pub pipeline_read: bool,
     /// NVMe optimizer: write the previous tile while the current one steps.
     pub pipeline_write: bool,
-    /// NVMe parameters: unit shards read ahead at most.
-    pub param_buffer_count: u64,
     /// NVMe parameters: elements of unit shards kept cached in host memory.
     pub max_in_cpu: u64,
     /// The I/O settings.
@@ -97,7 +95,6 @@ impl OffloadPlan {
             buffer_count: 4,
             pipeline_read: false,
             pipeline_write: false,
-            param_buffer_count: 5,
             max_in_cpu: 1_000_000_000,
             aio: AioPlan { block_size: 1 << 20, requests_in_flight: 8 },
         }
@@ -238,14 +235,16 @@ fn param_keys(
         autos.no_effect(format!("{S}.device \"cpu\" (a CPU rank's parameter shards are in host memory already)"));
     }
     let nvme = plan.param.nvme_path().is_some();
-    plan.param_buffer_count = buffer_count(S, p.buffer_count, plan.param_buffer_count)?;
     plan.max_in_cpu = autos.or(&format!("{S}.max_in_cpu"), p.max_in_cpu, Count(plan.max_in_cpu), "DeepSpeed default").0;
-    let nvme_only =
-        [("buffer_count", p.buffer_count.is_some()), ("max_in_cpu", matches!(p.max_in_cpu, Some(AutoOr::Value(_))))];
-    if !nvme {
-        for (key, _) in nvme_only.iter().filter(|(_, set)| *set) {
-            autos.no_effect(format!("{S}.{key} (only with device \"nvme\")"));
-        }
+    if !nvme && matches!(p.max_in_cpu, Some(AutoOr::Value(_))) {
+        autos.no_effect(format!("{S}.max_in_cpu (only with device \"nvme\")"));
+    }
+    if p.buffer_count.is_some() {
+        buffer_count(S, p.buffer_count, 1)?;
+        autos.no_effect(format!(
+            "{S}.buffer_count (a unit's shard is read ahead when the unit before it runs, as \
+             stage3_prefetch_bucket_size allows; one read per unit)"
+        ));
     }
     if p.buffer_size.is_some() {
         autos.no_effect(format!("{S}.buffer_size (a parameter buffer holds one unit's shard, whatever its size)"));
@@ -369,6 +368,12 @@ mod tests {
         )
         .unwrap();
         let warning = p.warning().unwrap();
+        let nvme_param = plan(
+            r#"{"train_batch_size": 4, "zero_optimization": {"stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp/p", "buffer_count": 3}}}"#,
+        )
+        .unwrap();
+        assert!(nvme_param.warning().unwrap().contains("offload_param.buffer_count (a unit's shard is read ahead"));
         for key in [
             "offload_optimizer.device \"cpu\"",
             "offload_optimizer.pin_memory",
