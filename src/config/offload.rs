@@ -71,7 +71,7 @@ pub struct OffloadPlan {
     pub optimizer: Tier,
     /// Stage 3: where each unit's parameter shard (compute dtype) lives between uses.
     pub param: Tier,
-    /// Elements per optimizer tile (a multiple of [`TILE_ALIGN_ELEMS`]).
+    /// Elements per optimizer tile (a multiple of 1024, so tiles start on 4 KiB boundaries).
     pub sub_group_size: u64,
     /// NVMe optimizer: tile buffers (one per tensor of a tile) in memory at once.
     pub buffer_count: u64,
