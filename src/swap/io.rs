@@ -10,7 +10,8 @@
 //! disk's sequential bandwidth here (the bench measures it). Direct I/O keeps the page
 //! cache from holding a second copy of every state (the point of offloading is that memory
 //! does not hold them) and from hiding the disk's real speed; a filesystem without it
-//! (tmpfs) falls back to buffered I/O, said once by the engine.
+//! (tmpfs before Linux 6.6, some network filesystems) falls back to buffered I/O, said once
+//! by the engine.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::File;

@@ -129,7 +129,7 @@ fn remove_swap_files(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Whether files in `dir` open with `O_DIRECT` (tmpfs refuses it).
+/// Whether files in `dir` open with `O_DIRECT` (tmpfs before Linux 6.6 refuses it).
 fn supports_direct_io(dir: &Path) -> bool {
     let probe = dir.join(format!("probe{SUFFIX}"));
     let ok =
