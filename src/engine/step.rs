@@ -51,7 +51,16 @@ impl<M: Module> Engine<M> {
                 let mut grads = grads.into_f32();
                 grads.iter_mut().for_each(|g| *g *= factor);
                 let model = self.model.clone();
-                let (model, transient) = self.units[id].step(model, lr, grads, &self.shared, &mut self.window.times)?;
+                let stepped = self.units[id].step(model, lr, grads, &self.shared, &mut self.window.times);
+                let (model, transient) = match stepped {
+                    Ok(stepped) => stepped,
+                    Err(e) => {
+                        // The window's gradients are spent: close it, so that the caller
+                        // can load a checkpoint (the units say what the failure left).
+                        self.window = Window { comm_at_start: self.comm_stats(), ..Window::default() };
+                        return Err(e);
+                    }
+                };
                 self.model = model;
                 self.peaks.transient = self.peaks.transient.max(transient);
             }

@@ -73,6 +73,10 @@ pub(crate) struct SwappedOptimizer {
     pipeline_read: bool,
     pipeline_write: bool,
     dir: Arc<SwapDir>,
+    /// A step failed part-way: some tiles hold the new values, some the old. Every use is
+    /// an error until a checkpoint load writes the whole range again (see `home.rs`'s note
+    /// on lost master weights).
+    torn: bool,
 }
 
 impl SwappedOptimizer {
@@ -132,6 +136,7 @@ impl SwappedOptimizer {
             pipeline_read: offload.pipeline_read,
             pipeline_write: offload.pipeline_write,
             dir: Arc::clone(dir),
+            torn: false,
         })
     }
 
@@ -168,6 +173,33 @@ impl SwappedOptimizer {
         if grads.len() != self.len || masters.as_ref().is_some_and(|m| m.len() != self.len) {
             return Err(Error::Model(format!("unit {}: gradients for a range of {} elements", self.unit, self.len)));
         }
+        self.check()?;
+        self.torn = true;
+        let out = self.step_tiles(lr, grads, masters, dtype, device)?;
+        self.torn = false;
+        Ok(out)
+    }
+
+    /// An error if a step failed part-way (see `torn`).
+    fn check(&self) -> Result<()> {
+        match self.torn {
+            true => Err(Error::Usage(format!(
+                "unit {}'s offloaded optimizer step failed part-way, so its swap files mix two steps; load a \
+                 checkpoint with its optimizer states to go on",
+                self.unit
+            ))),
+            false => Ok(()),
+        }
+    }
+
+    fn step_tiles(
+        &mut self,
+        lr: f64,
+        grads: &[f32],
+        mut masters: Option<Vec<f32>>,
+        dtype: Precision,
+        device: &Device,
+    ) -> Result<FlatBuf> {
         let (read_ahead, write_behind) = self.pipelining();
         let mut out = match &masters {
             Some(_) => None,
@@ -292,11 +324,14 @@ impl SwappedOptimizer {
             tile.has_state = !tensors.is_empty();
         }
         self.scalars = scalars;
+        // The whole range's state is written again: whatever a failed step tore is gone.
+        self.torn = false;
         Ok(())
     }
 
     /// The masters of the whole range (mixed precision; checkpoints).
     pub fn masters(&self) -> Result<Option<Vec<f32>>> {
+        self.check()?;
         self.master.as_ref().map(|f| f.read_vec(0..self.len)).transpose()
     }
 
@@ -315,6 +350,7 @@ impl SwappedOptimizer {
 
     /// One optimizer state tensor over the whole range, read from its file alone.
     pub fn state_tensor(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        self.check()?;
         self.states.iter().find(|(n, _)| n == name).map(|(_, f)| f.read_vec(0..self.len)).transpose()
     }
 
@@ -325,6 +361,7 @@ impl SwappedOptimizer {
 
     /// The optimizer state over the whole range (checkpoints).
     pub fn export(&self) -> Result<ExportedState> {
+        self.check()?;
         let tensors =
             self.states.iter().map(|(n, f)| Ok((n.clone(), f.read_vec(0..self.len)?))).collect::<Result<_>>()?;
         Ok((tensors, self.scalars.clone()))

@@ -261,3 +261,75 @@ fn offloaded_checkpoints_move_between_world_sizes_and_stages() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A torn step: an offloaded optimizer step that fails part-way (here in its third tile)
+/// leaves some tiles stepped and some not. Every later use of the unit is an error saying so
+/// (a save, the masters), never a checkpoint of mixed states; loading a checkpoint heals it
+/// and training goes on.
+#[test]
+fn a_step_that_fails_part_way_is_never_used() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn::tensor::{Device, Tensor};
+    use zerotrain::engine::optimizer::{ExportedState, ShardOptimizer};
+
+    /// Plain SGD, failing at the step whose number (over every tile) is `fail_at`.
+    struct Flaky {
+        steps: Arc<AtomicUsize>,
+        fail_at: Arc<AtomicUsize>,
+    }
+    impl ShardOptimizer for Flaky {
+        fn step(&mut self, lr: f64, p: Tensor<1>, g: Tensor<1>) -> zerotrain::Result<Tensor<1>> {
+            if self.steps.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at.load(Ordering::SeqCst) {
+                return Err(Error::Model("injected failure in a tile".into()));
+            }
+            Ok(p - g.mul_scalar(lr))
+        }
+        fn state_bytes(&self) -> u64 {
+            0
+        }
+        fn export(&self) -> ExportedState {
+            (Vec::new(), Vec::new())
+        }
+        fn import(&mut self, _: ExportedState, _: &Device) -> zerotrain::Result<()> {
+            Ok(())
+        }
+    }
+
+    let init = tiny_gpt(true, 27);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("torn");
+    let p = plan(&unit_recipe(2, 1, MODES[2], "bf16", &nvme_keys(&root, 2)), 1);
+    let ckpt = root.join("ckpt");
+    let (steps, fail_at) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(usize::MAX)));
+    let outcome = launch(&p, |ctx| {
+        let (s, f) = (Arc::clone(&steps), Arc::clone(&fail_at));
+        let mut engine = Engine::builder(init.clone(), &p, &ctx)
+            .optimizer(move |_| Box::new(Flaky { steps: Arc::clone(&s), fail_at: Arc::clone(&f) }))
+            .build_units()?;
+        let batch = |step| crate::units::Workload::batch(&w, &p, step, 0, ctx.rank(), ctx.device());
+        engine.forward_backward(&batch(0))?;
+        engine.step()?;
+        engine.save_checkpoint(&ckpt, None, serde_json::Value::Null)?;
+        fail_at.store(steps.load(Ordering::SeqCst) + 3, Ordering::SeqCst);
+        engine.forward_backward(&batch(1))?;
+        let failed = engine.step().unwrap_err().to_string();
+        let saving = engine.save_checkpoint(root.join("torn-ckpt"), None, serde_json::Value::Null).unwrap_err();
+        let masters = engine.master_params().unwrap_err();
+        engine.load_checkpoint(&ckpt, None, LoadOptions::default())?;
+        engine.forward_backward(&batch(1))?;
+        let healed = engine.step()?.is_some();
+        Ok::<_, Error>((failed, saving.to_string(), masters.to_string(), healed))
+    })
+    .unwrap()
+    .remove(0);
+    let (failed, saving, masters, healed) = outcome;
+    assert!(failed.contains("injected failure in a tile"), "{failed}");
+    for err in [&saving, &masters] {
+        assert!(err.contains("failed part-way") && err.contains("load a checkpoint"), "{err}");
+    }
+    assert!(!root.join("torn-ckpt").join("latest").exists(), "nothing of the torn state was committed");
+    assert!(healed, "training goes on after the load");
+    let _ = std::fs::remove_dir_all(&root);
+}
