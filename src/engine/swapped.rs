@@ -166,7 +166,7 @@ impl SwappedOptimizer {
         &mut self,
         lr: f64,
         grads: &[f32],
-        mut masters: Option<Vec<f32>>,
+        masters: Option<Vec<f32>>,
         dtype: Precision,
         device: &Device,
     ) -> Result<FlatBuf> {
