@@ -48,7 +48,7 @@ mod shared;
 mod span;
 mod step;
 mod swapped;
-pub(crate) use swapped::SwappedOptimizer;
+pub(crate) use swapped::{SwappedOptimizer, Swapping};
 #[cfg(all(test, feature = "cli"))]
 mod stream_tests;
 #[cfg(test)]

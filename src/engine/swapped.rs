@@ -58,6 +58,15 @@ impl Writing {
     }
 }
 
+/// What every unit's swapped optimizer is built from: the optimizer's plan and factory, the
+/// offload settings and the rank's swap folder.
+pub(crate) struct Swapping<'a> {
+    pub optim: &'a OptimPlan,
+    pub factory: &'a OptimizerFactory,
+    pub offload: &'a OffloadPlan,
+    pub dir: &'a Arc<SwapDir>,
+}
+
 /// One unit's swapped optimizer (module docs).
 pub(crate) struct SwappedOptimizer {
     unit: usize,
@@ -81,19 +90,16 @@ pub(crate) struct SwappedOptimizer {
 
 impl SwappedOptimizer {
     /// Unit `unit`'s optimizer over a range of `len` elements whose pieces are `segments`,
-    /// tiled and swapped to `dir`; `masters` are the range's initial fp32 values in mixed
-    /// precision (`None` in fp32).
-    #[allow(clippy::too_many_arguments)]
+    /// tiled and swapped as `with` says; `masters` are the range's initial fp32 values in
+    /// mixed precision (`None` in fp32).
     pub fn new(
         unit: usize,
         len: usize,
         segments: &[ShardSegment],
-        optim: &OptimPlan,
-        factory: &OptimizerFactory,
-        offload: &OffloadPlan,
-        dir: &Arc<SwapDir>,
         masters: Option<&[f32]>,
+        with: &Swapping<'_>,
     ) -> Result<Self> {
+        let Swapping { optim, factory, offload, dir } = *with;
         let tile = (offload.sub_group_size as usize).max(ALIGN_ELEMS);
         let tiles = (0..len.div_ceil(tile).max(1))
             .map(|t| {

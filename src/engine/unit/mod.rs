@@ -24,7 +24,7 @@ use super::master::Values;
 use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params};
 pub(crate) use super::shared::Shared;
-use super::swapped::SwappedOptimizer;
+use super::swapped::{SwappedOptimizer, Swapping};
 use crate::swap::{Ticket, unpack, wait, words};
 
 mod state;
@@ -87,16 +87,8 @@ impl Unit {
         let home = match &shared.swaps.optimizer {
             Some(dir) => {
                 let masters = (!fp32).then(|| &values[range.clone()]);
-                let swapped = SwappedOptimizer::new(
-                    id,
-                    range.len(),
-                    &segments,
-                    &plan.optim,
-                    factory,
-                    &plan.zero.offload,
-                    dir,
-                    masters,
-                )?;
+                let with = Swapping { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
+                let swapped = SwappedOptimizer::new(id, range.len(), &segments, masters, &with)?;
                 Home::Swapped(Box::new(swapped))
             }
             None => {
