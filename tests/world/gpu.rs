@@ -10,7 +10,9 @@ use zerotrain::config::ComputeDevice;
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;
-use crate::units::{MODES, Mode, STEPS, Tokens, Workload, check_run, padded, tiny_gpt, train, unit_recipe, unit_sizes};
+use crate::units::{
+    MODES, Mode, Params, STEPS, Tokens, Workload, check_run, padded, tiny_gpt, train, unit_recipe, unit_sizes,
+};
 
 /// The engine on wgpu against plain Burn on the same device: the engine's arithmetic is
 /// the device's, summed in another order, as on the CPU (`units.rs`: 5e-6). Measured
@@ -179,23 +181,7 @@ fn model_states_on_the_device_fall_with_the_stage() {
     // The first run also allocates what the process keeps for good: not measured.
     for (run, stage) in [0u8, 0, 1, 2, 3].into_iter().enumerate() {
         let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", ""), "wgpu"), n);
-        let grown = launch(&plan, |ctx| {
-            let comm = ctx.collective();
-            let in_use = || ctx.device().memory_pool_usage().expect("wgpu reports its memory pools").bytes_in_use;
-            comm.barrier()?;
-            let before = in_use();
-            comm.barrier()?;
-            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
-            for step in 0..2 {
-                engine.forward_backward(&w.batch(&plan, step, 0, ctx.rank(), ctx.device()))?;
-                engine.step()?;
-            }
-            comm.barrier()?;
-            let after = in_use();
-            comm.barrier()?;
-            Ok::<_, Error>(after - before)
-        })
-        .unwrap()[0];
+        let (grown, _) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match stage {
             0 => 4 * psi + 8 * psi,
             1 | 2 => 4 * psi + 8 * shard,
@@ -234,25 +220,7 @@ fn cpu_offload_leaves_only_the_parameters_on_the_device() {
     let mut measured = Vec::new();
     for (run, (stage, offload)) in [(1u8, ""), (1, cpu), (2, cpu), (3, cpu), (1, "")].into_iter().enumerate() {
         let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", offload), "wgpu"), n);
-        let (grown, params) = launch(&plan, |ctx| {
-            let comm = ctx.collective();
-            let in_use = || ctx.device().memory_pool_usage().expect("wgpu reports its memory pools").bytes_in_use;
-            comm.barrier()?;
-            let before = in_use();
-            comm.barrier()?;
-            let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
-            for step in 0..2 {
-                engine.forward_backward(&w.batch(&plan, step, 0, ctx.rank(), ctx.device()))?;
-                engine.step()?;
-            }
-            comm.barrier()?;
-            let after = in_use();
-            comm.barrier()?;
-            let params = params_by_path(&engine.full_model()?);
-            Ok::<_, Error>((after - before, params))
-        })
-        .unwrap()
-        .remove(0);
+        let (grown, params) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match (stage, offload.is_empty()) {
             (1 | 2, true) => 4 * psi + 8 * padded_shard(&sizes, root, n),
             (1 | 2, false) => 4 * psi,
@@ -278,6 +246,30 @@ fn cpu_offload_leaves_only_the_parameters_on_the_device() {
         let (diff, path) = max_abs_diff(params, in_memory);
         assert!(diff <= PARAM_TOL, "stage {stage} offloaded: parameters differ by {diff} at `{path}`");
     }
+}
+
+/// Rank 0's growth of the device allocator's bytes in use over building an engine of
+/// `init` in units and training it 2 steps (every rank between the same barriers), and its
+/// trained parameters.
+fn device_bytes_grown(plan: &zerotrain::Plan, init: &zerotrain::app::models::Gpt, w: &Tokens) -> (u64, Params) {
+    launch(plan, |ctx| {
+        let comm = ctx.collective();
+        let in_use = || ctx.device().memory_pool_usage().expect("wgpu reports its memory pools").bytes_in_use;
+        comm.barrier()?;
+        let before = in_use();
+        comm.barrier()?;
+        let mut engine = Engine::with_units(init.clone(), plan, &ctx)?;
+        for step in 0..2 {
+            engine.forward_backward(&w.batch(plan, step, 0, ctx.rank(), ctx.device()))?;
+            engine.step()?;
+        }
+        comm.barrier()?;
+        let after = in_use();
+        comm.barrier()?;
+        Ok::<_, Error>((after - before, params_by_path(&engine.full_model()?)))
+    })
+    .unwrap()
+    .remove(0)
 }
 
 /// The rank's shard of every unit (and the root), padded as the rule says.
