@@ -196,9 +196,7 @@ fn optimizer_keys(
             message: format!("partial offload is not supported: only 1 (offload everything), got {ratio}"),
         });
     }
-    if plan.optimizer == Tier::Host && device == ComputeDevice::Cpu {
-        autos.no_effect(format!("{S}.device \"cpu\" (a CPU rank's optimizer state is in host memory already)"));
-    }
+    host_notes(S, &plan.optimizer, o.pin_memory, device, "optimizer state is", autos);
     let nvme = plan.optimizer.nvme_path().is_some();
     plan.buffer_count = buffer_count(S, o.buffer_count, plan.buffer_count)?;
     let both = o.pipeline.unwrap_or(false);
@@ -215,9 +213,6 @@ fn optimizer_keys(
             autos.no_effect(format!("{S}.{key} (only with device \"nvme\")"));
         }
     }
-    if o.pin_memory == Some(true) {
-        autos.no_effect(format!("{S}.pin_memory (host buffers are not page-locked: {})", pin_why(device)));
-    }
     if o.fast_init == Some(true) {
         autos.no_effect(format!("{S}.fast_init (swap files are written as they are first filled)"));
     }
@@ -231,9 +226,7 @@ fn param_keys(
     autos: &mut Autos,
 ) -> Result<(), ConfigError> {
     const S: &str = "zero_optimization.offload_param";
-    if plan.param == Tier::Host && device == ComputeDevice::Cpu {
-        autos.no_effect(format!("{S}.device \"cpu\" (a CPU rank's parameter shards are in host memory already)"));
-    }
+    host_notes(S, &plan.param, p.pin_memory, device, "parameter shards are", autos);
     let nvme = plan.param.nvme_path().is_some();
     plan.max_in_cpu = autos.or(&format!("{S}.max_in_cpu"), p.max_in_cpu, Count(plan.max_in_cpu), "DeepSpeed default").0;
     if !nvme && matches!(p.max_in_cpu, Some(AutoOr::Value(_))) {
@@ -249,10 +242,25 @@ fn param_keys(
     if p.buffer_size.is_some() {
         autos.no_effect(format!("{S}.buffer_size (a parameter buffer holds one unit's shard, whatever its size)"));
     }
-    if p.pin_memory == Some(true) {
-        autos.no_effect(format!("{S}.pin_memory (host buffers are not page-locked: {})", pin_why(device)));
-    }
     Ok(())
+}
+
+/// What both sections note alike: `device: "cpu"` on a CPU rank (where `what` already
+/// lives in host memory), and `pin_memory`.
+fn host_notes(
+    section: &str,
+    tier: &Tier,
+    pin_memory: Option<bool>,
+    device: ComputeDevice,
+    what: &str,
+    autos: &mut Autos,
+) {
+    if *tier == Tier::Host && device == ComputeDevice::Cpu {
+        autos.no_effect(format!("{section}.device \"cpu\" (a CPU rank's {what} in host memory already)"));
+    }
+    if pin_memory == Some(true) {
+        autos.no_effect(format!("{section}.pin_memory (host buffers are not page-locked: {})", pin_why(device)));
+    }
 }
 
 /// A section's `buffer_count`, or `default`; 0 is an error naming the key.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use burn::tensor::Device;
 use zerotrain_precision::Precision;
-use zerotrain_zero::{Collective, FlatLayout, Sharding, ZeroStage};
+use zerotrain_zero::{Collective, FlatLayout, ReduceOp, Sharding, ZeroStage};
 
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
@@ -34,16 +34,22 @@ impl Swaps {
         };
         let opened = open(&offload.optimizer, "optimizer")
             .and_then(|optimizer| Ok(Self { optimizer, param: open(&offload.param, "param")? }));
-        let mut failed = vec![0.0f32; world.world_size()];
-        failed[world.rank()] = f32::from(u8::from(opened.is_err()));
-        world.all_reduce((&mut failed).into(), zerotrain_zero::ReduceOp::Sum)?;
-        let ranks: Vec<usize> = (0..failed.len()).filter(|&r| failed[r] > 0.0).collect();
-        match opened {
-            Ok(_) if !ranks.is_empty() => {
-                Err(Error::PeerFailed { ranks, phase: "opening their NVMe swap folders".into() })
-            }
-            opened => opened,
-        }
+        agree(world, opened, "opening their NVMe swap folders")
+    }
+}
+
+/// All ranks of `comm` agree on whether `result` succeeded everywhere: a failing rank
+/// returns its own error, the others [`Error::PeerFailed`] naming the failed ranks. The
+/// ranks stay usable, so a caller may catch the failure and go on.
+pub(crate) fn agree<T>(comm: &dyn Collective, result: Result<T>, phase: &str) -> Result<T> {
+    let mut failed = vec![0.0f32; comm.world_size()];
+    failed[comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
+    comm.all_reduce((&mut failed).into(), ReduceOp::Max)?;
+    let ranks: Vec<usize> = failed.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
+    match result {
+        Err(e) => Err(e),
+        Ok(_) if !ranks.is_empty() => Err(Error::PeerFailed { ranks, phase: phase.to_string() }),
+        Ok(v) => Ok(v),
     }
 }
 

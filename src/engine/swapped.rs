@@ -294,10 +294,10 @@ impl SwappedOptimizer {
         let start = self.tiles[t].range.start;
         let mut tickets = Vec::with_capacity(1 + tensors.len());
         if let Some(file) = &self.master {
-            tickets.push(file.write(start, aligned(masters))?);
+            tickets.push(file.write(start, AlignedBuf::from_slice(masters))?);
         }
         for ((_, file), (_, values)) in self.states.iter().zip(&tensors) {
-            tickets.push(file.write(start, aligned(values))?);
+            tickets.push(file.write(start, AlignedBuf::from_slice(values))?);
         }
         Ok(Writing(tickets))
     }
@@ -378,13 +378,6 @@ impl SwappedOptimizer {
         let tensors = self.states.len() + usize::from(self.master.is_some());
         (tensors * self.len * size_of::<f32>()) as u64
     }
-}
-
-/// `values` in a new aligned buffer.
-fn aligned(values: &[f32]) -> AlignedBuf {
-    let mut buf = AlignedBuf::zeroed(values.len());
-    buf.as_mut_slice().copy_from_slice(values);
-    buf
 }
 
 /// A state name as a file name (`momentum.moment_1` stays; anything odd becomes `_`).

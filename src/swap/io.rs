@@ -52,6 +52,13 @@ impl AlignedBuf {
         Self { ptr, len, cap }
     }
 
+    /// A buffer holding a copy of `values`.
+    pub fn from_slice(values: &[f32]) -> Self {
+        let mut buf = Self::zeroed(values.len());
+        buf.as_mut_slice().copy_from_slice(values);
+        buf
+    }
+
     fn layout(cap: usize) -> Layout {
         Layout::from_size_align(cap * size_of::<f32>(), ALIGN).expect("swap buffer size fits a Layout")
     }

@@ -159,13 +159,13 @@ impl SwapFile {
     pub fn read(&self, range: Range<usize>) -> Result<Ticket> {
         self.check_intact()?;
         let buf = AlignedBuf::zeroed(range.len());
-        self.check_span(range.start, &buf)?;
+        self.check_span(range.start, &buf);
         Ok(self.io.submit(&self.file, &self.path, (range.start * size_of::<f32>()) as u64, buf, false))
     }
 
     /// Starts writing `buf` at element `start` (a multiple of [`ALIGN_ELEMS`]).
     pub fn write(&self, start: usize, buf: AlignedBuf) -> Result<Ticket> {
-        self.check_span(start, &buf)?;
+        self.check_span(start, &buf);
         Ok(self.io.submit(&self.file, &self.path, (start * size_of::<f32>()) as u64, buf, true))
     }
 
@@ -176,16 +176,14 @@ impl SwapFile {
 
     /// Writes `values` at element `start` (waiting).
     pub fn write_slice(&self, start: usize, values: &[f32]) -> Result<()> {
-        let mut buf = AlignedBuf::zeroed(values.len());
-        buf.as_mut_slice().copy_from_slice(values);
-        wait(self.write(start, buf)?).map(drop)
+        wait(self.write(start, AlignedBuf::from_slice(values))?).map(drop)
     }
 
-    fn check_span(&self, start: usize, buf: &AlignedBuf) -> Result<()> {
+    /// The callers' invariant: requests start on a page boundary and end inside the file.
+    fn check_span(&self, start: usize, buf: &AlignedBuf) {
         let offset = (start * size_of::<f32>()) as u64;
         assert!(start.is_multiple_of(ALIGN_ELEMS), "swap requests start on a {ALIGN}-byte boundary");
         assert!(offset + buf.capacity_bytes() <= self.bytes, "swap request inside the file");
-        Ok(())
     }
 
     /// A swap file truncated, deleted or replaced under a running job is an error naming
@@ -222,11 +220,14 @@ pub fn words(dtype: Precision, len: usize) -> usize {
 
 /// `values`' bytes as the words of an aligned buffer ([`words`] of them).
 pub fn pack(values: &FlatBuf) -> AlignedBuf {
+    if let FlatBuf::F32(v) = values {
+        return AlignedBuf::from_slice(v);
+    }
     let mut buf = AlignedBuf::zeroed(words(values.dtype(), values.len()));
     let out = buf.as_mut_slice();
     let pair = |a: u16, b: u16| f32::from_bits(u32::from(a) | (u32::from(b) << 16));
     match values {
-        FlatBuf::F32(v) => out.copy_from_slice(v),
+        FlatBuf::F32(_) => unreachable!("copied above"),
         FlatBuf::F16(v) => pack_pairs(out, v.iter().map(|h| h.to_bits()), pair),
         FlatBuf::Bf16(v) => pack_pairs(out, v.iter().map(|h| h.to_bits()), pair),
     }

@@ -109,8 +109,7 @@ pub fn run(elems: usize, nvme: &Path, tile_elems: usize, repeats: usize) -> anyh
     let disk_write = best(repeats, || {
         for f in &files {
             for start in (0..n).step_by(tile) {
-                let mut buf = AlignedBuf::zeroed(tile.min(n - start));
-                buf.as_mut_slice().copy_from_slice(&p[start..start + tile.min(n - start)]);
+                let buf = AlignedBuf::from_slice(&p[start..start + tile.min(n - start)]);
                 wait(f.write(start, buf)?)?;
             }
         }

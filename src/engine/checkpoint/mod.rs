@@ -22,7 +22,6 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use zerotrain_checkpoint::{BufferSet, Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
 use zerotrain_precision::LossScaler;
-use zerotrain_zero::ReduceOp;
 
 use self::state::EngineState;
 pub use self::state::LoadOptions;
@@ -328,16 +327,7 @@ impl<M: Module> Engine<M> {
     /// own error, the others [`Error::PeerFailed`] naming the failed ranks. The world stays
     /// usable, so a caller may catch a failed save and go on training.
     pub(super) fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
-        let comm = &self.shared.world;
-        let mut failed = vec![0.0f32; comm.world_size()];
-        failed[comm.rank()] = if result.is_ok() { 0.0 } else { 1.0 };
-        comm.all_reduce((&mut failed).into(), ReduceOp::Max)?;
-        let ranks: Vec<usize> = failed.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
-        match result {
-            Err(e) => Err(e),
-            Ok(_) if !ranks.is_empty() => Err(Error::PeerFailed { ranks, phase: phase.to_string() }),
-            Ok(v) => Ok(v),
-        }
+        super::shared::agree(self.shared.world.as_ref(), result, phase)
     }
 }
 
