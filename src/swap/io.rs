@@ -156,21 +156,20 @@ pub struct IoPool {
 }
 
 impl IoPool {
-    /// `threads` I/O threads moving `block_bytes` (a multiple of [`ALIGN`]) per call.
-    pub fn new(threads: usize, block_bytes: usize) -> Self {
+    /// `threads` I/O threads moving `block_bytes` (a multiple of [`ALIGN`]) per call; the
+    /// system's error if a thread cannot be started (the ones started stop again).
+    pub fn new(threads: usize, block_bytes: usize) -> std::io::Result<Self> {
         let (tx, rx) = channel::<Block>();
         let rx = Arc::new(Mutex::new(rx));
-        let threads = (0..threads.max(1))
-            .map(|i| {
-                let rx = Arc::clone(&rx);
-                std::thread::Builder::new()
-                    .name(format!("zerotrain-io-{i}"))
-                    .spawn(move || serve(&rx))
-                    .expect("spawning an I/O thread")
-            })
-            .collect();
         let block_bytes = block_bytes.next_multiple_of(ALIGN).max(ALIGN);
-        Self { queue: Some(tx), threads, block_bytes, moved: [AtomicU64::new(0), AtomicU64::new(0)] }
+        let mut pool =
+            Self { queue: Some(tx), threads: Vec::new(), block_bytes, moved: [AtomicU64::new(0), AtomicU64::new(0)] };
+        for i in 0..threads.max(1) {
+            let rx = Arc::clone(&rx);
+            // On error `pool` drops here, closing the queue and joining the threads so far.
+            pool.threads.push(std::thread::Builder::new().name(format!("zerotrain-io-{i}")).spawn(move || serve(&rx))?);
+        }
+        Ok(pool)
     }
 
     /// Bytes requested so far: (read, written).

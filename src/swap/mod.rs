@@ -74,7 +74,9 @@ impl SwapDir {
         // Whatever is here belongs to a run that is gone: scratch, never a checkpoint.
         remove_swap_files(&dir)?;
         let direct = supports_direct_io(&dir);
-        let io = Arc::new(IoPool::new(aio.requests_in_flight, aio.block_size as usize));
+        let io = IoPool::new(aio.requests_in_flight, aio.block_size as usize)
+            .map_err(|cause| Error::Io { path: dir.clone(), cause })?;
+        let io = Arc::new(io);
         Ok(Self { dir, _lock: lock, io, direct })
     }
 
