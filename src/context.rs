@@ -19,6 +19,7 @@ pub struct RankContext {
     device: Device,
     comm: Arc<dyn Collective>,
     topology: Topology,
+    notices: Vec<String>,
 }
 
 impl RankContext {
@@ -26,7 +27,23 @@ impl RankContext {
     /// pipeline (every rank is a data-parallel rank).
     pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
         let (rank, world_size) = (comm.rank(), comm.world_size());
-        Self { rank, world_size, device, comm, topology: Topology { stages: 1, data_parallel: world_size } }
+        let topology = Topology { stages: 1, data_parallel: world_size };
+        Self { rank, world_size, device, comm, topology, notices: Vec::new() }
+    }
+
+    /// The same rank with its collectives on `comm` (the same ranks, another library), and
+    /// `notice` for the engine to give, if any.
+    pub(crate) fn with_collective(mut self, comm: Arc<dyn Collective>, notice: Option<String>) -> Self {
+        debug_assert_eq!((comm.rank(), comm.world_size()), (self.rank, self.world_size));
+        self.comm = comm;
+        self.notices.extend(notice);
+        self
+    }
+
+    /// What the launcher has to say about how this rank runs (where `zerotrain.collectives:
+    /// "auto"` fell back to the host backend, say); the engine gives each as a notice.
+    pub fn notices(&self) -> &[String] {
+        &self.notices
     }
 
     /// The same rank in a job of `stages` pipeline stages (DeepSpeed's order: rank `r` is

@@ -50,9 +50,20 @@ impl Placement {
         Ok(Self { devices: devices.into_iter().map(Device::autodiff).collect() })
     }
 
+    /// How many devices ranks are placed on.
+    pub(crate) fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The index, among this kind's devices, of local rank `local_rank`'s device (the CUDA
+    /// ordinal on `cuda`).
+    pub(crate) fn ordinal(&self, local_rank: usize) -> usize {
+        local_rank % self.devices.len()
+    }
+
     /// The device of local rank `local_rank` (autodiff enabled).
     pub(crate) fn device(&self, local_rank: usize) -> Device {
-        self.devices[local_rank % self.devices.len()].clone()
+        self.devices[self.ordinal(local_rank)].clone()
     }
 }
 
@@ -88,6 +99,15 @@ fn cuda_devices() -> Vec<Device> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_devices() -> Vec<Device> {
     Vec::new()
+}
+
+/// How many processes `mpirun` (or Slurm) started on this machine; `None` outside such a
+/// launcher.
+#[cfg(feature = "mpi")]
+pub(crate) fn mpi_local_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.parse().ok())
 }
 
 /// This process's rank among the processes `mpirun` (or Slurm) started on this machine;

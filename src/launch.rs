@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use zerotrain_zero::{CommThread, ThreadWorld};
 
+use crate::collectives::{self, Machine};
 use crate::config::{Backend, MpirunEnvironment, Plan};
 use crate::device::Placement;
 #[cfg(feature = "mpi")]
-use crate::device::mpi_local_rank;
+use crate::device::{mpi_local_rank, mpi_local_size};
 use crate::error::panic_message;
 use crate::{Error, RankContext, Result};
 
@@ -83,8 +84,13 @@ where
     }
     let rank = comm.rank();
     let comm: Arc<dyn Collective> = Arc::new(comm);
-    let device = Placement::find(plan.runtime.device).map(|p| p.device(mpi_local_rank().unwrap_or(rank)));
-    let ctx = match device.and_then(|device| RankContext::new(Arc::clone(&comm), device).with_stages(stages(plan))) {
+    let local_rank = mpi_local_rank().unwrap_or(rank);
+    let ctx = Placement::find(plan.runtime.device).and_then(|placement| {
+        let ctx = RankContext::new(Arc::clone(&comm), placement.device(local_rank)).with_stages(stages(plan))?;
+        let machine = Machine { ranks: mpi_local_size().unwrap_or(1), gpus: placement.len() };
+        with_collectives(ctx, plan, machine, placement.ordinal(local_rank))
+    });
+    let ctx = match ctx {
         Ok(ctx) => ctx,
         Err(e) => {
             comm.abort(&e.to_string());
@@ -131,11 +137,20 @@ where
                 let ctx = RankContext::new(Arc::new(comm), placement.device(rank))
                     .with_stages(stages(plan))
                     .map_err(|e| not_started("context", &e))?;
-                let (world, f, done) = (&world, &f, done.clone());
+                let (world, f, done, placement) = (&world, &f, done.clone(), &placement);
                 std::thread::Builder::new()
                     .name(format!("zerotrain-rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        let result = run_rank(rank, &|reason| world.abort(rank, reason), || f(ctx));
+                        let machine = Machine { ranks: plan.world_size(), gpus: placement.len() };
+                        type Failure = Box<dyn std::error::Error + Send + Sync>;
+                        let result = run_rank(
+                            rank,
+                            &|reason| world.abort(rank, reason),
+                            || -> std::result::Result<T, Failure> {
+                                let ctx = with_collectives(ctx, plan, machine, placement.ordinal(rank))?;
+                                f(ctx).map_err(Into::into)
+                            },
+                        );
                         let _ = done.send(rank);
                         result
                     })
@@ -168,6 +183,21 @@ where
         .or_else(|| errors.iter().position(|(rank, _, _)| Some(*rank) == first_abort))
         .unwrap_or(0);
     Err(errors.swap_remove(root).1)
+}
+
+/// `ctx` with its collectives on the library `zerotrain.collectives` comes to (module
+/// `collectives`); every rank calls it at once, `ordinal` being its CUDA device's.
+fn with_collectives(ctx: RankContext, plan: &Plan, machine: Machine, ordinal: usize) -> Result<RankContext> {
+    let host = ctx.collective();
+    let available = zerotrain_zero::collective::nccl::available;
+    let obstacle = || collectives::obstacle(machine, available);
+    let library = collectives::decide(plan.runtime.collectives, plan.runtime.device, obstacle, &*host)?;
+    let comm = collectives::connect(&library, host, ordinal, plan.runtime.comm_timeout)?;
+    let notice = match library {
+        collectives::Library::Host { notice } => notice,
+        collectives::Library::Nccl => None,
+    };
+    Ok(ctx.with_collective(comm, notice))
 }
 
 /// How long rank threads get to finish once the job has failed: the collective timeout,

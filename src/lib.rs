@@ -75,6 +75,7 @@
 //! - *Note: padding*, *the three-barrier protocol*, *byte counting*: `zerotrain-zero`.
 #![deny(missing_docs)]
 
+mod collectives;
 pub mod config;
 mod context;
 mod device;

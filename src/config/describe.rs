@@ -16,9 +16,10 @@ impl fmt::Display for Plan {
         let json = |v: &dyn erased::Json| v.json();
         writeln!(
             f,
-            "world size          {n} ({:?} backend, {} device, collective timeout {:.0} s)",
+            "world size          {n} ({:?} backend, {} device, {:?} collectives, collective timeout {:.0} s)",
             r.backend,
             r.device.name(),
+            r.collectives,
             r.comm_timeout.as_secs_f64()
         )?;
         writeln!(

@@ -36,8 +36,8 @@ use std::path::{Path, PathBuf};
 pub use batch::{MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH};
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
-    AioPlan, Backend, BatchPlan, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan, OptimizerPlan,
-    ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan, RuntimePlan, Tier, ZeroPlan,
+    AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan,
+    OptimizerPlan, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan, RuntimePlan, Tier, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};

@@ -68,6 +68,8 @@ pub struct RuntimePlan {
     pub backend: Backend,
     /// Where each rank computes.
     pub device: ComputeDevice,
+    /// Which library runs the collectives (`zerotrain.collectives`).
+    pub collectives: Collectives,
     /// How long a collective waits for the other ranks.
     #[serde(serialize_with = "seconds")]
     pub comm_timeout: Duration,
@@ -99,6 +101,33 @@ pub enum Backend {
     Threads,
     /// One process per rank, started by `mpirun` (needs the `mpi` feature).
     Mpi,
+}
+
+/// Which library runs the ranks' reductions and gathers (`zerotrain.collectives`); where
+/// `auto` lands is decided at launch, when the devices are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Collectives {
+    /// NCCL where the ranks are on CUDA devices and it can run, the host backend otherwise.
+    #[default]
+    Auto,
+    /// NCCL on every rank's GPU (`zerotrain.device: "cuda"`); an error where it cannot run.
+    Nccl,
+    /// The host backend (threads or MPI) over host memory, on every device.
+    Host,
+}
+
+impl std::str::FromStr for Collectives {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "nccl" => Ok(Self::Nccl),
+            "host" => Ok(Self::Host),
+            other => Err(format!("unknown collectives `{other}`; available: auto, nccl, host")),
+        }
+    }
 }
 
 /// Where each rank computes (`zerotrain.device`).

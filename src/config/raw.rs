@@ -324,6 +324,11 @@ pub struct ZerotrainConfig {
     /// feature: a GPU through Vulkan, Metal or DX12) or `cuda` (the `cuda` feature). The
     /// CLI's `--device` overrides it.
     pub device: Option<String>,
+    /// Which library runs the reductions and gathers: `auto` (default: NCCL when the ranks
+    /// compute on `cuda` and NCCL can run: libnccl loads and no two ranks of a machine share
+    /// a GPU; else the host backend, with one notice), `nccl` (an error where it cannot run)
+    /// or `host` (threads or MPI, over host memory).
+    pub collectives: Option<String>,
     /// Seconds a rank waits at a collective for the others before the job fails. Default 300.
     pub comm_timeout_s: Option<f64>,
     /// Skip and count steps whose gradients contain NaN or inf (fp32 and bf16 runs, which

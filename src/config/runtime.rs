@@ -7,7 +7,7 @@ use super::plan::MAX_THREAD_RANKS;
 use super::raw::ZerotrainConfig;
 use super::resolve::{Autos, invalid};
 use super::value::Count;
-use super::{Backend, ComputeDevice, Config, ConfigError, Overrides, RuntimePlan};
+use super::{Backend, Collectives, ComputeDevice, Config, ConfigError, Overrides, RuntimePlan};
 
 pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) -> Result<RuntimePlan, ConfigError> {
     let raw = &config.raw;
@@ -23,10 +23,12 @@ pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) 
         Some(Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         None => None,
     };
+    let device = device(&zt, overrides)?;
     Ok(RuntimePlan {
         world_size: world_size(&zt, backend, overrides)?,
         backend,
-        device: device(&zt, overrides)?,
+        device,
+        collectives: collectives(&zt, device)?,
         comm_timeout: Duration::from_secs_f64(timeout_s),
         seed: raw.seed.map_or(42, |c| c.0),
         steps_per_print: autos.or("steps_per_print", raw.steps_per_print, Count(10), "default").0.max(1),
@@ -72,6 +74,24 @@ fn device(zt: &ZerotrainConfig, overrides: Overrides) -> Result<ComputeDevice, C
         });
     }
     Ok(device)
+}
+
+/// `zerotrain.collectives`: NCCL needs CUDA devices (and, for `auto`, nothing else here:
+/// whether NCCL can run is found out at launch).
+fn collectives(zt: &ZerotrainConfig, device: ComputeDevice) -> Result<Collectives, ConfigError> {
+    let key = "zerotrain.collectives";
+    let choice: Collectives = match zt.collectives.as_deref() {
+        None => Collectives::Auto,
+        Some(name) => name.parse().map_err(|e: String| invalid(key, e))?,
+    };
+    if choice == Collectives::Nccl && device != ComputeDevice::Cuda {
+        let message = format!(
+            "is \"nccl\" but the ranks compute on {}: NCCL runs on CUDA devices (set zerotrain.device to \"cuda\")",
+            device.name()
+        );
+        return Err(ConfigError::Unsupported { key: key.into(), message });
+    }
+    Ok(choice)
 }
 
 /// Under mpirun the process count decides; `zerotrain.world_size` is the threads default.

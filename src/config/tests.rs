@@ -335,6 +335,32 @@ fn huge_batch_sizes_and_world_sizes_are_errors_naming_the_key_not_panics() {
 }
 
 #[test]
+fn collectives_default_to_auto_and_nccl_needs_cuda_ranks() {
+    assert_eq!(plan(r#"{"train_batch_size": 1}"#).unwrap().runtime.collectives, Collectives::Auto);
+    let with = |value: &str| plan(&format!(r#"{{"train_batch_size": 1, "zerotrain": {{"collectives": "{value}"}}}}"#));
+    assert_eq!(with("host").unwrap().runtime.collectives, Collectives::Host);
+    assert_eq!(with("auto").unwrap().runtime.collectives, Collectives::Auto);
+    let err = with("gloo").unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::InvalidValue { key, message, .. }
+            if key == "zerotrain.collectives" && message.contains("available: auto, nccl, host")),
+        "{err}"
+    );
+    // NCCL on CPU ranks is refused by name, whatever the build.
+    let err = with("nccl").unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::Unsupported { key, message }
+            if key == "zerotrain.collectives" && message.contains("ranks compute on cpu")),
+        "{err}"
+    );
+    let cuda = plan(r#"{"train_batch_size": 1, "zerotrain": {"device": "cuda", "collectives": "nccl"}}"#);
+    match ComputeDevice::Cuda.is_built() {
+        true => assert_eq!(cuda.unwrap().runtime.collectives, Collectives::Nccl),
+        false => assert!(cuda.unwrap_err().to_string().contains("--features cuda")),
+    }
+}
+
+#[test]
 fn the_device_is_cpu_unless_set_and_a_device_this_build_lacks_names_its_feature() {
     assert_eq!(plan(r#"{"train_batch_size": 1}"#).unwrap().runtime.device, ComputeDevice::Cpu);
     let err = plan(r#"{"train_batch_size": 1, "zerotrain": {"device": "tpu"}}"#).unwrap_err();

@@ -353,6 +353,9 @@ fn assemble<M: Module>(
         shared,
     };
     engine.window.comm_at_start = engine.comm_stats();
+    for notice in ctx.notices() {
+        engine.notices.warn(notice.clone());
+    }
     let swaps = &engine.shared.swaps;
     for dir in [&swaps.optimizer, &swaps.param].into_iter().flatten().filter(|d| !d.is_direct()) {
         engine.notices.warn(format!(

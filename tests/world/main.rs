@@ -8,7 +8,7 @@ mod comm;
 mod common;
 mod equivalence;
 mod failure;
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod gpu;
 mod handles;
 mod memory;

@@ -42,6 +42,16 @@ pub enum ZeroError {
     /// A rank's communication thread could not start, or stopped.
     #[error("communication thread: {0}")]
     CommThread(String),
+    /// NCCL, or the CUDA driver under it, failed (or is missing).
+    #[error("rank {rank}: NCCL {op}: {detail}")]
+    Nccl {
+        /// The rank reporting.
+        rank: usize,
+        /// What it was doing: `load`, `device`, `init`, or the collective's name.
+        op: &'static str,
+        /// NCCL's or the driver's error, or what is missing.
+        detail: String,
+    },
     /// A buffer has the wrong length for the call.
     #[error("rank {rank}: {op}: {detail}")]
     BadBuffer {

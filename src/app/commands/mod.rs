@@ -281,11 +281,25 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
     } else {
         println!("{} resolves to:\n{plan}", file.display());
         print_placement(&plan, &settings.model);
+        print_collectives(&plan);
         if let Some(pipeline) = plan.pipeline {
             print_stages(&settings.model, pipeline)?;
         }
     }
     Ok(())
+}
+
+/// On CUDA, whether NCCL can run on this machine (what `zerotrain.collectives: "auto"`
+/// would find in its libraries; a launch also checks the GPUs).
+fn print_collectives(plan: &crate::Plan) {
+    use crate::config::{Collectives, ComputeDevice};
+    if plan.runtime.device != ComputeDevice::Cuda || plan.runtime.collectives == Collectives::Host {
+        return;
+    }
+    match zerotrain_zero::collective::nccl::available() {
+        Ok(()) => println!("collectives here    NCCL loads on this machine"),
+        Err(reason) => println!("collectives here    NCCL cannot run on this machine: {reason}"),
+    }
 }
 
 /// Where each rank's model states live, by tier, for the built-in GPT the config describes.

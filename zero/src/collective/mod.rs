@@ -13,6 +13,7 @@
 
 #[cfg(feature = "mpi")]
 mod mpi;
+pub mod nccl;
 mod rendezvous;
 mod request;
 mod threads;

@@ -1,12 +1,22 @@
-//! The engine on a wgpu device (`--features wgpu`; in CI a GPU-less machine runs them on
-//! lavapipe, Mesa's Vulkan on the CPU): the tiny GPT trained in units at every stage, one
-//! rank and two thread ranks sharing the device, against plain Burn on the device and on
-//! the CPU; the device each rank gets; half precision the device lacks.
+//! The engine on a GPU, one test body for every GPU backend (`Gpu`): the tiny GPT trained
+//! in units at every stage, one rank and two thread ranks sharing the device, against plain
+//! Burn on the device and on the CPU; the device each rank gets; half precision the device
+//! lacks; model states on the device as its own allocator counts them.
+//!
+//! - `wgpu` (`--features wgpu`): run everywhere; a machine without a GPU runs them on
+//!   lavapipe, Mesa's Vulkan on the CPU (CI does).
+//! - `cuda` (`--features cuda`): the same bodies, ignored unless a CUDA GPU is there
+//!   (`bench/gpu/verify.sh` runs them), beside what a CUDA build must do on a machine
+//!   without one, and NCCL.
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "wgpu")]
+mod wgpu;
 
 use std::sync::{Mutex, MutexGuard};
 
-use burn::tensor::{DType, Device, DeviceKind};
-use zerotrain::config::ComputeDevice;
+use burn::tensor::{DType, Device};
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;
@@ -14,7 +24,19 @@ use crate::units::{
     MODES, Mode, Params, STEPS, Tokens, Workload, check_run, padded, tiny_gpt, train, unit_recipe, unit_sizes,
 };
 
-/// The engine on wgpu against plain Burn on the same device: the engine's arithmetic is
+/// A GPU backend the bodies below run on.
+#[derive(Clone, Copy)]
+pub struct Gpu {
+    /// Its `zerotrain.device` name.
+    pub name: &'static str,
+    /// Its first device (no autodiff).
+    pub device: fn() -> Device,
+    /// Extra `zerotrain` keys its tests set (`"collectives": "host"` for ranks sharing one
+    /// CUDA GPU, which NCCL refuses), each followed by a comma.
+    pub keys: &'static str,
+}
+
+/// The engine on the GPU against plain Burn on the same device: the engine's arithmetic is
 /// the device's, summed in another order, as on the CPU (`units.rs`: 5e-6). Measured
 /// worst case on lavapipe: 8.7e-7 (`--nocapture`).
 const PARAM_TOL: f32 = 5e-6;
@@ -31,21 +53,21 @@ fn device_alone() -> MutexGuard<'static, ()> {
     DEVICE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `json` with `zerotrain.device` set to `device`.
-fn on_device(json: &str, device: &str) -> String {
-    json.replace(r#""zerotrain": {"#, &format!(r#""zerotrain": {{"device": "{device}", "#))
+/// `json` with `zerotrain.device` set to `gpu`, and its keys.
+fn on_device(json: &str, gpu: Gpu) -> String {
+    let (device, keys) = (gpu.name, gpu.keys);
+    json.replace(r#""zerotrain": {"#, &format!(r#""zerotrain": {{"device": "{device}", {keys}"#))
 }
 
 /// Every stage at one rank and at two thread ranks sharing the device, in the unit walk
 /// with overlapped reduction and recomputation (the most device work): the engine equals
 /// plain Burn on the device, and plain Burn on the device trains like plain Burn on the CPU.
-#[test]
-fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
+pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 3);
     let w = Tokens { vocab: 11, len: 9 };
     let cpu = Device::flex().autodiff();
-    let gpu = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+    let gpu = (on.device)().autodiff();
     let (mut worst_param, mut worst_loss) = (0.0f32, 0.0f32);
     for world_size in [1, 2] {
         let reference_plan = plan(&unit_recipe(0, 2, MODES[0], "fp32", ""), world_size);
@@ -58,30 +80,31 @@ fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
         let (gpu_losses, gpu_params) = reference(&gpu);
         for (got, want) in gpu_losses.iter().zip(&cpu_losses) {
             worst_loss = worst_loss.max((got - want).abs() / want.abs());
-            assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "plain Burn: wgpu loss {got} vs cpu {want}");
+            let what = format!("plain Burn: {} loss {got} vs cpu {want}", on.name);
+            assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "{what}");
         }
         for stage in 0..=3 {
             let mode = Mode { units: true, checkpointing: true, overlap: true };
-            let what = format!("wgpu world {world_size} stage {stage}");
-            let plan = plan(&on_device(&unit_recipe(stage, 2, mode, "fp32", ""), "wgpu"), world_size);
-            assert_eq!(plan.runtime.device, ComputeDevice::Wgpu);
+            let what = format!("{} world {world_size} stage {stage}", on.name);
+            let plan = plan(&on_device(&unit_recipe(stage, 2, mode, "fp32", ""), on), world_size);
+            assert_eq!(plan.runtime.device.name(), on.name);
             let out = train(&w, &init, &plan, mode, STEPS).unwrap();
             // Losses against the CPU, parameters against plain Burn on the device.
             let (loss, param) = check_run(&what, &out, &cpu_losses, &gpu_params, (DEVICE_LOSS_TOL, PARAM_TOL));
             (worst_loss, worst_param) = (worst_loss.max(loss), worst_param.max(param));
         }
     }
-    eprintln!("wgpu: worst |param - plain Burn| {worst_param:e}, worst relative loss vs the CPU {worst_loss:e}");
+    let name = on.name;
+    eprintln!("{name}: worst |param - plain Burn| {worst_param:e}, worst relative loss vs the CPU {worst_loss:e}");
 }
 
-/// Each rank computes on the wgpu device `zerotrain.device` names, not on the CPU.
-#[test]
-fn ranks_compute_on_the_configured_device() {
+/// Each rank computes on the device `zerotrain.device` names, not on the CPU.
+pub fn ranks_compute_on_the_configured_device(on: Gpu) {
     let _alone = device_alone();
-    let plan = plan(&on_device(&recipe(0, 1, 1, 0.0), "wgpu"), 2);
+    let plan = plan(&on_device(&recipe(0, 1, 1, 0.0), on), 2);
     let devices = launch(&plan, |ctx| Ok::<_, Error>(format!("{:?}", ctx.device()))).unwrap();
     for device in &devices {
-        assert!(device.to_lowercase().contains("wgpu"), "a rank computes on {device}");
+        assert!(device.to_lowercase().contains(on.name), "a rank computes on {device}");
     }
     let plan = crate::common::plan(&recipe(0, 1, 1, 0.0), 1);
     let cpu = launch(&plan, |ctx| Ok::<_, Error>(format!("{:?}", ctx.device()))).unwrap();
@@ -90,15 +113,14 @@ fn ranks_compute_on_the_configured_device() {
 
 /// Half precision the device cannot compute in is an error naming the key, before any
 /// step; where the device has it, the engine builds.
-#[test]
-fn half_precision_the_device_lacks_is_a_clear_error() {
+pub fn half_precision_the_device_lacks_is_a_clear_error(on: Gpu) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 5);
     for (key, dtype) in [("bf16", DType::BF16), ("fp16", DType::F16)] {
         let mode = MODES[0];
         let json =
             unit_recipe(0, 1, mode, "fp32", "").replacen('{', &format!(r#"{{ "{key}": {{"enabled": true}},"#), 1);
-        let plan = plan(&on_device(&json, "wgpu"), 1);
+        let plan = plan(&on_device(&json, on), 1);
         let built = launch(&plan, |ctx| {
             let supported = ctx.device().supports_dtype(dtype);
             Ok::<_, Error>((
@@ -107,12 +129,13 @@ fn half_precision_the_device_lacks_is_a_clear_error() {
             ))
         });
         let (supported, outcome) = built.unwrap().remove(0);
-        eprintln!("{key} on wgpu: supported {supported}, engine {outcome:?}");
+        eprintln!("{key} on {}: supported {supported}, engine {outcome:?}", on.name);
         match outcome {
             Ok(()) => assert!(supported, "{key}: the engine built on a device without {dtype:?}"),
             Err(e) => {
                 assert!(!supported, "{key}: {e}");
-                assert!(e.contains(&format!("{key}.enabled")) && e.contains("wgpu device cannot compute in"), "{e}");
+                let refusal = format!("{} device cannot compute in", on.name);
+                assert!(e.contains(&format!("{key}.enabled")) && e.contains(&refusal), "{e}");
             }
         }
     }
@@ -122,13 +145,12 @@ fn half_precision_the_device_lacks_is_a_clear_error() {
 /// on the CPU does, within fp16 rounding (a step the loss scaler skipped on one device only
 /// would put the later losses far apart). The README cites this as verified, so an adapter
 /// without f16 fails it rather than passing it unchecked (lavapipe has f16).
-#[test]
-fn fp16_on_wgpu_trains_as_fp16_on_the_cpu() {
+pub fn fp16_trains_as_fp16_on_the_cpu(on: Gpu) {
     let _alone = device_alone();
-    let gpu = Device::wgpu(DeviceKind::DefaultDevice);
+    let name = on.name;
     assert!(
-        gpu.supports_dtype(DType::F16),
-        "this wgpu adapter has no f16, so fp16 on wgpu cannot be checked here (the refusal is tested above)"
+        (on.device)().supports_dtype(DType::F16),
+        "this {name} device has no f16, so fp16 on it cannot be checked here (the refusal is tested above)"
     );
     let init = tiny_gpt(true, 6);
     let w = Tokens { vocab: 11, len: 9 };
@@ -141,18 +163,18 @@ fn fp16_on_wgpu_trains_as_fp16_on_the_cpu() {
             1,
         );
         let cpu = train(&w, &init, &plan(&json, 2), mode, 4).unwrap();
-        let on_gpu = train(&w, &init, &plan(&on_device(&json, "wgpu"), 2), mode, 4).unwrap();
+        let on_gpu = train(&w, &init, &plan(&on_device(&json, on), 2), mode, 4).unwrap();
         assert_eq!(on_gpu.losses.len(), cpu.losses.len());
         for (got, want) in on_gpu.losses.iter().zip(&cpu.losses) {
             let rel = (got - want).abs() / want.abs();
             worst = worst.max(rel);
-            assert!(rel <= 2e-3, "fp16 stage {stage}: wgpu loss {got} vs cpu {want}");
+            assert!(rel <= 2e-3, "fp16 stage {stage}: {name} loss {got} vs cpu {want}");
         }
         let (diff, path) = max_abs_diff(&on_gpu.params[0], &cpu.params[0]);
         assert!(diff <= 5e-3, "fp16 stage {stage}: parameters differ by {diff} at `{path}`");
         worst_param = worst_param.max(diff);
     }
-    eprintln!("fp16 wgpu vs cpu: worst relative loss {worst:e}, worst parameter {worst_param:e}");
+    eprintln!("fp16 {name} vs cpu: worst relative loss {worst:e}, worst parameter {worst_param:e}");
 }
 
 /// Model states on the device, as the device's allocator counts them, fall with the stage
@@ -166,8 +188,7 @@ fn fp16_on_wgpu_trains_as_fp16_on_the_cpu() {
 /// ends; 80 B more at stage 0 on lavapipe), so the measurement is the growth of the count
 /// over the run, and each stage's must be its formula plus that overhead, within 128 B:
 /// the stages differ by 27 KB and more.
-#[test]
-fn model_states_on_the_device_fall_with_the_stage() {
+pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 7);
     let w = Tokens { vocab: 11, len: 9 };
@@ -180,7 +201,7 @@ fn model_states_on_the_device_fall_with_the_stage() {
     let mut measured = Vec::new();
     // The first run also allocates what the process keeps for good: not measured.
     for (run, stage) in [0u8, 0, 1, 2, 3].into_iter().enumerate() {
-        let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", ""), "wgpu"), n);
+        let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", ""), on), n);
         let (grown, _) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match stage {
             0 => 4 * psi + 8 * psi,
@@ -207,8 +228,7 @@ fn model_states_on_the_device_fall_with_the_stage() {
 /// from the host masters at each gather), two thread ranks sharing it; and training goes on
 /// as with the states on the device (the host AdamW is another implementation of Adam's
 /// arithmetic, so within the engine's tolerance, not bit for bit).
-#[test]
-fn cpu_offload_leaves_only_the_parameters_on_the_device() {
+pub fn cpu_offload_leaves_only_the_parameters_on_the_device(on: Gpu) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 8);
     let w = Tokens { vocab: 11, len: 9 };
@@ -219,7 +239,7 @@ fn cpu_offload_leaves_only_the_parameters_on_the_device() {
     let cpu = r#", "offload_optimizer": {"device": "cpu"}"#;
     let mut measured = Vec::new();
     for (run, (stage, offload)) in [(1u8, ""), (1, cpu), (2, cpu), (3, cpu), (1, "")].into_iter().enumerate() {
-        let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", offload), "wgpu"), n);
+        let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", offload), on), n);
         let (grown, params) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match (stage, offload.is_empty()) {
             (1 | 2, true) => 4 * psi + 8 * padded_shard(&sizes, root, n),
@@ -254,7 +274,7 @@ fn cpu_offload_leaves_only_the_parameters_on_the_device() {
 fn device_bytes_grown(plan: &zerotrain::Plan, init: &zerotrain::app::models::Gpt, w: &Tokens) -> (u64, Params) {
     launch(plan, |ctx| {
         let comm = ctx.collective();
-        let in_use = || ctx.device().memory_pool_usage().expect("wgpu reports its memory pools").bytes_in_use;
+        let in_use = || ctx.device().memory_pool_usage().expect("the device reports its memory pools").bytes_in_use;
         comm.barrier()?;
         let before = in_use();
         comm.barrier()?;

@@ -1,0 +1,38 @@
+//! The GPU bodies on wgpu: any GPU Vulkan, Metal or DX12 reaches; lavapipe where there is
+//! none, so these run on every machine (CI's included).
+
+use burn::tensor::{Device, DeviceKind};
+
+use super::Gpu;
+
+const WGPU: Gpu = Gpu { name: "wgpu", device: || Device::wgpu(DeviceKind::DefaultDevice), keys: "" };
+
+#[test]
+fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
+    super::a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(WGPU);
+}
+
+#[test]
+fn ranks_compute_on_the_configured_device() {
+    super::ranks_compute_on_the_configured_device(WGPU);
+}
+
+#[test]
+fn half_precision_the_device_lacks_is_a_clear_error() {
+    super::half_precision_the_device_lacks_is_a_clear_error(WGPU);
+}
+
+#[test]
+fn fp16_on_wgpu_trains_as_fp16_on_the_cpu() {
+    super::fp16_trains_as_fp16_on_the_cpu(WGPU);
+}
+
+#[test]
+fn model_states_on_the_device_fall_with_the_stage() {
+    super::model_states_on_the_device_fall_with_the_stage(WGPU);
+}
+
+#[test]
+fn cpu_offload_leaves_only_the_parameters_on_the_device() {
+    super::cpu_offload_leaves_only_the_parameters_on_the_device(WGPU);
+}

@@ -1,0 +1,428 @@
+//! [`NcclComm`]: a [`Collective`] whose reductions and gathers run through NCCL on the
+//! rank's GPU.
+//!
+//! # Note: one thread
+//! An NCCL communicator must not be used by two threads at once, and cudarc binds the CUDA
+//! context per thread. An `NcclComm` is created on its rank's communication thread
+//! ([`CommThread::spawn`](crate::CommThread::spawn)) and every method that touches NCCL
+//! checks it runs there. [`Collective::abort`], which any thread may call, only records the
+//! reason; the owning thread aborts the NCCL communicator the next time it looks.
+//!
+//! # Note: host buffers
+//! The [`Collective`] trait hands over host slices, so a call copies its input to the
+//! device, runs the NCCL collective on this communicator's own stream, and copies the result
+//! back. No buffer of Burn's is touched, so no ordering with Burn's CUDA stream is needed.
+//! Half-precision buffers travel as 16 bits and NCCL reduces them in their own type (its
+//! sums round at each step and in NCCL's order, unlike the host backends' one rounding in
+//! rank order): equal bit for bit to the host backends at world size 1 and for f32 copies,
+//! not for half sums across ranks.
+//!
+//! # Note: timeouts
+//! A call waits for its work on the stream by polling an event and
+//! `ncclCommGetAsyncError`; past `timeout` (or once the job is aborted) it aborts the NCCL
+//! communicator (`ncclCommAbort`, as NCCL's own watchdog does), aborts the host
+//! communicator so that every rank learns of it, and returns an error. The one wait not
+//! bounded this way is `ncclCommInitRank` itself, which starts only after every rank has
+//! received the id over the host communicator (bounded by its timeout).
+//!
+//! # Note: what stays on the host
+//! Barriers, point-to-point messages (whose buffered-send contract NCCL's rendezvous sends
+//! do not keep) and the id exchange of [`Collective::split`] use the host communicator.
+
+use std::ffi::{c_char, c_void};
+use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::nccl::{result, sys};
+use zerotrain_precision::{BufMut, BufRef};
+
+use super::call::{NcclCall, NcclDtype};
+use super::id::share_id;
+use super::library;
+use crate::ZeroError;
+use crate::collective::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
+
+/// One rank's NCCL communicator (see the module notes).
+pub struct NcclComm {
+    host: Arc<dyn Collective>,
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    rank: usize,
+    world_size: usize,
+    thread: ThreadId,
+    timeout: Duration,
+    counters: CommCounters,
+    /// Why the job failed, once it has; the NCCL communicator is aborted and never used again.
+    failed: Mutex<Option<String>>,
+    /// Whether `comm` has been aborted (done once, on the owning thread).
+    comm_aborted: Mutex<bool>,
+}
+
+// SAFETY: `comm` is only used by methods that first check they run on `thread`, the thread
+// that created it (see the module note "one thread"); Drop on another thread leaks it.
+// cudarc's stream and context handles are Send + Sync themselves.
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm").field("rank", &self.rank).field("ordinal", &self.ordinal).finish()
+    }
+}
+
+impl NcclComm {
+    /// Creates this rank's NCCL communicator on CUDA device `ordinal`, with the id made by
+    /// `host`'s rank 0 and shared over `host`. Every rank of `host` calls it at once. A rank
+    /// whose driver, NCCL or device is missing aborts `host`, so no rank waits for it.
+    pub fn new(host: Arc<dyn Collective>, ordinal: usize, timeout: Duration) -> Result<Self, ZeroError> {
+        let (rank, world_size) = (host.rank(), host.world_size());
+        let fail = |op: &'static str, detail: String| ZeroError::Nccl { rank, op, detail };
+        let setup = library::check().map_err(|d| fail("load", d)).and_then(|()| {
+            let context = CudaContext::new(ordinal)
+                .map_err(|e| fail("device", format!("CUDA device {ordinal} does not open: {e}")))?;
+            context.new_stream().map_err(|e| fail("device", format!("no stream on CUDA device {ordinal}: {e}")))
+        });
+        let stream = setup.inspect_err(|e| host.abort(&e.to_string()))?;
+        let id = share_id(&*host, || {
+            let id = result::get_uniqueid().map_err(|e| fail("init", format!("ncclGetUniqueId: {e:?}")))?;
+            Ok(id.internal.map(|c| c as u8))
+        })?;
+        let id = sys::ncclUniqueId { internal: id.map(|b| b as c_char) };
+        let init = || -> Result<sys::ncclComm_t, ZeroError> {
+            let too_many = || fail("init", format!("{world_size} ranks is more than NCCL takes"));
+            let (n, r) = (i32::try_from(world_size).map_err(|_| too_many())?, rank as i32);
+            stream.context().bind_to_thread().map_err(|e| fail("init", e.to_string()))?;
+            let mut comm = MaybeUninit::uninit();
+            // SAFETY: `comm` is a place NCCL writes the new handle to; `id` is rank 0's id and
+            // 0 <= r < n. On success the handle is initialised.
+            unsafe {
+                result::comm_init_rank(comm.as_mut_ptr(), n, id, r)
+                    .map_err(|e| fail("init", format!("ncclCommInitRank: {e:?}")))?;
+                Ok(comm.assume_init())
+            }
+        };
+        let comm = init().inspect_err(|e| host.abort(&e.to_string()))?;
+        Ok(Self {
+            host,
+            comm,
+            stream,
+            ordinal,
+            rank,
+            world_size,
+            thread: std::thread::current().id(),
+            timeout,
+            counters: CommCounters::default(),
+            failed: Mutex::new(None),
+            comm_aborted: Mutex::new(false),
+        })
+    }
+
+    /// Runs `call`: copies `send` to the device, launches the collective with `launch`
+    /// (input and output device pointers, the same for in-place calls, and the stream),
+    /// waits for it and returns the device buffer holding the result.
+    fn run(
+        &self,
+        call: NcclCall,
+        send: &[u8],
+        launch: impl FnOnce(*const c_void, *mut c_void, sys::cudaStream_t) -> Result<(), result::NcclError>,
+    ) -> Result<CudaSlice<u8>, ZeroError> {
+        let device = |e: cudarc::driver::DriverError| self.fail(call.kind, format!("CUDA: {e}"));
+        let mut input: CudaSlice<u8> = self.stream.clone_htod(send).map_err(device)?;
+        let mut output = match call.in_place() {
+            true => None,
+            false => Some(self.stream.alloc_zeros::<u8>(call.recv_bytes).map_err(device)?),
+        };
+        {
+            let (input_ptr, _input_done) = input.device_ptr_mut(&self.stream);
+            let (output_ptr, _output_done) = match output.as_mut() {
+                Some(output) => {
+                    let (ptr, done) = output.device_ptr_mut(&self.stream);
+                    (ptr, Some(done))
+                }
+                None => (input_ptr, None),
+            };
+            launch(input_ptr as *const c_void, output_ptr as *mut c_void, self.stream.cu_stream() as _)
+                .map_err(|e| self.fail(call.kind, format!("{e:?}")))?;
+        }
+        self.wait(call.kind)?;
+        Ok(output.unwrap_or(input))
+    }
+
+    /// Copies a finished result back to the host.
+    fn copy_back(&self, kind: OpKind, result: &CudaSlice<u8>, recv: &mut [u8]) -> Result<(), ZeroError> {
+        let device = |e: cudarc::driver::DriverError| self.fail(kind, format!("CUDA: {e}"));
+        self.stream.memcpy_dtoh(result, recv).map_err(device)?;
+        self.stream.synchronize().map_err(device)
+    }
+
+    /// Waits for this stream's work, bounded by the timeout and the job's abort (module note).
+    fn wait(&self, kind: OpKind) -> Result<(), ZeroError> {
+        let event = self.stream.record_event(None).map_err(|e| self.fail(kind, format!("CUDA: {e}")))?;
+        let start = Instant::now();
+        loop {
+            if event.try_is_complete().map_err(|e| self.fail(kind, format!("CUDA: {e}")))? {
+                return Ok(());
+            }
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: `comm` is live (checked by `usable` on this, its own thread) and `state`
+            // is a valid place for the result.
+            let queried = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if queried != sys::ncclResult_t::ncclSuccess
+                || !matches!(state, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress)
+            {
+                return Err(self.fail(kind, format!("asynchronous error {state:?}")));
+            }
+            if let Some(reason) = self.failed_reason() {
+                self.abort_comm();
+                return Err(ZeroError::Aborted { rank: self.rank, reason });
+            }
+            if start.elapsed() >= self.timeout {
+                let error = ZeroError::Timeout {
+                    rank: self.rank,
+                    op: kind.name(),
+                    timeout_ms: self.timeout.as_millis() as u64,
+                    missing: Vec::new(),
+                };
+                return Err(self.fail_with(error));
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Checks the call runs on the owning thread and the communicator is live.
+    fn usable(&self, kind: OpKind) -> Result<(), ZeroError> {
+        if std::thread::current().id() != self.thread {
+            let detail = "called off the communication thread that created the communicator".into();
+            return Err(ZeroError::Nccl { rank: self.rank, op: kind.name(), detail });
+        }
+        match self.failed_reason() {
+            Some(reason) => {
+                self.abort_comm();
+                Err(ZeroError::Aborted { rank: self.rank, reason })
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Checks the call may run; true when it has nothing to move (every rank agrees on
+    /// that, the lengths being checked equal).
+    fn skip(&self, call: NcclCall) -> Result<bool, ZeroError> {
+        self.usable(call.kind)?;
+        Ok(call.count == 0)
+    }
+
+    fn fail(&self, kind: OpKind, detail: String) -> ZeroError {
+        self.fail_with(ZeroError::Nccl { rank: self.rank, op: kind.name(), detail })
+    }
+
+    /// Records `error` as the job's failure, aborts the NCCL and host communicators.
+    fn fail_with(&self, error: ZeroError) -> ZeroError {
+        self.abort(&error.to_string());
+        self.abort_comm();
+        error
+    }
+
+    fn failed_reason(&self) -> Option<String> {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// `ncclCommAbort`, once; only on the owning thread (callers checked it).
+    fn abort_comm(&self) {
+        let mut aborted = self.comm_aborted.lock().unwrap_or_else(|e| e.into_inner());
+        if !*aborted {
+            *aborted = true;
+            // SAFETY: `comm` is live and used by no other thread (module note "one thread");
+            // after this it is never used again (`comm_aborted`).
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+
+    fn record(&self, kind: OpKind, elems: usize, dtype: NcclDtype, root: usize) {
+        let bytes = convention_bytes(kind, elems, dtype.size(), self.world_size, self.rank, root);
+        self.counters.record(kind, bytes);
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+    }
+}
+
+fn nccl_type(dtype: NcclDtype) -> sys::ncclDataType_t {
+    match dtype {
+        NcclDtype::Float32 => sys::ncclDataType_t::ncclFloat32,
+        NcclDtype::Float16 => sys::ncclDataType_t::ncclFloat16,
+        NcclDtype::Bfloat16 => sys::ncclDataType_t::ncclBfloat16,
+    }
+}
+
+/// The bytes of a float buffer.
+fn bytes(buf: BufRef<'_>) -> &[u8] {
+    let (ptr, len) = match buf {
+        BufRef::F32(s) => (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)),
+        BufRef::F16(s) => (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)),
+        BufRef::Bf16(s) => (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)),
+    };
+    // SAFETY: f32, f16 and bf16 are plain bits without padding; the view covers exactly the
+    // slice and borrows it for its lifetime.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// The bytes of a writable float buffer, read.
+fn bytes_of<'a>(buf: &'a BufMut<'_>) -> &'a [u8] {
+    match buf {
+        BufMut::F32(s) => bytes(BufRef::F32(s)),
+        BufMut::F16(s) => bytes(BufRef::F16(s)),
+        BufMut::Bf16(s) => bytes(BufRef::Bf16(s)),
+    }
+}
+
+/// The bytes of a float buffer, writable.
+fn bytes_mut(buf: BufMut<'_>) -> &mut [u8] {
+    let (ptr, len) = match buf {
+        BufMut::F32(s) => (s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)),
+        BufMut::F16(s) => (s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)),
+        BufMut::Bf16(s) => (s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)),
+    };
+    // SAFETY: as in `bytes`; every bit pattern is a valid f32, f16 or bf16, so any bytes
+    // written through the view leave valid values.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+impl Collective for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let call = NcclCall::new(OpKind::AllReduce, dtype, len, len, self.world_size, self.rank)?;
+        if self.skip(call)? {
+            return Ok(());
+        }
+        let result = self.run(call, bytes_of(&buf), |src, dst, stream| {
+            // SAFETY: `src` and `dst` are device buffers of `count` elements of the dtype, on
+            // this communicator's device; `stream` is its stream.
+            unsafe { result::all_reduce(src, dst, call.count, nccl_type(call.dtype), nccl_op(op), self.comm, stream) }
+                .map(drop)
+        })?;
+        self.copy_back(call.kind, &result, bytes_mut(buf))?;
+        self.record(OpKind::AllReduce, len, call.dtype, 0);
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        if input.dtype() != output.dtype() {
+            let detail = "input and output dtypes differ".to_owned();
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::ReduceScatter.name(), detail });
+        }
+        let (n_in, n_out) = (input.len(), output.len());
+        let call = NcclCall::new(OpKind::ReduceScatter, input.dtype(), n_in, n_out, self.world_size, self.rank)?;
+        if self.skip(call)? {
+            return Ok(());
+        }
+        let result = self.run(call, bytes(input), |src, dst, stream| {
+            // SAFETY: `src` holds world_size x count elements, `dst` count, on this device.
+            unsafe {
+                result::reduce_scatter(src, dst, call.count, nccl_type(call.dtype), nccl_op(op), self.comm, stream)
+            }
+            .map(drop)
+        })?;
+        self.copy_back(call.kind, &result, bytes_mut(output))?;
+        self.record(OpKind::ReduceScatter, n_in, call.dtype, 0);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
+        if input.dtype() != output.dtype() {
+            let detail = "input and output dtypes differ".to_owned();
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::AllGather.name(), detail });
+        }
+        let (n_in, n_out) = (input.len(), output.len());
+        let call = NcclCall::new(OpKind::AllGather, input.dtype(), n_in, n_out, self.world_size, self.rank)?;
+        if self.skip(call)? {
+            return Ok(());
+        }
+        let result = self.run(call, bytes(input), |src, dst, stream| {
+            // SAFETY: `src` holds count elements, `dst` world_size x count, on this device.
+            unsafe { result::all_gather(src, dst, call.count, nccl_type(call.dtype), self.comm, stream) }.map(drop)
+        })?;
+        self.copy_back(call.kind, &result, bytes_mut(output))?;
+        self.record(OpKind::AllGather, n_out, call.dtype, 0);
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError> {
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let call = NcclCall::new(OpKind::Broadcast, dtype, len, len, self.world_size, self.rank)?;
+        if root >= self.world_size {
+            let detail = format!("root {root} is not a rank of {}", self.world_size);
+            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::Broadcast.name(), detail });
+        }
+        if self.skip(call)? {
+            return Ok(());
+        }
+        let result = self.run(call, bytes_of(&buf), |src, dst, stream| {
+            // SAFETY: in place: `src` == `dst`, `count` elements on this device.
+            unsafe { result::broadcast(src, dst, call.count, nccl_type(call.dtype), root as i32, self.comm, stream) }
+                .map(drop)
+        })?;
+        self.copy_back(call.kind, &result, bytes_mut(buf))?;
+        self.record(OpKind::Broadcast, len, call.dtype, root);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), ZeroError> {
+        self.host.barrier()
+    }
+
+    fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError> {
+        self.host.send(buf, to)
+    }
+
+    fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
+        self.host.recv(buf, from)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
+        self.usable(OpKind::Split)?;
+        let group = self.host.split(color, key)?;
+        Ok(Arc::new(NcclComm::new(group, self.ordinal, self.timeout)?))
+    }
+
+    fn abort(&self, reason: &str) {
+        {
+            let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+            if failed.is_none() {
+                *failed = Some(reason.to_owned());
+            }
+        }
+        self.host.abort(reason);
+    }
+
+    fn stats(&self) -> CommStats {
+        self.counters.snapshot().plus(&self.host.stats())
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // Off the owning thread the communicator is leaked rather than touched (module note).
+        if std::thread::current().id() == self.thread {
+            let _ = self.stream.synchronize();
+            self.abort_comm();
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! NCCL, the collectives of NVIDIA GPUs. The pure parts (what a call's NCCL arguments are;
+//! sharing the unique id over the host communicator) are always built and tested; the
+//! communicator itself, [`NcclComm`], needs the `nccl` feature (cudarc, which loads the
+//! driver and `libnccl` at run time) and a GPU.
+
+mod call;
+#[cfg(feature = "nccl")]
+mod comm;
+mod id;
+#[cfg(feature = "nccl")]
+mod library;
+
+pub use call::{NcclCall, NcclDtype};
+#[cfg(feature = "nccl")]
+pub use comm::NcclComm;
+pub use id::{ID_BYTES, share_id};
+
+/// Whether NCCL can run here: `Ok` when this build has the `nccl` feature and the driver's
+/// `libcuda` and `libnccl` load; otherwise what is missing, in words for an error message.
+pub fn available() -> Result<(), String> {
+    #[cfg(feature = "nccl")]
+    return library::check();
+    #[cfg(not(feature = "nccl"))]
+    Err("this build has no NCCL support (it comes with the `cuda` feature)".into())
+}
