@@ -309,7 +309,9 @@ fn assemble<M: Module>(
     let Parts { comm, sharding, index, buffers, span } = parts;
     let lead = world.rank() == 0;
     let swaps = Swaps::open(plan, world.as_ref())?;
-    let shared = Shared { comm, world, device: ctx.device().clone(), plan: plan.clone(), sharding, index, swaps };
+    let device = ctx.device().clone();
+    let shared =
+        Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings: Default::default() };
     let (mut units, mut transient) = (Vec::new(), 0);
     for id in 0..shared.sharding.units().len() {
         let layout = shared.layout(id);
@@ -352,7 +354,7 @@ fn assemble<M: Module>(
         notices: Notices::new(lead),
         shared,
     };
-    engine.window.comm_at_start = engine.comm_stats();
+    engine.window.at_start = engine.traffic();
     for notice in ctx.notices() {
         engine.notices.warn(notice.clone());
     }

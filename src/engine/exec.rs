@@ -344,6 +344,7 @@ impl<M: UnitModel> Engine<M> {
         }
         let (index, sharding) = (&self.shared.index, &self.shared.sharding);
         let mut taken = take_grads(&self.model, &mut grads, index, sharding, &wanted)?;
+        self.shared.crossed(false, taken.iter().flatten().map(UnitGrads::bytes).sum());
         Ok(UnitTake { unit: unit.and_then(|u| taken[u].take()), root: root.and_then(|r| taken[r].take()) })
     }
 }

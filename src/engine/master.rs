@@ -28,6 +28,11 @@ impl Values {
         if on_cpu { Self::Host(values) } else { Self::Device(tensor(values, device)) }
     }
 
+    /// Whether the values are a tensor on a device (reading them copies them to the host).
+    pub fn on_device(&self) -> bool {
+        matches!(self, Self::Device(_))
+    }
+
     /// Elements.
     pub fn len(&self) -> usize {
         match self {

@@ -71,7 +71,7 @@ use self::notices::Notices;
 pub use self::optimizer::{ShardOptimizer, ShardSegment};
 use self::params::{ParamIndex, trainable_bytes};
 pub use self::pipeline::Pipeline;
-pub use self::report::{Counters, MemoryReport, PhaseTimes, StepReport};
+pub use self::report::{Counters, HostDeviceBytes, MemoryReport, PhaseTimes, StepReport};
 use self::report::{Peaks, Window};
 use self::span::Span;
 pub use self::trainer::{Trainer, trainer};
@@ -142,9 +142,9 @@ impl<M: Module> Engine<M> {
     /// Runs `f`, work that is not training (evaluation, a save, an export), leaving its time
     /// and traffic out of the step's report.
     pub(super) fn off_the_clock<T>(&mut self, f: impl FnOnce(&mut Self) -> crate::Result<T>) -> crate::Result<T> {
-        let paused = self.window.pause(self.comm_stats());
+        let paused = self.window.pause(self.traffic());
         let result = f(self);
-        self.window.resume(paused, self.comm_stats());
+        self.window.resume(paused, self.traffic());
         result
     }
 
@@ -269,6 +269,11 @@ impl<M: Module> Engine<M> {
     /// This rank's traffic so far, every communicator it uses together.
     pub fn comm_stats(&self) -> CommStats {
         self.span.comm_stats(self.shared.world.as_ref(), self.shared.comm.as_ref())
+    }
+
+    /// The rank's counters now: collective traffic and host<->device copies.
+    fn traffic(&self) -> report::Traffic {
+        report::Traffic { comm: self.comm_stats(), crossed: self.shared.crossings() }
     }
 
     /// Model-state bytes this rank holds now, measured from its buffers and tensors.

@@ -26,8 +26,39 @@ pub struct StepReport {
     /// Bytes this rank moved in collectives during the step's window (evaluation between
     /// steps not counted).
     pub comm_bytes: u64,
+    /// Model-state bytes (gradients, parameters, master weights) this rank copied between
+    /// host memory and its device during the step's window; zero on the CPU.
+    pub host_device: HostDeviceBytes,
     /// Where the step's time went (its micro-steps included; evaluation not).
     pub times: PhaseTimes,
+}
+
+/// Bytes copied between host memory and a rank's device, each way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct HostDeviceBytes {
+    /// Host memory -> device.
+    pub to_device: u64,
+    /// Device -> host memory.
+    pub to_host: u64,
+}
+
+impl HostDeviceBytes {
+    /// The bytes between `earlier` and `self`.
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self { to_device: self.to_device - earlier.to_device, to_host: self.to_host - earlier.to_host }
+    }
+
+    /// `self` and `other` together.
+    pub fn plus(&self, other: &Self) -> Self {
+        Self { to_device: self.to_device + other.to_device, to_host: self.to_host + other.to_host }
+    }
+}
+
+/// What a rank's counters say at one moment: collective traffic and host<->device copies.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Traffic {
+    pub comm: CommStats,
+    pub crossed: HostDeviceBytes,
 }
 
 /// Where one optimizer step's wall time went (DeepSpeed's `wall_clock_breakdown`), seconds.
@@ -123,7 +154,7 @@ pub(super) struct Window {
     pub loss_sum: f64,
     /// The traffic counters when the window began, moved on by the bytes of anything
     /// between that is not training (evaluation).
-    pub comm_at_start: CommStats,
+    pub at_start: Traffic,
     pub times: PhaseTimes,
 }
 
@@ -132,21 +163,23 @@ impl Window {
     /// leaves its time and bytes out of the step's report.
     ///
     /// [`resume`]: Self::resume
-    pub fn pause(&self, stats: CommStats) -> Paused {
-        Paused { times: self.times, stats }
+    pub fn pause(&self, traffic: Traffic) -> Paused {
+        Paused { times: self.times, traffic }
     }
 
-    /// Ends what [`pause`](Self::pause) began; `stats` are the rank's counters now.
-    pub fn resume(&mut self, paused: Paused, stats: CommStats) {
+    /// Ends what [`pause`](Self::pause) began; `traffic` is the rank's counters now.
+    pub fn resume(&mut self, paused: Paused, now: Traffic) {
         self.times = paused.times;
-        self.comm_at_start = self.comm_at_start.plus(&stats.since(&paused.stats));
+        let (start, then) = (&mut self.at_start, &paused.traffic);
+        start.comm = start.comm.plus(&now.comm.since(&then.comm));
+        start.crossed = start.crossed.plus(&now.crossed.since(&then.crossed));
     }
 }
 
 /// The window's time and the rank's traffic when non-training work began.
 pub(super) struct Paused {
     times: PhaseTimes,
-    stats: CommStats,
+    traffic: Traffic,
 }
 
 /// Transient memory high-water marks, in bytes.

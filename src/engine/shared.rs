@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::Device;
 use zerotrain_precision::Precision;
@@ -9,6 +10,7 @@ use zerotrain_zero::{Collective, FlatLayout, ReduceOp, Sharding, ZeroStage};
 
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
+use super::report::HostDeviceBytes;
 use crate::config::{ComputeDevice, Plan, Tier};
 use crate::swap::SwapDir;
 use crate::{Error, Result};
@@ -67,6 +69,15 @@ pub(crate) struct Shared {
     pub index: ParamIndex,
     /// The swap folders of the NVMe tiers.
     pub swaps: Swaps,
+    /// Bytes copied between host memory and the device (see [`crossed`](Self::crossed)).
+    pub crossings: Crossings,
+}
+
+/// Model-state bytes a rank copied between host memory and its device, each way.
+#[derive(Debug, Default)]
+pub(crate) struct Crossings {
+    to_device: AtomicU64,
+    to_host: AtomicU64,
 }
 
 impl Shared {
@@ -87,6 +98,31 @@ impl Shared {
         } else {
             self.device.clone().without_autodiff()
         }
+    }
+
+    /// Counts `bytes` of model state copied from host memory into a tensor on the rank's
+    /// device (`to_device`) or out of one (`!to_device`). Nothing crosses on a CPU rank,
+    /// whose tensors are host memory.
+    pub fn crossed(&self, to_device: bool, bytes: u64) {
+        if self.plan.runtime.device == ComputeDevice::Cpu {
+            return;
+        }
+        let counter = if to_device { &self.crossings.to_device } else { &self.crossings.to_host };
+        counter.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// [`crossed`](Self::crossed) for a copy into the device master weights and optimizer
+    /// state live on (host memory with `offload_optimizer`: then nothing crosses).
+    pub fn crossed_to_state_device(&self, bytes: u64) {
+        if !self.states_on_host() {
+            self.crossed(true, bytes);
+        }
+    }
+
+    /// The bytes counted so far.
+    pub fn crossings(&self) -> HostDeviceBytes {
+        let c = &self.crossings;
+        HostDeviceBytes { to_device: c.to_device.load(Ordering::Relaxed), to_host: c.to_host.load(Ordering::Relaxed) }
     }
 
     /// Whether master weights and optimizer state are host vectors (see

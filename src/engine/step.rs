@@ -57,7 +57,7 @@ impl<M: Module> Engine<M> {
                     Err(e) => {
                         // The window's gradients are spent: close it, so that the caller
                         // can load a checkpoint (the units say what the failure left).
-                        self.window = Window { comm_at_start: self.comm_stats(), ..Window::default() };
+                        self.window = Window { at_start: self.traffic(), ..Window::default() };
                         return Err(e);
                     }
                 };
@@ -94,7 +94,7 @@ impl<M: Module> Engine<M> {
         counters.global_steps += 1;
         counters.global_samples += samples;
         let global_step = counters.global_steps;
-        let stats = self.comm_stats();
+        let now = self.traffic();
         let report = StepReport {
             global_step,
             loss,
@@ -103,10 +103,11 @@ impl<M: Module> Engine<M> {
             skipped,
             loss_scale,
             next_loss_scale: self.loss_scale(),
-            comm_bytes: stats.since(&self.window.comm_at_start).total_bytes(),
+            comm_bytes: now.comm.since(&self.window.at_start.comm).total_bytes(),
+            host_device: now.crossed.since(&self.window.at_start.crossed),
             times: self.window.times,
         };
-        self.window = Window { comm_at_start: stats, ..Window::default() };
+        self.window = Window { at_start: now, ..Window::default() };
         self.progress.last_step = Some(report);
         report
     }

@@ -38,6 +38,7 @@ impl<M: Module> Engine<M> {
         self.window.times.backward += (reduce_start - start).as_secs_f64();
         let all = vec![true; self.units.len()];
         let taken = take_grads(&self.model, &mut grads, &self.shared.index, &self.shared.sharding, &all)?;
+        self.shared.crossed(false, taken.iter().flatten().map(UnitGrads::bytes).sum());
         drop(grads);
         for (id, grads) in taken.into_iter().enumerate().rev() {
             let grads = grads.unwrap_or_else(|| UnitGrads::empty(self.shared.layout(id).entries().len()));

@@ -54,6 +54,9 @@ pub struct GpuRow {
     pub device_bytes: Option<u64>,
     /// The engine's median phase times (`None` for the plain loop).
     pub times: Option<PhaseTimes>,
+    /// Model-state bytes the engine's last step copied between host memory and the device
+    /// (`None` for the plain loop).
+    pub host_device: Option<crate::engine::HostDeviceBytes>,
 }
 
 /// Deterministic tokens `[batch, block + 1]` for step `step`.
@@ -141,7 +144,9 @@ impl GpuBench {
             }
         }
         let phases = median_times(&reports);
-        Ok(self.row(format!("engine stage {stage}"), median(times), device, Some(phases)))
+        let mut row = self.row(format!("engine stage {stage}"), median(times), device, Some(phases));
+        row.host_device = reports.last().map(|r| r.host_device);
+        Ok(row)
     }
 
     fn row(&self, what: String, step_seconds: f64, device: &Device, times: Option<PhaseTimes>) -> GpuRow {
@@ -155,6 +160,7 @@ impl GpuBench {
             mfu: tflops / self.peak_tflops,
             device_bytes: device.memory_pool_usage().map(|u| u.bytes_in_use),
             times,
+            host_device: None,
         }
     }
 
@@ -178,7 +184,8 @@ impl GpuBench {
             self.peak_tflops
         );
         out.push_str(
-            "what              step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather\n",
+            "what              step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
+             to/from device MiB\n",
         );
         for r in rows {
             let mib = r.device_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
@@ -193,8 +200,12 @@ impl GpuBench {
                     ms(t.gather)
                 )
             });
+            let crossed = r.host_device.map_or(String::new(), |c| {
+                let mib = |b: u64| b as f64 / (1 << 20) as f64;
+                format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
+            });
             out.push_str(&format!(
-                "{:<16} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}\n",
+                "{:<16} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
                 r.what,
                 r.step_seconds * 1e3,
                 r.tokens_per_s,

@@ -12,10 +12,12 @@ use zerotrain_precision::half::{bf16, f16};
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, with_elem};
 use zerotrain_zero::Sharding;
 
+pub(crate) use self::device::{read_range, write_unit};
 use self::index::Walk;
 pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_lazy};
 use crate::{Error, Result};
 
+mod device;
 mod index;
 
 /// Copies the part of unit `unit`'s parameters that falls in `range` (of the unit's flat

@@ -221,9 +221,9 @@ impl<M: UnitModel> Pipeline<M> {
     /// [`Engine::evaluate`] computes it; the last stage's loss is broadcast to the whole
     /// pipeline. No rank holds more than its stage. Every rank must call it.
     pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
-        let paused = self.engine.window.pause(self.engine.comm_stats());
+        let paused = self.engine.window.pause(self.engine.traffic());
         let loss = self.engine.sync_buffers().and_then(|()| self.evaluate_stages(batch));
-        self.engine.window.resume(paused, self.engine.comm_stats());
+        self.engine.window.resume(paused, self.engine.traffic());
         loss
     }
 

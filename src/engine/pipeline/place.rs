@@ -118,7 +118,7 @@ fn seed<M: UnitModel>(
 /// buffers; `root` writes them into a copy of its model.
 pub(super) fn gather_model<M: UnitModel>(pipeline: &mut Pipeline<M>, root: usize) -> Result<Option<M>> {
     let engine = &mut pipeline.engine;
-    let paused = engine.window.pause(engine.comm_stats());
+    let paused = engine.window.pause(engine.traffic());
     engine.sync_buffers()?;
     let world = std::sync::Arc::clone(&engine.shared.world);
     let (me, topology, stages) = (world.rank(), engine.span.topology, pipeline.parts.len());
@@ -170,7 +170,7 @@ pub(super) fn gather_model<M: UnitModel>(pipeline: &mut Pipeline<M>, root: usize
         let model = write_global(engine.model.clone(), index, sharding, &values, dtype, &engine.shared.device);
         buffers.write(model, &states, |_| true)
     });
-    engine.window.resume(paused, engine.comm_stats());
+    engine.window.resume(paused, engine.traffic());
     Ok(out)
 }
 

@@ -28,6 +28,7 @@ use super::swapped::{SwappedOptimizer, Swapping};
 use crate::swap::{Ticket, unpack, wait, words};
 
 mod state;
+mod step;
 use crate::Result;
 
 /// Waits for `pending`, counting the wait and the collective's own time in `times`.
@@ -152,7 +153,7 @@ impl Unit {
             self.presence = Presence::Reading(file.read(0..words(shared.dtype(), len))?);
             return Ok(());
         }
-        let input = self.shard.values(len, shared.dtype(), || self.held(len)?.to_host(shared.dtype()))?;
+        let input = self.shard.values(len, shared.dtype(), || read(self.held(len)?, shared.dtype(), shared))?;
         self.start_gather(input, shared);
         Ok(())
     }
@@ -182,6 +183,7 @@ impl Unit {
         };
         let gathered = finish(pending, times)?.output;
         let bytes = gathered.bytes();
+        shared.crossed(true, bytes);
         let model = write_params(model, &shared.index, &shared.sharding, self.id, Fill::Take(gathered), &shared.device);
         Ok((model, bytes))
     }
@@ -223,60 +225,6 @@ impl Unit {
         self.grad.take_reduced(times)
     }
 
-    /// Steps the optimizer over the unit's range with the final gradients `grads` at `lr`
-    /// and puts the new values where the stage keeps parameters (stage 1-2: all-gathered
-    /// into the model). Returns the transient bytes it used.
-    pub fn step<M: Module>(
-        &mut self,
-        model: M,
-        lr: f64,
-        grads: Vec<f32>,
-        shared: &Shared,
-        times: &mut PhaseTimes,
-    ) -> Result<(M, u64)> {
-        let range = shared.optimizer_range(self.id);
-        let start = Instant::now();
-        let transient = (2 * range.len() * size_of::<f32>()) as u64;
-        if let Home::Swapped(_) = &self.home {
-            let masters = self.fp32_masters(&model, shared)?;
-            let Home::Swapped(swapped) = &mut self.home else { unreachable!("matched above") };
-            let new = swapped.step(lr, &grads, masters, shared.dtype(), &shared.state_device())?;
-            times.optimizer += start.elapsed().as_secs_f64();
-            let start = Instant::now();
-            let (model, published) = if shared.stage().shards_parameters() {
-                self.shard.store(new)?;
-                self.publish(model, || unreachable!("stage 3 publishes nothing"), shared, times)?
-            } else {
-                self.publish(model, || Ok(new), shared, times)?
-            };
-            times.gather += start.elapsed().as_secs_f64();
-            return Ok((model, transient + published));
-        }
-        let Home::Resident { master, optimizer } = &mut self.home else { unreachable!("swapped returned above") };
-        let values = match master {
-            Master::InModel => Values::Host(in_model(&model, shared, self.id)?),
-            Master::Held(held) => held.take().filter(|v| v.len() == range.len()).ok_or_else(lost)?,
-        };
-        let values = values.into_tensor(&shared.state_device());
-        let updated = Values::from_tensor(optimizer.step(lr, values, grads)?, shared.states_on_host())?;
-        times.optimizer += start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        let (model, published) = if matches!(master, Master::InModel) {
-            // The model's parameters are the masters: the new values go there, moved, not
-            // copied (f32 in, f32 out).
-            self.publish(model, || updated.into_host(Precision::Fp32), shared, times)?
-        } else {
-            let dtype = shared.dtype();
-            let published = self.publish(model, || updated.to_host(dtype), shared, times)?;
-            if let Home::Resident { master, .. } = &mut self.home {
-                *master = Master::Held(Some(updated));
-            }
-            published
-        };
-        times.gather += start.elapsed().as_secs_f64();
-        Ok((model, transient + published))
-    }
-
     /// Puts new values of the unit's optimizer range into the model, as the stage keeps
     /// parameters: all of them at stage 0, all-gathered in the compute dtype at stages 1-2,
     /// nowhere at stage 3 (gathered at the next use). `values` gives them in the compute
@@ -304,6 +252,7 @@ impl Unit {
             finish(shared.comm.start(request), times)?.output
         };
         let bytes = full.bytes();
+        shared.crossed(true, bytes);
         let model = write_params(model, &shared.index, &shared.sharding, self.id, Fill::Take(full), &shared.device);
         Ok((model, bytes))
     }
@@ -367,5 +316,15 @@ fn in_model<M: Module>(model: &M, shared: &Shared, id: usize) -> Result<Vec<f32>
     let range = shared.optimizer_range(id);
     let mut values = vec![0.0; range.len()];
     read_params(model, &shared.index, &shared.sharding, id, range, BufMut::F32(&mut values))?;
+    shared.crossed(false, (values.len() * size_of::<f32>()) as u64);
     Ok(values)
+}
+
+/// `values` on the host in `dtype` (a collective's input), counting what leaves the device.
+fn read(values: &Values, dtype: Precision, shared: &Shared) -> Result<FlatBuf> {
+    let buf = values.to_host(dtype)?;
+    if values.on_device() {
+        shared.crossed(false, buf.bytes());
+    }
+    Ok(buf)
 }

@@ -156,6 +156,12 @@ fn cpu_offload_leaves_only_the_parameters_on_cuda() {
     super::cpu_offload_leaves_only_the_parameters_on_the_device(CUDA);
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn host_device_copies_per_step_on_cuda_are_what_host_collectives_need() {
+    super::host_device_copies_per_step_are_what_host_collectives_need(CUDA);
+}
+
 /// `auto` runs one rank per GPU through NCCL, silently; two ranks sharing the one GPU fall
 /// back to the host backend with a notice saying why; `nccl` there is an error naming the key.
 #[test]

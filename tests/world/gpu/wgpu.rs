@@ -36,3 +36,8 @@ fn model_states_on_the_device_fall_with_the_stage() {
 fn cpu_offload_leaves_only_the_parameters_on_the_device() {
     super::cpu_offload_leaves_only_the_parameters_on_the_device(WGPU);
 }
+
+#[test]
+fn host_device_copies_per_step_are_what_host_collectives_need() {
+    super::host_device_copies_per_step_are_what_host_collectives_need(WGPU);
+}
