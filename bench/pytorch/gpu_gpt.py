@@ -1,4 +1,4 @@
-"""PyTorch eager on one GPU, beside `zerotrain bench gpu`: the same GPT (train_gpt.py's
+"""PyTorch on one GPU (eager, or `--compile` for torch.compile), beside `zerotrain bench gpu`: the same GPT (train_gpt.py's
 model: pre-norm blocks, no key bias, 4x GELU MLP, tied head), batch and AdamW step.
 
     python3 bench/pytorch/gpu_gpt.py --layers 12 --width 768 --heads 12 --context 1024 --batch 8
@@ -25,11 +25,14 @@ def main():
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: autocast with fp32 master weights, as the engine's mixed precision")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--compile", action="store_true",
+                        help="run the model through torch.compile (its compilation happens in the warm-up steps)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(1)
     model = Gpt(args.vocab, args.width, args.layers, args.heads, args.context).to(device)
     params = sum(p.numel() for p in model.parameters())
+    forward = torch.compile(model) if args.compile else model
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, eps=1e-8)
     generator = torch.Generator().manual_seed(0)
     times = []
@@ -37,7 +40,7 @@ def main():
         tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator).to(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss = model(tokens)
+            loss = forward(tokens)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
@@ -49,7 +52,8 @@ def main():
     tokens_per_s = args.batch * args.context / seconds
     tflops = 6 * params * tokens_per_s / 1e12
     live = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    print(f"PyTorch {torch.__version__} eager on {device}, {params / 1e6:.1f}M parameters, {args.precision}, "
+    mode = "torch.compile" if args.compile else "eager"
+    print(f"PyTorch {torch.__version__} {mode} on {device}, {params / 1e6:.1f}M parameters, {args.precision}, "
           f"{args.batch} sequences of {args.context} tokens")
     print(f"step {seconds * 1e3:.1f} ms, {tokens_per_s:.0f} tokens/s, {tflops:.3f} TFLOPS, "
           f"MFU {100 * tflops / args.peak_tflops:.2f}%, live {live:.1f} MiB")

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds what bench/gpu/verify.sh runs on a GPU machine that has no Rust and no network:
+# the `zerotrain` command and the `world` test binary, built with `--features
+# wgpu,cuda,crash-points` (the feature set CI builds, so a warm CI target is reused),
+# stripped and compressed with xz into bench/gpu/bundle/ (ignored by git), with the
+# absolute paths the test binary was compiled against. At most 62 MiB in all: the device
+# tool takes 64 MiB per call, the repository's own files included.
+#
+# Usage: bench/gpu/bundle.sh        (then, on the GPU machine: bash bench/gpu/verify.sh)
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$repo"
+out="$repo/bench/gpu/bundle"
+features="wgpu,cuda,crash-points"
+limit=$((62 * 1024 * 1024))
+
+scripts/setup-cuda-build.sh --check >/dev/null 2>&1 || scripts/setup-cuda-build.sh
+cargo build --locked --features "$features" --bin zerotrain
+# The test binary's path, from cargo's own report of what it built.
+world="$(cargo test --locked --features "$features" --test world --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "world" and m.get("executable"):
+        print(m["executable"])')"
+[[ -x "$world" ]] || { echo "bundle: no world test binary built" >&2; exit 1; }
+
+rm -rf "$out"
+mkdir -p "$out"
+for pair in "zerotrain:$repo/target/debug/zerotrain" "world:$world"; do
+    name="${pair%%:*}"
+    strip -o "$out/$name" "${pair#*:}"
+    xz -T0 -6 "$out/$name"
+done
+# verify.sh recreates these paths: the test binary runs the command and reads configs/
+# through paths fixed at compile time.
+cat >"$out/paths" <<PATHS
+repo=$repo
+zerotrain=$repo/target/debug/zerotrain
+PATHS
+git rev-parse HEAD >"$out/commit"
+total=$(du -cb "$out"/* | tail -1 | cut -f1)
+ls -l "$out"
+if ((total > limit)); then
+    echo "bundle: $total bytes is over the $limit-byte limit" >&2
+    exit 1
+fi
+echo "bundle: $total bytes in $out (commit $(cat "$out/commit"))"

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Every GPU check of zerotrain in one command, for a machine with an NVIDIA GPU, its driver
+# and Python with torch (which brings NCCL), and neither Rust nor a network. It runs the
+# binaries bench/gpu/bundle.sh built on a CPU machine (bench/gpu/bundle/) and writes one
+# report (to $OUT/report.md when OUT is set, else bench/gpu/report.md):
+#   1. the machine: GPU, driver, NCCL found;
+#   2. the CUDA engine tests on the GPU (`world --include-ignored gpu::cuda`: stages 0-3, world size 1
+#      through NCCL, 2 thread ranks sharing the GPU over host collectives, NCCL = host
+#      backend bit for bit, device memory per stage against the formula);
+#   3. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
+#   4. `zerotrain bench gpu` (GPT-2 small, 124M, bf16; stage 0 and stage 3 with units) beside
+#      bench/pytorch/gpu_gpt.py, eager and torch.compile, in the same run.
+# Each part has its own time limit; the whole stays under 9 minutes.
+#
+# Usage: bash bench/gpu/verify.sh [--quick]   (--quick: 3 measured steps instead of 10)
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$repo"
+bundle="$repo/bench/gpu/bundle"
+report="${OUT:-$repo/bench/gpu}/report.md"
+steps=10
+[[ "${1:-}" == "--quick" ]] && steps=3
+work="$(mktemp -d)"
+start=$(date +%s)
+
+say() { echo "$*" | tee -a "$report"; }
+# part NAME LIMIT_S COMMAND...: runs one part, its output into the report in a code block.
+part() {
+    local name="$1" limit="$2"
+    shift 2
+    say ""
+    say "## $name"
+    say ""
+    say '```'
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$report" | tail -n 400 >/dev/null
+    local rc=${PIPESTATUS[0]}
+    say '```'
+    say "exit $rc after $(( $(date +%s) - t0 )) s$([[ $rc == 124 || $rc == 137 ]] && echo " (timed out at ${limit} s)")"
+    return 0
+}
+
+: >"$report"
+say "# zerotrain GPU verification"
+say ""
+[[ -f "$bundle/commit" ]] || { say "no bundle in $bundle: run bench/gpu/bundle.sh on a CPU machine first"; exit 1; }
+say "commit $(cat "$bundle/commit"), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+
+# The binaries, and the absolute paths the test binary was compiled against.
+for name in zerotrain world; do
+    xz -dc "$bundle/$name.xz" >"$work/$name" && chmod +x "$work/$name"
+done
+# shellcheck disable=SC1091
+source "$bundle/paths"
+if [[ "$repo" != "$(pwd)" && ! -e "$repo" ]]; then
+    mkdir -p "$(dirname "$repo")" && ln -s "$(pwd)" "$repo"
+fi
+mkdir -p "$(dirname "$zerotrain")" && cp "$work/zerotrain" "$zerotrain"
+repo="$(pwd)"
+
+# NCCL: torch's wheel ships libnccl.so.2, which cudarc loads only as libnccl.so.
+nccl="$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+hits = [p for r in roots for p in glob.glob(os.path.join(r, "nvidia", "nccl", "lib", "libnccl.so*"))]
+print(sorted(hits)[0] if hits else "")
+PY
+)"
+if [[ -n "$nccl" ]]; then
+    mkdir -p "$work/lib" && ln -sf "$nccl" "$work/lib/libnccl.so"
+    export LD_LIBRARY_PATH="$work/lib:$(dirname "$nccl")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# Vulkan for wgpu: the device tool's carried loader (.gl/*.deb), where one was brought.
+if ! ldconfig -p | grep -q libvulkan && compgen -G ".gl/*.deb" >/dev/null; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
+if [[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]]; then
+    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
+
+say ""
+say "## Machine"
+say ""
+say '```'
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$report"
+say "NCCL: ${nccl:-not found}"
+python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", torch.cuda.nccl.version())' 2>&1 | tee -a "$report"
+"$work/zerotrain" config check configs/zero3.json 2>&1 | grep -E "^world size" | tee -a "$report"
+say '```'
+
+part "CUDA engine tests (world --include-ignored gpu::cuda)" 180 \
+    "$work/world" --include-ignored --test-threads 1 --nocapture gpu::cuda
+part "wgpu engine tests on the GPU (world gpu::wgpu)" 90 \
+    "$work/world" --test-threads 1 --nocapture gpu::wgpu
+gpt="--layers 12 --width 768 --heads 12 --context 1024 --batch 8 --steps $steps"
+# shellcheck disable=SC2086
+part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units)" 120 \
+    "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units $gpt
+# shellcheck disable=SC2086
+part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 45 \
+    python3 bench/pytorch/gpu_gpt.py --precision bf16 $gpt
+# shellcheck disable=SC2086
+part "PyTorch torch.compile (bench/pytorch/gpu_gpt.py --compile)" 90 \
+    python3 bench/pytorch/gpu_gpt.py --precision bf16 --compile $gpt
+
+say ""
+say "total $(( $(date +%s) - start )) s"
+echo "report: $report"
