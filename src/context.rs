@@ -20,6 +20,9 @@ pub struct RankContext {
     comm: Arc<dyn Collective>,
     topology: Topology,
     notices: Vec<String>,
+    /// Which part of a global batch this rank reads, where that is not its place in the
+    /// topology (a rank of a replica group reads by its place in the whole world).
+    data_position: Option<(usize, usize)>,
 }
 
 impl RankContext {
@@ -28,7 +31,7 @@ impl RankContext {
     pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
         let (rank, world_size) = (comm.rank(), comm.world_size());
         let topology = Topology { stages: 1, data_parallel: world_size };
-        Self { rank, world_size, device, comm, topology, notices: Vec::new() }
+        Self { rank, world_size, device, comm, topology, notices: Vec::new(), data_position: None }
     }
 
     /// The same rank with its collectives on `comm` (the same ranks, another library), and
@@ -37,6 +40,12 @@ impl RankContext {
         debug_assert_eq!((comm.rank(), comm.world_size()), (self.rank, self.world_size));
         self.comm = comm;
         self.notices.extend(notice);
+        self
+    }
+
+    /// The same rank reading part `index` of `parts` of each global batch.
+    pub(crate) fn with_data_position(mut self, index: usize, parts: usize) -> Self {
+        self.data_position = Some((index, parts));
         self
     }
 
@@ -77,12 +86,12 @@ impl RankContext {
     /// This rank's index among the ranks that split each batch (its stage's data-parallel
     /// ranks; without a pipeline, its rank): which part of a global batch it reads.
     pub fn data_parallel_rank(&self) -> usize {
-        self.topology.data_index(self.rank)
+        self.data_position.map_or_else(|| self.topology.data_index(self.rank), |(index, _)| index)
     }
 
     /// Ranks that split each batch (per stage).
     pub fn data_parallel_size(&self) -> usize {
-        self.topology.data_parallel
+        self.data_position.map_or(self.topology.data_parallel, |(_, parts)| parts)
     }
 
     /// The device to build the model and batches on (autodiff enabled).

@@ -83,6 +83,7 @@ pub mod engine;
 mod error;
 pub mod estimate;
 mod launch;
+pub mod replicas;
 pub mod schedule;
 mod swap;
 

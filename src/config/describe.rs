@@ -89,6 +89,20 @@ impl fmt::Display for Plan {
                 writeln!(f, "  offload param     {} (each unit's shard between gathers)", tier(&o.param))?;
             }
         }
+        if let Some(r) = &self.replicas {
+            let o = &r.outer;
+            let kind = if o.nesterov { "nesterov" } else { "sgd" };
+            writeln!(
+                f,
+                "replica groups      {} groups of {} rank(s) (local_sgd), a round every {} steps: outer {kind} lr {} momentum {}, pseudo-gradients in {}",
+                r.groups,
+                r.group_size(n),
+                r.sync_every,
+                o.lr,
+                o.momentum,
+                r.comm_dtype
+            )?;
+        }
         if let Some(p) = &self.pipeline {
             let m = self.batch.gradient_accumulation_steps as usize;
             writeln!(

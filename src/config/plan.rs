@@ -30,6 +30,8 @@ pub struct Plan {
     pub zero: ZeroPlan,
     /// Pipeline parallelism; `None` without (one stage).
     pub pipeline: Option<PipelinePlan>,
+    /// Replica groups (`local_sgd`); `None` without (one synchronous job).
+    pub replicas: Option<ReplicaPlan>,
     /// Dtypes, loss scaling and the non-finite gradient check.
     pub precision: PrecisionPlan,
     /// The optimizer, its parameter groups, the lr schedule and clipping.
@@ -200,6 +202,41 @@ pub struct ZeroPlan {
 
 fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u8(stage.index())
+}
+
+/// Replica groups (`local_sgd`): the world's ranks are `groups` groups of contiguous
+/// ranks, each a data-parallel ZeRO job; every `sync_every` steps the groups average their
+/// progress through the outer optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ReplicaPlan {
+    /// Groups, at least 2.
+    pub groups: usize,
+    /// Optimizer steps between synchronisations, at least 1.
+    pub sync_every: u64,
+    /// The optimizer of the global weights.
+    pub outer: OuterOptimizer,
+    /// dtype the pseudo-gradients travel in.
+    pub comm_dtype: Precision,
+}
+
+impl ReplicaPlan {
+    /// Ranks per group for `world_size` ranks.
+    pub fn group_size(&self, world_size: usize) -> usize {
+        world_size / self.groups
+    }
+}
+
+/// SGD on the global weights with the pseudo-gradient (global minus the groups' mean), as
+/// PyTorch's `torch.optim.SGD` steps it: `buf = momentum * buf + g` (`buf = g` at first),
+/// then `w -= lr * (g + momentum * buf)` with Nesterov, `w -= lr * buf` without.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct OuterOptimizer {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum (0: none).
+    pub momentum: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
 }
 
 /// Pipeline parallelism (see [`zerotrain_zero::pipeline`]).

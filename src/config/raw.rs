@@ -55,8 +55,45 @@ pub struct DeepSpeedConfig {
     /// Asynchronous I/O of the NVMe offload tiers (DeepSpeed's `aio` section). Default: the
     /// values each key documents.
     pub aio: Option<AioConfig>,
+    /// Replica groups that train apart and meet every `sync_every` steps (DiLoCo-style
+    /// local SGD; not a DeepSpeed section). Default: none (one synchronous job).
+    pub local_sgd: Option<LocalSgdConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
+}
+
+/// `local_sgd`: the world split into replica groups of contiguous ranks, each a normal ZeRO
+/// job, averaged through an outer optimizer every `sync_every` steps.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LocalSgdConfig {
+    /// Replica groups, dividing the world size. Default 1 (no groups: the section does
+    /// nothing).
+    pub groups: Option<Count>,
+    /// Optimizer steps each group takes between synchronisations (DiLoCo's H). Default 50.
+    pub sync_every: Option<Count>,
+    /// The optimizer of the global weights. Default `{"type": "nesterov", "lr": 0.7,
+    /// "momentum": 0.9}` (DiLoCo's).
+    pub outer_optimizer: Option<OuterOptimizerConfig>,
+    /// dtype the pseudo-gradients travel in between groups: `fp32` (default) or `bf16`.
+    pub communication_data_type: Option<String>,
+    /// `sync` (default: every group waits for the others at each synchronisation) or
+    /// `async` (parameter servers, `zerotrain serve`; not built yet).
+    pub mode: Option<String>,
+    /// `async`: how many rounds a group may run ahead of the slowest. Default 1.
+    pub max_staleness: Option<Count>,
+}
+
+/// `local_sgd.outer_optimizer`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OuterOptimizerConfig {
+    /// `nesterov` (SGD with Nesterov momentum; default) or `sgd` (plain SGD; lr 1 without
+    /// momentum is model averaging).
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// Learning rate. Default 0.7 (`nesterov`), 1.0 (`sgd`).
+    pub lr: Option<f64>,
+    /// Momentum. Default 0.9 (`nesterov`), 0 (`sgd`).
+    pub momentum: Option<f64>,
 }
 
 /// `optimizer`: `{"type": ..., "params": {...}}`.

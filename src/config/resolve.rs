@@ -1,7 +1,7 @@
 //! [`Config`] -> [`Plan`]: each sub-plan by its own module, then the rules that cross them.
 
 use super::value::{AutoOr, Count};
-use super::{Config, ConfigError, Overrides, Plan, PlanNotes, batch, optim, parallel, precision, runtime};
+use super::{Config, ConfigError, Overrides, Plan, PlanNotes, batch, optim, parallel, precision, replicas, runtime};
 
 /// Collects what resolution decided: how each `"auto"` was resolved, and which settings
 /// have no effect.
@@ -65,5 +65,6 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     }
     let activation_checkpointing = parallel::resolve_checkpointing(config, &mut autos);
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
-    Ok(Plan { runtime, batch, zero, pipeline, precision, optim, activation_checkpointing, notes: autos.0 })
+    let replicas = replicas::resolve(config, &runtime, pipeline.is_some(), &mut autos)?;
+    Ok(Plan { runtime, batch, zero, pipeline, replicas, precision, optim, activation_checkpointing, notes: autos.0 })
 }

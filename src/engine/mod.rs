@@ -44,6 +44,7 @@ pub mod optimizer;
 mod params;
 mod pipeline;
 mod report;
+mod shards;
 mod shared;
 mod span;
 mod step;

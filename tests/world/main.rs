@@ -16,6 +16,7 @@ mod mixed;
 mod offload;
 mod overflow;
 mod pipeline;
+mod replicas;
 mod units;
 
 /// The README's minimal example, compiled and run as part of the suite.

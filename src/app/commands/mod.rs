@@ -282,6 +282,7 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
         println!("{} resolves to:\n{plan}", file.display());
         print_placement(&plan, &settings.model);
         print_collectives(&plan);
+        print_replicas(&plan, &settings.model);
         if let Some(pipeline) = plan.pipeline {
             print_stages(&settings.model, pipeline)?;
         }
@@ -300,6 +301,32 @@ fn print_collectives(plan: &crate::Plan) {
         Ok(()) => println!("collectives here    NCCL loads on this machine"),
         Err(reason) => println!("collectives here    NCCL cannot run on this machine: {reason}"),
     }
+}
+
+/// Replica groups: each rank's bytes per round against synchronous data parallelism's over
+/// as many steps, for the built-in GPT (the bus-bandwidth convention: an all-reduce moves
+/// 2(n-1)/n of its buffer).
+fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
+    let Some(r) = plan.replicas else { return };
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    let psi = model.num_params() as f64;
+    let (n, g) = (plan.world_size() as f64, r.groups as f64);
+    let shard = if plan.zero.stage.shards_optimizer_states() { psi / (n / g) } else { psi };
+    let round = 2.0 * (g - 1.0) / g * shard * r.comm_dtype.bytes_per_elem() as f64;
+    let per_step = if plan.zero.stage.shards_parameters() { 3.0 } else { 2.0 } * (n - 1.0) / n
+        * psi
+        * plan.precision.comm.bytes_per_elem() as f64;
+    let dp = per_step * r.sync_every as f64;
+    println!(
+        "  per round         {:.1} MiB per rank across groups, against {:.1} MiB of synchronous data parallelism over {} steps ({:.0}x less)",
+        round / (1 << 20) as f64,
+        dp / (1 << 20) as f64,
+        r.sync_every,
+        dp / round
+    );
 }
 
 /// Where each rank's model states live, by tier, for the built-in GPT the config describes.

@@ -1,0 +1,141 @@
+//! Resolving `local_sgd`: replica groups and their outer optimizer.
+
+use super::plan::{OuterOptimizer, ReplicaPlan, RuntimePlan};
+use super::raw::OuterOptimizerConfig;
+use super::resolve::{Autos, invalid};
+use super::{Config, ConfigError};
+use zerotrain_precision::Precision;
+
+pub(super) fn resolve(
+    config: &Config,
+    runtime: &RuntimePlan,
+    pipelined: bool,
+    autos: &mut Autos,
+) -> Result<Option<ReplicaPlan>, ConfigError> {
+    let Some(section) = &config.raw.local_sgd else { return Ok(None) };
+    let groups = section.groups.map_or(1, |c| c.0);
+    let world_size = runtime.world_size;
+    let groups = usize::try_from(groups).map_err(|_| invalid("local_sgd.groups", "too large"))?;
+    if groups == 0 || !world_size.is_multiple_of(groups) {
+        let message = format!("must divide the world size ({world_size}) into groups of equal size, got {groups}");
+        return Err(invalid("local_sgd.groups", message));
+    }
+    let sync_every = section.sync_every.map_or(50, |c| c.0);
+    if sync_every == 0 {
+        return Err(invalid("local_sgd.sync_every", "must be at least 1 (optimizer steps between synchronisations)"));
+    }
+    let outer = outer(section.outer_optimizer.as_ref())?;
+    let comm_dtype = match section.communication_data_type.as_deref().unwrap_or("fp32") {
+        "fp32" | "float32" => Precision::Fp32,
+        "bf16" | "bfloat16" => Precision::Bf16,
+        other => {
+            return Err(invalid("local_sgd.communication_data_type", format!("must be fp32 or bf16, got `{other}`")));
+        }
+    };
+    match section.mode.as_deref().unwrap_or("sync") {
+        "sync" => {}
+        "async" => {
+            return Err(ConfigError::Unsupported {
+                key: "local_sgd.mode".into(),
+                message: "\"async\" needs parameter servers (`zerotrain serve`), which are not built yet: use \"sync\""
+                    .into(),
+            });
+        }
+        other => return Err(invalid("local_sgd.mode", format!("must be sync or async, got `{other}`"))),
+    }
+    if section.max_staleness.is_some() {
+        autos.no_effect("local_sgd.max_staleness (only \"async\" mode bounds staleness)".into());
+    }
+    if groups == 1 {
+        autos.no_effect("local_sgd (groups is 1: one synchronous job, as without the section)".into());
+        return Ok(None);
+    }
+    if pipelined {
+        return Err(ConfigError::Unsupported {
+            key: "local_sgd.groups".into(),
+            message: "replica groups with pipeline.stages > 1 are not supported yet: use one or the other".into(),
+        });
+    }
+    Ok(Some(ReplicaPlan { groups, sync_every, outer, comm_dtype }))
+}
+
+fn outer(raw: Option<&OuterOptimizerConfig>) -> Result<OuterOptimizer, ConfigError> {
+    let kind = raw.and_then(|o| o.kind.as_deref()).unwrap_or("nesterov");
+    let (lr, momentum, nesterov) = match kind {
+        "nesterov" => (0.7, 0.9, true),
+        "sgd" => (1.0, 0.0, false),
+        other => {
+            let message = format!("must be nesterov or sgd, got `{other}`");
+            return Err(invalid("local_sgd.outer_optimizer.type", message));
+        }
+    };
+    let lr = raw.and_then(|o| o.lr).unwrap_or(lr);
+    let momentum = raw.and_then(|o| o.momentum).unwrap_or(momentum);
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(invalid("local_sgd.outer_optimizer.lr", format!("must be a positive number, got {lr}")));
+    }
+    if !(0.0..1.0).contains(&momentum) {
+        return Err(invalid("local_sgd.outer_optimizer.momentum", format!("must be in [0, 1), got {momentum}")));
+    }
+    if nesterov && momentum == 0.0 {
+        let message = "nesterov needs a momentum above 0 (use type sgd for none)";
+        return Err(invalid("local_sgd.outer_optimizer.momentum", message));
+    }
+    Ok(OuterOptimizer { lr, momentum, nesterov })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::plan;
+    use super::super::*;
+
+    fn with(section: &str, world: usize) -> Result<Plan, ConfigError> {
+        plan(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 1, "zerotrain": {{"world_size": {world}}}, "local_sgd": {section}}}"#
+        ))
+    }
+
+    #[test]
+    fn defaults_are_diloco_s_and_groups_split_the_world() {
+        let p = with(r#"{"groups": 2}"#, 4).unwrap().replicas.unwrap();
+        assert_eq!((p.groups, p.sync_every, p.group_size(4)), (2, 50, 2));
+        assert_eq!(p.outer, OuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true });
+        assert_eq!(p.comm_dtype, zerotrain_precision::Precision::Fp32);
+        let p = with(
+            r#"{"groups": 4, "sync_every": 1, "outer_optimizer": {"type": "sgd"}, "communication_data_type": "bf16"}"#,
+            4,
+        )
+        .unwrap()
+        .replicas
+        .unwrap();
+        assert_eq!(p.outer, OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false });
+        assert_eq!(p.comm_dtype, zerotrain_precision::Precision::Bf16);
+    }
+
+    #[test]
+    fn one_group_is_no_groups_and_says_so() {
+        let p = with(r#"{"groups": 1}"#, 2).unwrap();
+        assert!(p.replicas.is_none());
+        assert!(p.warning().is_some_and(|w| w.contains("local_sgd")), "{:?}", p.warning());
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            (r#"{"groups": 3}"#, "local_sgd.groups"),
+            (r#"{"groups": 0}"#, "local_sgd.groups"),
+            (r#"{"groups": 2, "sync_every": 0}"#, "local_sgd.sync_every"),
+            (r#"{"groups": 2, "outer_optimizer": {"type": "adam"}}"#, "local_sgd.outer_optimizer.type"),
+            (r#"{"groups": 2, "outer_optimizer": {"lr": -1}}"#, "local_sgd.outer_optimizer.lr"),
+            (r#"{"groups": 2, "outer_optimizer": {"momentum": 1.0}}"#, "local_sgd.outer_optimizer.momentum"),
+            (r#"{"groups": 2, "communication_data_type": "fp8"}"#, "local_sgd.communication_data_type"),
+            (r#"{"groups": 2, "mode": "async"}"#, "local_sgd.mode"),
+            (r#"{"groups": 2, "mode": "eventually"}"#, "local_sgd.mode"),
+            (r#"{"groups": 2, "group": 2}"#, "local_sgd.group"),
+        ];
+        for (section, key) in cases {
+            let err = with(section, 4).unwrap_err().to_string();
+            assert!(err.contains(key), "{section}: {err}");
+        }
+    }
+}

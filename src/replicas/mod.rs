@@ -1,0 +1,254 @@
+//! Replica groups (`local_sgd`): DiLoCo-style local SGD inside one job.
+//!
+//! The world's ranks are `groups` groups of contiguous ranks ([`split`]); each group is a
+//! normal ZeRO job (an [`Engine`] over the group's communicator, every stage, precision
+//! and offload tier as without groups), reading its own part of each global batch. Every
+//! `sync_every` optimizer steps, [`LocalSgd`] runs a round: the groups average the
+//! pseudo-gradient `global - local` and the outer optimizer steps the global weights, which
+//! every group then continues from. Its inner optimizer keeps its state.
+//!
+//! # Note: the HSDP shape
+//! A rank of a group holds the master weights of its shard of every unit (at stage 0, of
+//! every unit whole). The rank at the same place in every other group holds the same shard,
+//! so a round is one all-reduce among those peers ([`Replicas::peers`]), of the rank's
+//! shard only: no rank ever holds more than its shard of the global weights or of the outer
+//! optimizer's momentum. Per round a rank moves `2 (G-1)/G` of its shard's bytes in
+//! `communication_data_type`, against synchronous data parallelism's `2 (N-1)/N` of the
+//! gradients at every step.
+//!
+//! # Example
+//! ```
+//! use zerotrain::replicas::{LocalSgd, split};
+//! use zerotrain::{Config, Engine, Overrides, launch};
+//! # use burn::module::Module;
+//! # use burn::nn::{Linear, LinearConfig};
+//! # use burn::tensor::Tensor;
+//! let config = Config::parse(
+//!     r#"{"train_micro_batch_size_per_gpu": 1,
+//!         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+//!         "zero_optimization": {"stage": 1},
+//!         "local_sgd": {"groups": 2, "sync_every": 2},
+//!         "zerotrain": {"world_size": 4}}"#,
+//!     "example",
+//! )?;
+//! let plan = config.resolve(Overrides::default())?;
+//! let rounds = launch(&plan, |ctx| {
+//!     let (group_ctx, group_plan, replicas) = split(&ctx, &plan)?;
+//!     let model = LinearConfig::new(3, 1).init(group_ctx.device());
+//!     let mut local = LocalSgd::new(Engine::new(model, &group_plan, &group_ctx)?, replicas)?;
+//!     for step in 0..4 {
+//!         let x = Tensor::<2>::ones([1, 3], group_ctx.device()) * (ctx.rank() + step) as f32;
+//!         let loss = local.engine_mut().forward(|m| m.forward(x.clone()).powi_scalar(2).mean())?;
+//!         local.engine_mut().backward(loss)?;
+//!         local.step()?;
+//!     }
+//!     Ok::<_, zerotrain::Error>(local.rounds())
+//! })?;
+//! assert_eq!(rounds, vec![2; 4]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod outer;
+mod trainer;
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_zero::{Collective, CommStats, ReduceOp};
+
+use self::outer::OuterState;
+use crate::config::ReplicaPlan;
+use crate::engine::{Engine, StepReport};
+use crate::{Error, Plan, RankContext, Result};
+
+/// One rank's place among the replica groups: its group, and the collective of its peers
+/// (the ranks at the same place in every group).
+#[derive(Clone)]
+pub struct Replicas {
+    plan: ReplicaPlan,
+    group: usize,
+    peers: Arc<dyn Collective>,
+    /// This rank's place in the world: which part of each global batch it reads.
+    data_rank: usize,
+}
+
+impl Replicas {
+    /// This rank's group, `0..groups`.
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
+    /// The ranks holding the same shard as this one, one per group, ranked by group.
+    pub fn peers(&self) -> &Arc<dyn Collective> {
+        &self.peers
+    }
+}
+
+/// Splits `ctx`'s world into `plan`'s replica groups (`plan.replicas`; an error without
+/// them). Returns this rank's context inside its group (its collective the group's, its
+/// data position still its place in the world, so that each group reads its own part of
+/// every global batch), the plan each group's engine trains with (the group's world size
+/// and its share of the batch), and its [`Replicas`]. Every rank calls it at once.
+pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Replicas)> {
+    let replicas =
+        plan.replicas.ok_or_else(|| Error::Usage("replicas::split: the plan has no local_sgd groups".into()))?;
+    let world = ctx.collective();
+    let (rank, size) = (world.rank(), replicas.group_size(world.world_size()));
+    if world.world_size() != plan.world_size() {
+        let (planned, actual) = (plan.world_size(), world.world_size());
+        return Err(Error::Usage(format!("replicas::split: the plan is for {planned} ranks, the world has {actual}")));
+    }
+    let (group, place) = (rank / size, rank % size);
+    let group_comm = world.split(group, place)?;
+    let peers = world.split(place, group)?;
+    let group_ctx = RankContext::new(group_comm, ctx.device().clone()).with_data_position(rank, world.world_size());
+    let mut group_plan = plan.clone();
+    group_plan.runtime.world_size = size;
+    group_plan.batch.train_batch_size /= replicas.groups as u64;
+    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data_rank: rank }))
+}
+
+/// A round of [`LocalSgd`]: the groups met and the global weights moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Round {
+    /// Rounds so far, this one included.
+    pub round: u64,
+    /// Bytes this rank moved among its peers in the round (the bus-bandwidth convention).
+    pub bytes: u64,
+}
+
+/// An optimizer step of a group, and the round it ended with, if any.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LocalStep {
+    /// The group's step.
+    pub report: StepReport,
+    /// The round after this step (every `sync_every` steps).
+    pub round: Option<Round>,
+}
+
+/// An engine training one replica group, meeting the other groups every `sync_every`
+/// optimizer steps (see the module docs).
+pub struct LocalSgd<M: Module> {
+    engine: Engine<M>,
+    replicas: Replicas,
+    /// The global weights of this rank's shard, per unit.
+    global: Vec<Vec<f32>>,
+    outer: Vec<OuterState>,
+    steps_since_round: u64,
+    rounds: u64,
+}
+
+impl<M: Module> LocalSgd<M> {
+    /// Wraps a group's engine (built with [`split`]'s context and plan). The global weights
+    /// start as group 0's, and every group starts from them. Every rank calls it at once.
+    pub fn new(engine: Engine<M>, replicas: Replicas) -> Result<Self> {
+        let mut local =
+            Self { engine, replicas, global: Vec::new(), outer: Vec::new(), steps_since_round: 0, rounds: 0 };
+        local.restart_from_engine()?;
+        Ok(local)
+    }
+
+    /// Takes group 0's engine weights as the global weights on every group, with a fresh
+    /// outer optimizer (at the start, and after a checkpoint load).
+    fn restart_from_engine(&mut self) -> Result<()> {
+        let (engine, replicas) = (&mut self.engine, &self.replicas);
+        let mut global = engine.shard_masters()?;
+        let mut flat: Vec<f32> = global.concat();
+        replicas.peers.broadcast((&mut flat).into(), 0)?;
+        let mut rest = flat.as_slice();
+        for unit in &mut global {
+            let (mine, more) = rest.split_at(unit.len());
+            unit.copy_from_slice(mine);
+            rest = more;
+        }
+        if replicas.group != 0 {
+            engine.load_shard_masters(global.clone())?;
+        }
+        self.outer = vec![OuterState::default(); global.len()];
+        self.global = global;
+        self.steps_since_round = 0;
+        Ok(())
+    }
+
+    /// The group's engine: forward, backward and everything else go through it.
+    pub fn engine(&self) -> &Engine<M> {
+        &self.engine
+    }
+
+    /// The group's engine, mutably.
+    pub fn engine_mut(&mut self) -> &mut Engine<M> {
+        &mut self.engine
+    }
+
+    /// Rounds so far.
+    pub fn rounds(&self) -> u64 {
+        self.rounds
+    }
+
+    /// [`Engine::step`], and a round after every `sync_every`-th optimizer step (skipped
+    /// steps count: the groups stay in step). `None` inside an accumulation window.
+    pub fn step(&mut self) -> Result<Option<LocalStep>> {
+        let Some(report) = self.engine.step()? else { return Ok(None) };
+        let round = self.count_step()?;
+        Ok(Some(LocalStep { report, round }))
+    }
+
+    /// Counts an optimizer step; runs the round it completes, if it does.
+    fn count_step(&mut self) -> Result<Option<Round>> {
+        self.steps_since_round += 1;
+        if self.steps_since_round < self.replicas.plan.sync_every {
+            return Ok(None);
+        }
+        self.sync().map(Some)
+    }
+
+    /// A round now: the pseudo-gradients `global - local` averaged over the groups (in
+    /// `communication_data_type`), the outer optimizer's step of the global weights, and
+    /// every group's engine continuing from them. Every rank calls it at once, between
+    /// optimizer steps.
+    pub fn sync(&mut self) -> Result<Round> {
+        let before = self.replicas.peers.stats();
+        let local = self.engine.shard_masters()?;
+        let mut delta: Vec<f32> =
+            self.global.iter().zip(&local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect();
+        self.reduce(&mut delta)?;
+        let groups = self.replicas.plan.groups as f32;
+        let mut rest = delta.as_mut_slice();
+        for (global, outer) in self.global.iter_mut().zip(&mut self.outer) {
+            let (mine, more) = rest.split_at_mut(global.len());
+            mine.iter_mut().for_each(|d| *d /= groups);
+            outer.step(&self.replicas.plan.outer, global, mine);
+            rest = more;
+        }
+        self.engine.load_shard_masters(self.global.clone())?;
+        self.steps_since_round = 0;
+        self.rounds += 1;
+        let bytes = self.replicas.peers.stats().since(&before).total_bytes();
+        Ok(Round { round: self.rounds, bytes })
+    }
+
+    /// Sums `delta` over the peers, travelling in `communication_data_type`.
+    fn reduce(&self, delta: &mut [f32]) -> Result<()> {
+        let peers = &self.replicas.peers;
+        match self.replicas.plan.comm_dtype {
+            Precision::Fp32 => peers.all_reduce(delta.into(), ReduceOp::Sum)?,
+            dtype => {
+                let mut wire = FlatBuf::from_f32(dtype, delta);
+                peers.all_reduce(wire.as_mut(), ReduceOp::Sum)?;
+                delta.copy_from_slice(&wire.into_f32());
+            }
+        }
+        Ok(())
+    }
+
+    /// The peers' traffic so far (the rounds', and the start's broadcast).
+    pub fn peer_stats(&self) -> CommStats {
+        self.replicas.peers.stats()
+    }
+
+    /// The engine, giving up the groups.
+    pub fn into_engine(self) -> Engine<M> {
+        self.engine
+    }
+}

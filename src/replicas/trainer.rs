@@ -1,0 +1,85 @@
+//! [`LocalSgd`] as a [`Trainer`], so that a program (the `zerotrain train` job among them)
+//! drives replica groups with the loop it drives one engine with.
+//!
+//! # Note: checkpoints of replica groups
+//! Between rounds the groups hold different weights, so a save first runs a round: every
+//! group then holds the global weights, and group 0 saves them with its engine (a normal
+//! checkpoint, at the group's world size, loadable at any world size, stage, or number of
+//! groups) while the other groups wait for it. The outer optimizer's momentum is not in the
+//! checkpoint: a resumed run restarts it from zero. A load puts the same
+//! checkpoint into every group and takes its weights as the global ones.
+
+use std::path::{Path, PathBuf};
+
+use zerotrain_zero::CommStats;
+
+use super::LocalSgd;
+use crate::Result;
+use crate::engine::model::UnitModel;
+use crate::engine::{Counters, LoadOptions, MemoryReport, StepReport, Trainer};
+
+impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
+    fn train_batch(&mut self, batch: &mut dyn FnMut(usize) -> M::Batch) -> Result<StepReport> {
+        let mut report = self.engine.train_batch(batch)?;
+        if let Some(round) = self.count_step()? {
+            report.comm_bytes += round.bytes;
+        }
+        Ok(report)
+    }
+
+    fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
+        self.engine.evaluate(batch)
+    }
+
+    fn save_checkpoint(&mut self, dir: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
+        if self.steps_since_round > 0 {
+            self.sync()?;
+        }
+        let saved = match self.replicas.group {
+            0 => self.engine.save_checkpoint(dir, tag, client_state),
+            _ => {
+                let step = self.engine.counters().global_steps;
+                Ok(dir.join(tag.map_or_else(|| zerotrain_checkpoint::default_tag(step), str::to_string)))
+            }
+        };
+        // Nobody reads the checkpoint before group 0 has committed it.
+        self.replicas.peers.barrier()?;
+        saved
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>, options: LoadOptions) -> Result<serde_json::Value> {
+        let client_state = self.engine.load_checkpoint(dir, tag, options)?;
+        self.restart_from_engine()?;
+        Ok(client_state)
+    }
+
+    fn gather_model(&mut self, root: usize) -> Result<Option<M>> {
+        // Group 0's rank `root` gets it: the group's ranks are the world's first.
+        let model = self.engine.gather_model(root % self.engine.plan().world_size())?;
+        Ok(model.filter(|_| self.replicas.group == root / self.engine.plan().world_size()))
+    }
+
+    fn master_params(&self) -> Result<Vec<f32>> {
+        self.engine.master_params()
+    }
+
+    fn counters(&self) -> Counters {
+        self.engine.counters()
+    }
+
+    fn memory_report(&self) -> MemoryReport {
+        self.engine.memory_report()
+    }
+
+    fn comm_stats(&self) -> CommStats {
+        self.engine.comm_stats().plus(&self.replicas.peers.stats())
+    }
+
+    fn num_params(&self) -> usize {
+        self.engine.num_params()
+    }
+
+    fn data_parallel_rank(&self) -> usize {
+        self.replicas.data_rank
+    }
+}

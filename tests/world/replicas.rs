@@ -1,0 +1,122 @@
+//! Replica groups (`local_sgd`): groups of thread ranks training apart and meeting every
+//! `sync_every` steps, checked against synchronous data parallelism and against the
+//! traffic the HSDP shape allows.
+
+use zerotrain::replicas::{LocalSgd, split};
+use zerotrain::{Engine, Error, Plan, launch};
+
+use crate::common::*;
+use crate::units::{Tokens, Workload, padded, tiny_gpt, unit_sizes};
+
+const STEPS: u64 = 4;
+
+/// The common recipe with plain SGD inside (lr 0.05, no momentum, no weight decay) and
+/// `local_sgd` set to `section` (none if empty).
+fn sgd_recipe(stage: u8, section: &str) -> String {
+    let json = recipe(stage, 1, 1, 0.0).replace(
+        r#"{"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}}"#,
+        r#"{"type": "SGD", "params": {"lr": 0.05}}"#,
+    );
+    if section.is_empty() { json } else { json.replacen('{', &format!(r#"{{ "local_sgd": {section},"#), 1) }
+}
+
+/// Trains the tiny GPT `STEPS` steps under `plan` (groups or not, through `trainer`, as the
+/// command does), each world rank reading its part of every global batch; returns every
+/// rank's view of its group's fp32 master weights (the parameters, in fp32 training).
+fn run(plan: &Plan) -> Vec<Vec<f32>> {
+    run_steps(plan, STEPS)
+}
+
+/// [`run`] for `steps` steps.
+fn run_steps(plan: &Plan, steps: u64) -> Vec<Vec<f32>> {
+    let init = tiny_gpt(true, 11);
+    let w = Tokens { vocab: 11, len: 9 };
+    launch(plan, |ctx| {
+        let mut trainer = zerotrain::trainer(init.clone(), plan, &ctx)?;
+        for step in 0..steps {
+            let rank = trainer.data_parallel_rank();
+            trainer.train_batch(&mut |micro| w.batch(plan, step, micro as u64, rank, ctx.device()))?;
+        }
+        trainer.master_params()
+    })
+    .unwrap()
+}
+
+/// `groups: 1` is no groups: the same bits as the config without the section.
+#[test]
+fn one_group_trains_bit_for_bit_as_without_the_section() {
+    let plain = run(&plan(&sgd_recipe(2, ""), 2));
+    let one = run(&plan(&sgd_recipe(2, r#"{"groups": 1, "sync_every": 1}"#), 2));
+    assert_eq!(plain, one);
+}
+
+/// Averaging after every step of plain SGD is synchronous data parallelism over the same
+/// samples: each group steps with the mean gradient of its ranks, and the mean of the
+/// groups' steps is the step with the mean gradient of all ranks. Within fp32 rounding, at
+/// every stage, with groups of one and of two ranks.
+#[test]
+fn averaging_every_sgd_step_is_synchronous_data_parallelism() {
+    let averaging = r#"{"groups": GROUPS, "sync_every": 1, "outer_optimizer": {"type": "sgd", "lr": 1.0}}"#;
+    let mut worst = 0.0f32;
+    for stage in [0u8, 1, 2, 3] {
+        let dp = run(&plan(&sgd_recipe(stage, ""), 4));
+        let start = run_steps(&plan(&sgd_recipe(stage, ""), 4), 0);
+        let moved = dp[0].iter().zip(&start[0]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(dp[0].len() > 1000 && moved > 1e-3, "stage {stage}: training moved the weights by {moved}");
+        for groups in [2, 4] {
+            let section = averaging.replace("GROUPS", &groups.to_string());
+            let local = run(&plan(&sgd_recipe(stage, &section), 4));
+            for (rank, masters) in local.iter().enumerate() {
+                let diff = masters.iter().zip(&dp[0]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(diff <= 2e-6, "stage {stage}, {groups} groups, rank {rank}: parameters differ by {diff}");
+                worst = worst.max(diff);
+            }
+        }
+    }
+    eprintln!("averaging every SGD step vs synchronous data parallelism: worst |difference| {worst:e}");
+}
+
+/// Between rounds the groups train apart; a round leaves every group with the same
+/// weights; and a round moves only each rank's shard among its peers: an all-reduce of the
+/// padded shard (2 groups: the whole shard's bytes, in fp32 or in bf16), nothing in the
+/// steps without a round beyond the group's own collectives.
+#[test]
+fn groups_train_apart_and_a_round_moves_only_each_ranks_shard() {
+    let init = tiny_gpt(true, 11);
+    let (sizes, root) = unit_sizes(&init);
+    let group_size = 2;
+    let shard: u64 = sizes.iter().chain([&root]).map(|&u| (padded(u, group_size) / group_size) as u64).sum();
+    for (dtype, bytes) in [("fp32", 4), ("bf16", 2)] {
+        let section = format!(r#"{{"groups": 2, "sync_every": 3, "communication_data_type": "{dtype}"}}"#);
+        let plan = plan(&sgd_recipe(2, &section), 4);
+        let w = Tokens { vocab: 11, len: 9 };
+        let out = launch(&plan, |ctx| {
+            let (group_ctx, group_plan, replicas) = split(&ctx, &plan)?;
+            let engine = Engine::with_units(init.clone(), &group_plan, &group_ctx)?;
+            let mut local = LocalSgd::new(engine, replicas)?;
+            let mut seen = Vec::new();
+            for step in 0..3 {
+                let peers_before = local.peer_stats();
+                local.engine_mut().forward_backward(&w.batch(&plan, step, 0, ctx.rank(), ctx.device()))?;
+                let done = local.step()?.expect("accumulation 1");
+                let peer_bytes = local.peer_stats().since(&peers_before).total_bytes();
+                let masters = local.engine().master_params()?;
+                seen.push((done.round, peer_bytes, masters));
+            }
+            Ok::<_, Error>(seen)
+        })
+        .unwrap();
+        // Ranks 0-1 are group 0, ranks 2-3 group 1.
+        for (group0, group1) in out[0][..2].iter().zip(&out[2][..2]) {
+            assert_eq!(group0.0, None);
+            assert_eq!(group0.1, 0, "{dtype}: no traffic among peers before the round");
+            assert_ne!(group0.2, group1.2, "{dtype}: the groups trained apart before the round");
+        }
+        for rank in 0..4 {
+            let (round, peer_bytes, masters) = &out[rank][2];
+            assert_eq!(*round, Some(zerotrain::replicas::Round { round: 1, bytes: shard * bytes }), "rank {rank}");
+            assert_eq!(*peer_bytes, shard * bytes, "{dtype} rank {rank}");
+            assert_eq!(masters, &out[0][2].2, "{dtype}: rank {rank} left the round with other weights");
+        }
+    }
+}
