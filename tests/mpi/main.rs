@@ -74,6 +74,15 @@ fn training_at_every_stage_equals_the_threads_backend() {
     }
 }
 
+/// Replica groups of MPI processes (2 groups of 2, a round every 2 steps) train as the same
+/// groups of threads do.
+#[test]
+fn replica_groups_over_mpi_train_like_threads() {
+    let (out, _) = run(4, &["groups"], Duration::from_secs(300));
+    assert_success(&out, "groups");
+    assert_eq!(ok_lines(&out).len(), 4, "every rank checks");
+}
+
 /// 16-bit gradients reduce over MPI as the threads backend reduces them: the same bits
 /// (summed in f32 in rank order, rounded once) and the same 16-bit bytes on the wire.
 #[test]

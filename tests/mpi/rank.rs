@@ -137,6 +137,40 @@ fn threads_reference_with_traffic(
     })
 }
 
+/// Replica groups: `steps` of [`train`]'s data under `plan`'s `local_sgd` groups, through
+/// `replicas::split` and `LocalSgd`; the masters after (the last step ends with a round).
+fn train_groups(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::Range<u64>) -> Result<Vec<f32>, Error> {
+    let (group_ctx, group_plan, replicas) = zerotrain::replicas::split(ctx, plan)?;
+    let mut local = zerotrain::replicas::LocalSgd::new(Engine::new(model, &group_plan, &group_ctx)?, replicas)?;
+    let (b, r) = (plan.batch, ctx.rank() as u64);
+    for step in steps {
+        let first = step * b.train_batch_size + r * b.micro_batch_per_rank;
+        let batch = TASK.batch(first..first + b.micro_batch_per_rank, group_ctx.device());
+        let loss = local.engine_mut().forward(|m| m.loss(&batch))?;
+        local.engine_mut().backward(loss)?;
+        local.step()?;
+    }
+    local.engine().master_params()
+}
+
+/// [`train_groups`] on `plan.world_size()` threads inside this process (rank 0's masters).
+fn threads_groups_reference(plan: &Plan, steps: std::ops::Range<u64>) -> Vec<f32> {
+    let model = init();
+    let mut plan = plan.clone();
+    plan.runtime.backend = zerotrain::config::Backend::Threads;
+    let world = ThreadWorld::new(plan.world_size(), Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..plan.world_size())
+            .map(|rank| {
+                let ctx = RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
+                let (plan, steps, model) = (&plan, steps.clone(), model.clone());
+                s.spawn(move || train_groups(model, &ctx, plan, steps).expect("threads reference"))
+            })
+            .collect();
+        handles.into_iter().next().unwrap().join().unwrap()
+    })
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
@@ -356,6 +390,14 @@ fn rank_program() {
                     assert!(diff <= 1e-6, "{schedule}: MPI vs threads differ by {diff}");
                     println!("ok pipeline {schedule} rank {} diff {diff:e}", ctx.rank());
                 }
+            }
+            "groups" => {
+                let extra = r#""local_sgd": {"groups": 2, "sync_every": 2},"#;
+                let plan = plan_with(2, Some(ctx.world_size()), extra);
+                let got = train_groups(model.clone(), &ctx, &plan, 0..4)?;
+                let diff = if ctx.rank() == 0 { max_diff(&got, &threads_groups_reference(&plan, 0..4)) } else { 0.0 };
+                assert!(diff <= 1e-6, "replica groups: MPI vs threads differ by {diff}");
+                println!("ok groups rank {} diff {diff:e}", ctx.rank());
             }
             "train" => {
                 for stage in 0..=3 {

@@ -120,3 +120,40 @@ fn groups_train_apart_and_a_round_moves_only_each_ranks_shard() {
         }
     }
 }
+
+/// A save in the middle of a window runs the round first, then group 0 writes one normal
+/// checkpoint (at the group's world size) while group 1 waits; loaded into fresh groups,
+/// every rank starts from those weights, and one without groups loads it too.
+#[test]
+fn a_checkpoint_of_groups_is_the_global_weights_written_once() {
+    let dir = std::env::temp_dir().join(format!("zt-world-replicas-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let init = tiny_gpt(true, 11);
+    let w = Tokens { vocab: 11, len: 9 };
+    let grouped = plan(&sgd_recipe(2, r#"{"groups": 2, "sync_every": 2}"#), 4);
+    let saved = launch(&grouped, |ctx| {
+        let mut trainer = zerotrain::trainer(init.clone(), &grouped, &ctx)?;
+        for step in 0..3 {
+            let rank = trainer.data_parallel_rank();
+            trainer.train_batch(&mut |micro| w.batch(&grouped, step, micro as u64, rank, ctx.device()))?;
+        }
+        trainer.save_checkpoint(&dir, None, zerotrain::serde_json::Value::Null)?;
+        trainer.master_params()
+    })
+    .unwrap();
+    assert!(saved.iter().all(|m| *m == saved[0]), "after the save's round every group holds the same weights");
+    let tags: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(tags.len(), 2, "one tag and `latest`: {tags:?}");
+    let manifest = std::fs::read_to_string(dir.join("global_step3").join("manifest.json")).unwrap();
+    assert!(manifest.contains(r#""world_size": 2"#) || manifest.contains(r#""world_size":2"#), "{manifest}");
+    for plan in [grouped.clone(), plan(&sgd_recipe(1, ""), 2)] {
+        let loaded = launch(&plan, |ctx| {
+            let mut trainer = zerotrain::trainer(init.clone(), &plan, &ctx)?;
+            trainer.load_checkpoint(&dir, None, zerotrain::LoadOptions::default())?;
+            trainer.master_params()
+        })
+        .unwrap();
+        assert!(loaded.iter().all(|m| *m == saved[0]), "{} ranks loaded other weights", plan.world_size());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
