@@ -2,8 +2,9 @@
 //! ([`FlatLayout`]), how a model's units are each sharded over every rank ([`Sharding`]),
 //! what each stage partitions ([`ZeroStage`]), how ranks talk ([`Collective`], with the
 //! always-built [`ThreadWorld`] backend, owned-buffer [`Request`]s and the
-//! [`CommThread`] that runs them while the rank computes), and what a rank should hold in
-//! memory ([`memory::model_state_bytes`]).
+//! [`CommThread`] that runs them while the rank computes; MPI processes behind the `mpi`
+//! feature, NCCL on NVIDIA GPUs behind `nccl`, see [`collective::nccl`]), and what a rank
+//! should hold in memory ([`memory::model_state_bytes`]).
 //!
 //! The engine in the `zerotrain` crate builds a [`Sharding`] from the model (one
 //! [`FlatLayout`] per unit), asks the [`ZeroStage`] which state to keep for a unit's whole

@@ -1,6 +1,6 @@
 //! NCCL, the collectives of NVIDIA GPUs. The pure parts (what a call's NCCL arguments are;
 //! sharing the unique id over the host communicator) are always built and tested; the
-//! communicator itself, [`NcclComm`], needs the `nccl` feature (cudarc, which loads the
+//! communicator itself, `NcclComm`, needs the `nccl` feature (cudarc, which loads the
 //! driver and `libnccl` at run time) and a GPU.
 
 mod call;
