@@ -792,3 +792,51 @@ fn bench_offload_gpt_trains_the_same_on_nvme_as_in_memory() {
     assert_eq!(in_memory["steps"][0][2], 0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `zerotrain train` under a `local_sgd` section trains replica groups: the metrics count
+/// the rounds (one every `sync_every` steps), the round steps move the shard among groups
+/// on top of the group's own traffic, `config check` describes the groups, and a resume
+/// continues the rounds' cadence from the checkpoint.
+#[test]
+fn train_runs_replica_groups_and_its_metrics_count_the_rounds() {
+    let dir = temp_run("groups");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("groups.json");
+    let tiny = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/tiny.json")).unwrap();
+    let json =
+        tiny.replacen('{', r#"{ "local_sgd": {"groups": 2, "sync_every": 2, "outer_optimizer": {"type": "sgd"}},"#, 1);
+    std::fs::write(&config, json).unwrap();
+    let check = zerotrain(&["config", "check", config.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", text(&check.stderr));
+    let described = text(&check.stdout);
+    assert!(
+        described.contains("replica groups      2 groups of 1 rank(s)") && described.contains("per round"),
+        "{described}"
+    );
+    let run = dir.join("run");
+    let out =
+        zerotrain(&["train", "--config", config.to_str().unwrap(), "--steps", "6", "--out", run.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let text_lines = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text_lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let rounds: Vec<u64> = lines.iter().map(|m| m["rounds"].as_u64().unwrap()).collect();
+    assert_eq!(rounds, [0, 1, 1, 2, 2, 3]);
+    let bytes: Vec<u64> = lines.iter().map(|m| m["comm_bytes"].as_u64().unwrap()).collect();
+    // Groups of one rank: only the rounds move anything.
+    assert!(bytes[0] == 0 && bytes[2] == 0 && bytes[1] > 0 && bytes[1] == bytes[3], "{bytes:?}");
+    let out = zerotrain(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--steps",
+        "8",
+        "--out",
+        run.to_str().unwrap(),
+        "--resume",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let text_lines = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text_lines.lines().last().unwrap()).unwrap();
+    assert_eq!((last["step"].as_u64(), last["rounds"].as_u64()), (Some(8), Some(1)), "rounds restart at a resume");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -39,6 +39,10 @@ pub trait Trainer<M: UnitModel> {
     /// This rank's index among the ranks that split each batch: micro-batch `i` of a step
     /// is the data-parallel rank's part of it.
     fn data_parallel_rank(&self) -> usize;
+    /// Replica groups' rounds so far; `None` for a trainer without groups.
+    fn rounds(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The trainer `plan` asks for: a [`Pipeline`] stage under a `pipeline` section, replica

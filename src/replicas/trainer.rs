@@ -82,4 +82,8 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     fn data_parallel_rank(&self) -> usize {
         self.replicas.data_rank
     }
+
+    fn rounds(&self) -> Option<u64> {
+        Some(self.rounds)
+    }
 }

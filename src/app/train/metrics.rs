@@ -25,6 +25,12 @@ pub struct StepMetrics {
     /// Validation loss, on steps where it was measured.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f32>,
+    /// Bytes rank 0 moved in collectives this step (with replica groups, a round's included).
+    #[serde(default)]
+    pub comm_bytes: u64,
+    /// Replica groups: rounds so far (`local_sgd`); absent without groups.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub rounds: Option<u64>,
 }
 
 /// Appends lines to `metrics.jsonl`, each written through to the file as it is pushed.
@@ -174,6 +180,8 @@ mod tests {
             tokens_per_s: 1e4,
             skipped: false,
             val_loss: None,
+            comm_bytes: 0,
+            rounds: None,
         }
     }
 

@@ -250,6 +250,8 @@ impl Job<'_> {
                 tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
                 skipped: report.skipped,
                 val_loss: val,
+                comm_bytes: report.comm_bytes,
+                rounds: engine.rounds(),
             };
             if let Some(file) = &mut log_file {
                 file.push(&metrics).map_err(io(&metrics_path))?;
