@@ -49,15 +49,15 @@
 //! ```
 
 mod outer;
+mod round;
 mod trainer;
 
 use std::sync::Arc;
 
 use burn::module::Module;
-use zerotrain_precision::{FlatBuf, Precision};
-use zerotrain_zero::{Collective, CommStats, ReduceOp};
+use zerotrain_zero::{Collective, CommStats};
 
-use self::outer::OuterState;
+use self::round::PeerRound;
 use crate::config::ReplicaPlan;
 use crate::engine::{Engine, StepReport};
 use crate::{Error, Plan, RankContext, Result};
@@ -132,9 +132,7 @@ pub struct LocalStep {
 pub struct LocalSgd<M: Module> {
     engine: Engine<M>,
     replicas: Replicas,
-    /// The global weights of this rank's shard, per unit.
-    global: Vec<Vec<f32>>,
-    outer: Vec<OuterState>,
+    round: PeerRound,
     steps_since_round: u64,
     rounds: u64,
 }
@@ -142,31 +140,24 @@ pub struct LocalSgd<M: Module> {
 impl<M: Module> LocalSgd<M> {
     /// Wraps a group's engine (built with [`split`]'s context and plan). The global weights
     /// start as group 0's, and every group starts from them. Every rank calls it at once.
-    pub fn new(engine: Engine<M>, replicas: Replicas) -> Result<Self> {
-        let mut local =
-            Self { engine, replicas, global: Vec::new(), outer: Vec::new(), steps_since_round: 0, rounds: 0 };
-        local.restart_from_engine()?;
-        Ok(local)
+    pub fn new(mut engine: Engine<M>, replicas: Replicas) -> Result<Self> {
+        let round = Self::start(&mut engine, &replicas)?;
+        Ok(Self { engine, replicas, round, steps_since_round: 0, rounds: 0 })
     }
 
-    /// Takes group 0's engine weights as the global weights on every group, with a fresh
-    /// outer optimizer (at the start, and after a checkpoint load).
-    fn restart_from_engine(&mut self) -> Result<()> {
-        let (engine, replicas) = (&mut self.engine, &self.replicas);
-        let mut global = engine.shard_masters()?;
-        let mut flat: Vec<f32> = global.concat();
-        replicas.peers.broadcast((&mut flat).into(), 0)?;
-        let mut rest = flat.as_slice();
-        for unit in &mut global {
-            let (mine, more) = rest.split_at(unit.len());
-            unit.copy_from_slice(mine);
-            rest = more;
-        }
+    /// Group 0's engine weights as the global weights, loaded into every group's engine,
+    /// with a fresh outer optimizer (at the start, and after a checkpoint load).
+    fn start(engine: &mut Engine<M>, replicas: &Replicas) -> Result<PeerRound> {
+        let round = PeerRound::start(replicas.plan, Arc::clone(&replicas.peers), engine.shard_masters()?)?;
         if replicas.group != 0 {
-            engine.load_shard_masters(global.clone())?;
+            engine.load_shard_masters(round.global().to_vec())?;
         }
-        self.outer = vec![OuterState::default(); global.len()];
-        self.global = global;
+        Ok(round)
+    }
+
+    /// [`start`](Self::start) again, from the engine's current weights.
+    fn restart_from_engine(&mut self) -> Result<()> {
+        self.round = Self::start(&mut self.engine, &self.replicas)?;
         self.steps_since_round = 0;
         Ok(())
     }
@@ -208,38 +199,12 @@ impl<M: Module> LocalSgd<M> {
     /// every group's engine continuing from them. Every rank calls it at once, between
     /// optimizer steps.
     pub fn sync(&mut self) -> Result<Round> {
-        let before = self.replicas.peers.stats();
         let local = self.engine.shard_masters()?;
-        let mut delta: Vec<f32> =
-            self.global.iter().zip(&local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect();
-        self.reduce(&mut delta)?;
-        let groups = self.replicas.plan.groups as f32;
-        let mut rest = delta.as_mut_slice();
-        for (global, outer) in self.global.iter_mut().zip(&mut self.outer) {
-            let (mine, more) = rest.split_at_mut(global.len());
-            mine.iter_mut().for_each(|d| *d /= groups);
-            outer.step(&self.replicas.plan.outer, global, mine);
-            rest = more;
-        }
-        self.engine.load_shard_masters(self.global.clone())?;
+        let (global, bytes) = self.round.run(&local)?;
+        self.engine.load_shard_masters(global.to_vec())?;
         self.steps_since_round = 0;
         self.rounds += 1;
-        let bytes = self.replicas.peers.stats().since(&before).total_bytes();
         Ok(Round { round: self.rounds, bytes })
-    }
-
-    /// Sums `delta` over the peers, travelling in `communication_data_type`.
-    fn reduce(&self, delta: &mut [f32]) -> Result<()> {
-        let peers = &self.replicas.peers;
-        match self.replicas.plan.comm_dtype {
-            Precision::Fp32 => peers.all_reduce(delta.into(), ReduceOp::Sum)?,
-            dtype => {
-                let mut wire = FlatBuf::from_f32(dtype, delta);
-                peers.all_reduce(wire.as_mut(), ReduceOp::Sum)?;
-                delta.copy_from_slice(&wire.into_f32());
-            }
-        }
-        Ok(())
     }
 
     /// The peers' traffic so far (the rounds', and the start's broadcast).
