@@ -106,6 +106,8 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     let mut group_plan = plan.clone();
     group_plan.runtime.world_size = size;
     group_plan.batch.train_batch_size /= replicas.groups as u64;
+    // The group's own job has no groups; an engine refuses a plan that still has them.
+    group_plan.replicas = None;
     Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data_rank: rank }))
 }
 

@@ -42,6 +42,15 @@ fn run_steps(plan: &Plan, steps: u64) -> Vec<Vec<f32>> {
     .unwrap()
 }
 
+/// An engine given the whole world's plan of a job with groups refuses it, naming the way
+/// (it would otherwise train one synchronous job and silently ignore the groups).
+#[test]
+fn an_engine_refuses_a_plan_with_groups_that_was_not_split() {
+    let plan = plan(&sgd_recipe(1, r#"{"groups": 2}"#), 2);
+    let err = launch(&plan, |ctx| Engine::with_units(tiny_gpt(true, 11), &plan, &ctx).map(drop)).unwrap_err();
+    assert!(err.to_string().contains("replicas::split"), "{err}");
+}
+
 /// `groups: 1` is no groups: the same bits as the config without the section.
 #[test]
 fn one_group_trains_bit_for_bit_as_without_the_section() {
