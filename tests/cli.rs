@@ -840,3 +840,77 @@ fn train_runs_replica_groups_and_its_metrics_count_the_rounds() {
     assert_eq!((last["step"].as_u64(), last["rounds"].as_u64()), (Some(8), Some(1)), "rounds restart at a resume");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Replica groups as separate jobs: `zerotrain serve` runs the parameter server, two
+/// `zerotrain train` processes (one group each, loopback) meet there every 2 steps and end
+/// with the same weights (the same final validation loss); a job whose server does not
+/// answer ends within its timeout with an error naming the address.
+#[test]
+fn groups_as_separate_processes_meet_at_a_parameter_server() {
+    let dir = temp_run("servers");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tiny = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/tiny.json")).unwrap();
+    let config = |name: &str, section: &str| {
+        let path = dir.join(name);
+        let json = tiny.replacen('{', &format!(r#"{{ "local_sgd": {section},"#), 1).replace(
+            r#""zerotrain": { "world_size": 2, "eval_every": 2 }"#,
+            r#""zerotrain": { "world_size": 1, "eval_every": 2, "comm_timeout_s": 30 }"#,
+        );
+        std::fs::write(&path, json).unwrap();
+        path
+    };
+    // Port 0 is not knowable in advance: the server prints the address it took. It reads
+    // any group's config (its servers and group do not matter to it).
+    let server_config =
+        config("server.json", r#"{"groups": 2, "sync_every": 2, "servers": ["127.0.0.1:0"], "group": 0}"#);
+    let mut server = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config", server_config.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut line).unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(line.contains("listening on 127.0.0.1:"), "{line}");
+    let jobs: Vec<_> = (0..2)
+        .map(|group| {
+            let section = format!(r#"{{"groups": 2, "sync_every": 2, "servers": ["{addr}"], "group": {group}}}"#);
+            let path = config(&format!("group{group}.json"), &section);
+            let out = dir.join(format!("run{group}"));
+            Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+                .args(["train", "--config", path.to_str().unwrap(), "--steps", "4", "--out", out.to_str().unwrap()])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = jobs.into_iter().map(|j| j.wait_with_output().unwrap()).collect();
+    let _ = server.kill();
+    let _ = server.wait();
+    let mut finals = Vec::new();
+    for (group, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "group {group}: {}", text(&out.stderr));
+        let metrics = std::fs::read_to_string(dir.join(format!("run{group}")).join("metrics.jsonl")).unwrap();
+        let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+        assert_eq!(last["rounds"].as_u64(), Some(2), "group {group}: {last}");
+        finals.push(last["val_loss"].as_f64().unwrap());
+    }
+    assert_eq!(finals[0], finals[1], "after the last round both groups hold the global weights");
+
+    let lost =
+        config("lost.json", r#"{"groups": 2, "servers": ["127.0.0.1:9"], "group": 0}"#).to_str().unwrap().to_owned();
+    let json = std::fs::read_to_string(&lost).unwrap().replace(r#""comm_timeout_s": 30"#, r#""comm_timeout_s": 2"#);
+    std::fs::write(&lost, json).unwrap();
+    let started = std::time::Instant::now();
+    let out = zerotrain(&["train", "--config", &lost, "--steps", "2", "--out", dir.join("lost").to_str().unwrap()]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("127.0.0.1:9") && stderr.contains("does not answer") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "{:?}", started.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

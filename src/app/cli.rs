@@ -41,6 +41,18 @@ pub enum Command {
         #[arg(long)]
         resume: bool,
     },
+    /// Run a parameter server for replica groups that are separate jobs (each trains with
+    /// `local_sgd.servers` naming this address and its own `local_sgd.group`), until
+    /// Ctrl-C or SIGTERM.
+    Serve {
+        /// The config the groups train with (any group's): its `local_sgd` section gives the
+        /// groups and the outer optimizer.
+        #[arg(long)]
+        config: PathBuf,
+        /// Address to listen on (loopback by default; port 0 picks a free one).
+        #[arg(long, default_value = "127.0.0.1:50051")]
+        listen: std::net::SocketAddr,
+    },
     /// Estimate per-rank model-state memory for every ZeRO stage.
     Estimate {
         /// Parameters (e.g. 7.5e9); or take them from --model-config.

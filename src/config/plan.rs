@@ -207,9 +207,9 @@ fn stage_index<S: serde::Serializer>(stage: &ZeroStage, s: S) -> Result<S::Ok, S
 /// Replica groups (`local_sgd`): the world's ranks are `groups` groups of contiguous
 /// ranks, each a data-parallel ZeRO job; every `sync_every` steps the groups average their
 /// progress through the outer optimizer.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplicaPlan {
-    /// Groups, at least 2.
+    /// Groups, at least 2 in one job (any number across jobs).
     pub groups: usize,
     /// Optimizer steps between synchronisations, at least 1.
     pub sync_every: u64,
@@ -217,12 +217,16 @@ pub struct ReplicaPlan {
     pub outer: OuterOptimizer,
     /// dtype the pseudo-gradients travel in.
     pub comm_dtype: Precision,
+    /// Parameter servers; empty: the groups are in this job.
+    pub servers: Vec<String>,
+    /// With servers: this job's group (the whole job is one group).
+    pub group: Option<usize>,
 }
 
 impl ReplicaPlan {
-    /// Ranks per group for `world_size` ranks.
+    /// Ranks per group for `world_size` ranks (the whole job with servers).
     pub fn group_size(&self, world_size: usize) -> usize {
-        world_size / self.groups
+        if self.servers.is_empty() { world_size / self.groups } else { world_size }
     }
 }
 

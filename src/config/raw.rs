@@ -81,6 +81,13 @@ pub struct LocalSgdConfig {
     pub mode: Option<String>,
     /// `async`: how many rounds a group may run ahead of the slowest. Default 1.
     pub max_staleness: Option<Count>,
+    /// Parameter servers (`host:port`, `zerotrain serve`): the groups are separate jobs, this
+    /// one group `group`; rank `r` of the job talks to server `r % len`. Default: none (the
+    /// groups are in this job).
+    #[serde(default)]
+    pub servers: Vec<String>,
+    /// With `servers`: this job's group, `0..groups`.
+    pub group: Option<Count>,
 }
 
 /// `local_sgd.outer_optimizer`.

@@ -16,7 +16,32 @@ pub(super) fn resolve(
     let groups = section.groups.map_or(1, |c| c.0);
     let world_size = runtime.world_size;
     let groups = usize::try_from(groups).map_err(|_| invalid("local_sgd.groups", "too large"))?;
-    if groups == 0 || !world_size.is_multiple_of(groups) {
+    let servers = section.servers.clone();
+    let group = match (&section.group, servers.is_empty()) {
+        (Some(_), true) => {
+            return Err(invalid(
+                "local_sgd.group",
+                "is this job's group among servers' groups: set local_sgd.servers too",
+            ));
+        }
+        (None, false) => {
+            return Err(invalid("local_sgd.group", "is needed with local_sgd.servers: which group this job is"));
+        }
+        (None, true) => None,
+        (Some(g), false) => match usize::try_from(g.0) {
+            Ok(g) if g < groups => Some(g),
+            _ => {
+                return Err(invalid(
+                    "local_sgd.group",
+                    format!("must be one of the {groups} groups (0..{groups}), got {}", g.0),
+                ));
+            }
+        },
+    };
+    if let Some(bad) = servers.iter().find(|s| s.parse::<std::net::SocketAddr>().is_err() && !s.contains(':')) {
+        return Err(invalid("local_sgd.servers", format!("`{bad}` is not host:port")));
+    }
+    if groups == 0 || (servers.is_empty() && !world_size.is_multiple_of(groups)) {
         let message = format!("must divide the world size ({world_size}) into groups of equal size, got {groups}");
         return Err(invalid("local_sgd.groups", message));
     }
@@ -46,7 +71,7 @@ pub(super) fn resolve(
     if section.max_staleness.is_some() {
         autos.no_effect("local_sgd.max_staleness (only \"async\" mode bounds staleness)".into());
     }
-    if groups == 1 {
+    if groups == 1 && servers.is_empty() {
         autos.no_effect("local_sgd (groups is 1: one synchronous job, as without the section)".into());
         return Ok(None);
     }
@@ -56,7 +81,7 @@ pub(super) fn resolve(
             message: "replica groups with pipeline.stages > 1 are not supported yet: use one or the other".into(),
         });
     }
-    Ok(Some(ReplicaPlan { groups, sync_every, outer, comm_dtype }))
+    Ok(Some(ReplicaPlan { groups, sync_every, outer, comm_dtype, servers, group }))
 }
 
 fn outer(raw: Option<&OuterOptimizerConfig>) -> Result<OuterOptimizer, ConfigError> {

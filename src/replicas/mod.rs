@@ -50,6 +50,8 @@
 
 mod outer;
 mod round;
+#[cfg(feature = "servers")]
+pub mod server;
 mod trainer;
 
 use std::sync::Arc;
@@ -71,6 +73,9 @@ pub struct Replicas {
     peers: Arc<dyn Collective>,
     /// This rank's place in the world: which part of each global batch it reads.
     data_rank: usize,
+    /// How long a round may wait for the other groups (through servers).
+    #[cfg_attr(not(feature = "servers"), allow(dead_code))]
+    timeout: std::time::Duration,
 }
 
 impl Replicas {
@@ -79,7 +84,8 @@ impl Replicas {
         self.group
     }
 
-    /// The ranks holding the same shard as this one, one per group, ranked by group.
+    /// The ranks holding the same shard as this one, one per group, ranked by group (with
+    /// parameter servers: this job's ranks, which meet through the servers instead).
     pub fn peers(&self) -> &Arc<dyn Collective> {
         &self.peers
     }
@@ -90,10 +96,26 @@ impl Replicas {
 /// data position still its place in the world, so that each group reads its own part of
 /// every global batch), the plan each group's engine trains with (the group's world size
 /// and its share of the batch), and its [`Replicas`]. Every rank calls it at once.
+///
+/// With parameter servers (`local_sgd.servers`) the whole job is one group, `local_sgd.group`:
+/// the context is `ctx` itself, reading its group's part of every global batch.
 pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Replicas)> {
-    let replicas =
-        plan.replicas.ok_or_else(|| Error::Usage("replicas::split: the plan has no local_sgd groups".into()))?;
+    let replicas = plan
+        .replicas
+        .clone()
+        .ok_or_else(|| Error::Usage("replicas::split: the plan has no local_sgd groups".into()))?;
     let world = ctx.collective();
+    let timeout = plan.runtime.comm_timeout;
+    let mut group_plan = plan.clone();
+    // The group's own job has no groups; an engine refuses a plan that still has them.
+    group_plan.replicas = None;
+    if let Some(group) = replicas.group {
+        let (rank, size) = (world.rank(), world.world_size());
+        let data_rank = group * size + rank;
+        let group_ctx = ctx.clone().with_data_position(data_rank, replicas.groups * size);
+        let replicas = Replicas { plan: replicas, group, peers: world, data_rank, timeout };
+        return Ok((group_ctx, group_plan, replicas));
+    }
     let (rank, size) = (world.rank(), replicas.group_size(world.world_size()));
     if world.world_size() != plan.world_size() {
         let (planned, actual) = (plan.world_size(), world.world_size());
@@ -103,12 +125,9 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     let group_comm = world.split(group, place)?;
     let peers = world.split(place, group)?;
     let group_ctx = RankContext::new(group_comm, ctx.device().clone()).with_data_position(rank, world.world_size());
-    let mut group_plan = plan.clone();
     group_plan.runtime.world_size = size;
     group_plan.batch.train_batch_size /= replicas.groups as u64;
-    // The group's own job has no groups; an engine refuses a plan that still has them.
-    group_plan.replicas = None;
-    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data_rank: rank }))
+    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data_rank: rank, timeout }))
 }
 
 /// A round of [`LocalSgd`]: the groups met and the global weights moved.
@@ -134,7 +153,7 @@ pub struct LocalStep {
 pub struct LocalSgd<M: Module> {
     engine: Engine<M>,
     replicas: Replicas,
-    round: PeerRound,
+    round: Exchange,
     steps_since_round: u64,
     rounds: u64,
 }
@@ -149,9 +168,14 @@ impl<M: Module> LocalSgd<M> {
 
     /// Group 0's engine weights as the global weights, loaded into every group's engine,
     /// with a fresh outer optimizer (at the start, and after a checkpoint load).
-    fn start(engine: &mut Engine<M>, replicas: &Replicas) -> Result<PeerRound> {
-        let round = PeerRound::start(replicas.plan, Arc::clone(&replicas.peers), engine.shard_masters()?)?;
-        if replicas.group != 0 {
+    fn start(engine: &mut Engine<M>, replicas: &Replicas) -> Result<Exchange> {
+        let local = engine.shard_masters()?;
+        let plan = &replicas.plan;
+        let round = match plan.servers.as_slice() {
+            [] => Exchange::Peers(PeerRound::start(plan.clone(), Arc::clone(&replicas.peers), local)?),
+            servers => server_round(servers, replicas, local)?,
+        };
+        if replicas.group != 0 || !plan.servers.is_empty() {
             engine.load_shard_masters(round.global().to_vec())?;
         }
         Ok(round)
@@ -218,4 +242,46 @@ impl<M: Module> LocalSgd<M> {
     pub fn into_engine(self) -> Engine<M> {
         self.engine
     }
+}
+
+/// Where a rank's rounds happen.
+enum Exchange {
+    /// Among the ranks of this job holding the same shard in every group.
+    Peers(PeerRound),
+    /// Through a parameter server (the `servers` feature).
+    #[cfg(feature = "servers")]
+    Server(Box<server::ServerRound>),
+}
+
+impl Exchange {
+    fn global(&self) -> &[Vec<f32>] {
+        match self {
+            Self::Peers(round) => round.global(),
+            #[cfg(feature = "servers")]
+            Self::Server(round) => round.global(),
+        }
+    }
+
+    fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], u64)> {
+        match self {
+            Self::Peers(round) => round.run(local),
+            #[cfg(feature = "servers")]
+            Self::Server(round) => round.run(local),
+        }
+    }
+}
+
+/// This rank's rounds through server `rank % servers` (every call bounded by the
+/// collective timeout).
+#[cfg(feature = "servers")]
+fn server_round(servers: &[String], replicas: &Replicas, local: Vec<Vec<f32>>) -> Result<Exchange> {
+    let place = replicas.peers.rank();
+    let addr = &servers[place % servers.len()];
+    let round = server::ServerRound::start(addr, place, replicas.group, local, replicas.timeout)?;
+    Ok(Exchange::Server(Box::new(round)))
+}
+
+#[cfg(not(feature = "servers"))]
+fn server_round(_servers: &[String], _replicas: &Replicas, _local: Vec<Vec<f32>>) -> Result<Exchange> {
+    Err(Error::Launch("local_sgd.servers: this build has no parameter servers (the `servers` feature)".into()))
 }

@@ -72,7 +72,12 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     }
 
     fn comm_stats(&self) -> CommStats {
-        self.engine.comm_stats().plus(&self.replicas.peers.stats())
+        // With servers the peers are the engine's own communicator (the rounds' bytes
+        // travel over gRPC, counted in the step reports instead).
+        match self.replicas.plan.servers.is_empty() {
+            true => self.engine.comm_stats().plus(&self.replicas.peers.stats()),
+            false => self.engine.comm_stats(),
+        }
     }
 
     fn num_params(&self) -> usize {

@@ -29,13 +29,19 @@ fn run(plan: &Plan) -> Vec<Vec<f32>> {
 
 /// [`run`] for `steps` steps.
 fn run_steps(plan: &Plan, steps: u64) -> Vec<Vec<f32>> {
+    run_reading(plan, plan, steps)
+}
+
+/// [`run_steps`], the batches split as `data`'s world splits them (a job that is one group
+/// of several reads its group's part of the whole world's batches).
+fn run_reading(plan: &Plan, data: &Plan, steps: u64) -> Vec<Vec<f32>> {
     let init = tiny_gpt(true, 11);
     let w = Tokens { vocab: 11, len: 9 };
     launch(plan, |ctx| {
         let mut trainer = zerotrain::trainer(init.clone(), plan, &ctx)?;
         for step in 0..steps {
             let rank = trainer.data_parallel_rank();
-            trainer.train_batch(&mut |micro| w.batch(plan, step, micro as u64, rank, ctx.device()))?;
+            trainer.train_batch(&mut |micro| w.batch(data, step, micro as u64, rank, ctx.device()))?;
         }
         trainer.master_params()
     })
@@ -165,4 +171,33 @@ fn a_checkpoint_of_groups_is_the_global_weights_written_once() {
         assert!(loaded.iter().all(|m| *m == saved[0]), "{} ranks loaded other weights", plan.world_size());
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same groups as separate jobs meeting at a parameter server (each job one group of
+/// two thread ranks) train bit for bit as the groups inside one job: the server sums the
+/// pushes in group order, as the in-job all-reduce does, and steps the same outer optimizer.
+#[test]
+fn groups_as_jobs_through_a_parameter_server_train_as_groups_in_one_job() {
+    let outer = zerotrain::config::OuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true };
+    let server = zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), 2, outer).unwrap();
+    let addr = server.addr();
+    let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
+    let world = plan(&sgd_recipe(2, &section("")), 4);
+    let in_job = run(&world);
+    let jobs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|group| {
+                let json = sgd_recipe(2, &section(&format!(r#", "servers": ["{addr}"], "group": {group}"#)));
+                let world = &world;
+                s.spawn(move || run_reading(&plan(&json, 2), world, STEPS))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (group, job) in jobs.iter().enumerate() {
+        for (rank, masters) in job.iter().enumerate() {
+            assert!(masters == &in_job[0], "group {group} rank {rank} ended with other weights than the in-job groups");
+        }
+    }
+    server.stop();
 }

@@ -290,6 +290,24 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
     Ok(())
 }
 
+/// `zerotrain serve`: a parameter server for the config's replica groups, until a signal.
+pub fn serve(file: &Path, listen: std::net::SocketAddr) -> anyhow::Result<()> {
+    let (plan, _) = keys::load(file, overrides(None, None))?;
+    let Some(replicas) = &plan.replicas else {
+        anyhow::bail!("{}: no local_sgd section with groups: nothing to serve", file.display());
+    };
+    let server = crate::replicas::server::serve(listen, replicas.groups, replicas.outer)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctrlc::set_handler(move || {
+        let _ = tx.send(());
+    })?;
+    println!("parameter server for {} groups listening on {}", replicas.groups, server.addr());
+    let _ = rx.recv();
+    eprintln!("zerotrain: stopping the parameter server");
+    server.stop();
+    Ok(())
+}
+
 /// On CUDA, whether NCCL can run on this machine (what `zerotrain.collectives: "auto"`
 /// would find in its libraries; a launch also checks the GPUs).
 fn print_collectives(plan: &crate::Plan) {
@@ -307,7 +325,7 @@ fn print_collectives(plan: &crate::Plan) {
 /// as many steps, for the built-in GPT (the bus-bandwidth convention: an all-reduce moves
 /// 2(n-1)/n of its buffer).
 fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
-    let Some(r) = plan.replicas else { return };
+    let Some(r) = &plan.replicas else { return };
     let mut model = *model;
     if model.vocab_size == 0 {
         model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
