@@ -35,6 +35,7 @@ mod gradients;
 mod grads;
 mod home;
 mod host_adam;
+#[cfg(feature = "cli")] // `zerotrain bench offload`
 pub(crate) use host_adam::{AdamW as HostAdamWParams, HostAdamW};
 mod infer;
 mod master;
@@ -49,6 +50,7 @@ mod shared;
 mod span;
 mod step;
 mod swapped;
+#[cfg(feature = "cli")] // `zerotrain bench offload`
 pub(crate) use swapped::{SwappedOptimizer, Swapping};
 #[cfg(all(test, feature = "cli"))]
 mod stream_tests;
