@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::replicas::{LocalSgdConfig, OuterOptimizerConfig};
 use super::value::{AutoOr, Count};
 
 /// A DeepSpeed `ds_config.json`, plus zerotrain's own `zerotrain` section.
@@ -60,47 +61,6 @@ pub struct DeepSpeedConfig {
     pub local_sgd: Option<LocalSgdConfig>,
     /// zerotrain's own settings (DeepSpeed ignores nothing here: it is our section).
     pub zerotrain: Option<ZerotrainConfig>,
-}
-
-/// `local_sgd`: the world split into replica groups of contiguous ranks, each a normal ZeRO
-/// job, averaged through an outer optimizer every `sync_every` steps.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct LocalSgdConfig {
-    /// Replica groups, dividing the world size. Default 1 (no groups: the section does
-    /// nothing).
-    pub groups: Option<Count>,
-    /// Optimizer steps each group takes between synchronisations (DiLoCo's H). Default 50.
-    pub sync_every: Option<Count>,
-    /// The optimizer of the global weights. Default `{"type": "nesterov", "lr": 0.7,
-    /// "momentum": 0.9}` (DiLoCo's).
-    pub outer_optimizer: Option<OuterOptimizerConfig>,
-    /// dtype the pseudo-gradients travel in between groups: `fp32` (default) or `bf16`.
-    pub communication_data_type: Option<String>,
-    /// `sync` (default: every group waits for the others at each synchronisation) or
-    /// `async` (parameter servers, `zerotrain serve`; not built yet).
-    pub mode: Option<String>,
-    /// `async`: how many rounds a group may run ahead of the slowest. Default 1.
-    pub max_staleness: Option<Count>,
-    /// Parameter servers (`host:port`, `zerotrain serve`): the groups are separate jobs, this
-    /// one group `group`; rank `r` of the job talks to server `r % len`. Default: none (the
-    /// groups are in this job).
-    #[serde(default)]
-    pub servers: Vec<String>,
-    /// With `servers`: this job's group, `0..groups`.
-    pub group: Option<Count>,
-}
-
-/// `local_sgd.outer_optimizer`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct OuterOptimizerConfig {
-    /// `nesterov` (SGD with Nesterov momentum; default) or `sgd` (plain SGD; lr 1 without
-    /// momentum is model averaging).
-    #[serde(rename = "type")]
-    pub kind: Option<String>,
-    /// Learning rate. Default 0.7 (`nesterov`), 1.0 (`sgd`).
-    pub lr: Option<f64>,
-    /// Momentum. Default 0.9 (`nesterov`), 0 (`sgd`).
-    pub momentum: Option<f64>,
 }
 
 /// `optimizer`: `{"type": ..., "params": {...}}`.

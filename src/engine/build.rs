@@ -301,13 +301,7 @@ fn assemble<M: Module>(
     factory: &OptimizerFactory,
 ) -> Result<Engine<M>> {
     let world = ctx.collective();
-    if plan.replicas.is_some() {
-        return Err(Error::Usage(
-            "the plan has local_sgd replica groups: build each group's engine with the context and plan \
-             zerotrain::replicas::split gives (zerotrain::trainer does), or remove the section"
-                .into(),
-        ));
-    }
+    crate::replicas::check_split(plan)?;
     if world.world_size() != plan.world_size() {
         let (planned, actual) = (plan.world_size(), world.world_size());
         return Err(Error::Usage(format!("plan is for {planned} ranks, the communicator has {actual}")));

@@ -42,6 +42,7 @@ use zerotrain_precision::{BufMut, BufRef};
 use super::call::{NcclCall, NcclDtype};
 use super::id::share_id;
 use super::library;
+use super::wire::{bytes, bytes_mut, bytes_of, nccl_op, nccl_type};
 use crate::ZeroError;
 use crate::collective::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
 
@@ -246,55 +247,6 @@ impl NcclComm {
         let bytes = convention_bytes(kind, elems, dtype.size(), self.world_size, self.rank, root);
         self.counters.record(kind, bytes);
     }
-}
-
-fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    match op {
-        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
-    }
-}
-
-fn nccl_type(dtype: NcclDtype) -> sys::ncclDataType_t {
-    match dtype {
-        NcclDtype::Float32 => sys::ncclDataType_t::ncclFloat32,
-        NcclDtype::Float16 => sys::ncclDataType_t::ncclFloat16,
-        NcclDtype::Bfloat16 => sys::ncclDataType_t::ncclBfloat16,
-    }
-}
-
-/// The bytes of a float buffer.
-fn bytes(buf: BufRef<'_>) -> &[u8] {
-    let (ptr, len) = match buf {
-        BufRef::F32(s) => (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)),
-        BufRef::F16(s) => (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)),
-        BufRef::Bf16(s) => (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)),
-    };
-    // SAFETY: f32, f16 and bf16 are plain bits without padding; the view covers exactly the
-    // slice and borrows it for its lifetime.
-    unsafe { std::slice::from_raw_parts(ptr, len) }
-}
-
-/// The bytes of a writable float buffer, read.
-fn bytes_of<'a>(buf: &'a BufMut<'_>) -> &'a [u8] {
-    match buf {
-        BufMut::F32(s) => bytes(BufRef::F32(s)),
-        BufMut::F16(s) => bytes(BufRef::F16(s)),
-        BufMut::Bf16(s) => bytes(BufRef::Bf16(s)),
-    }
-}
-
-/// The bytes of a float buffer, writable.
-fn bytes_mut(buf: BufMut<'_>) -> &mut [u8] {
-    let (ptr, len) = match buf {
-        BufMut::F32(s) => (s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)),
-        BufMut::F16(s) => (s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)),
-        BufMut::Bf16(s) => (s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)),
-    };
-    // SAFETY: as in `bytes`; every bit pattern is a valid f32, f16 or bf16, so any bytes
-    // written through the view leave valid values.
-    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
 }
 
 impl Collective for NcclComm {

@@ -9,6 +9,8 @@ mod comm;
 mod id;
 #[cfg(feature = "nccl")]
 mod library;
+#[cfg(feature = "nccl")]
+mod wire;
 
 pub use call::{NcclCall, NcclDtype};
 #[cfg(feature = "nccl")]

@@ -1,0 +1,120 @@
+//! `zerotrain config check` (the resolved plan, and what it means on this machine for the
+//! built-in GPT) and `zerotrain serve` (a parameter server for replica groups).
+
+use std::path::Path;
+
+use super::overrides;
+use crate::app::keys;
+
+/// `zerotrain config check`.
+pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, json: bool) -> anyhow::Result<()> {
+    let (plan, settings) = keys::load(file, overrides(world_size, steps))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        println!("{} resolves to:\n{plan}", file.display());
+        print_placement(&plan, &settings.model);
+        print_collectives(&plan);
+        print_replicas(&plan, &settings.model);
+        if let Some(pipeline) = plan.pipeline {
+            print_stages(&settings.model, pipeline)?;
+        }
+    }
+    Ok(())
+}
+
+/// `zerotrain serve`: a parameter server for the config's replica groups, until a signal.
+pub fn serve(file: &Path, listen: std::net::SocketAddr) -> anyhow::Result<()> {
+    let (plan, _) = keys::load(file, overrides(None, None))?;
+    let Some(replicas) = &plan.replicas else {
+        anyhow::bail!("{}: no local_sgd section with groups: nothing to serve", file.display());
+    };
+    let server = crate::replicas::server::serve(listen, replicas.groups, replicas.outer)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctrlc::set_handler(move || {
+        let _ = tx.send(());
+    })?;
+    println!("parameter server for {} groups listening on {}", replicas.groups, server.addr());
+    let _ = rx.recv();
+    eprintln!("zerotrain: stopping the parameter server");
+    server.stop();
+    Ok(())
+}
+
+/// On CUDA, whether NCCL can run on this machine (what `zerotrain.collectives: "auto"`
+/// would find in its libraries; a launch also checks the GPUs).
+fn print_collectives(plan: &crate::Plan) {
+    use crate::config::{Collectives, ComputeDevice};
+    if plan.runtime.device != ComputeDevice::Cuda || plan.runtime.collectives == Collectives::Host {
+        return;
+    }
+    match zerotrain_zero::collective::nccl::available() {
+        Ok(()) => println!("collectives here    NCCL loads on this machine"),
+        Err(reason) => println!("collectives here    NCCL cannot run on this machine: {reason}"),
+    }
+}
+
+/// Replica groups: each rank's bytes per round against synchronous data parallelism's over
+/// as many steps, for the built-in GPT (the bus-bandwidth convention: an all-reduce moves
+/// 2(n-1)/n of its buffer).
+fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
+    let Some(r) = &plan.replicas else { return };
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    let psi = model.num_params() as f64;
+    let (n, g) = (plan.world_size() as f64, r.groups as f64);
+    let shard = if plan.zero.stage.shards_optimizer_states() { psi / (n / g) } else { psi };
+    let round = 2.0 * (g - 1.0) / g * shard * r.comm_dtype.bytes_per_elem() as f64;
+    let per_step = if plan.zero.stage.shards_parameters() { 3.0 } else { 2.0 } * (n - 1.0) / n
+        * psi
+        * plan.precision.comm.bytes_per_elem() as f64;
+    let dp = per_step * r.sync_every as f64;
+    println!(
+        "  per round         {:.1} MiB per rank across groups, against {:.1} MiB of synchronous data parallelism over {} steps ({:.0}x less)",
+        round / (1 << 20) as f64,
+        dp / (1 << 20) as f64,
+        r.sync_every,
+        dp / round
+    );
+}
+
+/// Where each rank's model states live, by tier, for the built-in GPT the config describes.
+fn print_placement(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    let psi = model.num_params();
+    let p = crate::estimate::placement(plan, psi);
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    println!(
+        "model states        per rank for the GPT of {psi} parameters: device {}, host memory {}, NVMe {}",
+        mib(p.device),
+        mib(p.host),
+        mib(p.nvme)
+    );
+}
+
+/// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the
+/// generated corpus when the config leaves it to the data).
+fn print_stages(model: &crate::app::models::GptConfig, pipeline: crate::config::PipelinePlan) -> anyhow::Result<()> {
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    let (units, root) = model.unit_params();
+    let weights: Vec<u64> = units.iter().map(|(_, n)| *n).collect();
+    let parts = zerotrain_zero::pipeline::partition(&weights, pipeline.stages, pipeline.partition)
+        .map_err(|_| anyhow::anyhow!("pipeline.stages is {} but the GPT has {} units", pipeline.stages, units.len()))?;
+    for (stage, range) in parts.into_iter().enumerate() {
+        let names: Vec<&str> = units[range.clone()].iter().map(|(name, _)| name.as_str()).collect();
+        let params: u64 = weights[range].iter().sum();
+        println!("  {:<17} {} ({params} parameters)", format!("stage {stage}"), names.join(", "));
+    }
+    if root > 0 {
+        println!("  every stage       the root: the tied token embedding ({root} parameters), summed over the stages");
+    }
+    Ok(())
+}
