@@ -112,6 +112,9 @@ pub(super) fn resolve(
         }
         other => return Err(invalid("local_sgd.mode", format!("must be sync or async, got `{other}`"))),
     }
+    if !servers.is_empty() && comm_dtype != Precision::Fp32 {
+        autos.no_effect("local_sgd.communication_data_type (pseudo-gradients travel to servers in fp32)".into());
+    }
     if section.max_staleness.is_some() {
         autos.no_effect("local_sgd.max_staleness (only \"async\" mode bounds staleness)".into());
     }
@@ -179,6 +182,23 @@ mod tests {
         .unwrap();
         assert_eq!(p.outer, OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false });
         assert_eq!(p.comm_dtype, zerotrain_precision::Precision::Bf16);
+    }
+
+    #[test]
+    fn servers_make_the_job_one_group_which_must_be_named() {
+        let p = with(r#"{"groups": 3, "servers": ["127.0.0.1:50051"], "group": 2}"#, 2).unwrap().replicas.unwrap();
+        assert_eq!((p.groups, p.group, p.group_size(2)), (3, Some(2), 2));
+        let bf16 = with(r#"{"groups": 2, "servers": ["h:1"], "group": 0, "communication_data_type": "bf16"}"#, 1);
+        assert!(bf16.unwrap().warning().is_some_and(|w| w.contains("to servers in fp32")));
+        for (section, needle) in [
+            (r#"{"groups": 2, "servers": ["127.0.0.1:1"]}"#, "is needed with local_sgd.servers"),
+            (r#"{"groups": 2, "group": 1}"#, "set local_sgd.servers too"),
+            (r#"{"groups": 2, "servers": ["127.0.0.1:1"], "group": 2}"#, "must be one of the 2 groups"),
+            (r#"{"groups": 2, "servers": ["nowhere"], "group": 0}"#, "`nowhere` is not host:port"),
+        ] {
+            let err = with(section, 2).unwrap_err().to_string();
+            assert!(err.contains(needle), "{section}: {err}");
+        }
     }
 
     #[test]
