@@ -116,6 +116,16 @@ fn threads_reference_with_traffic(
     steps: std::ops::Range<u64>,
     resume: Option<&str>,
 ) -> (Vec<f32>, CommStats) {
+    on_threads(plan, |model, ctx, plan| {
+        let before = ctx.collective().stats();
+        let masters = train(model, ctx, plan, steps.clone(), resume, None, None).expect("threads reference");
+        (masters, ctx.collective().stats().since(&before))
+    })
+}
+
+/// Runs `f` on `plan.world_size()` thread ranks inside this process, each with the model
+/// built once here; rank 0's result.
+fn on_threads<T: Send>(plan: &Plan, f: impl Fn(Mlp, &RankContext, &Plan) -> T + Sync) -> T {
     let model = init();
     let mut plan = plan.clone();
     plan.runtime.backend = zerotrain::config::Backend::Threads;
@@ -124,13 +134,8 @@ fn threads_reference_with_traffic(
         let handles: Vec<_> = (0..plan.world_size())
             .map(|rank| {
                 let ctx = RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
-                let (plan, steps) = (&plan, steps.clone());
-                let model = model.clone();
-                s.spawn(move || {
-                    let before = ctx.collective().stats();
-                    let masters = train(model, &ctx, plan, steps, resume, None, None).expect("threads reference");
-                    (masters, ctx.collective().stats().since(&before))
-                })
+                let (plan, model, f) = (&plan, model.clone(), &f);
+                s.spawn(move || f(model, &ctx, plan))
             })
             .collect();
         handles.into_iter().next().unwrap().join().unwrap()
@@ -155,20 +160,7 @@ fn train_groups(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::Ran
 
 /// [`train_groups`] on `plan.world_size()` threads inside this process (rank 0's masters).
 fn threads_groups_reference(plan: &Plan, steps: std::ops::Range<u64>) -> Vec<f32> {
-    let model = init();
-    let mut plan = plan.clone();
-    plan.runtime.backend = zerotrain::config::Backend::Threads;
-    let world = ThreadWorld::new(plan.world_size(), Duration::from_secs(60));
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..plan.world_size())
-            .map(|rank| {
-                let ctx = RankContext::new(Arc::new(world.communicator(rank)), Device::flex().autodiff());
-                let (plan, steps, model) = (&plan, steps.clone(), model.clone());
-                s.spawn(move || train_groups(model, &ctx, plan, steps).expect("threads reference"))
-            })
-            .collect();
-        handles.into_iter().next().unwrap().join().unwrap()
-    })
+    on_threads(plan, |model, ctx, plan| train_groups(model, ctx, plan, steps.clone()).expect("threads reference"))
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
