@@ -13,6 +13,15 @@ pub(crate) struct OuterState {
 }
 
 impl OuterState {
+    /// Steps `weights` with the mean of `groups` pseudo-gradients, given summed (in group
+    /// order) in `sum`, which is divided in place. Every form of a round (peers in one job,
+    /// a parameter server) steps through here, so they give the same bits.
+    pub fn step_mean(&mut self, opt: &OuterOptimizer, weights: &mut [f32], sum: &mut [f32], groups: usize) {
+        let groups = groups as f32;
+        sum.iter_mut().for_each(|d| *d /= groups);
+        self.step(opt, weights, sum);
+    }
+
     /// Steps `weights` with the pseudo-gradient `grad` (same length).
     pub fn step(&mut self, opt: &OuterOptimizer, weights: &mut [f32], grad: &[f32]) {
         debug_assert_eq!(weights.len(), grad.len());

@@ -29,12 +29,7 @@ impl PeerRound {
     pub fn start(plan: ReplicaPlan, peers: Arc<dyn Collective>, mut start: Vec<Vec<f32>>) -> Result<Self> {
         let mut flat: Vec<f32> = start.concat();
         peers.broadcast((&mut flat).into(), 0)?;
-        let mut rest = flat.as_slice();
-        for unit in &mut start {
-            let (mine, more) = rest.split_at(unit.len());
-            unit.copy_from_slice(mine);
-            rest = more;
-        }
+        scatter(&flat, &mut start);
         let outer = vec![OuterState::default(); start.len()];
         Ok(Self { plan, peers, global: start, outer })
     }
@@ -48,21 +43,19 @@ impl PeerRound {
     /// to the new global ones; also the bytes the round moved among the peers.
     pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], u64)> {
         let before = self.peers.stats();
-        let mut delta: Vec<f32> =
-            self.global.iter().zip(local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect();
+        let mut delta = pseudo_gradient(&self.global, local);
         self.sum(&mut delta)?;
-        let groups = self.plan.groups as f32;
         let mut rest = delta.as_mut_slice();
         for (global, outer) in self.global.iter_mut().zip(&mut self.outer) {
             let (mine, more) = rest.split_at_mut(global.len());
-            mine.iter_mut().for_each(|d| *d /= groups);
-            outer.step(&self.plan.outer, global, mine);
+            outer.step_mean(&self.plan.outer, global, mine, self.plan.groups);
             rest = more;
         }
         Ok((&self.global, self.peers.stats().since(&before).total_bytes()))
     }
 
-    /// Sums `delta` over the peers, travelling in the round's communication dtype.
+    /// Sums `delta` over the peers (in rank order, which is group order), travelling in the
+    /// round's communication dtype.
     fn sum(&self, delta: &mut [f32]) -> Result<()> {
         match self.plan.comm_dtype {
             Precision::Fp32 => self.peers.all_reduce(delta.into(), ReduceOp::Sum)?,
@@ -73,5 +66,20 @@ impl PeerRound {
             }
         }
         Ok(())
+    }
+}
+
+/// `global - local`, unit after unit, as one flat vector (a round's message).
+pub(super) fn pseudo_gradient(global: &[Vec<f32>], local: &[Vec<f32>]) -> Vec<f32> {
+    global.iter().zip(local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect()
+}
+
+/// Copies `flat` back into `units`, unit after unit, as `concat` laid it out.
+pub(super) fn scatter(flat: &[f32], units: &mut [Vec<f32>]) {
+    let mut rest = flat;
+    for unit in units {
+        let (mine, more) = rest.split_at(unit.len());
+        unit.copy_from_slice(mine);
+        rest = more;
     }
 }

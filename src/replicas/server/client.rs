@@ -7,6 +7,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::proto::PullRequest;
 use super::proto::parameter_server_client::ParameterServerClient;
 use super::{chunks, place_chunk};
+use crate::replicas::round::{pseudo_gradient, scatter};
 use crate::{Error, Result};
 
 /// One rank's connection to the server of its place: its copy of the place's global
@@ -18,8 +19,6 @@ pub struct ServerRound {
     place: u32,
     group: u32,
     round: u64,
-    /// Elements of each unit, in order.
-    lens: Vec<usize>,
     global: Vec<Vec<f32>>,
     timeout: Duration,
 }
@@ -38,10 +37,8 @@ impl ServerRound {
             .connect_timeout(timeout.min(Duration::from_secs(10)))
             .timeout(timeout);
         let client = runtime.block_on(connect(endpoint, addr, timeout))?;
-        let lens = start.iter().map(Vec::len).collect();
         let (place, group) = (place as u32, group as u32);
-        let mut round =
-            Self { runtime, client, addr: addr.to_owned(), place, group, round: 0, lens, global: start, timeout };
+        let mut round = Self { runtime, client, addr: addr.to_owned(), place, group, round: 0, global: start, timeout };
         let flat = round.global.concat();
         let message = chunks(place, group, 0, &flat);
         let ack = round.call("join", |mut c| async move { c.join(tokio_stream::iter(message)).await })?;
@@ -58,12 +55,14 @@ impl ServerRound {
     /// A round: pushes `global - local` for the current round, pulls the next round's global
     /// weights (waiting for the other groups' pushes). Also the bytes sent and received.
     pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], u64)> {
-        let delta: Vec<f32> =
-            self.global.iter().zip(local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect();
+        let delta = pseudo_gradient(&self.global, local);
         let bytes = 4 * delta.len() as u64;
         let message = chunks(self.place, self.group, self.round, &delta);
         let ack = self.call("push", |mut c| async move { c.push(tokio_stream::iter(message)).await })?;
-        self.round = if ack.round > self.round { ack.round } else { self.round + 1 };
+        // The place moves to the next round once every group has pushed this one (`ack`
+        // says it already has, or not yet: the pull waits for it).
+        debug_assert!(ack.round == self.round || ack.round == self.round + 1);
+        self.round += 1;
         self.pull()?;
         Ok((&self.global, 2 * bytes))
     }
@@ -71,7 +70,7 @@ impl ServerRound {
     /// Pulls the global weights of the current round.
     fn pull(&mut self) -> Result<()> {
         let request = PullRequest { place: self.place, round: self.round };
-        let total: usize = self.lens.iter().sum();
+        let total: usize = self.global.iter().map(Vec::len).sum();
         let mut flat = vec![0.0f32; total];
         let started = Instant::now();
         let client = self.client.clone();
@@ -85,12 +84,7 @@ impl ServerRound {
             Ok::<_, PullError>(flat)
         });
         let flat = read.map_err(|e| self.failed("pull", e.to_string(), started))?;
-        let mut rest = flat.as_slice();
-        for (unit, &len) in self.global.iter_mut().zip(&self.lens) {
-            let (mine, more) = rest.split_at(len);
-            unit.copy_from_slice(mine);
-            rest = more;
-        }
+        scatter(&flat, &mut self.global);
         Ok(())
     }
 

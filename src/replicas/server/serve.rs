@@ -198,9 +198,7 @@ impl ParameterServer for Service {
             for push in place.pushes.iter_mut().map(|p| p.take().expect("all present")) {
                 sum.iter_mut().zip(push).for_each(|(s, d)| *s += d);
             }
-            let groups = self.groups as f32;
-            sum.iter_mut().for_each(|d| *d /= groups);
-            place.outer.step(&self.outer, &mut place.global, &sum);
+            place.outer.step_mean(&self.outer, &mut place.global, &mut sum, self.groups);
             place.round += 1;
         }
         let round = place.round;
