@@ -29,7 +29,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::model::{Activation, UnitModel};
-use super::params::{UnitGrads, take_grads};
+use super::params::UnitGrads;
 use super::{Engine, Granularity};
 use crate::error::panic_message;
 use crate::{Error, Result};
@@ -342,9 +342,7 @@ impl<M: UnitModel> Engine<M> {
         if let Some(root) = root {
             wanted[root] = true;
         }
-        let (index, sharding) = (&self.shared.index, &self.shared.sharding);
-        let mut taken = take_grads(&self.model, &mut grads, index, sharding, &wanted)?;
-        self.shared.crossed(false, taken.iter().flatten().map(UnitGrads::bytes).sum());
+        let mut taken = self.shared.take_grads(&self.model, &mut grads, &wanted)?;
         Ok(UnitTake { unit: unit.and_then(|u| taken[u].take()), root: root.and_then(|r| taken[r].take()) })
     }
 }

@@ -111,6 +111,19 @@ impl Shared {
         counter.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// The gradients of the units `wanted` marks, taken out of `grads`
+    /// ([`take_grads`](super::params::take_grads)), counted as leaving the device.
+    pub fn take_grads<M: burn::module::Module>(
+        &self,
+        model: &M,
+        grads: &mut burn::optim::GradientsParams,
+        wanted: &[bool],
+    ) -> Result<Vec<Option<super::params::UnitGrads>>> {
+        let taken = super::params::take_grads(model, grads, &self.index, &self.sharding, wanted)?;
+        self.crossed(false, taken.iter().flatten().map(super::params::UnitGrads::bytes).sum());
+        Ok(taken)
+    }
+
     /// [`crossed`](Self::crossed) for a copy into the device master weights and optimizer
     /// state live on (host memory with `offload_optimizer`: then nothing crosses).
     pub fn crossed_to_state_device(&self, bytes: u64) {

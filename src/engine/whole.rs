@@ -10,7 +10,7 @@ use burn::tensor::{FloatDType, Tensor};
 
 use super::Engine;
 use super::grads::ReduceOptions;
-use super::params::{UnitGrads, take_grads};
+use super::params::UnitGrads;
 use crate::{Error, Result};
 
 impl<M: Module> Engine<M> {
@@ -37,8 +37,7 @@ impl<M: Module> Engine<M> {
         let reduce_start = Instant::now();
         self.window.times.backward += (reduce_start - start).as_secs_f64();
         let all = vec![true; self.units.len()];
-        let taken = take_grads(&self.model, &mut grads, &self.shared.index, &self.shared.sharding, &all)?;
-        self.shared.crossed(false, taken.iter().flatten().map(UnitGrads::bytes).sum());
+        let taken = self.shared.take_grads(&self.model, &mut grads, &all)?;
         drop(grads);
         for (id, grads) in taken.into_iter().enumerate().rev() {
             let grads = grads.unwrap_or_else(|| UnitGrads::empty(self.shared.layout(id).entries().len()));

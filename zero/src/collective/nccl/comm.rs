@@ -217,6 +217,17 @@ impl NcclComm {
         Ok(call.count == 0)
     }
 
+    /// A two-buffer collective's input and output must share a dtype.
+    fn same_dtype(&self, kind: OpKind, input: &BufRef<'_>, output: &BufMut<'_>) -> Result<(), ZeroError> {
+        match input.dtype() == output.dtype() {
+            true => Ok(()),
+            false => {
+                let detail = "input and output dtypes differ".to_owned();
+                Err(ZeroError::BadBuffer { rank: self.rank, op: kind.name(), detail })
+            }
+        }
+    }
+
     fn fail(&self, kind: OpKind, detail: String) -> ZeroError {
         self.fail_with(ZeroError::Nccl { rank: self.rank, op: kind.name(), detail })
     }
@@ -276,10 +287,7 @@ impl Collective for NcclComm {
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
-        if input.dtype() != output.dtype() {
-            let detail = "input and output dtypes differ".to_owned();
-            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::ReduceScatter.name(), detail });
-        }
+        self.same_dtype(OpKind::ReduceScatter, &input, &output)?;
         let (n_in, n_out) = (input.len(), output.len());
         let call = NcclCall::new(OpKind::ReduceScatter, input.dtype(), n_in, n_out, self.world_size, self.rank)?;
         if self.skip(call)? {
@@ -298,10 +306,7 @@ impl Collective for NcclComm {
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
-        if input.dtype() != output.dtype() {
-            let detail = "input and output dtypes differ".to_owned();
-            return Err(ZeroError::BadBuffer { rank: self.rank, op: OpKind::AllGather.name(), detail });
-        }
+        self.same_dtype(OpKind::AllGather, &input, &output)?;
         let (n_in, n_out) = (input.len(), output.len());
         let call = NcclCall::new(OpKind::AllGather, input.dtype(), n_in, n_out, self.world_size, self.rank)?;
         if self.skip(call)? {
