@@ -52,6 +52,10 @@ pub enum Command {
         /// Address to listen on (loopback by default; port 0 picks a free one).
         #[arg(long, default_value = "127.0.0.1:50051")]
         listen: std::net::SocketAddr,
+        /// Save the global weights and outer state here every `local_sgd.checkpoint_every`
+        /// rounds, and start from the latest checkpoint found here.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
     },
     /// Estimate per-rank model-state memory for every ZeRO stage.
     Estimate {

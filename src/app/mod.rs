@@ -177,6 +177,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),
-        Command::Serve { config, listen } => commands::serve(&config, listen),
+        Command::Serve { config, listen, checkpoint } => commands::serve(&config, listen, checkpoint),
     }
 }

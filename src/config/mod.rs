@@ -38,8 +38,8 @@ pub use batch::{MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH};
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
     AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan,
-    OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan, ReplicaPlan,
-    RuntimePlan, Tier, ZeroPlan,
+    OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan, ReplicaMode,
+    ReplicaPlan, RuntimePlan, Tier, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};

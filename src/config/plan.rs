@@ -221,6 +221,28 @@ pub struct ReplicaPlan {
     pub servers: Vec<String>,
     /// With servers: this job's group (the whole job is one group).
     pub group: Option<usize>,
+    /// How the servers apply pushes.
+    pub mode: ReplicaMode,
+    /// With servers: how long a group may keep the others waiting before the servers drop
+    /// it from the quorum.
+    #[serde(serialize_with = "seconds")]
+    pub group_timeout: Duration,
+    /// With servers: a server with a checkpoint folder saves every this many rounds.
+    pub checkpoint_every: u64,
+}
+
+/// `local_sgd.mode`: when the global weights move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicaMode {
+    /// A round applies once every live group has pushed it (the mean, in group order).
+    Sync,
+    /// Each push applies as it arrives (Delayed Nesterov); a group more than
+    /// `max_staleness` rounds ahead of the slowest live one waits.
+    Async {
+        /// Rounds a group may run ahead of the slowest live group.
+        max_staleness: u64,
+    },
 }
 
 impl ReplicaPlan {

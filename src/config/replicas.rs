@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use zerotrain_precision::Precision;
 
-use super::plan::{OuterOptimizer, ReplicaPlan, RuntimePlan};
+use super::plan::{OuterOptimizer, ReplicaMode, ReplicaPlan, RuntimePlan};
 use super::resolve::{Autos, invalid};
 use super::value::Count;
 use super::{Config, ConfigError};
@@ -24,10 +24,16 @@ pub struct LocalSgdConfig {
     /// dtype the pseudo-gradients travel in between groups: `fp32` (default) or `bf16`.
     pub communication_data_type: Option<String>,
     /// `sync` (default: every group waits for the others at each synchronisation) or
-    /// `async` (parameter servers, `zerotrain serve`; not built yet).
+    /// `async` (parameter servers only: each push applies as it arrives).
     pub mode: Option<String>,
-    /// `async`: how many rounds a group may run ahead of the slowest. Default 1.
+    /// `async`: how many rounds a group may run ahead of the slowest live one. Default 1.
     pub max_staleness: Option<Count>,
+    /// With servers: seconds a group may keep the others waiting before it is dropped from
+    /// the quorum (its unfinished window discarded). Default 60.
+    pub group_timeout_s: Option<f64>,
+    /// With servers: `zerotrain serve --checkpoint DIR` saves every this many rounds.
+    /// Default 10.
+    pub checkpoint_every: Option<Count>,
     /// Parameter servers (`host:port`, `zerotrain serve`): the groups are separate jobs, this
     /// one group `group`; rank `r` of the job talks to server `r % len`. Default: none (the
     /// groups are in this job).
@@ -101,22 +107,44 @@ pub(super) fn resolve(
             return Err(invalid("local_sgd.communication_data_type", format!("must be fp32 or bf16, got `{other}`")));
         }
     };
-    match section.mode.as_deref().unwrap_or("sync") {
-        "sync" => {}
-        "async" => {
+    let mode = match section.mode.as_deref().unwrap_or("sync") {
+        "sync" => {
+            if section.max_staleness.is_some() {
+                autos.no_effect("local_sgd.max_staleness (only \"async\" mode bounds staleness)".into());
+            }
+            ReplicaMode::Sync
+        }
+        "async" if servers.is_empty() => {
             return Err(ConfigError::Unsupported {
                 key: "local_sgd.mode".into(),
-                message: "\"async\" needs parameter servers (`zerotrain serve`), which are not built yet: use \"sync\""
+                message: "\"async\" needs parameter servers (local_sgd.servers, `zerotrain serve`); \
+                          groups in one job run \"sync\""
                     .into(),
             });
         }
+        "async" => ReplicaMode::Async { max_staleness: section.max_staleness.map_or(1, |c| c.0) },
         other => return Err(invalid("local_sgd.mode", format!("must be sync or async, got `{other}`"))),
+    };
+    let group_timeout = match section.group_timeout_s {
+        None => std::time::Duration::from_secs(60),
+        Some(s) if s > 0.0 && s.is_finite() && s < 1e9 => std::time::Duration::from_secs_f64(s),
+        Some(s) => {
+            return Err(invalid("local_sgd.group_timeout_s", format!("must be a positive number of seconds, got {s}")));
+        }
+    };
+    let checkpoint_every = section.checkpoint_every.map_or(10, |c| c.0);
+    if checkpoint_every == 0 {
+        return Err(invalid("local_sgd.checkpoint_every", "must be at least 1 (rounds between server checkpoints)"));
     }
-    if !servers.is_empty() && comm_dtype != Precision::Fp32 {
-        autos.no_effect("local_sgd.communication_data_type (pseudo-gradients travel to servers in fp32)".into());
-    }
-    if section.max_staleness.is_some() {
-        autos.no_effect("local_sgd.max_staleness (only \"async\" mode bounds staleness)".into());
+    if servers.is_empty() {
+        if section.group_timeout_s.is_some() {
+            autos.no_effect(
+                "local_sgd.group_timeout_s (groups in one job fail together: zerotrain.comm_timeout_s)".into(),
+            );
+        }
+        if section.checkpoint_every.is_some() {
+            autos.no_effect("local_sgd.checkpoint_every (only parameter servers save by rounds)".into());
+        }
     }
     if groups == 1 && servers.is_empty() {
         autos.no_effect("local_sgd (groups is 1: one synchronous job, as without the section)".into());
@@ -128,7 +156,17 @@ pub(super) fn resolve(
             message: "replica groups with pipeline.stages > 1 are not supported yet: use one or the other".into(),
         });
     }
-    Ok(Some(ReplicaPlan { groups, sync_every, outer, comm_dtype, servers, group }))
+    Ok(Some(ReplicaPlan {
+        groups,
+        sync_every,
+        outer,
+        comm_dtype,
+        servers,
+        group,
+        mode,
+        group_timeout,
+        checkpoint_every,
+    }))
 }
 
 fn outer(raw: Option<&OuterOptimizerConfig>) -> Result<OuterOptimizer, ConfigError> {
@@ -189,7 +227,16 @@ mod tests {
         let p = with(r#"{"groups": 3, "servers": ["127.0.0.1:50051"], "group": 2}"#, 2).unwrap().replicas.unwrap();
         assert_eq!((p.groups, p.group, p.group_size(2)), (3, Some(2), 2));
         let bf16 = with(r#"{"groups": 2, "servers": ["h:1"], "group": 0, "communication_data_type": "bf16"}"#, 1);
-        assert!(bf16.unwrap().warning().is_some_and(|w| w.contains("to servers in fp32")));
+        assert_eq!(bf16.unwrap().replicas.unwrap().comm_dtype, zerotrain_precision::Precision::Bf16);
+        let asynchronous = with(
+            r#"{"groups": 2, "servers": ["h:1"], "group": 0, "mode": "async", "max_staleness": 3, "group_timeout_s": 2.5}"#,
+            1,
+        );
+        let p = asynchronous.unwrap().replicas.unwrap();
+        assert_eq!(
+            (p.mode, p.group_timeout.as_millis(), p.checkpoint_every),
+            (ReplicaMode::Async { max_staleness: 3 }, 2500, 10)
+        );
         for (section, needle) in [
             (r#"{"groups": 2, "servers": ["127.0.0.1:1"]}"#, "is needed with local_sgd.servers"),
             (r#"{"groups": 2, "group": 1}"#, "set local_sgd.servers too"),
@@ -219,6 +266,8 @@ mod tests {
             (r#"{"groups": 2, "outer_optimizer": {"momentum": 1.0}}"#, "local_sgd.outer_optimizer.momentum"),
             (r#"{"groups": 2, "communication_data_type": "fp8"}"#, "local_sgd.communication_data_type"),
             (r#"{"groups": 2, "mode": "async"}"#, "local_sgd.mode"),
+            (r#"{"groups": 2, "servers": ["h:1"], "group": 0, "group_timeout_s": 0}"#, "local_sgd.group_timeout_s"),
+            (r#"{"groups": 2, "servers": ["h:1"], "group": 0, "checkpoint_every": 0}"#, "local_sgd.checkpoint_every"),
             (r#"{"groups": 2, "mode": "eventually"}"#, "local_sgd.mode"),
             (r#"{"groups": 2, "group": 2}"#, "local_sgd.group"),
         ];

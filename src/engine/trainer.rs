@@ -43,6 +43,11 @@ pub trait Trainer<M: UnitModel> {
     fn rounds(&self) -> Option<u64> {
         None
     }
+    /// Replica groups' last round (its live groups, staleness, whether the group rejoined);
+    /// `None` before the first round and without groups.
+    fn last_round(&self) -> Option<crate::replicas::Round> {
+        None
+    }
 }
 
 /// The trainer `plan` asks for: a [`Pipeline`] stage under a `pipeline` section, replica

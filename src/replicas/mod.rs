@@ -148,8 +148,17 @@ pub(crate) fn check_split(plan: &Plan) -> Result<()> {
 pub struct Round {
     /// Rounds so far, this one included.
     pub round: u64,
-    /// Bytes this rank moved among its peers in the round (the bus-bandwidth convention).
+    /// Bytes this rank moved in the round: among its peers (the bus-bandwidth convention),
+    /// or pushed to and pulled from its server.
     pub bytes: u64,
+    /// Groups live after the round (all of them in one job).
+    pub live_groups: usize,
+    /// Rounds this group was ahead of the slowest live group at its push (async servers;
+    /// otherwise 0).
+    pub staleness: u64,
+    /// The group had been dropped from the servers' quorum (or a server restarted): it
+    /// joined again and continues from the current global weights, its window discarded.
+    pub rejoined: bool,
 }
 
 /// An optimizer step of a group, and the round it ended with, if any.
@@ -169,6 +178,7 @@ pub struct LocalSgd<M: Module> {
     round: Exchange,
     steps_since_round: u64,
     rounds: u64,
+    last: Option<Round>,
 }
 
 impl<M: Module> LocalSgd<M> {
@@ -176,7 +186,7 @@ impl<M: Module> LocalSgd<M> {
     /// start as group 0's, and every group starts from them. Every rank calls it at once.
     pub fn new(mut engine: Engine<M>, replicas: Replicas) -> Result<Self> {
         let round = Self::start(&mut engine, &replicas)?;
-        Ok(Self { engine, replicas, round, steps_since_round: 0, rounds: 0 })
+        Ok(Self { engine, replicas, round, steps_since_round: 0, rounds: 0, last: None })
     }
 
     /// Group 0's engine weights as the global weights, loaded into every group's engine,
@@ -216,6 +226,11 @@ impl<M: Module> LocalSgd<M> {
         self.rounds
     }
 
+    /// The last round, if there was one.
+    pub fn last_round(&self) -> Option<Round> {
+        self.last
+    }
+
     /// [`Engine::step`], and a round after every `sync_every`-th optimizer step (skipped
     /// steps count: the groups stay in step). `None` inside an accumulation window.
     pub fn step(&mut self) -> Result<Option<LocalStep>> {
@@ -239,11 +254,33 @@ impl<M: Module> LocalSgd<M> {
     /// optimizer steps.
     pub fn sync(&mut self) -> Result<Round> {
         let local = self.engine.shard_masters()?;
-        let (global, bytes) = self.round.run(&local)?;
+        let groups = self.replicas.plan.groups;
+        let (global, mut round) = match &mut self.round {
+            Exchange::Peers(peers) => {
+                let (global, bytes) = peers.run(&local)?;
+                (global, Round { round: 0, bytes, live_groups: groups, staleness: 0, rejoined: false })
+            }
+            #[cfg(feature = "servers")]
+            Exchange::Server(server) => {
+                let (global, x) = server.run(&local)?;
+                (
+                    global,
+                    Round {
+                        round: 0,
+                        bytes: x.bytes,
+                        live_groups: x.live,
+                        staleness: x.staleness,
+                        rejoined: x.rejoined,
+                    },
+                )
+            }
+        };
         self.engine.load_shard_masters(global.to_vec())?;
         self.steps_since_round = 0;
         self.rounds += 1;
-        Ok(Round { round: self.rounds, bytes })
+        round.round = self.rounds;
+        self.last = Some(round);
+        Ok(round)
     }
 
     /// The peers' traffic so far (the rounds', and the start's broadcast).
@@ -274,14 +311,6 @@ impl Exchange {
             Self::Server(round) => round.global(),
         }
     }
-
-    fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], u64)> {
-        match self {
-            Self::Peers(round) => round.run(local),
-            #[cfg(feature = "servers")]
-            Self::Server(round) => round.run(local),
-        }
-    }
 }
 
 /// This rank's rounds through server `rank % servers` (every call bounded by the
@@ -290,7 +319,7 @@ impl Exchange {
 fn server_round(servers: &[String], replicas: &Replicas, local: Vec<Vec<f32>>) -> Result<Exchange> {
     let place = replicas.peers.rank();
     let addr = &servers[place % servers.len()];
-    let round = server::ServerRound::start(addr, place, replicas.group, local, replicas.timeout)?;
+    let round = server::ServerRound::start(addr, place, &replicas.plan, local, replicas.timeout)?;
     Ok(Exchange::Server(Box::new(round)))
 }
 

@@ -3,6 +3,16 @@
 //! `buf = g` at the first step, `buf = momentum * buf + g` after; the update is
 //! `g + momentum * buf` with Nesterov momentum, `buf` without (`g` without momentum);
 //! `w -= lr * update`.
+//!
+//! # Note: Delayed Nesterov
+//! Asynchronous rounds ([`Delayed`]) apply each group's pseudo-gradient as it arrives, but
+//! momentum on single pushes would multiply stale directions (Liu et al. 2024, "Asynchronous
+//! Local-SGD Training for Language Modeling"). So, as their Delayed Nesterov does, each push
+//! moves the weights by its plain share `lr * g / N` (N the live groups), and every N pushes
+//! the momentum buffer takes their mean and the weights take the momentum part of the step:
+//! `lr * momentum * buf` after the buffer's update with Nesterov, before it without. N
+//! pushes of one round thus move the weights exactly as the synchronous step on their mean
+//! does (up to rounding), and a push never carries more than its share.
 
 use crate::config::OuterOptimizer;
 
@@ -13,6 +23,16 @@ pub(crate) struct OuterState {
 }
 
 impl OuterState {
+    /// From a saved momentum buffer (a server's checkpoint).
+    pub fn from_momentum(momentum: Option<Vec<f32>>) -> Self {
+        Self { momentum }
+    }
+
+    /// The momentum buffer, from the first step with momentum.
+    pub fn momentum(&self) -> Option<&[f32]> {
+        self.momentum.as_deref()
+    }
+
     /// Steps `weights` with the mean of `groups` pseudo-gradients, given summed (in group
     /// order) in `sum`, which is divided in place. Every form of a round (peers in one job,
     /// a parameter server) steps through here, so they give the same bits.
@@ -44,6 +64,57 @@ impl OuterState {
     }
 }
 
+/// The outer optimizer of asynchronous rounds (module note: Delayed Nesterov): the
+/// momentum buffer, the pushes' mean since its last update, and how many pushes that was.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Delayed {
+    outer: OuterState,
+    pending: Vec<f32>,
+    pushes: usize,
+}
+
+impl Delayed {
+    /// From saved parts (a server's checkpoint).
+    pub fn from_parts(momentum: Option<Vec<f32>>, pending: Vec<f32>, pushes: usize) -> Self {
+        Self { outer: OuterState { momentum }, pending, pushes }
+    }
+
+    /// The momentum buffer (none before the first momentum step), the pending mean (empty
+    /// when none), and the pushes in it.
+    pub fn parts(&self) -> (Option<&[f32]>, &[f32], usize) {
+        (self.outer.momentum.as_deref(), &self.pending, self.pushes)
+    }
+
+    /// Applies one group's pseudo-gradient `grad` to `weights`, with `groups` live groups.
+    pub fn push(&mut self, opt: &OuterOptimizer, weights: &mut [f32], grad: &[f32], groups: usize) {
+        let (lr, n) = (opt.lr as f32, groups.max(1) as f32);
+        if self.pending.len() != weights.len() {
+            self.pending = vec![0.0; weights.len()];
+        }
+        for ((w, g), p) in weights.iter_mut().zip(grad).zip(&mut self.pending) {
+            let share = g / n;
+            *w -= lr * share;
+            *p += share;
+        }
+        self.pushes += 1;
+        if self.pushes < groups {
+            return;
+        }
+        let beta = opt.momentum as f32;
+        if beta != 0.0 {
+            let first = self.outer.momentum.is_none();
+            let buf = self.outer.momentum.get_or_insert_with(|| vec![0.0; weights.len()]);
+            for ((w, b), p) in weights.iter_mut().zip(buf.iter_mut()).zip(&self.pending) {
+                let old = *b;
+                *b = if first { *p } else { beta * old + p };
+                *w -= lr * beta * if opt.nesterov { *b } else { old };
+            }
+        }
+        self.pending.fill(0.0);
+        self.pushes = 0;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +137,37 @@ mod tests {
             let buf2 = 0.9 * a + b;
             let want = after1 - 0.7 * (b + 0.9 * buf2);
             assert!((w[i] as f64 - want).abs() < 1e-6, "element {i}: {} vs {want}", w[i]);
+        }
+    }
+
+    /// Delayed Nesterov: two rounds of three pushes each (in any order) end where two
+    /// synchronous steps on the rounds' means do, within f32 rounding; heavy-ball momentum
+    /// too. A push moves the weights by its plain share only.
+    #[test]
+    fn delayed_nesterov_rounds_equal_synchronous_steps_on_their_means() {
+        let rounds = [[[0.3f32, -0.1], [0.1, 0.2], [-0.4, 0.5]], [[0.05, 0.0], [0.2, -0.3], [0.1, 0.1]]];
+        for opt in [
+            OuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true },
+            OuterOptimizer { lr: 0.5, momentum: 0.5, nesterov: false },
+        ] {
+            let (mut sync_w, mut sync_state) = (vec![1.0f32, -1.0], OuterState::default());
+            let (mut async_w, mut delayed) = (vec![1.0f32, -1.0], Delayed::default());
+            for pushes in rounds {
+                let mean: Vec<f32> = (0..2).map(|i| pushes.iter().map(|p| p[i]).sum::<f32>() / 3.0).collect();
+                sync_state.step(&opt, &mut sync_w, &mean);
+                for (k, push) in pushes.iter().rev().enumerate() {
+                    let before = async_w.clone();
+                    delayed.push(&opt, &mut async_w, push, 3);
+                    if k < 2 {
+                        let moved: Vec<f32> = before.iter().zip(&async_w).map(|(b, a)| b - a).collect();
+                        let share: Vec<f32> = push.iter().map(|g| opt.lr as f32 * g / 3.0).collect();
+                        assert!(moved.iter().zip(&share).all(|(m, s)| (m - s).abs() < 1e-6), "{moved:?} vs {share:?}");
+                    }
+                }
+            }
+            for (s, a) in sync_w.iter().zip(&async_w) {
+                assert!((s - a).abs() < 1e-6, "{opt:?}: sync {sync_w:?} async {async_w:?}");
+            }
         }
     }
 

@@ -2,7 +2,11 @@
 //! drives replica groups with the loop it drives one engine with.
 //!
 //! # Note: checkpoints of replica groups
-//! Between rounds the groups hold different weights, so a save first runs a round: every
+//! With parameter servers each job is one group with its own run folder, and saves its own
+//! engine where it is; a resumed job joins the servers again and continues from their
+//! current global weights (which the servers checkpoint themselves).
+//!
+//! In one job, between rounds the groups hold different weights, so a save first runs a round: every
 //! group then holds the global weights, and group 0 saves them with its engine (a normal
 //! checkpoint, at the group's world size, loadable at any world size, stage, or number of
 //! groups) while the other groups wait for it. The outer optimizer's momentum is not in the
@@ -32,6 +36,11 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     }
 
     fn save_checkpoint(&mut self, dir: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
+        if !self.replicas.plan.servers.is_empty() {
+            // Each job is one group with a run folder of its own: it saves where it is, and
+            // a resumed job rejoins the servers' current global weights.
+            return self.engine.save_checkpoint(dir, tag, client_state);
+        }
         if self.steps_since_round > 0 {
             self.sync()?;
         }
@@ -90,5 +99,9 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
 
     fn rounds(&self) -> Option<u64> {
         Some(self.rounds)
+    }
+
+    fn last_round(&self) -> Option<super::Round> {
+        self.last
     }
 }

@@ -129,7 +129,14 @@ fn groups_train_apart_and_a_round_moves_only_each_ranks_shard() {
         }
         for rank in 0..4 {
             let (round, peer_bytes, masters) = &out[rank][2];
-            assert_eq!(*round, Some(zerotrain::replicas::Round { round: 1, bytes: shard * bytes }), "rank {rank}");
+            let want = zerotrain::replicas::Round {
+                round: 1,
+                bytes: shard * bytes,
+                live_groups: 2,
+                staleness: 0,
+                rejoined: false,
+            };
+            assert_eq!(*round, Some(want), "rank {rank}");
             assert_eq!(*peer_bytes, shard * bytes, "{dtype} rank {rank}");
             assert_eq!(masters, &out[0][2].2, "{dtype}: rank {rank} left the round with other weights");
         }
@@ -178,26 +185,53 @@ fn a_checkpoint_of_groups_is_the_global_weights_written_once() {
 /// pushes in group order, as the in-job all-reduce does, and steps the same outer optimizer.
 #[test]
 fn groups_as_jobs_through_a_parameter_server_train_as_groups_in_one_job() {
-    let outer = zerotrain::config::OuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true };
-    let server = zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), 2, outer).unwrap();
-    let addr = server.addr();
     let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
     let world = plan(&sgd_recipe(2, &section("")), 4);
     let in_job = run(&world);
-    let jobs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|group| {
-                let json = sgd_recipe(2, &section(&format!(r#", "servers": ["{addr}"], "group": {group}"#)));
-                let world = &world;
-                s.spawn(move || run_reading(&plan(&json, 2), world, STEPS))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let jobs = through_server(&world, &section, "");
     for (group, job) in jobs.iter().enumerate() {
         for (rank, masters) in job.iter().enumerate() {
             assert!(masters == &in_job[0], "group {group} rank {rank} ended with other weights than the in-job groups");
         }
     }
+}
+
+/// Async servers with `max_staleness` 0 make every group wait for the others' push of its
+/// round before it goes on, so each round's pushes all start from the same global weights:
+/// Delayed Nesterov then applies them (in arrival order, each its share, the momentum
+/// part with the round's last) as the synchronous step on their mean, so the jobs end
+/// where the in-job groups do, within f32 rounding (the order of the sums differs).
+#[test]
+fn async_groups_without_staleness_train_as_synchronous_groups() {
+    let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
+    let world = plan(&sgd_recipe(2, &section("")), 4);
+    let in_job = run(&world);
+    let jobs = through_server(&world, &section, r#", "mode": "async", "max_staleness": 0"#);
+    let scale = in_job[0].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (group, job) in jobs.iter().enumerate() {
+        for (rank, masters) in job.iter().enumerate() {
+            let worst = masters.iter().zip(&in_job[0]).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst <= 1e-5 * scale.max(1.0), "group {group} rank {rank}: {worst} apart");
+        }
+    }
+}
+
+/// Runs `world`'s groups as two jobs of two thread ranks each through one parameter server
+/// whose `local_sgd` section is `section(extra)`; every job's ranks' final masters.
+fn through_server(world: &Plan, section: &dyn Fn(&str) -> String, extra: &str) -> Vec<Vec<Vec<f32>>> {
+    let server_plan = plan(&sgd_recipe(2, &section(&format!(r#", "servers": ["127.0.0.1:1"], "group": 0{extra}"#))), 2);
+    let config = zerotrain::replicas::server::ServerConfig::new(server_plan.replicas.as_ref().unwrap(), None);
+    let server = zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let addr = server.addr();
+    let jobs = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|group| {
+                let json = sgd_recipe(2, &section(&format!(r#", "servers": ["{addr}"], "group": {group}{extra}"#)));
+                s.spawn(move || run_reading(&plan(&json, 2), world, STEPS))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
     server.stop();
+    jobs
 }

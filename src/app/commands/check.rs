@@ -24,16 +24,20 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
 }
 
 /// `zerotrain serve`: a parameter server for the config's replica groups, until a signal.
-pub fn serve(file: &Path, listen: std::net::SocketAddr) -> anyhow::Result<()> {
+pub fn serve(file: &Path, listen: std::net::SocketAddr, checkpoint: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     let (plan, _) = keys::load(file, overrides(None, None))?;
     let Some(replicas) = &plan.replicas else {
         anyhow::bail!("{}: no local_sgd section with groups: nothing to serve", file.display());
     };
-    let server = crate::replicas::server::serve(listen, replicas.groups, replicas.outer)?;
+    let config = crate::replicas::server::ServerConfig::new(replicas, checkpoint);
+    let server = crate::replicas::server::serve(listen, config)?;
     let (tx, rx) = std::sync::mpsc::channel();
     ctrlc::set_handler(move || {
         let _ = tx.send(());
     })?;
+    if let Some(round) = server.resumed() {
+        eprintln!("zerotrain serve: resumed from the checkpoint of round {round}");
+    }
     println!("parameter server for {} groups listening on {}", replicas.groups, server.addr());
     let _ = rx.recv();
     eprintln!("zerotrain: stopping the parameter server");

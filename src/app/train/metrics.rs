@@ -31,6 +31,14 @@ pub struct StepMetrics {
     /// Replica groups: rounds so far (`local_sgd`); absent without groups.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub rounds: Option<u64>,
+    /// Replica groups: groups live at the last round (fewer than `local_sgd.groups` once
+    /// the servers dropped some).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub live_groups: Option<usize>,
+    /// Replica groups through async servers: rounds this group was ahead of the slowest
+    /// live one at its last push.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub staleness: Option<u64>,
 }
 
 /// Appends lines to `metrics.jsonl`, each written through to the file as it is pushed.
@@ -182,6 +190,8 @@ mod tests {
             val_loss: None,
             comm_bytes: 0,
             rounds: None,
+            live_groups: None,
+            staleness: None,
         }
     }
 

@@ -252,6 +252,8 @@ impl Job<'_> {
                 val_loss: val,
                 comm_bytes: report.comm_bytes,
                 rounds: engine.rounds(),
+                live_groups: engine.last_round().map(|r| r.live_groups),
+                staleness: engine.last_round().map(|r| r.staleness),
             };
             if let Some(file) = &mut log_file {
                 file.push(&metrics).map_err(io(&metrics_path))?;

@@ -1,50 +1,99 @@
 //! The worker side: [`ServerRound`], one rank's rounds through a parameter server.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+use zerotrain_precision::Precision;
 
-use super::proto::PullRequest;
 use super::proto::parameter_server_client::ParameterServerClient;
-use super::{chunks, place_chunk};
+use super::proto::{Ack, PullRequest};
+use super::{Dtype, Header, chunks, place_chunk};
+use crate::config::ReplicaPlan;
 use crate::replicas::round::{pseudo_gradient, scatter};
 use crate::{Error, Result};
 
+/// How a round through the server went, besides the new weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exchanged {
+    /// Bytes pushed and pulled.
+    pub bytes: u64,
+    /// Groups live at the place after the round.
+    pub live: usize,
+    /// Rounds this group was ahead of the slowest live one when it pushed (async).
+    pub staleness: u64,
+    /// The group had been dropped (or the server restarted): it joined again and continues
+    /// from the current global weights, its window discarded.
+    pub rejoined: bool,
+}
+
 /// One rank's connection to the server of its place: its copy of the place's global
-/// weights and the round they belong to. Every call is bounded by `timeout`.
+/// weights, its session and the round it pushes next. A call the server does not answer is
+/// retried with backoff for up to `timeout`; a pull may wait the group timeout longer (the
+/// server drops the groups that keep it waiting).
 pub struct ServerRound {
     runtime: tokio::runtime::Runtime,
     client: ParameterServerClient<Channel>,
     addr: String,
     place: u32,
     group: u32,
+    session: u64,
     round: u64,
     global: Vec<Vec<f32>>,
+    dtype: Dtype,
     timeout: Duration,
+    pull_wait: Duration,
+}
+
+/// A failed call: one that joining again mends, or an error.
+enum Failure {
+    Rejoin(String),
+    Fatal(Error),
 }
 
 impl ServerRound {
     /// Connects to `addr` (retrying with backoff for up to `timeout`), joins `place` as
-    /// `group` with this rank's `start` weights (the place's first joiner sets the global
-    /// weights), and pulls the place's current global weights.
-    pub fn start(addr: &str, place: usize, group: usize, start: Vec<Vec<f32>>, timeout: Duration) -> Result<Self> {
+    /// `plan.group` with this rank's `start` weights (the place's first joiner sets the
+    /// global weights), and pulls the weights to start from.
+    pub fn start(
+        addr: &str,
+        place: usize,
+        plan: &ReplicaPlan,
+        start: Vec<Vec<f32>>,
+        timeout: Duration,
+    ) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| Error::Launch(format!("local_sgd.servers: no runtime for the client: {e}")))?;
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| Error::Launch(format!("local_sgd.servers: `{addr}` is not an address: {e}")))?
-            .connect_timeout(timeout.min(Duration::from_secs(10)))
-            .timeout(timeout);
+            .connect_timeout(timeout.min(Duration::from_secs(10)));
         let client = runtime.block_on(connect(endpoint, addr, timeout))?;
-        let (place, group) = (place as u32, group as u32);
-        let mut round = Self { runtime, client, addr: addr.to_owned(), place, group, round: 0, global: start, timeout };
-        let flat = round.global.concat();
-        let message = chunks(place, group, 0, &flat);
-        let ack = round.call("join", |mut c| async move { c.join(tokio_stream::iter(message)).await })?;
-        round.round = ack.round;
-        round.pull()?;
-        Ok(round)
+        let dtype = match plan.comm_dtype {
+            Precision::Bf16 => Dtype::Bf16,
+            _ => Dtype::Fp32,
+        };
+        let mut round = Self {
+            runtime,
+            client,
+            addr: addr.to_owned(),
+            place: place as u32,
+            group: plan.group.unwrap_or(0) as u32,
+            session: 0,
+            round: 0,
+            global: start,
+            dtype,
+            timeout,
+            pull_wait: plan.group_timeout + timeout,
+        };
+        let local = round.global.clone();
+        match round.join_and_pull(&local) {
+            Ok(_) => Ok(round),
+            Err(Failure::Rejoin(why)) => Err(round.error("join", why)),
+            Err(Failure::Fatal(e)) => Err(e),
+        }
     }
 
     /// The place's global weights, per unit.
@@ -52,94 +101,119 @@ impl ServerRound {
         &self.global
     }
 
-    /// A round: pushes `global - local` for the current round, pulls the next round's global
-    /// weights (waiting for the other groups' pushes). Also the bytes sent and received.
-    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], u64)> {
+    /// A round: pushes `global - local` for the current round, pulls the weights to go on
+    /// from. A group dropped from the quorum (or met by a restarted server) joins again and
+    /// goes on from the current global weights, its window discarded.
+    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Exchanged)> {
         let delta = pseudo_gradient(&self.global, local);
-        let bytes = 4 * delta.len() as u64;
-        let message = chunks(self.place, self.group, self.round, &delta);
-        let ack = self.call("push", |mut c| async move { c.push(tokio_stream::iter(message)).await })?;
-        // The place moves to the next round once every group has pushed this one (`ack`
-        // says it already has, or not yet: the pull waits for it).
-        debug_assert!(ack.round == self.round || ack.round == self.round + 1);
-        self.round += 1;
-        self.pull()?;
-        Ok((&self.global, 2 * bytes))
+        let width = if self.dtype == Dtype::Bf16 { 2 } else { 4 };
+        let bytes = (width + 4) * delta.len() as u64;
+        let head = self.header(self.round);
+        let pushed = self.call("push", self.timeout, |mut c| {
+            let message = chunks(head, &delta);
+            async move { c.push(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
+        });
+        let outcome = pushed.and_then(|ack| {
+            self.round = ack.round;
+            self.pull().map(|()| ack)
+        });
+        match outcome {
+            Ok(ack) => {
+                let info = Exchanged { bytes, live: ack.live as usize, staleness: ack.staleness, rejoined: false };
+                Ok((&self.global, info))
+            }
+            Err(Failure::Fatal(e)) => Err(e),
+            Err(Failure::Rejoin(why)) => {
+                let (place, group) = (self.place, self.group);
+                eprintln!("zerotrain: group {group}, place {place}: {why}; joining again (this window is discarded)");
+                let ack = self.join_and_pull(local).map_err(|f| match f {
+                    Failure::Fatal(e) => e,
+                    Failure::Rejoin(why) => self.error("join", why),
+                })?;
+                let info =
+                    Exchanged { bytes: 8 * delta.len() as u64, live: ack.live as usize, staleness: 0, rejoined: true };
+                Ok((&self.global, info))
+            }
+        }
     }
 
-    /// Pulls the global weights of the current round.
-    fn pull(&mut self) -> Result<()> {
-        let request = PullRequest { place: self.place, round: self.round };
+    fn header(&self, round: u64) -> Header {
+        Header { place: self.place, group: self.group, round, session: self.session, dtype: self.dtype }
+    }
+
+    /// Joins with `local` (the weights a place that no group joined yet starts from) and
+    /// pulls the weights to go on from.
+    fn join_and_pull(&mut self, local: &[Vec<f32>]) -> std::result::Result<Ack, Failure> {
+        let flat = local.concat();
+        let head = Header { dtype: Dtype::Fp32, ..self.header(0) };
+        let ack: Ack = self.call("join", self.timeout, |mut c| {
+            let message = chunks(head, &flat);
+            async move { c.join(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
+        })?;
+        self.session = ack.session;
+        self.round = ack.round;
+        self.pull().map(|()| ack)
+    }
+
+    /// Pulls the weights the group goes on from (waiting for the other groups).
+    fn pull(&mut self) -> std::result::Result<(), Failure> {
+        let request = PullRequest { place: self.place, group: self.group, session: self.session };
         let total: usize = self.global.iter().map(Vec::len).sum();
-        let mut flat = vec![0.0f32; total];
-        let started = Instant::now();
-        let client = self.client.clone();
-        let timeout = self.timeout;
-        let read = self.runtime.block_on(async move {
-            let mut client = client;
-            let mut stream = tokio::time::timeout(timeout, client.pull(request)).await??.into_inner();
-            while let Some(chunk) = tokio::time::timeout(timeout, stream.message()).await?? {
-                place_chunk(&chunk, &mut flat).map_err(tonic::Status::data_loss)?;
+        let flat = self.call("pull", self.pull_wait, |mut c| async move {
+            let mut stream = c.pull(request).await?.into_inner();
+            let mut flat = vec![0.0f32; total];
+            while let Some(chunk) = stream.message().await? {
+                place_chunk(&chunk, &mut flat).map_err(Status::data_loss)?;
             }
-            Ok::<_, PullError>(flat)
-        });
-        let flat = read.map_err(|e| self.failed("pull", e.to_string(), started))?;
+            Ok(flat)
+        })?;
         scatter(&flat, &mut self.global);
         Ok(())
     }
 
-    /// Runs one unary-reply call on the client within the timeout.
-    fn call<F, Fut>(&mut self, what: &'static str, f: F) -> Result<super::proto::Ack>
+    /// Runs `f` on the client until it answers, within `limit` per attempt; a server that
+    /// cannot be reached is tried again with backoff (50 ms doubling to 2 s) for up to the
+    /// timeout. `Aborted` means: join again.
+    fn call<T, F, Fut>(&self, what: &'static str, limit: Duration, f: F) -> std::result::Result<T, Failure>
     where
-        F: FnOnce(ParameterServerClient<Channel>) -> Fut,
-        Fut: std::future::Future<Output = std::result::Result<tonic::Response<super::proto::Ack>, tonic::Status>>,
+        F: Fn(ParameterServerClient<Channel>) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
     {
         let started = Instant::now();
-        let future = f(self.client.clone());
-        let out = self.runtime.block_on(async { tokio::time::timeout(self.timeout, future).await });
-        match out {
-            Ok(Ok(reply)) => Ok(reply.into_inner()),
-            Ok(Err(status)) => Err(self.failed(what, status.message().to_owned(), started)),
-            Err(_) => Err(self.failed(what, "no answer".into(), started)),
+        let mut wait = Duration::from_millis(50);
+        loop {
+            let attempt = self.runtime.block_on(async { tokio::time::timeout(limit, f(self.client.clone())).await });
+            let status = match attempt {
+                Ok(Ok(out)) => return Ok(out),
+                Err(_) => {
+                    return Err(Failure::Fatal(
+                        self.error(what, format!("no answer within {:.1} s", limit.as_secs_f64())),
+                    ));
+                }
+                Ok(Err(status)) => status,
+            };
+            match status.code() {
+                Code::Aborted => return Err(Failure::Rejoin(status.message().to_owned())),
+                // The server went away (or restarts): the connection's errors.
+                Code::Unavailable | Code::Unknown | Code::Cancelled if started.elapsed() + wait < self.timeout => {
+                    std::thread::sleep(wait);
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+                Code::Unavailable | Code::Unknown | Code::Cancelled => {
+                    let detail =
+                        format!("unreachable for {:.1} s: {}", started.elapsed().as_secs_f64(), status.message());
+                    return Err(Failure::Fatal(self.error(what, detail)));
+                }
+                _ => return Err(Failure::Fatal(self.error(what, status.message().to_owned()))),
+            }
         }
     }
 
-    fn failed(&self, what: &str, detail: String, started: Instant) -> Error {
+    fn error(&self, what: &str, detail: String) -> Error {
         Error::Launch(format!(
-            "local_sgd.servers: {what} of place {} round {} at {} failed after {:.1} s: {detail}",
-            self.place,
-            self.round,
-            self.addr,
-            started.elapsed().as_secs_f64()
+            "local_sgd.servers: {what} of group {} place {} round {} at {}: {detail}",
+            self.group, self.place, self.round, self.addr
         ))
-    }
-}
-
-/// A pull's failure: the server's status, or the timeout.
-#[derive(Debug)]
-enum PullError {
-    Status(tonic::Status),
-    Timeout,
-}
-
-impl std::fmt::Display for PullError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Status(s) => f.write_str(s.message()),
-            Self::Timeout => f.write_str("no answer within the timeout"),
-        }
-    }
-}
-
-impl From<tonic::Status> for PullError {
-    fn from(s: tonic::Status) -> Self {
-        Self::Status(s)
-    }
-}
-
-impl From<tokio::time::error::Elapsed> for PullError {
-    fn from(_: tokio::time::error::Elapsed) -> Self {
-        Self::Timeout
     }
 }
 

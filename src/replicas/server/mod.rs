@@ -5,21 +5,37 @@
 //! job is one replica group (`local_sgd.group` of `local_sgd.groups`); each of its ranks
 //! pushes its pseudo-gradient for a round and pulls the next round's global weights
 //! ([`ServerRound`], the across-jobs form of the in-job peer round). Transport: gRPC through
-//! tonic (`proto/parameter_server.proto`), tensors streamed in chunks of
-//! [`CHUNK_ELEMS`] f32 values, so no message approaches gRPC's size limits.
+//! tonic (`proto/parameter_server.proto`): an established, streaming RPC stack on tokio,
+//! whose HTTP/2 flow control and deadlines we need not write, tensors streamed in chunks of
+//! [`CHUNK_ELEMS`] values (pseudo-gradients in `communication_data_type`, weights in f32),
+//! so no message approaches gRPC's size limits.
 //!
 //! # Note: sync rounds, deterministic sums
-//! A place moves to round `k + 1` once every group has pushed round `k`; the server then
-//! sums the pushes in group order (not arrival order) and divides by the groups, exactly as
-//! the in-job all-reduce does, so a job split across servers trains bit for bit as the same
-//! groups in one job. A push for any round but the place's current one, or from a group
-//! outside `0..groups`, is refused with a message naming both.
+//! A place moves to round `k + 1` once every group of its quorum has pushed round `k`; the
+//! server then sums the pushes in group order (not arrival order) and divides by their
+//! number, exactly as the in-job all-reduce does, so a job split across servers trains bit
+//! for bit as the same groups in one job. Async places apply each push at once (the outer
+//! module's Delayed Nesterov). Who is in the quorum, and when a group is dropped: the place
+//! module's note. A push for another round than the group's, from a group outside
+//! `0..groups`, or under a session that is over, is refused with a message naming them.
+//!
+//! # Note: failures
+//! A worker retries a call the server did not answer (down, restarting) with backoff for up
+//! to its timeout, then fails with the address. A server restarted from its checkpoint
+//! (`zerotrain serve --checkpoint DIR`) knows no sessions: every worker's next call is
+//! refused as not a member, and the worker joins again and continues from the checkpoint's
+//! global weights, as a group dropped from the quorum does. Each place is its own quorum:
+//! with several servers, or ranks stalled unevenly, the ranks of one group may rejoin at
+//! different rounds (each place stays consistent, being one shard of the weights).
 
 mod client;
+mod place;
 mod serve;
+mod service;
+mod store;
 
 pub use client::ServerRound;
-pub use serve::{ServerHandle, serve};
+pub use serve::{ServerConfig, ServerHandle, serve};
 
 /// The generated gRPC code.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
@@ -27,19 +43,33 @@ mod proto {
     tonic::include_proto!("zerotrain.ps");
 }
 
-/// f32 values per streamed chunk (1 MiB).
+use proto::Dtype;
+
+/// Values per streamed chunk (1 MiB of f32).
 pub const CHUNK_ELEMS: usize = 1 << 18;
 
-/// `values` as chunks of `place`, `group`, `round`.
-fn chunks(place: u32, group: u32, round: u64, values: &[f32]) -> Vec<proto::Chunk> {
+/// What every chunk of one streamed vector carries besides its values.
+#[derive(Debug, Clone, Copy)]
+struct Header {
+    place: u32,
+    group: u32,
+    round: u64,
+    session: u64,
+    dtype: Dtype,
+}
+
+/// `values` as chunks under `head`, encoded in its dtype.
+fn chunks(head: Header, values: &[f32]) -> Vec<proto::Chunk> {
     let len = values.len() as u64;
     let piece = |offset: usize, part: &[f32]| proto::Chunk {
-        place,
-        group,
-        round,
+        place: head.place,
+        group: head.group,
+        round: head.round,
+        session: head.session,
+        dtype: head.dtype as i32,
         len,
         offset: offset as u64,
-        data: part.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        data: encode(head.dtype, part),
     };
     if values.is_empty() {
         return vec![piece(0, &[])];
@@ -47,16 +77,38 @@ fn chunks(place: u32, group: u32, round: u64, values: &[f32]) -> Vec<proto::Chun
     values.chunks(CHUNK_ELEMS).enumerate().map(|(i, part)| piece(i * CHUNK_ELEMS, part)).collect()
 }
 
+fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        Dtype::Fp32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dtype::Bf16 => values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+    }
+}
+
 /// Writes a chunk's values into `out` (of the chunk's `len`), checking its bounds.
 fn place_chunk(chunk: &proto::Chunk, out: &mut [f32]) -> Result<(), String> {
-    if chunk.len != out.len() as u64 || !chunk.data.len().is_multiple_of(4) {
+    let dtype = Dtype::try_from(chunk.dtype).map_err(|_| format!("unknown dtype {}", chunk.dtype))?;
+    let width = match dtype {
+        Dtype::Fp32 => 4,
+        Dtype::Bf16 => 2,
+    };
+    if chunk.len != out.len() as u64 || !chunk.data.len().is_multiple_of(width) {
         return Err(format!("a chunk of {} elements for a vector of {}", chunk.len, out.len()));
     }
     let start = usize::try_from(chunk.offset).map_err(|_| "chunk offset too large".to_string())?;
-    let n = chunk.data.len() / 4;
+    let n = chunk.data.len() / width;
     let end = start.checked_add(n).filter(|&e| e <= out.len()).ok_or("a chunk past the vector's end")?;
-    for (v, b) in out[start..end].iter_mut().zip(chunk.data.chunks_exact(4)) {
-        *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let out = &mut out[start..end];
+    match dtype {
+        Dtype::Fp32 => {
+            for (v, b) in out.iter_mut().zip(chunk.data.chunks_exact(4)) {
+                *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Dtype::Bf16 => {
+            for (v, b) in out.iter_mut().zip(chunk.data.chunks_exact(2)) {
+                *v = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
     }
     Ok(())
 }

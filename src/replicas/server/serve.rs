@@ -2,23 +2,23 @@
 //! [`ServerHandle`] is dropped.
 
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::{oneshot, watch};
-use tokio_stream::Stream;
-use tonic::{Request, Response, Status, Streaming};
 
-use super::proto::parameter_server_server::{ParameterServer, ParameterServerServer};
-use super::proto::{Ack, Chunk, PullRequest};
-use super::{chunks, place_chunk};
-use crate::config::OuterOptimizer;
-use crate::replicas::outer::OuterState;
+use super::proto::parameter_server_server::ParameterServerServer;
+use super::service::{Service, State};
+use super::store;
+use crate::config::{OuterOptimizer, ReplicaMode, ReplicaPlan};
 use crate::{Error, Result};
 
 /// A running server; dropping it (or [`stop`](Self::stop)) shuts it down.
 pub struct ServerHandle {
     addr: SocketAddr,
+    resumed: Option<u64>,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -27,6 +27,11 @@ impl ServerHandle {
     /// The address it listens on (the port chosen, where `listen` asked for port 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The round of the checkpoint it started from, if it did.
+    pub fn resumed(&self) -> Option<u64> {
+        self.resumed
     }
 
     /// Shuts the server down and waits for it.
@@ -50,12 +55,58 @@ impl Drop for ServerHandle {
     }
 }
 
-/// Starts a parameter server on `listen` for `groups` replica groups stepping the global
-/// weights with `outer`. Returns once it listens.
-pub fn serve(listen: SocketAddr, groups: usize, outer: OuterOptimizer) -> Result<ServerHandle> {
+/// What a server needs of the replica groups' plan, and where it saves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// Groups `0..groups` may join.
+    pub groups: usize,
+    /// The outer optimizer.
+    pub outer: OuterOptimizer,
+    /// Sync or async rounds.
+    pub mode: ReplicaMode,
+    /// How long a group may keep the others waiting before it is dropped.
+    pub group_timeout: Duration,
+    /// Where the server saves (and at its start loads) its checkpoints; none: it does not.
+    pub checkpoint: Option<PathBuf>,
+    /// Rounds between checkpoints (async: pushes of every group, `groups` per round).
+    pub checkpoint_every: u64,
+}
+
+impl ServerConfig {
+    /// The server of `plan`'s groups, saving into `checkpoint` if given.
+    pub fn new(plan: &ReplicaPlan, checkpoint: Option<PathBuf>) -> Self {
+        Self {
+            groups: plan.groups,
+            outer: plan.outer,
+            mode: plan.mode,
+            group_timeout: plan.group_timeout,
+            checkpoint,
+            checkpoint_every: plan.checkpoint_every,
+        }
+    }
+}
+
+/// Starts a parameter server on `listen` (from `config.checkpoint`'s latest checkpoint if
+/// there is one). Returns once it listens.
+pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
+    let (places, resumed) = match &config.checkpoint {
+        Some(dir) => match store::load(dir, &config)? {
+            Some((places, round)) => (places, Some(round)),
+            None => (Vec::new(), None),
+        },
+        None => (Vec::new(), None),
+    };
+    let sessions =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+    let state = State { places, saved: resumed.unwrap_or(0) };
+    let service = Service {
+        config: Arc::new(config),
+        state: Arc::new(Mutex::new(state)),
+        version: Arc::new(watch::channel(0).0),
+        sessions: Arc::new(AtomicU64::new(sessions)),
+    };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<std::io::Result<SocketAddr>>();
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
-    let service = Service { groups, outer, places: Arc::new(Mutex::new(Vec::new())), version: watch::channel(0).0 };
     let thread = std::thread::Builder::new()
         .name("zerotrain-server".into())
         .spawn(move || {
@@ -70,210 +121,119 @@ pub fn serve(listen: SocketAddr, groups: usize, outer: OuterOptimizer) -> Result
                 };
                 let _ = ready_tx.send(listener.local_addr());
                 let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                let keeper = service.clone().keep();
                 let service = ParameterServerServer::new(service).max_decoding_message_size(16 << 20);
                 let server = tonic::transport::Server::builder().add_service(service).serve_with_incoming(incoming);
                 // Stopping drops the server at once, open connections included: a worker that
                 // never hangs up must not keep it alive.
                 tokio::select! {
                     _ = server => {}
+                    _ = keeper => {}
                     _ = shutdown_rx => {}
                 }
             });
-            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            runtime.shutdown_timeout(Duration::from_secs(1));
         })
         .map_err(|e| Error::Launch(format!("cannot start the parameter server's thread: {e}")))?;
     let addr = ready_rx
         .recv()
         .map_err(|_| Error::Launch("the parameter server stopped while starting".into()))?
         .map_err(|e| Error::Launch(format!("the parameter server cannot listen on {listen}: {e}")))?;
-    Ok(ServerHandle { addr, shutdown: Some(shutdown_tx), thread: Some(thread) })
-}
-
-/// One place's global weights, outer state, round and the pushes of that round.
-struct Place {
-    global: Vec<f32>,
-    outer: OuterState,
-    round: u64,
-    pushes: Vec<Option<Vec<f32>>>,
-}
-
-struct Service {
-    groups: usize,
-    outer: OuterOptimizer,
-    places: Arc<Mutex<Vec<Option<Place>>>>,
-    /// Bumped at every change of a place, so that waiting pulls look again.
-    version: watch::Sender<u64>,
-}
-
-/// The values of a streamed vector, and its chunks' common header.
-async fn collect(mut stream: Streaming<Chunk>) -> std::result::Result<(Chunk, Vec<f32>), Status> {
-    let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty stream"))?;
-    let len = usize::try_from(first.len).map_err(|_| Status::invalid_argument("a vector too long"))?;
-    let mut values = vec![0.0f32; len];
-    place_chunk(&first, &mut values).map_err(Status::invalid_argument)?;
-    while let Some(chunk) = stream.message().await? {
-        if (chunk.place, chunk.group, chunk.round, chunk.len) != (first.place, first.group, first.round, first.len) {
-            return Err(Status::invalid_argument("chunks of one stream disagree on place, group, round or length"));
-        }
-        place_chunk(&chunk, &mut values).map_err(Status::invalid_argument)?;
-    }
-    Ok((first, values))
-}
-
-impl Service {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Option<Place>>> {
-        self.places.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn check_group(&self, head: &Chunk) -> std::result::Result<(), Status> {
-        match (head.group as usize) < self.groups {
-            true => Ok(()),
-            false => Err(Status::invalid_argument(format!(
-                "group {} is not one of this server's {} groups (0..{})",
-                head.group, self.groups, self.groups
-            ))),
-        }
-    }
-}
-
-type ChunkStream = Pin<Box<dyn Stream<Item = std::result::Result<Chunk, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl ParameterServer for Service {
-    async fn join(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
-        let (head, values) = collect(request.into_inner()).await?;
-        self.check_group(&head)?;
-        let mut places = self.lock();
-        let p = head.place as usize;
-        if places.len() <= p {
-            places.resize_with(p + 1, || None);
-        }
-        let place = places[p].get_or_insert_with(|| Place {
-            global: values.clone(),
-            outer: OuterState::default(),
-            round: 0,
-            pushes: vec![None; self.groups],
-        });
-        if place.global.len() != values.len() {
-            return Err(Status::failed_precondition(format!(
-                "place {p} holds {} values, group {} joined with {}: another model or layout",
-                place.global.len(),
-                head.group,
-                values.len()
-            )));
-        }
-        let round = place.round;
-        drop(places);
-        self.version.send_modify(|v| *v += 1);
-        Ok(Response::new(Ack { round }))
-    }
-
-    async fn push(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
-        let (head, delta) = collect(request.into_inner()).await?;
-        self.check_group(&head)?;
-        let mut places = self.lock();
-        let (p, g) = (head.place as usize, head.group as usize);
-        let place = places
-            .get_mut(p)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| Status::failed_precondition(format!("push to place {p}, which no group joined")))?;
-        if head.round != place.round {
-            return Err(Status::failed_precondition(format!(
-                "push from group {g} for round {} of place {p}, which is at round {}: stale or unknown",
-                head.round, place.round
-            )));
-        }
-        if delta.len() != place.global.len() || place.pushes[g].is_some() {
-            return Err(Status::failed_precondition(format!(
-                "group {g} pushed {} values to place {p} of {} for round {} (twice, or another layout)",
-                delta.len(),
-                place.global.len(),
-                place.round
-            )));
-        }
-        place.pushes[g] = Some(delta);
-        if place.pushes.iter().all(Option::is_some) {
-            // In group order, as the in-job all-reduce sums.
-            let mut sum = vec![0.0f32; place.global.len()];
-            for push in place.pushes.iter_mut().map(|p| p.take().expect("all present")) {
-                sum.iter_mut().zip(push).for_each(|(s, d)| *s += d);
-            }
-            place.outer.step_mean(&self.outer, &mut place.global, &mut sum, self.groups);
-            place.round += 1;
-        }
-        let round = place.round;
-        drop(places);
-        self.version.send_modify(|v| *v += 1);
-        Ok(Response::new(Ack { round }))
-    }
-
-    type PullStream = ChunkStream;
-
-    async fn pull(&self, request: Request<PullRequest>) -> std::result::Result<Response<ChunkStream>, Status> {
-        let PullRequest { place: p, round } = request.into_inner();
-        let mut changes = self.version.subscribe();
-        loop {
-            {
-                let places = self.lock();
-                if let Some(place) = places.get(p as usize).and_then(Option::as_ref) {
-                    if place.round == round {
-                        let out = chunks(p, 0, round, &place.global);
-                        return Ok(Response::new(Box::pin(tokio_stream::iter(out.into_iter().map(Ok)))));
-                    }
-                    if place.round > round {
-                        return Err(Status::failed_precondition(format!(
-                            "pull of round {round} of place {p}, which is at round {} already",
-                            place.round
-                        )));
-                    }
-                }
-            }
-            changes.changed().await.map_err(|_| Status::unavailable("the server is stopping"))?;
-        }
-    }
+    Ok(ServerHandle { addr, resumed, shutdown: Some(shutdown_tx), thread: Some(thread) })
 }
 
 #[cfg(test)]
 mod tests {
     use tokio_stream::iter;
 
+    use std::time::Instant;
+
+    use super::super::proto::PullRequest;
     use super::super::proto::parameter_server_client::ParameterServerClient;
+    use super::super::{Dtype, Header, chunks, place_chunk};
     use super::*;
 
-    /// A round on the wire: two groups push, the place moves to round 1 with the mean
-    /// pseudo-gradient applied (plain SGD, lr 1: the groups' mean); pushes for another round,
-    /// from an unknown group, twice, or of another length, and pulls of a past round, are
-    /// refused with messages naming what was wrong.
+    fn head(group: u32, round: u64, session: u64) -> Header {
+        Header { place: 0, group, round, session, dtype: Dtype::Fp32 }
+    }
+
+    fn config(groups: usize, checkpoint: Option<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            groups,
+            outer: OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false },
+            mode: ReplicaMode::Sync,
+            group_timeout: Duration::from_secs(30),
+            checkpoint,
+            checkpoint_every: 1,
+        }
+    }
+
+    async fn pull(c: &mut ParameterServerClient<tonic::transport::Channel>, group: u32, session: u64) -> Vec<f32> {
+        let mut stream = c.pull(PullRequest { place: 0, group, session }).await.unwrap().into_inner();
+        let chunk = stream.message().await.unwrap().unwrap();
+        let mut got = vec![0.0f32; chunk.len as usize];
+        place_chunk(&chunk, &mut got).unwrap();
+        got
+    }
+
+    /// A round on the wire: two groups join and push (one in bf16), the place moves to
+    /// round 1 with the mean pseudo-gradient applied (plain SGD, lr 1: the mean); pushes for
+    /// another round, from an unknown group, under an old session, or of another
+    /// length are refused with messages naming what was wrong; and a server restarted from
+    /// its checkpoint holds the same weights and round and sends the old sessions to join
+    /// again.
     #[test]
-    fn a_round_applies_the_mean_and_bad_calls_are_refused_by_name() {
-        let averaging = OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false };
-        let server = serve("127.0.0.1:0".parse().unwrap(), 2, averaging).unwrap();
+    fn a_round_applies_the_mean_bad_calls_are_refused_and_a_restart_resumes_it() {
+        let dir = std::env::temp_dir().join(format!("zt-ps-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let server = serve("127.0.0.1:0".parse().unwrap(), config(2, Some(dir.clone()))).unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        runtime.block_on(async {
-            let mut c = ParameterServerClient::connect(format!("http://{}", server.addr())).await.unwrap();
-            let ack = c.join(iter(chunks(0, 0, 0, &[1.0, 2.0]))).await.unwrap().into_inner();
-            assert_eq!(ack.round, 0);
-            let err = c.join(iter(chunks(0, 1, 0, &[1.0, 2.0, 3.0]))).await.unwrap_err();
+        let addr = server.addr();
+        let (s0, s1) = runtime.block_on(async {
+            let mut c = ParameterServerClient::connect(format!("http://{addr}")).await.unwrap();
+            let a0 = c.join(iter(chunks(head(0, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
+            assert_eq!((a0.round, a0.live), (0, 1));
+            let err = c.join(iter(chunks(head(1, 0, 0), &[1.0, 2.0, 3.0]))).await.unwrap_err();
             assert!(err.message().contains("place 0 holds 2 values, group 1 joined with 3"), "{}", err.message());
-            let ack = c.push(iter(chunks(0, 0, 0, &[0.5, 0.5]))).await.unwrap().into_inner();
-            assert_eq!(ack.round, 0, "waiting for group 1");
-            let err = c.push(iter(chunks(0, 0, 0, &[0.5, 0.5]))).await.unwrap_err();
-            assert!(err.message().contains("twice"), "{}", err.message());
-            let err = c.push(iter(chunks(0, 1, 3, &[0.5, 0.5]))).await.unwrap_err();
-            assert!(err.message().contains("round 3 of place 0, which is at round 0: stale"), "{}", err.message());
-            let err = c.push(iter(chunks(0, 5, 0, &[0.5, 0.5]))).await.unwrap_err();
+            let a1 = c.join(iter(chunks(head(1, 0, 0), &[5.0, 5.0]))).await.unwrap().into_inner();
+            assert_ne!(a0.session, a1.session);
+            let ack = c.push(iter(chunks(head(0, 0, a0.session), &[0.5, 0.5]))).await.unwrap().into_inner();
+            assert_eq!((ack.round, ack.applied, ack.live), (1, 0, 2), "waiting for group 1");
+            let retried = c.push(iter(chunks(head(0, 0, a0.session), &[0.5, 0.5]))).await.unwrap().into_inner();
+            assert_eq!((retried.round, retried.applied), (1, 0), "a retry is acknowledged");
+            let err = c.push(iter(chunks(head(1, 3, a1.session), &[0.5, 0.5]))).await.unwrap_err();
+            assert!(err.message().contains("round 3") && err.message().contains("stale"), "{}", err.message());
+            let err = c.push(iter(chunks(head(5, 0, a1.session), &[0.5, 0.5]))).await.unwrap_err();
             assert!(err.message().contains("group 5 is not one of this server's 2 groups"), "{}", err.message());
-            let ack = c.push(iter(chunks(0, 1, 0, &[1.5, -0.5]))).await.unwrap().into_inner();
-            assert_eq!(ack.round, 1);
-            let mut stream = c.pull(PullRequest { place: 0, round: 1 }).await.unwrap().into_inner();
-            let chunk = stream.message().await.unwrap().unwrap();
-            let mut got = vec![0.0f32; 2];
-            place_chunk(&chunk, &mut got).unwrap();
-            // [1, 2] - mean([0.5, 0.5], [1.5, -0.5]) = [1 - 1, 2 - 0].
-            assert_eq!(got, [0.0, 2.0]);
-            let err = c.pull(PullRequest { place: 0, round: 0 }).await.unwrap_err();
-            assert!(err.message().contains("at round 1 already"), "{}", err.message());
+            let err = c.push(iter(chunks(head(1, 0, a1.session + 100), &[0.5, 0.5]))).await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::Aborted, "{}", err.message());
+            let bf16 = Header { dtype: Dtype::Bf16, ..head(1, 0, a1.session) };
+            let ack = c.push(iter(chunks(bf16, &[1.5, -0.5]))).await.unwrap().into_inner();
+            assert_eq!(ack.applied, 1);
+            // [1, 2] - mean([0.5, 0.5], [1.5, -0.5]) = [0, 2]: the first joiner's weights.
+            assert_eq!(pull(&mut c, 0, a0.session).await, [0.0, 2.0]);
+            (a0.session, a1.session)
         });
+        // The keeper saves within a tick of the round.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while zerotrain_checkpoint::list(&dir).map_or(0, |l| l.len()) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         server.stop();
+        let server = serve("127.0.0.1:0".parse().unwrap(), config(2, Some(dir.clone()))).unwrap();
+        assert_eq!(server.resumed(), Some(1));
+        let addr = server.addr();
+        runtime.block_on(async {
+            let mut c = ParameterServerClient::connect(format!("http://{addr}")).await.unwrap();
+            let err = c.push(iter(chunks(head(0, 1, s0), &[0.0, 0.0]))).await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::Aborted, "{}", err.message());
+            assert!(err.message().contains("join again"), "{}", err.message());
+            let again = c.join(iter(chunks(head(1, 0, s1), &[7.0, 7.0]))).await.unwrap().into_inner();
+            assert_eq!(again.round, 1, "the saved round");
+            assert_eq!(pull(&mut c, 1, again.session).await, [0.0, 2.0], "the saved weights, not the joiner's");
+        });
+        let err = serve("127.0.0.1:0".parse().unwrap(), config(3, Some(dir.clone()))).err().unwrap().to_string();
+        assert!(err.contains("2 groups") && err.contains("3 groups"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,0 +1,402 @@
+//! [`Place`]: one place's global weights on a server, its quorum of groups and its rounds,
+//! as a state machine without transport (the gRPC service drives it; tests drive it
+//! directly).
+//!
+//! # Note: the quorum
+//! Every group of `0..groups` starts *expected*: a round waits for it as for a live one,
+//! so groups started together take their first round together. A group becomes live when
+//! it joins (each join gets a new session; a push or pull under an older session is
+//! refused, so two jobs claiming one group never both count). A group is *dropped* when it
+//! has kept another group waiting for longer than the group timeout ([`Place::expire`]):
+//! in sync mode the groups that have not pushed the round the others wait on, in async
+//! mode the slowest groups that hold a faster one back. A dropped group's unfinished window
+//! is discarded (its push never applied); it may join again at any time and starts from
+//! the current global weights. Rounds apply among the groups live at that moment.
+
+use std::time::{Duration, Instant};
+
+use crate::config::{OuterOptimizer, ReplicaMode};
+use crate::replicas::outer::{Delayed, OuterState};
+
+/// A group's seat at a place.
+#[derive(Debug, Clone)]
+enum Seat {
+    /// Not joined yet; rounds wait for it (until the group timeout).
+    Expected,
+    /// Joined under `session`; `round` is the round its next push belongs to.
+    Live { session: u64, round: u64, push: Option<Vec<f32>> },
+    /// Dropped from the quorum; a join brings it back.
+    Dropped,
+}
+
+/// Why a call was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// The group is not (or no longer, under this session) in the quorum: join again.
+    NotMember(String),
+    /// A protocol error: a stale round, another layout, a second push.
+    Invalid(String),
+}
+
+/// What a pull gets.
+#[derive(Debug, PartialEq)]
+pub(super) enum Pulled<'a> {
+    /// The global weights, for the round the group is at.
+    Ready(&'a [f32]),
+    /// Not yet: other groups must push first.
+    Wait,
+}
+
+/// What the place says after a push or join: its round (sync: rounds applied; async:
+/// pushes applied), its live groups, and how many rounds the caller is ahead of the
+/// slowest live group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Status {
+    pub round: u64,
+    pub live: usize,
+    pub staleness: u64,
+}
+
+/// The outer optimizer's state, by mode.
+#[derive(Debug, Clone)]
+pub(super) enum Outer {
+    Sync(OuterState),
+    Async(Delayed),
+}
+
+/// One place: global weights, outer state, quorum.
+#[derive(Debug, Clone)]
+pub(super) struct Place {
+    pub global: Vec<f32>,
+    pub outer: Outer,
+    /// Sync: rounds applied. Async: pushes applied.
+    pub round: u64,
+    seats: Vec<Seat>,
+    /// Async: rounds a group may run ahead of the slowest counted one.
+    max_staleness: u64,
+    /// Since when some live group waits (a pull that could not be answered).
+    waiting_since: Option<Instant>,
+}
+
+impl Place {
+    /// A place of `mode` with `global` weights and `outer` state at `round`, every one of
+    /// `groups` groups expected.
+    pub fn new(mode: ReplicaMode, global: Vec<f32>, outer: Outer, round: u64, groups: usize) -> Self {
+        let max_staleness = match mode {
+            ReplicaMode::Sync => 0,
+            ReplicaMode::Async { max_staleness } => max_staleness,
+        };
+        Self { global, outer, round, seats: vec![Seat::Expected; groups], max_staleness, waiting_since: None }
+    }
+
+    /// Live groups.
+    pub fn live(&self) -> usize {
+        self.seats.iter().filter(|s| matches!(s, Seat::Live { .. })).count()
+    }
+
+    /// Groups a round waits for: live and expected ones.
+    fn counted(&self) -> impl Iterator<Item = (usize, &Seat)> {
+        self.seats.iter().enumerate().filter(|(_, s)| !matches!(s, Seat::Dropped))
+    }
+
+    /// The round of the slowest counted group (async; expected groups count as at the
+    /// earliest round a live one is at).
+    fn slowest(&self) -> Option<u64> {
+        let live = self.seats.iter().filter_map(|s| match s {
+            Seat::Live { round, .. } => Some(*round),
+            _ => None,
+        });
+        let min_live = live.min();
+        match self.seats.iter().any(|s| matches!(s, Seat::Expected)) {
+            true => Some(min_live.unwrap_or(0).min(self.first_round())),
+            false => min_live,
+        }
+    }
+
+    /// The round an expected or rejoining group starts at.
+    fn first_round(&self) -> u64 {
+        match self.outer {
+            Outer::Sync(_) => self.round,
+            Outer::Async(_) => self
+                .seats
+                .iter()
+                .filter_map(|s| match s {
+                    Seat::Live { round, .. } => Some(*round),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    fn status(&self, group: usize) -> Status {
+        let round = match &self.seats[group] {
+            Seat::Live { round, .. } => *round,
+            _ => self.round,
+        };
+        let staleness = round.saturating_sub(self.slowest().unwrap_or(round));
+        Status { round: self.round, live: self.live(), staleness }
+    }
+
+    /// `group` joins under `session` (any earlier session of it ends, its pending push
+    /// discarded). Returns the round it starts at.
+    pub fn join(&mut self, group: usize, session: u64) -> (u64, Status) {
+        let round = self.first_round();
+        self.seats[group] = Seat::Live { session, round, push: None };
+        (round, self.status(group))
+    }
+
+    /// The live seat of `group` under `session`, or why not.
+    fn seat(&mut self, group: usize, session: u64) -> Result<(&mut u64, &mut Option<Vec<f32>>), Refusal> {
+        match &mut self.seats[group] {
+            Seat::Live { session: s, round, push } if *s == session => Ok((round, push)),
+            Seat::Live { .. } => Err(Refusal::NotMember(format!(
+                "group {group} joined again from another job since this one did: this job's session is over"
+            ))),
+            Seat::Dropped => Err(Refusal::NotMember(format!(
+                "group {group} was dropped from the quorum (it kept the others waiting past the group timeout)"
+            ))),
+            Seat::Expected => Err(Refusal::NotMember(format!("group {group} has not joined"))),
+        }
+    }
+
+    /// `group`'s pseudo-gradient for `round`: stored until the round completes (sync) or
+    /// applied at once (async).
+    pub fn push(
+        &mut self,
+        group: usize,
+        session: u64,
+        round: u64,
+        delta: Vec<f32>,
+        opt: &OuterOptimizer,
+    ) -> Result<Status, Refusal> {
+        let len = self.global.len();
+        let sync = matches!(self.outer, Outer::Sync(_));
+        let (at, push) = self.seat(group, session)?;
+        // A retried push (its answer lost with a connection) is acknowledged, not applied
+        // twice.
+        if round + 1 == *at || (round == *at && push.is_some()) {
+            return Ok(self.status(group));
+        }
+        if round != *at {
+            let message =
+                format!("push from group {group} for round {round}, which it is not at (it is at round {at}): stale");
+            return Err(Refusal::Invalid(message));
+        }
+        if delta.len() != len {
+            let message =
+                format!("group {group} pushed {} values for round {round} of {len}: another layout", delta.len());
+            return Err(Refusal::Invalid(message));
+        }
+        if sync {
+            *push = Some(delta);
+            self.complete(opt);
+        } else {
+            *at += 1;
+            let before = self.slowest();
+            let live = self.live();
+            if let Outer::Async(delayed) = &mut self.outer {
+                delayed.push(opt, &mut self.global, &delta, live);
+            }
+            self.round += 1;
+            // The slowest group moved: whoever waited on it waits afresh.
+            if self.slowest() != before {
+                self.waiting_since = None;
+            }
+        }
+        Ok(self.status(group))
+    }
+
+    /// Sync: applies the round once every counted group has pushed it (the mean, summed in
+    /// group order).
+    fn complete(&mut self, opt: &OuterOptimizer) {
+        let all_in = self.counted().all(|(_, s)| matches!(s, Seat::Live { push: Some(_), .. }));
+        if !all_in || self.live() == 0 {
+            return;
+        }
+        let mut sum = vec![0.0f32; self.global.len()];
+        let mut pushes = 0;
+        for seat in &mut self.seats {
+            if let Seat::Live { round, push, .. } = seat {
+                let delta = push.take().expect("every counted group pushed");
+                sum.iter_mut().zip(delta).for_each(|(s, d)| *s += d);
+                pushes += 1;
+                *round += 1;
+            }
+        }
+        let Outer::Sync(state) = &mut self.outer else { unreachable!("sync rounds complete") };
+        state.step_mean(opt, &mut self.global, &mut sum, pushes);
+        self.round += 1;
+        self.waiting_since = None;
+    }
+
+    /// A pull by `group` (under `session`) of the weights it continues from: ready unless
+    /// it must wait for other groups (sync: the round's other pushes; async: it is more
+    /// than `max_staleness` rounds ahead of the slowest counted group).
+    pub fn pull(&mut self, group: usize, session: u64, now: Instant) -> Result<Pulled<'_>, Refusal> {
+        let (round, push) = self.seat(group, session)?;
+        let (round, pending) = (*round, push.is_some());
+        let ready = match self.outer {
+            Outer::Sync(_) => !pending && round == self.round,
+            Outer::Async(_) => round <= self.slowest().unwrap_or(round) + self.max_staleness,
+        };
+        if ready {
+            return Ok(Pulled::Ready(&self.global));
+        }
+        self.waiting_since.get_or_insert(now);
+        Ok(Pulled::Wait)
+    }
+
+    /// Drops the groups that have kept another waiting for longer than `timeout` (module
+    /// note), and applies the round they held up. Returns the groups dropped.
+    pub fn expire(&mut self, now: Instant, timeout: Duration, opt: &OuterOptimizer) -> Vec<usize> {
+        let Some(since) = self.waiting_since else { return Vec::new() };
+        if now.duration_since(since) < timeout {
+            return Vec::new();
+        }
+        let slowest = self.slowest();
+        let laggard = |seat: &Seat, first: u64| match (seat, &self.outer) {
+            (Seat::Expected, _) => true,
+            (Seat::Live { push, .. }, Outer::Sync(_)) => push.is_none(),
+            (Seat::Live { round, .. }, Outer::Async(_)) => Some(*round) == slowest.or(Some(first)),
+            (Seat::Dropped, _) => false,
+        };
+        let first = self.first_round();
+        let dropped: Vec<usize> =
+            self.seats.iter().enumerate().filter(|(_, s)| laggard(s, first)).map(|(g, _)| g).collect();
+        // Never drop everyone: a place whose every group is slow just waits.
+        if dropped.len() == self.counted().count() {
+            self.waiting_since = Some(now);
+            return Vec::new();
+        }
+        for &g in &dropped {
+            self.seats[g] = Seat::Dropped;
+        }
+        self.waiting_since = None;
+        if let Outer::Sync(_) = self.outer {
+            self.complete(opt);
+        }
+        dropped
+    }
+}
+
+impl ReplicaMode {
+    /// The outer state a new place of this mode starts with.
+    pub(super) fn fresh_outer(self) -> Outer {
+        match self {
+            Self::Sync => Outer::Sync(OuterState::default()),
+            Self::Async { .. } => Outer::Async(Delayed::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AVERAGE: OuterOptimizer = OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false };
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn ready(place: &mut Place, group: usize, session: u64, now: Instant) -> Option<Vec<f32>> {
+        match place.pull(group, session, now).unwrap() {
+            Pulled::Ready(w) => Some(w.to_vec()),
+            Pulled::Wait => None,
+        }
+    }
+
+    /// Sync: a round waits for every expected group; one that never pushes is dropped
+    /// once it has kept the others waiting past the timeout (not before), the round then
+    /// applies the mean of the pushes that came, and the dropped group's late push is
+    /// refused until it joins again, at the current round.
+    #[test]
+    fn a_sync_round_drops_the_group_that_keeps_it_waiting_and_applies_the_rest() {
+        let t0 = Instant::now();
+        let mut place = Place::new(ReplicaMode::Sync, vec![1.0, 1.0], ReplicaMode::Sync.fresh_outer(), 0, 3);
+        let (r0, _) = place.join(0, 10);
+        let (r1, _) = place.join(1, 11);
+        let (r2, _) = place.join(2, 12);
+        assert_eq!((r0, r1, r2), (0, 0, 0));
+        place.push(0, 10, 0, vec![0.5, 0.0], &AVERAGE).unwrap();
+        place.push(1, 11, 0, vec![0.0, 0.5], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 10, t0), None, "group 2 has not pushed");
+        assert!(place.expire(t0 + SECOND / 2, SECOND, &AVERAGE).is_empty(), "not yet past the timeout");
+        assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [2]);
+        // [1, 1] - mean([0.5, 0], [0, 0.5]) = [0.75, 0.75].
+        assert_eq!(ready(&mut place, 0, 10, t0).unwrap(), [0.75, 0.75]);
+        assert_eq!((place.round, place.live()), (1, 2));
+        let late = place.push(2, 12, 0, vec![9.0, 9.0], &AVERAGE).unwrap_err();
+        assert!(matches!(&late, Refusal::NotMember(m) if m.contains("group 2 was dropped")), "{late:?}");
+        let (round, status) = place.join(2, 13);
+        assert_eq!((round, status.live), (1, 3), "it rejoins at the current round");
+        assert_eq!(ready(&mut place, 2, 13, t0).unwrap(), [0.75, 0.75]);
+    }
+
+    /// A group that joins again (a restarted job) ends its earlier session: the old job's
+    /// push is refused and cannot count twice; a push for another round is stale; a
+    /// retried push is acknowledged and not applied twice.
+    #[test]
+    fn an_old_session_and_a_wrong_round_are_refused() {
+        let mut place = Place::new(ReplicaMode::Sync, vec![0.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        place.join(0, 1);
+        place.join(0, 2);
+        let old = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap_err();
+        assert!(matches!(&old, Refusal::NotMember(m) if m.contains("session is over")), "{old:?}");
+        let stale = place.push(0, 2, 3, vec![1.0], &AVERAGE).unwrap_err();
+        assert!(matches!(&stale, Refusal::Invalid(m) if m.contains("round 3") && m.contains("stale")), "{stale:?}");
+        let unjoined = place.pull(1, 5, Instant::now()).unwrap_err();
+        assert!(matches!(&unjoined, Refusal::NotMember(m) if m.contains("has not joined")), "{unjoined:?}");
+        place.push(0, 2, 0, vec![1.0], &AVERAGE).unwrap();
+        place.push(0, 2, 0, vec![1.0], &AVERAGE).unwrap();
+        place.join(1, 3);
+        place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
+        assert_eq!((place.round, place.global.as_slice()), (1, &[-2.0][..]), "0 - mean(1, 3), the retry not counted");
+        place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
+        assert_eq!((place.round, place.global.as_slice()), (1, &[-2.0][..]), "a retry after the round applied");
+        let layout = place.push(1, 3, 1, vec![3.0, 1.0], &AVERAGE).unwrap_err();
+        assert!(matches!(&layout, Refusal::Invalid(m) if m.contains("another layout")), "{layout:?}");
+    }
+
+    /// Async: pushes apply as they arrive (each its share: lr g / live groups); a group
+    /// more than `max_staleness` rounds ahead of the slowest waits, and stops waiting when
+    /// the slowest pushes or, past the timeout, is dropped.
+    #[test]
+    fn async_pushes_apply_at_once_and_staleness_is_bounded() {
+        let mode = ReplicaMode::Async { max_staleness: 1 };
+        let t0 = Instant::now();
+        let mut place = Place::new(mode, vec![0.0], mode.fresh_outer(), 0, 2);
+        place.join(0, 1);
+        place.join(1, 2);
+        let s = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
+        assert_eq!(place.global, [-0.5], "its share, applied at once");
+        assert_eq!((s.round, s.staleness), (1, 1));
+        assert!(ready(&mut place, 0, 1, t0).is_some(), "one round ahead is allowed");
+        let s = place.push(0, 1, 1, vec![1.0], &AVERAGE).unwrap();
+        assert_eq!((s.round, s.staleness), (2, 2));
+        assert_eq!(ready(&mut place, 0, 1, t0), None, "two rounds ahead waits");
+        place.push(1, 2, 0, vec![-1.0], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-0.5], "the slowest pushed: one ahead again");
+        place.push(0, 1, 2, vec![0.0], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 1, t0), None);
+        assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1], "the slowest is dropped");
+        assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-0.5]);
+        assert_eq!(place.live(), 1);
+    }
+
+    /// Groups that never join are waited for (as at a job's start) and dropped past the
+    /// timeout like any other; a place whose every group is slow is never left empty.
+    #[test]
+    fn expected_groups_hold_the_first_round_until_the_timeout() {
+        let t0 = Instant::now();
+        let mut place = Place::new(ReplicaMode::Sync, vec![2.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        place.join(0, 7);
+        place.push(0, 7, 0, vec![1.0], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 7, t0), None, "group 1 is expected");
+        assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1]);
+        assert_eq!(ready(&mut place, 0, 7, t0).unwrap(), [1.0]);
+        let mut idle = Place::new(ReplicaMode::Sync, vec![0.0], ReplicaMode::Sync.fresh_outer(), 0, 1);
+        idle.join(0, 1);
+        idle.waiting_since = Some(t0);
+        assert!(idle.expire(t0 + SECOND * 5, SECOND, &AVERAGE).is_empty());
+        assert_eq!(idle.live(), 1);
+    }
+}

@@ -1,0 +1,214 @@
+//! The gRPC service of a parameter server: joins, pushes and pulls on the places (the
+//! place module's state machine), and the keeper that drops groups past the timeout and
+//! saves due checkpoints.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::place::{self, Place, Pulled, Refusal};
+use super::proto::parameter_server_server::ParameterServer;
+use super::proto::{Ack, Chunk, PullRequest};
+use super::serve::ServerConfig;
+use super::{Dtype, Header, chunks, place_chunk, store};
+use crate::config::ReplicaMode;
+
+/// The places, and the round of the last checkpoint.
+pub(super) struct State {
+    pub places: Vec<Option<Place>>,
+    pub saved: u64,
+}
+
+#[derive(Clone)]
+pub(super) struct Service {
+    pub config: Arc<ServerConfig>,
+    pub state: Arc<Mutex<State>>,
+    /// Bumped at every change of a place, so that waiting pulls look again.
+    pub version: Arc<watch::Sender<u64>>,
+    /// The next session number (from the clock at the start, so that a restarted server
+    /// never hands out a session of its previous life).
+    pub sessions: Arc<AtomicU64>,
+}
+
+/// The values of a streamed vector, and its chunks' common header.
+async fn collect(mut stream: Streaming<Chunk>) -> std::result::Result<(Chunk, Vec<f32>), Status> {
+    let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty stream"))?;
+    let len = usize::try_from(first.len).map_err(|_| Status::invalid_argument("a vector too long"))?;
+    if len > MAX_PLACE_ELEMS {
+        return Err(Status::invalid_argument(format!(
+            "a vector of {len} values is over the limit of {MAX_PLACE_ELEMS}"
+        )));
+    }
+    let mut values = vec![0.0f32; len];
+    place_chunk(&first, &mut values).map_err(Status::invalid_argument)?;
+    while let Some(chunk) = stream.message().await? {
+        let key = |c: &Chunk| (c.place, c.group, c.round, c.len, c.session, c.dtype);
+        if key(&chunk) != key(&first) {
+            return Err(Status::invalid_argument("chunks of one stream disagree on their header"));
+        }
+        place_chunk(&chunk, &mut values).map_err(Status::invalid_argument)?;
+    }
+    Ok((first, values))
+}
+
+/// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
+const MAX_PLACE_ELEMS: usize = 1 << 32;
+
+impl Service {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check_group(&self, group: u32) -> std::result::Result<usize, Status> {
+        match (group as usize) < self.config.groups {
+            true => Ok(group as usize),
+            false => Err(Status::invalid_argument(format!(
+                "group {group} is not one of this server's {} groups (0..{})",
+                self.config.groups, self.config.groups
+            ))),
+        }
+    }
+
+    fn changed(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Drops the groups past the timeout and saves a due checkpoint, every tenth of the
+    /// timeout (at most every 200 ms), until the server stops.
+    pub async fn keep(self) {
+        let tick = (self.config.group_timeout / 10).min(Duration::from_millis(200));
+        loop {
+            tokio::time::sleep(tick).await;
+            let due = {
+                let mut state = self.lock();
+                let now = Instant::now();
+                let mut changed = false;
+                for (p, place) in state.places.iter_mut().enumerate() {
+                    let Some(place) = place else { continue };
+                    for g in place.expire(now, self.config.group_timeout, &self.config.outer) {
+                        eprintln!(
+                            "zerotrain serve: place {p} dropped group {g}: it kept the others waiting over {:.1} s \
+                             (local_sgd.group_timeout_s); {} groups live",
+                            self.config.group_timeout.as_secs_f64(),
+                            place.live()
+                        );
+                        changed = true;
+                    }
+                }
+                if changed {
+                    self.changed();
+                }
+                self.due_checkpoint(&mut state)
+            };
+            if let Some((places, round)) = due {
+                let (dir, config) =
+                    (self.config.checkpoint.clone().expect("due only with a folder"), Arc::clone(&self.config));
+                let saved = tokio::task::spawn_blocking(move || store::save(&dir, &config, &places, round)).await;
+                match saved {
+                    Ok(Ok(path)) => eprintln!("zerotrain serve: saved {}", path.display()),
+                    Ok(Err(e)) => eprintln!("zerotrain serve: {e}"),
+                    Err(e) => eprintln!("zerotrain serve: the checkpoint's writer failed: {e}"),
+                }
+            }
+        }
+    }
+
+    /// A copy of the places to save, and their round, when a checkpoint is due.
+    fn due_checkpoint(&self, state: &mut State) -> Option<(Vec<Option<Place>>, u64)> {
+        self.config.checkpoint.as_ref()?;
+        let round = state.places.iter().flatten().map(|p| p.round).min()?;
+        let every = match self.config.mode {
+            ReplicaMode::Sync => self.config.checkpoint_every,
+            ReplicaMode::Async { .. } => self.config.checkpoint_every * self.config.groups as u64,
+        };
+        if round < state.saved + every {
+            return None;
+        }
+        state.saved = round;
+        Some((state.places.clone(), round))
+    }
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = std::result::Result<Chunk, Status>> + Send>>;
+
+fn refused(place: u32, refusal: Refusal) -> Status {
+    match refusal {
+        Refusal::NotMember(why) => Status::aborted(format!("place {place}: {why}: join again")),
+        Refusal::Invalid(why) => Status::failed_precondition(format!("place {place}: {why}")),
+    }
+}
+
+fn ack(round: u64, session: u64, status: place::Status) -> Response<Ack> {
+    Response::new(Ack { round, session, live: status.live as u32, staleness: status.staleness, applied: status.round })
+}
+
+#[tonic::async_trait]
+impl ParameterServer for Service {
+    async fn join(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
+        let (head, values) = collect(request.into_inner()).await?;
+        let g = self.check_group(head.group)?;
+        let mut state = self.lock();
+        let p = head.place as usize;
+        if state.places.len() <= p {
+            state.places.resize_with(p + 1, || None);
+        }
+        let config = &self.config;
+        let place = state.places[p].get_or_insert_with(|| {
+            Place::new(config.mode, values.clone(), config.mode.fresh_outer(), 0, config.groups)
+        });
+        if place.global.len() != values.len() {
+            return Err(Status::failed_precondition(format!(
+                "place {p} holds {} values, group {g} joined with {}: another model or layout",
+                place.global.len(),
+                values.len()
+            )));
+        }
+        let session = self.sessions.fetch_add(1, Ordering::Relaxed);
+        let (round, status) = place.join(g, session);
+        drop(state);
+        self.changed();
+        Ok(ack(round, session, status))
+    }
+
+    async fn push(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
+        let (head, delta) = collect(request.into_inner()).await?;
+        let g = self.check_group(head.group)?;
+        let mut state = self.lock();
+        let p = head.place;
+        let place = state.places.get_mut(p as usize).and_then(Option::as_mut).ok_or_else(|| {
+            Status::aborted(format!("place {p}: no group joined it (the server restarted?): join again"))
+        })?;
+        let status = place.push(g, head.session, head.round, delta, &self.config.outer).map_err(|r| refused(p, r))?;
+        drop(state);
+        self.changed();
+        Ok(ack(head.round + 1, head.session, status))
+    }
+
+    type PullStream = ChunkStream;
+
+    async fn pull(&self, request: Request<PullRequest>) -> std::result::Result<Response<ChunkStream>, Status> {
+        let PullRequest { place: p, group, session } = request.into_inner();
+        let g = self.check_group(group)?;
+        let mut changes = self.version.subscribe();
+        loop {
+            {
+                let mut state = self.lock();
+                let place = state.places.get_mut(p as usize).and_then(Option::as_mut).ok_or_else(|| {
+                    Status::aborted(format!("place {p}: no group joined it (the server restarted?): join again"))
+                })?;
+                let round = place.round;
+                if let Pulled::Ready(global) = place.pull(g, session, Instant::now()).map_err(|r| refused(p, r))? {
+                    let head = Header { place: p, group, round, session, dtype: Dtype::Fp32 };
+                    let out = chunks(head, global);
+                    return Ok(Response::new(Box::pin(tokio_stream::iter(out.into_iter().map(Ok)))));
+                }
+            }
+            changes.changed().await.map_err(|_| Status::unavailable("the server is stopping"))?;
+        }
+    }
+}
