@@ -2,6 +2,9 @@
 
 use std::process::{Command, Output};
 
+#[path = "cli/servers.rs"]
+mod servers;
+
 fn zerotrain(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args(args)

@@ -30,8 +30,14 @@ use cli::{BenchCommand, Cli, Command, ConfigCommand};
 /// as one `error:` line and maps it to exit code 1.
 pub fn main() -> ExitCode {
     return_large_buffers_to_the_os();
-    end_quietly_on_a_closed_pipe();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    // Jobs that talk over sockets keep SIGPIPE ignored: a parameter server that dies under
+    // a worker's write must be an error the worker handles (it reconnects), not a silent
+    // death by signal.
+    if !matches!(cli.command, Command::Train { .. } | Command::Serve { .. }) {
+        end_quietly_on_a_closed_pipe();
+    }
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -59,7 +65,7 @@ fn return_large_buffers_to_the_os() {
 }
 
 /// `zerotrain config check FILE | head` closes the pipe early: end quietly as other Unix
-/// tools do (Rust ignores SIGPIPE, and a failed print panics).
+/// tools do (Rust ignores SIGPIPE, and a failed print panics). Before other threads exist.
 fn end_quietly_on_a_closed_pipe() {
     #[cfg(unix)]
     // SAFETY: restoring a signal's default disposition before other threads exist.

@@ -217,6 +217,18 @@ impl ServerRound {
     }
 }
 
+impl Drop for ServerRound {
+    /// Leaves the place, so that the other groups stop waiting for this one (best effort:
+    /// a server that does not answer within a second drops it past its timeout anyway).
+    fn drop(&mut self) {
+        let request = PullRequest { place: self.place, group: self.group, session: self.session };
+        let mut client = self.client.clone();
+        let _ = self.runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(1), async move { client.leave(request).await }).await
+        });
+    }
+}
+
 /// Connects, retrying with exponential backoff (50 ms doubling to 2 s) until `timeout`.
 async fn connect(endpoint: Endpoint, addr: &str, timeout: Duration) -> Result<ParameterServerClient<Channel>> {
     let started = Instant::now();

@@ -146,6 +146,17 @@ impl Place {
         (round, self.status(group))
     }
 
+    /// `group` (under `session`) leaves: rounds stop waiting for it (a round it held up
+    /// applies now).
+    pub fn leave(&mut self, group: usize, session: u64, opt: &OuterOptimizer) -> Result<Status, Refusal> {
+        self.seat(group, session)?;
+        self.seats[group] = Seat::Dropped;
+        if let Outer::Sync(_) = self.outer {
+            self.complete(opt);
+        }
+        Ok(self.status(group))
+    }
+
     /// The live seat of `group` under `session`, or why not.
     fn seat(&mut self, group: usize, session: u64) -> Result<(&mut u64, &mut Option<Vec<f32>>), Refusal> {
         match &mut self.seats[group] {
@@ -329,6 +340,12 @@ mod tests {
         let (round, status) = place.join(2, 13);
         assert_eq!((round, status.live), (1, 3), "it rejoins at the current round");
         assert_eq!(ready(&mut place, 2, 13, t0).unwrap(), [0.75, 0.75]);
+        // A group that leaves (its job ended) is no longer waited for.
+        place.push(0, 10, 1, vec![0.25, 0.25], &AVERAGE).unwrap();
+        place.push(1, 11, 1, vec![0.25, 0.25], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 10, t0), None);
+        assert_eq!(place.leave(2, 13, &AVERAGE).unwrap().live, 2);
+        assert_eq!(ready(&mut place, 0, 10, t0).unwrap(), [0.5, 0.5]);
     }
 
     /// A group that joins again (a restarted job) ends its earlier session: the old job's

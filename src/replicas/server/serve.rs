@@ -120,7 +120,8 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
                     Err(e) => return drop(ready_tx.send(Err(e))),
                 };
                 let _ = ready_tx.send(listener.local_addr());
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                // Without TCP_NODELAY a round's small messages wait out delayed ACKs (~40 ms each).
+                let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
                 let keeper = service.clone().keep();
                 let service = ParameterServerServer::new(service).max_decoding_message_size(16 << 20);
                 let server = tonic::transport::Server::builder().add_service(service).serve_with_incoming(incoming);

@@ -189,6 +189,21 @@ impl ParameterServer for Service {
         Ok(ack(head.round + 1, head.session, status))
     }
 
+    async fn leave(&self, request: Request<PullRequest>) -> std::result::Result<Response<Ack>, Status> {
+        let PullRequest { place: p, group, session } = request.into_inner();
+        let g = self.check_group(group)?;
+        let mut state = self.lock();
+        let place = state
+            .places
+            .get_mut(p as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Status::aborted(format!("place {p}: no group joined it")))?;
+        let status = place.leave(g, session, &self.config.outer).map_err(|r| refused(p, r))?;
+        drop(state);
+        self.changed();
+        Ok(ack(0, session, status))
+    }
+
     type PullStream = ChunkStream;
 
     async fn pull(&self, request: Request<PullRequest>) -> std::result::Result<Response<ChunkStream>, Status> {
