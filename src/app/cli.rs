@@ -297,6 +297,22 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// A parameter server's round over loopback: a group's rank pushes a pseudo-gradient
+    /// (bf16 or fp32) and pulls the new global weights (f32) from a server in this process.
+    Servers {
+        /// Values per round (a place's shard).
+        #[arg(long, default_value_t = 100e6)]
+        params: f64,
+        /// The pseudo-gradient's wire dtype: bf16 or fp32.
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        /// Rounds measured (each printed).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// f32 <-> f16 / bf16 conversion of flat buffers beside memcpy of the same bytes.
     Convert {
         /// MiB of f32 to convert.

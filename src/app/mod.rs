@@ -101,6 +101,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Config(ConfigCommand::Check { file, world_size, steps, json }) => {
             commands::config_check(&file, world_size, steps, json)
         }
+        Command::Bench(BenchCommand::Servers { params, dtype, repeats, json }) => {
+            commands::bench::bench_servers(params, &dtype, repeats, json)
+        }
         Command::Bench(BenchCommand::Convert { mib, repeats, json }) => {
             commands::bench::bench_convert(mib, repeats, json)
         }

@@ -197,3 +197,22 @@ fn a_killed_server_restarts_from_its_checkpoint_and_the_groups_go_on() {
     assert!((finals[0] - finals[1]).abs() < 0.05 * finals[0], "the groups train one model: {finals:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `zerotrain bench servers` measures real rounds: each row moved the pushed pseudo-gradient
+/// in its dtype plus the pulled f32 weights (6 bytes a value in bf16, 8 in fp32).
+#[test]
+fn bench_servers_moves_the_pushed_and_pulled_bytes() {
+    for (dtype, width) in [("bf16", 6), ("fp32", 8)] {
+        let out =
+            super::zerotrain(&["bench", "servers", "--params", "300000", "--dtype", dtype, "--repeats", "2", "--json"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rows.len(), 2);
+        for row in rows {
+            assert_eq!(row["bytes"].as_u64(), Some(300_000 * width), "{row}");
+            assert!(row["seconds"].as_f64().unwrap() > 0.0 && row["gb_per_s"].as_f64().unwrap() > 0.0, "{row}");
+        }
+    }
+    let bad = super::zerotrain(&["bench", "servers", "--dtype", "fp8"]);
+    assert!(!bad.status.success() && text(&bad.stderr).contains("--dtype must be bf16 or fp32"));
+}

@@ -5,6 +5,7 @@ pub mod engine;
 pub mod gpu;
 pub mod offload;
 pub mod pipeline;
+pub mod servers;
 
 use burn::tensor::Tensor;
 

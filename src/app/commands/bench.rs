@@ -18,6 +18,24 @@ pub fn bench_convert(mib: usize, repeats: usize, json: bool) -> anyhow::Result<(
     Ok(())
 }
 
+/// `zerotrain bench servers`.
+pub fn bench_servers(params: f64, dtype: &str, repeats: usize, json: bool) -> anyhow::Result<()> {
+    let dtype = match dtype {
+        "bf16" => zerotrain_precision::Precision::Bf16,
+        "fp32" => zerotrain_precision::Precision::Fp32,
+        other => anyhow::bail!("--dtype must be bf16 or fp32, got `{other}`"),
+    };
+    if !(1.0..=4e9).contains(&params) {
+        anyhow::bail!("--params must be between 1 and 4e9, got {params}");
+    }
+    let rows = crate::app::bench::servers::rounds(params as usize, dtype, repeats)?;
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&rows)?),
+        false => print!("{}", crate::app::bench::servers::format(&rows)),
+    }
+    Ok(())
+}
+
 /// `zerotrain bench collectives`.
 pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
     let sizes: Vec<usize> =

@@ -9,9 +9,9 @@ use zerotrain_precision::Precision;
 
 use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest};
-use super::{Dtype, Header, chunks, place_chunk};
+use super::{Dtype, Header, chunk_stream, chunks, place_chunk};
 use crate::config::ReplicaPlan;
-use crate::replicas::round::{pseudo_gradient, scatter};
+use crate::replicas::round::{pseudo_gradient_into, scatter};
 use crate::{Error, Result};
 
 /// How a round through the server went, besides the new weights.
@@ -44,6 +44,9 @@ pub struct ServerRound {
     dtype: Dtype,
     timeout: Duration,
     pull_wait: Duration,
+    /// The pseudo-gradient and the pulled weights, flat, kept across rounds.
+    delta: Vec<f32>,
+    pulled: Vec<f32>,
 }
 
 /// A failed call: one that joining again mends, or an error.
@@ -69,7 +72,10 @@ impl ServerRound {
             .map_err(|e| Error::Launch(format!("local_sgd.servers: no runtime for the client: {e}")))?;
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| Error::Launch(format!("local_sgd.servers: `{addr}` is not an address: {e}")))?
-            .connect_timeout(timeout.min(Duration::from_secs(10)));
+            .connect_timeout(timeout.min(Duration::from_secs(10)))
+            .initial_stream_window_size(super::serve::WINDOW)
+            .initial_connection_window_size(super::serve::WINDOW)
+            .max_frame_size(super::serve::MAX_FRAME);
         let client = runtime.block_on(connect(endpoint, addr, timeout))?;
         let dtype = match plan.comm_dtype {
             Precision::Bf16 => Dtype::Bf16,
@@ -87,6 +93,8 @@ impl ServerRound {
             dtype,
             timeout,
             pull_wait: plan.group_timeout + timeout,
+            delta: Vec::new(),
+            pulled: Vec::new(),
         };
         let local = round.global.clone();
         match round.join_and_pull(&local) {
@@ -105,14 +113,19 @@ impl ServerRound {
     /// from. A group dropped from the quorum (or met by a restarted server) joins again and
     /// goes on from the current global weights, its window discarded.
     pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Exchanged)> {
-        let delta = pseudo_gradient(&self.global, local);
+        let mut delta = std::mem::take(&mut self.delta);
+        pseudo_gradient_into(&self.global, local, &mut delta);
+        let len = delta.len() as u64;
         let width = if self.dtype == Dtype::Bf16 { 2 } else { 4 };
-        let bytes = (width + 4) * delta.len() as u64;
+        let bytes = (width + 4) * len;
         let head = self.header(self.round);
+        // Encoded chunk by chunk as the stream is sent, from one shared copy.
+        let delta = std::sync::Arc::new(delta);
         let pushed = self.call("push", self.timeout, |mut c| {
-            let message = chunks(head, &delta);
-            async move { c.push(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
+            let message = chunk_stream(head, std::sync::Arc::clone(&delta));
+            async move { c.push(message).await.map(tonic::Response::into_inner) }
         });
+        self.delta = std::sync::Arc::try_unwrap(delta).unwrap_or_default();
         let outcome = pushed.and_then(|ack| {
             self.round = ack.round;
             self.pull().map(|()| ack)
@@ -130,8 +143,7 @@ impl ServerRound {
                     Failure::Fatal(e) => e,
                     Failure::Rejoin(why) => self.error("join", why),
                 })?;
-                let info =
-                    Exchanged { bytes: 8 * delta.len() as u64, live: ack.live as usize, staleness: 0, rejoined: true };
+                let info = Exchanged { bytes: 8 * len, live: ack.live as usize, staleness: 0, rejoined: true };
                 Ok((&self.global, info))
             }
         }
@@ -159,15 +171,27 @@ impl ServerRound {
     fn pull(&mut self) -> std::result::Result<(), Failure> {
         let request = PullRequest { place: self.place, group: self.group, session: self.session };
         let total: usize = self.global.iter().map(Vec::len).sum();
-        let flat = self.call("pull", self.pull_wait, |mut c| async move {
-            let mut stream = c.pull(request).await?.into_inner();
-            let mut flat = vec![0.0f32; total];
-            while let Some(chunk) = stream.message().await? {
-                place_chunk(&chunk, &mut flat).map_err(Status::data_loss)?;
+        let buffer = std::sync::Mutex::new(std::mem::take(&mut self.pulled));
+        let pulled = self.call("pull", self.pull_wait, |mut c| {
+            let buffer = &buffer;
+            async move {
+                let mut flat = std::mem::take(&mut *buffer.lock().unwrap_or_else(|e| e.into_inner()));
+                flat.resize(total, 0.0);
+                let read = async {
+                    let mut stream = c.pull(request).await?.into_inner();
+                    while let Some(chunk) = stream.message().await? {
+                        place_chunk(&chunk, &mut flat).map_err(Status::data_loss)?;
+                    }
+                    Ok(())
+                }
+                .await;
+                *buffer.lock().unwrap_or_else(|e| e.into_inner()) = flat;
+                read
             }
-            Ok(flat)
-        })?;
-        scatter(&flat, &mut self.global);
+        });
+        self.pulled = buffer.into_inner().unwrap_or_else(|e| e.into_inner());
+        pulled?;
+        scatter(&self.pulled, &mut self.global);
         Ok(())
     }
 

@@ -45,8 +45,9 @@ mod proto {
 
 use proto::Dtype;
 
-/// Values per streamed chunk (1 MiB of f32).
-pub const CHUNK_ELEMS: usize = 1 << 18;
+/// Values per streamed chunk (256 KiB of f32: under the 1 MiB above which the `zerotrain`
+/// command has the allocator map fresh pages, so chunks reuse the heap).
+pub const CHUNK_ELEMS: usize = 1 << 16;
 
 /// What every chunk of one streamed vector carries besides its values.
 #[derive(Debug, Clone, Copy)]
@@ -60,21 +61,36 @@ struct Header {
 
 /// `values` as chunks under `head`, encoded in its dtype.
 fn chunks(head: Header, values: &[f32]) -> Vec<proto::Chunk> {
-    let len = values.len() as u64;
-    let piece = |offset: usize, part: &[f32]| proto::Chunk {
+    if values.is_empty() {
+        return vec![piece(head, 0, 0, &[])];
+    }
+    values.chunks(CHUNK_ELEMS).enumerate().map(|(i, part)| piece(head, values.len(), i * CHUNK_ELEMS, part)).collect()
+}
+
+/// [`chunks`] as a stream that encodes each chunk when it is sent.
+fn chunk_stream(
+    head: Header,
+    values: std::sync::Arc<Vec<f32>>,
+) -> impl tokio_stream::Stream<Item = proto::Chunk> + Send + 'static {
+    let count = values.len().div_ceil(CHUNK_ELEMS).max(1);
+    tokio_stream::iter((0..count).map(move |i| {
+        let part = &values[(i * CHUNK_ELEMS).min(values.len())..((i + 1) * CHUNK_ELEMS).min(values.len())];
+        piece(head, values.len(), i * CHUNK_ELEMS, part)
+    }))
+}
+
+/// One chunk of a vector of `len` values: `part`, from `offset`.
+fn piece(head: Header, len: usize, offset: usize, part: &[f32]) -> proto::Chunk {
+    proto::Chunk {
         place: head.place,
         group: head.group,
         round: head.round,
         session: head.session,
         dtype: head.dtype as i32,
-        len,
+        len: len as u64,
         offset: offset as u64,
         data: encode(head.dtype, part),
-    };
-    if values.is_empty() {
-        return vec![piece(0, &[])];
     }
-    values.chunks(CHUNK_ELEMS).enumerate().map(|(i, part)| piece(i * CHUNK_ELEMS, part)).collect()
 }
 
 fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {

@@ -13,6 +13,7 @@
 //! is discarded (its push never applied); it may join again at any time and starts from
 //! the current global weights. Rounds apply among the groups live at that moment.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{OuterOptimizer, ReplicaMode};
@@ -40,9 +41,9 @@ pub(super) enum Refusal {
 
 /// What a pull gets.
 #[derive(Debug, PartialEq)]
-pub(super) enum Pulled<'a> {
+pub(super) enum Pulled {
     /// The global weights, for the round the group is at.
-    Ready(&'a [f32]),
+    Ready(Arc<Vec<f32>>),
     /// Not yet: other groups must push first.
     Wait,
 }
@@ -67,7 +68,8 @@ pub(super) enum Outer {
 /// One place: global weights, outer state, quorum.
 #[derive(Debug, Clone)]
 pub(super) struct Place {
-    pub global: Vec<f32>,
+    /// Shared with the pulls streaming it (a round that applies meanwhile copies it first).
+    pub global: Arc<Vec<f32>>,
     pub outer: Outer,
     /// Sync: rounds applied. Async: pushes applied.
     pub round: u64,
@@ -86,7 +88,14 @@ impl Place {
             ReplicaMode::Sync => 0,
             ReplicaMode::Async { max_staleness } => max_staleness,
         };
-        Self { global, outer, round, seats: vec![Seat::Expected; groups], max_staleness, waiting_since: None }
+        Self {
+            global: Arc::new(global),
+            outer,
+            round,
+            seats: vec![Seat::Expected; groups],
+            max_staleness,
+            waiting_since: None,
+        }
     }
 
     /// Live groups.
@@ -207,7 +216,7 @@ impl Place {
             let before = self.slowest();
             let live = self.live();
             if let Outer::Async(delayed) = &mut self.outer {
-                delayed.push(opt, &mut self.global, &delta, live);
+                delayed.push(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &delta, live);
             }
             self.round += 1;
             // The slowest group moved: whoever waited on it waits afresh.
@@ -225,18 +234,23 @@ impl Place {
         if !all_in || self.live() == 0 {
             return;
         }
-        let mut sum = vec![0.0f32; self.global.len()];
+        // The first push is the sum's start (no buffer to allocate and zero).
+        let mut sum: Option<Vec<f32>> = None;
         let mut pushes = 0;
         for seat in &mut self.seats {
             if let Seat::Live { round, push, .. } = seat {
                 let delta = push.take().expect("every counted group pushed");
-                sum.iter_mut().zip(delta).for_each(|(s, d)| *s += d);
+                match &mut sum {
+                    None => sum = Some(delta),
+                    Some(sum) => sum.iter_mut().zip(delta).for_each(|(s, d)| *s += d),
+                }
                 pushes += 1;
                 *round += 1;
             }
         }
+        let mut sum = sum.expect("a live group pushed");
         let Outer::Sync(state) = &mut self.outer else { unreachable!("sync rounds complete") };
-        state.step_mean(opt, &mut self.global, &mut sum, pushes);
+        state.step_mean(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &mut sum, pushes);
         self.round += 1;
         self.waiting_since = None;
     }
@@ -244,7 +258,7 @@ impl Place {
     /// A pull by `group` (under `session`) of the weights it continues from: ready unless
     /// it must wait for other groups (sync: the round's other pushes; async: it is more
     /// than `max_staleness` rounds ahead of the slowest counted group).
-    pub fn pull(&mut self, group: usize, session: u64, now: Instant) -> Result<Pulled<'_>, Refusal> {
+    pub fn pull(&mut self, group: usize, session: u64, now: Instant) -> Result<Pulled, Refusal> {
         let (round, push) = self.seat(group, session)?;
         let (round, pending) = (*round, push.is_some());
         let ready = match self.outer {
@@ -252,7 +266,7 @@ impl Place {
             Outer::Async(_) => round <= self.slowest().unwrap_or(round) + self.max_staleness,
         };
         if ready {
-            return Ok(Pulled::Ready(&self.global));
+            return Ok(Pulled::Ready(Arc::clone(&self.global)));
         }
         self.waiting_since.get_or_insert(now);
         Ok(Pulled::Wait)
@@ -384,7 +398,7 @@ mod tests {
         place.join(0, 1);
         place.join(1, 2);
         let s = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!(place.global, [-0.5], "its share, applied at once");
+        assert_eq!(*place.global, [-0.5], "its share, applied at once");
         assert_eq!((s.round, s.staleness), (1, 1));
         assert!(ready(&mut place, 0, 1, t0).is_some(), "one round ahead is allowed");
         let s = place.push(0, 1, 1, vec![1.0], &AVERAGE).unwrap();

@@ -55,6 +55,11 @@ impl Drop for ServerHandle {
     }
 }
 
+/// HTTP/2 flow-control window of every stream and connection, both ways (bytes).
+pub(super) const WINDOW: u32 = 32 << 20;
+/// HTTP/2's largest frame (its maximum, 16 MiB less one byte).
+pub(super) const MAX_FRAME: u32 = (1 << 24) - 1;
+
 /// What a server needs of the replica groups' plan, and where it saves.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
@@ -124,7 +129,13 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
                 let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
                 let keeper = service.clone().keep();
                 let service = ParameterServerServer::new(service).max_decoding_message_size(16 << 20);
-                let server = tonic::transport::Server::builder().add_service(service).serve_with_incoming(incoming);
+                // HTTP/2's default 64 KiB windows would hold a stream of large tensors to a trickle.
+                let server = tonic::transport::Server::builder()
+                    .initial_stream_window_size(WINDOW)
+                    .initial_connection_window_size(WINDOW)
+                    .max_frame_size(MAX_FRAME)
+                    .add_service(service)
+                    .serve_with_incoming(incoming);
                 // Stopping drops the server at once, open connections included: a worker that
                 // never hangs up must not keep it alive.
                 tokio::select! {

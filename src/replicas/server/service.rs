@@ -8,14 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::place::{self, Place, Pulled, Refusal};
 use super::proto::parameter_server_server::ParameterServer;
 use super::proto::{Ack, Chunk, PullRequest};
 use super::serve::ServerConfig;
-use super::{Dtype, Header, chunks, place_chunk, store};
+use super::{Dtype, Header, chunk_stream, place_chunk, store};
 use crate::config::ReplicaMode;
 
 /// The places, and the round of the last checkpoint.
@@ -219,8 +219,7 @@ impl ParameterServer for Service {
                 let round = place.round;
                 if let Pulled::Ready(global) = place.pull(g, session, Instant::now()).map_err(|r| refused(p, r))? {
                     let head = Header { place: p, group, round, session, dtype: Dtype::Fp32 };
-                    let out = chunks(head, global);
-                    return Ok(Response::new(Box::pin(tokio_stream::iter(out.into_iter().map(Ok)))));
+                    return Ok(Response::new(Box::pin(chunk_stream(head, global).map(Ok))));
                 }
             }
             changes.changed().await.map_err(|_| Status::unavailable("the server is stopping"))?;
