@@ -102,6 +102,24 @@ impl fmt::Display for Plan {
                 o.momentum,
                 r.comm_dtype
             )?;
+            if let Some(group) = r.group {
+                let mode = match r.mode {
+                    super::ReplicaMode::Sync => "sync (a round applies once every live group pushed it)".to_string(),
+                    super::ReplicaMode::Async { max_staleness } => {
+                        format!(
+                            "async (each push applies at once, Delayed Nesterov; at most {max_staleness} round(s) ahead of the slowest group)"
+                        )
+                    }
+                };
+                writeln!(
+                    f,
+                    "  servers           this job is group {group} of {} at {}; {mode}; a group keeping the others waiting over {:.0} s is dropped; servers save every {} rounds",
+                    r.groups,
+                    r.servers.join(", "),
+                    r.group_timeout.as_secs_f64(),
+                    r.checkpoint_every
+                )?;
+            }
         }
         if let Some(p) = &self.pipeline {
             let m = self.batch.gradient_accumulation_steps as usize;

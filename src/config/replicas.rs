@@ -35,8 +35,8 @@ pub struct LocalSgdConfig {
     /// Default 10.
     pub checkpoint_every: Option<Count>,
     /// Parameter servers (`host:port`, `zerotrain serve`): the groups are separate jobs, this
-    /// one group `group`; rank `r` of the job talks to server `r % len`. Default: none (the
-    /// groups are in this job).
+    /// one group `group`; every rank talks to every server, each holding a contiguous part
+    /// (1/len) of the rank's shard. Default: none (the groups are in this job).
     #[serde(default)]
     pub servers: Vec<String>,
     /// With `servers`: this job's group, `0..groups`.

@@ -7,6 +7,11 @@
 //! pseudo-gradient `global - local` and the outer optimizer steps the global weights, which
 //! every group then continues from. Its inner optimizer keeps its state.
 //!
+//! With parameter servers ([`server`], `local_sgd.servers`) each job is one group and the
+//! round goes through the servers instead: synchronous as in one job (bit for bit), or
+//! asynchronous with bounded staleness; a group that dies or stalls is dropped from the
+//! quorum and may join again, and a server restarts from its own checkpoints.
+//!
 //! # Note: the HSDP shape
 //! A rank of a group holds the master weights of its shard of every unit (at stage 0, of
 //! every unit whole). The rank at the same place in every other group holds the same shard,
@@ -300,7 +305,7 @@ enum Exchange {
     Peers(PeerRound),
     /// Through a parameter server (the `servers` feature).
     #[cfg(feature = "servers")]
-    Server(Box<server::ServerRound>),
+    Server(Box<server::ServerRounds>),
 }
 
 impl Exchange {
@@ -313,14 +318,13 @@ impl Exchange {
     }
 }
 
-/// This rank's rounds through server `rank % servers` (every call bounded by the
-/// collective timeout).
+/// This rank's rounds through every server, each holding a part of its shard (every call
+/// bounded by the collective timeout).
 #[cfg(feature = "servers")]
 fn server_round(servers: &[String], replicas: &Replicas, local: Vec<Vec<f32>>) -> Result<Exchange> {
     let place = replicas.peers.rank();
-    let addr = &servers[place % servers.len()];
-    let round = server::ServerRound::start(addr, place, &replicas.plan, local, replicas.timeout)?;
-    Ok(Exchange::Server(Box::new(round)))
+    let rounds = server::ServerRounds::start(servers, place, &replicas.plan, local, replicas.timeout)?;
+    Ok(Exchange::Server(Box::new(rounds)))
 }
 
 #[cfg(not(feature = "servers"))]

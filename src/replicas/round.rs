@@ -74,13 +74,6 @@ pub(super) fn pseudo_gradient(global: &[Vec<f32>], local: &[Vec<f32>]) -> Vec<f3
     global.iter().zip(local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect()
 }
 
-/// [`pseudo_gradient`] into `out` (reused across rounds: a large model's round allocates
-/// nothing).
-pub(super) fn pseudo_gradient_into(global: &[Vec<f32>], local: &[Vec<f32>], out: &mut Vec<f32>) {
-    out.clear();
-    out.extend(global.iter().zip(local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)));
-}
-
 /// Copies `flat` back into `units`, unit after unit, as `concat` laid it out.
 pub(super) fn scatter(flat: &[f32], units: &mut [Vec<f32>]) {
     let mut rest = flat;

@@ -216,3 +216,30 @@ fn bench_servers_moves_the_pushed_and_pulled_bytes() {
     let bad = super::zerotrain(&["bench", "servers", "--dtype", "fp8"]);
     assert!(!bad.status.success() && text(&bad.stderr).contains("--dtype must be bf16 or fp32"));
 }
+
+/// A server reads the groups' own recipe: its `"auto"` schedule length, world size and
+/// everything but `local_sgd` do not matter to it.
+#[test]
+fn serve_reads_a_recipe_with_an_auto_schedule() {
+    let dir = temp_run("ps-recipe");
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/local_sgd.json")).unwrap();
+    let path = dir.join("recipe.json");
+    std::fs::write(
+        &path,
+        recipe.replacen(r#""groups": 4,"#, r#""groups": 4, "servers": ["127.0.0.1:1"], "group": 0,"#, 1),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config", path.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    assert!(line.contains("parameter server for 4 groups listening on 127.0.0.1:"), "{line} {}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -182,16 +182,22 @@ fn a_checkpoint_of_groups_is_the_global_weights_written_once() {
 
 /// The same groups as separate jobs meeting at a parameter server (each job one group of
 /// two thread ranks) train bit for bit as the groups inside one job: the server sums the
-/// pushes in group order, as the in-job all-reduce does, and steps the same outer optimizer.
+/// pushes in group order, as the in-job all-reduce does, and steps the same outer optimizer;
+/// so do they through two servers, each holding half of every rank's shard.
 #[test]
 fn groups_as_jobs_through_a_parameter_server_train_as_groups_in_one_job() {
     let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
     let world = plan(&sgd_recipe(2, &section("")), 4);
     let in_job = run(&world);
-    let jobs = through_server(&world, &section, "");
-    for (group, job) in jobs.iter().enumerate() {
-        for (rank, masters) in job.iter().enumerate() {
-            assert!(masters == &in_job[0], "group {group} rank {rank} ended with other weights than the in-job groups");
+    for servers in [1, 2] {
+        let jobs = through_server(&world, &section, "", servers);
+        for (group, job) in jobs.iter().enumerate() {
+            for (rank, masters) in job.iter().enumerate() {
+                assert!(
+                    masters == &in_job[0],
+                    "{servers} server(s): group {group} rank {rank} ended with other weights than the in-job groups"
+                );
+            }
         }
     }
 }
@@ -206,7 +212,7 @@ fn async_groups_without_staleness_train_as_synchronous_groups() {
     let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
     let world = plan(&sgd_recipe(2, &section("")), 4);
     let in_job = run(&world);
-    let jobs = through_server(&world, &section, r#", "mode": "async", "max_staleness": 0"#);
+    let jobs = through_server(&world, &section, r#", "mode": "async", "max_staleness": 0"#, 1);
     let scale = in_job[0].iter().fold(0.0f32, |m, v| m.max(v.abs()));
     for (group, job) in jobs.iter().enumerate() {
         for (rank, masters) in job.iter().enumerate() {
@@ -216,22 +222,25 @@ fn async_groups_without_staleness_train_as_synchronous_groups() {
     }
 }
 
-/// Runs `world`'s groups as two jobs of two thread ranks each through one parameter server
-/// whose `local_sgd` section is `section(extra)`; every job's ranks' final masters.
-fn through_server(world: &Plan, section: &dyn Fn(&str) -> String, extra: &str) -> Vec<Vec<Vec<f32>>> {
+/// Runs `world`'s groups as two jobs of two thread ranks each through `servers` parameter
+/// servers whose `local_sgd` section is `section(extra)`; every job's ranks' final masters.
+fn through_server(world: &Plan, section: &dyn Fn(&str) -> String, extra: &str, servers: usize) -> Vec<Vec<Vec<f32>>> {
     let server_plan = plan(&sgd_recipe(2, &section(&format!(r#", "servers": ["127.0.0.1:1"], "group": 0{extra}"#))), 2);
     let config = zerotrain::replicas::server::ServerConfig::new(server_plan.replicas.as_ref().unwrap(), None);
-    let server = zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
-    let addr = server.addr();
+    let handles: Vec<_> = (0..servers)
+        .map(|_| zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), config.clone()).unwrap())
+        .collect();
+    let addrs: Vec<String> = handles.iter().map(|h| format!(r#""{}""#, h.addr())).collect();
+    let addrs = addrs.join(", ");
     let jobs = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
+        let jobs: Vec<_> = (0..2)
             .map(|group| {
-                let json = sgd_recipe(2, &section(&format!(r#", "servers": ["{addr}"], "group": {group}{extra}"#)));
+                let json = sgd_recipe(2, &section(&format!(r#", "servers": [{addrs}], "group": {group}{extra}"#)));
                 s.spawn(move || run_reading(&plan(&json, 2), world, STEPS))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        jobs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    server.stop();
+    handles.into_iter().for_each(|h| h.stop());
     jobs
 }

@@ -41,11 +41,10 @@ pub fn rounds(params: usize, dtype: Precision, repeats: usize) -> Result<Vec<Ser
     };
     let server = serve("127.0.0.1:0".parse().expect("an address"), ServerConfig::new(&plan, None))?;
     let start: Vec<f32> = (0..params).map(|i| (i % 1000) as f32 * 1e-3).collect();
-    let mut round = ServerRound::start(&server.addr().to_string(), 0, &plan, vec![start], Duration::from_secs(600))?;
+    let mut round = ServerRound::start(&server.addr().to_string(), 0, &plan, start, Duration::from_secs(600))?;
     let mut rows = Vec::new();
     for r in 0..repeats.max(1) {
-        let local: Vec<f32> = round.global()[0].iter().map(|w| w - 1e-4 * (r + 1) as f32).collect();
-        let local = [local];
+        let local: Vec<f32> = round.global().iter().map(|w| w - 1e-4 * (r + 1) as f32).collect();
         let started = Instant::now();
         let (_, exchanged) = round.run(&local)?;
         let seconds = started.elapsed().as_secs_f64();

@@ -25,7 +25,10 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
 
 /// `zerotrain serve`: a parameter server for the config's replica groups, until a signal.
 pub fn serve(file: &Path, listen: std::net::SocketAddr, checkpoint: Option<std::path::PathBuf>) -> anyhow::Result<()> {
-    let (plan, _) = keys::load(file, overrides(None, None))?;
+    // A server trains nothing: a schedule's "auto" length, the world size and mpirun do
+    // not matter to it.
+    let only_groups = crate::Overrides { world_size: None, total_steps: Some(1 << 30), mpirun: None, device: None };
+    let (plan, _) = keys::load(file, only_groups)?;
     let Some(replicas) = &plan.replicas else {
         anyhow::bail!("{}: no local_sgd section with groups: nothing to serve", file.display());
     };
@@ -68,15 +71,23 @@ fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
         model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
     }
     let psi = model.num_params() as f64;
-    let (n, g) = (plan.world_size() as f64, r.groups as f64);
-    let shard = if plan.zero.stage.shards_optimizer_states() { psi / (n / g) } else { psi };
-    let round = 2.0 * (g - 1.0) / g * shard * r.comm_dtype.bytes_per_elem() as f64;
+    let (job, g) = (plan.world_size() as f64, r.groups as f64);
+    let bytes = r.comm_dtype.bytes_per_elem() as f64;
+    // In one job a group is `job / g` ranks and a round all-reduces each rank's shard among
+    // its peers; through servers the job is one group, pushing its shard (in the wire dtype)
+    // and pulling it back (f32).
+    let (n, group_size, round, how) = match r.servers.is_empty() {
+        true => (job, job / g, 2.0 * (g - 1.0) / g * bytes, "across groups"),
+        false => (job * g, job, bytes + 4.0, "to and from its server"),
+    };
+    let shard = if plan.zero.stage.shards_optimizer_states() { psi / group_size } else { psi };
+    let round = round * shard;
     let per_step = if plan.zero.stage.shards_parameters() { 3.0 } else { 2.0 } * (n - 1.0) / n
         * psi
         * plan.precision.comm.bytes_per_elem() as f64;
     let dp = per_step * r.sync_every as f64;
     println!(
-        "  per round         {:.1} MiB per rank across groups, against {:.1} MiB of synchronous data parallelism over {} steps ({:.0}x less)",
+        "  per round         {:.1} MiB per rank {how}, against {:.1} MiB of synchronous data parallelism on all {n} ranks over {} steps ({:.0}x less)",
         round / (1 << 20) as f64,
         dp / (1 << 20) as f64,
         r.sync_every,

@@ -11,7 +11,6 @@ use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest};
 use super::{Dtype, Header, chunk_stream, chunks, place_chunk};
 use crate::config::ReplicaPlan;
-use crate::replicas::round::{pseudo_gradient_into, scatter};
 use crate::{Error, Result};
 
 /// How a round through the server went, besides the new weights.
@@ -28,8 +27,8 @@ pub struct Exchanged {
     pub rejoined: bool,
 }
 
-/// One rank's connection to the server of its place: its copy of the place's global
-/// weights, its session and the round it pushes next. A call the server does not answer is
+/// One rank's connection to one server, for its part of the rank's shard (a place): its
+/// copy of the place's global weights, its session and the round it pushes next. A call the server does not answer is
 /// retried with backoff for up to `timeout`; a pull may wait the group timeout longer (the
 /// server drops the groups that keep it waiting).
 pub struct ServerRound {
@@ -40,7 +39,7 @@ pub struct ServerRound {
     group: u32,
     session: u64,
     round: u64,
-    global: Vec<Vec<f32>>,
+    global: Vec<f32>,
     dtype: Dtype,
     timeout: Duration,
     pull_wait: Duration,
@@ -59,13 +58,7 @@ impl ServerRound {
     /// Connects to `addr` (retrying with backoff for up to `timeout`), joins `place` as
     /// `plan.group` with this rank's `start` weights (the place's first joiner sets the
     /// global weights), and pulls the weights to start from.
-    pub fn start(
-        addr: &str,
-        place: usize,
-        plan: &ReplicaPlan,
-        start: Vec<Vec<f32>>,
-        timeout: Duration,
-    ) -> Result<Self> {
+    pub fn start(addr: &str, place: usize, plan: &ReplicaPlan, start: Vec<f32>, timeout: Duration) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -104,17 +97,18 @@ impl ServerRound {
         }
     }
 
-    /// The place's global weights, per unit.
-    pub fn global(&self) -> &[Vec<f32>] {
+    /// The place's global weights.
+    pub fn global(&self) -> &[f32] {
         &self.global
     }
 
     /// A round: pushes `global - local` for the current round, pulls the weights to go on
     /// from. A group dropped from the quorum (or met by a restarted server) joins again and
     /// goes on from the current global weights, its window discarded.
-    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Exchanged)> {
+    pub fn run(&mut self, local: &[f32]) -> Result<(&[f32], Exchanged)> {
         let mut delta = std::mem::take(&mut self.delta);
-        pseudo_gradient_into(&self.global, local, &mut delta);
+        delta.clear();
+        delta.extend(self.global.iter().zip(local).map(|(g, l)| g - l));
         let len = delta.len() as u64;
         let width = if self.dtype == Dtype::Bf16 { 2 } else { 4 };
         let bytes = (width + 4) * len;
@@ -155,11 +149,10 @@ impl ServerRound {
 
     /// Joins with `local` (the weights a place that no group joined yet starts from) and
     /// pulls the weights to go on from.
-    fn join_and_pull(&mut self, local: &[Vec<f32>]) -> std::result::Result<Ack, Failure> {
-        let flat = local.concat();
+    fn join_and_pull(&mut self, local: &[f32]) -> std::result::Result<Ack, Failure> {
         let head = Header { dtype: Dtype::Fp32, ..self.header(0) };
         let ack: Ack = self.call("join", self.timeout, |mut c| {
-            let message = chunks(head, &flat);
+            let message = chunks(head, local);
             async move { c.join(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
         })?;
         self.session = ack.session;
@@ -170,7 +163,7 @@ impl ServerRound {
     /// Pulls the weights the group goes on from (waiting for the other groups).
     fn pull(&mut self) -> std::result::Result<(), Failure> {
         let request = PullRequest { place: self.place, group: self.group, session: self.session };
-        let total: usize = self.global.iter().map(Vec::len).sum();
+        let total = self.global.len();
         let buffer = std::sync::Mutex::new(std::mem::take(&mut self.pulled));
         let pulled = self.call("pull", self.pull_wait, |mut c| {
             let buffer = &buffer;
@@ -191,7 +184,7 @@ impl ServerRound {
         });
         self.pulled = buffer.into_inner().unwrap_or_else(|e| e.into_inner());
         pulled?;
-        scatter(&self.pulled, &mut self.global);
+        std::mem::swap(&mut self.pulled, &mut self.global);
         Ok(())
     }
 

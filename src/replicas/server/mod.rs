@@ -29,12 +29,14 @@
 //! different rounds (each place stays consistent, being one shard of the weights).
 
 mod client;
+mod parts;
 mod place;
 mod serve;
 mod service;
 mod store;
 
-pub use client::ServerRound;
+pub use client::{Exchanged, ServerRound};
+pub use parts::ServerRounds;
 pub use serve::{ServerConfig, ServerHandle, serve};
 
 /// The generated gRPC code.

@@ -24,10 +24,23 @@ use crate::replicas::outer::{Delayed, OuterState};
 enum Seat {
     /// Not joined yet; rounds wait for it (until the group timeout).
     Expected,
-    /// Joined under `session`; `round` is the round its next push belongs to.
-    Live { session: u64, round: u64, push: Option<Vec<f32>> },
+    /// Joined: see [`Member`].
+    Live(Member),
     /// Dropped from the quorum; a join brings it back.
     Dropped,
+}
+
+/// A live group at a place.
+#[derive(Debug, Clone)]
+struct Member {
+    /// The session its join got.
+    session: u64,
+    /// The round its next push belongs to.
+    round: u64,
+    /// Sync: its push of the round, until the round applies.
+    push: Option<Vec<f32>>,
+    /// Since when its pull waits for other groups (none: it does not wait).
+    waiting: Option<Instant>,
 }
 
 /// Why a call was refused.
@@ -76,8 +89,6 @@ pub(super) struct Place {
     seats: Vec<Seat>,
     /// Async: rounds a group may run ahead of the slowest counted one.
     max_staleness: u64,
-    /// Since when some live group waits (a pull that could not be answered).
-    waiting_since: Option<Instant>,
 }
 
 impl Place {
@@ -88,19 +99,12 @@ impl Place {
             ReplicaMode::Sync => 0,
             ReplicaMode::Async { max_staleness } => max_staleness,
         };
-        Self {
-            global: Arc::new(global),
-            outer,
-            round,
-            seats: vec![Seat::Expected; groups],
-            max_staleness,
-            waiting_since: None,
-        }
+        Self { global: Arc::new(global), outer, round, seats: vec![Seat::Expected; groups], max_staleness }
     }
 
     /// Live groups.
     pub fn live(&self) -> usize {
-        self.seats.iter().filter(|s| matches!(s, Seat::Live { .. })).count()
+        self.seats.iter().filter(|s| matches!(s, Seat::Live(_))).count()
     }
 
     /// Groups a round waits for: live and expected ones.
@@ -111,10 +115,7 @@ impl Place {
     /// The round of the slowest counted group (async; expected groups count as at the
     /// earliest round a live one is at).
     fn slowest(&self) -> Option<u64> {
-        let live = self.seats.iter().filter_map(|s| match s {
-            Seat::Live { round, .. } => Some(*round),
-            _ => None,
-        });
+        let live = self.members().map(|m| m.round);
         let min_live = live.min();
         match self.seats.iter().any(|s| matches!(s, Seat::Expected)) {
             true => Some(min_live.unwrap_or(0).min(self.first_round())),
@@ -126,21 +127,13 @@ impl Place {
     fn first_round(&self) -> u64 {
         match self.outer {
             Outer::Sync(_) => self.round,
-            Outer::Async(_) => self
-                .seats
-                .iter()
-                .filter_map(|s| match s {
-                    Seat::Live { round, .. } => Some(*round),
-                    _ => None,
-                })
-                .max()
-                .unwrap_or(0),
+            Outer::Async(_) => self.members().map(|m| m.round).max().unwrap_or(0),
         }
     }
 
     fn status(&self, group: usize) -> Status {
         let round = match &self.seats[group] {
-            Seat::Live { round, .. } => *round,
+            Seat::Live(m) => m.round,
             _ => self.round,
         };
         let staleness = round.saturating_sub(self.slowest().unwrap_or(round));
@@ -151,7 +144,7 @@ impl Place {
     /// discarded). Returns the round it starts at.
     pub fn join(&mut self, group: usize, session: u64) -> (u64, Status) {
         let round = self.first_round();
-        self.seats[group] = Seat::Live { session, round, push: None };
+        self.seats[group] = Seat::Live(Member { session, round, push: None, waiting: None });
         (round, self.status(group))
     }
 
@@ -167,10 +160,10 @@ impl Place {
     }
 
     /// The live seat of `group` under `session`, or why not.
-    fn seat(&mut self, group: usize, session: u64) -> Result<(&mut u64, &mut Option<Vec<f32>>), Refusal> {
+    fn seat(&mut self, group: usize, session: u64) -> Result<&mut Member, Refusal> {
         match &mut self.seats[group] {
-            Seat::Live { session: s, round, push } if *s == session => Ok((round, push)),
-            Seat::Live { .. } => Err(Refusal::NotMember(format!(
+            Seat::Live(m) if m.session == session => Ok(m),
+            Seat::Live(_) => Err(Refusal::NotMember(format!(
                 "group {group} joined again from another job since this one did: this job's session is over"
             ))),
             Seat::Dropped => Err(Refusal::NotMember(format!(
@@ -192,13 +185,15 @@ impl Place {
     ) -> Result<Status, Refusal> {
         let len = self.global.len();
         let sync = matches!(self.outer, Outer::Sync(_));
-        let (at, push) = self.seat(group, session)?;
+        let member = self.seat(group, session)?;
+        member.waiting = None;
+        let at = member.round;
         // A retried push (its answer lost with a connection) is acknowledged, not applied
         // twice.
-        if round + 1 == *at || (round == *at && push.is_some()) {
+        if round + 1 == at || (round == at && member.push.is_some()) {
             return Ok(self.status(group));
         }
-        if round != *at {
+        if round != at {
             let message =
                 format!("push from group {group} for round {round}, which it is not at (it is at round {at}): stale");
             return Err(Refusal::Invalid(message));
@@ -209,20 +204,15 @@ impl Place {
             return Err(Refusal::Invalid(message));
         }
         if sync {
-            *push = Some(delta);
+            member.push = Some(delta);
             self.complete(opt);
         } else {
-            *at += 1;
-            let before = self.slowest();
+            member.round += 1;
             let live = self.live();
             if let Outer::Async(delayed) = &mut self.outer {
                 delayed.push(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &delta, live);
             }
             self.round += 1;
-            // The slowest group moved: whoever waited on it waits afresh.
-            if self.slowest() != before {
-                self.waiting_since = None;
-            }
         }
         Ok(self.status(group))
     }
@@ -230,7 +220,7 @@ impl Place {
     /// Sync: applies the round once every counted group has pushed it (the mean, summed in
     /// group order).
     fn complete(&mut self, opt: &OuterOptimizer) {
-        let all_in = self.counted().all(|(_, s)| matches!(s, Seat::Live { push: Some(_), .. }));
+        let all_in = self.counted().all(|(_, s)| matches!(s, Seat::Live(m) if m.push.is_some()));
         if !all_in || self.live() == 0 {
             return;
         }
@@ -238,7 +228,7 @@ impl Place {
         let mut sum: Option<Vec<f32>> = None;
         let mut pushes = 0;
         for seat in &mut self.seats {
-            if let Seat::Live { round, push, .. } = seat {
+            if let Seat::Live(Member { round, push, .. }) = seat {
                 let delta = push.take().expect("every counted group pushed");
                 match &mut sum {
                     None => sum = Some(delta),
@@ -252,52 +242,66 @@ impl Place {
         let Outer::Sync(state) = &mut self.outer else { unreachable!("sync rounds complete") };
         state.step_mean(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &mut sum, pushes);
         self.round += 1;
-        self.waiting_since = None;
     }
 
     /// A pull by `group` (under `session`) of the weights it continues from: ready unless
     /// it must wait for other groups (sync: the round's other pushes; async: it is more
     /// than `max_staleness` rounds ahead of the slowest counted group).
     pub fn pull(&mut self, group: usize, session: u64, now: Instant) -> Result<Pulled, Refusal> {
-        let (round, push) = self.seat(group, session)?;
-        let (round, pending) = (*round, push.is_some());
+        let member = self.seat(group, session)?;
+        let (round, pending) = (member.round, member.push.is_some());
         let ready = match self.outer {
             Outer::Sync(_) => !pending && round == self.round,
             Outer::Async(_) => round <= self.slowest().unwrap_or(round) + self.max_staleness,
         };
+        let member = self.seat(group, session)?;
         if ready {
+            member.waiting = None;
             return Ok(Pulled::Ready(Arc::clone(&self.global)));
         }
-        self.waiting_since.get_or_insert(now);
+        member.waiting.get_or_insert(now);
         Ok(Pulled::Wait)
+    }
+
+    /// `group`'s pull (under `session`) ended without an answer (its caller went away):
+    /// it no longer waits.
+    pub fn stop_waiting(&mut self, group: usize, session: u64) {
+        if let Ok(member) = self.seat(group, session) {
+            member.waiting = None;
+        }
+    }
+
+    /// The live groups.
+    fn members(&self) -> impl Iterator<Item = &Member> {
+        self.seats.iter().filter_map(|s| match s {
+            Seat::Live(m) => Some(m),
+            _ => None,
+        })
     }
 
     /// Drops the groups that have kept another waiting for longer than `timeout` (module
     /// note), and applies the round they held up. Returns the groups dropped.
     pub fn expire(&mut self, now: Instant, timeout: Duration, opt: &OuterOptimizer) -> Vec<usize> {
-        let Some(since) = self.waiting_since else { return Vec::new() };
+        let Some(since) = self.members().filter_map(|m| m.waiting).min() else { return Vec::new() };
         if now.duration_since(since) < timeout {
             return Vec::new();
         }
         let slowest = self.slowest();
         let laggard = |seat: &Seat, first: u64| match (seat, &self.outer) {
             (Seat::Expected, _) => true,
-            (Seat::Live { push, .. }, Outer::Sync(_)) => push.is_none(),
-            (Seat::Live { round, .. }, Outer::Async(_)) => Some(*round) == slowest.or(Some(first)),
+            (Seat::Live(m), Outer::Sync(_)) => m.push.is_none(),
+            (Seat::Live(m), Outer::Async(_)) => Some(m.round) == slowest.or(Some(first)),
             (Seat::Dropped, _) => false,
         };
         let first = self.first_round();
         let dropped: Vec<usize> =
             self.seats.iter().enumerate().filter(|(_, s)| laggard(s, first)).map(|(g, _)| g).collect();
-        // Never drop everyone: a place whose every group is slow just waits.
-        if dropped.len() == self.counted().count() {
-            self.waiting_since = Some(now);
-            return Vec::new();
-        }
+        // The waiting group has pushed (sync) or is ahead of the slowest (async): it is never
+        // among the laggards.
+        debug_assert!(dropped.len() < self.counted().count(), "a waiting group is not a laggard");
         for &g in &dropped {
             self.seats[g] = Seat::Dropped;
         }
-        self.waiting_since = None;
         if let Outer::Sync(_) = self.outer {
             self.complete(opt);
         }
@@ -406,6 +410,7 @@ mod tests {
         assert_eq!(ready(&mut place, 0, 1, t0), None, "two rounds ahead waits");
         place.push(1, 2, 0, vec![-1.0], &AVERAGE).unwrap();
         assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-0.5], "the slowest pushed: one ahead again");
+        assert!(place.expire(t0 + SECOND * 5, SECOND, &AVERAGE).is_empty(), "nobody waits: nobody is dropped");
         place.push(0, 1, 2, vec![0.0], &AVERAGE).unwrap();
         assert_eq!(ready(&mut place, 0, 1, t0), None);
         assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1], "the slowest is dropped");
@@ -414,7 +419,7 @@ mod tests {
     }
 
     /// Groups that never join are waited for (as at a job's start) and dropped past the
-    /// timeout like any other; a place whose every group is slow is never left empty.
+    /// timeout like any other.
     #[test]
     fn expected_groups_hold_the_first_round_until_the_timeout() {
         let t0 = Instant::now();
@@ -424,10 +429,14 @@ mod tests {
         assert_eq!(ready(&mut place, 0, 7, t0), None, "group 1 is expected");
         assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1]);
         assert_eq!(ready(&mut place, 0, 7, t0).unwrap(), [1.0]);
-        let mut idle = Place::new(ReplicaMode::Sync, vec![0.0], ReplicaMode::Sync.fresh_outer(), 0, 1);
-        idle.join(0, 1);
-        idle.waiting_since = Some(t0);
-        assert!(idle.expire(t0 + SECOND * 5, SECOND, &AVERAGE).is_empty());
-        assert_eq!(idle.live(), 1);
+        // A pull whose caller went away (a killed job) stops waiting: it drops nobody.
+        let mut place = Place::new(ReplicaMode::Sync, vec![2.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        place.join(0, 1);
+        place.join(1, 2);
+        place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 1, t0), None);
+        place.stop_waiting(0, 1);
+        assert!(place.expire(t0 + SECOND * 5, SECOND, &AVERAGE).is_empty());
+        assert_eq!(place.live(), 2);
     }
 }

@@ -134,6 +134,26 @@ impl Service {
     }
 }
 
+/// A pull in progress; see [`Service::pull`].
+struct Waiting<'a> {
+    service: &'a Service,
+    place: usize,
+    group: usize,
+    session: u64,
+    answered: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            let mut state = self.service.lock();
+            if let Some(Some(place)) = state.places.get_mut(self.place) {
+                place.stop_waiting(self.group, self.session);
+            }
+        }
+    }
+}
+
 type ChunkStream = Pin<Box<dyn Stream<Item = std::result::Result<Chunk, Status>> + Send>>;
 
 fn refused(place: u32, refusal: Refusal) -> Status {
@@ -210,6 +230,9 @@ impl ParameterServer for Service {
         let PullRequest { place: p, group, session } = request.into_inner();
         let g = self.check_group(group)?;
         let mut changes = self.version.subscribe();
+        // Until it is answered the group waits; a pull dropped unanswered (its caller gone)
+        // stops waiting, so that it never makes the place drop others on its behalf.
+        let mut waiting = Waiting { service: self, place: p as usize, group: g, session, answered: false };
         loop {
             {
                 let mut state = self.lock();
@@ -218,6 +241,7 @@ impl ParameterServer for Service {
                 })?;
                 let round = place.round;
                 if let Pulled::Ready(global) = place.pull(g, session, Instant::now()).map_err(|r| refused(p, r))? {
+                    waiting.answered = true;
                     let head = Header { place: p, group, round, session, dtype: Dtype::Fp32 };
                     return Ok(Response::new(Box::pin(chunk_stream(head, global).map(Ok))));
                 }

@@ -1,0 +1,116 @@
+//! [`ServerRounds`]: one rank's rounds through every server, each holding a contiguous part
+//! of the rank's shard (TensorFlow's partitioned variables: `len` servers share every
+//! place's weights and outer state, and a round's bytes, about equally).
+
+use std::ops::Range;
+use std::time::Duration;
+
+use super::client::{Exchanged, ServerRound};
+use crate::config::ReplicaPlan;
+use crate::replicas::round::scatter;
+use crate::{Error, Result};
+
+/// One rank's parts, one per server, and its shard's global weights per unit.
+pub struct ServerRounds {
+    parts: Vec<(Range<usize>, ServerRound)>,
+    global: Vec<Vec<f32>>,
+    flat: Vec<f32>,
+}
+
+/// Part `k` of `len` values over `servers` servers: contiguous, sizes differing by at most one.
+fn part(len: usize, servers: usize, k: usize) -> Range<usize> {
+    (k * len / servers)..((k + 1) * len / servers)
+}
+
+impl ServerRounds {
+    /// Connects to every server in `servers` (at once) and joins each as `place` with its
+    /// part of this rank's `start` weights; the global weights to start from come back.
+    pub fn start(
+        servers: &[String],
+        place: usize,
+        plan: &ReplicaPlan,
+        start: Vec<Vec<f32>>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let flat = start.concat();
+        let n = servers.len();
+        let parts: Vec<Result<(Range<usize>, ServerRound)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = servers
+                .iter()
+                .enumerate()
+                .map(|(k, addr)| {
+                    let range = part(flat.len(), n, k);
+                    let values = flat[range.clone()].to_vec();
+                    s.spawn(move || ServerRound::start(addr, place, plan, values, timeout).map(|r| (range, r)))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Launch("a server's client panicked".into()))))
+                .collect()
+        });
+        let parts = parts.into_iter().collect::<Result<Vec<_>>>()?;
+        let mut rounds = Self { parts, global: start, flat };
+        rounds.gather();
+        Ok(rounds)
+    }
+
+    /// The shard's global weights, per unit.
+    pub fn global(&self) -> &[Vec<f32>] {
+        &self.global
+    }
+
+    /// A round through every server at once (see [`ServerRound::run`]): the bytes of all
+    /// parts, the fewest live groups any server saw, the largest staleness, and whether any
+    /// part joined again.
+    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Exchanged)> {
+        let local = local.concat();
+        let results: Vec<Result<Exchanged>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .parts
+                .iter_mut()
+                .map(|(range, round)| {
+                    let local = &local[range.clone()];
+                    s.spawn(move || round.run(local).map(|(_, x)| x))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Launch("a server's client panicked".into()))))
+                .collect()
+        });
+        let mut total = Exchanged { bytes: 0, live: usize::MAX, staleness: 0, rejoined: false };
+        for x in results {
+            let x = x?;
+            total.bytes += x.bytes;
+            total.live = total.live.min(x.live);
+            total.staleness = total.staleness.max(x.staleness);
+            total.rejoined |= x.rejoined;
+        }
+        self.gather();
+        Ok((&self.global, total))
+    }
+
+    /// The parts' global weights back into the per-unit layout.
+    fn gather(&mut self) {
+        for (range, round) in &self.parts {
+            self.flat[range.clone()].copy_from_slice(round.global());
+        }
+        scatter(&self.flat, &mut self.global);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parts_cover_the_shard_contiguously_and_evenly() {
+        for (len, servers) in [(10, 3), (2, 3), (0, 2), (7, 1)] {
+            let parts: Vec<_> = (0..servers).map(|k| super::part(len, servers, k)).collect();
+            assert_eq!(parts.first().unwrap().start, 0);
+            assert_eq!(parts.last().unwrap().end, len);
+            assert!(parts.windows(2).all(|w| w[0].end == w[1].start));
+            let sizes: Vec<usize> = parts.iter().map(|r| r.len()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{sizes:?}");
+        }
+    }
+}
