@@ -8,7 +8,9 @@
 //! Asynchronous rounds ([`Delayed`]) apply each group's pseudo-gradient as it arrives, but
 //! momentum on single pushes would multiply stale directions (Liu et al. 2024, "Asynchronous
 //! Local-SGD Training for Language Modeling"). So, as their Delayed Nesterov does, each push
-//! moves the weights by its plain share `lr * g / N` (N the live groups), and every N pushes
+//! moves the weights by its plain share `lr * g / N` (N the configured groups: a group
+//! dropped or finished counts as a zero pseudo-gradient, so a lone survivor's windows never
+//! take the whole step), and every N pushes
 //! the momentum buffer takes their mean and the weights take the momentum part of the step:
 //! `lr * momentum * buf` after the buffer's update with Nesterov, before it without. N
 //! pushes of one round thus move the weights exactly as the synchronous step on their mean
@@ -85,7 +87,7 @@ impl Delayed {
         (self.outer.momentum.as_deref(), &self.pending, self.pushes)
     }
 
-    /// Applies one group's pseudo-gradient `grad` to `weights`, with `groups` live groups.
+    /// Applies one group's pseudo-gradient `grad` to `weights`, one of `groups` groups.
     pub fn push(&mut self, opt: &OuterOptimizer, weights: &mut [f32], grad: &[f32], groups: usize) {
         let (lr, n) = (opt.lr as f32, groups.max(1) as f32);
         if self.pending.len() != weights.len() {

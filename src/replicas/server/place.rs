@@ -63,7 +63,7 @@ pub(super) enum Pulled {
 
 /// What the place says after a push or join: its round (sync: rounds applied; async:
 /// pushes applied), its live groups, and how many rounds the caller is ahead of the
-/// slowest live group.
+/// slowest counted group (after an async push: how far ahead it was when it pushed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Status {
     pub round: u64,
@@ -207,12 +207,16 @@ impl Place {
             member.push = Some(delta);
             self.complete(opt);
         } else {
+            // Staleness of the push: how far ahead of the slowest counted group it was made.
+            let staleness = at.saturating_sub(self.slowest().unwrap_or(at));
+            let groups = self.seats.len();
+            let member = self.seat(group, session)?;
             member.round += 1;
-            let live = self.live();
             if let Outer::Async(delayed) = &mut self.outer {
-                delayed.push(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &delta, live);
+                delayed.push(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &delta, groups);
             }
             self.round += 1;
+            return Ok(Status { staleness, ..self.status(group) });
         }
         Ok(self.status(group))
     }
@@ -403,10 +407,10 @@ mod tests {
         place.join(1, 2);
         let s = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
         assert_eq!(*place.global, [-0.5], "its share, applied at once");
-        assert_eq!((s.round, s.staleness), (1, 1));
+        assert_eq!((s.round, s.staleness), (1, 0), "pushed level with the slowest");
         assert!(ready(&mut place, 0, 1, t0).is_some(), "one round ahead is allowed");
         let s = place.push(0, 1, 1, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!((s.round, s.staleness), (2, 2));
+        assert_eq!((s.round, s.staleness), (2, 1), "pushed one round ahead");
         assert_eq!(ready(&mut place, 0, 1, t0), None, "two rounds ahead waits");
         place.push(1, 2, 0, vec![-1.0], &AVERAGE).unwrap();
         assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-0.5], "the slowest pushed: one ahead again");
