@@ -83,6 +83,36 @@ fn replica_groups_over_mpi_train_like_threads() {
     assert_eq!(ok_lines(&out).len(), 4, "every rank checks");
 }
 
+/// Replica groups as two `mpirun` jobs of 2 processes each, meeting at a parameter server,
+/// train bit for bit as the same 2 groups of 2 threads in one job.
+#[test]
+fn replica_groups_as_mpi_jobs_through_a_server_train_like_threads() {
+    let plan = zerotrain::Config::parse(
+        r#"{"train_batch_size": 6, "local_sgd": {"groups": 2, "sync_every": 2, "servers": ["127.0.0.1:1"], "group": 0}}"#,
+        "server",
+    )
+    .and_then(|c| c.resolve(zerotrain::Overrides { world_size: Some(2), ..Default::default() }))
+    .unwrap();
+    let config = zerotrain::replicas::server::ServerConfig::new(plan.replicas.as_ref().unwrap(), None);
+    let server = zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let addr = server.addr().to_string();
+    let outs: Vec<Output> = std::thread::scope(|s| {
+        let jobs: Vec<_> = ["0", "1"]
+            .map(|g| {
+                let addr = &addr;
+                s.spawn(move || run(2, &["server-group", addr, g], Duration::from_secs(300)).0)
+            })
+            .into_iter()
+            .collect();
+        jobs.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    for (g, out) in outs.iter().enumerate() {
+        assert_success(out, "server-group");
+        assert_eq!(ok_lines(out).len(), 2, "group {g}: every rank checks");
+    }
+    server.stop();
+}
+
 /// 16-bit gradients reduce over MPI as the threads backend reduces them: the same bits
 /// (summed in f32 in rank order, rounded once) and the same 16-bit bytes on the wire.
 #[test]

@@ -36,8 +36,13 @@ fn plan(stage: u8, world_size: Option<usize>) -> Plan {
 
 /// [`plan`] with `extra` top-level fields (each followed by a comma).
 fn plan_with(stage: u8, world_size: Option<usize>, extra: &str) -> Plan {
+    plan_of_batch(stage, world_size, extra, 12)
+}
+
+/// [`plan_with`] with `batch` samples per step.
+fn plan_of_batch(stage: u8, world_size: Option<usize>, extra: &str, batch: u64) -> Plan {
     let json = format!(
-        r#"{{{extra} "train_batch_size": 12, "gradient_clipping": 0.05, "zero_optimization": {{"stage": {stage}}},
+        r#"{{{extra} "train_batch_size": {batch}, "gradient_clipping": 0.05, "zero_optimization": {{"stage": {stage}}},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
             "zerotrain": {{"comm_timeout_s": 60}}}}"#
     );
@@ -145,11 +150,16 @@ fn on_threads<T: Send>(plan: &Plan, f: impl Fn(Mlp, &RankContext, &Plan) -> T + 
 /// Replica groups: `steps` of [`train`]'s data under `plan`'s `local_sgd` groups, through
 /// `replicas::split` and `LocalSgd`; the masters after (the last step ends with a round).
 fn train_groups(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::Range<u64>) -> Result<Vec<f32>, Error> {
+    use zerotrain::Trainer;
     let (group_ctx, group_plan, replicas) = zerotrain::replicas::split(ctx, plan)?;
     let mut local = zerotrain::replicas::LocalSgd::new(Engine::new(model, &group_plan, &group_ctx)?, replicas)?;
-    let (b, r) = (plan.batch, ctx.rank() as u64);
+    // Each rank reads its place in the whole world's batch: with servers the job is one
+    // group of `groups`.
+    let r = local.data_parallel_rank() as u64;
+    let b = plan.batch;
+    let groups = plan.replicas.as_ref().filter(|r| !r.servers.is_empty()).map_or(1, |r| r.groups as u64);
     for step in steps {
-        let first = step * b.train_batch_size + r * b.micro_batch_per_rank;
+        let first = step * b.train_batch_size * groups + r * b.micro_batch_per_rank;
         let batch = TASK.batch(first..first + b.micro_batch_per_rank, group_ctx.device());
         let loss = local.engine_mut().forward(|m| m.loss(&batch))?;
         local.engine_mut().backward(loss)?;
@@ -390,6 +400,18 @@ fn rank_program() {
                 let diff = if ctx.rank() == 0 { max_diff(&got, &threads_groups_reference(&plan, 0..4)) } else { 0.0 };
                 assert!(diff <= 1e-6, "replica groups: MPI vs threads differ by {diff}");
                 println!("ok groups rank {} diff {diff:e}", ctx.rank());
+            }
+            "server-group" => {
+                // This job is one group of 2 through the server at `args[1]`; the reference
+                // is the same 2 groups of 2 as threads in one job.
+                let (addr, group) = (args[1].as_str(), args[2].parse::<usize>().expect("a group"));
+                let extra = format!(r#""local_sgd": {{"groups": 2, "sync_every": 2, "servers": ["{addr}"], "group": {group}}},"#);
+                let plan = plan_of_batch(2, Some(ctx.world_size()), &extra, 6);
+                let got = train_groups(model.clone(), &ctx, &plan, 0..4)?;
+                let in_job = plan_with(2, Some(4), r#""local_sgd": {"groups": 2, "sync_every": 2},"#);
+                let diff = if ctx.rank() == 0 { max_diff(&got, &threads_groups_reference(&in_job, 0..4)) } else { 0.0 };
+                assert!(diff == 0.0, "server group {group}: MPI job vs in-job threads differ by {diff}");
+                println!("ok server-group {group} rank {} diff {diff:e}", ctx.rank());
             }
             "train" => {
                 for stage in 0..=3 {
