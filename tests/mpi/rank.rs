@@ -41,13 +41,24 @@ fn plan_with(stage: u8, world_size: Option<usize>, extra: &str) -> Plan {
 
 /// [`plan_with`] with `batch` samples per step.
 fn plan_of_batch(stage: u8, world_size: Option<usize>, extra: &str, batch: u64) -> Plan {
+    plan_from(stage, world_size, extra, batch, zerotrain::detect_mpirun())
+}
+
+/// [`plan_of_batch`] for `mpirun`'s processes (`Some`) or for threads (`None`).
+fn plan_from(
+    stage: u8,
+    world_size: Option<usize>,
+    extra: &str,
+    batch: u64,
+    mpirun: Option<zerotrain::config::MpirunEnvironment>,
+) -> Plan {
     let json = format!(
         r#"{{{extra} "train_batch_size": {batch}, "gradient_clipping": 0.05, "zero_optimization": {{"stage": {stage}}},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
             "zerotrain": {{"comm_timeout_s": 60}}}}"#
     );
     Config::parse(&json, "mpi-check")
-        .and_then(|c| c.resolve(Overrides { world_size, mpirun: zerotrain::detect_mpirun(), ..Overrides::default() }))
+        .and_then(|c| c.resolve(Overrides { world_size, mpirun, ..Overrides::default() }))
         .expect("plan")
 }
 
@@ -405,10 +416,12 @@ fn rank_program() {
                 // This job is one group of 2 through the server at `args[1]`; the reference
                 // is the same 2 groups of 2 as threads in one job.
                 let (addr, group) = (args[1].as_str(), args[2].parse::<usize>().expect("a group"));
-                let extra = format!(r#""local_sgd": {{"groups": 2, "sync_every": 2, "servers": ["{addr}"], "group": {group}}},"#);
+                let extra = format!(
+                    r#""local_sgd": {{"groups": 2, "sync_every": 2, "servers": ["{addr}"], "group": {group}}},"#
+                );
                 let plan = plan_of_batch(2, Some(ctx.world_size()), &extra, 6);
                 let got = train_groups(model.clone(), &ctx, &plan, 0..4)?;
-                let in_job = plan_with(2, Some(4), r#""local_sgd": {"groups": 2, "sync_every": 2},"#);
+                let in_job = plan_from(2, Some(4), r#""local_sgd": {"groups": 2, "sync_every": 2},"#, 12, None);
                 let diff = if ctx.rank() == 0 { max_diff(&got, &threads_groups_reference(&in_job, 0..4)) } else { 0.0 };
                 assert!(diff == 0.0, "server group {group}: MPI job vs in-job threads differ by {diff}");
                 println!("ok server-group {group} rank {} diff {diff:e}", ctx.rank());
