@@ -43,11 +43,17 @@ fn now_ms() -> u128 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
 }
 
-/// A group's training job: `steps` steps as `group` of `section` through `addr`.
+/// A group's training job: `steps` steps as `group` of `section` through `addr`, into
+/// `run{group}`.
 fn group(dir: &Path, section: &str, addr: &str, group: usize, steps: u64) -> Child {
+    group_into(dir, section, addr, group, steps, &format!("run{group}"))
+}
+
+/// [`group`] into the run folder `run`.
+fn group_into(dir: &Path, section: &str, addr: &str, group: usize, steps: u64, run: &str) -> Child {
     let section = section.replacen('{', &format!(r#"{{"servers": ["{addr}"], "group": {group}, "#), 1);
     let path = config(dir, &format!("group{group}.json"), &section);
-    let out = dir.join(format!("run{group}"));
+    let out = dir.join(run);
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args([
             "train",
@@ -67,7 +73,12 @@ fn group(dir: &Path, section: &str, addr: &str, group: usize, steps: u64) -> Chi
 
 /// The metrics lines group `group` has written so far (a line being written is skipped).
 fn metrics(dir: &Path, group: usize) -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(dir.join(format!("run{group}")).join("metrics.jsonl")).unwrap_or_default();
+    metrics_in(&dir.join(format!("run{group}")))
+}
+
+/// The metrics lines written so far in the run folder `run`.
+fn metrics_in(run: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
     text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
@@ -113,7 +124,8 @@ fn server_log(dir: &Path) -> String {
 /// (SIGSTOP) at once. The server drops both once they have kept group 0 waiting past the
 /// group timeout, and group 0 goes on alone (its metrics say one live group). Group 1,
 /// continued (SIGCONT), finds itself dropped, joins again from the current global weights
-/// and both survivors finish every step.
+/// and both survivors finish every step; a new job for the killed group joins mid-run and
+/// trains its steps with them.
 #[test]
 fn a_killed_group_is_dropped_and_a_stalled_one_rejoins() {
     let dir = temp_run("ps-faults");
@@ -137,6 +149,12 @@ fn a_killed_group_is_dropped_and_a_stalled_one_rejoins() {
         metrics(&dir, 0).last().is_some_and(|m| live(m) == Some(1))
     });
     signal(&one, "CONT");
+    // A new job for the killed group joins mid-run and trains from the current weights.
+    let again = group_into(&dir, section, &addr, 2, 40, "run2-again");
+    let again = finish(again, Duration::from_secs(120));
+    assert!(again.status.success(), "group 2 again: {}", text(&again.stderr));
+    let last = metrics_in(&dir.join("run2-again")).pop().unwrap();
+    assert_eq!((last["step"].as_u64(), last["rounds"].as_u64()), (Some(40), Some(20)), "{last}");
     let (zero, one) = (finish(zero, Duration::from_secs(120)), finish(one, Duration::from_secs(120)));
     let _ = two.wait();
     let _ = server.kill();

@@ -206,7 +206,10 @@ mod tests {
             let a0 = c.join(iter(chunks(head(0, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
             assert_eq!((a0.round, a0.live), (0, 1));
             let err = c.join(iter(chunks(head(1, 0, 0), &[1.0, 2.0, 3.0]))).await.unwrap_err();
-            assert!(err.message().contains("place 0 holds 2 values, group 1 joined with 3"), "{}", err.message());
+            assert!(err.message().contains("place 0 holds 2 values, group 1 sent 3"), "{}", err.message());
+            let far = Header { place: 1 << 20, ..head(1, 0, 0) };
+            let err = c.join(iter(chunks(far, &[1.0]))).await.unwrap_err();
+            assert!(err.message().contains("place 1048576 is over the limit"), "{}", err.message());
             let a1 = c.join(iter(chunks(head(1, 0, 0), &[5.0, 5.0]))).await.unwrap().into_inner();
             assert_ne!(a0.session, a1.session);
             let ack = c.push(iter(chunks(head(0, 0, a0.session), &[0.5, 0.5]))).await.unwrap().into_inner();

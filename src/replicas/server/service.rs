@@ -36,8 +36,13 @@ pub(super) struct Service {
 }
 
 /// The values of a streamed vector, and its chunks' common header.
-async fn collect(mut stream: Streaming<Chunk>) -> std::result::Result<(Chunk, Vec<f32>), Status> {
+/// `check` sees the header before anything is allocated for the values.
+async fn collect(
+    mut stream: Streaming<Chunk>,
+    check: impl FnOnce(&Chunk) -> std::result::Result<(), Status>,
+) -> std::result::Result<(Chunk, Vec<f32>), Status> {
     let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty stream"))?;
+    check(&first)?;
     let len = usize::try_from(first.len).map_err(|_| Status::invalid_argument("a vector too long"))?;
     if len > MAX_PLACE_ELEMS {
         return Err(Status::invalid_argument(format!(
@@ -59,6 +64,9 @@ async fn collect(mut stream: Streaming<Chunk>) -> std::result::Result<(Chunk, Ve
 /// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
 const MAX_PLACE_ELEMS: usize = 1 << 32;
 
+/// The most places (ranks of a group) a server holds.
+const MAX_PLACES: u32 = 1 << 16;
+
 impl Service {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -71,6 +79,21 @@ impl Service {
                 "group {group} is not one of this server's {} groups (0..{})",
                 self.config.groups, self.config.groups
             ))),
+        }
+    }
+
+    /// Refuses a vector whose length is not its place's (once a group joined it).
+    fn check_len(&self, head: &Chunk) -> std::result::Result<(), Status> {
+        let state = self.lock();
+        match state.places.get(head.place as usize).and_then(Option::as_ref) {
+            Some(place) if place.global.len() as u64 != head.len => Err(Status::failed_precondition(format!(
+                "place {} holds {} values, group {} sent {}: another model or layout",
+                head.place,
+                place.global.len(),
+                head.group,
+                head.len
+            ))),
+            _ => Ok(()),
         }
     }
 
@@ -170,8 +193,18 @@ fn ack(round: u64, session: u64, status: place::Status) -> Response<Ack> {
 #[tonic::async_trait]
 impl ParameterServer for Service {
     async fn join(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
-        let (head, values) = collect(request.into_inner()).await?;
-        let g = self.check_group(head.group)?;
+        let (head, values) = collect(request.into_inner(), |head| {
+            self.check_group(head.group)?;
+            if head.place >= MAX_PLACES {
+                return Err(Status::invalid_argument(format!(
+                    "place {} is over the limit of {MAX_PLACES}",
+                    head.place
+                )));
+            }
+            self.check_len(head)
+        })
+        .await?;
+        let g = head.group as usize;
         let mut state = self.lock();
         let p = head.place as usize;
         if state.places.len() <= p {
@@ -196,8 +229,12 @@ impl ParameterServer for Service {
     }
 
     async fn push(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
-        let (head, delta) = collect(request.into_inner()).await?;
-        let g = self.check_group(head.group)?;
+        let (head, delta) = collect(request.into_inner(), |head| {
+            self.check_group(head.group)?;
+            self.check_len(head)
+        })
+        .await?;
+        let g = head.group as usize;
         let mut state = self.lock();
         let p = head.place;
         let place = state.places.get_mut(p as usize).and_then(Option::as_mut).ok_or_else(|| {
