@@ -3,6 +3,7 @@
 //! `loss.png` and `checkpoints/`.
 
 mod metrics;
+mod samples;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -281,7 +282,7 @@ impl Job<'_> {
         }
         let final_val = val_loss(&mut engine)?;
         let model = engine.gather_model(0)?;
-        let samples = model.map(|model| write_samples(&model, self.corpus, shape)).unwrap_or_default();
+        let samples = model.map(|model| samples::write_samples(&model, self.corpus, shape)).unwrap_or_default();
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io(&metrics_path))?;
             let png = options.out.join("loss.png");
@@ -373,29 +374,4 @@ fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     move |source| Error::Io { path: path.to_path_buf(), cause: source }
-}
-
-/// Text from the trained model: for the arithmetic corpus, completions of held-out sums
-/// (checked); for other text, a sampled continuation of the validation text.
-fn write_samples(model: &Gpt, corpus: &Corpus, shape: &GptConfig) -> Vec<String> {
-    let mut rng = 0x5EED;
-    if corpus.name == "generated arithmetic" {
-        let text = corpus.decode(&corpus.valid);
-        return text
-            .lines()
-            .skip(1)
-            .take(8)
-            .map(|line| {
-                let prompt = &line[..line.find('=').map_or(line.len(), |i| i + 1)];
-                let context = format!("\n{prompt}");
-                let out = model.generate(&corpus.encode(&context), 4, shape.block_size, 0.0, &mut rng);
-                let answer: String = corpus.decode(&out).chars().take_while(|c| *c != '\n').collect();
-                let verdict = if format!("{prompt}{answer}") == line { "correct" } else { "wrong" };
-                format!("{prompt}{answer}  ({verdict}; expected {line})")
-            })
-            .collect();
-    }
-    let prompt: Vec<u32> = corpus.valid.iter().take(shape.block_size / 2).copied().collect();
-    let out = model.generate(&prompt, 200, shape.block_size, 0.8, &mut rng);
-    vec![format!("{}|{}", corpus.decode(&prompt), corpus.decode(&out))]
 }
