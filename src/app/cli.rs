@@ -40,6 +40,13 @@ pub enum Command {
         /// Continue from the run folder's latest checkpoint.
         #[arg(long)]
         resume: bool,
+        /// Train as one replica group through this parameter server (`zerotrain serve`;
+        /// repeat for several): overrides `local_sgd.servers`.
+        #[arg(long = "server", value_name = "ADDR")]
+        servers: Vec<String>,
+        /// This job's replica group among the servers' groups: overrides `local_sgd.group`.
+        #[arg(long)]
+        group: Option<u64>,
     },
     /// Run a parameter server for replica groups that are separate jobs (each trains with
     /// `local_sgd.servers` naming this address and its own `local_sgd.group`), until

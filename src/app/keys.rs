@@ -80,6 +80,33 @@ pub fn load(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), Co
     Ok((config.resolve(overrides)?, keys.resolve()?))
 }
 
+/// [`load`], with `--server` and `--group` put into `local_sgd` first (`servers` replaced
+/// when any are given): this job as one replica group through parameter servers.
+pub fn load_as_group(
+    path: &Path,
+    overrides: Overrides,
+    servers: &[String],
+    group: Option<u64>,
+) -> Result<(Plan, AppSettings), ConfigError> {
+    let (mut config, keys) = Config::from_file_with::<AppKeys>(path)?;
+    if !servers.is_empty() || group.is_some() {
+        let Some(section) = config.raw.local_sgd.as_mut() else {
+            return Err(ConfigError::InvalidValue {
+                origin: path.display().to_string(),
+                key: if servers.is_empty() { "--group" } else { "--server" }.into(),
+                message: "needs a local_sgd section (its groups, sync_every and outer optimizer) in the config".into(),
+            });
+        };
+        if !servers.is_empty() {
+            section.servers = servers.to_vec();
+        }
+        if let Some(group) = group {
+            section.group = Some(crate::config::Count(group));
+        }
+    }
+    Ok((config.resolve(overrides)?, keys.resolve()?))
+}
+
 /// The application's keys of `path`; the library's keys are checked but not resolved.
 pub fn load_keys(path: &Path) -> Result<AppKeys, ConfigError> {
     Ok(Config::from_file_with::<AppKeys>(path)?.1)

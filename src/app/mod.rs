@@ -76,8 +76,19 @@ fn end_quietly_on_a_closed_pipe() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Train { config, world_size, device, steps, data, out, save_every, resume } => {
-            commands::train(commands::TrainArgs { config, world_size, device, steps, data, out, save_every, resume })
+        Command::Train { config, world_size, device, steps, data, out, save_every, resume, servers, group } => {
+            commands::train(commands::TrainArgs {
+                config,
+                world_size,
+                device,
+                steps,
+                data,
+                out,
+                save_every,
+                resume,
+                servers,
+                group,
+            })
         }
         Command::Estimate {
             params,

@@ -49,21 +49,15 @@ fn group(dir: &Path, section: &str, addr: &str, group: usize, steps: u64) -> Chi
     group_into(dir, section, addr, group, steps, &format!("run{group}"))
 }
 
-/// [`group`] into the run folder `run`.
+/// [`group`] into the run folder `run`. The server and the group come as `--server` and
+/// `--group` (one config for every group).
 fn group_into(dir: &Path, section: &str, addr: &str, group: usize, steps: u64, run: &str) -> Child {
-    let section = section.replacen('{', &format!(r#"{{"servers": ["{addr}"], "group": {group}, "#), 1);
-    let path = config(dir, &format!("group{group}.json"), &section);
+    let path = config(dir, "groups.json", section);
     let out = dir.join(run);
+    let (steps, group) = (steps.to_string(), group.to_string());
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args([
-            "train",
-            "--config",
-            path.to_str().unwrap(),
-            "--steps",
-            &steps.to_string(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
+        .args(["train", "--config", path.to_str().unwrap(), "--server", addr, "--group", &group])
+        .args(["--steps", &steps, "--out", out.to_str().unwrap()])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -260,4 +254,16 @@ fn serve_reads_a_recipe_with_an_auto_schedule() {
     let out = child.wait_with_output().unwrap();
     assert!(line.contains("parameter server for 4 groups listening on 127.0.0.1:"), "{line} {}", text(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--server` and `--group` need a `local_sgd` section to complete, and say so by name.
+#[test]
+fn server_flags_without_groups_name_themselves() {
+    let tiny = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/tiny.json");
+    for flag in [["--server", "127.0.0.1:1"], ["--group", "1"]] {
+        let out = super::zerotrain(&["train", "--config", tiny, flag[0], flag[1], "--steps", "1"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(&format!("`{}`: needs a local_sgd section", flag[0])), "{stderr}");
+    }
 }

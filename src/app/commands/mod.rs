@@ -20,7 +20,7 @@ use zerotrain_precision::Precision;
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps)) };
-    let (plan, settings) = keys::load(&args.config, overrides)?;
+    let (plan, settings) = keys::load_as_group(&args.config, overrides, &args.servers, args.group)?;
     if let Some(warning) = plan.warning() {
         eprintln!("warning: {warning}");
     }
@@ -97,6 +97,8 @@ pub struct TrainArgs {
     pub out: Option<PathBuf>,
     pub save_every: Option<u64>,
     pub resume: bool,
+    pub servers: Vec<String>,
+    pub group: Option<u64>,
 }
 
 /// `zerotrain estimate`'s arguments (see `cli::Command::Estimate`).
