@@ -267,3 +267,36 @@ fn server_flags_without_groups_name_themselves() {
         assert!(stderr.contains(&format!("`{}`: needs a local_sgd section", flag[0])), "{stderr}");
     }
 }
+
+/// A server that dies and never comes back: the group retries with backoff for its
+/// `comm_timeout_s`, then fails with one line naming the server's address, never hangs.
+#[test]
+fn a_server_gone_for_good_fails_the_group_by_address_within_its_timeout() {
+    let dir = temp_run("ps-gone");
+    std::fs::create_dir_all(&dir).unwrap();
+    let section = r#"{"groups": 1, "sync_every": 2}"#;
+    let (mut server, addr) = server(&dir, section, "127.0.0.1:0", None);
+    let path = config(&dir, "gone.json", section);
+    let json = std::fs::read_to_string(&path).unwrap().replace(r#""comm_timeout_s": 30"#, r#""comm_timeout_s": 3"#);
+    std::fs::write(&path, json).unwrap();
+    let job = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["train", "--config", path.to_str().unwrap(), "--server", &addr, "--group", "0"])
+        .args(["--steps", "100000", "--out", dir.join("run").to_str().unwrap()])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("a few rounds", Duration::from_secs(60), || {
+        rounds(&dir, 0) >= 1 || metrics_in(&dir.join("run")).len() > 4
+    });
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let killed = Instant::now();
+    let out = finish(job, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&addr) && stderr.contains("unreachable") && !stderr.contains("panicked"), "{stderr}");
+    assert!(killed.elapsed() < Duration::from_secs(30), "{:?}", killed.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
