@@ -78,6 +78,16 @@ pub(super) enum Outer {
     Async(Delayed),
 }
 
+/// Spent push buffers of a place. A copy of a place (a checkpoint's) has none.
+#[derive(Debug, Default)]
+struct Spare(Vec<Vec<f32>>);
+
+impl Clone for Spare {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
 /// One place: global weights, outer state, quorum.
 #[derive(Debug, Clone)]
 pub(super) struct Place {
@@ -89,6 +99,8 @@ pub(super) struct Place {
     seats: Vec<Seat>,
     /// Async: rounds a group may run ahead of the slowest counted one.
     max_staleness: u64,
+    /// Pushes' buffers, spent, for the next pushes to fill (their pages stay mapped).
+    spare: Spare,
 }
 
 impl Place {
@@ -99,7 +111,26 @@ impl Place {
             ReplicaMode::Sync => 0,
             ReplicaMode::Async { max_staleness } => max_staleness,
         };
-        Self { global: Arc::new(global), outer, round, seats: vec![Seat::Expected; groups], max_staleness }
+        Self {
+            global: Arc::new(global),
+            outer,
+            round,
+            seats: vec![Seat::Expected; groups],
+            max_staleness,
+            spare: Spare::default(),
+        }
+    }
+
+    /// A spent push buffer of this place's length, if one is kept.
+    pub fn take_spare(&mut self) -> Option<Vec<f32>> {
+        self.spare.0.pop()
+    }
+
+    /// Keeps `buffer` for a later push (as many as there are groups).
+    fn recycle(&mut self, buffer: Vec<f32>) {
+        if self.spare.0.len() < self.seats.len() && buffer.len() == self.global.len() {
+            self.spare.0.push(buffer);
+        }
     }
 
     /// Live groups.
@@ -215,6 +246,7 @@ impl Place {
             if let Outer::Async(delayed) = &mut self.outer {
                 delayed.push(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &delta, groups);
             }
+            self.recycle(delta);
             self.round += 1;
             return Ok(Status { staleness, ..self.status(group) });
         }
@@ -230,22 +262,26 @@ impl Place {
         }
         // The first push is the sum's start (no buffer to allocate and zero).
         let mut sum: Option<Vec<f32>> = None;
-        let mut pushes = 0;
+        let mut spent = Vec::new();
         for seat in &mut self.seats {
             if let Seat::Live(Member { round, push, .. }) = seat {
                 let delta = push.take().expect("every counted group pushed");
                 match &mut sum {
                     None => sum = Some(delta),
-                    Some(sum) => sum.iter_mut().zip(delta).for_each(|(s, d)| *s += d),
+                    Some(sum) => {
+                        sum.iter_mut().zip(&delta).for_each(|(s, d)| *s += d);
+                        spent.push(delta);
+                    }
                 }
-                pushes += 1;
                 *round += 1;
             }
         }
         let mut sum = sum.expect("a live group pushed");
         let Outer::Sync(state) = &mut self.outer else { unreachable!("sync rounds complete") };
-        state.step_mean(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &mut sum, pushes);
+        state.step_mean(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &mut sum, spent.len() + 1);
         self.round += 1;
+        spent.push(sum);
+        spent.into_iter().for_each(|b| self.recycle(b));
     }
 
     /// A pull by `group` (under `session`) of the weights it continues from: ready unless

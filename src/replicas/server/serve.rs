@@ -222,6 +222,14 @@ mod tests {
             assert!(err.message().contains("group 5 is not one of this server's 2 groups"), "{}", err.message());
             let err = c.push(iter(chunks(head(1, 0, a1.session + 100), &[0.5, 0.5]))).await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::Aborted, "{}", err.message());
+            // A stream must cover its vector, in order: a cut or shuffled one is refused.
+            let mut cut = chunks(head(1, 0, a1.session), &[0.5, 0.5]);
+            cut[0].data.truncate(4);
+            let err = c.push(iter(cut.clone())).await.unwrap_err();
+            assert!(err.message().contains("ended after 1 of its 2 values"), "{}", err.message());
+            cut[0].offset = 1;
+            let err = c.push(iter(cut)).await.unwrap_err();
+            assert!(err.message().contains("a chunk at 1 where 0 was next"), "{}", err.message());
             let bf16 = Header { dtype: Dtype::Bf16, ..head(1, 0, a1.session) };
             let ack = c.push(iter(chunks(bf16, &[1.5, -0.5]))).await.unwrap().into_inner();
             assert_eq!(ack.applied, 1);

@@ -35,30 +35,48 @@ pub(super) struct Service {
     pub sessions: Arc<AtomicU64>,
 }
 
-/// The values of a streamed vector, and its chunks' common header.
-/// `check` sees the header before anything is allocated for the values.
+/// The values of a streamed vector, and its chunks' common header. `check` sees the header
+/// before anything is allocated for the values, and may give a buffer to fill (a spare of
+/// the place's, already of the length: its pages are mapped). The chunks must come in order
+/// and cover the vector exactly, so nothing of a reused buffer's old values survives.
 async fn collect(
     mut stream: Streaming<Chunk>,
-    check: impl FnOnce(&Chunk) -> std::result::Result<(), Status>,
+    check: impl FnOnce(&Chunk) -> std::result::Result<Option<Vec<f32>>, Status>,
 ) -> std::result::Result<(Chunk, Vec<f32>), Status> {
     let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty stream"))?;
-    check(&first)?;
+    let spare = check(&first)?;
     let len = usize::try_from(first.len).map_err(|_| Status::invalid_argument("a vector too long"))?;
     if len > MAX_PLACE_ELEMS {
         return Err(Status::invalid_argument(format!(
             "a vector of {len} values is over the limit of {MAX_PLACE_ELEMS}"
         )));
     }
-    let mut values = vec![0.0f32; len];
-    place_chunk(&first, &mut values).map_err(Status::invalid_argument)?;
+    let mut values = match spare {
+        Some(buffer) if buffer.len() == len => buffer,
+        _ => vec![0.0f32; len],
+    };
+    let mut next = place_in_order(&first, &mut values, 0)?;
     while let Some(chunk) = stream.message().await? {
         let key = |c: &Chunk| (c.place, c.group, c.round, c.len, c.session, c.dtype);
         if key(&chunk) != key(&first) {
             return Err(Status::invalid_argument("chunks of one stream disagree on their header"));
         }
-        place_chunk(&chunk, &mut values).map_err(Status::invalid_argument)?;
+        next = place_in_order(&chunk, &mut values, next)?;
+    }
+    if next != len {
+        return Err(Status::invalid_argument(format!("the stream ended after {next} of its {len} values")));
     }
     Ok((first, values))
+}
+
+/// Places `chunk`, which must start at `next`; returns where the next one starts.
+fn place_in_order(chunk: &Chunk, values: &mut [f32], next: usize) -> std::result::Result<usize, Status> {
+    if chunk.offset != next as u64 {
+        return Err(Status::invalid_argument(format!("a chunk at {} where {next} was next", chunk.offset)));
+    }
+    place_chunk(chunk, values).map_err(Status::invalid_argument)?;
+    let width = if chunk.dtype == Dtype::Bf16 as i32 { 2 } else { 4 };
+    Ok(next + chunk.data.len() / width)
 }
 
 /// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
@@ -201,7 +219,7 @@ impl ParameterServer for Service {
                     head.place
                 )));
             }
-            self.check_len(head)
+            self.check_len(head).map(|()| None)
         })
         .await?;
         let g = head.group as usize;
@@ -231,7 +249,9 @@ impl ParameterServer for Service {
     async fn push(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
         let (head, delta) = collect(request.into_inner(), |head| {
             self.check_group(head.group)?;
-            self.check_len(head)
+            self.check_len(head)?;
+            let mut state = self.lock();
+            Ok(state.places.get_mut(head.place as usize).and_then(Option::as_mut).and_then(Place::take_spare))
         })
         .await?;
         let g = head.group as usize;
