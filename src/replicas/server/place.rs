@@ -78,18 +78,12 @@ pub(super) enum Outer {
     Async(Delayed),
 }
 
-/// Spent push buffers of a place. A copy of a place (a checkpoint's) has none.
+/// Spent push buffers of a place.
 #[derive(Debug, Default)]
 struct Spare(Vec<Vec<f32>>);
 
-impl Clone for Spare {
-    fn clone(&self) -> Self {
-        Self::default()
-    }
-}
-
 /// One place: global weights, outer state, quorum.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Place {
     /// Shared with the pulls streaming it (a round that applies meanwhile copies it first).
     pub global: Arc<Vec<f32>>,
@@ -117,6 +111,19 @@ impl Place {
             round,
             seats: vec![Seat::Expected; groups],
             max_staleness,
+            spare: Spare::default(),
+        }
+    }
+
+    /// What a checkpoint saves of the place, taken at once: its weights (shared, not
+    /// copied), outer state and round; no quorum, pushes or buffers.
+    pub fn snapshot(&self) -> Self {
+        Self {
+            global: Arc::clone(&self.global),
+            outer: self.outer.clone(),
+            round: self.round,
+            seats: Vec::new(),
+            max_staleness: self.max_staleness,
             spare: Spare::default(),
         }
     }

@@ -171,7 +171,7 @@ impl Service {
             return None;
         }
         state.saved = round;
-        Some((state.places.clone(), round))
+        Some((state.places.iter().map(|p| p.as_ref().map(Place::snapshot)).collect(), round))
     }
 }
 
