@@ -78,7 +78,7 @@ fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
     // and pulling it back (f32).
     let (n, group_size, round, how) = match r.servers.is_empty() {
         true => (job, job / g, 2.0 * (g - 1.0) / g * bytes, "across groups"),
-        false => (job * g, job, bytes + 4.0, "to and from its server"),
+        false => (job * g, job, bytes + 4.0, "to and from the servers"),
     };
     let shard = if plan.zero.stage.shards_optimizer_states() { psi / group_size } else { psi };
     let round = round * shard;

@@ -33,6 +33,8 @@ pub(super) struct Service {
     /// The next session number (from the clock at the start, so that a restarted server
     /// never hands out a session of its previous life).
     pub sessions: Arc<AtomicU64>,
+    /// Held by the save in progress (the keeper's, or the last one at a stop).
+    pub saving: Arc<Mutex<()>>,
 }
 
 /// The values of a streamed vector, and its chunks' common header. `check` sees the header
@@ -147,15 +149,42 @@ impl Service {
                 self.due_checkpoint(&mut state)
             };
             if let Some((places, round)) = due {
-                let (dir, config) =
-                    (self.config.checkpoint.clone().expect("due only with a folder"), Arc::clone(&self.config));
-                let saved = tokio::task::spawn_blocking(move || store::save(&dir, &config, &places, round)).await;
-                match saved {
-                    Ok(Ok(path)) => eprintln!("zerotrain serve: saved {}", path.display()),
-                    Ok(Err(e)) => eprintln!("zerotrain serve: {e}"),
-                    Err(e) => eprintln!("zerotrain serve: the checkpoint's writer failed: {e}"),
-                }
+                self.save(places, round).await;
             }
+        }
+    }
+
+    /// Saves `places` at `round` on a blocking thread, one save at a time, and says so.
+    async fn save(&self, places: Vec<Option<Place>>, round: u64) {
+        let Some(dir) = self.config.checkpoint.clone() else { return };
+        let (config, saving) = (Arc::clone(&self.config), Arc::clone(&self.saving));
+        let saved = tokio::task::spawn_blocking(move || {
+            let _one_at_a_time = saving.lock().unwrap_or_else(|e| e.into_inner());
+            store::save(&dir, &config, &places, round)
+        })
+        .await;
+        match saved {
+            Ok(Ok(path)) => eprintln!("zerotrain serve: saved {}", path.display()),
+            Ok(Err(e)) => eprintln!("zerotrain serve: {e}"),
+            Err(e) => eprintln!("zerotrain serve: the checkpoint's writer failed: {e}"),
+        }
+    }
+
+    /// At a stop: saves what the last checkpoint does not have yet (with a folder).
+    pub async fn save_last(&self) {
+        let last = {
+            let mut state = self.lock();
+            let round = state.places.iter().flatten().map(|p| p.round).min();
+            match round {
+                Some(round) if self.config.checkpoint.is_some() && round > state.saved => {
+                    state.saved = round;
+                    Some((state.places.iter().map(|p| p.as_ref().map(Place::snapshot)).collect(), round))
+                }
+                _ => None,
+            }
+        };
+        if let Some((places, round)) = last {
+            self.save(places, round).await;
         }
     }
 
