@@ -8,8 +8,8 @@
 #   bench/replicas/servers.sh sync 0 720          # group 3 SIGKILLed at step 720 (30%)
 #
 # Arguments: mode (sync|async), max_staleness (async), the step to kill group 3 at (none:
-# no kill). Environment: STEPS (2400), TIMEOUT (local_sgd.group_timeout_s, 10), ZEROTRAIN
-# (target/release/zerotrain).
+# no kill). Environment: STEPS (2400), TIMEOUT (local_sgd.group_timeout_s, 10), OUTER (a
+# JSON outer_optimizer replacing the recipe's), ZEROTRAIN (target/release/zerotrain).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-sync}; staleness=${2:-1}; kill_at=${3:-}
@@ -19,10 +19,12 @@ work=$(mktemp -d /tmp/zerotrain-servers.XXXXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
 section() { # $1: servers, $2: group
-  python3 - "$1" "$2" "$mode" "$staleness" "$timeout" <<'PY'
+  python3 - "$1" "$2" "$mode" "$staleness" "$timeout" "${OUTER:-}" <<'PY'
 import json, sys
-servers, group, mode, staleness, timeout = sys.argv[1:]
+servers, group, mode, staleness, timeout, outer = sys.argv[1:]
 c = json.load(open("configs/local_sgd.json"))
+if outer:
+    c["local_sgd"]["outer_optimizer"] = json.loads(outer)
 c["local_sgd"].update({"servers": [servers], "group": int(group), "mode": mode, "group_timeout_s": float(timeout)})
 if mode == "async":
     c["local_sgd"]["max_staleness"] = int(staleness)
