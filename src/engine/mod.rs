@@ -258,6 +258,11 @@ impl<M: Module> Engine<M> {
         self.shared.comm.rank()
     }
 
+    /// How many ranks split each batch (see [`data_parallel_rank`](Self::data_parallel_rank)).
+    pub fn data_parallel_size(&self) -> usize {
+        self.shared.comm.world_size()
+    }
+
     /// Bytes this rank has read from and written to its NVMe swap files so far
     /// (`offload_optimizer` / `offload_param` with device `nvme`): (read, written).
     pub fn swap_traffic(&self) -> (u64, u64) {

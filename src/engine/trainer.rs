@@ -39,6 +39,9 @@ pub trait Trainer<M: UnitModel> {
     /// This rank's index among the ranks that split each batch: micro-batch `i` of a step
     /// is the data-parallel rank's part of it.
     fn data_parallel_rank(&self) -> usize;
+    /// How many parts each batch is split into (the ranks that split it, with replica
+    /// groups those of every group together).
+    fn data_parallel_size(&self) -> usize;
     /// Replica groups' rounds so far; `None` for a trainer without groups.
     fn rounds(&self) -> Option<u64> {
         None
@@ -110,6 +113,9 @@ macro_rules! delegate {
             }
             fn data_parallel_rank(&self) -> usize {
                 $ty::data_parallel_rank(self)
+            }
+            fn data_parallel_size(&self) -> usize {
+                $ty::data_parallel_size(self)
             }
         }
     };

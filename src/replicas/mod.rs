@@ -76,8 +76,9 @@ pub struct Replicas {
     plan: ReplicaPlan,
     group: usize,
     peers: Arc<dyn Collective>,
-    /// This rank's place in the world: which part of each global batch it reads.
-    data_rank: usize,
+    /// Which part of each global batch this rank reads, of how many: its place among the
+    /// ranks of every group together.
+    data: (usize, usize),
     /// How long a round may wait for the other groups (through servers).
     #[cfg_attr(not(feature = "servers"), allow(dead_code))]
     timeout: std::time::Duration,
@@ -116,9 +117,9 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     group_plan.replicas = None;
     if let Some(group) = replicas.group {
         let (rank, size) = (world.rank(), world.world_size());
-        let data_rank = group * size + rank;
-        let group_ctx = ctx.clone().with_data_position(data_rank, replicas.groups * size);
-        let replicas = Replicas { plan: replicas, group, peers: world, data_rank, timeout };
+        let data = (group * size + rank, replicas.groups * size);
+        let group_ctx = ctx.clone().with_data_position(data.0, data.1);
+        let replicas = Replicas { plan: replicas, group, peers: world, data, timeout };
         return Ok((group_ctx, group_plan, replicas));
     }
     let (rank, size) = (world.rank(), replicas.group_size(world.world_size()));
@@ -129,10 +130,11 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     let (group, place) = (rank / size, rank % size);
     let group_comm = world.split(group, place)?;
     let peers = world.split(place, group)?;
-    let group_ctx = RankContext::new(group_comm, ctx.device().clone()).with_data_position(rank, world.world_size());
+    let data = (rank, world.world_size());
+    let group_ctx = RankContext::new(group_comm, ctx.device().clone()).with_data_position(data.0, data.1);
     group_plan.runtime.world_size = size;
     group_plan.batch.train_batch_size /= replicas.groups as u64;
-    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data_rank: rank, timeout }))
+    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data, timeout }))
 }
 
 /// Refuses `plan` for one engine while it still has replica groups: the engine would train

@@ -94,7 +94,11 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     }
 
     fn data_parallel_rank(&self) -> usize {
-        self.replicas.data_rank
+        self.replicas.data.0
+    }
+
+    fn data_parallel_size(&self) -> usize {
+        self.replicas.data.1
     }
 
     fn rounds(&self) -> Option<u64> {

@@ -164,14 +164,13 @@ fn train_groups(model: Mlp, ctx: &RankContext, plan: &Plan, steps: std::ops::Ran
     use zerotrain::Trainer;
     let (group_ctx, group_plan, replicas) = zerotrain::replicas::split(ctx, plan)?;
     let mut local = zerotrain::replicas::LocalSgd::new(Engine::new(model, &group_plan, &group_ctx)?, replicas)?;
-    // Each rank reads its place in the whole world's batch: with servers the job is one
-    // group of `groups`.
-    let r = local.data_parallel_rank() as u64;
-    let b = plan.batch;
-    let groups = plan.replicas.as_ref().filter(|r| !r.servers.is_empty()).map_or(1, |r| r.groups as u64);
+    // Each rank reads its place in the batch of every group together (with servers the
+    // job is one group of several).
+    let (r, n) = (local.data_parallel_rank() as u64, local.data_parallel_size() as u64);
+    let micro = plan.batch.micro_batch_per_rank;
     for step in steps {
-        let first = step * b.train_batch_size * groups + r * b.micro_batch_per_rank;
-        let batch = TASK.batch(first..first + b.micro_batch_per_rank, group_ctx.device());
+        let first = (step * n + r) * micro;
+        let batch = TASK.batch(first..first + micro, group_ctx.device());
         let loss = local.engine_mut().forward(|m| m.loss(&batch))?;
         local.engine_mut().backward(loss)?;
         local.step()?;

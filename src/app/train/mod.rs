@@ -309,13 +309,7 @@ impl Job<'_> {
     /// micro-batches).
     fn train_step(&self, engine: &mut dyn Trainer<Gpt>, step: u64, ctx: &RankContext) -> Result<StepReport> {
         let (b, block) = (&self.plan.batch, self.shape.block_size);
-        // A job that is one replica group of several (parameter servers) reads its group's
-        // part of the batches of all groups together.
-        let n = match &self.plan.replicas {
-            Some(r) if r.group.is_some() => r.groups * self.plan.world_size(),
-            _ => ctx.data_parallel_size(),
-        } as u64;
-        let d = engine.data_parallel_rank() as u64;
+        let (n, d) = (engine.data_parallel_size() as u64, engine.data_parallel_rank() as u64);
         engine.train_batch(&mut |micro| {
             let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
             windows(
