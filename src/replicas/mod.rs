@@ -7,10 +7,11 @@
 //! pseudo-gradient `global - local` and the outer optimizer steps the global weights, which
 //! every group then continues from. Its inner optimizer keeps its state.
 //!
-//! With parameter servers ([`server`], `local_sgd.servers`) each job is one group and the
-//! round goes through the servers instead: synchronous as in one job (bit for bit), or
-//! asynchronous with bounded staleness; a group that dies or stalls is dropped from the
-//! quorum and may join again, and a server restarts from its own checkpoints.
+//! With parameter servers (the `server` module, `servers` feature; `local_sgd.servers`) each
+//! job is one group and the round goes through the servers instead: synchronous as in one
+//! job (bit for bit), or asynchronous with bounded staleness; a group that dies or stalls is
+//! dropped from the quorum and may join again, and a server restarts from its own
+//! checkpoints.
 //!
 //! # Note: the HSDP shape
 //! A rank of a group holds the master weights of its shard of every unit (at stage 0, of
@@ -184,7 +185,7 @@ pub struct LocalSgd<M: Module> {
     replicas: Replicas,
     round: Exchange,
     steps_since_round: u64,
-    rounds: u64,
+    /// The last round (none before the first).
     last: Option<Round>,
 }
 
@@ -193,7 +194,7 @@ impl<M: Module> LocalSgd<M> {
     /// start as group 0's, and every group starts from them. Every rank calls it at once.
     pub fn new(mut engine: Engine<M>, replicas: Replicas) -> Result<Self> {
         let round = Self::start(&mut engine, &replicas)?;
-        Ok(Self { engine, replicas, round, steps_since_round: 0, rounds: 0, last: None })
+        Ok(Self { engine, replicas, round, steps_since_round: 0, last: None })
     }
 
     /// Group 0's engine weights as the global weights, loaded into every group's engine,
@@ -230,7 +231,7 @@ impl<M: Module> LocalSgd<M> {
 
     /// Rounds so far.
     pub fn rounds(&self) -> u64 {
-        self.rounds
+        self.last.map_or(0, |r| r.round)
     }
 
     /// The last round, if there was one.
@@ -261,31 +262,14 @@ impl<M: Module> LocalSgd<M> {
     /// optimizer steps.
     pub fn sync(&mut self) -> Result<Round> {
         let local = self.engine.shard_masters()?;
-        let groups = self.replicas.plan.groups;
         let (global, mut round) = match &mut self.round {
-            Exchange::Peers(peers) => {
-                let (global, bytes) = peers.run(&local)?;
-                (global, Round { round: 0, bytes, live_groups: groups, staleness: 0, rejoined: false })
-            }
+            Exchange::Peers(peers) => peers.run(&local)?,
             #[cfg(feature = "servers")]
-            Exchange::Server(server) => {
-                let (global, x) = server.run(&local)?;
-                (
-                    global,
-                    Round {
-                        round: 0,
-                        bytes: x.bytes,
-                        live_groups: x.live,
-                        staleness: x.staleness,
-                        rejoined: x.rejoined,
-                    },
-                )
-            }
+            Exchange::Server(servers) => servers.run(&local)?,
         };
         self.engine.load_shard_masters(global.to_vec())?;
         self.steps_since_round = 0;
-        self.rounds += 1;
-        round.round = self.rounds;
+        round.round = self.rounds() + 1;
         self.last = Some(round);
         Ok(round)
     }

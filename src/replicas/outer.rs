@@ -26,11 +26,13 @@ pub(crate) struct OuterState {
 
 impl OuterState {
     /// From a saved momentum buffer (a server's checkpoint).
+    #[cfg(feature = "servers")]
     pub fn from_momentum(momentum: Option<Vec<f32>>) -> Self {
         Self { momentum }
     }
 
     /// The momentum buffer, from the first step with momentum.
+    #[cfg(feature = "servers")]
     pub fn momentum(&self) -> Option<&[f32]> {
         self.momentum.as_deref()
     }
@@ -68,6 +70,7 @@ impl OuterState {
 
 /// The outer optimizer of asynchronous rounds (module note: Delayed Nesterov): the
 /// momentum buffer, the pushes' mean since its last update, and how many pushes that was.
+#[cfg(feature = "servers")]
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Delayed {
     outer: OuterState,
@@ -75,6 +78,7 @@ pub(crate) struct Delayed {
     pushes: usize,
 }
 
+#[cfg(feature = "servers")]
 impl Delayed {
     /// From saved parts (a server's checkpoint).
     pub fn from_parts(momentum: Option<Vec<f32>>, pending: Vec<f32>, pushes: usize) -> Self {
@@ -146,6 +150,7 @@ mod tests {
     /// synchronous steps on the rounds' means do, within f32 rounding; heavy-ball momentum
     /// too. A push moves the weights by its plain share only.
     #[test]
+    #[cfg(feature = "servers")]
     fn delayed_nesterov_rounds_equal_synchronous_steps_on_their_means() {
         let rounds = [[[0.3f32, -0.1], [0.1, 0.2], [-0.4, 0.5]], [[0.05, 0.0], [0.2, -0.3], [0.1, 0.1]]];
         for opt in [

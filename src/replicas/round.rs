@@ -10,6 +10,7 @@ use std::sync::Arc;
 use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::{Collective, ReduceOp};
 
+use super::Round;
 use super::outer::OuterState;
 use crate::Result;
 use crate::config::ReplicaPlan;
@@ -40,8 +41,9 @@ impl PeerRound {
     }
 
     /// A round: from this rank's `local` weights (as [`global`](Self::global) is laid out)
-    /// to the new global ones; also the bytes the round moved among the peers.
-    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], u64)> {
+    /// to the new global ones; also how it went (every group is live; the round's number
+    /// is [`LocalSgd`](super::LocalSgd)'s to fill).
+    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Round)> {
         let before = self.peers.stats();
         let mut delta = pseudo_gradient(&self.global, local);
         self.sum(&mut delta)?;
@@ -51,7 +53,8 @@ impl PeerRound {
             outer.step_mean(&self.plan.outer, global, mine, self.plan.groups);
             rest = more;
         }
-        Ok((&self.global, self.peers.stats().since(&before).total_bytes()))
+        let bytes = self.peers.stats().since(&before).total_bytes();
+        Ok((&self.global, Round { round: 0, bytes, live_groups: self.plan.groups, staleness: 0, rejoined: false }))
     }
 
     /// Sums `delta` over the peers (in rank order, which is group order), travelling in the

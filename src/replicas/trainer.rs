@@ -102,7 +102,7 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     }
 
     fn rounds(&self) -> Option<u64> {
-        Some(self.rounds)
+        Some(LocalSgd::rounds(self))
     }
 
     fn last_round(&self) -> Option<super::Round> {

@@ -46,9 +46,9 @@ pub fn rounds(params: usize, dtype: Precision, repeats: usize) -> Result<Vec<Ser
     for r in 0..repeats.max(1) {
         let local: Vec<f32> = round.global().iter().map(|w| w - 1e-4 * (r + 1) as f32).collect();
         let started = Instant::now();
-        let (_, exchanged) = round.run(&local)?;
+        let (_, done) = round.run(&local)?;
         let seconds = started.elapsed().as_secs_f64();
-        let bytes = exchanged.bytes;
+        let bytes = done.bytes;
         rows.push(ServerRow {
             params,
             dtype: format!("{dtype:?}").to_lowercase(),

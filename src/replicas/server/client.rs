@@ -11,21 +11,8 @@ use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest};
 use super::{Dtype, Header, chunk_stream, chunks, place_chunk};
 use crate::config::ReplicaPlan;
+use crate::replicas::Round;
 use crate::{Error, Result};
-
-/// How a round through the server went, besides the new weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Exchanged {
-    /// Bytes pushed and pulled.
-    pub bytes: u64,
-    /// Groups live at the place after the round.
-    pub live: usize,
-    /// Rounds this group was ahead of the slowest live one when it pushed (async).
-    pub staleness: u64,
-    /// The group had been dropped (or the server restarted): it joined again and continues
-    /// from the current global weights, its window discarded.
-    pub rejoined: bool,
-}
 
 /// One rank's connection to one server, for its part of the rank's shard (a place): its
 /// copy of the place's global weights, its session and the round it pushes next. A call the server does not answer is
@@ -103,9 +90,10 @@ impl ServerRound {
     }
 
     /// A round: pushes `global - local` for the current round, pulls the weights to go on
-    /// from. A group dropped from the quorum (or met by a restarted server) joins again and
+    /// from; how it went (its number is [`LocalSgd`](crate::replicas::LocalSgd)'s to fill).
+    /// A group dropped from the quorum (or met by a restarted server) joins again and
     /// goes on from the current global weights, its window discarded.
-    pub fn run(&mut self, local: &[f32]) -> Result<(&[f32], Exchanged)> {
+    pub fn run(&mut self, local: &[f32]) -> Result<(&[f32], Round)> {
         let mut delta = std::mem::take(&mut self.delta);
         delta.clear();
         delta.extend(self.global.iter().zip(local).map(|(g, l)| g - l));
@@ -126,7 +114,13 @@ impl ServerRound {
         });
         match outcome {
             Ok(ack) => {
-                let info = Exchanged { bytes, live: ack.live as usize, staleness: ack.staleness, rejoined: false };
+                let info = Round {
+                    round: 0,
+                    bytes,
+                    live_groups: ack.live as usize,
+                    staleness: ack.staleness,
+                    rejoined: false,
+                };
                 Ok((&self.global, info))
             }
             Err(Failure::Fatal(e)) => Err(e),
@@ -137,7 +131,8 @@ impl ServerRound {
                     Failure::Fatal(e) => e,
                     Failure::Rejoin(why) => self.error("join", why),
                 })?;
-                let info = Exchanged { bytes: 8 * len, live: ack.live as usize, staleness: 0, rejoined: true };
+                let info =
+                    Round { round: 0, bytes: 8 * len, live_groups: ack.live as usize, staleness: 0, rejoined: true };
                 Ok((&self.global, info))
             }
         }

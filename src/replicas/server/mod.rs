@@ -35,7 +35,7 @@ mod serve;
 mod service;
 mod store;
 
-pub use client::{Exchanged, ServerRound};
+pub use client::ServerRound;
 pub use parts::ServerRounds;
 pub use serve::{ServerConfig, ServerHandle, serve};
 

@@ -5,8 +5,9 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use super::client::{Exchanged, ServerRound};
+use super::client::ServerRound;
 use crate::config::ReplicaPlan;
+use crate::replicas::Round;
 use crate::replicas::round::scatter;
 use crate::{Error, Result};
 
@@ -63,9 +64,9 @@ impl ServerRounds {
     /// A round through every server at once (see [`ServerRound::run`]): the bytes of all
     /// parts, the fewest live groups any server saw, the largest staleness, and whether any
     /// part joined again.
-    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Exchanged)> {
+    pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Round)> {
         let local = local.concat();
-        let results: Vec<Result<Exchanged>> = std::thread::scope(|s| {
+        let results: Vec<Result<Round>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .parts
                 .iter_mut()
@@ -79,11 +80,11 @@ impl ServerRounds {
                 .map(|h| h.join().unwrap_or_else(|_| Err(Error::Launch("a server's client panicked".into()))))
                 .collect()
         });
-        let mut total = Exchanged { bytes: 0, live: usize::MAX, staleness: 0, rejoined: false };
+        let mut total = Round { round: 0, bytes: 0, live_groups: usize::MAX, staleness: 0, rejoined: false };
         for x in results {
             let x = x?;
             total.bytes += x.bytes;
-            total.live = total.live.min(x.live);
+            total.live_groups = total.live_groups.min(x.live_groups);
             total.staleness = total.staleness.max(x.staleness);
             total.rejoined |= x.rejoined;
         }
