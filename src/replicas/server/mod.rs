@@ -102,8 +102,9 @@ fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
     }
 }
 
-/// Writes a chunk's values into `out` (of the chunk's `len`), checking its bounds.
-fn place_chunk(chunk: &proto::Chunk, out: &mut [f32]) -> Result<(), String> {
+/// Writes a chunk's values into `out` (of the chunk's `len`), checking its bounds; returns
+/// how many it wrote.
+fn place_chunk(chunk: &proto::Chunk, out: &mut [f32]) -> Result<usize, String> {
     let dtype = Dtype::try_from(chunk.dtype).map_err(|_| format!("unknown dtype {}", chunk.dtype))?;
     let width = match dtype {
         Dtype::Fp32 => 4,
@@ -128,5 +129,5 @@ fn place_chunk(chunk: &proto::Chunk, out: &mut [f32]) -> Result<(), String> {
             }
         }
     }
-    Ok(())
+    Ok(n)
 }

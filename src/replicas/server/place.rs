@@ -78,10 +78,6 @@ pub(super) enum Outer {
     Async(Delayed),
 }
 
-/// Spent push buffers of a place.
-#[derive(Debug, Default)]
-struct Spare(Vec<Vec<f32>>);
-
 /// One place: global weights, outer state, quorum.
 #[derive(Debug)]
 pub(super) struct Place {
@@ -94,7 +90,7 @@ pub(super) struct Place {
     /// Async: rounds a group may run ahead of the slowest counted one.
     max_staleness: u64,
     /// Pushes' buffers, spent, for the next pushes to fill (their pages stay mapped).
-    spare: Spare,
+    spare: Vec<Vec<f32>>,
 }
 
 impl Place {
@@ -111,7 +107,7 @@ impl Place {
             round,
             seats: vec![Seat::Expected; groups],
             max_staleness,
-            spare: Spare::default(),
+            spare: Vec::new(),
         }
     }
 
@@ -124,19 +120,19 @@ impl Place {
             round: self.round,
             seats: Vec::new(),
             max_staleness: self.max_staleness,
-            spare: Spare::default(),
+            spare: Vec::new(),
         }
     }
 
     /// A spent push buffer of this place's length, if one is kept.
     pub fn take_spare(&mut self) -> Option<Vec<f32>> {
-        self.spare.0.pop()
+        self.spare.pop()
     }
 
     /// Keeps `buffer` for a later push (as many as there are groups).
     fn recycle(&mut self, buffer: Vec<f32>) {
-        if self.spare.0.len() < self.seats.len() && buffer.len() == self.global.len() {
-            self.spare.0.push(buffer);
+        if self.spare.len() < self.seats.len() && buffer.len() == self.global.len() {
+            self.spare.push(buffer);
         }
     }
 

@@ -76,9 +76,7 @@ fn place_in_order(chunk: &Chunk, values: &mut [f32], next: usize) -> std::result
     if chunk.offset != next as u64 {
         return Err(Status::invalid_argument(format!("a chunk at {} where {next} was next", chunk.offset)));
     }
-    place_chunk(chunk, values).map_err(Status::invalid_argument)?;
-    let width = if chunk.dtype == Dtype::Bf16 as i32 { 2 } else { 4 };
-    Ok(next + chunk.data.len() / width)
+    Ok(next + place_chunk(chunk, values).map_err(Status::invalid_argument)?)
 }
 
 /// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
@@ -121,10 +119,29 @@ impl Service {
         self.version.send_modify(|v| *v += 1);
     }
 
+    /// Runs `f` on place `p` under the lock, or refuses: no group joined it (a restarted
+    /// server's callers join again).
+    fn on_place<T>(
+        &self,
+        p: u32,
+        f: impl FnOnce(&mut Place) -> std::result::Result<T, Status>,
+    ) -> std::result::Result<T, Status> {
+        let mut state = self.lock();
+        let place = state.places.get_mut(p as usize).and_then(Option::as_mut).ok_or_else(|| {
+            Status::aborted(format!("place {p}: no group joined it (the server restarted?): join again"))
+        })?;
+        f(place)
+    }
+
     /// Drops the groups past the timeout and saves a due checkpoint, every tenth of the
     /// timeout (at most every 200 ms), until the server stops.
     pub async fn keep(self) {
         let tick = (self.config.group_timeout / 10).min(Duration::from_millis(200));
+        // Async places count pushes: a round is every group's.
+        let every = match self.config.mode {
+            ReplicaMode::Sync => self.config.checkpoint_every,
+            ReplicaMode::Async { .. } => self.config.checkpoint_every * self.config.groups as u64,
+        };
         loop {
             tokio::time::sleep(tick).await;
             let due = {
@@ -146,7 +163,7 @@ impl Service {
                 if changed {
                     self.changed();
                 }
-                self.due_checkpoint(&mut state)
+                self.due_checkpoint(&mut state, every)
             };
             if let Some((places, round)) = due {
                 self.save(places, round).await;
@@ -172,30 +189,17 @@ impl Service {
 
     /// At a stop: saves what the last checkpoint does not have yet (with a folder).
     pub async fn save_last(&self) {
-        let last = {
-            let mut state = self.lock();
-            let round = state.places.iter().flatten().map(|p| p.round).min();
-            match round {
-                Some(round) if self.config.checkpoint.is_some() && round > state.saved => {
-                    state.saved = round;
-                    Some((state.places.iter().map(|p| p.as_ref().map(Place::snapshot)).collect(), round))
-                }
-                _ => None,
-            }
-        };
+        let last = self.due_checkpoint(&mut self.lock(), 1);
         if let Some((places, round)) = last {
             self.save(places, round).await;
         }
     }
 
-    /// A copy of the places to save, and their round, when a checkpoint is due.
-    fn due_checkpoint(&self, state: &mut State) -> Option<(Vec<Option<Place>>, u64)> {
+    /// A snapshot of the places to save, and their round, once every place is `every`
+    /// rounds past the last checkpoint (with a folder).
+    fn due_checkpoint(&self, state: &mut State, every: u64) -> Option<(Vec<Option<Place>>, u64)> {
         self.config.checkpoint.as_ref()?;
         let round = state.places.iter().flatten().map(|p| p.round).min()?;
-        let every = match self.config.mode {
-            ReplicaMode::Sync => self.config.checkpoint_every,
-            ReplicaMode::Async { .. } => self.config.checkpoint_every * self.config.groups as u64,
-        };
         if round < state.saved + every {
             return None;
         }
@@ -258,16 +262,18 @@ impl ParameterServer for Service {
             state.places.resize_with(p + 1, || None);
         }
         let config = &self.config;
-        let place = state.places[p].get_or_insert_with(|| {
-            Place::new(config.mode, values.clone(), config.mode.fresh_outer(), 0, config.groups)
-        });
-        if place.global.len() != values.len() {
-            return Err(Status::failed_precondition(format!(
-                "place {p} holds {} values, group {g} joined with {}: another model or layout",
-                place.global.len(),
-                values.len()
-            )));
-        }
+        let place = match &mut state.places[p] {
+            // Another joiner may have made it since `check_len` looked.
+            Some(place) if place.global.len() != values.len() => {
+                return Err(Status::failed_precondition(format!(
+                    "place {p} holds {} values, group {g} joined with {}: another model or layout",
+                    place.global.len(),
+                    values.len()
+                )));
+            }
+            Some(place) => place,
+            slot @ None => slot.insert(Place::new(config.mode, values, config.mode.fresh_outer(), 0, config.groups)),
+        };
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
         let (round, status) = place.join(g, session);
         drop(state);
@@ -283,14 +289,10 @@ impl ParameterServer for Service {
             Ok(state.places.get_mut(head.place as usize).and_then(Option::as_mut).and_then(Place::take_spare))
         })
         .await?;
-        let g = head.group as usize;
-        let mut state = self.lock();
-        let p = head.place;
-        let place = state.places.get_mut(p as usize).and_then(Option::as_mut).ok_or_else(|| {
-            Status::aborted(format!("place {p}: no group joined it (the server restarted?): join again"))
+        let (g, p) = (head.group as usize, head.place);
+        let status = self.on_place(p, |place| {
+            place.push(g, head.session, head.round, delta, &self.config.outer).map_err(|r| refused(p, r))
         })?;
-        let status = place.push(g, head.session, head.round, delta, &self.config.outer).map_err(|r| refused(p, r))?;
-        drop(state);
         self.changed();
         Ok(ack(head.round + 1, head.session, status))
     }
@@ -298,14 +300,8 @@ impl ParameterServer for Service {
     async fn leave(&self, request: Request<PullRequest>) -> std::result::Result<Response<Ack>, Status> {
         let PullRequest { place: p, group, session } = request.into_inner();
         let g = self.check_group(group)?;
-        let mut state = self.lock();
-        let place = state
-            .places
-            .get_mut(p as usize)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| Status::aborted(format!("place {p}: no group joined it")))?;
-        let status = place.leave(g, session, &self.config.outer).map_err(|r| refused(p, r))?;
-        drop(state);
+        let status =
+            self.on_place(p, |place| place.leave(g, session, &self.config.outer).map_err(|r| refused(p, r)))?;
         self.changed();
         Ok(ack(0, session, status))
     }
@@ -320,17 +316,14 @@ impl ParameterServer for Service {
         // stops waiting, so that it never makes the place drop others on its behalf.
         let mut waiting = Waiting { service: self, place: p as usize, group: g, session, answered: false };
         loop {
-            {
-                let mut state = self.lock();
-                let place = state.places.get_mut(p as usize).and_then(Option::as_mut).ok_or_else(|| {
-                    Status::aborted(format!("place {p}: no group joined it (the server restarted?): join again"))
-                })?;
-                let round = place.round;
-                if let Pulled::Ready(global) = place.pull(g, session, Instant::now()).map_err(|r| refused(p, r))? {
-                    waiting.answered = true;
-                    let head = Header { place: p, group, round, session, dtype: Dtype::Fp32 };
-                    return Ok(Response::new(Box::pin(chunk_stream(head, global).map(Ok))));
-                }
+            let pulled = self.on_place(p, |place| {
+                let pulled = place.pull(g, session, Instant::now()).map_err(|r| refused(p, r))?;
+                Ok((place.round, pulled))
+            })?;
+            if let (round, Pulled::Ready(global)) = pulled {
+                waiting.answered = true;
+                let head = Header { place: p, group, round, session, dtype: Dtype::Fp32 };
+                return Ok(Response::new(Box::pin(chunk_stream(head, global).map(Ok))));
             }
             changes.changed().await.map_err(|_| Status::unavailable("the server is stopping"))?;
         }
