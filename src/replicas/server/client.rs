@@ -184,15 +184,14 @@ impl ServerRound {
     }
 
     /// Runs `f` on the client until it answers, within `limit` per attempt; a server that
-    /// cannot be reached is tried again with backoff (50 ms doubling to 2 s) for up to the
-    /// timeout. `Aborted` means: join again.
+    /// cannot be reached is tried again with [`Backoff`] for up to the timeout. `Aborted`
+    /// means: join again.
     fn call<T, F, Fut>(&self, what: &'static str, limit: Duration, f: F) -> std::result::Result<T, Failure>
     where
         F: Fn(ParameterServerClient<Channel>) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
-        let started = Instant::now();
-        let mut wait = Duration::from_millis(50);
+        let mut backoff = Backoff::new(self.timeout);
         loop {
             let attempt = self.runtime.block_on(async { tokio::time::timeout(limit, f(self.client.clone())).await });
             let status = match attempt {
@@ -207,15 +206,13 @@ impl ServerRound {
             match status.code() {
                 Code::Aborted => return Err(Failure::Rejoin(status.message().to_owned())),
                 // The server went away (or restarts): the connection's errors.
-                Code::Unavailable | Code::Unknown | Code::Cancelled if started.elapsed() + wait < self.timeout => {
-                    std::thread::sleep(wait);
-                    wait = (wait * 2).min(Duration::from_secs(2));
-                }
-                Code::Unavailable | Code::Unknown | Code::Cancelled => {
-                    let detail =
-                        format!("unreachable for {:.1} s: {}", started.elapsed().as_secs_f64(), status.message());
-                    return Err(Failure::Fatal(self.error(what, detail)));
-                }
+                Code::Unavailable | Code::Unknown | Code::Cancelled => match backoff.next() {
+                    Some(wait) => std::thread::sleep(wait),
+                    None => {
+                        let detail = format!("unreachable for {:.1} s: {}", backoff.elapsed(), status.message());
+                        return Err(Failure::Fatal(self.error(what, detail)));
+                    }
+                },
                 _ => return Err(Failure::Fatal(self.error(what, status.message().to_owned()))),
             }
         }
@@ -241,23 +238,47 @@ impl Drop for ServerRound {
     }
 }
 
-/// Connects, retrying with exponential backoff (50 ms doubling to 2 s) until `timeout`.
+/// Waits between tries of something that did not answer: 50 ms doubling to 2 s, for as
+/// long as the next wait still ends within `limit` of the first try.
+struct Backoff {
+    started: Instant,
+    wait: Duration,
+    limit: Duration,
+}
+
+impl Backoff {
+    fn new(limit: Duration) -> Self {
+        Self { started: Instant::now(), wait: Duration::from_millis(50), limit }
+    }
+
+    /// The wait before the next try, or `None`: give up.
+    fn next(&mut self) -> Option<Duration> {
+        let wait = self.wait;
+        self.wait = (wait * 2).min(Duration::from_secs(2));
+        (self.started.elapsed() + wait < self.limit).then_some(wait)
+    }
+
+    /// Seconds since the first try.
+    fn elapsed(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+}
+
+/// Connects, retrying with [`Backoff`] until `timeout`.
 async fn connect(endpoint: Endpoint, addr: &str, timeout: Duration) -> Result<ParameterServerClient<Channel>> {
-    let started = Instant::now();
-    let mut wait = Duration::from_millis(50);
+    let mut backoff = Backoff::new(timeout);
     loop {
         match endpoint.connect().await {
             Ok(channel) => return Ok(ParameterServerClient::new(channel).max_decoding_message_size(16 << 20)),
-            Err(e) if started.elapsed() + wait >= timeout => {
-                return Err(Error::Launch(format!(
-                    "local_sgd.servers: the server at {addr} does not answer ({e}) after {:.1} s",
-                    started.elapsed().as_secs_f64()
-                )));
-            }
-            Err(_) => {
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(2));
-            }
+            Err(e) => match backoff.next() {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => {
+                    return Err(Error::Launch(format!(
+                        "local_sgd.servers: the server at {addr} does not answer ({e}) after {:.1} s",
+                        backoff.elapsed()
+                    )));
+                }
+            },
         }
     }
 }
