@@ -66,10 +66,7 @@ fn print_collectives(plan: &crate::Plan) {
 /// 2(n-1)/n of its buffer).
 fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
     let Some(r) = &plan.replicas else { return };
-    let mut model = *model;
-    if model.vocab_size == 0 {
-        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
-    }
+    let model = with_vocabulary(model);
     let psi = model.num_params() as f64;
     let (job, g) = (plan.world_size() as f64, r.groups as f64);
     let bytes = r.comm_dtype.bytes_per_elem() as f64;
@@ -95,12 +92,19 @@ fn print_replicas(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
     );
 }
 
-/// Where each rank's model states live, by tier, for the built-in GPT the config describes.
-fn print_placement(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
+/// The built-in GPT `model` describes, its vocabulary the generated corpus's when the
+/// config leaves it to the data.
+fn with_vocabulary(model: &crate::app::models::GptConfig) -> crate::app::models::GptConfig {
     let mut model = *model;
     if model.vocab_size == 0 {
         model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
     }
+    model
+}
+
+/// Where each rank's model states live, by tier, for the built-in GPT the config describes.
+fn print_placement(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
+    let model = with_vocabulary(model);
     let psi = model.num_params();
     let p = crate::estimate::placement(plan, psi);
     let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
@@ -115,10 +119,7 @@ fn print_placement(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
 /// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the
 /// generated corpus when the config leaves it to the data).
 fn print_stages(model: &crate::app::models::GptConfig, pipeline: crate::config::PipelinePlan) -> anyhow::Result<()> {
-    let mut model = *model;
-    if model.vocab_size == 0 {
-        model.vocab_size = crate::app::data::Corpus::arithmetic(1000, 1).vocab.len();
-    }
+    let model = with_vocabulary(model);
     let (units, root) = model.unit_params();
     let weights: Vec<u64> = units.iter().map(|(_, n)| *n).collect();
     let parts = zerotrain_zero::pipeline::partition(&weights, pipeline.stages, pipeline.partition)
