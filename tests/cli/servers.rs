@@ -8,21 +8,61 @@ use std::time::{Duration, Instant};
 
 use super::{temp_run, text};
 
-/// A config of the tiny GPT as one rank with `local_sgd` set to `section`.
+/// A config of the tiny GPT as one rank with `local_sgd` set to `section`, written whole
+/// under its name at once (renamed into place: a job started earlier may be reading the
+/// file this one replaces).
 fn config(dir: &Path, name: &str, section: &str) -> PathBuf {
     let tiny = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/tiny.json")).unwrap();
     let json = tiny.replacen('{', &format!(r#"{{ "local_sgd": {section},"#), 1).replace(
         r#""zerotrain": { "world_size": 2, "eval_every": 2 }"#,
         r#""zerotrain": { "world_size": 1, "eval_every": 1000000, "comm_timeout_s": 30 }"#,
     );
-    let path = dir.join(name);
-    std::fs::write(&path, json).unwrap();
+    let (path, partial) = (dir.join(name), dir.join(format!("{name}.partial")));
+    std::fs::write(&partial, json).unwrap();
+    std::fs::rename(&partial, &path).unwrap();
     path
+}
+
+/// A child process that is killed (and reaped) when dropped, so that a failing test
+/// leaves no server or training job behind.
+struct Job(Option<Child>);
+
+impl Job {
+    fn spawn(command: &mut Command) -> Self {
+        Self(Some(command.spawn().unwrap()))
+    }
+
+    fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a job not yet finished")
+    }
+
+    fn id(&self) -> u32 {
+        self.0.as_ref().expect("a job not yet finished").id()
+    }
+
+    /// Kills it (SIGKILL) and reaps it.
+    fn kill(&mut self) {
+        let _ = self.child().kill();
+        let _ = self.child().wait();
+    }
+
+    fn output(mut self) -> Output {
+        self.0.take().expect("a job not yet finished").wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Starts `zerotrain serve` on `listen` with `section`'s groups; returns it and the address
 /// it printed.
-fn server(dir: &Path, section: &str, listen: &str, checkpoint: Option<&Path>) -> (Child, String) {
+fn server(dir: &Path, section: &str, listen: &str, checkpoint: Option<&Path>) -> (Job, String) {
     // A server reads any group's config (its own servers and group do not matter to it).
     let as_group = section.replacen('{', r#"{"servers": ["127.0.0.1:1"], "group": 0, "#, 1);
     let path = config(dir, "server.json", &as_group);
@@ -31,38 +71,37 @@ fn server(dir: &Path, section: &str, listen: &str, checkpoint: Option<&Path>) ->
         args.extend(["--checkpoint", c.to_str().unwrap()]);
     }
     let log = std::fs::File::create(dir.join(format!("server-{}.log", now_ms()))).unwrap();
-    let mut child =
-        Command::new(env!("CARGO_BIN_EXE_zerotrain")).args(&args).stdout(Stdio::piped()).stderr(log).spawn().unwrap();
+    let mut job =
+        Job::spawn(Command::new(env!("CARGO_BIN_EXE_zerotrain")).args(&args).stdout(Stdio::piped()).stderr(log));
     let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(job.child().stdout.take().unwrap()), &mut line).unwrap();
     assert!(line.contains("listening on 127.0.0.1:"), "{line}");
-    (child, line.trim().rsplit(' ').next().unwrap().to_string())
+    (job, line.trim().rsplit(' ').next().unwrap().to_string())
 }
 
 fn now_ms() -> u128 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
 }
 
-/// A group's training job: `steps` steps as `group` of `section` through `addr`, into
-/// `run{group}`.
-fn group(dir: &Path, section: &str, addr: &str, group: usize, steps: u64) -> Child {
-    group_into(dir, section, addr, group, steps, &format!("run{group}"))
+/// A group's training job: `steps` steps as `group` of the groups' config `path` through
+/// `addr`, into `run{group}`.
+fn group(dir: &Path, path: &Path, addr: &str, group: usize, steps: u64) -> Job {
+    group_into(dir, path, addr, group, steps, &format!("run{group}"))
 }
 
 /// [`group`] into the run folder `run`. The server and the group come as `--server` and
 /// `--group` (one config for every group).
-fn group_into(dir: &Path, section: &str, addr: &str, group: usize, steps: u64, run: &str) -> Child {
-    let path = config(dir, "groups.json", section);
+fn group_into(dir: &Path, path: &Path, addr: &str, group: usize, steps: u64, run: &str) -> Job {
     let out = dir.join(run);
     let (steps, group) = (steps.to_string(), group.to_string());
-    Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args(["train", "--config", path.to_str().unwrap(), "--server", addr, "--group", &group])
-        .args(["--steps", &steps, "--out", out.to_str().unwrap()])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    Job::spawn(
+        Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+            .args(["train", "--config", path.to_str().unwrap(), "--server", addr, "--group", &group])
+            .args(["--steps", &steps, "--out", out.to_str().unwrap()])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    )
 }
 
 /// The metrics lines group `group` has written so far (a line being written is skipped).
@@ -89,22 +128,22 @@ fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn signal(child: &Child, signal: &str) {
-    let status = Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
+fn signal(job: &Job, signal: &str) {
+    let status = Command::new("kill").args([&format!("-{signal}"), &job.id().to_string()]).status().unwrap();
     assert!(status.success(), "kill -{signal}");
 }
 
 /// Waits for a job to end, killing it past `limit` (then failing).
-fn finish(mut child: Child, limit: Duration) -> Output {
+fn finish(mut job: Job, limit: Duration) -> Output {
     let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
+    while job.child().try_wait().unwrap().is_none() {
         if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("a job ran past {limit:?}: {}", text(&child.wait_with_output().unwrap().stderr));
+            let _ = job.child().kill();
+            panic!("a job ran past {limit:?}: {}", text(&job.output().stderr));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    child.wait_with_output().unwrap()
+    job.output()
 }
 
 fn server_log(dir: &Path) -> String {
@@ -126,8 +165,9 @@ fn a_killed_group_is_dropped_and_a_stalled_one_rejoins() {
     std::fs::create_dir_all(&dir).unwrap();
     let section = r#"{"groups": 3, "sync_every": 2, "group_timeout_s": 3, "outer_optimizer": {"type": "sgd"}}"#;
     let (mut server, addr) = server(&dir, section, "127.0.0.1:0", None);
+    let groups = config(&dir, "groups.json", section);
     let steps = 4000;
-    let jobs: Vec<Child> = (0..3).map(|g| group(&dir, section, &addr, g, steps)).collect();
+    let jobs: Vec<Job> = (0..3).map(|g| group(&dir, &groups, &addr, g, steps)).collect();
     let live = |m: &serde_json::Value| m["live_groups"].as_u64();
     // A group slow to start (a loaded machine) may be dropped from a first round and join
     // again: the faults come once all three are live.
@@ -137,22 +177,21 @@ fn a_killed_group_is_dropped_and_a_stalled_one_rejoins() {
     let before = metrics(&dir, 0).len();
     let mut jobs = jobs.into_iter();
     let (zero, one, mut two) = (jobs.next().unwrap(), jobs.next().unwrap(), jobs.next().unwrap());
-    two.kill().unwrap(); // SIGKILL
+    two.kill(); // SIGKILL
     signal(&one, "STOP");
     wait_until("group 0 to go on alone", Duration::from_secs(30), || {
         metrics(&dir, 0).last().is_some_and(|m| live(m) == Some(1))
     });
     signal(&one, "CONT");
     // A new job for the killed group joins mid-run and trains from the current weights.
-    let again = group_into(&dir, section, &addr, 2, 40, "run2-again");
+    let again = group_into(&dir, &groups, &addr, 2, 40, "run2-again");
     let again = finish(again, Duration::from_secs(120));
     assert!(again.status.success(), "group 2 again: {}", text(&again.stderr));
     let last = metrics_in(&dir.join("run2-again")).pop().unwrap();
     assert_eq!((last["step"].as_u64(), last["rounds"].as_u64()), (Some(40), Some(20)), "{last}");
     let (zero, one) = (finish(zero, Duration::from_secs(120)), finish(one, Duration::from_secs(120)));
-    let _ = two.wait();
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(two);
+    server.kill();
     assert!(zero.status.success(), "group 0: {}", text(&zero.stderr));
     assert!(one.status.success(), "group 1: {}", text(&one.stderr));
     assert!(text(&one.stderr).contains("dropped from the quorum") && text(&one.stderr).contains("joining again"));
@@ -178,23 +217,22 @@ fn a_killed_server_restarts_from_its_checkpoint_and_the_groups_go_on() {
     let section = r#"{"groups": 2, "sync_every": 2, "checkpoint_every": 1, "group_timeout_s": 20}"#;
     let saved = dir.join("ckpt");
     let (mut first, addr) = server(&dir, section, "127.0.0.1:0", Some(&saved));
+    let groups = config(&dir, "groups.json", section);
     let steps = 3000;
-    let jobs: Vec<Child> = (0..2).map(|g| group(&dir, section, &addr, g, steps)).collect();
+    let jobs: Vec<Job> = (0..2).map(|g| group(&dir, &groups, &addr, g, steps)).collect();
     wait_until("ten rounds and a checkpoint", Duration::from_secs(60), || {
         (0..2).all(|g| rounds(&dir, g) >= 10) && saved.join("latest").exists()
     });
     // Held still while the server dies, so that neither finishes before it does.
     jobs.iter().for_each(|j| signal(j, "STOP"));
     assert!((0..2).all(|g| rounds(&dir, g) < steps / 2), "the groups finished before the server was killed");
-    first.kill().unwrap(); // SIGKILL
-    first.wait().unwrap();
+    first.kill(); // SIGKILL
     jobs.iter().for_each(|j| signal(j, "CONT"));
     std::thread::sleep(Duration::from_millis(300));
     let (mut second, again) = server(&dir, section, &addr, Some(&saved));
     assert_eq!(again, addr);
     let outs: Vec<Output> = jobs.into_iter().map(|j| finish(j, Duration::from_secs(120))).collect();
-    let _ = second.kill();
-    let _ = second.wait();
+    second.kill();
     assert!(server_log(&dir).contains("resumed from the checkpoint of round"), "{}", server_log(&dir));
     let mut finals = Vec::new();
     for (g, out) in outs.iter().enumerate() {
@@ -242,16 +280,16 @@ fn serve_reads_a_recipe_with_an_auto_schedule() {
         recipe.replacen(r#""groups": 4,"#, r#""groups": 4, "servers": ["127.0.0.1:1"], "group": 0,"#, 1),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config", path.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut job = Job::spawn(
+        Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--config", path.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
-    let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(job.child().stdout.take().unwrap()), &mut line).unwrap();
+    let _ = job.child().kill();
+    let out = job.output();
     assert!(line.contains("parameter server for 4 groups listening on 127.0.0.1:"), "{line} {}", text(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -279,19 +317,11 @@ fn a_server_gone_for_good_fails_the_group_by_address_within_its_timeout() {
     let path = config(&dir, "gone.json", section);
     let json = std::fs::read_to_string(&path).unwrap().replace(r#""comm_timeout_s": 30"#, r#""comm_timeout_s": 3"#);
     std::fs::write(&path, json).unwrap();
-    let job = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args(["train", "--config", path.to_str().unwrap(), "--server", &addr, "--group", "0"])
-        .args(["--steps", "100000", "--out", dir.join("run").to_str().unwrap()])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let job = group_into(&dir, &path, &addr, 0, 100_000, "run");
     wait_until("a few rounds", Duration::from_secs(60), || {
         rounds(&dir, 0) >= 1 || metrics_in(&dir.join("run")).len() > 4
     });
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.kill();
     let killed = Instant::now();
     let out = finish(job, Duration::from_secs(60));
     let stderr = text(&out.stderr);
