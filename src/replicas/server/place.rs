@@ -41,6 +41,8 @@ struct Member {
     push: Option<Vec<f32>>,
     /// Since when its pull waits for other groups (none: it does not wait).
     waiting: Option<Instant>,
+    /// When it joined: it never answers for a wait that began before.
+    joined: Instant,
 }
 
 /// Why a call was refused.
@@ -174,11 +176,11 @@ impl Place {
         Status { round: self.round, live: self.live(), staleness }
     }
 
-    /// `group` joins under `session` (any earlier session of it ends, its pending push
-    /// discarded). Returns the round it starts at.
-    pub fn join(&mut self, group: usize, session: u64) -> (u64, Status) {
+    /// `group` joins under `session` at `now` (any earlier session of it ends, its pending
+    /// push discarded). Returns the round it starts at.
+    pub fn join(&mut self, group: usize, session: u64, now: Instant) -> (u64, Status) {
         let round = self.first_round();
-        self.seats[group] = Seat::Live(Member { session, round, push: None, waiting: None });
+        self.seats[group] = Seat::Live(Member { session, round, push: None, waiting: None, joined: now });
         (round, self.status(group))
     }
 
@@ -324,16 +326,21 @@ impl Place {
 
     /// Drops the groups that have kept another waiting for longer than `timeout` (module
     /// note), and applies the round they held up. Returns the groups dropped.
+    ///
+    /// A group answers only for the wait since it joined: one that joins again while the
+    /// others wait (its round began without it) gets the whole timeout for its window, so a
+    /// slow group is not dropped again at once, round after round.
     pub fn expire(&mut self, now: Instant, timeout: Duration, opt: &OuterOptimizer) -> Vec<usize> {
         let Some(since) = self.members().filter_map(|m| m.waiting).min() else { return Vec::new() };
         if now.duration_since(since) < timeout {
             return Vec::new();
         }
         let slowest = self.slowest();
+        let overdue = |m: &Member| now.duration_since(since.max(m.joined)) >= timeout;
         let laggard = |seat: &Seat, first: u64| match (seat, &self.outer) {
             (Seat::Expected, _) => true,
-            (Seat::Live(m), Outer::Sync(_)) => m.push.is_none(),
-            (Seat::Live(m), Outer::Async(_)) => Some(m.round) == slowest.or(Some(first)),
+            (Seat::Live(m), Outer::Sync(_)) => m.push.is_none() && overdue(m),
+            (Seat::Live(m), Outer::Async(_)) => Some(m.round) == slowest.or(Some(first)) && overdue(m),
             (Seat::Dropped, _) => false,
         };
         let first = self.first_round();
@@ -384,9 +391,9 @@ mod tests {
     fn a_sync_round_drops_the_group_that_keeps_it_waiting_and_applies_the_rest() {
         let t0 = Instant::now();
         let mut place = Place::new(ReplicaMode::Sync, vec![1.0, 1.0], ReplicaMode::Sync.fresh_outer(), 0, 3);
-        let (r0, _) = place.join(0, 10);
-        let (r1, _) = place.join(1, 11);
-        let (r2, _) = place.join(2, 12);
+        let (r0, _) = place.join(0, 10, t0);
+        let (r1, _) = place.join(1, 11, t0);
+        let (r2, _) = place.join(2, 12, t0);
         assert_eq!((r0, r1, r2), (0, 0, 0));
         place.push(0, 10, 0, vec![0.5, 0.0], &AVERAGE).unwrap();
         place.push(1, 11, 0, vec![0.0, 0.5], &AVERAGE).unwrap();
@@ -398,7 +405,7 @@ mod tests {
         assert_eq!((place.round, place.live()), (1, 2));
         let late = place.push(2, 12, 0, vec![9.0, 9.0], &AVERAGE).unwrap_err();
         assert!(matches!(&late, Refusal::NotMember(m) if m.contains("group 2 was dropped")), "{late:?}");
-        let (round, status) = place.join(2, 13);
+        let (round, status) = place.join(2, 13, t0);
         assert_eq!((round, status.live), (1, 3), "it rejoins at the current round");
         assert_eq!(ready(&mut place, 2, 13, t0).unwrap(), [0.75, 0.75]);
         // A group that leaves (its job ended) is no longer waited for.
@@ -409,14 +416,41 @@ mod tests {
         assert_eq!(ready(&mut place, 0, 10, t0).unwrap(), [0.5, 0.5]);
     }
 
+    /// A group that joins again while another waits on the round it joins at answers only
+    /// for the wait since its join: it has the whole timeout for its window (not what was
+    /// left of the other's wait), then is dropped like any other.
+    #[test]
+    fn a_rejoined_group_has_the_whole_timeout_for_its_window() {
+        let t0 = Instant::now();
+        let mut place = Place::new(ReplicaMode::Sync, vec![1.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        place.join(0, 1, t0);
+        place.join(1, 2, t0);
+        place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 1, t0), None);
+        // Group 1's job restarts just before the timeout: its new session starts round 0.
+        let (round, _) = place.join(1, 3, t0 + SECOND * 9 / 10);
+        assert_eq!(round, 0);
+        assert!(place.expire(t0 + SECOND * 3 / 2, SECOND, &AVERAGE).is_empty(), "half a timeout since its join");
+        place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
+        assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-1.0], "1 - mean(1, 3)");
+        // Next round, it is late past a timeout of its own: dropped.
+        place.push(0, 1, 1, vec![0.0], &AVERAGE).unwrap();
+        let t1 = t0 + SECOND * 2;
+        assert_eq!(ready(&mut place, 0, 1, t1), None);
+        assert!(place.expire(t1 + SECOND / 2, SECOND, &AVERAGE).is_empty());
+        assert_eq!(place.expire(t1 + SECOND, SECOND, &AVERAGE), [1]);
+        assert_eq!((place.round, place.live()), (2, 1));
+    }
+
     /// A group that joins again (a restarted job) ends its earlier session: the old job's
     /// push is refused and cannot count twice; a push for another round is stale; a
     /// retried push is acknowledged and not applied twice.
     #[test]
     fn an_old_session_and_a_wrong_round_are_refused() {
+        let t0 = Instant::now();
         let mut place = Place::new(ReplicaMode::Sync, vec![0.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
-        place.join(0, 1);
-        place.join(0, 2);
+        place.join(0, 1, t0);
+        place.join(0, 2, t0);
         let old = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap_err();
         assert!(matches!(&old, Refusal::NotMember(m) if m.contains("session is over")), "{old:?}");
         let stale = place.push(0, 2, 3, vec![1.0], &AVERAGE).unwrap_err();
@@ -425,7 +459,7 @@ mod tests {
         assert!(matches!(&unjoined, Refusal::NotMember(m) if m.contains("has not joined")), "{unjoined:?}");
         place.push(0, 2, 0, vec![1.0], &AVERAGE).unwrap();
         place.push(0, 2, 0, vec![1.0], &AVERAGE).unwrap();
-        place.join(1, 3);
+        place.join(1, 3, t0);
         place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
         assert_eq!((place.round, place.global.as_slice()), (1, &[-2.0][..]), "0 - mean(1, 3), the retry not counted");
         place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
@@ -442,8 +476,8 @@ mod tests {
         let mode = ReplicaMode::Async { max_staleness: 1 };
         let t0 = Instant::now();
         let mut place = Place::new(mode, vec![0.0], mode.fresh_outer(), 0, 2);
-        place.join(0, 1);
-        place.join(1, 2);
+        place.join(0, 1, t0);
+        place.join(1, 2, t0);
         let s = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
         assert_eq!(*place.global, [-0.5], "its share, applied at once");
         assert_eq!((s.round, s.staleness), (1, 0), "pushed level with the slowest");
@@ -467,15 +501,15 @@ mod tests {
     fn expected_groups_hold_the_first_round_until_the_timeout() {
         let t0 = Instant::now();
         let mut place = Place::new(ReplicaMode::Sync, vec![2.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
-        place.join(0, 7);
+        place.join(0, 7, t0);
         place.push(0, 7, 0, vec![1.0], &AVERAGE).unwrap();
         assert_eq!(ready(&mut place, 0, 7, t0), None, "group 1 is expected");
         assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1]);
         assert_eq!(ready(&mut place, 0, 7, t0).unwrap(), [1.0]);
         // A pull whose caller went away (a killed job) stops waiting: it drops nobody.
         let mut place = Place::new(ReplicaMode::Sync, vec![2.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
-        place.join(0, 1);
-        place.join(1, 2);
+        place.join(0, 1, t0);
+        place.join(1, 2, t0);
         place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
         assert_eq!(ready(&mut place, 0, 1, t0), None);
         place.stop_waiting(0, 1);

@@ -275,7 +275,7 @@ impl ParameterServer for Service {
             slot @ None => slot.insert(Place::new(config.mode, values, config.mode.fresh_outer(), 0, config.groups)),
         };
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
-        let (round, status) = place.join(g, session);
+        let (round, status) = place.join(g, session, Instant::now());
         drop(state);
         self.changed();
         Ok(ack(round, session, status))
