@@ -9,9 +9,11 @@
 //! refused, so two jobs claiming one group never both count). A group is *dropped* when it
 //! has kept another group waiting for longer than the group timeout ([`Place::expire`]):
 //! in sync mode the groups that have not pushed the round the others wait on, in async
-//! mode the slowest groups that hold a faster one back. A dropped group's unfinished window
-//! is discarded (its push never applied); it may join again at any time and starts from
-//! the current global weights. Rounds apply among the groups live at that moment.
+//! mode the slowest groups that hold a faster one back; a group answers only for the part
+//! of a wait since it joined, so one that joins again mid-round has a whole timeout for its
+//! window. A dropped group's unfinished window is discarded (its push never applied); it
+//! may join again at any time and starts from the current global weights. Rounds apply
+//! among the groups live at that moment.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
