@@ -378,6 +378,11 @@ mod tests {
     const AVERAGE: OuterOptimizer = OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false };
     const SECOND: Duration = Duration::from_secs(1);
 
+    /// A fresh sync place of `groups` groups at round 0.
+    fn sync(global: Vec<f32>, groups: usize) -> Place {
+        Place::new(ReplicaMode::Sync, global, ReplicaMode::Sync.fresh_outer(), 0, groups)
+    }
+
     fn ready(place: &mut Place, group: usize, session: u64, now: Instant) -> Option<Vec<f32>> {
         match place.pull(group, session, now).unwrap() {
             Pulled::Ready(w) => Some(w.to_vec()),
@@ -392,7 +397,7 @@ mod tests {
     #[test]
     fn a_sync_round_drops_the_group_that_keeps_it_waiting_and_applies_the_rest() {
         let t0 = Instant::now();
-        let mut place = Place::new(ReplicaMode::Sync, vec![1.0, 1.0], ReplicaMode::Sync.fresh_outer(), 0, 3);
+        let mut place = sync(vec![1.0, 1.0], 3);
         let (r0, _) = place.join(0, 10, t0);
         let (r1, _) = place.join(1, 11, t0);
         let (r2, _) = place.join(2, 12, t0);
@@ -424,7 +429,7 @@ mod tests {
     #[test]
     fn a_rejoined_group_has_the_whole_timeout_for_its_window() {
         let t0 = Instant::now();
-        let mut place = Place::new(ReplicaMode::Sync, vec![1.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        let mut place = sync(vec![1.0], 2);
         place.join(0, 1, t0);
         place.join(1, 2, t0);
         place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
@@ -450,7 +455,7 @@ mod tests {
     #[test]
     fn an_old_session_and_a_wrong_round_are_refused() {
         let t0 = Instant::now();
-        let mut place = Place::new(ReplicaMode::Sync, vec![0.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        let mut place = sync(vec![0.0], 2);
         place.join(0, 1, t0);
         place.join(0, 2, t0);
         let old = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap_err();
@@ -502,14 +507,14 @@ mod tests {
     #[test]
     fn expected_groups_hold_the_first_round_until_the_timeout() {
         let t0 = Instant::now();
-        let mut place = Place::new(ReplicaMode::Sync, vec![2.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        let mut place = sync(vec![2.0], 2);
         place.join(0, 7, t0);
         place.push(0, 7, 0, vec![1.0], &AVERAGE).unwrap();
         assert_eq!(ready(&mut place, 0, 7, t0), None, "group 1 is expected");
         assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1]);
         assert_eq!(ready(&mut place, 0, 7, t0).unwrap(), [1.0]);
         // A pull whose caller went away (a killed job) stops waiting: it drops nobody.
-        let mut place = Place::new(ReplicaMode::Sync, vec![2.0], ReplicaMode::Sync.fresh_outer(), 0, 2);
+        let mut place = sync(vec![2.0], 2);
         place.join(0, 1, t0);
         place.join(1, 2, t0);
         place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
