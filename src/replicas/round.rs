@@ -73,7 +73,7 @@ impl PeerRound {
 }
 
 /// `global - local`, unit after unit, as one flat vector (a round's message).
-pub(super) fn pseudo_gradient(global: &[Vec<f32>], local: &[Vec<f32>]) -> Vec<f32> {
+fn pseudo_gradient(global: &[Vec<f32>], local: &[Vec<f32>]) -> Vec<f32> {
     global.iter().zip(local).flat_map(|(g, l)| g.iter().zip(l).map(|(g, l)| g - l)).collect()
 }
 

@@ -15,9 +15,9 @@ use crate::replicas::Round;
 use crate::{Error, Result};
 
 /// One rank's connection to one server, for its part of the rank's shard (a place): its
-/// copy of the place's global weights, its session and the round it pushes next. A call the server does not answer is
-/// retried with backoff for up to `timeout`; a pull may wait the group timeout longer (the
-/// server drops the groups that keep it waiting).
+/// copy of the place's global weights, its session and the round it pushes next. A call
+/// the server does not answer is retried with backoff for up to `timeout`; a pull may wait
+/// the group timeout longer (the server drops the groups that keep it waiting).
 pub struct ServerRound {
     runtime: tokio::runtime::Runtime,
     client: ParameterServerClient<Channel>,
@@ -69,15 +69,15 @@ impl ServerRound {
             group: plan.group.unwrap_or(0) as u32,
             session: 0,
             round: 0,
-            global: start,
+            global: Vec::new(),
             dtype,
             timeout,
             pull_wait: plan.group_timeout + timeout,
             delta: Vec::new(),
             pulled: Vec::new(),
         };
-        let local = round.global.clone();
-        match round.join_and_pull(&local) {
+        // The place's weights to start from come with the first pull (`start` only joins).
+        match round.join_and_pull(&start) {
             Ok(_) => Ok(round),
             Err(Failure::Rejoin(why)) => Err(round.error("join", why)),
             Err(Failure::Fatal(e)) => Err(e),
@@ -110,7 +110,7 @@ impl ServerRound {
         self.delta = std::sync::Arc::try_unwrap(delta).unwrap_or_default();
         let outcome = pushed.and_then(|ack| {
             self.round = ack.round;
-            self.pull().map(|()| ack)
+            self.pull(local.len()).map(|()| ack)
         });
         match outcome {
             Ok(ack) => {
@@ -152,13 +152,13 @@ impl ServerRound {
         })?;
         self.session = ack.session;
         self.round = ack.round;
-        self.pull().map(|()| ack)
+        self.pull(local.len()).map(|()| ack)
     }
 
-    /// Pulls the weights the group goes on from (waiting for the other groups).
-    fn pull(&mut self) -> std::result::Result<(), Failure> {
+    /// Pulls the `total` values of the weights the group goes on from (waiting for the
+    /// other groups).
+    fn pull(&mut self, total: usize) -> std::result::Result<(), Failure> {
         let request = PullRequest { place: self.place, group: self.group, session: self.session };
-        let total = self.global.len();
         let buffer = std::sync::Mutex::new(std::mem::take(&mut self.pulled));
         let pulled = self.call("pull", self.pull_wait, |mut c| {
             let buffer = &buffer;

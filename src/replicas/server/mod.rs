@@ -63,10 +63,7 @@ struct Header {
 
 /// `values` as chunks under `head`, encoded in its dtype.
 fn chunks(head: Header, values: &[f32]) -> Vec<proto::Chunk> {
-    if values.is_empty() {
-        return vec![piece(head, 0, 0, &[])];
-    }
-    values.chunks(CHUNK_ELEMS).enumerate().map(|(i, part)| piece(head, values.len(), i * CHUNK_ELEMS, part)).collect()
+    (0..chunk_count(values.len())).map(|i| piece(head, values, i)).collect()
 }
 
 /// [`chunks`] as a stream that encodes each chunk when it is sent.
@@ -74,22 +71,25 @@ fn chunk_stream(
     head: Header,
     values: std::sync::Arc<Vec<f32>>,
 ) -> impl tokio_stream::Stream<Item = proto::Chunk> + Send + 'static {
-    let count = values.len().div_ceil(CHUNK_ELEMS).max(1);
-    tokio_stream::iter((0..count).map(move |i| {
-        let part = &values[(i * CHUNK_ELEMS).min(values.len())..((i + 1) * CHUNK_ELEMS).min(values.len())];
-        piece(head, values.len(), i * CHUNK_ELEMS, part)
-    }))
+    tokio_stream::iter((0..chunk_count(values.len())).map(move |i| piece(head, &values, i)))
 }
 
-/// One chunk of a vector of `len` values: `part`, from `offset`.
-fn piece(head: Header, len: usize, offset: usize, part: &[f32]) -> proto::Chunk {
+/// How many chunks a vector of `len` values goes in (an empty one: one empty chunk).
+fn chunk_count(len: usize) -> usize {
+    len.div_ceil(CHUNK_ELEMS).max(1)
+}
+
+/// Chunk `i` of `values`.
+fn piece(head: Header, values: &[f32], i: usize) -> proto::Chunk {
+    let offset = (i * CHUNK_ELEMS).min(values.len());
+    let part = &values[offset..(offset + CHUNK_ELEMS).min(values.len())];
     proto::Chunk {
         place: head.place,
         group: head.group,
         round: head.round,
         session: head.session,
         dtype: head.dtype as i32,
-        len: len as u64,
+        len: values.len() as u64,
         offset: offset as u64,
         data: encode(head.dtype, part),
     }

@@ -15,7 +15,10 @@ use crate::{Error, Result};
 pub struct ServerRounds {
     parts: Vec<(Range<usize>, ServerRound)>,
     global: Vec<Vec<f32>>,
+    /// The global weights gathered from the parts, flat (the parts' layout).
     flat: Vec<f32>,
+    /// A round's local weights, flat, for the parts (kept across rounds).
+    local: Vec<f32>,
 }
 
 /// Part `k` of `len` values over `servers` servers: contiguous, sizes differing by at most one.
@@ -51,7 +54,7 @@ impl ServerRounds {
                 .collect()
         });
         let parts = parts.into_iter().collect::<Result<Vec<_>>>()?;
-        let mut rounds = Self { parts, global: start, flat };
+        let mut rounds = Self { parts, global: start, flat, local: Vec::new() };
         rounds.gather();
         Ok(rounds)
     }
@@ -65,13 +68,14 @@ impl ServerRounds {
     /// parts, the fewest live groups any server saw, the largest staleness, and whether any
     /// part joined again.
     pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Round)> {
-        let local = local.concat();
+        self.local.clear();
+        self.local.extend(local.iter().flatten());
         let results: Vec<Result<Round>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .parts
                 .iter_mut()
                 .map(|(range, round)| {
-                    let local = &local[range.clone()];
+                    let local = &self.local[range.clone()];
                     s.spawn(move || round.run(local).map(|(_, x)| x))
                 })
                 .collect();
