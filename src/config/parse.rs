@@ -166,6 +166,12 @@ pub fn typed<T: DeserializeOwned>(
     if let Some(path) = unknown {
         let (key, parent) = path.split_last().expect("an ignored key has a name");
         let parent = parent.join(".");
+        if !parent.is_empty() && known("").contains(&key.as_str()) {
+            // A top-level section nested in another, as Hugging Face's NVMe example nests
+            // `aio` in `zero_optimization`.
+            let suggestion = Some(format!("{key}` at the top level, not in `{parent}"));
+            return Err(ConfigError::UnknownKey { origin: origin.to_string(), key: keys::join(&parent, key), suggestion });
+        }
         return Err(unknown_key(origin, &parent, key, &known(&parent)));
     }
     parsed.map_err(|e| {

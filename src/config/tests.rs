@@ -104,6 +104,13 @@ fn unknown_keys_name_the_path_and_the_closest_key() {
         matches!(&err, ConfigError::UnknownKey { key, suggestion: Some(s), .. } if key == "optimizer.params.beta" && s == "betas"),
         "{err}"
     );
+    // Hugging Face's ZeRO-3 NVMe example nests the top-level `aio` section.
+    let err = parse(r#"{"zero_optimization": {"stage": 3, "aio": {"block_size": 262144}}}"#).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "test.json: unknown key `zero_optimization.aio` (did you mean `aio` at the top level, not in \
+         `zero_optimization`?)"
+    );
     let err = parse(r#"{"completely_unrelated": 1}"#).unwrap_err();
     assert!(matches!(&err, ConfigError::UnknownKey { suggestion: None, .. }), "{err}");
 }

@@ -164,6 +164,12 @@ impl ParamShard {
         }
     }
 
+    /// Whether the shard is a copy of its own, apart from the master weights (which a step
+    /// must then [`store`](Self::store) its new values into).
+    pub fn is_kept_apart(&self) -> bool {
+        !matches!(self, Self::FromMaster)
+    }
+
     /// Replaces the shard's values (after a step or a load). `FromMaster` keeps nothing.
     pub fn store(&mut self, values: FlatBuf) -> Result<()> {
         match self {

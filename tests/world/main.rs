@@ -17,6 +17,7 @@ mod offload;
 mod overflow;
 mod pipeline;
 mod replicas;
+mod tiers;
 mod units;
 
 /// The README's minimal example, compiled and run as part of the suite.

@@ -2,76 +2,18 @@
 //! in-memory training bit for bit, checkpoints move between offloaded and in-memory runs,
 //! and every fault names its path.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use zerotrain::{Engine, Error, LoadOptions, launch};
 
 use crate::common::*;
-use crate::units::{MODES, Mode, Outcome, Tokens, tiny_gpt, train, unit_recipe};
-
-/// A fresh scratch folder for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zerotrain-offload-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
+use crate::tiers::{same, scratch, tier_keys};
+use crate::units::{MODES, Mode, Tokens, tiny_gpt, train, unit_recipe};
 
 /// `zero_optimization` keys that put the optimizer (and at stage 3 the parameters) on
-/// NVMe under `root`, in tiles of 1024 elements (several per unit shard of the tiny GPT),
-/// pipelined, with only the first unit's shard cached in memory.
+/// NVMe under `root` ([`tier_keys`]).
 fn nvme_keys(root: &Path, stage: u8) -> String {
-    let opt = format!(
-        r#", "sub_group_size": 1000, "offload_optimizer": {{"device": "nvme", "nvme_path": "{}",
-            "pipeline_read": true, "pipeline_write": true, "buffer_count": 9}}"#,
-        root.join("opt").display()
-    );
-    let param = format!(
-        r#", "offload_param": {{"device": "nvme", "nvme_path": "{}", "max_in_cpu": 600}}"#,
-        root.join("param").display()
-    );
-    if stage == 3 { opt + &param } else { opt }
-}
-
-fn same(what: &str, got: &Outcome, want: &Outcome) {
-    assert_eq!(got.losses, want.losses, "{what}: losses");
-    assert!(got.master == want.master, "{what}: master weights differ");
-    let (diff, path) = max_abs_diff(&got.params[0], &want.params[0]);
-    assert!(got.params == want.params, "{what}: parameters differ by {diff} at `{path}`");
-}
-
-/// DeepSpeed issue 2272 (NVMe offload silently hurting convergence) is the bug never to
-/// have: in every stage, precision, world size, accumulation and walk, with clipping on,
-/// the tiled, pipelined NVMe step and the NVMe parameter shards give the in-memory run's
-/// bits, and the swap holds what the engine says it holds.
-#[test]
-fn offloaded_training_equals_in_memory_training_bit_for_bit() {
-    let init = tiny_gpt(true, 21);
-    let w = Tokens { vocab: 11, len: 9 };
-    let root = scratch("equal");
-    for world_size in [1, 2] {
-        for stage in 1..=3u8 {
-            for precision in ["fp32", "bf16"] {
-                for gas in [1, 3] {
-                    for mode in [MODES[0], MODES[5]] {
-                        let what = format!("world {world_size} stage {stage} {precision} gas {gas} {mode:?}");
-                        let in_memory = plan(&unit_recipe(stage, gas, mode, precision, ""), world_size);
-                        let offloaded =
-                            plan(&unit_recipe(stage, gas, mode, precision, &nvme_keys(&root, stage)), world_size);
-                        let want = train(&w, &init, &in_memory, mode, 3).unwrap();
-                        let got = train(&w, &init, &offloaded, mode, 3).unwrap();
-                        same(&what, &got, &want);
-                        for (m, reference) in got.memory.iter().zip(&want.memory) {
-                            assert_eq!(m.optimizer, 0, "{what}: no optimizer state in memory");
-                            // Adam's two moments always; the masters too in mixed precision.
-                            let swapped_states = reference.optimizer + reference.master;
-                            assert!(m.swapped >= swapped_states, "{what}: {} swapped < {swapped_states}", m.swapped);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    let _ = std::fs::remove_dir_all(&root);
+    tier_keys(root, "nvme", if stage == 3 { "nvme" } else { "none" })
 }
 
 /// fp16's skipped steps (an overflowing first scale) skip the offloaded step the same way.

@@ -150,7 +150,7 @@ pub(crate) fn train<W: Workload>(
 }
 
 /// Trains steps `steps`, after loading `resume` if given, and saves to `save` after.
-fn train_between<W: Workload>(
+pub(crate) fn train_between<W: Workload>(
     w: &W,
     init: &W::Model,
     plan: &Plan,

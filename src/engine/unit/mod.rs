@@ -225,9 +225,10 @@ impl Unit {
         self.grad.take_reduced(times)
     }
 
-    /// Puts new values of the unit's optimizer range into the model, as the stage keeps
-    /// parameters: all of them at stage 0, all-gathered in the compute dtype at stages 1-2,
-    /// nowhere at stage 3 (gathered at the next use). `values` gives them in the compute
+    /// Puts new values of the unit's optimizer range where the stage keeps parameters: all
+    /// of them into the model at stage 0, all-gathered in the compute dtype at stages 1-2;
+    /// at stage 3 into the parameter shard where it is kept apart from the masters (an
+    /// offload tier), to be gathered at the next use. `values` gives them in the compute
     /// dtype, on the host. Returns the transient bytes it used.
     pub fn publish<M: Module>(
         &mut self,
@@ -241,6 +242,9 @@ impl Unit {
             // A gather between the last backward and this step holds the pre-step
             // weights; release them, or the next forward would silently use them.
             let model = if self.is_gathered() || self.is_fetching() { self.release(model, shared) } else { model };
+            if self.shard.is_kept_apart() {
+                self.shard.store(values()?)?;
+            }
             return Ok((model, 0));
         }
         let (dtype, layout) = (shared.dtype(), shared.layout(self.id));
@@ -291,7 +295,6 @@ impl Unit {
         if let Home::Swapped(swapped) = &mut self.home {
             swapped.load_masters(&values)?;
         }
-        self.shard.store(FlatBuf::from_f32(dtype, &values))?;
         let values = Values::new(values, shared.states_on_host(), &shared.state_device());
         let (model, _) = self.publish(model, || values.to_host(dtype), shared, &mut PhaseTimes::default())?;
         if let Home::Resident { master: master @ Master::Held(_), .. } = &mut self.home {

@@ -39,12 +39,7 @@ impl Unit {
             let new = swapped.step(lr, &grads, masters, shared.dtype(), &shared.state_device())?;
             times.optimizer += start.elapsed().as_secs_f64();
             let start = Instant::now();
-            let (model, published) = if shared.stage().shards_parameters() {
-                self.shard.store(new)?;
-                self.publish(model, || unreachable!("stage 3 publishes nothing"), shared, times)?
-            } else {
-                self.publish(model, || Ok(new), shared, times)?
-            };
+            let (model, published) = self.publish(model, || Ok(new), shared, times)?;
             times.gather += start.elapsed().as_secs_f64();
             return Ok((model, transient + published));
         }
