@@ -56,7 +56,7 @@
 //! # The library and the application
 //! Everything at this level is the library a Burn program depends on
 //! (`zerotrain = { default-features = false }`): [`config`], [`engine`], [`launch`],
-//! [`RankContext`], [`schedule`], [`estimate`]. The `zerotrain` command (the built-in GPT,
+//! [`RankContext`], [`schedule`], [`estimate`], [`random`]. The `zerotrain` command (the built-in GPT,
 //! its corpus, the train job, metrics and plots, bench tables) is [`app`], behind the
 //! default `cli` feature. Imports point down: `app` uses the library; the library never
 //! uses `app`; the engine never uses the launcher.
@@ -64,6 +64,7 @@
 //! # Design notes
 //! - *Note: the root unit* (parameters no unit claims, tied weights): [`engine::model`].
 //! - *Note: the unit walk* (gather, prefetch, recompute, reduce per unit): `engine/exec.rs`.
+//! - *Note: replayable randomness* (dropout under recomputation and thread ranks): [`random`].
 //! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params/index.rs`.
 //! - *Note: why reduce-scatter per micro-step*, *reductions in flight*: `engine/grads.rs`.
 //! - *Note: persistence* (stage 3): `engine/unit/`; *lost master weights*, the offload tiers: `engine/home.rs`, `engine/swapped.rs`; *threads and direct I/O*: `swap/io.rs`; *the host AdamW*: `engine/host_adam.rs`.
@@ -83,6 +84,7 @@ pub mod engine;
 mod error;
 pub mod estimate;
 mod launch;
+pub mod random;
 pub mod replicas;
 pub mod schedule;
 mod swap;

@@ -21,6 +21,7 @@ use super::unit::{Shared, Unit};
 use super::{Engine, Granularity, Pipeline, Progress};
 use crate::config::{ComputeDevice, ConfigError, Plan};
 use crate::context::RankContext;
+use crate::random::Streams;
 use crate::{Error, Result};
 
 /// Shard alignment in elements (one 64-byte cache line of f32).
@@ -311,8 +312,9 @@ fn assemble<M: Module>(
     let lead = world.rank() == 0;
     let swaps = Swaps::open(plan, world.as_ref())?;
     let device = ctx.device().clone();
-    let shared =
-        Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings: Default::default() };
+    let streams = Streams::new(plan.runtime.seed, ctx.data_parallel_rank());
+    let crossings = Default::default();
+    let shared = Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams };
     let (mut units, mut transient) = (Vec::new(), 0);
     for id in 0..shared.sharding.units().len() {
         let layout = shared.layout(id);

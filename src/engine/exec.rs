@@ -32,6 +32,7 @@ use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
 use super::{Engine, Granularity};
 use crate::error::panic_message;
+use crate::random;
 use crate::{Error, Result};
 
 /// What the forward pass keeps of unit `i` for its backward.
@@ -52,6 +53,14 @@ pub(super) enum Saved<H> {
 /// What the forward half returns: each unit's [`Saved`], the last unit's output, and the
 /// units' loss terms' sum.
 pub(super) type Forward<H> = (Vec<Saved<H>>, H, f32);
+
+/// How a unit runs: in training, drawing from micro-batch `micro`'s streams (see
+/// [`crate::random`]), with or without an autodiff `graph`; or in inference mode.
+#[derive(Clone, Copy)]
+pub(super) enum Pass {
+    Train { micro: u64, graph: bool },
+    Infer,
+}
 
 /// Which way the walk goes, for prefetching.
 #[derive(Clone, Copy)]
@@ -78,9 +87,10 @@ impl<M: UnitModel> Engine<M> {
         if let Some(root) = self.granularity.root() {
             self.gather(root)?;
         }
-        let (saved, output, terms) = self.forward_units(None, batch)?;
-        let (value, upstream, root_grads) = self.loss_backward(output, batch)?;
-        let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch)?;
+        let micro = self.window.micro_steps;
+        let (saved, output, terms) = self.forward_units(None, batch, micro)?;
+        let (value, upstream, root_grads) = self.loss_backward(output, batch, micro)?;
+        let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch, micro)?;
         self.reduce_root(root_grads)?;
         Ok(self.end_micro_step(value + terms))
     }
@@ -112,16 +122,19 @@ impl<M: UnitModel> Engine<M> {
         }
     }
 
-    /// The loss of the last unit's `output`, back-propagated (scaled): the loss value,
-    /// the gradient of `output`, and the root's gradients from the loss.
+    /// The loss of the last unit's `output` for micro-batch `micro`, back-propagated
+    /// (scaled): the loss value, the gradient of `output`, and the root's gradients from the
+    /// loss.
     pub(super) fn loss_backward(
         &mut self,
         output: M::Hidden,
         batch: &M::Batch,
+        micro: u64,
     ) -> Result<(f32, Option<M::Hidden>, Option<UnitGrads>)> {
         let start = Instant::now();
         let last = output.leaf();
-        let loss = self.model.output_loss(last.clone(), batch);
+        let draw = self.draw(micro, random::LOSS);
+        let loss = self.shared.streams.run(&self.shared.device, draw, || self.model.output_loss(last.clone(), batch));
         let (value, scaled) = self.scale_loss(loss)?;
         self.window.times.forward += start.elapsed().as_secs_f64();
         let start = Instant::now();
@@ -152,11 +165,16 @@ impl<M: UnitModel> Engine<M> {
         }
     }
 
-    /// The forward half of the walk from `input` (the previous stage's output, or `None`
-    /// where the first unit reads the batch): every unit in order, with or without its
-    /// graph as checkpointing says. Returns what backward needs of each unit, the last
-    /// output and the units' loss terms' sum.
-    pub(super) fn forward_units(&mut self, input: Option<M::Hidden>, batch: &M::Batch) -> Result<Forward<M::Hidden>> {
+    /// The forward half of the walk of micro-batch `micro` from `input` (the previous
+    /// stage's output, or `None` where the first unit reads the batch): every unit in
+    /// order, with or without its graph as checkpointing says. Returns what backward needs
+    /// of each unit, the last output and the units' loss terms' sum.
+    pub(super) fn forward_units(
+        &mut self,
+        input: Option<M::Hidden>,
+        batch: &M::Batch,
+        micro: u64,
+    ) -> Result<Forward<M::Hidden>> {
         let (declared, interval) = self.walk();
         let (mut saved, mut terms) = (Vec::with_capacity(declared), 0.0f32);
         let mut hidden: Option<M::Hidden> = input;
@@ -165,13 +183,13 @@ impl<M: UnitModel> Engine<M> {
             let start = Instant::now();
             let input = hidden.take();
             if interval > 0 {
-                let (output, term) = self.run_unit(i, input.clone(), batch, true, false)?;
+                let (output, term) = self.run_unit(i, input.clone(), batch, Pass::Train { micro, graph: false })?;
                 terms += value_of(term.as_ref());
                 saved.push(if i % interval == 0 { Saved::Boundary(input) } else { Saved::Inside });
                 hidden = Some(output);
             } else {
                 let input = input.map(Activation::leaf);
-                let (output, term) = self.run_unit(i, input.clone(), batch, true, true)?;
+                let (output, term) = self.run_unit(i, input.clone(), batch, Pass::Train { micro, graph: true })?;
                 terms += value_of(term.as_ref());
                 hidden = Some(output.clone().detached());
                 saved.push(Saved::Graph { input, output, term });
@@ -185,9 +203,16 @@ impl<M: UnitModel> Engine<M> {
     }
 
     /// Recomputes the checkpointed group that ends at unit `last`, from its boundary,
-    /// with graphs (each unit on a leaf of its own input, so each backs up on its own).
-    /// Each unit's buffers are put back after its second forward (note in `buffers.rs`).
-    fn recompute_group(&mut self, last: usize, saved: &mut [Saved<M::Hidden>], batch: &M::Batch) -> Result<()> {
+    /// with graphs (each unit on a leaf of its own input, so each backs up on its own),
+    /// drawing what micro-batch `micro`'s forward drew. Each unit's buffers are put back
+    /// after its second forward (note in `buffers.rs`).
+    fn recompute_group(
+        &mut self,
+        last: usize,
+        saved: &mut [Saved<M::Hidden>],
+        batch: &M::Batch,
+        micro: u64,
+    ) -> Result<()> {
         let first = last - last % self.walk().1.max(1);
         let Saved::Boundary(mut input) = std::mem::replace(&mut saved[first], Saved::Done) else {
             unreachable!("a checkpointed group starts with its boundary")
@@ -197,7 +222,7 @@ impl<M: UnitModel> Engine<M> {
             let start = Instant::now();
             let leaf = input.take().map(Activation::leaf);
             let before = self.buffers.snapshot(&self.model, i)?;
-            let (output, term) = self.run_unit(i, leaf.clone(), batch, true, true)?;
+            let (output, term) = self.run_unit(i, leaf.clone(), batch, Pass::Train { micro, graph: true })?;
             if let Some(before) = before {
                 let model = self.model.clone();
                 self.model = self.buffers.restore(model, before);
@@ -209,8 +234,9 @@ impl<M: UnitModel> Engine<M> {
         Ok(())
     }
 
-    /// The backward half: the units in reverse, each (recomputed if checkpointed) seeded
-    /// with `upstream`, the gradient of the next unit's input, and its own loss term; each
+    /// The backward half of micro-batch `micro`: the units in reverse, each (recomputed if
+    /// checkpointed) seeded with `upstream`, the gradient of the next unit's input, and its
+    /// own loss term; each
     /// unit's gradients reduced and the unit released as soon as its backward is done.
     /// Returns the root's gradients, `root_grads` (the loss's) plus every unit's
     /// contribution, and the gradient of the first unit's input (`None` where it reads the
@@ -221,11 +247,12 @@ impl<M: UnitModel> Engine<M> {
         mut upstream: Option<M::Hidden>,
         mut root_grads: Option<UnitGrads>,
         batch: &M::Batch,
+        micro: u64,
     ) -> Result<(Option<UnitGrads>, Option<M::Hidden>)> {
         let declared = self.walk().0;
         for i in (0..declared).rev() {
             if !matches!(saved[i], Saved::Graph { .. }) {
-                self.recompute_group(i, &mut saved, batch)?;
+                self.recompute_group(i, &mut saved, batch, micro)?;
             }
             let Saved::Graph { input, output, term } = std::mem::replace(&mut saved[i], Saved::Done) else {
                 unreachable!("recomputed above")
@@ -295,31 +322,35 @@ impl<M: UnitModel> Engine<M> {
             && beyond + size <= zero.max_live_parameters
     }
 
-    /// Runs unit `i`: `training` on the training model (else in inference mode, on the
-    /// valid model), with or without an autodiff `graph`. Returns its output and loss term.
-    /// A panic inside the model's code becomes an error (at stage 3 the likely cause is a
-    /// parameter of another unit, which is an empty tensor while that unit is released).
+    /// Runs unit `i` as `pass` says: in training on the training model, drawing from the
+    /// unit's stream of the micro-batch; in inference mode on the valid model. Returns its
+    /// output and loss term. A panic inside the model's code becomes an error (at stage 3
+    /// the likely cause is a parameter of another unit, which is an empty tensor while that
+    /// unit is released).
     pub(super) fn run_unit(
         &self,
         i: usize,
         input: Option<M::Hidden>,
         batch: &M::Batch,
-        training: bool,
-        graph: bool,
+        pass: Pass,
     ) -> Result<(M::Hidden, Option<Tensor<1>>)> {
         // Without a graph, a training run still uses the autodiff model (on a detached
         // input, its output detached at once, so the graph is dropped unit by unit): the
         // inner backend's kernels need not round like the autodiff ones, and the
         // recomputation in backward must reproduce the boundary activations bit for bit.
         let unit = self.span.first_unit + i;
-        let run = || {
-            let input = input.map(|x| if graph { x } else { x.detached() });
-            let (output, term) = if training {
-                self.model.forward_unit_with_loss(unit, input, batch)
-            } else {
-                (self.model.valid().forward_unit(unit, input, batch), None)
-            };
-            if graph { (output, term) } else { (output.detached(), term.map(|t| t.detach())) }
+        let run = || match pass {
+            Pass::Train { micro, graph } => {
+                let input = input.map(|x| if graph { x } else { x.detached() });
+                let draw = self.draw(micro, unit as u64);
+                let forward = || self.model.forward_unit_with_loss(unit, input, batch);
+                let (output, term) = self.shared.streams.run(&self.shared.device, draw, forward);
+                if graph { (output, term) } else { (output.detached(), term.map(|t| t.detach())) }
+            }
+            Pass::Infer => {
+                let output = self.model.valid().forward_unit(unit, input.map(Activation::detached), batch);
+                (output.detached(), None)
+            }
         };
         catch_unwind(AssertUnwindSafe(run)).map_err(|panic| {
             let name = &self.shared.sharding.units()[i].name;

@@ -2,7 +2,7 @@
 //! at a time, with no autodiff graph (the pipeline's evaluation walks its stage's units the
 //! same way).
 
-use super::exec::Direction;
+use super::exec::{Direction, Pass};
 use super::model::UnitModel;
 use super::{Engine, Granularity};
 use crate::{Error, Result};
@@ -40,7 +40,7 @@ impl<M: UnitModel> Engine<M> {
         for i in 0..self.walk().0 {
             let was_released = !self.units[i].is_gathered();
             self.enter(i, Direction::Forward)?;
-            hidden = Some(self.run_unit(i, hidden.take(), batch, false, false)?.0);
+            hidden = Some(self.run_unit(i, hidden.take(), batch, Pass::Infer)?.0);
             if was_released {
                 self.release(i);
             }

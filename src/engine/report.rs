@@ -151,6 +151,8 @@ pub struct Counters {
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Window {
     pub micro_steps: u64,
+    /// [`Engine::forward`](super::Engine::forward) calls in the micro-step in progress.
+    pub forward_calls: u64,
     pub loss_sum: f64,
     /// The traffic counters when the window began, moved on by the bytes of anything
     /// between that is not training (evaluation).

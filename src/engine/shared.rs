@@ -12,6 +12,7 @@ use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
 use super::report::HostDeviceBytes;
 use crate::config::{ComputeDevice, Plan, Tier};
+use crate::random::Streams;
 use crate::swap::SwapDir;
 use crate::{Error, Result};
 
@@ -71,6 +72,8 @@ pub(crate) struct Shared {
     pub swaps: Swaps,
     /// Bytes copied between host memory and the device (see [`crossed`](Self::crossed)).
     pub crossings: Crossings,
+    /// The random streams the rank's forward passes draw from.
+    pub streams: Streams,
 }
 
 /// Model-state bytes a rank copied between host memory and its device, each way.

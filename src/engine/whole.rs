@@ -11,6 +11,7 @@ use burn::tensor::{FloatDType, Tensor};
 use super::Engine;
 use super::grads::ReduceOptions;
 use super::params::UnitGrads;
+use crate::random::Draw;
 use crate::{Error, Result};
 
 impl<M: Module> Engine<M> {
@@ -19,12 +20,23 @@ impl<M: Module> Engine<M> {
     /// [`backward`](Self::backward). Every rank must call it the same number of times at
     /// stage 3. A model built with [`with_units`](Self::with_units) trains with less
     /// memory through [`forward_backward`](Self::forward_backward).
+    ///
+    /// What `f` draws at random (dropout) comes from this rank's stream for the call (the
+    /// micro-step's first, second... call of `forward`), not from whatever the process's
+    /// generator holds: see [`crate::random`]. `f` must not take [`crate::random::lock`].
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         self.gather_all()?;
         let start = Instant::now();
-        let out = f(&self.model);
+        let draw = self.draw(self.window.micro_steps, self.window.forward_calls);
+        self.window.forward_calls += 1;
+        let out = self.shared.streams.run(&self.shared.device, draw, || f(&self.model));
         self.window.times.forward += start.elapsed().as_secs_f64();
         Ok(out)
+    }
+
+    /// Stream `index` of micro-batch `micro` of the step in progress (see [`crate::random`]).
+    pub(super) fn draw(&self, micro: u64, index: u64) -> Draw {
+        Draw { step: self.progress.counters.global_steps, micro, index }
     }
 
     /// Back-propagates `loss` (a one-element tensor from [`forward`](Self::forward)),
@@ -97,6 +109,7 @@ impl<M: Module> Engine<M> {
     pub(super) fn end_micro_step(&mut self, value: f32) -> f32 {
         self.progress.counters.micro_steps += 1;
         self.window.micro_steps += 1;
+        self.window.forward_calls = 0;
         self.window.loss_sum += f64::from(value);
         value
     }

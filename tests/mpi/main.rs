@@ -76,6 +76,15 @@ fn training_at_every_stage_equals_the_threads_backend() {
 
 /// Replica groups of MPI processes (2 groups of 2, a round every 2 steps) train as the same
 /// groups of threads do.
+/// Dropout masks come from a stream per rank, not per process: the same run with dropout
+/// under `mpirun` and as threads of one process draws the same masks.
+#[test]
+fn dropout_over_mpi_draws_the_masks_thread_ranks_draw() {
+    let (out, _) = run(2, &["dropout"], Duration::from_secs(300));
+    assert_success(&out, "dropout");
+    assert_eq!(ok_lines(&out).len(), 2 * 2, "2 stages on every rank");
+}
+
 #[test]
 fn replica_groups_over_mpi_train_like_threads() {
     let (out, _) = run(4, &["groups"], Duration::from_secs(300));

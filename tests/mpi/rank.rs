@@ -17,6 +17,8 @@
 //!   travel as 16 bits).
 //! - `buffers`: a BatchNorm conv net, 6 steps at stage 2: every rank's running statistics
 //!   equal, and equal to the threads backend's.
+//! - `dropout`: an MLP with dropout on its input, stages 0 and 3, 4 steps, against the
+//!   threads backend: a rank draws its masks by its rank, not by its process.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,6 +119,31 @@ fn train(
     }
     if let Some(dir) = save {
         engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
+    }
+    engine.master_params()
+}
+
+/// [`Mlp`] with dropout on its input.
+#[derive(burn::module::Module, Debug)]
+struct NoisyMlp {
+    mlp: Mlp,
+    dropout: burn::nn::Dropout,
+}
+
+/// [`train`]'s data and steps, through [`NoisyMlp`] at dropout 0.2 (rank 0's masters).
+fn train_noisy(model: Mlp, ctx: &RankContext, plan: &Plan) -> Result<Vec<f32>, Error> {
+    let model = NoisyMlp { mlp: model, dropout: burn::nn::DropoutConfig::new(0.2).init() };
+    let mut engine = Engine::new(model, plan, ctx)?;
+    let (b, r) = (plan.batch, ctx.rank() as u64);
+    for step in 0..4 {
+        let first = step * b.train_batch_size + r * b.micro_batch_per_rank;
+        let batch = TASK.batch(first..first + b.micro_batch_per_rank, ctx.device());
+        let loss = engine.forward(|m| {
+            let dropped = zerotrain::app::models::Batch { input: m.dropout.forward(batch.input.clone()), ..batch };
+            m.mlp.loss(&dropped)
+        })?;
+        engine.backward(loss)?;
+        engine.step()?;
     }
     engine.master_params()
 }
@@ -509,6 +536,20 @@ fn rank_program() {
                     assert!(diff <= 1e-6, "MPI vs threads running statistics differ by {diff}");
                 }
                 println!("ok buffers rank {}", ctx.rank());
+            }
+            "dropout" => {
+                for stage in [0, 3] {
+                    let plan = plan(stage, Some(ctx.world_size()));
+                    let got = train_noisy(model.clone(), &ctx, &plan)?;
+                    let diff = if ctx.rank() == 0 {
+                        let reference = on_threads(&plan, |model, ctx, plan| train_noisy(model, ctx, plan));
+                        max_diff(&got, &reference.expect("threads reference"))
+                    } else {
+                        0.0
+                    };
+                    assert!(diff <= 1e-6, "dropout stage {stage}: MPI vs threads differ by {diff}");
+                    println!("ok dropout stage {stage} rank {} diff {diff:e}", ctx.rank());
+                }
             }
             "fail-error" | "fail-kill" | "fail-stall" => {
                 train(model.clone(), &ctx, &the_plan, 0..5, None, None, Some(mode))?;

@@ -13,29 +13,21 @@ use zerotrain::{Config, Overrides, Plan};
 /// by another test seeding or drawing before the first access: the initial model, and so
 /// every measured difference, varied from run to run (engine and reference always shared
 /// it, so no comparison was wrong, but none was repeatable). Every model the tests build is
-/// therefore seeded (or not), built and materialised under one lock.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// The lock every seeded draw from Flex's RNG happens under (see the note above), for a
-/// test whose draws happen later than `seeded` allows (a lazily built model the engine
-/// initialises).
-pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+/// therefore seeded (or not), built and materialised under the library's lock on the
+/// generator, the one engines' forward passes seed and draw under (`zerotrain::random`).
+pub use zerotrain::random::lock as rng_lock;
 
 /// `build` on a fresh autodiff device after seeding Flex's RNG with `seed`, every value
 /// drawn before the lock is released (see the note above).
 pub fn seeded<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M {
-    let _rng = RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let device = Device::flex().autodiff();
-    device.seed(seed);
-    materialized(build(&device))
+    zerotrain::random::seeded(&device, seed, || materialized(build(&device)))
 }
 
 /// `build` without a seed (values do not matter), still under the lock so that it cannot
 /// draw between another test's seed and that test's draws.
 pub fn fresh<M: Module>(build: impl FnOnce(&Device) -> M) -> M {
-    let _rng = RNG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _rng = rng_lock();
     materialized(build(&Device::flex().autodiff()))
 }
 

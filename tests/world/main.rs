@@ -6,6 +6,7 @@ mod buffers;
 mod checkpoint;
 mod comm;
 mod common;
+mod dropout;
 mod equivalence;
 mod failure;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -1,7 +1,7 @@
 //! Built-in models: the [`Gpt`] of the main job, and small models ([`Mlp`],
 //! [`TinyTransformer`]) with a deterministic regression task, and a BatchNorm
-//! [`ConvNet`] with a classification task, for the examples and tests. Dropout is off
-//! everywhere so that runs are exactly reproducible.
+//! [`ConvNet`] with a classification task, for the examples and tests. None has dropout
+//! (`tests/world/dropout.rs` brings a model that has).
 
 mod conv;
 mod gpt;

@@ -55,6 +55,8 @@ pub struct Pipeline<M: UnitModel> {
 
 /// A micro-batch between its forward and its backward on this stage.
 struct InFlight<M: UnitModel> {
+    /// Its index in the step (which random streams its units draw from).
+    micro: u64,
     batch: M::Batch,
     saved: Vec<Saved<M::Hidden>>,
     /// The last stage's output, for the loss.
@@ -138,7 +140,7 @@ impl<M: UnitModel> Pipeline<M> {
         for work in schedule(self.schedule, stage, stages, micro_batches) {
             match work {
                 Work::Forward(i) => {
-                    let flight = self.forward_micro_batch(batch(i), &mut sends)?;
+                    let flight = self.forward_micro_batch(i as u64, batch(i), &mut sends)?;
                     in_flight.insert(i, flight);
                     let kept: u64 = in_flight.values().map(InFlight::kept_bytes).sum();
                     self.engine.peaks.activations = self.engine.peaks.activations.max(kept);
@@ -155,21 +157,21 @@ impl<M: UnitModel> Pipeline<M> {
         self.engine.step()?.ok_or_else(|| Error::Usage("the last backward of a pipeline step was no boundary".into()))
     }
 
-    /// One micro-batch's forward on this stage: receive the input (but on the first stage),
-    /// run the stage's units, send the output on (but from the last stage).
-    fn forward_micro_batch(&mut self, batch: M::Batch, sends: &mut Vec<Pending>) -> Result<InFlight<M>> {
+    /// Micro-batch `micro`'s forward on this stage: receive the input (but on the first
+    /// stage), run the stage's units, send the output on (but from the last stage).
+    fn forward_micro_batch(&mut self, micro: u64, batch: M::Batch, sends: &mut Vec<Pending>) -> Result<InFlight<M>> {
         let (first, last, stage) = (self.stage() == 0, self.stage() + 1 == self.num_stages(), self.stage());
         self.engine.check_batch_size(&batch);
         let (input, received) =
             if first { (None, Vec::new()) } else { self.recv_activation(stage - 1).map(|(h, r)| (Some(h), r))? };
-        let (saved, output, terms) = self.engine.forward_units(input, &batch)?;
+        let (saved, output, terms) = self.engine.forward_units(input, &batch, micro)?;
         let output = if last {
             Some(output)
         } else {
             sends.extend(wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)?);
             None
         };
-        Ok(InFlight { batch, saved, output, terms, input: received })
+        Ok(InFlight { micro, batch, saved, output, terms, input: received })
     }
 
     /// One micro-batch's backward on this stage: the loss (on the last stage) or the
@@ -178,7 +180,7 @@ impl<M: UnitModel> Pipeline<M> {
     fn backward_micro_batch(&mut self, flight: InFlight<M>, sends: &mut Vec<Pending>) -> Result<()> {
         let (first, stage) = (self.stage() == 0, self.stage());
         let (value, upstream, root_grads) = match flight.output {
-            Some(output) => self.engine.loss_backward(output, &flight.batch)?,
+            Some(output) => self.engine.loss_backward(output, &flight.batch, flight.micro)?,
             None => {
                 // The root's gradient starts at zero here; the stage's units may add to it.
                 let engine = &self.engine;
@@ -187,7 +189,8 @@ impl<M: UnitModel> Pipeline<M> {
             }
         };
         let engine = &mut self.engine;
-        let (root_grads, input_grad) = engine.backward_units(flight.saved, upstream, root_grads, &flight.batch)?;
+        let (root_grads, input_grad) =
+            engine.backward_units(flight.saved, upstream, root_grads, &flight.batch, flight.micro)?;
         engine.reduce_root(root_grads)?;
         if !first {
             let parts = match input_grad {
