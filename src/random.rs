@@ -202,7 +202,10 @@ mod tests {
     fn a_stream_replays_while_other_threads_draw() {
         let device = Device::flex();
         let draw = Draw { step: 3, micro: 1, index: 2 };
-        let values = || Streams::new(5, 1).run(&device, draw, || Tensor::<1>::random([64], Distribution::Default, &device).into_data());
+        let values = || {
+            Streams::new(5, 1)
+                .run(&device, draw, || Tensor::<1>::random([64], Distribution::Default, &device).into_data())
+        };
         let first = values();
         let stop = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {

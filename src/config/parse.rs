@@ -170,7 +170,11 @@ pub fn typed<T: DeserializeOwned>(
             // A top-level section nested in another, as Hugging Face's NVMe example nests
             // `aio` in `zero_optimization`.
             let suggestion = Some(format!("{key}` at the top level, not in `{parent}"));
-            return Err(ConfigError::UnknownKey { origin: origin.to_string(), key: keys::join(&parent, key), suggestion });
+            return Err(ConfigError::UnknownKey {
+                origin: origin.to_string(),
+                key: keys::join(&parent, key),
+                suggestion,
+            });
         }
         return Err(unknown_key(origin, &parent, key, &known(&parent)));
     }

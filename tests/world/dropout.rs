@@ -109,18 +109,23 @@ fn recomputation_draws_the_forwards_masks_at_every_stage() {
             let mut by_stage = Vec::new();
             for stage in 0..=3u8 {
                 let what = format!("world {world_size} gas {gas} stage {stage}");
-                let kept = train(&Task, &noisy, &plan(&unit_recipe(stage, gas, UNITS, "fp32", ""), world_size), UNITS, STEPS)
-                    .unwrap();
+                let kept =
+                    train(&Task, &noisy, &plan(&unit_recipe(stage, gas, UNITS, "fp32", ""), world_size), UNITS, STEPS)
+                        .unwrap();
                 for mode in [RECOMPUTED, MODES[5]] {
                     let recipe = unit_recipe(stage, gas, mode, "fp32", "");
                     let recomputed = train(&Task, &noisy, &plan(&recipe, world_size), mode, STEPS).unwrap();
                     same(&format!("{what} {mode:?}"), &recomputed, &kept);
                 }
-                let every_second = unit_recipe(stage, gas, RECOMPUTED, "fp32", "")
-                    .replacen('{', r#"{"pipeline": {"activation_checkpoint_interval": 2},"#, 1);
+                let every_second = unit_recipe(stage, gas, RECOMPUTED, "fp32", "").replacen(
+                    '{',
+                    r#"{"pipeline": {"activation_checkpoint_interval": 2},"#,
+                    1,
+                );
                 let grouped = train(&Task, &noisy, &plan(&every_second, world_size), RECOMPUTED, STEPS).unwrap();
                 same(&format!("{what} interval 2"), &grouped, &kept);
-                let off = train(&Task, &plain, &plan(&unit_recipe(stage, gas, UNITS, "fp32", ""), world_size), UNITS, STEPS);
+                let off =
+                    train(&Task, &plain, &plan(&unit_recipe(stage, gas, UNITS, "fp32", ""), world_size), UNITS, STEPS);
                 assert!(off.unwrap().master != kept.master, "{what}: dropout 0.1 trains as dropout 0");
                 by_stage.push(kept.params);
             }
@@ -138,7 +143,8 @@ fn recomputation_draws_the_forwards_masks_at_every_stage() {
 fn recomputation_draws_the_forwards_masks_in_bf16() {
     let noisy = Noisy::new(0.1, 42);
     for stage in [0, 3] {
-        let kept = train(&Task, &noisy, &plan(&bf16(unit_recipe(stage, 2, UNITS, "fp32", "")), 2), UNITS, STEPS).unwrap();
+        let kept =
+            train(&Task, &noisy, &plan(&bf16(unit_recipe(stage, 2, UNITS, "fp32", "")), 2), UNITS, STEPS).unwrap();
         let recipe = bf16(unit_recipe(stage, 2, RECOMPUTED, "fp32", ""));
         let recomputed = train(&Task, &noisy, &plan(&recipe, 2), RECOMPUTED, STEPS).unwrap();
         same(&format!("bf16 stage {stage}"), &recomputed, &kept);
