@@ -12,7 +12,8 @@ use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Error, Plan, launch};
 
 use crate::common::*;
-use crate::units::{MODES, Mode, Outcome, Workload, train, train_between, unit_recipe};
+use crate::tiers::same;
+use crate::units::{MODES, Mode, Workload, train, train_between, unit_recipe, whole_loss};
 
 /// Residual blocks with dropout after every activation and before the head, the head left
 /// to the root unit (so the loss draws too).
@@ -71,29 +72,13 @@ impl Workload for Task {
     }
     fn global_loss(&self, model: &Noisy, plan: &Plan, step: u64, device: &Device) -> Tensor<1> {
         let n = plan.batch.train_batch_size;
-        let batch = TASK.batch(step * n..(step + 1) * n, device);
-        let mut hidden = None;
-        for unit in 0..model.units().len() {
-            hidden = Some(model.forward_unit(unit, hidden, &batch));
-        }
-        model.output_loss(hidden.unwrap(), &batch)
+        whole_loss(model, &TASK.batch(step * n..(step + 1) * n, device))
     }
 }
 
 const STEPS: u64 = 4;
 const UNITS: Mode = MODES[2];
 const RECOMPUTED: Mode = MODES[4];
-
-fn bf16(json: String) -> String {
-    json.replacen('{', r#"{"bf16": {"enabled": true},"#, 1)
-}
-
-/// `got` and `want` bit for bit: losses, masters, every rank's parameters.
-fn same(what: &str, got: &Outcome, want: &Outcome) {
-    assert_eq!(got.losses, want.losses, "{what}: losses");
-    assert!(got.master == want.master, "{what}: masters differ");
-    assert!(got.params == want.params, "{what}: parameters differ");
-}
 
 /// PyTorch's checkpoint restores the generator before recomputing (`preserve_rng_state`);
 /// here each unit's forward draws from a stream of its own, seeded again for the
@@ -143,9 +128,8 @@ fn recomputation_draws_the_forwards_masks_at_every_stage() {
 fn recomputation_draws_the_forwards_masks_in_bf16() {
     let noisy = Noisy::new(0.1, 42);
     for stage in [0, 3] {
-        let kept =
-            train(&Task, &noisy, &plan(&bf16(unit_recipe(stage, 2, UNITS, "fp32", "")), 2), UNITS, STEPS).unwrap();
-        let recipe = bf16(unit_recipe(stage, 2, RECOMPUTED, "fp32", ""));
+        let kept = train(&Task, &noisy, &plan(&unit_recipe(stage, 2, UNITS, "bf16", ""), 2), UNITS, STEPS).unwrap();
+        let recipe = unit_recipe(stage, 2, RECOMPUTED, "bf16", "");
         let recomputed = train(&Task, &noisy, &plan(&recipe, 2), RECOMPUTED, STEPS).unwrap();
         same(&format!("bf16 stage {stage}"), &recomputed, &kept);
     }

@@ -121,7 +121,7 @@ impl Workload for Tokens {
 }
 
 /// The whole model's loss through its units, for the one-unit path.
-fn whole_loss<M: UnitModel>(model: &M, batch: &M::Batch) -> Tensor<1> {
+pub(crate) fn whole_loss<M: UnitModel>(model: &M, batch: &M::Batch) -> Tensor<1> {
     let mut hidden = None;
     for i in 0..model.units().len() {
         hidden = Some(model.forward_unit(i, hidden, batch));
