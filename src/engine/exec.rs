@@ -236,11 +236,10 @@ impl<M: UnitModel> Engine<M> {
 
     /// The backward half of micro-batch `micro`: the units in reverse, each (recomputed if
     /// checkpointed) seeded with `upstream`, the gradient of the next unit's input, and its
-    /// own loss term; each
-    /// unit's gradients reduced and the unit released as soon as its backward is done.
-    /// Returns the root's gradients, `root_grads` (the loss's) plus every unit's
-    /// contribution, and the gradient of the first unit's input (`None` where it reads the
-    /// batch).
+    /// own loss term; each unit's gradients reduced and the unit released as soon as its
+    /// backward is done. Returns the root's gradients, `root_grads` (the loss's) plus every
+    /// unit's contribution, and the gradient of the first unit's input (`None` where it
+    /// reads the batch).
     pub(super) fn backward_units(
         &mut self,
         mut saved: Vec<Saved<M::Hidden>>,
