@@ -6,7 +6,8 @@
 //! binary places one rank per GPU on every node, and several thread ranks share a GPU when
 //! there are more ranks than GPUs. Collectives stay host-staged on every device: a rank's
 //! flat buffers cross to the host for the threads or MPI backend, and the optimizer steps
-//! its shard on the device.
+//! its shard on the device; a rank with nothing to reduce with steps entirely on the device
+//! (the note in `engine/flat.rs`).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -104,6 +104,11 @@ impl OffloadPlan {
     pub fn uses_nvme(&self) -> bool {
         self.optimizer.nvme_path().is_some() || self.param.nvme_path().is_some()
     }
+
+    /// Whether any state lives outside the rank's device (host memory or files).
+    pub fn uses_host_or_nvme(&self) -> bool {
+        self.optimizer != Tier::Device || self.param != Tier::Device
+    }
 }
 
 pub(super) fn resolve(

@@ -314,7 +314,13 @@ fn assemble<M: Module>(
     let device = ctx.device().clone();
     let streams = Streams::new(plan.runtime.seed, ctx.data_parallel_rank());
     let crossings = Default::default();
-    let shared = Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams };
+    // Nothing on the host needs the step's values (the note in `engine/flat.rs`).
+    let device_step = plan.runtime.device != ComputeDevice::Cpu
+        && !plan.zero.offload.uses_host_or_nvme()
+        && comm.world_size() == 1
+        && !span.is_pipelined();
+    let shared =
+        Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams, device_step };
     let (mut units, mut transient) = (Vec::new(), 0);
     for id in 0..shared.sharding.units().len() {
         let layout = shared.layout(id);

@@ -278,7 +278,7 @@ impl<M: UnitModel> Engine<M> {
             self.window.times.backward += start.elapsed().as_secs_f64();
             let start = Instant::now();
             if let (Some(mine), Some(root)) = (taken.root, root_grads.as_mut()) {
-                root.add(mine);
+                root.add(mine)?;
             }
             let unit = taken.unit.unwrap_or_else(|| UnitGrads::empty(self.shared.layout(i).entries().len()));
             self.reduce_unit(i, unit, (i + 1 < declared).then_some(i + 1))?;

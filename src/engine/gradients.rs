@@ -13,10 +13,12 @@ use std::ops::Range;
 use std::time::Instant;
 
 use burn::module::Module;
+use burn::tensor::{FloatDType, Tensor};
 use zerotrain_precision::{BufRef, FlatBuf};
 use zerotrain_zero::ReduceOp;
 
 use super::Engine;
+use super::flat::Flat;
 use super::span::Span;
 use super::unit::Shared;
 use crate::{Error, Result};
@@ -24,9 +26,9 @@ use crate::{Error, Result};
 /// The step's gradients, reduced and measured (module note).
 pub(crate) struct Prepared {
     /// Each unit's reduced gradient over its optimizer range, in the dtype it was reduced
-    /// in (f32 once edited through [`Gradients::for_each_mut`]); the step converts a unit's
-    /// to f32 as it steps it.
-    pub grads: Vec<FlatBuf>,
+    /// in (f32 on the host once edited through [`Gradients::for_each_mut`]), on the device
+    /// in a device-resident step; the step converts a unit's to f32 as it steps it.
+    pub grads: Vec<Flat>,
     /// Sum over the world of the squares of `grads`' elements (each counted once).
     pub sum_squares: f64,
     /// Mean loss over every rank and micro-step.
@@ -57,11 +59,12 @@ impl<M: Module> Engine<M> {
         for unit in &mut self.units {
             grads.push(unit.take_reduced(&mut self.window.times)?);
         }
-        if let Some(root) = self.granularity.root() {
+        if let Some(root) = self.granularity.root().filter(|_| self.span.is_pipelined()) {
             // Summed over the stages in f32, as the step will use it.
-            let mut values = std::mem::replace(&mut grads[root], FlatBuf::F32(Vec::new())).into_f32();
+            let taken = std::mem::replace(&mut grads[root], Flat::Host(FlatBuf::F32(Vec::new())));
+            let mut values = taken.into_host("the root's gradient")?.into_f32();
             self.span.sum_over_stages((&mut values).into())?;
-            grads[root] = FlatBuf::F32(values);
+            grads[root] = Flat::Host(FlatBuf::F32(values));
         }
         let loss = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
         let (sum_squares, loss) = self.global_metrics(&grads, Some(loss))?;
@@ -80,7 +83,7 @@ impl<M: Module> Engine<M> {
     /// the total is the sharded stages' to the last bit. The root (the same on every
     /// pipeline stage) counts on the first stage only; every rank's loss counts (a pipeline
     /// stage's is its units' loss terms, the last stage's also the model's loss).
-    pub(super) fn global_metrics(&mut self, grads: &[FlatBuf], loss: Option<f32>) -> Result<(f64, f32)> {
+    pub(super) fn global_metrics(&mut self, grads: &[Flat], loss: Option<f32>) -> Result<(f64, f32)> {
         let skip = self.root_counted_elsewhere();
         let (sum_squares, loss, wait) = world_metrics(&self.shared, &self.span, skip, grads, loss)?;
         if self.span.is_pipelined() {
@@ -115,19 +118,19 @@ fn world_metrics(
     shared: &Shared,
     span: &Span,
     skip: Option<usize>,
-    grads: &[FlatBuf],
+    grads: &[Flat],
     loss: Option<f32>,
 ) -> Result<(f64, f32, f64)> {
     let (world, group) = (&shared.world, &shared.comm);
     let n = world.world_size();
     let sharded = shared.plan.zero.stage.shards_optimizer_states();
-    let partial = |r: usize| -> f32 { partial_sum_squares(shared, grads, r, sharded, skip) };
+    let partial = |r: usize| partial_sum_squares(shared, grads, r, sharded, skip);
     let mut metrics = vec![0.0f32; n + 1];
     if sharded {
-        metrics[span.world_rank(group.rank())] = partial(group.rank());
+        metrics[span.world_rank(group.rank())] = partial(group.rank())?;
     } else if group.rank() == 0 {
         for r in 0..group.world_size() {
-            metrics[span.world_rank(r)] = partial(r);
+            metrics[span.world_rank(r)] = partial(r)?;
         }
     }
     metrics[n] = loss.unwrap_or(0.0);
@@ -138,9 +141,12 @@ fn world_metrics(
     Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32, wait))
 }
 
-/// This rank's partial of the squared norm of `grads` as group rank `r` holds them.
-fn partial_sum_squares(shared: &Shared, grads: &[FlatBuf], r: usize, sharded: bool, skip: Option<usize>) -> f32 {
+/// This rank's partial of the squared norm of `grads` as group rank `r` holds them: on the
+/// host in f64, element by element; on the device each unit's in f32 there, their sums
+/// read back together.
+fn partial_sum_squares(shared: &Shared, grads: &[Flat], r: usize, sharded: bool, skip: Option<usize>) -> Result<f32> {
     let mut sum = 0.0f64;
+    let mut on_device = Vec::new();
     for (id, values) in grads.iter().enumerate() {
         let layout = shared.layout(id);
         let real = layout.shard_real_range(r);
@@ -151,13 +157,21 @@ fn partial_sum_squares(shared: &Shared, grads: &[FlatBuf], r: usize, sharded: bo
         let at = real.start - offset..real.end - offset;
         // Each element as the f32 the step will see (a half value converts exactly).
         let mut add = |g: f32| sum += f64::from(g) * f64::from(g);
-        match values.as_ref().slice(at) {
-            BufRef::F32(v) => v.iter().copied().for_each(&mut add),
-            BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
-            BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+        match values {
+            Flat::Host(values) => match values.as_ref().slice(at) {
+                BufRef::F32(v) => v.iter().copied().for_each(&mut add),
+                BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+                BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+            },
+            Flat::Device(t) => on_device.push(t.clone().slice(at).cast(FloatDType::F32).square().sum()),
         }
     }
-    sum as f32
+    if !on_device.is_empty() {
+        let sums = Tensor::cat(on_device, 0).into_data();
+        let sums = sums.as_slice::<f32>().map_err(|e| Error::Model(format!("the gradients' norm: {e:?}")))?;
+        sum += sums.iter().map(|&s| f64::from(s)).sum::<f64>();
+    }
+    Ok(sum as f32)
 }
 
 /// The step's gradients on this rank, averaged over the ranks and unscaled, as the
@@ -191,29 +205,30 @@ impl Gradients<'_> {
     /// Calls `f` with each piece of a parameter this rank holds a gradient for: its module
     /// path, which of its elements (row-major) the piece is, and their values. At stages
     /// 1-3 a rank holds its shard only; the pieces of every rank make the whole gradient.
-    pub fn for_each(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) {
+    /// Gradients on a device are read to the host for it (an error if the device fails).
+    pub fn for_each(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) -> Result<()> {
         let factor = (self.prepared.numerator / self.prepared.denominator) as f32;
         let mut scratch = Vec::new();
         self.pieces(|path, param_range, values: &[f32]| {
             scratch.clear();
             scratch.extend(values.iter().map(|g| g * factor));
             f(path, param_range, &scratch);
-        });
+        })
     }
 
     /// Like [`for_each`](Self::for_each), with the values to edit (the pending factor is
     /// applied to them first; the step measures the norm again).
-    pub fn for_each_mut(&mut self, mut f: impl FnMut(&str, Range<usize>, &mut [f32])) {
+    pub fn for_each_mut(&mut self, mut f: impl FnMut(&str, Range<usize>, &mut [f32])) -> Result<()> {
         let factor = (self.prepared.numerator / self.prepared.denominator) as f32;
         for grads in &mut self.prepared.grads {
-            let mut values = std::mem::replace(grads, FlatBuf::F32(Vec::new())).into_f32();
+            let mut values = self.shared.to_host(std::mem::replace(grads, Flat::Host(FlatBuf::F32(Vec::new()))))?;
             values.iter_mut().for_each(|g| *g *= factor);
-            *grads = FlatBuf::F32(values);
+            *grads = Flat::Host(FlatBuf::F32(values));
         }
         (self.prepared.numerator, self.prepared.denominator, self.prepared.stale_norm) = (1.0, 1.0, true);
         let shared = self.shared;
         for (id, grads) in self.prepared.grads.iter_mut().enumerate() {
-            let FlatBuf::F32(values) = grads else { unreachable!("converted to f32 above") };
+            let Flat::Host(FlatBuf::F32(values)) = grads else { unreachable!("converted to f32 above") };
             if self.skip == Some(id) {
                 continue;
             }
@@ -221,19 +236,29 @@ impl Gradients<'_> {
                 f(&segment.path, segment.param_range, &mut values[segment.range]);
             }
         }
+        Ok(())
     }
 
     /// Each piece of a parameter this rank holds (the root only where it counts).
-    fn pieces(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) {
+    fn pieces(&self, mut f: impl FnMut(&str, Range<usize>, &[f32])) -> Result<()> {
         for (id, grads) in self.prepared.grads.iter().enumerate() {
             if self.skip == Some(id) {
                 continue;
             }
+            let read = match grads {
+                Flat::Host(_) => None,
+                Flat::Device(t) => Some(self.shared.to_host(Flat::Device(t.clone()))?),
+            };
             for segment in self.shared.optimizer_segments(id) {
-                let values = grads.as_ref().slice(segment.range).to_f32();
+                let values = match (&read, grads) {
+                    (Some(read), _) => read[segment.range].to_vec(),
+                    (None, Flat::Host(host)) => host.as_ref().slice(segment.range).to_f32(),
+                    (None, Flat::Device(_)) => unreachable!("read above"),
+                };
                 f(&segment.path, segment.param_range, &values);
             }
         }
+        Ok(())
     }
 
     fn remeasure(&mut self) -> Result<()> {

@@ -23,15 +23,19 @@
 //! (`Reducing`), which settles into the optimizer range's reduced gradient (`Reduced`);
 //! the step takes it and the unit is `Idle` until the next window's first reduction
 //! allocates its accumulator. A backward pass after the boundary and before the step is an
-//! error, not a lost gradient.
+//! error, not a lost gradient. A device-resident step (`engine/flat.rs`) has one rank and
+//! nothing to reduce: its accumulator is a tensor on the device (`OnDevice`), which is the
+//! reduced gradient at the step.
 
 use std::collections::VecDeque;
 use std::ops::Range;
 
+use burn::tensor::{Device, Tensor};
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Collective, FlatLayout, Pending, ReduceOp, Request, ZeroStage};
 
 use super::PhaseTimes;
+use super::flat::{Flat, float_dtype, tensor, zeros};
 use super::params::UnitGrads;
 use super::unit::finish;
 use crate::{Error, Result};
@@ -68,6 +72,10 @@ struct Bucket {
 
 /// Where a unit's gradient is (module note on the accumulator's states).
 #[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per unit, replaced a few times per step; the sizes differ by backend"
+)]
 enum GradState {
     /// No accumulator yet this window: it is allocated by the window's first reduction,
     /// so that between the step and the next backward (and, during backward, for the units
@@ -80,6 +88,9 @@ enum GradState {
     Reducing(Pending),
     /// Stages 0-1: the reduced gradient of the optimizer range, for the step.
     Reduced(FlatBuf),
+    /// A device-resident step: the window's gradients on the device, in the accumulation
+    /// dtype, the whole padded range (there is one rank).
+    OnDevice(Tensor<1>),
 }
 
 /// One unit's gradient accumulator and the reductions in flight.
@@ -91,20 +102,28 @@ pub(crate) struct UnitGrad {
     acc_len: usize,
     /// This rank's shard of the unit's flat buffer.
     own: Range<usize>,
+    /// The device of a device-resident step's accumulator.
+    device: Option<Device>,
     state: GradState,
 }
 
 impl UnitGrad {
     /// An empty accumulator for `rank`'s part of a unit of `layout` at `stage`, in
-    /// `accum_dtype`.
-    pub fn new(stage: ZeroStage, layout: &FlatLayout, accum_dtype: Precision, rank: usize) -> Self {
+    /// `accum_dtype`; on `device` for a device-resident step.
+    pub fn new(
+        stage: ZeroStage,
+        layout: &FlatLayout,
+        accum_dtype: Precision,
+        rank: usize,
+        device: Option<Device>,
+    ) -> Self {
         let acc_len = match stage {
             ZeroStage::Disabled => layout.num_elems(),
             ZeroStage::OptimizerStates => layout.padded_elems(),
             ZeroStage::Gradients | ZeroStage::Parameters => layout.shard_len(),
         };
         let own = layout.shard_range(rank);
-        Self { stage, acc_dtype: accum_dtype, acc_len, own, state: GradState::Idle }
+        Self { stage, acc_dtype: accum_dtype, acc_len, own, device, state: GradState::Idle }
     }
 
     /// Bytes of the accumulator while a window accumulates: what the rank holds for this
@@ -116,6 +135,7 @@ impl UnitGrad {
             GradState::Idle => (self.acc_len * self.acc_dtype.bytes_per_elem()) as u64,
             GradState::Reducing(_) => 0,
             GradState::Reduced(reduced) => reduced.bytes(),
+            GradState::OnDevice(acc) => (acc.dims()[0] * acc.dtype().size()) as u64,
         }
     }
 
@@ -129,6 +149,14 @@ impl UnitGrad {
         options: ReduceOptions,
         times: &mut PhaseTimes,
     ) -> Result<u64> {
+        if let Some(device) = &self.device {
+            let flat = flatten(grads, layout, self.acc_dtype, self.acc_len, device);
+            self.state = match std::mem::replace(&mut self.state, GradState::Idle) {
+                GradState::OnDevice(acc) if !options.first => GradState::OnDevice(acc + flat),
+                _ => GradState::OnDevice(flat),
+            };
+            return Ok(0);
+        }
         if let GradState::Idle = self.state {
             self.state = fresh(self.acc_dtype, self.acc_len);
         }
@@ -138,6 +166,11 @@ impl UnitGrad {
             ));
         };
         let mut transient = grads.bytes();
+        let grads: Vec<Option<FlatBuf>> = grads
+            .entries
+            .into_iter()
+            .map(|g| g.map(|g| g.into_host("a gradient")).transpose())
+            .collect::<Result<_>>()?;
         if self.stage.shards_gradients() {
             let n = layout.world_size();
             for range in layout.bucket_ranges(options.bucket_elems) {
@@ -212,7 +245,7 @@ impl UnitGrad {
                 };
                 self.state = GradState::Reduced(reduced);
             }
-            GradState::Idle | GradState::Reduced(_) => {}
+            GradState::Idle | GradState::Reduced(_) | GradState::OnDevice(_) => {}
         }
         Ok(())
     }
@@ -221,20 +254,45 @@ impl UnitGrad {
     /// still scaled), in the dtype it was accumulated or reduced in: the step converts
     /// each unit's to f32 when it steps that unit, so the whole model's never exists in f32
     /// at once. The unit is idle until the next window's first reduction.
-    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<FlatBuf> {
+    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<Flat> {
         self.settle(times)?;
         let state = std::mem::replace(&mut self.state, GradState::Idle);
         match state {
-            GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(acc),
+            GradState::OnDevice(acc) => Ok(Flat::Device(acc)),
+            GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(Flat::Host(acc)),
             // A unit no backward reached this window (stages 2-3) has zero gradients.
-            GradState::Idle if self.stage.shards_gradients() => Ok(FlatBuf::zeros(self.acc_dtype, self.acc_len)),
-            GradState::Reduced(reduced) => Ok(reduced),
+            GradState::Idle if self.stage.shards_gradients() => Ok(match &self.device {
+                Some(device) => Flat::Device(zeros(self.acc_dtype, self.acc_len, device)),
+                None => Flat::Host(FlatBuf::zeros(self.acc_dtype, self.acc_len)),
+            }),
+            GradState::Reduced(reduced) => Ok(Flat::Host(reduced)),
             other => {
                 self.state = other;
                 Err(Error::Usage("the step found no reduced gradients: the last micro-step was not a boundary".into()))
             }
         }
     }
+}
+
+/// One backward pass's gradients of a unit as one tensor of `len` elements in `dtype` on
+/// `device`: the entries in layout order (zeros for a parameter without a gradient), then
+/// zeros for the padding.
+fn flatten(grads: UnitGrads, layout: &FlatLayout, dtype: Precision, len: usize, device: &Device) -> Tensor<1> {
+    let cast = float_dtype(dtype);
+    let mut pieces: Vec<Tensor<1>> = layout
+        .entries()
+        .iter()
+        .zip(grads.entries)
+        .map(|(entry, grad)| match grad {
+            Some(Flat::Device(t)) => t.cast(cast),
+            Some(Flat::Host(values)) => tensor(values, device).cast(cast),
+            None => zeros(dtype, entry.num_elems, device),
+        })
+        .collect();
+    if len > layout.num_elems() {
+        pieces.push(zeros(dtype, len - layout.num_elems(), device));
+    }
+    Tensor::cat(pieces, 0)
 }
 
 /// A zeroed accumulator.
@@ -253,8 +311,8 @@ fn settle_oldest(acc: &mut FlatBuf, buckets: &mut VecDeque<Bucket>, times: &mut 
 
 /// Copies (or with `add`, adds) the gradients in `range` of the unit's flat buffer into
 /// `dst` (`range.len()` long); a parameter without a gradient counts as zeros.
-fn fill(grads: &UnitGrads, layout: &FlatLayout, range: Range<usize>, mut dst: BufMut<'_>, add: bool) {
-    for (entry, grad) in layout.entries().iter().zip(&grads.entries) {
+fn fill(grads: &[Option<FlatBuf>], layout: &FlatLayout, range: Range<usize>, mut dst: BufMut<'_>, add: bool) {
+    for (entry, grad) in layout.entries().iter().zip(grads) {
         let Some(segment) = entry.segment(range.clone()) else { continue };
         let at = segment.flat_range.start - range.start..segment.flat_range.end - range.start;
         let mut out = dst.reborrow().slice(at);

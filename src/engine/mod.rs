@@ -31,6 +31,7 @@ mod builtin;
 mod checkpoint;
 mod exec;
 mod export;
+mod flat;
 mod gradients;
 mod grads;
 mod home;

@@ -22,7 +22,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn_pack::Scalar;
 
 use crate::config::{OptimPlan, OptimizerPlan, ParamGroupPlan};
@@ -122,12 +122,6 @@ struct GroupPart {
     optimizer: Box<dyn ShardOptimizer>,
 }
 
-impl GroupPart {
-    fn len(&self) -> usize {
-        self.ranges.iter().map(|r| r.len()).sum()
-    }
-}
-
 /// A unit's optimizers: one per parameter group present in the rank's range of the unit
 /// (module note on parameter groups).
 pub(crate) struct UnitOptimizer {
@@ -168,27 +162,21 @@ impl UnitOptimizer {
     }
 
     /// Steps `params` (the range's values) with `grads` at `lr`; see the module note.
-    pub fn step(&mut self, lr: f64, params: Tensor<1>, grads: Vec<f32>) -> Result<Tensor<1>> {
-        let n = params.dims()[0];
-        if grads.len() != n || n != self.len {
-            return Err(Error::Model(format!(
-                "{} gradients for an optimizer range of {n} ({})",
-                grads.len(),
-                self.len
-            )));
+    pub fn step(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> Result<Tensor<1>> {
+        let (n, g) = (params.dims()[0], grads.dims()[0]);
+        if g != n || n != self.len {
+            return Err(Error::Model(format!("{g} gradients for an optimizer range of {n} ({})", self.len)));
         }
-        let device = params.device();
         if let [part] = self.parts.as_mut_slice()
             && part.ranges == whole(n)
         {
-            let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &device);
             return part.optimizer.step(lr * part.lr_scale, params, grads);
         }
         let mut pieces: Vec<(usize, Tensor<1>)> = Vec::new();
         for part in &mut self.parts {
-            let values = Tensor::cat(part.ranges.iter().map(|r| params.clone().slice(r.clone())).collect(), 0);
-            let g: Vec<f32> = part.ranges.iter().flat_map(|r| grads[r.clone()].iter().copied()).collect();
-            let g = Tensor::<1>::from_data(TensorData::new(g, [part.len()]), &device);
+            let gather =
+                |t: &Tensor<1>| Tensor::cat(part.ranges.iter().map(|r| t.clone().slice(r.clone())).collect(), 0);
+            let (values, g) = (gather(&params), gather(&grads));
             let mut stepped = part.optimizer.step(lr * part.lr_scale, values, g)?;
             for r in &part.ranges {
                 let (piece, rest) = split_front(stepped, r.len());

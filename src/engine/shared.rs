@@ -74,6 +74,9 @@ pub(crate) struct Shared {
     pub crossings: Crossings,
     /// The random streams the rank's forward passes draw from.
     pub streams: Streams,
+    /// Whether the step stays on the device: gradients, their norm, the optimizer and the
+    /// new parameters (the note in `engine/flat.rs`).
+    pub device_step: bool,
 }
 
 /// Model-state bytes a rank copied between host memory and its device, each way.
@@ -115,16 +118,27 @@ impl Shared {
     }
 
     /// The gradients of the units `wanted` marks, taken out of `grads`
-    /// ([`take_grads`](super::params::take_grads)), counted as leaving the device.
+    /// ([`take_grads`](super::params::take_grads)): left on the device for a
+    /// [`device_step`](Self::device_step), else counted as leaving it.
     pub fn take_grads<M: burn::module::Module>(
         &self,
         model: &M,
         grads: &mut burn::optim::GradientsParams,
         wanted: &[bool],
     ) -> Result<Vec<Option<super::params::UnitGrads>>> {
-        let taken = super::params::take_grads(model, grads, &self.index, &self.sharding, wanted)?;
-        self.crossed(false, taken.iter().flatten().map(super::params::UnitGrads::bytes).sum());
+        let taken = super::params::take_grads(model, grads, &self.index, &self.sharding, wanted, self.device_step)?;
+        self.crossed(false, taken.iter().flatten().map(super::params::UnitGrads::host_bytes).sum());
         Ok(taken)
+    }
+
+    /// `flat` in f32 on the host, counting what leaves the device.
+    pub fn to_host(&self, flat: super::flat::Flat) -> Result<Vec<f32>> {
+        let on_device = matches!(flat, super::flat::Flat::Device(_));
+        let values = flat.into_host("a gradient")?;
+        if on_device {
+            self.crossed(false, values.bytes());
+        }
+        Ok(values.into_f32())
     }
 
     /// [`crossed`](Self::crossed) for a copy into the device master weights and optimizer

@@ -5,7 +5,10 @@
 use std::time::Instant;
 
 use burn::module::Module;
+use burn::tensor::FloatDType;
 
+use super::flat::Flat;
+use super::master::Values;
 use super::report::Window;
 use super::{Engine, StepReport};
 use crate::{Error, Result};
@@ -47,9 +50,15 @@ impl<M: Module> Engine<M> {
             let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
             let factor = (clip_coef * prepared.numerator / prepared.denominator) as f32;
             for (id, grads) in prepared.grads.into_iter().enumerate() {
-                // One unit's gradient in f32 at a time.
-                let mut grads = grads.into_f32();
-                grads.iter_mut().for_each(|g| *g *= factor);
+                // One unit's gradient in f32 at a time, where it is.
+                let grads = match grads {
+                    Flat::Host(grads) => {
+                        let mut grads = grads.into_f32();
+                        grads.iter_mut().for_each(|g| *g *= factor);
+                        Values::Host(grads)
+                    }
+                    Flat::Device(grads) => Values::Device(grads.cast(FloatDType::F32).mul_scalar(factor)),
+                };
                 let model = self.model.clone();
                 let stepped = self.units[id].step(model, lr, grads, &self.shared, &mut self.window.times);
                 let (model, transient) = match stepped {

@@ -233,7 +233,8 @@ impl SwappedOptimizer {
             let tile = &mut self.tiles[t];
             tile.optimizer.import(state, device)?;
             let params = Tensor::<1>::from_data(TensorData::new(values, [range.len()]), device);
-            let stepped = tile.optimizer.step(lr, params, grads[range.clone()].to_vec())?;
+            let grads = Tensor::<1>::from_data(TensorData::new(grads[range.clone()].to_vec(), [range.len()]), device);
+            let stepped = tile.optimizer.step(lr, params, grads)?;
             let exported = tile.optimizer.take_state();
             let new = stepped
                 .into_data()

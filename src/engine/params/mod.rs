@@ -15,6 +15,7 @@ use zerotrain_zero::Sharding;
 pub(crate) use self::device::{read_range, write_unit};
 use self::index::Walk;
 pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_lazy};
+use super::flat::Flat;
 use crate::{Error, Result};
 
 mod device;
@@ -59,10 +60,11 @@ pub(crate) fn read_params<M: Module>(
 }
 
 /// One unit's gradients of one backward pass, per entry of the unit, in the dtype Burn
-/// produced them in; `None` for a parameter that got no gradient (it counts as zeros).
+/// produced them in, flat, on the host or left on the device; `None` for a parameter that
+/// got no gradient (it counts as zeros).
 #[derive(Debug)]
 pub(crate) struct UnitGrads {
-    pub entries: Vec<Option<FlatBuf>>,
+    pub entries: Vec<Option<Flat>>,
 }
 
 impl UnitGrads {
@@ -72,36 +74,45 @@ impl UnitGrads {
     }
 
     /// Adds `other`'s gradients (of the same unit) to these.
-    pub fn add(&mut self, other: UnitGrads) {
+    pub fn add(&mut self, other: UnitGrads) -> Result<()> {
         for (mine, theirs) in self.entries.iter_mut().zip(other.entries) {
             match (mine.as_mut(), theirs) {
-                (Some(m), Some(t)) => m.as_mut().copy_from(t.as_ref(), true),
+                (Some(m), Some(t)) => m.add(t)?,
                 (None, Some(t)) => *mine = Some(t),
                 (_, None) => {}
             }
         }
+        Ok(())
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        self.entries.iter().flatten().map(FlatBuf::bytes).sum()
+        self.entries.iter().flatten().map(Flat::bytes).sum()
+    }
+
+    /// Bytes held in host memory.
+    pub fn host_bytes(&self) -> u64 {
+        self.entries.iter().flatten().filter(|f| matches!(f, Flat::Host(_))).map(Flat::bytes).sum()
     }
 }
 
-/// Takes the gradients of every unit `wanted` marks out of `grads`, per unit. A gradient
-/// of a parameter in a unit not wanted is an error naming it (a unit used a parameter it
-/// does not own; see the note on the root unit in [`super::model`]).
+/// Takes the gradients of every unit `wanted` marks out of `grads`, per unit, flat: left
+/// on the device with `on_device`, else on the host. A gradient of a parameter in a unit
+/// not wanted is an error naming it (a unit used a parameter it does not own; see the note
+/// on the root unit in [`super::model`]).
 pub(crate) fn take_grads<M: Module>(
     model: &M,
     grads: &mut GradientsParams,
     index: &ParamIndex,
     sharding: &Sharding,
     wanted: &[bool],
+    on_device: bool,
 ) -> Result<Vec<Option<UnitGrads>>> {
     struct Taker<'a> {
         walk: Walk<'a>,
         grads: &'a mut GradientsParams,
         wanted: &'a [bool],
+        on_device: bool,
         taken: Vec<Option<UnitGrads>>,
         foreign: Vec<String>,
         error: Option<Error>,
@@ -116,9 +127,20 @@ pub(crate) fn take_grads<M: Module>(
                 self.foreign.push(format!("`{}` (unit `{}`)", entry.path, units[unit].name));
                 return;
             }
-            // Removed from `grads`, the tensor is uniquely owned, so Flex hands its buffer
-            // over without a copy.
-            match into_flat(grad.into_data(), &entry.path, entry.num_elems) {
+            let flat = if self.on_device {
+                match grad.shape().num_elements() {
+                    n if n == entry.num_elems => Ok(Flat::Device(grad.reshape([n]))),
+                    n => Err(Error::Model(format!(
+                        "the gradient of `{}` has {n} elements, the layout expects {}",
+                        entry.path, entry.num_elems
+                    ))),
+                }
+            } else {
+                // Removed from `grads`, the tensor is uniquely owned, so Flex hands its
+                // buffer over without a copy.
+                into_flat(grad.into_data(), &entry.path, entry.num_elems).map(Flat::Host)
+            };
+            match flat {
                 Ok(values) => {
                     let n = units[unit].layout.entries().len();
                     self.taken[unit].get_or_insert_with(|| UnitGrads::empty(n)).entries[e] = Some(values);
@@ -129,7 +151,7 @@ pub(crate) fn take_grads<M: Module>(
     }
     let walk = Walk { index, sharding, position: 0 };
     let taken = wanted.iter().map(|_| None).collect();
-    let mut taker = Taker { walk, grads, wanted, taken, foreign: Vec::new(), error: None };
+    let mut taker = Taker { walk, grads, wanted, on_device, taken, foreign: Vec::new(), error: None };
     model.visit(&mut taker);
     if let Some(error) = taker.error {
         return Err(error);

@@ -14,15 +14,17 @@
 use std::time::Instant;
 
 use burn::module::Module;
+use burn::tensor::Tensor;
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Completed, Pending, Request, ZeroStage};
 
 use super::PhaseTimes;
+use super::flat::{Flat, float_dtype};
 use super::grads::{ReduceOptions, UnitGrad};
 use super::home::{Home, Master, ParamShard, lost};
 use super::master::Values;
 use super::optimizer::{OptimizerFactory, UnitOptimizer};
-use super::params::{Fill, UnitGrads, read_params, write_params};
+use super::params::{Fill, UnitGrads, read_params, write_params, write_unit};
 pub(crate) use super::shared::Shared;
 use super::swapped::{SwappedOptimizer, Swapping};
 use crate::swap::{Ticket, unpack, wait, words};
@@ -120,7 +122,8 @@ impl Unit {
         };
         let threshold = plan.zero.param_persistence_threshold;
         let resident = layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect();
-        let grad = UnitGrad::new(stage, layout, plan.precision.grad_accum, shared.comm.rank());
+        let device = shared.device_step.then(|| shared.state_device());
+        let grad = UnitGrad::new(stage, layout, plan.precision.grad_accum, shared.comm.rank(), device);
         let mut unit = Self { id, home, shard, grad, presence: Presence::Gathered, resident };
         let model = if stage.shards_parameters() { unit.release(model, shared) } else { model };
         Ok((model, unit))
@@ -145,7 +148,8 @@ impl Unit {
     /// when the unit is not needed yet): the all-gather of its shard, or first the shard's
     /// read from its swap file. Nothing to do if it is gathered or already being fetched.
     pub fn fetch(&mut self, shared: &Shared) -> Result<()> {
-        if !matches!(self.presence, Presence::Released) {
+        // A device-resident step has nothing to fetch: the gather casts the masters there.
+        if !matches!(self.presence, Presence::Released) || shared.device_step {
             return Ok(());
         }
         let len = shared.layout(self.id).shard_len();
@@ -167,6 +171,14 @@ impl Unit {
     /// prefetch already did, and writing them in). Returns the model and the transient
     /// bytes of the gathered buffer. `times` gets the wait; the caller times the whole.
     pub fn gather<M: Module>(&mut self, model: M, shared: &Shared, times: &mut PhaseTimes) -> Result<(M, u64)> {
+        if shared.device_step && matches!(self.presence, Presence::Released) {
+            let Values::Device(masters) = self.held(shared.optimizer_range(self.id).len())? else {
+                unreachable!("a device-resident step holds its masters on the device")
+            };
+            let model = self.write_on_device(model, masters, shared);
+            self.presence = Presence::Gathered;
+            return Ok((model, shared.layout(self.id).padded_elems() as u64 * shared.dtype().bytes_per_elem() as u64));
+        }
         self.fetch(shared)?;
         if let Presence::Reading(_) = &self.presence {
             let Presence::Reading(ticket) = std::mem::replace(&mut self.presence, Presence::Released) else {
@@ -202,6 +214,25 @@ impl Unit {
         write_params(model, &shared.index, &shared.sharding, self.id, Fill::Release(&self.resident), &shared.device)
     }
 
+    /// Puts new values of the unit's optimizer range, fp32 `values` on the device, where a
+    /// device-resident step keeps parameters: into the model, cast to the compute dtype, at
+    /// stages 0-2 (one rank: the range is the whole unit); nowhere at stage 3, where the
+    /// next gather casts them from the masters (a gather since the last backward is
+    /// released, as [`publish`](Self::publish) does).
+    pub fn publish_on_device<M: Module>(&mut self, model: M, values: &Tensor<1>, shared: &Shared) -> M {
+        if !shared.stage().shards_parameters() {
+            return self.write_on_device(model, values, shared);
+        }
+        if self.is_gathered() || self.is_fetching() { self.release(model, shared) } else { model }
+    }
+
+    /// Writes fp32 `values` (the unit's whole padded buffer, on the device) into the
+    /// model's parameters of the unit, cast to the compute dtype.
+    fn write_on_device<M: Module>(&self, model: M, values: &Tensor<1>, shared: &Shared) -> M {
+        let compute = values.clone().cast(float_dtype(shared.dtype()));
+        write_unit(model, &shared.index, &shared.sharding, self.id, compute)
+    }
+
     /// Starts (or, as `options` say, accumulates) the reduction of the unit's gradients of
     /// one backward pass. Returns the transient bytes it used.
     pub fn reduce(
@@ -221,7 +252,7 @@ impl Unit {
 
     /// At the step: the unit's reduced gradient over its optimizer range (unscaled, not
     /// averaged), in its accumulation or communication dtype. Resets the accumulator.
-    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<FlatBuf> {
+    pub fn take_reduced(&mut self, times: &mut PhaseTimes) -> Result<Flat> {
         self.grad.take_reduced(times)
     }
 

@@ -162,6 +162,12 @@ fn host_device_copies_per_step_on_cuda_are_what_host_collectives_need() {
     super::host_device_copies_per_step_are_what_host_collectives_need(CUDA);
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn one_rank_with_states_on_cuda_steps_there() {
+    super::one_rank_with_states_on_the_device_steps_there(CUDA);
+}
+
 /// `auto` runs one rank per GPU through NCCL, silently; two ranks sharing the one GPU fall
 /// back to the host backend with a notice saying why; `nccl` there is an error naming the key.
 #[test]

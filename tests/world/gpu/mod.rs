@@ -325,6 +325,59 @@ pub fn host_device_copies_per_step_are_what_host_collectives_need(on: Gpu) {
     assert!(cpu.iter().all(|r| r.is_some_and(|r| r.to_host == 0 && r.to_device == 0)), "{cpu:?}");
 }
 
+/// One rank with its states on the device has nothing to send anywhere, so its step stays
+/// there (the note in `engine/flat.rs`): no model-state byte crosses either way in any
+/// step, at every stage, in fp32 and fp16, as one unit and in units with recomputation and
+/// overlap, accumulating 2 micro-steps. It trains as the same run on the CPU does (fp32 to
+/// 1e-5 relative loss, as plain Burn on the device does; fp16 to its rounding, as in
+/// `fp16_trains_as_fp16_on_the_cpu`).
+pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 10);
+    let w = Tokens { vocab: 11, len: 9 };
+    let fp16 = r#"{ "fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    for (precision, loss_tol) in [("fp32", DEVICE_LOSS_TOL), ("fp16", 2e-3)] {
+        for stage in 0..=3u8 {
+            for mode in [MODES[0], MODES[5]] {
+                let what = format!("{} {precision} stage {stage} {mode:?}", on.name);
+                let json = unit_recipe(stage, 2, mode, "fp32", "");
+                let json = if precision == "fp16" { json.replacen('{', fp16, 1) } else { json };
+                let plan = plan(&on_device(&json, on), 1);
+                let crossed = launch(&plan, |ctx| {
+                    let mut engine = if mode.units {
+                        Engine::with_units(init.clone(), &plan, &ctx)?
+                    } else {
+                        Engine::new(init.clone(), &plan, &ctx)?
+                    };
+                    let mut crossed = Vec::new();
+                    for step in 0..3 {
+                        for micro in 0..2 {
+                            let batch = w.batch(&plan, step, micro, ctx.rank(), ctx.device());
+                            if mode.units {
+                                engine.forward_backward(&batch)?;
+                            } else {
+                                let loss = engine.forward(|m| crate::units::whole_loss(m, &batch))?;
+                                engine.backward(loss)?;
+                            }
+                        }
+                        let report = engine.step()?.expect("a boundary");
+                        crossed.push((report.host_device.to_host, report.host_device.to_device));
+                    }
+                    Ok::<_, Error>(crossed)
+                })
+                .unwrap()
+                .remove(0);
+                assert!(crossed.iter().all(|&c| c == (0, 0)), "{what}: bytes crossed per step {crossed:?}");
+                let on_gpu = train(&w, &init, &plan, mode, 3).unwrap();
+                let on_cpu = train(&w, &init, &crate::common::plan(&json, 1), mode, 3).unwrap();
+                for (got, want) in on_gpu.losses.iter().zip(&on_cpu.losses) {
+                    assert!((got - want).abs() <= loss_tol * want.abs(), "{what}: loss {got} vs cpu {want}");
+                }
+            }
+        }
+    }
+}
+
 /// Rank 0's growth of the device allocator's bytes in use over building an engine of
 /// `init` in units and training it 2 steps (every rank between the same barriers), and its
 /// trained parameters.

@@ -41,3 +41,8 @@ fn cpu_offload_leaves_only_the_parameters_on_the_device() {
 fn host_device_copies_per_step_are_what_host_collectives_need() {
     super::host_device_copies_per_step_are_what_host_collectives_need(WGPU);
 }
+
+#[test]
+fn one_rank_with_states_on_wgpu_steps_there() {
+    super::one_rank_with_states_on_the_device_steps_there(WGPU);
+}

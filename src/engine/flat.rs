@@ -1,0 +1,95 @@
+//! [`Flat`]: a flat buffer of a unit (a gradient, a gradient accumulator) where the step
+//! keeps it: in host memory, or on the rank's device.
+//!
+//! # Note: the device-resident step
+//! A rank that computes on a GPU keeps its gradients and model states on the device unless
+//! something on the host needs them: a host collective (the threads or MPI backend, with
+//! more than one rank in the group) or an offload tier. Where nothing does (one rank per
+//! group, states on the device, no pipeline to sum the root over), the step never leaves
+//! the device ([`Shared::device_step`](super::unit::Shared)): backward's gradients are
+//! flattened there into the unit's accumulator, the norm is summed there (one number per
+//! unit comes back), the optimizer steps the device masters, and the new values are
+//! written into the model there, cast to the compute dtype. Elsewhere a flat buffer lives
+//! on the host, as the collectives and tiers want it.
+
+use burn::tensor::{DType, Device, FloatDType, Tensor};
+use zerotrain_precision::{FlatBuf, Precision};
+
+use super::params::into_flat;
+use crate::Result;
+
+/// A unit's flat buffer, on the host or on the rank's device (module note).
+#[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per unit gradient, moved a few times per step; the sizes differ by backend"
+)]
+pub(crate) enum Flat {
+    /// In host memory.
+    Host(FlatBuf),
+    /// A 1-D tensor on the rank's device, without autodiff.
+    Device(Tensor<1>),
+}
+
+impl Flat {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Self::Host(values) => values.bytes(),
+            Self::Device(t) => (t.dims()[0] * t.dtype().size()) as u64,
+        }
+    }
+
+    /// The values on the host, in the dtype they are in (`what` names them in errors).
+    pub fn into_host(self, what: &str) -> Result<FlatBuf> {
+        match self {
+            Self::Host(values) => Ok(values),
+            Self::Device(t) => {
+                let n = t.dims()[0];
+                into_flat(t.into_data(), what, n)
+            }
+        }
+    }
+
+    /// Adds `other` (of the same length, where this buffer is) to these values.
+    pub fn add(&mut self, other: Flat) -> Result<()> {
+        match (self, other) {
+            (Self::Host(mine), other) => mine.as_mut().copy_from(other.into_host("a gradient")?.as_ref(), true),
+            (Self::Device(mine), Self::Device(theirs)) => {
+                *mine = mine.clone() + theirs.cast(mine.dtype());
+            }
+            (Self::Device(mine), Self::Host(theirs)) => {
+                let device = mine.device();
+                *mine = mine.clone() + tensor(theirs, &device).cast(mine.dtype());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `values` as a 1-D tensor on `device`, in their dtype.
+pub(crate) fn tensor(values: FlatBuf, device: &Device) -> Tensor<1> {
+    let n = values.len();
+    let data = zerotrain_precision::with_elem!(FlatBuf, values, v, _E => burn::tensor::TensorData::new(v, [n]));
+    let dtype = data.dtype();
+    Tensor::from_data(data, (device, dtype))
+}
+
+/// Burn's float dtype for `precision`.
+pub(crate) fn float_dtype(precision: Precision) -> FloatDType {
+    match precision {
+        Precision::Fp32 => FloatDType::F32,
+        Precision::Fp16 => FloatDType::F16,
+        Precision::Bf16 => FloatDType::BF16,
+    }
+}
+
+/// A 1-D tensor of `len` zeros in `precision` on `device`.
+pub(crate) fn zeros(precision: Precision, len: usize, device: &Device) -> Tensor<1> {
+    let dtype = match precision {
+        Precision::Fp32 => DType::F32,
+        Precision::Fp16 => DType::F16,
+        Precision::Bf16 => DType::BF16,
+    };
+    Tensor::zeros([len], (device, dtype))
+}
