@@ -79,12 +79,20 @@ fn guarded(kind: ComputeDevice, find: fn() -> Vec<Device>) -> Result<Vec<Device>
 
 #[cfg(feature = "wgpu")]
 fn wgpu_devices() -> Vec<Device> {
-    use burn::tensor::{DeviceKind, DeviceType};
+    use burn::tensor::{DeviceKind, DeviceType, Tensor};
     let gpus: Vec<Device> = Device::enumerate(DeviceType::Wgpu)
         .into_iter()
         .filter(|d| d.identity().is_some_and(|identity| identity.physical.is_some()))
         .collect();
-    if gpus.is_empty() { vec![Device::wgpu(DeviceKind::DefaultDevice)] } else { gpus }
+    if !gpus.is_empty() {
+        return gpus;
+    }
+    // wgpu's default adapter is acquired at its first use: use it here, so that a machine
+    // with none (no Vulkan loader, no driver) fails now, in `guarded`, with the setting's
+    // name, instead of panicking inside a rank's first operation.
+    let default = Device::wgpu(DeviceKind::DefaultDevice);
+    drop(Tensor::<1>::zeros([1], &default).into_data());
+    vec![default]
 }
 
 #[cfg(not(feature = "wgpu"))]

@@ -32,6 +32,11 @@
 //! forward that draws only on some runs (depending on its data) is outside this rule: its
 //! draws would not repeat.
 //!
+//! On a fused backend (Burn's `fusion`, on by default for wgpu and CUDA here) operations run
+//! when the fusion queue is flushed, not when they are called, and a random kernel takes
+//! its seeds from the generator when it runs: a forward that draws flushes its queue before
+//! it lets the generator go (the probe's read of the generator flushes it anyway).
+//!
 //! Code of the caller's that seeds the device or draws random numbers while ranks train
 //! should hold the same lock ([`lock`], [`seeded`]); an unlocked draw there can land inside
 //! another rank's forward and change its numbers. Code running inside an engine's forward
@@ -110,7 +115,11 @@ impl Streams {
         let seed = self.seed_of(draw);
         match seen {
             Some(false) => f(),
-            Some(true) => seeded(device, seed, f),
+            Some(true) => seeded(device, seed, || {
+                let out = f();
+                launched(device);
+                out
+            }),
             None => {
                 let _held = lock();
                 device.seed(seed);
@@ -125,18 +134,35 @@ impl Streams {
     }
 }
 
+/// Hands the device's queued work out for execution, so that a fused backend (which records
+/// operations and runs them later) has drawn the forward's random numbers before the lock
+/// is let go: a random kernel takes its seeds from the generator when it is launched. Eager
+/// backends have nothing queued. A failure here is the device's, and the step's next read
+/// of a result reports it.
+fn launched(device: &Device) {
+    let _ = device.flush();
+}
+
 /// The next values of the generator (four, so that a forward that drew cannot leave the
 /// generator where it found it by chance: 2^-96 with f32's 24 random bits each).
 fn probe(device: &Device) -> burn::tensor::TensorData {
     Tensor::<1>::random([4], Distribution::Default, device).into_data()
 }
 
-/// SplitMix64's finaliser: a bijection of `u64` that spreads every input bit over the output.
-const fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+/// One step of SplitMix64: advances `state` and returns a well-mixed 64-bit value (cheap
+/// and deterministic: stream seeds here, and the application's generated data).
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// SplitMix64's output for `x`: a bijection of `u64` that spreads every input bit over the
+/// output.
+fn mix(x: u64) -> u64 {
+    splitmix64(&mut { x })
 }
 
 #[cfg(test)]

@@ -384,9 +384,14 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
 fn device_bytes_grown(plan: &zerotrain::Plan, init: &zerotrain::app::models::Gpt, w: &Tokens) -> (u64, Params) {
     launch(plan, |ctx| {
         let comm = ctx.collective();
-        // Queued work holds its inputs until it runs: measure once the device has done it.
+        // Queued work holds its inputs until it runs: measure once the device has done it,
+        // and once the pools have let go of what only their caches held (Burn's fusion and
+        // autotune keep freed buffers for reuse, a few KB that vary from step to step:
+        // without the cleanup a stage-3 run read 752 B over its states on lavapipe).
         let in_use = || {
             ctx.device().sync().expect("the device finishes its queued work");
+            ctx.device().memory_cleanup();
+            ctx.device().sync().expect("the device finishes its cleanup");
             ctx.device().memory_pool_usage().expect("the device reports its memory pools").bytes_in_use
         };
         let train = |steps: u64| {
