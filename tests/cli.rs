@@ -162,6 +162,39 @@ fn bench_convert_prints_every_conversion_beside_memcpy() {
     assert_eq!(rows.as_array().map(Vec::len), Some(ops.len()));
 }
 
+/// `bench gpu --json` prints one object per row, a line each: plain Burn in fp32 and in the
+/// engine's precision, then the engine at every stage and mode asked for; on the CPU (where
+/// this runs) nothing crosses to a device.
+#[test]
+fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision() {
+    let shape = ["--layers", "1", "--width", "16", "--heads", "2", "--context", "8", "--vocab", "13", "--batch", "2"];
+    let mut args = vec!["bench", "gpu", "--device", "cpu", "--steps", "1", "--stages", "0,3", "--precision", "bf16"];
+    args.extend(shape);
+    args.extend(["--mode", "one-unit,checkpointed", "--json"]);
+    let out = zerotrain(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let key = |r: &serde_json::Value| (r["precision"].clone(), r["stage"].clone(), r["mode"].clone());
+    let expected = [
+        ("fp32", None, None),
+        ("bf16", None, None),
+        ("bf16", Some(0), Some("one-unit")),
+        ("bf16", Some(0), Some("checkpointed")),
+        ("bf16", Some(3), Some("one-unit")),
+        ("bf16", Some(3), Some("checkpointed")),
+    ];
+    let want: Vec<_> =
+        expected.iter().map(|&(p, s, m)| (serde_json::json!(p), serde_json::json!(s), serde_json::json!(m))).collect();
+    assert_eq!(rows.iter().map(key).collect::<Vec<_>>(), want);
+    for row in &rows {
+        assert!(row["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{row}");
+        if row["stage"].is_u64() {
+            assert_eq!(row["host_device"], serde_json::json!({"to_device": 0, "to_host": 0}), "{row}");
+        }
+    }
+}
+
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {

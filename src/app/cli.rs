@@ -294,13 +294,13 @@ pub enum BenchCommand {
         /// The engine's compute dtype: fp32, fp16 or bf16.
         #[arg(long, default_value = "fp32")]
         precision: String,
-        /// How the engine runs the model.
-        #[arg(long, value_enum, default_value = "units")]
-        mode: crate::app::bench::RunMode,
+        /// How the engine runs the model: a row per mode at each stage.
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "units,checkpointed")]
+        mode: Vec<crate::app::bench::RunMode>,
         /// The device's dense peak in TFLOPS, for MFU (H200 and H100 SXM: 989 in bf16).
         #[arg(long, default_value_t = 989.0)]
         peak_tflops: f64,
-        /// Print JSON instead of a table.
+        /// Print one JSON object per row, a line each, instead of a table.
         #[arg(long)]
         json: bool,
     },

@@ -11,6 +11,8 @@ use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use crate::random::splitmix64;
+
 /// Largest `--data` file read, in bytes (the corpus keeps 4 bytes per character).
 pub const MAX_CORPUS_BYTES: u64 = 256 << 20;
 
@@ -71,7 +73,7 @@ impl Corpus {
         let mut state = seed;
         let mut text = String::with_capacity(lines * 10);
         for _ in 0..lines {
-            let (a, b) = (splitmix(&mut state) % 100, splitmix(&mut state) % 100);
+            let (a, b) = (splitmix64(&mut state) % 100, splitmix64(&mut state) % 100);
             text.push_str(&format!("{a}+{b}={}\n", a + b));
         }
         Self::from_text("generated arithmetic", &text)
@@ -146,18 +148,10 @@ pub fn windows(
     let mut data = Vec::with_capacity(count as usize * (block_size + 1));
     for i in first..first + count {
         let mut state = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-        let start = (splitmix(&mut state) % span) as usize;
+        let start = (splitmix64(&mut state) % span) as usize;
         data.extend(tokens[start..start + block_size + 1].iter().map(|&t| i64::from(t)));
     }
     Tensor::from_data(TensorData::new(data, [count as usize, block_size + 1]), device)
-}
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

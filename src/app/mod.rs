@@ -151,8 +151,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 vocab_size: vocab,
                 tied_head: true,
             };
-            let bench =
-                crate::app::bench::gpu::GpuBench { shape, device, batch, steps, stages, precision, mode, peak_tflops };
+            let bench = crate::app::bench::gpu::GpuBench {
+                shape,
+                device,
+                batch,
+                steps,
+                stages,
+                precision,
+                modes: mode,
+                peak_tflops,
+            };
             commands::bench::bench_gpu(&bench, json)
         }
         Command::Bench(BenchCommand::OffloadGpt { layers, width, tokens, steps, lr, nvme, json }) => {

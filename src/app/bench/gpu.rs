@@ -1,12 +1,13 @@
-//! `bench gpu`: a GPT on one device (a GPU through wgpu or CUDA, or the CPU), a plain Burn
-//! loop beside the engine at the given stages, in tokens per second and model FLOPs
-//! utilisation, with the device's own count of the memory it holds.
+//! `bench gpu`: a GPT on one device (a GPU through wgpu or CUDA, or the CPU), plain Burn
+//! loops (fp32, and in the engine's precision) beside the engine at the given stages and
+//! modes, in tokens per second and model FLOPs utilisation, with the device's own count of
+//! the memory it holds; a table, or one JSON line per row.
 
 use std::time::Instant;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use serde::Serialize;
 
 use super::RunMode;
@@ -30,8 +31,8 @@ pub struct GpuBench {
     pub stages: Vec<u8>,
     /// The engine's compute dtype: fp32, fp16 or bf16.
     pub precision: String,
-    /// How the engine runs the model.
-    pub mode: RunMode,
+    /// How the engine runs the model: a row per mode at each stage.
+    pub modes: Vec<RunMode>,
     /// The device's dense peak, TFLOPS, for the utilisation column.
     pub peak_tflops: f64,
 }
@@ -41,6 +42,12 @@ pub struct GpuBench {
 pub struct GpuRow {
     /// `plain Burn` or `engine stage N`.
     pub what: String,
+    /// The dtype the model computes in: fp32, fp16 or bf16.
+    pub precision: String,
+    /// The engine's ZeRO stage (`None` for a plain loop).
+    pub stage: Option<u8>,
+    /// How the engine ran the model (`None` for a plain loop).
+    pub mode: Option<RunMode>,
     /// Median step time, seconds.
     pub step_seconds: f64,
     /// Tokens per second at the median.
@@ -69,49 +76,76 @@ fn tokens(shape: &GptConfig, batch: usize, step: usize, device: &Device) -> Tens
 }
 
 impl GpuBench {
-    /// Runs the plain loop, then the engine at each stage (world size 1), each for
-    /// `steps` measured steps.
-    pub fn run(&self) -> Result<Vec<GpuRow>> {
-        let json = format!(
-            r#"{{ "train_micro_batch_size_per_gpu": {}, {} "zerotrain": {{"device": "{}"}},
-                 "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}} }}"#,
-            self.batch,
-            self.mode.config_keys(),
-            self.device.name()
-        );
-        let plans = self
-            .stages
-            .iter()
-            .map(|&stage| {
-                let precision = match self.precision.as_str() {
-                    "fp32" => String::new(),
-                    half @ ("fp16" | "bf16") => format!(r#""{half}": {{"enabled": true}},"#),
-                    other => return Err(Error::Usage(format!("--precision must be fp32, fp16 or bf16, got {other}"))),
-                };
-                let json =
-                    json.replacen('{', &format!(r#"{{ {precision} "zero_optimization": {{"stage": {stage}}},"#), 1);
-                Ok((stage, super::resolve(&json, 1)?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let Some((_, first)) = plans.first() else { return Err(Error::Usage("no --stages given".into())) };
+    /// Runs the plain loops, then the engine at each stage and mode (world size 1), each
+    /// for `steps` measured steps, handing each row to `measured` as soon as it is (a run
+    /// cut short by a time limit still reports the rows it finished).
+    pub fn run(&self, measured: impl Fn(&GpuRow) + Sync) -> Result<Vec<GpuRow>> {
+        let half = match self.precision.as_str() {
+            "fp32" => None,
+            "fp16" => Some(FloatDType::F16),
+            "bf16" => Some(FloatDType::BF16),
+            other => return Err(Error::Usage(format!("--precision must be fp32, fp16 or bf16, got {other}"))),
+        };
+        let precision =
+            half.map_or(String::new(), |_| format!(r#""{}": {{"enabled": true}},"#, self.precision.as_str()));
+        let mut plans = Vec::new();
+        for &stage in &self.stages {
+            for &mode in &self.modes {
+                let json = format!(
+                    r#"{{ {precision} {} "zero_optimization": {{"stage": {stage}}},
+                         "train_micro_batch_size_per_gpu": {}, "zerotrain": {{"device": "{}"}},
+                         "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}} }}"#,
+                    mode.config_keys(),
+                    self.batch,
+                    self.device.name()
+                );
+                plans.push((stage, mode, super::resolve(&json, 1)?));
+            }
+        }
+        let Some((_, _, first)) = plans.first() else { return Err(Error::Usage("no --stages or --mode given".into())) };
         // Initialised on the CPU, so that the device holds only what each row trains.
         let cpu = Device::flex().autodiff();
         cpu.seed(1);
         let init = Gpt::new(&self.shape, &cpu);
         let rows = launch(first, |ctx| {
             let device = ctx.device().clone();
-            let mut rows = vec![self.plain(&init, &device)?];
-            for (stage, plan) in &plans {
-                rows.push(self.engine(*stage, &init, plan, &ctx)?);
+            let mut rows = Vec::new();
+            let mut keep = |row: GpuRow| {
+                measured(&row);
+                rows.push(row);
+            };
+            keep(self.plain(&init, &device, None)?);
+            if let Some(half) = half {
+                keep(self.plain(&init, &device, Some(half))?);
+            }
+            // A row that fails is reported and the others still run: one GPU session
+            // should bring back every figure it can.
+            let mut failed = Vec::new();
+            for (stage, mode, plan) in &plans {
+                match self.engine(*stage, *mode, &init, plan, &ctx) {
+                    Ok(row) => keep(row),
+                    Err(e) => {
+                        eprintln!("engine {stage} {}: {e}", mode.short_name());
+                        failed.push(format!("engine {stage} {}", mode.short_name()));
+                    }
+                }
+            }
+            if !failed.is_empty() {
+                return Err(Error::Model(format!("bench gpu: {} failed (errors above)", failed.join(", "))));
             }
             Ok::<_, Error>(rows)
         })?;
         Ok(rows.into_iter().next().expect("one rank"))
     }
 
-    /// The plain Burn loop the engine replaces: forward, backward, AdamW, in fp32.
-    fn plain(&self, init: &Gpt, device: &Device) -> Result<GpuRow> {
+    /// The plain Burn loop the engine replaces: forward, backward, AdamW, in fp32 or with
+    /// every parameter in `half` (no master weights, no loss scaling: the engine's
+    /// arithmetic at the compute dtype's speed).
+    fn plain(&self, init: &Gpt, device: &Device, half: Option<FloatDType>) -> Result<GpuRow> {
         let mut model = init.clone().fork(device);
+        if let Some(dtype) = half {
+            model = model.map(&mut CastParams(dtype));
+        }
         let mut optim = AdamWConfig::new().with_epsilon(1e-8).with_weight_decay(0.0).init();
         let mut times = Vec::new();
         for step in 0..self.steps + 2 {
@@ -124,18 +158,28 @@ impl GpuBench {
                 times.push(start.elapsed().as_secs_f64());
             }
         }
-        Ok(self.row("plain Burn".into(), median(times), device, None))
+        let precision = if half.is_some() { self.precision.clone() } else { "fp32".into() };
+        let mut row = self.row(format!("plain Burn {precision}"), median(times), device, None);
+        row.precision = precision;
+        Ok(row)
     }
 
-    /// The engine at `stage` on `ctx`'s device.
-    fn engine(&self, stage: u8, init: &Gpt, plan: &crate::Plan, ctx: &crate::RankContext) -> Result<GpuRow> {
+    /// The engine at `stage` in `mode` on `ctx`'s device.
+    fn engine(
+        &self,
+        stage: u8,
+        mode: RunMode,
+        init: &Gpt,
+        plan: &crate::Plan,
+        ctx: &crate::RankContext,
+    ) -> Result<GpuRow> {
         let device = ctx.device();
-        let mut engine = self.mode.engine(init.clone(), plan, ctx)?;
+        let mut engine = mode.engine(init.clone(), plan, ctx)?;
         let (mut times, mut reports) = (Vec::new(), Vec::new());
         for step in 0..self.steps + 2 {
             let start = Instant::now();
             let batch = tokens(&self.shape, self.batch, step, device);
-            self.mode.micro_step(&mut engine, &batch, |m, b| m.loss(b.clone()))?;
+            mode.micro_step(&mut engine, &batch, |m, b| m.loss(b.clone()))?;
             let report = engine.step()?.expect("accumulation 1");
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
             if step >= 2 {
@@ -144,8 +188,9 @@ impl GpuBench {
             }
         }
         let phases = median_times(&reports);
-        let mut row = self.row(format!("engine stage {stage}"), median(times), device, Some(phases));
-        row.host_device = reports.last().map(|r| r.host_device);
+        let what = format!("engine {stage} {}", mode.short_name());
+        let mut row = self.row(what, median(times), device, Some(phases));
+        (row.stage, row.mode, row.host_device) = (Some(stage), Some(mode), reports.last().map(|r| r.host_device));
         Ok(row)
     }
 
@@ -154,6 +199,9 @@ impl GpuBench {
         let tflops = 6.0 * self.shape.num_params() as f64 * tokens_per_s / 1e12;
         GpuRow {
             what,
+            precision: self.precision.clone(),
+            stage: None,
+            mode: None,
             step_seconds,
             tokens_per_s,
             tflops,
@@ -164,12 +212,13 @@ impl GpuBench {
         }
     }
 
-    /// The table as text.
-    pub fn format(&self, rows: &[GpuRow]) -> String {
+    /// The table's heading: the model, the device and the columns.
+    pub fn heading(&self) -> String {
         let s = &self.shape;
         let mut out = format!(
             "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters), {} sequences per step, on {}; engine \
-             in {} ({:?}); medians of {} steps; MFU against {} TFLOPS\n",
+             in {} (stage and mode per row: one unit, units, units with recomputation); medians of {} steps; MFU \
+             against {} TFLOPS\n",
             s.n_layer,
             s.n_embd,
             s.n_head,
@@ -179,41 +228,52 @@ impl GpuBench {
             self.batch,
             self.device.name(),
             self.precision,
-            self.mode,
             self.steps,
             self.peak_tflops
         );
         out.push_str(
-            "what              step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
+            "what                 step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
              to/from device MiB\n",
         );
-        for r in rows {
-            let mib = r.device_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
-            let phases = r.times.map_or(String::new(), |t| {
-                let ms = |x: f64| x * 1e3;
-                format!(
-                    "  {:>7.1} {:>8.1} {:>6.1} {:>6.1} {:>6.1}",
-                    ms(t.forward),
-                    ms(t.backward),
-                    ms(t.reduce),
-                    ms(t.optimizer),
-                    ms(t.gather)
-                )
-            });
-            let crossed = r.host_device.map_or(String::new(), |c| {
-                let mib = |b: u64| b as f64 / (1 << 20) as f64;
-                format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
-            });
-            out.push_str(&format!(
-                "{:<16} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
-                r.what,
-                r.step_seconds * 1e3,
-                r.tokens_per_s,
-                r.tflops,
-                r.mfu * 100.0,
-                mib
-            ));
-        }
         out
+    }
+
+    /// One row of the table.
+    pub fn line(r: &GpuRow) -> String {
+        let mib = r.device_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
+        let phases = r.times.map_or(String::new(), |t| {
+            let ms = |x: f64| x * 1e3;
+            format!(
+                "  {:>7.1} {:>8.1} {:>6.1} {:>6.1} {:>6.1}",
+                ms(t.forward),
+                ms(t.backward),
+                ms(t.reduce),
+                ms(t.optimizer),
+                ms(t.gather)
+            )
+        });
+        let crossed = r.host_device.map_or(String::new(), |c| {
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
+        });
+        format!(
+            "{:<19} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
+            r.what,
+            r.step_seconds * 1e3,
+            r.tokens_per_s,
+            r.tflops,
+            r.mfu * 100.0,
+            mib
+        )
+    }
+}
+
+/// Casts every float parameter to a dtype (the plain loop in the engine's precision).
+struct CastParams(FloatDType);
+
+impl ModuleMapper for CastParams {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let dtype = self.0;
+        param.map(|t| t.cast(dtype))
     }
 }

@@ -33,6 +33,15 @@ pub enum RunMode {
 }
 
 impl RunMode {
+    /// A few letters for tables: `1-unit`, `units`, `recompute`.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Self::OneUnit => "1-unit",
+            Self::Units => "units",
+            Self::Checkpointed => "recompute",
+        }
+    }
+
     /// The config keys the mode needs (the `activation_checkpointing` section), to put
     /// first in a JSON object.
     pub fn config_keys(self) -> &'static str {

@@ -259,10 +259,20 @@ pub fn bench_gpu(bench: &crate::app::bench::gpu::GpuBench, json: bool) -> anyhow
     if bench.steps == 0 || bench.batch == 0 {
         anyhow::bail!("--steps and --batch must be at least 1");
     }
-    let rows = bench.run()?;
-    match json {
-        true => println!("{}", serde_json::to_string_pretty(&rows)?),
-        false => print!("{}", bench.format(&rows)),
+    use std::io::Write;
+    if !json {
+        print!("{}", bench.heading());
     }
+    let _ = std::io::stdout().flush();
+    // Each row printed as it is measured: a run stopped by a time limit keeps what it did.
+    bench.run(|row| {
+        let text = if json {
+            serde_json::to_string(row).map(|line| line + "\n").unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}\n"))
+        } else {
+            crate::app::bench::gpu::GpuBench::line(row)
+        };
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    })?;
     Ok(())
 }

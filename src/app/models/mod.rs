@@ -166,14 +166,7 @@ impl RegressionTask {
     pub fn sample(&self, index: u64) -> (Vec<f32>, Vec<f32>) {
         let (t, f) = (self.seq_len, self.features);
         let mut state = index.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0xD1B5_4A32_D192_ED03);
-        let mut next = || {
-            // SplitMix64: cheap, deterministic, well mixed.
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut next = || (crate::random::splitmix64(&mut state) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
         let input: Vec<f32> = (0..t * f).map(|_| next()).collect();
         let mut target = vec![0.0; t * f];
         let mut running = vec![0.0f32; f];
