@@ -268,12 +268,15 @@ impl GpuBench {
     }
 }
 
-/// Casts every float parameter to a dtype (the plain loop in the engine's precision).
+/// Casts every float parameter to a dtype (the plain loop in the engine's precision). Each
+/// cast is a new leaf that takes gradients: a cast left in the autodiff graph would take
+/// none, so the optimizer would never update it and the next backward would find its graph
+/// consumed.
 struct CastParams(FloatDType);
 
 impl ModuleMapper for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let dtype = self.0;
-        param.map(|t| t.cast(dtype))
+        param.map(|t| t.cast(dtype).detach().require_grad())
     }
 }
