@@ -17,7 +17,7 @@ use crate::common::*;
 
 /// Ranks on CUDA device 0: one rank runs its collectives through NCCL (`auto`), two thread
 /// ranks share the GPU over the host backend (`auto` falls back: NCCL takes one rank per GPU).
-const CUDA: Gpu = Gpu { name: "cuda", device: || Device::cuda(0), keys: "" };
+const CUDA: Gpu = Gpu { name: "cuda", device: || Device::cuda(0), keys: "", granule: Some(512) };
 
 /// Whether the dynamic loader finds `name`, asked directly (not through the code under test).
 fn loads(name: &str) -> bool {

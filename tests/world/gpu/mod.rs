@@ -16,7 +16,8 @@ mod wgpu;
 
 use std::sync::{Mutex, MutexGuard};
 
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor};
+use zerotrain::app::models::Gpt;
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;
@@ -34,6 +35,9 @@ pub struct Gpu {
     /// Extra `zerotrain` keys its tests set (`"collectives": "host"` for ranks sharing one
     /// CUDA GPU, which NCCL refuses), each followed by a comma.
     pub keys: &'static str,
+    /// The granule its allocator rounds every allocation up to, where the backend fixes
+    /// it (`None`: the adapter's, as wgpu's: read by `allocation_granule`).
+    pub granule: Option<u64>,
 }
 
 /// The engine on the GPU against plain Burn on the same device: the engine's arithmetic is
@@ -72,7 +76,7 @@ pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
     for world_size in [1, 2] {
         let reference_plan = plan(&unit_recipe(0, 2, MODES[0], "fp32", ""), world_size);
         let reference = |device: &Device| {
-            let loss = |m: &_, step| w.global_loss(m, &reference_plan, step, device);
+            let loss = |m: &_, step| micro_batch_loss(&w, m, &reference_plan, step, device);
             let (losses, model) = reference_run_on(&init, &reference_plan, STEPS, loss, device);
             (losses, params_by_path(&model))
         };
@@ -96,6 +100,19 @@ pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
     }
     let name = on.name;
     eprintln!("{name}: worst |param - plain Burn| {worst_param:e}, worst relative loss vs the CPU {worst_loss:e}");
+}
+
+/// Step `step`'s global loss as the mean of every rank's micro-batch losses, each its own
+/// forward: the shapes the engine's forwards have. Autotune picks a kernel per shape, and a
+/// matmul tuned for the whole batch sums in another order than one tuned for a micro-batch;
+/// Adam turns that last-bit difference of a near-zero gradient into a step of up to lr. With
+/// the whole batch in one forward, plain Burn on an H200 was 5.2e-5 from the engine.
+fn micro_batch_loss(w: &Tokens, model: &Gpt, plan: &zerotrain::Plan, step: u64, device: &Device) -> Tensor<1> {
+    let losses = (0..plan.batch.gradient_accumulation_steps)
+        .flat_map(|micro| (0..plan.world_size()).map(move |rank| (micro, rank)))
+        .map(|(micro, rank)| model.loss(w.batch(plan, step, micro, rank, device)))
+        .collect();
+    Tensor::cat(losses, 0).mean()
 }
 
 /// Each rank computes on the device `zerotrain.device` names, not on the CPU.
@@ -177,26 +194,66 @@ pub fn fp16_trains_as_fp16_on_the_cpu(on: Gpu) {
     eprintln!("fp16 {name} vs cpu: worst relative loss {worst:e}, worst parameter {worst_param:e}");
 }
 
+/// The granule the device's allocator rounds each allocation up to (cubecl's memory layout
+/// policies: every buffer's size is rounded up to the device's memory alignment, 512 B on
+/// CUDA, the pitch `cuMallocPitched` returns; on wgpu the adapter's larger buffer-offset
+/// alignment), read as what one 4-byte tensor adds to the bytes in use, and checked against
+/// the backend's fixed value where it has one.
+fn allocation_granule(on: Gpu) -> u64 {
+    let device = (on.device)();
+    let in_use = || {
+        device.sync().expect("the device finishes its queued work");
+        device.memory_cleanup();
+        device.sync().expect("the device finishes its cleanup");
+        device.memory_pool_usage().expect("the device reports its memory pools").bytes_in_use
+    };
+    // The thread's first use makes the runtime's own allocations: before the reading.
+    drop(Tensor::<1>::zeros([1], &device).into_data());
+    let before = in_use();
+    let one = Tensor::<1>::from_floats([1.0], &device);
+    let granule = in_use() - before;
+    drop(one);
+    if let Some(fixed) = on.granule {
+        assert_eq!(
+            granule, fixed,
+            "{}: one 4-byte tensor holds {granule} B, the backend's granule is {fixed} B",
+            on.name
+        );
+    }
+    assert!(granule >= 4 && granule.is_power_of_two(), "{}: a 4-byte tensor holds {granule} B", on.name);
+    granule
+}
+
+/// `bytes` as the allocator holds them: rounded up to its granule.
+fn held(bytes: usize, granule: u64) -> u64 {
+    (bytes as u64).next_multiple_of(granule)
+}
+
 /// Model states on the device, as the device's allocator counts them, fall with the stage
 /// as the ZeRO formula says for what lives there: the parameters (all of them at stages
 /// 0-2, none at stage 3), fp32 masters (stage 3: the rank's shard) and Adam's two moments
 /// (the whole model at stage 0, the rank's shard at 1-3); gradients are reduced on the
-/// host. Two thread ranks share the device, so its count is twice one rank's.
+/// host. Two thread ranks share the device, so its count is twice one rank's. Each buffer
+/// counts as the allocator holds it, rounded up to its granule (`allocation_granule`): a
+/// parameter tensor each, and per unit a moment (and at stage 3 a master) of the unit's
+/// size or shard.
 ///
 /// The measurement is the growth of the count over a run, after a first run on the same
 /// rank threads has made the runtime's own allocations for them (kept for good, a few KB
 /// per thread, depending on the kernels it ran: see `device_bytes_grown`). Each stage must
 /// then be its formula plus one overhead common to all stages, within 128 B (the stages
-/// differ by 27 KB and more); on lavapipe that overhead is 0.
+/// differ by 27 KB and more); on lavapipe and on an H200 that overhead is 0.
 pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
     let _alone = device_alone();
+    let granule = allocation_granule(on);
     let init = tiny_gpt(true, 7);
     let w = Tokens { vocab: 11, len: 9 };
     let (sizes, root) = unit_sizes(&init);
     let units: Vec<usize> = sizes.into_iter().chain([root]).collect();
-    let psi: usize = units.iter().sum();
     let n = 2;
-    let shard: usize = units.iter().map(|&u| padded(u, n) / n).sum();
+    let params: u64 = params_by_path(&init).iter().map(|(_, p)| held(4 * p.len(), granule)).sum();
+    let whole: u64 = units.iter().map(|&u| held(4 * u, granule)).sum();
+    let shard: u64 = units.iter().map(|&u| held(4 * (padded(u, n) / n), granule)).sum();
     let mode = Mode { units: true, checkpointing: false, overlap: false };
     let mut measured = Vec::new();
     // The first run also allocates what the process keeps for good (Burn's device,
@@ -205,15 +262,17 @@ pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
         let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", ""), on), n);
         let (grown, _) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match stage {
-            0 => 4 * psi + 8 * psi,
-            1 | 2 => 4 * psi + 8 * shard,
-            _ => 4 * shard + 8 * shard,
-        } as u64;
+            0 => params + 2 * whole,
+            1 | 2 => params + 2 * shard,
+            _ => 3 * shard,
+        };
         if run > 0 {
             measured.push((stage, grown, n as u64 * per_rank));
         }
     }
-    eprintln!("device bytes grown over 2 steps, 2 ranks (stage, measured, formula): {measured:?}");
+    eprintln!(
+        "device bytes grown over 2 steps, 2 ranks, {granule}-byte granule (stage, measured, formula): {measured:?}"
+    );
     let overhead = measured.iter().map(|&(_, bytes, formula)| bytes - formula).min().unwrap();
     assert!(overhead < 16 * 1024 * n as u64, "{overhead} B besides model states: {measured:?}");
     for &(stage, bytes, formula) in &measured {
@@ -226,16 +285,19 @@ pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
 /// `offload_optimizer.device: "cpu"` on a device rank: the fp32 masters and Adam's moments
 /// leave the device for host memory and are stepped there, so the device's allocator counts
 /// only the parameters (all of them at stages 1-2, none at stage 3: their shards are cast
-/// from the host masters at each gather), two thread ranks sharing it; and training goes on
+/// from the host masters at each gather), two thread ranks sharing it, each buffer rounded
+/// up to the allocator's granule (`allocation_granule`); and training goes on
 /// as with the states on the device (the host AdamW is another implementation of Adam's
 /// arithmetic, so within the engine's tolerance, not bit for bit).
 pub fn cpu_offload_leaves_only_the_parameters_on_the_device(on: Gpu) {
     let _alone = device_alone();
+    let granule = allocation_granule(on);
     let init = tiny_gpt(true, 8);
     let w = Tokens { vocab: 11, len: 9 };
     let (sizes, root) = unit_sizes(&init);
-    let psi: usize = sizes.iter().sum::<usize>() + root;
     let n = 2;
+    let weights: u64 = params_by_path(&init).iter().map(|(_, p)| held(4 * p.len(), granule)).sum();
+    let shard: u64 = sizes.iter().chain([&root]).map(|&u| held(4 * (padded(u, n) / n), granule)).sum();
     let mode = Mode { units: true, checkpointing: false, overlap: false };
     let cpu = r#", "offload_optimizer": {"device": "cpu"}"#;
     let mut measured = Vec::new();
@@ -243,10 +305,10 @@ pub fn cpu_offload_leaves_only_the_parameters_on_the_device(on: Gpu) {
         let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", offload), on), n);
         let (grown, params) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match (stage, offload.is_empty()) {
-            (1 | 2, true) => 4 * psi + 8 * padded_shard(&sizes, root, n),
-            (1 | 2, false) => 4 * psi,
+            (1 | 2, true) => weights + 2 * shard,
+            (1 | 2, false) => weights,
             _ => 0,
-        } as u64;
+        };
         if run > 0 {
             measured.push((stage, !offload.is_empty(), grown, n as u64 * per_rank, params));
         }
@@ -381,7 +443,7 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
 /// Rank 0's growth of the device allocator's bytes in use over building an engine of
 /// `init` in units and training it 2 steps (every rank between the same barriers), and its
 /// trained parameters.
-fn device_bytes_grown(plan: &zerotrain::Plan, init: &zerotrain::app::models::Gpt, w: &Tokens) -> (u64, Params) {
+fn device_bytes_grown(plan: &zerotrain::Plan, init: &Gpt, w: &Tokens) -> (u64, Params) {
     launch(plan, |ctx| {
         let comm = ctx.collective();
         // Queued work holds its inputs until it runs: measure once the device has done it,
@@ -416,9 +478,4 @@ fn device_bytes_grown(plan: &zerotrain::Plan, init: &zerotrain::app::models::Gpt
     })
     .unwrap()
     .remove(0)
-}
-
-/// The rank's shard of every unit (and the root), padded as the rule says.
-fn padded_shard(sizes: &[usize], root: usize, n: usize) -> usize {
-    sizes.iter().chain([&root]).map(|&u| padded(u, n) / n).sum()
 }

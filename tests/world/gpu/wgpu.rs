@@ -5,7 +5,7 @@ use burn::tensor::{Device, DeviceKind};
 
 use super::Gpu;
 
-const WGPU: Gpu = Gpu { name: "wgpu", device: || Device::wgpu(DeviceKind::DefaultDevice), keys: "" };
+const WGPU: Gpu = Gpu { name: "wgpu", device: || Device::wgpu(DeviceKind::DefaultDevice), keys: "", granule: None };
 
 #[test]
 fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
