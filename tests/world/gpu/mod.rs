@@ -42,7 +42,9 @@ pub struct Gpu {
 
 /// The engine on the GPU against plain Burn on the same device: the engine's arithmetic is
 /// the device's, summed in another order, as on the CPU (`units.rs`: 5e-6). Measured
-/// worst case on lavapipe: 8.7e-7 (`--nocapture`).
+/// worst case on lavapipe: 8.9e-7 (`--nocapture`). Where the device's kernels round
+/// differently for another order of the same sums (CUDA with Burn's fusion and autotune),
+/// the bound is also twice plain Burn's own spread there (`a_gpt_matches_plain_burn_...`).
 const PARAM_TOL: f32 = 5e-6;
 /// Plain Burn on wgpu against plain Burn on the CPU (Flex): another implementation of every
 /// op. Losses agree to about 1e-6 relative on lavapipe; the parameters do not compare
@@ -66,6 +68,15 @@ fn on_device(json: &str, gpu: Gpu) -> String {
 /// Every stage at one rank and at two thread ranks sharing the device, in the unit walk
 /// with overlapped reduction and recomputation (the most device work): the engine equals
 /// plain Burn on the device, and plain Burn on the device trains like plain Burn on the CPU.
+///
+/// "Equals" is bounded by how far plain Burn on the device is from itself when the same
+/// sums run in another order: the batch in one forward or as the engine's micro-batches.
+/// Adam turns a last-bit difference of a near-zero gradient into a step of up to lr, so on
+/// CUDA with Burn's fusion and autotune (kernels chosen and fused per shape and graph) the
+/// two plain runs are over 1e-4 apart: on an H200 the engine was 5.2e-5 from one and
+/// 1.7e-4 from the other. The engine must be within the larger of `PARAM_TOL` and twice
+/// that spread of the one-forward run: a wrong step (lr, clipping, a missed micro-batch)
+/// moves parameters by about lr, 1e-3 to 1e-2 here.
 pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 3);
@@ -75,18 +86,24 @@ pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
     let (mut worst_param, mut worst_loss) = (0.0f32, 0.0f32);
     for world_size in [1, 2] {
         let reference_plan = plan(&unit_recipe(0, 2, MODES[0], "fp32", ""), world_size);
-        let reference = |device: &Device| {
-            let loss = |m: &_, step| micro_batch_loss(&w, m, &reference_plan, step, device);
+        let reference = |device: &Device, in_micro_batches: bool| {
+            let loss = |m: &Gpt, step| match in_micro_batches {
+                true => micro_batch_loss(&w, m, &reference_plan, step, device),
+                false => w.global_loss(m, &reference_plan, step, device),
+            };
             let (losses, model) = reference_run_on(&init, &reference_plan, STEPS, loss, device);
             (losses, params_by_path(&model))
         };
-        let (cpu_losses, _) = reference(&cpu);
-        let (gpu_losses, gpu_params) = reference(&gpu);
+        let (cpu_losses, _) = reference(&cpu, false);
+        let (gpu_losses, gpu_params) = reference(&gpu, false);
         for (got, want) in gpu_losses.iter().zip(&cpu_losses) {
             worst_loss = worst_loss.max((got - want).abs() / want.abs());
             let what = format!("plain Burn: {} loss {got} vs cpu {want}", on.name);
             assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "{what}");
         }
+        let (spread, at) = max_abs_diff(&reference(&gpu, true).1, &gpu_params);
+        eprintln!("{} world {world_size}: plain Burn against itself in micro-batches: {spread:e} at `{at}`", on.name);
+        let param_tol = PARAM_TOL.max(2.0 * spread);
         for stage in 0..=3 {
             let mode = Mode { units: true, checkpointing: true, overlap: true };
             let what = format!("{} world {world_size} stage {stage}", on.name);
@@ -94,7 +111,7 @@ pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
             assert_eq!(plan.runtime.device.name(), on.name);
             let out = train(&w, &init, &plan, mode, STEPS).unwrap();
             // Losses against the CPU, parameters against plain Burn on the device.
-            let (loss, param) = check_run(&what, &out, &cpu_losses, &gpu_params, (DEVICE_LOSS_TOL, PARAM_TOL));
+            let (loss, param) = check_run(&what, &out, &cpu_losses, &gpu_params, (DEVICE_LOSS_TOL, param_tol));
             (worst_loss, worst_param) = (worst_loss.max(loss), worst_param.max(param));
         }
     }
@@ -103,10 +120,8 @@ pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
 }
 
 /// Step `step`'s global loss as the mean of every rank's micro-batch losses, each its own
-/// forward: the shapes the engine's forwards have. Autotune picks a kernel per shape, and a
-/// matmul tuned for the whole batch sums in another order than one tuned for a micro-batch;
-/// Adam turns that last-bit difference of a near-zero gradient into a step of up to lr. With
-/// the whole batch in one forward, plain Burn on an H200 was 5.2e-5 from the engine.
+/// forward (the shapes the engine's forwards have): the same sums as the whole batch's
+/// loss, in another order.
 fn micro_batch_loss(w: &Tokens, model: &Gpt, plan: &zerotrain::Plan, step: u64, device: &Device) -> Tensor<1> {
     let losses = (0..plan.batch.gradient_accumulation_steps)
         .flat_map(|micro| (0..plan.world_size()).map(move |rank| (micro, rank)))
