@@ -350,6 +350,7 @@ fn assemble<M: Module>(
         boundary_override: None,
         last_step: None,
         prepared: None,
+        torn: false,
     };
     let mut engine = Engine {
         model,

@@ -83,6 +83,7 @@ impl<M: UnitModel> Engine<M> {
                     .into(),
             ));
         }
+        self.whole()?;
         self.check_batch_size(batch);
         if let Some(root) = self.granularity.root() {
             self.gather(root)?;

@@ -19,6 +19,7 @@ impl<M: Module> Engine<M> {
     /// the parameters themselves. On a pipeline stage every stage contributes its units, so
     /// every rank gets the whole model's. Every rank must call it.
     pub fn master_params(&self) -> Result<Vec<f32>> {
+        self.whole()?;
         let sharding = &self.shared.sharding;
         let mut out = vec![0.0f32; sharding.global().num_elems()];
         let skip_root = self.root_counted_elsewhere();
@@ -53,6 +54,7 @@ impl<M: Module> Engine<M> {
     }
 
     fn gather_on(&mut self, root: usize) -> Result<Option<M>> {
+        self.agree(self.whole(), "checking its states")?;
         self.sync_buffers()?;
         let mine = self.shared.comm.rank() == root;
         if !self.shared.plan.zero.stage.shards_parameters() {

@@ -140,6 +140,9 @@ struct Progress {
     /// The step's gradients, reduced and measured ahead of [`Engine::step`] by
     /// [`Engine::gradients`].
     prepared: Option<gradients::Prepared>,
+    /// An optimizer step (or a checkpoint load) failed part-way on this rank: some units
+    /// hold new values and some old ones (`step.rs`'s note).
+    torn: bool,
 }
 
 impl<M: Module> Engine<M> {

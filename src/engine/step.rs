@@ -1,6 +1,16 @@
 //! The optimizer step: settle every unit's reductions, check for overflow, unscale and clip
 //! in one multiply, step each unit's optimizer on the rank's range, and put the new values
 //! where the stage keeps them.
+//!
+//! # Note: a step that fails part-way
+//! Units step one after another, each in place (on the device or in host memory): a step
+//! that fails at unit k (an optimizer's error, a device's) leaves units before k with the
+//! new values and the rest with the old, whatever tier holds them. Such a rank is torn:
+//! every later forward, step, save, export or evaluation is an error saying so, never a
+//! model or a checkpoint of two steps mixed, until a checkpoint load writes every unit
+//! again (a load that fails part-way tears the rank the same way). (A
+//! swapped unit keeps its own mark for its tiles, `swapped.rs`; lost masters are `home.rs`'s
+//! note.) Keeping the old values to roll back instead would double the optimizer's memory.
 
 use std::time::Instant;
 
@@ -21,6 +31,7 @@ impl<M: Module> Engine<M> {
     /// nothing is updated and `skipped_steps` counts it. Elsewhere it does nothing and
     /// returns `None`. Every rank must call it.
     pub fn step(&mut self) -> Result<Option<StepReport>> {
+        self.whole()?;
         if self.window.micro_steps == 0 {
             return Err(Error::Usage("step() called without a backward() since the last step".into()));
         }
@@ -65,8 +76,9 @@ impl<M: Module> Engine<M> {
                     Ok(stepped) => stepped,
                     Err(e) => {
                         // The window's gradients are spent: close it, so that the caller
-                        // can load a checkpoint (the units say what the failure left).
+                        // can load a checkpoint (module note).
                         self.window = Window { at_start: self.traffic(), ..Window::default() };
+                        self.progress.torn = true;
                         return Err(e);
                     }
                 };
@@ -76,6 +88,18 @@ impl<M: Module> Engine<M> {
             self.progress.lr_iteration += 1;
         }
         Ok(Some(self.end_step(lr, grad_norm, skip, scale, prepared.loss)))
+    }
+
+    /// An error if a step or a load failed part-way on this rank (module note).
+    pub(super) fn whole(&self) -> Result<()> {
+        match self.progress.torn {
+            true => Err(Error::Usage(
+                "an optimizer step or a checkpoint load failed part-way on this rank, so some units hold new values \
+                 and some old ones; load a checkpoint to go on"
+                    .into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     /// A skipped step: counted and announced; stage 3 releases whatever a gather since the

@@ -25,6 +25,7 @@ impl<M: Module> Engine<M> {
     /// micro-step's first, second... call of `forward`), not from whatever the process's
     /// generator holds: see [`crate::random`]. `f` must not take [`crate::random::lock`].
     pub fn forward<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        self.whole()?;
         self.gather_all()?;
         let start = Instant::now();
         let draw = self.draw(self.window.micro_steps, self.window.forward_calls);
@@ -175,6 +176,7 @@ impl<M: Module> Engine<M> {
     }
 
     fn eval_gathered<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        self.agree(self.whole(), "checking its states")?;
         self.sync_buffers()?;
         let was_released: Vec<bool> = self.units.iter().map(|u| !u.is_gathered()).collect();
         self.gather_all()?;

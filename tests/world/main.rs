@@ -19,6 +19,7 @@ mod overflow;
 mod pipeline;
 mod replicas;
 mod tiers;
+mod torn;
 mod units;
 
 /// The README's minimal example, compiled and run as part of the suite.

@@ -50,6 +50,7 @@ impl<M: Module> Engine<M> {
 
     fn save(&mut self, root: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
         let tag = tag.map_or_else(|| default_tag(self.progress.counters.global_steps), str::to_string);
+        self.agree(self.whole(), "checking its states")?;
         self.sync_buffers()?;
         let buffers = self.stage_buffers()?;
         let rank = self.shared.world.rank();
@@ -276,6 +277,8 @@ impl<M: Module> Engine<M> {
             false => (0..self.units.len()).map(read_unit).collect::<Result<Vec<_>>>().map(Some),
         };
         let mut loaded = self.agree(loaded, "reading its shard of the checkpoint")?.map(Vec::into_iter);
+        // Torn until every unit holds the checkpoint's values (`step.rs`'s note).
+        self.progress.torn = true;
         for id in 0..self.units.len() {
             let (master, optim) = match &mut loaded {
                 Some(all) => all.next().expect("one per unit"),
@@ -295,6 +298,7 @@ impl<M: Module> Engine<M> {
                 self.units[id].import_state((optim, scalars), &self.shared)?;
             }
         }
+        self.progress.torn = false;
         match buffers {
             Some(values) => {
                 let model = self.model.clone();

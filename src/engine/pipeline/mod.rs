@@ -130,6 +130,7 @@ impl<M: UnitModel> Pipeline<M> {
     /// reads its inputs, the last its targets). The stage runs its schedule and steps at
     /// the flush. Every rank must call it.
     pub fn train_batch(&mut self, mut batch: impl FnMut(usize) -> M::Batch) -> Result<StepReport> {
+        self.engine.whole()?;
         if self.engine.window.micro_steps > 0 {
             return Err(Error::Usage("train_batch inside an accumulation window: call step() first".into()));
         }

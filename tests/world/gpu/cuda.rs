@@ -168,6 +168,12 @@ fn one_rank_with_states_on_cuda_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(CUDA);
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn a_step_failing_part_way_on_cuda_leaves_the_rank_torn_until_a_load() {
+    super::a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(CUDA);
+}
+
 /// `auto` runs one rank per GPU through NCCL, silently; two ranks sharing the one GPU fall
 /// back to the host backend with a notice saying why; `nccl` there is an error naming the key.
 #[test]

@@ -455,6 +455,15 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
     }
 }
 
+/// `torn.rs`'s attack with one rank stepping on the device (nothing crosses in its steps):
+/// a step failing part-way there leaves the rank refusing every use until a load, and the
+/// load heals it bit for bit. (The device has no bf16 on wgpu: fp16 instead.)
+pub fn a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(on: Gpu) {
+    let _alone = device_alone();
+    let json = |json: &str| on_device(json, on);
+    crate::torn::a_step_failing_part_way_leaves_the_rank_torn_until_a_load(json, (0, 0), &["fp32", "fp16"]);
+}
+
 /// Rank 0's growth of the device allocator's bytes in use over building an engine of
 /// `init` in units and training it 2 steps (every rank between the same barriers), and its
 /// trained parameters.

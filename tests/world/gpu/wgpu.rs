@@ -46,3 +46,8 @@ fn host_device_copies_per_step_are_what_host_collectives_need() {
 fn one_rank_with_states_on_wgpu_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(WGPU);
 }
+
+#[test]
+fn a_step_failing_part_way_on_wgpu_leaves_the_rank_torn_until_a_load() {
+    super::a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(WGPU);
+}
