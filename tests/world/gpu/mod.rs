@@ -455,6 +455,52 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
     }
 }
 
+/// The device step's AdamW (Burn's, as fused tensor ops over each unit's flat master range)
+/// against the host AdamW of the offload tier (`host_adam.rs`), from the same gradients: one
+/// rank, one step (a second would start from different parameters), no clipping (so the
+/// two norms cannot differ), stages 1 and 3 (offload needs a sharded optimizer). The masters agree within `ulps` units in the
+/// last place; the device step moves nothing between host and device, the host one does.
+pub fn the_device_adamw_steps_as_the_host_adamw(on: Gpu, ulps: u32) {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 11);
+    let w = Tokens { vocab: 11, len: 9 };
+    let mode = Mode { units: true, checkpointing: false, overlap: false };
+    let mut worst = 0;
+    for stage in [1u8, 3] {
+        let step = |offload: &str| {
+            let json = unit_recipe(stage, 1, mode, "fp32", offload)
+                .replace(r#""gradient_clipping": 0.05"#, r#""gradient_clipping": 0.0"#);
+            let plan = plan(&on_device(&json, on), 1);
+            launch(&plan, |ctx| {
+                let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+                engine.forward_backward(&w.batch(&plan, 0, 0, ctx.rank(), ctx.device()))?;
+                let crossed = engine.step()?.expect("accumulation 1").host_device;
+                Ok::<_, Error>((crossed.to_device + crossed.to_host, engine.master_params()?))
+            })
+            .unwrap()
+            .remove(0)
+        };
+        let (on_device_crossed, device) = step("");
+        let (on_host_crossed, host) = step(r#", "offload_optimizer": {"device": "cpu"}"#);
+        assert_eq!(on_device_crossed, 0, "stage {stage}: the device step moved bytes");
+        assert!(on_host_crossed > 0, "stage {stage}: the host step moved nothing, so it did not run on the host");
+        assert_eq!(device.len(), host.len());
+        let apart = device.iter().zip(&host).map(|(&d, &h)| ulp_distance(d, h)).max().unwrap_or(0);
+        assert!(apart <= ulps, "{} stage {stage}: device and host AdamW {apart} ulp apart", on.name);
+        worst = worst.max(apart);
+    }
+    eprintln!("{}: device AdamW against host AdamW after one step: {worst} ulp at most", on.name);
+}
+
+/// How many f32 values lie between `a` and `b`.
+fn ulp_distance(a: f32, b: f32) -> u32 {
+    let ordered = |x: f32| {
+        let bits = i64::from(x.to_bits() as i32);
+        if bits < 0 { i64::from(i32::MIN) - bits } else { bits }
+    };
+    u32::try_from(ordered(a).abs_diff(ordered(b))).unwrap_or(u32::MAX)
+}
+
 /// `torn.rs`'s attack with one rank stepping on the device (nothing crosses in its steps):
 /// a step failing part-way there leaves the rank refusing every use until a load, and the
 /// load heals it bit for bit. (The device has no bf16 on wgpu: fp16 instead.)

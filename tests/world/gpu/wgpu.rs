@@ -48,6 +48,12 @@ fn one_rank_with_states_on_wgpu_steps_there() {
 }
 
 #[test]
+fn the_device_adamw_on_wgpu_steps_as_the_host_adamw() {
+    // Bit for bit on lavapipe.
+    super::the_device_adamw_steps_as_the_host_adamw(WGPU, 0);
+}
+
+#[test]
 fn a_step_failing_part_way_on_wgpu_leaves_the_rank_torn_until_a_load() {
     super::a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(WGPU);
 }
