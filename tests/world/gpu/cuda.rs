@@ -178,6 +178,13 @@ fn the_device_adamw_on_cuda_steps_as_the_host_adamw() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn stage_3_device_gathers_on_cuda_equal_host_gathers() {
+    // Fast-math AdamW on the device: not bit for bit with the host's.
+    super::stage_3_device_gathers_equal_host_gathers(CUDA, false);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn a_step_failing_part_way_on_cuda_leaves_the_rank_torn_until_a_load() {
     super::a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(CUDA);
 }

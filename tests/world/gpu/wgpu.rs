@@ -54,6 +54,11 @@ fn the_device_adamw_on_wgpu_steps_as_the_host_adamw() {
 }
 
 #[test]
+fn stage_3_device_gathers_on_wgpu_equal_host_gathers() {
+    super::stage_3_device_gathers_equal_host_gathers(WGPU, true);
+}
+
+#[test]
 fn a_step_failing_part_way_on_wgpu_leaves_the_rank_torn_until_a_load() {
     super::a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(WGPU);
 }
