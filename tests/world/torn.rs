@@ -14,16 +14,16 @@ use crate::common::*;
 use crate::tiers::scratch;
 use crate::units::{MODES, Tokens, Workload, tiny_gpt, unit_recipe};
 
-/// Plain SGD, failing at its `fail_at`-th unit step (counted over every unit and step).
-struct Flaky {
-    steps: Arc<AtomicUsize>,
-    fail_at: Arc<AtomicUsize>,
+/// Plain SGD, failing at its `fail_at`-th call (counted over every unit, tile and step).
+pub(crate) struct Flaky {
+    pub steps: Arc<AtomicUsize>,
+    pub fail_at: Arc<AtomicUsize>,
 }
 
 impl ShardOptimizer for Flaky {
     fn step(&mut self, lr: f64, p: Tensor<1>, g: Tensor<1>) -> zerotrain::Result<Tensor<1>> {
         if self.steps.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at.load(Ordering::SeqCst) {
-            return Err(Error::Model("injected failure in a unit's step".into()));
+            return Err(Error::Model("injected failure".into()));
         }
         Ok(p - g.mul_scalar(lr))
     }
