@@ -11,7 +11,7 @@
 //! one generator in whatever order the threads happen to run, so no run would repeat.
 //! PyTorch's checkpoint saves and restores the generator (`preserve_rng_state`) and
 //! DeepSpeed keeps a tracker per model-parallel rank; with only seeding to work with, the
-//! engine gives every forward its own stream instead ([`Streams`]): before a unit of
+//! engine gives every forward its own stream instead (`Streams`): before a unit of
 //! micro-batch `m` of step `s` runs its forward on data-parallel rank `r`, the engine seeds
 //! the generator with a hash of the run's `seed`, `r`, `s`, `m` and the unit, and holds the
 //! process-wide [`lock`] until that forward returns, so no other thread of the process can
