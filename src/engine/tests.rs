@@ -36,7 +36,8 @@ impl ShardOptimizer for Failing {
 
 /// Regression: a failed optimizer step left the rank's only fp32 copy (mixed precision,
 /// stage 3) moved out; a later save then panicked on the empty shard. Now every later use
-/// is an error that says what happened.
+/// is an error that says what happened: the rank is torn (`step.rs`'s note), which comes
+/// before the unit's own finding that its masters are gone.
 #[test]
 fn a_failed_optimizer_step_makes_later_uses_errors_not_panics_or_empty_checkpoints() {
     for (stage, bf16) in [(3, false), (2, true), (0, true)] {
@@ -60,14 +61,14 @@ fn a_failed_optimizer_step_makes_later_uses_errors_not_panics_or_empty_checkpoin
         let err = engine.step().unwrap_err().to_string();
         assert!(err.contains("injected optimizer failure"), "{err}");
         let dir = std::env::temp_dir().join(format!("zerotrain-lost-{}-{stage}", std::process::id()));
+        let torn = |err: &str| err.contains("failed part-way") && err.contains("load a checkpoint");
         let err = engine.save_checkpoint(&dir, None, serde_json::Value::Null).unwrap_err().to_string();
-        assert!(err.contains("master weights are gone"), "stage {stage}: {err}");
+        assert!(torn(&err), "stage {stage}: {err}");
         assert!(!dir.join("latest").exists(), "nothing committed");
-        assert!(engine.master_params().unwrap_err().to_string().contains("are gone"));
-        if stage == 3 {
-            let err = engine.forward(|n| n.layer.forward(x.clone()).mean()).unwrap_err().to_string();
-            assert!(err.contains("master weights are gone"), "{err}");
-        }
+        let err = engine.master_params().unwrap_err().to_string();
+        assert!(torn(&err), "stage {stage}: {err}");
+        let err = engine.forward(|n| n.layer.forward(x.clone()).mean()).unwrap_err().to_string();
+        assert!(torn(&err), "stage {stage}: {err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
