@@ -526,16 +526,15 @@ pub fn stage_3_device_gathers_equal_host_gathers(on: Gpu, exact: bool) {
         let what = format!("{} {precision}", on.name);
         if exact {
             assert_eq!(device.0, host.0, "{what}: losses");
-            let apart = device
+            let (ulps, at) = device
                 .1
                 .iter()
                 .zip(&host.1)
                 .flat_map(|((path, d), (_, h))| d.iter().zip(h).map(move |(&d, &h)| (ulp_distance(d, h), path)))
                 .max()
-                .unwrap_or((0, &String::new()))
-                .clone();
-            eprintln!("{what}: gathered models {} ulp apart at most (`{}`)", apart.0, apart.1);
-            assert!(apart.0 <= 4, "{what}: the gathered models are {} ulp apart at `{}`", apart.0, apart.1);
+                .map_or((0, String::new()), |(ulps, path)| (ulps, path.clone()));
+            eprintln!("{what}: gathered models {ulps} ulp apart at most (`{at}`)");
+            assert!(ulps <= 4, "{what}: the gathered models are {ulps} ulp apart at `{at}`");
         } else {
             for (d, h) in device.0.iter().zip(&host.0) {
                 assert!((d - h).abs() <= DEVICE_LOSS_TOL * h.abs(), "{what}: loss {d} on the device, {h} on the host");
