@@ -495,11 +495,11 @@ pub fn the_device_adamw_steps_as_the_host_adamw(on: Gpu, ulps: u32) {
 /// Stage 3 with one rank: the device step gathers each unit from its device shard, the
 /// host tier's step from the host masters (`offload_optimizer: cpu`); in units with
 /// recomputation (a unit gathered twice per step), fp32 and fp16, 3 steps. On lavapipe
-/// (`exact`) the losses agree bit for bit and the gathered models within 4 ulp: the first
-/// step's AdamWs agree bit for bit (above), but a later one, with moments, runs as a fused
-/// kernel whose variant autotune picks, and one variant may fuse a multiply-add the host
-/// rounds twice (a cold CI run saw the models differ after step 3, its losses equal).
-/// Elsewhere the losses agree within `DEVICE_LOSS_TOL`.
+/// (`exact`) the losses and the gathered models agree bit for bit; elsewhere the losses
+/// agree within `DEVICE_LOSS_TOL`. A throwaway run comes first: autotune benchmarks the
+/// kernels of each new shape at its first use, and that use's result may come from another
+/// candidate than the one it then keeps (with a cold cache, CI's models were 1,120 ulp
+/// apart after 3 steps, every loss equal, without it).
 pub fn stage_3_device_gathers_equal_host_gathers(on: Gpu, exact: bool) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 12);
@@ -522,19 +522,12 @@ pub fn stage_3_device_gathers_equal_host_gathers(on: Gpu, exact: bool) {
             .unwrap()
             .remove(0)
         };
+        drop(run(""));
         let (device, host) = (run(""), run(r#", "offload_optimizer": {"device": "cpu"}"#));
         let what = format!("{} {precision}", on.name);
         if exact {
             assert_eq!(device.0, host.0, "{what}: losses");
-            let (ulps, at) = device
-                .1
-                .iter()
-                .zip(&host.1)
-                .flat_map(|((path, d), (_, h))| d.iter().zip(h).map(move |(&d, &h)| (ulp_distance(d, h), path)))
-                .max()
-                .map_or((0, String::new()), |(ulps, path)| (ulps, path.clone()));
-            eprintln!("{what}: gathered models {ulps} ulp apart at most (`{at}`)");
-            assert!(ulps <= 4, "{what}: the gathered models are {ulps} ulp apart at `{at}`");
+            assert!(device.1 == host.1, "{what}: the gathered models differ");
         } else {
             for (d, h) in device.0.iter().zip(&host.0) {
                 assert!((d - h).abs() <= DEVICE_LOSS_TOL * h.abs(), "{what}: loss {d} on the device, {h} on the host");
