@@ -14,7 +14,7 @@ use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, is_all_lazy, read_params};
-use super::report::{Counters, Peaks, Window};
+use super::report::{Peaks, Window};
 use super::shared::Swaps;
 use super::span::Span;
 use super::unit::{Shared, Unit};
@@ -342,16 +342,7 @@ fn assemble<M: Module>(
         shared.comm.broadcast((&mut values).into(), 0)?;
         model = buffers.write(model, &values, |_| true);
     }
-    let progress = Progress {
-        scaler: plan.precision.loss_scale.map(|s| s.scaler()),
-        counters: Counters::default(),
-        lr_iteration: -1,
-        lr_override: None,
-        boundary_override: None,
-        last_step: None,
-        prepared: None,
-        torn: false,
-    };
+    let progress = Progress::new(plan);
     let mut engine = Engine {
         model,
         units,

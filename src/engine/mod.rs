@@ -145,6 +145,23 @@ struct Progress {
     torn: bool,
 }
 
+impl Progress {
+    /// Before the first step: no steps counted, the schedule at DeepSpeed's -1, the loss
+    /// scaler (if any) at its initial scale.
+    fn new(plan: &crate::Plan) -> Self {
+        Progress {
+            scaler: plan.precision.loss_scale.map(|s| s.scaler()),
+            counters: Counters::default(),
+            lr_iteration: -1,
+            lr_override: None,
+            boundary_override: None,
+            last_step: None,
+            prepared: None,
+            torn: false,
+        }
+    }
+}
+
 impl<M: Module> Engine<M> {
     /// Runs `f`, work that is not training (evaluation, a save, an export), leaving its time
     /// and traffic out of the step's report.

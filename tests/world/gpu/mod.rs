@@ -216,17 +216,11 @@ pub fn fp16_trains_as_fp16_on_the_cpu(on: Gpu) {
 /// the backend's fixed value where it has one.
 fn allocation_granule(on: Gpu) -> u64 {
     let device = (on.device)();
-    let in_use = || {
-        device.sync().expect("the device finishes its queued work");
-        device.memory_cleanup();
-        device.sync().expect("the device finishes its cleanup");
-        device.memory_pool_usage().expect("the device reports its memory pools").bytes_in_use
-    };
     // The thread's first use makes the runtime's own allocations: before the reading.
     drop(Tensor::<1>::zeros([1], &device).into_data());
-    let before = in_use();
+    let before = bytes_in_use(&device);
     let one = Tensor::<1>::from_floats([1.0], &device);
-    let granule = in_use() - before;
+    let granule = bytes_in_use(&device) - before;
     drop(one);
     if let Some(fixed) = on.granule {
         assert_eq!(
@@ -237,6 +231,18 @@ fn allocation_granule(on: Gpu) -> u64 {
     }
     assert!(granule >= 4 && granule.is_power_of_two(), "{}: a 4-byte tensor holds {granule} B", on.name);
     granule
+}
+
+/// The bytes `device`'s allocator holds for live allocations. Queued work holds its inputs
+/// until it runs: read once the device has done it, and once the pools have let go of what
+/// only their caches held (Burn's fusion and autotune keep freed buffers for reuse, a few
+/// KB that vary from step to step: without the cleanup a stage-3 run read 752 B over its
+/// states on lavapipe).
+fn bytes_in_use(device: &Device) -> u64 {
+    device.sync().expect("the device finishes its queued work");
+    device.memory_cleanup();
+    device.sync().expect("the device finishes its cleanup");
+    device.memory_pool_usage().expect("the device reports its memory pools").bytes_in_use
 }
 
 /// `bytes` as the allocator holds them: rounded up to its granule.
@@ -557,16 +563,7 @@ pub fn a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(o
 fn device_bytes_grown(plan: &zerotrain::Plan, init: &Gpt, w: &Tokens) -> (u64, Params) {
     launch(plan, |ctx| {
         let comm = ctx.collective();
-        // Queued work holds its inputs until it runs: measure once the device has done it,
-        // and once the pools have let go of what only their caches held (Burn's fusion and
-        // autotune keep freed buffers for reuse, a few KB that vary from step to step:
-        // without the cleanup a stage-3 run read 752 B over its states on lavapipe).
-        let in_use = || {
-            ctx.device().sync().expect("the device finishes its queued work");
-            ctx.device().memory_cleanup();
-            ctx.device().sync().expect("the device finishes its cleanup");
-            ctx.device().memory_pool_usage().expect("the device reports its memory pools").bytes_in_use
-        };
+        let in_use = || bytes_in_use(ctx.device());
         let train = |steps: u64| {
             let mut engine = Engine::with_units(init.clone(), plan, &ctx)?;
             for step in 0..steps {
