@@ -9,6 +9,8 @@ fn main() {
         // SAFETY: a build script is single-threaded; prost-build reads PROTOC.
         unsafe { std::env::set_var("PROTOC", protoc) };
         tonic_prost_build::configure()
+            // A place's part is saved in the server's checkpoint manifest.
+            .type_attribute("zerotrain.ps.Part", "#[derive(serde::Serialize, serde::Deserialize)]")
             .compile_protos(&["proto/parameter_server.proto"], &["proto"])
             .expect("proto/parameter_server.proto compiles");
     }

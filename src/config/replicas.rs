@@ -56,6 +56,17 @@ pub struct OuterOptimizerConfig {
     pub momentum: Option<f64>,
 }
 
+/// `host:port` or `[v6]:port`: a port number after the last colon, a host name or address
+/// before it.
+fn is_host_port(s: &str) -> bool {
+    if s.parse::<std::net::SocketAddr>().is_ok() {
+        return true;
+    }
+    let Some((host, port)) = s.rsplit_once(':') else { return false };
+    let name = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.';
+    port.parse::<u16>().is_ok() && !host.is_empty() && host.chars().all(name)
+}
+
 pub(super) fn resolve(
     config: &Config,
     runtime: &RuntimePlan,
@@ -88,8 +99,13 @@ pub(super) fn resolve(
             }
         },
     };
-    if let Some(bad) = servers.iter().find(|s| s.parse::<std::net::SocketAddr>().is_err() && !s.contains(':')) {
+    if let Some(bad) = servers.iter().find(|s| !is_host_port(s)) {
         return Err(invalid("local_sgd.servers", format!("`{bad}` is not host:port")));
+    }
+    for (i, a) in servers.iter().enumerate() {
+        if let Some(b) = servers[i + 1..].iter().find(|b| a.eq_ignore_ascii_case(b)) {
+            return Err(invalid("local_sgd.servers", format!("lists `{a}` twice (`{b}`): list each server once")));
+        }
     }
     if groups == 0 || (servers.is_empty() && !world_size.is_multiple_of(groups)) {
         let message = format!("must divide the world size ({world_size}) into groups of equal size, got {groups}");
@@ -225,6 +241,8 @@ mod tests {
     #[test]
     fn servers_make_the_job_one_group_which_must_be_named() {
         let p = with(r#"{"groups": 3, "servers": ["127.0.0.1:50051"], "group": 2}"#, 2).unwrap().replicas.unwrap();
+        let v6 = with(r#"{"groups": 2, "servers": ["[::1]:5", "node-3.cluster:7"], "group": 0}"#, 1).unwrap();
+        assert_eq!(v6.replicas.unwrap().servers.len(), 2);
         assert_eq!((p.groups, p.group, p.group_size(2)), (3, Some(2), 2));
         let bf16 = with(r#"{"groups": 2, "servers": ["h:1"], "group": 0, "communication_data_type": "bf16"}"#, 1);
         assert_eq!(bf16.unwrap().replicas.unwrap().comm_dtype, zerotrain_precision::Precision::Bf16);
@@ -242,6 +260,11 @@ mod tests {
             (r#"{"groups": 2, "group": 1}"#, "set local_sgd.servers too"),
             (r#"{"groups": 2, "servers": ["127.0.0.1:1"], "group": 2}"#, "must be one of the 2 groups"),
             (r#"{"groups": 2, "servers": ["nowhere"], "group": 0}"#, "`nowhere` is not host:port"),
+            (r#"{"groups": 2, "servers": ["h:port"], "group": 0}"#, "`h:port` is not host:port"),
+            (r#"{"groups": 2, "servers": ["h:70000"], "group": 0}"#, "`h:70000` is not host:port"),
+            (r#"{"groups": 2, "servers": [":1"], "group": 0}"#, "`:1` is not host:port"),
+            (r#"{"groups": 2, "servers": ["h/x:1"], "group": 0}"#, "`h/x:1` is not host:port"),
+            (r#"{"groups": 2, "servers": ["h:1", "g:2", "H:1"], "group": 0}"#, "lists `h:1` twice (`H:1`)"),
         ] {
             let err = with(section, 2).unwrap_err().to_string();
             assert!(err.contains(needle), "{section}: {err}");

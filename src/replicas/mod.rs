@@ -204,7 +204,10 @@ impl<M: Module> LocalSgd<M> {
         let plan = &replicas.plan;
         let round = match plan.servers.as_slice() {
             [] => Exchange::Peers(PeerRound::start(plan.clone(), Arc::clone(&replicas.peers), local)?),
-            servers => server_round(servers, replicas, local)?,
+            servers => {
+                let lens: Vec<usize> = local.iter().map(Vec::len).collect();
+                server_round(servers, replicas, server_layout(engine, &lens), local)?
+            }
         };
         if replicas.group != 0 || !plan.servers.is_empty() {
             engine.load_shard_masters(round.global().to_vec())?;
@@ -307,13 +310,24 @@ impl Exchange {
 /// This rank's rounds through every server, each holding a part of its shard (every call
 /// bounded by the collective timeout).
 #[cfg(feature = "servers")]
-fn server_round(servers: &[String], replicas: &Replicas, local: Vec<Vec<f32>>) -> Result<Exchange> {
+fn server_round(servers: &[String], replicas: &Replicas, layout: u64, local: Vec<Vec<f32>>) -> Result<Exchange> {
     let place = replicas.peers.rank();
-    let rounds = server::ServerRounds::start(servers, place, &replicas.plan, local, replicas.timeout)?;
+    let rounds = server::ServerRounds::start(servers, place, layout, &replicas.plan, local, replicas.timeout)?;
     Ok(Exchange::Server(Box::new(rounds)))
 }
 
+/// The fingerprint of `engine`'s shard layout a server checks at every join.
+#[cfg(feature = "servers")]
+fn server_layout<M: Module>(engine: &Engine<M>, shard_lens: &[usize]) -> u64 {
+    server::fingerprint(engine.sharding(), shard_lens)
+}
+
 #[cfg(not(feature = "servers"))]
-fn server_round(_servers: &[String], _replicas: &Replicas, _local: Vec<Vec<f32>>) -> Result<Exchange> {
+fn server_layout<M: Module>(_engine: &Engine<M>, _shard_lens: &[usize]) -> u64 {
+    0
+}
+
+#[cfg(not(feature = "servers"))]
+fn server_round(_servers: &[String], _replicas: &Replicas, _layout: u64, _local: Vec<Vec<f32>>) -> Result<Exchange> {
     Err(Error::Launch("local_sgd.servers: this build has no parameter servers (the `servers` feature)".into()))
 }

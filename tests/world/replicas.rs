@@ -35,6 +35,11 @@ fn run_steps(plan: &Plan, steps: u64) -> Vec<Vec<f32>> {
 /// [`run_steps`], the batches split as `data`'s world splits them (a job that is one group
 /// of several reads its group's part of the whole world's batches).
 fn run_reading(plan: &Plan, data: &Plan, steps: u64) -> Vec<Vec<f32>> {
+    try_run_reading(plan, data, steps).unwrap()
+}
+
+/// [`run_reading`], its error returned.
+fn try_run_reading(plan: &Plan, data: &Plan, steps: u64) -> Result<Vec<Vec<f32>>, Error> {
     let init = tiny_gpt(true, 11);
     let w = Tokens { vocab: 11, len: 9 };
     launch(plan, |ctx| {
@@ -45,7 +50,6 @@ fn run_reading(plan: &Plan, data: &Plan, steps: u64) -> Vec<Vec<f32>> {
         }
         trainer.master_params()
     })
-    .unwrap()
 }
 
 /// An engine given the whole world's plan of a job with groups refuses it, naming the way
@@ -220,6 +224,74 @@ fn async_groups_without_staleness_train_as_synchronous_groups() {
             assert!(worst <= 1e-5 * scale.max(1.0), "group {group} rank {rank}: {worst} apart");
         }
     }
+}
+
+/// A server holds one part of every rank's shard, and says which: a group listing the
+/// servers in another order than the first group (it would average other parameters into
+/// each part), or naming one server twice (its two parts would overwrite each other), is
+/// refused by name when it joins, and nothing of it is averaged.
+#[test]
+fn a_server_refuses_a_join_for_another_part_of_the_shards() {
+    use zerotrain::replicas::server::{Part, ServerConfig, ServerRound, serve};
+    let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
+    let server_json = r#", "servers": ["127.0.0.1:1"], "group": 0, "group_timeout_s": 1"#;
+    let server_plan = plan(&sgd_recipe(2, &section(server_json)), 2);
+    let replicas = server_plan.replicas.as_ref().unwrap();
+    let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig::new(replicas, None)).unwrap();
+    let addr = server.addr().to_string();
+    let timeout = std::time::Duration::from_secs(20);
+    let first = Part { index: 0, count: 2, offset: 0, shard_len: 8, layout: 7 };
+    let held = ServerRound::start(&addr, 0, first, replicas, vec![1.0; 4], timeout).unwrap();
+    let refused = [
+        Part { index: 1, offset: 4, ..first },
+        Part { layout: 8, ..first },
+        Part { count: 3, ..first },
+        Part { shard_len: 9, ..first },
+    ];
+    for part in refused {
+        let Err(e) = ServerRound::start(&addr, 0, part, replicas, vec![2.0; 4], timeout) else {
+            panic!("a join with {part:?} at a place holding {first:?} was taken");
+        };
+        let e = e.to_string();
+        assert!(e.contains("place 0 holds part 0 of 2 (values 0..4 of a shard of 8"), "{e}");
+        assert!(e.contains("local_sgd.servers in one order, each server once"), "{e}");
+    }
+    // The same part at another place is another place; at this place it is welcome.
+    let other = ServerRound::start(&addr, 1, refused[0], replicas, vec![3.0; 4], timeout).unwrap();
+    let again = ServerRound::start(&addr, 0, first, replicas, vec![4.0; 4], timeout).unwrap();
+    assert_eq!((held.global(), other.global(), again.global()), (&[1.0; 4][..], &[3.0; 4][..], &[1.0; 4][..]));
+
+    // Through jobs: group 1 lists the two servers in the other order; whichever group
+    // joins a server second is refused there, naming the part.
+    let servers: Vec<_> =
+        (0..2).map(|_| serve("127.0.0.1:0".parse().unwrap(), ServerConfig::new(replicas, None)).unwrap()).collect();
+    let (a, b) = (servers[0].addr(), servers[1].addr());
+    let world = plan(&sgd_recipe(2, &section("")), 4);
+    let results: Vec<Result<_, Error>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = [format!(r#""{a}", "{b}""#), format!(r#""{b}", "{a}""#)]
+            .into_iter()
+            .enumerate()
+            .map(|(group, list)| {
+                let extra = format!(r#", "servers": [{list}], "group": {group}"#);
+                let json = sgd_recipe(2, &section(&extra));
+                let world = &world;
+                s.spawn(move || try_run_reading(&plan(&json, 2), world, STEPS))
+            })
+            .collect();
+        jobs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let refusals: Vec<String> = results.iter().filter_map(|r| r.as_ref().err()).map(ToString::to_string).collect();
+    assert!(!refusals.is_empty(), "two groups listing the servers in two orders both trained");
+    for e in &refusals {
+        assert!(e.contains("of a shard of") && e.contains("local_sgd.servers in one order"), "{e}");
+    }
+
+    // One server under two names.
+    let port = a.port();
+    let json =
+        sgd_recipe(2, &section(&format!(r#", "servers": ["localhost:{port}", "127.0.0.1:{port}"], "group": 0"#)));
+    let e = try_run_reading(&plan(&json, 2), &world, STEPS).unwrap_err().to_string();
+    assert!(e.contains(&format!("`localhost:{port}` and `127.0.0.1:{port}` are one server")), "{e}");
 }
 
 /// Runs `world`'s groups as two jobs of two thread ranks each through `servers` parameter

@@ -9,7 +9,7 @@ use zerotrain_precision::Precision;
 
 use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest};
-use super::{Dtype, Header, chunk_stream, chunks, place_chunk};
+use super::{Dtype, Header, Part, chunk_stream, chunks, place_chunk};
 use crate::config::ReplicaPlan;
 use crate::replicas::Round;
 use crate::{Error, Result};
@@ -28,6 +28,8 @@ pub struct ServerRound {
     round: u64,
     global: Vec<f32>,
     dtype: Dtype,
+    /// Which part of the rank's shard this server holds, said at every join.
+    part: Part,
     timeout: Duration,
     pull_wait: Duration,
     /// The pseudo-gradient and the pulled weights, flat, kept across rounds.
@@ -43,9 +45,17 @@ enum Failure {
 
 impl ServerRound {
     /// Connects to `addr` (retrying with backoff for up to `timeout`), joins `place` as
-    /// `plan.group` with this rank's `start` weights (the place's first joiner sets the
-    /// global weights), and pulls the weights to start from.
-    pub fn start(addr: &str, place: usize, plan: &ReplicaPlan, start: Vec<f32>, timeout: Duration) -> Result<Self> {
+    /// `plan.group` with this rank's `start` weights, `part` of its shard (the place's
+    /// first joiner sets the global weights and the part every later joiner must send),
+    /// and pulls the weights to start from.
+    pub fn start(
+        addr: &str,
+        place: usize,
+        part: Part,
+        plan: &ReplicaPlan,
+        start: Vec<f32>,
+        timeout: Duration,
+    ) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -71,6 +81,7 @@ impl ServerRound {
             round: 0,
             global: Vec::new(),
             dtype,
+            part,
             timeout,
             pull_wait: plan.group_timeout + timeout,
             delta: Vec::new(),
@@ -146,8 +157,10 @@ impl ServerRound {
     /// pulls the weights to go on from.
     fn join_and_pull(&mut self, local: &[f32]) -> std::result::Result<Ack, Failure> {
         let head = Header { dtype: Dtype::Fp32, ..self.header(0) };
+        let part = self.part;
         let ack: Ack = self.call("join", self.timeout, |mut c| {
-            let message = chunks(head, local);
+            let mut message = chunks(head, local);
+            message[0].part = Some(part);
             async move { c.join(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
         })?;
         self.session = ack.session;

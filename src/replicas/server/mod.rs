@@ -36,7 +36,8 @@ mod service;
 mod store;
 
 pub use client::ServerRound;
-pub use parts::ServerRounds;
+pub use parts::{ServerRounds, fingerprint};
+pub use proto::Part;
 pub use serve::{ServerConfig, ServerHandle, serve};
 
 /// The generated gRPC code.
@@ -46,6 +47,22 @@ mod proto {
 }
 
 use proto::Dtype;
+
+impl Part {
+    /// How the part of `len` values reads in a message: `part 1 of 2 (values 50..100 of a
+    /// shard of 100, layout 0x...)`; parts count from 0, as `local_sgd.servers` lists them.
+    fn describe(&self, len: u64) -> String {
+        format!(
+            "part {} of {} (values {}..{} of a shard of {}, layout {:#018x})",
+            self.index,
+            self.count,
+            self.offset,
+            self.offset + len,
+            self.shard_len,
+            self.layout
+        )
+    }
+}
 
 /// Values per streamed chunk (256 KiB of f32: under the 1 MiB above which the `zerotrain`
 /// command has the allocator map fresh pages, so chunks reuse the heap).
@@ -92,6 +109,7 @@ fn piece(head: Header, values: &[f32], i: usize) -> proto::Chunk {
         len: values.len() as u64,
         offset: offset as u64,
         data: encode(head.dtype, part),
+        part: None,
     }
 }
 

@@ -5,6 +5,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
+use super::Part;
 use super::client::ServerRound;
 use crate::config::ReplicaPlan;
 use crate::replicas::Round;
@@ -26,16 +27,53 @@ fn part(len: usize, servers: usize, k: usize) -> Range<usize> {
     (k * len / servers)..((k + 1) * len / servers)
 }
 
+/// A fingerprint of what a rank's shard holds (FNV-1a over the text below): every unit's
+/// parameter paths and shapes, the ranks sharing each unit, and the rank's shard length per
+/// unit. Ranks at one place in groups of one model, stage and size agree on it.
+pub fn fingerprint(sharding: &zerotrain_zero::Sharding, shard_lens: &[usize]) -> u64 {
+    let mut text = format!("ranks {}\n", sharding.world_size());
+    for (unit, len) in sharding.units().iter().zip(shard_lens) {
+        text.push_str(&format!("unit {} shard {len}\n", unit.name));
+        for entry in unit.layout.entries() {
+            text.push_str(&format!("{} {:?}\n", entry.path, entry.shape));
+        }
+    }
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Refuses a `local_sgd.servers` list naming one server twice, as written or as resolved
+/// (`localhost:P` and `127.0.0.1:P`): its two parts would overwrite each other. A name that
+/// does not resolve is left to the connection to report.
+fn refuse_one_server_twice(servers: &[String]) -> Result<()> {
+    use std::net::ToSocketAddrs;
+    let resolved: Vec<Vec<std::net::SocketAddr>> =
+        servers.iter().map(|s| s.to_socket_addrs().map(Iterator::collect).unwrap_or_default()).collect();
+    for (i, a) in servers.iter().enumerate() {
+        for (j, b) in servers.iter().enumerate().skip(i + 1) {
+            if a.eq_ignore_ascii_case(b) || resolved[i].iter().any(|x| resolved[j].contains(x)) {
+                return Err(Error::Usage(format!(
+                    "local_sgd.servers: `{a}` and `{b}` are one server; list each server once"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl ServerRounds {
     /// Connects to every server in `servers` (at once) and joins each as `place` with its
-    /// part of this rank's `start` weights; the global weights to start from come back.
+    /// part of this rank's `start` weights, saying which part it is and the `layout`
+    /// fingerprint of the shard ([`fingerprint`]); the global weights to start from come
+    /// back. Two addresses that resolve to one server are refused.
     pub fn start(
         servers: &[String],
         place: usize,
+        layout: u64,
         plan: &ReplicaPlan,
         start: Vec<Vec<f32>>,
         timeout: Duration,
     ) -> Result<Self> {
+        refuse_one_server_twice(servers)?;
         let flat = start.concat();
         let n = servers.len();
         let parts: Vec<Result<(Range<usize>, ServerRound)>> = std::thread::scope(|s| {
@@ -45,7 +83,14 @@ impl ServerRounds {
                 .map(|(k, addr)| {
                     let range = part(flat.len(), n, k);
                     let values = flat[range.clone()].to_vec();
-                    s.spawn(move || ServerRound::start(addr, place, plan, values, timeout).map(|r| (range, r)))
+                    let part = Part {
+                        index: k as u32,
+                        count: n as u32,
+                        offset: range.start as u64,
+                        shard_len: flat.len() as u64,
+                        layout,
+                    };
+                    s.spawn(move || ServerRound::start(addr, place, part, plan, values, timeout).map(|r| (range, r)))
                 })
                 .collect();
             handles

@@ -90,6 +90,9 @@ pub(super) struct Place {
     pub outer: Outer,
     /// Sync: rounds applied. Async: pushes applied.
     pub round: u64,
+    /// Which part of a rank's shard the place holds, as its first joiner said (none: a
+    /// checkpoint of a server that did not record it; the next joiner's is taken).
+    pub part: Option<super::Part>,
     seats: Vec<Seat>,
     /// Async: rounds a group may run ahead of the slowest counted one.
     max_staleness: u64,
@@ -109,6 +112,7 @@ impl Place {
             global: Arc::new(global),
             outer,
             round,
+            part: None,
             seats: vec![Seat::Expected; groups],
             max_staleness,
             spare: Vec::new(),
@@ -122,6 +126,7 @@ impl Place {
             global: Arc::clone(&self.global),
             outer: self.outer.clone(),
             round: self.round,
+            part: self.part,
             seats: Vec::new(),
             max_staleness: self.max_staleness,
             spare: Vec::new(),

@@ -15,7 +15,7 @@ use super::place::{self, Place, Pulled, Refusal};
 use super::proto::parameter_server_server::ParameterServer;
 use super::proto::{Ack, Chunk, PullRequest};
 use super::serve::ServerConfig;
-use super::{Dtype, Header, chunk_stream, place_chunk, store};
+use super::{Dtype, Header, Part, chunk_stream, place_chunk, store};
 use crate::config::ReplicaMode;
 
 /// The places, and the round of the last checkpoint.
@@ -112,6 +112,23 @@ impl Service {
                 head.len
             ))),
             _ => Ok(()),
+        }
+    }
+
+    /// Refuses a join for another part of the ranks' shards than the place holds (another
+    /// order of `local_sgd.servers`, one server listed twice, another model or layout).
+    fn check_part(&self, head: &Chunk) -> std::result::Result<Part, Status> {
+        let part = head.part.ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "group {} joined place {} without saying which part of its shard it sends (another version?)",
+                head.group, head.place
+            ))
+        })?;
+        let state = self.lock();
+        let held = state.places.get(head.place as usize).and_then(Option::as_ref).and_then(|place| place.part);
+        match held {
+            Some(held) if held != part => Err(part_mismatch(head.place, &held, head.group, &part, head.len)),
+            _ => Ok(part),
         }
     }
 
@@ -237,6 +254,15 @@ fn refused(place: u32, refusal: Refusal) -> Status {
     }
 }
 
+fn part_mismatch(place: u32, held: &Part, group: u32, joined: &Part, len: u64) -> Status {
+    Status::failed_precondition(format!(
+        "place {place} holds {}; group {group} joined with {}: the groups must list local_sgd.servers in one \
+         order, each server once, and train one model on groups of one size",
+        held.describe(len),
+        joined.describe(len)
+    ))
+}
+
 fn ack(round: u64, session: u64, status: place::Status) -> Response<Ack> {
     Response::new(Ack { round, session, live: status.live as u32, staleness: status.staleness, applied: status.round })
 }
@@ -252,10 +278,12 @@ impl ParameterServer for Service {
                     head.place
                 )));
             }
-            self.check_len(head).map(|()| None)
+            self.check_len(head)?;
+            self.check_part(head).map(|_| None)
         })
         .await?;
         let g = head.group as usize;
+        let part = head.part.unwrap_or_default();
         let mut state = self.lock();
         let p = head.place as usize;
         if state.places.len() <= p {
@@ -271,9 +299,15 @@ impl ParameterServer for Service {
                     values.len()
                 )));
             }
+            // Or joined with another part since `check_part` looked.
+            Some(place) if place.part.is_some_and(|held| held != part) => {
+                let held = place.part.unwrap_or_default();
+                return Err(part_mismatch(head.place, &held, head.group, &part, head.len));
+            }
             Some(place) => place,
             slot @ None => slot.insert(Place::new(config.mode, values, config.mode.fresh_outer(), 0, config.groups)),
         };
+        place.part = Some(part);
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
         let (round, status) = place.join(g, session, Instant::now());
         drop(state);

@@ -28,6 +28,9 @@ struct SavedPlace {
     round: u64,
     momentum: bool,
     pending_pushes: usize,
+    /// Which part of the ranks' shards the place holds (absent in older checkpoints).
+    #[serde(default)]
+    part: Option<super::Part>,
 }
 
 /// What the manifest records of the server.
@@ -73,7 +76,13 @@ pub(super) fn save(
             write_shard(&partial, p, std::slice::from_ref(&range), &tensors).map_err(|e| failed(dir, e))?;
         }
         layout.push(LayoutEntry { path: format!("place{p}"), shape: vec![len], offset });
-        saved.push(Some(SavedPlace { len, round: place.round, momentum: momentum.is_some(), pending_pushes: pushes }));
+        saved.push(Some(SavedPlace {
+            len,
+            round: place.round,
+            momentum: momentum.is_some(),
+            pending_pushes: pushes,
+            part: place.part,
+        }));
         offset += len;
     }
     let server = SavedServer { groups: config.groups, mode: config.mode, places: saved };
@@ -139,7 +148,9 @@ pub(super) fn load(dir: &Path, config: &ServerConfig) -> Result<Option<(Vec<Opti
                 Outer::Async(Delayed::from_parts(momentum, pending, saved.pending_pushes))
             }
         };
-        places.push(Some(Place::new(config.mode, global, outer, saved.round, config.groups)));
+        let mut place = Place::new(config.mode, global, outer, saved.round, config.groups);
+        place.part = saved.part;
+        places.push(Some(place));
         offset += saved.len;
     }
     Ok(Some((places, manifest.global_step)))
