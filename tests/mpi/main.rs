@@ -119,7 +119,7 @@ fn replica_groups_as_mpi_jobs_through_a_server_train_like_threads() {
         assert_success(out, "server-group");
         assert_eq!(ok_lines(out).len(), 2, "group {g}: every rank checks");
     }
-    server.stop();
+    server.stop().unwrap();
 }
 
 /// 16-bit gradients reduce over MPI as the threads backend reduces them: the same bits

@@ -313,6 +313,6 @@ fn through_server(world: &Plan, section: &dyn Fn(&str) -> String, extra: &str, s
             .collect();
         jobs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    handles.into_iter().for_each(|h| h.stop());
+    handles.into_iter().for_each(|h| h.stop().unwrap());
     jobs
 }

@@ -59,7 +59,7 @@ pub fn rounds(params: usize, dtype: Precision, repeats: usize) -> Result<Vec<Ser
         });
     }
     drop(round);
-    server.stop();
+    server.stop()?;
     Ok(rows)
 }
 

@@ -44,7 +44,7 @@ pub fn serve(file: &Path, listen: std::net::SocketAddr, checkpoint: Option<std::
     println!("parameter server for {} groups listening on {}", replicas.groups, server.addr());
     let _ = rx.recv();
     eprintln!("zerotrain: stopping the parameter server");
-    server.stop();
+    server.stop()?;
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use zerotrain_precision::Precision;
 
 use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest};
-use super::{Dtype, Header, Part, chunk_stream, chunks, place_chunk};
+use super::{Dtype, Header, Part, chunk_stream, chunks, place_in_order};
 use crate::config::ReplicaPlan;
 use crate::replicas::Round;
 use crate::{Error, Result};
@@ -180,10 +180,14 @@ impl ServerRound {
                 flat.resize(total, 0.0);
                 let read = async {
                     let mut stream = c.pull(request).await?.into_inner();
+                    let mut next = 0;
                     while let Some(chunk) = stream.message().await? {
-                        place_chunk(&chunk, &mut flat).map_err(Status::data_loss)?;
+                        next = place_in_order(&chunk, &mut flat, next)?;
                     }
-                    Ok(())
+                    match next == total {
+                        true => Ok(()),
+                        false => Err(Status::data_loss(format!("the pull ended after {next} of its {total} values"))),
+                    }
                 }
                 .await;
                 *buffer.lock().unwrap_or_else(|e| e.into_inner()) = flat;

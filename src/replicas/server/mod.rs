@@ -120,6 +120,16 @@ fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
     }
 }
 
+/// Places `chunk` of a stream into `values`: it must start at `next`, where the previous
+/// one ended (pushes, joins and pulls alike: a stream covers its vector in order, so
+/// nothing of a reused buffer's old values survives). Returns where the next one starts.
+fn place_in_order(chunk: &proto::Chunk, values: &mut [f32], next: usize) -> Result<usize, tonic::Status> {
+    if chunk.offset != next as u64 {
+        return Err(tonic::Status::invalid_argument(format!("a chunk at {} where {next} was next", chunk.offset)));
+    }
+    Ok(next + place_chunk(chunk, values).map_err(tonic::Status::invalid_argument)?)
+}
+
 /// Writes a chunk's values into `out` (of the chunk's `len`), checking its bounds; returns
 /// how many it wrote.
 fn place_chunk(chunk: &proto::Chunk, out: &mut [f32]) -> Result<usize, String> {
@@ -148,4 +158,31 @@ fn place_chunk(chunk: &proto::Chunk, out: &mut [f32]) -> Result<usize, String> {
         }
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Dtype, Header, chunks, place_in_order};
+
+    /// A stream's chunks go in only in order: each where the last ended, none repeated,
+    /// skipped or past the end, and a cut stream ends short of its length.
+    #[test]
+    fn chunks_go_in_only_in_order() {
+        let head = Header { place: 0, group: 0, round: 0, session: 0, dtype: Dtype::Fp32 };
+        let values: Vec<f32> = (0..super::CHUNK_ELEMS * 2 + 3).map(|i| i as f32).collect();
+        let stream = chunks(head, &values);
+        assert_eq!(stream.len(), 3);
+        let mut out = vec![0.0; values.len()];
+        let mut next = 0;
+        for chunk in &stream {
+            next = place_in_order(chunk, &mut out, next).unwrap();
+        }
+        assert_eq!((next, &out), (values.len(), &values));
+        for (order, at) in [([0, 0], super::CHUNK_ELEMS), ([1, 0], 0), ([0, 2], super::CHUNK_ELEMS)] {
+            let first = place_in_order(&stream[order[0]], &mut out, 0);
+            let second = first.and_then(|next| place_in_order(&stream[order[1]], &mut out, next));
+            let e = second.unwrap_err();
+            assert!(e.message().contains(&format!("where {at} was next")), "{order:?}: {}", e.message());
+        }
+    }
 }

@@ -20,8 +20,9 @@ use crate::{Error, Result};
 pub struct ServerHandle {
     addr: SocketAddr,
     resumed: Option<u64>,
+    state: Arc<Mutex<State>>,
     shutdown: Option<oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: Option<std::thread::JoinHandle<std::result::Result<(), String>>>,
 }
 
 impl ServerHandle {
@@ -35,25 +36,46 @@ impl ServerHandle {
         self.resumed
     }
 
-    /// Shuts the server down and waits for it.
-    pub fn stop(mut self) {
-        self.shut();
+    /// How its checkpoints go: the round of the last one written (or resumed from), and the
+    /// last save's error while it has not succeeded since.
+    pub fn checkpoints(&self) -> Checkpoints {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        Checkpoints { saved: state.saved, failed: state.failed.as_ref().map(|(e, _)| e.clone()) }
     }
 
-    fn shut(&mut self) {
+    /// Shuts the server down and waits for it, its save in flight and its last one. An
+    /// error: the last rounds are not on disk (the save's error says why).
+    pub fn stop(mut self) -> Result<()> {
+        self.shut()
+    }
+
+    fn shut(&mut self) -> Result<()> {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            None | Some(Ok(Ok(()))) => Ok(()),
+            Some(Ok(Err(e))) => Err(Error::Launch(format!("parameter server at {}: {e}", self.addr))),
+            Some(Err(_)) => Err(Error::Launch(format!("parameter server at {}: its thread panicked", self.addr))),
         }
     }
 }
 
 impl Drop for ServerHandle {
+    /// Stops the server; a failed last save was printed by the server ([`stop`](Self::stop)
+    /// returns it).
     fn drop(&mut self) {
-        self.shut();
+        let _ = self.shut();
     }
+}
+
+/// How a server's checkpoints go ([`ServerHandle::checkpoints`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoints {
+    /// The round of the last checkpoint written or resumed from (0: none).
+    pub saved: u64,
+    /// The last save's error, until a save succeeds (the keeper tries again every few seconds).
+    pub failed: Option<String>,
 }
 
 /// HTTP/2 flow-control window of every stream and connection, both ways (bytes).
@@ -104,13 +126,14 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
     };
     let sessions =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-    let state = State { places, saved: resumed.unwrap_or(0) };
+    let state = State { places, saved: resumed.unwrap_or(0), failed: None };
+    let state = Arc::new(Mutex::new(state));
     let service = Service {
         config: Arc::new(config),
-        state: Arc::new(Mutex::new(state)),
+        state: Arc::clone(&state),
         version: Arc::new(watch::channel(0).0),
         sessions: Arc::new(AtomicU64::new(sessions)),
-        saving: Arc::new(Mutex::new(())),
+        writing: Arc::new(Mutex::new(None)),
     };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<std::io::Result<SocketAddr>>();
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
@@ -119,12 +142,18 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
         .spawn(move || {
             let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
                 Ok(runtime) => runtime,
-                Err(e) => return drop(ready_tx.send(Err(e))),
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return Ok(());
+                }
             };
-            runtime.block_on(async move {
+            let saved = runtime.block_on(async move {
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(listener) => listener,
-                    Err(e) => return drop(ready_tx.send(Err(e))),
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return Ok(());
+                    }
                 };
                 let _ = ready_tx.send(listener.local_addr());
                 // Without TCP_NODELAY a round's small messages wait out delayed ACKs (~40 ms each).
@@ -146,16 +175,17 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
                     _ = keeper => {}
                     _ = shutdown_rx => {}
                 }
-                last.save_last().await;
+                last.save_last().await
             });
             runtime.shutdown_timeout(Duration::from_secs(1));
+            saved
         })
         .map_err(|e| Error::Launch(format!("cannot start the parameter server's thread: {e}")))?;
     let addr = ready_rx
         .recv()
         .map_err(|_| Error::Launch("the parameter server stopped while starting".into()))?
         .map_err(|e| Error::Launch(format!("the parameter server cannot listen on {listen}: {e}")))?;
-    Ok(ServerHandle { addr, resumed, shutdown: Some(shutdown_tx), thread: Some(thread) })
+    Ok(ServerHandle { addr, resumed, state, shutdown: Some(shutdown_tx), thread: Some(thread) })
 }
 
 #[cfg(test)]
@@ -169,6 +199,14 @@ mod tests {
 
     fn head(group: u32, round: u64, session: u64) -> Header {
         Header { place: 0, group, round, session, dtype: Dtype::Fp32 }
+    }
+
+    /// A join's chunks: `values` as the whole shard of a rank, on one server.
+    fn joining(head: Header, values: &[f32]) -> Vec<super::super::proto::Chunk> {
+        let mut message = chunks(head, values);
+        let part = super::super::Part { index: 0, count: 1, offset: 0, shard_len: values.len() as u64, layout: 1 };
+        message[0].part = Some(part);
+        message
     }
 
     fn config(groups: usize, checkpoint: Option<PathBuf>) -> ServerConfig {
@@ -205,14 +243,14 @@ mod tests {
         let addr = server.addr();
         let (s0, s1) = runtime.block_on(async {
             let mut c = ParameterServerClient::connect(format!("http://{addr}")).await.unwrap();
-            let a0 = c.join(iter(chunks(head(0, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
+            let a0 = c.join(iter(joining(head(0, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
             assert_eq!((a0.round, a0.live), (0, 1));
-            let err = c.join(iter(chunks(head(1, 0, 0), &[1.0, 2.0, 3.0]))).await.unwrap_err();
+            let err = c.join(iter(joining(head(1, 0, 0), &[1.0, 2.0, 3.0]))).await.unwrap_err();
             assert!(err.message().contains("place 0 holds 2 values, group 1 sent 3"), "{}", err.message());
             let far = Header { place: 1 << 20, ..head(1, 0, 0) };
-            let err = c.join(iter(chunks(far, &[1.0]))).await.unwrap_err();
+            let err = c.join(iter(joining(far, &[1.0]))).await.unwrap_err();
             assert!(err.message().contains("place 1048576 is over the limit"), "{}", err.message());
-            let a1 = c.join(iter(chunks(head(1, 0, 0), &[5.0, 5.0]))).await.unwrap().into_inner();
+            let a1 = c.join(iter(joining(head(1, 0, 0), &[5.0, 5.0]))).await.unwrap().into_inner();
             assert_ne!(a0.session, a1.session);
             let ack = c.push(iter(chunks(head(0, 0, a0.session), &[0.5, 0.5]))).await.unwrap().into_inner();
             assert_eq!((ack.round, ack.applied, ack.live), (1, 0, 2), "waiting for group 1");
@@ -241,7 +279,7 @@ mod tests {
         });
         // Not due (every 100 rounds): the stop saves it.
         assert!(zerotrain_checkpoint::list(&dir).map_or(0, |l| l.len()) == 0);
-        server.stop();
+        server.stop().unwrap();
         let server = serve("127.0.0.1:0".parse().unwrap(), config(2, Some(dir.clone()))).unwrap();
         assert_eq!(server.resumed(), Some(1));
         let addr = server.addr();
@@ -250,12 +288,79 @@ mod tests {
             let err = c.push(iter(chunks(head(0, 1, s0), &[0.0, 0.0]))).await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::Aborted, "{}", err.message());
             assert!(err.message().contains("join again"), "{}", err.message());
-            let again = c.join(iter(chunks(head(1, 0, s1), &[7.0, 7.0]))).await.unwrap().into_inner();
+            // The place's part survived the restart.
+            let mut other = joining(head(1, 0, s1), &[7.0, 7.0]);
+            other[0].part.as_mut().unwrap().layout = 2;
+            let err = c.join(iter(other)).await.unwrap_err();
+            assert!(err.message().contains("layout 0x0000000000000001)"), "{}", err.message());
+            let err = c.join(iter(chunks(head(1, 0, s1), &[7.0, 7.0]))).await.unwrap_err();
+            assert!(err.message().contains("without saying which part"), "{}", err.message());
+            let again = c.join(iter(joining(head(1, 0, s1), &[7.0, 7.0]))).await.unwrap().into_inner();
             assert_eq!(again.round, 1, "the saved round");
             assert_eq!(pull(&mut c, 1, again.session).await, [0.0, 2.0], "the saved weights, not the joiner's");
         });
         let err = serve("127.0.0.1:0".parse().unwrap(), config(3, Some(dir.clone()))).err().unwrap().to_string();
         assert!(err.contains("2 groups") && err.contains("3 groups"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Waits (up to 20 s) until `done` holds of the server's checkpoints.
+    fn wait_for(server: &ServerHandle, what: &str, done: impl Fn(&Checkpoints) -> bool) -> Checkpoints {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let now = server.checkpoints();
+            if done(&now) {
+                return now;
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}: still {now:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A round due for a checkpoint whose save fails (a file where its folder should be)
+    /// counts as unsaved: the keeper says why and tries again, and saves it once it can; a
+    /// server that stops while its last rounds cannot be written fails its stop, naming the
+    /// round and the folder.
+    #[test]
+    fn a_failed_save_is_tried_again_and_a_stop_that_cannot_save_fails() {
+        let dir = std::env::temp_dir().join(format!("zt-ps-fail-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let round_of_two = |addr: SocketAddr| {
+            runtime.block_on(async {
+                let mut c = ParameterServerClient::connect(format!("http://{addr}")).await.unwrap();
+                let a0 = c.join(iter(joining(head(0, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
+                let a1 = c.join(iter(joining(head(1, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
+                c.push(iter(chunks(head(0, 0, a0.session), &[0.5, 0.5]))).await.unwrap();
+                c.push(iter(chunks(head(1, 0, a1.session), &[0.5, 0.5]))).await.unwrap();
+            })
+        };
+        for every in [1, 100] {
+            std::fs::write(&dir, b"not a folder").unwrap();
+            let server = serve(
+                "127.0.0.1:0".parse().unwrap(),
+                ServerConfig { checkpoint_every: every, ..config(2, Some(dir.clone())) },
+            )
+            .unwrap();
+            round_of_two(server.addr());
+            if every == 1 {
+                // Due at once: the keeper's save fails, is remembered, and succeeds once the
+                // folder can be made.
+                let failed = wait_for(&server, "the keeper's failed save", |c| c.failed.is_some());
+                assert_eq!(failed.saved, 0);
+                assert!(failed.failed.as_deref().unwrap().contains("the checkpoint of round 1 failed"), "{failed:?}");
+                std::fs::remove_file(&dir).unwrap();
+                let saved = wait_for(&server, "the keeper's retry", |c| c.saved == 1);
+                assert_eq!(saved.failed, None);
+                assert_eq!(zerotrain_checkpoint::list(&dir).unwrap().len(), 1);
+                server.stop().unwrap();
+                std::fs::remove_dir_all(&dir).unwrap();
+            } else {
+                // Not due: the stop's save fails, and so does the stop.
+                let e = server.stop().unwrap_err().to_string();
+                assert!(e.contains("the checkpoint of round 1 failed") && e.contains(&*dir.to_string_lossy()), "{e}");
+                std::fs::remove_file(&dir).unwrap();
+            }
+        }
     }
 }

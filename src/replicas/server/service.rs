@@ -15,13 +15,16 @@ use super::place::{self, Place, Pulled, Refusal};
 use super::proto::parameter_server_server::ParameterServer;
 use super::proto::{Ack, Chunk, PullRequest};
 use super::serve::ServerConfig;
-use super::{Dtype, Header, Part, chunk_stream, place_chunk, store};
+use super::{Dtype, Header, Part, chunk_stream, place_in_order, store};
 use crate::config::ReplicaMode;
 
-/// The places, and the round of the last checkpoint.
+/// The places, and how their checkpoints went.
 pub(super) struct State {
     pub places: Vec<Option<Place>>,
+    /// The round of the last checkpoint written.
     pub saved: u64,
+    /// The last save failed: its error, and when the keeper tries again.
+    pub failed: Option<(String, Instant)>,
 }
 
 #[derive(Clone)]
@@ -33,9 +36,12 @@ pub(super) struct Service {
     /// The next session number (from the clock at the start, so that a restarted server
     /// never hands out a session of its previous life).
     pub sessions: Arc<AtomicU64>,
-    /// Held by the save in progress (the keeper's, or the last one at a stop).
-    pub saving: Arc<Mutex<()>>,
+    /// The keeper's save in progress, if any (one at a time; the stop waits for it).
+    pub writing: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
+
+/// How long the keeper waits before trying a failed save again.
+const RETRY_SAVE: Duration = Duration::from_secs(2);
 
 /// The values of a streamed vector, and its chunks' common header. `check` sees the header
 /// before anything is allocated for the values, and may give a buffer to fill (a spare of
@@ -69,14 +75,6 @@ async fn collect(
         return Err(Status::invalid_argument(format!("the stream ended after {next} of its {len} values")));
     }
     Ok((first, values))
-}
-
-/// Places `chunk`, which must start at `next`; returns where the next one starts.
-fn place_in_order(chunk: &Chunk, values: &mut [f32], next: usize) -> std::result::Result<usize, Status> {
-    if chunk.offset != next as u64 {
-        return Err(Status::invalid_argument(format!("a chunk at {} where {next} was next", chunk.offset)));
-    }
-    Ok(next + place_chunk(chunk, values).map_err(Status::invalid_argument)?)
 }
 
 /// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
@@ -150,8 +148,9 @@ impl Service {
         f(place)
     }
 
-    /// Drops the groups past the timeout and saves a due checkpoint, every tenth of the
-    /// timeout (at most every 200 ms), until the server stops.
+    /// Drops the groups past the timeout and starts a due checkpoint's save, every tenth of
+    /// the timeout (at most every 200 ms), until the server stops. A save runs beside the
+    /// keeper (which goes on dropping groups meanwhile); a failed one is tried again.
     pub async fn keep(self) {
         let tick = (self.config.group_timeout / 10).min(Duration::from_millis(200));
         // Async places count pushes: a round is every group's.
@@ -180,47 +179,73 @@ impl Service {
                 if changed {
                     self.changed();
                 }
-                self.due_checkpoint(&mut state, every)
+                let retry_later = state.failed.as_ref().is_some_and(|(_, at)| now < *at);
+                if retry_later || !self.write_finished() { None } else { self.due_checkpoint(&state, every) }
             };
             if let Some((places, round)) = due {
-                self.save(places, round).await;
+                let service = self.clone();
+                let task = tokio::spawn(async move { drop(service.save(places, round).await) });
+                *self.writing.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
             }
         }
     }
 
-    /// Saves `places` at `round` on a blocking thread, one save at a time, and says so.
-    async fn save(&self, places: Vec<Option<Place>>, round: u64) {
-        let Some(dir) = self.config.checkpoint.clone() else { return };
-        let (config, saving) = (Arc::clone(&self.config), Arc::clone(&self.saving));
-        let saved = tokio::task::spawn_blocking(move || {
-            let _one_at_a_time = saving.lock().unwrap_or_else(|e| e.into_inner());
-            store::save(&dir, &config, &places, round)
-        })
-        .await;
-        match saved {
-            Ok(Ok(path)) => eprintln!("zerotrain serve: saved {}", path.display()),
-            Ok(Err(e)) => eprintln!("zerotrain serve: {e}"),
-            Err(e) => eprintln!("zerotrain serve: the checkpoint's writer failed: {e}"),
+    /// Whether no save of the keeper's is running.
+    fn write_finished(&self) -> bool {
+        self.writing.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_none_or(|task| task.is_finished())
+    }
+
+    /// Saves `places` at `round` on a blocking thread and says so; the round counts as saved
+    /// only once written. A failure is kept (the keeper tries again after [`RETRY_SAVE`])
+    /// and returned.
+    async fn save(&self, places: Vec<Option<Place>>, round: u64) -> std::result::Result<(), String> {
+        let Some(dir) = self.config.checkpoint.clone() else { return Ok(()) };
+        let config = Arc::clone(&self.config);
+        let saved = tokio::task::spawn_blocking(move || store::save(&dir, &config, &places, round)).await;
+        let outcome = match saved {
+            Ok(Ok(path)) => Ok(path),
+            Ok(Err(e)) => Err(format!("the checkpoint of round {round} failed: {e}")),
+            Err(e) => Err(format!("the checkpoint of round {round}: its writer failed: {e}")),
+        };
+        let mut state = self.lock();
+        match outcome {
+            Ok(path) => {
+                eprintln!("zerotrain serve: saved {}", path.display());
+                state.saved = state.saved.max(round);
+                state.failed = None;
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("zerotrain serve: {e} (trying again in {} s)", RETRY_SAVE.as_secs());
+                state.failed = Some((e.clone(), Instant::now() + RETRY_SAVE));
+                Err(e)
+            }
         }
     }
 
-    /// At a stop: saves what the last checkpoint does not have yet (with a folder).
-    pub async fn save_last(&self) {
-        let last = self.due_checkpoint(&mut self.lock(), 1);
-        if let Some((places, round)) = last {
-            self.save(places, round).await;
+    /// At a stop: waits for the keeper's save in flight, then saves what the last
+    /// checkpoint does not have yet (with a folder). An error says which round is not on
+    /// disk and why.
+    pub async fn save_last(&self) -> std::result::Result<(), String> {
+        let running = self.writing.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(task) = running {
+            let _ = task.await;
+        }
+        let last = self.due_checkpoint(&self.lock(), 1);
+        match last {
+            Some((places, round)) => self.save(places, round).await,
+            None => Ok(()),
         }
     }
 
     /// A snapshot of the places to save, and their round, once every place is `every`
-    /// rounds past the last checkpoint (with a folder).
-    fn due_checkpoint(&self, state: &mut State, every: u64) -> Option<(Vec<Option<Place>>, u64)> {
+    /// rounds past the last checkpoint written (with a folder).
+    fn due_checkpoint(&self, state: &State, every: u64) -> Option<(Vec<Option<Place>>, u64)> {
         self.config.checkpoint.as_ref()?;
         let round = state.places.iter().flatten().map(|p| p.round).min()?;
         if round < state.saved + every {
             return None;
         }
-        state.saved = round;
         Some((state.places.iter().map(|p| p.as_ref().map(Place::snapshot)).collect(), round))
     }
 }
