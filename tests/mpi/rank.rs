@@ -542,7 +542,7 @@ fn rank_program() {
                     let plan = plan(stage, Some(ctx.world_size()));
                     let got = train_noisy(model.clone(), &ctx, &plan)?;
                     let diff = if ctx.rank() == 0 {
-                        let reference = on_threads(&plan, |model, ctx, plan| train_noisy(model, ctx, plan));
+                        let reference = on_threads(&plan, train_noisy);
                         max_diff(&got, &reference.expect("threads reference"))
                     } else {
                         0.0
