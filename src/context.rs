@@ -23,6 +23,8 @@ pub struct RankContext {
     /// Which part of a global batch this rank reads, where that is not its place in the
     /// topology (a rank of a replica group reads by its place in the whole world).
     data_position: Option<(usize, usize)>,
+    /// The replica group this rank trains in (`local_sgd`), if any.
+    replica_group: Option<usize>,
 }
 
 impl RankContext {
@@ -31,7 +33,7 @@ impl RankContext {
     pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
         let (rank, world_size) = (comm.rank(), comm.world_size());
         let topology = Topology { stages: 1, data_parallel: world_size };
-        Self { rank, world_size, device, comm, topology, notices: Vec::new(), data_position: None }
+        Self { rank, world_size, device, comm, topology, notices: Vec::new(), data_position: None, replica_group: None }
     }
 
     /// The same rank with its collectives on `comm` (the same ranks, another library), and
@@ -47,6 +49,17 @@ impl RankContext {
     pub(crate) fn with_data_position(mut self, index: usize, parts: usize) -> Self {
         self.data_position = Some((index, parts));
         self
+    }
+
+    /// The same rank as one of replica group `group`'s ([`split`](crate::replicas::split)).
+    pub(crate) fn in_replica_group(mut self, group: usize) -> Self {
+        self.replica_group = Some(group);
+        self
+    }
+
+    /// The replica group this rank trains in, if it is one's (`local_sgd`).
+    pub fn replica_group(&self) -> Option<usize> {
+        self.replica_group
     }
 
     /// What the launcher has to say about how this rank runs (where `zerotrain.collectives:

@@ -310,7 +310,7 @@ fn assemble<M: Module>(
     check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
     let Parts { comm, sharding, index, buffers, span } = parts;
     let lead = world.rank() == 0;
-    let swaps = Swaps::open(plan, world.as_ref())?;
+    let swaps = Swaps::open(plan, world.as_ref(), ctx.replica_group())?;
     let device = ctx.device().clone();
     let streams = Streams::new(plan.runtime.seed, ctx.data_parallel_rank());
     let crossings = Default::default();

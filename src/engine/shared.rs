@@ -29,11 +29,16 @@ impl Swaps {
     /// The rank's swap folders for the plan's NVMe tiers, agreed over the world: if any rank
     /// cannot open its folder (unwritable, or in use by another job), every rank fails at
     /// once, the failing one naming the path, instead of the others waiting at the next
-    /// collective.
-    pub fn open(plan: &Plan, world: &dyn zerotrain_zero::Collective) -> Result<Self> {
+    /// collective. Each folder is named by the rank, and by its replica group if it is in
+    /// one (the groups' ranks count from 0 in every group).
+    pub fn open(plan: &Plan, world: &dyn zerotrain_zero::Collective, group: Option<usize>) -> Result<Self> {
         let offload = &plan.zero.offload;
+        let owner = match group {
+            Some(g) => format!("group{g}.rank{}", world.rank()),
+            None => format!("rank{}", world.rank()),
+        };
         let open = |tier: &Tier, name: &str| -> Result<Option<Arc<SwapDir>>> {
-            tier.nvme_path().map(|path| SwapDir::open(path, name, world.rank(), offload.aio).map(Arc::new)).transpose()
+            tier.nvme_path().map(|path| SwapDir::open(path, name, &owner, offload.aio).map(Arc::new)).transpose()
         };
         let opened = open(&offload.optimizer, "optimizer")
             .and_then(|optimizer| Ok(Self { optimizer, param: open(&offload.param, "param")? }));

@@ -119,7 +119,7 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     if let Some(group) = replicas.group {
         let (rank, size) = (world.rank(), world.world_size());
         let data = (group * size + rank, replicas.groups * size);
-        let group_ctx = ctx.clone().with_data_position(data.0, data.1);
+        let group_ctx = ctx.clone().with_data_position(data.0, data.1).in_replica_group(group);
         let replicas = Replicas { plan: replicas, group, peers: world, data, timeout };
         return Ok((group_ctx, group_plan, replicas));
     }
@@ -132,7 +132,8 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     let group_comm = world.split(group, place)?;
     let peers = world.split(place, group)?;
     let data = (rank, world.world_size());
-    let group_ctx = RankContext::new(group_comm, ctx.device().clone()).with_data_position(data.0, data.1);
+    let group_ctx =
+        RankContext::new(group_comm, ctx.device().clone()).with_data_position(data.0, data.1).in_replica_group(group);
     group_plan.runtime.world_size = size;
     group_plan.batch.train_batch_size /= replicas.groups as u64;
     Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data, timeout }))

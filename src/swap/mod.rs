@@ -43,14 +43,15 @@ pub struct SwapDir {
 }
 
 impl SwapDir {
-    /// Creates (or takes over from a killed run) `<root>/zerotrain-<tier>.rank<rank>`.
-    pub fn open(root: &Path, tier: &str, rank: usize, aio: AioPlan) -> Result<Self> {
+    /// Creates (or takes over from a killed run) `<root>/zerotrain-<tier>.<owner>`, `owner`
+    /// naming the rank (`rank3`, `group1.rank0`).
+    pub fn open(root: &Path, tier: &str, owner: &str, aio: AioPlan) -> Result<Self> {
         let io_err = |path: &Path| {
             let path = path.to_path_buf();
             move |cause| Error::Io { path, cause }
         };
         std::fs::create_dir_all(root).map_err(io_err(root))?;
-        let dir = root.join(format!("zerotrain-{tier}.rank{rank}"));
+        let dir = root.join(format!("zerotrain-{tier}.{owner}"));
         std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
         let lock_path = dir.join(LOCK);
         let lock =
@@ -277,7 +278,7 @@ mod tests {
     #[test]
     fn tiles_round_trip_and_the_folder_is_scratch() {
         let root = scratch("roundtrip");
-        let dir = SwapDir::open(&root, "optimizer", 0, aio()).unwrap();
+        let dir = SwapDir::open(&root, "optimizer", "rank0", aio()).unwrap();
         assert!(dir.is_direct(), "the test folder's filesystem supports O_DIRECT");
         let n = 3 * ALIGN_ELEMS + 17;
         let values: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
@@ -299,10 +300,10 @@ mod tests {
     #[test]
     fn the_folder_is_locked_and_stale_files_are_removed() {
         let root = scratch("lock");
-        let first = SwapDir::open(&root, "optimizer", 1, aio()).unwrap();
-        let err = SwapDir::open(&root, "optimizer", 1, aio()).err().unwrap().to_string();
+        let first = SwapDir::open(&root, "optimizer", "rank1", aio()).unwrap();
+        let err = SwapDir::open(&root, "optimizer", "rank1", aio()).err().unwrap().to_string();
         assert!(err.contains("zerotrain-optimizer.rank1") && err.contains("in use by another zerotrain run"), "{err}");
-        assert!(SwapDir::open(&root, "optimizer", 2, aio()).is_ok(), "another rank's folder is its own");
+        assert!(SwapDir::open(&root, "optimizer", "rank2", aio()).is_ok(), "another rank's folder is its own");
         drop(first);
         // What a SIGKILLed run leaves: swap files and a lock file nobody holds.
         let dir = root.join("zerotrain-optimizer.rank0");
@@ -310,7 +311,7 @@ mod tests {
         std::fs::write(dir.join(LOCK), b"").unwrap();
         std::fs::write(dir.join("u0.master.swap"), b"old").unwrap();
         std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
-        let taken = SwapDir::open(&root, "optimizer", 0, aio()).unwrap();
+        let taken = SwapDir::open(&root, "optimizer", "rank0", aio()).unwrap();
         assert!(!dir.join("u0.master.swap").exists(), "a killed run's swap file is removed");
         assert!(dir.join("notes.txt").exists(), "a file that is not a swap file stays");
         drop(taken);
@@ -335,7 +336,7 @@ mod tests {
     #[test]
     fn damaged_swap_files_are_errors_naming_them() {
         let root = scratch("damaged");
-        let dir = SwapDir::open(&root, "param", 0, aio()).unwrap();
+        let dir = SwapDir::open(&root, "param", "rank0", aio()).unwrap();
         let n = 2 * ALIGN_ELEMS;
         let file = dir.file("u1.param", n).unwrap();
         file.write_slice(0, &vec![1.0; n]).unwrap();

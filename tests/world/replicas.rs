@@ -226,6 +226,38 @@ fn async_groups_without_staleness_train_as_synchronous_groups() {
     }
 }
 
+/// Replica groups with both NVMe tiers train bit for bit as the same groups in memory, in
+/// one job and as jobs through a server, all of them swapping under one `nvme_path`: each
+/// group's ranks have folders of their own (the groups' ranks all count from 0).
+#[test]
+fn groups_with_nvme_tiers_train_as_groups_in_memory() {
+    let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
+    let root = crate::tiers::scratch("groups");
+    let keys = crate::tiers::tier_keys(&root, "nvme", "nvme");
+    let with_nvme = |section: &str| {
+        let json = sgd_recipe(3, section);
+        json.replacen(
+            r#""stage3_param_persistence_threshold": 0"#,
+            &format!(r#""stage3_param_persistence_threshold": 0{keys}"#),
+            1,
+        )
+    };
+    let in_memory = run(&plan(&sgd_recipe(3, &section("")), 4));
+    let nvme = plan(&with_nvme(&section("")), 4);
+    assert!(nvme.zero.offload.uses_host_or_nvme());
+    assert!(run(&nvme) == in_memory, "groups in one job with NVMe tiers ended with other weights");
+    for (group, job) in through_server_with(&nvme, &with_nvme, &section, "", 1).iter().enumerate() {
+        for (rank, masters) in job.iter().enumerate() {
+            assert!(masters == &in_memory[0], "through a server, group {group} rank {rank} ended elsewhere");
+        }
+    }
+    for owner in ["group0.rank0", "group0.rank1", "group1.rank0", "group1.rank1"] {
+        assert!(root.join("opt").join(format!("zerotrain-optimizer.{owner}")).is_dir(), "{owner}");
+        assert!(root.join("param").join(format!("zerotrain-param.{owner}")).is_dir(), "{owner}");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A server holds one part of every rank's shard, and says which: a group listing the
 /// servers in another order than the first group (it would average other parameters into
 /// each part), or naming one server twice (its two parts would overwrite each other), is
@@ -297,7 +329,18 @@ fn a_server_refuses_a_join_for_another_part_of_the_shards() {
 /// Runs `world`'s groups as two jobs of two thread ranks each through `servers` parameter
 /// servers whose `local_sgd` section is `section(extra)`; every job's ranks' final masters.
 fn through_server(world: &Plan, section: &dyn Fn(&str) -> String, extra: &str, servers: usize) -> Vec<Vec<Vec<f32>>> {
-    let server_plan = plan(&sgd_recipe(2, &section(&format!(r#", "servers": ["127.0.0.1:1"], "group": 0{extra}"#))), 2);
+    through_server_with(world, &|section| sgd_recipe(2, section), section, extra, servers)
+}
+
+/// [`through_server`], each job's config `recipe(local_sgd section)`.
+fn through_server_with(
+    world: &Plan,
+    recipe: &(dyn Fn(&str) -> String + Sync),
+    section: &dyn Fn(&str) -> String,
+    extra: &str,
+    servers: usize,
+) -> Vec<Vec<Vec<f32>>> {
+    let server_plan = plan(&recipe(&section(&format!(r#", "servers": ["127.0.0.1:1"], "group": 0{extra}"#))), 2);
     let config = zerotrain::replicas::server::ServerConfig::new(server_plan.replicas.as_ref().unwrap(), None);
     let handles: Vec<_> = (0..servers)
         .map(|_| zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), config.clone()).unwrap())
@@ -307,7 +350,7 @@ fn through_server(world: &Plan, section: &dyn Fn(&str) -> String, extra: &str, s
     let jobs = std::thread::scope(|s| {
         let jobs: Vec<_> = (0..2)
             .map(|group| {
-                let json = sgd_recipe(2, &section(&format!(r#", "servers": [{addrs}], "group": {group}{extra}"#)));
+                let json = recipe(&section(&format!(r#", "servers": [{addrs}], "group": {group}{extra}"#)));
                 s.spawn(move || run_reading(&plan(&json, 2), world, STEPS))
             })
             .collect();

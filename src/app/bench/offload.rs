@@ -101,7 +101,7 @@ pub fn run(elems: usize, nvme: &Path, tile_elems: usize, repeats: usize) -> anyh
         serde_json::to_string(&nvme.display().to_string())?
     );
     let plan = Config::parse(&json, "bench")?.resolve(Overrides::default())?;
-    let dir = std::sync::Arc::new(SwapDir::open(nvme, "bench", 0, plan.zero.offload.aio)?);
+    let dir = std::sync::Arc::new(SwapDir::open(nvme, "bench", "rank0", plan.zero.offload.aio)?);
     // The disk alone: three files of the range, written then read, tile by tile as the
     // step does, with the same requests in flight.
     let files: Vec<_> = (0..3).map(|i| dir.file(&format!("disk{i}"), n)).collect::<Result<_, _>>()?;
