@@ -38,6 +38,7 @@ mod home;
 mod host_adam;
 #[cfg(feature = "cli")] // `zerotrain bench offload`
 pub(crate) use host_adam::{AdamW as HostAdamWParams, HostAdamW};
+pub(crate) use shared::agree;
 mod infer;
 mod master;
 pub mod model;

@@ -9,7 +9,8 @@
 //! In one job, between rounds the groups hold different weights, so a save first runs a round: every
 //! group then holds the global weights, and group 0 saves them with its engine (a normal
 //! checkpoint, at the group's world size, loadable at any world size, stage, or number of
-//! groups) while the other groups wait for it. The outer optimizer's momentum is not in the
+//! groups) while the other groups wait for it and report its outcome: a save that failed
+//! in group 0 fails in every group. The outer optimizer's momentum is not in the
 //! checkpoint: a resumed run restarts it from zero. A load puts the same
 //! checkpoint into every group and takes its weights as the global ones.
 
@@ -18,9 +19,10 @@ use std::path::{Path, PathBuf};
 use zerotrain_zero::CommStats;
 
 use super::LocalSgd;
-use crate::Result;
+use crate::engine::agree;
 use crate::engine::model::UnitModel;
 use crate::engine::{Counters, LoadOptions, MemoryReport, StepReport, Trainer};
+use crate::{Error, Result};
 
 impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     fn train_batch(&mut self, batch: &mut dyn FnMut(usize) -> M::Batch) -> Result<StepReport> {
@@ -51,9 +53,16 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
                 Ok(dir.join(tag.map_or_else(|| zerotrain_checkpoint::default_tag(step), str::to_string)))
             }
         };
-        // Nobody reads the checkpoint before group 0 has committed it.
-        self.replicas.peers.barrier()?;
-        saved
+        // Every group reports group 0's outcome (its ranks agreed on it), once it is
+        // committed: nobody reads the checkpoint before.
+        let size = self.engine.plan().world_size();
+        let place = self.replicas.data.0 % size;
+        agree(self.replicas.peers.as_ref(), saved, "saving the replica groups' checkpoint").map_err(|e| match e {
+            Error::PeerFailed { ranks, phase } => {
+                Error::PeerFailed { ranks: ranks.iter().map(|g| g * size + place).collect(), phase }
+            }
+            e => e,
+        })
     }
 
     fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>, options: LoadOptions) -> Result<serde_json::Value> {

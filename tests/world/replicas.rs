@@ -226,6 +226,38 @@ fn async_groups_without_staleness_train_as_synchronous_groups() {
     }
 }
 
+/// Group 0 writes the groups' checkpoint in one job; when its save fails (a file where the
+/// folder should be), every group's save fails too, the others naming group 0's rank at
+/// their place, instead of reporting a checkpoint that is not there.
+#[test]
+fn a_save_that_fails_in_group_0_fails_in_every_group() {
+    let blocked = crate::tiers::scratch("groups-save");
+    std::fs::write(&blocked, b"not a folder").unwrap();
+    let world = plan(&sgd_recipe(2, r#"{"groups": 2, "sync_every": 2}"#), 4);
+    let init = tiny_gpt(true, 11);
+    let w = Tokens { vocab: 11, len: 9 };
+    let outcomes = launch(&world, |ctx| {
+        let mut trainer = zerotrain::trainer(init.clone(), &world, &ctx)?;
+        let rank = trainer.data_parallel_rank();
+        trainer.train_batch(&mut |micro| w.batch(&world, 0, micro as u64, rank, ctx.device()))?;
+        let saved = trainer.save_checkpoint(&blocked, None, serde_json::Value::Null);
+        Ok::<_, Error>(saved.map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let e = outcome.as_ref().expect_err(&format!("rank {rank} reported a checkpoint group 0 did not write"));
+        if rank >= 2 {
+            let want = format!("rank(s) [{}] failed while saving the replica groups' checkpoint", rank % 2);
+            assert!(e.contains(&want), "rank {rank}: {e}");
+        } else if rank == 1 {
+            assert!(e.contains("rank(s) [0] failed while preparing the checkpoint"), "rank {rank}: {e}");
+        } else {
+            assert!(e.contains(&*blocked.to_string_lossy()), "rank {rank}: {e}");
+        }
+    }
+    std::fs::remove_file(&blocked).unwrap();
+}
+
 /// Replica groups with both NVMe tiers train bit for bit as the same groups in memory, in
 /// one job and as jobs through a server, all of them swapping under one `nvme_path`: each
 /// group's ranks have folders of their own (the groups' ranks all count from 0).
