@@ -57,8 +57,10 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
         // committed: nobody reads the checkpoint before.
         let size = self.engine.plan().world_size();
         let place = self.replicas.data.0 % size;
+        let own = saved.is_err();
         agree(self.replicas.peers.as_ref(), saved, "saving the replica groups' checkpoint").map_err(|e| match e {
-            Error::PeerFailed { ranks, phase } => {
+            // The peers are ranked by group: name group 0's rank by its world rank.
+            Error::PeerFailed { ranks, phase } if !own => {
                 Error::PeerFailed { ranks: ranks.iter().map(|g| g * size + place).collect(), phase }
             }
             e => e,
