@@ -736,6 +736,7 @@ fn estimate_shows_deepspeeds_zero3_figures_with_offload() {
 /// its second save, leaves stale swap files behind; the rerun removes them, resumes from the
 /// last checkpoint and trains the remaining steps exactly as the uninterrupted job did.
 #[test]
+#[cfg_attr(not(feature = "crash-points"), ignore = "needs `--features crash-points`, as the README's test command has")]
 fn a_killed_nvme_job_resumes_as_if_uninterrupted() {
     use std::io::BufRead;
     let root = std::env::temp_dir().join(format!("zerotrain-cli-{}-nvme-kill", std::process::id()));

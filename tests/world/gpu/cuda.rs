@@ -45,7 +45,7 @@ fn cuda_json(extra: &str) -> String {
 /// `zerotrain.device`, from the library and from the command, never a panic. Where a driver
 /// is there, the same launch finds a CUDA device and its ranks compute on it.
 #[test]
-fn a_cuda_build_without_a_driver_refuses_the_device_by_name() {
+fn a_cuda_build_refuses_the_device_by_name_without_a_driver_and_finds_it_with_one() {
     let plan = plan(&cuda_json(""), 1);
     let outcome = launch(&plan, |ctx| Ok::<_, Error>(format!("{:?}", ctx.device())));
     if has_driver() {
@@ -84,9 +84,11 @@ fn nccl_availability_names_what_is_missing() {
 
 /// A machine with only `libnccl.so.2` (NVIDIA's wheel's name), which cudarc never loads, is
 /// told where it is and how to make it load. A stand-in library with NCCL's soname and one
-/// of its symbols plays the wheel's file; `zerotrain config check` reports it.
+/// of its symbols plays the wheel's file; `zerotrain config check` reports it. Where
+/// `libnccl.so` itself loads (a machine with NCCL's development files), there is no such
+/// machine to make: the test checks only that NCCL is found, as its name says.
 #[test]
-fn a_versioned_libnccl_alone_is_found_and_the_link_it_needs_named() {
+fn without_libnccl_so_a_versioned_libnccl_is_found_and_its_link_named_else_nccl_loads() {
     if loads("libnccl.so") {
         // cudarc finds NCCL here; the hint is for machines where it cannot.
         assert!(nccl::available().is_ok() || !has_driver());
