@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain::{Config, Engine, Overrides, launch};
+use zerotrain::{Config, Engine, Overrides, Precision, launch};
 
 /// Any Burn module works; this one fits y = sin(x0) + x1 * x2.
 #[derive(Module, Debug)]
@@ -47,11 +47,14 @@ const CONFIG: &str = r#"{
 }"#;
 
 fn main() {
-    train();
+    let model_file = std::env::temp_dir().join(format!("zerotrain-minimal-{}.safetensors", std::process::id()));
+    train(&model_file);
+    println!("model: {}", model_file.display());
 }
 
-/// Trains 300 steps and returns the (first, last) mean loss.
-pub fn train() -> (f32, f32) {
+/// Trains 300 steps, saves the model to `model_file`, and returns the (first, last) mean
+/// loss.
+pub fn train(model_file: &std::path::Path) -> (f32, f32) {
     // 1. A DeepSpeed-style config, resolved into a plan (Config::from_file for a file).
     let plan = Config::parse(CONFIG, "example").and_then(|c| c.resolve(Overrides::default())).expect("valid config");
     let b = plan.batch;
@@ -78,6 +81,8 @@ pub fn train() -> (f32, f32) {
                 }
             }
         }
+        // 5. The trained model, whole, in bf16 (Burn's SafetensorsStore or Python load it).
+        engine.save_model(model_file, Precision::Bf16)?;
         Ok::<_, zerotrain::Error>(losses)
     })
     .expect("training");

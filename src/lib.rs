@@ -103,3 +103,6 @@ pub use launch::{detect_mpirun, launch};
 /// The JSON values checkpoints carry as client state (`save_checkpoint`'s last argument),
 /// re-exported so that a program needs no dependency of its own for it.
 pub use serde_json;
+/// The dtypes of mixed precision: what `save_model` and `consolidate` write, re-exported so
+/// that a program needs no dependency of its own for it.
+pub use zerotrain_precision::Precision;

@@ -75,5 +75,11 @@ fn a_crate_depending_on_the_library_alone_builds_runs_and_pulls_no_application_c
     let line = stdout.lines().find(|l| l.contains("steps on 2 ranks")).unwrap_or_else(|| panic!("{stdout}"));
     let losses: Vec<f32> = line.rsplit(": loss ").next().unwrap().split(" -> ").map(|v| v.parse().unwrap()).collect();
     assert!(losses[1] < losses[0] / 4.0, "{line}");
+    // The model it saved through `zerotrain::Precision` alone: 2 bytes a value.
+    let model = stdout.lines().find_map(|l| l.strip_prefix("model: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let bytes = std::fs::read(model).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    assert!(String::from_utf8_lossy(&bytes[8..8 + header]).contains("BF16"), "{model}");
+    std::fs::remove_file(model).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }

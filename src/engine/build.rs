@@ -359,6 +359,7 @@ fn assemble<M: Module>(
     for notice in ctx.notices() {
         engine.notices.warn(notice.clone());
     }
+    engine.note_persistence();
     let swaps = &engine.shared.swaps;
     for dir in [&swaps.optimizer, &swaps.param].into_iter().flatten().filter(|d| !d.is_direct()) {
         engine.notices.warn(format!(
@@ -368,31 +369,4 @@ fn assemble<M: Module>(
         ));
     }
     Ok(engine)
-}
-
-impl<M: Module> Engine<M> {
-    /// The notes a model declared in units gets once: which parameters the root holds, and
-    /// what stage 3 without recomputation keeps.
-    fn note_layout(&mut self, root_paths: &[String]) {
-        if !root_paths.is_empty() {
-            let shown: Vec<&str> = root_paths.iter().take(8).map(String::as_str).collect();
-            let more = root_paths.len().saturating_sub(shown.len());
-            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
-            self.notices.warn(format!(
-                "no declared unit claims {}{more}: they form the root unit, gathered for the whole pass (right for \
-                 a parameter two units share; otherwise list them in a unit)",
-                shown.join(", ")
-            ));
-        }
-        let recompute =
-            matches!(self.granularity, Granularity::Declared { recompute_every, .. } if recompute_every > 0);
-        if self.shared.plan.zero.stage.shards_parameters() && !recompute {
-            self.notices.warn(
-                "stage 3 without activation_checkpointing: each unit stays gathered from its forward until its \
-                 backward (Burn's autodiff graph holds its weights), so the peak is about the whole model; add an \
-                 activation_checkpointing section to release each unit after its forward"
-                    .into(),
-            );
-        }
-    }
 }

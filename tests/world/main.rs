@@ -29,8 +29,11 @@ mod minimal_example;
 
 #[test]
 fn the_minimal_example_trains() {
-    let (first, last) = minimal_example::train();
+    let file = std::env::temp_dir().join(format!("zerotrain-minimal-test-{}.safetensors", std::process::id()));
+    let (first, last) = minimal_example::train(&file);
     assert!(last < first / 5.0, "loss {first} -> {last}");
+    assert!(std::fs::metadata(&file).unwrap().len() > 0);
+    std::fs::remove_file(&file).unwrap();
 }
 
 /// A library program that resolved its config without `detect_mpirun` (the minimal
@@ -53,5 +56,6 @@ fn the_minimal_example_refuses_a_plan_made_without_mpirun_inside_an_mpirun_job()
 #[test]
 #[ignore = "the child process of the_minimal_example_refuses_a_plan_made_without_mpirun_inside_an_mpirun_job"]
 fn minimal_example_under_mpirun_child() {
-    minimal_example::train();
+    // Refused before it trains: nothing is written.
+    minimal_example::train(&std::env::temp_dir().join("zerotrain-minimal-never-written.safetensors"));
 }

@@ -681,3 +681,40 @@ fn small_buckets_give_the_same_bits_and_bytes_as_one_bucket_per_unit() {
         }
     }
 }
+
+/// At stage 3, `stage3_param_persistence_threshold` keeps every tensor of at most that many
+/// elements whole on every rank (DeepSpeed's default of 1e5 keeps a small model entirely
+/// unsharded): the engine says how many parameters, in how many tensors, and their bytes
+/// per rank whole and sharded, counted here from the model's own tensors; with none kept
+/// whole it says nothing.
+#[test]
+fn stage_3_says_what_its_persistence_threshold_keeps_whole() {
+    let init = tiny_gpt(true, 6);
+    let sizes: Vec<usize> = params_by_path(&init).iter().map(|(_, v)| v.len()).collect();
+    let total: usize = sizes.iter().sum();
+    for threshold in [0, 16, 100_000] {
+        let json = recipe(3, 1, 1, 0.0).replace(
+            r#""stage3_param_persistence_threshold": 0"#,
+            &format!(r#""stage3_param_persistence_threshold": {threshold}"#),
+        );
+        let plan = plan(&json, 2);
+        let notices = launch(&plan, |ctx| {
+            let engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+            Ok::<_, Error>(engine.notices().to_vec())
+        })
+        .unwrap();
+        let note = notices[0].iter().find(|n| n.contains("persistence_threshold"));
+        let kept: Vec<usize> = sizes.iter().copied().filter(|&n| n <= threshold).collect();
+        if kept.is_empty() {
+            assert!(note.is_none(), "threshold {threshold}: {note:?}");
+            continue;
+        }
+        let (elems, note) = (kept.iter().sum::<usize>(), note.expect("a note on what stays whole"));
+        let want = format!("keeps {elems} of {total} parameters");
+        assert!(note.contains(&want) && note.contains(&format!("{} tensors of <= {threshold}", kept.len())), "{note}");
+        assert!(
+            note.contains(&format!("{} bytes each, against {} sharded", elems * 4, (elems * 4).div_ceil(2))),
+            "{note}"
+        );
+    }
+}
