@@ -314,7 +314,14 @@ fn aio(a: AioConfig, used: bool, autos: &mut Autos) -> Result<AioPlan, ConfigErr
     if a.overlap_events == Some(false) {
         autos.no_effect("aio.overlap_events (requests always complete on their own threads)".into());
     }
-    let requests_in_flight = threads.saturating_mul(depth).min(MAX_IO_REQUESTS) as usize;
+    let asked = threads.saturating_mul(depth);
+    if used && asked > MAX_IO_REQUESTS {
+        autos.no_effect(format!(
+            "aio.thread_count x aio.queue_depth beyond {MAX_IO_REQUESTS} ({threads} x {depth} = {asked} requests \
+             in flight asked, {MAX_IO_REQUESTS} run, each on an I/O thread of its own)"
+        ));
+    }
+    let requests_in_flight = asked.min(MAX_IO_REQUESTS) as usize;
     Ok(AioPlan { block_size, requests_in_flight })
 }
 
@@ -387,6 +394,14 @@ mod tests {
         )
         .unwrap();
         assert!(nvme_param.warning().unwrap().contains("offload_param.buffer_count (a unit's shard is read ahead"));
+        let nvme = r#"{"train_batch_size": 4, "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "/tmp/p"}}, "aio": {"thread_count": 16, "queue_depth": Q}}"#;
+        let capped = plan(&nvme.replace('Q', "8")).unwrap();
+        assert_eq!(capped.zero.offload.aio.requests_in_flight, 64);
+        assert!(capped.warning().unwrap().contains("aio.thread_count x aio.queue_depth beyond 64 (16 x 8 = 128"));
+        let within = plan(&nvme.replace('Q', "4")).unwrap();
+        assert_eq!(within.zero.offload.aio.requests_in_flight, 64);
+        assert!(!within.warning().unwrap_or_default().contains("aio.thread_count"));
         for key in [
             "offload_optimizer.device \"cpu\"",
             "offload_optimizer.pin_memory",

@@ -325,6 +325,14 @@ fn a_server_refuses_a_join_for_another_part_of_the_shards() {
     let again = ServerRound::start(&addr, 0, first, replicas, vec![4.0; 4], timeout).unwrap();
     assert_eq!((held.global(), other.global(), again.global()), (&[1.0; 4][..], &[3.0; 4][..], &[1.0; 4][..]));
 
+    // A worker whose local_sgd keys differ from the server's is told which.
+    let other = plan(&sgd_recipe(2, &section(r#", "servers": ["127.0.0.1:1"], "group": 1, "mode": "async""#)), 2);
+    let e = ServerRound::start(&addr, 2, first, other.replicas.as_ref().unwrap(), vec![0.0; 4], timeout).err();
+    let e = e.expect("a join under other settings was taken").to_string();
+    assert!(e.contains("local_sgd.mode is async in this job's config, sync in the server's"), "{e}");
+    assert!(e.contains("local_sgd.group_timeout_s is 60 in this job's config, 1 in the server's"), "{e}");
+    assert!(!e.contains("local_sgd.groups"), "{e}");
+
     // Through jobs: group 1 lists the two servers in the other order; whichever group
     // joins a server second is refused there, naming the part.
     let servers: Vec<_> =
@@ -336,7 +344,7 @@ fn a_server_refuses_a_join_for_another_part_of_the_shards() {
             .into_iter()
             .enumerate()
             .map(|(group, list)| {
-                let extra = format!(r#", "servers": [{list}], "group": {group}"#);
+                let extra = format!(r#", "servers": [{list}], "group": {group}, "group_timeout_s": 1"#);
                 let json = sgd_recipe(2, &section(&extra));
                 let world = &world;
                 s.spawn(move || try_run_reading(&plan(&json, 2), world, STEPS))

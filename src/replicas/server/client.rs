@@ -8,7 +8,8 @@ use tonic::{Code, Status};
 use zerotrain_precision::Precision;
 
 use super::proto::parameter_server_client::ParameterServerClient;
-use super::proto::{Ack, PullRequest};
+use super::proto::{Ack, PullRequest, Settings};
+use super::serve::ServerConfig;
 use super::{Dtype, Header, Part, chunk_stream, chunks, place_in_order};
 use crate::config::ReplicaPlan;
 use crate::replicas::Round;
@@ -30,6 +31,8 @@ pub struct ServerRound {
     dtype: Dtype,
     /// Which part of the rank's shard this server holds, said at every join.
     part: Part,
+    /// The `local_sgd` keys the server must run with too.
+    settings: Settings,
     timeout: Duration,
     pull_wait: Duration,
     /// The pseudo-gradient and the pulled weights, flat, kept across rounds.
@@ -82,6 +85,7 @@ impl ServerRound {
             global: Vec::new(),
             dtype,
             part,
+            settings: ServerConfig::new(plan, None).settings(),
             timeout,
             pull_wait: plan.group_timeout + timeout,
             delta: Vec::new(),
@@ -163,6 +167,9 @@ impl ServerRound {
             message[0].part = Some(part);
             async move { c.join(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
         })?;
+        if let Some(differing) = ack.settings.as_ref().and_then(|theirs| differing(&self.settings, theirs)) {
+            return Err(Failure::Fatal(self.error("join", differing)));
+        }
         self.session = ack.session;
         self.round = ack.round;
         self.pull(local.len()).map(|()| ack)
@@ -253,6 +260,29 @@ impl Drop for ServerRound {
             tokio::time::timeout(Duration::from_secs(1), async move { client.leave(request).await }).await
         });
     }
+}
+
+/// The keys whose values differ between this job's settings and a server's, each named
+/// with both values; `None` when they agree.
+fn differing(ours: &Settings, theirs: &Settings) -> Option<String> {
+    let mode = |s: &Settings| if s.asynchronous { "async" } else { "sync" };
+    let outer =
+        |s: &Settings| format!("lr {}, momentum {}, nesterov {}", s.outer_lr, s.outer_momentum, s.outer_nesterov);
+    let keys = [
+        ("local_sgd.groups", ours.groups.to_string(), theirs.groups.to_string()),
+        ("local_sgd.outer_optimizer", outer(ours), outer(theirs)),
+        ("local_sgd.mode", mode(ours).into(), mode(theirs).into()),
+        ("local_sgd.max_staleness", ours.max_staleness.to_string(), theirs.max_staleness.to_string()),
+        ("local_sgd.group_timeout_s", ours.group_timeout_s.to_string(), theirs.group_timeout_s.to_string()),
+        ("local_sgd.checkpoint_every", ours.checkpoint_every.to_string(), theirs.checkpoint_every.to_string()),
+    ];
+    let differ: Vec<String> = keys
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(key, a, b)| format!("{key} is {a} in this job's config, {b} in the server's"))
+        .collect();
+    (!differ.is_empty())
+        .then(|| format!("{}: every group and the server must run one local_sgd section", differ.join("; ")))
 }
 
 /// Waits between tries of something that did not answer: 50 ms doubling to 2 s, for as

@@ -114,6 +114,26 @@ impl ServerConfig {
     }
 }
 
+impl ServerConfig {
+    /// The settings a join's answer carries, for the joiner to check against its own.
+    pub(super) fn settings(&self) -> super::proto::Settings {
+        let (asynchronous, max_staleness) = match self.mode {
+            ReplicaMode::Sync => (false, 0),
+            ReplicaMode::Async { max_staleness } => (true, max_staleness),
+        };
+        super::proto::Settings {
+            groups: self.groups as u32,
+            outer_lr: self.outer.lr,
+            outer_momentum: self.outer.momentum,
+            outer_nesterov: self.outer.nesterov,
+            asynchronous,
+            max_staleness,
+            group_timeout_s: self.group_timeout.as_secs_f64(),
+            checkpoint_every: self.checkpoint_every,
+        }
+    }
+}
+
 /// Starts a parameter server on `listen` (from `config.checkpoint`'s latest checkpoint if
 /// there is one). Returns once it listens.
 pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {

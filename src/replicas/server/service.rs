@@ -289,7 +289,8 @@ fn part_mismatch(place: u32, held: &Part, group: u32, joined: &Part, len: u64) -
 }
 
 fn ack(round: u64, session: u64, status: place::Status) -> Response<Ack> {
-    Response::new(Ack { round, session, live: status.live as u32, staleness: status.staleness, applied: status.round })
+    let (live, staleness, applied) = (status.live as u32, status.staleness, status.round);
+    Response::new(Ack { round, session, live, staleness, applied, settings: None })
 }
 
 #[tonic::async_trait]
@@ -337,7 +338,9 @@ impl ParameterServer for Service {
         let (round, status) = place.join(g, session, Instant::now());
         drop(state);
         self.changed();
-        Ok(ack(round, session, status))
+        let mut answer = ack(round, session, status);
+        answer.get_mut().settings = Some(self.config.settings());
+        Ok(answer)
     }
 
     async fn push(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
