@@ -56,20 +56,20 @@ impl Home {
     /// The optimizer state over the unit's range (checkpoints).
     pub fn export(&self) -> Result<ExportedState> {
         match self {
-            Self::Resident { optimizer, .. } => Ok(optimizer.export()),
+            Self::Resident { optimizer, .. } => optimizer.export(),
             Self::Swapped(swapped) => swapped.export(),
         }
     }
 
     /// The names of the optimizer state's tensors and its scalars (without reading a
     /// swapped state's values).
-    pub fn state_layout(&self) -> (Vec<String>, Vec<(String, burn_pack::Scalar)>) {
+    pub fn state_layout(&self) -> Result<(Vec<String>, Vec<(String, burn_pack::Scalar)>)> {
         match self {
             Self::Resident { optimizer, .. } => {
-                let (tensors, scalars) = optimizer.export();
-                (tensors.into_iter().map(|(n, _)| n).collect(), scalars)
+                let (tensors, scalars) = optimizer.export()?;
+                Ok((tensors.into_iter().map(|(n, _)| n).collect(), scalars))
             }
-            Self::Swapped(swapped) => (swapped.state_names(), swapped.scalars().to_vec()),
+            Self::Swapped(swapped) => Ok((swapped.state_names(), swapped.scalars().to_vec())),
         }
     }
 
@@ -78,7 +78,7 @@ impl Home {
     pub fn state_tensor(&self, name: &str) -> Result<Option<Vec<f32>>> {
         match self {
             Self::Resident { optimizer, .. } => {
-                Ok(optimizer.export().0.into_iter().find(|(n, _)| n == name).map(|(_, v)| v))
+                Ok(optimizer.export()?.0.into_iter().find(|(n, _)| n == name).map(|(_, v)| v))
             }
             Self::Swapped(swapped) => swapped.state_tensor(name),
         }

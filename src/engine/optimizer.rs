@@ -120,6 +120,30 @@ struct GroupPart {
     ranges: Vec<Range<usize>>,
     lr_scale: f64,
     optimizer: Box<dyn ShardOptimizer>,
+    /// How errors name the optimizer: its type in the config, and its group.
+    label: String,
+}
+
+impl GroupPart {
+    /// Elements the part's optimizer steps.
+    fn elems(&self) -> usize {
+        self.ranges.iter().map(Range::len).sum()
+    }
+
+    /// `state` the part's optimizer gave, refused unless every tensor holds one value per
+    /// element it steps (a wrong length would overwrite its neighbours' values).
+    fn checked(&self, state: ExportedState) -> Result<ExportedState> {
+        let elems = self.elems();
+        match state.0.iter().find(|(_, values)| values.len() != elems) {
+            Some((name, values)) => Err(Error::Model(format!(
+                "{} gave optimizer state `{name}` of {} values for the {elems} elements it steps: a \
+                 ShardOptimizer's export holds one value per element",
+                self.label,
+                values.len()
+            ))),
+            None => Ok(state),
+        }
+    }
 }
 
 /// A unit's optimizers: one per parameter group present in the rank's range of the unit
@@ -156,7 +180,13 @@ impl UnitOptimizer {
             let plan = weight_decay.map_or(optim.optimizer, |wd| optim.optimizer.with_weight_decay(wd));
             let optimizer = factory(&ShardGroup { optimizer: plan, group, segments: &mine, on_host });
             let ranges = if owns_all { whole(len) } else { merge(mine.iter().map(|s| s.range.clone())) };
-            parts.push(GroupPart { ranges, lr_scale: group.map_or(1.0, |g| g.lr_scale), optimizer });
+            let kind = format!("{plan:?}");
+            let kind = kind.split([' ', '{']).next().unwrap_or_default();
+            let label = match group {
+                Some(_) => format!("the optimizer ({kind}, optimizer.type) of parameter group {g}"),
+                None => format!("the optimizer ({kind}, optimizer.type)"),
+            };
+            parts.push(GroupPart { ranges, lr_scale: group.map_or(1.0, |g| g.lr_scale), optimizer, label });
         }
         Self { len, parts }
     }
@@ -207,17 +237,24 @@ impl UnitOptimizer {
     }
 
     /// The state over the whole range: each group's vectors put back at its elements (the
-    /// rest 0), and the first group's scalars (every group steps together).
-    pub fn export(&self) -> ExportedState {
+    /// rest 0), and the first group's scalars (every group steps together). An error if an
+    /// optimizer's state is not one value per element it steps.
+    pub fn export(&self) -> Result<ExportedState> {
+        self.gather(self.parts.iter().map(|part| part.optimizer.export()).collect())
+    }
+
+    /// Every part's state (`states`, in order) over the whole range (see `export`).
+    fn gather(&self, states: Vec<ExportedState>) -> Result<ExportedState> {
+        let len = self.len;
         if let [part] = self.parts.as_slice()
-            && part.ranges == whole(self.len)
+            && part.ranges == whole(len)
         {
-            return part.optimizer.export();
+            return part.checked(states.into_iter().next().unwrap_or_default());
         }
         let mut tensors: Vec<(String, Vec<f32>)> = Vec::new();
         let mut scalars = Vec::new();
-        for part in &self.parts {
-            let (state, part_scalars) = part.optimizer.export();
+        for (part, exported) in self.parts.iter().zip(states) {
+            let (state, part_scalars) = part.checked(exported)?;
             if scalars.is_empty() {
                 scalars = part_scalars;
             }
@@ -225,7 +262,7 @@ impl UnitOptimizer {
                 let slot = match tensors.iter().position(|(n, _)| *n == name) {
                     Some(i) => i,
                     None => {
-                        tensors.push((name, vec![0.0; self.len]));
+                        tensors.push((name, vec![0.0; len]));
                         tensors.len() - 1
                     }
                 };
@@ -236,22 +273,14 @@ impl UnitOptimizer {
                 }
             }
         }
-        (tensors, scalars)
+        Ok((tensors, scalars))
     }
 
     /// The state over the whole range, moved out of the optimizers (see
-    /// [`ShardOptimizer::take_state`]).
-    pub fn take_state(&mut self) -> ExportedState {
-        if let [part] = self.parts.as_mut_slice()
-            && part.ranges == whole(self.len)
-        {
-            return part.optimizer.take_state();
-        }
-        let state = self.export();
-        for part in &mut self.parts {
-            part.optimizer.take_state();
-        }
-        state
+    /// [`ShardOptimizer::take_state`]); checked as [`export`](Self::export)'s.
+    pub fn take_state(&mut self) -> Result<ExportedState> {
+        let states = self.parts.iter_mut().map(|part| part.optimizer.take_state()).collect();
+        self.gather(states)
     }
 
     /// Replaces the state with vectors over the whole range and shared scalars.

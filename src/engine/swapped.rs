@@ -79,6 +79,9 @@ pub(crate) struct SwappedOptimizer {
     /// The optimizer's scalars (step counts), the same for every tile.
     scalars: Vec<(String, Scalar)>,
     buffer_count: u64,
+    /// Whether `states` holds every tensor the optimizer keeps: after its first step or a
+    /// load. Before, a tile's buffers are not known, so nothing is pipelined.
+    states_known: bool,
     pipeline_read: bool,
     pipeline_write: bool,
     dir: Arc<SwapDir>,
@@ -139,6 +142,7 @@ impl SwappedOptimizer {
             states: Vec::new(),
             scalars: Vec::new(),
             buffer_count: offload.buffer_count,
+            states_known: false,
             pipeline_read: offload.pipeline_read,
             pipeline_write: offload.pipeline_write,
             dir: Arc::clone(dir),
@@ -146,8 +150,13 @@ impl SwappedOptimizer {
         })
     }
 
-    /// Tiles alive at once as `buffer_count` allows: (read ahead, write behind).
+    /// Tiles alive at once as `buffer_count` allows: (read ahead, write behind). Before the
+    /// optimizer's state tensors are known (its first step) nothing is pipelined: a tile's
+    /// write may hold more buffers than its read did.
     fn pipelining(&self) -> (bool, bool) {
+        if !self.states_known {
+            return (false, false);
+        }
         let per_tile = 1 + self.states.len() as u64;
         let tiles = (self.buffer_count / per_tile).max(1);
         let read = self.pipeline_read && tiles >= 2;
@@ -235,7 +244,7 @@ impl SwappedOptimizer {
             let params = Tensor::<1>::from_data(TensorData::new(values, [range.len()]), device);
             let grads = Tensor::<1>::from_data(TensorData::new(grads[range.clone()].to_vec(), [range.len()]), device);
             let stepped = tile.optimizer.step(lr, params, grads)?;
-            let exported = tile.optimizer.take_state();
+            let exported = tile.optimizer.take_state()?;
             let new = stepped
                 .into_data()
                 .try_into_vec::<f32>()
@@ -291,6 +300,7 @@ impl SwappedOptimizer {
             )));
         }
         self.scalars = scalars;
+        self.states_known = true;
         self.tiles[t].has_state = !tensors.is_empty();
         let start = self.tiles[t].range.start;
         let mut tickets = Vec::with_capacity(1 + tensors.len());
@@ -330,6 +340,7 @@ impl SwappedOptimizer {
         for tile in &mut self.tiles {
             tile.has_state = !tensors.is_empty();
         }
+        self.states_known = !tensors.is_empty();
         self.scalars = scalars;
         // The whole range's state is written again: whatever a failed step tore is gone.
         self.torn = false;

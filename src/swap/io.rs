@@ -116,11 +116,33 @@ struct Completion {
 /// A failed request: the file and what happened (the byte offset in the message).
 pub type IoFailure = (PathBuf, std::io::Error);
 
-/// A request in flight; [`wait`](Self::wait) gives its buffer back.
+/// A request in flight; [`wait`](Self::wait) gives its buffer back. Dropped unwaited (an
+/// error path), it still waits for its blocks: nothing of it may land in a file after the
+/// file is truncated or opened again.
 #[must_use = "a request's buffer comes back only through wait()"]
 pub struct Ticket {
-    buf: Arc<AlignedBuf>,
+    /// `None` once waited for.
+    buf: Option<Arc<AlignedBuf>>,
     done: Arc<Completion>,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.buf.take().is_some() {
+            self.done.settle();
+        }
+    }
+}
+
+impl Completion {
+    /// Waits until every block has finished; their first error, taken.
+    fn settle(&self) -> Option<IoFailure> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while state.0 > 0 {
+            state = self.cv.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        state.1.take()
+    }
 }
 
 impl std::fmt::Debug for Ticket {
@@ -131,18 +153,13 @@ impl std::fmt::Debug for Ticket {
 
 impl Ticket {
     /// Waits for every block; the buffer, or the first error and its file.
-    pub fn wait(self) -> Result<AlignedBuf, IoFailure> {
-        let mut state = self.done.state.lock().unwrap_or_else(|e| e.into_inner());
-        while state.0 > 0 {
-            state = self.done.cv.wait(state).unwrap_or_else(|e| e.into_inner());
-        }
-        if let Some(error) = state.1.take() {
+    pub fn wait(mut self) -> Result<AlignedBuf, IoFailure> {
+        let buf = self.buf.take().expect("a ticket is waited for once");
+        if let Some(error) = self.done.settle() {
             return Err(error);
         }
-        drop(state);
         // Every block has finished and dropped its reference before counting down.
-        Ok(Arc::try_unwrap(self.buf)
-            .unwrap_or_else(|_| unreachable!("every block dropped its buffer before counting down")))
+        Ok(Arc::try_unwrap(buf).unwrap_or_else(|_| unreachable!("every block dropped its buffer before counting down")))
     }
 }
 
@@ -203,7 +220,7 @@ impl IoPool {
                 finish(&done, Some((path.as_ref().clone(), error)));
             }
         }
-        Ticket { buf, done }
+        Ticket { buf: Some(buf), done }
     }
 }
 

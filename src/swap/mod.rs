@@ -358,4 +358,24 @@ mod tests {
         drop(dir);
         let _ = std::fs::remove_dir_all(&root);
     }
+
+    /// A write dropped unwaited (an error path) is finished before the drop returns: a file
+    /// opened again under its name (truncated to a new length) never gets its old blocks.
+    #[test]
+    fn a_dropped_write_lands_before_its_file_is_opened_again() {
+        let root = scratch("dropped");
+        let dir = SwapDir::open(&root, "optimizer", "rank0", aio()).unwrap();
+        let big = 4096 * ALIGN_ELEMS;
+        let file = dir.file("u0.exp_avg", big).unwrap();
+        drop(file.write(0, AlignedBuf::from_slice(&vec![7.0; big])).unwrap());
+        drop(file);
+        let small = ALIGN_ELEMS;
+        let again = dir.file("u0.exp_avg", small).unwrap();
+        again.write_slice(0, &vec![1.0; small]).unwrap();
+        let bytes = std::fs::metadata(again.path()).unwrap().len();
+        assert_eq!(bytes, (small * size_of::<f32>()) as u64, "the dropped write landed after the reopening");
+        assert_eq!(again.read_vec(0..small).unwrap(), vec![1.0; small]);
+        drop((again, dir));
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

@@ -251,3 +251,56 @@ fn a_step_that_fails_part_way_is_never_used() {
     assert!(healed, "training goes on after the load");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// An optimizer (here a plain SGD of the user's) whose exported state is not one value per
+/// element it steps: on NVMe its step fails naming it and both lengths (the tile's write
+/// would otherwise overwrite the next tile's state, or panic), and in memory a save does.
+#[test]
+fn an_optimizer_state_of_the_wrong_length_is_an_error_naming_it() {
+    use burn::tensor::{Device, Tensor};
+    use zerotrain::engine::optimizer::{ExportedState, ShardOptimizer};
+
+    struct Miscounting(usize);
+    impl ShardOptimizer for Miscounting {
+        fn step(&mut self, lr: f64, p: Tensor<1>, g: Tensor<1>) -> zerotrain::Result<Tensor<1>> {
+            self.0 = p.dims()[0];
+            Ok(p - g.mul_scalar(lr))
+        }
+        fn state_bytes(&self) -> u64 {
+            0
+        }
+        fn export(&self) -> ExportedState {
+            (vec![("momentum".into(), vec![0.0; self.0 + 3])], Vec::new())
+        }
+        fn import(&mut self, _: ExportedState, _: &Device) -> zerotrain::Result<()> {
+            Ok(())
+        }
+    }
+
+    let init = tiny_gpt(true, 31);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("miscounting");
+    for keys in [nvme_keys(&root, 2), String::new()] {
+        let p = plan(&unit_recipe(2, 1, MODES[2], "bf16", &keys), 1);
+        let outcome = launch(&p, |ctx| {
+            let mut engine =
+                Engine::builder(init.clone(), &p, &ctx).optimizer(|_| Box::new(Miscounting(0))).build_units()?;
+            engine.forward_backward(&crate::units::Workload::batch(&w, &p, 0, 0, ctx.rank(), ctx.device()))?;
+            engine.step()?;
+            engine.save_checkpoint(root.join("ckpt"), None, serde_json::Value::Null)
+        });
+        let e = outcome.unwrap_err().to_string();
+        assert!(e.contains("the optimizer (Adam, optimizer.type) gave optimizer state `momentum` of"), "{e}");
+        let (got, elems) = e
+            .split(" of ")
+            .nth(1)
+            .and_then(|rest| {
+                let got = rest.split(' ').next()?.parse::<usize>().ok()?;
+                let elems = rest.split("values for the ").nth(1)?.split(' ').next()?.parse::<usize>().ok()?;
+                Some((got, elems))
+            })
+            .unwrap_or_else(|| panic!("{e}"));
+        assert_eq!(got, elems + 3, "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

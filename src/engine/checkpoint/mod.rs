@@ -116,9 +116,9 @@ impl<M: Module> Engine<M> {
         if segments.iter().all(Vec::is_empty) {
             return Ok(());
         }
-        let (optim, _) = self.units[0].state_layout();
+        let (optim, _) = self.units[0].state_layout()?;
         for (id, unit) in self.units.iter().enumerate() {
-            let (names, _) = unit.state_layout();
+            let (names, _) = unit.state_layout()?;
             if names != optim {
                 return Err(Error::Model(format!(
                     "unit {id}'s optimizer state has {} tensors ({names:?}), unit 0's {} ({optim:?})",
