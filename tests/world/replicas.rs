@@ -187,20 +187,25 @@ fn a_checkpoint_of_groups_is_the_global_weights_written_once() {
 /// The same groups as separate jobs meeting at a parameter server (each job one group of
 /// two thread ranks) train bit for bit as the groups inside one job: the server sums the
 /// pushes in group order, as the in-job all-reduce does, and steps the same outer optimizer;
-/// so do they through two servers, each holding half of every rank's shard.
+/// so do they through two servers, each holding half of every rank's shard. With bf16 on
+/// the wire too: both sum the bf16 pushes in f32 and round the sum once to bf16.
 #[test]
 fn groups_as_jobs_through_a_parameter_server_train_as_groups_in_one_job() {
-    let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
-    let world = plan(&sgd_recipe(2, &section("")), 4);
-    let in_job = run(&world);
-    for servers in [1, 2] {
-        let jobs = through_server(&world, &section, "", servers);
-        for (group, job) in jobs.iter().enumerate() {
-            for (rank, masters) in job.iter().enumerate() {
-                assert!(
-                    masters == &in_job[0],
-                    "{servers} server(s): group {group} rank {rank} ended with other weights than the in-job groups"
-                );
+    for wire in ["fp32", "bf16"] {
+        let section =
+            |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2, "communication_data_type": "{wire}"{extra}}}"#);
+        let world = plan(&sgd_recipe(2, &section("")), 4);
+        let in_job = run(&world);
+        for servers in [1, 2] {
+            let jobs = through_server(&world, &section, "", servers);
+            for (group, job) in jobs.iter().enumerate() {
+                for (rank, masters) in job.iter().enumerate() {
+                    assert!(
+                        masters == &in_job[0],
+                        "{wire}, {servers} server(s): group {group} rank {rank} ended with other weights than the \
+                         in-job groups"
+                    );
+                }
             }
         }
     }

@@ -275,6 +275,11 @@ fn differing(ours: &Settings, theirs: &Settings) -> Option<String> {
         ("local_sgd.max_staleness", ours.max_staleness.to_string(), theirs.max_staleness.to_string()),
         ("local_sgd.group_timeout_s", ours.group_timeout_s.to_string(), theirs.group_timeout_s.to_string()),
         ("local_sgd.checkpoint_every", ours.checkpoint_every.to_string(), theirs.checkpoint_every.to_string()),
+        (
+            "local_sgd.communication_data_type",
+            ours.communication_data_type.clone(),
+            theirs.communication_data_type.clone(),
+        ),
     ];
     let differ: Vec<String> = keys
         .into_iter()

@@ -93,6 +93,9 @@ pub(super) struct Place {
     /// Which part of a rank's shard the place holds, as its first joiner said (none: a
     /// checkpoint of a server that did not record it; the next joiner's is taken).
     pub part: Option<super::Part>,
+    /// Sync: the dtype a round's sum is rounded to (`communication_data_type`), as the
+    /// in-job all-reduce rounds it, so that both train alike bit for bit.
+    pub wire: zerotrain_precision::Precision,
     seats: Vec<Seat>,
     /// Async: rounds a group may run ahead of the slowest counted one.
     max_staleness: u64,
@@ -113,6 +116,7 @@ impl Place {
             outer,
             round,
             part: None,
+            wire: zerotrain_precision::Precision::Fp32,
             seats: vec![Seat::Expected; groups],
             max_staleness,
             spare: Vec::new(),
@@ -127,6 +131,7 @@ impl Place {
             outer: self.outer.clone(),
             round: self.round,
             part: self.part,
+            wire: self.wire,
             seats: Vec::new(),
             max_staleness: self.max_staleness,
             spare: Vec::new(),
@@ -266,7 +271,7 @@ impl Place {
     }
 
     /// Sync: applies the round once every counted group has pushed it (the mean, summed in
-    /// group order).
+    /// group order in f32 and rounded once to the wire dtype, as the in-job all-reduce sums).
     fn complete(&mut self, opt: &OuterOptimizer) {
         let all_in = self.counted().all(|(_, s)| matches!(s, Seat::Live(m) if m.push.is_some()));
         if !all_in || self.live() == 0 {
@@ -289,6 +294,9 @@ impl Place {
             }
         }
         let mut sum = sum.expect("a live group pushed");
+        if self.wire != zerotrain_precision::Precision::Fp32 {
+            sum = zerotrain_precision::FlatBuf::from_f32(self.wire, &sum).into_f32();
+        }
         let Outer::Sync(state) = &mut self.outer else { unreachable!("sync rounds complete") };
         state.step_mean(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &mut sum, spent.len() + 1);
         self.round += 1;

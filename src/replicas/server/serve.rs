@@ -14,6 +14,7 @@ use super::service::{Service, State};
 use super::store;
 use crate::config::{OuterOptimizer, ReplicaMode, ReplicaPlan};
 use crate::{Error, Result};
+use zerotrain_precision::Precision;
 
 /// A running server; dropping it (or [`stop`](Self::stop)) shuts it down, saving what its
 /// last checkpoint lacks (with a checkpoint folder).
@@ -98,6 +99,9 @@ pub struct ServerConfig {
     pub checkpoint: Option<PathBuf>,
     /// Rounds between checkpoints (async: pushes of every group, `groups` per round).
     pub checkpoint_every: u64,
+    /// The pseudo-gradients' dtype on the wire (`communication_data_type`): sync rounds
+    /// round their sum to it.
+    pub comm_dtype: Precision,
 }
 
 impl ServerConfig {
@@ -110,6 +114,7 @@ impl ServerConfig {
             group_timeout: plan.group_timeout,
             checkpoint,
             checkpoint_every: plan.checkpoint_every,
+            comm_dtype: plan.comm_dtype,
         }
     }
 }
@@ -130,6 +135,7 @@ impl ServerConfig {
             max_staleness,
             group_timeout_s: self.group_timeout.as_secs_f64(),
             checkpoint_every: self.checkpoint_every,
+            communication_data_type: format!("{:?}", self.comm_dtype).to_lowercase(),
         }
     }
 }
@@ -237,6 +243,7 @@ mod tests {
             group_timeout: Duration::from_secs(30),
             checkpoint,
             checkpoint_every: 100,
+            comm_dtype: Precision::Fp32,
         }
     }
 

@@ -331,7 +331,11 @@ impl ParameterServer for Service {
                 return Err(part_mismatch(head.place, &held, head.group, &part, head.len));
             }
             Some(place) => place,
-            slot @ None => slot.insert(Place::new(config.mode, values, config.mode.fresh_outer(), 0, config.groups)),
+            slot @ None => {
+                let place = slot.insert(Place::new(config.mode, values, config.mode.fresh_outer(), 0, config.groups));
+                place.wire = config.comm_dtype;
+                place
+            }
         };
         place.part = Some(part);
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);

@@ -150,6 +150,7 @@ pub(super) fn load(dir: &Path, config: &ServerConfig) -> Result<Option<(Vec<Opti
         };
         let mut place = Place::new(config.mode, global, outer, saved.round, config.groups);
         place.part = saved.part;
+        place.wire = config.comm_dtype;
         places.push(Some(place));
         offset += saved.len;
     }
