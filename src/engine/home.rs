@@ -13,7 +13,7 @@
 use zerotrain_precision::FlatBuf;
 
 use super::master::Values;
-use super::optimizer::{ExportedState, UnitOptimizer};
+use super::optimizer::{ExportedState, StateLayout, UnitOptimizer};
 use super::swapped::SwappedOptimizer;
 use super::unit::Shared;
 use crate::swap::{SwapFile, pack, unpack, wait, words};
@@ -63,7 +63,7 @@ impl Home {
 
     /// The names of the optimizer state's tensors and its scalars (without reading a
     /// swapped state's values).
-    pub fn state_layout(&self) -> Result<(Vec<String>, Vec<(String, burn_pack::Scalar)>)> {
+    pub fn state_layout(&self) -> Result<StateLayout> {
         match self {
             Self::Resident { optimizer, .. } => {
                 let (tensors, scalars) = optimizer.export()?;

@@ -32,6 +32,9 @@ use crate::{Error, Result};
 /// scalars (step counts).
 pub type ExportedState = (Vec<(String, Vec<f32>)>, Vec<(String, Scalar)>);
 
+/// An optimizer state's tensor names and its scalars, without the tensors' values.
+pub(crate) type StateLayout = (Vec<String>, Vec<(String, Scalar)>);
+
 /// An optimizer with its state for one flat range of one rank (module note).
 ///
 /// ```

@@ -12,7 +12,7 @@ impl Unit {
     }
 
     /// The names of the optimizer state's tensors and its scalars.
-    pub fn state_layout(&self) -> Result<(Vec<String>, Vec<(String, burn_pack::Scalar)>)> {
+    pub fn state_layout(&self) -> Result<crate::engine::optimizer::StateLayout> {
         self.home.state_layout()
     }
 

@@ -110,6 +110,11 @@ pub trait Collective: Send + Sync {
     /// Marks the job failed: every rank's pending and future collectives return
     /// [`ZeroError::Aborted`] naming this rank and `reason`.
     fn abort(&self, reason: &str);
+    /// Why the job was aborted, if it was and this backend can tell without a collective
+    /// (the threads backend can; the default says nothing, and the next collective tells).
+    fn aborted(&self) -> Option<String> {
+        None
+    }
     /// This rank's traffic so far.
     fn stats(&self) -> CommStats;
 }

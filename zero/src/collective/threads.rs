@@ -269,6 +269,10 @@ impl Collective for ThreadComm {
         self.hub.abort(self.rank, reason);
     }
 
+    fn aborted(&self) -> Option<String> {
+        self.hub.aborted().map(|(rank, reason)| format!("rank {rank}: {reason}"))
+    }
+
     fn stats(&self) -> CommStats {
         self.counters.snapshot()
     }

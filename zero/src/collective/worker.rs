@@ -17,9 +17,9 @@
 //! # Note: groups
 //! A group split from a rank's collective ([`Collective::split`]) is created on the
 //! communication thread and its calls run there too, in the same one order: the handle
-//! [`CommThread::split`] returns shares the thread. The handle that started the thread
-//! stops it when dropped (after the jobs already queued); a group handle used after that
-//! gets an error.
+//! [`CommThread::split`] returns shares the thread, and its collective is dropped there
+//! when the handle is. The handle that started the thread stops it when dropped (after the
+//! jobs already queued); a group handle used after that gets an error.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -225,6 +225,10 @@ impl Collective for CommThread {
         self.target().abort(reason);
     }
 
+    fn aborted(&self) -> Option<String> {
+        self.target().aborted()
+    }
+
     fn stats(&self) -> CommStats {
         self.target().stats()
     }
@@ -234,8 +238,16 @@ impl Drop for CommThread {
     fn drop(&mut self) {
         // The thread must hold the last handle to its collective, so that it drops (for
         // MPI: finalises) it itself: this handle's goes first, then the thread is stopped
-        // after the jobs already queued.
-        drop(self.target.take());
+        // after the jobs already queued. A group's handle sends its collective to the
+        // thread to be dropped there (an NCCL communicator is destroyed on the thread
+        // that made it); a thread already stopped drops the job, and it, here.
+        let target = self.target.take();
+        match (target, &self.jobs) {
+            (Some(target), Some(jobs)) if self.worker.is_none() => {
+                let _ = jobs.send(Message::Run(Box::new(move || drop(target))));
+            }
+            (target, _) => drop(target),
+        }
         if let Some(worker) = self.worker.take() {
             if let Some(jobs) = self.jobs.take() {
                 let _ = jobs.send(Message::Stop);

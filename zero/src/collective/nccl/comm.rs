@@ -21,9 +21,13 @@
 //! A call waits for its work on the stream by polling an event and
 //! `ncclCommGetAsyncError`; past `timeout` (or once the job is aborted) it aborts the NCCL
 //! communicator (`ncclCommAbort`, as NCCL's own watchdog does), aborts the host
-//! communicator so that every rank learns of it, and returns an error. The one wait not
-//! bounded this way is `ncclCommInitRank` itself, which starts only after every rank has
-//! received the id over the host communicator (bounded by its timeout).
+//! communicator so that every rank learns of it, and returns an error. It sleeps between
+//! looks (`poll`), so a rank waiting on a slow peer does not spin a core. `ncclCommInitRank`,
+//! which cannot be interrupted (a peer that fails after the id exchange leaves it waiting
+//! for ever), runs on a thread of its own that the rank waits for the same way, and is left
+//! there past the timeout or an abort. (NCCL's non-blocking mode, `blocking = 0`, would make
+//! every later call return `ncclInProgress` too; the helper thread bounds the one call that
+//! needs it and leaves the calls measured on GPUs as they are.)
 //!
 //! # Note: what stays on the host
 //! Barriers, point-to-point messages (whose buffered-send contract NCCL's rendezvous sends
@@ -33,7 +37,7 @@ use std::ffi::{c_char, c_void};
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
@@ -42,9 +46,17 @@ use zerotrain_precision::{BufMut, BufRef};
 use super::call::{NcclCall, NcclDtype};
 use super::id::share_id;
 use super::library;
+use super::poll::{self, Stopped};
 use super::wire::{bytes, bytes_mut, bytes_of, nccl_op, nccl_type};
 use crate::ZeroError;
 use crate::collective::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
+
+/// A communicator's handle on its way from the thread that made it.
+struct Handle(sys::ncclComm_t);
+
+// SAFETY: the handle is moved, never shared: NCCL's own rule is one thread at a time, and
+// the thread that made it hands it over and forgets it.
+unsafe impl Send for Handle {}
 
 /// One rank's NCCL communicator (see the module notes).
 pub struct NcclComm {
@@ -94,20 +106,35 @@ impl NcclComm {
             Ok(id.internal.map(|c| c as u8))
         })?;
         let id = sys::ncclUniqueId { internal: id.map(|b| b as c_char) };
-        let init = || -> Result<sys::ncclComm_t, ZeroError> {
-            let too_many = || fail("init", format!("{world_size} ranks is more than NCCL takes"));
-            let (n, r) = (i32::try_from(world_size).map_err(|_| too_many())?, rank as i32);
-            stream.context().bind_to_thread().map_err(|e| fail("init", e.to_string()))?;
+        let too_many = || fail("init", format!("{world_size} ranks is more than NCCL takes"));
+        let (n, r) = (i32::try_from(world_size).map_err(|_| too_many())?, rank as i32);
+        let init_stream = Arc::clone(&stream);
+        let init = move || -> Result<Handle, String> {
+            init_stream.context().bind_to_thread().map_err(|e| e.to_string())?;
             let mut comm = MaybeUninit::uninit();
             // SAFETY: `comm` is a place NCCL writes the new handle to; `id` is rank 0's id and
             // 0 <= r < n. On success the handle is initialised.
             unsafe {
-                result::comm_init_rank(comm.as_mut_ptr(), n, id, r)
-                    .map_err(|e| fail("init", format!("ncclCommInitRank: {e:?}")))?;
-                Ok(comm.assume_init())
+                result::comm_init_rank(comm.as_mut_ptr(), n, id, r).map_err(|e| format!("ncclCommInitRank: {e:?}"))?;
+                Ok(Handle(comm.assume_init()))
             }
         };
-        let comm = init().inspect_err(|e| host.abort(&e.to_string()))?;
+        // Bounded (module note "timeouts"): on a thread of its own, waited for like a call.
+        let waited = poll::bounded("zerotrain-nccl-init", timeout, init, || host.aborted());
+        let comm = match waited {
+            Ok(Ok(Handle(comm))) => Ok(comm),
+            Ok(Err(detail)) => Err(fail("init", detail)),
+            Err(Stopped::Aborted(reason)) => Err(ZeroError::Aborted { rank, reason }),
+            Err(Stopped::TimedOut) => Err(ZeroError::Timeout {
+                rank,
+                op: "init",
+                timeout_ms: timeout.as_millis() as u64,
+                missing: Vec::new(),
+            }),
+            Err(Stopped::Failed(e)) => Err(fail("init", e.to_string())),
+        };
+        let comm = comm.inspect_err(|e| host.abort(&e.to_string()))?;
+        stream.context().bind_to_thread().map_err(|e| fail("init", e.to_string()))?;
         Ok(Self {
             host,
             comm,
@@ -161,13 +188,13 @@ impl NcclComm {
         self.stream.synchronize().map_err(device)
     }
 
-    /// Waits for this stream's work, bounded by the timeout and the job's abort (module note).
+    /// Waits for this stream's work, bounded by the timeout and the job's abort (module
+    /// note), sleeping between looks.
     fn wait(&self, kind: OpKind) -> Result<(), ZeroError> {
         let event = self.stream.record_event(None).map_err(|e| self.fail(kind, format!("CUDA: {e}")))?;
-        let start = Instant::now();
-        loop {
+        let look = || {
             if event.try_is_complete().map_err(|e| self.fail(kind, format!("CUDA: {e}")))? {
-                return Ok(());
+                return Ok(true);
             }
             let mut state = sys::ncclResult_t::ncclSuccess;
             // SAFETY: `comm` is live (checked by `usable` on this, its own thread) and `state`
@@ -178,20 +205,20 @@ impl NcclComm {
             {
                 return Err(self.fail(kind, format!("asynchronous error {state:?}")));
             }
-            if let Some(reason) = self.failed_reason() {
+            Ok(false)
+        };
+        match poll::poll(self.timeout, look, || self.aborted()) {
+            Ok(()) => Ok(()),
+            Err(Stopped::Failed(e)) => Err(e),
+            Err(Stopped::Aborted(reason)) => {
                 self.abort_comm();
-                return Err(ZeroError::Aborted { rank: self.rank, reason });
+                Err(ZeroError::Aborted { rank: self.rank, reason })
             }
-            if start.elapsed() >= self.timeout {
-                let error = ZeroError::Timeout {
-                    rank: self.rank,
-                    op: kind.name(),
-                    timeout_ms: self.timeout.as_millis() as u64,
-                    missing: Vec::new(),
-                };
-                return Err(self.fail_with(error));
+            Err(Stopped::TimedOut) => {
+                let timeout_ms = self.timeout.as_millis() as u64;
+                let error = ZeroError::Timeout { rank: self.rank, op: kind.name(), timeout_ms, missing: Vec::new() };
+                Err(self.fail_with(error))
             }
-            std::thread::yield_now();
         }
     }
 
@@ -367,6 +394,10 @@ impl Collective for NcclComm {
             }
         }
         self.host.abort(reason);
+    }
+
+    fn aborted(&self) -> Option<String> {
+        self.failed_reason().or_else(|| self.host.aborted())
     }
 
     fn stats(&self) -> CommStats {

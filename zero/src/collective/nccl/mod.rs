@@ -9,6 +9,7 @@ mod comm;
 mod id;
 #[cfg(feature = "nccl")]
 mod library;
+pub mod poll;
 #[cfg(feature = "nccl")]
 mod wire;
 

@@ -95,3 +95,83 @@ fn aborting_releases_a_request_waiting_on_the_comm_thread() {
     // Later calls fail the same way, without hanging.
     assert!(comm.barrier().is_err());
 }
+
+/// A collective that records the thread each of its handles (and its splits') is dropped on.
+struct Recorder {
+    inner: Arc<dyn Collective>,
+    made_on: std::thread::ThreadId,
+    drops: Arc<std::sync::Mutex<Vec<(std::thread::ThreadId, std::thread::ThreadId)>>>,
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.drops.lock().unwrap().push((self.made_on, std::thread::current().id()));
+    }
+}
+
+impl Collective for Recorder {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        self.inner.all_reduce(buf, op)
+    }
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), ZeroError> {
+        self.inner.reduce_scatter(input, output, op)
+    }
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
+        self.inner.all_gather(input, output)
+    }
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError> {
+        self.inner.broadcast(buf, root)
+    }
+    fn barrier(&self) -> Result<(), ZeroError> {
+        self.inner.barrier()
+    }
+    fn send(&self, buf: BufRef<'_>, to: usize) -> Result<(), ZeroError> {
+        self.inner.send(buf, to)
+    }
+    fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
+        self.inner.recv(buf, from)
+    }
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
+        let inner = self.inner.split(color, key)?;
+        let (made_on, drops) = (std::thread::current().id(), Arc::clone(&self.drops));
+        Ok(Arc::new(Recorder { inner, made_on, drops }))
+    }
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason);
+    }
+    fn stats(&self) -> CommStats {
+        self.inner.stats()
+    }
+}
+
+/// A group split through a communication thread is made there and, when its handle is
+/// dropped on the rank's thread, dropped there too (an NCCL communicator must be destroyed
+/// on the thread that made it; dropped elsewhere it leaked).
+#[test]
+fn a_group_made_on_the_comm_thread_is_dropped_there() {
+    let world = ThreadWorld::new(1, T);
+    let drops = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let comm = world.communicator(0);
+    let recorder_drops = Arc::clone(&drops);
+    let thread = CommThread::spawn("zerotrain-comm-test".into(), move || {
+        Ok(Recorder { inner: Arc::new(comm), made_on: std::thread::current().id(), drops: recorder_drops })
+    })
+    .unwrap();
+    let group = thread.split(0, 0).unwrap();
+    let mut one = [1.0f32];
+    group.all_reduce((&mut one[..]).into(), ReduceOp::Sum).unwrap();
+    drop(group);
+    drop(thread);
+    let drops = drops.lock().unwrap();
+    assert_eq!(drops.len(), 2, "the group and the thread's own collective");
+    for (made_on, dropped_on) in drops.iter() {
+        assert_eq!(made_on, dropped_on, "a collective dropped off the thread that made it");
+        assert_ne!(*dropped_on, std::thread::current().id());
+    }
+}
