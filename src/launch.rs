@@ -110,7 +110,7 @@ where
 {
     Err(Error::Launch(
         "this process was started by mpirun (or zerotrain.backend is \"mpi\"), but this build has no MPI support: \
-         rebuild with `--features mpi` (see the README), or run without mpirun"
+         rebuild with `--features mpi` (see docs/mpi.md), or run without mpirun"
             .into(),
     ))
 }

@@ -229,6 +229,8 @@ pub struct ReplicaPlan {
     pub group_timeout: Duration,
     /// With servers: a server with a checkpoint folder saves every this many rounds.
     pub checkpoint_every: u64,
+    /// With servers: the file of the token calls carry (`local_sgd.auth_token_file`).
+    pub auth_token_file: Option<std::path::PathBuf>,
 }
 
 /// `local_sgd.mode`: when the global weights move.

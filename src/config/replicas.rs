@@ -41,6 +41,10 @@ pub struct LocalSgdConfig {
     pub servers: Vec<String>,
     /// With `servers`: this job's group, `0..groups`.
     pub group: Option<Count>,
+    /// With servers: a file holding the secret every call to a server carries, and the
+    /// server checks (the `ZEROTRAIN_SERVER_TOKEN` environment variable wins over it).
+    /// Default: none (a server answers anyone who reaches its port).
+    pub auth_token_file: Option<String>,
 }
 
 /// `local_sgd.outer_optimizer`.
@@ -161,6 +165,9 @@ pub(super) fn resolve(
         if section.checkpoint_every.is_some() {
             autos.no_effect("local_sgd.checkpoint_every (only parameter servers save by rounds)".into());
         }
+        if section.auth_token_file.is_some() {
+            autos.no_effect("local_sgd.auth_token_file (no parameter servers)".into());
+        }
     }
     if groups == 1 && servers.is_empty() {
         autos.no_effect("local_sgd (groups is 1: one synchronous job, as without the section)".into());
@@ -182,6 +189,7 @@ pub(super) fn resolve(
         mode,
         group_timeout,
         checkpoint_every,
+        auth_token_file: section.auth_token_file.as_ref().map(std::path::PathBuf::from),
     }))
 }
 

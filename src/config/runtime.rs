@@ -70,7 +70,7 @@ fn device(zt: &ZerotrainConfig, overrides: Overrides) -> Result<ComputeDevice, C
         let name = device.name();
         return Err(ConfigError::Unsupported {
             key: key.into(),
-            message: format!("this build has no `{name}` support: rebuild with `--features {name}` (see the README)"),
+            message: format!("this build has no `{name}` support: rebuild with `--features {name}` (see docs/gpus.md)"),
         });
     }
     Ok(device)

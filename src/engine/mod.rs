@@ -13,7 +13,7 @@
 //! and an optimizer stepping its flat range (`engine/optimizer.rs`). The engine adds the
 //! loss scaler, counters and the lr schedule; `engine/build.rs` makes it,
 //! `engine/whole.rs` runs the model as one unit, `engine/exec.rs` walks declared units,
-//! `engine/step.rs` has the optimizer step, `engine/checkpoint.rs` saving and loading,
+//! `engine/step.rs` has the optimizer step, `engine/checkpoint/` saving and loading,
 //! `engine/buffers.rs` the model's non-trainable tensors, and `engine/span.rs` says where
 //! the engine's units sit in the job (all of the model, or a pipeline stage's run).
 //!

@@ -204,7 +204,7 @@ impl<M: Module> LocalSgd<M> {
         let local = engine.shard_masters()?;
         let plan = &replicas.plan;
         let round = match plan.servers.as_slice() {
-            [] => Exchange::Peers(PeerRound::start(plan.clone(), Arc::clone(&replicas.peers), local)?),
+            [] => Exchange::Peers(Box::new(PeerRound::start(plan.clone(), Arc::clone(&replicas.peers), local)?)),
             servers => {
                 let lens: Vec<usize> = local.iter().map(Vec::len).collect();
                 server_round(servers, replicas, server_layout(engine, &lens), local)?
@@ -292,7 +292,7 @@ impl<M: Module> LocalSgd<M> {
 /// Where a rank's rounds happen.
 enum Exchange {
     /// Among the ranks of this job holding the same shard in every group.
-    Peers(PeerRound),
+    Peers(Box<PeerRound>),
     /// Through a parameter server (the `servers` feature).
     #[cfg(feature = "servers")]
     Server(Box<server::ServerRounds>),

@@ -209,12 +209,18 @@ fn a_killed_group_is_dropped_and_a_stalled_one_rejoins() {
 /// The server is SIGKILLed in the middle of training and started again on its address from
 /// its checkpoint (saved every round), the groups held still by SIGSTOP meanwhile so that the
 /// kill lands mid-run: both groups reconnect (retrying with backoff), join
-/// again, and finish every step.
+/// again, and finish every step. Every call carries the token of the config's file.
 #[test]
 fn a_killed_server_restarts_from_its_checkpoint_and_the_groups_go_on() {
     let dir = temp_run("ps-restart");
     std::fs::create_dir_all(&dir).unwrap();
-    let section = r#"{"groups": 2, "sync_every": 2, "checkpoint_every": 1, "group_timeout_s": 20}"#;
+    let token = dir.join("token");
+    std::fs::write(&token, "a-shared-secret-of-32-characters").unwrap();
+    let section = format!(
+        r#"{{"groups": 2, "sync_every": 2, "checkpoint_every": 1, "group_timeout_s": 20, "auth_token_file": "{}"}}"#,
+        token.display()
+    );
+    let section = section.as_str();
     let saved = dir.join("ckpt");
     let (mut first, addr) = server(&dir, section, "127.0.0.1:0", Some(&saved));
     let groups = config(&dir, "groups.json", section);
@@ -234,6 +240,7 @@ fn a_killed_server_restarts_from_its_checkpoint_and_the_groups_go_on() {
     let outs: Vec<Output> = jobs.into_iter().map(|j| finish(j, Duration::from_secs(120))).collect();
     second.kill();
     assert!(server_log(&dir).contains("resumed from the checkpoint of round"), "{}", server_log(&dir));
+    assert!(!server_log(&dir).contains("no token"), "{}", server_log(&dir));
     let mut finals = Vec::new();
     for (g, out) in outs.iter().enumerate() {
         assert!(out.status.success(), "group {g}: {:?} {}", out.status, text(&out.stderr));

@@ -269,7 +269,7 @@ fn sigterm_to_one_rank_makes_every_rank_save_at_the_same_step_and_exit_zero() {
 /// their subreaper) and checks how each ended, by the watchdog's own exit status, or (a
 /// rank that prints, like rank 0) by SIGPIPE writing into the dead launcher's pipe, never
 /// by anyone else's hand; and that nothing was committed after mpirun died but a commit
-/// already in flight. (How soon they stop is a measurement, printed; the README quotes it.)
+/// already in flight. (How soon they stop is a measurement, printed; docs/mpi.md quotes it.)
 #[test]
 fn ranks_stop_by_themselves_when_mpirun_is_killed_and_write_nothing_after() {
     let dir = std::env::temp_dir().join(format!("zerotrain-mpi-orphans-{}", std::process::id()));

@@ -404,3 +404,48 @@ fn through_server_with(
     handles.into_iter().for_each(|h| h.stop().unwrap());
     jobs
 }
+
+/// A server with a token refuses a call without it, or with another, by name and before
+/// it allocates anything, and the group that has it trains on undisturbed; with a token, a
+/// place of another length than the server's places is refused too (nothing but the first
+/// join fixes what a call may allocate).
+#[test]
+fn a_server_with_a_token_refuses_calls_without_it_and_bounds_what_a_join_allocates() {
+    use zerotrain::replicas::server::auth::Token;
+    use zerotrain::replicas::server::{Part, ServerConfig, ServerRound, serve};
+    let dir = crate::tiers::scratch("token");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (right, wrong) = (dir.join("token"), dir.join("other"));
+    std::fs::write(&right, "0123456789abcdef0123456789abcdef\n").unwrap();
+    std::fs::write(&wrong, "fedcba9876543210fedcba9876543210\n").unwrap();
+    let section = |file: Option<&std::path::Path>| {
+        let token = file.map_or(String::new(), |f| format!(r#", "auth_token_file": "{}""#, f.display()));
+        let json = format!(
+            r#"{{"groups": 1, "sync_every": 1, "outer_optimizer": {{"type": "sgd"}}, "servers": ["127.0.0.1:1"], "group": 0{token}}}"#
+        );
+        plan(&sgd_recipe(2, &json), 1).replicas.unwrap()
+    };
+    let mut config = ServerConfig::new(&section(Some(&right)), None);
+    config.token = Token::load(Some(&right)).unwrap();
+    let server = serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let addr = server.addr().to_string();
+    let timeout = std::time::Duration::from_secs(20);
+    let part = |len: u64| Part { index: 0, count: 1, offset: 0, shard_len: len, layout: 5 };
+    let start = |plan: &zerotrain::config::ReplicaPlan, place: usize, len: usize| {
+        ServerRound::start(&addr, place, part(len as u64), plan, vec![1.0; len], timeout)
+    };
+    for (file, why) in [(None, "no token: this server needs one"), (Some(wrong.as_path()), "a wrong token")] {
+        let e = start(&section(file), 0, 1 << 20).err().expect("a call without the token was taken").to_string();
+        assert!(e.contains(why), "{e}");
+    }
+    // Nothing of the refused joins was kept: the first join with the token fixes the place.
+    let ok = section(Some(&right));
+    let mut group = start(&ok, 0, 8).unwrap();
+    let e = start(&ok, 1, 1 << 20).err().expect("a place of another length was made").to_string();
+    assert!(e.contains("with 1048576 values; this server's places hold 8"), "{e}");
+    let (global, round) = group.run(&[0.5; 8]).unwrap();
+    assert_eq!((global, round.live_groups), (&[0.5; 8][..], 1));
+    drop(group);
+    server.stop().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

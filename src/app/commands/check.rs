@@ -1,5 +1,5 @@
-//! `zerotrain config check` (the resolved plan, and what it means on this machine for the
-//! built-in GPT) and `zerotrain serve` (a parameter server for replica groups).
+//! `zerotrain config check`: the resolved plan, and what it means on this machine for the
+//! built-in GPT.
 
 use std::path::Path;
 
@@ -20,31 +20,6 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
             print_stages(&settings.model, pipeline)?;
         }
     }
-    Ok(())
-}
-
-/// `zerotrain serve`: a parameter server for the config's replica groups, until a signal.
-pub fn serve(file: &Path, listen: std::net::SocketAddr, checkpoint: Option<std::path::PathBuf>) -> anyhow::Result<()> {
-    // A server trains nothing: a schedule's "auto" length, the world size and mpirun do
-    // not matter to it.
-    let only_groups = crate::Overrides { world_size: None, total_steps: Some(1 << 30), mpirun: None, device: None };
-    let (plan, _) = keys::load(file, only_groups)?;
-    let Some(replicas) = &plan.replicas else {
-        anyhow::bail!("{}: no local_sgd section with groups: nothing to serve", file.display());
-    };
-    let config = crate::replicas::server::ServerConfig::new(replicas, checkpoint);
-    let server = crate::replicas::server::serve(listen, config)?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    ctrlc::set_handler(move || {
-        let _ = tx.send(());
-    })?;
-    if let Some(round) = server.resumed() {
-        eprintln!("zerotrain serve: resumed from the checkpoint of round {round}");
-    }
-    println!("parameter server for {} groups listening on {}", replicas.groups, server.addr());
-    let _ = rx.recv();
-    eprintln!("zerotrain: stopping the parameter server");
-    server.stop()?;
     Ok(())
 }
 

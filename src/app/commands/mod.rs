@@ -2,13 +2,15 @@
 
 pub mod bench;
 mod check;
+mod serve;
 
 use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-pub use self::check::{config_check, serve};
+pub use self::check::config_check;
+pub use self::serve::serve;
 use crate::app::keys;
 use crate::app::train::{StepMetrics, TrainOptions, TrainSummary};
 use crate::{Overrides, detect_mpirun};

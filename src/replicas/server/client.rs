@@ -3,10 +3,12 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 use zerotrain_precision::Precision;
 
+use super::auth::{Attach, Token};
 use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest, Settings};
 use super::serve::ServerConfig;
@@ -15,13 +17,16 @@ use crate::config::ReplicaPlan;
 use crate::replicas::Round;
 use crate::{Error, Result};
 
+/// A connection whose calls carry the server token, if any.
+type Client = ParameterServerClient<InterceptedService<Channel, Attach>>;
+
 /// One rank's connection to one server, for its part of the rank's shard (a place): its
 /// copy of the place's global weights, its session and the round it pushes next. A call
 /// the server does not answer is retried with backoff for up to `timeout`; a pull may wait
 /// the group timeout longer (the server drops the groups that keep it waiting).
 pub struct ServerRound {
     runtime: tokio::runtime::Runtime,
-    client: ParameterServerClient<Channel>,
+    client: Client,
     addr: String,
     place: u32,
     group: u32,
@@ -69,7 +74,8 @@ impl ServerRound {
             .initial_stream_window_size(super::serve::WINDOW)
             .initial_connection_window_size(super::serve::WINDOW)
             .max_frame_size(super::serve::MAX_FRAME);
-        let client = runtime.block_on(connect(endpoint, addr, timeout))?;
+        let token = Token::load(plan.auth_token_file.as_deref())?;
+        let client = runtime.block_on(connect(endpoint, addr, Attach::new(token.as_ref()), timeout))?;
         let dtype = match plan.comm_dtype {
             Precision::Bf16 => Dtype::Bf16,
             _ => Dtype::Fp32,
@@ -212,7 +218,7 @@ impl ServerRound {
     /// means: join again.
     fn call<T, F, Fut>(&self, what: &'static str, limit: Duration, f: F) -> std::result::Result<T, Failure>
     where
-        F: Fn(ParameterServerClient<Channel>) -> Fut,
+        F: Fn(Client) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
         let mut backoff = Backoff::new(self.timeout);
@@ -317,11 +323,14 @@ impl Backoff {
 }
 
 /// Connects, retrying with [`Backoff`] until `timeout`.
-async fn connect(endpoint: Endpoint, addr: &str, timeout: Duration) -> Result<ParameterServerClient<Channel>> {
+async fn connect(endpoint: Endpoint, addr: &str, attach: Attach, timeout: Duration) -> Result<Client> {
     let mut backoff = Backoff::new(timeout);
     loop {
         match endpoint.connect().await {
-            Ok(channel) => return Ok(ParameterServerClient::new(channel).max_decoding_message_size(16 << 20)),
+            Ok(channel) => {
+                let client = ParameterServerClient::with_interceptor(channel, attach);
+                return Ok(client.max_decoding_message_size(16 << 20));
+            }
             Err(e) => match backoff.next() {
                 Some(wait) => tokio::time::sleep(wait).await,
                 None => {

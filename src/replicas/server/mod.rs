@@ -28,6 +28,7 @@
 //! with several servers, or ranks stalled unevenly, the ranks of one group may rejoin at
 //! different rounds (each place stays consistent, being one shard of the weights).
 
+pub mod auth;
 mod client;
 mod parts;
 mod place;

@@ -102,10 +102,13 @@ pub struct ServerConfig {
     /// The pseudo-gradients' dtype on the wire (`communication_data_type`): sync rounds
     /// round their sum to it.
     pub comm_dtype: Precision,
+    /// The secret every call must carry ([`auth`](super::auth)); none: anyone may call.
+    pub token: Option<super::auth::Token>,
 }
 
 impl ServerConfig {
-    /// The server of `plan`'s groups, saving into `checkpoint` if given.
+    /// The server of `plan`'s groups, saving into `checkpoint` if given, without a token
+    /// (see [`token`](Self::token)).
     pub fn new(plan: &ReplicaPlan, checkpoint: Option<PathBuf>) -> Self {
         Self {
             groups: plan.groups,
@@ -115,6 +118,7 @@ impl ServerConfig {
             checkpoint,
             checkpoint_every: plan.checkpoint_every,
             comm_dtype: plan.comm_dtype,
+            token: None,
         }
     }
 }
@@ -153,6 +157,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
     let sessions =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
     let state = State { places, saved: resumed.unwrap_or(0), failed: None };
+    let check = super::auth::Check::new(config.token.as_ref());
     let state = Arc::new(Mutex::new(state));
     let service = Service {
         config: Arc::new(config),
@@ -187,6 +192,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
                 let keeper = service.clone().keep();
                 let last = service.clone();
                 let service = ParameterServerServer::new(service).max_decoding_message_size(16 << 20);
+                let service = tonic::service::interceptor::InterceptedService::new(service, check);
                 // HTTP/2's default 64 KiB windows would hold a stream of large tensors to a trickle.
                 let server = tonic::transport::Server::builder()
                     .initial_stream_window_size(WINDOW)
@@ -244,6 +250,7 @@ mod tests {
             checkpoint,
             checkpoint_every: 100,
             comm_dtype: Precision::Fp32,
+            token: None,
         }
     }
 

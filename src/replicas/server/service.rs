@@ -98,10 +98,25 @@ impl Service {
         }
     }
 
-    /// Refuses a vector whose length is not its place's (once a group joined it).
+    /// Refuses a vector whose length is not its place's (once a group joined it), or, for a
+    /// new place, not the other places' (every rank's part on one server is as long: ranks'
+    /// shards are), so that nothing but the first join of all fixes what a call allocates.
     fn check_len(&self, head: &Chunk) -> std::result::Result<(), Status> {
         let state = self.lock();
-        match state.places.get(head.place as usize).and_then(Option::as_ref) {
+        let place = state.places.get(head.place as usize).and_then(Option::as_ref);
+        if place.is_none()
+            && let Some(other) = state.places.iter().flatten().next()
+            && other.global.len() as u64 != head.len
+        {
+            return Err(Status::failed_precondition(format!(
+                "group {} joined place {} with {} values; this server's places hold {}: another model or layout",
+                head.group,
+                head.place,
+                head.len,
+                other.global.len()
+            )));
+        }
+        match place {
             Some(place) if place.global.len() as u64 != head.len => Err(Status::failed_precondition(format!(
                 "place {} holds {} values, group {} sent {}: another model or layout",
                 head.place,

@@ -1,0 +1,120 @@
+//! Who may talk to a parameter server: a shared secret (`local_sgd.auth_token_file`, or the
+//! `ZEROTRAIN_SERVER_TOKEN` environment variable, which wins) that every call carries as
+//! `authorization: Bearer <token>` and the server checks before reading anything of the
+//! call. A server without a token answers anyone who reaches its port, and says so.
+
+use std::path::Path;
+
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::{Request, Status};
+
+use crate::{Error, Result};
+
+/// The environment variable that holds the token (over the config's file).
+pub const TOKEN_VARIABLE: &str = "ZEROTRAIN_SERVER_TOKEN";
+
+/// A shared secret (never printed).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+impl Token {
+    /// A token of visible ASCII (it travels in a header), at least 16 characters.
+    pub fn new(secret: &str, from: &str) -> Result<Self> {
+        let secret = secret.trim();
+        if secret.len() < 16 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Error::Usage(format!(
+                "{from}: a server token is at least 16 visible ASCII characters (no spaces); e.g. `openssl rand \
+                 -hex 32`"
+            )));
+        }
+        Ok(Self(secret.to_owned()))
+    }
+
+    /// The token of `file` (`local_sgd.auth_token_file`), or of [`TOKEN_VARIABLE`] when it
+    /// is set; `None` without either.
+    pub fn load(file: Option<&Path>) -> Result<Option<Self>> {
+        if let Some(secret) = std::env::var_os(TOKEN_VARIABLE).filter(|v| !v.is_empty()) {
+            let secret = secret.into_string().map_err(|_| Error::Usage(format!("{TOKEN_VARIABLE}: not UTF-8")))?;
+            return Self::new(&secret, TOKEN_VARIABLE).map(Some);
+        }
+        let Some(file) = file else { return Ok(None) };
+        let secret = std::fs::read_to_string(file).map_err(|cause| Error::Io { path: file.to_path_buf(), cause })?;
+        Self::new(&secret, &format!("local_sgd.auth_token_file {}", file.display())).map(Some)
+    }
+
+    fn header(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+}
+
+/// The worker's side: every call carries the token, if there is one.
+#[derive(Clone)]
+pub struct Attach(Option<MetadataValue<Ascii>>);
+
+impl Attach {
+    /// Attaches `token` to every call (nothing without one).
+    pub fn new(token: Option<&Token>) -> Self {
+        Self(token.and_then(|t| MetadataValue::try_from(t.header()).ok()))
+    }
+}
+
+impl Interceptor for Attach {
+    fn call(&mut self, mut request: Request<()>) -> std::result::Result<Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// The server's side: with a token, a call without it, or with another, is refused before
+/// anything of it is read.
+#[derive(Clone)]
+pub struct Check(Option<String>);
+
+impl Check {
+    /// Refuses calls without `token` (none: takes every call).
+    pub fn new(token: Option<&Token>) -> Self {
+        Self(token.map(Token::header))
+    }
+}
+
+impl Interceptor for Check {
+    fn call(&mut self, request: Request<()>) -> std::result::Result<Request<()>, Status> {
+        let Some(want) = &self.0 else { return Ok(request) };
+        match request.metadata().get("authorization").map(|v| v.as_bytes()) {
+            None => Err(Status::unauthenticated(format!(
+                "no token: this server needs one (local_sgd.auth_token_file or {TOKEN_VARIABLE})"
+            ))),
+            Some(got) if !same(got, want.as_bytes()) => {
+                Err(Status::unauthenticated("a wrong token (local_sgd.auth_token_file or ZEROTRAIN_SERVER_TOKEN)"))
+            }
+            Some(_) => Ok(request),
+        }
+    }
+}
+
+/// Whether `a` equals `b`, in time that depends on their lengths only.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tokens_are_long_visible_ascii_and_compared_whole() {
+        assert!(super::Token::new("short", "t").is_err());
+        assert!(super::Token::new("sixteen chars but spaces", "t").is_err());
+        let t = super::Token::new("  0123456789abcdef0123\n", "t").unwrap();
+        assert_eq!(format!("{t:?}"), "Token(..)");
+        assert!(super::same(b"Bearer abc", b"Bearer abc"));
+        assert!(!super::same(b"Bearer abd", b"Bearer abc") && !super::same(b"Bearer ab", b"Bearer abc"));
+    }
+}
