@@ -350,7 +350,7 @@ fn assemble<M: Module>(
         span,
         progress,
         window: Window::default(),
-        peaks: Peaks { transient, gathered: 0, activations: 0 },
+        peaks: Peaks { transient, ..Peaks::default() },
         buffers,
         notices: Notices::new(lead),
         shared,

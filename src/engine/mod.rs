@@ -322,6 +322,7 @@ impl<M: Module> Engine<M> {
             swapped: self.units.iter().map(|u| u.swapped_bytes(&self.shared)).sum(),
             peak_transient: self.peaks.transient,
             peak_gathered: self.peaks.gathered,
+            peak_eval_gathered: self.peaks.eval_gathered,
             peak_activations: self.peaks.activations,
             persistent: if stage3 {
                 self.units.iter().map(|u| u.resident_elems(&self.shared) * elem_bytes).sum()

@@ -116,9 +116,13 @@ pub struct MemoryReport {
     pub swapped: u64,
     /// Largest total of transient buffers alive at once inside a micro-step or step so far.
     pub peak_transient: u64,
-    /// Stage 3: most bytes of gathered parameters alive at once so far (units in the
-    /// model or being fetched), in the compute dtype; resident parameters not included.
+    /// Stage 3: most bytes of gathered parameters alive at once so far in training (units
+    /// in the model or being fetched), in the compute dtype; resident parameters not
+    /// included, nor what evaluation gathers ([`peak_eval_gathered`](Self::peak_eval_gathered)).
     pub peak_gathered: u64,
+    /// Stage 3: most bytes of parameters gathered at once for evaluation so far
+    /// (`Engine::eval`, `full_model`: the whole model), in the compute dtype.
+    pub peak_eval_gathered: u64,
     /// Stage 3: bytes of parameters that stay resident in the model (persistence).
     pub persistent: u64,
     /// A pipeline stage: most bytes of activations kept at once for pending backwards
@@ -190,4 +194,7 @@ pub(super) struct Peaks {
     pub transient: u64,
     pub gathered: u64,
     pub activations: u64,
+    /// Gathered for evaluation (`eval`, `full_model`): the whole model, kept apart from
+    /// training's peaks.
+    pub eval_gathered: u64,
 }

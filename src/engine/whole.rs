@@ -11,6 +11,7 @@ use burn::tensor::{FloatDType, Tensor};
 use super::Engine;
 use super::grads::ReduceOptions;
 use super::params::UnitGrads;
+use super::report::Peaks;
 use crate::random::Draw;
 use crate::{Error, Result};
 
@@ -170,7 +171,8 @@ impl<M: Module> Engine<M> {
     /// updated: Burn's inference path), with every parameter present: at stage 3 the model
     /// is gathered for the call and released after it. The buffers are first averaged over
     /// the data-parallel ranks. Neither its time nor its traffic counts in the next step's
-    /// report. Every rank must call it.
+    /// report, nor what it gathers in training's memory peaks
+    /// ([`MemoryReport::peak_eval_gathered`] has it). Every rank must call it.
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         self.off_the_clock(|engine| engine.eval_gathered(f))
     }
@@ -179,7 +181,12 @@ impl<M: Module> Engine<M> {
         self.agree(self.whole(), "checking its states")?;
         self.sync_buffers()?;
         let was_released: Vec<bool> = self.units.iter().map(|u| !u.is_gathered()).collect();
-        self.gather_all()?;
+        // What evaluation gathers is reported apart from training's peaks.
+        let training = self.peaks;
+        self.peaks.gathered = 0;
+        let gathered = self.gather_all();
+        self.peaks = Peaks { eval_gathered: self.peaks.eval_gathered.max(self.peaks.gathered), ..training };
+        gathered?;
         let result = f(&self.model.valid());
         for (id, released) in was_released.into_iter().enumerate() {
             if released {

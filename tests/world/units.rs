@@ -718,3 +718,33 @@ fn stage_3_says_what_its_persistence_threshold_keeps_whole() {
         );
     }
 }
+
+/// Evaluation at stage 3 gathers the whole model; that is reported apart
+/// (`peak_eval_gathered`, every unit's padded size) and leaves training's peaks as
+/// training left them.
+#[test]
+fn evaluation_at_stage_3_is_reported_apart_from_the_training_peak() {
+    let init = seeded(6, |d| Mlp::new(&[6, 40, 24, 56, 6], d));
+    let w = Regression(std::marker::PhantomData, |m: &Mlp, b| m.loss(b));
+    let n = 2;
+    let (sizes, _) = unit_sizes(&init);
+    let whole: u64 = sizes.iter().map(|&s| padded(s, n) as u64 * 4).sum();
+    let mode = MODES[5];
+    let plan = plan(&unit_recipe(3, 1, mode, "fp32", ""), n);
+    let reports = launch(&plan, |ctx| {
+        let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+        engine.forward_backward(&w.batch(&plan, 0, 0, ctx.rank(), ctx.device()))?;
+        engine.step()?;
+        let trained = engine.memory_report();
+        engine.eval(|_| ())?;
+        Ok::<_, Error>((trained, engine.memory_report()))
+    })
+    .unwrap();
+    for (trained, evaluated) in reports {
+        assert!(trained.peak_gathered > 0 && trained.peak_gathered < whole, "{trained:?}");
+        assert_eq!(trained.peak_eval_gathered, 0);
+        assert_eq!(evaluated.peak_gathered, trained.peak_gathered);
+        assert_eq!(evaluated.peak_transient, trained.peak_transient);
+        assert_eq!(evaluated.peak_eval_gathered, whole);
+    }
+}
