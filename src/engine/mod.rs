@@ -85,6 +85,33 @@ use crate::config::Plan;
 use zerotrain_precision::Precision;
 
 /// A rank's training engine. See the module docs.
+///
+/// # Its whole surface, and where each part lives
+/// - Building: [`new`](Self::new), [`with_units`](Self::with_units), [`builder`](Self::builder)
+///   (`build.rs`).
+/// - Training, one unit: [`forward`](Self::forward), [`backward`](Self::backward)
+///   (`whole.rs`); declared units: [`forward_backward`](Self::forward_backward),
+///   [`train_batch`](Self::train_batch) (`exec.rs`); then [`step`](Self::step) (`step.rs`:
+///   settle the reductions, unscale and clip, each unit's `unit/step.rs`). The gradients
+///   before the step: [`gradients`](Self::gradients) (`gradients.rs`).
+/// - Evaluating: [`evaluate`](Self::evaluate) (`infer.rs`), [`eval`](Self::eval),
+///   [`full_model`](Self::full_model), [`sync_buffers`](Self::sync_buffers) (`whole.rs`).
+/// - Checkpoints: [`save_checkpoint`](Self::save_checkpoint),
+///   [`load_checkpoint`](Self::load_checkpoint) (`checkpoint/`); exports:
+///   [`master_params`](Self::master_params), [`gather_model`](Self::gather_model),
+///   [`save_model`](Self::save_model) (`export.rs`); replica groups' shards:
+///   [`shard_masters`](Self::shard_masters), [`load_shard_masters`](Self::load_shard_masters)
+///   (`shards.rs`).
+/// - State and reports (here): [`counters`](Self::counters), [`last_step`](Self::last_step),
+///   [`get_lr`](Self::get_lr), [`set_lr`](Self::set_lr), [`loss_scale`](Self::loss_scale),
+///   [`get_global_grad_norm`](Self::get_global_grad_norm),
+///   [`is_gradient_accumulation_boundary`](Self::is_gradient_accumulation_boundary),
+///   [`set_gradient_accumulation_boundary`](Self::set_gradient_accumulation_boundary),
+///   [`memory_report`](Self::memory_report), [`comm_stats`](Self::comm_stats),
+///   [`swap_traffic`](Self::swap_traffic), [`notices`](Self::notices), [`plan`](Self::plan),
+///   [`sharding`](Self::sharding), [`module`](Self::module), [`num_params`](Self::num_params),
+///   [`data_parallel_rank`](Self::data_parallel_rank),
+///   [`data_parallel_size`](Self::data_parallel_size).
 pub struct Engine<M: Module> {
     model: M,
     shared: Shared,

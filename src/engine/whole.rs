@@ -172,7 +172,7 @@ impl<M: Module> Engine<M> {
     /// is gathered for the call and released after it. The buffers are first averaged over
     /// the data-parallel ranks. Neither its time nor its traffic counts in the next step's
     /// report, nor what it gathers in training's memory peaks
-    /// ([`MemoryReport::peak_eval_gathered`] has it). Every rank must call it.
+    /// ([`MemoryReport::peak_eval_gathered`](super::MemoryReport::peak_eval_gathered) has it). Every rank must call it.
     pub fn eval<R>(&mut self, f: impl FnOnce(&M) -> R) -> Result<R> {
         self.off_the_clock(|engine| engine.eval_gathered(f))
     }
