@@ -88,6 +88,7 @@ pub mod random;
 pub mod replicas;
 pub mod schedule;
 mod swap;
+mod trainer;
 
 #[cfg(feature = "cli")]
 pub mod app;
@@ -95,14 +96,14 @@ pub mod app;
 pub use config::{Config, ConfigExtension, Overrides, Plan};
 pub use context::RankContext;
 pub use engine::{
-    Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, Pipeline, StepReport, Trainer, consolidate, resume_point,
-    trainer,
+    Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, Pipeline, StepReport, consolidate, resume_point,
 };
 pub use error::{Error, Result};
 pub use launch::{detect_mpirun, launch};
 /// The JSON values checkpoints carry as client state (`save_checkpoint`'s last argument),
 /// re-exported so that a program needs no dependency of its own for it.
 pub use serde_json;
+pub use trainer::{Trainer, trainer};
 /// The dtypes of mixed precision: what `save_model` and `consolidate` write, re-exported so
 /// that a program needs no dependency of its own for it.
 pub use zerotrain_precision::Precision;

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::resolve::{Autos, count};
+use super::autos::{Autos, count};
 use super::value::AutoOr;
 use super::{Config, ConfigError};
 

@@ -17,6 +17,7 @@
 //! Resolution is a pure function of the file and the [`Overrides`]: nothing is read from
 //! the environment. Under `mpirun`, pass what [`detect_mpirun`](crate::detect_mpirun) finds.
 
+mod autos;
 mod batch;
 mod describe;
 pub mod keys;

@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use serde::Serialize;
 use zerotrain_zero::ZeroStage;
 
+use super::autos::{Autos, invalid};
 use super::raw::{AioConfig, OffloadOptimizerConfig, OffloadParamConfig};
-use super::resolve::{Autos, invalid};
 use super::value::{AutoOr, Count};
 use super::{ComputeDevice, Config, ConfigError};
 

@@ -11,8 +11,8 @@
 
 use serde::Serialize;
 
+use super::autos::{Autos, invalid};
 use super::raw::{OptimizerParams, ParamGroupConfig, SchedulerConfig};
-use super::resolve::{Autos, invalid};
 use super::value::{AutoOr, Count};
 use super::{Config, ConfigError};
 use crate::schedule::{LrSchedule, WarmupType};

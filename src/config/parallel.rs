@@ -4,7 +4,7 @@
 use zerotrain_zero::ZeroStage;
 use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
-use super::resolve::{Autos, invalid};
+use super::autos::{Autos, invalid};
 use super::value::Count;
 use super::{ComputeDevice, Config, ConfigError, PipelinePlan, ZeroPlan};
 

@@ -3,8 +3,8 @@
 
 use zerotrain_precision::{AtMinimum, DynamicScaleConfig, Precision};
 
+use super::autos::{Autos, invalid};
 use super::raw::Fp16Config;
-use super::resolve::{Autos, invalid};
 use super::value::{AutoOr, Count};
 use super::{Config, ConfigError, LossScalePlan, PrecisionPlan};
 

@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 use zerotrain_precision::Precision;
 
+use super::autos::{Autos, invalid};
 use super::plan::{OuterOptimizer, ReplicaMode, ReplicaPlan, RuntimePlan};
-use super::resolve::{Autos, invalid};
 use super::value::Count;
 use super::{Config, ConfigError};
 

@@ -1,51 +1,7 @@
 //! [`Config`] -> [`Plan`]: each sub-plan by its own module, then the rules that cross them.
 
-use super::value::{AutoOr, Count};
+use super::autos::Autos;
 use super::{Config, ConfigError, Overrides, Plan, PlanNotes, batch, optim, parallel, precision, replicas, runtime};
-
-/// Collects what resolution decided: how each `"auto"` was resolved, and which settings
-/// have no effect.
-#[derive(Default)]
-pub(super) struct Autos(PlanNotes);
-
-impl Autos {
-    /// The value, or `default` (noted) when `"auto"`, or `default` silently when absent.
-    pub(super) fn or<T: Copy + std::fmt::Debug>(
-        &mut self,
-        key: &str,
-        v: Option<AutoOr<T>>,
-        default: T,
-        why: &str,
-    ) -> T {
-        match v {
-            Some(AutoOr::Value(v)) => v,
-            Some(AutoOr::Auto) => {
-                self.note(format!("{key} = {default:?} ({why})"));
-                default
-            }
-            None => default,
-        }
-    }
-
-    /// Notes how an `"auto"` was resolved.
-    pub(super) fn note(&mut self, resolution: String) {
-        self.0.auto_resolved.push(resolution);
-    }
-
-    /// Notes a setting that has no effect (the key, and why in parentheses if not obvious).
-    pub(super) fn no_effect(&mut self, key: String) {
-        self.0.no_effect.push(key);
-    }
-}
-
-/// A count's value, if concrete.
-pub(super) fn count(v: Option<AutoOr<Count>>) -> Option<u64> {
-    v.and_then(AutoOr::value).map(|c| c.0)
-}
-
-pub(super) fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError::InvalidValue { origin: "config".into(), key: key.into(), message: message.into() }
-}
 
 pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, ConfigError> {
     let mut autos = Autos(PlanNotes { no_effect: config.not_implemented.clone(), ..PlanNotes::default() });

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use super::autos::{Autos, invalid};
 use super::plan::MAX_THREAD_RANKS;
 use super::raw::ZerotrainConfig;
-use super::resolve::{Autos, invalid};
 use super::value::Count;
 use super::{Backend, Collectives, ComputeDevice, Config, ConfigError, Overrides, RuntimePlan};
 

@@ -7,13 +7,14 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, Tensor};
 use zerotrain_precision::{BufMut, Precision};
-use zerotrain_zero::{Collective, Sharding};
+use zerotrain_zero::Sharding;
 
 use super::buffers::Buffers;
 use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, is_all_lazy, read_params};
+use super::parts::{ALIGN_ELEMS, Declared, Parts};
 use super::report::{Peaks, Window};
 use super::shared::Swaps;
 use super::span::Span;
@@ -23,9 +24,6 @@ use crate::config::{ComputeDevice, ConfigError, Plan};
 use crate::context::RankContext;
 use crate::random::Streams;
 use crate::{Error, Result};
-
-/// Shard alignment in elements (one 64-byte cache line of f32).
-pub(super) const ALIGN_ELEMS: usize = 16;
 
 /// Builds an [`Engine`] (or a [`Pipeline`] stage) with options beyond the plan's.
 ///
@@ -199,30 +197,6 @@ fn unshared_root(paths: &[String], unit_of: &[usize], specs: &[UnitSpec], shared
     Ok(root.into_iter().filter(|p| !shared.iter().any(|s| under(s, p))).cloned().collect())
 }
 
-/// A model's declared units, found by [`EngineBuilder::declared`].
-pub(super) struct Declared {
-    pub params: ParamShapes,
-    pub index: ParamIndex,
-    /// Each parameter's unit (the root is `specs.len()`).
-    pub unit_of: Vec<usize>,
-    pub names: Vec<String>,
-    pub specs: Vec<super::UnitSpec>,
-    /// Parameters no unit claims and the model does not list as shared.
-    pub root_paths: Vec<String>,
-    /// The model's buffers, each in its declared unit (the root's are `specs.len()`).
-    pub buffers: Buffers,
-}
-
-/// Which units a rank holds and where: what [`assemble`] needs beside the model and plan.
-pub(super) struct Parts {
-    /// The group the units are sharded over.
-    pub comm: Arc<dyn Collective>,
-    pub sharding: Sharding,
-    pub index: ParamIndex,
-    pub buffers: Buffers,
-    pub span: Span,
-}
-
 /// The model with buffers of its own, forked onto the rank's device, its trainable
 /// parameters (path, shape) and their index; an error if it has none, saying why.
 pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, ParamShapes, ParamIndex)> {
@@ -302,7 +276,7 @@ fn assemble<M: Module>(
     factory: &OptimizerFactory,
 ) -> Result<Engine<M>> {
     let world = ctx.collective();
-    crate::replicas::check_split(plan)?;
+    check_no_groups(plan)?;
     if world.world_size() != plan.world_size() {
         let (planned, actual) = (plan.world_size(), world.world_size());
         return Err(Error::Usage(format!("plan is for {planned} ranks, the communicator has {actual}")));
@@ -369,4 +343,18 @@ fn assemble<M: Module>(
         ));
     }
     Ok(engine)
+}
+
+/// Refuses `plan` for one engine while it still has replica groups: the engine would train
+/// one synchronous job and silently ignore them (`zerotrain::replicas::split` gives each
+/// group's plan).
+fn check_no_groups(plan: &Plan) -> Result<()> {
+    match plan.replicas {
+        None => Ok(()),
+        Some(_) => Err(Error::Usage(
+            "the plan has local_sgd replica groups: build each group's engine with the context and plan \
+             zerotrain::replicas::split gives (zerotrain::trainer does), or remove the section"
+                .into(),
+        )),
+    }
 }

@@ -45,6 +45,7 @@ pub mod model;
 mod notices;
 pub mod optimizer;
 mod params;
+mod parts;
 mod pipeline;
 mod report;
 mod shards;
@@ -58,7 +59,6 @@ pub(crate) use swapped::{SwappedOptimizer, Swapping};
 mod stream_tests;
 #[cfg(test)]
 mod tests;
-mod trainer;
 mod unit;
 mod whole;
 
@@ -79,7 +79,6 @@ pub use self::pipeline::Pipeline;
 pub use self::report::{Counters, HostDeviceBytes, MemoryReport, PhaseTimes, StepReport};
 use self::report::{Peaks, Window};
 use self::span::Span;
-pub use self::trainer::{Trainer, trainer};
 use self::unit::{Shared, Unit};
 use crate::config::Plan;
 use zerotrain_precision::Precision;

@@ -139,19 +139,6 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
     Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data, timeout }))
 }
 
-/// Refuses `plan` for one engine while it still has replica groups: the engine would train
-/// one synchronous job and silently ignore them ([`split`] gives each group's plan).
-pub(crate) fn check_split(plan: &Plan) -> Result<()> {
-    match plan.replicas {
-        None => Ok(()),
-        Some(_) => Err(Error::Usage(
-            "the plan has local_sgd replica groups: build each group's engine with the context and plan \
-             zerotrain::replicas::split gives (zerotrain::trainer does), or remove the section"
-                .into(),
-        )),
-    }
-}
-
 /// A round of [`LocalSgd`]: the groups met and the global weights moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Round {

@@ -19,9 +19,10 @@ use std::path::{Path, PathBuf};
 use zerotrain_zero::CommStats;
 
 use super::LocalSgd;
+use crate::Trainer;
 use crate::engine::agree;
 use crate::engine::model::UnitModel;
-use crate::engine::{Counters, LoadOptions, MemoryReport, StepReport, Trainer};
+use crate::engine::{Counters, LoadOptions, MemoryReport, StepReport};
 use crate::{Error, Result};
 
 impl<M: UnitModel> Trainer<M> for LocalSgd<M> {

@@ -16,10 +16,10 @@ use zerotrain_zero::ReduceOp;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 use anyhow::{Context, bail};
 
+use crate::Trainer;
 use crate::app::data::{Corpus, windows};
 use crate::app::keys::AppSettings;
 use crate::app::models::{Gpt, GptConfig};
-use crate::engine::Trainer;
 use crate::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
 
 /// Lines in the generated arithmetic corpus.

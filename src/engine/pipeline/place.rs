@@ -17,9 +17,9 @@ use zerotrain_zero::{Collective, Sharding};
 use super::Pipeline;
 use crate::config::PipelinePlan;
 use crate::context::RankContext;
-use crate::engine::build::{ALIGN_ELEMS, Declared, Parts};
 use crate::engine::model::{UnitModel, claims};
 use crate::engine::params::{Fill, read_params, release_unheld, write_global, write_params};
+use crate::engine::parts::{ALIGN_ELEMS, Declared, Parts};
 use crate::engine::span::Span;
 use crate::{Error, Result};
 

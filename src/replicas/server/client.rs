@@ -8,10 +8,10 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 use zerotrain_precision::Precision;
 
+use super::ServerConfig;
 use super::auth::{Attach, Token};
 use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest, Settings};
-use super::serve::ServerConfig;
 use super::{Dtype, Header, Part, chunk_stream, chunks, place_in_order};
 use crate::config::ReplicaPlan;
 use crate::replicas::Round;

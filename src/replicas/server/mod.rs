@@ -39,15 +39,81 @@ mod store;
 pub use client::ServerRound;
 pub use parts::{ServerRounds, fingerprint};
 pub use proto::Part;
-pub use serve::{ServerConfig, ServerHandle, serve};
+pub use serve::{Checkpoints, ServerHandle, serve};
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use proto::Dtype;
+use zerotrain_precision::Precision;
+
+use crate::config::{OuterOptimizer, ReplicaMode, ReplicaPlan};
+
+/// What a server needs of the replica groups' plan, and where it saves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// Groups `0..groups` may join.
+    pub groups: usize,
+    /// The outer optimizer.
+    pub outer: OuterOptimizer,
+    /// Sync or async rounds.
+    pub mode: ReplicaMode,
+    /// How long a group may keep the others waiting before it is dropped.
+    pub group_timeout: Duration,
+    /// Where the server saves (and at its start loads) its checkpoints; none: it does not.
+    pub checkpoint: Option<PathBuf>,
+    /// Rounds between checkpoints (async: pushes of every group, `groups` per round).
+    pub checkpoint_every: u64,
+    /// The pseudo-gradients' dtype on the wire (`communication_data_type`): sync rounds
+    /// round their sum to it.
+    pub comm_dtype: Precision,
+    /// The secret every call must carry ([`auth`]); none: anyone may call.
+    pub token: Option<auth::Token>,
+}
+
+impl ServerConfig {
+    /// The server of `plan`'s groups, saving into `checkpoint` if given, without a token
+    /// (see `token`).
+    pub fn new(plan: &ReplicaPlan, checkpoint: Option<PathBuf>) -> Self {
+        Self {
+            groups: plan.groups,
+            outer: plan.outer,
+            mode: plan.mode,
+            group_timeout: plan.group_timeout,
+            checkpoint,
+            checkpoint_every: plan.checkpoint_every,
+            comm_dtype: plan.comm_dtype,
+            token: None,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The settings a join's answer carries, for the joiner to check against its own.
+    pub(super) fn settings(&self) -> proto::Settings {
+        let (asynchronous, max_staleness) = match self.mode {
+            ReplicaMode::Sync => (false, 0),
+            ReplicaMode::Async { max_staleness } => (true, max_staleness),
+        };
+        proto::Settings {
+            groups: self.groups as u32,
+            outer_lr: self.outer.lr,
+            outer_momentum: self.outer.momentum,
+            outer_nesterov: self.outer.nesterov,
+            asynchronous,
+            max_staleness,
+            group_timeout_s: self.group_timeout.as_secs_f64(),
+            checkpoint_every: self.checkpoint_every,
+            communication_data_type: format!("{:?}", self.comm_dtype).to_lowercase(),
+        }
+    }
+}
 
 /// The generated gRPC code.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 mod proto {
     tonic::include_proto!("zerotrain.ps");
 }
-
-use proto::Dtype;
 
 impl Part {
     /// How the part of `len` values reads in a message: `part 1 of 2 (values 50..100 of a

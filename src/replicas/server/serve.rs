@@ -2,7 +2,6 @@
 //! [`ServerHandle`] is dropped.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,10 +10,8 @@ use tokio::sync::{oneshot, watch};
 
 use super::proto::parameter_server_server::ParameterServerServer;
 use super::service::{Service, State};
-use super::store;
-use crate::config::{OuterOptimizer, ReplicaMode, ReplicaPlan};
+use super::{ServerConfig, store};
 use crate::{Error, Result};
-use zerotrain_precision::Precision;
 
 /// A running server; dropping it (or [`stop`](Self::stop)) shuts it down, saving what its
 /// last checkpoint lacks (with a checkpoint folder).
@@ -83,66 +80,6 @@ pub struct Checkpoints {
 pub(super) const WINDOW: u32 = 32 << 20;
 /// HTTP/2's largest frame (its maximum, 16 MiB less one byte).
 pub(super) const MAX_FRAME: u32 = (1 << 24) - 1;
-
-/// What a server needs of the replica groups' plan, and where it saves.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ServerConfig {
-    /// Groups `0..groups` may join.
-    pub groups: usize,
-    /// The outer optimizer.
-    pub outer: OuterOptimizer,
-    /// Sync or async rounds.
-    pub mode: ReplicaMode,
-    /// How long a group may keep the others waiting before it is dropped.
-    pub group_timeout: Duration,
-    /// Where the server saves (and at its start loads) its checkpoints; none: it does not.
-    pub checkpoint: Option<PathBuf>,
-    /// Rounds between checkpoints (async: pushes of every group, `groups` per round).
-    pub checkpoint_every: u64,
-    /// The pseudo-gradients' dtype on the wire (`communication_data_type`): sync rounds
-    /// round their sum to it.
-    pub comm_dtype: Precision,
-    /// The secret every call must carry ([`auth`](super::auth)); none: anyone may call.
-    pub token: Option<super::auth::Token>,
-}
-
-impl ServerConfig {
-    /// The server of `plan`'s groups, saving into `checkpoint` if given, without a token
-    /// (see [`token`](Self::token)).
-    pub fn new(plan: &ReplicaPlan, checkpoint: Option<PathBuf>) -> Self {
-        Self {
-            groups: plan.groups,
-            outer: plan.outer,
-            mode: plan.mode,
-            group_timeout: plan.group_timeout,
-            checkpoint,
-            checkpoint_every: plan.checkpoint_every,
-            comm_dtype: plan.comm_dtype,
-            token: None,
-        }
-    }
-}
-
-impl ServerConfig {
-    /// The settings a join's answer carries, for the joiner to check against its own.
-    pub(super) fn settings(&self) -> super::proto::Settings {
-        let (asynchronous, max_staleness) = match self.mode {
-            ReplicaMode::Sync => (false, 0),
-            ReplicaMode::Async { max_staleness } => (true, max_staleness),
-        };
-        super::proto::Settings {
-            groups: self.groups as u32,
-            outer_lr: self.outer.lr,
-            outer_momentum: self.outer.momentum,
-            outer_nesterov: self.outer.nesterov,
-            asynchronous,
-            max_staleness,
-            group_timeout_s: self.group_timeout.as_secs_f64(),
-            checkpoint_every: self.checkpoint_every,
-            communication_data_type: format!("{:?}", self.comm_dtype).to_lowercase(),
-        }
-    }
-}
 
 /// Starts a parameter server on `listen` (from `config.checkpoint`'s latest checkpoint if
 /// there is one). Returns once it listens.
@@ -227,7 +164,12 @@ mod tests {
     use super::super::proto::PullRequest;
     use super::super::proto::parameter_server_client::ParameterServerClient;
     use super::super::{Dtype, Header, chunks, place_chunk};
+    use std::path::PathBuf;
+
+    use zerotrain_precision::Precision;
+
     use super::*;
+    use crate::config::{OuterOptimizer, ReplicaMode};
 
     fn head(group: u32, round: u64, session: u64) -> Header {
         Header { place: 0, group, round, session, dtype: Dtype::Fp32 }

@@ -11,10 +11,10 @@ use tokio::sync::watch;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+use super::ServerConfig;
 use super::place::{self, Place, Pulled, Refusal};
 use super::proto::parameter_server_server::ParameterServer;
 use super::proto::{Ack, Chunk, PullRequest};
-use super::serve::ServerConfig;
 use super::{Dtype, Header, Part, chunk_stream, place_in_order, store};
 use crate::config::ReplicaMode;
 

@@ -13,8 +13,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use zerotrain_checkpoint::{Checkpoint, FORMAT_VERSION, LATEST, LayoutEntry, Manifest, commit, prepare, write_shard};
 
+use super::ServerConfig;
 use super::place::{Outer, Place};
-use super::serve::ServerConfig;
 use crate::replicas::outer::{Delayed, OuterState};
 use crate::{Error, Result};
 

@@ -1,16 +1,18 @@
-//! [`Trainer`]: one interface over the two ways a [`UnitModel`] trains, an [`Engine`] over
-//! its declared units (data parallelism with ZeRO 0-3) and a [`Pipeline`] stage, so that a
-//! program drives whichever its plan asks for ([`trainer`]) with the same loop.
+//! [`Trainer`]: one interface over the ways a [`UnitModel`] trains, an [`Engine`] over its
+//! declared units (data parallelism with ZeRO 0-3), a [`Pipeline`] stage, and replica
+//! groups ([`LocalSgd`](crate::replicas::LocalSgd)), so that a program drives whichever its
+//! plan asks for ([`trainer`]) with the same loop. It sits above the engine and the replica
+//! groups, which import neither it nor each other's trainers.
 
 use std::path::{Path, PathBuf};
 
 use zerotrain_zero::CommStats;
 
-use super::model::UnitModel;
-use super::{Counters, Engine, LoadOptions, MemoryReport, Pipeline, StepReport};
 use crate::Result;
 use crate::config::Plan;
 use crate::context::RankContext;
+use crate::engine::model::UnitModel;
+use crate::engine::{Counters, Engine, LoadOptions, MemoryReport, Pipeline, StepReport};
 
 /// What trains a [`UnitModel`] one optimizer step at a time. Every method that talks to
 /// other ranks must be called by every rank.
