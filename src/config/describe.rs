@@ -8,12 +8,8 @@ use super::{LossScalePlan, Plan};
 
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (b, z, r, precision, optim) = (&self.batch, &self.zero, &self.runtime, &self.precision, &self.optim);
-        let n = r.world_size;
-        // Units are sharded over the data-parallel ranks: the world, or a pipeline stage's.
-        let d = self.data_parallel_size();
-        let share = |sharded: bool| if sharded && d > 1 { format!("1/{d} shard") } else { "full copy".to_string() };
-        let json = |v: &dyn erased::Json| v.json();
+        let (b, r) = (&self.batch, &self.runtime);
+        let (n, d) = (r.world_size, self.data_parallel_size());
         writeln!(
             f,
             "world size          {n} ({:?} backend, {} device, {:?} collectives, collective timeout {:.0} s)",
@@ -30,6 +26,62 @@ impl fmt::Display for Plan {
             b.gradient_accumulation_steps,
             if d == n { format!("world size {n}") } else { format!("data-parallel ranks {d}") }
         )?;
+        self.describe_zero(f)?;
+        self.describe_offload(f)?;
+        self.describe_replicas(f)?;
+        self.describe_pipeline(f)?;
+        let z = &self.zero;
+        let recompute = if self.activation_checkpointing {
+            "on: models declared in units keep only unit boundaries and recompute each unit in backward \
+             (Engine::new is one unit and cannot)"
+        } else if z.stage.shards_parameters() {
+            "off: at stage 3 each unit stays gathered from its forward to its backward (Burn's autodiff graph \
+             holds its weights), so the peak is about the whole model; add an activation_checkpointing section \
+             to release units after their forward"
+        } else {
+            "off"
+        };
+        writeln!(f, "activation ckpt     {recompute}")?;
+        self.describe_precision(f)?;
+        let (precision, optim) = (&self.precision, &self.optim);
+        let clip = if optim.gradient_clipping > 0.0 {
+            format!("global L2 norm <= {}", optim.gradient_clipping)
+        } else {
+            "off".into()
+        };
+        writeln!(f, "gradient clipping   {clip}")?;
+        let check = if precision.check_grad_overflow { "on: steps with NaN/inf gradients are skipped" } else { "off" };
+        writeln!(f, "overflow check      {check}")?;
+        writeln!(f, "optimizer           {}", json(&optim.optimizer))?;
+        for group in &optim.param_groups {
+            writeln!(
+                f,
+                "  param group       {}: lr x {}, weight_decay {}",
+                group.patterns.join(", "),
+                group.lr_scale,
+                group.weight_decay
+            )?;
+        }
+        writeln!(f, "scheduler           {}", json(&optim.schedule))?;
+        writeln!(f, "steps_per_print     {}, seed {}", r.steps_per_print, r.seed)?;
+        for note in &self.notes.auto_resolved {
+            writeln!(f, "auto                {note}")?;
+        }
+        if let Some(warning) = self.warning() {
+            writeln!(f, "warning             {warning}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `config check`'s sections, one per part of the plan.
+impl Plan {
+    /// The stage: what each rank keeps, how gradients are reduced and parameters gathered.
+    fn describe_zero(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let z = &self.zero;
+        // Units are sharded over the data-parallel ranks: the world, or a pipeline stage's.
+        let d = self.data_parallel_size();
+        let share = |sharded: bool| if sharded && d > 1 { format!("1/{d} shard") } else { "full copy".to_string() };
         writeln!(f, "zero                {}", z.stage)?;
         writeln!(
             f,
@@ -65,6 +117,12 @@ impl fmt::Display for Plan {
                 z.param_persistence_threshold
             )?;
         }
+        Ok(())
+    }
+
+    /// Where the offload tiers put the optimizer and parameters.
+    fn describe_offload(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let z = &self.zero;
         let o = &z.offload;
         let tier = |t: &super::Tier| match t {
             super::Tier::Device => "where the rank computes".to_string(),
@@ -89,6 +147,12 @@ impl fmt::Display for Plan {
                 writeln!(f, "  offload param     {} (each unit's shard between gathers)", tier(&o.param))?;
             }
         }
+        Ok(())
+    }
+
+    /// The replica groups, and the servers they meet at.
+    fn describe_replicas(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.runtime.world_size;
         if let Some(r) = &self.replicas {
             let o = &r.outer;
             let kind = if o.nesterov { "nesterov" } else { "sgd" };
@@ -121,6 +185,12 @@ impl fmt::Display for Plan {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// The pipeline's stages and bubble.
+    fn describe_pipeline(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.runtime.world_size;
         if let Some(p) = &self.pipeline {
             let m = self.batch.gradient_accumulation_steps as usize;
             writeln!(
@@ -140,17 +210,12 @@ impl fmt::Display for Plan {
                 100.0 * zerotrain_zero::pipeline::bubble_fraction(p.stages, m)
             )?;
         }
-        let recompute = if self.activation_checkpointing {
-            "on: models declared in units keep only unit boundaries and recompute each unit in backward \
-             (Engine::new is one unit and cannot)"
-        } else if z.stage.shards_parameters() {
-            "off: at stage 3 each unit stays gathered from its forward to its backward (Burn's autodiff graph \
-             holds its weights), so the peak is about the whole model; add an activation_checkpointing section \
-             to release units after their forward"
-        } else {
-            "off"
-        };
-        writeln!(f, "activation ckpt     {recompute}")?;
+        Ok(())
+    }
+
+    /// Compute dtype, gradient dtypes and the loss scale.
+    fn describe_precision(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let precision = &self.precision;
         match precision.compute {
             Precision::Fp32 => writeln!(f, "precision           fp32 (parameters are their own master weights)")?,
             p => writeln!(f, "precision           {p} compute, fp32 master weights and optimizer state")?,
@@ -170,34 +235,13 @@ impl fmt::Display for Plan {
                 c.at_minimum
             )?,
         }
-        let clip = if optim.gradient_clipping > 0.0 {
-            format!("global L2 norm <= {}", optim.gradient_clipping)
-        } else {
-            "off".into()
-        };
-        writeln!(f, "gradient clipping   {clip}")?;
-        let check = if precision.check_grad_overflow { "on: steps with NaN/inf gradients are skipped" } else { "off" };
-        writeln!(f, "overflow check      {check}")?;
-        writeln!(f, "optimizer           {}", json(&optim.optimizer))?;
-        for group in &optim.param_groups {
-            writeln!(
-                f,
-                "  param group       {}: lr x {}, weight_decay {}",
-                group.patterns.join(", "),
-                group.lr_scale,
-                group.weight_decay
-            )?;
-        }
-        writeln!(f, "scheduler           {}", json(&optim.schedule))?;
-        writeln!(f, "steps_per_print     {}, seed {}", r.steps_per_print, r.seed)?;
-        for note in &self.notes.auto_resolved {
-            writeln!(f, "auto                {note}")?;
-        }
-        if let Some(warning) = self.warning() {
-            writeln!(f, "warning             {warning}")?;
-        }
         Ok(())
     }
+}
+
+/// Compact JSON of a plan's enum (they carry their field names).
+fn json(v: &dyn erased::Json) -> String {
+    v.json()
 }
 
 mod erased {
