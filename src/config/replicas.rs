@@ -81,6 +81,52 @@ pub(super) fn resolve(
     let groups = section.groups.map_or(1, |c| c.0);
     let world_size = runtime.world_size;
     let groups = usize::try_from(groups).map_err(|_| invalid("local_sgd.groups", "too large"))?;
+    let (servers, group) = servers_and_group(section, groups)?;
+    if groups == 0 || (servers.is_empty() && !world_size.is_multiple_of(groups)) {
+        let message = format!("must divide the world size ({world_size}) into groups of equal size, got {groups}");
+        return Err(invalid("local_sgd.groups", message));
+    }
+    let sync_every = section.sync_every.map_or(50, |c| c.0);
+    if sync_every == 0 {
+        return Err(invalid("local_sgd.sync_every", "must be at least 1 (optimizer steps between synchronisations)"));
+    }
+    let outer = outer(section.outer_optimizer.as_ref())?;
+    let comm_dtype = match section.communication_data_type.as_deref().unwrap_or("fp32") {
+        "fp32" | "float32" => Precision::Fp32,
+        "bf16" | "bfloat16" => Precision::Bf16,
+        other => {
+            return Err(invalid("local_sgd.communication_data_type", format!("must be fp32 or bf16, got `{other}`")));
+        }
+    };
+    let mode = mode(section, servers.is_empty(), autos)?;
+    let (group_timeout, checkpoint_every) = server_keys(section, servers.is_empty(), autos)?;
+    if groups == 1 && servers.is_empty() {
+        autos.no_effect("local_sgd (groups is 1: one synchronous job, as without the section)".into());
+        return Ok(None);
+    }
+    if pipelined {
+        return Err(ConfigError::Unsupported {
+            key: "local_sgd.groups".into(),
+            message: "replica groups with pipeline.stages > 1 are not supported yet: use one or the other".into(),
+        });
+    }
+    Ok(Some(ReplicaPlan {
+        groups,
+        sync_every,
+        outer,
+        comm_dtype,
+        servers,
+        group,
+        mode,
+        group_timeout,
+        checkpoint_every,
+        auth_token_file: section.auth_token_file.as_ref().map(std::path::PathBuf::from),
+    }))
+}
+
+/// `local_sgd.servers` and `local_sgd.group`: both or neither, each server once, as
+/// `host:port`, the group one of `groups`.
+fn servers_and_group(section: &LocalSgdConfig, groups: usize) -> Result<(Vec<String>, Option<usize>), ConfigError> {
     let servers = section.servers.clone();
     let group = match (&section.group, servers.is_empty()) {
         (Some(_), true) => {
@@ -111,30 +157,19 @@ pub(super) fn resolve(
             return Err(invalid("local_sgd.servers", format!("lists `{a}` twice (`{b}`): list each server once")));
         }
     }
-    if groups == 0 || (servers.is_empty() && !world_size.is_multiple_of(groups)) {
-        let message = format!("must divide the world size ({world_size}) into groups of equal size, got {groups}");
-        return Err(invalid("local_sgd.groups", message));
-    }
-    let sync_every = section.sync_every.map_or(50, |c| c.0);
-    if sync_every == 0 {
-        return Err(invalid("local_sgd.sync_every", "must be at least 1 (optimizer steps between synchronisations)"));
-    }
-    let outer = outer(section.outer_optimizer.as_ref())?;
-    let comm_dtype = match section.communication_data_type.as_deref().unwrap_or("fp32") {
-        "fp32" | "float32" => Precision::Fp32,
-        "bf16" | "bfloat16" => Precision::Bf16,
-        other => {
-            return Err(invalid("local_sgd.communication_data_type", format!("must be fp32 or bf16, got `{other}`")));
-        }
-    };
-    let mode = match section.mode.as_deref().unwrap_or("sync") {
+    Ok((servers, group))
+}
+
+/// `local_sgd.mode` (and `max_staleness`): async only with servers.
+fn mode(section: &LocalSgdConfig, no_servers: bool, autos: &mut Autos) -> Result<ReplicaMode, ConfigError> {
+    Ok(match section.mode.as_deref().unwrap_or("sync") {
         "sync" => {
             if section.max_staleness.is_some() {
                 autos.no_effect("local_sgd.max_staleness (only \"async\" mode bounds staleness)".into());
             }
             ReplicaMode::Sync
         }
-        "async" if servers.is_empty() => {
+        "async" if no_servers => {
             return Err(ConfigError::Unsupported {
                 key: "local_sgd.mode".into(),
                 message: "\"async\" needs parameter servers (local_sgd.servers, `zerotrain serve`); \
@@ -144,7 +179,16 @@ pub(super) fn resolve(
         }
         "async" => ReplicaMode::Async { max_staleness: section.max_staleness.map_or(1, |c| c.0) },
         other => return Err(invalid("local_sgd.mode", format!("must be sync or async, got `{other}`"))),
-    };
+    })
+}
+
+/// The keys only servers act on: `group_timeout_s`, `checkpoint_every`,
+/// `auth_token_file` (named as without effect when there are none).
+fn server_keys(
+    section: &LocalSgdConfig,
+    no_servers: bool,
+    autos: &mut Autos,
+) -> Result<(std::time::Duration, u64), ConfigError> {
     let group_timeout = match section.group_timeout_s {
         None => std::time::Duration::from_secs(60),
         Some(s) if s > 0.0 && s.is_finite() && s < 1e9 => std::time::Duration::from_secs_f64(s),
@@ -156,7 +200,7 @@ pub(super) fn resolve(
     if checkpoint_every == 0 {
         return Err(invalid("local_sgd.checkpoint_every", "must be at least 1 (rounds between server checkpoints)"));
     }
-    if servers.is_empty() {
+    if no_servers {
         if section.group_timeout_s.is_some() {
             autos.no_effect(
                 "local_sgd.group_timeout_s (groups in one job fail together: zerotrain.comm_timeout_s)".into(),
@@ -169,28 +213,7 @@ pub(super) fn resolve(
             autos.no_effect("local_sgd.auth_token_file (no parameter servers)".into());
         }
     }
-    if groups == 1 && servers.is_empty() {
-        autos.no_effect("local_sgd (groups is 1: one synchronous job, as without the section)".into());
-        return Ok(None);
-    }
-    if pipelined {
-        return Err(ConfigError::Unsupported {
-            key: "local_sgd.groups".into(),
-            message: "replica groups with pipeline.stages > 1 are not supported yet: use one or the other".into(),
-        });
-    }
-    Ok(Some(ReplicaPlan {
-        groups,
-        sync_every,
-        outer,
-        comm_dtype,
-        servers,
-        group,
-        mode,
-        group_timeout,
-        checkpoint_every,
-        auth_token_file: section.auth_token_file.as_ref().map(std::path::PathBuf::from),
-    }))
+    Ok((group_timeout, checkpoint_every))
 }
 
 fn outer(raw: Option<&OuterOptimizerConfig>) -> Result<OuterOptimizer, ConfigError> {
