@@ -165,40 +165,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::OffloadGpt { layers, width, tokens, steps, lr, nvme, json }) => {
             let shape = bench::offload::GptShape { layers, width, tokens };
-            let r = bench::offload::run_gpt(shape, steps, lr, nvme.as_deref())?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
-            } else {
-                let gb = |b: u64| b as f64 / 1e9;
-                println!(
-                    "GPT of {} parameters (fp32 Adam states {:.1} GB), built in {:.1} s",
-                    r.params,
-                    gb(r.fp32_adam_state_bytes),
-                    r.build_s
-                );
-                for (i, (loss, s, read, written)) in r.steps.iter().enumerate() {
-                    println!(
-                        "step {}: loss {loss:.5}, {s:.1} s, swap read {:.1} GB, written {:.1} GB",
-                        i + 1,
-                        gb(*read),
-                        gb(*written)
-                    );
-                }
-                println!(
-                    "peak resident size {:.2} GiB; {:.1} GB in swap files",
-                    r.peak_rss_bytes as f64 / (1u64 << 30) as f64,
-                    gb(r.swapped_bytes)
-                );
-            }
-            Ok(())
+            commands::bench::bench_offload_gpt(shape, steps, lr, nvme.as_deref(), json)
         }
         Command::Bench(BenchCommand::Offload { millions, nvme, tile_millions, repeats, json }) => {
-            let report = bench::offload::run(millions * 1_000_000, &nvme, tile_millions * 1_000_000, repeats)?;
-            match json {
-                true => println!("{}", serde_json::to_string_pretty(&report)?),
-                false => print!("{}", bench::offload::format(&report)),
-            }
-            Ok(())
+            commands::bench::bench_offload(millions, &nvme, tile_millions, repeats, json)
         }
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode, nvme }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())

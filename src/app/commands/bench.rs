@@ -276,3 +276,56 @@ pub fn bench_gpu(bench: &crate::app::bench::gpu::GpuBench, json: bool) -> anyhow
     })?;
     Ok(())
 }
+
+/// `zerotrain bench offload-gpt`: a GPT trained with its states on NVMe, step by step.
+pub fn bench_offload_gpt(
+    shape: crate::app::bench::offload::GptShape,
+    steps: u64,
+    lr: f64,
+    nvme: Option<&Path>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let r = crate::app::bench::offload::run_gpt(shape, steps, lr, nvme)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        let gb = |b: u64| b as f64 / 1e9;
+        println!(
+            "GPT of {} parameters (fp32 Adam states {:.1} GB), built in {:.1} s",
+            r.params,
+            gb(r.fp32_adam_state_bytes),
+            r.build_s
+        );
+        for (i, (loss, s, read, written)) in r.steps.iter().enumerate() {
+            println!(
+                "step {}: loss {loss:.5}, {s:.1} s, swap read {:.1} GB, written {:.1} GB",
+                i + 1,
+                gb(*read),
+                gb(*written)
+            );
+        }
+        println!(
+            "peak resident size {:.2} GiB; {:.1} GB in swap files",
+            r.peak_rss_bytes as f64 / (1u64 << 30) as f64,
+            gb(r.swapped_bytes)
+        );
+    }
+    Ok(())
+}
+
+/// `zerotrain bench offload`: the host AdamW against memcpy and Burn's AdamW, the NVMe
+/// optimizer step against the disk's own bandwidth.
+pub fn bench_offload(
+    millions: usize,
+    nvme: &Path,
+    tile_millions: usize,
+    repeats: usize,
+    json: bool,
+) -> anyhow::Result<()> {
+    let report = crate::app::bench::offload::run(millions * 1_000_000, nvme, tile_millions * 1_000_000, repeats)?;
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&report)?),
+        false => print!("{}", crate::app::bench::offload::format(&report)),
+    }
+    Ok(())
+}
