@@ -152,26 +152,7 @@ fn print_summary(s: &TrainSummary) {
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let EstimateArgs { params, largest_layer_params, world_size, gpus_per_node, nodes, offload, model_config, json } =
         args;
-    let count = |v: f64, flag: &str| -> anyhow::Result<u64> {
-        if v >= 1.0 && v.is_finite() { Ok(v as u64) } else { bail!("{flag} must be a positive number") }
-    };
-    let (params, largest) = match (params, model_config) {
-        (_, Some(file)) => {
-            // Only the model section matters here (not, say, a schedule's "auto" length).
-            let model = keys::load_keys(&file)?.model.unwrap_or_default();
-            if model.vocab_size == 0 {
-                bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
-            }
-            model.validate().map_err(anyhow::Error::msg)?;
-            let (units, root) = model.unit_params();
-            (model.num_params(), units.iter().map(|(_, n)| *n).max().unwrap_or(0).max(root))
-        }
-        (Some(p), None) => {
-            let largest = largest_layer_params.map(|l| count(l, "--largest-layer-params")).transpose()?;
-            (count(p, "--params")?, largest.unwrap_or(0))
-        }
-        (None, None) => bail!("--params must be a positive number"),
-    };
+    let (params, largest) = model_size(params, largest_layer_params, model_config.as_deref())?;
     let (total, ranks) = ranks_per_node(world_size, gpus_per_node, nodes)?;
     let rows = crate::estimate::paper(params, total);
     let ds: Vec<(bool, u64, u64)> = [false, true]
@@ -182,26 +163,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
             (o, cpu, gpu)
         })
         .collect();
-    // DeepSpeed's ZeRO-3 rows: no offload; with --offload, the optimizer, then the
-    // parameters too. Each with zero_init (DeepSpeed's default) and without (zerotrain's
-    // case: every process builds the whole model first).
-    let zero3: Vec<serde_json::Value> = if largest == 0 {
-        Vec::new()
-    } else {
-        [(false, false), (true, false), (true, true)]
-            .into_iter()
-            .filter(|&(o, _)| !o || offload)
-            .map(|(o, p)| {
-                let options =
-                    |zero_init| crate::estimate::Zero3Options { offload_optimizer: o, offload_param: p, zero_init };
-                let (cpu_init, gpu) =
-                    crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(true), 1.5);
-                let (cpu, _) = crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(false), 1.5);
-                serde_json::json!({ "offload_optimizer": o, "offload_param": p, "per_gpu_bytes": gpu,
-                                    "per_cpu_bytes_zero_init": cpu_init, "per_cpu_bytes": cpu })
-            })
-            .collect()
-    };
+    let zero3 = zero3_rows(params, largest, ranks, nodes, offload);
     if json {
         let ds: Vec<_> = ds
             .iter()
@@ -256,6 +218,58 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The parameter count and the largest layer's (0: unknown), from `--params` and
+/// `--largest-layer-params` or from a config's `model` section.
+fn model_size(
+    params: Option<f64>,
+    largest_layer_params: Option<f64>,
+    model_config: Option<&std::path::Path>,
+) -> anyhow::Result<(u64, u64)> {
+    let count = |v: f64, flag: &str| -> anyhow::Result<u64> {
+        if v >= 1.0 && v.is_finite() { Ok(v as u64) } else { bail!("{flag} must be a positive number") }
+    };
+    Ok(match (params, model_config) {
+        (_, Some(file)) => {
+            // Only the model section matters here (not, say, a schedule's "auto" length).
+            let model = keys::load_keys(file)?.model.unwrap_or_default();
+            if model.vocab_size == 0 {
+                bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
+            }
+            model.validate().map_err(anyhow::Error::msg)?;
+            let (units, root) = model.unit_params();
+            (model.num_params(), units.iter().map(|(_, n)| *n).max().unwrap_or(0).max(root))
+        }
+        (Some(p), None) => {
+            let largest = largest_layer_params.map(|l| count(l, "--largest-layer-params")).transpose()?;
+            (count(p, "--params")?, largest.unwrap_or(0))
+        }
+        (None, None) => bail!("--params must be a positive number"),
+    })
+}
+
+/// DeepSpeed's ZeRO-3 rows: no offload; with `offload`, the optimizer, then the parameters
+/// too. Each with zero_init (DeepSpeed's default) and without (zerotrain's case: every
+/// process builds the whole model first). None without the largest layer.
+fn zero3_rows(params: u64, largest: u64, ranks: u64, nodes: u64, offload: bool) -> Vec<serde_json::Value> {
+    if largest == 0 {
+        Vec::new()
+    } else {
+        [(false, false), (true, false), (true, true)]
+            .into_iter()
+            .filter(|&(o, _)| !o || offload)
+            .map(|(o, p)| {
+                let options =
+                    |zero_init| crate::estimate::Zero3Options { offload_optimizer: o, offload_param: p, zero_init };
+                let (cpu_init, gpu) =
+                    crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(true), 1.5);
+                let (cpu, _) = crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(false), 1.5);
+                serde_json::json!({ "offload_optimizer": o, "offload_param": p, "per_gpu_bytes": gpu,
+                                    "per_cpu_bytes_zero_init": cpu_init, "per_cpu_bytes": cpu })
+            })
+            .collect()
+    }
 }
 
 /// `--world-size` (total ranks), `--gpus-per-node` and `--nodes` -> (total ranks, ranks per
