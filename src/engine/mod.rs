@@ -9,7 +9,7 @@
 //! steps a unit holds what its ZeRO stage keeps (see [`ZeroStage`](zerotrain_zero::ZeroStage)):
 //! its parameters in the model in the compute dtype (stages 0-2; gathered on demand at
 //! stage 3), fp32 master weights for its optimizer range (in fp32 training at stages 0-2
-//! the model's parameters are the masters), a gradient accumulator (`engine/grads.rs`)
+//! the model's parameters are the masters), a gradient accumulator (`engine/accumulation.rs`)
 //! and an optimizer stepping its flat range (`engine/optimizer.rs`). The engine adds the
 //! loss scaler, counters and the lr schedule; `engine/build.rs` makes it,
 //! `engine/whole.rs` runs the model as one unit, `engine/exec.rs` walks declared units,
@@ -25,6 +25,7 @@
 //! overflow, and one multiply unscales, averages and clips them. The optimizer steps the
 //! fp32 master, and the new values are cast to the compute dtype and all-gathered in it.
 
+mod accumulation;
 mod buffers;
 mod build;
 mod builtin;
@@ -33,7 +34,6 @@ mod exec;
 mod export;
 mod flat;
 mod gradients;
-mod grads;
 mod home;
 mod host_adam;
 #[cfg(feature = "cli")] // `zerotrain bench offload`

@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::Engine;
-use super::grads::ReduceOptions;
+use super::accumulation::ReduceOptions;
 use super::params::UnitGrads;
 use super::report::Peaks;
 use crate::random::Draw;

@@ -19,8 +19,8 @@ use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Completed, Pending, Request, ZeroStage};
 
 use super::PhaseTimes;
+use super::accumulation::{ReduceOptions, UnitGrad};
 use super::flat::{Flat, float_dtype};
-use super::grads::{ReduceOptions, UnitGrad};
 use super::home::{Home, Master, ParamShard, lost};
 use super::master::Values;
 use super::optimizer::{OptimizerFactory, UnitOptimizer};
