@@ -81,6 +81,17 @@ pub fn to_half<H: FlatElem>(src: &[f32], dst: &mut [H]) {
     H::slice_from_f32(src, dst);
 }
 
+/// Rounds f32 `values` in place to the nearest `dtype` value (nearest even), as converting
+/// them to `dtype` and back would, without a buffer of `dtype`: a sum that travels in
+/// `dtype` rounded where it stays in f32. Fp32 leaves them as they are.
+pub fn round_to(dtype: Precision, values: &mut [f32]) {
+    match dtype {
+        Precision::Fp32 => {}
+        Precision::Fp16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        Precision::Bf16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+    }
+}
+
 /// Converts `src` into `dst` (same length), exactly.
 ///
 /// # Panics
@@ -92,6 +103,17 @@ pub fn from_half<H: FlatElem>(src: &[H], dst: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rounding in place gives what a round trip through the dtype's buffer gives.
+    #[test]
+    fn rounding_in_place_equals_the_round_trip() {
+        let values: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin() * 1e3 + 1.0 / 3.0).collect();
+        for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            let mut rounded = values.clone();
+            round_to(dtype, &mut rounded);
+            assert_eq!(rounded, FlatBuf::from_f32(dtype, &values).into_f32(), "{dtype:?}");
+        }
+    }
 
     #[test]
     fn conversions_round_to_nearest_and_saturate_to_infinity() {

@@ -18,6 +18,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use zerotrain_precision::Precision;
+
 use crate::config::{OuterOptimizer, ReplicaMode};
 use crate::replicas::outer::{Delayed, OuterState};
 
@@ -95,7 +97,7 @@ pub(super) struct Place {
     pub part: Option<super::Part>,
     /// Sync: the dtype a round's sum is rounded to (`communication_data_type`), as the
     /// in-job all-reduce rounds it, so that both train alike bit for bit.
-    pub wire: zerotrain_precision::Precision,
+    wire: Precision,
     seats: Vec<Seat>,
     /// Async: rounds a group may run ahead of the slowest counted one.
     max_staleness: u64,
@@ -105,8 +107,8 @@ pub(super) struct Place {
 
 impl Place {
     /// A place of `mode` with `global` weights and `outer` state at `round`, every one of
-    /// `groups` groups expected.
-    pub fn new(mode: ReplicaMode, global: Vec<f32>, outer: Outer, round: u64, groups: usize) -> Self {
+    /// `groups` groups expected, its sync rounds' sums rounded to `wire`.
+    pub fn new(mode: ReplicaMode, global: Vec<f32>, outer: Outer, round: u64, groups: usize, wire: Precision) -> Self {
         let max_staleness = match mode {
             ReplicaMode::Sync => 0,
             ReplicaMode::Async { max_staleness } => max_staleness,
@@ -116,7 +118,7 @@ impl Place {
             outer,
             round,
             part: None,
-            wire: zerotrain_precision::Precision::Fp32,
+            wire,
             seats: vec![Seat::Expected; groups],
             max_staleness,
             spare: Vec::new(),
@@ -294,9 +296,7 @@ impl Place {
             }
         }
         let mut sum = sum.expect("a live group pushed");
-        if self.wire != zerotrain_precision::Precision::Fp32 {
-            sum = zerotrain_precision::FlatBuf::from_f32(self.wire, &sum).into_f32();
-        }
+        zerotrain_precision::round_to(self.wire, &mut sum);
         let Outer::Sync(state) = &mut self.outer else { unreachable!("sync rounds complete") };
         state.step_mean(opt, Arc::<Vec<f32>>::make_mut(&mut self.global), &mut sum, spent.len() + 1);
         self.round += 1;
@@ -393,7 +393,7 @@ mod tests {
 
     /// A fresh sync place of `groups` groups at round 0.
     fn sync(global: Vec<f32>, groups: usize) -> Place {
-        Place::new(ReplicaMode::Sync, global, ReplicaMode::Sync.fresh_outer(), 0, groups)
+        Place::new(ReplicaMode::Sync, global, ReplicaMode::Sync.fresh_outer(), 0, groups, Precision::Fp32)
     }
 
     fn ready(place: &mut Place, group: usize, session: u64, now: Instant) -> Option<Vec<f32>> {
@@ -495,7 +495,7 @@ mod tests {
     fn async_pushes_apply_at_once_and_staleness_is_bounded() {
         let mode = ReplicaMode::Async { max_staleness: 1 };
         let t0 = Instant::now();
-        let mut place = Place::new(mode, vec![0.0], mode.fresh_outer(), 0, 2);
+        let mut place = Place::new(mode, vec![0.0], mode.fresh_outer(), 0, 2, Precision::Fp32);
         place.join(0, 1, t0);
         place.join(1, 2, t0);
         let s = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();

@@ -347,9 +347,8 @@ impl ParameterServer for Service {
             }
             Some(place) => place,
             slot @ None => {
-                let place = slot.insert(Place::new(config.mode, values, config.mode.fresh_outer(), 0, config.groups));
-                place.wire = config.comm_dtype;
-                place
+                let outer = config.mode.fresh_outer();
+                slot.insert(Place::new(config.mode, values, outer, 0, config.groups, config.comm_dtype))
             }
         };
         place.part = Some(part);

@@ -148,9 +148,8 @@ pub(super) fn load(dir: &Path, config: &ServerConfig) -> Result<Option<(Vec<Opti
                 Outer::Async(Delayed::from_parts(momentum, pending, saved.pending_pushes))
             }
         };
-        let mut place = Place::new(config.mode, global, outer, saved.round, config.groups);
+        let mut place = Place::new(config.mode, global, outer, saved.round, config.groups, config.comm_dtype);
         place.part = saved.part;
-        place.wire = config.comm_dtype;
         places.push(Some(place));
         offset += saved.len;
     }
