@@ -239,19 +239,7 @@ impl Plan {
     }
 }
 
-/// Compact JSON of a plan's enum (they carry their field names).
-fn json(v: &dyn erased::Json) -> String {
-    v.json()
-}
-
-mod erased {
-    /// Compact JSON of a serialisable value (the plan's enums carry their field names).
-    pub trait Json {
-        fn json(&self) -> String;
-    }
-    impl<T: serde::Serialize> Json for T {
-        fn json(&self) -> String {
-            serde_json::to_string(self).unwrap_or_else(|e| format!("<{e}>"))
-        }
-    }
+/// Compact JSON of a plan's value (its enums carry their field names).
+fn json(v: &impl serde::Serialize) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("<{e}>"))
 }

@@ -63,7 +63,7 @@ mod trainer;
 use std::sync::Arc;
 
 use burn::module::Module;
-use zerotrain_zero::{Collective, CommStats};
+use zerotrain_zero::{Collective, CommStats, Sharding};
 
 use self::round::PeerRound;
 use crate::config::ReplicaPlan;
@@ -192,10 +192,7 @@ impl<M: Module> LocalSgd<M> {
         let plan = &replicas.plan;
         let round = match plan.servers.as_slice() {
             [] => Exchange::Peers(Box::new(PeerRound::start(plan.clone(), Arc::clone(&replicas.peers), local)?)),
-            servers => {
-                let lens: Vec<usize> = local.iter().map(Vec::len).collect();
-                server_round(servers, replicas, server_layout(engine, &lens), local)?
-            }
+            servers => server_round(servers, replicas, engine.sharding(), local)?,
         };
         if replicas.group != 0 || !plan.servers.is_empty() {
             engine.load_shard_masters(round.global().to_vec())?;
@@ -298,24 +295,18 @@ impl Exchange {
 /// This rank's rounds through every server, each holding a part of its shard (every call
 /// bounded by the collective timeout).
 #[cfg(feature = "servers")]
-fn server_round(servers: &[String], replicas: &Replicas, layout: u64, local: Vec<Vec<f32>>) -> Result<Exchange> {
+fn server_round(
+    servers: &[String],
+    replicas: &Replicas,
+    sharding: &Sharding,
+    local: Vec<Vec<f32>>,
+) -> Result<Exchange> {
     let place = replicas.peers.rank();
-    let rounds = server::ServerRounds::start(servers, place, layout, &replicas.plan, local, replicas.timeout)?;
+    let rounds = server::ServerRounds::start(servers, place, sharding, &replicas.plan, local, replicas.timeout)?;
     Ok(Exchange::Server(Box::new(rounds)))
 }
 
-/// The fingerprint of `engine`'s shard layout a server checks at every join.
-#[cfg(feature = "servers")]
-fn server_layout<M: Module>(engine: &Engine<M>, shard_lens: &[usize]) -> u64 {
-    server::fingerprint(engine.sharding(), shard_lens)
-}
-
 #[cfg(not(feature = "servers"))]
-fn server_layout<M: Module>(_engine: &Engine<M>, _shard_lens: &[usize]) -> u64 {
-    0
-}
-
-#[cfg(not(feature = "servers"))]
-fn server_round(_servers: &[String], _replicas: &Replicas, _layout: u64, _local: Vec<Vec<f32>>) -> Result<Exchange> {
+fn server_round(_servers: &[String], _replicas: &Replicas, _: &Sharding, _local: Vec<Vec<f32>>) -> Result<Exchange> {
     Err(Error::Launch("local_sgd.servers: this build has no parameter servers (the `servers` feature)".into()))
 }

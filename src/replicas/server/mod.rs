@@ -37,7 +37,7 @@ mod service;
 mod store;
 
 pub use client::ServerRound;
-pub use parts::{ServerRounds, fingerprint};
+pub use parts::ServerRounds;
 pub use proto::Part;
 pub use serve::{Checkpoints, ServerHandle, serve};
 

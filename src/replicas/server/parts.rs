@@ -5,6 +5,8 @@
 use std::ops::Range;
 use std::time::Duration;
 
+use zerotrain_zero::Sharding;
+
 use super::Part;
 use super::client::ServerRound;
 use crate::config::ReplicaPlan;
@@ -30,7 +32,7 @@ fn part(len: usize, servers: usize, k: usize) -> Range<usize> {
 /// A fingerprint of what a rank's shard holds (FNV-1a over the text below): every unit's
 /// parameter paths and shapes, the ranks sharing each unit, and the rank's shard length per
 /// unit. Ranks at one place in groups of one model, stage and size agree on it.
-pub fn fingerprint(sharding: &zerotrain_zero::Sharding, shard_lens: &[usize]) -> u64 {
+fn fingerprint(sharding: &Sharding, shard_lens: &[usize]) -> u64 {
     let mut text = format!("ranks {}\n", sharding.world_size());
     for (unit, len) in sharding.units().iter().zip(shard_lens) {
         text.push_str(&format!("unit {} shard {len}\n", unit.name));
@@ -62,18 +64,20 @@ fn refuse_one_server_twice(servers: &[String]) -> Result<()> {
 
 impl ServerRounds {
     /// Connects to every server in `servers` (at once) and joins each as `place` with its
-    /// part of this rank's `start` weights, saying which part it is and the `layout`
-    /// fingerprint of the shard ([`fingerprint`]); the global weights to start from come
-    /// back. Two addresses that resolve to one server are refused.
+    /// part of this rank's `start` weights, saying which part it is and the fingerprint of
+    /// the shard's layout in `sharding` ([`fingerprint`]); the global weights to start from
+    /// come back. Two addresses that resolve to one server are refused.
     pub fn start(
         servers: &[String],
         place: usize,
-        layout: u64,
+        sharding: &Sharding,
         plan: &ReplicaPlan,
         start: Vec<Vec<f32>>,
         timeout: Duration,
     ) -> Result<Self> {
         refuse_one_server_twice(servers)?;
+        let lens: Vec<usize> = start.iter().map(Vec::len).collect();
+        let layout = fingerprint(sharding, &lens);
         let flat = start.concat();
         let n = servers.len();
         let parts: Vec<Result<(Range<usize>, ServerRound)>> = std::thread::scope(|s| {
