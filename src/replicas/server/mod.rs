@@ -30,6 +30,7 @@
 
 pub mod auth;
 mod client;
+mod keeper;
 mod parts;
 mod place;
 mod serve;

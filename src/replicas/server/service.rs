@@ -1,11 +1,11 @@
 //! The gRPC service of a parameter server: joins, pushes and pulls on the places (the
-//! place module's state machine), and the keeper that drops groups past the timeout and
-//! saves due checkpoints.
+//! place module's state machine). The keeper that drops groups and saves checkpoints:
+//! `keeper.rs`.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::watch;
 use tokio_stream::{Stream, StreamExt};
@@ -15,8 +15,7 @@ use super::ServerConfig;
 use super::place::{self, Place, Pulled, Refusal};
 use super::proto::parameter_server_server::ParameterServer;
 use super::proto::{Ack, Chunk, PullRequest};
-use super::{Dtype, Header, Part, chunk_stream, place_in_order, store};
-use crate::config::ReplicaMode;
+use super::{Dtype, Header, Part, chunk_stream, place_in_order};
 
 /// The places, and how their checkpoints went.
 pub(super) struct State {
@@ -39,9 +38,6 @@ pub(super) struct Service {
     /// The keeper's save in progress, if any (one at a time; the stop waits for it).
     pub writing: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
-
-/// How long the keeper waits before trying a failed save again.
-const RETRY_SAVE: Duration = Duration::from_secs(2);
 
 /// The values of a streamed vector, and its chunks' common header. `check` sees the header
 /// before anything is allocated for the values, and may give a buffer to fill (a spare of
@@ -84,7 +80,7 @@ const MAX_PLACE_ELEMS: usize = 1 << 32;
 const MAX_PLACES: u32 = 1 << 16;
 
 impl Service {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -145,7 +141,7 @@ impl Service {
         }
     }
 
-    fn changed(&self) {
+    pub(super) fn changed(&self) {
         self.version.send_modify(|v| *v += 1);
     }
 
@@ -161,107 +157,6 @@ impl Service {
             Status::aborted(format!("place {p}: no group joined it (the server restarted?): join again"))
         })?;
         f(place)
-    }
-
-    /// Drops the groups past the timeout and starts a due checkpoint's save, every tenth of
-    /// the timeout (at most every 200 ms), until the server stops. A save runs beside the
-    /// keeper (which goes on dropping groups meanwhile); a failed one is tried again.
-    pub async fn keep(self) {
-        let tick = (self.config.group_timeout / 10).min(Duration::from_millis(200));
-        // Async places count pushes: a round is every group's.
-        let every = match self.config.mode {
-            ReplicaMode::Sync => self.config.checkpoint_every,
-            ReplicaMode::Async { .. } => self.config.checkpoint_every * self.config.groups as u64,
-        };
-        loop {
-            tokio::time::sleep(tick).await;
-            let due = {
-                let mut state = self.lock();
-                let now = Instant::now();
-                let mut changed = false;
-                for (p, place) in state.places.iter_mut().enumerate() {
-                    let Some(place) = place else { continue };
-                    for g in place.expire(now, self.config.group_timeout, &self.config.outer) {
-                        eprintln!(
-                            "zerotrain serve: place {p} dropped group {g}: it kept the others waiting over {:.1} s \
-                             (local_sgd.group_timeout_s); {} groups live",
-                            self.config.group_timeout.as_secs_f64(),
-                            place.live()
-                        );
-                        changed = true;
-                    }
-                }
-                if changed {
-                    self.changed();
-                }
-                let retry_later = state.failed.as_ref().is_some_and(|(_, at)| now < *at);
-                if retry_later || !self.write_finished() { None } else { self.due_checkpoint(&state, every) }
-            };
-            if let Some((places, round)) = due {
-                let service = self.clone();
-                let task = tokio::spawn(async move { drop(service.save(places, round).await) });
-                *self.writing.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
-            }
-        }
-    }
-
-    /// Whether no save of the keeper's is running.
-    fn write_finished(&self) -> bool {
-        self.writing.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_none_or(|task| task.is_finished())
-    }
-
-    /// Saves `places` at `round` on a blocking thread and says so; the round counts as saved
-    /// only once written. A failure is kept (the keeper tries again after [`RETRY_SAVE`])
-    /// and returned.
-    async fn save(&self, places: Vec<Option<Place>>, round: u64) -> std::result::Result<(), String> {
-        let Some(dir) = self.config.checkpoint.clone() else { return Ok(()) };
-        let config = Arc::clone(&self.config);
-        let saved = tokio::task::spawn_blocking(move || store::save(&dir, &config, &places, round)).await;
-        let outcome = match saved {
-            Ok(Ok(path)) => Ok(path),
-            Ok(Err(e)) => Err(format!("the checkpoint of round {round} failed: {e}")),
-            Err(e) => Err(format!("the checkpoint of round {round}: its writer failed: {e}")),
-        };
-        let mut state = self.lock();
-        match outcome {
-            Ok(path) => {
-                eprintln!("zerotrain serve: saved {}", path.display());
-                state.saved = state.saved.max(round);
-                state.failed = None;
-                Ok(())
-            }
-            Err(e) => {
-                eprintln!("zerotrain serve: {e} (trying again in {} s)", RETRY_SAVE.as_secs());
-                state.failed = Some((e.clone(), Instant::now() + RETRY_SAVE));
-                Err(e)
-            }
-        }
-    }
-
-    /// At a stop: waits for the keeper's save in flight, then saves what the last
-    /// checkpoint does not have yet (with a folder). An error says which round is not on
-    /// disk and why.
-    pub async fn save_last(&self) -> std::result::Result<(), String> {
-        let running = self.writing.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(task) = running {
-            let _ = task.await;
-        }
-        let last = self.due_checkpoint(&self.lock(), 1);
-        match last {
-            Some((places, round)) => self.save(places, round).await,
-            None => Ok(()),
-        }
-    }
-
-    /// A snapshot of the places to save, and their round, once every place is `every`
-    /// rounds past the last checkpoint written (with a folder).
-    fn due_checkpoint(&self, state: &State, every: u64) -> Option<(Vec<Option<Place>>, u64)> {
-        self.config.checkpoint.as_ref()?;
-        let round = state.places.iter().flatten().map(|p| p.round).min()?;
-        if round < state.saved + every {
-            return None;
-        }
-        Some((state.places.iter().map(|p| p.as_ref().map(Place::snapshot)).collect(), round))
     }
 }
 
