@@ -8,6 +8,8 @@ mod call;
 mod comm;
 mod id;
 #[cfg(feature = "nccl")]
+mod init;
+#[cfg(feature = "nccl")]
 mod library;
 pub mod poll;
 #[cfg(feature = "nccl")]
