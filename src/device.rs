@@ -40,7 +40,7 @@ impl Placement {
         let devices = match kind {
             ComputeDevice::Cpu => vec![Device::flex()],
             ComputeDevice::Wgpu => guarded(kind, wgpu_devices)?,
-            ComputeDevice::Cuda => guarded(kind, cuda_devices)?,
+            ComputeDevice::Cuda => guarded(kind, || Ok(cuda_devices()))?,
         };
         if devices.is_empty() {
             return Err(Error::Launch(format!(
@@ -68,36 +68,48 @@ impl Placement {
     }
 }
 
-/// Runs a backend's device discovery, turning a panic in it (a missing driver library,
-/// say) into an error that names the setting.
-fn guarded(kind: ComputeDevice, find: fn() -> Vec<Device>) -> Result<Vec<Device>> {
-    catch_unwind(AssertUnwindSafe(find)).map_err(|panic| {
-        let reason = panic_message(panic.as_ref());
+/// Runs a backend's device discovery, turning what it reports missing, or a panic in it (a
+/// missing driver library, say), into an error that names the setting.
+fn guarded(
+    kind: ComputeDevice,
+    find: impl FnOnce() -> std::result::Result<Vec<Device>, String>,
+) -> Result<Vec<Device>> {
+    let failed = |reason: String| {
         Error::Launch(format!("zerotrain.device is \"{}\" but its runtime failed to start: {reason}", kind.name()))
-    })
+    };
+    match catch_unwind(AssertUnwindSafe(find)) {
+        Ok(found) => found.map_err(failed),
+        Err(panic) => Err(failed(panic_message(panic.as_ref()))),
+    }
 }
 
 #[cfg(feature = "wgpu")]
-fn wgpu_devices() -> Vec<Device> {
+fn wgpu_devices() -> std::result::Result<Vec<Device>, String> {
     use burn::tensor::{DeviceKind, DeviceType, Tensor};
-    let gpus: Vec<Device> = Device::enumerate(DeviceType::Wgpu)
-        .into_iter()
-        .filter(|d| d.identity().is_some_and(|identity| identity.physical.is_some()))
-        .collect();
-    if !gpus.is_empty() {
-        return gpus;
+    let adapters = Device::enumerate(DeviceType::Wgpu);
+    if adapters.is_empty() {
+        // Acquiring the default adapter now would panic on cubecl's device thread, whose
+        // message this thread never sees.
+        return Err("wgpu finds no adapter here: no Vulkan loader (libvulkan.so.1), or no Vulkan driver for this \
+                    machine's GPU (an ICD file under /usr/share/vulkan/icd.d, or VK_DRIVER_FILES naming one)"
+            .into());
     }
-    // wgpu's default adapter is acquired at its first use: use it here, so that a machine
-    // with none (no Vulkan loader, no driver) fails now, in `guarded`, with the setting's
-    // name, instead of panicking inside a rank's first operation.
+    let gpus: Vec<Device> =
+        adapters.into_iter().filter(|d| d.identity().is_some_and(|identity| identity.physical.is_some())).collect();
+    if !gpus.is_empty() {
+        return Ok(gpus);
+    }
+    // wgpu's default adapter is acquired at its first use: use it here, so that one that
+    // cannot start fails now, in `guarded`, with the setting's name, instead of inside a
+    // rank's first operation.
     let default = Device::wgpu(DeviceKind::DefaultDevice);
     drop(Tensor::<1>::zeros([1], &default).into_data());
-    vec![default]
+    Ok(vec![default])
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn wgpu_devices() -> Vec<Device> {
-    Vec::new()
+fn wgpu_devices() -> std::result::Result<Vec<Device>, String> {
+    Ok(Vec::new())
 }
 
 #[cfg(feature = "cuda")]

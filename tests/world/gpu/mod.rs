@@ -466,14 +466,20 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
 /// The device step's AdamW (Burn's, as fused tensor ops over each unit's flat master range)
 /// against the host AdamW of the offload tier (`host_adam.rs`), from the same gradients: one
 /// rank, one step (a second would start from different parameters), no clipping (so the
-/// two norms cannot differ), stages 1 and 3 (offload needs a sharded optimizer). The masters agree within `ulps` units in the
-/// last place; the device step moves nothing between host and device, the host one does.
+/// two norms cannot differ), stages 1 and 3 (offload needs a sharded optimizer). The device
+/// step moves nothing between host and device, the host one does.
+///
+/// The new masters agree within `ulps` units in the last place of the larger of the old
+/// value and the step (`scaled_ulps`), not of the result: a device that contracts
+/// `p - lr * u` into one fused multiply-add rounds once where the host rounds twice, so
+/// where the step nearly cancels the parameter the two results differ by a fraction of the
+/// step's last place, many of the result's own (an H200 measured 17 of those).
 pub fn the_device_adamw_steps_as_the_host_adamw(on: Gpu, ulps: u32) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 11);
     let w = Tokens { vocab: 11, len: 9 };
     let mode = Mode { units: true, checkpointing: false, overlap: false };
-    let mut worst = 0;
+    let (mut worst, mut worst_own) = (0, 0);
     for stage in [1u8, 3] {
         let step = |offload: &str| {
             let json = unit_recipe(stage, 1, mode, "fp32", offload)
@@ -481,23 +487,42 @@ pub fn the_device_adamw_steps_as_the_host_adamw(on: Gpu, ulps: u32) {
             let plan = plan(&on_device(&json, on), 1);
             launch(&plan, |ctx| {
                 let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+                // The masters before the step, read apart (a read crosses to the host).
+                let before = Engine::with_units(init.clone(), &plan, &ctx)?.master_params()?;
                 engine.forward_backward(&w.batch(&plan, 0, 0, ctx.rank(), ctx.device()))?;
                 let crossed = engine.step()?.expect("accumulation 1").host_device;
-                Ok::<_, Error>((crossed.to_device + crossed.to_host, engine.master_params()?))
+                Ok::<_, Error>((crossed.to_device + crossed.to_host, before, engine.master_params()?))
             })
             .unwrap()
             .remove(0)
         };
-        let (on_device_crossed, device) = step("");
-        let (on_host_crossed, host) = step(r#", "offload_optimizer": {"device": "cpu"}"#);
+        let (on_device_crossed, before, device) = step("");
+        let (on_host_crossed, _, host) = step(r#", "offload_optimizer": {"device": "cpu"}"#);
         assert_eq!(on_device_crossed, 0, "stage {stage}: the device step moved bytes");
         assert!(on_host_crossed > 0, "stage {stage}: the host step moved nothing, so it did not run on the host");
-        assert_eq!(device.len(), host.len());
-        let apart = device.iter().zip(&host).map(|(&d, &h)| ulp_distance(d, h)).max().unwrap_or(0);
-        assert!(apart <= ulps, "{} stage {stage}: device and host AdamW {apart} ulp apart", on.name);
+        assert_eq!((device.len(), before.len()), (host.len(), host.len()));
+        let moved = host.iter().zip(&before).filter(|(h, b)| h != b).count();
+        assert!(moved * 2 > host.len(), "stage {stage}: the step moved only {moved} of {} masters", host.len());
+        let apart = (before.iter().zip(&device).zip(&host))
+            .map(|((&b, &d), &h)| scaled_ulps(d, h, b.abs().max((h - b).abs())))
+            .max()
+            .unwrap_or(0);
+        let own = device.iter().zip(&host).map(|(&d, &h)| ulp_distance(d, h)).max().unwrap_or(0);
+        assert!(apart <= ulps, "{} stage {stage}: device and host AdamW {apart} ulp (of the operands) apart", on.name);
         worst = worst.max(apart);
+        worst_own = worst_own.max(own);
     }
-    eprintln!("{}: device AdamW against host AdamW after one step: {worst} ulp at most", on.name);
+    eprintln!(
+        "{}: device AdamW against host AdamW after one step: {worst} ulp of the operands at most ({worst_own} of the result)",
+        on.name
+    );
+}
+
+/// `|a - b|` in units of the last place of `scale` (rounded up).
+fn scaled_ulps(a: f32, b: f32, scale: f32) -> u32 {
+    let scale = scale.abs();
+    let ulp = f32::from_bits(scale.to_bits() + 1) - scale;
+    ((a - b).abs() / ulp).ceil().min(u32::MAX as f32) as u32
 }
 
 /// Stage 3 with one rank: the device step gathers each unit from its device shard, the
