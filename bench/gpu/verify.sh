@@ -9,7 +9,7 @@
 #      backend bit for bit, device memory per stage against the formula);
 #   3. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
 #   4. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
-#      at stages 0 and 3 in units, with and without recomputation: 236 s on an H200, autotune
+#      at stages 0 and 3 in units, with and without recomputation: 191-236 s on an H200, autotune
 #      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
 #      and torch.compile, in the same run.
 # Each part has its own time limit; the whole stays under 9 minutes. Burn's autotune runs at

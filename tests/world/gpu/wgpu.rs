@@ -1,11 +1,19 @@
 //! The GPU bodies on wgpu: any GPU Vulkan, Metal or DX12 reaches; lavapipe where there is
 //! none, so these run on every machine (CI's included).
 
-use burn::tensor::{Device, DeviceKind};
+use burn::tensor::{Device, DeviceKind, DeviceType};
 
 use super::Gpu;
 
 const WGPU: Gpu = Gpu { name: "wgpu", device: || Device::wgpu(DeviceKind::DefaultDevice), keys: "", granule: None };
+
+/// Whether wgpu runs on a software adapter only (lavapipe: CI's machines), whose kernels
+/// round every operation as written, so that the device and host steps agree bit for bit.
+/// A GPU's driver contracts multiply-adds and approximates division (NVIDIA's Vulkan on an
+/// H200: 2 ulp of the operands apart, losses within 4e-6 relative), as CUDA does.
+fn software_only() -> bool {
+    !Device::enumerate(DeviceType::Wgpu).into_iter().any(|d| d.identity().is_some_and(|id| id.physical.is_some()))
+}
 
 #[test]
 fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
@@ -49,13 +57,13 @@ fn one_rank_with_states_on_wgpu_steps_there() {
 
 #[test]
 fn the_device_adamw_on_wgpu_steps_as_the_host_adamw() {
-    // Bit for bit on lavapipe.
-    super::the_device_adamw_steps_as_the_host_adamw(WGPU, 0);
+    // Bit for bit on lavapipe; on a GPU, CUDA's bound.
+    super::the_device_adamw_steps_as_the_host_adamw(WGPU, if software_only() { 0 } else { 8 });
 }
 
 #[test]
 fn stage_3_device_gathers_on_wgpu_equal_host_gathers() {
-    super::stage_3_device_gathers_equal_host_gathers(WGPU, true);
+    super::stage_3_device_gathers_equal_host_gathers(WGPU, software_only());
 }
 
 #[test]
