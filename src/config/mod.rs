@@ -40,7 +40,7 @@ pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
     AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan,
     OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan, ReplicaMode,
-    ReplicaPlan, RuntimePlan, Tier, ZeroPlan,
+    ReplicaPlan, RuntimePlan, Tier, TlsPlan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};

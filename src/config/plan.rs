@@ -231,6 +231,22 @@ pub struct ReplicaPlan {
     pub checkpoint_every: u64,
     /// With servers: the file of the token calls carry (`local_sgd.auth_token_file`).
     pub auth_token_file: Option<std::path::PathBuf>,
+    /// With servers: TLS on every call (`local_sgd.tls`).
+    pub tls: Option<TlsPlan>,
+}
+
+/// `local_sgd.tls`: the PEM files of a server's identity and of the authority workers trust
+/// it by.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TlsPlan {
+    /// The server's certificate chain.
+    pub cert_file: Option<std::path::PathBuf>,
+    /// The server's private key.
+    pub key_file: Option<std::path::PathBuf>,
+    /// What workers trust the server's certificate by.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// The name workers expect in the certificate (default: each server's host).
+    pub domain: Option<String>,
 }
 
 /// `local_sgd.mode`: when the global weights move.

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use zerotrain_precision::Precision;
 
 use super::autos::{Autos, invalid};
-use super::plan::{OuterOptimizer, ReplicaMode, ReplicaPlan, RuntimePlan};
+use super::plan::{OuterOptimizer, ReplicaMode, ReplicaPlan, RuntimePlan, TlsPlan};
 use super::value::Count;
 use super::{Config, ConfigError};
 
@@ -45,6 +45,24 @@ pub struct LocalSgdConfig {
     /// server checks (the `ZEROTRAIN_SERVER_TOKEN` environment variable wins over it).
     /// Default: none (a server answers anyone who reaches its port).
     pub auth_token_file: Option<String>,
+    /// With servers: TLS on every call. Default: none (plain TCP: the token and the weights
+    /// cross the network in the clear).
+    pub tls: Option<TlsConfig>,
+}
+
+/// `local_sgd.tls`: the files `zerotrain serve` presents and workers check, PEM each. One
+/// section serves both sides, so that one config file starts the server and its workers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TlsConfig {
+    /// The server's certificate chain (`zerotrain serve`).
+    pub cert_file: Option<String>,
+    /// The server's private key (`zerotrain serve`).
+    pub key_file: Option<String>,
+    /// The certificate authority (or authorities) workers trust the server's certificate by.
+    pub ca_file: Option<String>,
+    /// The name workers expect in the server's certificate. Default: the host of each
+    /// address in `servers`.
+    pub domain: Option<String>,
 }
 
 /// `local_sgd.outer_optimizer`.
@@ -121,6 +139,7 @@ pub(super) fn resolve(
         group_timeout,
         checkpoint_every,
         auth_token_file: section.auth_token_file.as_ref().map(std::path::PathBuf::from),
+        tls: section.tls.as_ref().map(tls),
     }))
 }
 
@@ -183,7 +202,7 @@ fn mode(section: &LocalSgdConfig, no_servers: bool, autos: &mut Autos) -> Result
 }
 
 /// The keys only servers act on: `group_timeout_s`, `checkpoint_every`,
-/// `auth_token_file` (named as without effect when there are none).
+/// `auth_token_file`, `tls` (named as without effect when there are none).
 fn server_keys(
     section: &LocalSgdConfig,
     no_servers: bool,
@@ -212,8 +231,24 @@ fn server_keys(
         if section.auth_token_file.is_some() {
             autos.no_effect("local_sgd.auth_token_file (no parameter servers)".into());
         }
+        if section.tls.is_some() {
+            autos.no_effect("local_sgd.tls (no parameter servers)".into());
+        }
     }
     Ok((group_timeout, checkpoint_every))
+}
+
+/// `local_sgd.tls` as paths: which of them a side needs is checked where it reads them
+/// (`replicas::server::tls`), so that a worker's config needs no server key and the
+/// reverse.
+fn tls(raw: &TlsConfig) -> TlsPlan {
+    let path = |p: &Option<String>| p.as_ref().map(std::path::PathBuf::from);
+    TlsPlan {
+        cert_file: path(&raw.cert_file),
+        key_file: path(&raw.key_file),
+        ca_file: path(&raw.ca_file),
+        domain: raw.domain.clone(),
+    }
 }
 
 fn outer(raw: Option<&OuterOptimizerConfig>) -> Result<OuterOptimizer, ConfigError> {

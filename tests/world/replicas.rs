@@ -449,3 +449,77 @@ fn a_server_with_a_token_refuses_calls_without_it_and_bounds_what_a_join_allocat
     server.stop().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A server with TLS (`local_sgd.tls`) serves a worker that trusts its certificate
+/// authority, over TLS, with the token; a worker without TLS, and one trusting another
+/// authority, are refused by name; a side missing its own file is an error naming the key.
+#[test]
+fn a_server_with_tls_serves_workers_that_trust_its_authority_and_no_others() {
+    use zerotrain::replicas::server::auth::Token;
+    use zerotrain::replicas::server::{Part, ServerConfig, ServerRound, serve, tls};
+    let dir = crate::tiers::scratch("tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Two authorities; the server's certificate, for `localhost`, signed by the first.
+    let authority = |name: &str| {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::generate().unwrap()).unwrap()
+    };
+    let (ours, theirs) = (authority("ours"), authority("theirs"));
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap().signed_by(&key, &ours).unwrap();
+    let file = |name: &str, text: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let (cert, key) = (file("server.pem", cert.pem()), file("server.key", key.serialize_pem()));
+    let (ours, theirs) = (file("ours.pem", ours.pem()), file("theirs.pem", theirs.pem()));
+    let token = file("token", "0123456789abcdef0123456789abcdef".into());
+    let section = |tls: &str| {
+        let json = format!(
+            r#"{{"groups": 1, "sync_every": 1, "outer_optimizer": {{"type": "sgd"}}, "servers": ["127.0.0.1:1"], "group": 0, "auth_token_file": "{token}"{tls}}}"#
+        );
+        plan(&sgd_recipe(2, &json), 1).replicas.unwrap()
+    };
+    let server_side = section(&format!(r#", "tls": {{"cert_file": "{cert}", "key_file": "{key}"}}"#));
+    let mut config = ServerConfig::new(&server_side, None);
+    config.token = Token::load(Some(std::path::Path::new(&token))).unwrap();
+    config.tls = tls::identity(&server_side).unwrap();
+    assert!(config.tls.is_some());
+    let server = serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let addr = server.addr().to_string();
+    let part = Part { index: 0, count: 1, offset: 0, shard_len: 8, layout: 5 };
+    let start = |plan: &zerotrain::config::ReplicaPlan, secs: u64| {
+        ServerRound::start(&addr, 0, part, plan, vec![1.0; 8], std::time::Duration::from_secs(secs))
+    };
+    let trusting = |ca: &str| section(&format!(r#", "tls": {{"ca_file": "{ca}", "domain": "localhost"}}"#));
+    // Refused: plain TCP to a TLS server, and a worker that trusts another authority (at
+    // once: waiting cannot make a certificate trusted).
+    let e = start(&section(""), 2).err().expect("a plain worker joined a TLS server").to_string();
+    assert!(e.contains("a server with TLS needs local_sgd.tls.ca_file"), "{e}");
+    let began = std::time::Instant::now();
+    let e = start(&trusting(&theirs), 20).err().expect("a worker trusting another authority joined").to_string();
+    assert!(e.contains("invalid peer certificate") && e.contains("local_sgd.tls.ca_file"), "{e}");
+    assert!(began.elapsed() < std::time::Duration::from_secs(10), "an untrusted certificate was retried: {e}");
+    // A worker of the wrong name for the certificate is refused the same way.
+    let misnamed = section(&format!(r#", "tls": {{"ca_file": "{ours}", "domain": "elsewhere"}}"#));
+    let e = start(&misnamed, 20).err().expect("a worker expecting another name joined").to_string();
+    assert!(e.contains("invalid peer certificate"), "{e}");
+    // The worker that trusts the server's authority trains a round through it.
+    let mut group = start(&trusting(&ours), 20).unwrap();
+    let (global, round) = group.run(&[0.5; 8]).unwrap();
+    assert_eq!((global, round.live_groups), (&[0.5; 8][..], 1));
+    drop(group);
+    server.stop().unwrap();
+    // Each side names the file it lacks, or the one it cannot use.
+    let e = tls::identity(&trusting(&ours)).unwrap_err().to_string();
+    assert!(e.contains("local_sgd.tls.cert_file is needed here"), "{e}");
+    let e = start(&server_side, 2).err().expect("a worker without a ca_file started").to_string();
+    assert!(e.contains("local_sgd.tls.ca_file is needed here"), "{e}");
+    let swapped = section(&format!(r#", "tls": {{"cert_file": "{key}", "key_file": "{key}"}}"#));
+    let e = tls::identity(&swapped).unwrap_err().to_string();
+    assert!(e.contains("server.key holds no PEM `CERTIFICATE` block"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -39,6 +39,7 @@ pub fn rounds(params: usize, dtype: Precision, repeats: usize) -> Result<Vec<Ser
         group_timeout: Duration::from_secs(600),
         checkpoint_every: 1,
         auth_token_file: None,
+        tls: None,
     };
     let server = serve("127.0.0.1:0".parse().expect("an address"), ServerConfig::new(&plan, None))?;
     let start: Vec<f32> = (0..params).map(|i| (i % 1000) as f32 * 1e-3).collect();

@@ -15,11 +15,18 @@ pub fn serve(file: &Path, listen: std::net::SocketAddr, checkpoint: Option<std::
     };
     let mut config = crate::replicas::server::ServerConfig::new(replicas, checkpoint);
     config.token = crate::replicas::server::auth::Token::load(replicas.auth_token_file.as_deref())?;
+    config.tls = crate::replicas::server::tls::identity(replicas)?;
     if config.token.is_none() {
         eprintln!(
             "zerotrain serve: warning: no token (local_sgd.auth_token_file or {}): anyone who reaches {listen} can \
              join as a group and push values",
             crate::replicas::server::auth::TOKEN_VARIABLE
+        );
+    }
+    if config.tls.is_none() {
+        eprintln!(
+            "zerotrain serve: warning: no TLS (local_sgd.tls): the token and the weights cross the network in the \
+             clear; keep the server on a private network"
         );
     }
     let server = crate::replicas::server::serve(listen, config)?;

@@ -38,6 +38,8 @@ pub struct ServerRound {
     part: Part,
     /// The `local_sgd` keys the server must run with too.
     settings: Settings,
+    /// Whether the connection is TLS.
+    secure: bool,
     timeout: Duration,
     pull_wait: Duration,
     /// The pseudo-gradient and the pulled weights, flat, kept across rounds.
@@ -68,14 +70,21 @@ impl ServerRound {
             .enable_all()
             .build()
             .map_err(|e| Error::Launch(format!("local_sgd.servers: no runtime for the client: {e}")))?;
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let tls = super::tls::client(plan, addr)?;
+        let secure = tls.is_some();
+        let scheme = if secure { "https" } else { "http" };
+        let endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| Error::Launch(format!("local_sgd.servers: `{addr}` is not an address: {e}")))?
             .connect_timeout(timeout.min(Duration::from_secs(10)))
             .initial_stream_window_size(super::serve::WINDOW)
             .initial_connection_window_size(super::serve::WINDOW)
             .max_frame_size(super::serve::MAX_FRAME);
+        let endpoint = match tls {
+            Some(tls) => endpoint.tls_config(tls).map_err(|e| Error::Launch(format!("local_sgd.tls: {e}")))?,
+            None => endpoint,
+        };
         let token = Token::load(plan.auth_token_file.as_deref())?;
-        let client = runtime.block_on(connect(endpoint, addr, Attach::new(token.as_ref()), timeout))?;
+        let client = runtime.block_on(connect(endpoint, addr, Attach::new(token.as_ref()), timeout, secure))?;
         let dtype = match plan.comm_dtype {
             Precision::Bf16 => Dtype::Bf16,
             _ => Dtype::Fp32,
@@ -92,6 +101,7 @@ impl ServerRound {
             dtype,
             part,
             settings: ServerConfig::new(plan, None).settings(),
+            secure,
             timeout,
             pull_wait: plan.group_timeout + timeout,
             delta: Vec::new(),
@@ -236,13 +246,20 @@ impl ServerRound {
             match status.code() {
                 Code::Aborted => return Err(Failure::Rejoin(status.message().to_owned())),
                 // The server went away (or restarts): the connection's errors.
-                Code::Unavailable | Code::Unknown | Code::Cancelled => match backoff.next() {
-                    Some(wait) => std::thread::sleep(wait),
-                    None => {
-                        let detail = format!("unreachable for {:.1} s: {}", backoff.elapsed(), status.message());
-                        return Err(Failure::Fatal(self.error(what, detail)));
+                Code::Unavailable | Code::Unknown | Code::Cancelled => {
+                    let why = match std::error::Error::source(&status) {
+                        Some(source) => format!("{}: {}", status.message(), chain(source)),
+                        None => status.message().to_owned(),
+                    };
+                    match (backoff.next(), untrusted(&why)) {
+                        (Some(wait), false) => std::thread::sleep(wait),
+                        (_, untrusted) => {
+                            let hint = hint(untrusted, self.secure);
+                            let detail = format!("unreachable for {:.1} s: {why}{hint}", backoff.elapsed());
+                            return Err(Failure::Fatal(self.error(what, detail)));
+                        }
                     }
-                },
+                }
                 _ => return Err(Failure::Fatal(self.error(what, status.message().to_owned()))),
             }
         }
@@ -322,8 +339,35 @@ impl Backoff {
     }
 }
 
-/// Connects, retrying with [`Backoff`] until `timeout`.
-async fn connect(endpoint: Endpoint, addr: &str, attach: Attach, timeout: Duration) -> Result<Client> {
+/// Whether a connection failed because the worker does not trust the server's
+/// certificate, which waiting cannot change.
+fn untrusted(why: &str) -> bool {
+    why.contains("invalid peer certificate")
+}
+
+/// What to look at when a server cannot be reached.
+fn hint(untrusted: bool, tls: bool) -> &'static str {
+    match (untrusted, tls) {
+        (true, _) => " (local_sgd.tls.ca_file and domain: what this worker trusts)",
+        (false, false) => " (a server with TLS needs local_sgd.tls.ca_file here)",
+        (false, true) => "",
+    }
+}
+
+/// `e` and the errors beneath it, as "outer: inner: ...".
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        text = format!("{text}: {inner}");
+        source = inner.source();
+    }
+    text
+}
+
+/// Connects (over TLS where `tls`), retrying with [`Backoff`] until `timeout`; a server
+/// certificate the worker does not trust fails at once.
+async fn connect(endpoint: Endpoint, addr: &str, attach: Attach, timeout: Duration, tls: bool) -> Result<Client> {
     let mut backoff = Backoff::new(timeout);
     loop {
         match endpoint.connect().await {
@@ -331,15 +375,20 @@ async fn connect(endpoint: Endpoint, addr: &str, attach: Attach, timeout: Durati
                 let client = ParameterServerClient::with_interceptor(channel, attach);
                 return Ok(client.max_decoding_message_size(16 << 20));
             }
-            Err(e) => match backoff.next() {
-                Some(wait) => tokio::time::sleep(wait).await,
-                None => {
-                    return Err(Error::Launch(format!(
-                        "local_sgd.servers: the server at {addr} does not answer ({e}) after {:.1} s",
-                        backoff.elapsed()
-                    )));
+            Err(e) => {
+                let why = chain(&e);
+                let untrusted = untrusted(&why);
+                match backoff.next() {
+                    Some(wait) if !untrusted => tokio::time::sleep(wait).await,
+                    _ => {
+                        let hint = hint(untrusted, tls);
+                        return Err(Error::Launch(format!(
+                            "local_sgd.servers: the server at {addr} does not answer ({why}) after {:.1} s{hint}",
+                            backoff.elapsed()
+                        )));
+                    }
                 }
-            },
+            }
         }
     }
 }

@@ -36,6 +36,7 @@ mod place;
 mod serve;
 mod service;
 mod store;
+pub mod tls;
 
 pub use client::ServerRound;
 pub use parts::ServerRounds;
@@ -51,7 +52,7 @@ use zerotrain_precision::Precision;
 use crate::config::{OuterOptimizer, ReplicaMode, ReplicaPlan};
 
 /// What a server needs of the replica groups' plan, and where it saves.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Groups `0..groups` may join.
     pub groups: usize,
@@ -70,11 +71,13 @@ pub struct ServerConfig {
     pub comm_dtype: Precision,
     /// The secret every call must carry ([`auth`]); none: anyone may call.
     pub token: Option<auth::Token>,
+    /// The identity the server presents over TLS ([`tls::identity`]); none: plain TCP.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 impl ServerConfig {
     /// The server of `plan`'s groups, saving into `checkpoint` if given, without a token
-    /// (see `token`).
+    /// or TLS (see `token` and `tls`).
     pub fn new(plan: &ReplicaPlan, checkpoint: Option<PathBuf>) -> Self {
         Self {
             groups: plan.groups,
@@ -85,6 +88,7 @@ impl ServerConfig {
             checkpoint_every: plan.checkpoint_every,
             comm_dtype: plan.comm_dtype,
             token: None,
+            tls: None,
         }
     }
 }
