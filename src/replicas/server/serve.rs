@@ -204,6 +204,7 @@ mod tests {
             checkpoint_every: 100,
             comm_dtype: Precision::Fp32,
             token: None,
+            tls: None,
         }
     }
 
