@@ -155,6 +155,11 @@ pub struct Round {
     /// The group had been dropped from the servers' quorum (or a server restarted): it
     /// joined again and continues from the current global weights, its window discarded.
     pub rejoined: bool,
+    /// Through servers: the servers' round count, the rounds the global weights the group
+    /// continues from have had applied (sync), or the round it pushes next (async); the
+    /// highest of its places'. Groups that continue from the same count of a sync server
+    /// hold the same weights. `None` in one job (`round` counts there).
+    pub global_round: Option<u64>,
 }
 
 /// An optimizer step of a group, and the round it ended with, if any.

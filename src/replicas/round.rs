@@ -54,7 +54,8 @@ impl PeerRound {
             rest = more;
         }
         let bytes = self.peers.stats().since(&before).total_bytes();
-        Ok((&self.global, Round { round: 0, bytes, live_groups: self.plan.groups, staleness: 0, rejoined: false }))
+        let live_groups = self.plan.groups;
+        Ok((&self.global, Round { round: 0, bytes, live_groups, staleness: 0, rejoined: false, global_round: None }))
     }
 
     /// Sums `delta` over the peers (in rank order, which is group order), travelling in the

@@ -139,6 +139,7 @@ fn groups_train_apart_and_a_round_moves_only_each_ranks_shard() {
                 live_groups: 2,
                 staleness: 0,
                 rejoined: false,
+                global_round: None,
             };
             assert_eq!(*round, Some(want), "rank {rank}");
             assert_eq!(*peer_bytes, shard * bytes, "{dtype} rank {rank}");

@@ -31,6 +31,10 @@ pub struct StepMetrics {
     /// Replica groups: rounds so far (`local_sgd`); absent without groups.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub rounds: Option<u64>,
+    /// Replica groups through servers: the servers' round count the group's weights come
+    /// from after its last round (`Round::global_round`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub global_round: Option<u64>,
     /// Replica groups: groups live at the last round (fewer than `local_sgd.groups` once
     /// the servers dropped some).
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -191,6 +195,7 @@ mod tests {
             comm_bytes: 0,
             rounds: None,
             live_groups: None,
+            global_round: None,
             staleness: None,
         }
     }

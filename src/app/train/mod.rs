@@ -255,6 +255,7 @@ impl Job<'_> {
                 rounds: engine.rounds(),
                 live_groups: engine.last_round().map(|r| r.live_groups),
                 staleness: engine.last_round().map(|r| r.staleness),
+                global_round: engine.last_round().and_then(|r| r.global_round),
             };
             if let Some(file) = &mut log_file {
                 file.push(&metrics).map_err(io(&metrics_path))?;

@@ -151,6 +151,7 @@ impl ServerRound {
                     live_groups: ack.live as usize,
                     staleness: ack.staleness,
                     rejoined: false,
+                    global_round: Some(self.round),
                 };
                 Ok((&self.global, info))
             }
@@ -162,8 +163,9 @@ impl ServerRound {
                     Failure::Fatal(e) => e,
                     Failure::Rejoin(why) => self.error("join", why),
                 })?;
-                let info =
-                    Round { round: 0, bytes: 8 * len, live_groups: ack.live as usize, staleness: 0, rejoined: true };
+                let live_groups = ack.live as usize;
+                let global_round = Some(self.round);
+                let info = Round { round: 0, bytes: 8 * len, live_groups, staleness: 0, rejoined: true, global_round };
                 Ok((&self.global, info))
             }
         }

@@ -133,9 +133,11 @@ impl ServerRounds {
                 .map(|h| h.join().unwrap_or_else(|_| Err(Error::Launch("a server's client panicked".into()))))
                 .collect()
         });
-        let mut total = Round { round: 0, bytes: 0, live_groups: usize::MAX, staleness: 0, rejoined: false };
+        let mut total =
+            Round { round: 0, bytes: 0, live_groups: usize::MAX, staleness: 0, rejoined: false, global_round: None };
         for x in results {
             let x = x?;
+            total.global_round = total.global_round.max(x.global_round);
             total.bytes += x.bytes;
             total.live_groups = total.live_groups.min(x.live_groups);
             total.staleness = total.staleness.max(x.staleness);
