@@ -63,11 +63,11 @@
 //!
 //! # Design notes
 //! - *Note: the root unit* (parameters no unit claims, tied weights): [`engine::model`].
-//! - *Note: the unit walk* (gather, prefetch, recompute, reduce per unit): `engine/exec.rs`.
+//! - *Note: the unit walk* (gather, prefetch, recompute, reduce per unit): `engine/unit_walk.rs`.
 //! - *Note: replayable randomness* (dropout under recomputation and thread ranks): [`random`].
 //! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params/index.rs`.
 //! - *Note: why reduce-scatter per micro-step*, *reductions in flight*: `engine/accumulation.rs`.
-//! - *Note: persistence* (stage 3): `engine/unit/`; *lost master weights*, the offload tiers: `engine/home.rs`, `engine/swapped.rs`; *threads and direct I/O*: `swap/io.rs`; *the host AdamW*: `engine/host_adam.rs`.
+//! - *Note: persistence* (stage 3): `engine/unit/`; *lost master weights*, the offload tiers: `engine/tier.rs`, `engine/swapped.rs`; *threads and direct I/O*: `swap/io.rs`; *the host AdamW*: `engine/host_adam.rs`.
 //! - *Note: one engine, any span* (what a pipeline stage changes): `engine/span.rs`.
 //! - *Note: buffers* (running statistics: averaged when observed): `engine/buffers.rs`.
 //! - *Note: flat shards*, *parameter groups*: [`engine::optimizer`].

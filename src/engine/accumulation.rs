@@ -34,10 +34,9 @@ use burn::tensor::{Device, Tensor};
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Collective, FlatLayout, Pending, ReduceOp, Request, ZeroStage};
 
-use super::PhaseTimes;
 use super::flat::{Flat, float_dtype, tensor, zeros};
 use super::params::UnitGrads;
-use super::unit::finish;
+use super::report::PhaseTimes;
 use crate::{Error, Result};
 
 /// Buckets of one unit in flight at once (stages 2-3): a larger unit waits for its oldest
@@ -236,7 +235,7 @@ impl UnitGrad {
                 let GradState::Reducing(pending) = std::mem::replace(&mut self.state, placeholder) else {
                     unreachable!("matched above")
                 };
-                let reduced = finish(pending, times)?.output;
+                let reduced = times.wait_for(pending)?.output;
                 // Stage 1 without reduce-scatter all-reduced the whole buffer: keep its shard.
                 let reduced = if self.stage == ZeroStage::OptimizerStates && reduced.len() != self.own.len() {
                     FlatBuf::F32(reduced.as_ref().slice(self.own.clone()).to_f32())
@@ -303,7 +302,7 @@ fn fresh(dtype: Precision, len: usize) -> GradState {
 /// Waits for the oldest bucket in flight and adds its result to the accumulator.
 fn settle_oldest(acc: &mut FlatBuf, buckets: &mut VecDeque<Bucket>, times: &mut PhaseTimes) -> Result<()> {
     if let Some(bucket) = buckets.pop_front() {
-        let output = finish(bucket.pending, times)?.output;
+        let output = times.wait_for(bucket.pending)?.output;
         acc.as_mut().slice(bucket.range).copy_from(output.as_ref(), bucket.add);
     }
     Ok(())

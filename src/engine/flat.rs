@@ -6,7 +6,7 @@
 //! something on the host needs them: a host collective (the threads or MPI backend, with
 //! more than one rank in the group) or an offload tier. Where nothing does (one rank per
 //! group, states on the device, no pipeline to sum the root over), the step never leaves
-//! the device ([`Shared::device_step`](super::unit::Shared)): backward's gradients are
+//! the device ([`Shared::device_step`](super::shared::Shared)): backward's gradients are
 //! flattened there into the unit's accumulator, the norm is summed there (one number per
 //! unit comes back), the optimizer steps the device masters, and the new values are
 //! written into the model there, cast to the compute dtype. Elsewhere a flat buffer lives

@@ -19,8 +19,8 @@ use zerotrain_zero::ReduceOp;
 
 use super::Engine;
 use super::flat::Flat;
+use super::shared::Shared;
 use super::span::Span;
-use super::unit::Shared;
 use crate::{Error, Result};
 
 /// The step's gradients, reduced and measured (module note).

@@ -2,8 +2,8 @@
 //! at a time, with no autodiff graph (the pipeline's evaluation walks its stage's units the
 //! same way).
 
-use super::exec::{Direction, Pass};
 use super::model::UnitModel;
+use super::unit_walk::{Direction, Pass};
 use super::{Engine, Granularity};
 use crate::{Error, Result};
 

@@ -12,7 +12,7 @@
 //! the model's parameters are the masters), a gradient accumulator (`engine/accumulation.rs`)
 //! and an optimizer stepping its flat range (`engine/optimizer.rs`). The engine adds the
 //! loss scaler, counters and the lr schedule; `engine/build.rs` makes it,
-//! `engine/whole.rs` runs the model as one unit, `engine/exec.rs` walks declared units,
+//! `engine/whole_model.rs` runs the model as one unit, `engine/unit_walk.rs` walks declared units,
 //! `engine/step.rs` has the optimizer step, `engine/checkpoint/` saving and loading,
 //! `engine/buffers.rs` the model's non-trainable tensors, and `engine/span.rs` says where
 //! the engine's units sit in the job (all of the model, or a pipeline stage's run).
@@ -30,12 +30,12 @@ mod buffers;
 mod build;
 mod builtin;
 mod checkpoint;
-mod exec;
 mod export;
 mod flat;
 mod gradients;
-mod home;
 mod host_adam;
+mod tier;
+mod unit_walk;
 #[cfg(feature = "cli")] // `zerotrain bench offload`
 pub(crate) use host_adam::{AdamW as HostAdamWParams, HostAdamW};
 pub(crate) use shared::agree;
@@ -48,19 +48,19 @@ mod params;
 mod parts;
 mod pipeline;
 mod report;
-mod shards;
+mod shard_masters;
 mod shared;
 mod span;
 mod step;
 mod swapped;
 #[cfg(feature = "cli")] // `zerotrain bench offload`
-pub(crate) use swapped::{SwappedOptimizer, Swapping};
+pub(crate) use swapped::{SwappedOptimizer, SwappedOptimizerSetup};
 #[cfg(all(test, feature = "cli"))]
 mod stream_tests;
 #[cfg(test)]
 mod tests;
 mod unit;
-mod whole;
+mod whole_model;
 
 use burn::module::Module;
 use zerotrain_precision::LossScaler;
@@ -78,8 +78,9 @@ use self::params::{ParamIndex, trainable_bytes};
 pub use self::pipeline::Pipeline;
 pub use self::report::{Counters, HostDeviceBytes, MemoryReport, PhaseTimes, StepReport};
 use self::report::{Peaks, Window};
+use self::shared::Shared;
 use self::span::Span;
-use self::unit::{Shared, Unit};
+use self::unit::Unit;
 use crate::config::Plan;
 use zerotrain_precision::Precision;
 
@@ -89,18 +90,18 @@ use zerotrain_precision::Precision;
 /// - Building: [`new`](Self::new), [`with_units`](Self::with_units), [`builder`](Self::builder)
 ///   (`build.rs`).
 /// - Training, one unit: [`forward`](Self::forward), [`backward`](Self::backward)
-///   (`whole.rs`); declared units: [`forward_backward`](Self::forward_backward),
-///   [`train_batch`](Self::train_batch) (`exec.rs`); then [`step`](Self::step) (`step.rs`:
+///   (`whole_model.rs`); declared units: [`forward_backward`](Self::forward_backward),
+///   [`train_batch`](Self::train_batch) (`unit_walk.rs`); then [`step`](Self::step) (`step.rs`:
 ///   settle the reductions, unscale and clip, each unit's `unit/step.rs`). The gradients
 ///   before the step: [`gradients`](Self::gradients) (`gradients.rs`).
 /// - Evaluating: [`evaluate`](Self::evaluate) (`infer.rs`), [`eval`](Self::eval),
-///   [`full_model`](Self::full_model), [`sync_buffers`](Self::sync_buffers) (`whole.rs`).
+///   [`full_model`](Self::full_model), [`sync_buffers`](Self::sync_buffers) (`whole_model.rs`).
 /// - Checkpoints: [`save_checkpoint`](Self::save_checkpoint),
 ///   [`load_checkpoint`](Self::load_checkpoint) (`checkpoint/`); exports:
 ///   [`master_params`](Self::master_params), [`gather_model`](Self::gather_model),
 ///   [`save_model`](Self::save_model) (`export.rs`); replica groups' shards:
 ///   [`shard_masters`](Self::shard_masters), [`load_shard_masters`](Self::load_shard_masters)
-///   (`shards.rs`).
+///   (`shard_masters.rs`).
 /// - State and reports (here): [`counters`](Self::counters), [`last_step`](Self::last_step),
 ///   [`get_lr`](Self::get_lr), [`set_lr`](Self::set_lr), [`loss_scale`](Self::loss_scale),
 ///   [`get_global_grad_norm`](Self::get_global_grad_norm),

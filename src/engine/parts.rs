@@ -1,7 +1,7 @@
 //! What an engine is made of, apart from how it is made: the units a model declares
 //! ([`Declared`]), which of them a rank holds and over which group ([`Parts`]), and the
 //! shard alignment. Both the builder (`build.rs`) and a pipeline stage's placement
-//! (`pipeline/place.rs`) use them; neither imports the other for them.
+//! (`pipeline/stage_values.rs`) use them; neither imports the other for them.
 
 use std::sync::Arc;
 

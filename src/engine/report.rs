@@ -1,7 +1,11 @@
 //! What the engine reports: each step ([`StepReport`], [`PhaseTimes`]), the memory a rank
 //! holds ([`MemoryReport`]) and DeepSpeed's step [`Counters`].
 
-use zerotrain_zero::CommStats;
+use std::time::Instant;
+
+use zerotrain_zero::{CommStats, Completed, Pending};
+
+use crate::Result;
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,6 +90,19 @@ pub struct PhaseTimes {
     /// stages, and at the flush for the last stage to finish (the bubble, and any
     /// imbalance); outside the other phases but for the flush, which is part of `reduce`.
     pub pipe_wait: f64,
+}
+
+impl PhaseTimes {
+    /// Waits for `pending`, counting the wait (`comm_wait`) and the collective's own time
+    /// (`comm_busy`).
+    pub(crate) fn wait_for(&mut self, pending: Pending) -> Result<Completed> {
+        let start = Instant::now();
+        let done = pending.wait();
+        self.comm_wait += start.elapsed().as_secs_f64();
+        let done = done?;
+        self.comm_busy += done.busy.as_secs_f64();
+        Ok(done)
+    }
 }
 
 impl PhaseTimes {

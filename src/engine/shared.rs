@@ -18,14 +18,14 @@ use crate::{Error, Result};
 
 /// The rank's swap folders, one per NVMe tier in use.
 #[derive(Default)]
-pub(crate) struct Swaps {
+pub(crate) struct SwapFolders {
     /// Master weights and optimizer state (`offload_optimizer.device: "nvme"`).
     pub optimizer: Option<Arc<SwapDir>>,
     /// Stage 3 parameter shards (`offload_param.device: "nvme"`).
     pub param: Option<Arc<SwapDir>>,
 }
 
-impl Swaps {
+impl SwapFolders {
     /// The rank's swap folders for the plan's NVMe tiers, agreed over the world: if any rank
     /// cannot open its folder (unwritable, or in use by another job), every rank fails at
     /// once, the failing one naming the path, instead of the others waiting at the next
@@ -74,7 +74,7 @@ pub(crate) struct Shared {
     pub sharding: Sharding,
     pub index: ParamIndex,
     /// The swap folders of the NVMe tiers.
-    pub swaps: Swaps,
+    pub swaps: SwapFolders,
     /// Bytes copied between host memory and the device (see [`crossed`](Self::crossed)).
     pub crossings: Crossings,
     /// The random streams the rank's forward passes draw from.

@@ -60,7 +60,7 @@ impl Writing {
 
 /// What every unit's swapped optimizer is built from: the optimizer's plan and factory, the
 /// offload settings and the rank's swap folder.
-pub(crate) struct Swapping<'a> {
+pub(crate) struct SwappedOptimizerSetup<'a> {
     pub optim: &'a OptimPlan,
     pub factory: &'a OptimizerFactory,
     pub offload: &'a OffloadPlan,
@@ -86,7 +86,7 @@ pub(crate) struct SwappedOptimizer {
     pipeline_write: bool,
     dir: Arc<SwapDir>,
     /// A step failed part-way: some tiles hold the new values, some the old. Every use is
-    /// an error until a checkpoint load writes the whole range again (see `home.rs`'s note
+    /// an error until a checkpoint load writes the whole range again (see `tier.rs`'s note
     /// on lost master weights).
     torn: bool,
 }
@@ -100,9 +100,9 @@ impl SwappedOptimizer {
         len: usize,
         segments: &[ShardSegment],
         masters: Option<&[f32]>,
-        with: &Swapping<'_>,
+        with: &SwappedOptimizerSetup<'_>,
     ) -> Result<Self> {
-        let Swapping { optim, factory, offload, dir } = *with;
+        let SwappedOptimizerSetup { optim, factory, offload, dir } = *with;
         let tile = (offload.sub_group_size as usize).max(ALIGN_ELEMS);
         let tiles = (0..len.div_ceil(tile).max(1))
             .map(|t| {

@@ -65,7 +65,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use zerotrain_zero::{Collective, CommStats, Sharding};
 
-use self::round::PeerRound;
+use self::round::PeerExchange;
 use crate::config::ReplicaPlan;
 use crate::engine::{Engine, StepReport};
 use crate::{Error, Plan, RankContext, Result};
@@ -196,7 +196,7 @@ impl<M: Module> LocalSgd<M> {
         let local = engine.shard_masters()?;
         let plan = &replicas.plan;
         let round = match plan.servers.as_slice() {
-            [] => Exchange::Peers(Box::new(PeerRound::start(plan.clone(), Arc::clone(&replicas.peers), local)?)),
+            [] => Exchange::Peers(Box::new(PeerExchange::start(plan.clone(), Arc::clone(&replicas.peers), local)?)),
             servers => server_round(servers, replicas, engine.sharding(), local)?,
         };
         if replicas.group != 0 || !plan.servers.is_empty() {
@@ -281,10 +281,10 @@ impl<M: Module> LocalSgd<M> {
 /// Where a rank's rounds happen.
 enum Exchange {
     /// Among the ranks of this job holding the same shard in every group.
-    Peers(Box<PeerRound>),
+    Peers(Box<PeerExchange>),
     /// Through a parameter server (the `servers` feature).
     #[cfg(feature = "servers")]
-    Server(Box<server::ServerRounds>),
+    Server(Box<server::ServerExchange>),
 }
 
 impl Exchange {
@@ -307,7 +307,7 @@ fn server_round(
     local: Vec<Vec<f32>>,
 ) -> Result<Exchange> {
     let place = replicas.peers.rank();
-    let rounds = server::ServerRounds::start(servers, place, sharding, &replicas.plan, local, replicas.timeout)?;
+    let rounds = server::ServerExchange::start(servers, place, sharding, &replicas.plan, local, replicas.timeout)?;
     Ok(Exchange::Server(Box::new(rounds)))
 }
 

@@ -1,4 +1,4 @@
-//! [`PeerRound`]: a round's exchange among the ranks of one job. The ranks holding the same
+//! [`PeerExchange`]: a round's exchange among the ranks of one job. The ranks holding the same
 //! shard in every group all-reduce their pseudo-gradients (`global - local`, in the round's
 //! communication dtype), and each steps the outer optimizer on its own shard of the global
 //! weights, so every peer ends with the same new global shard. Parameter servers, across
@@ -17,14 +17,14 @@ use crate::config::ReplicaPlan;
 
 /// The global weights of this rank's shard, per unit, and the outer optimizer's state for
 /// them; the peers to average with.
-pub(super) struct PeerRound {
+pub(super) struct PeerExchange {
     plan: ReplicaPlan,
     peers: Arc<dyn Collective>,
     global: Vec<Vec<f32>>,
     outer: Vec<OuterState>,
 }
 
-impl PeerRound {
+impl PeerExchange {
     /// Global weights from group 0's `start` (broadcast to every peer), a fresh outer
     /// optimizer. Every peer calls it at once.
     pub fn start(plan: ReplicaPlan, peers: Arc<dyn Collective>, mut start: Vec<Vec<f32>>) -> Result<Self> {

@@ -302,7 +302,7 @@ fn groups_with_nvme_tiers_train_as_groups_in_memory() {
 /// refused by name when it joins, and nothing of it is averaged.
 #[test]
 fn a_server_refuses_a_join_for_another_part_of_the_shards() {
-    use zerotrain::replicas::server::{Part, ServerConfig, ServerRound, serve};
+    use zerotrain::replicas::server::{Part, PlaceClient, ServerConfig, serve};
     let section = |extra: &str| format!(r#"{{"groups": 2, "sync_every": 2{extra}}}"#);
     let server_json = r#", "servers": ["127.0.0.1:1"], "group": 0, "group_timeout_s": 1"#;
     let server_plan = plan(&sgd_recipe(2, &section(server_json)), 2);
@@ -311,7 +311,7 @@ fn a_server_refuses_a_join_for_another_part_of_the_shards() {
     let addr = server.addr().to_string();
     let timeout = std::time::Duration::from_secs(20);
     let first = Part { index: 0, count: 2, offset: 0, shard_len: 8, layout: 7 };
-    let held = ServerRound::start(&addr, 0, first, replicas, vec![1.0; 4], timeout).unwrap();
+    let held = PlaceClient::start(&addr, 0, first, replicas, vec![1.0; 4], timeout).unwrap();
     let refused = [
         Part { index: 1, offset: 4, ..first },
         Part { layout: 8, ..first },
@@ -319,7 +319,7 @@ fn a_server_refuses_a_join_for_another_part_of_the_shards() {
         Part { shard_len: 9, ..first },
     ];
     for part in refused {
-        let Err(e) = ServerRound::start(&addr, 0, part, replicas, vec![2.0; 4], timeout) else {
+        let Err(e) = PlaceClient::start(&addr, 0, part, replicas, vec![2.0; 4], timeout) else {
             panic!("a join with {part:?} at a place holding {first:?} was taken");
         };
         let e = e.to_string();
@@ -327,13 +327,13 @@ fn a_server_refuses_a_join_for_another_part_of_the_shards() {
         assert!(e.contains("local_sgd.servers in one order, each server once"), "{e}");
     }
     // The same part at another place is another place; at this place it is welcome.
-    let other = ServerRound::start(&addr, 1, refused[0], replicas, vec![3.0; 4], timeout).unwrap();
-    let again = ServerRound::start(&addr, 0, first, replicas, vec![4.0; 4], timeout).unwrap();
+    let other = PlaceClient::start(&addr, 1, refused[0], replicas, vec![3.0; 4], timeout).unwrap();
+    let again = PlaceClient::start(&addr, 0, first, replicas, vec![4.0; 4], timeout).unwrap();
     assert_eq!((held.global(), other.global(), again.global()), (&[1.0; 4][..], &[3.0; 4][..], &[1.0; 4][..]));
 
     // A worker whose local_sgd keys differ from the server's is told which.
     let other = plan(&sgd_recipe(2, &section(r#", "servers": ["127.0.0.1:1"], "group": 1, "mode": "async""#)), 2);
-    let e = ServerRound::start(&addr, 2, first, other.replicas.as_ref().unwrap(), vec![0.0; 4], timeout).err();
+    let e = PlaceClient::start(&addr, 2, first, other.replicas.as_ref().unwrap(), vec![0.0; 4], timeout).err();
     let e = e.expect("a join under other settings was taken").to_string();
     assert!(e.contains("local_sgd.mode is async in this job's config, sync in the server's"), "{e}");
     assert!(e.contains("local_sgd.group_timeout_s is 60 in this job's config, 1 in the server's"), "{e}");
@@ -413,7 +413,7 @@ fn through_server_with(
 #[test]
 fn a_server_with_a_token_refuses_calls_without_it_and_bounds_what_a_join_allocates() {
     use zerotrain::replicas::server::auth::Token;
-    use zerotrain::replicas::server::{Part, ServerConfig, ServerRound, serve};
+    use zerotrain::replicas::server::{Part, PlaceClient, ServerConfig, serve};
     let dir = crate::tiers::scratch("token");
     std::fs::create_dir_all(&dir).unwrap();
     let (right, wrong) = (dir.join("token"), dir.join("other"));
@@ -433,7 +433,7 @@ fn a_server_with_a_token_refuses_calls_without_it_and_bounds_what_a_join_allocat
     let timeout = std::time::Duration::from_secs(20);
     let part = |len: u64| Part { index: 0, count: 1, offset: 0, shard_len: len, layout: 5 };
     let start = |plan: &zerotrain::config::ReplicaPlan, place: usize, len: usize| {
-        ServerRound::start(&addr, place, part(len as u64), plan, vec![1.0; len], timeout)
+        PlaceClient::start(&addr, place, part(len as u64), plan, vec![1.0; len], timeout)
     };
     for (file, why) in [(None, "no token: this server needs one"), (Some(wrong.as_path()), "a wrong token")] {
         let e = start(&section(file), 0, 1 << 20).err().expect("a call without the token was taken").to_string();
@@ -457,7 +457,7 @@ fn a_server_with_a_token_refuses_calls_without_it_and_bounds_what_a_join_allocat
 #[test]
 fn a_server_with_tls_serves_workers_that_trust_its_authority_and_no_others() {
     use zerotrain::replicas::server::auth::Token;
-    use zerotrain::replicas::server::{Part, ServerConfig, ServerRound, serve, tls};
+    use zerotrain::replicas::server::{Part, PlaceClient, ServerConfig, serve, tls};
     let dir = crate::tiers::scratch("tls");
     std::fs::create_dir_all(&dir).unwrap();
     // Two authorities; the server's certificate, for `localhost`, signed by the first.
@@ -493,7 +493,7 @@ fn a_server_with_tls_serves_workers_that_trust_its_authority_and_no_others() {
     let addr = server.addr().to_string();
     let part = Part { index: 0, count: 1, offset: 0, shard_len: 8, layout: 5 };
     let start = |plan: &zerotrain::config::ReplicaPlan, secs: u64| {
-        ServerRound::start(&addr, 0, part, plan, vec![1.0; 8], std::time::Duration::from_secs(secs))
+        PlaceClient::start(&addr, 0, part, plan, vec![1.0; 8], std::time::Duration::from_secs(secs))
     };
     let trusting = |ca: &str| section(&format!(r#", "tls": {{"ca_file": "{ca}", "domain": "localhost"}}"#));
     // Refused: plain TCP to a TLS server, and a worker that trusts another authority (at

@@ -9,7 +9,7 @@ use zerotrain_precision::Precision;
 
 use crate::Result;
 use crate::config::{OuterOptimizer, ReplicaMode, ReplicaPlan};
-use crate::replicas::server::{Part, ServerConfig, ServerRound, serve};
+use crate::replicas::server::{Part, PlaceClient, ServerConfig, serve};
 
 /// One measured round.
 #[derive(Debug, Clone, Serialize)]
@@ -44,7 +44,7 @@ pub fn rounds(params: usize, dtype: Precision, repeats: usize) -> Result<Vec<Ser
     let server = serve("127.0.0.1:0".parse().expect("an address"), ServerConfig::new(&plan, None))?;
     let start: Vec<f32> = (0..params).map(|i| (i % 1000) as f32 * 1e-3).collect();
     let part = Part { index: 0, count: 1, offset: 0, shard_len: params as u64, layout: 0 };
-    let mut round = ServerRound::start(&server.addr().to_string(), 0, part, &plan, start, Duration::from_secs(600))?;
+    let mut round = PlaceClient::start(&server.addr().to_string(), 0, part, &plan, start, Duration::from_secs(600))?;
     let mut rows = Vec::new();
     for r in 0..repeats.max(1) {
         let local: Vec<f32> = round.global().iter().map(|w| w - 1e-4 * (r + 1) as f32).collect();

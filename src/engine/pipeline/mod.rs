@@ -4,7 +4,7 @@
 //! With `pipeline.stages = K`, the world's `N` ranks form `K` stages of `D = N / K`
 //! data-parallel ranks ([`Topology`](zerotrain_zero::pipeline::Topology)). Each stage
 //! holds a contiguous run of the model's declared units plus the root, and releases every
-//! other parameter (`place.rs`). A stage is an ordinary [`Engine`] over its units, sharded
+//! other parameter (`stage_values.rs`). A stage is an ordinary [`Engine`] over its units, sharded
 //! over its `D` ranks exactly as a data-parallel engine is over the world (ZeRO stages
 //! 0-2); what a stage adds is here: the schedule. Each micro-batch's activations pass
 //! forward and its gradients back between neighbouring stages as point-to-point messages
@@ -20,7 +20,7 @@
 //! stage steps its replica of it identically. Checkpoints record each unit once, in the one
 //! global order, so they resume at any `K` and `D`, or without a pipeline.
 
-mod place;
+mod stage_values;
 mod wire;
 
 use std::collections::HashMap;
@@ -32,10 +32,10 @@ use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::pipeline::{ScheduleKind, Work, schedule};
 use zerotrain_zero::{Collective, CommStats, Pending, Sharding};
 
-pub(super) use self::place::place;
-use super::exec::Saved;
+pub(super) use self::stage_values::place;
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
+use super::unit_walk::Saved;
 use super::{Counters, Engine, LoadOptions, MemoryReport, StepReport};
 use crate::config::{PipelinePlan, Plan};
 use crate::context::RankContext;
@@ -279,7 +279,7 @@ impl<M: UnitModel> Pipeline<M> {
     /// data-parallel rank sends its units' parameters there (the root's from the first
     /// stage), with the buffers. Every rank must call it.
     pub fn gather_model(&mut self, root: usize) -> Result<Option<M>> {
-        place::gather_model(self, root)
+        stage_values::gather_model(self, root)
     }
 
     /// Writes the whole model to one safetensors file from world rank 0

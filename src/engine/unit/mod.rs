@@ -16,32 +16,22 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Tensor;
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
-use zerotrain_zero::{Completed, Pending, Request, ZeroStage};
+use zerotrain_zero::{Pending, Request, ZeroStage};
 
-use super::PhaseTimes;
 use super::accumulation::{ReduceOptions, UnitGrad};
 use super::flat::{Flat, float_dtype};
-use super::home::{Home, Master, ParamShard, lost};
 use super::master::Values;
 use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params, write_unit};
-pub(crate) use super::shared::Shared;
-use super::swapped::{SwappedOptimizer, Swapping};
+use super::report::PhaseTimes;
+use super::shared::Shared;
+use super::swapped::{SwappedOptimizer, SwappedOptimizerSetup};
+use super::tier::{Home, Master, ParamShard, lost};
 use crate::swap::{Ticket, unpack, wait, words};
 
 mod state;
 mod step;
 use crate::Result;
-
-/// Waits for `pending`, counting the wait and the collective's own time in `times`.
-pub(crate) fn finish(pending: Pending, times: &mut PhaseTimes) -> Result<Completed> {
-    let start = Instant::now();
-    let done = pending.wait();
-    times.comm_wait += start.elapsed().as_secs_f64();
-    let done = done?;
-    times.comm_busy += done.busy.as_secs_f64();
-    Ok(done)
-}
 
 /// Where a unit's parameters are at stage 3 (at stages 0-2 they are always present).
 #[derive(Debug)]
@@ -90,7 +80,7 @@ impl Unit {
         let home = match &shared.swaps.optimizer {
             Some(dir) => {
                 let masters = (!fp32).then(|| &values[range.clone()]);
-                let with = Swapping { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
+                let with = SwappedOptimizerSetup { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
                 let swapped = SwappedOptimizer::new(id, range.len(), &segments, masters, &with)?;
                 Home::Swapped(Box::new(swapped))
             }
@@ -193,7 +183,7 @@ impl Unit {
         let Presence::Fetching(pending) = std::mem::replace(&mut self.presence, Presence::Gathered) else {
             return Ok((model, 0));
         };
-        let gathered = finish(pending, times)?.output;
+        let gathered = times.wait_for(pending)?.output;
         let bytes = gathered.bytes();
         shared.crossed(true, bytes);
         let model = write_params(model, &shared.index, &shared.sharding, self.id, Fill::Take(gathered), &shared.device);
@@ -284,7 +274,7 @@ impl Unit {
             converted
         } else {
             let request = Request::AllGather { input: converted, output: FlatBuf::zeros(dtype, layout.padded_elems()) };
-            finish(shared.comm.start(request), times)?.output
+            times.wait_for(shared.comm.start(request))?.output
         };
         let bytes = full.bytes();
         shared.crossed(true, bytes);

@@ -1,9 +1,10 @@
 //! A unit's state seen from outside its lifecycle: the optimizer state for checkpoints, and
 //! the bytes each kind of state holds for memory reports.
 
-use super::super::optimizer::ExportedState;
-use super::{Shared, Unit};
+use super::Unit;
 use crate::Result;
+use crate::engine::optimizer::ExportedState;
+use crate::engine::shared::Shared;
 
 impl Unit {
     /// The optimizer state over the unit's range (checkpoints).
@@ -28,8 +29,8 @@ impl Unit {
 
     /// Replaces every optimizer (tests inject failures).
     #[cfg(test)]
-    pub fn replace_optimizers(&mut self, make: impl Fn() -> Box<dyn super::super::optimizer::ShardOptimizer>) {
-        if let super::Home::Resident { optimizer, .. } = &mut self.home {
+    pub fn replace_optimizers(&mut self, make: impl Fn() -> Box<dyn crate::engine::optimizer::ShardOptimizer>) {
+        if let crate::engine::tier::Home::Resident { optimizer, .. } = &mut self.home {
             optimizer.replace(make);
         }
     }

@@ -13,11 +13,13 @@ use burn::module::Module;
 use zerotrain_precision::Precision;
 use zerotrain_zero::ZeroStage;
 
-use super::{PhaseTimes, Shared, Unit, in_model, read};
+use super::{Unit, in_model, read};
 use crate::Result;
-use crate::engine::home::{Home, Master, lost};
 use crate::engine::master::Values;
 use crate::engine::params::read_range;
+use crate::engine::report::PhaseTimes;
+use crate::engine::shared::Shared;
+use crate::engine::tier::{Home, Master, lost};
 
 impl Unit {
     /// Steps the optimizer over the unit's range with the final gradients `grads` (fp32,

@@ -1,4 +1,4 @@
-//! The worker side: [`ServerRound`], one rank's rounds through a parameter server.
+//! The worker side: [`PlaceClient`], one rank's rounds through a parameter server.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -24,7 +24,7 @@ type Client = ParameterServerClient<InterceptedService<Channel, Attach>>;
 /// copy of the place's global weights, its session and the round it pushes next. A call
 /// the server does not answer is retried with backoff for up to `timeout`; a pull may wait
 /// the group timeout longer (the server drops the groups that keep it waiting).
-pub struct ServerRound {
+pub struct PlaceClient {
     runtime: tokio::runtime::Runtime,
     client: Client,
     addr: String,
@@ -53,7 +53,7 @@ enum Failure {
     Fatal(Error),
 }
 
-impl ServerRound {
+impl PlaceClient {
     /// Connects to `addr` (retrying with backoff for up to `timeout`), joins `place` as
     /// `plan.group` with this rank's `start` weights, `part` of its shard (the place's
     /// first joiner sets the global weights and the part every later joiner must send),
@@ -275,7 +275,7 @@ impl ServerRound {
     }
 }
 
-impl Drop for ServerRound {
+impl Drop for PlaceClient {
     /// Leaves the place, so that the other groups stop waiting for this one (best effort:
     /// a server that does not answer within a second drops it past its timeout anyway).
     fn drop(&mut self) {

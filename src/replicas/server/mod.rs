@@ -4,7 +4,7 @@
 //! shard of the global weights it is), the global weights and their outer optimizer. Each
 //! job is one replica group (`local_sgd.group` of `local_sgd.groups`); each of its ranks
 //! pushes its pseudo-gradient for a round and pulls the next round's global weights
-//! ([`ServerRound`], the across-jobs form of the in-job peer round). Transport: gRPC through
+//! ([`PlaceClient`], the across-jobs form of the in-job peer round). Transport: gRPC through
 //! tonic (`proto/parameter_server.proto`): an established, streaming RPC stack on tokio,
 //! whose HTTP/2 flow control and deadlines we need not write, tensors streamed in chunks of
 //! [`CHUNK_ELEMS`] values (pseudo-gradients in `communication_data_type`, weights in f32),
@@ -38,8 +38,8 @@ mod service;
 mod store;
 pub mod tls;
 
-pub use client::ServerRound;
-pub use parts::ServerRounds;
+pub use client::PlaceClient;
+pub use parts::ServerExchange;
 pub use proto::Part;
 pub use serve::{Checkpoints, ServerHandle, serve};
 

@@ -1,4 +1,4 @@
-//! [`ServerRounds`]: one rank's rounds through every server, each holding a contiguous part
+//! [`ServerExchange`]: one rank's rounds through every server, each holding a contiguous part
 //! of the rank's shard (TensorFlow's partitioned variables: `len` servers share every
 //! place's weights and outer state, and a round's bytes, about equally).
 
@@ -8,15 +8,15 @@ use std::time::Duration;
 use zerotrain_zero::Sharding;
 
 use super::Part;
-use super::client::ServerRound;
+use super::client::PlaceClient;
 use crate::config::ReplicaPlan;
 use crate::replicas::Round;
 use crate::replicas::round::scatter;
 use crate::{Error, Result};
 
 /// One rank's parts, one per server, and its shard's global weights per unit.
-pub struct ServerRounds {
-    parts: Vec<(Range<usize>, ServerRound)>,
+pub struct ServerExchange {
+    parts: Vec<(Range<usize>, PlaceClient)>,
     global: Vec<Vec<f32>>,
     /// The global weights gathered from the parts, flat (the parts' layout).
     flat: Vec<f32>,
@@ -62,7 +62,7 @@ fn refuse_one_server_twice(servers: &[String]) -> Result<()> {
     Ok(())
 }
 
-impl ServerRounds {
+impl ServerExchange {
     /// Connects to every server in `servers` (at once) and joins each as `place` with its
     /// part of this rank's `start` weights, saying which part it is and the fingerprint of
     /// the shard's layout in `sharding` ([`fingerprint`]); the global weights to start from
@@ -80,7 +80,7 @@ impl ServerRounds {
         let layout = fingerprint(sharding, &lens);
         let flat = start.concat();
         let n = servers.len();
-        let parts: Vec<Result<(Range<usize>, ServerRound)>> = std::thread::scope(|s| {
+        let parts: Vec<Result<(Range<usize>, PlaceClient)>> = std::thread::scope(|s| {
             let handles: Vec<_> = servers
                 .iter()
                 .enumerate()
@@ -94,7 +94,7 @@ impl ServerRounds {
                         shard_len: flat.len() as u64,
                         layout,
                     };
-                    s.spawn(move || ServerRound::start(addr, place, part, plan, values, timeout).map(|r| (range, r)))
+                    s.spawn(move || PlaceClient::start(addr, place, part, plan, values, timeout).map(|r| (range, r)))
                 })
                 .collect();
             handles
@@ -113,7 +113,7 @@ impl ServerRounds {
         &self.global
     }
 
-    /// A round through every server at once (see [`ServerRound::run`]): the bytes of all
+    /// A round through every server at once (see [`PlaceClient::run`]): the bytes of all
     /// parts, the fewest live groups any server saw, the largest staleness, and whether any
     /// part joined again.
     pub fn run(&mut self, local: &[Vec<f32>]) -> Result<(&[Vec<f32>], Round)> {

@@ -177,7 +177,7 @@ pub(super) fn gather_model<M: UnitModel>(pipeline: &mut Pipeline<M>, root: usize
 /// The compute-dtype values of global entry `entry` as f32.
 fn read_global<M: Module>(
     model: &M,
-    shared: &crate::engine::unit::Shared,
+    shared: &crate::engine::shared::Shared,
     entry: usize,
     out: &mut [f32],
 ) -> Result<()> {

@@ -1,6 +1,6 @@
 //! Where a unit's states live between uses: its fp32 master weights and optimizer state
 //! ([`Home`]) and, at stage 3, its parameter shard ([`ParamShard`]). The offload tiers are
-//! variants here; the unit lifecycle (`unit.rs`) asks them for values and hands them new
+//! variants here; the unit lifecycle (`unit/`) asks them for values and hands them new
 //! ones, and never branches on the config.
 //!
 //! # Note: lost master weights
@@ -14,8 +14,8 @@ use zerotrain_precision::FlatBuf;
 
 use super::master::Values;
 use super::optimizer::{ExportedState, StateLayout, UnitOptimizer};
+use super::shared::Shared;
 use super::swapped::SwappedOptimizer;
-use super::unit::Shared;
 use crate::swap::{SwapFile, pack, unpack, wait, words};
 use crate::{Error, Result};
 
