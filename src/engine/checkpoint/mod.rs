@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use zerotrain_checkpoint::{BufferSet, Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
+use zerotrain_checkpoint::{BufferSet, FORMAT_VERSION, LayoutEntry, Manifest, default_tag};
 use zerotrain_precision::LossScaler;
 
 use self::state::EngineState;
@@ -30,6 +30,7 @@ use super::buffers::BufferEntry;
 use crate::{Error, Result};
 
 mod fit;
+mod load;
 mod state;
 
 impl<M: Module> Engine<M> {
@@ -218,113 +219,6 @@ impl<M: Module> Engine<M> {
             client_state,
         };
         Ok(zerotrain_checkpoint::commit(root, manifest, self.shared.plan.runtime.keep_last_n_checkpoints)?)
-    }
-
-    /// Loads `<dir>/<tag>` (or the checkpoint `<dir>/latest` names) into this engine, at any
-    /// world size and stage, and returns the client state saved with it. Every rank must call
-    /// it.
-    pub fn load_checkpoint(
-        &mut self,
-        dir: impl AsRef<Path>,
-        tag: Option<&str>,
-        options: LoadOptions,
-    ) -> Result<serde_json::Value> {
-        if self.window.micro_steps > 0 {
-            return Err(Error::Usage(format!(
-                "load_checkpoint inside an accumulation window ({} of {} micro-steps done): its gradients would \
-                 mix with the loaded weights; call step() first, or load before training",
-                self.window.micro_steps, self.shared.plan.batch.gradient_accumulation_steps
-            )));
-        }
-        let opened = Checkpoint::open(dir.as_ref(), tag).map_err(Error::from).and_then(|c| {
-            self.check_fits(&c, options)?;
-            let state = EngineState::read(&c)?;
-            Ok((c, state))
-        });
-        let (ckpt, state) = self.agree(opened, "opening the checkpoint")?;
-        let m = ckpt.manifest();
-        let optim_names: Vec<&String> = m.tensors.iter().filter(|t| t.starts_with("optim.")).collect();
-        let with_optimizer = options.load_optimizer_states && !options.load_module_only;
-        // Each unit's optimizer range, read from wherever the checkpoint holds it.
-        let read = |id: usize, name: &str| -> Result<Vec<f32>> {
-            let range = self.shared.optimizer_range(id);
-            let mut values = vec![0.0; range.len()];
-            for (unit_range, global) in self.shared.sharding.global_segments(id, self.shared.optimizer_real_range(id)) {
-                let out = &mut values[unit_range.start - range.start..unit_range.end - range.start];
-                ckpt.read_range(name, global.start as u64..global.end as u64, out)?;
-            }
-            Ok(values)
-        };
-        let buffers = ckpt.read_buffers().map_err(Error::from).and_then(|b| self.check_buffers(&ckpt, b));
-        let buffers = self.agree(buffers, "reading the checkpoint's buffers")?;
-        let read_unit = |id: usize| -> Result<_> {
-            let master = read(id, "master")?;
-            let mut optim = Vec::new();
-            if with_optimizer {
-                for name in &optim_names {
-                    optim.push((name["optim.".len()..].to_string(), read(id, name)?));
-                }
-            }
-            Ok((master, optim))
-        };
-        // Every rank reads (and so checks, block by block) all it needs before any rank
-        // changes anything. An engine whose states are offloaded may not hold them all in
-        // memory: it reads everything once to check it, keeping nothing, and reads again
-        // one unit at a time to load it.
-        let streaming = self.shared.swaps.optimizer.is_some() || self.shared.swaps.param.is_some();
-        let loaded = match streaming {
-            true => (0..self.units.len()).try_for_each(|id| read_unit(id).map(drop)).map(|()| None),
-            false => (0..self.units.len()).map(read_unit).collect::<Result<Vec<_>>>().map(Some),
-        };
-        let mut loaded = self.agree(loaded, "reading its shard of the checkpoint")?.map(Vec::into_iter);
-        // Torn until every unit holds the checkpoint's values (`step.rs`'s note).
-        self.progress.torn = true;
-        for id in 0..self.units.len() {
-            let (master, optim) = match &mut loaded {
-                Some(all) => all.next().expect("one per unit"),
-                // Checked in the first pass: failing now means the files changed since, and
-                // the units before this one are already loaded; the error says so.
-                None => read_unit(id).map_err(|e| {
-                    Error::Usage(format!(
-                        "{e}; the checkpoint changed while it was being loaded, and units 0..{id} hold its values: \
-                         load a checkpoint again before training"
-                    ))
-                })?,
-            };
-            let model = self.model.clone();
-            self.model = self.units[id].load(model, master, &self.shared)?;
-            if with_optimizer {
-                let scalars = if optim.is_empty() { Vec::new() } else { state.optimizer_scalars.clone() };
-                self.units[id].import_state((optim, scalars), &self.shared)?;
-            }
-        }
-        self.progress.torn = false;
-        match buffers {
-            Some(values) => {
-                let model = self.model.clone();
-                self.model = self.buffers.write(model, &values, |_| true);
-            }
-            None if !self.buffers.entries().is_empty() => self.notices.warn(format!(
-                "{} holds no buffers (it was written before checkpoints kept them): the model's running \
-                 statistics keep the values they had",
-                ckpt.dir().display()
-            )),
-            None => {}
-        }
-        if !options.load_module_only {
-            let progress = &mut self.progress;
-            if options.load_lr_scheduler_states {
-                progress.lr_iteration = state.lr_iteration;
-                progress.lr_override = state.lr_override;
-            }
-            progress.counters = state.counters;
-            if let (Some(LossScaler::Dynamic { state: live, .. }), Some(saved)) =
-                (&mut progress.scaler, state.loss_scaler)
-            {
-                *live = saved;
-            }
-        }
-        Ok(m.client_state.clone())
     }
 
     /// All ranks agree on whether `result` succeeded everywhere: a failing rank returns its
