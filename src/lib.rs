@@ -83,6 +83,7 @@ mod device;
 pub mod engine;
 mod error;
 pub mod estimate;
+mod factory;
 mod launch;
 pub mod random;
 pub mod replicas;
@@ -99,11 +100,12 @@ pub use engine::{
     Counters, Engine, LoadOptions, MemoryReport, PhaseTimes, Pipeline, StepReport, consolidate, resume_point,
 };
 pub use error::{Error, Result};
+pub use factory::trainer;
 pub use launch::{detect_mpirun, launch};
 /// The JSON values checkpoints carry as client state (`save_checkpoint`'s last argument),
 /// re-exported so that a program needs no dependency of its own for it.
 pub use serde_json;
-pub use trainer::{Trainer, trainer};
+pub use trainer::Trainer;
 /// The dtypes of mixed precision: what `save_model` and `consolidate` write, re-exported so
 /// that a program needs no dependency of its own for it.
 pub use zerotrain_precision::Precision;

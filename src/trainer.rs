@@ -1,16 +1,15 @@
 //! [`Trainer`]: one interface over the ways a [`UnitModel`] trains, an [`Engine`] over its
 //! declared units (data parallelism with ZeRO 0-3), a [`Pipeline`] stage, and replica
-//! groups ([`LocalSgd`](crate::replicas::LocalSgd)), so that a program drives whichever its
-//! plan asks for ([`trainer`]) with the same loop. It sits above the engine and the replica
-//! groups, which import neither it nor each other's trainers.
+//! groups ([`LocalSgd`](crate::replicas::LocalSgd), which implements it where it is
+//! defined), so that a program drives whichever its plan asks for
+//! ([`trainer`](crate::trainer())) with the same loop. The trait sits above the engine and
+//! below the replica groups; which trainer a plan asks for is `factory.rs`, above both.
 
 use std::path::{Path, PathBuf};
 
 use zerotrain_zero::CommStats;
 
 use crate::Result;
-use crate::config::Plan;
-use crate::context::RankContext;
 use crate::engine::model::UnitModel;
 use crate::engine::{Counters, Engine, LoadOptions, MemoryReport, Pipeline, StepReport};
 
@@ -53,21 +52,6 @@ pub trait Trainer<M: UnitModel> {
     fn last_round(&self) -> Option<crate::replicas::Round> {
         None
     }
-}
-
-/// The trainer `plan` asks for: a [`Pipeline`] stage under a `pipeline` section, replica
-/// groups ([`LocalSgd`](crate::replicas::LocalSgd)) under a `local_sgd` section, else an
-/// [`Engine`] over the model's declared units.
-pub fn trainer<M: UnitModel + 'static>(model: M, plan: &Plan, ctx: &RankContext) -> Result<Box<dyn Trainer<M>>> {
-    if plan.replicas.is_some() {
-        let (group_ctx, group_plan, replicas) = crate::replicas::split(ctx, plan)?;
-        let engine = Engine::with_units(model, &group_plan, &group_ctx)?;
-        return Ok(Box::new(crate::replicas::LocalSgd::new(engine, replicas)?));
-    }
-    Ok(match plan.pipeline {
-        Some(_) => Box::new(Pipeline::new(model, plan, ctx)?),
-        None => Box::new(Engine::with_units(model, plan, ctx)?),
-    })
 }
 
 macro_rules! delegate {

@@ -65,7 +65,7 @@ fn refuse_one_server_twice(servers: &[String]) -> Result<()> {
 impl ServerExchange {
     /// Connects to every server in `servers` (at once) and joins each as `place` with its
     /// part of this rank's `start` weights, saying which part it is and the fingerprint of
-    /// the shard's layout in `sharding` ([`fingerprint`]); the global weights to start from
+    /// the shard's layout in `sharding` (`fingerprint`); the global weights to start from
     /// come back. Two addresses that resolve to one server are refused.
     pub fn start(
         servers: &[String],
