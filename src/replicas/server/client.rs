@@ -108,7 +108,7 @@ impl PlaceClient {
             pulled: Vec::new(),
         };
         // The place's weights to start from come with the first pull (`start` only joins).
-        match round.join_and_pull(&start) {
+        match round.join_and_pull(&start, 0) {
             Ok(_) => Ok(round),
             Err(Failure::Rejoin(why)) => Err(round.error("join", why)),
             Err(Failure::Fatal(e)) => Err(e),
@@ -125,6 +125,7 @@ impl PlaceClient {
     /// A group dropped from the quorum (or met by a restarted server) joins again and
     /// goes on from the current global weights, its window discarded.
     pub fn run(&mut self, local: &[f32]) -> Result<(&[f32], Round)> {
+        let round = self.round;
         let mut delta = std::mem::take(&mut self.delta);
         delta.clear();
         delta.extend(self.global.iter().zip(local).map(|(g, l)| g - l));
@@ -159,7 +160,9 @@ impl PlaceClient {
             Err(Failure::Rejoin(why)) => {
                 let (place, group) = (self.place, self.group);
                 eprintln!("zerotrain: group {group}, place {place}: {why}; joining again (this window is discarded)");
-                let ack = self.join_and_pull(local).map_err(|f| match f {
+                // Its other places applied this round's push, or will: here too it starts
+                // after it.
+                let ack = self.join_and_pull(local, round + 1).map_err(|f| match f {
                     Failure::Fatal(e) => e,
                     Failure::Rejoin(why) => self.error("join", why),
                 })?;
@@ -177,12 +180,13 @@ impl PlaceClient {
 
     /// Joins with `local` (the weights a place that no group joined yet starts from) and
     /// pulls the weights to go on from.
-    fn join_and_pull(&mut self, local: &[f32]) -> std::result::Result<Ack, Failure> {
+    fn join_and_pull(&mut self, local: &[f32], at_least: u64) -> std::result::Result<Ack, Failure> {
         let head = Header { dtype: Dtype::Fp32, ..self.header(0) };
         let part = self.part;
         let ack: Ack = self.call("join", self.timeout, |mut c| {
             let mut message = chunks(head, local);
             message[0].part = Some(part);
+            message[0].at_least = at_least;
             async move { c.join(tokio_stream::iter(message)).await.map(tonic::Response::into_inner) }
         })?;
         if let Some(differing) = ack.settings.as_ref().and_then(|theirs| differing(&self.settings, theirs)) {

@@ -182,6 +182,7 @@ fn piece(head: Header, values: &[f32], i: usize) -> proto::Chunk {
         offset: offset as u64,
         data: encode(head.dtype, part),
         part: None,
+        at_least: 0,
     }
 }
 

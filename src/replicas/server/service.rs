@@ -248,7 +248,7 @@ impl ParameterServer for Service {
         };
         place.part = Some(part);
         let session = self.sessions.fetch_add(1, Ordering::Relaxed);
-        let (round, status) = place.join(g, session, Instant::now());
+        let (round, status) = place.join(g, session, Instant::now(), head.at_least, &config.outer);
         drop(state);
         self.changed();
         let mut answer = ack(round, session, status);

@@ -14,6 +14,19 @@
 //! window. A dropped group's unfinished window is discarded (its push never applied); it
 //! may join again at any time and starts from the current global weights. Rounds apply
 //! among the groups live at that moment.
+//!
+//! # Note: rejoining one place of several
+//! A group's rank pushes each window to every server (each holding a part of its shard)
+//! as the same round at each, and every group does: so each place averages the same
+//! windows. If one place refuses a group's push of round k (it dropped the group, or
+//! restarted) while the others apply it, a group that joined that place again at its open
+//! round could be seated at k there (the other groups had not pushed k yet) and at k + 1
+//! elsewhere, and push every later window as different rounds at different places, for
+//! good. So a join after a refused push of round k asks for a seat at k + 1 at least
+//! (`at_least`): a sync place seats it there, and until the place reaches that round the
+//! group's pull waits, neither holding up nor counting in the rounds before. A round no
+//! live group is in is skipped, the weights unmoved: a place restarted from an older
+//! checkpoint moves to the round its rejoining groups continue from.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -192,9 +205,27 @@ impl Place {
 
     /// `group` joins under `session` at `now` (any earlier session of it ends, its pending
     /// push discarded). Returns the round it starts at.
-    pub fn join(&mut self, group: usize, session: u64, now: Instant) -> (u64, Status) {
-        let round = self.first_round();
+    ///
+    /// Sync: not below `at_least` (the note "rejoining one place of several"): seated at a
+    /// later round, its pull waits for the rounds before it, which it neither holds up nor
+    /// counts in (a round nobody is in is skipped, the weights unmoved).
+    pub fn join(
+        &mut self,
+        group: usize,
+        session: u64,
+        now: Instant,
+        at_least: u64,
+        opt: &OuterOptimizer,
+    ) -> (u64, Status) {
+        self.seats[group] = Seat::Dropped;
+        let round = match self.outer {
+            Outer::Sync(_) => self.round.max(at_least),
+            Outer::Async(_) => self.first_round(),
+        };
         self.seats[group] = Seat::Live(Member { session, round, push: None, waiting: None, joined: now });
+        if let Outer::Sync(_) = self.outer {
+            self.complete(opt);
+        }
         (round, self.status(group))
     }
 
@@ -275,15 +306,27 @@ impl Place {
     /// Sync: applies the round once every counted group has pushed it (the mean, summed in
     /// group order in f32 and rounded once to the wire dtype, as the in-job all-reduce sums).
     fn complete(&mut self, opt: &OuterOptimizer) {
-        let all_in = self.counted().all(|(_, s)| matches!(s, Seat::Live(m) if m.push.is_some()));
-        if !all_in || self.live() == 0 {
+        // A round no live group is in (the others seated later, with `at_least`) is
+        // skipped: nobody has a window for it.
+        if !self.members().any(|m| m.round == self.round)
+            && let Some(next) = self.members().map(|m| m.round).min()
+        {
+            self.round = next;
+            return;
+        }
+        // Groups seated at a later round neither hold the open one up nor count in it.
+        let open = self.round;
+        let all_in = self.counted().all(|(_, s)| matches!(s, Seat::Live(m) if m.push.is_some() || m.round > open));
+        if !all_in || !self.members().any(|m| m.round == open) {
             return;
         }
         // The first push is the sum's start (no buffer to allocate and zero).
         let mut sum: Option<Vec<f32>> = None;
         let mut spent = Vec::new();
         for seat in &mut self.seats {
-            if let Seat::Live(Member { round, push, .. }) = seat {
+            if let Seat::Live(Member { round, push, .. }) = seat
+                && *round == open
+            {
                 let delta = push.take().expect("every counted group pushed");
                 match &mut sum {
                     None => sum = Some(delta),
@@ -354,7 +397,7 @@ impl Place {
         let overdue = |m: &Member| now.duration_since(since.max(m.joined)) >= timeout;
         let laggard = |seat: &Seat, first: u64| match (seat, &self.outer) {
             (Seat::Expected, _) => true,
-            (Seat::Live(m), Outer::Sync(_)) => m.push.is_none() && overdue(m),
+            (Seat::Live(m), Outer::Sync(_)) => m.push.is_none() && m.round == self.round && overdue(m),
             (Seat::Live(m), Outer::Async(_)) => Some(m.round) == slowest.or(Some(first)) && overdue(m),
             (Seat::Dropped, _) => false,
         };
@@ -385,155 +428,4 @@ impl ReplicaMode {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const AVERAGE: OuterOptimizer = OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false };
-    const SECOND: Duration = Duration::from_secs(1);
-
-    /// A fresh sync place of `groups` groups at round 0.
-    fn sync(global: Vec<f32>, groups: usize) -> Place {
-        Place::new(ReplicaMode::Sync, global, ReplicaMode::Sync.fresh_outer(), 0, groups, Precision::Fp32)
-    }
-
-    fn ready(place: &mut Place, group: usize, session: u64, now: Instant) -> Option<Vec<f32>> {
-        match place.pull(group, session, now).unwrap() {
-            Pulled::Ready(w) => Some(w.to_vec()),
-            Pulled::Wait => None,
-        }
-    }
-
-    /// Sync: a round waits for every expected group; one that never pushes is dropped
-    /// once it has kept the others waiting past the timeout (not before), the round then
-    /// applies the mean of the pushes that came, and the dropped group's late push is
-    /// refused until it joins again, at the current round.
-    #[test]
-    fn a_sync_round_drops_the_group_that_keeps_it_waiting_and_applies_the_rest() {
-        let t0 = Instant::now();
-        let mut place = sync(vec![1.0, 1.0], 3);
-        let (r0, _) = place.join(0, 10, t0);
-        let (r1, _) = place.join(1, 11, t0);
-        let (r2, _) = place.join(2, 12, t0);
-        assert_eq!((r0, r1, r2), (0, 0, 0));
-        place.push(0, 10, 0, vec![0.5, 0.0], &AVERAGE).unwrap();
-        place.push(1, 11, 0, vec![0.0, 0.5], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 10, t0), None, "group 2 has not pushed");
-        assert!(place.expire(t0 + SECOND / 2, SECOND, &AVERAGE).is_empty(), "not yet past the timeout");
-        assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [2]);
-        // [1, 1] - mean([0.5, 0], [0, 0.5]) = [0.75, 0.75].
-        assert_eq!(ready(&mut place, 0, 10, t0).unwrap(), [0.75, 0.75]);
-        assert_eq!((place.round, place.live()), (1, 2));
-        let late = place.push(2, 12, 0, vec![9.0, 9.0], &AVERAGE).unwrap_err();
-        assert!(matches!(&late, Refusal::NotMember(m) if m.contains("group 2 was dropped")), "{late:?}");
-        let (round, status) = place.join(2, 13, t0);
-        assert_eq!((round, status.live), (1, 3), "it rejoins at the current round");
-        assert_eq!(ready(&mut place, 2, 13, t0).unwrap(), [0.75, 0.75]);
-        // A group that leaves (its job ended) is no longer waited for.
-        place.push(0, 10, 1, vec![0.25, 0.25], &AVERAGE).unwrap();
-        place.push(1, 11, 1, vec![0.25, 0.25], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 10, t0), None);
-        assert_eq!(place.leave(2, 13, &AVERAGE).unwrap().live, 2);
-        assert_eq!(ready(&mut place, 0, 10, t0).unwrap(), [0.5, 0.5]);
-    }
-
-    /// A group that joins again while another waits on the round it joins at answers only
-    /// for the wait since its join: it has the whole timeout for its window (not what was
-    /// left of the other's wait), then is dropped like any other.
-    #[test]
-    fn a_rejoined_group_has_the_whole_timeout_for_its_window() {
-        let t0 = Instant::now();
-        let mut place = sync(vec![1.0], 2);
-        place.join(0, 1, t0);
-        place.join(1, 2, t0);
-        place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 1, t0), None);
-        // Group 1's job restarts just before the timeout: its new session starts round 0.
-        let (round, _) = place.join(1, 3, t0 + SECOND * 9 / 10);
-        assert_eq!(round, 0);
-        assert!(place.expire(t0 + SECOND * 3 / 2, SECOND, &AVERAGE).is_empty(), "half a timeout since its join");
-        place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-1.0], "1 - mean(1, 3)");
-        // Next round, it is late past a timeout of its own: dropped.
-        place.push(0, 1, 1, vec![0.0], &AVERAGE).unwrap();
-        let t1 = t0 + SECOND * 2;
-        assert_eq!(ready(&mut place, 0, 1, t1), None);
-        assert!(place.expire(t1 + SECOND / 2, SECOND, &AVERAGE).is_empty());
-        assert_eq!(place.expire(t1 + SECOND, SECOND, &AVERAGE), [1]);
-        assert_eq!((place.round, place.live()), (2, 1));
-    }
-
-    /// A group that joins again (a restarted job) ends its earlier session: the old job's
-    /// push is refused and cannot count twice; a push for another round is stale; a
-    /// retried push is acknowledged and not applied twice.
-    #[test]
-    fn an_old_session_and_a_wrong_round_are_refused() {
-        let t0 = Instant::now();
-        let mut place = sync(vec![0.0], 2);
-        place.join(0, 1, t0);
-        place.join(0, 2, t0);
-        let old = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap_err();
-        assert!(matches!(&old, Refusal::NotMember(m) if m.contains("session is over")), "{old:?}");
-        let stale = place.push(0, 2, 3, vec![1.0], &AVERAGE).unwrap_err();
-        assert!(matches!(&stale, Refusal::Invalid(m) if m.contains("round 3") && m.contains("stale")), "{stale:?}");
-        let unjoined = place.pull(1, 5, Instant::now()).unwrap_err();
-        assert!(matches!(&unjoined, Refusal::NotMember(m) if m.contains("has not joined")), "{unjoined:?}");
-        place.push(0, 2, 0, vec![1.0], &AVERAGE).unwrap();
-        place.push(0, 2, 0, vec![1.0], &AVERAGE).unwrap();
-        place.join(1, 3, t0);
-        place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
-        assert_eq!((place.round, place.global.as_slice()), (1, &[-2.0][..]), "0 - mean(1, 3), the retry not counted");
-        place.push(1, 3, 0, vec![3.0], &AVERAGE).unwrap();
-        assert_eq!((place.round, place.global.as_slice()), (1, &[-2.0][..]), "a retry after the round applied");
-        let layout = place.push(1, 3, 1, vec![3.0, 1.0], &AVERAGE).unwrap_err();
-        assert!(matches!(&layout, Refusal::Invalid(m) if m.contains("another layout")), "{layout:?}");
-    }
-
-    /// Async: pushes apply as they arrive (each its share: lr g / live groups); a group
-    /// more than `max_staleness` rounds ahead of the slowest waits, and stops waiting when
-    /// the slowest pushes or, past the timeout, is dropped.
-    #[test]
-    fn async_pushes_apply_at_once_and_staleness_is_bounded() {
-        let mode = ReplicaMode::Async { max_staleness: 1 };
-        let t0 = Instant::now();
-        let mut place = Place::new(mode, vec![0.0], mode.fresh_outer(), 0, 2, Precision::Fp32);
-        place.join(0, 1, t0);
-        place.join(1, 2, t0);
-        let s = place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!(*place.global, [-0.5], "its share, applied at once");
-        assert_eq!((s.round, s.staleness), (1, 0), "pushed level with the slowest");
-        assert!(ready(&mut place, 0, 1, t0).is_some(), "one round ahead is allowed");
-        let s = place.push(0, 1, 1, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!((s.round, s.staleness), (2, 1), "pushed one round ahead");
-        assert_eq!(ready(&mut place, 0, 1, t0), None, "two rounds ahead waits");
-        place.push(1, 2, 0, vec![-1.0], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-0.5], "the slowest pushed: one ahead again");
-        assert!(place.expire(t0 + SECOND * 5, SECOND, &AVERAGE).is_empty(), "nobody waits: nobody is dropped");
-        place.push(0, 1, 2, vec![0.0], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 1, t0), None);
-        assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1], "the slowest is dropped");
-        assert_eq!(ready(&mut place, 0, 1, t0).unwrap(), [-0.5]);
-        assert_eq!(place.live(), 1);
-    }
-
-    /// Groups that never join are waited for (as at a job's start) and dropped past the
-    /// timeout like any other.
-    #[test]
-    fn expected_groups_hold_the_first_round_until_the_timeout() {
-        let t0 = Instant::now();
-        let mut place = sync(vec![2.0], 2);
-        place.join(0, 7, t0);
-        place.push(0, 7, 0, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 7, t0), None, "group 1 is expected");
-        assert_eq!(place.expire(t0 + SECOND * 2, SECOND, &AVERAGE), [1]);
-        assert_eq!(ready(&mut place, 0, 7, t0).unwrap(), [1.0]);
-        // A pull whose caller went away (a killed job) stops waiting: it drops nobody.
-        let mut place = sync(vec![2.0], 2);
-        place.join(0, 1, t0);
-        place.join(1, 2, t0);
-        place.push(0, 1, 0, vec![1.0], &AVERAGE).unwrap();
-        assert_eq!(ready(&mut place, 0, 1, t0), None);
-        place.stop_waiting(0, 1);
-        assert!(place.expire(t0 + SECOND * 5, SECOND, &AVERAGE).is_empty());
-        assert_eq!(place.live(), 2);
-    }
-}
+mod tests;
