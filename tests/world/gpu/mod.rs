@@ -296,11 +296,15 @@ pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
     eprintln!(
         "device bytes grown over 2 steps, 2 ranks, {granule}-byte granule (stage, measured, formula): {measured:?}"
     );
-    let overhead = measured.iter().map(|&(_, bytes, formula)| bytes - formula).min().unwrap();
-    assert!(overhead < 16 * 1024 * n as u64, "{overhead} B besides model states: {measured:?}");
+    // What the allocator holds besides model states, the same at every stage within 128 B
+    // (signed: a run may also free a few bytes another left, as lavapipe was seen to, by
+    // 72 B at stage 3 once).
+    let beside = |bytes: u64, formula: u64| bytes as i64 - formula as i64;
+    let overhead = measured.iter().map(|&(_, bytes, formula)| beside(bytes, formula)).min().unwrap();
+    assert!(overhead.abs() < 16 * 1024 * n as i64, "{overhead} B besides model states: {measured:?}");
     for &(stage, bytes, formula) in &measured {
         let what = format!("stage {stage}: the device holds {bytes} B, the formula says {formula} B + {overhead} B");
-        assert!(bytes - formula - overhead <= 128, "{what}");
+        assert!(beside(bytes, formula) - overhead <= 128, "{what}");
     }
     assert!(measured[0].1 > measured[1].1 && measured[1].1 == measured[2].1 && measured[2].1 > measured[3].1);
 }
