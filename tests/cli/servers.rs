@@ -345,3 +345,48 @@ fn a_server_gone_for_good_fails_the_group_by_address_within_its_timeout() {
     assert!(killed.elapsed() < Duration::from_secs(30), "{:?}", killed.elapsed());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `zerotrain serve` with `local_sgd.tls` (certificate and key) serves a group whose job
+/// trusts its authority (`ca_file`; the name expected is the address's host, 127.0.0.1),
+/// from one config file: the group trains every round through it. A server without `tls`
+/// says at start that the token and the weights cross the network in the clear.
+#[test]
+fn zerotrain_serve_over_tls_trains_a_group_that_trusts_it_and_warns_without_tls() {
+    let dir = temp_run("ps-tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let authority = rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::generate().unwrap()).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap().signed_by(&key, &authority).unwrap();
+    let write = |name: &str, text: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let (cert, key, ca) =
+        (write("server.pem", cert.pem()), write("server.key", key.serialize_pem()), write("ca.pem", authority.pem()));
+    let section = format!(
+        r#"{{"groups": 1, "sync_every": 2, "group_timeout_s": 20, "tls": {{"cert_file": "{cert}", "key_file": "{key}", "ca_file": "{ca}"}}}}"#
+    );
+    let (mut secure, addr) = server(&dir, &section, "127.0.0.1:0", None);
+    let groups = config(&dir, "groups.json", &section);
+    let out = finish(group(&dir, &groups, &addr, 0, 20), Duration::from_secs(120));
+    secure.kill();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let last = metrics(&dir, 0).pop().unwrap();
+    assert_eq!(
+        (last["step"].as_u64(), last["rounds"].as_u64(), last["global_round"].as_u64()),
+        (Some(20), Some(10), Some(10))
+    );
+    assert!(!server_log(&dir).contains("no TLS"), "{}", server_log(&dir));
+    // The same groups without `tls`: the server warns.
+    let plain = dir.join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    let (mut open, _) = server(&plain, r#"{"groups": 1, "sync_every": 2}"#, "127.0.0.1:0", None);
+    open.kill();
+    let log = server_log(&plain);
+    assert!(log.contains("no TLS (local_sgd.tls): the token and the weights cross the network in the clear"), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
