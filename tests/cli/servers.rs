@@ -390,3 +390,64 @@ fn zerotrain_serve_over_tls_trains_a_group_that_trusts_it_and_warns_without_tls(
     assert!(log.contains("no TLS (local_sgd.tls): the token and the weights cross the network in the clear"), "{log}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Two servers, each holding half of every group's shard; the first is SIGKILLed mid-run
+/// (the groups held still meanwhile) and restarted from its checkpoint, an older round than
+/// the second server has reached. Each group's pushes to it are refused, and it joins it
+/// again at the round after its push (`at_least`), which the restarted server skips to:
+/// both groups finish every step, with every window counted as the same round at both
+/// servers, so groups that end at one round hold one model bit for bit.
+#[test]
+fn one_of_two_servers_restarts_from_an_older_round_and_the_groups_go_on_in_step() {
+    let dir = temp_run("ps-two");
+    let (dir_a, dir_b) = (dir.join("a"), dir.join("b"));
+    [&dir_a, &dir_b].iter().for_each(|d| std::fs::create_dir_all(d).unwrap());
+    let section = r#"{"groups": 2, "sync_every": 2, "checkpoint_every": 5, "group_timeout_s": 20}"#;
+    let saved = dir_a.join("ckpt");
+    let (mut first, addr_a) = server(&dir_a, section, "127.0.0.1:0", Some(&saved));
+    let (mut b, addr_b) = server(&dir_b, section, "127.0.0.1:0", None);
+    let groups = config(&dir, "groups.json", section);
+    let steps = 3000;
+    let jobs: Vec<Job> = (0..2)
+        .map(|g| {
+            let out = dir.join(format!("run{g}"));
+            Job::spawn(
+                Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+                    .args(["train", "--config", groups.to_str().unwrap(), "--group", &g.to_string()])
+                    .args(["--server", &addr_a, "--server", &addr_b, "--steps", &steps.to_string()])
+                    .args(["--out", out.to_str().unwrap()])
+                    .current_dir(env!("CARGO_MANIFEST_DIR"))
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped()),
+            )
+        })
+        .collect();
+    wait_until("twenty rounds and a checkpoint", Duration::from_secs(60), || {
+        (0..2).all(|g| rounds(&dir, g) >= 20) && saved.join("latest").exists()
+    });
+    jobs.iter().for_each(|j| signal(j, "STOP"));
+    assert!((0..2).all(|g| rounds(&dir, g) < steps / 2), "the groups finished before the server was killed");
+    first.kill();
+    jobs.iter().for_each(|j| signal(j, "CONT"));
+    let (mut second, again) = server(&dir_a, section, &addr_a, Some(&saved));
+    assert_eq!(again, addr_a);
+    let outs: Vec<Output> = jobs.into_iter().map(|j| finish(j, Duration::from_secs(120))).collect();
+    second.kill();
+    b.kill();
+    assert!(server_log(&dir_a).contains("resumed from the checkpoint of round"), "{}", server_log(&dir_a));
+    let mut finals = Vec::new();
+    for (g, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "group {g}: {:?} {}", out.status, text(&out.stderr));
+        assert!(text(&out.stderr).contains("joining again"), "group {g}: {}", text(&out.stderr));
+        let last = metrics(&dir, g).pop().unwrap();
+        assert_eq!((last["step"].as_u64(), last["rounds"].as_u64()), (Some(steps), Some(steps / 2)), "{last}");
+        finals.push((last["global_round"].as_u64().unwrap(), last["val_loss"].as_f64().unwrap()));
+    }
+    eprintln!("(server round, final val_loss) of each group: {finals:?}");
+    let ((a, loss_a), (b, loss_b)) = (finals[0], finals[1]);
+    assert!(a.abs_diff(b) <= 1, "the groups ended {} rounds apart: {finals:?}", a.abs_diff(b));
+    if a == b {
+        assert_eq!(loss_a.to_bits(), loss_b.to_bits(), "the groups ended at round {a} with other weights: {finals:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
