@@ -25,8 +25,13 @@ for line in sys.stdin:
         print(m["executable"])')"
 [[ -x "$world" ]] || { echo "bundle: no world test binary built" >&2; exit 1; }
 
+# An autotune cache a GPU run left (verify.sh's tuned.tgz) stays.
+tuned="$(mktemp)"
+[[ -f "$out/tuned.tgz" ]] && cp "$out/tuned.tgz" "$tuned"
 rm -rf "$out"
 mkdir -p "$out/bin"
+[[ -s "$tuned" ]] && mv "$tuned" "$out/tuned.tgz"
+rm -f "$tuned"
 strip -o "$out/bin/zerotrain" "$repo/target/debug/zerotrain"
 strip -o "$out/bin/world" "$world"
 # One stream with a dictionary larger than either binary: the two share most of their code
