@@ -82,6 +82,18 @@ impl Error {
 /// Shorthand for results with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// `e` and the errors beneath it, as "outer: inner: ...".
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    message
+}
+
 /// The message of a caught panic's payload (`&str` or `String`, the two `panic!` makes).
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload

@@ -15,7 +15,7 @@ use crate::config::{Backend, MpirunEnvironment, Plan};
 use crate::device::Placement;
 #[cfg(feature = "mpi")]
 use crate::device::{mpi_local_rank, mpi_local_size};
-use crate::error::panic_message;
+use crate::error::{error_chain, panic_message};
 use crate::{Error, RankContext, Result};
 
 /// Runs `f` once per rank of `plan` and returns each rank's result, in rank order.
@@ -269,15 +269,4 @@ where
     };
     abort(&error.to_string());
     Err((error, consequence))
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
-    }
-    message
 }

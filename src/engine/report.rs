@@ -103,9 +103,7 @@ impl PhaseTimes {
         self.comm_busy += done.busy.as_secs_f64();
         Ok(done)
     }
-}
 
-impl PhaseTimes {
     /// The compute thread's phases together.
     pub fn total(&self) -> f64 {
         self.forward + self.backward + self.reduce + self.optimizer + self.gather

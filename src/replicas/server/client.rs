@@ -14,6 +14,7 @@ use super::proto::parameter_server_client::ParameterServerClient;
 use super::proto::{Ack, PullRequest, Settings};
 use super::{Dtype, Header, Part, chunk_stream, chunks, place_in_order};
 use crate::config::ReplicaPlan;
+use crate::error::error_chain;
 use crate::replicas::Round;
 use crate::{Error, Result};
 
@@ -254,14 +255,13 @@ impl PlaceClient {
                 // The server went away (or restarts): the connection's errors.
                 Code::Unavailable | Code::Unknown | Code::Cancelled => {
                     let why = match std::error::Error::source(&status) {
-                        Some(source) => format!("{}: {}", status.message(), chain(source)),
+                        Some(source) => format!("{}: {}", status.message(), error_chain(source)),
                         None => status.message().to_owned(),
                     };
-                    match (backoff.next(), untrusted(&why)) {
-                        (Some(wait), false) => std::thread::sleep(wait),
-                        (_, untrusted) => {
-                            let hint = hint(untrusted, self.secure);
-                            let detail = format!("unreachable for {:.1} s: {why}{hint}", backoff.elapsed());
+                    match backoff.retry(&why, self.secure) {
+                        Ok(wait) => std::thread::sleep(wait),
+                        Err(why) => {
+                            let detail = format!("unreachable for {:.1} s: {why}", backoff.elapsed());
                             return Err(Failure::Fatal(self.error(what, detail)));
                         }
                     }
@@ -343,32 +343,19 @@ impl Backoff {
     fn elapsed(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
     }
-}
 
-/// Whether a connection failed because the worker does not trust the server's
-/// certificate, which waiting cannot change.
-fn untrusted(why: &str) -> bool {
-    why.contains("invalid peer certificate")
-}
-
-/// What to look at when a server cannot be reached.
-fn hint(untrusted: bool, tls: bool) -> &'static str {
-    match (untrusted, tls) {
-        (true, _) => " (local_sgd.tls.ca_file and domain: what this worker trusts)",
-        (false, false) => " (a server with TLS needs local_sgd.tls.ca_file here)",
-        (false, true) => "",
+    /// After a try that failed with `why` (over TLS where `tls`): the wait before the next,
+    /// or, to give up, `why` with what to look at. A certificate the worker does not trust
+    /// gives up at once: waiting cannot make it trusted.
+    fn retry(&mut self, why: &str, tls: bool) -> std::result::Result<Duration, String> {
+        let untrusted = why.contains("invalid peer certificate");
+        match self.next() {
+            Some(wait) if !untrusted => Ok(wait),
+            _ if untrusted => Err(format!("{why} (local_sgd.tls.ca_file and domain: what this worker trusts)")),
+            _ if !tls => Err(format!("{why} (a server with TLS needs local_sgd.tls.ca_file here)")),
+            _ => Err(why.to_owned()),
+        }
     }
-}
-
-/// `e` and the errors beneath it, as "outer: inner: ...".
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        text = format!("{text}: {inner}");
-        source = inner.source();
-    }
-    text
 }
 
 /// Connects (over TLS where `tls`), retrying with [`Backoff`] until `timeout`; a server
@@ -381,20 +368,15 @@ async fn connect(endpoint: Endpoint, addr: &str, attach: Attach, timeout: Durati
                 let client = ParameterServerClient::with_interceptor(channel, attach);
                 return Ok(client.max_decoding_message_size(16 << 20));
             }
-            Err(e) => {
-                let why = chain(&e);
-                let untrusted = untrusted(&why);
-                match backoff.next() {
-                    Some(wait) if !untrusted => tokio::time::sleep(wait).await,
-                    _ => {
-                        let hint = hint(untrusted, tls);
-                        return Err(Error::Launch(format!(
-                            "local_sgd.servers: the server at {addr} does not answer ({why}) after {:.1} s{hint}",
-                            backoff.elapsed()
-                        )));
-                    }
+            Err(e) => match backoff.retry(&error_chain(&e), tls) {
+                Ok(wait) => tokio::time::sleep(wait).await,
+                Err(why) => {
+                    return Err(Error::Launch(format!(
+                        "local_sgd.servers: the server at {addr} does not answer ({why}) after {:.1} s",
+                        backoff.elapsed()
+                    )));
                 }
-            }
+            },
         }
     }
 }
