@@ -522,5 +522,12 @@ fn a_server_with_tls_serves_workers_that_trust_its_authority_and_no_others() {
     let swapped = section(&format!(r#", "tls": {{"cert_file": "{key}", "key_file": "{key}"}}"#));
     let e = tls::identity(&swapped).unwrap_err().to_string();
     assert!(e.contains("server.key holds no PEM `CERTIFICATE` block"), "{e}");
+    // A key that is no key fails the server's start by name (not its thread, silently).
+    let garbage = file("garbage.key", "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n".into());
+    let broken = section(&format!(r#", "tls": {{"cert_file": "{cert}", "key_file": "{garbage}"}}"#));
+    let mut config = ServerConfig::new(&broken, None);
+    config.tls = tls::identity(&broken).unwrap();
+    let e = serve("127.0.0.1:0".parse().unwrap(), config).err().expect("a server started with no key").to_string();
+    assert!(e.contains("local_sgd.tls"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

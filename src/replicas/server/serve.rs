@@ -95,7 +95,15 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
     let state = State { places, saved: resumed.unwrap_or(0), failed: None };
     let check = super::auth::Check::new(config.token.as_ref());
-    let tls = config.tls.clone();
+    // HTTP/2's default 64 KiB windows would hold a stream of large tensors to a trickle.
+    let builder = tonic::transport::Server::builder()
+        .initial_stream_window_size(WINDOW)
+        .initial_connection_window_size(WINDOW)
+        .max_frame_size(MAX_FRAME);
+    let mut builder = match config.tls.clone() {
+        Some(tls) => builder.tls_config(tls).map_err(|e| Error::Launch(format!("local_sgd.tls: {e}")))?,
+        None => builder,
+    };
     let state = Arc::new(Mutex::new(state));
     let service = Service {
         config: Arc::new(config),
@@ -131,23 +139,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
                 let last = service.clone();
                 let service = ParameterServerServer::new(service).max_decoding_message_size(16 << 20);
                 let service = tonic::service::interceptor::InterceptedService::new(service, check);
-                // HTTP/2's default 64 KiB windows would hold a stream of large tensors to a trickle.
-                let mut builder = tonic::transport::Server::builder();
-                if let Some(tls) = tls {
-                    builder = match builder.tls_config(tls) {
-                        Ok(builder) => builder,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(std::io::Error::other(format!("local_sgd.tls: {e}"))));
-                            return Ok(());
-                        }
-                    };
-                }
-                let server = builder
-                    .initial_stream_window_size(WINDOW)
-                    .initial_connection_window_size(WINDOW)
-                    .max_frame_size(MAX_FRAME)
-                    .add_service(service)
-                    .serve_with_incoming(incoming);
+                let server = builder.add_service(service).serve_with_incoming(incoming);
                 // Stopping drops the server at once, open connections included: a worker that
                 // never hangs up must not keep it alive.
                 tokio::select! {
