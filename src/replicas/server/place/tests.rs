@@ -1,6 +1,8 @@
 //! The place's state machine, driven directly: quorums, timeouts, sessions, async
 //! staleness, and joins at a later round.
 
+use std::time::Duration;
+
 use super::*;
 
 const AVERAGE: OuterOptimizer = OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false };
