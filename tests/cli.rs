@@ -2,6 +2,8 @@
 
 use std::process::{Command, Output};
 
+#[path = "cli/hf.rs"]
+mod hf;
 #[path = "cli/servers.rs"]
 mod servers;
 

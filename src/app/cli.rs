@@ -113,6 +113,29 @@ pub enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
+    /// Print the mean next-token loss and perplexity of a Hugging Face family's model
+    /// (`model.hf_dir`, or a checkpoint of it with --checkpoint) on a text file.
+    Eval {
+        /// A config whose `model` section names the model (`hf_dir` or `hf_config`) and
+        /// whose `block_size` is the context.
+        #[arg(long)]
+        config: PathBuf,
+        /// The UTF-8 text to score, tokenized by the model's tokenizer.json.
+        #[arg(long)]
+        text: PathBuf,
+        /// A checkpoint folder (holding `latest` and the tags) of the model to load.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// The checkpoint's tag (default: the one `latest` names).
+        #[arg(long)]
+        tag: Option<String>,
+        /// Number of ranks (overrides `zerotrain.world_size`).
+        #[arg(long)]
+        world_size: Option<usize>,
+        /// One JSON object instead of the sentence.
+        #[arg(long)]
+        json: bool,
+    },
     /// Summarise a checkpoint and optionally verify every checksum.
     Inspect {
         /// The checkpoint directory.

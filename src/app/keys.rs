@@ -3,7 +3,7 @@
 //! `zerotrain.eval_every`). The library never sees them: [`Config::parse_with`] hands
 //! them here, checked key by key like the library's own.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use serde_aux::serde_introspection::serde_introspect;
@@ -15,12 +15,38 @@ use crate::{Config, ConfigExtension, Overrides, Plan};
 /// The application's keys as written.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct AppKeys {
-    /// The built-in GPT's shape, for `zerotrain train` and `zerotrain estimate`.
+    /// The model: the built-in GPT's shape, or a Hugging Face family's checkpoint
+    /// (`hf_dir`) or shape (`hf_config`).
     #[serde(default)]
-    pub model: Option<GptConfig>,
+    pub model: Option<ModelKeys>,
     /// The train job's keys inside the `zerotrain` section.
     #[serde(default)]
     pub zerotrain: JobKeys,
+}
+
+/// The `model` section: the built-in GPT's shape keys, and the Hugging Face keys.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ModelKeys {
+    /// The built-in GPT's shape (`block_size` is the context of every model).
+    #[serde(flatten)]
+    pub shape: GptConfig,
+    /// A Hugging Face checkpoint folder (`config.json`, safetensors, `tokenizer.json`) to
+    /// start from; relative to the config file's folder.
+    #[serde(default)]
+    pub hf_dir: Option<PathBuf>,
+    /// A Hugging Face `config.json` (or a preset in `configs/models/`) to build a fresh model
+    /// of that family; relative to the config file's folder.
+    #[serde(default)]
+    pub hf_config: Option<PathBuf>,
+}
+
+/// Where a Hugging Face family's model comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HfSource {
+    /// `model.hf_dir`: a checkpoint folder.
+    Dir(PathBuf),
+    /// `model.hf_config`: a `config.json`, the model initialised fresh.
+    Config(PathBuf),
 }
 
 /// `zerotrain.checkpoint_every` and `zerotrain.eval_every`.
@@ -38,7 +64,7 @@ impl ConfigExtension for AppKeys {
 
     fn known_keys(parent: &str) -> Vec<&'static str> {
         match parent {
-            "model" => serde_introspect::<GptConfig>().to_vec(),
+            "model" => [serde_introspect::<GptConfig>(), &["hf_dir", "hf_config"]].concat(),
             "zerotrain" => serde_introspect::<JobKeys>().to_vec(),
             _ => Vec::new(),
         }
@@ -46,10 +72,13 @@ impl ConfigExtension for AppKeys {
 }
 
 /// The application's settings, resolved and validated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppSettings {
-    /// The built-in GPT's shape (`vocab_size` 0: from the corpus).
+    /// The built-in GPT's shape (`vocab_size` 0: from the corpus); its `block_size` is the
+    /// context of a Hugging Face family's model too.
     pub model: GptConfig,
+    /// A Hugging Face family's model instead of the built-in GPT.
+    pub hf: Option<HfSource>,
     /// Checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: u64,
     /// Validation loss every this many steps (at least 1).
@@ -60,7 +89,28 @@ impl AppKeys {
     /// Defaults applied, the model's shape checked (a `vocab_size` of 0 is filled in from
     /// the corpus later, so it passes here).
     pub fn resolve(&self) -> Result<AppSettings, ConfigError> {
-        let model = self.model.unwrap_or_default();
+        self.resolve_in(Path::new("."))
+    }
+
+    /// [`resolve`](Self::resolve), with relative `hf_dir` and `hf_config` paths taken
+    /// from `base` (the config file's folder).
+    pub fn resolve_in(&self, base: &Path) -> Result<AppSettings, ConfigError> {
+        let section = self.model.clone().unwrap_or_default();
+        let model = section.shape;
+        let hf = match (&section.hf_dir, &section.hf_config) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::InvalidValue {
+                    origin: "config".into(),
+                    key: "model.hf_config".into(),
+                    message: "give model.hf_dir (a checkpoint to start from) or model.hf_config (a fresh model of a \
+                              config.json), not both"
+                        .into(),
+                });
+            }
+            (Some(dir), None) => Some(HfSource::Dir(base.join(dir))),
+            (None, Some(file)) => Some(HfSource::Config(base.join(file))),
+            (None, None) => None,
+        };
         let probe = GptConfig { vocab_size: model.vocab_size.max(1), ..model };
         probe.validate().map_err(|message| {
             let key = message.split_whitespace().next().unwrap_or("model").to_string();
@@ -68,6 +118,7 @@ impl AppKeys {
         })?;
         Ok(AppSettings {
             model,
+            hf,
             checkpoint_every: self.zerotrain.checkpoint_every.map_or(0, |c| c.0),
             eval_every: self.zerotrain.eval_every.map_or(50, |c| c.0).max(1),
         })
@@ -77,7 +128,12 @@ impl AppKeys {
 /// Reads `path` into the library's plan and the application's settings.
 pub fn load(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), ConfigError> {
     let (config, keys) = Config::from_file_with::<AppKeys>(path)?;
-    Ok((config.resolve(overrides)?, keys.resolve()?))
+    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
+}
+
+/// The folder of a config file (relative model paths start there).
+fn folder_of(path: &Path) -> &Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 /// [`load`], with `--server` and `--group` put into `local_sgd` first (`servers` replaced
@@ -104,7 +160,7 @@ pub fn load_as_group(
             section.group = Some(crate::config::Count(group));
         }
     }
-    Ok((config.resolve(overrides)?, keys.resolve()?))
+    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
 }
 
 /// The application's keys of `path`; the library's keys are checked but not resolved.

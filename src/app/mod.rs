@@ -4,8 +4,10 @@
 //! | module | holds |
 //! |---|---|
 //! | [`keys`] | the application's keys in the config file (`model`, checkpoint and eval cadence) |
-//! | [`models`] | the built-in GPT, and the small MLP and transformer the tests and benches use |
+//! | [`models`] | the built-in GPT, GPT-2 and the LLaMA family, and the small models the tests and benches use |
 //! | [`data`] | the character corpus and its deterministic sampler |
+//! | [`hf`] | Hugging Face checkpoints in and out (`config.json`, safetensors) |
+//! | [`text`] | tokenizers (`tokenizer.json`) |
 //! | [`train`] | the main job behind `zerotrain train`: metrics, plots, checkpoints, SIGINT/SIGTERM |
 //! | [`bench`](mod@bench) | the tables behind `zerotrain bench` |
 //! | `cli`, `commands` | clap's declarations and each subcommand's body |
@@ -16,8 +18,10 @@ pub mod bench;
 mod cli;
 mod commands;
 pub mod data;
+pub mod hf;
 pub mod keys;
 pub mod models;
+pub mod text;
 pub mod train;
 
 use std::process::ExitCode;
@@ -174,6 +178,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())
         }
         Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
+        Command::Eval { config, text, checkpoint, tag, world_size, json } => {
+            commands::eval::eval(commands::eval::EvalArgs { config, text, checkpoint, tag, world_size, json })
+        }
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),
         Command::Serve { config, listen, checkpoint } => commands::serve(&config, listen, checkpoint),
     }

@@ -4,10 +4,11 @@
 use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, log_softmax};
+use burn::tensor::activation::gelu;
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use super::causal_lm::{cross_entropy, inputs};
 use crate::engine::{UnitModel, UnitSpec};
 
 /// The `model` section of a config: a GPT's shape.
@@ -247,24 +248,6 @@ impl Block {
         let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
         h + m
     }
-}
-
-/// The model's input tokens: all but the last of each sequence in `tokens`.
-fn inputs(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
-    let [b, t1] = tokens.dims();
-    tokens.clone().slice([0..b, 0..t1 - 1])
-}
-
-/// Mean cross-entropy (in f32) of `logits` `[batch, time, vocab]` against the next tokens
-/// of `tokens` `[batch, time + 1]`.
-fn cross_entropy(logits: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<1> {
-    let [b, t1] = tokens.dims();
-    let t = t1 - 1;
-    let targets = tokens.clone().slice([0..b, 1..t1]).reshape([b * t, 1]);
-    let logits = logits.cast(FloatDType::F32);
-    let vocab = logits.dims()[2];
-    let log_probs = log_softmax(logits.reshape([b * t, vocab]), 1);
-    log_probs.gather(1, targets).mean().neg()
 }
 
 /// One unit per block, the embeddings and the head. A tied token embedding is used by the

@@ -1,13 +1,21 @@
-//! Built-in models: the [`Gpt`] of the main job, and small models ([`Mlp`],
+//! Built-in models: the [`Gpt`] of the main job, Hugging Face's GPT-2 ([`Gpt2`]) and LLaMA
+//! family ([`Llama`]) with their checkpoints' tensor names, and small models ([`Mlp`],
 //! [`TinyTransformer`]) with a deterministic regression task, and a BatchNorm
 //! [`ConvNet`] with a classification task, for the examples and tests. None has dropout
 //! (`tests/world/dropout.rs` brings a model that has).
 
+mod causal_lm;
 mod conv;
 mod gpt;
+pub mod gpt2;
+pub mod layers;
+pub mod llama;
 
+pub use causal_lm::CausalLm;
 pub use conv::{ConvBlock, ConvNet, ImageTask, Images};
 pub use gpt::{Block, Gpt, GptConfig};
+pub use gpt2::Gpt2;
+pub use llama::Llama;
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};

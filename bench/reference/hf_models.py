@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Tiny Hugging Face checkpoints, and a reference forward pass written in numpy.
+
+Independent of zerotrain: the checkpoints are written with Python's `safetensors` (numpy
+API), the tokenizer is trained with Python's `tokenizers`, and the forward passes follow
+the families' published definitions (GPT2LMHeadModel; LlamaForCausalLM / Qwen2ForCausalLM),
+in float64. zerotrain's tests compare `zerotrain eval` with `loss` below.
+
+    hf_models.py make DIR --family gpt2|llama|qwen2 [--layers N] [--kv-heads N] [--tied]
+                 [--rope none|linear|llama3] [--dtype f32|bf16|f16] [--shards N] [--seed S]
+    hf_models.py loss DIR TEXT --context N      -> {"loss": mean next-token loss per token}
+    hf_models.py text FILE [--bytes N]          -> deterministic English-like text
+    hf_models.py ids DIR TEXT                   -> {"ids": the tokenizer's ids of the file}
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+
+# ---------------------------------------------------------------- text and tokenizer
+
+WORDS = ("the a model trains on text and learns which word comes next while every rank holds "
+         "only its shard of the optimizer state gradients and parameters so memory falls with "
+         "the number of ranks zero stage one two three offload to host memory or nvme pipeline "
+         "stages replica groups checkpoints resume at any world size").split()
+
+
+def make_text(n_bytes, seed=7):
+    rng = np.random.default_rng(seed)
+    out, size = [], 0
+    while size < n_bytes:
+        n = int(rng.integers(4, 14))
+        sentence = " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), n))
+        sentence = sentence[0].upper() + sentence[1:] + ". "
+        if rng.random() < 0.2:
+            sentence += "\n"
+        out.append(sentence)
+        size += len(sentence)
+    return "".join(out)
+
+
+def train_tokenizer(text, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    return tok
+
+
+def encode(dir_, text):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(dir_, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def configs(family, layers, kv_heads, tied, rope, vocab):
+    if family == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+                "n_positions": 64, "n_embd": 32, "n_layer": layers, "n_head": 4, "n_inner": None,
+                "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+                "tie_word_embeddings": True}
+    config = {"model_type": family, "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 500.0,
+              "tie_word_embeddings": tied, "hidden_act": "silu", "initializer_range": 0.02}
+    config["architectures"] = ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"]
+    if rope == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    elif rope == "llama3":
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return config
+
+
+def tensors_of(config, rng):
+    """Random weights, large enough that every part of the forward pass matters."""
+    def w(*shape, std=0.2):
+        return rng.normal(0.0, std, shape)
+
+    def norm(d):
+        return 1.0 + 0.1 * rng.normal(size=d)
+
+    t = {}
+    if config["model_type"] == "gpt2":
+        d, v, inner = config["n_embd"], config["vocab_size"], 4 * config["n_embd"]
+        t["transformer.wte.weight"] = w(v, d)
+        t["transformer.wpe.weight"] = w(config["n_positions"], d, std=0.1)
+        for i in range(config["n_layer"]):
+            p = f"transformer.h.{i}."
+            t[p + "ln_1.weight"], t[p + "ln_1.bias"] = norm(d), 0.1 * rng.normal(size=d)
+            t[p + "attn.c_attn.weight"], t[p + "attn.c_attn.bias"] = w(d, 3 * d), w(3 * d, std=0.1)
+            t[p + "attn.c_proj.weight"], t[p + "attn.c_proj.bias"] = w(d, d), w(d, std=0.1)
+            t[p + "ln_2.weight"], t[p + "ln_2.bias"] = norm(d), 0.1 * rng.normal(size=d)
+            t[p + "mlp.c_fc.weight"], t[p + "mlp.c_fc.bias"] = w(d, inner), w(inner, std=0.1)
+            t[p + "mlp.c_proj.weight"], t[p + "mlp.c_proj.bias"] = w(inner, d), w(d, std=0.1)
+        t["transformer.ln_f.weight"], t["transformer.ln_f.bias"] = norm(d), 0.1 * rng.normal(size=d)
+        return t
+    d, v, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = d // heads
+    qwen = config["model_type"] == "qwen2"
+    t["model.embed_tokens.weight"] = w(v, d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(d)
+        t[p + "self_attn.q_proj.weight"] = w(heads * hd, d)
+        t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.o_proj.weight"] = w(d, heads * hd)
+        if qwen:
+            for n, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
+                t[p + f"self_attn.{n}_proj.bias"] = w(rows, std=0.1)
+        t[p + "post_attention_layernorm.weight"] = norm(d)
+        t[p + "mlp.gate_proj.weight"] = w(ffn, d)
+        t[p + "mlp.up_proj.weight"] = w(ffn, d)
+        t[p + "mlp.down_proj.weight"] = w(d, ffn)
+    t["model.norm.weight"] = norm(d)
+    if not config["tie_word_embeddings"]:
+        t["lm_head.weight"] = w(v, d)
+    return t
+
+
+def save(dir_, tensors, dtype, shards):
+    from safetensors.numpy import save_file
+
+    if dtype == "bf16":
+        import ml_dtypes
+        np_dtype = ml_dtypes.bfloat16
+    else:
+        np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
+    cast = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
+    names = list(cast)
+    if shards <= 1:
+        save_file(cast, os.path.join(dir_, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: cast[k] for k in part}, os.path.join(dir_, file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    total = sum(v.nbytes for v in cast.values())
+    with open(os.path.join(dir_, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def make(args):
+    os.makedirs(args.dir, exist_ok=True)
+    tok = train_tokenizer(make_text(20000, seed=args.seed), 300)
+    tok.save(os.path.join(args.dir, "tokenizer.json"))
+    vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
+    kv = args.kv_heads or 4
+    config = configs(args.family, args.layers, kv, args.tied, args.rope, vocab)
+    config["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[args.dtype]
+    with open(os.path.join(args.dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save(args.dir, tensors_of(config, np.random.default_rng(args.seed)), args.dtype, args.shards)
+
+
+# ---------------------------------------------------------------- reference forward passes
+
+def load(dir_):
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(dir_, "config.json")) as f:
+        config = json.load(f)
+    index = os.path.join(dir_, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    t = {}
+    for file in files:
+        t.update({k: v.astype(np.float64) for k, v in load_file(os.path.join(dir_, file)).items()})
+    return config, t
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def causal_attention(q, k, v):
+    """q [h, t, hd], k and v [h, t, hd] (kv heads already repeated)."""
+    t, hd = q.shape[1], q.shape[2]
+    scores = q @ k.transpose(0, 2, 1) / math.sqrt(hd)
+    scores = np.where(np.triu(np.ones((t, t), dtype=bool), 1), -np.inf, scores)
+    return softmax(scores) @ v
+
+
+def layer_norm(x, w, b, eps):
+    m = x.mean(-1, keepdims=True)
+    var = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(var + eps) * w + b
+
+
+def gpt2_logits(c, t, ids):
+    d, heads, eps = c["n_embd"], c["n_head"], c.get("layer_norm_epsilon", 1e-5)
+    n = len(ids)
+    h = t["transformer.wte.weight"][ids] + t["transformer.wpe.weight"][:n]
+    for i in range(c["n_layer"]):
+        p = f"transformer.h.{i}."
+        a = layer_norm(h, t[p + "ln_1.weight"], t[p + "ln_1.bias"], eps)
+        qkv = a @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
+        q, k, v = (qkv[:, j * d:(j + 1) * d].reshape(n, heads, d // heads).transpose(1, 0, 2) for j in range(3))
+        ctx = causal_attention(q, k, v).transpose(1, 0, 2).reshape(n, d)
+        h = h + ctx @ t[p + "attn.c_proj.weight"] + t[p + "attn.c_proj.bias"]
+        m = layer_norm(h, t[p + "ln_2.weight"], t[p + "ln_2.bias"], eps)
+        up = m @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"]
+        gelu = 0.5 * up * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (up + 0.044715 * up ** 3)))
+        h = h + gelu @ t[p + "mlp.c_proj.weight"] + t[p + "mlp.c_proj.bias"]
+    h = layer_norm(h, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], eps)
+    return h @ t["transformer.wte.weight"].T
+
+
+def inverse_frequencies(c, hd):
+    inv = c.get("rope_theta", 10000.0) ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    s = c.get("rope_scaling") or {}
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv / s["factor"]
+    if kind == "llama3":
+        old, factor = s["original_max_position_embeddings"], s["factor"]
+        low, high = s["low_freq_factor"], s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        out = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return np.where(medium, (1 - smooth) * inv / factor + smooth * inv, out)
+    return inv
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def llama_logits(c, t, ids):
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads", heads)
+    hd = c.get("head_dim", d // heads)
+    eps = c.get("rms_norm_eps", 1e-6)
+    n = len(ids)
+
+    def rms(x, w):
+        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+    def proj(x, name):
+        y = x @ t[name + ".weight"].T
+        return y + t[name + ".bias"] if name + ".bias" in t else y
+
+    angles = np.arange(n, dtype=np.float64)[:, None] * inverse_frequencies(c, hd)[None, :]
+    cos, sin = np.cos(np.concatenate([angles, angles], -1)), np.sin(np.concatenate([angles, angles], -1))
+    h = t["model.embed_tokens.weight"][ids]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        x = rms(h, t[p + "input_layernorm.weight"])
+        q = proj(x, p + "self_attn.q_proj").reshape(n, heads, hd).transpose(1, 0, 2)
+        k = proj(x, p + "self_attn.k_proj").reshape(n, kv, hd).transpose(1, 0, 2)
+        v = proj(x, p + "self_attn.v_proj").reshape(n, kv, hd).transpose(1, 0, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k, v = np.repeat(k, heads // kv, axis=0), np.repeat(v, heads // kv, axis=0)
+        ctx = causal_attention(q, k, v).transpose(1, 0, 2).reshape(n, heads * hd)
+        h = h + proj(ctx, p + "self_attn.o_proj")
+        x = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate = proj(x, p + "mlp.gate_proj")
+        h = h + proj(gate / (1 + np.exp(-gate)) * proj(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+    h = rms(h, t["model.norm.weight"])
+    head = t["model.embed_tokens.weight"] if c.get("tie_word_embeddings") else t["lm_head.weight"]
+    return h @ head.T
+
+
+def loss(args):
+    config, tensors = load(args.dir)
+    with open(args.text, encoding="utf-8") as f:
+        ids = np.array(encode(args.dir, f.read()))
+    forward = gpt2_logits if config["model_type"] == "gpt2" else llama_logits
+    n = args.context
+    losses = []
+    for w in range((len(ids) - 1) // n):
+        window = ids[w * n: w * n + n + 1]
+        logits = forward(config, tensors, window[:-1])
+        logits = logits - logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        losses.append(-logp[np.arange(n), window[1:]].mean())
+    print(json.dumps({"loss": float(np.mean(losses)), "windows": len(losses)}))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("dir")
+    m.add_argument("--family", choices=["gpt2", "llama", "qwen2"], required=True)
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--kv-heads", type=int, default=0)
+    m.add_argument("--tied", action="store_true")
+    m.add_argument("--rope", choices=["none", "linear", "llama3"], default="none")
+    m.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32")
+    m.add_argument("--shards", type=int, default=1)
+    m.add_argument("--seed", type=int, default=1)
+    l_ = sub.add_parser("loss")
+    l_.add_argument("dir")
+    l_.add_argument("text")
+    l_.add_argument("--context", type=int, required=True)
+    t = sub.add_parser("text")
+    t.add_argument("file")
+    t.add_argument("--bytes", type=int, default=4000)
+    t.add_argument("--seed", type=int, default=11)
+    i = sub.add_parser("ids")
+    i.add_argument("dir")
+    i.add_argument("text")
+    args = parser.parse_args()
+    if args.command == "make":
+        make(args)
+    elif args.command == "loss":
+        loss(args)
+    elif args.command == "text":
+        with open(args.file, "w", encoding="utf-8") as f:
+            f.write(make_text(args.bytes, seed=args.seed))
+    else:
+        with open(args.text, encoding="utf-8") as f:
+            print(json.dumps({"ids": encode(args.dir, f.read())}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+//! `zerotrain eval`: the mean next-token loss and perplexity of a Hugging Face family's
+//! model (from `model.hf_dir`, or a checkpoint of one) on a text file, through the engine
+//! (so a model sharded at stage 3 evaluates as it trains).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use zerotrain_zero::ReduceOp;
+
+use crate::app::hf::{self, HfModel, WithModel};
+use crate::app::keys::{self, HfSource};
+use crate::app::models::CausalLm;
+use crate::app::text::Tokenizer;
+use crate::{LoadOptions, Overrides, Plan};
+
+/// What `zerotrain eval` was asked.
+#[derive(Debug, Clone)]
+pub struct EvalArgs {
+    pub config: PathBuf,
+    /// The text to score.
+    pub text: PathBuf,
+    /// A zerotrain checkpoint folder of the model to load instead of `hf_dir`'s weights.
+    pub checkpoint: Option<PathBuf>,
+    pub tag: Option<String>,
+    pub world_size: Option<usize>,
+    pub json: bool,
+}
+
+/// A model of `config`'s `model` section, its tokenizer and context: imported from
+/// `hf_dir`, or fresh from `hf_config` (its tokenizer then from `tokenizer_dir`).
+pub struct LoadedModel {
+    pub model: HfModel,
+    pub config: hf::HfConfig,
+    pub tokenizer: Tokenizer,
+    pub context: usize,
+    /// Where the model came from, for messages.
+    pub source: PathBuf,
+}
+
+/// The model the settings name, on `device`; `tokenizer_dir` holds `tokenizer.json` when
+/// the model comes from `hf_config` (a checkpoint's folder).
+pub fn load_model(
+    settings: &keys::AppSettings,
+    config_file: &Path,
+    device: &Device,
+    tokenizer_dir: Option<&Path>,
+) -> anyhow::Result<LoadedModel> {
+    let Some(source) = &settings.hf else {
+        bail!("{}: give model.hf_dir (a Hugging Face checkpoint folder) or model.hf_config", config_file.display());
+    };
+    let (config, model, dir) = match source {
+        HfSource::Dir(dir) => {
+            let (config, model) = hf::import(dir, device)?;
+            (config, model, dir.clone())
+        }
+        HfSource::Config(file) => {
+            let config = hf::HfConfig::read(file)?;
+            let model = hf::fresh(&config, device);
+            (config, model, file.clone())
+        }
+    };
+    let tokenizer_file = match (source, tokenizer_dir) {
+        (_, Some(dir)) => dir.join(hf::TOKENIZER_FILE),
+        (HfSource::Dir(dir), None) => dir.join(hf::TOKENIZER_FILE),
+        (HfSource::Config(file), None) => {
+            bail!(
+                "{}: a model from model.hf_config has no tokenizer.json beside it: evaluate a checkpoint",
+                file.display()
+            )
+        }
+    };
+    let tokenizer = Tokenizer::from_file(&tokenizer_file)?;
+    if tokenizer.vocab_size() > config.vocab_size() {
+        bail!(
+            "{} has {} tokens, more than the model's vocab_size {}",
+            tokenizer_file.display(),
+            tokenizer.vocab_size(),
+            config.vocab_size()
+        );
+    }
+    let context = settings.model.block_size;
+    if context > config.max_context() {
+        bail!(
+            "{}: model.block_size {context} is longer than the model's positions ({})",
+            config_file.display(),
+            config.max_context()
+        );
+    }
+    Ok(LoadedModel { model, config, tokenizer, context, source: dir })
+}
+
+/// `zerotrain eval`.
+pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    let overrides = Overrides { world_size: args.world_size, total_steps: Some(1), ..Overrides::default() };
+    let (plan, settings) = keys::load(&args.config, overrides)?;
+    let device = Device::flex().autodiff();
+    device.seed(plan.runtime.seed);
+    let loaded = load_model(&settings, &args.config, &device, args.checkpoint.as_deref())?;
+    let text = std::fs::read_to_string(&args.text).with_context(|| format!("cannot read {}", args.text.display()))?;
+    let tokens = loaded.tokenizer.encode(&text)?;
+    let windows = Windows::over(&tokens, loaded.context)
+        .with_context(|| format!("{}: {} tokens", args.text.display(), tokens.len()))?;
+    let job =
+        EvalJob { plan: &plan, windows: &windows, checkpoint: args.checkpoint.as_deref(), tag: args.tag.as_deref() };
+    let loss = loaded.model.run(job)?;
+    let scored = windows.count * windows.context;
+    if args.json {
+        println!("{}", serde_json::json!({"loss": loss, "perplexity": loss.exp(), "tokens": scored}));
+    } else {
+        println!(
+            "{}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {})",
+            args.text.display(),
+            loss.exp(),
+            windows.count,
+            windows.context
+        );
+    }
+    Ok(())
+}
+
+/// Non-overlapping windows of `context + 1` tokens, one token apart (each token after the
+/// first is predicted once); a tail shorter than a window is left out.
+pub struct Windows<'a> {
+    tokens: &'a [u32],
+    pub context: usize,
+    pub count: usize,
+}
+
+impl<'a> Windows<'a> {
+    pub fn over(tokens: &'a [u32], context: usize) -> anyhow::Result<Self> {
+        let count = tokens.len().saturating_sub(1) / context;
+        if count == 0 {
+            bail!("fewer than the {} tokens of one window (model.block_size {context} + 1)", context + 1);
+        }
+        Ok(Self { tokens, context, count })
+    }
+
+    /// Windows `range` as a batch `[n, context + 1]`.
+    fn batch(&self, range: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
+        let n = range.len();
+        let data: Vec<i64> = range
+            .flat_map(|w| {
+                self.tokens[w * self.context..w * self.context + self.context + 1].iter().map(|&t| i64::from(t))
+            })
+            .collect();
+        Tensor::from_data(TensorData::new(data, [n, self.context + 1]), device)
+    }
+}
+
+struct EvalJob<'a> {
+    plan: &'a Plan,
+    windows: &'a Windows<'a>,
+    checkpoint: Option<&'a Path>,
+    tag: Option<&'a str>,
+}
+
+impl WithModel for EvalJob<'_> {
+    type Output = anyhow::Result<f64>;
+
+    /// Every data-parallel rank scores its share of the windows, a micro-batch at a time,
+    /// in rounds every rank joins (a rank out of windows scores window 0 with no weight);
+    /// the sums are then all-reduced.
+    fn run<M: CausalLm>(self, model: M) -> anyhow::Result<f64> {
+        let Self { plan, windows, checkpoint, tag } = self;
+        let per = plan.batch.micro_batch_per_rank as usize;
+        let sums = crate::launch(plan, |ctx| -> crate::Result<f64> {
+            let mut engine = crate::trainer(model.clone(), plan, &ctx)?;
+            if let Some(dir) = checkpoint {
+                engine.load_checkpoint(dir, tag, LoadOptions::default())?;
+            }
+            let (n, d) = (engine.data_parallel_size(), engine.data_parallel_rank());
+            let rounds = windows.count.div_ceil(per * n);
+            let mut sum = [0.0f64, 0.0];
+            for r in 0..rounds {
+                let first = (r * n + d) * per;
+                let range = first.min(windows.count)..(first + per).min(windows.count);
+                let weight = range.len() as f64;
+                let range = if range.is_empty() { 0..1 } else { range };
+                let loss = engine.evaluate(&windows.batch(range, ctx.device()))?;
+                sum[0] += f64::from(loss) * weight;
+                sum[1] += weight;
+            }
+            let mut totals = [sum[0] as f32, sum[1] as f32];
+            ctx.collective().all_reduce((&mut totals[..]).into(), ReduceOp::Sum)?;
+            Ok(f64::from(totals[0]) / f64::from(totals[1]))
+        })?;
+        Ok(sums[0])
+    }
+}

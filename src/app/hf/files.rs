@@ -1,0 +1,166 @@
+//! A checkpoint's safetensors files, memory-mapped: `model.safetensors`, or the shards a
+//! `model.safetensors.index.json` names. Only headers are read when they open; a tensor's
+//! bytes are touched when it is read ([`TensorFiles::read_f32`]), so a rank that builds
+//! one unit at a time pages in one unit's bytes at a time.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+/// The single-file checkpoint's name.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The sharded checkpoint's index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One tensor of the files: where it is and what it holds.
+#[derive(Debug, Clone)]
+pub struct TensorEntry {
+    /// Which file (index into the files).
+    file: usize,
+    /// Its dtype in the file.
+    pub dtype: Dtype,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Byte range within the file.
+    range: std::ops::Range<usize>,
+}
+
+/// A checkpoint's tensors by name, over its memory-mapped files.
+#[derive(Debug)]
+pub struct TensorFiles {
+    files: Vec<(PathBuf, Mmap)>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+/// A problem with a checkpoint's files, naming the file (and the tensor where there is one).
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {message}")]
+pub struct FilesError {
+    /// The file (or folder).
+    pub file: PathBuf,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn error(file: &Path, message: impl Into<String>) -> FilesError {
+    FilesError { file: file.to_path_buf(), message: message.into() }
+}
+
+impl TensorFiles {
+    /// The tensors of `dir`: its index's shards, or its single file.
+    pub fn open(dir: &Path) -> Result<Arc<Self>, FilesError> {
+        let index = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        let names: Vec<(PathBuf, Option<Vec<String>>)> = if index.exists() {
+            shards_of_index(&index)?.into_iter().map(|(file, names)| (dir.join(file), Some(names))).collect()
+        } else if single.exists() {
+            vec![(single, None)]
+        } else {
+            return Err(error(dir, format!("has neither {SINGLE_FILE} nor {INDEX_FILE}")));
+        };
+        let mut out = Self { files: Vec::new(), tensors: BTreeMap::new() };
+        for (path, listed) in names {
+            out.add(&path, listed.as_deref())?;
+        }
+        Ok(Arc::new(out))
+    }
+
+    /// Maps one file and reads its header; `listed`: the names the index gives it.
+    fn add(&mut self, path: &Path, listed: Option<&[String]>) -> Result<(), FilesError> {
+        let file = std::fs::File::open(path).map_err(|e| error(path, format!("cannot open it: {e}")))?;
+        // SAFETY: the map is read-only and private to this process; a checkpoint changed
+        // by another program while it is mapped is outside what zerotrain supports (the
+        // same contract as Hugging Face's and safetensors' own loaders).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| error(path, format!("cannot map it: {e}")))?;
+        let (header, metadata) =
+            SafeTensors::read_metadata(&map).map_err(|e| error(path, format!("not a safetensors file: {e}")))?;
+        let start = 8 + header;
+        let id = self.files.len();
+        for (name, info) in metadata.tensors() {
+            let (a, b) = info.data_offsets;
+            let entry =
+                TensorEntry { file: id, dtype: info.dtype, shape: info.shape.clone(), range: start + a..start + b };
+            if let Some(other) = self.tensors.insert(name.clone(), entry) {
+                let first = &self.files[other.file].0;
+                return Err(error(path, format!("tensor `{name}` is also in {}", first.display())));
+            }
+        }
+        if let Some(listed) = listed
+            && let Some(missing) = listed.iter().find(|n| self.tensors.get(*n).is_none_or(|e| e.file != id))
+        {
+            return Err(error(path, format!("the index puts tensor `{missing}` in this file, which does not hold it")));
+        }
+        self.files.push((path.to_path_buf(), map));
+        Ok(())
+    }
+
+    /// The tensor `name`, if the files hold it.
+    pub fn get(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.get(name)
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The file that holds `entry`.
+    pub fn file_of(&self, entry: &TensorEntry) -> &Path {
+        &self.files[entry.file].0
+    }
+
+    /// The tensor's raw bytes (little-endian, in its dtype).
+    pub fn bytes(&self, entry: &TensorEntry) -> &[u8] {
+        &self.files[entry.file].1[entry.range.clone()]
+    }
+
+    /// The tensor's values as f32 (exact from f16 and bf16). The dtype was checked by
+    /// [`check_float`].
+    pub fn read_f32(&self, entry: &TensorEntry) -> Vec<f32> {
+        let bytes = self.bytes(entry);
+        match entry.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => unreachable!("check_float refuses {other:?}"),
+        }
+    }
+}
+
+/// An error unless `entry` is an f32, f16 or bf16 tensor.
+pub fn check_float(entry: &TensorEntry) -> Result<(), String> {
+    match entry.dtype {
+        Dtype::F32 | Dtype::F16 | Dtype::BF16 => Ok(()),
+        other => Err(format!("is {other:?}; zerotrain reads F32, F16 and BF16 weights")),
+    }
+}
+
+/// The shard files of an index and the tensor names each holds, in the index's order.
+fn shards_of_index(index: &Path) -> Result<Vec<(String, Vec<String>)>, FilesError> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(index).map_err(|e| error(index, format!("cannot read it: {e}")))?;
+    let parsed: Index = serde_json::from_str(&text).map_err(|e| error(index, format!("not an index: {e}")))?;
+    let mut shards: Vec<(String, Vec<String>)> = Vec::new();
+    for (name, file) in parsed.weight_map {
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(error(
+                index,
+                format!("tensor `{name}` is in `{file}`, which is not a file name in its folder"),
+            ));
+        }
+        match shards.iter_mut().find(|(f, _)| *f == file) {
+            Some((_, names)) => names.push(name),
+            None => shards.push((file, vec![name])),
+        }
+    }
+    if shards.is_empty() {
+        return Err(error(index, "its weight_map is empty"));
+    }
+    Ok(shards)
+}

@@ -1,0 +1,173 @@
+//! Import checks that need no Python: checkpoints written here with the safetensors crate.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{Device, Tensor};
+use serde_json::json;
+
+use super::*;
+use crate::engine::UnitModel;
+
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerotrain-hf-unit-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn llama_config(tied: bool) -> serde_json::Value {
+    json!({"model_type": "llama", "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10, "tie_word_embeddings": tied})
+}
+
+/// Writes `config` and, as one safetensors file, every tensor the model needs (values
+/// `0.01 * i`), with `edit` applied to the (name -> (dtype, shape, bytes)) map first.
+fn write(
+    dir: &Path,
+    config: &serde_json::Value,
+    edit: impl FnOnce(&mut BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    std::fs::write(dir.join(CONFIG_FILE), config.to_string()).unwrap();
+    let parsed = HfConfig::from_json(config.clone()).unwrap();
+    let mut tensors: BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> = parameter_names(&parsed)
+        .into_iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            let bytes = (0..n).flat_map(|i| (0.01 * i as f32).to_le_bytes()).collect();
+            (name, (safetensors::Dtype::F32, shape, bytes))
+        })
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            (name.clone(), safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join(files::SINGLE_FILE)).unwrap();
+}
+
+/// Every float tensor of `model`: (module path, initialised yet, values read now).
+fn floats<M: Module>(model: &M, read: bool) -> Vec<(String, bool, Vec<f32>)> {
+    struct Walk {
+        path: Vec<String>,
+        read: bool,
+        out: Vec<(String, bool, Vec<f32>)>,
+    }
+    impl ModuleVisitor for Walk {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let initialised = param.is_initialized();
+            let values = if self.read { param.val().into_data().try_to_vec::<f32>().unwrap() } else { Vec::new() };
+            self.out.push((self.path.join("."), initialised, values));
+        }
+    }
+    let mut walk = Walk { path: Vec::new(), read, out: Vec::new() };
+    model.visit(&mut walk);
+    walk.out
+}
+
+fn import_error(dir: &Path) -> String {
+    match import(dir, &Device::flex()) {
+        Ok(_) => panic!("{} imported", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn module_paths_are_the_checkpoints_tensor_names() {
+    let configs = [
+        json!({"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 2, "vocab_size": 10, "n_positions": 6}),
+        llama_config(true),
+        llama_config(false),
+        json!({"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "vocab_size": 10}),
+    ];
+    for config in configs {
+        let parsed = HfConfig::from_json(config.clone()).unwrap();
+        let asked = parameter_names(&parsed);
+        let model = fresh(&parsed, &Device::flex().autodiff());
+        let (paths, units) = match &model {
+            HfModel::Gpt2(m) => (floats(m, false), m.units().len()),
+            HfModel::Llama(m) => (floats(m, false), m.units().len()),
+        };
+        let paths: std::collections::BTreeSet<String> = paths.into_iter().map(|(p, _, _)| p).collect();
+        let asked: std::collections::BTreeSet<String> = asked.into_iter().map(|(p, _)| p).collect();
+        assert_eq!(paths, asked, "{config}");
+        assert!(units >= 3, "{config}");
+    }
+}
+
+#[test]
+fn a_checkpoint_that_does_not_fit_its_config_is_refused_naming_the_tensor_and_file() {
+    let dir = folder("refused");
+    write(&dir, &llama_config(false), |t| {
+        t.remove("model.layers.1.mlp.up_proj.weight");
+    });
+    let err = import_error(&dir);
+    assert!(
+        err.contains("no file holds tensor `model.layers.1.mlp.up_proj.weight`") && err.contains("[12, 8]"),
+        "{err}"
+    );
+
+    write(&dir, &llama_config(false), |t| {
+        t.get_mut("model.norm.weight").unwrap().1 = vec![2, 4];
+    });
+    let err = import_error(&dir);
+    assert!(
+        err.contains("model.safetensors: tensor `model.norm.weight` has shape [2, 4]; the config needs [8]"),
+        "{err}"
+    );
+
+    write(&dir, &llama_config(false), |t| {
+        t.insert("model.layers.2.mlp.up_proj.weight".into(), (safetensors::Dtype::F32, vec![1], vec![0; 4]));
+    });
+    let err = import_error(&dir);
+    assert!(err.contains("tensor `model.layers.2.mlp.up_proj.weight` has no place in the model"), "{err}");
+
+    write(&dir, &llama_config(false), |t| {
+        t.insert("model.norm.weight".into(), (safetensors::Dtype::I32, vec![8], vec![0; 32]));
+    });
+    let err = import_error(&dir);
+    assert!(err.contains("tensor `model.norm.weight` is I32"), "{err}");
+
+    std::fs::write(dir.join(CONFIG_FILE), r#"{"model_type": "bert"}"#).unwrap();
+    let err = import_error(&dir);
+    assert!(err.contains("config.json: model_type `bert` is not a family"), "{err}");
+
+    std::fs::write(dir.join(files::INDEX_FILE), r#"{"weight_map": {"model.norm.weight": "model-2.safetensors"}}"#)
+        .unwrap();
+    write(&dir, &llama_config(false), |_| {});
+    let err = import_error(&dir);
+    assert!(err.contains("model-2.safetensors: cannot open it"), "{err}");
+    std::fs::write(dir.join(files::INDEX_FILE), r#"{"weight_map": {"model.norm.weight": "../x.safetensors"}}"#)
+        .unwrap();
+    let err = import_error(&dir);
+    assert!(err.contains("not a file name in its folder"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_imported_model_holds_the_files_values_and_reads_them_only_when_used() {
+    let dir = folder("values");
+    write(&dir, &llama_config(true), |t| {
+        // bf16 in the file: read exactly into f32.
+        let bytes = (0..80).flat_map(|i| half::bf16::from_f32(i as f32 / 64.0).to_le_bytes()).collect();
+        t.insert("model.embed_tokens.weight".into(), (safetensors::Dtype::BF16, vec![10, 8], bytes));
+    });
+    let (_, model) = import(&dir, &Device::flex()).unwrap();
+    let HfModel::Llama(model) = model else { panic!("llama") };
+    assert!(floats(&model, false).iter().all(|(_, initialised, _)| !initialised), "nothing is read before use");
+    let values = floats(&model, true);
+    let of = |name: &str| values.iter().find(|(p, _, _)| p == name).unwrap().2.clone();
+    assert_eq!(of("model.embed_tokens.weight"), (0..80).map(|i| i as f32 / 64.0).collect::<Vec<_>>());
+    assert_eq!(of("model.layers.0.mlp.down_proj.weight"), (0..96).map(|i| 0.01 * i as f32).collect::<Vec<_>>());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,137 @@
+//! Where a built-in model's parameters come from: fresh initialisation, or a checkpoint's
+//! tensors by name ([`Weights`]). Either way each parameter is lazy (Burn initialises it on
+//! first use): the engine initialises a model one unit at a time as it shards it, so an
+//! imported model is read from its files one unit at a time, and never whole.
+
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use burn::module::{Param, ParamId};
+use burn::nn::Initializer;
+use burn::tensor::{Device, Shape, Tensor, TensorData};
+
+use super::files::{TensorFiles, check_float};
+
+/// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
+#[derive(Debug, Clone, Copy)]
+pub enum Init {
+    /// N(0, `initializer_range`): projections and embeddings.
+    Normal,
+    /// Ones: norm scales.
+    Ones,
+    /// Zeros: biases.
+    Zeros,
+}
+
+/// The source of a model's parameters while it is built; records every name it is asked
+/// for (the model's parameter paths, checked against the files).
+pub struct Weights {
+    device: Device,
+    std: f64,
+    files: Option<Arc<TensorFiles>>,
+    /// Names a checkpoint may write differently (GPT-2's without `transformer.`).
+    alias: fn(&str) -> Option<String>,
+    asked: RefCell<Vec<(String, Vec<usize>)>>,
+    used: RefCell<BTreeSet<String>>,
+    errors: RefCell<Vec<String>>,
+}
+
+impl Weights {
+    /// Fresh parameters on `device`, normal ones with standard deviation `std`.
+    pub fn fresh(device: &Device, std: f64) -> Self {
+        Self::new(device, std, None, |_| None)
+    }
+
+    /// Parameters read from `files`, by name or by the name `alias` gives.
+    pub fn from_files(device: &Device, files: Arc<TensorFiles>, alias: fn(&str) -> Option<String>) -> Self {
+        Self::new(device, 0.0, Some(files), alias)
+    }
+
+    fn new(device: &Device, std: f64, files: Option<Arc<TensorFiles>>, alias: fn(&str) -> Option<String>) -> Self {
+        let (asked, used, errors) = Default::default();
+        Self { device: device.clone(), std, files, alias, asked, used, errors }
+    }
+
+    /// The parameter at module path `name` of `shape`.
+    pub fn param<const D: usize>(&self, name: &str, shape: [usize; D], init: Init) -> Param<Tensor<D>> {
+        self.asked.borrow_mut().push((name.to_string(), shape.to_vec()));
+        match &self.files {
+            None => match init {
+                Init::Normal => Initializer::Normal { mean: 0.0, std: self.std },
+                Init::Ones => Initializer::Ones,
+                Init::Zeros => Initializer::Zeros,
+            }
+            .init(shape, &self.device),
+            Some(files) => self.read(files, name, shape),
+        }
+    }
+
+    /// A lazy parameter that reads `name` when first used; a placeholder of zeros (and an
+    /// error recorded) if the files do not hold it as `shape`.
+    fn read<const D: usize>(&self, files: &Arc<TensorFiles>, name: &str, shape: [usize; D]) -> Param<Tensor<D>> {
+        let found = files
+            .get(name)
+            .map(|e| (name.to_string(), e))
+            .or_else(|| (self.alias)(name).and_then(|a| files.get(&a).map(|e| (a, e))));
+        let problem = match &found {
+            None => Some(format!("no file holds tensor `{name}`, which the model needs (shape {shape:?})")),
+            Some((file_name, entry)) => {
+                self.used.borrow_mut().insert(file_name.to_string());
+                let at = files.file_of(entry).display();
+                if entry.shape != shape {
+                    Some(format!("{at}: tensor `{file_name}` has shape {:?}; the config needs {shape:?}", entry.shape))
+                } else {
+                    check_float(entry).err().map(|why| format!("{at}: tensor `{file_name}` {why}"))
+                }
+            }
+        };
+        if let Some(problem) = problem {
+            self.errors.borrow_mut().push(problem);
+            return Initializer::Zeros.init(shape, &self.device);
+        }
+        let files = Arc::clone(files);
+        let file_name = found.expect("checked").0;
+        Param::uninitialized(
+            ParamId::new(),
+            move |device, require_grad| {
+                let entry = files.get(&file_name).expect("checked when the model was built");
+                let data = TensorData::new(files.read_f32(entry), shape);
+                let tensor = Tensor::<D>::from_data(data, device);
+                if require_grad { tensor.require_grad() } else { tensor }
+            },
+            self.device.clone(),
+            true,
+            Shape::from(shape),
+        )
+    }
+
+    /// Every (module path, shape) asked for, in order.
+    pub fn asked(&self) -> Vec<(String, Vec<usize>)> {
+        self.asked.borrow().clone()
+    }
+
+    /// Ends the build: an error listing what the files lack or hold wrongly, and tensors
+    /// they hold that the model has no place for (`ignored` says which may be dropped:
+    /// buffers such as GPT-2's attention masks).
+    pub fn finish(self, ignored: impl Fn(&str) -> bool) -> Result<(), String> {
+        let mut errors = self.errors.into_inner();
+        if let Some(files) = &self.files {
+            let used = self.used.borrow();
+            let extra: Vec<&str> = files.names().filter(|n| !used.contains(*n) && !ignored(n)).collect();
+            if let Some(first) = extra.first() {
+                let at = files.file_of(files.get(first).expect("listed")).display();
+                errors.push(format!(
+                    "{at}: tensor `{first}` has no place in the model ({} such tensor(s)): is config.json the \
+                     checkpoint's own?",
+                    extra.len()
+                ));
+            }
+        }
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.remove(0)),
+            n => Err(format!("{} (and {} more problem(s))", errors[0], n - 1)),
+        }
+    }
+}

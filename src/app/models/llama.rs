@@ -1,0 +1,184 @@
+//! The LLaMA family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`) as Hugging
+//! Face lays it out: module paths are its tensor names (`model.layers.0.self_attn.q_proj.weight`,
+//! ...), projections are `nn.Linear` `[out, in]`. RMSNorm, rotary positions, a SwiGLU MLP,
+//! grouped-query attention; the head is `lm_head`, or `model.embed_tokens` when tied.
+
+use burn::module::Module;
+use burn::tensor::activation::silu;
+use burn::tensor::{Int, Tensor};
+
+use super::layers::{Dense, Embed, RmsNorm, Rope, causal_attention, split_heads};
+use crate::app::hf::config::LlamaShape;
+use crate::app::hf::weights::Weights;
+use crate::engine::{UnitModel, UnitSpec};
+
+/// The decoder under `model`: the token embedding, the layers, the final norm.
+#[derive(Module, Debug)]
+pub struct LlamaBody {
+    embed_tokens: Embed,
+    layers: Vec<LlamaLayer>,
+    norm: RmsNorm,
+}
+
+/// `*ForCausalLM`: the decoder and its head (none when tied to the embedding).
+#[derive(Module, Debug)]
+pub struct Llama {
+    model: LlamaBody,
+    lm_head: Option<Dense>,
+}
+
+/// One pre-norm layer.
+#[derive(Module, Debug)]
+pub struct LlamaLayer {
+    input_layernorm: RmsNorm,
+    self_attn: LlamaAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: LlamaMlp,
+}
+
+/// Grouped-query attention with rotary positions.
+#[derive(Module, Debug)]
+pub struct LlamaAttention {
+    q_proj: Dense,
+    k_proj: Dense,
+    v_proj: Dense,
+    o_proj: Dense,
+    #[module(skip)]
+    heads: (usize, usize),
+    #[module(skip)]
+    rope: Rope,
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct LlamaMlp {
+    gate_proj: Dense,
+    up_proj: Dense,
+    down_proj: Dense,
+}
+
+impl Llama {
+    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]).
+    pub fn new(shape: &LlamaShape, w: &Weights) -> Self {
+        let (d, hd, eps) = (shape.hidden_size, shape.head_dim, shape.rms_norm_eps);
+        let (heads, kv) = (shape.num_attention_heads, shape.num_key_value_heads);
+        let rope = Rope::new(hd, shape.rope_theta, shape.rope_scaling);
+        let layers = (0..shape.num_hidden_layers)
+            .map(|i| {
+                let at = |part: &str| format!("model.layers.{i}.{part}");
+                let dense = |part: &str, d_in, out, bias| Dense::new(w, &at(part), d_in, out, bias);
+                let ffn = shape.intermediate_size;
+                LlamaLayer {
+                    input_layernorm: RmsNorm::new(w, &at("input_layernorm"), d, eps),
+                    self_attn: LlamaAttention {
+                        q_proj: dense("self_attn.q_proj", d, heads * hd, shape.qkv_bias),
+                        k_proj: dense("self_attn.k_proj", d, kv * hd, shape.qkv_bias),
+                        v_proj: dense("self_attn.v_proj", d, kv * hd, shape.qkv_bias),
+                        o_proj: dense("self_attn.o_proj", heads * hd, d, shape.o_bias),
+                        heads: (heads, kv),
+                        rope: rope.clone(),
+                    },
+                    post_attention_layernorm: RmsNorm::new(w, &at("post_attention_layernorm"), d, eps),
+                    mlp: LlamaMlp {
+                        gate_proj: dense("mlp.gate_proj", d, ffn, shape.mlp_bias),
+                        up_proj: dense("mlp.up_proj", d, ffn, shape.mlp_bias),
+                        down_proj: dense("mlp.down_proj", ffn, d, shape.mlp_bias),
+                    },
+                }
+            })
+            .collect();
+        Self {
+            model: LlamaBody {
+                embed_tokens: Embed::new(w, "model.embed_tokens", shape.vocab_size, d),
+                layers,
+                norm: RmsNorm::new(w, "model.norm", d, eps),
+            },
+            lm_head: (!shape.tie_word_embeddings).then(|| Dense::new(w, "lm_head", d, shape.vocab_size, false)),
+        }
+    }
+
+    /// The final norm and the head: logits `[batch, time, vocab]`.
+    fn head(&self, h: Tensor<3>) -> Tensor<3> {
+        let h = self.model.norm.forward(h);
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => self.model.embed_tokens.logits(h),
+        }
+    }
+
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let mut h = self.model.embed_tokens.forward(ids);
+        for layer in &self.model.layers {
+            h = layer.forward(h);
+        }
+        self.head(h)
+    }
+}
+
+impl LlamaLayer {
+    fn forward(&self, h: Tensor<3>) -> Tensor<3> {
+        let a = &self.self_attn;
+        let (heads, kv) = a.heads;
+        let x = self.input_layernorm.forward(h.clone());
+        let q = a.rope.apply(split_heads(a.q_proj.forward(x.clone()), heads));
+        let k = a.rope.apply(split_heads(a.k_proj.forward(x.clone()), kv));
+        let v = split_heads(a.v_proj.forward(x), kv);
+        let h = h + a.o_proj.forward(causal_attention(q, k, v));
+        let x = self.post_attention_layernorm.forward(h.clone());
+        let m = &self.mlp;
+        h + m.down_proj.forward(silu(m.gate_proj.forward(x.clone())) * m.up_proj.forward(x))
+    }
+}
+
+/// Tensors of a LLaMA-family checkpoint that are not parameters: rotary tables older
+/// checkpoints store, and a head saved beside the table it is tied to.
+pub fn ignored(name: &str, tied: bool) -> bool {
+    name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
+}
+
+/// Units: the token embedding (the root's when tied), each layer, the norm and head.
+impl UnitModel for Llama {
+    /// Token ids `[batch, time + 1]`: inputs and next-token targets.
+    type Batch = Tensor<2, Int>;
+    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    type Hidden = Tensor<3>;
+
+    fn units(&self) -> Vec<UnitSpec> {
+        let tied = self.lm_head.is_none();
+        let layers = (0..self.model.layers.len())
+            .map(|i| UnitSpec::new(format!("model.layers.{i}"), [format!("model.layers.{i}")]));
+        let head: &[&str] = if tied { &["model.norm"] } else { &["model.norm", "lm_head"] };
+        let embed = if tied {
+            UnitSpec::new("embed", Vec::<String>::new())
+        } else {
+            UnitSpec::new("embed", ["model.embed_tokens"])
+        };
+        std::iter::once(embed)
+            .chain(layers)
+            .chain(std::iter::once(UnitSpec::new("head", head.iter().copied())))
+            .collect()
+    }
+
+    fn shared(&self) -> Vec<String> {
+        if self.lm_head.is_none() { vec!["model.embed_tokens".into()] } else { Vec::new() }
+    }
+
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
+        let layers = self.model.layers.len();
+        match (unit, input) {
+            (0, _) => self.model.embed_tokens.forward(super::causal_lm::inputs(tokens)),
+            (i, Some(h)) if i <= layers => self.model.layers[i - 1].forward(h),
+            (_, Some(h)) => self.head(h),
+            (_, None) => unreachable!("only unit 0 runs without an input"),
+        }
+    }
+
+    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
+        super::causal_lm::cross_entropy(logits, tokens)
+    }
+
+    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
+        Some(tokens.dims()[0])
+    }
+}
