@@ -171,6 +171,7 @@ def make(args):
 # ---------------------------------------------------------------- reference forward passes
 
 def load(dir_):
+    import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
     from safetensors.numpy import load_file
 
     with open(os.path.join(dir_, "config.json")) as f:

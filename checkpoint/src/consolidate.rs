@@ -56,11 +56,7 @@ fn check_output(ckpt: &Checkpoint, out: &Path) -> Result<std::path::PathBuf> {
 
 fn write_consolidated(ckpt: &Checkpoint, partial: &Path, dtype: Precision) -> Result<u64> {
     let m = ckpt.manifest();
-    let st_dtype = match dtype {
-        Precision::Fp32 => safetensors::Dtype::F32,
-        Precision::Fp16 => safetensors::Dtype::F16,
-        Precision::Bf16 => safetensors::Dtype::BF16,
-    };
+    let st_dtype = safetensors_dtype(dtype);
     let buffers = m.buffers.as_ref().map(|b| b.layout.as_slice()).unwrap_or_default();
     let specs: Vec<TensorSpec> = m
         .layout
@@ -84,6 +80,38 @@ fn write_consolidated(ckpt: &Checkpoint, partial: &Path, dtype: Precision) -> Re
         stream(&buffers.layout, |range, out| reader.read_f32("buffers", range, out), &mut writer, dtype)?;
     }
     Ok(writer.finish()?.size)
+}
+
+/// Writes the parameters `entries` (of `ckpt`'s layout) to one safetensors file at `path`
+/// in `dtype`, streamed from the master weights as [`consolidate`] does, with `meta` as
+/// the file's metadata. The caller makes `path` atomic (a Hugging Face export writes its
+/// shards into a folder it renames). Returns the bytes written.
+pub fn write_parameters(
+    ckpt: &Checkpoint,
+    entries: &[LayoutEntry],
+    path: &Path,
+    dtype: Precision,
+    meta: &[(&str, String)],
+) -> Result<u64> {
+    let specs: Vec<TensorSpec> = entries
+        .iter()
+        .map(|e| TensorSpec {
+            name: e.path.clone(),
+            dtype: safetensors_dtype(dtype),
+            shape: e.shape.iter().map(|&d| d as usize).collect(),
+        })
+        .collect();
+    let mut writer = SafetensorsWriter::create(path, &specs, meta)?;
+    stream(entries, |range, out| ckpt.read_range("master", range, out), &mut writer, dtype)?;
+    Ok(writer.finish()?.size)
+}
+
+fn safetensors_dtype(dtype: Precision) -> safetensors::Dtype {
+    match dtype {
+        Precision::Fp32 => safetensors::Dtype::F32,
+        Precision::Fp16 => safetensors::Dtype::F16,
+        Precision::Bf16 => safetensors::Dtype::BF16,
+    }
 }
 
 /// Writes each tensor of `layout` in `dtype`, read by `read` (a range of the flat order

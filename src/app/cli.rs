@@ -99,19 +99,32 @@ pub enum Command {
     /// Measure and print benchmark tables.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Write a checkpoint's parameters to one safetensors file keyed by module path.
+    /// Write a checkpoint's parameters to one safetensors file keyed by module path, or
+    /// (`--format hf`) a Hugging Face family's checkpoint as a Hugging Face folder.
     Consolidate {
         /// The checkpoint directory (holding `latest` and the tags).
         dir: PathBuf,
         /// The tag to read (default: the one `latest` names).
         #[arg(long)]
         tag: Option<String>,
-        /// The output file.
+        /// The output file (`--format safetensors`) or new folder (`--format hf`).
         #[arg(long)]
         out: PathBuf,
-        /// Output dtype: f32, bf16 or f16.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
+        /// Output dtype: f32, bf16 or f16 (default: f32; with `--format hf`, the
+        /// config's torch_dtype).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// safetensors (one file keyed by module path) or hf (config.json, sharded
+        /// safetensors and the tokenizer, loadable by transformers).
+        #[arg(long, default_value = "safetensors")]
+        format: String,
+        /// `--format hf`: the largest shard, e.g. 5GB, 500MB or bytes.
+        #[arg(long, default_value = "5GB")]
+        max_shard_size: String,
+        /// `--format hf`: the folder with the model's config.json and tokenizer (default:
+        /// DIR, where zerotrain train puts them).
+        #[arg(long)]
+        hf_config: Option<PathBuf>,
     },
     /// Print the mean next-token loss and perplexity of a Hugging Face family's model
     /// (`model.hf_dir`, or a checkpoint of it with --checkpoint) on a text file.
@@ -135,6 +148,56 @@ pub enum Command {
         /// One JSON object instead of the sentence.
         #[arg(long)]
         json: bool,
+    },
+    /// Sample text from a Hugging Face family's model (`model.hf_dir`, or a checkpoint of it).
+    Generate {
+        /// A config whose `model` section names the model; `block_size` is the context.
+        #[arg(long)]
+        config: PathBuf,
+        /// The text to continue.
+        #[arg(long)]
+        prompt: String,
+        /// Tokens to add.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// 0: the most likely token each time; else the sampling temperature.
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f32,
+        /// Sample among the K most likely tokens only (0: all).
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        /// The sampler's seed (the same seed gives the same text).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// A checkpoint folder (holding `latest` and the tags) of the model to load.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// The checkpoint's tag (default: the one `latest` names).
+        #[arg(long)]
+        tag: Option<String>,
+    },
+    /// Tokenize text or JSON-lines files into a token file for training (`--data`), with a
+    /// tokenizer.json or a byte-level BPE trained on the same files.
+    Tokenize {
+        /// Text files (a document per blank-line-separated paragraph) or `.jsonl` files (a
+        /// document per line).
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// The tokenizer.json to use (or to write, with --train-vocab).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Train a byte-level BPE of this many tokens on the inputs and write it to --tokenizer.
+        #[arg(long)]
+        train_vocab: Option<usize>,
+        /// The token file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// The share of the tokens held out for validation (the file's end).
+        #[arg(long, default_value_t = 0.01)]
+        valid_fraction: f64,
+        /// The JSON-lines field holding each document's text.
+        #[arg(long, default_value = "text")]
+        field: String,
     },
     /// Summarise a checkpoint and optionally verify every checksum.
     Inspect {

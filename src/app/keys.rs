@@ -38,6 +38,10 @@ pub struct ModelKeys {
     /// of that family; relative to the config file's folder.
     #[serde(default)]
     pub hf_config: Option<PathBuf>,
+    /// The `tokenizer.json` of a Hugging Face family's model (default: `hf_dir`'s); relative
+    /// to the config file's folder.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Where a Hugging Face family's model comes from.
@@ -64,7 +68,7 @@ impl ConfigExtension for AppKeys {
 
     fn known_keys(parent: &str) -> Vec<&'static str> {
         match parent {
-            "model" => [serde_introspect::<GptConfig>(), &["hf_dir", "hf_config"]].concat(),
+            "model" => [serde_introspect::<GptConfig>(), &["hf_dir", "hf_config", "tokenizer"]].concat(),
             "zerotrain" => serde_introspect::<JobKeys>().to_vec(),
             _ => Vec::new(),
         }
@@ -79,6 +83,8 @@ pub struct AppSettings {
     pub model: GptConfig,
     /// A Hugging Face family's model instead of the built-in GPT.
     pub hf: Option<HfSource>,
+    /// `model.tokenizer`: the `tokenizer.json` to use instead of `hf_dir`'s.
+    pub tokenizer: Option<PathBuf>,
     /// Checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: u64,
     /// Validation loss every this many steps (at least 1).
@@ -119,6 +125,7 @@ impl AppKeys {
         Ok(AppSettings {
             model,
             hf,
+            tokenizer: section.tokenizer.as_ref().map(|t| base.join(t)),
             checkpoint_every: self.zerotrain.checkpoint_every.map_or(0, |c| c.0),
             eval_every: self.zerotrain.eval_every.map_or(50, |c| c.0).max(1),
         })

@@ -177,7 +177,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode, nvme }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())
         }
-        Command::Consolidate { dir, tag, out, dtype } => commands::consolidate(&dir, tag.as_deref(), &out, &dtype),
+        Command::Consolidate { dir, tag, out, dtype, format, max_shard_size, hf_config } => {
+            commands::consolidate(commands::ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config })
+        }
+        Command::Generate { config, prompt, tokens, temperature, top_k, seed, checkpoint, tag } => {
+            let sampling = crate::app::models::Sampling { temperature, top_k };
+            commands::generate::generate(commands::generate::GenerateArgs {
+                config,
+                prompt,
+                tokens,
+                sampling,
+                seed,
+                checkpoint,
+                tag,
+            })
+        }
+        Command::Tokenize { inputs, tokenizer, train_vocab, out, valid_fraction, field } => {
+            commands::tokenize::tokenize(commands::tokenize::TokenizeArgs {
+                inputs,
+                tokenizer,
+                train_vocab,
+                out,
+                valid_fraction,
+                field,
+            })
+        }
         Command::Eval { config, text, checkpoint, tag, world_size, json } => {
             commands::eval::eval(commands::eval::EvalArgs { config, text, checkpoint, tag, world_size, json })
         }

@@ -81,3 +81,300 @@ fn eval_matches_the_numpy_reference_for_every_family() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Runs `zerotrain` and returns its stdout, failing with its stderr.
+fn run_ok(args: &[&str]) -> String {
+    let out = zerotrain(args);
+    assert!(out.status.success(), "zerotrain {args:?}: {}", text(&out.stderr));
+    text(&out.stdout)
+}
+
+/// Python's check that two Hugging Face folders hold the same tensors, bit for bit, and the
+/// same config apart from `ignore`d keys; prints what differs, or `same`.
+fn same_folders(a: &Path, b: &Path) -> String {
+    let script = r#"
+import json, os, sys
+import ml_dtypes  # numpy learns bfloat16
+import numpy as np
+from safetensors.numpy import load_file
+def tensors(d):
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(os.path.join(d, f)))
+    return out
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+diff = [k for k in sorted(set(a) | set(b)) if k not in a or k not in b or a[k].dtype != b[k].dtype
+        or a[k].shape != b[k].shape or a[k].tobytes() != b[k].tobytes()]
+ca, cb = (json.load(open(os.path.join(d, "config.json"))) for d in sys.argv[1:3])
+tok = open(os.path.join(sys.argv[1], "tokenizer.json")).read() == open(os.path.join(sys.argv[2], "tokenizer.json")).read()
+print("same" if not diff and ca == cb and tok else f"tensors {diff[:5]} config {ca == cb} tokenizer {tok}")
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, a.to_str().unwrap(), b.to_str().unwrap()])
+        .output()
+        .expect("python3 runs");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout).trim().to_string()
+}
+
+/// A Hugging Face folder in f32 and in bf16 (GPT-2; Qwen2 from a sharded index) goes
+/// through a zerotrain run whose step changes nothing (lr 0) at stage 3 on two ranks and
+/// comes back out bit for bit: tensors, dtype, config.json, tokenizer.json; an export in
+/// shards of a few KB writes an index that reads back as the same tensors.
+#[test]
+#[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
+fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
+    let dir = folder("round-trip");
+    let data = dir.join("text.txt");
+    reference(&["text", data.to_str().unwrap(), "--bytes", "6000"]);
+    let lr0 = r#", "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.1}}"#;
+    for (name, args) in [
+        ("gpt2-f32", &["--family", "gpt2"][..]),
+        ("qwen2-bf16", &["--family", "qwen2", "--kv-heads", "2", "--dtype", "bf16", "--shards", "2"][..]),
+    ] {
+        let hf = dir.join(name);
+        reference(&[&["make", hf.to_str().unwrap()], args].concat());
+        let bf16 = if name.ends_with("bf16") { r#", "bf16": {"enabled": true}"# } else { "" };
+        let config = config(&dir, &hf, 2, 3, &format!("{lr0}{bf16}"));
+        let run = dir.join(format!("run-{name}"));
+        run_ok(&[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--out",
+            run.to_str().unwrap(),
+        ]);
+        let ckpt = run.join("checkpoints");
+        let out = dir.join(format!("out-{name}"));
+        run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "hf", "--out", out.to_str().unwrap()]);
+        assert_eq!(same_folders(&hf, &out), "same", "{name}");
+        let sharded = dir.join(format!("sharded-{name}"));
+        let printed = run_ok(&[
+            "consolidate",
+            ckpt.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--out",
+            sharded.to_str().unwrap(),
+            "--max-shard-size",
+            "8KB",
+        ]);
+        assert!(sharded.join("model.safetensors.index.json").is_file() && printed.contains("shard(s)"), "{printed}");
+        assert_eq!(same_folders(&hf, &sharded), "same", "{name}, sharded");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The token ids zerotrain writes are the ids Python's tokenizers gives for the same
+/// tokenizer.json, document by document; and a BPE zerotrain trains loads in Python and
+/// encodes the same there.
+#[test]
+#[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
+fn token_ids_are_python_tokenizers_ids() {
+    let dir = folder("tokenizer");
+    let hf = dir.join("gpt2");
+    reference(&["make", hf.to_str().unwrap(), "--family", "gpt2"]);
+    let data = dir.join("text.txt");
+    reference(&["text", data.to_str().unwrap(), "--bytes", "3000", "--seed", "5"]);
+    let doc = std::fs::read_to_string(&data).unwrap().replace("\n\n", "\n");
+    std::fs::write(&data, &doc).unwrap();
+    for (tokenizer, train) in [(hf.join("tokenizer.json"), None), (dir.join("trained.json"), Some("320"))] {
+        let tokens = dir.join("t.tokens");
+        let mut args = vec!["tokenize", data.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
+        args.extend(["--out", tokens.to_str().unwrap(), "--valid-fraction", "0"]);
+        if let Some(vocab) = train {
+            args.extend(["--train-vocab", vocab]);
+        }
+        run_ok(&args);
+        let ids = read_token_file(&tokens);
+        // The tokenizer folder for the Python side: tokenizer.json beside nothing else.
+        let tok_dir = dir.join("tok");
+        std::fs::create_dir_all(&tok_dir).unwrap();
+        std::fs::copy(&tokenizer, tok_dir.join("tokenizer.json")).unwrap();
+        let python: serde_json::Value =
+            serde_json::from_str(&reference(&["ids", tok_dir.to_str().unwrap(), data.to_str().unwrap()])).unwrap();
+        let mut expected: Vec<u32> =
+            python["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let eos = *ids.last().unwrap();
+        expected.push(eos);
+        assert_eq!(ids, expected, "{}", tokenizer.display());
+        assert!(ids.len() > 100);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The tokens of a token file (its documents back to back, each with its end token),
+/// read by this test from the documented layout.
+fn read_token_file(path: &Path) -> Vec<u32> {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..8], b"ZTTOKENS");
+    let width = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let n = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let crc = u32::from_le_bytes(bytes[48..52].try_into().unwrap());
+    assert_eq!(crc, crc32fast::hash(&bytes[64..]), "the header's checksum covers the rest");
+    (0..n)
+        .map(|i| {
+            let at = 64 + i * width;
+            if width == 2 {
+                u32::from(u16::from_le_bytes([bytes[at], bytes[at + 1]]))
+            } else {
+                u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
+            }
+        })
+        .collect()
+}
+
+/// Deterministic English-like text, `words` words in paragraphs.
+fn words(words: usize, seed: u64) -> String {
+    const WORDS: [&str; 16] = [
+        "the", "rank", "holds", "a", "shard", "of", "state", "and", "gathers", "each", "unit", "before", "its",
+        "forward", "pass", ".",
+    ];
+    let mut state = seed;
+    let mut out = String::new();
+    for i in 0..words {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        out.push_str(WORDS[(state >> 60) as usize]);
+        out.push(if i % 97 == 96 { '\n' } else { ' ' });
+    }
+    out
+}
+
+/// A LLaMA-shaped config.json (fresh weights) and a BPE trained by `zerotrain tokenize` on
+/// the text: no Python. Returns (config file for `zerotrain`, token file).
+fn fresh_llama(dir: &Path, world: usize, extra: &str) -> (PathBuf, PathBuf) {
+    let text = dir.join("text.txt");
+    std::fs::write(&text, words(6000, 3)).unwrap();
+    let (tokenizer, tokens) = (dir.join("tokenizer.json"), dir.join("data.tokens"));
+    if !tokens.exists() {
+        run_ok(&[
+            "tokenize",
+            text.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--train-vocab",
+            "280",
+            "--out",
+            tokens.to_str().unwrap(),
+            "--valid-fraction",
+            "0.1",
+        ]);
+        let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 280, "tie_word_embeddings": true}"#;
+        std::fs::write(dir.join("model.json"), model).unwrap();
+    }
+    let config = dir.join(format!("train-{world}.json"));
+    let json = format!(
+        r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": {}, "zero_optimization": {{"stage": 2}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+            "zerotrain": {{"world_size": {world}, "eval_every": 100}},
+            "model": {{"hf_config": "model.json", "tokenizer": "tokenizer.json", "block_size": 8}} {extra}}}"#,
+        8 / world
+    );
+    std::fs::write(&config, json).unwrap();
+    (config, tokens)
+}
+
+/// (step, loss) of every line of a run's metrics.jsonl.
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// A run on a token file, stopped at step 3 on two ranks and resumed on one, trains steps
+/// 4..6 on the same samples as a run that never stopped (the checkpoint records the data
+/// position); resuming on another token file is refused by name.
+#[test]
+fn a_run_resumed_at_another_world_size_continues_the_same_samples() {
+    let dir = folder("resume-data");
+    let (two, tokens) = fresh_llama(&dir, 2, "");
+    let (one, _) = fresh_llama(&dir, 1, "");
+    let whole = dir.join("whole");
+    let train = |config: &Path, run: &Path, steps: &str, resume: bool| {
+        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--data", tokens.to_str().unwrap()];
+        args.extend(["--steps", steps, "--out", run.to_str().unwrap()]);
+        if resume {
+            args.push("--resume");
+        }
+        run_ok(&args)
+    };
+    train(&two, &whole, "6", false);
+    let resumed = dir.join("resumed");
+    train(&two, &resumed, "3", false);
+    train(&one, &resumed, "6", true);
+    let (a, b) = (losses(&whole), losses(&resumed));
+    assert_eq!(a.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
+    assert_eq!(b.len(), 6, "{b:?}");
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} uninterrupted, {y} resumed on one rank");
+    }
+    // Another corpus: the checkpoint's position means nothing there.
+    let other = dir.join("other.txt");
+    std::fs::write(&other, words(5000, 9)).unwrap();
+    let out = zerotrain(&[
+        "train",
+        "--config",
+        one.to_str().unwrap(),
+        "--data",
+        other.to_str().unwrap(),
+        "--steps",
+        "7",
+        "--out",
+        resumed.to_str().unwrap(),
+        "--resume",
+    ]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("the checkpoint was trained on") && err.contains("data.tokens"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `generate` is deterministic for a seed, greedy at temperature 0, and refuses a bad
+/// temperature by name; `eval` of a fresh model from `hf_config` scores a text file.
+#[test]
+fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
+    let dir = folder("generate");
+    let (config, _) = fresh_llama(&dir, 1, "");
+    let sample = |seed: &str, temperature: &str| {
+        run_ok(&[
+            "generate",
+            "--config",
+            config.to_str().unwrap(),
+            "--prompt",
+            "the rank holds",
+            "--tokens",
+            "12",
+            "--seed",
+            seed,
+            "--temperature",
+            temperature,
+        ])
+    };
+    let (a, b, c) = (sample("1", "1.5"), sample("1", "1.5"), sample("2", "1.5"));
+    assert!(a.starts_with("the rank holds") && a.len() > "the rank holds".len() + 5, "{a}");
+    assert_eq!(a, b, "one seed, one text");
+    assert_ne!(a, c, "another seed, another text");
+    assert_eq!(sample("1", "0"), sample("2", "0"), "greedy ignores the seed");
+    let out = zerotrain(&["generate", "--config", config.to_str().unwrap(), "--prompt", "x", "--temperature=-1"]);
+    assert!(text(&out.stderr).contains("--temperature must be 0 (greedy) or positive"), "{}", text(&out.stderr));
+    let printed =
+        run_ok(&["eval", "--config", config.to_str().unwrap(), "--text", dir.join("text.txt").to_str().unwrap()]);
+    let loss: f64 = printed.split("mean loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    // A fresh model of N(0, 0.02) weights predicts nearly uniformly over its 280 tokens.
+    assert!((loss - (280f64).ln()).abs() < 0.05, "{printed}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -38,8 +38,9 @@ pub struct LoadedModel {
     pub source: PathBuf,
 }
 
-/// The model the settings name, on `device`; `tokenizer_dir` holds `tokenizer.json` when
-/// the model comes from `hf_config` (a checkpoint's folder).
+/// The model the settings name, on `device`, and its tokenizer: `tokenizer_dir`'s
+/// `tokenizer.json` (a checkpoints' folder, where training puts it), else
+/// `model.tokenizer`, else `hf_dir`'s.
 pub fn load_model(
     settings: &keys::AppSettings,
     config_file: &Path,
@@ -60,15 +61,15 @@ pub fn load_model(
             (config, model, file.clone())
         }
     };
-    let tokenizer_file = match (source, tokenizer_dir) {
-        (_, Some(dir)) => dir.join(hf::TOKENIZER_FILE),
-        (HfSource::Dir(dir), None) => dir.join(hf::TOKENIZER_FILE),
-        (HfSource::Config(file), None) => {
-            bail!(
-                "{}: a model from model.hf_config has no tokenizer.json beside it: evaluate a checkpoint",
-                file.display()
-            )
-        }
+    let tokenizer_file = match (source, tokenizer_dir, &settings.tokenizer) {
+        (_, Some(dir), _) => dir.join(hf::TOKENIZER_FILE),
+        (_, None, Some(file)) => file.clone(),
+        (HfSource::Dir(dir), None, None) => dir.join(hf::TOKENIZER_FILE),
+        (HfSource::Config(_), None, None) => bail!(
+            "{}: a model from model.hf_config needs model.tokenizer (a tokenizer.json; zerotrain tokenize \
+             --train-vocab makes one)",
+            config_file.display()
+        ),
     };
     let tokenizer = Tokenizer::from_file(&tokenizer_file)?;
     if tokenizer.vocab_size() > config.vocab_size() {

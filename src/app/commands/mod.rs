@@ -3,7 +3,9 @@
 pub mod bench;
 mod check;
 pub mod eval;
+pub mod generate;
 mod serve;
+pub mod tokenize;
 
 use std::path::{Path, PathBuf};
 
@@ -29,7 +31,6 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     }
     let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
-    let (corpus, shape) = crate::app::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
     // Under mpirun every process runs this; rank 0 alone speaks.
     let lead = detect_mpirun().is_none_or(|m| m.rank == 0);
     let say = |line: String| {
@@ -37,20 +38,42 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
             println!("{line}");
         }
     };
-    say(format!(
-        "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {} ranks on {}, {}, {}",
-        shape.num_params(),
-        shape.n_layer,
-        shape.n_embd,
-        shape.block_size,
-        corpus.name,
-        corpus.train.len() + corpus.valid.len(),
-        shape.vocab_size,
+    let ranks = format!(
+        "{} ranks on {}, {}, {}",
         plan.world_size(),
         plan.runtime.device.name(),
         plan.zero.stage,
         plan.precision.compute
-    ));
+    );
+    let job = if settings.hf.is_some() {
+        let device = burn::tensor::Device::flex().autodiff();
+        device.seed(plan.runtime.seed);
+        let loaded = eval::load_model(&settings, &args.config, &device, None)?;
+        let data = crate::app::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, &out)?;
+        say(format!(
+            "training {} ({}, context {}) on {} ({} tokens, {} held out): {ranks}",
+            loaded.source.display(),
+            loaded.config.json["model_type"].as_str().unwrap_or("?"),
+            loaded.context,
+            data.path().display(),
+            data.len(),
+            data.len() - data.train_tokens()
+        ));
+        TrainJob::Hf(Box::new(loaded), data)
+    } else {
+        let (corpus, shape) = crate::app::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
+        say(format!(
+            "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {ranks}",
+            shape.num_params(),
+            shape.n_layer,
+            shape.n_embd,
+            shape.block_size,
+            corpus.name,
+            corpus.train.len() + corpus.valid.len(),
+            shape.vocab_size,
+        ));
+        TrainJob::Gpt(corpus, shape)
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = Arc::clone(&stop);
     ctrlc::set_handler(move || {
@@ -75,14 +98,28 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
             m.loss, m.lr, m.loss_scale, m.tokens_per_s
         ));
     };
-    let options =
-        TrainOptions { steps: args.steps, corpus, shape, out, resume: args.resume, save_every: args.save_every, stop };
-    let s = crate::app::train::train_gpt(&plan, &settings, &options, &log, &progress).context("training failed")?;
+    let options = TrainOptions { steps: args.steps, out, resume: args.resume, save_every: args.save_every, stop };
+    let s = match job {
+        TrainJob::Gpt(corpus, shape) => {
+            crate::app::train::train_gpt(&plan, &settings, &options, (&corpus, shape), &log, &progress)
+        }
+        TrainJob::Hf(loaded, data) => {
+            crate::app::train::hf::train_hf(&plan, &settings, &options, *loaded, data, &log, &progress)
+        }
+    }
+    .context("training failed")?;
     bar.finish_and_clear();
     if lead {
         print_summary(&s);
     }
     Ok(())
+}
+
+/// What `zerotrain train` trains: the built-in GPT on a character corpus, or a Hugging
+/// Face family's model on a token file.
+enum TrainJob {
+    Gpt(crate::app::data::Corpus, crate::app::models::GptConfig),
+    Hf(Box<eval::LoadedModel>, crate::app::text::tokens::TokenFile),
 }
 
 /// The command line's overrides, plus what the launcher's environment says.
@@ -294,16 +331,50 @@ fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u6
     }
 }
 
+/// `zerotrain consolidate`'s arguments (see `cli::Command::Consolidate`).
+pub struct ConsolidateArgs {
+    pub dir: PathBuf,
+    pub tag: Option<String>,
+    pub out: PathBuf,
+    pub dtype: Option<String>,
+    pub format: String,
+    pub max_shard_size: String,
+    pub hf_config: Option<PathBuf>,
+}
+
 /// `zerotrain consolidate`.
-pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path, dtype: &str) -> anyhow::Result<()> {
-    let dtype = match dtype {
-        "f32" | "fp32" => Precision::Fp32,
-        "f16" | "fp16" => Precision::Fp16,
-        "bf16" => Precision::Bf16,
-        other => bail!("--dtype must be f32, f16 or bf16, not `{other}`"),
+pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
+    let ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config } = args;
+    let dtype = match dtype.as_deref() {
+        None => None,
+        Some("f32" | "fp32") => Some(Precision::Fp32),
+        Some("f16" | "fp16") => Some(Precision::Fp16),
+        Some("bf16") => Some(Precision::Bf16),
+        Some(other) => bail!("--dtype must be f32, f16 or bf16, not `{other}`"),
     };
-    let ckpt = Checkpoint::open(dir, tag)?;
-    let bytes = zerotrain_checkpoint::consolidate(&ckpt, out, dtype)?;
+    let peak =
+        || proc_status_kib("VmHWM:").map_or_else(|| "unknown".into(), |kib| format!("{:.1} MiB", kib as f64 / 1024.0));
+    match format.as_str() {
+        "safetensors" => {}
+        "hf" => {
+            let max = parse_size(&max_shard_size)?;
+            let e = crate::app::hf::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
+            println!(
+                "wrote {}: {} tensors, {} bytes ({}) in {} shard(s), config.json and the tokenizer; peak RSS {}",
+                out.display(),
+                e.tensors,
+                e.bytes,
+                e.dtype,
+                e.shards.len(),
+                peak()
+            );
+            return Ok(());
+        }
+        other => bail!("--format must be safetensors or hf, not `{other}`"),
+    }
+    let dtype = dtype.unwrap_or(Precision::Fp32);
+    let ckpt = Checkpoint::open(&dir, tag.as_deref())?;
+    let bytes = zerotrain_checkpoint::consolidate(&ckpt, &out, dtype)?;
     let m = ckpt.manifest();
     println!(
         "wrote {}: {} tensors, {} parameters, {bytes} bytes ({dtype}) from {} (step {}); peak RSS {}",
@@ -312,9 +383,31 @@ pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path, dtype: &str) -> an
         m.num_elems(),
         ckpt.dir().display(),
         m.global_step,
-        proc_status_kib("VmHWM:").map_or_else(|| "unknown".into(), |kib| format!("{:.1} MiB", kib as f64 / 1024.0))
+        peak()
     );
     Ok(())
+}
+
+/// A size such as `5GB`, `500MB`, `64KiB` or a number of bytes.
+fn parse_size(text: &str) -> anyhow::Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        _ => bail!("--max-shard-size `{text}`: give bytes or a size such as 5GB, 500MB or 64KiB"),
+    };
+    let value: f64 = number.parse().map_err(|_| anyhow::anyhow!("--max-shard-size `{text}` is not a size"))?;
+    if !(value * scale >= 1.0) {
+        bail!("--max-shard-size `{text}` must be at least one byte");
+    }
+    Ok((value * scale) as u64)
 }
 
 /// `zerotrain inspect`.

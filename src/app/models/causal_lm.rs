@@ -4,7 +4,7 @@
 
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{FloatDType, Int, Tensor};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use crate::engine::UnitModel;
 
@@ -13,6 +13,66 @@ use crate::engine::UnitModel;
 pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Module + Clone + Sync + 'static {
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3>;
+
+    /// Continues `prompt` by `count` tokens, each from the logits of the last `context`
+    /// tokens: greedy at temperature 0, else sampled from the `top_k` most likely (all when
+    /// 0) at `temperature`, drawing from the deterministic generator `rng`.
+    fn generate(&self, prompt: &[u32], count: usize, context: usize, sampling: Sampling, rng: &mut u64) -> Vec<u32> {
+        let device = self.devices().into_iter().next().unwrap_or_default();
+        let mut tokens = prompt.to_vec();
+        for _ in 0..count {
+            let window = &tokens[tokens.len().saturating_sub(context)..];
+            let ids: Vec<i64> = window.iter().map(|&x| i64::from(x)).collect();
+            let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, window.len()]), &device);
+            let logits = self.logits(input).cast(FloatDType::F32);
+            let [_, t, vocab] = logits.dims();
+            let last: Vec<f32> =
+                logits.slice([0..1, t - 1..t, 0..vocab]).into_data().try_into_vec::<f32>().unwrap_or_default();
+            tokens.push(pick(&last, sampling, rng));
+        }
+        tokens.split_off(prompt.len())
+    }
+}
+
+/// How [`CausalLm::generate`] picks each token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0: the most likely token; else the softmax's temperature.
+    pub temperature: f32,
+    /// Sample among the `top_k` most likely tokens only (0: all).
+    pub top_k: usize,
+}
+
+impl Sampling {
+    /// The most likely token every time.
+    pub const GREEDY: Self = Self { temperature: 0.0, top_k: 0 };
+}
+
+/// The most likely token (temperature 0), or one sampled at `temperature` among the
+/// `top_k` most likely.
+fn pick(logits: &[f32], sampling: Sampling, rng: &mut u64) -> u32 {
+    let best = logits.iter().enumerate().fold(0, |b, (i, &l)| if l > logits[b] { i } else { b });
+    if sampling.temperature <= 0.0 || logits.is_empty() {
+        return best as u32;
+    }
+    let mut candidates: Vec<usize> = (0..logits.len()).collect();
+    if sampling.top_k > 0 && sampling.top_k < logits.len() {
+        candidates.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        candidates.truncate(sampling.top_k);
+    }
+    let max = logits[best];
+    let weights: Vec<f64> =
+        candidates.iter().map(|&i| f64::from((logits[i] - max) / sampling.temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut target = (*rng >> 11) as f64 / (1u64 << 53) as f64 * total;
+    for (&i, w) in candidates.iter().zip(&weights) {
+        target -= w;
+        if target <= 0.0 {
+            return i as u32;
+        }
+    }
+    best as u32
 }
 
 impl CausalLm for super::Gpt {

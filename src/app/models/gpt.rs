@@ -5,7 +5,7 @@ use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::causal_lm::{cross_entropy, inputs};
@@ -196,33 +196,6 @@ impl Gpt {
     pub fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1> {
         cross_entropy(self.forward(inputs(&tokens)), &tokens)
     }
-
-    /// Continues `prompt` by `count` tokens: greedy, or sampled at `temperature` with the
-    /// deterministic generator `rng`.
-    pub fn generate(
-        &self,
-        prompt: &[u32],
-        count: usize,
-        block_size: usize,
-        temperature: f32,
-        rng: &mut u64,
-    ) -> Vec<u32> {
-        let device = self.token.weight.val().device();
-        let mut tokens = prompt.to_vec();
-        for _ in 0..count {
-            let context = &tokens[tokens.len().saturating_sub(block_size)..];
-            let input = Tensor::<2, Int>::from_data(
-                TensorData::new(context.iter().map(|&x| i64::from(x)).collect::<Vec<_>>(), [1, context.len()]),
-                &device,
-            );
-            let logits = self.forward(input).cast(FloatDType::F32);
-            let [_, t, vocab] = logits.dims();
-            let last: Vec<f32> =
-                logits.slice([0..1, t - 1..t, 0..vocab]).into_data().try_into_vec::<f32>().unwrap_or_default();
-            tokens.push(pick(&last, temperature, rng));
-        }
-        tokens.split_off(prompt.len())
-    }
 }
 
 impl Block {
@@ -294,30 +267,11 @@ impl UnitModel for Gpt {
     }
 }
 
-/// Greedy (temperature 0) or temperature sampling from logits.
-fn pick(logits: &[f32], temperature: f32, rng: &mut u64) -> u32 {
-    let best = logits.iter().enumerate().fold(0, |b, (i, &l)| if l > logits[b] { i } else { b });
-    if temperature <= 0.0 {
-        return best as u32;
-    }
-    let max = logits[best];
-    let weights: Vec<f64> = logits.iter().map(|&l| f64::from((l - max) / temperature).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let mut target = (*rng >> 11) as f64 / (1u64 << 53) as f64 * total;
-    for (i, w) in weights.iter().enumerate() {
-        target -= w;
-        if target <= 0.0 {
-            return i as u32;
-        }
-    }
-    best as u32
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::ParamCount;
+    use burn::tensor::TensorData;
 
     #[test]
     fn the_parameter_formula_counts_the_built_model() {

@@ -1,5 +1,9 @@
 //! Text for the Hugging Face families: a `tokenizer.json` through Hugging Face's own
-//! `tokenizers` crate ([`Tokenizer`]).
+//! `tokenizers` crate ([`Tokenizer`]), corpora tokenized once into memory-mapped token
+//! files ([`tokens`]), and the order a run reads their windows in ([`sampler`]).
+
+pub mod sampler;
+pub mod tokens;
 
 use std::path::{Path, PathBuf};
 

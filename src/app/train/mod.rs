@@ -2,6 +2,7 @@
 //! rank a thread, rank 0 reporting. Outputs go to the run folder: `metrics.jsonl`,
 //! `loss.png` and `checkpoints/`.
 
+pub mod hf;
 mod metrics;
 mod samples;
 
@@ -20,7 +21,9 @@ use crate::Trainer;
 use crate::app::data::{Corpus, windows};
 use crate::app::keys::AppSettings;
 use crate::app::models::{Gpt, GptConfig};
+use crate::engine::UnitModel;
 use crate::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
+use burn::tensor::{Int, Tensor};
 
 /// Lines in the generated arithmetic corpus.
 const ARITHMETIC_LINES: usize = 40_000;
@@ -32,10 +35,6 @@ const VALIDATION_SEQUENCES: u64 = 32;
 pub struct TrainOptions {
     /// Optimizer steps to reach.
     pub steps: u64,
-    /// The corpus to train on, from [`load_corpus`].
-    pub corpus: Corpus,
-    /// The model's shape, its vocabulary filled in from the corpus ([`load_corpus`]).
-    pub shape: GptConfig,
     /// The run folder.
     pub out: PathBuf,
     /// Continue from `<out>/checkpoints/latest`.
@@ -91,15 +90,87 @@ pub fn load_corpus(model: &GptConfig, seed: u64, data: Option<&Path>) -> anyhow:
     Ok((corpus, model))
 }
 
+/// What a training job reads: next-token windows `[count, context + 1]`.
+pub trait TrainData: Sync {
+    /// The model's context: windows are one token longer.
+    fn context(&self) -> usize;
+    /// Sequences `first..first + count` of the global batch of the step after `step`.
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int>;
+    /// The held-out windows the validation loss is measured on.
+    fn validation(&self, device: &Device) -> Tensor<2, Int>;
+    /// What a checkpoint records of the data after `step` (JSON, beside the step).
+    fn position(&self, step: u64) -> serde_json::Value;
+    /// Continue after `step` from a checkpoint's record (an error if it names other data).
+    fn resume(&self, _record: &serde_json::Value, _step: u64) -> anyhow::Result<()> {
+        Ok(())
+    }
+}
+
+/// The character corpus of the main job through its stateless sampler ([`windows`]).
+struct CorpusData<'a> {
+    corpus: &'a Corpus,
+    context: usize,
+    seed: u64,
+}
+
+impl TrainData for CorpusData<'_> {
+    fn context(&self) -> usize {
+        self.context
+    }
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int> {
+        windows(&self.corpus.train, self.context, self.seed, step, first, count, device)
+    }
+    fn validation(&self, device: &Device) -> Tensor<2, Int> {
+        windows(&self.corpus.valid, self.context, self.seed, u64::MAX, 0, VALIDATION_SEQUENCES, device)
+    }
+    fn position(&self, _: u64) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+}
+
+/// A model to train and what to report about it.
+pub struct Task<'a, M> {
+    /// The model as it starts (lazy parameters are read unit by unit by the engine).
+    pub init: M,
+    /// Its trainable parameters.
+    pub num_params: u64,
+    /// The data.
+    pub data: &'a dyn TrainData,
+    /// Text the trained model writes, for the summary (rank 0's gathered model).
+    pub samples: &'a (dyn Fn(&M) -> Vec<String> + Sync),
+    /// Files written into the checkpoints' folder once the run folder is locked (a Hugging
+    /// Face family's `config.json` and `tokenizer.json`): (name, contents).
+    pub files: Vec<(String, Vec<u8>)>,
+}
+
 /// Runs the main job; `log` receives rank 0's lines, `progress` its per-step updates.
 pub fn train_gpt(
     plan: &Plan,
     settings: &AppSettings,
     options: &TrainOptions,
+    (corpus, shape): (&Corpus, GptConfig),
     log: &(dyn Fn(&str) + Sync),
     progress: &(dyn Fn(&StepMetrics) + Sync),
 ) -> anyhow::Result<TrainSummary> {
-    let (corpus, shape) = (&options.corpus, options.shape);
+    check_memory(plan, shape.num_params())?;
+    let device = Device::flex().autodiff();
+    device.seed(plan.runtime.seed);
+    let data = CorpusData { corpus, context: shape.block_size, seed: plan.runtime.seed };
+    let samples = |model: &Gpt| samples::write_samples(model, corpus, &shape);
+    let init = Gpt::new(&shape, &device);
+    let task = Task { init, num_params: shape.num_params(), data: &data, samples: &samples, files: Vec::new() };
+    train_model(plan, settings, options, task, log, progress)
+}
+
+/// Trains `task`'s model as the main job does: resume, train, validate, checkpoint, plot.
+pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static>(
+    plan: &Plan,
+    settings: &AppSettings,
+    options: &TrainOptions,
+    task: Task<'_, M>,
+    log: &(dyn Fn(&str) + Sync),
+    progress: &(dyn Fn(&StepMetrics) + Sync),
+) -> anyhow::Result<TrainSummary> {
     let ckpt_dir = options.out.join("checkpoints");
     std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
     let _lock = lock_run_folder(&options.out)?;
@@ -112,13 +183,17 @@ pub fn train_gpt(
         (Error::Usage(message), true) => anyhow::anyhow!("--resume: {message}"),
         (other, _) => other.into(),
     })?;
-    check_memory(plan, shape.num_params())?;
-    let device = Device::flex().autodiff();
-    device.seed(plan.runtime.seed);
-    let init = Gpt::new(&shape, &device);
+    check_memory(plan, task.num_params)?;
+    if !task.files.is_empty() {
+        std::fs::create_dir_all(&ckpt_dir).with_context(|| format!("cannot create {}", ckpt_dir.display()))?;
+    }
+    for (name, contents) in &task.files {
+        crate::app::hf::export::write_atomically(&ckpt_dir.join(name), contents)?;
+    }
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
-    let job = Job { plan, options, corpus, shape, ckpt_dir, resume_tag, every, eval_every, log, progress };
+    let Task { init, num_params: _, data, samples, files: _ } = task;
+    let job = Job { plan, options, data, samples, ckpt_dir, resume_tag, every, eval_every, log, progress };
     let results = launch(plan, |ctx| job.run_rank(init.clone(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
     let mut summary = results.into_iter().next().expect("at least one rank");
@@ -192,12 +267,12 @@ fn lock_run_folder(out: &Path) -> anyhow::Result<std::fs::File> {
     }
 }
 
-/// One `train_gpt` call, shared by its rank threads.
-struct Job<'a> {
+/// One `train_model` call, shared by its rank threads.
+struct Job<'a, M> {
     plan: &'a Plan,
     options: &'a TrainOptions,
-    corpus: &'a Corpus,
-    shape: GptConfig,
+    data: &'a dyn TrainData,
+    samples: &'a (dyn Fn(&M) -> Vec<String> + Sync),
     ckpt_dir: PathBuf,
     /// The checkpoint to resume from: `Some(None)` for `latest`, `Some(Some(tag))` for a tag.
     resume_tag: Option<Option<String>>,
@@ -209,31 +284,26 @@ struct Job<'a> {
     progress: &'a (dyn Fn(&StepMetrics) + Sync),
 }
 
-impl Job<'_> {
+impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
     /// One rank's whole run: resume, train to `options.steps` (or a stop signal), save, sample.
-    fn run_rank(&self, init: Gpt, ctx: &RankContext) -> Result<TrainSummary> {
-        let (plan, options, shape) = (self.plan, self.options, &self.shape);
+    fn run_rank(&self, init: M, ctx: &RankContext) -> Result<TrainSummary> {
+        let (plan, options) = (self.plan, self.options);
+        let context = self.data.context();
         let mut engine = crate::trainer(init, plan, ctx)?;
         if let Some(tag) = &self.resume_tag {
-            engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
+            let client = engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
+            let step = engine.counters().global_steps;
+            self.data.resume(&client["data"], step).map_err(|e| Error::Usage(format!("--resume: {e:#}")))?;
         }
         let first_step = engine.counters().global_steps;
         let lead = ctx.rank() == 0;
         let metrics_path = options.out.join("metrics.jsonl");
         let mut log_file =
             if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io(&metrics_path))?) } else { None };
-        let validation = windows(
-            &self.corpus.valid,
-            shape.block_size,
-            plan.runtime.seed,
-            u64::MAX,
-            0,
-            VALIDATION_SEQUENCES,
-            ctx.device(),
-        );
-        let val_loss = |engine: &mut Box<dyn Trainer<Gpt>>| engine.evaluate(&validation);
+        let validation = self.data.validation(ctx.device());
+        let val_loss = |engine: &mut Box<dyn Trainer<M>>| engine.evaluate(&validation);
         let initial_val = val_loss(&mut engine)?;
-        let tokens_per_step = (plan.batch.train_batch_size * shape.block_size as u64) as f64;
+        let tokens_per_step = (plan.batch.train_batch_size * context as u64) as f64;
         let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
         let (mut step, mut last_saved, mut interrupted) = (first_step, first_step, false);
         while step < options.steps {
@@ -283,7 +353,7 @@ impl Job<'_> {
         }
         let final_val = val_loss(&mut engine)?;
         let model = engine.gather_model(0)?;
-        let samples = model.map(|model| samples::write_samples(&model, self.corpus, shape)).unwrap_or_default();
+        let samples = model.map(|model| (self.samples)(&model)).unwrap_or_default();
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io(&metrics_path))?;
             let png = options.out.join("loss.png");
@@ -308,20 +378,12 @@ impl Job<'_> {
     /// Data-parallel rank `d`'s micro-step `i` reads sequences `(i·D + d)·micro ..` of the
     /// step's batch, `D` the data-parallel ranks (every stage of one pipeline reads the same
     /// micro-batches).
-    fn train_step(&self, engine: &mut dyn Trainer<Gpt>, step: u64, ctx: &RankContext) -> Result<StepReport> {
-        let (b, block) = (&self.plan.batch, self.shape.block_size);
+    fn train_step(&self, engine: &mut dyn Trainer<M>, step: u64, ctx: &RankContext) -> Result<StepReport> {
+        let b = &self.plan.batch;
         let (n, d) = (engine.data_parallel_size() as u64, engine.data_parallel_rank() as u64);
         engine.train_batch(&mut |micro| {
             let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
-            windows(
-                &self.corpus.train,
-                block,
-                self.plan.runtime.seed,
-                step,
-                first,
-                b.micro_batch_per_rank,
-                ctx.device(),
-            )
+            self.data.batch(step, first, b.micro_batch_per_rank, ctx.device())
         })
     }
 
@@ -351,9 +413,15 @@ impl Job<'_> {
         }
     }
 
-    /// Saves a checkpoint tagged with the step, its client state `{"step": step}`.
-    fn save(&self, engine: &mut dyn Trainer<Gpt>, step: u64) -> Result<()> {
-        engine.save_checkpoint(&self.ckpt_dir, None, serde_json::json!({ "step": step }))?;
+    /// Saves a checkpoint tagged with the step, its client state `{"step": step}` and,
+    /// where the data has one, its position (`"data"`).
+    fn save(&self, engine: &mut dyn Trainer<M>, step: u64) -> Result<()> {
+        let mut client = serde_json::json!({ "step": step });
+        let position = self.data.position(step);
+        if !position.is_null() {
+            client["data"] = position;
+        }
+        engine.save_checkpoint(&self.ckpt_dir, None, client)?;
         Ok(())
     }
 }

@@ -1,0 +1,237 @@
+//! Token files: a corpus tokenized once (`zerotrain tokenize`) and read through a memory
+//! map while training, so the corpus is never loaded into memory.
+//!
+//! # Format (little-endian)
+//! | bytes | field |
+//! |---|---|
+//! | 0..8 | magic `ZTTOKENS` |
+//! | 8..12 | version (1) |
+//! | 12..16 | bytes per token: 2 (`u16`, vocabularies up to 65,536) or 4 (`u32`) |
+//! | 16..24 | tokens |
+//! | 24..32 | training tokens (the held-out split is the rest) |
+//! | 32..40 | documents |
+//! | 40..48 | vocabulary size of the tokenizer that wrote it |
+//! | 48..52 | CRC-32 of everything after the header |
+//! | 52..64 | zero |
+//! | 64.. | the tokens: documents back to back, each followed by the end-of-text token |
+//! | then | each document's end (one past its end-of-text token), `u64` each |
+
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+const MAGIC: &[u8; 8] = b"ZTTOKENS";
+const VERSION: u32 = 1;
+const HEADER: usize = 64;
+
+/// A problem with a token file, naming it.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {message}")]
+pub struct TokenFileError {
+    /// The file.
+    pub file: PathBuf,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn error(file: &Path, message: impl Into<String>) -> TokenFileError {
+    TokenFileError { file: file.to_path_buf(), message: message.into() }
+}
+
+/// Writes a token file document by document, through `<path>.partial` and a rename.
+pub struct TokenFileWriter {
+    path: PathBuf,
+    partial: PathBuf,
+    out: BufWriter<std::fs::File>,
+    crc: crc32fast::Hasher,
+    width: usize,
+    vocab_size: u64,
+    eos: u32,
+    ends: Vec<u64>,
+    tokens: u64,
+}
+
+impl TokenFileWriter {
+    /// A writer of ids below `vocab_size`, each document closed by `eos`.
+    pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<Self, TokenFileError> {
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
+        let file = std::fs::File::create(&partial).map_err(|e| error(&partial, format!("cannot create it: {e}")))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&[0u8; HEADER]).map_err(|e| error(&partial, format!("cannot write it: {e}")))?;
+        let width = if vocab_size <= 1 << 16 { 2 } else { 4 };
+        let (crc, ends) = (crc32fast::Hasher::new(), Vec::new());
+        Ok(Self {
+            path: path.to_path_buf(),
+            partial,
+            out,
+            crc,
+            width,
+            vocab_size: vocab_size as u64,
+            eos,
+            ends,
+            tokens: 0,
+        })
+    }
+
+    /// Appends one document and its end-of-text token.
+    pub fn document(&mut self, ids: &[u32]) -> Result<(), TokenFileError> {
+        let mut bytes = Vec::with_capacity((ids.len() + 1) * self.width);
+        for &id in ids.iter().chain(std::iter::once(&self.eos)) {
+            if self.width == 2 {
+                bytes.extend_from_slice(&(id as u16).to_le_bytes());
+            } else {
+                bytes.extend_from_slice(&id.to_le_bytes());
+            }
+        }
+        self.write(&bytes)?;
+        self.tokens += ids.len() as u64 + 1;
+        self.ends.push(self.tokens);
+        Ok(())
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<(), TokenFileError> {
+        self.crc.update(bytes);
+        self.out.write_all(bytes).map_err(|e| error(&self.partial, format!("cannot write it: {e}")))
+    }
+
+    /// Writes the document table and the header, holding out the last `valid_fraction` of
+    /// the tokens (at least one when positive), and renames the file into place. Returns
+    /// it, opened.
+    pub fn finish(mut self, valid_fraction: f64) -> Result<TokenFile, TokenFileError> {
+        let documents = self.ends.len();
+        let held = if valid_fraction > 0.0 { ((self.tokens as f64 * valid_fraction).round() as u64).max(1) } else { 0 };
+        let train_tokens = self.tokens.saturating_sub(held);
+        let table: Vec<u8> = self.ends.iter().flat_map(|e| e.to_le_bytes()).collect();
+        self.write(&table)?;
+        let mut header = [0u8; HEADER];
+        header[..8].copy_from_slice(MAGIC);
+        header[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        header[12..16].copy_from_slice(&(self.width as u32).to_le_bytes());
+        header[16..24].copy_from_slice(&self.tokens.to_le_bytes());
+        header[24..32].copy_from_slice(&train_tokens.to_le_bytes());
+        header[32..40].copy_from_slice(&(documents as u64).to_le_bytes());
+        header[40..48].copy_from_slice(&self.vocab_size.to_le_bytes());
+        header[48..52].copy_from_slice(&self.crc.clone().finalize().to_le_bytes());
+        let partial = self.partial.clone();
+        let io = |e: std::io::Error| error(&partial, format!("cannot write it: {e}"));
+        let mut file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
+        use std::io::Seek;
+        file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
+        file.write_all(&header).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        std::fs::rename(&self.partial, &self.path)
+            .map_err(|e| error(&self.path, format!("cannot rename into it: {e}")))?;
+        TokenFile::open(&self.path)
+    }
+}
+
+/// A token file, memory-mapped.
+#[derive(Debug)]
+pub struct TokenFile {
+    path: PathBuf,
+    map: Mmap,
+    width: usize,
+    tokens: usize,
+    train_tokens: usize,
+    documents: usize,
+    vocab_size: usize,
+    crc: u32,
+}
+
+impl TokenFile {
+    /// Opens `path` and checks its header and size (not its checksum: [`verify`](Self::verify)).
+    pub fn open(path: &Path) -> Result<Self, TokenFileError> {
+        let file = std::fs::File::open(path).map_err(|e| error(path, format!("cannot open it: {e}")))?;
+        // SAFETY: read-only and private; a token file rewritten while a job maps it is not
+        // supported (tokenize writes a new file and renames it into place instead).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| error(path, format!("cannot map it: {e}")))?;
+        if map.len() < HEADER || &map[..8] != MAGIC {
+            return Err(error(path, "not a zerotrain token file (zerotrain tokenize writes them)"));
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(map[at..at + 4].try_into().expect("4 bytes"));
+        let u64_at = |at: usize| u64::from_le_bytes(map[at..at + 8].try_into().expect("8 bytes"));
+        if u32_at(8) != VERSION {
+            return Err(error(path, format!("token file version {} is not {VERSION}", u32_at(8))));
+        }
+        let width = u32_at(12) as usize;
+        let (tokens, train_tokens, documents) = (u64_at(16), u64_at(24), u64_at(32));
+        let expected = (tokens.checked_mul(width as u64))
+            .and_then(|t| t.checked_add(documents.checked_mul(8)?)?.checked_add(HEADER as u64));
+        if !matches!(width, 2 | 4) || train_tokens > tokens || expected != Some(map.len() as u64) {
+            return Err(error(
+                path,
+                "its header does not match its size: truncated or not written by zerotrain tokenize",
+            ));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            width,
+            tokens: tokens as usize,
+            train_tokens: train_tokens as usize,
+            documents: documents as usize,
+            vocab_size: u64_at(40) as usize,
+            crc: u32_at(48),
+            map,
+        })
+    }
+
+    /// Reads every byte and checks the checksum.
+    pub fn verify(&self) -> Result<(), TokenFileError> {
+        if crc32fast::hash(&self.map[HEADER..]) != self.crc {
+            return Err(error(&self.path, "checksum mismatch: the file is damaged"));
+        }
+        Ok(())
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Tokens in the file.
+    pub fn len(&self) -> usize {
+        self.tokens
+    }
+
+    /// Whether it holds no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens == 0
+    }
+
+    /// Tokens before the held-out split.
+    pub fn train_tokens(&self) -> usize {
+        self.train_tokens
+    }
+
+    /// Documents.
+    pub fn documents(&self) -> usize {
+        self.documents
+    }
+
+    /// The vocabulary of the tokenizer that wrote it.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The checksum recorded in its header (identifies the corpus in checkpoints).
+    pub fn checksum(&self) -> u32 {
+        self.crc
+    }
+
+    /// Token `i`.
+    pub fn token(&self, i: usize) -> u32 {
+        let at = HEADER + i * self.width;
+        match self.width {
+            2 => u32::from(u16::from_le_bytes([self.map[at], self.map[at + 1]])),
+            _ => u32::from_le_bytes(self.map[at..at + 4].try_into().expect("4 bytes")),
+        }
+    }
+
+    /// Tokens `range` appended to `out` as `i64`.
+    pub fn extend(&self, range: std::ops::Range<usize>, out: &mut Vec<i64>) {
+        out.extend(range.map(|i| i64::from(self.token(i))));
+    }
+}

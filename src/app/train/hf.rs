@@ -1,0 +1,241 @@
+//! `zerotrain train` of a Hugging Face family's model (`model.hf_dir` or `model.hf_config`)
+//! on a token file (or a text file tokenized on the fly): the checkpoints' folder gets the
+//! model's `config.json` and `tokenizer.json`, so `zerotrain consolidate --format hf` can
+//! write a Hugging Face folder from any of its checkpoints.
+
+use std::path::Path;
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, bail};
+use burn::tensor::{Device, Int, Tensor};
+
+use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, train_model};
+use crate::Plan;
+use crate::app::commands::eval::LoadedModel;
+use crate::app::hf::{self, WithModel};
+use crate::app::keys::AppSettings;
+use crate::app::models::{CausalLm, Sampling};
+use crate::app::text::Tokenizer;
+use crate::app::text::sampler::TokenSampler;
+use crate::app::text::tokens::{TokenFile, TokenFileWriter};
+use crate::engine::ParamCount;
+
+/// The training data of a Hugging Face family's run: `data` as a token file, or a UTF-8
+/// text file tokenized into `<out>/data.tokens` first (1% held out).
+pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> anyhow::Result<TokenFile> {
+    let Some(data) = data else {
+        bail!("a Hugging Face family's run needs --data: a token file (zerotrain tokenize) or a text file")
+    };
+    let mut head = [0u8; 8];
+    let is_tokens = std::fs::File::open(data)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+        .map(|()| &head == b"ZTTOKENS")
+        .unwrap_or(false);
+    let file = if is_tokens {
+        TokenFile::open(data)?
+    } else {
+        let text =
+            std::fs::read_to_string(data).with_context(|| format!("cannot read {} as UTF-8 text", data.display()))?;
+        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+        let eos = end_of_text(tokenizer);
+        let mut writer = TokenFileWriter::create(&out.join("data.tokens"), tokenizer.vocab_size(), eos)?;
+        for document in text.split("\n\n").filter(|d| !d.trim().is_empty()) {
+            writer.document(&tokenizer.encode(document)?)?;
+        }
+        writer.finish(0.01)?
+    };
+    file.verify()?;
+    if file.vocab_size() > tokenizer.vocab_size() {
+        bail!(
+            "{} was written by a tokenizer of {} tokens; {} has {}",
+            data.display(),
+            file.vocab_size(),
+            tokenizer.file().display(),
+            tokenizer.vocab_size()
+        );
+    }
+    Ok(file)
+}
+
+/// The end-of-text token of a tokenizer: the first of the usual names it has, else the
+/// last id.
+pub fn end_of_text(tokenizer: &Tokenizer) -> u32 {
+    ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>"]
+        .iter()
+        .find_map(|t| tokenizer.token_id(t))
+        .unwrap_or(tokenizer.vocab_size().saturating_sub(1) as u32)
+}
+
+/// A token file's windows in the sampler's order, the position counted in samples.
+struct TokenData {
+    sampler: TokenSampler,
+    file: Arc<TokenFile>,
+    /// Sequences per optimizer step.
+    global_batch: u64,
+    /// (samples drawn before the first step of this run, that step).
+    base: Mutex<(u64, u64)>,
+}
+
+impl TrainData for TokenData {
+    fn context(&self) -> usize {
+        self.sampler.context()
+    }
+
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int> {
+        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
+        self.sampler.batch(samples + (step - from) * self.global_batch + first, count, device)
+    }
+
+    fn validation(&self, device: &Device) -> Tensor<2, Int> {
+        self.sampler.validation(device)
+    }
+
+    fn position(&self, step: u64) -> serde_json::Value {
+        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
+        serde_json::json!({
+            "file": self.file.path().display().to_string(),
+            "checksum": self.file.checksum(),
+            "samples": samples + (step - from) * self.global_batch,
+        })
+    }
+
+    fn resume(&self, record: &serde_json::Value, step: u64) -> anyhow::Result<()> {
+        let (Some(checksum), Some(samples)) = (record["checksum"].as_u64(), record["samples"].as_u64()) else {
+            bail!("the checkpoint records no position in a token file (it was not trained on one)");
+        };
+        if checksum != u64::from(self.file.checksum()) {
+            bail!(
+                "the checkpoint was trained on {} (checksum {checksum:08x}); this run reads {} (checksum {:08x}): \
+                 give the same --data to continue its sample order",
+                record["file"].as_str().unwrap_or("another token file"),
+                self.file.path().display(),
+                self.file.checksum()
+            );
+        }
+        *self.base.lock().unwrap_or_else(|p| p.into_inner()) = (samples, step);
+        Ok(())
+    }
+}
+
+/// Trains `loaded` on `data`; the checkpoints' folder gets its `config.json` and
+/// `tokenizer.json` first.
+pub fn train_hf(
+    plan: &Plan,
+    settings: &AppSettings,
+    options: &TrainOptions,
+    loaded: LoadedModel,
+    data: TokenFile,
+    log: &(dyn Fn(&str) + Sync),
+    progress: &(dyn Fn(&StepMetrics) + Sync),
+) -> anyhow::Result<TrainSummary> {
+    let config = serde_json::to_string_pretty(&loaded.config.json)?.into_bytes();
+    let tokenizer = std::fs::read(loaded.tokenizer.file())
+        .with_context(|| format!("cannot read {}", loaded.tokenizer.file().display()))?;
+    let files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
+    let file = Arc::new(data);
+    let sampler =
+        TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
+    let token_data = TokenData { sampler, file, global_batch: plan.batch.train_batch_size, base: Mutex::new((0, 0)) };
+    let job = HfJob { plan, settings, options, data: &token_data, tokenizer: &loaded.tokenizer, files, log, progress };
+    loaded.model.run(job)
+}
+
+struct HfJob<'a> {
+    plan: &'a Plan,
+    settings: &'a AppSettings,
+    options: &'a TrainOptions,
+    data: &'a TokenData,
+    tokenizer: &'a Tokenizer,
+    files: Vec<(String, Vec<u8>)>,
+    log: &'a (dyn Fn(&str) + Sync),
+    progress: &'a (dyn Fn(&StepMetrics) + Sync),
+}
+
+impl WithModel for HfJob<'_> {
+    type Output = anyhow::Result<TrainSummary>;
+
+    fn run<M: CausalLm>(self, model: M) -> anyhow::Result<TrainSummary> {
+        let context = self.data.context();
+        let samples = |model: &M| {
+            let prompt = self.data.sampler.batch(0, 1, &Device::flex()).into_data().convert::<i64>();
+            let prompt: Vec<u32> =
+                prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
+            let out = model.generate(&prompt, 48, context, Sampling { temperature: 0.8, top_k: 40 }, &mut 0x5EED);
+            let text = |ids: &[u32]| self.tokenizer.decode(ids).unwrap_or_else(|e| e.to_string());
+            vec![format!("{}|{}", text(&prompt), text(&out))]
+        };
+        let num_params = ParamCount::trainable(&model);
+        let task = Task { num_params, init: model, data: self.data, samples: &samples, files: self.files };
+        train_model(self.plan, self.settings, self.options, task, self.log, self.progress)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A token file of `n` tokens `0, 1, 2, ...` (mod 1000) in documents of 50.
+    fn counting_file(name: &str, n: u32) -> Arc<TokenFile> {
+        let dir = std::env::temp_dir().join(format!("zerotrain-tokendata-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut writer = TokenFileWriter::create(&dir.join("t.tokens"), 1000, 999).unwrap();
+        let ids: Vec<u32> = (0..n).map(|i| i % 999).collect();
+        for doc in ids.chunks(49) {
+            writer.document(doc).unwrap();
+        }
+        let file = writer.finish(0.05).unwrap();
+        file.verify().unwrap();
+        Arc::new(file)
+    }
+
+    fn data(file: &Arc<TokenFile>, global_batch: u64) -> TokenData {
+        let sampler = TokenSampler::new(Arc::clone(file), 8, 7).unwrap();
+        TokenData { sampler, file: Arc::clone(file), global_batch, base: Mutex::new((0, 0)) }
+    }
+
+    fn rows(t: Tensor<2, Int>) -> Vec<Vec<i64>> {
+        let [n, w] = t.dims();
+        let flat = t.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
+        (0..n).map(|i| flat[i * w..(i + 1) * w].to_vec()).collect()
+    }
+
+    /// Samples continue where the checkpoint says however the next run splits its batches
+    /// (ranks, micro-batches) and whatever its global batch; every window is a run of
+    /// consecutive tokens, and an epoch visits every window once.
+    #[test]
+    fn a_resumed_run_draws_the_samples_after_the_recorded_position() {
+        let file = counting_file("resume", 4000);
+        let device = Device::flex();
+        let a = data(&file, 8);
+        // Run A: steps 0..6, each global batch of 8 as 2 ranks x 4.
+        let mut drawn = Vec::new();
+        for step in 0..6 {
+            for rank in 0..2 {
+                drawn.extend(rows(a.batch(step, rank * 4, 4, &device)));
+            }
+        }
+        let record = a.position(3);
+        assert_eq!(record["samples"], 24);
+        // Run B resumes after step 3 with a global batch of 4 on one rank.
+        let b = data(&file, 4);
+        b.resume(&record, 3).unwrap();
+        let mut again = Vec::new();
+        for step in 3..9 {
+            again.extend(rows(b.batch(step, 0, 4, &device)));
+        }
+        assert_eq!(again, drawn[24..48]);
+        assert_eq!(b.position(9)["samples"], 48);
+        for row in &drawn {
+            let text: Vec<i64> = row.iter().copied().filter(|&t| t != 999).collect();
+            assert!(text.windows(2).all(|p| p[1] == (p[0] + 1) % 999), "consecutive but for end tokens: {row:?}");
+        }
+        let n = a.sampler.windows() as u64;
+        let mut starts: Vec<usize> = (0..n).map(|k| a.sampler.start(k)).collect();
+        starts.sort_unstable();
+        assert_eq!(starts, (0..n as usize).map(|w| w * 8).collect::<Vec<_>>(), "one epoch, every window once");
+        let other = counting_file("other", 3000);
+        let err = data(&other, 8).resume(&record, 3).unwrap_err().to_string();
+        assert!(err.contains("the checkpoint was trained on"), "{err}");
+    }
+}
