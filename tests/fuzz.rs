@@ -280,8 +280,13 @@ fn edits_of_a_config_with_every_section_resolve_or_fail_cleanly() {
 #[test]
 fn byte_mutations_of_the_shipped_recipes_resolve_or_fail_cleanly() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/configs");
-    let recipes: Vec<String> =
-        std::fs::read_dir(dir).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
+    // The recipes (configs/models/ holds Hugging Face config.json presets, not recipes).
+    let recipes: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect();
     let (mut runner, cases) = runner();
     let edit = (any::<prop::sample::Index>(), any::<u8>(), 0u8..3);
     let strategy = (prop::sample::select(recipes), vec(edit, 1..8), overrides());

@@ -64,7 +64,14 @@ def encode(dir_, text):
 
 # ---------------------------------------------------------------- checkpoints
 
-def configs(family, layers, kv_heads, tied, rope, vocab):
+def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny"):
+    if size == "1b":
+        # TinyLlama-1.1B's shape (1,100,048,384 parameters), for the import benchmark.
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+                "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+                "initializer_range": 0.02}
     if family == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
                 "n_positions": 64, "n_embd": 32, "n_layer": layers, "n_head": 4, "n_inner": None,
@@ -83,13 +90,15 @@ def configs(family, layers, kv_heads, tied, rope, vocab):
     return config
 
 
-def tensors_of(config, rng):
+def tensors_of(config, rng, dtype="f32"):
     """Random weights, large enough that every part of the forward pass matters."""
+    np_dtype = np_dtype_of(dtype)
+
     def w(*shape, std=0.2):
-        return rng.normal(0.0, std, shape)
+        return rng.normal(0.0, std, shape).astype(np_dtype)
 
     def norm(d):
-        return 1.0 + 0.1 * rng.normal(size=d)
+        return (1.0 + 0.1 * rng.normal(size=d)).astype(np_dtype)
 
     t = {}
     if config["model_type"] == "gpt2":
@@ -131,14 +140,17 @@ def tensors_of(config, rng):
     return t
 
 
+def np_dtype_of(dtype):
+    if dtype == "bf16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return {"f32": np.float32, "f16": np.float16}[dtype]
+
+
 def save(dir_, tensors, dtype, shards):
     from safetensors.numpy import save_file
 
-    if dtype == "bf16":
-        import ml_dtypes
-        np_dtype = ml_dtypes.bfloat16
-    else:
-        np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
+    np_dtype = np_dtype_of(dtype)
     cast = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
     names = list(cast)
     if shards <= 1:
@@ -161,11 +173,11 @@ def make(args):
     tok.save(os.path.join(args.dir, "tokenizer.json"))
     vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
     kv = args.kv_heads or 4
-    config = configs(args.family, args.layers, kv, args.tied, args.rope, vocab)
+    config = configs(args.family, args.layers, kv, args.tied, args.rope, vocab, args.size)
     config["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[args.dtype]
     with open(os.path.join(args.dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    save(args.dir, tensors_of(config, np.random.default_rng(args.seed)), args.dtype, args.shards)
+    save(args.dir, tensors_of(config, np.random.default_rng(args.seed), args.dtype), args.dtype, args.shards)
 
 
 # ---------------------------------------------------------------- reference forward passes
@@ -309,6 +321,7 @@ def main():
     m.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32")
     m.add_argument("--shards", type=int, default=1)
     m.add_argument("--seed", type=int, default=1)
+    m.add_argument("--size", choices=["tiny", "1b"], default="tiny")
     l_ = sub.add_parser("loss")
     l_.add_argument("dir")
     l_.add_argument("text")

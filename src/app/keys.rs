@@ -24,12 +24,24 @@ pub struct AppKeys {
     pub zerotrain: JobKeys,
 }
 
-/// The `model` section: the built-in GPT's shape keys, and the Hugging Face keys.
+/// The `model` section: the built-in GPT's shape keys (see [`GptConfig`]; `block_size` is
+/// the context of every model), and the Hugging Face keys. The shape keys are listed here
+/// rather than flattened from [`GptConfig`]: serde's `flatten` would hide misspelled keys
+/// from the unknown-key check.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ModelKeys {
-    /// The built-in GPT's shape (`block_size` is the context of every model).
-    #[serde(flatten)]
-    pub shape: GptConfig,
+    /// [`GptConfig::n_layer`].
+    pub n_layer: Option<usize>,
+    /// [`GptConfig::n_head`].
+    pub n_head: Option<usize>,
+    /// [`GptConfig::n_embd`].
+    pub n_embd: Option<usize>,
+    /// [`GptConfig::block_size`]: the context of every model.
+    pub block_size: Option<usize>,
+    /// [`GptConfig::vocab_size`].
+    pub vocab_size: Option<usize>,
+    /// [`GptConfig::tied_head`].
+    pub tied_head: Option<bool>,
     /// A Hugging Face checkpoint folder (`config.json`, safetensors, `tokenizer.json`) to
     /// start from; relative to the config file's folder.
     #[serde(default)]
@@ -42,6 +54,21 @@ pub struct ModelKeys {
     /// to the config file's folder.
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+}
+
+impl ModelKeys {
+    /// The built-in GPT's shape: the keys given, defaults for the rest.
+    pub fn shape(&self) -> GptConfig {
+        let d = GptConfig::default();
+        GptConfig {
+            n_layer: self.n_layer.unwrap_or(d.n_layer),
+            n_head: self.n_head.unwrap_or(d.n_head),
+            n_embd: self.n_embd.unwrap_or(d.n_embd),
+            block_size: self.block_size.unwrap_or(d.block_size),
+            vocab_size: self.vocab_size.unwrap_or(d.vocab_size),
+            tied_head: self.tied_head.unwrap_or(d.tied_head),
+        }
+    }
 }
 
 /// Where a Hugging Face family's model comes from.
@@ -68,7 +95,7 @@ impl ConfigExtension for AppKeys {
 
     fn known_keys(parent: &str) -> Vec<&'static str> {
         match parent {
-            "model" => [serde_introspect::<GptConfig>(), &["hf_dir", "hf_config", "tokenizer"]].concat(),
+            "model" => serde_introspect::<ModelKeys>().to_vec(),
             "zerotrain" => serde_introspect::<JobKeys>().to_vec(),
             _ => Vec::new(),
         }
@@ -102,7 +129,7 @@ impl AppKeys {
     /// from `base` (the config file's folder).
     pub fn resolve_in(&self, base: &Path) -> Result<AppSettings, ConfigError> {
         let section = self.model.clone().unwrap_or_default();
-        let model = section.shape;
+        let model = section.shape();
         let hf = match (&section.hf_dir, &section.hf_config) {
             (Some(_), Some(_)) => {
                 return Err(ConfigError::InvalidValue {
@@ -192,7 +219,12 @@ mod tests {
             if path.extension().is_some_and(|e| e == "json") {
                 let overrides = Overrides { total_steps: Some(100), ..Overrides::default() };
                 let (plan, _) = load(&path, overrides).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                assert!(plan.notes.no_effect.is_empty(), "{}: recipes use only implemented keys", path.display());
+                // A recipe written for GPUs (llama_finetune.json) offloads to host memory,
+                // which is where a CPU rank's states are already: on the CPU those keys are
+                // notes. Any other note is a key the recipe should not have.
+                let gpu_only = |n: &&String| n.contains("rank's") && n.contains("in host memory already");
+                let others: Vec<_> = plan.notes.no_effect.iter().filter(|n| !gpu_only(n)).collect();
+                assert!(others.is_empty(), "{}: recipes use only implemented keys: {others:?}", path.display());
                 n += 1;
             }
         }

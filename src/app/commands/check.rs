@@ -1,5 +1,5 @@
 //! `zerotrain config check`: the resolved plan, and what it means on this machine for the
-//! built-in GPT.
+//! built-in GPT or the Hugging Face family's model the config names.
 
 use std::path::Path;
 
@@ -13,6 +13,11 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {
         println!("{} resolves to:\n{plan}", file.display());
+        if let Some(source) = &settings.hf {
+            print_hf_placement(&plan, source);
+            print_collectives(&plan);
+            return Ok(());
+        }
         print_placement(&plan, &settings.model);
         print_collectives(&plan);
         print_replicas(&plan, &settings.model);
@@ -89,6 +94,32 @@ fn print_placement(plan: &crate::Plan, model: &crate::app::models::GptConfig) {
         mib(p.host),
         mib(p.nvme)
     );
+}
+
+/// Where each rank's model states live for a Hugging Face family's model (its size from
+/// its config.json), or why its config cannot be read.
+fn print_hf_placement(plan: &crate::Plan, source: &keys::HfSource) {
+    let file = match source {
+        keys::HfSource::Dir(dir) => dir.join(crate::app::hf::CONFIG_FILE),
+        keys::HfSource::Config(file) => file.clone(),
+    };
+    match crate::app::hf::HfConfig::read(&file) {
+        Ok(config) => {
+            let psi: u64 =
+                crate::app::hf::parameter_names(&config).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+            let p = crate::estimate::placement(plan, psi);
+            let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+            println!(
+                "model states        per rank for {} ({} parameters): device {}, host memory {}, NVMe {}",
+                file.display(),
+                psi,
+                mib(p.device),
+                mib(p.host),
+                mib(p.nvme)
+            );
+        }
+        Err(e) => println!("model               {e}"),
+    }
 }
 
 /// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the

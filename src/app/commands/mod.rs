@@ -271,7 +271,7 @@ fn model_size(
     Ok(match (params, model_config) {
         (_, Some(file)) => {
             // Only the model section matters here (not, say, a schedule's "auto" length).
-            let model = keys::load_keys(file)?.model.unwrap_or_default().shape;
+            let model = keys::load_keys(file)?.model.unwrap_or_default().shape();
             if model.vocab_size == 0 {
                 bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
             }

@@ -118,8 +118,23 @@ impl TensorFiles {
     }
 
     /// The tensor's values as f32 (exact from f16 and bf16). The dtype was checked by
-    /// [`check_float`].
+    /// [`check_float`]. The pages read are then dropped from the map (they are the file's
+    /// and are read again if needed): otherwise every page an import touches stays
+    /// resident, and by its end the process would hold the whole checkpoint.
     pub fn read_f32(&self, entry: &TensorEntry) -> Vec<f32> {
+        let values = self.decode(entry);
+        #[cfg(unix)]
+        // SAFETY: the map is a read-only private file mapping and no slice of it outlives
+        // `decode`; dropped pages of such a mapping read back from the file unchanged.
+        unsafe {
+            let map = &self.files[entry.file].1;
+            let _ =
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, entry.range.start, entry.range.len());
+        }
+        values
+    }
+
+    fn decode(&self, entry: &TensorEntry) -> Vec<f32> {
         let bytes = self.bytes(entry);
         match entry.dtype {
             Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),

@@ -171,3 +171,17 @@ fn an_imported_model_holds_the_files_values_and_reads_them_only_when_used() {
     assert_eq!(of("model.layers.0.mlp.down_proj.weight"), (0..96).map(|i| 0.01 * i as f32).collect::<Vec<_>>());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_presets_have_their_published_parameter_counts() {
+    let count = |file: &str| {
+        let config = HfConfig::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models").join(file)).unwrap();
+        parameter_names(&config).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>()
+    };
+    // GPT-2 small: 124,439,808 parameters (Hugging Face's `gpt2`, head tied).
+    assert_eq!(count("gpt2-small.json"), 124_439_808);
+    // Counted by hand: embedding, 12 layers of q/o (768x768), k/v (768x256), the SwiGLU MLP
+    // (3 x 768x2048) and two norms, the final norm; the head tied.
+    let layer = 2 * 768 * 768 + 2 * 768 * 256 + 3 * 768 * 2048 + 2 * 768;
+    assert_eq!(count("llama-160m.json"), 32000 * 768 + 12 * layer + 768);
+}
