@@ -68,7 +68,7 @@ def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny"):
     if size == "1b":
         # TinyLlama-1.1B's shape (1,100,048,384 parameters), for the import benchmark.
         return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
-                "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": layers or 22,
                 "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
                 "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
                 "initializer_range": 0.02}
@@ -173,7 +173,8 @@ def make(args):
     tok.save(os.path.join(args.dir, "tokenizer.json"))
     vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
     kv = args.kv_heads or 4
-    config = configs(args.family, args.layers, kv, args.tied, args.rope, vocab, args.size)
+    layers = args.layers or (22 if args.size == "1b" else 2)
+    config = configs(args.family, layers, kv, args.tied, args.rope, vocab, args.size)
     config["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[args.dtype]
     with open(os.path.join(args.dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -314,7 +315,7 @@ def main():
     m = sub.add_parser("make")
     m.add_argument("dir")
     m.add_argument("--family", choices=["gpt2", "llama", "qwen2"], required=True)
-    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--layers", type=int, default=0, help="default 2 (tiny) or 22 (1b)")
     m.add_argument("--kv-heads", type=int, default=0)
     m.add_argument("--tied", action="store_true")
     m.add_argument("--rope", choices=["none", "linear", "llama3"], default="none")

@@ -12,6 +12,7 @@ use crate::app::hf::{self, HfModel, WithModel};
 use crate::app::keys::{self, HfSource};
 use crate::app::models::CausalLm;
 use crate::app::text::Tokenizer;
+use crate::app::train::Handout;
 use crate::{LoadOptions, Overrides, Plan};
 
 /// What `zerotrain eval` was asked.
@@ -165,8 +166,9 @@ impl WithModel for EvalJob<'_> {
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<f64> {
         let Self { plan, windows, checkpoint, tag } = self;
         let per = plan.batch.micro_batch_per_rank as usize;
+        let model = Handout::new(model, plan);
         let sums = crate::launch(plan, |ctx| -> crate::Result<f64> {
-            let mut engine = crate::trainer(model.clone(), plan, &ctx)?;
+            let mut engine = crate::trainer(model.take(), plan, &ctx)?;
             if let Some(dir) = checkpoint {
                 engine.load_checkpoint(dir, tag, LoadOptions::default())?;
             }

@@ -60,8 +60,9 @@ impl WithModel for Generate<'_> {
         let model = match &self.args.checkpoint {
             None => model,
             Some(dir) => {
+                let model = crate::app::train::Handout::new(model, self.plan);
                 let models = crate::launch(self.plan, |ctx| -> crate::Result<Option<M>> {
-                    let mut engine = crate::trainer(model.clone(), self.plan, &ctx)?;
+                    let mut engine = crate::trainer(model.take(), self.plan, &ctx)?;
                     engine.load_checkpoint(dir, self.args.tag.as_deref(), LoadOptions::default())?;
                     engine.gather_model(0)
                 })?;

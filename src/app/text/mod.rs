@@ -22,7 +22,13 @@ pub struct TextError {
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     file: PathBuf,
+    /// Whether a text may be cut before any space that follows a non-space and precedes
+    /// one, and encoded piece by piece (see [`Tokenizer::encode_long`]).
+    splits_at_spaces: bool,
 }
+
+/// Pieces [`Tokenizer::encode_long`] cuts a long text into, in bytes at least.
+const PIECE_BYTES: usize = 1 << 16;
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -37,7 +43,8 @@ impl Tokenizer {
             file: path.to_path_buf(),
             message: format!("not a usable tokenizer.json: {e}"),
         })?;
-        Ok(Self { inner, file: path.to_path_buf() })
+        let splits_at_spaces = splits_at_spaces(&inner);
+        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces })
     }
 
     /// The file it was read from.
@@ -47,8 +54,30 @@ impl Tokenizer {
 
     /// Token ids of `text`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
-        let encoding = self.inner.encode(text, false).map_err(|e| self.error(format!("cannot encode: {e}")))?;
+        let encoding = self.inner.encode_fast(text, false).map_err(|e| self.error(format!("cannot encode: {e}")))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids of `text`, the same as [`encode`](Self::encode)'s, a long text encoded in
+    /// pieces on every core where the tokenizer allows it.
+    ///
+    /// # Note: where a text may be cut
+    /// GPT-2's byte-level pre-tokenizer splits text with a pattern none of whose matches
+    /// holds a non-space followed by a space (a word takes at most one space, in front;
+    /// runs of whitespace start with whitespace). So with that pre-tokenizer alone (no
+    /// normalizer, no added token containing a space), every space that follows a
+    /// non-space starts a new pre-token, and the BPE model encodes pre-tokens one by one:
+    /// cutting the text there and concatenating the pieces' ids gives the whole text's ids.
+    /// Other tokenizers (a normalizer, a Metaspace prefix added to each text) encode the
+    /// text whole.
+    pub fn encode_long(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        use rayon::prelude::*;
+        if !self.splits_at_spaces || text.len() < 2 * PIECE_BYTES {
+            return self.encode(text);
+        }
+        let pieces = cut_at_spaces(text, PIECE_BYTES);
+        let ids: Vec<Vec<u32>> = pieces.par_iter().map(|p| self.encode(p)).collect::<Result<_, _>>()?;
+        Ok(ids.concat())
     }
 
     /// The text of `ids`.
@@ -68,5 +97,55 @@ impl Tokenizer {
 
     fn error(&self, message: String) -> TextError {
         TextError { file: self.file.clone(), message }
+    }
+}
+
+/// Whether `tokenizer` pre-tokenizes with GPT-2's byte-level pattern alone (see
+/// [`Tokenizer::encode_long`]).
+fn splits_at_spaces(tokenizer: &tokenizers::Tokenizer) -> bool {
+    let byte_level = matches!(
+        tokenizer.get_pre_tokenizer(),
+        Some(tokenizers::PreTokenizerWrapper::ByteLevel(b)) if b.use_regex
+    );
+    let spaced_token = tokenizer.get_added_tokens_decoder().values().any(|t| t.content.contains(char::is_whitespace));
+    byte_level && tokenizer.get_normalizer().is_none() && !spaced_token
+}
+
+/// `text` cut into pieces of at least `bytes` (the last may be shorter), each cut before a
+/// space whose neighbours are not whitespace (Unicode's, as the pattern's `\s`).
+fn cut_at_spaces(text: &str, bytes: usize) -> Vec<&str> {
+    let b = text.as_bytes();
+    let cuttable = |i: usize| {
+        // A space byte is a whole character, so `i` and `i + 1` are char boundaries.
+        b[i] == b' '
+            && text[..i].chars().next_back().is_some_and(|c| !c.is_whitespace())
+            && text[i + 1..].chars().next().is_some_and(|c| !c.is_whitespace())
+    };
+    let (mut pieces, mut start, mut at) = (Vec::new(), 0, bytes);
+    while at < b.len() {
+        match (at..b.len()).find(|&i| cuttable(i)) {
+            Some(cut) => {
+                pieces.push(&text[start..cut]);
+                start = cut;
+                at = cut + bytes;
+            }
+            None => break,
+        }
+    }
+    pieces.push(&text[start..]);
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuts_fall_before_spaces_between_non_spaces() {
+        let text = "ab cd  ef\u{a0} gh\n ij kl";
+        let pieces = cut_at_spaces(text, 1);
+        assert_eq!(pieces.concat(), text);
+        assert_eq!(pieces, ["ab", " cd  ef\u{a0} gh\n ij", " kl"]);
+        assert_eq!(cut_at_spaces("abc", 1), ["abc"]);
     }
 }

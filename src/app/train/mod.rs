@@ -194,11 +194,42 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
     let eval_every = settings.eval_every;
     let Task { init, num_params: _, data, samples, files: _ } = task;
     let job = Job { plan, options, data, samples, ckpt_dir, resume_tag, every, eval_every, log, progress };
-    let results = launch(plan, |ctx| job.run_rank(init.clone(), &ctx))?;
+    let init = Handout::new(init, plan);
+    let results = launch(plan, |ctx| job.run_rank(init.take(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
     let mut summary = results.into_iter().next().expect("at least one rank");
     summary.memory = memory;
     Ok(summary)
+}
+
+/// One model for each rank of this process, with no copy left behind.
+///
+/// # Note: why the model is handed out
+/// Clones of a Burn module share each lazy parameter's state: when one rank's engine
+/// initialises a unit, every clone holds its values. A copy kept by the caller for the
+/// length of the run (`launch(plan, |ctx| run(model.clone()))`) therefore ends up holding
+/// the whole model, however the engines shard and release it. The last rank to ask gets
+/// the original instead of a clone, so once each engine has replaced its parameters
+/// nothing else refers to them.
+pub(crate) struct Handout<M> {
+    left: std::sync::Mutex<(usize, Option<M>)>,
+}
+
+impl<M: Clone> Handout<M> {
+    /// `model` for the ranks `plan` runs in this process (all of them under threads, one
+    /// under mpirun).
+    pub(crate) fn new(model: M, plan: &Plan) -> Self {
+        let ranks = if crate::detect_mpirun().is_some() { 1 } else { plan.world_size() };
+        Self { left: std::sync::Mutex::new((ranks, Some(model))) }
+    }
+
+    /// This rank's model: a clone, or the original for the last rank to ask.
+    pub(crate) fn take(&self) -> M {
+        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
+        left.0 = left.0.saturating_sub(1);
+        let model = if left.0 == 0 { left.1.take() } else { left.1.clone() };
+        model.expect("one model per rank of this process")
+    }
 }
 
 /// Refuses a model whose model states would not fit this machine's available memory,
@@ -437,4 +468,41 @@ fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     move |source| Error::Io { path: path.to_path_buf(), cause: source }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::{Module, ModuleVisitor, Param};
+
+    /// Whether every float parameter of `model` holds a value.
+    fn initialised<M: Module>(model: &M) -> bool {
+        struct All(bool);
+        impl ModuleVisitor for All {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0 &= param.is_initialized();
+            }
+        }
+        let mut all = All(true);
+        model.visit(&mut all);
+        all.0
+    }
+
+    /// Clones of a lazy module share its parameters' values (the reason for the handout),
+    /// and the last rank to take gets the original, leaving nothing behind.
+    #[test]
+    fn each_rank_takes_a_model_and_none_is_left_behind() {
+        let device = Device::flex().autodiff();
+        let config = GptConfig { vocab_size: 5, ..GptConfig::default() };
+        let plan = crate::Config::parse(r#"{"train_batch_size": 3, "zerotrain": {"world_size": 3}}"#, "t")
+            .unwrap()
+            .resolve(crate::Overrides::default())
+            .unwrap();
+        let handout = Handout::new(Gpt::new(&config, &device), &plan);
+        let models = [handout.take(), handout.take(), handout.take()];
+        assert!(handout.left.lock().unwrap().1.is_none(), "the original went to the last rank");
+        assert!(models.iter().all(|m| !initialised(m)));
+        let _ = models[0].clone().into_record(); // reads every value through one rank's copy
+        assert!(initialised(&models[2]), "clones share a lazy parameter's value");
+    }
 }
