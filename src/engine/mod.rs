@@ -56,7 +56,7 @@ mod swapped;
 #[cfg(feature = "cli")] // `zerotrain bench offload`
 pub(crate) use swapped::{SwappedOptimizer, SwappedOptimizerSetup};
 #[cfg(all(test, feature = "cli"))]
-mod stream_tests;
+pub(crate) mod stream_tests;
 #[cfg(test)]
 mod tests;
 mod unit;

@@ -13,7 +13,7 @@ use crate::{Config, Engine, LoadOptions, Overrides, RankContext};
 /// Bytes this thread holds (allocated minus freed since the last reset) and the most it
 /// held: the test's own thread does the saving and loading, so other tests' allocations
 /// do not count.
-mod live_bytes {
+pub(crate) mod live_bytes {
     use std::alloc::{GlobalAlloc, Layout, System};
     use std::cell::Cell;
 
