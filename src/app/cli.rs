@@ -134,8 +134,15 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
         /// The UTF-8 text to score, tokenized by the model's tokenizer.json.
+        #[arg(long, required_unless_present = "tokens", conflicts_with = "tokens")]
+        text: Option<PathBuf>,
+        /// A token file (zerotrain tokenize) to score: its held-out split, or all of it
+        /// with --all.
         #[arg(long)]
-        text: PathBuf,
+        tokens: Option<PathBuf>,
+        /// With --tokens: score every token of the file, not only its held-out split.
+        #[arg(long, requires = "tokens")]
+        all: bool,
         /// A checkpoint folder (holding `latest` and the tags) of the model to load.
         #[arg(long)]
         checkpoint: Option<PathBuf>,

@@ -202,8 +202,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 field,
             })
         }
-        Command::Eval { config, text, checkpoint, tag, world_size, json } => {
-            commands::eval::eval(commands::eval::EvalArgs { config, text, checkpoint, tag, world_size, json })
+        Command::Eval { config, text, tokens, all, checkpoint, tag, world_size, json } => {
+            use commands::eval::EvalInput;
+            let input = match (text, tokens) {
+                (Some(text), _) => EvalInput::Text(text),
+                (None, Some(file)) => EvalInput::Tokens { file, all },
+                (None, None) => unreachable!("clap requires --text or --tokens"),
+            };
+            commands::eval::eval(commands::eval::EvalArgs { config, input, checkpoint, tag, world_size, json })
         }
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),
         Command::Serve { config, listen, checkpoint } => commands::serve(&config, listen, checkpoint),

@@ -380,7 +380,8 @@ fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
 }
 
 /// Training a fresh LLaMA-shaped model on a token file lowers the loss `eval` measures on
-/// text it never saw, scored from the run's checkpoint.
+/// text it never saw and on the file's held-out split (`--tokens`), scored from the run's
+/// checkpoint.
 #[test]
 fn training_lowers_the_held_out_loss_measured_from_the_checkpoint() {
     let dir = folder("finetune");

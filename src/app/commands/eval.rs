@@ -19,13 +19,22 @@ use crate::{LoadOptions, Overrides, Plan};
 #[derive(Debug, Clone)]
 pub struct EvalArgs {
     pub config: PathBuf,
-    /// The text to score.
-    pub text: PathBuf,
+    /// What to score.
+    pub input: EvalInput,
     /// A zerotrain checkpoint folder of the model to load instead of `hf_dir`'s weights.
     pub checkpoint: Option<PathBuf>,
     pub tag: Option<String>,
     pub world_size: Option<usize>,
     pub json: bool,
+}
+
+/// What `zerotrain eval` scores.
+#[derive(Debug, Clone)]
+pub enum EvalInput {
+    /// A UTF-8 text file, tokenized by the model's tokenizer.
+    Text(PathBuf),
+    /// A token file's held-out split, or (`all`) every token of it.
+    Tokens { file: PathBuf, all: bool },
 }
 
 /// A model of `config`'s `model` section, its tokenizer and context: imported from
@@ -99,10 +108,28 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
     let loaded = load_model(&settings, &args.config, &device, args.checkpoint.as_deref())?;
-    let text = std::fs::read_to_string(&args.text).with_context(|| format!("cannot read {}", args.text.display()))?;
-    let tokens = loaded.tokenizer.encode(&text)?;
-    let windows = Windows::over(&tokens, loaded.context)
-        .with_context(|| format!("{}: {} tokens", args.text.display(), tokens.len()))?;
+    let (name, source) = match &args.input {
+        EvalInput::Text(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            (path.display().to_string(), Source::Ids(loaded.tokenizer.encode_long(&text)?))
+        }
+        EvalInput::Tokens { file, all } => {
+            let tokens = crate::app::text::tokens::TokenFile::open(file)?;
+            tokens.verify()?;
+            if tokens.vocab_size() > loaded.config.vocab_size() {
+                bail!(
+                    "{} holds ids of a {}-token vocabulary; the model has {}",
+                    file.display(),
+                    tokens.vocab_size(),
+                    loaded.config.vocab_size()
+                );
+            }
+            let range = if *all { 0..tokens.len() } else { tokens.train_tokens()..tokens.len() };
+            let what = if *all { "" } else { " (held-out split)" };
+            (format!("{}{what}", file.display()), Source::File(tokens, range))
+        }
+    };
+    let windows = Windows::over(&source, loaded.context).with_context(|| format!("{name}: {} tokens", source.len()))?;
     let job =
         EvalJob { plan: &plan, windows: &windows, checkpoint: args.checkpoint.as_deref(), tag: args.tag.as_deref() };
     let loss = loaded.model.run(job)?;
@@ -111,8 +138,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::json!({"loss": loss, "perplexity": loss.exp(), "tokens": scored}));
     } else {
         println!(
-            "{}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {})",
-            args.text.display(),
+            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {})",
             loss.exp(),
             windows.count,
             windows.context
@@ -121,31 +147,58 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tokens `eval` scores: a text's ids, or a range of a token file (read through its map).
+pub enum Source {
+    /// Ids in memory.
+    Ids(Vec<u32>),
+    /// Tokens `range` of a token file.
+    File(crate::app::text::tokens::TokenFile, std::ops::Range<usize>),
+}
+
+impl Source {
+    fn len(&self) -> usize {
+        match self {
+            Self::Ids(ids) => ids.len(),
+            Self::File(_, range) => range.len(),
+        }
+    }
+
+    /// Tokens `range` (of this source) appended to `out`.
+    fn extend(&self, range: std::ops::Range<usize>, out: &mut Vec<i64>) {
+        match self {
+            Self::Ids(ids) => out.extend(ids[range].iter().map(|&t| i64::from(t))),
+            Self::File(file, within) => file.extend(within.start + range.start..within.start + range.end, out),
+        }
+    }
+}
+
 /// Non-overlapping windows of `context + 1` tokens, one token apart (each token after the
 /// first is predicted once); a tail shorter than a window is left out.
 pub struct Windows<'a> {
-    tokens: &'a [u32],
+    source: &'a Source,
+    /// The model's context (windows are one token longer).
     pub context: usize,
+    /// How many windows.
     pub count: usize,
 }
 
 impl<'a> Windows<'a> {
-    pub fn over(tokens: &'a [u32], context: usize) -> anyhow::Result<Self> {
-        let count = tokens.len().saturating_sub(1) / context;
+    /// The windows of `source`; an error when it holds less than one.
+    pub fn over(source: &'a Source, context: usize) -> anyhow::Result<Self> {
+        let count = source.len().saturating_sub(1) / context;
         if count == 0 {
             bail!("fewer than the {} tokens of one window (model.block_size {context} + 1)", context + 1);
         }
-        Ok(Self { tokens, context, count })
+        Ok(Self { source, context, count })
     }
 
     /// Windows `range` as a batch `[n, context + 1]`.
     fn batch(&self, range: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
         let n = range.len();
-        let data: Vec<i64> = range
-            .flat_map(|w| {
-                self.tokens[w * self.context..w * self.context + self.context + 1].iter().map(|&t| i64::from(t))
-            })
-            .collect();
+        let mut data = Vec::with_capacity(n * (self.context + 1));
+        for w in range {
+            self.source.extend(w * self.context..w * self.context + self.context + 1, &mut data);
+        }
         Tensor::from_data(TensorData::new(data, [n, self.context + 1]), device)
     }
 }
