@@ -40,16 +40,6 @@ fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> Pa
     path
 }
 
-fn eval_loss(config: &Path, text_file: &Path, checkpoint: Option<&Path>) -> f64 {
-    let mut args = vec!["eval", "--config", config.to_str().unwrap(), "--text", text_file.to_str().unwrap(), "--json"];
-    if let Some(dir) = checkpoint {
-        args.extend(["--checkpoint", dir.to_str().unwrap()]);
-    }
-    let out = zerotrain(&args);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    number(&text(&out.stdout), "loss")
-}
-
 /// `zerotrain eval` of each family (GPT-2; LLaMA with and without a tied head, grouped
 /// kv heads, llama3 rope scaling; Qwen2's q/k/v biases and linear scaling from a sharded
 /// index) equals the numpy forward pass within 1e-5, at one rank and at stage 3 on two.
@@ -71,7 +61,7 @@ fn eval_matches_the_numpy_reference_for_every_family() {
         let expected =
             number(&reference(&["loss", hf.to_str().unwrap(), text_file.to_str().unwrap(), "--context", "16"]), "loss");
         for (world, stage) in [(1, 0), (2, 3)] {
-            let got = eval_loss(&config(&dir, &hf, world, stage, ""), &text_file, None);
+            let got = eval_json(&config(&dir, &hf, world, stage, ""), ["--text", text_file.to_str().unwrap()], None);
             let relative = (got - expected).abs() / expected;
             assert!(
                 relative < 1e-5,
@@ -87,6 +77,24 @@ fn run_ok(args: &[&str]) -> String {
     let out = zerotrain(args);
     assert!(out.status.success(), "zerotrain {args:?}: {}", text(&out.stderr));
     text(&out.stdout)
+}
+
+/// `zerotrain train`'s arguments: `config` on `data` to `steps`, into `out`, then `extra`.
+fn train_args<'a>(config: &'a Path, data: &'a Path, steps: &'a str, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["train", "--config", config.to_str().unwrap(), "--data", data.to_str().unwrap()];
+    args.extend(["--steps", steps, "--out", out.to_str().unwrap()]);
+    args.extend(extra);
+    args
+}
+
+/// `zerotrain eval --json`'s loss of `config`'s model (or `checkpoint`'s) on `input`
+/// (`--text FILE` or `--tokens FILE`).
+fn eval_json(config: &Path, input: [&str; 2], checkpoint: Option<&Path>) -> f64 {
+    let mut args = vec!["eval", "--config", config.to_str().unwrap(), input[0], input[1], "--json"];
+    if let Some(dir) = checkpoint {
+        args.extend(["--checkpoint", dir.to_str().unwrap()]);
+    }
+    number(&run_ok(&args), "loss")
 }
 
 /// Python's check that two Hugging Face folders hold the same tensors, bit for bit, and the
@@ -139,17 +147,7 @@ fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
         let bf16 = if name.ends_with("bf16") { r#", "bf16": {"enabled": true}"# } else { "" };
         let config = config(&dir, &hf, 2, 3, &format!("{lr0}{bf16}"));
         let run = dir.join(format!("run-{name}"));
-        run_ok(&[
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--out",
-            run.to_str().unwrap(),
-        ]);
+        run_ok(&train_args(&config, &data, "1", &run, &[]));
         let ckpt = run.join("checkpoints");
         let out = dir.join(format!("out-{name}"));
         run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "hf", "--out", out.to_str().unwrap()]);
@@ -302,18 +300,10 @@ fn a_run_resumed_at_another_world_size_continues_the_same_samples() {
     let (two, tokens) = fresh_llama(&dir, 2, "");
     let (one, _) = fresh_llama(&dir, 1, "");
     let whole = dir.join("whole");
-    let train = |config: &Path, run: &Path, steps: &str, resume: bool| {
-        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--data", tokens.to_str().unwrap()];
-        args.extend(["--steps", steps, "--out", run.to_str().unwrap()]);
-        if resume {
-            args.push("--resume");
-        }
-        run_ok(&args)
-    };
-    train(&two, &whole, "6", false);
+    run_ok(&train_args(&two, &tokens, "6", &whole, &[]));
     let resumed = dir.join("resumed");
-    train(&two, &resumed, "3", false);
-    train(&one, &resumed, "6", true);
+    run_ok(&train_args(&two, &tokens, "3", &resumed, &[]));
+    run_ok(&train_args(&one, &tokens, "6", &resumed, &["--resume"]));
     let (a, b) = (losses(&whole), losses(&resumed));
     assert_eq!(a.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     assert_eq!(b.len(), 6, "{b:?}");
@@ -323,18 +313,7 @@ fn a_run_resumed_at_another_world_size_continues_the_same_samples() {
     // Another corpus: the checkpoint's position means nothing there.
     let other = dir.join("other.txt");
     std::fs::write(&other, words(5000, 9)).unwrap();
-    let out = zerotrain(&[
-        "train",
-        "--config",
-        one.to_str().unwrap(),
-        "--data",
-        other.to_str().unwrap(),
-        "--steps",
-        "7",
-        "--out",
-        resumed.to_str().unwrap(),
-        "--resume",
-    ]);
+    let out = zerotrain(&train_args(&one, &other, "7", &resumed, &["--resume"]));
     let err = text(&out.stderr);
     assert!(
         !out.status.success() && err.contains("the checkpoint was trained on") && err.contains("data.tokens"),
@@ -388,28 +367,13 @@ fn training_lowers_the_held_out_loss_measured_from_the_checkpoint() {
     let (config, tokens) = fresh_llama(&dir, 2, "");
     let held_out = dir.join("held_out.txt");
     std::fs::write(&held_out, words(800, 77)).unwrap();
-    let score = |checkpoint: Option<&Path>| {
-        let mut args =
-            vec!["eval", "--config", config.to_str().unwrap(), "--text", held_out.to_str().unwrap(), "--json"];
-        if let Some(c) = checkpoint {
-            args.extend(["--checkpoint", c.to_str().unwrap()]);
-        }
-        number(&run_ok(&args), "loss")
-    };
-    let before = score(None);
+    let (text, split) = (["--text", held_out.to_str().unwrap()], ["--tokens", tokens.to_str().unwrap()]);
+    let before = (eval_json(&config, text, None), eval_json(&config, split, None));
     let run = dir.join("run");
-    run_ok(&[
-        "train",
-        "--config",
-        config.to_str().unwrap(),
-        "--data",
-        tokens.to_str().unwrap(),
-        "--steps",
-        "40",
-        "--out",
-        run.to_str().unwrap(),
-    ]);
-    let after = score(Some(&run.join("checkpoints")));
-    assert!(after < 0.7 * before, "held-out loss {before} -> {after}");
+    run_ok(&train_args(&config, &tokens, "40", &run, &[]));
+    let checkpoint = run.join("checkpoints");
+    let after = (eval_json(&config, text, Some(&checkpoint)), eval_json(&config, split, Some(&checkpoint)));
+    assert!(after.0 < 0.7 * before.0, "held-out text: loss {} -> {}", before.0, after.0);
+    assert!(after.1 < 0.7 * before.1, "the token file's held-out split: loss {} -> {}", before.1, after.1);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -404,10 +404,11 @@ fn parse_size(text: &str) -> anyhow::Result<u64> {
         _ => bail!("--max-shard-size `{text}`: give bytes or a size such as 5GB, 500MB or 64KiB"),
     };
     let value: f64 = number.parse().map_err(|_| anyhow::anyhow!("--max-shard-size `{text}` is not a size"))?;
-    if !(value * scale >= 1.0) {
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes < 1.0 {
         bail!("--max-shard-size `{text}` must be at least one byte");
     }
-    Ok((value * scale) as u64)
+    Ok(bytes as u64)
 }
 
 /// `zerotrain inspect`.

@@ -50,9 +50,10 @@ pub fn export(
     let ckpt = Checkpoint::open(dir, tag)?;
     let source = source.unwrap_or(dir);
     let config_file = source.join(CONFIG_FILE);
-    let config = HfConfig::read(&config_file).with_context(|| {
-        format!("the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder; or give --hf-config DIR)")
-    })?;
+    let config = HfConfig::read(&config_file).context(
+        "the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder; or give \
+         --hf-config DIR)",
+    )?;
     let layout = &ckpt.manifest().layout;
     check_layout(layout, &config, &config_file)?;
     if ckpt.manifest().buffers.is_some() {

@@ -93,6 +93,25 @@ impl CausalLm for super::Llama {
     }
 }
 
+/// Unit `unit` of a decoder declared as its embedding (unit 0, on the batch's inputs),
+/// `blocks` blocks, and its head (the last unit).
+pub(crate) fn decoder_unit(
+    unit: usize,
+    input: Option<Tensor<3>>,
+    tokens: &Tensor<2, Int>,
+    blocks: usize,
+    embed: impl FnOnce(Tensor<2, Int>) -> Tensor<3>,
+    block: impl FnOnce(usize, Tensor<3>) -> Tensor<3>,
+    head: impl FnOnce(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    match (unit, input) {
+        (0, _) => embed(inputs(tokens)),
+        (i, Some(h)) if i <= blocks => block(i - 1, h),
+        (_, Some(h)) => head(h),
+        (_, None) => unreachable!("only unit 0 runs without an input"),
+    }
+}
+
 /// The model's input tokens: all but the last of each sequence in `tokens`.
 pub(crate) fn inputs(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
     let [b, t1] = tokens.dims();

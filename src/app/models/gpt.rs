@@ -8,7 +8,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::causal_lm::{cross_entropy, inputs};
+use super::causal_lm::{cross_entropy, decoder_unit, inputs};
 use crate::engine::{UnitModel, UnitSpec};
 
 /// The `model` section of a config: a GPT's shape.
@@ -250,12 +250,16 @@ impl UnitModel for Gpt {
     }
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
-        match (unit, input) {
-            (0, _) => self.embed(inputs(tokens)),
-            (i, Some(h)) if i <= self.blocks.len() => self.blocks[i - 1].forward(h),
-            (_, Some(h)) => self.head(h),
-            (_, None) => unreachable!("only unit 0 runs without an input"),
-        }
+        let blocks = &self.blocks;
+        decoder_unit(
+            unit,
+            input,
+            tokens,
+            blocks.len(),
+            |ids| self.embed(ids),
+            |i, h| blocks[i].forward(h),
+            |h| self.head(h),
+        )
     }
 
     fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {

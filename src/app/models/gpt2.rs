@@ -6,6 +6,7 @@ use burn::module::Module;
 use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
 
+use super::causal_lm::{cross_entropy, decoder_unit};
 use super::layers::{Conv1D, Embed, Norm, causal_attention, split_heads};
 use crate::app::hf::config::Gpt2Shape;
 use crate::app::hf::weights::Weights;
@@ -151,17 +152,13 @@ impl UnitModel for Gpt2 {
     }
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
-        let blocks = self.transformer.h.len();
-        match (unit, input) {
-            (0, _) => self.embed(super::causal_lm::inputs(tokens)),
-            (i, Some(h)) if i <= blocks => self.transformer.h[i - 1].forward(h),
-            (_, Some(h)) => self.head(h),
-            (_, None) => unreachable!("only unit 0 runs without an input"),
-        }
+        let blocks = &self.transformer.h;
+        let block = |i: usize, h| blocks[i].forward(h);
+        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids), block, |h| self.head(h))
     }
 
     fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
-        super::causal_lm::cross_entropy(logits, tokens)
+        cross_entropy(logits, tokens)
     }
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {

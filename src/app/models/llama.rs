@@ -7,6 +7,7 @@ use burn::module::Module;
 use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
 
+use super::causal_lm::{cross_entropy, decoder_unit};
 use super::layers::{Dense, Embed, RmsNorm, Rope, causal_attention, split_heads};
 use crate::app::hf::config::LlamaShape;
 use crate::app::hf::weights::Weights;
@@ -165,17 +166,13 @@ impl UnitModel for Llama {
     }
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
-        let layers = self.model.layers.len();
-        match (unit, input) {
-            (0, _) => self.model.embed_tokens.forward(super::causal_lm::inputs(tokens)),
-            (i, Some(h)) if i <= layers => self.model.layers[i - 1].forward(h),
-            (_, Some(h)) => self.head(h),
-            (_, None) => unreachable!("only unit 0 runs without an input"),
-        }
+        let (embed, layers) = (&self.model.embed_tokens, &self.model.layers);
+        let layer = |i: usize, h| layers[i].forward(h);
+        decoder_unit(unit, input, tokens, layers.len(), |ids| embed.forward(ids), layer, |h| self.head(h))
     }
 
     fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
-        super::causal_lm::cross_entropy(logits, tokens)
+        cross_entropy(logits, tokens)
     }
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
