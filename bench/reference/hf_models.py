@@ -64,7 +64,7 @@ def encode(dir_, text):
 
 # ---------------------------------------------------------------- checkpoints
 
-def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny"):
+def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny", extra=None):
     if size == "1b":
         # TinyLlama-1.1B's shape (1,100,048,384 parameters), for the import benchmark.
         return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
@@ -82,6 +82,7 @@ def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny"):
               "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 500.0,
               "tie_word_embeddings": tied, "hidden_act": "silu", "initializer_range": 0.02}
     config["architectures"] = ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"]
+    config.update(extra or {})
     if rope == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     elif rope == "llama3":
@@ -117,8 +118,10 @@ def tensors_of(config, rng, dtype="f32"):
         return t
     d, v, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    hd = d // heads
+    hd = config.get("head_dim") or d // heads
     qwen = config["model_type"] == "qwen2"
+    attention_bias = config.get("attention_bias", False)
+    mlp_bias = config.get("mlp_bias", False)
     t["model.embed_tokens.weight"] = w(v, d)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -127,13 +130,18 @@ def tensors_of(config, rng, dtype="f32"):
         t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
         t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
         t[p + "self_attn.o_proj.weight"] = w(d, heads * hd)
-        if qwen:
+        if qwen or attention_bias:
             for n, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
                 t[p + f"self_attn.{n}_proj.bias"] = w(rows, std=0.1)
+        if attention_bias and not qwen:
+            t[p + "self_attn.o_proj.bias"] = w(d, std=0.1)
         t[p + "post_attention_layernorm.weight"] = norm(d)
         t[p + "mlp.gate_proj.weight"] = w(ffn, d)
         t[p + "mlp.up_proj.weight"] = w(ffn, d)
         t[p + "mlp.down_proj.weight"] = w(d, ffn)
+        if mlp_bias:
+            for n, rows in (("gate", ffn), ("up", ffn), ("down", d)):
+                t[p + f"mlp.{n}_proj.bias"] = w(rows, std=0.1)
     t["model.norm.weight"] = norm(d)
     if not config["tie_word_embeddings"]:
         t["lm_head.weight"] = w(v, d)
@@ -174,7 +182,12 @@ def make(args):
     vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
     kv = args.kv_heads or 4
     layers = args.layers or (22 if args.size == "1b" else 2)
-    config = configs(args.family, layers, kv, args.tied, args.rope, vocab, args.size)
+    extra = {}
+    if args.head_dim:
+        extra["head_dim"] = args.head_dim
+    if args.biases:
+        extra.update({"attention_bias": True, "mlp_bias": True})
+    config = configs(args.family, layers, kv, args.tied, args.rope, vocab, args.size, extra)
     config["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[args.dtype]
     with open(os.path.join(args.dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -323,6 +336,8 @@ def main():
     m.add_argument("--shards", type=int, default=1)
     m.add_argument("--seed", type=int, default=1)
     m.add_argument("--size", choices=["tiny", "1b"], default="tiny")
+    m.add_argument("--head-dim", type=int, default=0, help="a head_dim other than hidden_size / heads")
+    m.add_argument("--biases", action="store_true", help="attention_bias and mlp_bias (LLaMA)")
     l_ = sub.add_parser("loss")
     l_.add_argument("dir")
     l_.add_argument("text")

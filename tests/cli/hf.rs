@@ -41,19 +41,21 @@ fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> Pa
 }
 
 /// `zerotrain eval` of each family (GPT-2; LLaMA with and without a tied head, grouped
-/// kv heads, llama3 rope scaling; Qwen2's q/k/v biases and linear scaling from a sharded
-/// index) equals the numpy forward pass within 1e-5, at one rank and at stage 3 on two.
+/// kv heads, llama3 rope scaling, attention and MLP biases, a head_dim other than width /
+/// heads; Qwen2's q/k/v biases and linear scaling from a sharded index) equals the numpy
+/// forward pass within 1e-5, at one rank and at stage 3 on two.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn eval_matches_the_numpy_reference_for_every_family() {
     let dir = folder("eval");
     let text_file = dir.join("text.txt");
     reference(&["text", text_file.to_str().unwrap(), "--bytes", "2500"]);
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 5] = [
         ("gpt2", &["--family", "gpt2"]),
         ("llama-untied", &["--family", "llama"]),
         ("llama-gqa-tied-llama3", &["--family", "llama", "--kv-heads", "2", "--tied", "--rope", "llama3"]),
         ("qwen2-sharded-linear", &["--family", "qwen2", "--kv-heads", "1", "--rope", "linear", "--shards", "3"]),
+        ("llama-biases-head-dim", &["--family", "llama", "--kv-heads", "2", "--biases", "--head-dim", "12"]),
     ];
     for (name, args) in cases {
         let hf = dir.join(name);
