@@ -178,10 +178,24 @@ impl TokenFile {
         })
     }
 
-    /// Reads every byte and checks the checksum.
+    /// Reads every byte: checks the checksum, that every token is below the vocabulary
+    /// size, and that the document ends rise to the token count (a model indexing its
+    /// embedding with a larger id would fail inside the backend instead).
     pub fn verify(&self) -> Result<(), TokenFileError> {
         if crc32fast::hash(&self.map[HEADER..]) != self.crc {
             return Err(error(&self.path, "checksum mismatch: the file is damaged"));
+        }
+        if let Some(i) = (0..self.tokens).find(|&i| self.token(i) as usize >= self.vocab_size) {
+            return Err(error(
+                &self.path,
+                format!("token {i} is id {}, not below its vocabulary size {}", self.token(i), self.vocab_size),
+            ));
+        }
+        let table = &self.map[HEADER + self.tokens * self.width..];
+        let ends: Vec<u64> =
+            table.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
+        if ends.windows(2).any(|w| w[0] > w[1]) || ends.last().is_some_and(|&e| e != self.tokens as u64) {
+            return Err(error(&self.path, "its document table does not end at its token count"));
         }
         Ok(())
     }
@@ -233,5 +247,52 @@ impl TokenFile {
     /// Tokens `range` appended to `out` as `i64`.
     pub fn extend(&self, range: std::ops::Range<usize>, out: &mut Vec<i64>) {
         out.extend(range.map(|i| i64::from(self.token(i))));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("zerotrain-tokens-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A file reads back as written; a damaged one, a truncated one or one whose ids
+    /// exceed its vocabulary (checksum recomputed, as a buggy writer would) is refused.
+    #[test]
+    fn token_files_read_back_and_damage_is_refused_by_name() {
+        let path = dir("roundtrip").join("t.tokens");
+        let mut w = TokenFileWriter::create(&path, 300, 299).unwrap();
+        w.document(&[1, 2, 3]).unwrap();
+        w.document(&[250, 7]).unwrap();
+        let file = w.finish(0.3).unwrap();
+        file.verify().unwrap();
+        assert_eq!((0..file.len()).map(|i| file.token(i)).collect::<Vec<_>>(), [1, 2, 3, 299, 250, 7, 299]);
+        assert_eq!((file.documents(), file.train_tokens(), file.vocab_size()), (2, 5, 300));
+
+        let bytes = std::fs::read(&path).unwrap();
+        let write = |name: &str, bytes: &[u8]| {
+            let p = path.with_file_name(name);
+            std::fs::write(&p, bytes).unwrap();
+            p
+        };
+        let mut flipped = bytes.clone();
+        flipped[HEADER] ^= 1;
+        let err = TokenFile::open(&write("flipped", &flipped)).unwrap().verify().unwrap_err().to_string();
+        assert!(err.contains("flipped: checksum mismatch"), "{err}");
+        let err = TokenFile::open(&write("short", &bytes[..bytes.len() - 3])).unwrap_err().to_string();
+        assert!(err.contains("short: its header does not match its size"), "{err}");
+        let mut big = bytes.clone();
+        big[HEADER..HEADER + 2].copy_from_slice(&400u16.to_le_bytes());
+        let crc = crc32fast::hash(&big[HEADER..]);
+        big[48..52].copy_from_slice(&crc.to_le_bytes());
+        let err = TokenFile::open(&write("big", &big)).unwrap().verify().unwrap_err().to_string();
+        assert!(err.contains("token 0 is id 400, not below its vocabulary size 300"), "{err}");
+        let err = TokenFile::open(&write("text", b"hello")).unwrap_err().to_string();
+        assert!(err.contains("not a zerotrain token file"), "{err}");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 }

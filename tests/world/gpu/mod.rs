@@ -261,8 +261,9 @@ fn held(bytes: usize, granule: u64) -> u64 {
 ///
 /// The measurement is the growth of the count over a run, after a first run of every stage
 /// on the same rank threads has made the runtime's own allocations for them (kept for
-/// good, a few KB per thread, depending on the kernels it ran: see `device_bytes_grown`;
-/// once, a stage 3 measured right after its first kernels held 448 B more). Each stage must
+/// good, a few KB per thread, depending on the kernels it ran: see `device_bytes_grown`),
+/// the smaller of two runs (a stage 3 measured right after its first kernels has held
+/// 448 B more, now and then). Each stage must
 /// then be its formula plus one overhead common to all stages, within 128 B (the stages
 /// differ by 27 KB and more); on lavapipe and on an H200 that overhead is 0.
 pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
@@ -277,11 +278,15 @@ pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
     let whole: u64 = units.iter().map(|&u| held(4 * u, granule)).sum();
     let shard: u64 = units.iter().map(|&u| held(4 * (padded(u, n) / n), granule)).sum();
     let mode = Mode { units: true, checkpointing: false, overlap: false };
-    let mut measured = Vec::new();
+    let mut measured: Vec<(u8, u64, u64)> = Vec::new();
     // A first run of every stage allocates what the process keeps for good (Burn's device,
     // the kernels of that stage's shapes, compiled or tuned for the first time): not
     // measured.
-    for (run, stage) in [0u8, 1, 2, 3, 0, 1, 2, 3].into_iter().enumerate() {
+    // Each stage is then measured twice and the smaller growth kept: what the runtime keeps
+    // for good appears in one run only (a kernel's first use can still come in the second
+    // round: a stage 3 held 448 B more in one of three runs of this test alone), while model
+    // states grow every run the same.
+    for (run, stage) in [0u8, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3].into_iter().enumerate() {
         let plan = plan(&on_device(&unit_recipe(stage, 1, mode, "fp32", ""), on), n);
         let (grown, _) = device_bytes_grown(&plan, &init, &w);
         let per_rank = match stage {
@@ -289,8 +294,10 @@ pub fn model_states_on_the_device_fall_with_the_stage(on: Gpu) {
             1 | 2 => params + 2 * shard,
             _ => 3 * shard,
         };
-        if run > 3 {
-            measured.push((stage, grown, n as u64 * per_rank));
+        match measured.iter_mut().find(|(s, _, _)| *s == stage) {
+            Some(m) if run > 7 => m.1 = m.1.min(grown),
+            None if run > 3 => measured.push((stage, grown, n as u64 * per_rank)),
+            _ => {}
         }
     }
     eprintln!(
