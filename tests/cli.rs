@@ -383,6 +383,12 @@ fn estimate_reproduces_the_paper_and_deepspeeds_estimator() {
     let out = zerotrain(&["estimate", "--model-config", model.to_str().unwrap(), "--world-size", "2", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["params"], 102_848, "the default job's GPT, as the engine counts it");
+    // A Hugging Face family's config: GPT-2 small's published count, its largest layer the
+    // token embedding (50257 x 768).
+    let out = zerotrain(&["estimate", "--model-config", "configs/gpt2_scratch.json", "--world-size", "8"]);
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("124439808 parameters on 8 ranks"), "{stdout}{}", text(&out.stderr));
+    assert!(stdout.contains("largest layer 38597376 parameters"), "{stdout}");
 }
 
 #[test]

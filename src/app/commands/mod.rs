@@ -271,7 +271,12 @@ fn model_size(
     Ok(match (params, model_config) {
         (_, Some(file)) => {
             // Only the model section matters here (not, say, a schedule's "auto" length).
-            let model = keys::load_keys(file)?.model.unwrap_or_default().shape();
+            let app = keys::load_keys(file)?;
+            let folder = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+            if let Some(source) = app.resolve_in(folder)?.hf {
+                return hf_model_size(&source);
+            }
+            let model = app.model.unwrap_or_default().shape();
             if model.vocab_size == 0 {
                 bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
             }
@@ -285,6 +290,24 @@ fn model_size(
         }
         (None, None) => bail!("--params must be a positive number"),
     })
+}
+
+/// The parameter count of a Hugging Face family's model and its largest layer (a block,
+/// or an embedding or head), from its config.json.
+fn hf_model_size(source: &keys::HfSource) -> anyhow::Result<(u64, u64)> {
+    let file = match source {
+        keys::HfSource::Dir(dir) => dir.join(crate::app::hf::CONFIG_FILE),
+        keys::HfSource::Config(file) => file.clone(),
+    };
+    let config = crate::app::hf::HfConfig::read(&file)?;
+    let mut layers: std::collections::BTreeMap<String, u64> = Default::default();
+    for (path, shape) in crate::app::hf::parameter_names(&config) {
+        let parts: Vec<&str> = path.split('.').collect();
+        // `model.layers.3.…` and `transformer.h.3.…` are a block; anything else its module.
+        let depth = if parts.len() > 3 && parts[2].parse::<usize>().is_ok() { 3 } else { parts.len() - 1 };
+        *layers.entry(parts[..depth].join(".")).or_default() += shape.iter().product::<usize>() as u64;
+    }
+    Ok((layers.values().sum(), layers.values().copied().max().unwrap_or(0)))
 }
 
 /// DeepSpeed's ZeRO-3 rows: no offload; with `offload`, the optimizer, then the parameters
