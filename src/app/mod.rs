@@ -6,7 +6,8 @@
 //! | [`keys`] | the application's keys in the config file (`model`, checkpoint and eval cadence) |
 //! | [`models`] | the built-in GPT, GPT-2 and the LLaMA family, and the small models the tests and benches use |
 //! | [`data`] | the character corpus and its deterministic sampler |
-//! | [`hf`] | Hugging Face checkpoints in and out (`config.json`, safetensors) |
+//! | [`hf`] | Hugging Face checkpoint folders as files (`config.json`, safetensors) |
+//! | [`family`] | Hugging Face families' models: fresh, imported, loaded with their tokenizer, exported |
 //! | [`text`] | tokenizers (`tokenizer.json`) |
 //! | [`train`] | the main job behind `zerotrain train`: metrics, plots, checkpoints, SIGINT/SIGTERM |
 //! | [`bench`](mod@bench) | the tables behind `zerotrain bench` |
@@ -18,6 +19,7 @@ pub mod bench;
 mod cli;
 mod commands;
 pub mod data;
+pub mod family;
 pub mod hf;
 pub mod keys;
 pub mod models;

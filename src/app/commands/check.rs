@@ -105,8 +105,10 @@ fn print_hf_placement(plan: &crate::Plan, source: &keys::HfSource) {
     };
     match crate::app::hf::HfConfig::read(&file) {
         Ok(config) => {
-            let psi: u64 =
-                crate::app::hf::parameter_names(&config).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+            let psi: u64 = crate::app::family::parameter_names(&config)
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>() as u64)
+                .sum();
             let p = crate::estimate::placement(plan, psi);
             let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
             println!(

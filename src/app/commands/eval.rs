@@ -8,10 +8,10 @@ use anyhow::{Context, bail};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use zerotrain_zero::ReduceOp;
 
-use crate::app::hf::{self, HfModel, WithModel};
-use crate::app::keys::{self, HfSource};
+use crate::app::family::WithModel;
+use crate::app::family::load::load_model;
+use crate::app::keys;
 use crate::app::models::CausalLm;
-use crate::app::text::Tokenizer;
 use crate::app::train::Handout;
 use crate::{LoadOptions, Overrides, Plan};
 
@@ -35,70 +35,6 @@ pub enum EvalInput {
     Text(PathBuf),
     /// A token file's held-out split, or (`all`) every token of it.
     Tokens { file: PathBuf, all: bool },
-}
-
-/// A model of `config`'s `model` section, its tokenizer and context: imported from
-/// `hf_dir`, or fresh from `hf_config` (its tokenizer then from `tokenizer_dir`).
-pub struct LoadedModel {
-    pub model: HfModel,
-    pub config: hf::HfConfig,
-    pub tokenizer: Tokenizer,
-    pub context: usize,
-    /// Where the model came from, for messages.
-    pub source: PathBuf,
-}
-
-/// The model the settings name, on `device`, and its tokenizer: `tokenizer_dir`'s
-/// `tokenizer.json` (a checkpoints' folder, where training puts it), else
-/// `model.tokenizer`, else `hf_dir`'s.
-pub fn load_model(
-    settings: &keys::AppSettings,
-    config_file: &Path,
-    device: &Device,
-    tokenizer_dir: Option<&Path>,
-) -> anyhow::Result<LoadedModel> {
-    let Some(source) = &settings.hf else {
-        bail!("{}: give model.hf_dir (a Hugging Face checkpoint folder) or model.hf_config", config_file.display());
-    };
-    let (config, model, dir) = match source {
-        HfSource::Dir(dir) => {
-            let (config, model) = hf::import(dir, device)?;
-            (config, model, dir.clone())
-        }
-        HfSource::Config(file) => {
-            let config = hf::HfConfig::read(file)?;
-            let model = hf::fresh(&config, device);
-            (config, model, file.clone())
-        }
-    };
-    let tokenizer_file = match (source, tokenizer_dir, &settings.tokenizer) {
-        (_, Some(dir), _) => dir.join(hf::TOKENIZER_FILE),
-        (_, None, Some(file)) => file.clone(),
-        (HfSource::Dir(dir), None, None) => dir.join(hf::TOKENIZER_FILE),
-        (HfSource::Config(_), None, None) => bail!(
-            "{}: a model from model.hf_config needs model.tokenizer (a tokenizer.json; zerotrain tokenize \
-             --train-vocab makes one)",
-            config_file.display()
-        ),
-    };
-    let tokenizer = Tokenizer::from_file(&tokenizer_file)?;
-    if tokenizer.vocab_size() > config.vocab_size() {
-        bail!(
-            "{} has {} tokens, more than the model's vocab_size {}",
-            tokenizer_file.display(),
-            tokenizer.vocab_size(),
-            config.vocab_size()
-        );
-    }
-    let context = settings.model.block_size;
-    if context > config.max_context() {
-        bail!(
-            "{}: model.block_size {context} is longer than the model's positions ({})",
-            config_file.display(),
-            config.max_context()
-        );
-    }
-    Ok(LoadedModel { model, config, tokenizer, context, source: dir })
 }
 
 /// `zerotrain eval`.

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::bail;
 use burn::tensor::Device;
 
-use super::eval::load_model;
-use crate::app::hf::WithModel;
+use crate::app::family::WithModel;
+use crate::app::family::load::load_model;
 use crate::app::keys;
 use crate::app::models::{CausalLm, Sampling};
 use crate::{LoadOptions, Overrides, Plan};

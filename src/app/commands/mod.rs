@@ -48,7 +48,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let job = if settings.hf.is_some() {
         let device = burn::tensor::Device::flex().autodiff();
         device.seed(plan.runtime.seed);
-        let loaded = eval::load_model(&settings, &args.config, &device, None)?;
+        let loaded = crate::app::family::load::load_model(&settings, &args.config, &device, None)?;
         let data = crate::app::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, &out)?;
         say(format!(
             "training {} ({}, context {}) on {} ({} tokens, {} held out): {ranks}",
@@ -119,7 +119,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
 /// Face family's model on a token file.
 enum TrainJob {
     Gpt(crate::app::data::Corpus, crate::app::models::GptConfig),
-    Hf(Box<eval::LoadedModel>, crate::app::text::tokens::TokenFile),
+    Hf(Box<crate::app::family::load::LoadedModel>, crate::app::text::tokens::TokenFile),
 }
 
 /// The command line's overrides, plus what the launcher's environment says.
@@ -301,7 +301,7 @@ fn hf_model_size(source: &keys::HfSource) -> anyhow::Result<(u64, u64)> {
     };
     let config = crate::app::hf::HfConfig::read(&file)?;
     let mut layers: std::collections::BTreeMap<String, u64> = Default::default();
-    for (path, shape) in crate::app::hf::parameter_names(&config) {
+    for (path, shape) in crate::app::family::parameter_names(&config) {
         let parts: Vec<&str> = path.split('.').collect();
         // `model.layers.3.…` and `transformer.h.3.…` are a block; anything else its module.
         let depth = if parts.len() > 3 && parts[2].parse::<usize>().is_ok() { 3 } else { parts.len() - 1 };
@@ -381,7 +381,7 @@ pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
         "safetensors" => {}
         "hf" => {
             let max = parse_size(&max_shard_size)?;
-            let e = crate::app::hf::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
+            let e = crate::app::family::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
             println!(
                 "wrote {}: {} tensors, {} bytes ({}) in {} shard(s), config.json and the tokenizer; peak RSS {}",
                 out.display(),

@@ -11,7 +11,6 @@ use rayon::prelude::*;
 
 use crate::app::text::Tokenizer;
 use crate::app::text::tokens::TokenFileWriter;
-use crate::app::train::hf::end_of_text;
 
 /// What `zerotrain tokenize` was asked.
 #[derive(Debug, Clone)]
@@ -100,7 +99,7 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
         None => Tokenizer::from_file(&args.tokenizer)?,
     };
     let trained = start.elapsed().as_secs_f64();
-    let eos = end_of_text(&tokenizer);
+    let eos = tokenizer.end_of_text();
     let mut writer = TokenFileWriter::create(&args.out, tokenizer.vocab_size(), eos)?;
     let encode_start = Instant::now();
     // Documents are encoded in parallel a batch at a time and written in order.

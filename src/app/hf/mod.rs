@@ -1,111 +1,15 @@
-//! Hugging Face checkpoints in and out: a folder with `config.json`, `model.safetensors` (or
-//! shards and `model.safetensors.index.json`) and `tokenizer.json` becomes a built-in
-//! [`Gpt2`] or [`Llama`] whose module paths are the checkpoint's tensor names, read lazily
-//! one unit at a time ([`import`]); [`export`] writes such a folder from a checkpoint.
+//! Hugging Face checkpoint folders as files: `config.json` read into a family's shape
+//! ([`config`]), safetensors files and shard indexes memory-mapped ([`files`]), and the
+//! source a model's parameters are read from by name ([`weights`]). The models built from
+//! them, their import and export are [`family`](crate::app::family)'s.
 
 pub mod config;
-pub mod export;
 pub mod files;
 pub mod weights;
 
-use std::path::Path;
-
-use burn::tensor::Device;
-
 pub use self::config::{Family, HfConfig};
-use self::files::TensorFiles;
-use self::weights::Weights;
-use crate::app::models::{CausalLm, Gpt2, Llama, gpt2, llama};
 
 /// The configuration file of a checkpoint folder.
 pub const CONFIG_FILE: &str = "config.json";
 /// The tokenizer file of a checkpoint folder.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
-
-/// A built-in model of either family.
-#[derive(Debug, Clone)]
-pub enum HfModel {
-    /// GPT-2.
-    Gpt2(Gpt2),
-    /// The LLaMA family.
-    Llama(Llama),
-}
-
-/// Code run on whichever family a model is ([`HfModel::run`]).
-pub trait WithModel {
-    /// What the code returns.
-    type Output;
-    /// Runs on `model`.
-    fn run<M: CausalLm>(self, model: M) -> Self::Output;
-}
-
-impl HfModel {
-    /// Runs `job` on the model.
-    pub fn run<J: WithModel>(self, job: J) -> J::Output {
-        match self {
-            Self::Gpt2(m) => job.run(m),
-            Self::Llama(m) => job.run(m),
-        }
-    }
-}
-
-fn build(config: &HfConfig, w: &Weights) -> HfModel {
-    match &config.family {
-        Family::Gpt2(shape) => HfModel::Gpt2(Gpt2::new(shape, w)),
-        Family::Llama(shape) => HfModel::Llama(Llama::new(shape, w)),
-    }
-}
-
-/// A fresh model of `config` on `device` (Hugging Face's initialisation: N(0,
-/// `initializer_range`) for projections and embeddings, norms at one, biases at zero;
-/// drawn from the device's generator, so seed it first).
-pub fn fresh(config: &HfConfig, device: &Device) -> HfModel {
-    let std = config.json.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
-    build(config, &Weights::fresh(device, std))
-}
-
-/// A problem importing a checkpoint folder, naming the file and the tensor.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot import the Hugging Face checkpoint {dir}: {message}")]
-pub struct ImportError {
-    /// The folder.
-    pub dir: String,
-    /// What is wrong, naming the file and the tensor.
-    pub message: String,
-}
-
-/// The checkpoint in `dir`: its config and the model, every parameter a lazy read of its
-/// tensor (converted to f32 exactly). Every tensor the model needs is checked (present,
-/// float, of the config's shape) and every tensor the files hold must have a place.
-pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, HfModel), ImportError> {
-    let fail = |message: String| ImportError { dir: dir.display().to_string(), message };
-    let config = HfConfig::read(&dir.join(CONFIG_FILE)).map_err(|e| fail(e.to_string()))?;
-    let files = TensorFiles::open(dir).map_err(|e| fail(e.to_string()))?;
-    let model = match &config.family {
-        Family::Gpt2(shape) => {
-            let w = Weights::from_files(device, files, gpt2::alias);
-            let model = Gpt2::new(shape, &w);
-            w.finish(gpt2::ignored).map_err(fail)?;
-            HfModel::Gpt2(model)
-        }
-        Family::Llama(shape) => {
-            let w = Weights::from_files(device, files, |_| None);
-            let model = Llama::new(shape, &w);
-            let tied = shape.tie_word_embeddings;
-            w.finish(|name| llama::ignored(name, tied)).map_err(fail)?;
-            HfModel::Llama(model)
-        }
-    };
-    Ok((config, model))
-}
-
-/// The module path and shape of every parameter a model of `config` has, in order (the
-/// tensors an export writes).
-pub fn parameter_names(config: &HfConfig) -> Vec<(String, Vec<usize>)> {
-    let w = Weights::fresh(&Device::flex(), 0.02);
-    build(config, &w);
-    w.asked()
-}
-
-#[cfg(test)]
-mod tests;

@@ -90,6 +90,15 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The end-of-text token that closes each document of a token file: the first of the
+    /// usual names the tokenizer has, else its last id.
+    pub fn end_of_text(&self) -> u32 {
+        ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>"]
+            .iter()
+            .find_map(|t| self.token_id(t))
+            .unwrap_or(self.vocab_size().saturating_sub(1) as u32)
+    }
+
     /// The id of `token` (an end-of-text token such as `<|endoftext|>`), if it has one.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

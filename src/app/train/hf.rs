@@ -12,8 +12,9 @@ use burn::tensor::{Device, Int, Tensor};
 
 use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, train_model};
 use crate::Plan;
-use crate::app::commands::eval::LoadedModel;
-use crate::app::hf::{self, WithModel};
+use crate::app::family::WithModel;
+use crate::app::family::load::LoadedModel;
+use crate::app::hf;
 use crate::app::keys::AppSettings;
 use crate::app::models::{CausalLm, Sampling};
 use crate::app::text::Tokenizer;
@@ -38,7 +39,7 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         let text =
             std::fs::read_to_string(data).with_context(|| format!("cannot read {} as UTF-8 text", data.display()))?;
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        let eos = end_of_text(tokenizer);
+        let eos = tokenizer.end_of_text();
         let mut writer = TokenFileWriter::create(&out.join("data.tokens"), tokenizer.vocab_size(), eos)?;
         for document in text.split("\n\n").filter(|d| !d.trim().is_empty()) {
             writer.document(&tokenizer.encode_long(document)?)?;
@@ -56,15 +57,6 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         );
     }
     Ok(file)
-}
-
-/// The end-of-text token of a tokenizer: the first of the usual names it has, else the
-/// last id.
-pub fn end_of_text(tokenizer: &Tokenizer) -> u32 {
-    ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>"]
-        .iter()
-        .find_map(|t| tokenizer.token_id(t))
-        .unwrap_or(tokenizer.vocab_size().saturating_sub(1) as u32)
 }
 
 /// A token file's windows in the sampler's order, the position counted in samples.

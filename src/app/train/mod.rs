@@ -188,7 +188,7 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
         std::fs::create_dir_all(&ckpt_dir).with_context(|| format!("cannot create {}", ckpt_dir.display()))?;
     }
     for (name, contents) in &task.files {
-        crate::app::hf::export::write_atomically(&ckpt_dir.join(name), contents)?;
+        crate::app::family::export::write_atomically(&ckpt_dir.join(name), contents)?;
     }
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;

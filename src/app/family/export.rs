@@ -11,8 +11,9 @@ use anyhow::{Context, bail};
 use zerotrain_checkpoint::{Checkpoint, LayoutEntry};
 use zerotrain_precision::Precision;
 
-use super::files::{INDEX_FILE, SINGLE_FILE};
-use super::{CONFIG_FILE, HfConfig, TOKENIZER_FILE, parameter_names};
+use super::parameter_names;
+use crate::app::hf::files::{INDEX_FILE, SINGLE_FILE};
+use crate::app::hf::{CONFIG_FILE, HfConfig, TOKENIZER_FILE};
 
 /// Files of a checkpoint folder copied as they are, when the source has them.
 const TOKENIZER_FILES: [&str; 4] =

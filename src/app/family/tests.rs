@@ -8,6 +8,7 @@ use burn::tensor::{Device, Tensor};
 use serde_json::json;
 
 use super::*;
+use crate::app::hf::files;
 use crate::engine::UnitModel;
 
 fn folder(name: &str) -> PathBuf {
