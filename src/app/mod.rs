@@ -20,6 +20,7 @@ mod cli;
 mod commands;
 pub mod data;
 pub mod family;
+pub mod file_error;
 pub mod hf;
 pub mod keys;
 pub mod models;

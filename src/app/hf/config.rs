@@ -3,20 +3,12 @@
 //! `Qwen2ForCausalLM`, `MistralForCausalLM`). The file's own JSON is kept, so an export
 //! writes it back with only what training changed.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::Deserialize;
-use serde_json::Value;
 
-/// A `config.json` that cannot be used, naming the file and the field.
-#[derive(Debug, thiserror::Error)]
-#[error("{file}: {message}")]
-pub struct HfConfigError {
-    /// The file.
-    pub file: PathBuf,
-    /// What is wrong, naming the field.
-    pub message: String,
-}
+use crate::app::file_error::FileError;
+use serde_json::Value;
 
 /// The built-in model family a `config.json` describes, with its shape.
 #[derive(Debug, Clone, PartialEq)]
@@ -120,8 +112,8 @@ pub struct HfConfig {
 
 impl HfConfig {
     /// Reads `path`.
-    pub fn read(path: &Path) -> Result<Self, HfConfigError> {
-        let error = |message: String| HfConfigError { file: path.to_path_buf(), message };
+    pub fn read(path: &Path) -> Result<Self, FileError> {
+        let error = |message: String| FileError::new(path, message);
         let text = std::fs::read_to_string(path).map_err(|e| error(format!("cannot read it: {e}")))?;
         let json: Value = serde_json::from_str(&text).map_err(|e| error(format!("not JSON: {e}")))?;
         Self::from_json(json).map_err(error)

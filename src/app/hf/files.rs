@@ -10,6 +10,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::app::file_error::FileError;
+
 /// The single-file checkpoint's name.
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The sharded checkpoint's index.
@@ -35,23 +37,9 @@ pub struct TensorFiles {
     tensors: BTreeMap<String, TensorEntry>,
 }
 
-/// A problem with a checkpoint's files, naming the file (and the tensor where there is one).
-#[derive(Debug, thiserror::Error)]
-#[error("{file}: {message}")]
-pub struct FilesError {
-    /// The file (or folder).
-    pub file: PathBuf,
-    /// What is wrong.
-    pub message: String,
-}
-
-fn error(file: &Path, message: impl Into<String>) -> FilesError {
-    FilesError { file: file.to_path_buf(), message: message.into() }
-}
-
 impl TensorFiles {
     /// The tensors of `dir`: its index's shards, or its single file.
-    pub fn open(dir: &Path) -> Result<Arc<Self>, FilesError> {
+    pub fn open(dir: &Path) -> Result<Arc<Self>, FileError> {
         let index = dir.join(INDEX_FILE);
         let single = dir.join(SINGLE_FILE);
         let names: Vec<(PathBuf, Option<Vec<String>>)> = if index.exists() {
@@ -59,7 +47,7 @@ impl TensorFiles {
         } else if single.exists() {
             vec![(single, None)]
         } else {
-            return Err(error(dir, format!("has neither {SINGLE_FILE} nor {INDEX_FILE}")));
+            return Err(FileError::new(dir, format!("has neither {SINGLE_FILE} nor {INDEX_FILE}")));
         };
         let mut out = Self { files: Vec::new(), tensors: BTreeMap::new() };
         for (path, listed) in names {
@@ -69,14 +57,14 @@ impl TensorFiles {
     }
 
     /// Maps one file and reads its header; `listed`: the names the index gives it.
-    fn add(&mut self, path: &Path, listed: Option<&[String]>) -> Result<(), FilesError> {
-        let file = std::fs::File::open(path).map_err(|e| error(path, format!("cannot open it: {e}")))?;
+    fn add(&mut self, path: &Path, listed: Option<&[String]>) -> Result<(), FileError> {
+        let file = std::fs::File::open(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
         // SAFETY: the map is read-only and private to this process; a checkpoint changed
         // by another program while it is mapped is outside what zerotrain supports (the
         // same contract as Hugging Face's and safetensors' own loaders).
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| error(path, format!("cannot map it: {e}")))?;
-        let (header, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|e| error(path, format!("not a safetensors file: {e}")))?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| FileError::new(path, format!("cannot map it: {e}")))?;
+        let (header, metadata) = SafeTensors::read_metadata(&map)
+            .map_err(|e| FileError::new(path, format!("not a safetensors file: {e}")))?;
         let start = 8 + header;
         let id = self.files.len();
         for (name, info) in metadata.tensors() {
@@ -85,13 +73,16 @@ impl TensorFiles {
                 TensorEntry { file: id, dtype: info.dtype, shape: info.shape.clone(), range: start + a..start + b };
             if let Some(other) = self.tensors.insert(name.clone(), entry) {
                 let first = &self.files[other.file].0;
-                return Err(error(path, format!("tensor `{name}` is also in {}", first.display())));
+                return Err(FileError::new(path, format!("tensor `{name}` is also in {}", first.display())));
             }
         }
         if let Some(listed) = listed
             && let Some(missing) = listed.iter().find(|n| self.tensors.get(*n).is_none_or(|e| e.file != id))
         {
-            return Err(error(path, format!("the index puts tensor `{missing}` in this file, which does not hold it")));
+            return Err(FileError::new(
+                path,
+                format!("the index puts tensor `{missing}` in this file, which does not hold it"),
+            ));
         }
         self.files.push((path.to_path_buf(), map));
         Ok(())
@@ -154,17 +145,17 @@ pub fn check_float(entry: &TensorEntry) -> Result<(), String> {
 }
 
 /// The shard files of an index and the tensor names each holds, in the index's order.
-fn shards_of_index(index: &Path) -> Result<Vec<(String, Vec<String>)>, FilesError> {
+fn shards_of_index(index: &Path) -> Result<Vec<(String, Vec<String>)>, FileError> {
     #[derive(serde::Deserialize)]
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(index).map_err(|e| error(index, format!("cannot read it: {e}")))?;
-    let parsed: Index = serde_json::from_str(&text).map_err(|e| error(index, format!("not an index: {e}")))?;
+    let text = std::fs::read_to_string(index).map_err(|e| FileError::new(index, format!("cannot read it: {e}")))?;
+    let parsed: Index = serde_json::from_str(&text).map_err(|e| FileError::new(index, format!("not an index: {e}")))?;
     let mut shards: Vec<(String, Vec<String>)> = Vec::new();
     for (name, file) in parsed.weight_map {
         if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-            return Err(error(
+            return Err(FileError::new(
                 index,
                 format!("tensor `{name}` is in `{file}`, which is not a file name in its folder"),
             ));
@@ -175,7 +166,7 @@ fn shards_of_index(index: &Path) -> Result<Vec<(String, Vec<String>)>, FilesErro
         }
     }
     if shards.is_empty() {
-        return Err(error(index, "its weight_map is empty"));
+        return Err(FileError::new(index, "its weight_map is empty"));
     }
     Ok(shards)
 }

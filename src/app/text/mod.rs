@@ -7,15 +7,7 @@ pub mod tokens;
 
 use std::path::{Path, PathBuf};
 
-/// A problem with a tokenizer or a text file, naming the file.
-#[derive(Debug, thiserror::Error)]
-#[error("{file}: {message}")]
-pub struct TextError {
-    /// The file.
-    pub file: PathBuf,
-    /// What is wrong.
-    pub message: String,
-}
+use crate::app::file_error::FileError;
 
 /// A `tokenizer.json`: text to token ids and back, exactly as Hugging Face's tokenizers do
 /// (same crate), special tokens not added.
@@ -38,11 +30,9 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     /// Reads `path`.
-    pub fn from_file(path: &Path) -> Result<Self, TextError> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| TextError {
-            file: path.to_path_buf(),
-            message: format!("not a usable tokenizer.json: {e}"),
-        })?;
+    pub fn from_file(path: &Path) -> Result<Self, FileError> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| FileError::new(path, format!("not a usable tokenizer.json: {e}")))?;
         let splits_at_spaces = splits_at_spaces(&inner);
         Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces })
     }
@@ -53,7 +43,7 @@ impl Tokenizer {
     }
 
     /// Token ids of `text`.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, FileError> {
         let encoding = self.inner.encode_fast(text, false).map_err(|e| self.error(format!("cannot encode: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
@@ -70,7 +60,7 @@ impl Tokenizer {
     /// cutting the text there and concatenating the pieces' ids gives the whole text's ids.
     /// Other tokenizers (a normalizer, a Metaspace prefix added to each text) encode the
     /// text whole.
-    pub fn encode_long(&self, text: &str) -> Result<Vec<u32>, TextError> {
+    pub fn encode_long(&self, text: &str) -> Result<Vec<u32>, FileError> {
         use rayon::prelude::*;
         if !self.splits_at_spaces || text.len() < 2 * PIECE_BYTES {
             return self.encode(text);
@@ -81,7 +71,7 @@ impl Tokenizer {
     }
 
     /// The text of `ids`.
-    pub fn decode(&self, ids: &[u32]) -> Result<String, TextError> {
+    pub fn decode(&self, ids: &[u32]) -> Result<String, FileError> {
         self.inner.decode(ids, false).map_err(|e| self.error(format!("cannot decode: {e}")))
     }
 
@@ -104,8 +94,8 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    fn error(&self, message: String) -> TextError {
-        TextError { file: self.file.clone(), message }
+    fn error(&self, message: String) -> FileError {
+        FileError::new(&self.file, message)
     }
 }
 

@@ -21,23 +21,11 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use crate::app::file_error::FileError;
+
 const MAGIC: &[u8; 8] = b"ZTTOKENS";
 const VERSION: u32 = 1;
 const HEADER: usize = 64;
-
-/// A problem with a token file, naming it.
-#[derive(Debug, thiserror::Error)]
-#[error("{file}: {message}")]
-pub struct TokenFileError {
-    /// The file.
-    pub file: PathBuf,
-    /// What is wrong.
-    pub message: String,
-}
-
-fn error(file: &Path, message: impl Into<String>) -> TokenFileError {
-    TokenFileError { file: file.to_path_buf(), message: message.into() }
-}
 
 /// Writes a token file document by document, through `<path>.partial` and a rename.
 pub struct TokenFileWriter {
@@ -54,13 +42,14 @@ pub struct TokenFileWriter {
 
 impl TokenFileWriter {
     /// A writer of ids below `vocab_size`, each document closed by `eos`.
-    pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<Self, TokenFileError> {
+    pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<Self, FileError> {
         let mut partial = path.as_os_str().to_owned();
         partial.push(".partial");
         let partial = PathBuf::from(partial);
-        let file = std::fs::File::create(&partial).map_err(|e| error(&partial, format!("cannot create it: {e}")))?;
+        let file =
+            std::fs::File::create(&partial).map_err(|e| FileError::new(&partial, format!("cannot create it: {e}")))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&[0u8; HEADER]).map_err(|e| error(&partial, format!("cannot write it: {e}")))?;
+        out.write_all(&[0u8; HEADER]).map_err(|e| FileError::new(&partial, format!("cannot write it: {e}")))?;
         let width = if vocab_size <= 1 << 16 { 2 } else { 4 };
         let (crc, ends) = (crc32fast::Hasher::new(), Vec::new());
         Ok(Self {
@@ -77,7 +66,7 @@ impl TokenFileWriter {
     }
 
     /// Appends one document and its end-of-text token.
-    pub fn document(&mut self, ids: &[u32]) -> Result<(), TokenFileError> {
+    pub fn document(&mut self, ids: &[u32]) -> Result<(), FileError> {
         let mut bytes = Vec::with_capacity((ids.len() + 1) * self.width);
         for &id in ids.iter().chain(std::iter::once(&self.eos)) {
             if self.width == 2 {
@@ -92,15 +81,15 @@ impl TokenFileWriter {
         Ok(())
     }
 
-    fn write(&mut self, bytes: &[u8]) -> Result<(), TokenFileError> {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), FileError> {
         self.crc.update(bytes);
-        self.out.write_all(bytes).map_err(|e| error(&self.partial, format!("cannot write it: {e}")))
+        self.out.write_all(bytes).map_err(|e| FileError::new(&self.partial, format!("cannot write it: {e}")))
     }
 
     /// Writes the document table and the header, holding out the last `valid_fraction` of
     /// the tokens (at least one when positive), and renames the file into place. Returns
     /// it, opened.
-    pub fn finish(mut self, valid_fraction: f64) -> Result<TokenFile, TokenFileError> {
+    pub fn finish(mut self, valid_fraction: f64) -> Result<TokenFile, FileError> {
         let documents = self.ends.len();
         let held = if valid_fraction > 0.0 { ((self.tokens as f64 * valid_fraction).round() as u64).max(1) } else { 0 };
         let train_tokens = self.tokens.saturating_sub(held);
@@ -116,14 +105,14 @@ impl TokenFileWriter {
         header[40..48].copy_from_slice(&self.vocab_size.to_le_bytes());
         header[48..52].copy_from_slice(&self.crc.clone().finalize().to_le_bytes());
         let partial = self.partial.clone();
-        let io = |e: std::io::Error| error(&partial, format!("cannot write it: {e}"));
+        let io = |e: std::io::Error| FileError::new(&partial, format!("cannot write it: {e}"));
         let mut file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
         use std::io::Seek;
         file.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
         file.write_all(&header).map_err(io)?;
         file.sync_all().map_err(io)?;
         std::fs::rename(&self.partial, &self.path)
-            .map_err(|e| error(&self.path, format!("cannot rename into it: {e}")))?;
+            .map_err(|e| FileError::new(&self.path, format!("cannot rename into it: {e}")))?;
         TokenFile::open(&self.path)
     }
 }
@@ -143,25 +132,25 @@ pub struct TokenFile {
 
 impl TokenFile {
     /// Opens `path` and checks its header and size (not its checksum: [`verify`](Self::verify)).
-    pub fn open(path: &Path) -> Result<Self, TokenFileError> {
-        let file = std::fs::File::open(path).map_err(|e| error(path, format!("cannot open it: {e}")))?;
+    pub fn open(path: &Path) -> Result<Self, FileError> {
+        let file = std::fs::File::open(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
         // SAFETY: read-only and private; a token file rewritten while a job maps it is not
         // supported (tokenize writes a new file and renames it into place instead).
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| error(path, format!("cannot map it: {e}")))?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| FileError::new(path, format!("cannot map it: {e}")))?;
         if map.len() < HEADER || &map[..8] != MAGIC {
-            return Err(error(path, "not a zerotrain token file (zerotrain tokenize writes them)"));
+            return Err(FileError::new(path, "not a zerotrain token file (zerotrain tokenize writes them)"));
         }
         let u32_at = |at: usize| u32::from_le_bytes(map[at..at + 4].try_into().expect("4 bytes"));
         let u64_at = |at: usize| u64::from_le_bytes(map[at..at + 8].try_into().expect("8 bytes"));
         if u32_at(8) != VERSION {
-            return Err(error(path, format!("token file version {} is not {VERSION}", u32_at(8))));
+            return Err(FileError::new(path, format!("token file version {} is not {VERSION}", u32_at(8))));
         }
         let width = u32_at(12) as usize;
         let (tokens, train_tokens, documents) = (u64_at(16), u64_at(24), u64_at(32));
         let expected = (tokens.checked_mul(width as u64))
             .and_then(|t| t.checked_add(documents.checked_mul(8)?)?.checked_add(HEADER as u64));
         if !matches!(width, 2 | 4) || train_tokens > tokens || expected != Some(map.len() as u64) {
-            return Err(error(
+            return Err(FileError::new(
                 path,
                 "its header does not match its size: truncated or not written by zerotrain tokenize",
             ));
@@ -181,12 +170,12 @@ impl TokenFile {
     /// Reads every byte: checks the checksum, that every token is below the vocabulary
     /// size, and that the document ends rise to the token count (a model indexing its
     /// embedding with a larger id would fail inside the backend instead).
-    pub fn verify(&self) -> Result<(), TokenFileError> {
+    pub fn verify(&self) -> Result<(), FileError> {
         if crc32fast::hash(&self.map[HEADER..]) != self.crc {
-            return Err(error(&self.path, "checksum mismatch: the file is damaged"));
+            return Err(FileError::new(&self.path, "checksum mismatch: the file is damaged"));
         }
         if let Some(i) = (0..self.tokens).find(|&i| self.token(i) as usize >= self.vocab_size) {
-            return Err(error(
+            return Err(FileError::new(
                 &self.path,
                 format!("token {i} is id {}, not below its vocabulary size {}", self.token(i), self.vocab_size),
             ));
@@ -195,7 +184,7 @@ impl TokenFile {
         let ends: Vec<u64> =
             table.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
         if ends.windows(2).any(|w| w[0] > w[1]) || ends.last().is_some_and(|&e| e != self.tokens as u64) {
-            return Err(error(&self.path, "its document table does not end at its token count"));
+            return Err(FileError::new(&self.path, "its document table does not end at its token count"));
         }
         Ok(())
     }
