@@ -2,25 +2,25 @@
 
 pub mod bench;
 mod check;
+mod checkpoints;
 pub mod eval;
 pub mod generate;
 mod serve;
 pub mod tokenize;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use self::check::config_check;
+pub use self::checkpoints::{ConsolidateArgs, consolidate, inspect};
 pub use self::serve::serve;
 use crate::app::keys;
 use crate::app::train::{StepMetrics, TrainOptions, TrainSummary};
 use crate::{Overrides, detect_mpirun};
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use zerotrain_checkpoint::Checkpoint;
-use zerotrain_precision::Precision;
 
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
@@ -352,119 +352,6 @@ fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u6
         }
         (None, None) => bail!("give --world-size (total ranks) or --gpus-per-node"),
     }
-}
-
-/// `zerotrain consolidate`'s arguments (see `cli::Command::Consolidate`).
-pub struct ConsolidateArgs {
-    pub dir: PathBuf,
-    pub tag: Option<String>,
-    pub out: PathBuf,
-    pub dtype: Option<String>,
-    pub format: String,
-    pub max_shard_size: String,
-    pub hf_config: Option<PathBuf>,
-}
-
-/// `zerotrain consolidate`.
-pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
-    let ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config } = args;
-    let dtype = match dtype.as_deref() {
-        None => None,
-        Some("f32" | "fp32") => Some(Precision::Fp32),
-        Some("f16" | "fp16") => Some(Precision::Fp16),
-        Some("bf16") => Some(Precision::Bf16),
-        Some(other) => bail!("--dtype must be f32, f16 or bf16, not `{other}`"),
-    };
-    let peak =
-        || proc_status_kib("VmHWM:").map_or_else(|| "unknown".into(), |kib| format!("{:.1} MiB", kib as f64 / 1024.0));
-    match format.as_str() {
-        "safetensors" => {}
-        "hf" => {
-            let max = parse_size(&max_shard_size)?;
-            let e = crate::app::family::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
-            println!(
-                "wrote {}: {} tensors, {} bytes ({}) in {} shard(s), config.json and the tokenizer; peak RSS {}",
-                out.display(),
-                e.tensors,
-                e.bytes,
-                e.dtype,
-                e.shards.len(),
-                peak()
-            );
-            return Ok(());
-        }
-        other => bail!("--format must be safetensors or hf, not `{other}`"),
-    }
-    let dtype = dtype.unwrap_or(Precision::Fp32);
-    let ckpt = Checkpoint::open(&dir, tag.as_deref())?;
-    let bytes = zerotrain_checkpoint::consolidate(&ckpt, &out, dtype)?;
-    let m = ckpt.manifest();
-    println!(
-        "wrote {}: {} tensors, {} parameters, {bytes} bytes ({dtype}) from {} (step {}); peak RSS {}",
-        out.display(),
-        m.layout.len(),
-        m.num_elems(),
-        ckpt.dir().display(),
-        m.global_step,
-        peak()
-    );
-    Ok(())
-}
-
-/// A size such as `5GB`, `500MB`, `64KiB` or a number of bytes.
-fn parse_size(text: &str) -> anyhow::Result<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0 * 1024.0,
-        "GIB" => 1024.0 * 1024.0 * 1024.0,
-        _ => bail!("--max-shard-size `{text}`: give bytes or a size such as 5GB, 500MB or 64KiB"),
-    };
-    let value: f64 = number.parse().map_err(|_| anyhow::anyhow!("--max-shard-size `{text}` is not a size"))?;
-    let bytes = value * scale;
-    if !bytes.is_finite() || bytes < 1.0 {
-        bail!("--max-shard-size `{text}` must be at least one byte");
-    }
-    Ok(bytes as u64)
-}
-
-/// `zerotrain inspect`.
-pub fn inspect(dir: &Path, tag: Option<&str>, verify: bool, json: bool) -> anyhow::Result<()> {
-    let ckpt = Checkpoint::open(dir, tag)?;
-    if verify {
-        ckpt.verify()?;
-    }
-    let m = ckpt.manifest();
-    if json {
-        let mut value = serde_json::to_value(m)?;
-        value["verified"] = serde_json::Value::Bool(verify);
-        println!("{}", serde_json::to_string_pretty(&value)?);
-        return Ok(());
-    }
-    println!("checkpoint  {}", ckpt.dir().display());
-    println!("step        {} (tag {})", m.global_step, m.tag);
-    println!("written by  {} ranks, ZeRO stage {}, {} compute", m.world_size, m.stage, m.precision);
-    println!("parameters  {} in {} tensors", m.num_elems(), m.layout.len());
-    println!("state       {}", m.tensors.join(", "));
-    for f in &m.files {
-        let ranges = match f.ranges.as_slice() {
-            [[start, end]] => format!("elements {start}..{end}"),
-            many => format!("{} elements in {} ranges", f.num_elems(), many.len()),
-        };
-        println!("  {:<20} {ranges}  {} bytes  {} blocks", f.name, f.size, f.block_crc32.len());
-    }
-    println!("client      {}", m.client_state);
-    if verify {
-        let bytes: u64 = m.files.iter().map(|f| f.size).sum();
-        println!("verified    {} files, {bytes} bytes: every checksum matches", m.files.len());
-    }
-    Ok(())
 }
 
 /// A `/proc/self/status` field in KiB (Linux).
