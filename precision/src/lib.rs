@@ -59,6 +59,46 @@ impl Precision {
             Self::Fp16 | Self::Bf16 => 2,
         }
     }
+
+    /// Narrows `src` into `dst` as little-endian elements of this type (rounding as
+    /// [`FlatBuf::from_f32`] does, which gives the same bits).
+    ///
+    /// # Panics
+    /// If `dst` is not `src.len()` elements long.
+    pub fn narrow_to_le_bytes(self, src: &[f32], dst: &mut [u8]) {
+        assert_eq!(dst.len(), src.len() * self.bytes_per_elem(), "byte and element counts differ");
+        const CHUNK: usize = 1024;
+        fn halves<E: FlatElem + Copy>(src: &[f32], dst: &mut [u8], zero: E, bytes: fn(E) -> [u8; 2]) {
+            let mut tmp = [zero; CHUNK];
+            for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(2 * CHUNK)) {
+                E::slice_from_f32(s, &mut tmp[..s.len()]);
+                d.chunks_exact_mut(2).zip(&tmp).for_each(|(d, &h)| d.copy_from_slice(&bytes(h)));
+            }
+        }
+        match self {
+            Self::Fp32 => dst.chunks_exact_mut(4).zip(src).for_each(|(d, s)| d.copy_from_slice(&s.to_le_bytes())),
+            Self::Fp16 => halves(src, dst, half::f16::ZERO, half::f16::to_le_bytes),
+            Self::Bf16 => halves(src, dst, half::bf16::ZERO, half::bf16::to_le_bytes),
+        }
+    }
+
+    /// Widens `bytes`, little-endian elements of this type (a file's, say), into `dst`
+    /// (exact: every f16 and bf16 value is an f32).
+    ///
+    /// # Panics
+    /// If `bytes` is not `dst.len()` elements long.
+    pub fn widen_le_bytes(self, bytes: &[u8], dst: &mut [f32]) {
+        assert_eq!(bytes.len(), dst.len() * self.bytes_per_elem(), "byte and element counts differ");
+        let pairs = || bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        match self {
+            Self::Fp32 => {
+                let words = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                dst.iter_mut().zip(words).for_each(|(d, w)| *d = w);
+            }
+            Self::Fp16 => dst.iter_mut().zip(pairs()).for_each(|(d, h)| *d = half::f16::from_bits(h).to_f32()),
+            Self::Bf16 => dst.iter_mut().zip(pairs()).for_each(|(d, h)| *d = f32::from_bits(u32::from(h) << 16)),
+        }
+    }
 }
 
 impl std::fmt::Display for Precision {
@@ -112,6 +152,29 @@ mod tests {
             let mut rounded = values.clone();
             round_to(dtype, &mut rounded);
             assert_eq!(rounded, FlatBuf::from_f32(dtype, &values).into_f32(), "{dtype:?}");
+        }
+    }
+
+    /// Bytes narrowed from f32 are the little-endian bits of the flat buffer's rounding,
+    /// across chunk edges, ties, NaN and infinities; widened back they are its values.
+    #[test]
+    fn byte_conversions_agree_with_the_flat_buffers() {
+        let mut values: Vec<f32> = (0..2500).map(|i| (i as f32 * 0.731).tan() * 1e-3 * i as f32).collect();
+        values.extend([1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, f32::NAN, f32::INFINITY, -0.0, 1e-40, 70000.0]);
+        for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            let flat = FlatBuf::from_f32(dtype, &values);
+            let expected: Vec<u8> = match &flat {
+                FlatBuf::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                FlatBuf::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+                FlatBuf::Bf16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            };
+            let mut bytes = vec![0u8; values.len() * dtype.bytes_per_elem()];
+            dtype.narrow_to_le_bytes(&values, &mut bytes);
+            assert_eq!(bytes, expected, "{dtype:?}");
+            let mut back = vec![0.0f32; values.len()];
+            dtype.widen_le_bytes(&bytes, &mut back);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&back), bits(&flat.into_f32()), "{dtype:?}");
         }
     }
 

@@ -10,7 +10,7 @@ use zerotrain_precision::{BufMut, Precision};
 use zerotrain_zero::Sharding;
 
 use super::buffers::Buffers;
-use super::model::{UnitModel, UnitSpec, claims, group, under};
+use super::model::{InitialValues, UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, is_all_lazy, read_params};
@@ -90,7 +90,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let parts =
             Parts { comm: self.ctx.collective(), sharding, index, buffers, span: Span::whole(self.plan.world_size()) };
         let (plan, ctx) = (self.plan, self.ctx);
-        let mut engine = assemble(model, plan, ctx, parts, Granularity::WholeModel, &self.optimizer)?;
+        let mut engine = assemble(model, plan, ctx, parts, Granularity::WholeModel, &self.optimizer, None)?;
         if plan.activation_checkpointing {
             engine.notices.warn(
                 "activation_checkpointing is set, but Engine::new runs the model as one unit, which cannot be \
@@ -155,7 +155,8 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
             buffers: declared.buffers,
             span: Span::whole(plan.world_size()),
         };
-        let mut engine = assemble(model, plan, ctx, parts, granularity, &optimizer)?;
+        let initial = model.initial_values();
+        let mut engine = assemble(model, plan, ctx, parts, granularity, &optimizer, initial.as_deref())?;
         engine.note_layout(&declared.root_paths);
         Ok(engine)
     }
@@ -177,7 +178,8 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let root = placed.parts.sharding.units().len() > placed.stage_units;
         let recompute_every = pipeline.checkpoint_interval;
         let granularity = Granularity::Declared { declared: placed.stage_units, root, recompute_every };
-        let mut engine = assemble(placed.model, plan, ctx, placed.parts, granularity, &optimizer)?;
+        let initial = placed.model.initial_values();
+        let mut engine = assemble(placed.model, plan, ctx, placed.parts, granularity, &optimizer, initial.as_deref())?;
         engine.note_layout(&root_paths);
         Pipeline::from_engine(engine, pipeline, placed.stage_ranges)
     }
@@ -210,13 +212,14 @@ pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, Para
     }
     // `valid()` copies every running state out of the caller's model (a clone shares
     // them), `train()` restores each parameter's gradient tracking (module note in
-    // `buffers.rs`). Both give every parameter its value. A model whose tensors are all
-    // still lazy (built and handed over untouched) has no running state to copy and gets
-    // its tracking when each parameter initialises, so it skips them: the engine then
-    // initialises one unit at a time as it shards them, and no rank ever holds the whole
-    // model (the construction peak).
-    let model = if is_all_lazy(&model) { model } else { model.valid().train() };
-    let model = model.fork(ctx.device());
+    // `buffers.rs`), `fork` puts it on the rank's device. All three give every parameter
+    // its value. A model whose tensors are all still lazy (built and handed over
+    // untouched) has no running state to copy and gets its tracking when each parameter
+    // initialises, so it skips them: the engine then initialises one unit at a time as it
+    // shards them, and no rank ever holds the whole model (the construction peak). It is
+    // forked once the engine has replaced its parameters (`assemble`): forking a lazy
+    // parameter that a clone shares (each thread rank's model is a clone) initialises it.
+    let model = if is_all_lazy(&model) { model } else { model.valid().train().fork(ctx.device()) };
     let (params, index) = ParamIndex::scan(&model);
     if params.is_empty() {
         let floats = count_floats(&model);
@@ -265,9 +268,10 @@ fn check_dtype(precision: Precision, kind: ComputeDevice, device: &Device) -> Re
     }))
 }
 
-/// Every unit's state from the model's values, broadcast from the group's rank 0 one unit
-/// at a time (so no full-size buffer exists), written in the compute dtype, kept as the
-/// stage says; the buffers likewise.
+/// Every unit's state from the model's values (still-lazy parameters' from `initial`,
+/// when given), broadcast from the group's rank 0 one unit at a time (so no full-size
+/// buffer exists), written in the compute dtype, kept as the stage says; the buffers
+/// likewise.
 fn assemble<M: Module>(
     mut model: M,
     plan: &Plan,
@@ -275,6 +279,7 @@ fn assemble<M: Module>(
     parts: Parts,
     granularity: Granularity,
     factory: &OptimizerFactory,
+    initial: Option<&dyn InitialValues>,
 ) -> Result<Engine<M>> {
     let world = ctx.collective();
     check_no_groups(plan)?;
@@ -296,15 +301,17 @@ fn assemble<M: Module>(
         && !span.is_pipelined();
     let shared =
         Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams, device_step };
-    let (mut units, mut transient) = (Vec::new(), 0);
+    let (mut units, mut transient, mut values) = (Vec::new(), 0, Vec::new());
     for id in 0..shared.sharding.units().len() {
         let layout = shared.layout(id);
-        let mut values = vec![0.0f32; layout.padded_elems()];
+        // One buffer for every unit: a fresh one each would fault in a unit's pages anew.
+        values.clear();
+        values.resize(layout.padded_elems(), 0.0f32);
         // Only the group's first rank reads (the broadcast overwrites the others' values):
         // a lazily built model is then initialised once, on one thread, in one order.
         if shared.comm.rank() == 0 {
             let real = BufMut::F32(&mut values[..layout.num_elems()]);
-            read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real)?;
+            read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real, initial)?;
         }
         shared.comm.broadcast((&mut values).into(), 0)?;
         transient = transient.max((values.len() * (4 + shared.dtype().bytes_per_elem())) as u64);
@@ -317,6 +324,9 @@ fn assemble<M: Module>(
         shared.comm.broadcast((&mut values).into(), 0)?;
         model = buffers.write(model, &values, |_| true);
     }
+    // Its parameters are the engine's now, on the rank's device; this moves whatever else
+    // the model holds (a lazy model is not forked before: `prepare`).
+    let model = model.fork(&shared.device);
     let progress = Progress::new(plan);
     let mut engine = Engine {
         model,

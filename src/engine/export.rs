@@ -68,7 +68,7 @@ impl<M: Module> Engine<M> {
                 let n = self.shared.layout(id).num_elems();
                 let mut values = FlatBuf::zeros(self.shared.dtype(), n);
                 let (index, sharding) = (&self.shared.index, &self.shared.sharding);
-                read_params(&self.model, index, sharding, id, 0..n, values.as_mut())?;
+                read_params(&self.model, index, sharding, id, 0..n, values.as_mut(), None)?;
                 out = Some(write_params(model, index, sharding, id, Fill::Take(values), &self.shared.device));
             }
             if was_released {

@@ -71,7 +71,7 @@ pub use self::build::EngineBuilder;
 pub use self::checkpoint::{LoadOptions, resume_point};
 pub use self::export::consolidate;
 pub use self::gradients::Gradients;
-pub use self::model::{Activation, UnitModel, UnitSpec};
+pub use self::model::{Activation, InitialValues, UnitModel, UnitSpec};
 use self::notices::Notices;
 pub use self::optimizer::{ShardOptimizer, ShardSegment};
 use self::params::{ParamIndex, trainable_bytes};

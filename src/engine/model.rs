@@ -19,6 +19,9 @@
 //! parameters only;
 //! the engine reports a gradient that appears in another unit's backward pass as an error.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
@@ -106,6 +109,25 @@ pub trait UnitModel: Module {
         let _ = batch;
         None
     }
+
+    /// Where the engine reads the first values of parameters that are still lazy (never
+    /// initialised, as Burn's `Param::uninitialized` leaves them) by module path, straight
+    /// into each unit's flat buffer, instead of initialising each into a tensor and copying
+    /// it out: a model imported from checkpoint files points at them, so each value is read
+    /// once. The values must be those the parameters would initialise to. Parameters
+    /// already initialised are read from the model. Default: none.
+    fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
+        None
+    }
+}
+
+/// The first values of a model's parameters, by module path
+/// ([`UnitModel::initial_values`]): checkpoint files, typically.
+pub trait InitialValues: Send + Sync + std::fmt::Debug {
+    /// Writes elements `elems` (row-major) of the parameter at module path `path` into
+    /// `dst` (`elems.len()` long), exactly as f32; a message saying what failed, naming
+    /// the file, if it cannot.
+    fn read(&self, path: &str, elems: Range<usize>, dst: &mut [f32]) -> std::result::Result<(), String>;
 }
 
 /// One unit: a name and the module paths of its parameters.

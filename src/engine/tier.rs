@@ -16,7 +16,7 @@ use super::master::Values;
 use super::optimizer::{ExportedState, StateLayout, UnitOptimizer};
 use super::shared::Shared;
 use super::swapped::SwappedOptimizer;
-use crate::swap::{SwapFile, pack, unpack, wait, words};
+use crate::swap::{SwapFile, pack, pack_f32, unpack, wait, words};
 use crate::{Error, Result};
 
 /// The error of every use of lost master weights (module note).
@@ -141,7 +141,7 @@ impl ParamShard {
         match (&shared.swaps.param, home) {
             (Some(dir), _) if !in_cpu => {
                 let file = dir.file(&format!("u{id}.param"), words(shared.dtype(), values.len()))?;
-                wait(file.write(0, pack(&compute()))?)?;
+                wait(file.write(0, pack_f32(shared.dtype(), values))?)?;
                 Ok(ParamShard::Swapped(file))
             }
             (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
@@ -160,7 +160,7 @@ impl ParamShard {
         match self {
             Self::FromMaster => master(),
             Self::Memory(values) => Ok(values.clone()),
-            Self::Swapped(file) => Ok(unpack(&file.read_vec(0..words(dtype, len))?, dtype, len)),
+            Self::Swapped(file) => Ok(unpack(wait(file.read(0..words(dtype, len))?)?.as_slice(), dtype, len)),
         }
     }
 

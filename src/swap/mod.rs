@@ -226,22 +226,36 @@ pub fn pack(values: &FlatBuf) -> AlignedBuf {
     if let FlatBuf::F32(v) = values {
         return AlignedBuf::from_slice(v);
     }
-    let mut buf = AlignedBuf::zeroed(words(values.dtype(), values.len()));
-    let out = buf.as_mut_slice();
-    let pair = |a: u16, b: u16| f32::from_bits(u32::from(a) | (u32::from(b) << 16));
+    let len = words(values.dtype(), values.len());
     match values {
         FlatBuf::F32(_) => unreachable!("copied above"),
-        FlatBuf::F16(v) => pack_pairs(out, v.iter().map(|h| h.to_bits()), pair),
-        FlatBuf::Bf16(v) => pack_pairs(out, v.iter().map(|h| h.to_bits()), pair),
+        FlatBuf::F16(v) => AlignedBuf::from_values(len, pairs(v.iter().map(|h| h.to_bits()))),
+        FlatBuf::Bf16(v) => AlignedBuf::from_values(len, pairs(v.iter().map(|h| h.to_bits()))),
     }
-    buf
 }
 
-fn pack_pairs(out: &mut [f32], mut bits: impl Iterator<Item = u16>, pair: impl Fn(u16, u16) -> f32) {
-    for word in out {
-        let (a, b) = (bits.next().unwrap_or(0), bits.next().unwrap_or(0));
-        *word = pair(a, b);
+/// Consecutive pairs of 16-bit values as the words that hold them (the first in the low
+/// half; a last odd one with a zero).
+fn pairs<'a>(mut bits: impl Iterator<Item = u16> + 'a) -> impl Iterator<Item = f32> + 'a {
+    std::iter::from_fn(move || {
+        let a = bits.next()?;
+        let b = bits.next().unwrap_or(0);
+        Some(f32::from_bits(u32::from(a) | (u32::from(b) << 16)))
+    })
+}
+
+/// What `pack(&FlatBuf::from_f32(dtype, values))` gives, narrowed straight into the
+/// buffer: no whole-size buffer of `dtype` between.
+pub fn pack_f32(dtype: Precision, values: &[f32]) -> AlignedBuf {
+    if dtype == Precision::Fp32 {
+        return AlignedBuf::from_slice(values);
     }
+    if cfg!(target_endian = "big") {
+        return pack(&FlatBuf::from_f32(dtype, values));
+    }
+    let mut buf = AlignedBuf::zeroed(words(dtype, values.len()));
+    dtype.narrow_to_le_bytes(values, &mut buf.bytes_mut()[..values.len() * dtype.bytes_per_elem()]);
+    buf
 }
 
 /// The `len` elements of `dtype` that [`pack`] stored in `words`.
@@ -271,6 +285,20 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("zerotrain-swap-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         dir
+    }
+
+    /// Packing f32 values straight into a swap buffer gives the bits packing their flat
+    /// buffer does (an odd length, so the last word holds one half), and unpacks to it.
+    #[test]
+    fn packing_from_f32_is_packing_the_flat_buffer() {
+        let values: Vec<f32> = (0..3001).map(|i| ((i as f32) * 0.37).sin() * 300.0).collect();
+        for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            let flat = FlatBuf::from_f32(dtype, &values);
+            let (direct, packed) = (pack_f32(dtype, &values), pack(&flat));
+            let bits = |b: &AlignedBuf| b.as_slice().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&direct), bits(&packed), "{dtype:?}");
+            assert_eq!(unpack(direct.as_slice(), dtype, values.len()), flat, "{dtype:?}");
+        }
     }
 
     /// Values written in tiles through several threads come back bit for bit, from any

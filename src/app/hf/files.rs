@@ -10,6 +10,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::Precision;
 use crate::app::file_error::FileError;
 
 /// The single-file checkpoint's name.
@@ -108,30 +109,38 @@ impl TensorFiles {
         &self.files[entry.file].1[entry.range.clone()]
     }
 
-    /// The tensor's values as f32 (exact from f16 and bf16). The dtype was checked by
-    /// [`check_float`]. The pages read are then dropped from the map (they are the file's
-    /// and are read again if needed): otherwise every page an import touches stays
-    /// resident, and by its end the process would hold the whole checkpoint.
+    /// The tensor's values as f32 (exact from f16 and bf16), as [`read_into`](Self::read_into).
     pub fn read_f32(&self, entry: &TensorEntry) -> Vec<f32> {
-        let values = self.decode(entry);
-        #[cfg(unix)]
-        // SAFETY: the map is a read-only private file mapping and no slice of it outlives
-        // `decode`; dropped pages of such a mapping read back from the file unchanged.
-        unsafe {
-            let map = &self.files[entry.file].1;
-            let _ =
-                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, entry.range.start, entry.range.len());
-        }
+        let mut values = vec![0.0; entry.shape.iter().product()];
+        self.read_into(entry, 0..values.len(), &mut values);
         values
     }
 
-    fn decode(&self, entry: &TensorEntry) -> Vec<f32> {
-        let bytes = self.bytes(entry);
-        match entry.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    /// Elements `elems` (row-major) of the tensor into `dst`, as f32 (exact from f16 and
+    /// bf16). The dtype was checked by [`check_float`]. The pages read are then dropped
+    /// from the map (they are the file's and are read again if needed): otherwise every
+    /// page an import touches stays resident, and by its end the process would hold the
+    /// whole checkpoint.
+    ///
+    /// # Panics
+    /// If `elems` runs past the tensor or `dst` is not `elems.len()` long.
+    pub fn read_into(&self, entry: &TensorEntry, elems: std::ops::Range<usize>, dst: &mut [f32]) {
+        let dtype = match entry.dtype {
+            Dtype::F32 => Precision::Fp32,
+            Dtype::F16 => Precision::Fp16,
+            Dtype::BF16 => Precision::Bf16,
             other => unreachable!("check_float refuses {other:?}"),
+        };
+        let width = dtype.bytes_per_elem();
+        let at = entry.range.start + elems.start * width..entry.range.start + elems.end * width;
+        assert!(at.end <= entry.range.end, "elements {elems:?} run past the tensor");
+        let map = &self.files[entry.file].1;
+        dtype.widen_le_bytes(&map[at.clone()], dst);
+        #[cfg(unix)]
+        // SAFETY: the map is a read-only private file mapping and no slice of it is held
+        // any more; dropped pages of such a mapping read back from the file unchanged.
+        unsafe {
+            let _ = map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at.start, at.len());
         }
     }
 }

@@ -5,6 +5,7 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::module::{Param, ParamId};
@@ -12,6 +13,7 @@ use burn::nn::Initializer;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
 
 use super::files::{TensorFiles, check_float};
+use crate::engine::InitialValues;
 
 /// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
 #[derive(Debug, Clone, Copy)]
@@ -106,6 +108,14 @@ impl Weights {
         )
     }
 
+    /// Where an engine reads the first values of the parameters straight from the files
+    /// ([`UnitModel::initial_values`](crate::engine::UnitModel::initial_values)); `None` for
+    /// fresh ones.
+    pub fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
+        let files = Arc::clone(self.files.as_ref()?);
+        Some(Arc::new(FileValues { files, alias: self.alias }))
+    }
+
     /// Every (module path, shape) asked for, in order.
     pub fn asked(&self) -> Vec<(String, Vec<usize>)> {
         self.asked.borrow().clone()
@@ -133,5 +143,35 @@ impl Weights {
             1 => Err(errors.remove(0)),
             n => Err(format!("{} (and {} more problem(s))", errors[0], n - 1)),
         }
+    }
+}
+
+/// A checkpoint's tensors as the first values of its model's parameters, by module path
+/// (or the name the alias gives).
+struct FileValues {
+    files: Arc<TensorFiles>,
+    alias: fn(&str) -> Option<String>,
+}
+
+impl std::fmt::Debug for FileValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FileValues({} tensors)", self.files.names().count())
+    }
+}
+
+impl InitialValues for FileValues {
+    fn read(&self, path: &str, elems: Range<usize>, dst: &mut [f32]) -> Result<(), String> {
+        let files = &self.files;
+        let entry = files
+            .get(path)
+            .or_else(|| (self.alias)(path).and_then(|name| files.get(&name)))
+            .ok_or_else(|| format!("no file holds tensor `{path}`"))?;
+        let len: usize = entry.shape.iter().product();
+        if elems.end > len || dst.len() != elems.len() {
+            let at = files.file_of(entry).display();
+            return Err(format!("{at}: tensor `{path}` has {len} elements; elements {elems:?} were asked for"));
+        }
+        files.read_into(entry, elems, dst);
+        Ok(())
     }
 }

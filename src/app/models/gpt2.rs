@@ -2,6 +2,8 @@
 //! names (`transformer.h.0.attn.c_attn.weight`, ...), projections are `Conv1D` `[in, out]`,
 //! and the head is the token embedding `transformer.wte`, transposed.
 
+use std::sync::Arc;
+
 use burn::module::Module;
 use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
@@ -10,7 +12,7 @@ use super::causal_lm::{cross_entropy, decoder_unit};
 use super::layers::{Conv1D, Embed, Norm, causal_attention, split_heads};
 use crate::app::hf::config::Gpt2Shape;
 use crate::app::hf::weights::Weights;
-use crate::engine::{UnitModel, UnitSpec};
+use crate::engine::{InitialValues, UnitModel, UnitSpec};
 
 /// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
 #[derive(Module, Debug)]
@@ -25,6 +27,10 @@ pub struct Gpt2Body {
 #[derive(Module, Debug)]
 pub struct Gpt2 {
     transformer: Gpt2Body,
+    /// Where an engine reads the first values of the still-lazy parameters (an imported
+    /// checkpoint's files).
+    #[module(skip)]
+    values: Option<Arc<dyn InitialValues>>,
 }
 
 /// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
@@ -81,6 +87,7 @@ impl Gpt2 {
                 h,
                 ln_f: Norm::new(w, "transformer.ln_f", d, eps),
             },
+            values: w.initial_values(),
         }
     }
 
@@ -163,5 +170,9 @@ impl UnitModel for Gpt2 {
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
         Some(tokens.dims()[0])
+    }
+
+    fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
+        self.values.clone()
     }
 }

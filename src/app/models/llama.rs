@@ -3,6 +3,8 @@
 //! ...), projections are `nn.Linear` `[out, in]`. RMSNorm, rotary positions, a SwiGLU MLP,
 //! grouped-query attention; the head is `lm_head`, or `model.embed_tokens` when tied.
 
+use std::sync::Arc;
+
 use burn::module::Module;
 use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
@@ -11,7 +13,7 @@ use super::causal_lm::{cross_entropy, decoder_unit};
 use super::layers::{Dense, Embed, RmsNorm, Rope, causal_attention, split_heads};
 use crate::app::hf::config::LlamaShape;
 use crate::app::hf::weights::Weights;
-use crate::engine::{UnitModel, UnitSpec};
+use crate::engine::{InitialValues, UnitModel, UnitSpec};
 
 /// The decoder under `model`: the token embedding, the layers, the final norm.
 #[derive(Module, Debug)]
@@ -26,6 +28,10 @@ pub struct LlamaBody {
 pub struct Llama {
     model: LlamaBody,
     lm_head: Option<Dense>,
+    /// Where an engine reads the first values of the still-lazy parameters (an imported
+    /// checkpoint's files).
+    #[module(skip)]
+    values: Option<Arc<dyn InitialValues>>,
 }
 
 /// One pre-norm layer.
@@ -95,6 +101,7 @@ impl Llama {
                 norm: RmsNorm::new(w, "model.norm", d, eps),
             },
             lm_head: (!shape.tie_word_embeddings).then(|| Dense::new(w, "lm_head", d, shape.vocab_size, false)),
+            values: w.initial_values(),
         }
     }
 
@@ -177,5 +184,9 @@ impl UnitModel for Llama {
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
         Some(tokens.dims()[0])
+    }
+
+    fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
+        self.values.clone()
     }
 }

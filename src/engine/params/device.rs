@@ -66,7 +66,7 @@ pub(crate) fn write_unit<M: Module>(
             let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
             let shape: [usize; D] = entry.shape.as_slice().try_into().expect("layout shapes come from this module");
             let piece = self.values.clone().slice(entry.flat_range()).reshape(shape);
-            param.map(|_| Tensor::from_inner(piece).require_grad())
+            super::replace(param, Tensor::from_inner(piece).require_grad())
         }
     }
     model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, unit, values })

@@ -5,24 +5,28 @@
 //! Which float tensor is which parameter is `index`'s business (its note: identifying
 //! parameters).
 
+use std::ops::Range;
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
-use zerotrain_precision::{BufMut, BufRef, FlatBuf, with_elem};
+use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision, with_elem};
 use zerotrain_zero::Sharding;
 
 pub(crate) use self::device::{read_range, write_unit};
 use self::index::Walk;
 pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_lazy};
 use super::flat::Flat;
+use super::model::InitialValues;
 use crate::{Error, Result};
 
 mod device;
 mod index;
 
 /// Copies the part of unit `unit`'s parameters that falls in `range` (of the unit's flat
-/// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is).
+/// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is). A
+/// parameter still lazy is read from `values` when given, and is left uninitialised.
 pub(crate) fn read_params<M: Module>(
     model: &M,
     index: &ParamIndex,
@@ -30,12 +34,14 @@ pub(crate) fn read_params<M: Module>(
     unit: usize,
     range: std::ops::Range<usize>,
     dst: BufMut<'_>,
+    values: Option<&dyn InitialValues>,
 ) -> Result<()> {
     struct Reader<'a> {
         walk: Walk<'a>,
         unit: usize,
         range: std::ops::Range<usize>,
         dst: BufMut<'a>,
+        values: Option<&'a dyn InitialValues>,
         error: Option<Error>,
     }
     impl ModuleVisitor for Reader<'_> {
@@ -43,20 +49,43 @@ pub(crate) fn read_params<M: Module>(
             let Some((unit, e)) = self.walk.next().filter(|(u, _)| *u == self.unit) else { return };
             let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
             let Some(segment) = entry.segment(self.range.clone()).filter(|_| self.error.is_none()) else { return };
-            let data = param.val().into_data();
-            match as_flat(&data, &entry.path, entry.num_elems) {
-                Ok(values) => {
-                    let at = segment.flat_range.start - self.range.start..segment.flat_range.end - self.range.start;
-                    self.dst.reborrow().slice(at).copy_from(values.slice(segment.param_range), false);
+            let at = segment.flat_range.start - self.range.start..segment.flat_range.end - self.range.start;
+            let mut dst = self.dst.reborrow().slice(at);
+            let read = match self.values.filter(|_| !param.is_initialized()) {
+                Some(values) => read_initial(values, &entry.path, segment.param_range, dst),
+                None => {
+                    let data = param.val().into_data();
+                    as_flat(&data, &entry.path, entry.num_elems)
+                        .map(|values| dst.copy_from(values.slice(segment.param_range), false))
                 }
-                Err(e) => self.error = Some(e),
-            }
+            };
+            self.error = read.err();
         }
     }
     let walk = Walk { index, sharding, position: 0 };
-    let mut reader = Reader { walk, unit, range, dst, error: None };
+    let mut reader = Reader { walk, unit, range, dst, values, error: None };
     model.visit(&mut reader);
     reader.error.map_or(Ok(()), Err)
+}
+
+/// Elements `elems` of parameter `path` from `values` into `dst`.
+fn read_initial(values: &dyn InitialValues, path: &str, elems: Range<usize>, dst: BufMut<'_>) -> Result<()> {
+    let fail = |why: String| Error::Model(format!("the initial values of parameter `{path}`: {why}"));
+    match dst {
+        BufMut::F32(dst) => values.read(path, elems, dst).map_err(fail),
+        mut other => {
+            let mut f32s = vec![0.0; elems.len()];
+            values.read(path, elems, &mut f32s).map_err(fail)?;
+            other.copy_from(BufRef::F32(&f32s), false);
+            Ok(())
+        }
+    }
+}
+
+/// `param` holding `tensor`, keeping its id. A lazy parameter not initialised yet is
+/// replaced without initialising it, which would read or draw a value only to drop it.
+fn replace<const D: usize>(param: Param<Tensor<D>>, tensor: Tensor<D>) -> Param<Tensor<D>> {
+    if param.is_initialized() { param.map(|_| tensor) } else { Param::initialized(param.id, tensor) }
 }
 
 /// One unit's gradients of one backward pass, per entry of the unit, in the dtype Burn
@@ -212,6 +241,9 @@ pub(crate) enum Fill<'a> {
     /// Empty tensors (stage 3's released state), except the unit's entries marked `true`,
     /// which keep their current value.
     Release(&'a [bool]),
+    /// Stage 3's released state from the start: the entries marked `keep` get their values
+    /// from the unit's fp32 flat buffer `values`, in `dtype`; the others are empty.
+    Resident { values: &'a [f32], keep: &'a [bool], dtype: Precision },
 }
 
 /// Replaces unit `unit`'s trainable parameters in the module, keeping their ids.
@@ -227,6 +259,7 @@ pub(crate) fn write_params<M: Module>(
     enum Source<'a> {
         Owned(Vec<Option<FlatBuf>>),
         Release(&'a [bool]),
+        Resident(&'a [f32], &'a [bool], Precision),
     }
     struct Writer<'a> {
         walk: Walk<'a>,
@@ -244,12 +277,18 @@ pub(crate) fn write_params<M: Module>(
                     let part = parts[e].take().expect("each parameter is visited once");
                     with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
                 }
+                Source::Resident(values, keep, dtype) if keep[e] => {
+                    let part = FlatBuf::from_f32(*dtype, &values[entry.flat_range()]);
+                    with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
+                }
                 Source::Release(keep) if keep[e] => return param,
-                Source::Release(_) => return param.map(|_| Tensor::<D>::empty([0; D], self.device).require_grad()),
+                Source::Release(_) | Source::Resident(..) => {
+                    return replace(param, Tensor::<D>::empty([0; D], self.device).require_grad());
+                }
             };
             let options = (self.device, data.dtype());
             let tensor = Tensor::<D>::from_data(data, options);
-            param.map(|_| tensor.require_grad())
+            replace(param, tensor.require_grad())
         }
     }
     let source = match fill {
@@ -258,6 +297,7 @@ pub(crate) fn write_params<M: Module>(
             Source::Owned(flat.split(&ranges).into_iter().map(Some).collect())
         }
         Fill::Release(keep) => Source::Release(keep),
+        Fill::Resident { values, keep, dtype } => Source::Resident(values, keep, dtype),
     };
     model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, unit, source, device })
 }
@@ -294,7 +334,7 @@ pub(crate) fn release_unheld<M: Module>(model: M, index: &ParamIndex, sharding: 
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             match self.walk.next_global() {
                 Some(g) if self.walk.sharding.location(g).is_none() => {
-                    param.map(|_| Tensor::<D>::empty([0; D], self.device).require_grad())
+                    replace(param, Tensor::<D>::empty([0; D], self.device).require_grad())
                 }
                 _ => param,
             }
@@ -328,7 +368,7 @@ pub(crate) fn write_global<M: Module>(
             let data = with_elem!(FlatBuf, flat, v, _E => TensorData::new(v, shape));
             let dtype = data.dtype();
             let tensor = Tensor::<D>::from_data(data, (self.device, dtype));
-            param.map(|_| tensor.require_grad())
+            replace(param, tensor.require_grad())
         }
     }
     model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, values, dtype, device })

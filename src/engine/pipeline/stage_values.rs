@@ -98,7 +98,8 @@ fn seed<M: UnitModel>(
         let mut values = vec![0.0f32; n];
         let mut states = vec![0.0f32; buffers.entries().iter().map(|e| e.shape.iter().product::<usize>()).sum()];
         if me == 0 {
-            read_params(&model, &declared.index, &view, 0, 0..n, BufMut::F32(&mut values))?;
+            let initial = model.initial_values();
+            read_params(&model, &declared.index, &view, 0, 0..n, BufMut::F32(&mut values), initial.as_deref())?;
             states = buffers.read(&model, |_| true, false)?;
             world.send((&values).into(), leader)?;
             world.send((&states).into(), leader)?;
@@ -184,5 +185,5 @@ fn read_global<M: Module>(
     let held = shared.sharding.location(entry);
     let (unit, e) = held.ok_or_else(|| Error::Model("a stage reads a parameter it does not hold".into()))?;
     let range = shared.layout(unit).entries()[e].flat_range();
-    read_params(model, &shared.index, &shared.sharding, unit, range, BufMut::F32(out))
+    read_params(model, &shared.index, &shared.sharding, unit, range, BufMut::F32(out), None)
 }

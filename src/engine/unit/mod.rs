@@ -71,9 +71,15 @@ impl Unit {
         factory: &OptimizerFactory,
     ) -> Result<(M, Self)> {
         let (plan, layout) = (&shared.plan, shared.layout(id));
-        let compute = FlatBuf::from_f32(shared.dtype(), &values[..layout.num_elems()]);
-        let model = write_params(model, &shared.index, &shared.sharding, id, Fill::Take(compute), &shared.device);
         let stage = plan.zero.stage;
+        let threshold = plan.zero.param_persistence_threshold;
+        let resident: Vec<bool> = layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect();
+        // At stage 3 the unit starts released: only its resident parameters get values.
+        let (fill, presence) = match stage.shards_parameters() {
+            true => (Fill::Resident { values, keep: &resident, dtype: shared.dtype() }, Presence::Released),
+            false => (Fill::Take(FlatBuf::from_f32(shared.dtype(), &values[..layout.num_elems()])), Presence::Gathered),
+        };
+        let model = write_params(model, &shared.index, &shared.sharding, id, fill, &shared.device);
         let range = shared.optimizer_range(id);
         let segments = shared.optimizer_segments(id);
         let fp32 = shared.dtype() == Precision::Fp32;
@@ -110,13 +116,9 @@ impl Unit {
         } else {
             ParamShard::FromMaster
         };
-        let threshold = plan.zero.param_persistence_threshold;
-        let resident = layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect();
         let device = shared.device_step.then(|| shared.state_device());
         let grad = UnitGrad::new(stage, layout, plan.precision.grad_accum, shared.comm.rank(), device);
-        let mut unit = Self { id, home, shard, grad, presence: Presence::Gathered, resident };
-        let model = if stage.shards_parameters() { unit.release(model, shared) } else { model };
-        Ok((model, unit))
+        Ok((model, Self { id, home, shard, grad, presence, resident }))
     }
 
     /// Elements the unit's gathered flat buffer holds (its padded size).
@@ -339,7 +341,7 @@ impl Unit {
 fn in_model<M: Module>(model: &M, shared: &Shared, id: usize) -> Result<Vec<f32>> {
     let range = shared.optimizer_range(id);
     let mut values = vec![0.0; range.len()];
-    read_params(model, &shared.index, &shared.sharding, id, range, BufMut::F32(&mut values))?;
+    read_params(model, &shared.index, &shared.sharding, id, range, BufMut::F32(&mut values), None)?;
     shared.crossed(false, (values.len() * size_of::<f32>()) as u64);
     Ok(values)
 }
