@@ -4,9 +4,11 @@
 
 pub mod sampler;
 pub mod tokens;
+mod words;
 
 use std::path::{Path, PathBuf};
 
+use self::words::Words;
 use crate::app::file_error::FileError;
 
 /// A `tokenizer.json`: text to token ids and back, exactly as Hugging Face's tokenizers do
@@ -17,6 +19,8 @@ pub struct Tokenizer {
     /// Whether a text may be cut before any space that follows a non-space and precedes
     /// one, and encoded piece by piece (see [`Tokenizer::encode_long`]).
     splits_at_spaces: bool,
+    /// A GPT-2-style byte-level BPE's pre-tokens, each encoded once (`words.rs`).
+    words: Option<Words>,
 }
 
 /// Pieces [`Tokenizer::encode_long`] cuts a long text into, in bytes at least.
@@ -34,7 +38,8 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| FileError::new(path, format!("not a usable tokenizer.json: {e}")))?;
         let splits_at_spaces = splits_at_spaces(&inner);
-        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces })
+        let words = Words::of(&inner);
+        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces, words })
     }
 
     /// The file it was read from.
@@ -42,10 +47,14 @@ impl Tokenizer {
         &self.file
     }
 
-    /// Token ids of `text`.
+    /// Token ids of `text` (a GPT-2-style byte-level BPE's through a cache of the words
+    /// it has seen, the same ids: `words.rs`).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, FileError> {
-        let encoding = self.inner.encode_fast(text, false).map_err(|e| self.error(format!("cannot encode: {e}")))?;
-        Ok(encoding.get_ids().to_vec())
+        let ids = match &self.words {
+            Some(words) => words.encode(&self.inner, text),
+            None => self.inner.encode_fast(text, false).map(|e| e.get_ids().to_vec()),
+        };
+        ids.map_err(|e| self.error(format!("cannot encode: {e}")))
     }
 
     /// Token ids of `text`, the same as [`encode`](Self::encode)'s, a long text encoded in
