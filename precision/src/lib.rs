@@ -60,6 +60,24 @@ impl Precision {
         }
     }
 
+    /// Whether every one of `values` is a value of this type (none a NaN), so that
+    /// narrowing and widening give it back bit for bit.
+    pub fn holds_exactly(self, values: &[f32]) -> bool {
+        match self {
+            Self::Fp32 => true,
+            Self::Fp16 => {
+                values.iter().all(|&v| !v.is_nan() && half::f16::from_f32(v).to_f32().to_bits() == v.to_bits())
+            }
+            // bf16 is an f32's upper half: the lower one must be zero. No early exit, so the
+            // loop vectorises (values that fit are the case worth being fast for).
+            Self::Bf16 => {
+                let (low, nan) =
+                    values.iter().fold((0u32, false), |(low, nan), v| (low | v.to_bits(), nan | v.is_nan()));
+                low & 0xFFFF == 0 && !nan
+            }
+        }
+    }
+
     /// Narrows `src` into `dst` as little-endian elements of this type (rounding as
     /// [`FlatBuf::from_f32`] does, which gives the same bits).
     ///
@@ -176,6 +194,21 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&back), bits(&flat.into_f32()), "{dtype:?}");
         }
+    }
+
+    /// A type holds exactly the values it narrows and widens back bit for bit, never NaN.
+    #[test]
+    fn holding_exactly_is_surviving_the_round_trip() {
+        let cases = [1.0f32, 0.5, -3.0, f32::INFINITY, 0.0, 1.0 + 1.0 / 128.0, 1.0 + 1.0 / 1024.0, 1e-8, 70000.0];
+        for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            for v in cases {
+                let back = FlatBuf::from_f32(dtype, &[v]).into_f32()[0];
+                assert_eq!(dtype.holds_exactly(&[v]), back.to_bits() == v.to_bits(), "{dtype:?} {v}");
+            }
+            assert!(!dtype.holds_exactly(&[1.0, f32::NAN]) || dtype == Precision::Fp32, "{dtype:?}: NaN");
+        }
+        assert!(Precision::Bf16.holds_exactly(&[1.0 + 1.0 / 128.0, -2.0]));
+        assert!(!Precision::Bf16.holds_exactly(&[1.0, 1.0 + 1.0 / 1024.0]));
     }
 
     #[test]

@@ -54,7 +54,7 @@ mod span;
 mod step;
 mod swapped;
 #[cfg(feature = "cli")] // `zerotrain bench offload`
-pub(crate) use swapped::{SwappedOptimizer, SwappedOptimizerSetup};
+pub(crate) use swapped::{FirstMasters, SwappedOptimizer, SwappedOptimizerSetup};
 #[cfg(all(test, feature = "cli"))]
 pub(crate) mod stream_tests;
 #[cfg(test)]

@@ -16,7 +16,11 @@
 //! # Note: fp32 parameters are their own master
 //! In fp32 training the model's values (stages 1-2) or the parameter shard (stage 3) equal
 //! the master weights bit for bit, so only the moments are swapped and the caller passes
-//! the masters in; in fp16/bf16 the masters are swapped with the moments.
+//! the masters in; in fp16/bf16 the masters are swapped with the moments. So are mixed
+//! precision's first masters when the compute dtype holds them exactly (a bf16 checkpoint
+//! trained in bf16): until the first step or a load writes the masters' file, the
+//! parameters widened are the masters, and the caller passes them in. An import then
+//! writes half the bytes it would (the parameters, not also the fp32 masters).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -67,6 +71,17 @@ pub(crate) struct SwappedOptimizerSetup<'a> {
     pub dir: &'a Arc<SwapDir>,
 }
 
+/// The masters a unit's swapped optimizer starts from (the module notes).
+pub(crate) enum FirstMasters<'a> {
+    /// fp32: the parameters, always.
+    Parameters,
+    /// Mixed precision: these fp32 values, written to the masters' file.
+    Values(&'a [f32]),
+    /// Mixed precision, values the compute dtype holds exactly: the parameters widened,
+    /// until the first step or a load writes the masters' file.
+    ParametersUntilStepped,
+}
+
 /// One unit's swapped optimizer (module docs).
 pub(crate) struct SwappedOptimizer {
     unit: usize,
@@ -74,6 +89,8 @@ pub(crate) struct SwappedOptimizer {
     tiles: Vec<Tile>,
     /// Mixed precision: the masters' file (`None` in fp32; see the module notes).
     master: Option<SwapFile>,
+    /// Whether the masters' file holds the masters (else the caller passes them in).
+    masters_written: bool,
     /// Each optimizer state tensor's name and file, from the first step (or a load) on.
     states: Vec<(String, SwapFile)>,
     /// The optimizer's scalars (step counts), the same for every tile.
@@ -93,13 +110,12 @@ pub(crate) struct SwappedOptimizer {
 
 impl SwappedOptimizer {
     /// Unit `unit`'s optimizer over a range of `len` elements whose pieces are `segments`,
-    /// tiled and swapped as `with` says; `masters` are the range's initial fp32 values in
-    /// mixed precision (`None` in fp32).
+    /// tiled and swapped as `with` says, starting from the masters `first` says.
     pub fn new(
         unit: usize,
         len: usize,
         segments: &[ShardSegment],
-        masters: Option<&[f32]>,
+        first: FirstMasters<'_>,
         with: &SwappedOptimizerSetup<'_>,
     ) -> Result<Self> {
         let SwappedOptimizerSetup { optim, factory, offload, dir } = *with;
@@ -126,19 +142,22 @@ impl SwappedOptimizer {
                 Tile { range, optimizer, has_state: false }
             })
             .collect();
-        let master = match masters {
-            Some(values) => {
-                let file = dir.file(&format!("u{unit}.master"), len)?;
+        let file = || dir.file(&format!("u{unit}.master"), len);
+        let (master, masters_written) = match first {
+            FirstMasters::Parameters => (None, false),
+            FirstMasters::Values(values) => {
+                let file = file()?;
                 file.write_slice(0, values)?;
-                Some(file)
+                (Some(file), true)
             }
-            None => None,
+            FirstMasters::ParametersUntilStepped => (Some(file()?), false),
         };
         Ok(Self {
             unit,
             len,
             tiles,
             master,
+            masters_written,
             states: Vec::new(),
             scalars: Vec::new(),
             buffer_count: offload.buffer_count,
@@ -166,7 +185,8 @@ impl SwappedOptimizer {
 
     fn start_read(&self, t: usize) -> Result<Loading> {
         let range = self.tiles[t].range.clone();
-        let master = self.master.as_ref().map(|f| f.read(range.clone())).transpose()?;
+        let master =
+            self.master.as_ref().filter(|_| self.masters_written).map(|f| f.read(range.clone())).transpose()?;
         let states = match self.tiles[t].has_state {
             true => self.states.iter().map(|(_, f)| f.read(range.clone())).collect::<Result<_>>()?,
             false => Vec::new(),
@@ -189,9 +209,17 @@ impl SwappedOptimizer {
             return Err(Error::Model(format!("unit {}: gradients for a range of {} elements", self.unit, self.len)));
         }
         self.check()?;
+        if masters.is_none() && !self.masters_written {
+            return Err(Error::Model(format!(
+                "unit {}: its masters are the parameters, and none were given",
+                self.unit
+            )));
+        }
         self.torn = true;
         let out = self.step_tiles(lr, grads, masters, dtype, device)?;
         self.torn = false;
+        // Every tile's masters are in the file now (mixed precision).
+        self.masters_written = self.master.is_some();
         Ok(out)
     }
 
@@ -216,10 +244,8 @@ impl SwappedOptimizer {
         device: &Device,
     ) -> Result<FlatBuf> {
         let (read_ahead, write_behind) = self.pipelining();
-        let mut out = match &masters {
-            Some(_) => None,
-            None => Some(FlatBuf::zeros(dtype, self.len)),
-        };
+        // In mixed precision the new values go out in the compute dtype.
+        let mut out = (dtype != Precision::Fp32).then(|| FlatBuf::zeros(dtype, self.len));
         // Every tile starts from the state before this step (its step counts included).
         let before = self.scalars.clone();
         let mut next = Some(self.start_read(0)?);
@@ -234,7 +260,7 @@ impl SwappedOptimizer {
             let values = match (&masters, tile_master) {
                 (Some(all), _) => all[range.clone()].to_vec(),
                 (None, Some(values)) => values,
-                (None, None) => unreachable!("mixed precision swaps its masters"),
+                (None, None) => unreachable!("masters are passed in unless the file holds them"),
             };
             // A tile read before the first state was written has none (nor step counts).
             let scalars = if states.is_empty() { Vec::new() } else { before.clone() };
@@ -253,12 +279,12 @@ impl SwappedOptimizer {
                 prev.finish()?;
             }
             let write = self.write_tile(t, &new, exported)?;
-            match &mut masters {
-                Some(all) => all[range].copy_from_slice(&new),
-                None => {
-                    let converted = FlatBuf::from_f32(dtype, &new);
-                    out.as_mut().expect("mixed precision").as_mut().slice(range).copy_from(converted.as_ref(), false);
-                }
+            if let Some(out) = &mut out {
+                let converted = FlatBuf::from_f32(dtype, &new);
+                out.as_mut().slice(range.clone()).copy_from(converted.as_ref(), false);
+            }
+            if let Some(all) = &mut masters {
+                all[range].copy_from_slice(&new);
             }
             if write_behind {
                 writing = Some(write);
@@ -272,9 +298,9 @@ impl SwappedOptimizer {
         if let Some(last) = writing {
             last.finish()?;
         }
-        Ok(match masters {
-            Some(all) => FlatBuf::F32(all),
-            None => out.expect("mixed precision"),
+        Ok(match (out, masters) {
+            (Some(out), _) => out,
+            (None, all) => FlatBuf::F32(all.expect("fp32 passes its masters in")),
         })
     }
 
@@ -347,16 +373,27 @@ impl SwappedOptimizer {
         Ok(())
     }
 
-    /// The masters of the whole range (mixed precision; checkpoints).
+    /// Whether the swap holds the masters; else they are the parameters, passed in (the
+    /// module notes).
+    pub fn holds_masters(&self) -> bool {
+        self.masters_written
+    }
+
+    /// The masters of the whole range, if the swap holds them (checkpoints).
     pub fn masters(&self) -> Result<Option<Vec<f32>>> {
         self.check()?;
-        self.master.as_ref().map(|f| f.read_vec(0..self.len)).transpose()
+        self.master.as_ref().filter(|_| self.masters_written).map(|f| f.read_vec(0..self.len)).transpose()
     }
 
     /// Replaces the masters (mixed precision; a checkpoint load).
     pub fn load_masters(&mut self, values: &[f32]) -> Result<()> {
         match &self.master {
-            Some(file) => file.write_slice(0, values),
+            Some(file) => {
+                // Written from here on, whether or not this write completes (a failed
+                // load leaves the unit to be loaded again).
+                self.masters_written = true;
+                file.write_slice(0, values)
+            }
             None => Ok(()),
         }
     }

@@ -186,3 +186,91 @@ fn for_run(shipped: &Value, root: &Path, precision: &str, gas: u64, mode: Mode) 
     }
     config
 }
+
+/// `model` with every float parameter rounded to bf16 (to nearest, ties to even), as a
+/// bf16 checkpoint would hold it.
+fn rounded_to_bf16<M: burn::module::Module>(model: M) -> M {
+    use burn::module::{ModuleMapper, Param};
+    use burn::tensor::{Tensor, TensorData};
+    struct Round;
+    impl ModuleMapper for Round {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.map(|t| {
+                let (shape, device, grad) = (t.shape(), t.device(), t.is_require_grad());
+                let values: Vec<f32> = t.into_data().try_to_vec().unwrap();
+                let round = |x: f32| {
+                    let bits = x.to_bits();
+                    f32::from_bits(bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000)
+                };
+                let t =
+                    Tensor::<D>::from_data(TensorData::new(values.into_iter().map(round).collect(), shape), &device);
+                if grad { t.require_grad() } else { t }
+            })
+        }
+    }
+    model.map(&mut Round)
+}
+
+/// Blocks the disk holds for the masters' swap files under `root`, and how many there are.
+fn master_blocks(root: &Path) -> (u64, usize) {
+    use std::os::unix::fs::MetadataExt;
+    let mut found = (0, 0);
+    for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            let (blocks, files) = master_blocks(&path);
+            found = (found.0 + blocks, found.1 + files);
+        } else if path.to_string_lossy().ends_with(".master.swap") {
+            found = (found.0 + entry.metadata().unwrap().blocks(), found.1 + 1);
+        }
+    }
+    found
+}
+
+/// A bf16 model whose values bf16 holds exactly (a bf16 checkpoint's) gets no masters
+/// written to NVMe when its engine is built: until the first step writes them, its
+/// parameters are its masters (the masters' files exist and hold no blocks; the first
+/// step fills them). The in-memory run's bits all the same, at stages 1 and 3, on one and
+/// two ranks, parameters in memory or on NVMe, and from a checkpoint saved before any step
+/// and resumed in memory.
+#[test]
+fn masters_a_bf16_model_holds_exactly_are_written_by_its_first_step() {
+    use crate::units::Workload;
+    use zerotrain::{Engine, launch};
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("bf16-exact");
+    let init = rounded_to_bf16(tiny_gpt(true, 21));
+    let mode = MODES[5];
+    for world_size in [1, 2] {
+        for stage in [1u8, 3] {
+            let in_memory = plan(&unit_recipe(stage, 1, mode, "bf16", ""), world_size);
+            let want = train(&w, &init, &in_memory, mode, STEPS).unwrap();
+            let params = if stage == 3 { &["none", "nvme"][..] } else { &["none"][..] };
+            for &param in params {
+                let what = format!("world {world_size} stage {stage}, param {param}");
+                let offloaded =
+                    plan(&unit_recipe(stage, 1, mode, "bf16", &tier_keys(&root, "nvme", param)), world_size);
+                let blocks = launch(&offloaded, |ctx| {
+                    let mut engine = Engine::with_units(init.clone(), &offloaded, &ctx)?;
+                    ctx.collective().barrier()?;
+                    let before = master_blocks(&root.join("opt"));
+                    engine.forward_backward(&w.batch(&offloaded, 0, 0, ctx.rank(), ctx.device()))?;
+                    engine.step()?;
+                    ctx.collective().barrier()?;
+                    Ok::<_, zerotrain::Error>((before, master_blocks(&root.join("opt"))))
+                })
+                .unwrap();
+                let (before, after) = blocks[0];
+                assert!(before.1 > 0 && before.0 == 0, "{what}: {} masters' files hold {} blocks", before.1, before.0);
+                assert!(after.0 > 0, "{what}: the first step wrote no masters");
+                same(&what, &train(&w, &init, &offloaded, mode, STEPS).unwrap(), &want);
+                let ckpt = root.join("ckpt0");
+                let _ = std::fs::remove_dir_all(&ckpt);
+                train_between(&w, &init, &offloaded, mode, 0..0, None, Some(&ckpt)).unwrap();
+                let resumed = train_between(&w, &init, &in_memory, mode, 0..STEPS, Some(&ckpt), None).unwrap();
+                same(&format!("{what}, saved before a step"), &resumed, &want);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

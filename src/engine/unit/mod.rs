@@ -25,7 +25,7 @@ use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params, write_unit};
 use super::report::PhaseTimes;
 use super::shared::Shared;
-use super::swapped::{SwappedOptimizer, SwappedOptimizerSetup};
+use super::swapped::{FirstMasters, SwappedOptimizer, SwappedOptimizerSetup};
 use super::tier::{Home, Master, ParamShard, lost};
 use crate::swap::{Ticket, unpack, wait, words};
 
@@ -85,9 +85,13 @@ impl Unit {
         let fp32 = shared.dtype() == Precision::Fp32;
         let home = match &shared.swaps.optimizer {
             Some(dir) => {
-                let masters = (!fp32).then(|| &values[range.clone()]);
+                let first = match (fp32, shared.dtype().holds_exactly(&values[range.clone()])) {
+                    (true, _) => FirstMasters::Parameters,
+                    (false, true) => FirstMasters::ParametersUntilStepped,
+                    (false, false) => FirstMasters::Values(&values[range.clone()]),
+                };
                 let with = SwappedOptimizerSetup { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
-                let swapped = SwappedOptimizer::new(id, range.len(), &segments, masters, &with)?;
+                let swapped = SwappedOptimizer::new(id, range.len(), &segments, first, &with)?;
                 Home::Swapped(Box::new(swapped))
             }
             None => {
@@ -292,22 +296,24 @@ impl Unit {
             Home::Resident { .. } => self.held(len)?.to_vec(),
             Home::Swapped(swapped) => match swapped.masters()? {
                 Some(masters) => Ok(masters),
-                None => Ok(self.fp32_masters(model, shared)?.expect("fp32 without swapped masters")),
+                None => Ok(self.given_masters(model, shared)?.expect("masters the swap does not hold")),
             },
         }
     }
 
-    /// fp32 training with swapped optimizer state: the masters, which are the parameters
-    /// (from the model at stages 1-2, the shard at stage 3). `None` in mixed precision.
-    fn fp32_masters<M: Module>(&self, model: &M, shared: &Shared) -> Result<Option<Vec<f32>>> {
-        if shared.dtype() != Precision::Fp32 {
-            return Ok(None);
+    /// With swapped optimizer state, the masters when the swap does not hold them (fp32,
+    /// or mixed precision before the first step: the note in `swapped.rs`): the parameters,
+    /// widened, from the model at stages 1-2, the shard at stage 3. `None` otherwise.
+    fn given_masters<M: Module>(&self, model: &M, shared: &Shared) -> Result<Option<Vec<f32>>> {
+        match &self.home {
+            Home::Swapped(swapped) if !swapped.holds_masters() => {}
+            _ => return Ok(None),
         }
         if !shared.stage().shards_parameters() {
             return in_model(model, shared, self.id).map(Some);
         }
         let len = shared.optimizer_range(self.id).len();
-        let shard = self.shard.values(len, Precision::Fp32, || unreachable!("a swapped home keeps its shard"))?;
+        let shard = self.shard.values(len, shared.dtype(), || unreachable!("a swapped home keeps its shard"))?;
         Ok(Some(shard.into_f32()))
     }
 

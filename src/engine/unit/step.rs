@@ -38,7 +38,7 @@ impl Unit {
         let start = Instant::now();
         let transient = (2 * range.len() * size_of::<f32>()) as u64;
         if let Home::Swapped(_) = &self.home {
-            let masters = self.fp32_masters(&model, shared)?;
+            let masters = self.given_masters(&model, shared)?;
             let grads = grads.into_host(Precision::Fp32)?.into_f32();
             let Home::Swapped(swapped) = &mut self.home else { unreachable!("matched above") };
             let new = swapped.step(lr, &grads, masters, shared.dtype(), &shared.state_device())?;
