@@ -3,6 +3,7 @@
 //! (so a model sharded at stage 3 evaluates as it trains).
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -68,13 +69,16 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let windows = Windows::over(&source, loaded.context).with_context(|| format!("{name}: {} tokens", source.len()))?;
     let job =
         EvalJob { plan: &plan, windows: &windows, checkpoint: args.checkpoint.as_deref(), tag: args.tag.as_deref() };
-    let loss = loaded.model.run(job)?;
+    let Scores { loss, load_seconds, score_seconds } = loaded.model.run(job)?;
     let scored = windows.count * windows.context;
     if args.json {
-        println!("{}", serde_json::json!({"loss": loss, "perplexity": loss.exp(), "tokens": scored}));
+        let json = serde_json::json!({"loss": loss, "perplexity": loss.exp(), "tokens": scored,
+            "load_seconds": load_seconds, "score_seconds": score_seconds});
+        println!("{json}");
     } else {
         println!(
-            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {})",
+            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {}); \
+             model loaded in {load_seconds:.1} s, scored in {score_seconds:.1} s",
             loss.exp(),
             windows.count,
             windows.context
@@ -146,21 +150,34 @@ struct EvalJob<'a> {
     tag: Option<&'a str>,
 }
 
+/// What [`EvalJob`] measured.
+struct Scores {
+    /// Mean loss per token.
+    loss: f64,
+    /// Building the engine over the model (an import: its files read into the engine's
+    /// tiers), and loading the checkpoint if one is given.
+    load_seconds: f64,
+    /// Scoring every window.
+    score_seconds: f64,
+}
+
 impl WithModel for EvalJob<'_> {
-    type Output = anyhow::Result<f64>;
+    type Output = anyhow::Result<Scores>;
 
     /// Every data-parallel rank scores its share of the windows, a micro-batch at a time,
     /// in rounds every rank joins (a rank out of windows scores window 0 with no weight);
     /// the sums are then all-reduced.
-    fn run<M: CausalLm>(self, model: M) -> anyhow::Result<f64> {
+    fn run<M: CausalLm>(self, model: M) -> anyhow::Result<Scores> {
         let Self { plan, windows, checkpoint, tag } = self;
         let per = plan.batch.micro_batch_per_rank as usize;
         let model = Handout::new(model, plan);
-        let sums = crate::launch(plan, |ctx| -> crate::Result<f64> {
+        let sums = crate::launch(plan, |ctx| -> crate::Result<Scores> {
+            let start = Instant::now();
             let mut engine = crate::trainer(model.take(), plan, &ctx)?;
             if let Some(dir) = checkpoint {
                 engine.load_checkpoint(dir, tag, LoadOptions::default())?;
             }
+            let (load_seconds, start) = (start.elapsed().as_secs_f64(), Instant::now());
             let (n, d) = (engine.data_parallel_size(), engine.data_parallel_rank());
             let rounds = windows.count.div_ceil(per * n);
             let mut sum = [0.0f64, 0.0];
@@ -175,8 +192,9 @@ impl WithModel for EvalJob<'_> {
             }
             let mut totals = [sum[0] as f32, sum[1] as f32];
             ctx.collective().all_reduce((&mut totals[..]).into(), ReduceOp::Sum)?;
-            Ok(f64::from(totals[0]) / f64::from(totals[1]))
+            let loss = f64::from(totals[0]) / f64::from(totals[1]);
+            Ok(Scores { loss, load_seconds, score_seconds: start.elapsed().as_secs_f64() })
         })?;
-        Ok(sums[0])
+        Ok(sums.into_iter().next().expect("rank 0 scores"))
     }
 }
