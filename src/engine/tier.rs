@@ -135,7 +135,7 @@ impl ParamShard {
     /// `offload_param: nvme` (unless the unit is among the first `max_in_cpu` elements), in
     /// memory when the masters are swapped, and cast from the masters otherwise.
     pub fn for_unit(id: usize, values: &[f32], home: &Home, shared: &Shared) -> Result<Self> {
-        let compute = || FlatBuf::from_f32(shared.dtype(), values);
+        let compute = || narrowed_on_every_core(shared.dtype(), values);
         let cached_before: u64 = (0..id).map(|u| shared.layout(u).shard_len() as u64).sum();
         let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
         match (&shared.swaps.param, home) {
@@ -196,5 +196,24 @@ impl ParamShard {
             Self::Swapped(_) => (words(dtype, len) * size_of::<f32>()) as u64,
             _ => 0,
         }
+    }
+}
+
+/// `FlatBuf::from_f32(dtype, values)` (the same bits), on every core of rayon's pool: a
+/// unit's shard kept in memory is hundreds of megabytes of fresh pages, and touching them
+/// first costs more than converting (two thirds of an import's time per unit, measured, on
+/// one thread).
+fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: &[f32]) -> FlatBuf {
+    use rayon::prelude::*;
+    use zerotrain_precision::FlatElem;
+    fn narrow<E: FlatElem + Send>(values: &[f32]) -> Vec<E> {
+        let mut out = Vec::new();
+        values.par_iter().map(|&v| E::from_f32(v)).collect_into_vec(&mut out);
+        out
+    }
+    match dtype {
+        zerotrain_precision::Precision::Fp32 => FlatBuf::F32(narrow(values)),
+        zerotrain_precision::Precision::Fp16 => FlatBuf::F16(narrow(values)),
+        zerotrain_precision::Precision::Bf16 => FlatBuf::Bf16(narrow(values)),
     }
 }

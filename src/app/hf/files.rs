@@ -135,7 +135,11 @@ impl TensorFiles {
         let at = entry.range.start + elems.start * width..entry.range.start + elems.end * width;
         assert!(at.end <= entry.range.end, "elements {elems:?} run past the tensor");
         let map = &self.files[entry.file].1;
-        dtype.widen_le_bytes(&map[at.clone()], dst);
+        // On every core: a unit's tensors are hundreds of megabytes.
+        const CHUNK: usize = 1 << 16;
+        use rayon::prelude::*;
+        let bytes = map[at.clone()].par_chunks(CHUNK * width);
+        dst.par_chunks_mut(CHUNK).zip(bytes).for_each(|(dst, bytes)| dtype.widen_le_bytes(bytes, dst));
         #[cfg(unix)]
         // SAFETY: the map is a read-only private file mapping and no slice of it is held
         // any more; dropped pages of such a mapping read back from the file unchanged.
