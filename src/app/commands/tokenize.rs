@@ -57,25 +57,11 @@ fn documents(path: &Path, field: &str) -> anyhow::Result<Vec<String>> {
 
 /// A byte-level BPE of `vocab` tokens (`<|endoftext|>` among them) trained on `documents`.
 fn train_bpe(documents: &[String], vocab: usize, out: &Path) -> anyhow::Result<Tokenizer> {
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper};
     if vocab < 257 {
         bail!("--train-vocab {vocab}: a byte-level BPE needs at least 257 tokens (256 bytes and <|endoftext|>)");
     }
-    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-        .show_progress(false)
-        .vocab_size(vocab)
-        .min_frequency(0)
-        .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
-        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .build()
-        .into();
-    let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
-    tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true))));
-    tokenizer.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())));
-    tokenizer.train(&mut trainer, documents.iter()).map_err(|e| anyhow::anyhow!("training the BPE failed: {e}"))?;
+    let tokenizer = crate::app::text::train_byte_level_bpe(documents, vocab)
+        .map_err(|e| anyhow::anyhow!("training the BPE failed: {e}"))?;
     tokenizer.save(out, true).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
     Ok(Tokenizer::from_file(out)?)
 }

@@ -108,6 +108,31 @@ impl Tokenizer {
     }
 }
 
+/// A byte-level BPE as GPT-2's (its pre-tokenizer and decoder, no prefix space) trained
+/// on `documents` to `vocab` tokens, `<|endoftext|>` among them (`tokenize --train-vocab`).
+pub fn train_byte_level_bpe<S: AsRef<str> + Send + Sync>(
+    documents: &[S],
+    vocab: usize,
+) -> tokenizers::Result<tokenizers::Tokenizer> {
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper};
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(vocab)
+        .min_frequency(0)
+        .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
+    tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true))));
+    tokenizer.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())));
+    tokenizer.train(&mut trainer, documents.iter().map(AsRef::as_ref))?;
+    Ok(tokenizer)
+}
+
 /// Whether `tokenizer` pre-tokenizes with GPT-2's byte-level pattern alone (see
 /// [`Tokenizer::encode_long`]).
 fn splits_at_spaces(tokenizer: &tokenizers::Tokenizer) -> bool {

@@ -272,22 +272,10 @@ mod tests {
         }
     }
 
+    /// What `zerotrain tokenize --train-vocab` trains, on a little text.
     fn trained() -> tokenizers::Tokenizer {
-        use tokenizers::models::TrainerWrapper;
-        use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
-        use tokenizers::{AddedToken, PreTokenizerWrapper};
-        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-            .show_progress(false)
-            .vocab_size(400)
-            .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
-            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-            .build()
-            .into();
-        let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
-        tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true))));
         let text = ["the cat sat on the mat; the dog's bowl, 42 bones", "déjà vu — naïve café, 東京 “quoted”"];
-        tokenizer.train(&mut trainer, text.iter()).unwrap();
-        tokenizer
+        super::super::train_byte_level_bpe(&text, 400).unwrap()
     }
 
     /// Through the cache, texts encode to the crate's ids: ASCII, accented and other
