@@ -77,6 +77,9 @@ impl Words {
         if self.added.iter().any(|t| text.contains(t.as_str())) {
             return whole(text);
         }
+        // This thread's shard, held for the whole text: nothing below runs rayon work (the
+        // crate's encode of one text does not), so no task this thread might pick up while
+        // waiting can ask for the shard again.
         let shard = rayon::current_thread_index().map_or(self.caches.len() - 1, |i| i % (self.caches.len() - 1));
         let mut cache = self.caches[shard].lock().unwrap_or_else(|p| p.into_inner());
         let mut cached = |piece: &str,
