@@ -206,7 +206,12 @@ impl SwappedOptimizer {
     /// The masters of the whole range, if the swap holds them (checkpoints).
     pub fn masters(&self) -> Result<Option<Vec<f32>>> {
         self.check()?;
-        self.master.as_ref().filter(|_| self.masters_written).map(|f| f.read_vec(0..self.len)).transpose()
+        self.written_masters().map(|f| f.read_vec(0..self.len)).transpose()
+    }
+
+    /// The masters' file, if it holds the masters.
+    fn written_masters(&self) -> Option<&SwapFile> {
+        self.master.as_ref().filter(|_| self.masters_written)
     }
 
     /// Replaces the masters (mixed precision; a checkpoint load).

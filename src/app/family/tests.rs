@@ -193,10 +193,8 @@ fn an_engine_reads_an_imported_model_straight_from_its_files() {
     assert_eq!(expected[0].1[3], 3.0 / 64.0 - 0.5);
     for stage in [1, 3] {
         let json = format!(r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": {stage}}}}}"#);
-        let plan = crate::Config::parse(&json, "t").unwrap().resolve(crate::Overrides::default()).unwrap();
-        let world = zerotrain_zero::ThreadWorld::new(1, std::time::Duration::from_secs(60));
         let device = Device::flex().autodiff();
-        let ctx = crate::RankContext::new(std::sync::Arc::new(world.communicator(0)), device.clone());
+        let (plan, ctx) = one_rank(&json, &device);
         let (_, model) = import(&dir, &device).unwrap();
         let model = model_of(model);
         assert!(model.initial_values().is_some(), "an imported model points at its files");
@@ -209,6 +207,13 @@ fn an_engine_reads_an_imported_model_straight_from_its_files() {
         assert_eq!(held, expected, "stage {stage}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The plan of config `json` and a context for one rank on this thread, on `device`.
+fn one_rank(json: &str, device: &Device) -> (crate::Plan, crate::RankContext) {
+    let plan = crate::Config::parse(json, "t").unwrap().resolve(crate::Overrides::default()).unwrap();
+    let world = zerotrain_zero::ThreadWorld::new(1, std::time::Duration::from_secs(60));
+    (plan, crate::RankContext::new(std::sync::Arc::new(world.communicator(0)), device.clone()))
 }
 
 fn model_of(model: HfModel) -> crate::app::models::Llama {
@@ -250,10 +255,8 @@ fn a_stage_3_import_holds_about_one_unit_at_a_time() {
               "offload_optimizer": {{"device": "nvme", "nvme_path": {swap}}},
               "offload_param": {{"device": "nvme", "nvme_path": {swap}, "max_in_cpu": 0}}}}}}"#
     );
-    let plan = crate::Config::parse(&json, "t").unwrap().resolve(crate::Overrides::default()).unwrap();
-    let world = zerotrain_zero::ThreadWorld::new(1, std::time::Duration::from_secs(60));
     let device = Device::flex().autodiff();
-    let ctx = crate::RankContext::new(std::sync::Arc::new(world.communicator(0)), device.clone());
+    let (plan, ctx) = one_rank(&json, &device);
     let layer = (4 * 128 * 128 + 3 * 128 * 384 + 2 * 128) * 4;
     let model_bytes: usize = parameter_names(&HfConfig::from_json(config).unwrap())
         .iter()

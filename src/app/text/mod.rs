@@ -148,12 +148,7 @@ fn splits_at_spaces(tokenizer: &tokenizers::Tokenizer) -> bool {
 /// space whose neighbours are not whitespace (Unicode's, as the pattern's `\s`).
 fn cut_at_spaces(text: &str, bytes: usize) -> Vec<&str> {
     let b = text.as_bytes();
-    let cuttable = |i: usize| {
-        // A space byte is a whole character, so `i` and `i + 1` are char boundaries.
-        b[i] == b' '
-            && text[..i].chars().next_back().is_some_and(|c| !c.is_whitespace())
-            && text[i + 1..].chars().next().is_some_and(|c| !c.is_whitespace())
-    };
+    let cuttable = |i: usize| words::is_cut(text, i);
     let (mut pieces, mut start, mut at) = (Vec::new(), 0, bytes);
     while at < b.len() {
         match (at..b.len()).find(|&i| cuttable(i)) {

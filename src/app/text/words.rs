@@ -82,24 +82,22 @@ impl Words {
         // waiting can ask for the shard again.
         let shard = rayon::current_thread_index().map_or(self.caches.len() - 1, |i| i % (self.caches.len() - 1));
         let mut cache = self.caches[shard].lock().unwrap_or_else(|p| p.into_inner());
-        let mut cached = |piece: &str,
-                          ids: &mut Vec<u32>,
-                          encode: &dyn Fn(&str) -> tokenizers::Result<Vec<u32>>|
-         -> tokenizers::Result<()> {
+        let model = |piece: &str| -> tokenizers::Result<Vec<u32>> {
+            let mapped: String = piece.bytes().map(|b| self.bytes[usize::from(b)]).collect();
+            Ok(tokenizer.get_model().tokenize(&mapped)?.into_iter().map(|t| t.id).collect())
+        };
+        // A pre-token's ids, from the cache or the model.
+        let mut cached = |piece: &str, ids: &mut Vec<u32>| -> tokenizers::Result<()> {
             if let Some(known) = cache.get(piece) {
                 ids.extend_from_slice(known);
                 return Ok(());
             }
-            let new = encode(piece)?;
+            let new = model(piece)?;
             ids.extend_from_slice(&new);
             if cache.len() < CACHE_ENTRIES && piece.len() <= CACHED_PIECE {
                 cache.insert(piece.into(), new.into());
             }
             Ok(())
-        };
-        let model = |piece: &str| {
-            let mapped: String = piece.bytes().map(|b| self.bytes[usize::from(b)]).collect();
-            Ok(tokenizer.get_model().tokenize(&mapped)?.into_iter().map(|t| t.id).collect())
         };
         let bytes = text.as_bytes();
         let (mut ids, mut at) = (Vec::with_capacity(text.len() / 3), 0);
@@ -110,7 +108,7 @@ impl Words {
             let mut failed: tokenizers::Result<()> = Ok(());
             pre_tokens(&bytes[at..end], |piece| {
                 if failed.is_ok() {
-                    failed = cached(&text[at + piece.start..at + piece.end], &mut ids, &model);
+                    failed = cached(&text[at + piece.start..at + piece.end], &mut ids);
                 }
             });
             failed?;
@@ -123,7 +121,7 @@ impl Words {
             for (start, stop) in self.pattern.find_iter(segment).chain([(segment.len(), segment.len())]) {
                 for piece in [&segment[from..start], &segment[start..stop]] {
                     if !piece.is_empty() {
-                        cached(piece, &mut ids, &model)?;
+                        cached(piece, &mut ids)?;
                     }
                 }
                 from = stop;
@@ -153,7 +151,7 @@ fn byte_chars() -> [char; 256] {
 
 /// Whether byte `i` of `text` is a space between two characters that are not whitespace
 /// (Unicode's, as the pattern's `\s`): no pre-token crosses it.
-fn is_cut(text: &str, i: usize) -> bool {
+pub(super) fn is_cut(text: &str, i: usize) -> bool {
     text.as_bytes()[i] == b' '
         && text[..i].chars().next_back().is_some_and(|c| !c.is_whitespace())
         && text[i + 1..].chars().next().is_some_and(|c| !c.is_whitespace())

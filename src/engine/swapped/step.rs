@@ -3,7 +3,7 @@
 //! and written back (finishing while the next one steps, with `pipeline_write`).
 
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_precision::{BufRef, FlatBuf, Precision};
 
 use super::SwappedOptimizer;
 use crate::engine::optimizer::ExportedState;
@@ -45,8 +45,7 @@ impl SwappedOptimizer {
 
     fn start_read(&self, t: usize) -> Result<Loading> {
         let range = self.tiles[t].range.clone();
-        let master =
-            self.master.as_ref().filter(|_| self.masters_written).map(|f| f.read(range.clone())).transpose()?;
+        let master = self.written_masters().map(|f| f.read(range.clone())).transpose()?;
         let states = match self.tiles[t].has_state {
             true => self.states.iter().map(|(_, f)| f.read(range.clone())).collect::<Result<_>>()?,
             false => Vec::new(),
@@ -129,8 +128,7 @@ impl SwappedOptimizer {
             }
             let write = self.write_tile(t, &new, exported)?;
             if let Some(out) = &mut out {
-                let converted = FlatBuf::from_f32(dtype, &new);
-                out.as_mut().slice(range.clone()).copy_from(converted.as_ref(), false);
+                out.as_mut().slice(range.clone()).copy_from(BufRef::F32(&new), false);
             }
             if let Some(all) = &mut masters {
                 all[range].copy_from_slice(&new);
