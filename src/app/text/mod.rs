@@ -2,6 +2,7 @@
 //! `tokenizers` crate ([`Tokenizer`]), corpora tokenized once into memory-mapped token
 //! files ([`tokens`]), and the order a run reads their windows in ([`sampler`]).
 
+mod pattern;
 pub mod sampler;
 pub mod tokens;
 mod words;
@@ -148,7 +149,7 @@ fn splits_at_spaces(tokenizer: &tokenizers::Tokenizer) -> bool {
 /// space whose neighbours are not whitespace (Unicode's, as the pattern's `\s`).
 fn cut_at_spaces(text: &str, bytes: usize) -> Vec<&str> {
     let b = text.as_bytes();
-    let cuttable = |i: usize| words::is_cut(text, i);
+    let cuttable = |i: usize| pattern::is_cut(text, i);
     let (mut pieces, mut start, mut at) = (Vec::new(), 0, bytes);
     while at < b.len() {
         match (at..b.len()).find(|&i| cuttable(i)) {
