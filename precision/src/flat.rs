@@ -147,11 +147,16 @@ pub enum BufMut<'a> {
 
 impl FlatBuf {
     /// `len` zeros of `dtype`.
+    ///
+    /// Zeroed allocations (`vec![0; n]` of a primitive): a large buffer comes from the system
+    /// as fresh zero pages, not written until used (a half type's `ZERO` would be written
+    /// element by element).
     pub fn zeros(dtype: Precision, len: usize) -> Self {
+        use half::vec::HalfBitsVecExt;
         match dtype {
             Precision::Fp32 => Self::F32(vec![0.0; len]),
-            Precision::Fp16 => Self::F16(vec![f16::ZERO; len]),
-            Precision::Bf16 => Self::Bf16(vec![bf16::ZERO; len]),
+            Precision::Fp16 => Self::F16(vec![0u16; len].reinterpret_into()),
+            Precision::Bf16 => Self::Bf16(vec![0u16; len].reinterpret_into()),
         }
     }
 
@@ -242,6 +247,19 @@ impl<'a> BufRef<'a> {
         with_elem!(Self, self, v, _E => BufRef::from(&v[range]))
     }
 
+    /// Writes its elements into `dst` as little-endian bytes of their own type.
+    ///
+    /// # Panics
+    /// If `dst` is not `len() * dtype().bytes_per_elem()` bytes long.
+    pub fn write_le_bytes(&self, dst: &mut [u8]) {
+        assert_eq!(dst.len(), self.len() * self.dtype().bytes_per_elem(), "byte and element counts differ");
+        match self {
+            Self::F32(v) => dst.chunks_exact_mut(4).zip(*v).for_each(|(d, s)| d.copy_from_slice(&s.to_le_bytes())),
+            Self::F16(v) => dst.chunks_exact_mut(2).zip(*v).for_each(|(d, s)| d.copy_from_slice(&s.to_le_bytes())),
+            Self::Bf16(v) => dst.chunks_exact_mut(2).zip(*v).for_each(|(d, s)| d.copy_from_slice(&s.to_le_bytes())),
+        }
+    }
+
     /// The values as a new f32 vector.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];
@@ -290,6 +308,9 @@ impl<'a> BufMut<'a> {
         assert_eq!(self.len(), src.len(), "flat buffer lengths differ");
         if !add {
             match (src, self.reborrow()) {
+                (BufRef::F32(s), BufMut::F32(d)) => return d.copy_from_slice(s),
+                (BufRef::F16(s), BufMut::F16(d)) => return d.copy_from_slice(s),
+                (BufRef::Bf16(s), BufMut::Bf16(d)) => return d.copy_from_slice(s),
                 (BufRef::F32(s), d) => return with_elem!(BufMut, d, d, D => D::slice_from_f32(s, d)),
                 (s, BufMut::F32(d)) => return with_elem!(BufRef, s, s, S => S::slice_to_f32(s, d)),
                 _ => {}
@@ -305,7 +326,6 @@ fn convert<S: FlatElem, D: FlatElem>(src: &[S], dst: &mut [D], add: bool) {
     if add {
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = D::from_f32(d.to_f32() + s.to_f32()));
     } else {
-        // Same-type copies compile to a plain copy: the f32 round trip is exact.
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = D::from_f32(s.to_f32()));
     }
 }

@@ -100,6 +100,34 @@ impl Precision {
         }
     }
 
+    /// Converts `bytes`, little-endian elements of this type (a file's, say), into `dst` of
+    /// any type: their bits when the types match, widened exactly into f32, else widened
+    /// and rounded as [`BufMut::copy_from`] does.
+    ///
+    /// # Panics
+    /// If `bytes` is not `dst.len()` elements long.
+    pub fn read_le_bytes(self, bytes: &[u8], dst: BufMut<'_>) {
+        assert_eq!(bytes.len(), dst.len() * self.bytes_per_elem(), "byte and element counts differ");
+        let bits = |dst: &mut [u16]| {
+            dst.iter_mut().zip(bytes.chunks_exact(2)).for_each(|(d, b)| *d = u16::from_le_bytes([b[0], b[1]]));
+        };
+        match (self, dst) {
+            (_, BufMut::F32(dst)) => self.widen_le_bytes(bytes, dst),
+            (Self::Fp16, BufMut::F16(dst)) => bits(half::slice::HalfFloatSliceExt::reinterpret_cast_mut(dst)),
+            (Self::Bf16, BufMut::Bf16(dst)) => bits(half::slice::HalfFloatSliceExt::reinterpret_cast_mut(dst)),
+            (_, mut dst) => {
+                const CHUNK: usize = 1024;
+                let mut wide = [0.0f32; CHUNK];
+                let width = self.bytes_per_elem();
+                for (at, bytes) in (0..dst.len()).step_by(CHUNK).zip(bytes.chunks(CHUNK * width)) {
+                    let wide = &mut wide[..bytes.len() / width];
+                    self.widen_le_bytes(bytes, wide);
+                    dst.reborrow().slice(at..at + wide.len()).copy_from(BufRef::F32(wide), false);
+                }
+            }
+        }
+    }
+
     /// Widens `bytes`, little-endian elements of this type (a file's, say), into `dst`
     /// (exact: every f16 and bf16 value is an f32).
     ///
@@ -192,8 +220,33 @@ mod tests {
             let mut back = vec![0.0f32; values.len()];
             dtype.widen_le_bytes(&bytes, &mut back);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&back), bits(&flat.into_f32()), "{dtype:?}");
+            assert_eq!(bits(&back), bits(&flat.clone().into_f32()), "{dtype:?}");
+            let mut written = vec![0u8; bytes.len()];
+            flat.as_ref().write_le_bytes(&mut written);
+            assert_eq!(written, expected, "{dtype:?}: written back");
+            // Into a buffer of every type: what converting the flat buffer gives, the
+            // same type's bits (a NaN's payload too) when the types match.
+            for into in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+                let mut read = FlatBuf::zeros(into, values.len());
+                dtype.read_le_bytes(&bytes, read.as_mut());
+                let mut converted = FlatBuf::zeros(into, values.len());
+                converted.as_mut().copy_from(flat.as_ref(), false);
+                let mut read_bytes = vec![0u8; values.len() * into.bytes_per_elem()];
+                let mut converted_bytes = read_bytes.clone();
+                read.as_ref().write_le_bytes(&mut read_bytes);
+                converted.as_ref().write_le_bytes(&mut converted_bytes);
+                assert_eq!(read_bytes, converted_bytes, "{dtype:?} into {into:?}");
+                if into == dtype {
+                    assert_eq!(read_bytes, bytes, "{dtype:?}: its own bits");
+                }
+            }
         }
+        // A NaN with a payload keeps it through a same-type copy (a round trip through f32
+        // would quiet or lose it).
+        let nan = half::bf16::from_bits(0x7F81);
+        let mut copy = FlatBuf::zeros(Precision::Bf16, 1);
+        copy.as_mut().copy_from(BufRef::Bf16(&[nan]), false);
+        assert!(matches!(copy, FlatBuf::Bf16(v) if v[0].to_bits() == 0x7F81));
     }
 
     /// A type holds exactly the values it narrows and widens back bit for bit, never NaN.

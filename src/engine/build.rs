@@ -6,14 +6,15 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, Tensor};
-use zerotrain_precision::{BufMut, Precision};
+use zerotrain_precision::Precision;
 use zerotrain_zero::Sharding;
 
 use super::buffers::Buffers;
+use super::first_values::FirstValues;
 use super::model::{InitialValues, UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
-use super::params::{ParamIndex, ParamShapes, is_all_lazy, read_params};
+use super::params::{ParamIndex, ParamShapes, is_all_lazy};
 use super::parts::{ALIGN_ELEMS, Declared, Parts};
 use super::report::{Peaks, Window};
 use super::shared::Shared;
@@ -301,21 +302,14 @@ fn assemble<M: Module>(
         && !span.is_pipelined();
     let shared =
         Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams, device_step };
-    let (mut units, mut transient, mut values) = (Vec::new(), 0, Vec::new());
+    let (mut units, mut transient, mut first) = (Vec::new(), 0, FirstValues::new(shared.dtype()));
     for id in 0..shared.sharding.units().len() {
-        let layout = shared.layout(id);
-        // One buffer for every unit: a fresh one each would fault in a unit's pages anew.
-        values.clear();
-        values.resize(layout.padded_elems(), 0.0f32);
         // Only the group's first rank reads (the broadcast overwrites the others' values):
         // a lazily built model is then initialised once, on one thread, in one order.
-        if shared.comm.rank() == 0 {
-            let real = BufMut::F32(&mut values[..layout.num_elems()]);
-            read_params(&model, &shared.index, &shared.sharding, id, 0..layout.num_elems(), real, initial)?;
-        }
-        shared.comm.broadcast((&mut values).into(), 0)?;
-        transient = transient.max((values.len() * (4 + shared.dtype().bytes_per_elem())) as u64);
-        let (next, unit) = Unit::new(id, &values, model, &shared, factory)?;
+        let values = first.read(&model, &shared, id, initial)?;
+        let bytes = values.len() * (values.dtype().bytes_per_elem() + shared.dtype().bytes_per_elem());
+        transient = transient.max(bytes as u64);
+        let (next, unit) = Unit::new(id, values, model, &shared, factory)?;
         model = next;
         units.push(unit);
     }

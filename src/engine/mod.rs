@@ -31,6 +31,7 @@ mod build;
 mod builtin;
 mod checkpoint;
 mod export;
+mod first_values;
 mod flat;
 mod gradients;
 mod host_adam;

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
 use zerotrain_precision::half::{bf16, f16};
-use zerotrain_precision::{FlatBuf, with_elem};
+use zerotrain_precision::{BufMut, FlatBuf, Precision, with_elem};
 
 use crate::{Error, Result};
 
@@ -125,9 +125,25 @@ pub trait UnitModel: Module {
 /// ([`UnitModel::initial_values`]): checkpoint files, typically.
 pub trait InitialValues: Send + Sync + std::fmt::Debug {
     /// Writes elements `elems` (row-major) of the parameter at module path `path` into
-    /// `dst` (`elems.len()` long), exactly as f32; a message saying what failed, naming
-    /// the file, if it cannot.
-    fn read(&self, path: &str, elems: Range<usize>, dst: &mut [f32]) -> std::result::Result<(), String>;
+    /// `dst` (`elems.len()` long): exactly, in f32 or in the type [`dtype`](Self::dtype)
+    /// says holds them (the engine asks for no other); a message saying what failed,
+    /// naming the file, if it cannot.
+    fn read(&self, path: &str, elems: Range<usize>, dst: BufMut<'_>) -> std::result::Result<(), String>;
+
+    /// A type that holds every value of the parameter at `path` exactly, if known (a
+    /// checkpoint file's dtype): when it is the compute dtype and a unit's parameters are
+    /// all lazy, the engine reads them in it, skipping f32. Default: none known.
+    fn dtype(&self, path: &str) -> Option<Precision> {
+        let _ = path;
+        None
+    }
+
+    /// A hint that the parameter at `path` will be [`read`](Self::read) soon: the engine
+    /// gives it a unit ahead, so a source on disk can read while the engine converts.
+    /// Default: nothing.
+    fn prefetch(&self, path: &str) {
+        let _ = path;
+    }
 }
 
 /// One unit: a name and the module paths of its parameters.

@@ -10,7 +10,7 @@
 //! new values in and heals it. (A swapped step reads from and writes to its files, so a
 //! failure leaves the last written values there.)
 
-use zerotrain_precision::FlatBuf;
+use zerotrain_precision::{BufMut, BufRef, FlatBuf};
 
 use super::master::Values;
 use super::optimizer::{ExportedState, StateLayout, UnitOptimizer};
@@ -131,17 +131,22 @@ pub(crate) enum ParamShard {
 }
 
 impl ParamShard {
-    /// Stage 3: where unit `id`'s parameter shard (`values`, fp32) lives: in a swap file with
+    /// Stage 3: where unit `id`'s parameter shard (`values`, in f32 or the compute dtype)
+    /// lives: in a swap file with
     /// `offload_param: nvme` (unless the unit is among the first `max_in_cpu` elements), in
     /// memory when the masters are swapped, and cast from the masters otherwise.
-    pub fn for_unit(id: usize, values: &[f32], home: &Home, shared: &Shared) -> Result<Self> {
+    pub fn for_unit(id: usize, values: BufRef<'_>, home: &Home, shared: &Shared) -> Result<Self> {
         let compute = || narrowed_on_every_core(shared.dtype(), values);
         let cached_before: u64 = (0..id).map(|u| shared.layout(u).shard_len() as u64).sum();
         let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
         match (&shared.swaps.param, home) {
             (Some(dir), _) if !in_cpu => {
                 let file = dir.file(&format!("u{id}.param"), words(shared.dtype(), values.len()))?;
-                wait(file.write(0, pack_f32(shared.dtype(), values))?)?;
+                let packed = match values {
+                    BufRef::F32(values) => pack_f32(shared.dtype(), values),
+                    compute => pack(compute),
+                };
+                wait(file.write(0, packed)?)?;
                 Ok(ParamShard::Swapped(file))
             }
             (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
@@ -178,7 +183,7 @@ impl ParamShard {
                 *held = values;
                 Ok(())
             }
-            Self::Swapped(file) => wait(file.write(0, pack(&values))?).map(drop),
+            Self::Swapped(file) => wait(file.write(0, pack(values.as_ref()))?).map(drop),
         }
     }
 
@@ -199,21 +204,31 @@ impl ParamShard {
     }
 }
 
-/// `FlatBuf::from_f32(dtype, values)` (the same bits), on every core of rayon's pool: a
+/// `values` in `dtype` (what `BufMut::copy_from` gives), on every core of rayon's pool: a
 /// unit's shard kept in memory is hundreds of megabytes of fresh pages, and touching them
 /// first costs more than converting (two thirds of an import's time per unit, measured, on
-/// one thread).
-fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: &[f32]) -> FlatBuf {
+/// one thread). The buffer comes from the system untouched, backed by huge pages where
+/// Linux grants them, and each page is written once, by the conversion.
+fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: BufRef<'_>) -> FlatBuf {
     use rayon::prelude::*;
     use zerotrain_precision::FlatElem;
-    fn narrow<E: FlatElem + Send>(values: &[f32]) -> Vec<E> {
-        let mut out = Vec::new();
-        values.par_iter().map(|&v| E::from_f32(v)).collect_into_vec(&mut out);
-        out
+    /// Elements one task converts.
+    const CHUNK: usize = 1 << 16;
+    fn narrow<E: FlatElem + Send>(values: BufRef<'_>, out: &mut [E])
+    where
+        for<'a> BufMut<'a>: From<&'a mut [E]>,
+    {
+        crate::swap::advise_huge_pages(out.as_mut_ptr().cast(), size_of_val(out));
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, out)| {
+            let at = i * CHUNK..i * CHUNK + out.len();
+            BufMut::from(out).copy_from(values.slice(at), false);
+        });
     }
-    match dtype {
-        zerotrain_precision::Precision::Fp32 => FlatBuf::F32(narrow(values)),
-        zerotrain_precision::Precision::Fp16 => FlatBuf::F16(narrow(values)),
-        zerotrain_precision::Precision::Bf16 => FlatBuf::Bf16(narrow(values)),
+    let mut buf = FlatBuf::zeros(dtype, values.len());
+    match &mut buf {
+        FlatBuf::F32(out) => narrow(values, out),
+        FlatBuf::F16(out) => narrow(values, out),
+        FlatBuf::Bf16(out) => narrow(values, out),
     }
+    buf
 }

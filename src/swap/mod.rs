@@ -17,9 +17,10 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub(crate) use io::advise_huge_pages;
 pub use io::{ALIGN, AlignedBuf, IoPool, Ticket};
 
-use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_precision::{BufRef, FlatBuf, Precision};
 
 use crate::config::AioPlan;
 use crate::{Error, Result};
@@ -222,15 +223,18 @@ pub fn words(dtype: Precision, len: usize) -> usize {
 }
 
 /// `values`' bytes as the words of an aligned buffer ([`words`] of them).
-pub fn pack(values: &FlatBuf) -> AlignedBuf {
-    if let FlatBuf::F32(v) = values {
-        return AlignedBuf::from_slice(v);
-    }
+pub fn pack(values: BufRef<'_>) -> AlignedBuf {
     let len = words(values.dtype(), values.len());
     match values {
-        FlatBuf::F32(_) => unreachable!("copied above"),
-        FlatBuf::F16(v) => AlignedBuf::from_values(len, pairs(v.iter().map(|h| h.to_bits()))),
-        FlatBuf::Bf16(v) => AlignedBuf::from_values(len, pairs(v.iter().map(|h| h.to_bits()))),
+        BufRef::F32(v) => AlignedBuf::from_slice(v),
+        // A word's bytes are its two halves' little-endian bytes, the first in the low half.
+        _ if cfg!(target_endian = "little") => {
+            let mut buf = AlignedBuf::zeroed(len);
+            values.write_le_bytes(&mut buf.bytes_mut()[..values.len() * values.dtype().bytes_per_elem()]);
+            buf
+        }
+        BufRef::F16(v) => AlignedBuf::from_values(len, pairs(v.iter().map(|h| h.to_bits()))),
+        BufRef::Bf16(v) => AlignedBuf::from_values(len, pairs(v.iter().map(|h| h.to_bits()))),
     }
 }
 
@@ -251,7 +255,7 @@ pub fn pack_f32(dtype: Precision, values: &[f32]) -> AlignedBuf {
         return AlignedBuf::from_slice(values);
     }
     if cfg!(target_endian = "big") {
-        return pack(&FlatBuf::from_f32(dtype, values));
+        return pack(FlatBuf::from_f32(dtype, values).as_ref());
     }
     let mut buf = AlignedBuf::zeroed(words(dtype, values.len()));
     dtype.narrow_to_le_bytes(values, &mut buf.bytes_mut()[..values.len() * dtype.bytes_per_elem()]);
@@ -294,7 +298,7 @@ mod tests {
         let values: Vec<f32> = (0..3001).map(|i| ((i as f32) * 0.37).sin() * 300.0).collect();
         for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
             let flat = FlatBuf::from_f32(dtype, &values);
-            let (direct, packed) = (pack_f32(dtype, &values), pack(&flat));
+            let (direct, packed) = (pack_f32(dtype, &values), pack(flat.as_ref()));
             let bits = |b: &AlignedBuf| b.as_slice().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&direct), bits(&packed), "{dtype:?}");
             assert_eq!(unpack(direct.as_slice(), dtype, values.len()), flat, "{dtype:?}");
@@ -362,7 +366,7 @@ mod tests {
         let values: Vec<f32> = (0..7).map(|i| i as f32 * 1.5 - 2.0).collect();
         for dtype in [Precision::Bf16, Precision::Fp16, Precision::Fp32] {
             let buf = FlatBuf::from_f32(dtype, &values);
-            let packed = pack(&buf);
+            let packed = pack(buf.as_ref());
             assert_eq!(packed.as_slice().len(), words(dtype, 7));
             assert_eq!(unpack(packed.as_slice(), dtype, 7), buf, "{dtype:?}");
         }

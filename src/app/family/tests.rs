@@ -66,7 +66,10 @@ fn floats<M: Module>(model: &M, read: bool) -> Vec<(String, bool, Vec<f32>)> {
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let initialised = param.is_initialized();
-            let values = if self.read { param.val().into_data().try_to_vec::<f32>().unwrap() } else { Vec::new() };
+            let values = match self.read {
+                true => param.val().into_data().convert::<f32>().try_to_vec::<f32>().unwrap(),
+                false => Vec::new(),
+            };
             self.out.push((self.path.join("."), initialised, values));
         }
     }
@@ -205,6 +208,73 @@ fn an_engine_reads_an_imported_model_straight_from_its_files() {
         let held = floats(&engine.full_model().unwrap(), true);
         let held: Vec<(String, Vec<f32>)> = held.into_iter().map(|(path, _, values)| (path, values)).collect();
         assert_eq!(held, expected, "stage {stage}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A bf16 engine over a checkpoint stored in bf16 reads those units in bf16 (f32 would hold
+/// nothing more): two thirds of the f32 path's buffers at construction, and the same
+/// training, bit for bit, as over the same model initialised first (read through f32), at
+/// stages 1 and 3, states in memory or on NVMe, on one rank and two. The head's unit holds
+/// an f16 tensor and goes through f32 either way.
+#[test]
+fn a_bf16_checkpoint_is_read_in_bf16_and_trains_as_through_f32() {
+    let dir = folder("bf16-read");
+    write(&dir, &llama_config(false), |t| {
+        for (dtype, _, bytes) in t.values_mut() {
+            let values: Vec<f32> =
+                bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            *bytes = values.iter().flat_map(|v| half::bf16::from_f32(v * 1.37).to_le_bytes()).collect();
+            *dtype = safetensors::Dtype::BF16;
+        }
+        let (dtype, _, bytes) = t.get_mut("lm_head.weight").unwrap();
+        let values: Vec<f32> =
+            bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+        *bytes = values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        *dtype = safetensors::Dtype::F16;
+    });
+    let swap = serde_json::to_string(&dir.join("swap").display().to_string()).unwrap();
+    let nvme = |max_in_cpu: f64| {
+        format!(
+            r#"{{"stage": 3, "stage3_param_persistence_threshold": 0,
+                "offload_optimizer": {{"device": "nvme", "nvme_path": {swap}}},
+                "offload_param": {{"device": "nvme", "nvme_path": {swap}, "max_in_cpu": {max_in_cpu}}}}}"#
+        )
+    };
+    let zeros = [r#"{"stage": 1}"#.to_string(), r#"{"stage": 3}"#.to_string(), nvme(0.0), nvme(1e9)];
+    for world in [1, 2] {
+        for zero in &zeros {
+            let json = format!(
+                r#"{{"train_batch_size": {world}, "train_micro_batch_size_per_gpu": 1, "bf16": {{"enabled": true}},
+                    "zero_optimization": {zero}, "zerotrain": {{"world_size": {world}}}}}"#
+            );
+            let plan = crate::Config::parse(&json, "t").unwrap().resolve(crate::Overrides::default()).unwrap();
+            let run = |initialised: bool| {
+                crate::launch(&plan, |ctx| -> crate::Result<_> {
+                    let (_, model) = import(&dir, ctx.device()).unwrap();
+                    let model = model_of(model);
+                    if initialised {
+                        floats(&model, true);
+                    }
+                    let mut engine = crate::Engine::with_units(model, &plan, &ctx)?;
+                    let transient = engine.memory_report().peak_transient;
+                    let data = burn::tensor::TensorData::new(vec![1i64, 4, 2, 7, 9, 0], [1, 6]);
+                    let ids = Tensor::<2, burn::tensor::Int>::from_data(data, ctx.device());
+                    let loss = engine.train_batch(&mut |_| ids.clone())?.loss;
+                    let held: Vec<(String, Vec<f32>)> =
+                        floats(&engine.full_model()?, true).into_iter().map(|(p, _, v)| (p, v)).collect();
+                    Ok((transient, loss.to_bits(), held))
+                })
+                .unwrap()
+            };
+            let (direct, through_f32) = (run(false), run(true));
+            for (rank, (d, f)) in direct.iter().zip(&through_f32).enumerate() {
+                let case = format!("{world} rank(s), rank {rank}, {zero}");
+                // The largest unit is a layer: 2 + 2 bytes an element against 4 + 2.
+                assert_eq!(d.0 * 3, f.0 * 2, "{case}: construction buffers, bf16 against f32");
+                assert_eq!((d.1, &d.2), (f.1, &f.2), "{case}: loss and parameters after a step");
+            }
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -12,6 +12,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::Precision;
 use crate::app::file_error::FileError;
+use zerotrain_precision::{BufMut, with_elem};
 
 /// The single-file checkpoint's name.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -112,25 +113,40 @@ impl TensorFiles {
     /// The tensor's values as f32 (exact from f16 and bf16), as [`read_into`](Self::read_into).
     pub fn read_f32(&self, entry: &TensorEntry) -> Vec<f32> {
         let mut values = vec![0.0; entry.shape.iter().product()];
-        self.read_into(entry, 0..values.len(), &mut values);
+        self.read_into(entry, 0..values.len(), BufMut::F32(&mut values));
         values
     }
 
-    /// Elements `elems` (row-major) of the tensor into `dst`, as f32 (exact from f16 and
-    /// bf16). The dtype was checked by [`check_float`]. The pages read are then dropped
+    /// Asks the kernel to read `entry`'s bytes into the page cache, in order, without
+    /// waiting for them (a thread reading ahead of [`read_into`](Self::read_into)).
+    pub fn will_need(&self, entry: &TensorEntry) {
+        let map = &self.files[entry.file].1;
+        // Pieces of a few megabytes, so the reading starts with the tensor's first bytes.
+        for at in entry.range.clone().step_by(8 << 20) {
+            let _ = map.advise_range(memmap2::Advice::WillNeed, at, (entry.range.end - at).min(8 << 20));
+        }
+    }
+
+    /// The type the tensor's values are stored in (checked by [`check_float`]).
+    pub fn dtype(entry: &TensorEntry) -> Precision {
+        match entry.dtype {
+            Dtype::F32 => Precision::Fp32,
+            Dtype::F16 => Precision::Fp16,
+            Dtype::BF16 => Precision::Bf16,
+            other => unreachable!("check_float refuses {other:?}"),
+        }
+    }
+
+    /// Elements `elems` (row-major) of the tensor into `dst`, in `dst`'s dtype
+    /// ([`Precision::read_le_bytes`]: exact into f32 or the tensor's own dtype). The pages read are then dropped
     /// from the map (they are the file's and are read again if needed): otherwise every
     /// page an import touches stays resident, and by its end the process would hold the
     /// whole checkpoint.
     ///
     /// # Panics
     /// If `elems` runs past the tensor or `dst` is not `elems.len()` long.
-    pub fn read_into(&self, entry: &TensorEntry, elems: std::ops::Range<usize>, dst: &mut [f32]) {
-        let dtype = match entry.dtype {
-            Dtype::F32 => Precision::Fp32,
-            Dtype::F16 => Precision::Fp16,
-            Dtype::BF16 => Precision::Bf16,
-            other => unreachable!("check_float refuses {other:?}"),
-        };
+    pub fn read_into(&self, entry: &TensorEntry, elems: std::ops::Range<usize>, dst: BufMut<'_>) {
+        let dtype = Self::dtype(entry);
         let width = dtype.bytes_per_elem();
         let at = entry.range.start + elems.start * width..entry.range.start + elems.end * width;
         assert!(at.end <= entry.range.end, "elements {elems:?} run past the tensor");
@@ -139,7 +155,9 @@ impl TensorFiles {
         const CHUNK: usize = 1 << 16;
         use rayon::prelude::*;
         let bytes = map[at.clone()].par_chunks(CHUNK * width);
-        dst.par_chunks_mut(CHUNK).zip(bytes).for_each(|(dst, bytes)| dtype.widen_le_bytes(bytes, dst));
+        with_elem!(BufMut, dst, dst, _E => {
+            dst.par_chunks_mut(CHUNK).zip(bytes).for_each(|(dst, bytes)| dtype.read_le_bytes(bytes, dst.into()))
+        });
         #[cfg(unix)]
         // SAFETY: the map is a read-only private file mapping and no slice of it is held
         // any more; dropped pages of such a mapping read back from the file unchanged.

@@ -12,8 +12,10 @@ use burn::module::{Param, ParamId};
 use burn::nn::Initializer;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
 
-use super::files::{TensorFiles, check_float};
+use super::files::{TensorEntry, TensorFiles, check_float};
+use crate::Precision;
 use crate::engine::InitialValues;
+use zerotrain_precision::BufMut;
 
 /// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
 #[derive(Debug, Clone, Copy)]
@@ -113,7 +115,7 @@ impl Weights {
     /// fresh ones.
     pub fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
         let files = Arc::clone(self.files.as_ref()?);
-        Some(Arc::new(FileValues { files, alias: self.alias }))
+        Some(Arc::new(FileValues { files, alias: self.alias, reader: std::sync::Mutex::new(None) }))
     }
 
     /// Every (module path, shape) asked for, in order.
@@ -151,6 +153,15 @@ impl Weights {
 struct FileValues {
     files: Arc<TensorFiles>,
     alias: fn(&str) -> Option<String>,
+    /// The thread reading ahead ([`InitialValues::prefetch`]), started by the first hint; it
+    /// ends when this is dropped.
+    reader: std::sync::Mutex<Option<std::sync::mpsc::Sender<String>>>,
+}
+
+/// The file entry of the parameter at module path `path`, under its own name or the one
+/// `alias` gives.
+fn entry<'a>(files: &'a TensorFiles, alias: fn(&str) -> Option<String>, path: &str) -> Option<&'a TensorEntry> {
+    files.get(path).or_else(|| alias(path).and_then(|name| files.get(&name)))
 }
 
 impl std::fmt::Debug for FileValues {
@@ -160,12 +171,9 @@ impl std::fmt::Debug for FileValues {
 }
 
 impl InitialValues for FileValues {
-    fn read(&self, path: &str, elems: Range<usize>, dst: &mut [f32]) -> Result<(), String> {
+    fn read(&self, path: &str, elems: Range<usize>, dst: BufMut<'_>) -> Result<(), String> {
         let files = &self.files;
-        let entry = files
-            .get(path)
-            .or_else(|| (self.alias)(path).and_then(|name| files.get(&name)))
-            .ok_or_else(|| format!("no file holds tensor `{path}`"))?;
+        let entry = entry(files, self.alias, path).ok_or_else(|| format!("no file holds tensor `{path}`"))?;
         let len: usize = entry.shape.iter().product();
         if elems.end > len || dst.len() != elems.len() {
             let at = files.file_of(entry).display();
@@ -173,5 +181,29 @@ impl InitialValues for FileValues {
         }
         files.read_into(entry, elems, dst);
         Ok(())
+    }
+
+    fn dtype(&self, path: &str) -> Option<Precision> {
+        entry(&self.files, self.alias, path).map(TensorFiles::dtype)
+    }
+
+    /// Hands the tensor's name to a thread of its own, which asks the kernel to read its
+    /// bytes into the page cache: the engine's threads then find them there instead of
+    /// waiting on each page of the map in turn.
+    fn prefetch(&self, path: &str) {
+        let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        let sender = reader.get_or_insert_with(|| {
+            let (sender, names) = std::sync::mpsc::channel::<String>();
+            let (files, alias) = (Arc::clone(&self.files), self.alias);
+            std::thread::spawn(move || {
+                for path in names {
+                    if let Some(entry) = entry(&files, alias, &path) {
+                        files.will_need(entry);
+                    }
+                }
+            });
+            sender
+        });
+        let _ = sender.send(path.to_owned());
     }
 }

@@ -25,8 +25,9 @@ mod device;
 mod index;
 
 /// Copies the part of unit `unit`'s parameters that falls in `range` (of the unit's flat
-/// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is). A
-/// parameter still lazy is read from `values` when given, and is left uninitialised.
+/// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is), every
+/// element of it (an error otherwise: the model is not the one the sharding was made from).
+/// A parameter still lazy is read from `values` when given, and is left uninitialised.
 pub(crate) fn read_params<M: Module>(
     model: &M,
     index: &ParamIndex,
@@ -42,6 +43,7 @@ pub(crate) fn read_params<M: Module>(
         range: std::ops::Range<usize>,
         dst: BufMut<'a>,
         values: Option<&'a dyn InitialValues>,
+        written: usize,
         error: Option<Error>,
     }
     impl ModuleVisitor for Reader<'_> {
@@ -50,6 +52,7 @@ pub(crate) fn read_params<M: Module>(
             let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
             let Some(segment) = entry.segment(self.range.clone()).filter(|_| self.error.is_none()) else { return };
             let at = segment.flat_range.start - self.range.start..segment.flat_range.end - self.range.start;
+            self.written += at.len();
             let mut dst = self.dst.reborrow().slice(at);
             let read = match self.values.filter(|_| !param.is_initialized()) {
                 Some(values) => read_initial(values, &entry.path, segment.param_range, dst),
@@ -62,24 +65,69 @@ pub(crate) fn read_params<M: Module>(
             self.error = read.err();
         }
     }
+    let real = sharding.units()[unit].layout.num_elems();
+    let expected = range.end.min(real).saturating_sub(range.start.min(real));
     let walk = Walk { index, sharding, position: 0 };
-    let mut reader = Reader { walk, unit, range, dst, values, error: None };
+    let mut reader = Reader { walk, unit, range, dst, values, written: 0, error: None };
     model.visit(&mut reader);
-    reader.error.map_or(Ok(()), Err)
+    match reader.error {
+        Some(error) => Err(error),
+        None if reader.written != expected => Err(Error::Model(format!(
+            "unit {unit}: the model's parameters gave {} of the {expected} values asked for; the model is not \
+             the one the engine was built for",
+            reader.written
+        ))),
+        None => Ok(()),
+    }
 }
 
-/// Elements `elems` of parameter `path` from `values` into `dst`.
-fn read_initial(values: &dyn InitialValues, path: &str, elems: Range<usize>, dst: BufMut<'_>) -> Result<()> {
+/// Elements `elems` of parameter `path` from `values` into `dst` (in f32, or in the dtype
+/// `values` holds the parameter in: [`initial_dtype`]).
+fn read_initial(values: &dyn InitialValues, path: &str, elems: Range<usize>, mut dst: BufMut<'_>) -> Result<()> {
     let fail = |why: String| Error::Model(format!("the initial values of parameter `{path}`: {why}"));
-    match dst {
-        BufMut::F32(dst) => values.read(path, elems, dst).map_err(fail),
-        mut other => {
+    match dst.dtype() {
+        Precision::Fp32 => values.read(path, elems, dst).map_err(fail),
+        dtype if values.dtype(path) == Some(dtype) => values.read(path, elems, dst).map_err(fail),
+        _ => {
             let mut f32s = vec![0.0; elems.len()];
-            values.read(path, elems, &mut f32s).map_err(fail)?;
-            other.copy_from(BufRef::F32(&f32s), false);
+            values.read(path, elems, BufMut::F32(&mut f32s)).map_err(fail)?;
+            dst.copy_from(BufRef::F32(&f32s), false);
             Ok(())
         }
     }
+}
+
+/// The dtype unit `unit`'s first values can be read in without loss: `values`' dtype for
+/// them when every parameter of the unit is still lazy and `values` holds all of them in
+/// one dtype; `None` otherwise (read them in f32).
+pub(crate) fn initial_dtype<M: Module>(
+    model: &M,
+    index: &ParamIndex,
+    sharding: &Sharding,
+    unit: usize,
+    values: &dyn InitialValues,
+) -> Option<Precision> {
+    struct Ask<'a> {
+        walk: Walk<'a>,
+        unit: usize,
+        values: &'a dyn InitialValues,
+        /// `None` before the first parameter; then the dtype so far, `None` once mixed.
+        dtype: Option<Option<Precision>>,
+    }
+    impl ModuleVisitor for Ask<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some((unit, e)) = self.walk.next().filter(|(u, _)| *u == self.unit) else { return };
+            let path = &self.walk.sharding.units()[unit].layout.entries()[e].path;
+            let this = (!param.is_initialized()).then(|| self.values.dtype(path)).flatten();
+            self.dtype = Some(match self.dtype {
+                None => this,
+                Some(so_far) => so_far.filter(|_| so_far == this),
+            });
+        }
+    }
+    let mut ask = Ask { walk: Walk { index, sharding, position: 0 }, unit, values, dtype: None };
+    model.visit(&mut ask);
+    ask.dtype.flatten()
 }
 
 /// `param` holding `tensor`, keeping its id. A lazy parameter not initialised yet is
@@ -242,8 +290,9 @@ pub(crate) enum Fill<'a> {
     /// which keep their current value.
     Release(&'a [bool]),
     /// Stage 3's released state from the start: the entries marked `keep` get their values
-    /// from the unit's fp32 flat buffer `values`, in `dtype`; the others are empty.
-    Resident { values: &'a [f32], keep: &'a [bool], dtype: Precision },
+    /// from the unit's flat buffer `values` (f32, or `dtype` already), in `dtype`; the
+    /// others are empty.
+    Resident { values: BufRef<'a>, keep: &'a [bool], dtype: Precision },
 }
 
 /// Replaces unit `unit`'s trainable parameters in the module, keeping their ids.
@@ -259,7 +308,7 @@ pub(crate) fn write_params<M: Module>(
     enum Source<'a> {
         Owned(Vec<Option<FlatBuf>>),
         Release(&'a [bool]),
-        Resident(&'a [f32], &'a [bool], Precision),
+        Resident(BufRef<'a>, &'a [bool], Precision),
     }
     struct Writer<'a> {
         walk: Walk<'a>,
@@ -278,7 +327,8 @@ pub(crate) fn write_params<M: Module>(
                     with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
                 }
                 Source::Resident(values, keep, dtype) if keep[e] => {
-                    let part = FlatBuf::from_f32(*dtype, &values[entry.flat_range()]);
+                    let mut part = FlatBuf::zeros(*dtype, entry.num_elems);
+                    part.as_mut().copy_from(values.slice(entry.flat_range()), false);
                     with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
                 }
                 Source::Release(keep) if keep[e] => return param,

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Tensor;
-use zerotrain_precision::{BufMut, FlatBuf, Precision};
+use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision};
 use zerotrain_zero::{Pending, Request, ZeroStage};
 
 use super::accumulation::{ReduceOptions, UnitGrad};
@@ -60,12 +60,13 @@ pub(crate) struct Unit {
 }
 
 impl Unit {
-    /// Unit `id`, starting from `values` (its whole flat buffer in fp32, identical on every
-    /// rank): writes them into `model` in the compute dtype, keeps the masters and optimizer
-    /// state where the plan's tiers say, and at stage 3 releases the unit. Returns the model.
+    /// Unit `id`, starting from `values` (its whole flat buffer, identical on every rank, in
+    /// fp32 or in the compute dtype): writes them into `model` in the compute dtype, keeps
+    /// the masters and optimizer state where the plan's tiers say, and at stage 3 releases
+    /// the unit. Returns the model.
     pub fn new<M: Module>(
         id: usize,
-        values: &[f32],
+        values: BufRef<'_>,
         model: M,
         shared: &Shared,
         factory: &OptimizerFactory,
@@ -77,7 +78,11 @@ impl Unit {
         // At stage 3 the unit starts released: only its resident parameters get values.
         let (fill, presence) = match stage.shards_parameters() {
             true => (Fill::Resident { values, keep: &resident, dtype: shared.dtype() }, Presence::Released),
-            false => (Fill::Take(FlatBuf::from_f32(shared.dtype(), &values[..layout.num_elems()])), Presence::Gathered),
+            false => {
+                let mut flat = FlatBuf::zeros(shared.dtype(), layout.num_elems());
+                flat.as_mut().copy_from(values.slice(0..layout.num_elems()), false);
+                (Fill::Take(flat), Presence::Gathered)
+            }
         };
         let model = write_params(model, &shared.index, &shared.sharding, id, fill, &shared.device);
         let range = shared.optimizer_range(id);
@@ -85,10 +90,13 @@ impl Unit {
         let fp32 = shared.dtype() == Precision::Fp32;
         let home = match &shared.swaps.optimizer {
             Some(dir) => {
-                let first = match (fp32, shared.dtype().holds_exactly(&values[range.clone()])) {
-                    (true, _) => FirstMasters::Parameters,
-                    (false, true) => FirstMasters::ParametersUntilStepped,
-                    (false, false) => FirstMasters::Values(&values[range.clone()]),
+                let first = match values {
+                    _ if fp32 => FirstMasters::Parameters,
+                    BufRef::F32(values) if !holds_exactly(shared.dtype(), &values[range.clone()]) => {
+                        FirstMasters::Values(&values[range.clone()])
+                    }
+                    // Values in the compute dtype are exact in it.
+                    _ => FirstMasters::ParametersUntilStepped,
                 };
                 let with = SwappedOptimizerSetup { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
                 let swapped = SwappedOptimizer::new(id, range.len(), &segments, first, &with)?;
@@ -98,7 +106,7 @@ impl Unit {
                 let master = match (stage.shards_parameters(), fp32) {
                     (false, true) => Master::InModel,
                     _ => Master::Held(Some(Values::new(
-                        values[range.clone()].to_vec(),
+                        values.slice(range.clone()).to_f32(),
                         shared.states_on_host(),
                         &shared.state_device(),
                     ))),
@@ -116,7 +124,7 @@ impl Unit {
             }
         };
         let shard = if stage.shards_parameters() {
-            ParamShard::for_unit(id, &values[range], &home, shared)?
+            ParamShard::for_unit(id, values.slice(range), &home, shared)?
         } else {
             ParamShard::FromMaster
         };
@@ -359,4 +367,11 @@ fn read(values: &Values, dtype: Precision, shared: &Shared) -> Result<FlatBuf> {
         shared.crossed(false, buf.bytes());
     }
     Ok(buf)
+}
+
+/// Whether `dtype` holds every one of `values` exactly, asked on every core of rayon's pool (a
+/// unit's values at import are hundreds of megabytes).
+fn holds_exactly(dtype: Precision, values: &[f32]) -> bool {
+    use rayon::prelude::*;
+    values.par_chunks(1 << 16).all(|chunk| dtype.holds_exactly(chunk))
 }
