@@ -207,8 +207,10 @@ impl ParamShard {
 /// `values` in `dtype` (what `BufMut::copy_from` gives), on every core of rayon's pool: a
 /// unit's shard kept in memory is hundreds of megabytes of fresh pages, and touching them
 /// first costs more than converting (two thirds of an import's time per unit, measured, on
-/// one thread). The buffer comes from the system untouched, backed by huge pages where
-/// Linux grants them, and each page is written once, by the conversion.
+/// one thread). The buffer comes from the system untouched, and each page is written once,
+/// by the conversion. (Not huge pages: measured, they halve the time when the kernel has
+/// free 2 MiB blocks at hand and multiply it by 2-3 when it must compact memory to find
+/// them, as after another process's run; 4 KiB pages cost the same every time.)
 fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: BufRef<'_>) -> FlatBuf {
     use rayon::prelude::*;
     use zerotrain_precision::FlatElem;
@@ -218,7 +220,6 @@ fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: BufRef<
     where
         for<'a> BufMut<'a>: From<&'a mut [E]>,
     {
-        crate::swap::advise_huge_pages(out.as_mut_ptr().cast(), size_of_val(out));
         out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, out)| {
             let at = i * CHUNK..i * CHUNK + out.len();
             BufMut::from(out).copy_from(values.slice(at), false);

@@ -129,10 +129,7 @@ impl AlignedBuf {
 /// megabytes that come fresh from the OS: 4 KiB pages make every first touch of each page a
 /// fault, which measured as most of an import's time; 2 MiB pages fault 512 times less. A
 /// kernel that refuses the advice keeps small pages, which are only slower.
-/// Asks Linux to back the 2 MiB-aligned middle of `bytes` bytes from `ptr` (a live
-/// allocation, not touched yet) with transparent huge pages: one fault per 2 MiB instead of
-/// one per 4 KiB when it is first written. Advice only; other systems ignore it.
-pub(crate) fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
+fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
     const HUGE: usize = 2 << 20;
     if bytes < 2 * HUGE {
         return;

@@ -17,7 +17,6 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub(crate) use io::advise_huge_pages;
 pub use io::{ALIGN, AlignedBuf, IoPool, Ticket};
 
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
