@@ -162,8 +162,13 @@ impl FlatBuf {
 
     /// `values` converted to `dtype`.
     pub fn from_f32(dtype: Precision, values: &[f32]) -> Self {
+        Self::from_buf(dtype, BufRef::F32(values))
+    }
+
+    /// `values` (any dtype) in `dtype`, as [`BufMut::copy_from`] converts them.
+    pub fn from_buf(dtype: Precision, values: BufRef<'_>) -> Self {
         let mut buf = Self::zeros(dtype, values.len());
-        buf.as_mut().copy_from(BufRef::F32(values), false);
+        buf.as_mut().copy_from(values, false);
         buf
     }
 

@@ -63,10 +63,11 @@ impl FirstValues {
         };
         if lead {
             if let Some(initial) = initial {
-                // This unit's values and the next one's are asked for ahead (this one's
-                // only at the first: it was the next one before).
+                // The next unit's values are asked for ahead (and the first unit's own: no
+                // unit before it asked).
                 let units = shared.sharding.units();
-                let ahead = &units[if id == 0 { 0 } else { id + 1 }.min(units.len())..(id + 2).min(units.len())];
+                let (first, end) = (if id == 0 { 0 } else { id + 1 }, (id + 2).min(units.len()));
+                let ahead = &units[first.min(end)..end];
                 ahead.iter().flat_map(|u| u.layout.entries()).for_each(|entry| initial.prefetch(&entry.path));
             }
             let values = buf.reborrow().slice(0..real);

@@ -136,7 +136,7 @@ impl ParamShard {
     /// `offload_param: nvme` (unless the unit is among the first `max_in_cpu` elements), in
     /// memory when the masters are swapped, and cast from the masters otherwise.
     pub fn for_unit(id: usize, values: BufRef<'_>, home: &Home, shared: &Shared) -> Result<Self> {
-        let compute = || narrowed_on_every_core(shared.dtype(), values);
+        let compute = || converted_on_every_core(shared.dtype(), values);
         let cached_before: u64 = (0..id).map(|u| shared.layout(u).shard_len() as u64).sum();
         let in_cpu = cached_before + values.len() as u64 <= shared.plan.zero.offload.max_in_cpu;
         match (&shared.swaps.param, home) {
@@ -211,12 +211,12 @@ impl ParamShard {
 /// by the conversion. (Not huge pages: measured, they halve the time when the kernel has
 /// free 2 MiB blocks at hand and multiply it by 2-3 when it must compact memory to find
 /// them, as after another process's run; 4 KiB pages cost the same every time.)
-fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: BufRef<'_>) -> FlatBuf {
+fn converted_on_every_core(dtype: zerotrain_precision::Precision, values: BufRef<'_>) -> FlatBuf {
     use rayon::prelude::*;
     use zerotrain_precision::FlatElem;
     /// Elements one task converts.
     const CHUNK: usize = 1 << 16;
-    fn narrow<E: FlatElem + Send>(values: BufRef<'_>, out: &mut [E])
+    fn convert<E: FlatElem + Send>(values: BufRef<'_>, out: &mut [E])
     where
         for<'a> BufMut<'a>: From<&'a mut [E]>,
     {
@@ -227,9 +227,9 @@ fn narrowed_on_every_core(dtype: zerotrain_precision::Precision, values: BufRef<
     }
     let mut buf = FlatBuf::zeros(dtype, values.len());
     match &mut buf {
-        FlatBuf::F32(out) => narrow(values, out),
-        FlatBuf::F16(out) => narrow(values, out),
-        FlatBuf::Bf16(out) => narrow(values, out),
+        FlatBuf::F32(out) => convert(values, out),
+        FlatBuf::F16(out) => convert(values, out),
+        FlatBuf::Bf16(out) => convert(values, out),
     }
     buf
 }

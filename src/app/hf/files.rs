@@ -32,6 +32,18 @@ pub struct TensorEntry {
     range: std::ops::Range<usize>,
 }
 
+impl TensorEntry {
+    /// The type its values are stored in (checked by [`check_float`]).
+    pub fn precision(&self) -> Precision {
+        match self.dtype {
+            Dtype::F32 => Precision::Fp32,
+            Dtype::F16 => Precision::Fp16,
+            Dtype::BF16 => Precision::Bf16,
+            other => unreachable!("check_float refuses {other:?}"),
+        }
+    }
+}
+
 /// A checkpoint's tensors by name, over its memory-mapped files.
 #[derive(Debug)]
 pub struct TensorFiles {
@@ -127,26 +139,16 @@ impl TensorFiles {
         }
     }
 
-    /// The type the tensor's values are stored in (checked by [`check_float`]).
-    pub fn dtype(entry: &TensorEntry) -> Precision {
-        match entry.dtype {
-            Dtype::F32 => Precision::Fp32,
-            Dtype::F16 => Precision::Fp16,
-            Dtype::BF16 => Precision::Bf16,
-            other => unreachable!("check_float refuses {other:?}"),
-        }
-    }
-
     /// Elements `elems` (row-major) of the tensor into `dst`, in `dst`'s dtype
-    /// ([`Precision::read_le_bytes`]: exact into f32 or the tensor's own dtype). The pages read are then dropped
-    /// from the map (they are the file's and are read again if needed): otherwise every
+    /// ([`Precision::read_le_bytes`]: exact into f32 or the tensor's own dtype). The pages
+    /// read are then dropped from the map (they are the file's and are read again if needed): otherwise every
     /// page an import touches stays resident, and by its end the process would hold the
     /// whole checkpoint.
     ///
     /// # Panics
     /// If `elems` runs past the tensor or `dst` is not `elems.len()` long.
     pub fn read_into(&self, entry: &TensorEntry, elems: std::ops::Range<usize>, dst: BufMut<'_>) {
-        let dtype = Self::dtype(entry);
+        let dtype = entry.precision();
         let width = dtype.bytes_per_elem();
         let at = entry.range.start + elems.start * width..entry.range.start + elems.end * width;
         assert!(at.end <= entry.range.end, "elements {elems:?} run past the tensor");

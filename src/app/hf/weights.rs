@@ -184,7 +184,7 @@ impl InitialValues for FileValues {
     }
 
     fn dtype(&self, path: &str) -> Option<Precision> {
-        entry(&self.files, self.alias, path).map(TensorFiles::dtype)
+        entry(&self.files, self.alias, path).map(TensorEntry::precision)
     }
 
     /// Hands the tensor's name to a thread of its own, which asks the kernel to read its

@@ -5,8 +5,6 @@
 //! Which float tensor is which parameter is `index`'s business (its note: identifying
 //! parameters).
 
-use std::ops::Range;
-
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
@@ -17,12 +15,14 @@ use zerotrain_zero::Sharding;
 pub(crate) use self::device::{read_range, write_unit};
 use self::index::Walk;
 pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_lazy};
+pub(crate) use self::initial::initial_dtype;
 use super::flat::Flat;
 use super::model::InitialValues;
 use crate::{Error, Result};
 
 mod device;
 mod index;
+mod initial;
 
 /// Copies the part of unit `unit`'s parameters that falls in `range` (of the unit's flat
 /// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is), every
@@ -55,7 +55,7 @@ pub(crate) fn read_params<M: Module>(
             self.written += at.len();
             let mut dst = self.dst.reborrow().slice(at);
             let read = match self.values.filter(|_| !param.is_initialized()) {
-                Some(values) => read_initial(values, &entry.path, segment.param_range, dst),
+                Some(values) => initial::read(values, &entry.path, segment.param_range, dst),
                 None => {
                     let data = param.val().into_data();
                     as_flat(&data, &entry.path, entry.num_elems)
@@ -79,55 +79,6 @@ pub(crate) fn read_params<M: Module>(
         ))),
         None => Ok(()),
     }
-}
-
-/// Elements `elems` of parameter `path` from `values` into `dst` (in f32, or in the dtype
-/// `values` holds the parameter in: [`initial_dtype`]).
-fn read_initial(values: &dyn InitialValues, path: &str, elems: Range<usize>, mut dst: BufMut<'_>) -> Result<()> {
-    let fail = |why: String| Error::Model(format!("the initial values of parameter `{path}`: {why}"));
-    match dst.dtype() {
-        Precision::Fp32 => values.read(path, elems, dst).map_err(fail),
-        dtype if values.dtype(path) == Some(dtype) => values.read(path, elems, dst).map_err(fail),
-        _ => {
-            let mut f32s = vec![0.0; elems.len()];
-            values.read(path, elems, BufMut::F32(&mut f32s)).map_err(fail)?;
-            dst.copy_from(BufRef::F32(&f32s), false);
-            Ok(())
-        }
-    }
-}
-
-/// The dtype unit `unit`'s first values can be read in without loss: `values`' dtype for
-/// them when every parameter of the unit is still lazy and `values` holds all of them in
-/// one dtype; `None` otherwise (read them in f32).
-pub(crate) fn initial_dtype<M: Module>(
-    model: &M,
-    index: &ParamIndex,
-    sharding: &Sharding,
-    unit: usize,
-    values: &dyn InitialValues,
-) -> Option<Precision> {
-    struct Ask<'a> {
-        walk: Walk<'a>,
-        unit: usize,
-        values: &'a dyn InitialValues,
-        /// `None` before the first parameter; then the dtype so far, `None` once mixed.
-        dtype: Option<Option<Precision>>,
-    }
-    impl ModuleVisitor for Ask<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some((unit, e)) = self.walk.next().filter(|(u, _)| *u == self.unit) else { return };
-            let path = &self.walk.sharding.units()[unit].layout.entries()[e].path;
-            let this = (!param.is_initialized()).then(|| self.values.dtype(path)).flatten();
-            self.dtype = Some(match self.dtype {
-                None => this,
-                Some(so_far) => so_far.filter(|_| so_far == this),
-            });
-        }
-    }
-    let mut ask = Ask { walk: Walk { index, sharding, position: 0 }, unit, values, dtype: None };
-    model.visit(&mut ask);
-    ask.dtype.flatten()
 }
 
 /// `param` holding `tensor`, keeping its id. A lazy parameter not initialised yet is
@@ -327,8 +278,7 @@ pub(crate) fn write_params<M: Module>(
                     with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
                 }
                 Source::Resident(values, keep, dtype) if keep[e] => {
-                    let mut part = FlatBuf::zeros(*dtype, entry.num_elems);
-                    part.as_mut().copy_from(values.slice(entry.flat_range()), false);
+                    let part = FlatBuf::from_buf(*dtype, values.slice(entry.flat_range()));
                     with_elem!(FlatBuf, part, v, _E => TensorData::new(v, shape))
                 }
                 Source::Release(keep) if keep[e] => return param,

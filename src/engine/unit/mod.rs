@@ -79,8 +79,7 @@ impl Unit {
         let (fill, presence) = match stage.shards_parameters() {
             true => (Fill::Resident { values, keep: &resident, dtype: shared.dtype() }, Presence::Released),
             false => {
-                let mut flat = FlatBuf::zeros(shared.dtype(), layout.num_elems());
-                flat.as_mut().copy_from(values.slice(0..layout.num_elems()), false);
+                let flat = FlatBuf::from_buf(shared.dtype(), values.slice(0..layout.num_elems()));
                 (Fill::Take(flat), Presence::Gathered)
             }
         };
