@@ -373,3 +373,29 @@ pub(crate) fn write_global<M: Module>(
     }
     model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, values, dtype, device })
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::{Linear, LinearConfig};
+
+    use super::*;
+
+    /// Reading a unit covers every element asked for, or says which model is wrong: a model
+    /// that lacks a parameter the sharding was made with leaves part of the buffer unread,
+    /// which is an error, not stale values.
+    #[test]
+    fn a_unit_read_from_another_model_is_an_error() {
+        let device = Device::flex().autodiff();
+        let linear: Linear = LinearConfig::new(3, 2).init(&device);
+        let (params, index) = ParamIndex::scan(&linear);
+        assert_eq!(params.iter().map(|(_, shape)| shape.iter().product::<usize>()).sum::<usize>(), 8);
+        let unit_of = vec![Some(0); params.len()];
+        let sharding = Sharding::new(params, &unit_of, vec!["all".into()], 1, 1).unwrap();
+        let mut out = vec![f32::NAN; 8];
+        read_params(&linear, &index, &sharding, 0, 0..8, BufMut::F32(&mut out), None).unwrap();
+        assert!(out.iter().all(|v| v.is_finite()), "every element read: {out:?}");
+        let unbiased: Linear = LinearConfig::new(3, 2).with_bias(false).init(&device);
+        let error = read_params(&unbiased, &index, &sharding, 0, 0..8, BufMut::F32(&mut out), None).unwrap_err();
+        assert!(error.to_string().contains("gave 6 of the 8 values"), "{error}");
+    }
+}
