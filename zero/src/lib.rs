@@ -53,7 +53,8 @@ pub mod sharding;
 mod stage;
 
 pub use collective::{
-    Collective, CommStats, CommThread, Completed, OpStats, Pending, ReduceOp, Request, ThreadComm, ThreadWorld,
+    Collective, CommStats, CommThread, Completed, DeviceBuf, DeviceCall, DeviceOp, OpStats, Pending, ReduceOp, Request,
+    ThreadComm, ThreadWorld,
 };
 pub use error::ZeroError;
 pub use layout::{FlatEntry, FlatLayout, Segment};

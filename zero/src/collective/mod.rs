@@ -11,6 +11,7 @@
 //! volumes (2Ψ, 3Ψ) stay comparable across backends. A point-to-point message counts its
 //! bytes as sent on the sender and as received on the receiver.
 
+pub mod device;
 #[cfg(feature = "mpi")]
 mod mpi;
 pub mod nccl;
@@ -26,6 +27,7 @@ pub use zerotrain_precision::{BufMut, BufRef};
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{LAUNCHER_GONE_EXIT_CODE, MpiComm};
+pub use device::{DeviceBuf, DeviceCall, DeviceOp};
 pub use request::{Completed, Pending, Request};
 pub use threads::{ThreadComm, ThreadWorld};
 pub use worker::CommThread;
@@ -106,6 +108,17 @@ pub trait Collective: Send + Sync {
     /// place in the order of this rank's collectives is the moment of this call.
     fn start(&self, request: Request) -> Pending {
         Pending::ready(request.run(self))
+    }
+    /// Whether [`on_device`](Self::on_device) runs collectives on the memory of the rank's
+    /// GPU (NCCL's do); the host backends' (the default) do not.
+    fn reads_device_memory(&self) -> bool {
+        false
+    }
+    /// Runs `call` on buffers in the memory of the rank's GPU (the notes in [`device`]),
+    /// returning once its work there has finished. A backend whose collectives read host
+    /// memory (the default) refuses it, naming the call.
+    fn on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
+        Err(call.refused(self.rank()))
     }
     /// Marks the job failed: every rank's pending and future collectives return
     /// [`ZeroError::Aborted`] naming this rank and `reason`.

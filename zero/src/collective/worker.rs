@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use zerotrain_precision::{BufMut, BufRef};
 
-use super::{Collective, CommStats, Pending, ReduceOp, Request};
+use super::{Collective, CommStats, DeviceCall, Pending, ReduceOp, Request};
 use crate::ZeroError;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
@@ -217,6 +217,15 @@ impl Collective for CommThread {
             Ok(()) => Pending::running(rx),
             Err(e) => Pending::ready(Err(e)),
         }
+    }
+
+    fn reads_device_memory(&self) -> bool {
+        self.target().reads_device_memory()
+    }
+
+    /// Runs on the thread, which the NCCL communicator belongs to.
+    fn on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
+        self.call(move |comm| comm.on_device(call))
     }
 
     /// Aborts at once, from the calling thread: the communication thread may be waiting

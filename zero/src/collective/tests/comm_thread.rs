@@ -96,11 +96,13 @@ fn aborting_releases_a_request_waiting_on_the_comm_thread() {
     assert!(comm.barrier().is_err());
 }
 
-/// A collective that records the thread each of its handles (and its splits') is dropped on.
+/// A collective that records the thread each of its handles (and its splits') is dropped on,
+/// and the threads its device calls run on (it claims to read device memory, as NCCL does).
 struct Recorder {
     inner: Arc<dyn Collective>,
     made_on: std::thread::ThreadId,
     drops: Arc<std::sync::Mutex<Vec<(std::thread::ThreadId, std::thread::ThreadId)>>>,
+    device_calls: Arc<std::sync::Mutex<Vec<(std::thread::ThreadId, DeviceCall)>>>,
 }
 
 impl Drop for Recorder {
@@ -140,7 +142,14 @@ impl Collective for Recorder {
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
         let inner = self.inner.split(color, key)?;
         let (made_on, drops) = (std::thread::current().id(), Arc::clone(&self.drops));
-        Ok(Arc::new(Recorder { inner, made_on, drops }))
+        Ok(Arc::new(Recorder { inner, made_on, drops, device_calls: Arc::clone(&self.device_calls) }))
+    }
+    fn reads_device_memory(&self) -> bool {
+        true
+    }
+    fn on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
+        self.device_calls.lock().unwrap().push((std::thread::current().id(), *call));
+        Ok(())
     }
     fn abort(&self, reason: &str) {
         self.inner.abort(reason);
@@ -160,7 +169,8 @@ fn a_group_made_on_the_comm_thread_is_dropped_there() {
     let comm = world.communicator(0);
     let recorder_drops = Arc::clone(&drops);
     let thread = CommThread::spawn("zerotrain-comm-test".into(), move || {
-        Ok(Recorder { inner: Arc::new(comm), made_on: std::thread::current().id(), drops: recorder_drops })
+        let (made_on, device_calls) = (std::thread::current().id(), Default::default());
+        Ok(Recorder { inner: Arc::new(comm), made_on, drops: recorder_drops, device_calls })
     })
     .unwrap();
     let group = thread.split(0, 0).unwrap();
@@ -174,4 +184,42 @@ fn a_group_made_on_the_comm_thread_is_dropped_there() {
         assert_eq!(made_on, dropped_on, "a collective dropped off the thread that made it");
         assert_ne!(*dropped_on, std::thread::current().id());
     }
+}
+
+/// Device calls go to the communication thread (an NCCL communicator may be used only on
+/// the thread that made it) and report what the collective says of device memory; a host
+/// backend, directly or through a thread, refuses them naming the call.
+#[test]
+fn device_calls_run_on_the_comm_thread_and_host_backends_refuse_them() {
+    use crate::collective::{DeviceBuf, DeviceOp};
+    // SAFETY: never handed to a collective that touches memory: the recorder only records,
+    // the host backends refuse.
+    let (input, output) =
+        unsafe { (DeviceBuf::new(4096, 8, Precision::Bf16), DeviceBuf::new(8192, 8, Precision::Bf16)) };
+    let call = DeviceCall { op: DeviceOp::AllReduce(ReduceOp::Sum), input, output };
+    let world = ThreadWorld::new(1, T);
+    let comm = world.communicator(0);
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (recorded, made) = (Arc::clone(&calls), std::sync::mpsc::channel());
+    let thread = CommThread::spawn("zerotrain-comm-test".into(), move || {
+        made.0.send(std::thread::current().id()).unwrap();
+        let drops = Default::default();
+        Ok(Recorder { inner: Arc::new(comm), made_on: std::thread::current().id(), drops, device_calls: recorded })
+    })
+    .unwrap();
+    let made_on = made.1.recv().unwrap();
+    assert!(thread.reads_device_memory());
+    thread.on_device(&call).unwrap();
+    assert_eq!(*calls.lock().unwrap(), vec![(made_on, call)]);
+    assert_ne!(made_on, std::thread::current().id());
+
+    let host = ThreadWorld::new(1, T);
+    let direct = host.communicator(0);
+    assert!(!direct.reads_device_memory());
+    let err = direct.on_device(&call).unwrap_err();
+    assert!(matches!(err, ZeroError::BadBuffer { rank: 0, op: "all_reduce", .. }), "{err}");
+    assert!(err.to_string().contains("host memory"), "{err}");
+    let threaded = CommThread::new(host.communicator(0)).unwrap();
+    assert!(!threaded.reads_device_memory());
+    assert_eq!(threaded.on_device(&call).unwrap_err(), err);
 }
