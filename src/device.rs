@@ -4,10 +4,10 @@
 //! Ranks are numbered per machine (the *local rank*: the thread index for thread ranks, the
 //! launcher's local rank under `mpirun`) and take the machine's GPUs round-robin, so one
 //! binary places one rank per GPU on every node, and several thread ranks share a GPU when
-//! there are more ranks than GPUs. Collectives stay host-staged on every device: a rank's
-//! flat buffers cross to the host for the threads or MPI backend, and the optimizer steps
-//! its shard on the device; a rank with nothing to reduce with steps entirely on the device
-//! (the note in `engine/flat.rs`).
+//! there are more ranks than GPUs. With the threads or MPI backend a rank's flat buffers
+//! cross to the host for the collectives, and the optimizer steps its shard on the device;
+//! a rank with nothing to reduce with, or whose collectives are NCCL's, steps entirely on
+//! the device (the note in `engine/flat.rs`).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

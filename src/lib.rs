@@ -85,6 +85,7 @@ mod error;
 pub mod estimate;
 mod factory;
 mod launch;
+pub mod on_device;
 pub mod random;
 pub mod replicas;
 pub mod schedule;

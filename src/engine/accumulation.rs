@@ -23,20 +23,23 @@
 //! (`Reducing`), which settles into the optimizer range's reduced gradient (`Reduced`);
 //! the step takes it and the unit is `Idle` until the next window's first reduction
 //! allocates its accumulator. A backward pass after the boundary and before the step is an
-//! error, not a lost gradient. A device-resident step (`engine/flat.rs`) has one rank and
-//! nothing to reduce: its accumulator is a tensor on the device (`OnDevice`), which is the
-//! reduced gradient at the step.
+//! error, not a lost gradient. A device-resident step (`engine/flat.rs`) keeps its
+//! accumulator on the device (`OnDevice`) and reduces it there in the same order: one rank
+//! has nothing to reduce (the accumulator is the reduced gradient at the step); with
+//! several, stages 2-3 reduce-scatter each micro-step's gradients into the shard
+//! accumulator, and stages 0-1 reduce the accumulator at the boundary (`DeviceReduced`).
 
 use std::collections::VecDeque;
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor};
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
-use zerotrain_zero::{Collective, FlatLayout, Pending, ReduceOp, Request, ZeroStage};
+use zerotrain_zero::{Collective, DeviceOp, FlatLayout, Pending, ReduceOp, Request, ZeroStage};
 
 use super::flat::{Flat, float_dtype, tensor, zeros};
 use super::params::UnitGrads;
 use super::report::PhaseTimes;
+use super::shared::Shared;
 use crate::{Error, Result};
 
 /// Buckets of one unit in flight at once (stages 2-3): a larger unit waits for its oldest
@@ -88,8 +91,11 @@ enum GradState {
     /// Stages 0-1: the reduced gradient of the optimizer range, for the step.
     Reduced(FlatBuf),
     /// A device-resident step: the window's gradients on the device, in the accumulation
-    /// dtype, the whole padded range (there is one rank).
+    /// dtype (the length as in `Accumulating`).
     OnDevice(Tensor<1>),
+    /// A device-resident step of several ranks, stages 0-1: the reduced gradient of the
+    /// optimizer range, on the device, for the step.
+    DeviceReduced(Tensor<1>),
 }
 
 /// One unit's gradient accumulator and the reductions in flight.
@@ -103,6 +109,8 @@ pub(crate) struct UnitGrad {
     own: Range<usize>,
     /// The device of a device-resident step's accumulator.
     device: Option<Device>,
+    /// The ranks the unit is sharded over.
+    ranks: usize,
     state: GradState,
 }
 
@@ -122,7 +130,8 @@ impl UnitGrad {
             ZeroStage::Gradients | ZeroStage::Parameters => layout.shard_len(),
         };
         let own = layout.shard_range(rank);
-        Self { stage, acc_dtype: accum_dtype, acc_len, own, device, state: GradState::Idle }
+        let ranks = layout.world_size();
+        Self { stage, acc_dtype: accum_dtype, acc_len, own, device, ranks, state: GradState::Idle }
     }
 
     /// Bytes of the accumulator while a window accumulates: what the rank holds for this
@@ -134,7 +143,7 @@ impl UnitGrad {
             GradState::Idle => (self.acc_len * self.acc_dtype.bytes_per_elem()) as u64,
             GradState::Reducing(_) => 0,
             GradState::Reduced(reduced) => reduced.bytes(),
-            GradState::OnDevice(acc) => (acc.dims()[0] * acc.dtype().size()) as u64,
+            GradState::OnDevice(t) | GradState::DeviceReduced(t) => tensor_bytes(t),
         }
     }
 
@@ -144,25 +153,19 @@ impl UnitGrad {
         &mut self,
         grads: UnitGrads,
         layout: &FlatLayout,
-        comm: &dyn Collective,
+        shared: &Shared,
         options: ReduceOptions,
         times: &mut PhaseTimes,
     ) -> Result<u64> {
-        if let Some(device) = &self.device {
-            let flat = flatten(grads, layout, self.acc_dtype, self.acc_len, device);
-            self.state = match std::mem::replace(&mut self.state, GradState::Idle) {
-                GradState::OnDevice(acc) if !options.first => GradState::OnDevice(acc + flat),
-                _ => GradState::OnDevice(flat),
-            };
-            return Ok(0);
+        if let Some(device) = self.device.clone() {
+            return self.reduce_on_device(grads, layout, shared, options, &device);
         }
+        let comm = shared.comm.as_ref();
         if let GradState::Idle = self.state {
             self.state = fresh(self.acc_dtype, self.acc_len);
         }
         let GradState::Accumulating { acc, buckets } = &mut self.state else {
-            return Err(Error::Usage(
-                "a backward pass after the accumulation boundary: call step() before the next micro-step".into(),
-            ));
+            return Err(after_boundary());
         };
         let mut transient = grads.bytes();
         let grads: Vec<Option<FlatBuf>> = grads
@@ -198,6 +201,55 @@ impl UnitGrad {
         if !options.overlap {
             self.settle(times)?;
         }
+        Ok(transient)
+    }
+
+    /// [`reduce`](Self::reduce) in a device-resident step (module note on the states).
+    fn reduce_on_device(
+        &mut self,
+        grads: UnitGrads,
+        layout: &FlatLayout,
+        shared: &Shared,
+        options: ReduceOptions,
+        device: &Device,
+    ) -> Result<u64> {
+        let previous = match std::mem::replace(&mut self.state, GradState::Idle) {
+            GradState::OnDevice(acc) if !options.first => Some(acc),
+            GradState::OnDevice(_) | GradState::Idle => None,
+            other => {
+                self.state = other;
+                return Err(after_boundary());
+            }
+        };
+        let add = |new: Tensor<1>| match previous {
+            Some(acc) => acc + new,
+            None => new,
+        };
+        if self.ranks > 1 && self.stage.shards_gradients() {
+            let whole = flatten(grads, layout, options.comm_dtype, layout.padded_elems(), device);
+            let shard = shared.on_device(DeviceOp::ReduceScatter(ReduceOp::Sum), &whole)?;
+            let transient = tensor_bytes(&whole) + tensor_bytes(&shard);
+            self.state = GradState::OnDevice(add(shard.cast(float_dtype(self.acc_dtype))));
+            return Ok(transient);
+        }
+        let acc = add(flatten(grads, layout, self.acc_dtype, self.acc_len, device));
+        if self.ranks == 1 || !options.boundary {
+            self.state = GradState::OnDevice(acc);
+            return Ok(0);
+        }
+        let buf = acc.cast(float_dtype(options.comm_dtype));
+        let reduced = if self.stage == ZeroStage::OptimizerStates && options.reduce_scatter {
+            shared.on_device(DeviceOp::ReduceScatter(ReduceOp::Sum), &buf)?
+        } else {
+            let whole = shared.on_device(DeviceOp::AllReduce(ReduceOp::Sum), &buf)?;
+            // Stage 1 keeps its shard of the all-reduced buffer.
+            match self.stage {
+                ZeroStage::OptimizerStates => whole.slice(self.own.clone()),
+                _ => whole,
+            }
+        };
+        let transient = tensor_bytes(&buf) + tensor_bytes(&reduced);
+        self.state = GradState::DeviceReduced(reduced);
         Ok(transient)
     }
 
@@ -244,7 +296,7 @@ impl UnitGrad {
                 };
                 self.state = GradState::Reduced(reduced);
             }
-            GradState::Idle | GradState::Reduced(_) | GradState::OnDevice(_) => {}
+            GradState::Idle | GradState::Reduced(_) | GradState::OnDevice(_) | GradState::DeviceReduced(_) => {}
         }
         Ok(())
     }
@@ -257,7 +309,9 @@ impl UnitGrad {
         self.settle(times)?;
         let state = std::mem::replace(&mut self.state, GradState::Idle);
         match state {
-            GradState::OnDevice(acc) => Ok(Flat::Device(acc)),
+            // Several ranks reduce stages 0-1's accumulator at the boundary (below otherwise).
+            GradState::OnDevice(acc) if self.ranks == 1 || self.stage.shards_gradients() => Ok(Flat::Device(acc)),
+            GradState::DeviceReduced(reduced) => Ok(Flat::Device(reduced)),
             GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(Flat::Host(acc)),
             // A unit no backward reached this window (stages 2-3) has zero gradients.
             GradState::Idle if self.stage.shards_gradients() => Ok(match &self.device {
@@ -292,6 +346,16 @@ fn flatten(grads: UnitGrads, layout: &FlatLayout, dtype: Precision, len: usize, 
         pieces.push(zeros(dtype, len - layout.num_elems(), device));
     }
     Tensor::cat(pieces, 0)
+}
+
+/// Bytes a device tensor holds.
+fn tensor_bytes(t: &Tensor<1>) -> u64 {
+    (t.dims()[0] * t.dtype().size()) as u64
+}
+
+/// A backward pass between the boundary's reduction and the step.
+fn after_boundary() -> Error {
+    Error::Usage("a backward pass after the accumulation boundary: call step() before the next micro-step".into())
 }
 
 /// A zeroed accumulator.

@@ -298,7 +298,7 @@ fn assemble<M: Module>(
     // Nothing on the host needs the step's values (the note in `engine/flat.rs`).
     let device_step = plan.runtime.device != ComputeDevice::Cpu
         && !plan.zero.offload.uses_host_or_nvme()
-        && comm.world_size() == 1
+        && (comm.world_size() == 1 || comm.reads_device_memory())
         && !span.is_pipelined();
     let shared =
         Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams, device_step };

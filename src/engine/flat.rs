@@ -5,18 +5,21 @@
 //! A rank that computes on a GPU keeps its gradients and model states on the device unless
 //! something on the host needs them: a host collective (the threads or MPI backend, with
 //! more than one rank in the group) or an offload tier. Where nothing does (one rank per
-//! group, states on the device, no pipeline to sum the root over), the step never leaves
-//! the device ([`Shared::device_step`](super::shared::Shared)): backward's gradients are
-//! flattened there into the unit's accumulator, the norm is summed there (one number per
-//! unit comes back), the optimizer steps the device masters, and the new values are
-//! written into the model there, cast to the compute dtype. Elsewhere a flat buffer lives
-//! on the host, as the collectives and tiers want it.
+//! group, or a group whose collectives read device memory (NCCL); states on the device; no
+//! pipeline to sum the root over), the step stays on the device
+//! ([`Shared::device_step`](super::shared::Shared)): backward's gradients are flattened
+//! there into the unit's accumulator and reduced there
+//! ([`Shared::on_device`](super::shared::Shared::on_device)), the norm is summed there (one
+//! number per unit comes back), the optimizer steps the device masters, and the new values
+//! are all-gathered there and written into the model, cast to the compute dtype. Elsewhere a
+//! flat buffer lives on the host, as the collectives and tiers want it.
 
 use burn::tensor::{DType, Device, FloatDType, Tensor};
 use zerotrain_precision::{FlatBuf, Precision};
 
 use super::params::into_flat;
 use crate::Result;
+pub(crate) use crate::on_device::tensor;
 
 /// A unit's flat buffer, on the host or on the rank's device (module note).
 #[derive(Debug)]
@@ -65,14 +68,6 @@ impl Flat {
         }
         Ok(())
     }
-}
-
-/// `values` as a 1-D tensor on `device`, in their dtype.
-pub(crate) fn tensor(values: FlatBuf, device: &Device) -> Tensor<1> {
-    let n = values.len();
-    let data = zerotrain_precision::with_elem!(FlatBuf, values, v, _E => burn::tensor::TensorData::new(v, [n]));
-    let dtype = data.dtype();
-    Tensor::from_data(data, (device, dtype))
 }
 
 /// Burn's float dtype for `precision`.

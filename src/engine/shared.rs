@@ -4,14 +4,15 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 use zerotrain_precision::Precision;
-use zerotrain_zero::{Collective, FlatLayout, ReduceOp, Sharding, ZeroStage};
+use zerotrain_zero::{Collective, DeviceOp, FlatLayout, ReduceOp, Sharding, ZeroStage};
 
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
 use super::report::HostDeviceBytes;
 use crate::config::{ComputeDevice, Plan, Tier};
+use crate::on_device;
 use crate::random::Streams;
 use crate::swap::SwapDir;
 use crate::{Error, Result};
@@ -134,6 +135,24 @@ impl Shared {
         let taken = super::params::take_grads(model, grads, &self.index, &self.sharding, wanted, self.device_step)?;
         self.crossed(false, taken.iter().flatten().map(super::params::UnitGrads::host_bytes).sum());
         Ok(taken)
+    }
+
+    /// `op` over the group's ranks of `tensor`, on the rank's device
+    /// ([`on_device`](crate::on_device)), counting what crosses where the collective stages
+    /// it through host memory.
+    pub fn on_device(&self, op: DeviceOp, tensor: &Tensor<1>) -> Result<Tensor<1>> {
+        let comm = self.comm.as_ref();
+        let output = match op {
+            DeviceOp::AllReduce(op) => on_device::all_reduce(comm, tensor, op)?,
+            DeviceOp::ReduceScatter(op) => on_device::reduce_scatter(comm, tensor, op)?,
+            DeviceOp::AllGather => on_device::all_gather(comm, tensor)?,
+        };
+        if !on_device::stays_on_device(comm, &tensor.device()) {
+            let bytes = |t: &Tensor<1>| (t.dims()[0] * t.dtype().size()) as u64;
+            self.crossed(false, bytes(tensor));
+            self.crossed(true, bytes(&output));
+        }
+        Ok(output)
     }
 
     /// `flat` in f32 on the host, counting what leaves the device.

@@ -16,7 +16,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Tensor;
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision};
-use zerotrain_zero::{Pending, Request, ZeroStage};
+use zerotrain_zero::{DeviceOp, Pending, Request, ZeroStage};
 
 use super::accumulation::{ReduceOptions, UnitGrad};
 use super::flat::{Flat, float_dtype};
@@ -178,7 +178,7 @@ impl Unit {
             let Values::Device(masters) = self.held(shared.optimizer_range(self.id).len())? else {
                 unreachable!("a device-resident step holds its masters on the device")
             };
-            let model = self.write_on_device(model, masters, shared);
+            let model = self.write_on_device(model, masters, shared)?;
             self.presence = Presence::Gathered;
             return Ok((model, shared.layout(self.id).padded_elems() as u64 * shared.dtype().bytes_per_elem() as u64));
         }
@@ -222,18 +222,23 @@ impl Unit {
     /// stages 0-2 (one rank: the range is the whole unit); nowhere at stage 3, where the
     /// next gather casts them from the masters (a gather since the last backward is
     /// released, as [`publish`](Self::publish) does).
-    pub fn publish_on_device<M: Module>(&mut self, model: M, values: &Tensor<1>, shared: &Shared) -> M {
+    pub fn publish_on_device<M: Module>(&mut self, model: M, values: &Tensor<1>, shared: &Shared) -> Result<M> {
         if !shared.stage().shards_parameters() {
             return self.write_on_device(model, values, shared);
         }
-        if self.is_gathered() || self.is_fetching() { self.release(model, shared) } else { model }
+        Ok(if self.is_gathered() || self.is_fetching() { self.release(model, shared) } else { model })
     }
 
-    /// Writes fp32 `values` (the unit's whole padded buffer, on the device) into the
-    /// model's parameters of the unit, cast to the compute dtype.
-    fn write_on_device<M: Module>(&self, model: M, values: &Tensor<1>, shared: &Shared) -> M {
+    /// Writes fp32 `values` of the optimizer range (on the device) into the model's
+    /// parameters of the unit, cast to the compute dtype: all of them at stage 0 or with
+    /// one rank, else every rank's shard, all-gathered on the device in the compute dtype.
+    fn write_on_device<M: Module>(&self, model: M, values: &Tensor<1>, shared: &Shared) -> Result<M> {
         let compute = values.clone().cast(float_dtype(shared.dtype()));
-        write_unit(model, &shared.index, &shared.sharding, self.id, compute)
+        let whole = match shared.comm.world_size() > 1 && shared.stage() != ZeroStage::Disabled {
+            true => shared.on_device(DeviceOp::AllGather, &compute)?,
+            false => compute,
+        };
+        Ok(write_unit(model, &shared.index, &shared.sharding, self.id, whole))
     }
 
     /// Starts (or, as `options` say, accumulates) the reduction of the unit's gradients of
@@ -245,7 +250,7 @@ impl Unit {
         options: ReduceOptions,
         times: &mut PhaseTimes,
     ) -> Result<u64> {
-        self.grad.reduce(grads, shared.layout(self.id), shared.comm.as_ref(), options, times)
+        self.grad.reduce(grads, shared.layout(self.id), shared, options, times)
     }
 
     /// Waits for every reduction of the unit still in flight.

@@ -72,7 +72,7 @@ impl Unit {
             // Nothing on the host needs the new values (a device-resident step, or stage 0's
             // parameters, which are the masters): they go into the model on the device.
             Values::Device(values) if shared.device_step || (in_model && shared.stage() == ZeroStage::Disabled) => {
-                let model = self.publish_on_device(model, &values, shared);
+                let model = self.publish_on_device(model, &values, shared)?;
                 (model, 0, Values::Device(values))
             }
             // The model's parameters are the masters: the new values go there, moved, not

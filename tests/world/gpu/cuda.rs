@@ -246,3 +246,56 @@ fn nccl_equals_the_host_backend_bit_for_bit_at_world_size_one() {
     let ops = |s: zerotrain_zero::CommStats| (s.all_reduce, s.reduce_scatter, s.all_gather, s.broadcast);
     assert_eq!(ops(a), ops(b));
 }
+
+/// Collectives on CUDA tensors (`zerotrain::on_device`) through NCCL at world size 1 give the
+/// host backend's results bit for bit in every dtype and op, read a tensor that starts inside
+/// a bigger one (its address is not its buffer's start where Burn keeps the view), leave
+/// their input as it was, and count the host backend's bytes.
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn collectives_on_cuda_tensors_equal_the_host_backend_bit_for_bit_at_world_size_one() {
+    use burn::tensor::{DType, Tensor, TensorData};
+    use zerotrain::on_device;
+    use zerotrain_precision::{FlatBuf, Precision};
+    let timeout = Duration::from_secs(60);
+    let host = ThreadWorld::new(1, timeout);
+    let reference = host.communicator(0);
+    let nccl_world = ThreadWorld::new(1, timeout);
+    let nccl_host = Arc::new(nccl_world.communicator(0));
+    let comm = nccl::NcclComm::new(Arc::clone(&nccl_host) as Arc<dyn Collective>, 0, timeout).unwrap();
+    assert!(comm.reads_device_memory());
+    let (n, skip) = (1000, 24);
+    let values: Vec<f32> = (0..n + skip).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();
+    let bits = |t: Tensor<1>| -> Vec<u32> {
+        let values = t.cast(DType::F32).into_data().try_to_vec::<f32>().unwrap();
+        values.iter().map(|v| v.to_bits()).collect()
+    };
+    let flat_bits = |f: &FlatBuf| -> Vec<u32> { f.clone().into_f32().iter().map(|v| v.to_bits()).collect() };
+    for (dtype, burn_dtype) in
+        [(Precision::Fp32, DType::F32), (Precision::Fp16, DType::F16), (Precision::Bf16, DType::BF16)]
+    {
+        let whole =
+            Tensor::<1>::from_data(TensorData::new(values.clone(), [n + skip]), &Device::cuda(0)).cast(burn_dtype);
+        let tensor = whole.clone().narrow(0, skip, n);
+        let input = FlatBuf::from_f32(dtype, &values[skip..]);
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            let mut expected = input.clone();
+            reference.all_reduce(expected.as_mut(), op).unwrap();
+            let got = on_device::all_reduce(&comm, &tensor, op).unwrap();
+            assert_eq!(bits(got), flat_bits(&expected), "all_reduce {op:?} {dtype:?}");
+        }
+        let mut expected = FlatBuf::zeros(dtype, n);
+        reference.reduce_scatter(input.as_ref(), expected.as_mut(), ReduceOp::Sum).unwrap();
+        let got = on_device::reduce_scatter(&comm, &tensor, ReduceOp::Sum).unwrap();
+        assert_eq!(bits(got), flat_bits(&expected), "reduce_scatter {dtype:?}");
+        let mut expected = FlatBuf::zeros(dtype, n);
+        reference.all_gather(input.as_ref(), expected.as_mut()).unwrap();
+        let got = on_device::all_gather(&comm, &tensor).unwrap();
+        assert_eq!(bits(got), flat_bits(&expected), "all_gather {dtype:?}");
+        assert_eq!(bits(tensor), flat_bits(&input), "the input was written");
+        assert_eq!(bits(whole), flat_bits(&FlatBuf::from_f32(dtype, &values)), "the tensor around it was written");
+    }
+    let (a, b) = (reference.stats(), comm.stats().since(&nccl_host.stats()));
+    let ops = |s: zerotrain_zero::CommStats| (s.all_reduce, s.reduce_scatter, s.all_gather);
+    assert_eq!(ops(a), ops(b));
+}

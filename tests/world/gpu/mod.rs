@@ -12,6 +12,8 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "wgpu")]
+mod device_collectives;
+#[cfg(feature = "wgpu")]
 mod wgpu;
 
 use std::sync::{Mutex, MutexGuard};

@@ -70,3 +70,8 @@ fn stage_3_device_gathers_on_wgpu_equal_host_gathers() {
 fn a_step_failing_part_way_on_wgpu_leaves_the_rank_torn_until_a_load() {
     super::a_step_failing_part_way_on_the_device_leaves_the_rank_torn_until_a_load(WGPU);
 }
+
+#[test]
+fn ranks_whose_collectives_read_device_memory_step_on_wgpu() {
+    super::device_collectives::ranks_whose_collectives_read_device_memory_step_on_the_device(WGPU, software_only());
+}
