@@ -21,6 +21,10 @@ pub trait Trainer<M: UnitModel> {
     fn train_batch(&mut self, batch: &mut dyn FnMut(usize) -> M::Batch) -> Result<StepReport>;
     /// The loss of `batch` in inference mode, without gradients.
     fn evaluate(&mut self, batch: &M::Batch) -> Result<f32>;
+    /// The loss of each of `batches`, as [`evaluate`](Self::evaluate) gives it; an engine
+    /// runs each unit on all of them in turn ([`Engine::evaluate_many`]: at stage 3 one
+    /// gather per unit, not per batch), a pipeline takes them one by one.
+    fn evaluate_many(&mut self, batches: &[M::Batch]) -> Result<Vec<f32>>;
     /// Saves a checkpoint.
     fn save_checkpoint(&mut self, dir: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf>;
     /// Loads a checkpoint saved at any world size, stage or pipeline shape.
@@ -62,6 +66,9 @@ macro_rules! delegate {
             }
             fn evaluate(&mut self, batch: &M::Batch) -> Result<f32> {
                 $ty::evaluate(self, batch)
+            }
+            fn evaluate_many(&mut self, batches: &[M::Batch]) -> Result<Vec<f32>> {
+                $ty::evaluate_many(self, batches)
             }
             fn save_checkpoint(
                 &mut self,

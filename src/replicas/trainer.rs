@@ -38,6 +38,10 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
         self.engine.evaluate(batch)
     }
 
+    fn evaluate_many(&mut self, batches: &[M::Batch]) -> Result<Vec<f32>> {
+        self.engine.evaluate_many(batches)
+    }
+
     fn save_checkpoint(&mut self, dir: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
         if !self.replicas.plan.servers.is_empty() {
             // Each job is one group with a run folder of its own: it saves where it is, and

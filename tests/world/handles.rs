@@ -371,6 +371,36 @@ fn evaluation_between_steps_stays_out_of_the_step_report() {
     assert_eq!(bytes(true), bytes(false));
 }
 
+/// `evaluate_many` gives each batch the loss `evaluate` gives it, bit for bit, and at stage 3
+/// gathers each unit once for all the batches: five batches one by one take five times the
+/// all-gathers that the five together take.
+#[test]
+fn evaluating_batches_together_gathers_each_unit_once_and_gives_each_its_loss() {
+    let init = seeded_mlp(48);
+    let plan = constant(3, 2, 2, "", "");
+    let out = launch(&plan, |ctx| {
+        let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+        let batches: Vec<_> =
+            (0..5).map(|step| TASK.batch(rank_indices(&plan, step, 0, ctx.rank()), ctx.device())).collect();
+        engine.forward_backward(&batches[0])?;
+        engine.step()?;
+        let gathers = |engine: &Engine<Mlp>| engine.comm_stats().all_gather.calls;
+        let start = gathers(&engine);
+        let alone = batches.iter().map(|b| engine.evaluate(b)).collect::<Result<Vec<f32>, Error>>()?;
+        let middle = gathers(&engine);
+        let together = engine.evaluate_many(&batches)?;
+        Ok::<_, Error>((alone, together, middle - start, gathers(&engine) - middle))
+    })
+    .unwrap();
+    for (alone, together, separately, at_once) in out {
+        assert_eq!(
+            alone.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            together.iter().map(|l| l.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(at_once > 0 && separately == 5 * at_once, "{separately} all-gathers one by one, {at_once} together");
+    }
+}
+
 /// The library checks a checkpoint directory before training: empty is a fresh start, one
 /// with checkpoints is refused unless resuming, and resuming needs something to resume.
 #[test]

@@ -129,6 +129,18 @@ pub(crate) fn whole_loss<M: UnitModel>(model: &M, batch: &M::Batch) -> Tensor<1>
     model.output_loss(hidden.expect("units"), batch)
 }
 
+/// One micro-step of `batch` as `mode` drives the engine: through its unit walk, or the
+/// whole loss forward and backward.
+pub(crate) fn micro_step<M: UnitModel>(engine: &mut Engine<M>, mode: Mode, batch: &M::Batch) -> Result<(), Error> {
+    if mode.units {
+        engine.forward_backward(batch)?;
+    } else {
+        let loss = engine.forward(|m| whole_loss(m, batch))?;
+        engine.backward(loss)?;
+    }
+    Ok(())
+}
+
 /// What a run produced: rank 0's losses, per-step bytes and fp32 masters (global order),
 /// every rank's parameters and memory report.
 pub(crate) struct Outcome {
@@ -171,13 +183,7 @@ pub(crate) fn train_between<W: Workload>(
         let (mut losses, mut bytes) = (Vec::new(), Vec::new());
         for step in steps.clone() {
             for micro in 0..plan.batch.gradient_accumulation_steps {
-                let batch = w.batch(plan, step, micro, ctx.rank(), ctx.device());
-                if mode.units {
-                    engine.forward_backward(&batch)?;
-                } else {
-                    let loss = engine.forward(|m| whole_loss(m, &batch))?;
-                    engine.backward(loss)?;
-                }
+                micro_step(&mut engine, mode, &w.batch(plan, step, micro, ctx.rank(), ctx.device()))?;
                 if let Some(r) = engine.step()? {
                     losses.push(r.loss);
                     bytes.push(r.comm_bytes);

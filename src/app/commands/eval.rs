@@ -67,8 +67,8 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
         }
     };
     let windows = Windows::over(&source, loaded.context).with_context(|| format!("{name}: {} tokens", source.len()))?;
-    let job =
-        EvalJob { plan: &plan, windows: &windows, checkpoint: args.checkpoint.as_deref(), tag: args.tag.as_deref() };
+    let (checkpoint, tag, vocab) = (args.checkpoint.as_deref(), args.tag.as_deref(), loaded.config.vocab_size());
+    let job = EvalJob { plan: &plan, windows: &windows, vocab, checkpoint, tag };
     let Scores { loss, load_seconds, score_seconds } = loaded.model.run(job)?;
     let scored = windows.count * windows.context;
     if args.json {
@@ -143,9 +143,23 @@ impl<'a> Windows<'a> {
     }
 }
 
+/// Tokens of windows a batch holds at least (the micro-batch's windows where they are more):
+/// windows shorter than this go several to a forward pass, whose attention scores grow
+/// with windows x length^2, so this bounds them by 4,096 x length per head.
+const BATCH_TOKENS: usize = 4096;
+
+/// Bytes of f32 logits a batch of short windows may hold (tokens x vocabulary x 4).
+const LOGIT_BYTES: usize = 256 << 20;
+
+/// Tokens a rank scores in one pass over the units, their activations between two units
+/// held together (64 MiB per 1,024 of width in f32).
+const HELD_TOKENS: usize = 16_384;
+
 struct EvalJob<'a> {
     plan: &'a Plan,
     windows: &'a Windows<'a>,
+    /// The model's vocabulary size (what its logits are wide).
+    vocab: usize,
     checkpoint: Option<&'a Path>,
     tag: Option<&'a str>,
 }
@@ -164,11 +178,13 @@ struct Scores {
 impl WithModel for EvalJob<'_> {
     type Output = anyhow::Result<Scores>;
 
-    /// Every data-parallel rank scores its share of the windows, a micro-batch at a time,
-    /// in rounds every rank joins (a rank out of windows scores window 0 with no weight);
-    /// the sums are then all-reduced.
+    /// Every data-parallel rank scores its share of the windows, a batch at a time (the
+    /// micro-batch, or `BATCH_TOKENS` of short windows, fewer for a vocabulary whose logits
+    /// would pass `LOGIT_BYTES`), in rounds every rank joins (a rank
+    /// out of windows scores window 0 with no weight), `HELD_TOKENS` per pass over the
+    /// units; the sums are then all-reduced.
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<Scores> {
-        let Self { plan, windows, checkpoint, tag } = self;
+        let Self { plan, windows, vocab, checkpoint, tag } = self;
         let per = plan.batch.micro_batch_per_rank as usize;
         let model = Handout::new(model, plan);
         let sums = crate::launch(plan, |ctx| -> crate::Result<Scores> {
@@ -179,16 +195,29 @@ impl WithModel for EvalJob<'_> {
             }
             let (load_seconds, start) = (start.elapsed().as_secs_f64(), Instant::now());
             let (n, d) = (engine.data_parallel_size(), engine.data_parallel_rank());
+            // Short windows are scored many to a batch: each forward pass costs its
+            // parameters' reads and conversions whatever its length.
+            let batch_tokens = BATCH_TOKENS.min(LOGIT_BYTES / (4 * vocab.max(1)));
+            let per = per.max(batch_tokens / (windows.context + 1));
             let rounds = windows.count.div_ceil(per * n);
+            // Rounds are scored a chunk at a time, each unit running on every round of the
+            // chunk in turn (at stage 3: gathered once per chunk, not per round).
+            let chunk = (HELD_TOKENS / (per * (windows.context + 1))).max(1);
             let mut sum = [0.0f64, 0.0];
-            for r in 0..rounds {
-                let first = (r * n + d) * per;
-                let range = first.min(windows.count)..(first + per).min(windows.count);
-                let weight = range.len() as f64;
-                let range = if range.is_empty() { 0..1 } else { range };
-                let loss = engine.evaluate(&windows.batch(range, ctx.device()))?;
-                sum[0] += f64::from(loss) * weight;
-                sum[1] += weight;
+            for chunk_start in (0..rounds).step_by(chunk) {
+                let (batches, weights): (Vec<_>, Vec<f64>) = (chunk_start..(chunk_start + chunk).min(rounds))
+                    .map(|r| {
+                        let first = (r * n + d) * per;
+                        let range = first.min(windows.count)..(first + per).min(windows.count);
+                        let weight = range.len() as f64;
+                        let range = if range.is_empty() { 0..1 } else { range };
+                        (windows.batch(range, ctx.device()), weight)
+                    })
+                    .unzip();
+                for (loss, weight) in engine.evaluate_many(&batches)?.into_iter().zip(weights) {
+                    sum[0] += f64::from(loss) * weight;
+                    sum[1] += weight;
+                }
             }
             let mut totals = [sum[0] as f32, sum[1] as f32];
             ctx.collective().all_reduce((&mut totals[..]).into(), ReduceOp::Sum)?;

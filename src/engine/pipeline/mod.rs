@@ -231,6 +231,11 @@ impl<M: UnitModel> Pipeline<M> {
         loss
     }
 
+    /// [`evaluate`](Self::evaluate) of each of `batches`, one by one through the stages.
+    pub fn evaluate_many(&mut self, batches: &[M::Batch]) -> Result<Vec<f32>> {
+        batches.iter().map(|batch| self.evaluate(batch)).collect()
+    }
+
     fn evaluate_stages(&mut self, batch: &M::Batch) -> Result<f32> {
         let (first, last, stage) = (self.stage() == 0, self.stage() + 1 == self.num_stages(), self.stage());
         let input = if first { None } else { Some(self.recv_activation(stage - 1)?.0) };

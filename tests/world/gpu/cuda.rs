@@ -10,7 +10,7 @@ use std::time::Duration;
 use burn::tensor::Device;
 use zerotrain::{Error, launch};
 use zerotrain_zero::collective::nccl;
-use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
+use zerotrain_zero::{Collective, ReduceOp, ThreadComm, ThreadWorld};
 
 use super::{Gpu, on_device};
 use crate::common::*;
@@ -208,18 +208,23 @@ fn auto_takes_nccl_for_one_rank_per_gpu_and_the_host_backend_for_ranks_sharing_o
     assert!(err.contains(r#"zerotrain.collectives is "nccl""#), "{err}");
 }
 
+/// At world size 1: the threads backend (the reference), and an NCCL communicator on GPU 0
+/// with the host communicator it was made over (whose counts its own include).
+fn nccl_beside_the_host_backend() -> (ThreadComm, Arc<ThreadComm>, nccl::NcclComm) {
+    let timeout = Duration::from_secs(60);
+    let reference = ThreadWorld::new(1, timeout).communicator(0);
+    let nccl_host = Arc::new(ThreadWorld::new(1, timeout).communicator(0));
+    let comm = nccl::NcclComm::new(Arc::clone(&nccl_host) as Arc<dyn Collective>, 0, timeout).unwrap();
+    (reference, nccl_host, comm)
+}
+
 /// NCCL's collectives at world size 1 give the host backend's results bit for bit, in every
 /// dtype and op the engine uses, and count the same bytes.
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn nccl_equals_the_host_backend_bit_for_bit_at_world_size_one() {
     use zerotrain_precision::{FlatBuf, Precision};
-    let timeout = Duration::from_secs(60);
-    let host = ThreadWorld::new(1, timeout);
-    let reference = host.communicator(0);
-    let nccl_world = ThreadWorld::new(1, timeout);
-    let nccl_host = Arc::new(nccl_world.communicator(0));
-    let comm = nccl::NcclComm::new(Arc::clone(&nccl_host) as Arc<dyn Collective>, 0, timeout).unwrap();
+    let (reference, nccl_host, comm) = nccl_beside_the_host_backend();
     let values: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();
     for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
         let both = |f: &dyn Fn(&dyn Collective, &mut FlatBuf) -> Result<(), zerotrain_zero::ZeroError>| {
@@ -257,12 +262,7 @@ fn collectives_on_cuda_tensors_equal_the_host_backend_bit_for_bit_at_world_size_
     use burn::tensor::{DType, Tensor, TensorData};
     use zerotrain::on_device;
     use zerotrain_precision::{FlatBuf, Precision};
-    let timeout = Duration::from_secs(60);
-    let host = ThreadWorld::new(1, timeout);
-    let reference = host.communicator(0);
-    let nccl_world = ThreadWorld::new(1, timeout);
-    let nccl_host = Arc::new(nccl_world.communicator(0));
-    let comm = nccl::NcclComm::new(Arc::clone(&nccl_host) as Arc<dyn Collective>, 0, timeout).unwrap();
+    let (reference, nccl_host, comm) = nccl_beside_the_host_backend();
     assert!(comm.reads_device_memory());
     let (n, skip) = (1000, 24);
     let values: Vec<f32> = (0..n + skip).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();

@@ -14,7 +14,7 @@ use zerotrain_zero::{Collective, CommStats, ReduceOp, ThreadComm, ThreadWorld, Z
 
 use super::{DEVICE_LOSS_TOL, Gpu, device_alone, on_device};
 use crate::common::plan;
-use crate::units::{MODES, Mode, Tokens, Workload, tiny_gpt, unit_recipe, unit_sizes};
+use crate::units::{MODES, Mode, Tokens, Workload, micro_step, tiny_gpt, unit_recipe, unit_sizes};
 
 /// The threads backend, saying its collectives read device memory as NCCL's do: the engine
 /// then keeps its step on the device and hands the collectives device tensors, which
@@ -91,13 +91,7 @@ fn run(plan: &zerotrain::Plan, mode: Mode, on: Gpu, claims: bool) -> Seen {
                     let (mut losses, mut norms, mut crossed) = (Vec::new(), Vec::new(), Vec::new());
                     for step in 0..3 {
                         for micro in 0..plan.batch.gradient_accumulation_steps {
-                            let batch = w.batch(plan, step, micro, rank, ctx.device());
-                            if mode.units {
-                                engine.forward_backward(&batch)?;
-                            } else {
-                                let loss = engine.forward(|m| crate::units::whole_loss(m, &batch))?;
-                                engine.backward(loss)?;
-                            }
+                            micro_step(&mut engine, mode, &w.batch(plan, step, micro, rank, ctx.device()))?;
                         }
                         let report = engine.step()?.expect("a boundary");
                         losses.push(report.loss);

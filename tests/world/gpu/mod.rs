@@ -450,13 +450,11 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
                     let mut crossed = Vec::new();
                     for step in 0..3 {
                         for micro in 0..2 {
-                            let batch = w.batch(&plan, step, micro, ctx.rank(), ctx.device());
-                            if mode.units {
-                                engine.forward_backward(&batch)?;
-                            } else {
-                                let loss = engine.forward(|m| crate::units::whole_loss(m, &batch))?;
-                                engine.backward(loss)?;
-                            }
+                            crate::units::micro_step(
+                                &mut engine,
+                                mode,
+                                &w.batch(&plan, step, micro, ctx.rank(), ctx.device()),
+                            )?;
                         }
                         let report = engine.step()?.expect("a boundary");
                         crossed.push((report.host_device.to_host, report.host_device.to_device));
