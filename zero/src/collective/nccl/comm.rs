@@ -53,9 +53,9 @@ use super::init;
 use super::poll::{self, Stopped};
 use super::wire::{bytes, bytes_mut, bytes_of, nccl_op, nccl_type};
 use crate::ZeroError;
-use crate::collective::{
-    Collective, CommCounters, CommStats, DeviceCall, DeviceOp, OpKind, ReduceOp, convention_bytes,
-};
+use crate::collective::{Collective, CommCounters, CommStats, DeviceCall, OpKind, ReduceOp, convention_bytes};
+
+mod device_call;
 
 /// One rank's NCCL communicator (see the module notes).
 pub struct NcclComm {
@@ -332,33 +332,7 @@ impl Collective for NcclComm {
     }
 
     fn on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
-        call.check(self.rank)?;
-        let (kind, input, output) = (call.op.kind(), call.input, call.output);
-        let nccl = NcclCall::new(kind, input.dtype(), input.len(), output.len(), self.world_size, self.rank)?;
-        if self.skip(nccl)? {
-            return Ok(());
-        }
-        self.stream.context().bind_to_thread().map_err(|e| self.fail(kind, format!("CUDA: {e}")))?;
-        let (src, dst) = (input.ptr() as *const c_void, output.ptr() as *mut c_void);
-        let (count, dtype, stream) = (nccl.count, nccl_type(nccl.dtype), self.stream.cu_stream() as _);
-        // SAFETY: by `DeviceBuf`'s contract both are live, finished memory on this
-        // communicator's GPU that nothing else touches during the call; `NcclCall` checked
-        // their lengths against `count` and the world size, `check` that they are two
-        // buffers of one dtype; `comm` is live on its own thread (`skip`), `stream` is its.
-        let launched = unsafe {
-            match call.op {
-                DeviceOp::AllReduce(op) => result::all_reduce(src, dst, count, dtype, nccl_op(op), self.comm, stream),
-                DeviceOp::ReduceScatter(op) => {
-                    result::reduce_scatter(src, dst, count, dtype, nccl_op(op), self.comm, stream)
-                }
-                DeviceOp::AllGather => result::all_gather(src, dst, count, dtype, self.comm, stream),
-            }
-        };
-        launched.map_err(|e| self.fail(kind, format!("{e:?}")))?;
-        self.wait(kind)?;
-        // The counters' convention takes the whole (unscattered) buffer's length.
-        self.record(kind, input.len().max(output.len()), nccl.dtype, 0);
-        Ok(())
+        self.run_on_device(call)
     }
 
     fn barrier(&self) -> Result<(), ZeroError> {
