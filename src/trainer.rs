@@ -23,8 +23,10 @@ pub trait Trainer<M: UnitModel> {
     fn evaluate(&mut self, batch: &M::Batch) -> Result<f32>;
     /// The loss of each of `batches`, as [`evaluate`](Self::evaluate) gives it; an engine
     /// runs each unit on all of them in turn ([`Engine::evaluate_many`]: at stage 3 one
-    /// gather per unit, not per batch), a pipeline takes them one by one.
-    fn evaluate_many(&mut self, batches: &[M::Batch]) -> Result<Vec<f32>>;
+    /// gather per unit, not per batch), a pipeline (and the default) takes them one by one.
+    fn evaluate_many(&mut self, batches: &[M::Batch]) -> Result<Vec<f32>> {
+        batches.iter().map(|batch| self.evaluate(batch)).collect()
+    }
     /// Saves a checkpoint.
     fn save_checkpoint(&mut self, dir: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf>;
     /// Loads a checkpoint saved at any world size, stage or pipeline shape.
