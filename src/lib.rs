@@ -85,7 +85,6 @@ mod error;
 pub mod estimate;
 mod factory;
 mod launch;
-pub mod on_device;
 pub mod random;
 pub mod replicas;
 pub mod schedule;

@@ -36,7 +36,7 @@ use burn::tensor::{Device, Tensor};
 use zerotrain_precision::{BufMut, FlatBuf, Precision};
 use zerotrain_zero::{Collective, DeviceOp, FlatLayout, Pending, ReduceOp, Request, ZeroStage};
 
-use super::flat::{Flat, float_dtype, tensor, zeros};
+use super::flat::{Flat, float_dtype, tensor, tensor_bytes, zeros};
 use super::params::UnitGrads;
 use super::report::PhaseTimes;
 use super::shared::Shared;
@@ -346,11 +346,6 @@ fn flatten(grads: UnitGrads, layout: &FlatLayout, dtype: Precision, len: usize, 
         pieces.push(zeros(dtype, len - layout.num_elems(), device));
     }
     Tensor::cat(pieces, 0)
-}
-
-/// Bytes a device tensor holds.
-fn tensor_bytes(t: &Tensor<1>) -> u64 {
-    (t.dims()[0] * t.dtype().size()) as u64
 }
 
 /// A backward pass between the boundary's reduction and the step.

@@ -19,7 +19,6 @@ use zerotrain_precision::{FlatBuf, Precision};
 
 use super::params::into_flat;
 use crate::Result;
-pub(crate) use crate::on_device::tensor;
 
 /// A unit's flat buffer, on the host or on the rank's device (module note).
 #[derive(Debug)]
@@ -39,7 +38,7 @@ impl Flat {
     pub fn bytes(&self) -> u64 {
         match self {
             Self::Host(values) => values.bytes(),
-            Self::Device(t) => (t.dims()[0] * t.dtype().size()) as u64,
+            Self::Device(t) => tensor_bytes(t),
         }
     }
 
@@ -68,6 +67,19 @@ impl Flat {
         }
         Ok(())
     }
+}
+
+/// `values` as a 1-D tensor on `device`, in their dtype.
+pub(crate) fn tensor(values: FlatBuf, device: &Device) -> Tensor<1> {
+    let n = values.len();
+    let data = zerotrain_precision::with_elem!(FlatBuf, values, v, _E => burn::tensor::TensorData::new(v, [n]));
+    let dtype = data.dtype();
+    Tensor::from_data(data, (device, dtype))
+}
+
+/// Bytes a 1-D device tensor holds.
+pub(crate) fn tensor_bytes(t: &Tensor<1>) -> u64 {
+    (t.dims()[0] * t.dtype().size()) as u64
 }
 
 /// Burn's float dtype for `precision`.

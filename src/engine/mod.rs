@@ -14,8 +14,9 @@
 //! loss scaler, counters and the lr schedule; `engine/build.rs` makes it,
 //! `engine/whole_model.rs` runs the model as one unit, `engine/unit_walk.rs` walks declared units,
 //! `engine/step.rs` has the optimizer step, `engine/checkpoint/` saving and loading,
-//! `engine/buffers.rs` the model's non-trainable tensors, and `engine/span.rs` says where
-//! the engine's units sit in the job (all of the model, or a pipeline stage's run).
+//! `engine/buffers.rs` the model's non-trainable tensors, `engine/span.rs` says where
+//! the engine's units sit in the job (all of the model, or a pipeline stage's run), and
+//! [`on_device`] runs collectives on device tensors (NCCL in the GPU's memory).
 //!
 //! # Note: mixed precision
 //! With fp16 or bf16 the model computes in that dtype (the engine casts its parameters;
@@ -44,6 +45,7 @@ mod infer;
 mod master;
 pub mod model;
 mod notices;
+pub mod on_device;
 pub mod optimizer;
 mod params;
 mod parts;

@@ -8,11 +8,12 @@ use burn::tensor::{Device, Tensor};
 use zerotrain_precision::Precision;
 use zerotrain_zero::{Collective, DeviceOp, FlatLayout, ReduceOp, Sharding, ZeroStage};
 
+use super::flat::tensor_bytes;
+use super::on_device;
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
 use super::report::HostDeviceBytes;
 use crate::config::{ComputeDevice, Plan, Tier};
-use crate::on_device;
 use crate::random::Streams;
 use crate::swap::SwapDir;
 use crate::{Error, Result};
@@ -138,19 +139,14 @@ impl Shared {
     }
 
     /// `op` over the group's ranks of `tensor`, on the rank's device
-    /// ([`on_device`](crate::on_device)), counting what crosses where the collective stages
+    /// ([`on_device`](super::on_device)), counting what crosses where the collective stages
     /// it through host memory.
     pub fn on_device(&self, op: DeviceOp, tensor: &Tensor<1>) -> Result<Tensor<1>> {
         let comm = self.comm.as_ref();
-        let output = match op {
-            DeviceOp::AllReduce(op) => on_device::all_reduce(comm, tensor, op)?,
-            DeviceOp::ReduceScatter(op) => on_device::reduce_scatter(comm, tensor, op)?,
-            DeviceOp::AllGather => on_device::all_gather(comm, tensor)?,
-        };
+        let output = on_device::run(comm, op, tensor)?;
         if !on_device::stays_on_device(comm, &tensor.device()) {
-            let bytes = |t: &Tensor<1>| (t.dims()[0] * t.dtype().size()) as u64;
-            self.crossed(false, bytes(tensor));
-            self.crossed(true, bytes(&output));
+            self.crossed(false, tensor_bytes(tensor));
+            self.crossed(true, tensor_bytes(&output));
         }
         Ok(output)
     }

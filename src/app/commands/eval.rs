@@ -180,9 +180,9 @@ impl WithModel for EvalJob<'_> {
 
     /// Every data-parallel rank scores its share of the windows, a batch at a time (the
     /// micro-batch, or `BATCH_TOKENS` of short windows, fewer for a vocabulary whose logits
-    /// would pass `LOGIT_BYTES`), in rounds every rank joins (a rank
-    /// out of windows scores window 0 with no weight), `HELD_TOKENS` per pass over the
-    /// units; the sums are then all-reduced.
+    /// would pass `LOGIT_BYTES`), in rounds every rank joins (a rank out of windows scores
+    /// window 0 with no weight), `HELD_TOKENS` per pass over the units; the sums are then
+    /// all-reduced.
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<Scores> {
         let Self { plan, windows, vocab, checkpoint, tag } = self;
         let per = plan.batch.micro_batch_per_rank as usize;

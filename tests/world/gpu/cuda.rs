@@ -252,7 +252,7 @@ fn nccl_equals_the_host_backend_bit_for_bit_at_world_size_one() {
     assert_eq!(ops(a), ops(b));
 }
 
-/// Collectives on CUDA tensors (`zerotrain::on_device`) through NCCL at world size 1 give the
+/// Collectives on CUDA tensors (`zerotrain::engine::on_device`) through NCCL at world size 1 give the
 /// host backend's results bit for bit in every dtype and op, read a tensor that starts inside
 /// a bigger one (its address is not its buffer's start where Burn keeps the view), leave
 /// their input as it was, and count the host backend's bytes.
@@ -260,7 +260,7 @@ fn nccl_equals_the_host_backend_bit_for_bit_at_world_size_one() {
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn collectives_on_cuda_tensors_equal_the_host_backend_bit_for_bit_at_world_size_one() {
     use burn::tensor::{DType, Tensor, TensorData};
-    use zerotrain::on_device;
+    use zerotrain::engine::on_device;
     use zerotrain_precision::{FlatBuf, Precision};
     let (reference, nccl_host, comm) = nccl_beside_the_host_backend();
     assert!(comm.reads_device_memory());

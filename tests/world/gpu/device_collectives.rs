@@ -1,6 +1,6 @@
 //! Several ranks whose collectives read device memory (NCCL's) keep their whole step on the
 //! device: the engine reduces its gradients and gathers its parameters as device tensors
-//! (`zerotrain::on_device`), at every stage. NCCL needs a GPU per rank, so here the
+//! (`zerotrain::engine::on_device`), at every stage. NCCL needs a GPU per rank, so here the
 //! threads backend stands in for it ([`ClaimsDeviceMemory`]); `on_device` stages its calls
 //! through host memory, where the host collective computes what NCCL would. The NCCL calls
 //! on device memory themselves are checked on a CUDA GPU (`cuda.rs`).

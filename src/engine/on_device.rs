@@ -17,34 +17,29 @@
 //! gives up overlapping the collective with compute; it is what makes the contract of
 //! `DeviceBuf` hold with no event shared between Burn's stream and NCCL's.
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::{Collective, DeviceOp, ReduceOp};
 
+use super::flat::tensor;
+use super::params::into_flat;
 use crate::{Error, Result};
 
 /// [`Collective::all_reduce`] of `tensor` over the ranks of `comm`.
 pub fn all_reduce(comm: &dyn Collective, tensor: &Tensor<1>, op: ReduceOp) -> Result<Tensor<1>> {
-    let len = tensor.dims()[0];
-    run(comm, DeviceOp::AllReduce(op), tensor, len)
+    run(comm, DeviceOp::AllReduce(op), tensor)
 }
 
 /// [`Collective::reduce_scatter`] of `tensor` (`world_size` chunks) over the ranks of
 /// `comm`: this rank's reduced chunk.
 pub fn reduce_scatter(comm: &dyn Collective, tensor: &Tensor<1>, op: ReduceOp) -> Result<Tensor<1>> {
-    let (len, n) = (tensor.dims()[0], comm.world_size());
-    if len % n != 0 {
-        let detail = format!("reduce_scatter of {len} elements over {n} ranks: not {n} equal chunks");
-        return Err(Error::Usage(detail));
-    }
-    run(comm, DeviceOp::ReduceScatter(op), tensor, len / n)
+    run(comm, DeviceOp::ReduceScatter(op), tensor)
 }
 
 /// [`Collective::all_gather`] of every rank's `tensor` over the ranks of `comm`, in rank
 /// order.
 pub fn all_gather(comm: &dyn Collective, tensor: &Tensor<1>) -> Result<Tensor<1>> {
-    let len = tensor.dims()[0] * comm.world_size();
-    run(comm, DeviceOp::AllGather, tensor, len)
+    run(comm, DeviceOp::AllGather, tensor)
 }
 
 /// Whether a collective of `comm` on tensors on `device` stays in the device's memory
@@ -53,12 +48,22 @@ pub fn stays_on_device(comm: &dyn Collective, device: &Device) -> bool {
     comm.reads_device_memory() && device::is_cuda(device)
 }
 
-/// Runs `op` from `input` into a new tensor of `out_len` elements (module docs).
-fn run(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize) -> Result<Tensor<1>> {
+/// `op` of `input` over the ranks of `comm` into a new tensor (module docs).
+pub fn run(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>) -> Result<Tensor<1>> {
+    let (len, n) = (input.dims()[0], comm.world_size());
+    let out_len = match op {
+        DeviceOp::AllReduce(_) => len,
+        DeviceOp::ReduceScatter(_) if len % n != 0 => {
+            let detail = format!("reduce_scatter of {len} elements over {n} ranks: not {n} equal chunks");
+            return Err(Error::Usage(detail));
+        }
+        DeviceOp::ReduceScatter(_) => len / n,
+        DeviceOp::AllGather => len * n,
+    };
     let dtype = precision(input.dtype())?;
     let device = input.device();
     if !stays_on_device(comm, &device) {
-        return staged(comm, op, dtype, input, out_len);
+        return staged(comm, op, input, out_len);
     }
     // Zeros, not `empty`: a buffer some kernel has written, so cubecl hands out its address
     // like any other.
@@ -69,50 +74,25 @@ fn run(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize) -
 
 /// `op` through host memory: the input's values to the host, the host collective, the
 /// result back to the input's device in its dtype.
-fn staged(
-    comm: &dyn Collective,
-    op: DeviceOp,
-    dtype: Precision,
-    input: &Tensor<1>,
-    out_len: usize,
-) -> Result<Tensor<1>> {
-    let mut values = host(input.clone())?;
+fn staged(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize) -> Result<Tensor<1>> {
+    let mut values = into_flat(input.clone().into_data(), "a collective's input", input.dims()[0])?;
     let output = match op {
         DeviceOp::AllReduce(op) => {
             comm.all_reduce(values.as_mut(), op)?;
             values
         }
         DeviceOp::ReduceScatter(op) => {
-            let mut output = FlatBuf::zeros(dtype, out_len);
+            let mut output = FlatBuf::zeros(values.dtype(), out_len);
             comm.reduce_scatter(values.as_ref(), output.as_mut(), op)?;
             output
         }
         DeviceOp::AllGather => {
-            let mut output = FlatBuf::zeros(dtype, out_len);
+            let mut output = FlatBuf::zeros(values.dtype(), out_len);
             comm.all_gather(values.as_ref(), output.as_mut())?;
             output
         }
     };
     Ok(tensor(output, &input.device()))
-}
-
-/// `values` as a 1-D tensor on `device`, in their dtype.
-pub(crate) fn tensor(values: FlatBuf, device: &Device) -> Tensor<1> {
-    let n = values.len();
-    let data = zerotrain_precision::with_elem!(FlatBuf, values, v, _E => TensorData::new(v, [n]));
-    let dtype = data.dtype();
-    Tensor::from_data(data, (device, dtype))
-}
-
-/// A 1-D float tensor's values on the host, in its dtype.
-fn host(tensor: Tensor<1>) -> Result<FlatBuf> {
-    let data = tensor.into_data();
-    let values = match data.dtype() {
-        DType::F32 => data.try_into_vec().map(FlatBuf::F32),
-        DType::F16 => data.try_into_vec().map(FlatBuf::F16),
-        _ => data.try_into_vec().map(FlatBuf::Bf16),
-    };
-    values.map_err(|e| Error::Model(format!("a collective's input: unreadable tensor data: {e:?}")))
 }
 
 /// The engine's precision of a float dtype.
@@ -250,7 +230,8 @@ mod tests {
                     for dtype in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
                         let input = tensor(FlatBuf::from_f32(dtype, &values(r, n)), &device);
                         let read = |t: Tensor<1>| {
-                            let got = host(t).unwrap();
+                            let len = t.dims()[0];
+                            let got = into_flat(t.into_data(), "a result", len).unwrap();
                             assert_eq!(got.dtype(), dtype);
                             got.into_f32()
                         };
