@@ -360,6 +360,56 @@ fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `zerotrain generate ARGS`'s peak resident size in bytes, from the kernel's accounting of
+/// the finished child (`wait4`); panics unless it succeeded.
+fn generate_peak_rss(args: &[&str]) -> u64 {
+    use std::io::Read;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .arg("generate")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: the child is ours and not yet reaped; both out-pointers are live locals.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
+    assert!(pid > 0 && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "generate {args:?}: {err}");
+    usage.ru_maxrss as u64 * 1024
+}
+
+/// `generate` holds the model and one window's activations, however many tokens it adds:
+/// each token's forward pass leaves nothing behind. (On an autodiff device every forward
+/// kept its graph, reachable from the parameters, and the process grew by about the
+/// model's size per token: a 1.1B model was killed for memory after a few tokens.)
+#[test]
+fn generating_more_tokens_holds_no_more_memory() {
+    let dir = folder("generate-memory");
+    let (config, _) = fresh_llama(&dir, 1, "");
+    let (hidden, inter, layers, kv, vocab) = (512usize, 1024usize, 2usize, 256usize, 280usize);
+    let model = format!(
+        r#"{{"model_type": "llama", "hidden_size": {hidden}, "intermediate_size": {inter}, "num_hidden_layers": {layers},
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": {vocab}, "tie_word_embeddings": true}}"#
+    );
+    std::fs::write(dir.join("model.json"), model).unwrap();
+    // q and o are hidden x hidden, k and v hidden x kv (2 of 4 heads), the MLP three
+    // hidden x intermediate, two norms per layer, the final norm and the tied embedding.
+    let per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden;
+    let model_bytes = ((layers * per_layer + hidden + vocab * hidden) * 4) as u64;
+    let peak = |tokens: &str| {
+        let config = config.to_str().unwrap();
+        generate_peak_rss(&["--config", config, "--prompt", "the rank holds", "--tokens", tokens])
+    };
+    let (one, many) = (peak("1"), peak("24"));
+    assert!(
+        many < one + model_bytes,
+        "24 tokens peaked at {many} B, 1 token at {one} B: more than the model's {model_bytes} B apart"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Training a fresh LLaMA-shaped model on a token file lowers the loss `eval` measures on
 /// text it never saw and on the file's held-out split (`--tokens`), scored from the run's
 /// checkpoint.

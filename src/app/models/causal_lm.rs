@@ -18,13 +18,16 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
     /// tokens: greedy at temperature 0, else sampled from the `top_k` most likely (all when
     /// 0) at `temperature`, drawing from the deterministic generator `rng`.
     fn generate(&self, prompt: &[u32], count: usize, context: usize, sampling: Sampling, rng: &mut u64) -> Vec<u32> {
-        let device = self.devices().into_iter().next().unwrap_or_default();
+        // Without autodiff: on an autodiff device each forward's graph stays reachable from
+        // the parameters (leaves that require grad) until a backward that never comes.
+        let model = self.valid();
+        let device = model.devices().into_iter().next().unwrap_or_default();
         let mut tokens = prompt.to_vec();
         for _ in 0..count {
             let window = &tokens[tokens.len().saturating_sub(context)..];
             let ids: Vec<i64> = window.iter().map(|&x| i64::from(x)).collect();
             let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, window.len()]), &device);
-            let logits = self.logits(input).cast(FloatDType::F32);
+            let logits = model.logits(input).cast(FloatDType::F32);
             let [_, t, vocab] = logits.dims();
             let last: Vec<f32> =
                 logits.slice([0..1, t - 1..t, 0..vocab]).into_data().try_into_vec::<f32>().unwrap_or_default();
