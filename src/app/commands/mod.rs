@@ -153,17 +153,30 @@ pub struct EstimateArgs {
     pub json: bool,
 }
 
+/// How the validation loss moved, as a ratio: "2.2x lower", "1.1x higher".
+fn loss_change(before: f32, after: f32) -> String {
+    match before / after {
+        r if r > 1.0 => format!("{r:.1}x lower"),
+        r if r < 1.0 => format!("{:.1}x higher", 1.0 / r),
+        r if r == 1.0 => "unchanged".into(),
+        _ => "no ratio".into(),
+    }
+}
+
 fn print_summary(s: &TrainSummary) {
     let (a, b) = s.val_loss;
     if s.interrupted {
         println!("stopped by SIGINT/SIGTERM at step {} (checkpoint saved)", s.last_step);
     }
+    // A large model on a CPU may take seconds per token.
+    let places = if s.tokens_per_s < 10.0 { 2 } else { 0 };
     println!(
-        "validation loss {a:.5} -> {b:.5} ({:.1}x lower) in {:.1} s, steps {}..{}, {:.0} tokens/s",
-        a / b,
+        "validation loss {a:.5} -> {b:.5} ({}) in {:.1} s, steps {}..{}, {:.*} tokens/s",
+        loss_change(a, b),
         s.seconds,
         s.first_step,
         s.last_step,
+        places,
         s.tokens_per_s
     );
     println!("model states per rank (bytes; Ψ = {}):", s.num_params);
@@ -358,4 +371,18 @@ fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u6
 pub(crate) fn proc_status_kib(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status.lines().find(|l| l.starts_with(field))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loss_change;
+
+    #[test]
+    fn the_summary_says_which_way_the_loss_moved() {
+        assert_eq!(loss_change(2.57, 1.16), "2.2x lower");
+        assert_eq!(loss_change(1.0, 1.25), "1.2x higher");
+        assert_eq!(loss_change(37.95, 37.98), "1.0x higher");
+        assert_eq!(loss_change(3.0, 3.0), "unchanged");
+        assert_eq!(loss_change(3.0, f32::NAN), "no ratio");
+    }
 }
