@@ -191,7 +191,7 @@ impl WithModel for EvalJob<'_> {
             let start = Instant::now();
             let mut engine = crate::trainer(model.take(), plan, &ctx)?;
             if let Some(dir) = checkpoint {
-                engine.load_checkpoint(dir, tag, LoadOptions::default())?;
+                engine.load_checkpoint(dir, tag, LoadOptions::module_only())?;
             }
             let (load_seconds, start) = (start.elapsed().as_secs_f64(), Instant::now());
             let (n, d) = (engine.data_parallel_size(), engine.data_parallel_rank());

@@ -63,7 +63,7 @@ impl WithModel for Generate<'_> {
                 let model = crate::app::train::Handout::new(model, self.plan);
                 let models = crate::launch(self.plan, |ctx| -> crate::Result<Option<M>> {
                     let mut engine = crate::trainer(model.take(), self.plan, &ctx)?;
-                    engine.load_checkpoint(dir, self.args.tag.as_deref(), LoadOptions::default())?;
+                    engine.load_checkpoint(dir, self.args.tag.as_deref(), LoadOptions::module_only())?;
                     engine.gather_model(0)
                 })?;
                 models.into_iter().flatten().next().expect("rank 0 gathers the model")

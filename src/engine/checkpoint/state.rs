@@ -26,6 +26,14 @@ impl Default for LoadOptions {
     }
 }
 
+impl LoadOptions {
+    /// The weights alone (`load_module_only`): what inference needs. The optimizer's state
+    /// is neither read nor checked against the config's optimizer.
+    pub fn module_only() -> Self {
+        Self { load_module_only: true, ..Self::default() }
+    }
+}
+
 /// The engine state a manifest carries.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct EngineState {
