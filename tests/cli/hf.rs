@@ -364,6 +364,7 @@ fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
 /// the finished child (`wait4`); panics unless it succeeded.
 fn generate_peak_rss(args: &[&str]) -> u64 {
     use std::io::Read;
+    #[expect(clippy::zombie_processes, reason = "reaped by the wait4 below, which also gives its peak")]
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .arg("generate")
         .args(args)

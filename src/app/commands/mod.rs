@@ -155,11 +155,15 @@ pub struct EstimateArgs {
 
 /// How the validation loss moved, as a ratio: "2.2x lower", "1.1x higher".
 fn loss_change(before: f32, after: f32) -> String {
-    match before / after {
-        r if r > 1.0 => format!("{r:.1}x lower"),
-        r if r < 1.0 => format!("{:.1}x higher", 1.0 / r),
-        r if r == 1.0 => "unchanged".into(),
-        _ => "no ratio".into(),
+    let r = before / after;
+    if r.is_nan() {
+        "no ratio".into()
+    } else if r > 1.0 {
+        format!("{r:.1}x lower")
+    } else if r < 1.0 {
+        format!("{:.1}x higher", 1.0 / r)
+    } else {
+        "unchanged".into()
     }
 }
 
