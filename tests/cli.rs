@@ -389,6 +389,10 @@ fn estimate_reproduces_the_paper_and_deepspeeds_estimator() {
     let stdout = text(&out.stdout);
     assert!(stdout.contains("124439808 parameters on 8 ranks"), "{stdout}{}", text(&out.stderr));
     assert!(stdout.contains("largest layer 38597376 parameters"), "{stdout}");
+    // The same model from its Hugging Face config.json itself.
+    let out = zerotrain(&["estimate", "--model-config", "configs/models/gpt2-small.json", "--world-size", "8"]);
+    let hf = text(&out.stdout);
+    assert!(hf.contains("124439808 parameters on 8 ranks") && hf.contains("largest layer 38597376"), "{hf}");
 }
 
 #[test]

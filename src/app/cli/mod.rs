@@ -90,7 +90,8 @@ pub enum Command {
         /// stage 3: the optimizer, then the parameters too).
         #[arg(long)]
         offload: bool,
-        /// A config whose `model` section gives the parameter count.
+        /// A config whose `model` section gives the parameter count, or a Hugging Face
+        /// `config.json` (such as the presets in configs/models/).
         #[arg(long)]
         model_config: Option<PathBuf>,
         /// Print JSON.

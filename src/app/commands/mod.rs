@@ -286,6 +286,7 @@ fn model_size(
         if v >= 1.0 && v.is_finite() { Ok(v as u64) } else { bail!("{flag} must be a positive number") }
     };
     Ok(match (params, model_config) {
+        (_, Some(file)) if is_hf_config(file) => hf_model_size(&keys::HfSource::Config(file.to_path_buf()))?,
         (_, Some(file)) => {
             // Only the model section matters here (not, say, a schedule's "auto" length).
             let app = keys::load_keys(file)?;
@@ -307,6 +308,13 @@ fn model_size(
         }
         (None, None) => bail!("--params must be a positive number"),
     })
+}
+
+/// Whether `file` is a Hugging Face `config.json` (it names a `model_type`) rather than a
+/// training config; unreadable files are left to the training config's reader to report.
+fn is_hf_config(file: &std::path::Path) -> bool {
+    let parsed = std::fs::read(file).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    parsed.is_some_and(|v| v.get("model_type").is_some())
 }
 
 /// The parameter count of a Hugging Face family's model and its largest layer (a block,
