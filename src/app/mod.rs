@@ -106,7 +106,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             offload,
             model_config,
             json,
-        } => commands::estimate(commands::EstimateArgs {
+        } => commands::estimate::estimate(commands::estimate::EstimateArgs {
             params,
             largest_layer_params,
             world_size,

@@ -3,6 +3,7 @@
 pub mod bench;
 mod check;
 mod checkpoints;
+pub mod estimate;
 pub mod eval;
 pub mod generate;
 mod serve;
@@ -19,7 +20,7 @@ pub use self::serve::serve;
 use crate::app::keys;
 use crate::app::train::{StepMetrics, TrainOptions, TrainSummary};
 use crate::{Overrides, detect_mpirun};
-use anyhow::{Context, bail};
+use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// `zerotrain train`.
@@ -141,18 +142,6 @@ pub struct TrainArgs {
     pub group: Option<u64>,
 }
 
-/// `zerotrain estimate`'s arguments (see `cli::Command::Estimate`).
-pub struct EstimateArgs {
-    pub params: Option<f64>,
-    pub largest_layer_params: Option<f64>,
-    pub world_size: Option<u64>,
-    pub gpus_per_node: Option<u64>,
-    pub nodes: u64,
-    pub offload: bool,
-    pub model_config: Option<PathBuf>,
-    pub json: bool,
-}
-
 /// How the validation loss moved, as a ratio: "2.2x lower", "1.1x higher".
 fn loss_change(before: f32, after: f32) -> String {
     let r = before / after;
@@ -201,182 +190,6 @@ fn print_summary(s: &TrainSummary) {
     }
     let out = s.out.display();
     println!("outputs: {out}/metrics.jsonl, {out}/loss.png, {out}/checkpoints/");
-}
-
-/// `zerotrain estimate`.
-pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
-    let EstimateArgs { params, largest_layer_params, world_size, gpus_per_node, nodes, offload, model_config, json } =
-        args;
-    let (params, largest) = model_size(params, largest_layer_params, model_config.as_deref())?;
-    let (total, ranks) = ranks_per_node(world_size, gpus_per_node, nodes)?;
-    let rows = crate::estimate::paper(params, total);
-    let ds: Vec<(bool, u64, u64)> = [false, true]
-        .iter()
-        .filter(|&&o| !o || offload)
-        .map(|&o| {
-            let (cpu, gpu) = crate::estimate::deepspeed_zero2(params, ranks, nodes, o, 1.5);
-            (o, cpu, gpu)
-        })
-        .collect();
-    let zero3 = zero3_rows(params, largest, ranks, nodes, offload);
-    if json {
-        let ds: Vec<_> = ds
-            .iter()
-            .map(|(o, cpu, gpu)| serde_json::json!({ "offload": o, "per_cpu_bytes": cpu, "per_gpu_bytes": gpu }))
-            .collect();
-        let value = serde_json::json!({ "params": params, "ranks": total, "zero_paper": rows, "deepspeed_zero2": ds,
-                                        "largest_layer_params": largest, "deepspeed_zero3": zero3 });
-        println!("{}", serde_json::to_string_pretty(&value)?);
-        return Ok(());
-    }
-    println!("model states per rank: {params} parameters on {total} ranks ({ranks} per node x {nodes} nodes)");
-    println!("ZeRO paper, mixed-precision Adam (2 + 2 + 12 bytes per parameter):");
-    println!(
-        "  {:>5} {:>16} {:>16} {:>16} {:>16} {:>9}",
-        "stage", "params B", "grads B", "optimizer B", "total B", "total GB"
-    );
-    for r in &rows {
-        println!(
-            "  {:>5} {:>16} {:>16} {:>16} {:>16} {:>9.2}",
-            r.stage,
-            r.params,
-            r.grads,
-            r.optimizer,
-            r.total,
-            r.total as f64 / 1e9
-        );
-    }
-    println!("DeepSpeed estimate_zero2_model_states_mem_needs (stage 2, additional_buffer_factor 1.5):");
-    for (o, cpu, gpu) in ds {
-        let option = if o { "offload_optimizer=cpu " } else { "offload_optimizer=none" };
-        println!("  {option}  per GPU {gpu:>16} B  per CPU {cpu:>16} B");
-    }
-    if zero3.is_empty() {
-        println!("DeepSpeed's ZeRO-3 estimate needs the largest layer: --largest-layer-params or --model-config");
-        return Ok(());
-    }
-    println!(
-        "DeepSpeed estimate_zero3_model_states_mem_needs (stage 3, largest layer {largest} parameters, \
-         additional_buffer_factor 1.5; per CPU with zero_init / without, as zerotrain builds models):"
-    );
-    for row in &zero3 {
-        let option = match (row["offload_optimizer"] == true, row["offload_param"] == true) {
-            (false, _) => "offload none               ",
-            (true, false) => "offload_optimizer=cpu      ",
-            (true, true) => "offload_optimizer+param=cpu",
-        };
-        println!(
-            "  {option}  per GPU {:>16} B  per CPU {:>16} B / {:>16} B",
-            row["per_gpu_bytes"].as_u64().unwrap_or_default(),
-            row["per_cpu_bytes_zero_init"].as_u64().unwrap_or_default(),
-            row["per_cpu_bytes"].as_u64().unwrap_or_default()
-        );
-    }
-    Ok(())
-}
-
-/// The parameter count and the largest layer's (0: unknown), from `--params` and
-/// `--largest-layer-params` or from a config's `model` section.
-fn model_size(
-    params: Option<f64>,
-    largest_layer_params: Option<f64>,
-    model_config: Option<&std::path::Path>,
-) -> anyhow::Result<(u64, u64)> {
-    let count = |v: f64, flag: &str| -> anyhow::Result<u64> {
-        if v >= 1.0 && v.is_finite() { Ok(v as u64) } else { bail!("{flag} must be a positive number") }
-    };
-    Ok(match (params, model_config) {
-        (_, Some(file)) if is_hf_config(file) => hf_model_size(&keys::HfSource::Config(file.to_path_buf()))?,
-        (_, Some(file)) => {
-            // Only the model section matters here (not, say, a schedule's "auto" length).
-            let app = keys::load_keys(file)?;
-            let folder = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-            if let Some(source) = app.resolve_in(folder)?.hf {
-                return hf_model_size(&source);
-            }
-            let model = app.model.unwrap_or_default().shape();
-            if model.vocab_size == 0 {
-                bail!("{}: model.vocab_size must be set to estimate from the model section", file.display());
-            }
-            model.validate().map_err(anyhow::Error::msg)?;
-            let (units, root) = model.unit_params();
-            (model.num_params(), units.iter().map(|(_, n)| *n).max().unwrap_or(0).max(root))
-        }
-        (Some(p), None) => {
-            let largest = largest_layer_params.map(|l| count(l, "--largest-layer-params")).transpose()?;
-            (count(p, "--params")?, largest.unwrap_or(0))
-        }
-        (None, None) => bail!("--params must be a positive number"),
-    })
-}
-
-/// Whether `file` is a Hugging Face `config.json` (it names a `model_type`) rather than a
-/// training config; unreadable files are left to the training config's reader to report.
-fn is_hf_config(file: &std::path::Path) -> bool {
-    let parsed = std::fs::read(file).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-    parsed.is_some_and(|v| v.get("model_type").is_some())
-}
-
-/// The parameter count of a Hugging Face family's model and its largest layer (a block,
-/// or an embedding or head), from its config.json.
-fn hf_model_size(source: &keys::HfSource) -> anyhow::Result<(u64, u64)> {
-    let file = match source {
-        keys::HfSource::Dir(dir) => dir.join(crate::app::hf::CONFIG_FILE),
-        keys::HfSource::Config(file) => file.clone(),
-    };
-    let config = crate::app::hf::HfConfig::read(&file)?;
-    let mut layers: std::collections::BTreeMap<String, u64> = Default::default();
-    for (path, shape) in crate::app::family::parameter_names(&config) {
-        let parts: Vec<&str> = path.split('.').collect();
-        // `model.layers.3.…` and `transformer.h.3.…` are a block; anything else its module.
-        let depth = if parts.len() > 3 && parts[2].parse::<usize>().is_ok() { 3 } else { parts.len() - 1 };
-        *layers.entry(parts[..depth].join(".")).or_default() += shape.iter().product::<usize>() as u64;
-    }
-    Ok((layers.values().sum(), layers.values().copied().max().unwrap_or(0)))
-}
-
-/// DeepSpeed's ZeRO-3 rows: no offload; with `offload`, the optimizer, then the parameters
-/// too. Each with zero_init (DeepSpeed's default) and without (zerotrain's case: every
-/// process builds the whole model first). None without the largest layer.
-fn zero3_rows(params: u64, largest: u64, ranks: u64, nodes: u64, offload: bool) -> Vec<serde_json::Value> {
-    if largest == 0 {
-        Vec::new()
-    } else {
-        [(false, false), (true, false), (true, true)]
-            .into_iter()
-            .filter(|&(o, _)| !o || offload)
-            .map(|(o, p)| {
-                let options =
-                    |zero_init| crate::estimate::Zero3Options { offload_optimizer: o, offload_param: p, zero_init };
-                let (cpu_init, gpu) =
-                    crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(true), 1.5);
-                let (cpu, _) = crate::estimate::deepspeed_zero3(params, largest, ranks, nodes, options(false), 1.5);
-                serde_json::json!({ "offload_optimizer": o, "offload_param": p, "per_gpu_bytes": gpu,
-                                    "per_cpu_bytes_zero_init": cpu_init, "per_cpu_bytes": cpu })
-            })
-            .collect()
-    }
-}
-
-/// `--world-size` (total ranks), `--gpus-per-node` and `--nodes` -> (total ranks, ranks per
-/// node), as DeepSpeed's `num_gpus_per_node` x `num_nodes`.
-fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u64) -> anyhow::Result<(u64, u64)> {
-    if nodes == 0 || world_size == Some(0) || gpus_per_node == Some(0) {
-        bail!("--world-size, --gpus-per-node and --nodes must be at least 1");
-    }
-    match (world_size, gpus_per_node) {
-        (Some(total), Some(per_node)) if nodes.checked_mul(per_node) != Some(total) => {
-            bail!("--world-size {total} is not --nodes {nodes} x --gpus-per-node {per_node}; give two of the three")
-        }
-        (Some(total), Some(per_node)) => Ok((total, per_node)),
-        (Some(total), None) if total.is_multiple_of(nodes) => Ok((total, total / nodes)),
-        (Some(total), None) => bail!("--world-size {total} does not divide over --nodes {nodes}"),
-        (None, Some(per_node)) => {
-            let total = nodes.checked_mul(per_node).context("--nodes x --gpus-per-node overflows")?;
-            Ok((total, per_node))
-        }
-        (None, None) => bail!("give --world-size (total ranks) or --gpus-per-node"),
-    }
 }
 
 /// A `/proc/self/status` field in KiB (Linux).
