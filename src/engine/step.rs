@@ -61,13 +61,17 @@ impl<M: Module> Engine<M> {
             let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
             let factor = (clip_coef * prepared.numerator / prepared.denominator) as f32;
             for (id, grads) in prepared.grads.into_iter().enumerate() {
-                // One unit's gradient in f32 at a time, where it is.
+                // One unit's gradient in f32 at a time, where it is. A factor of 1 (one
+                // rank, no loss scale, no clip) changes no bit: no pass over the values.
                 let grads = match grads {
                     Flat::Host(grads) => {
                         let mut grads = grads.into_f32();
-                        grads.iter_mut().for_each(|g| *g *= factor);
+                        if factor != 1.0 {
+                            grads.iter_mut().for_each(|g| *g *= factor);
+                        }
                         Values::Host(grads)
                     }
+                    Flat::Device(grads) if factor == 1.0 => Values::Device(grads.cast(FloatDType::F32)),
                     Flat::Device(grads) => Values::Device(grads.cast(FloatDType::F32).mul_scalar(factor)),
                 };
                 let model = self.model.clone();

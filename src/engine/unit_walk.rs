@@ -30,6 +30,7 @@ use burn::tensor::{FloatDType, Tensor};
 
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
+use super::whole_model::LossValues;
 use super::{Engine, Granularity};
 use crate::error::panic_message;
 use crate::random;
@@ -51,8 +52,8 @@ pub(super) enum Saved<H> {
 }
 
 /// What the forward half returns: each unit's [`Saved`], the last unit's output, and the
-/// units' loss terms' sum.
-pub(super) type Forward<H> = (Vec<Saved<H>>, H, f32);
+/// units' loss terms (read once the micro-step is queued).
+pub(super) type Forward<H> = (Vec<Saved<H>>, H, LossValues);
 
 /// How a unit runs: in training, drawing from micro-batch `micro`'s streams (see
 /// [`crate::random`]), with or without an autodiff `graph`; or in inference mode.
@@ -93,7 +94,7 @@ impl<M: UnitModel> Engine<M> {
         let (value, upstream, root_grads) = self.loss_backward(output, batch, micro)?;
         let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch, micro)?;
         self.reduce_root(root_grads)?;
-        Ok(self.end_micro_step(value + terms))
+        Ok(self.end_micro_step(value.read()? + terms.read()?))
     }
 
     /// One optimizer step: [`forward_backward`](Self::forward_backward) on each of the
@@ -131,7 +132,7 @@ impl<M: UnitModel> Engine<M> {
         output: M::Hidden,
         batch: &M::Batch,
         micro: u64,
-    ) -> Result<(f32, Option<M::Hidden>, Option<UnitGrads>)> {
+    ) -> Result<(LossValues, Option<M::Hidden>, Option<UnitGrads>)> {
         let start = Instant::now();
         let last = output.leaf();
         let draw = self.draw(micro, random::LOSS);
@@ -143,7 +144,7 @@ impl<M: UnitModel> Engine<M> {
         let upstream = last.grad(&grads);
         let root_grads = self.take(GradientsParams::from_grads(grads, &self.model), None)?.root;
         self.window.times.backward += start.elapsed().as_secs_f64();
-        Ok((value, upstream, root_grads))
+        Ok((LossValues::of(value), upstream, root_grads))
     }
 
     /// Reduces the root's gradients of one micro-step (after the last unit's) and, at
@@ -177,7 +178,7 @@ impl<M: UnitModel> Engine<M> {
         micro: u64,
     ) -> Result<Forward<M::Hidden>> {
         let (declared, interval) = self.walk();
-        let (mut saved, mut terms) = (Vec::with_capacity(declared), 0.0f32);
+        let (mut saved, mut terms) = (Vec::with_capacity(declared), LossValues::default());
         let mut hidden: Option<M::Hidden> = input;
         for i in 0..declared {
             self.enter(i, Direction::Forward)?;
@@ -185,13 +186,17 @@ impl<M: UnitModel> Engine<M> {
             let input = hidden.take();
             if interval > 0 {
                 let (output, term) = self.run_unit(i, input.clone(), batch, Pass::Train { micro, graph: false })?;
-                terms += value_of(term.as_ref());
+                if let Some(term) = &term {
+                    terms.push(term.clone());
+                }
                 saved.push(if i % interval == 0 { Saved::Boundary(input) } else { Saved::Inside });
                 hidden = Some(output);
             } else {
                 let input = input.map(Activation::leaf);
                 let (output, term) = self.run_unit(i, input.clone(), batch, Pass::Train { micro, graph: true })?;
-                terms += value_of(term.as_ref());
+                if let Some(term) = &term {
+                    terms.push(term.clone());
+                }
                 hidden = Some(output.clone().detached());
                 saved.push(Saved::Graph { input, output, term });
             }
@@ -376,11 +381,6 @@ impl<M: UnitModel> Engine<M> {
         let mut taken = self.shared.take_grads(&self.model, &mut grads, &wanted)?;
         Ok(UnitTake { unit: unit.and_then(|u| taken[u].take()), root: root.and_then(|r| taken[r].take()) })
     }
-}
-
-/// A loss term's value in f32 (0 without one).
-fn value_of(term: Option<&Tensor<1>>) -> f32 {
-    term.map_or(0.0, |t| t.clone().cast(FloatDType::F32).into_scalar::<f32>())
 }
 
 /// One backward pass's gradients of a unit and of the root.

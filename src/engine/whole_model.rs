@@ -46,6 +46,7 @@ impl<M: Module> Engine<M> {
     /// prescribes. Returns the loss value.
     pub fn backward(&mut self, loss: Tensor<1>) -> Result<f32> {
         let (value, scaled) = self.scale_loss(loss)?;
+        let value = LossValues::of(value);
         let start = Instant::now();
         let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
         let reduce_start = Instant::now();
@@ -62,18 +63,18 @@ impl<M: Module> Engine<M> {
         for id in 0..self.units.len() {
             self.release(id);
         }
-        Ok(self.end_micro_step(value))
+        Ok(self.end_micro_step(value.read()?))
     }
 
-    /// Checks the loss, and returns its value and the tensor to back-propagate: cast to
-    /// f32, times the loss scale, divided by the accumulation steps.
-    pub(super) fn scale_loss(&self, loss: Tensor<1>) -> Result<(f32, Tensor<1>)> {
+    /// Checks the loss, and returns its value (f32, on the device: [`LossValues`]) and the
+    /// tensor to back-propagate: cast to f32, times the loss scale, divided by the
+    /// accumulation steps.
+    pub(super) fn scale_loss(&self, loss: Tensor<1>) -> Result<(Tensor<1>, Tensor<1>)> {
         if loss.dims() != [1] {
             return Err(Error::Usage(format!("backward needs a one-element loss, got shape {:?}", loss.dims())));
         }
         let loss = loss.cast(FloatDType::F32);
-        let value = loss.clone().into_scalar::<f32>();
-        Ok((value, self.scaled(loss)))
+        Ok((loss.clone(), self.scaled(loss)))
     }
 
     /// `loss` (f32) times the loss scale, divided by the accumulation steps.
@@ -211,5 +212,35 @@ impl<M: Module> Engine<M> {
     /// call it. [`gather_model`](Self::gather_model) makes it on one rank only.
     pub fn full_model(&mut self) -> Result<M> {
         self.eval(|model| model.clone().train())
+    }
+}
+
+/// Loss values of a micro-step (one-element f32 tensors), left on the device until the
+/// micro-step's work is all queued: reading a value waits for everything queued before it,
+/// so a read before backward would leave the device idle while the host queues backward.
+#[derive(Default)]
+pub(super) struct LossValues(Vec<Tensor<1>>);
+
+impl LossValues {
+    pub fn of(value: Tensor<1>) -> Self {
+        let mut values = Self::default();
+        values.push(value);
+        values
+    }
+
+    pub fn push(&mut self, value: Tensor<1>) {
+        self.0.push(value.cast(FloatDType::F32));
+    }
+
+    /// Their sum in f32, from 0 in the order they came (waits for the device).
+    pub fn read(self) -> Result<f32> {
+        if self.0.is_empty() {
+            return Ok(0.0);
+        }
+        let values = Tensor::cat(self.0, 0)
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| Error::Model(format!("reading the loss: {e:?}")))?;
+        Ok(values.into_iter().fold(0.0, |sum, v| sum + v))
     }
 }

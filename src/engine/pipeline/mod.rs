@@ -36,6 +36,7 @@ pub(super) use self::stage_values::place;
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
 use super::unit_walk::Saved;
+use super::whole_model::LossValues;
 use super::{Counters, Engine, LoadOptions, MemoryReport, StepReport};
 use crate::config::{PipelinePlan, Plan};
 use crate::context::RankContext;
@@ -61,8 +62,8 @@ struct InFlight<M: UnitModel> {
     saved: Vec<Saved<M::Hidden>>,
     /// The last stage's output, for the loss.
     output: Option<M::Hidden>,
-    /// The units' loss terms' sum of its forward.
-    terms: f32,
+    /// The units' loss terms of its forward.
+    terms: LossValues,
     /// The parts (dtype, shape) of the input received, to answer with zeros if no gradient
     /// reaches it.
     input: wire::Shapes,
@@ -186,7 +187,7 @@ impl<M: UnitModel> Pipeline<M> {
                 // The root's gradient starts at zero here; the stage's units may add to it.
                 let engine = &self.engine;
                 let root = engine.granularity.root().map(|r| UnitGrads::empty(engine.shared.layout(r).entries().len()));
-                (0.0, Some(self.recv_activation(stage + 1)?.0), root)
+                (LossValues::default(), Some(self.recv_activation(stage + 1)?.0), root)
             }
         };
         let engine = &mut self.engine;
@@ -205,7 +206,7 @@ impl<M: UnitModel> Pipeline<M> {
             };
             sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
         }
-        engine.end_micro_step(value + flight.terms);
+        engine.end_micro_step(value.read()? + flight.terms.read()?);
         Ok(())
     }
 
