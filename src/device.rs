@@ -90,8 +90,10 @@ fn wgpu_devices() -> std::result::Result<Vec<Device>, String> {
     if adapters.is_empty() {
         // Acquiring the default adapter now would panic on cubecl's device thread, whose
         // message this thread never sees.
-        return Err("wgpu finds no adapter here: no Vulkan loader (libvulkan.so.1), or no Vulkan driver for this \
-                    machine's GPU (an ICD file under /usr/share/vulkan/icd.d, or VK_DRIVER_FILES naming one)"
+        return Err("wgpu finds no adapter here: no Vulkan loader (libvulkan.so.1), no Vulkan driver for this \
+                    machine's GPU (an ICD file under /usr/share/vulkan/icd.d, or VK_DRIVER_FILES naming one), or a \
+                    driver whose library does not load (NVIDIA's needs libGLdispatch.so.0, from libglvnd; \
+                    VK_LOADER_DEBUG=error says why)"
             .into());
     }
     let gpus: Vec<Device> =

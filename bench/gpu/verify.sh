@@ -9,18 +9,18 @@
 #      backend bit for bit, device memory per stage against the formula);
 #   3. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
 #   4. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
-#      at stages 0 and 3 in units, with and without recomputation: 191-236 s on an H200, autotune
+#      at stages 0 and 3 in units, with and without recomputation: 190-236 s on an H200, autotune
 #      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
 #      and torch.compile, in the same run.
-# Each part has its own time limit (the CUDA tests took 190 s on an H200 before the NCCL
-# device-memory test was added; the wgpu part gained a 2-rank test of ~60 s on lavapipe);
-# the whole took 449 s there. Burn's autotune runs at
+# Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
+# tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s). Burn's autotune runs at
 # CUBECL_AUTOTUNE_LEVEL=minimal unless the caller sets it (at the default level, tuning
 # bf16 GPT-2 small took over 200 s); its results are kept in target/environment, which the
 # report's folder gets as tuned.tgz: put that file in bench/gpu/bundle/ (bundle.sh keeps it)
 # and the next run starts from it (the bench took 56 s instead of 191 s on an H200).
 # The exit status is 1 if any part failed or timed out (a part skipped for lack of a
-# Vulkan loader is reported as skipped, not failed).
+# Vulkan loader is reported as skipped, not failed; a loader whose driver cannot load is a
+# failure that names the missing library).
 #
 # Usage: bash bench/gpu/verify.sh [--quick]   (--quick: 3 measured steps instead of 10)
 set -uo pipefail
@@ -85,6 +85,8 @@ if [[ -n "$nccl" ]]; then
     export LD_LIBRARY_PATH="$work/lib:$(dirname "$nccl")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # Vulkan for wgpu: the device tool's carried loader (.gl/*.deb), where one was brought.
+# NVIDIA's Vulkan driver (libGLX_nvidia) needs libglvnd's libGLdispatch beside the loader:
+#   mkdir -p .gl && (cd .gl && apt-get download libvulkan1 libglvnd0)   # then carry .gl
 if ! ldconfig -p | grep -q libvulkan && compgen -G ".gl/*.deb" >/dev/null; then
     for f in .gl/*.deb; do dpkg -x "$f" /; done
     ldconfig
@@ -105,9 +107,33 @@ say '```'
 
 part "CUDA engine tests (world --include-ignored gpu::cuda)" 230 \
     "$work/world" --include-ignored --test-threads 1 --nocapture gpu::cuda
+# The libraries a Vulkan driver's library needs and this machine lacks (empty: it loads).
+# A driver that cannot load leaves wgpu with no adapter: every test would fail alike.
+driver_missing() {
+    local icd lib path
+    for icd in ${VK_DRIVER_FILES//:/ } /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json; do
+        [[ -f "$icd" ]] || continue
+        lib="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["ICD"]["library_path"])' "$icd" 2>/dev/null)"
+        [[ -n "$lib" ]] || continue
+        path="$lib"
+        [[ "$lib" == /* ]] || path="$(ldconfig -p | awk -v l="$lib" '$1 == l { print $NF; exit }')"
+        [[ -n "$path" ]] || { echo "$lib, named by $icd, is not installed"; return; }
+        ldd "$path" 2>&1 | awk -v l="$lib" '/not found/ { printf "%s%s needs %s", sep, l, $1; sep = "; " }'
+        return
+    done
+}
 if ldconfig -p | grep -q 'libvulkan\.so\.1'; then
-    part "wgpu engine tests on the GPU (world gpu::wgpu)" 120 \
-        "$work/world" --test-threads 1 --nocapture gpu::wgpu
+    missing="$(driver_missing)"
+    if [[ -n "$missing" ]]; then
+        say ""
+        say "## wgpu engine tests on the GPU (world gpu::wgpu)"
+        say ""
+        say "not run: the Vulkan driver cannot load here ($missing): carry libglvnd0 with libvulkan1 in .gl/"
+        failed+=("wgpu engine tests (the Vulkan driver does not load)")
+    else
+        part "wgpu engine tests on the GPU (world gpu::wgpu)" 120 \
+            "$work/world" --test-threads 1 --nocapture gpu::wgpu
+    fi
 else
     say ""
     say "## wgpu engine tests on the GPU"
