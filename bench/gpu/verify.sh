@@ -11,7 +11,8 @@
 #   4. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
 #      at stages 0 and 3 in units, with and without recomputation: 190-236 s on an H200, autotune
 #      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
-#      and torch.compile, in the same run.
+#      and torch.compile, in the same run;
+#   5. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
 # Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
 # tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s). Burn's autotune runs at
 # CUBECL_AUTOTUNE_LEVEL=minimal unless the caller sets it (at the default level, tuning
@@ -150,6 +151,11 @@ part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
 # shellcheck disable=SC2086
 part "PyTorch torch.compile (bench/pytorch/gpu_gpt.py --compile)" 50 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 --compile $gpt
+# Last, as the least needed: where the engine's step goes on the device (each phase waits
+# for the device at its end, so the phases split the step; the step includes the waits).
+# shellcheck disable=SC2086
+part "zerotrain bench gpu --breakdown (stage 0, units: device time per phase)" 90 \
+    "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units --breakdown $gpt
 
 say ""
 say "total $(( $(date +%s) - start )) s, autotune level $CUBECL_AUTOTUNE_LEVEL"

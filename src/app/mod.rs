@@ -148,6 +148,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             precision,
             mode,
             peak_tflops,
+            breakdown,
             json,
         }) => {
             let shape = crate::app::models::GptConfig {
@@ -167,6 +168,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 precision,
                 modes: mode,
                 peak_tflops,
+                breakdown,
             };
             commands::bench::bench_gpu(&bench, json)
         }

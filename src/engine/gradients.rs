@@ -68,7 +68,7 @@ impl<M: Module> Engine<M> {
         }
         let loss = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
         let (sum_squares, loss) = self.global_metrics(&grads, Some(loss))?;
-        self.window.times.reduce += start.elapsed().as_secs_f64();
+        self.window.times.reduce += self.shared.phase_seconds(start);
         let denominator = self.shared.comm.world_size() as f64 * self.loss_scale();
         let (numerator, stale_norm) = (1.0, false);
         self.progress.prepared = Some(Prepared { grads, sum_squares, loss, numerator, denominator, stale_norm });

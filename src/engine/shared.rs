@@ -3,6 +3,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use burn::tensor::{Device, Tensor};
 use zerotrain_precision::Precision;
@@ -94,6 +95,18 @@ pub(crate) struct Crossings {
 }
 
 impl Shared {
+    /// Seconds since `start`, for a phase of the step's report. With `wall_clock_breakdown`
+    /// on a device that queues its work (wgpu, CUDA) the device first finishes what was
+    /// queued, as DeepSpeed's synchronised timers do, so that the phases split the step (at
+    /// the price of those waits); otherwise a phase is the host's time queueing it.
+    pub fn phase_seconds(&self, start: Instant) -> f64 {
+        if self.plan.runtime.wall_clock_breakdown && self.plan.runtime.device != ComputeDevice::Cpu {
+            // A device that failed says so at the step's next read of a value.
+            let _ = self.device.sync();
+        }
+        start.elapsed().as_secs_f64()
+    }
+
     /// Unit `unit`'s flat layout.
     pub fn layout(&self, unit: usize) -> &FlatLayout {
         &self.sharding.units()[unit].layout

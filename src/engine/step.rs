@@ -43,7 +43,7 @@ impl<M: Module> Engine<M> {
         if prepared.stale_norm {
             let start = Instant::now();
             prepared.sum_squares = self.global_metrics(&prepared.grads, None)?.0;
-            self.window.times.reduce += start.elapsed().as_secs_f64();
+            self.window.times.reduce += self.shared.phase_seconds(start);
         }
         let scale = self.loss_scale();
         // Every rank sums the same partials, so every rank reaches the same decision.

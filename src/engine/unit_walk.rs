@@ -138,12 +138,12 @@ impl<M: UnitModel> Engine<M> {
         let draw = self.draw(micro, random::LOSS);
         let loss = self.shared.streams.run(&self.shared.device, draw, || self.model.output_loss(last.clone(), batch));
         let (value, scaled) = self.scale_loss(loss)?;
-        self.window.times.forward += start.elapsed().as_secs_f64();
+        self.window.times.forward += self.shared.phase_seconds(start);
         let start = Instant::now();
         let grads = scaled.backward();
         let upstream = last.grad(&grads);
         let root_grads = self.take(GradientsParams::from_grads(grads, &self.model), None)?.root;
-        self.window.times.backward += start.elapsed().as_secs_f64();
+        self.window.times.backward += self.shared.phase_seconds(start);
         Ok((LossValues::of(value), upstream, root_grads))
     }
 
@@ -153,7 +153,7 @@ impl<M: UnitModel> Engine<M> {
         if let (Some(root), Some(grads)) = (self.granularity.root(), grads) {
             let start = Instant::now();
             self.reduce_unit(root, grads, Some(0))?;
-            self.window.times.reduce += start.elapsed().as_secs_f64();
+            self.window.times.reduce += self.shared.phase_seconds(start);
             self.release(root);
         }
         Ok(())
@@ -200,7 +200,7 @@ impl<M: UnitModel> Engine<M> {
                 hidden = Some(output.clone().detached());
                 saved.push(Saved::Graph { input, output, term });
             }
-            self.window.times.forward += start.elapsed().as_secs_f64();
+            self.window.times.forward += self.shared.phase_seconds(start);
             if interval > 0 {
                 self.release(i);
             }
@@ -233,7 +233,7 @@ impl<M: UnitModel> Engine<M> {
                 let model = self.model.clone();
                 self.model = self.buffers.restore(model, before);
             }
-            self.window.times.backward += start.elapsed().as_secs_f64();
+            self.window.times.backward += self.shared.phase_seconds(start);
             input = Some(output.clone().detached());
             *slot = Saved::Graph { input: leaf, output, term };
         }
@@ -281,14 +281,14 @@ impl<M: UnitModel> Engine<M> {
                 Some(grads) => self.take(grads, Some(i))?,
                 None => UnitTake::empty(self, i),
             };
-            self.window.times.backward += start.elapsed().as_secs_f64();
+            self.window.times.backward += self.shared.phase_seconds(start);
             let start = Instant::now();
             if let (Some(mine), Some(root)) = (taken.root, root_grads.as_mut()) {
                 root.add(mine)?;
             }
             let unit = taken.unit.unwrap_or_else(|| UnitGrads::empty(self.shared.layout(i).entries().len()));
             self.reduce_unit(i, unit, (i + 1 < declared).then_some(i + 1))?;
-            self.window.times.reduce += start.elapsed().as_secs_f64();
+            self.window.times.reduce += self.shared.phase_seconds(start);
         }
         Ok((root_grads, upstream))
     }

@@ -32,7 +32,7 @@ impl<M: Module> Engine<M> {
         let draw = self.draw(self.window.micro_steps, self.window.forward_calls);
         self.window.forward_calls += 1;
         let out = self.shared.streams.run(&self.shared.device, draw, || f(&self.model));
-        self.window.times.forward += start.elapsed().as_secs_f64();
+        self.window.times.forward += self.shared.phase_seconds(start);
         Ok(out)
     }
 
@@ -49,8 +49,8 @@ impl<M: Module> Engine<M> {
         let value = LossValues::of(value);
         let start = Instant::now();
         let mut grads = GradientsParams::from_grads(scaled.backward(), &self.model);
+        self.window.times.backward += self.shared.phase_seconds(start);
         let reduce_start = Instant::now();
-        self.window.times.backward += (reduce_start - start).as_secs_f64();
         let all = vec![true; self.units.len()];
         let taken = self.shared.take_grads(&self.model, &mut grads, &all)?;
         drop(grads);
@@ -59,7 +59,7 @@ impl<M: Module> Engine<M> {
             let previous = (id + 1 < self.units.len()).then_some(id + 1);
             self.reduce_unit(id, grads, previous)?;
         }
-        self.window.times.reduce += reduce_start.elapsed().as_secs_f64();
+        self.window.times.reduce += self.shared.phase_seconds(reduce_start);
         for id in 0..self.units.len() {
             self.release(id);
         }
@@ -140,7 +140,7 @@ impl<M: Module> Engine<M> {
         let (model, bytes) = self.units[id].gather(model, &self.shared, &mut self.window.times)?;
         self.model = model;
         self.note_gathered(bytes);
-        self.window.times.gather += start.elapsed().as_secs_f64();
+        self.window.times.gather += self.shared.phase_seconds(start);
         Ok(())
     }
 

@@ -35,6 +35,9 @@ pub struct GpuBench {
     pub modes: Vec<RunMode>,
     /// The device's dense peak, TFLOPS, for the utilisation column.
     pub peak_tflops: f64,
+    /// The engine waits for the device at the end of each phase (`wall_clock_breakdown`),
+    /// so that its phase times split the step; the step time includes those waits.
+    pub breakdown: bool,
 }
 
 /// One row of the table.
@@ -92,10 +95,11 @@ impl GpuBench {
         for &stage in &self.stages {
             for &mode in &self.modes {
                 let json = format!(
-                    r#"{{ {precision} {} "zero_optimization": {{"stage": {stage}}},
+                    r#"{{ {precision} {} "zero_optimization": {{"stage": {stage}}}, "wall_clock_breakdown": {},
                          "train_micro_batch_size_per_gpu": {}, "zerotrain": {{"device": "{}"}},
                          "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}} }}"#,
                     mode.config_keys(),
+                    self.breakdown,
                     self.batch,
                     self.device.name()
                 );
@@ -218,7 +222,7 @@ impl GpuBench {
         let mut out = format!(
             "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters), {} sequences per step, on {}; engine \
              in {} (stage and mode per row: one unit, units, units with recomputation); medians of {} steps; MFU \
-             against {} TFLOPS\n",
+             against {} TFLOPS; phase times {}\n",
             s.n_layer,
             s.n_embd,
             s.n_head,
@@ -229,7 +233,11 @@ impl GpuBench {
             self.device.name(),
             self.precision,
             self.steps,
-            self.peak_tflops
+            self.peak_tflops,
+            match self.breakdown {
+                true => "synchronised: each waits for the device (--breakdown), the steps include the waits",
+                false => "of the host queueing work (--breakdown splits the step)",
+            }
         );
         out.push_str(
             "what                 step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \

@@ -173,6 +173,10 @@ pub enum BenchCommand {
         /// The device's dense peak in TFLOPS, for MFU (H200 and H100 SXM: 989 in bf16).
         #[arg(long, default_value_t = 989.0)]
         peak_tflops: f64,
+        /// Phase times that split the step: the engine waits for the device at each phase's
+        /// end (`wall_clock_breakdown`), which its step time then includes.
+        #[arg(long)]
+        breakdown: bool,
         /// Print one JSON object per row, a line each, instead of a table.
         #[arg(long)]
         json: bool,

@@ -42,10 +42,10 @@ impl Unit {
             let grads = grads.into_host(Precision::Fp32)?.into_f32();
             let Home::Swapped(swapped) = &mut self.home else { unreachable!("matched above") };
             let new = swapped.step(lr, &grads, masters, shared.dtype(), &shared.state_device())?;
-            times.optimizer += start.elapsed().as_secs_f64();
+            times.optimizer += shared.phase_seconds(start);
             let start = Instant::now();
             let (model, published) = self.publish(model, || Ok(new), shared, times)?;
-            times.gather += start.elapsed().as_secs_f64();
+            times.gather += shared.phase_seconds(start);
             return Ok((model, transient + published));
         }
         let Home::Resident { master, optimizer } = &mut self.home else { unreachable!("swapped returned above") };
@@ -65,7 +65,7 @@ impl Unit {
         let device = shared.state_device();
         let stepped = optimizer.step(lr, values.into_tensor(&device), grads.into_tensor(&device))?;
         let updated = Values::from_tensor(stepped, shared.states_on_host())?;
-        times.optimizer += start.elapsed().as_secs_f64();
+        times.optimizer += shared.phase_seconds(start);
         let start = Instant::now();
         let in_model = matches!(master, Master::InModel);
         let (model, published, updated) = match updated {
@@ -87,7 +87,7 @@ impl Unit {
                     Ok(buf)
                 };
                 let (model, published) = self.publish(model, host, shared, times)?;
-                times.gather += start.elapsed().as_secs_f64();
+                times.gather += shared.phase_seconds(start);
                 return Ok((model, transient + published));
             }
             updated => {
@@ -99,7 +99,7 @@ impl Unit {
         if let Home::Resident { master: master @ Master::Held(_), .. } = &mut self.home {
             *master = Master::Held(Some(updated));
         }
-        times.gather += start.elapsed().as_secs_f64();
+        times.gather += shared.phase_seconds(start);
         Ok((model, transient + published))
     }
 }

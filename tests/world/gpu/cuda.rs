@@ -166,6 +166,12 @@ fn host_device_copies_per_step_on_cuda_are_what_host_collectives_need() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn wall_clock_breakdown_on_cuda_waits_and_changes_no_bit() {
+    super::wall_clock_breakdown_waits_and_changes_no_bit(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn one_rank_with_states_on_cuda_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(CUDA);
 }

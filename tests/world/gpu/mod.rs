@@ -474,6 +474,23 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
     }
 }
 
+/// `wall_clock_breakdown` makes the engine wait for the device at the end of each phase
+/// (so that the phases split the step, as DeepSpeed's synchronised timers do): the same
+/// work in the same order, so the same bits, at stage 0 and 3, in units with recomputation.
+pub fn wall_clock_breakdown_waits_and_changes_no_bit(on: Gpu) {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 10);
+    let w = Tokens { vocab: 11, len: 9 };
+    for stage in [0u8, 3] {
+        let json = on_device(&unit_recipe(stage, 2, MODES[5], "fp32", ""), on);
+        let timed = json.replacen('{', r#"{ "wall_clock_breakdown": true,"#, 1);
+        let queued = train(&w, &init, &plan(&json, 1), MODES[5], 2).unwrap();
+        let waited = train(&w, &init, &plan(&timed, 1), MODES[5], 2).unwrap();
+        assert_eq!(queued.losses, waited.losses, "{} stage {stage}: losses", on.name);
+        assert!(queued.params == waited.params, "{} stage {stage}: parameters differ", on.name);
+    }
+}
+
 /// The device step's AdamW (Burn's, as fused tensor ops over each unit's flat master range)
 /// against the host AdamW of the offload tier (`host_adam.rs`), from the same gradients: one
 /// rank, one step (a second would start from different parameters), no clipping (so the

@@ -51,6 +51,11 @@ fn host_device_copies_per_step_are_what_host_collectives_need() {
 }
 
 #[test]
+fn wall_clock_breakdown_on_wgpu_waits_and_changes_no_bit() {
+    super::wall_clock_breakdown_waits_and_changes_no_bit(WGPU);
+}
+
+#[test]
 fn one_rank_with_states_on_wgpu_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(WGPU);
 }
