@@ -3,9 +3,10 @@
 
 use std::time::Instant;
 
+use burn::tensor::{FloatDType, Tensor};
 use zerotrain_zero::{CommStats, Completed, Pending};
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -194,6 +195,44 @@ impl Window {
         let (start, then) = (&mut self.at_start, &paused.traffic);
         start.comm = start.comm.plus(&now.comm.since(&then.comm));
         start.crossed = start.crossed.plus(&now.crossed.since(&then.crossed));
+    }
+}
+
+/// Loss values of a micro-step (one-element f32 tensors), left on the device until the
+/// micro-step's work is all queued: reading a value waits for everything queued before it,
+/// so a read before backward would leave the device idle while the host queues backward.
+#[derive(Default)]
+pub(super) struct LossValues(Vec<Tensor<1>>);
+
+impl LossValues {
+    pub fn of(value: Tensor<1>) -> Self {
+        let mut values = Self::default();
+        values.push(value);
+        values
+    }
+
+    pub fn push(&mut self, value: Tensor<1>) {
+        self.0.push(value.cast(FloatDType::F32));
+    }
+
+    /// Their sum in f32, from 0 in the order they came (waits for the device).
+    pub fn read(self) -> Result<f32> {
+        self.read_with(Self::default())
+    }
+
+    /// This sum plus `terms`' sum (each from 0, in order), in one read of the device.
+    pub fn read_with(self, terms: LossValues) -> Result<f32> {
+        let mine = self.0.len();
+        let all: Vec<Tensor<1>> = self.0.into_iter().chain(terms.0).collect();
+        if all.is_empty() {
+            return Ok(0.0);
+        }
+        let values = Tensor::cat(all, 0)
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| Error::Model(format!("reading the loss: {e:?}")))?;
+        let sum = |v: &[f32]| v.iter().fold(0.0f32, |sum, v| sum + v);
+        Ok(sum(&values[..mine]) + sum(&values[mine..]))
     }
 }
 

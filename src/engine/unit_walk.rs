@@ -30,7 +30,7 @@ use burn::tensor::{FloatDType, Tensor};
 
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
-use super::whole_model::LossValues;
+use super::report::LossValues;
 use super::{Engine, Granularity};
 use crate::error::panic_message;
 use crate::random;
@@ -94,7 +94,7 @@ impl<M: UnitModel> Engine<M> {
         let (value, upstream, root_grads) = self.loss_backward(output, batch, micro)?;
         let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch, micro)?;
         self.reduce_root(root_grads)?;
-        Ok(self.end_micro_step(value.read()? + terms.read()?))
+        Ok(self.end_micro_step(value.read_with(terms)?))
     }
 
     /// One optimizer step: [`forward_backward`](Self::forward_backward) on each of the

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Tensor};
 use super::Engine;
 use super::accumulation::ReduceOptions;
 use super::params::UnitGrads;
-use super::report::Peaks;
+use super::report::{LossValues, Peaks};
 use crate::random::Draw;
 use crate::{Error, Result};
 
@@ -212,35 +212,5 @@ impl<M: Module> Engine<M> {
     /// call it. [`gather_model`](Self::gather_model) makes it on one rank only.
     pub fn full_model(&mut self) -> Result<M> {
         self.eval(|model| model.clone().train())
-    }
-}
-
-/// Loss values of a micro-step (one-element f32 tensors), left on the device until the
-/// micro-step's work is all queued: reading a value waits for everything queued before it,
-/// so a read before backward would leave the device idle while the host queues backward.
-#[derive(Default)]
-pub(super) struct LossValues(Vec<Tensor<1>>);
-
-impl LossValues {
-    pub fn of(value: Tensor<1>) -> Self {
-        let mut values = Self::default();
-        values.push(value);
-        values
-    }
-
-    pub fn push(&mut self, value: Tensor<1>) {
-        self.0.push(value.cast(FloatDType::F32));
-    }
-
-    /// Their sum in f32, from 0 in the order they came (waits for the device).
-    pub fn read(self) -> Result<f32> {
-        if self.0.is_empty() {
-            return Ok(0.0);
-        }
-        let values = Tensor::cat(self.0, 0)
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| Error::Model(format!("reading the loss: {e:?}")))?;
-        Ok(values.into_iter().fold(0.0, |sum, v| sum + v))
     }
 }

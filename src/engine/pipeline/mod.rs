@@ -35,8 +35,8 @@ use zerotrain_zero::{Collective, CommStats, Pending, Sharding};
 pub(super) use self::stage_values::place;
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
+use super::report::LossValues;
 use super::unit_walk::Saved;
-use super::whole_model::LossValues;
 use super::{Counters, Engine, LoadOptions, MemoryReport, StepReport};
 use crate::config::{PipelinePlan, Plan};
 use crate::context::RankContext;
@@ -206,7 +206,7 @@ impl<M: UnitModel> Pipeline<M> {
             };
             sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
         }
-        engine.end_micro_step(value.read()? + flight.terms.read()?);
+        engine.end_micro_step(value.read_with(flight.terms)?);
         Ok(())
     }
 
