@@ -195,15 +195,19 @@ fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision
             assert_eq!(row["host_device"], serde_json::json!({"to_device": 0, "to_host": 0}), "{row}");
         }
     }
-    // `--breakdown`: the table says its phases wait for the device, and has an engine row.
-    let mut args = vec!["bench", "gpu", "--device", "cpu", "--steps", "1", "--stages", "0", "--mode", "units"];
+    // `--breakdown`: the table says its phases wait for the device, and has the engine rows;
+    // `--recompute-units`: a recomputing row per value.
+    let mut args =
+        vec!["bench", "gpu", "--device", "cpu", "--steps", "1", "--stages", "0", "--mode", "units,checkpointed"];
     args.extend(shape);
-    args.push("--breakdown");
+    args.extend(["--breakdown", "--recompute-units", "0,1"]);
     let out = zerotrain(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let table = text(&out.stdout);
     assert!(table.lines().next().is_some_and(|l| l.contains("phase times synchronised")), "{table}");
-    assert!(table.lines().any(|l| l.starts_with("engine 0 units")), "{table}");
+    let engine_rows: Vec<&str> =
+        table.lines().filter(|l| l.starts_with("engine")).map(|l| l.split("  ").next().unwrap().trim()).collect();
+    assert_eq!(engine_rows, ["engine 0 units", "engine 0 recompute 0", "engine 0 recompute 1"], "{table}");
 }
 
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {

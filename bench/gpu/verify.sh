@@ -9,7 +9,8 @@
 #      backend bit for bit, device memory per stage against the formula);
 #   3. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
 #   4. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
-#      at stages 0 and 3 in units, with and without recomputation: 190-236 s on an H200, autotune
+#      at stages 0 and 3 in units, recomputing no block, all 12, or the first 6
+#      (`--recompute-units`): 190-236 s on an H200 before the last two rows, autotune
 #      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
 #      and torch.compile, in the same run;
 #   5. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
@@ -143,8 +144,9 @@ else
 fi
 gpt="--layers 12 --width 768 --heads 12 --context 1024 --batch 8 --steps $steps"
 # shellcheck disable=SC2086
-part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units, with and without recomputation)" 240 \
-    "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units,checkpointed $gpt
+part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units, recomputing none, all 12 or the first 6 blocks)" 270 \
+    "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units,checkpointed \
+    --recompute-units 12,6 $gpt
 # shellcheck disable=SC2086
 part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 $gpt

@@ -147,6 +147,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             stages,
             precision,
             mode,
+            recompute_units,
             peak_tflops,
             breakdown,
             json,
@@ -167,6 +168,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 stages,
                 precision,
                 modes: mode,
+                recompute_units,
                 peak_tflops,
                 breakdown,
             };

@@ -31,16 +31,26 @@ impl fmt::Display for Plan {
         self.describe_replicas(f)?;
         self.describe_pipeline(f)?;
         let z = &self.zero;
-        let recompute = if self.activation_checkpointing {
-            "on: models declared in units keep only unit boundaries and recompute each unit in backward \
+        let recompute: std::borrow::Cow<str> =
+            if let (true, Some(units)) = (self.activation_checkpointing, self.recompute_units) {
+                format!(
+                    "on for the first {units} unit(s) (zerotrain.recompute_units): those keep only their input and are \
+                 recomputed in backward; later units keep their activations{}",
+                    if z.stage.shards_parameters() { " and stay gathered until their backward" } else { "" }
+                )
+                .into()
+            } else if self.activation_checkpointing {
+                "on: models declared in units keep only unit boundaries and recompute each unit in backward \
              (Engine::new is one unit and cannot)"
-        } else if z.stage.shards_parameters() {
-            "off: at stage 3 each unit stays gathered from its forward to its backward (Burn's autodiff graph \
+                    .into()
+            } else if z.stage.shards_parameters() {
+                "off: at stage 3 each unit stays gathered from its forward to its backward (Burn's autodiff graph \
              holds its weights), so the peak is about the whole model; add an activation_checkpointing section \
              to release units after their forward"
-        } else {
-            "off"
-        };
+                    .into()
+            } else {
+                "off".into()
+            };
         writeln!(f, "activation ckpt     {recompute}")?;
         self.describe_precision(f)?;
         let (precision, optim) = (&self.precision, &self.optim);
@@ -195,12 +205,13 @@ impl Plan {
             let m = self.batch.gradient_accumulation_steps as usize;
             writeln!(
                 f,
-                "pipeline            {} stages x {} data-parallel rank(s), schedule {}, partition by {}, recompute every {} unit(s) (0: none)",
+                "pipeline            {} stages x {} data-parallel rank(s), schedule {}, partition by {}, recompute every {} unit(s) (0: none){}",
                 p.stages,
                 p.data_parallel(n),
                 json(&p.schedule).trim_matches('"'),
                 json(&p.partition).trim_matches('"'),
-                p.checkpoint_interval
+                p.checkpoint_interval,
+                self.recompute_units.map_or(String::new(), |u| format!(" among the first {u} of each stage"))
             )?;
             writeln!(
                 f,

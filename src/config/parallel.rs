@@ -67,6 +67,20 @@ pub(super) fn resolve_checkpointing(config: &Config, autos: &mut Autos) -> bool 
     true
 }
 
+/// `zerotrain.recompute_units`, an error where nothing is recomputed (`recomputes`: an
+/// `activation_checkpointing` section, or a pipeline's checkpoint interval above 0).
+pub(super) fn resolve_recompute_units(config: &Config, recomputes: bool) -> Result<Option<usize>, ConfigError> {
+    let Some(Count(units)) = config.raw.zerotrain.as_ref().and_then(|z| z.recompute_units) else { return Ok(None) };
+    if !recomputes {
+        return Err(invalid(
+            "zerotrain.recompute_units",
+            "says how many units activation checkpointing recomputes, but nothing is recomputed: add an \
+             activation_checkpointing section (or a pipeline.activation_checkpoint_interval above 0)",
+        ));
+    }
+    usize::try_from(units).map(Some).map_err(|_| invalid("zerotrain.recompute_units", "too large"))
+}
+
 /// The `pipeline` section and `zerotrain.schedule`; `None` for one stage.
 pub(super) fn resolve_pipeline(
     config: &Config,
@@ -167,6 +181,37 @@ mod tests {
         let err =
             plan(r#"{"train_batch_size": 4, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}"#).unwrap_err();
         assert_eq!(err.to_string(), "config: `zero_optimization.reduce_bucket_size`: must be at least 1 element");
+    }
+
+    /// `zerotrain.recompute_units` counts the units recomputed wherever something is (the
+    /// section, or a pipeline's interval) and is an error naming it where nothing is.
+    #[test]
+    fn recompute_units_need_recomputation_and_say_how_many() {
+        let units = |json: &str| plan(json).map(|p| p.recompute_units);
+        let section = r#""train_batch_size": 4, "activation_checkpointing": {}"#;
+        assert_eq!(units(&format!("{{{section}}}")).unwrap(), None);
+        assert_eq!(units(&format!(r#"{{{section}, "zerotrain": {{"recompute_units": 3}}}}"#)).unwrap(), Some(3));
+        assert_eq!(units(&format!(r#"{{{section}, "zerotrain": {{"recompute_units": 0}}}}"#)).unwrap(), Some(0));
+        let piped = |interval: u8, n: usize| {
+            parse(&format!(
+                r#"{{"train_micro_batch_size_per_gpu": 1, "pipeline": {{"stages": 2, "activation_checkpoint_interval": {interval}}},
+                    "zerotrain": {{"recompute_units": 2}}}}"#
+            ))?
+            .resolve(Overrides { world_size: Some(n), ..Overrides::default() })
+        };
+        assert_eq!(piped(1, 2).unwrap().recompute_units, Some(2));
+        for err in [
+            units(r#"{"train_batch_size": 4, "zerotrain": {"recompute_units": 2}}"#).unwrap_err(),
+            piped(0, 2).unwrap_err(),
+        ] {
+            let err = err.to_string();
+            assert!(
+                err.starts_with("config: `zerotrain.recompute_units`: says how many units activation checkpointing"),
+                "{err}"
+            );
+        }
+        let err = parse(r#"{"zerotrain": {"recompute_units": -1}}"#).unwrap_err().to_string();
+        assert!(err.contains("zerotrain.recompute_units"), "{err}");
     }
 
     /// The pipeline section: stages dividing the world, the batch derived over the

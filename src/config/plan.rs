@@ -39,6 +39,10 @@ pub struct Plan {
     /// Recompute each unit in backward instead of keeping its activations (models declared
     /// in units; an engine built with `Engine::new` is one unit and warns that it cannot).
     pub activation_checkpointing: bool,
+    /// With recomputation (above, or a pipeline's `activation_checkpoint_interval`): at most
+    /// this many units, the first of the model (of each pipeline stage), are recomputed and
+    /// the rest keep their activations (`zerotrain.recompute_units`); `None`: every unit.
+    pub recompute_units: Option<usize>,
     /// How `"auto"` values were resolved, and the keys that have no effect.
     pub notes: PlanNotes,
 }

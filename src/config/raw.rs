@@ -347,6 +347,11 @@ pub struct ZerotrainConfig {
     /// The pipeline schedule: `1f1b` (default: one forward, one backward, at most as many
     /// micro-batches in flight as stages) or `gpipe` (all forwards, then all backwards).
     pub schedule: Option<String>,
+    /// With activation checkpointing: recompute at most this many units, the first ones
+    /// (per pipeline stage), and keep the activations of the rest, trading memory for the
+    /// forward that recomputation repeats (Megatron's `block` recompute method with
+    /// `recompute_num_layers`). 0 recomputes none. Default: every unit.
+    pub recompute_units: Option<Count>,
     /// Parameter groups with their own lr and weight decay, by module-path pattern (the
     /// first matching group wins; the rest is `optimizer.params`). Default: none.
     #[serde(default)]

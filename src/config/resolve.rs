@@ -20,7 +20,20 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         });
     }
     let activation_checkpointing = parallel::resolve_checkpointing(config, &mut autos);
+    let recomputes = pipeline.map_or(activation_checkpointing, |p| p.checkpoint_interval > 0);
+    let recompute_units = parallel::resolve_recompute_units(config, recomputes)?;
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
     let replicas = replicas::resolve(config, &runtime, pipeline.is_some(), &mut autos)?;
-    Ok(Plan { runtime, batch, zero, pipeline, replicas, precision, optim, activation_checkpointing, notes: autos.0 })
+    Ok(Plan {
+        runtime,
+        batch,
+        zero,
+        pipeline,
+        replicas,
+        precision,
+        optim,
+        activation_checkpointing,
+        recompute_units,
+        notes: autos.0,
+    })
 }

@@ -147,8 +147,8 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let sharding = Sharding::new(declared.params, &unit_of, declared.names, plan.world_size(), ALIGN_ELEMS)?;
         let declared_units = declared.specs.len();
         let root = sharding.units().len() > declared_units;
-        let recompute_every = usize::from(plan.activation_checkpointing);
-        let granularity = Granularity::Declared { declared: declared_units, root, recompute_every };
+        let every = usize::from(plan.activation_checkpointing);
+        let granularity = Granularity::declared(declared_units, root, every, plan.recompute_units);
         let parts = Parts {
             comm: ctx.collective(),
             sharding,
@@ -177,8 +177,8 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let root_paths = declared.root_paths.clone();
         let placed = super::pipeline::place(model, ctx, pipeline, declared)?;
         let root = placed.parts.sharding.units().len() > placed.stage_units;
-        let recompute_every = pipeline.checkpoint_interval;
-        let granularity = Granularity::Declared { declared: placed.stage_units, root, recompute_every };
+        let every = pipeline.checkpoint_interval;
+        let granularity = Granularity::declared(placed.stage_units, root, every, plan.recompute_units);
         let initial = placed.model.initial_values();
         let mut engine = assemble(placed.model, plan, ctx, placed.parts, granularity, &optimizer, initial.as_deref())?;
         engine.note_layout(&root_paths);

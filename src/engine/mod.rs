@@ -142,10 +142,26 @@ pub(crate) enum Granularity {
         root: bool,
         /// Recompute every this many units in backward (0: keep every unit's graph).
         recompute_every: usize,
+        /// How many units, the first, are recomputed (0 exactly when `recompute_every` is);
+        /// the rest keep their graphs.
+        recomputed: usize,
     },
 }
 
 impl Granularity {
+    /// `declared` units (and a root unit after them if `root`), recomputed in groups of
+    /// `every` (0: none) up to the first `units` of them (`None`: all).
+    pub fn declared(declared: usize, root: bool, every: usize, units: Option<usize>) -> Self {
+        let recomputed = if every == 0 { 0 } else { units.unwrap_or(declared).min(declared) };
+        let recompute_every = if recomputed == 0 { 0 } else { every };
+        Self::Declared { declared, root, recompute_every, recomputed }
+    }
+
+    /// Whether declared unit `i` is recomputed in backward (checkpointed in forward).
+    pub fn recomputes(self, i: usize) -> bool {
+        matches!(self, Self::Declared { recomputed, .. } if i < recomputed)
+    }
+
     /// The root unit's index, if the model left parameters to it.
     pub fn root(self) -> Option<usize> {
         match self {

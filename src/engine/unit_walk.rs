@@ -8,7 +8,10 @@
 //! activation checkpointing a unit runs without an autodiff graph, only its input (the
 //! boundary activation) is kept, and at stage 3 the unit is released at once; without it,
 //! each unit runs on a detached copy of its input and keeps its graph (and its gathered
-//! parameters, which the graph holds anyway) until its backward.
+//! parameters, which the graph holds anyway) until its backward. `recompute_units`
+//! checkpoints only the first units and keeps the rest's graphs: the forward that
+//! recomputation repeats shrinks with the units recomputed, and the memory kept grows with
+//! the units not.
 //!
 //! Backward walks the units in reverse. With checkpointing a unit is gathered again,
 //! recomputed from its boundary with gradient tracking, and back-propagated by seeding its
@@ -184,7 +187,8 @@ impl<M: UnitModel> Engine<M> {
             self.enter(i, Direction::Forward)?;
             let start = Instant::now();
             let input = hidden.take();
-            if interval > 0 {
+            let checkpointed = self.granularity.recomputes(i);
+            if checkpointed {
                 let (output, term) = self.run_unit(i, input.clone(), batch, Pass::Train { micro, graph: false })?;
                 if let Some(term) = &term {
                     terms.push(term.clone());
@@ -201,7 +205,7 @@ impl<M: UnitModel> Engine<M> {
                 saved.push(Saved::Graph { input, output, term });
             }
             self.window.times.forward += self.shared.phase_seconds(start);
-            if interval > 0 {
+            if checkpointed {
                 self.release(i);
             }
         }

@@ -13,7 +13,7 @@ use zerotrain::{Error, Plan, launch};
 
 use crate::common::*;
 use crate::tiers::same;
-use crate::units::{MODES, Mode, Workload, train, train_between, unit_recipe, whole_loss};
+use crate::units::{MODES, Mode, Workload, train, train_between, unit_recipe, whole_loss, with_recompute_units};
 
 /// Residual blocks with dropout after every activation and before the head, the head left
 /// to the root unit (so the loss draws too).
@@ -83,7 +83,7 @@ const RECOMPUTED: Mode = MODES[4];
 /// PyTorch's checkpoint restores the generator before recomputing (`preserve_rng_state`);
 /// here each unit's forward draws from a stream of its own, seeded again for the
 /// recomputation. Checkpointing on (every unit, every second unit, with overlapped
-/// reduction) equals off bit for bit at every stage, world size and accumulation; the masks
+/// reduction, only the first units) equals off bit for bit at every stage, world size and accumulation; the masks
 /// do not depend on the stage either (0 = 1 and 2 = 3 bitwise, all four at accumulation 1,
 /// as without dropout). And dropout does draw: the runs differ from dropout 0's.
 #[test]
@@ -109,6 +109,12 @@ fn recomputation_draws_the_forwards_masks_at_every_stage() {
                 );
                 let grouped = train(&Task, &noisy, &plan(&every_second, world_size), RECOMPUTED, STEPS).unwrap();
                 same(&format!("{what} interval 2"), &grouped, &kept);
+                // Only the first units recomputed: unit 0 alone, and units 0-1 as one group.
+                for (recipe, units) in [(unit_recipe(stage, gas, RECOMPUTED, "fp32", ""), 1), (every_second, 2)] {
+                    let partial = plan(&with_recompute_units(&recipe, units), world_size);
+                    let partial = train(&Task, &noisy, &partial, RECOMPUTED, STEPS).unwrap();
+                    same(&format!("{what} recompute_units {units}"), &partial, &kept);
+                }
                 let off =
                     train(&Task, &plain, &plan(&unit_recipe(stage, gas, UNITS, "fp32", ""), world_size), UNITS, STEPS);
                 assert!(off.unwrap().master != kept.master, "{what}: dropout 0.1 trains as dropout 0");

@@ -388,7 +388,7 @@ pub(crate) fn unit_sizes<M: UnitModel>(model: &M) -> (Vec<usize>, usize) {
 /// per-rank volumes: reduce-scatter and all-gather of `P` padded elements move
 /// `P (N-1)/N`; all-reduce of `L` elements moves `L - own + (N-1) own` where `own` is the
 /// rank's chunk. At stage 3 with checkpointing every declared unit is gathered twice per
-/// micro-step and the root once: 3Ψ.
+/// micro-step and the root once: 3Ψ; recomputing only the first units, only those twice.
 #[test]
 fn bytes_per_step_follow_the_unit_walk_and_stage_3_moves_3_psi_with_checkpointing() {
     let init = tiny_gpt(true, 5);
@@ -429,8 +429,23 @@ fn bytes_per_step_follow_the_unit_walk_and_stage_3_moves_3_psi_with_checkpointin
                     }
                 }
             }
+            // Recomputing only the first `k` units gathers only those a second time.
+            for k in [0, 2] {
+                let recipe = with_recompute_units(&unit_recipe(3, gas, MODES[4], "fp32", ""), k);
+                let out = train(&w, &init, &plan(&recipe, world_size), MODES[4], 2).unwrap();
+                let data = gas * (sum(&declared, &bus) + sum(&declared[..k], &bus) + bus(padded(root, n)));
+                let expected = data + gas * sum(&all, &bus) + all_reduce(n + 1, 0);
+                assert_eq!(out.bytes, vec![expected; 2], "world {n} gas {gas} recompute_units {k}");
+            }
         }
     }
+}
+
+/// `recipe` (one of [`unit_recipe`]'s) recomputing only its first `units` units.
+pub(crate) fn with_recompute_units(recipe: &str, units: usize) -> String {
+    let timeout = r#""comm_timeout_s": 60"#;
+    assert!(recipe.contains(timeout), "the recipe's zerotrain section moved");
+    recipe.replacen(timeout, &format!(r#"{timeout}, "recompute_units": {units}"#), 1)
 }
 
 /// The stage-3 walk with checkpointing keeps at most the unit in use plus one prefetched

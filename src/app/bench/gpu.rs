@@ -33,6 +33,9 @@ pub struct GpuBench {
     pub precision: String,
     /// How the engine runs the model: a row per mode at each stage.
     pub modes: Vec<RunMode>,
+    /// With recomputation: a row per value, recomputing only that many units, the first
+    /// (`zerotrain.recompute_units`); empty: one row recomputing every unit.
+    pub recompute_units: Vec<usize>,
     /// The device's dense peak, TFLOPS, for the utilisation column.
     pub peak_tflops: f64,
     /// The engine waits for the device at the end of each phase (`wall_clock_breakdown`),
@@ -51,6 +54,8 @@ pub struct GpuRow {
     pub stage: Option<u8>,
     /// How the engine ran the model (`None` for a plain loop).
     pub mode: Option<RunMode>,
+    /// With recomputation, how many units were recomputed (`None`: every unit).
+    pub recompute_units: Option<usize>,
     /// Median step time, seconds.
     pub step_seconds: f64,
     /// Tokens per second at the median.
@@ -92,21 +97,27 @@ impl GpuBench {
         let precision =
             half.map_or(String::new(), |_| format!(r#""{}": {{"enabled": true}},"#, self.precision.as_str()));
         let mut plans = Vec::new();
+        let every: &[Option<usize>] = &[None];
+        let partial: Vec<Option<usize>> = self.recompute_units.iter().copied().map(Some).collect();
         for &stage in &self.stages {
             for &mode in &self.modes {
-                let json = format!(
-                    r#"{{ {precision} {} "zero_optimization": {{"stage": {stage}}}, "wall_clock_breakdown": {},
-                         "train_micro_batch_size_per_gpu": {}, "zerotrain": {{"device": "{}"}},
-                         "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}} }}"#,
-                    mode.config_keys(),
-                    self.breakdown,
-                    self.batch,
-                    self.device.name()
-                );
-                plans.push((stage, mode, super::resolve(&json, 1)?));
+                let recomputed = if mode == RunMode::Checkpointed && !partial.is_empty() { &partial } else { every };
+                for &units in recomputed {
+                    let units_key = units.map_or(String::new(), |u| format!(r#", "recompute_units": {u}"#));
+                    let json = format!(
+                        r#"{{ {precision} {} "zero_optimization": {{"stage": {stage}}}, "wall_clock_breakdown": {},
+                             "train_micro_batch_size_per_gpu": {}, "zerotrain": {{"device": "{}"{units_key}}},
+                             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}} }}"#,
+                        mode.config_keys(),
+                        self.breakdown,
+                        self.batch,
+                        self.device.name()
+                    );
+                    plans.push((Variant { stage, mode, recompute_units: units }, super::resolve(&json, 1)?));
+                }
             }
         }
-        let Some((_, _, first)) = plans.first() else { return Err(Error::Usage("no --stages or --mode given".into())) };
+        let Some((_, first)) = plans.first() else { return Err(Error::Usage("no --stages or --mode given".into())) };
         // Initialised on the CPU, so that the device holds only what each row trains.
         let cpu = Device::flex().autodiff();
         cpu.seed(1);
@@ -125,12 +136,12 @@ impl GpuBench {
             // A row that fails is reported and the others still run: one GPU session
             // should bring back every figure it can.
             let mut failed = Vec::new();
-            for (stage, mode, plan) in &plans {
-                match self.engine(*stage, *mode, &init, plan, &ctx) {
+            for (variant, plan) in &plans {
+                match self.engine(*variant, &init, plan, &ctx) {
                     Ok(row) => keep(row),
                     Err(e) => {
-                        eprintln!("engine {stage} {}: {e}", mode.short_name());
-                        failed.push(format!("engine {stage} {}", mode.short_name()));
+                        eprintln!("{}: {e}", variant.name());
+                        failed.push(variant.name());
                     }
                 }
             }
@@ -168,15 +179,9 @@ impl GpuBench {
         Ok(row)
     }
 
-    /// The engine at `stage` in `mode` on `ctx`'s device.
-    fn engine(
-        &self,
-        stage: u8,
-        mode: RunMode,
-        init: &Gpt,
-        plan: &crate::Plan,
-        ctx: &crate::RankContext,
-    ) -> Result<GpuRow> {
+    /// The engine row `variant` on `ctx`'s device.
+    fn engine(&self, variant: Variant, init: &Gpt, plan: &crate::Plan, ctx: &crate::RankContext) -> Result<GpuRow> {
+        let Variant { stage, mode, recompute_units } = variant;
         let device = ctx.device();
         let mut engine = mode.engine(init.clone(), plan, ctx)?;
         let (mut times, mut reports) = (Vec::new(), Vec::new());
@@ -192,9 +197,9 @@ impl GpuBench {
             }
         }
         let phases = median_times(&reports);
-        let what = format!("engine {stage} {}", mode.short_name());
-        let mut row = self.row(what, median(times), device, Some(phases));
+        let mut row = self.row(variant.name(), median(times), device, Some(phases));
         (row.stage, row.mode, row.host_device) = (Some(stage), Some(mode), reports.last().map(|r| r.host_device));
+        row.recompute_units = recompute_units;
         Ok(row)
     }
 
@@ -206,6 +211,7 @@ impl GpuBench {
             precision: self.precision.clone(),
             stage: None,
             mode: None,
+            recompute_units: None,
             step_seconds,
             tokens_per_s,
             tflops,
@@ -221,7 +227,7 @@ impl GpuBench {
         let s = &self.shape;
         let mut out = format!(
             "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters), {} sequences per step, on {}; engine \
-             in {} (stage and mode per row: one unit, units, units with recomputation); medians of {} steps; MFU \
+             in {} (stage and mode per row: one unit, units, units with recomputation, of the first N units only); medians of {} steps; MFU \
              against {} TFLOPS; phase times {}\n",
             s.n_layer,
             s.n_embd,
@@ -240,7 +246,7 @@ impl GpuBench {
             }
         );
         out.push_str(
-            "what                 step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
+            "what                   step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
              to/from device MiB\n",
         );
         out
@@ -265,7 +271,7 @@ impl GpuBench {
             format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
         });
         format!(
-            "{:<19} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
+            "{:<21} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
             r.what,
             r.step_seconds * 1e3,
             r.tokens_per_s,
@@ -273,6 +279,22 @@ impl GpuBench {
             r.mfu * 100.0,
             mib
         )
+    }
+}
+
+/// One engine row: the stage, the mode and, with recomputation, how many units.
+#[derive(Clone, Copy)]
+struct Variant {
+    stage: u8,
+    mode: RunMode,
+    recompute_units: Option<usize>,
+}
+
+impl Variant {
+    /// The row's name: `engine 3 recompute`, `engine 3 recompute 6`.
+    fn name(self) -> String {
+        let units = self.recompute_units.map_or(String::new(), |u| format!(" {u}"));
+        format!("engine {} {}{units}", self.stage, self.mode.short_name())
     }
 }
 

@@ -170,6 +170,10 @@ pub enum BenchCommand {
         /// How the engine runs the model: a row per mode at each stage.
         #[arg(long, value_enum, value_delimiter = ',', default_value = "units,checkpointed")]
         mode: Vec<crate::app::bench::RunMode>,
+        /// With `checkpointed`: a row per value, recomputing only that many blocks, the
+        /// first (`zerotrain.recompute_units`); none given: one row recomputing every block.
+        #[arg(long, value_delimiter = ',')]
+        recompute_units: Vec<usize>,
         /// The device's dense peak in TFLOPS, for MFU (H200 and H100 SXM: 989 in bf16).
         #[arg(long, default_value_t = 989.0)]
         peak_tflops: f64,
