@@ -203,27 +203,28 @@ fn a_resumed_run_with_dropout_equals_the_uninterrupted_one() {
 }
 
 /// A pipeline stage draws what the data-parallel engine draws for the same units and
-/// micro-batches: recomputation (interval 1) equals keeping activations (interval 0) bit
-/// for bit under either schedule, and GPipe, 1F1B (which runs later micro-batches'
+/// micro-batches: recomputation (interval 1, every unit or the first of each stage) equals
+/// keeping activations (interval 0) bit for bit under either schedule, and GPipe, 1F1B (which runs later micro-batches'
 /// forwards before earlier backwards) and the same model without a pipeline train alike
 /// to the rounding of gradients summed in other orders (other masks would be ~1e-2 away).
 #[test]
 fn pipeline_stages_draw_the_data_parallel_masks() {
     let noisy = Noisy::new(0.1, 46);
     let (micro, data_parallel) = (4, 2);
-    let recipe = |stages: usize, schedule: &str, interval: u8| {
+    let recipe = |stages: usize, schedule: &str, interval: u8, units: Option<usize>| {
+        let units = units.map_or(String::new(), |u| format!(r#", "recompute_units": {u}"#));
         recipe(1, 1, micro, 0.05).replacen(
             '{',
             &format!(
                 r#"{{"pipeline": {{"stages": {stages}, "partition": "uniform", "activation_checkpoint_interval": {interval}}},
-                   "zerotrain": {{"schedule": "{schedule}", "comm_timeout_s": 60}},"#
+                   "zerotrain": {{"schedule": "{schedule}", "comm_timeout_s": 60{units}}},"#
             ),
             1,
         )
         .replace(r#""zerotrain": {"comm_timeout_s": 60}"#, r#""steps_per_print": 10"#)
     };
-    let run = |stages: usize, schedule: &str, interval: u8| -> Result<(Vec<f32>, Vec<f32>), Error> {
-        let plan = plan(&recipe(stages, schedule, interval), stages * data_parallel);
+    let run = |stages: usize, schedule: &str, interval: u8, units| -> Result<(Vec<f32>, Vec<f32>), Error> {
+        let plan = plan(&recipe(stages, schedule, interval, units), stages * data_parallel);
         let out = launch(&plan, |ctx| {
             let mut trainer = zerotrain::trainer(noisy.clone(), &plan, &ctx)?;
             let d = ctx.data_parallel_rank();
@@ -240,12 +241,14 @@ fn pipeline_stages_draw_the_data_parallel_masks() {
         })?;
         Ok(out.into_iter().next().unwrap())
     };
-    let flat = run(1, "gpipe", 1).unwrap();
+    let flat = run(1, "gpipe", 1, None).unwrap();
     for schedule in ["gpipe", "1f1b"] {
-        let kept = run(2, schedule, 0).unwrap();
-        let recomputed = run(2, schedule, 1).unwrap();
-        assert_eq!(recomputed.0, kept.0, "{schedule}: losses with recomputation");
-        assert!(recomputed.1 == kept.1, "{schedule}: masters with recomputation differ");
+        let kept = run(2, schedule, 0, None).unwrap();
+        for units in [None, Some(1)] {
+            let recomputed = run(2, schedule, 1, units).unwrap();
+            assert_eq!(recomputed.0, kept.0, "{schedule} {units:?}: losses with recomputation");
+            assert!(recomputed.1 == kept.1, "{schedule} {units:?}: masters with recomputation differ");
+        }
         for (a, b) in flat.0.iter().zip(&kept.0) {
             assert!((a - b).abs() <= 1e-6 * b.abs(), "{schedule}: pipelined loss {b} vs {a} without a pipeline");
         }
