@@ -450,7 +450,8 @@ pub(crate) fn with_recompute_units(recipe: &str, units: usize) -> String {
 
 /// The stage-3 walk with checkpointing keeps at most the unit in use plus one prefetched
 /// neighbour gathered, within `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`
-/// (in elements): the peak the engine reports is exactly the largest such pair.
+/// (in elements): the peak the engine reports is exactly the largest such pair; units not
+/// recomputed (`recompute_units`) stay gathered beside it.
 #[test]
 fn gathered_parameters_never_exceed_the_unit_in_use_plus_the_prefetch_bound() {
     let init = seeded(6, |d| Mlp::new(&[6, 40, 24, 56, 6], d));
@@ -478,6 +479,15 @@ fn gathered_parameters_never_exceed_the_unit_in_use_plus_the_prefetch_bound() {
             // Between steps nothing is gathered: the model holds no parameter at all.
             assert_eq!(memory.params, (units.iter().sum::<u64>() / n as u64) * 4);
         }
+    }
+    // Recomputing only the first unit keeps the other three gathered from their forward to
+    // their backward: the peak is the three together (the first with its prefetched
+    // neighbour is less).
+    let plan = plan(&with_recompute_units(&unit_recipe(3, 2, mode, "fp32", ""), 1), n);
+    let out = train(&w, &init, &plan, mode, 2).unwrap();
+    assert!(units[0] + units[1] < units[1..].iter().sum::<u64>());
+    for memory in &out.memory {
+        assert_eq!(memory.peak_gathered, units[1..].iter().sum::<u64>() * 4, "recompute_units 1");
     }
 }
 
