@@ -2,8 +2,9 @@
 //! at a time, with no autodiff graph (the pipeline's evaluation walks its stage's units the
 //! same way).
 
+use super::gathering::Direction;
 use super::model::UnitModel;
-use super::unit_walk::{Direction, Pass};
+use super::unit_walk::Pass;
 use super::{Engine, Granularity};
 use crate::{Error, Result};
 

@@ -34,6 +34,7 @@ mod checkpoint;
 mod export;
 mod first_values;
 mod flat;
+mod gathering;
 mod gradients;
 mod host_adam;
 mod tier;

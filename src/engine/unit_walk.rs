@@ -31,6 +31,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Tensor};
 
+use super::gathering::Direction;
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
 use super::report::LossValues;
@@ -64,13 +65,6 @@ pub(super) type Forward<H> = (Vec<Saved<H>>, H, LossValues);
 pub(super) enum Pass {
     Train { micro: u64, graph: bool },
     Infer,
-}
-
-/// Which way the walk goes, for prefetching.
-#[derive(Clone, Copy)]
-pub(super) enum Direction {
-    Forward,
-    Backward,
 }
 
 impl<M: UnitModel> Engine<M> {
@@ -295,40 +289,6 @@ impl<M: UnitModel> Engine<M> {
             self.window.times.reduce += self.shared.phase_seconds(start);
         }
         Ok((root_grads, upstream))
-    }
-
-    /// Before unit `i` runs: gathers it (stage 3) and prefetches the next unit in
-    /// `direction` if the bounds allow.
-    pub(super) fn enter(&mut self, i: usize, direction: Direction) -> Result<()> {
-        if !self.shared.plan.zero.stage.shards_parameters() {
-            return Ok(());
-        }
-        self.gather(i)?;
-        let next = match direction {
-            Direction::Forward => i + 1,
-            Direction::Backward => i.wrapping_sub(1),
-        };
-        if next >= self.walk().0 || !self.may_prefetch(i, next) {
-            return Ok(());
-        }
-        self.units[next].fetch(&self.shared)?;
-        self.note_gathered(0);
-        Ok(())
-    }
-
-    /// Whether unit `next` may be fetched while unit `current` is in use: it fits the
-    /// prefetch bucket, and the gathered elements beyond the unit in use stay within
-    /// `stage3_max_live_parameters`.
-    fn may_prefetch(&self, current: usize, next: usize) -> bool {
-        let zero = &self.shared.plan.zero;
-        let size = self.units[next].gathered_elems(&self.shared);
-        let beyond: u64 = (0..self.units.len())
-            .filter(|&id| id != current && (self.units[id].is_gathered() || self.units[id].is_fetching()))
-            .map(|id| self.units[id].gathered_elems(&self.shared))
-            .sum();
-        !self.units[next].is_gathered()
-            && size <= zero.prefetch_bucket_size
-            && beyond + size <= zero.max_live_parameters
     }
 
     /// Runs unit `i` as `pass` says: in training on the training model, drawing from the

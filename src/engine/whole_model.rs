@@ -117,57 +117,6 @@ impl<M: Module> Engine<M> {
         value
     }
 
-    /// Stage 3: gathers every unit into the model (each fetch started before the previous
-    /// unit is written, so transfers overlap writes). Nothing to do at stages 0-2.
-    pub(super) fn gather_all(&mut self) -> Result<()> {
-        if !self.shared.plan.zero.stage.shards_parameters() {
-            return Ok(());
-        }
-        for id in 0..self.units.len() {
-            if let Some(next) = self.units.get_mut(id + 1) {
-                next.fetch(&self.shared)?;
-            }
-            self.gather(id)?;
-        }
-        Ok(())
-    }
-
-    /// Makes unit `id` present in the model (stage 3) and records the gathered peak and
-    /// the time.
-    pub(super) fn gather(&mut self, id: usize) -> Result<()> {
-        let start = Instant::now();
-        let model = self.model.clone();
-        let (model, bytes) = self.units[id].gather(model, &self.shared, &mut self.window.times)?;
-        self.model = model;
-        self.note_gathered(bytes);
-        self.window.times.gather += self.shared.phase_seconds(start);
-        Ok(())
-    }
-
-    /// Stage 3: releases unit `id` from the model.
-    pub(super) fn release(&mut self, id: usize) {
-        if self.shared.plan.zero.stage.shards_parameters()
-            && (self.units[id].is_gathered() || self.units[id].is_fetching())
-        {
-            let model = self.model.clone();
-            self.model = self.units[id].release(model, &self.shared);
-        }
-    }
-
-    /// Updates the peaks after a gather whose buffer held `buffer_bytes`: the gathered
-    /// units and fetches in flight now.
-    pub(super) fn note_gathered(&mut self, buffer_bytes: u64) {
-        let elem_bytes = self.shared.dtype().bytes_per_elem() as u64;
-        let live: u64 = self
-            .units
-            .iter()
-            .filter(|u| u.is_gathered() || u.is_fetching())
-            .map(|u| u.gathered_elems(&self.shared))
-            .sum();
-        self.peaks.gathered = self.peaks.gathered.max(live * elem_bytes);
-        self.peaks.transient = self.peaks.transient.max(buffer_bytes);
-    }
-
     /// Runs `f` on the model in evaluation mode (no autodiff graph, buffers read, not
     /// updated: Burn's inference path), with every parameter present: at stage 3 the model
     /// is gathered for the call and released after it. The buffers are first averaged over
