@@ -24,14 +24,33 @@
 # Vulkan loader is reported as skipped, not failed; a loader whose driver cannot load is a
 # failure that names the missing library).
 #
-# Usage: bash bench/gpu/verify.sh [--quick]   (--quick: 3 measured steps instead of 10)
+# Usage: bash bench/gpu/verify.sh [--quick] [--only PARTS]
+#   --quick: 3 measured steps instead of 10;
+#   --only cuda,wgpu,bench,pytorch,compile,breakdown: run only the parts named (for a lease too
+#   short for the whole; the machine is always reported).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$repo"
 bundle="$repo/bench/gpu/bundle"
 report="${OUT:-$repo/bench/gpu}/report.md"
 steps=10
-[[ "${1:-}" == "--quick" ]] && steps=3
+only="cuda,wgpu,bench,pytorch,compile,breakdown"
+while (($#)); do
+    case "$1" in
+        --quick) steps=3 ;;
+        --only)
+            only="${2:?--only needs a list of parts}"
+            shift
+            ;;
+        *) echo "verify.sh: unknown argument $1 (--quick, --only PARTS)" >&2; exit 2 ;;
+    esac
+    shift
+done
+for p in ${only//,/ }; do
+    [[ ",cuda,wgpu,bench,pytorch,compile,breakdown," == *",$p,"* ]] \
+        || { echo "verify.sh: --only: no part named $p (cuda, wgpu, bench, pytorch, compile, breakdown)" >&2; exit 2; }
+done
+wanted() { [[ ",$only," == *",$1,"* ]]; }
 work="$(mktemp -d)"
 start=$(date +%s)
 failed=()
@@ -59,7 +78,7 @@ part() {
 say "# zerotrain GPU verification"
 say ""
 [[ -f "$bundle/commit" ]] || { say "no bundle in $bundle: run bench/gpu/bundle.sh on a CPU machine first"; exit 1; }
-say "commit $(cat "$bundle/commit"), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+say "commit $(cat "$bundle/commit"), $(date -u +%Y-%m-%dT%H:%M:%SZ), parts: $only"
 
 # The binaries, and the absolute paths the test binary was compiled against.
 xz -dc "$bundle/bins.tar.xz" | tar -C "$work" -xf - || { say "the bundle does not unpack: rebuild it"; exit 1; }
@@ -107,7 +126,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.versio
 "$work/zerotrain" config check configs/zero3.json 2>&1 | grep -E "^world size" | tee -a "$report"
 say '```'
 
-part "CUDA engine tests (world --include-ignored gpu::cuda)" 230 \
+wanted cuda && part "CUDA engine tests (world --include-ignored gpu::cuda)" 230 \
     "$work/world" --include-ignored --test-threads 1 --nocapture gpu::cuda
 # The libraries a Vulkan driver's library needs and this machine lacks (empty: it loads).
 # A driver that cannot load leaves wgpu with no adapter: every test would fail alike.
@@ -124,7 +143,9 @@ driver_missing() {
         return
     done
 }
-if ldconfig -p | grep -q 'libvulkan\.so\.1'; then
+if ! wanted wgpu; then
+    :
+elif ldconfig -p | grep -q 'libvulkan\.so\.1'; then
     missing="$(driver_missing)"
     if [[ -n "$missing" ]]; then
         say ""
@@ -144,19 +165,19 @@ else
 fi
 gpt="--layers 12 --width 768 --heads 12 --context 1024 --batch 8 --steps $steps"
 # shellcheck disable=SC2086
-part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units, recomputing none, all 12 or the first 6 blocks)" 270 \
+wanted bench && part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units, recomputing none, all 12 or the first 6 blocks)" 270 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units,checkpointed \
     --recompute-units 12,6 $gpt
 # shellcheck disable=SC2086
-part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
+wanted pytorch && part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 $gpt
 # shellcheck disable=SC2086
-part "PyTorch torch.compile (bench/pytorch/gpu_gpt.py --compile)" 50 \
+wanted compile && part "PyTorch torch.compile (bench/pytorch/gpu_gpt.py --compile)" 50 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 --compile $gpt
 # Last, as the least needed: where the engine's step goes on the device (each phase waits
 # for the device at its end, so the phases split the step; the step includes the waits).
 # shellcheck disable=SC2086
-part "zerotrain bench gpu --breakdown (stage 0, units: device time per phase)" 90 \
+wanted breakdown && part "zerotrain bench gpu --breakdown (stage 0, units: device time per phase)" 90 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units --breakdown $gpt
 
 say ""
