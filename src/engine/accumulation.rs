@@ -325,6 +325,18 @@ impl UnitGrad {
             }
         }
     }
+
+    /// What [`take_reduced`](Self::take_reduced) would return now, without waiting or
+    /// taking anything, where that is a tensor on the device with nothing in flight: the
+    /// window's gradients read once more before the step (its norm, in the micro-step's one
+    /// read of the device). `None` where the step must settle, reduce or stage first.
+    pub fn reduced_on_device(&self) -> Option<Tensor<1>> {
+        match &self.state {
+            GradState::OnDevice(acc) if self.ranks == 1 || self.stage.shards_gradients() => Some(acc.clone()),
+            GradState::DeviceReduced(reduced) => Some(reduced.clone()),
+            _ => None,
+        }
+    }
 }
 
 /// One backward pass's gradients of a unit as one tensor of `len` elements in `dtype` on

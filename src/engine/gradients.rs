@@ -19,6 +19,7 @@ use zerotrain_zero::ReduceOp;
 
 use super::Engine;
 use super::flat::Flat;
+use super::report::LossValues;
 use super::shared::Shared;
 use super::span::Span;
 use crate::{Error, Result};
@@ -67,7 +68,13 @@ impl<M: Module> Engine<M> {
             grads[root] = Flat::Host(FlatBuf::F32(values));
         }
         let loss = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
-        let (sum_squares, loss) = self.global_metrics(&grads, Some(loss))?;
+        // Measured with the last micro-step's loss where that read them (`read_micro_step`).
+        let now = self.progress.counters.micro_steps;
+        let partials = match self.progress.measured.take().filter(|m| m.after_micro_steps == now) {
+            Some(measured) => measured.partials,
+            None => self.measure(&grads)?,
+        };
+        let (sum_squares, loss) = self.global_metrics(partials, Some(loss))?;
         self.window.times.reduce += self.shared.phase_seconds(start);
         let denominator = self.shared.comm.world_size() as f64 * self.loss_scale();
         let (numerator, stale_norm) = (1.0, false);
@@ -83,15 +90,44 @@ impl<M: Module> Engine<M> {
     /// the total is the sharded stages' to the last bit. The root (the same on every
     /// pipeline stage) counts on the first stage only; every rank's loss counts (a pipeline
     /// stage's is its units' loss terms, the last stage's also the model's loss).
-    pub(super) fn global_metrics(&mut self, grads: &[Flat], loss: Option<f32>) -> Result<(f64, f32)> {
-        let skip = self.root_counted_elsewhere();
-        let (sum_squares, loss, wait) = world_metrics(&self.shared, &self.span, skip, grads, loss)?;
+    pub(super) fn global_metrics(&mut self, partials: Vec<(usize, f32)>, loss: Option<f32>) -> Result<(f64, f32)> {
+        let (sum_squares, loss, wait) = world_metrics(&self.shared, &self.span, partials, loss)?;
         if self.span.is_pipelined() {
             // At the flush the stages that finish first wait here for the last: the
             // pipeline's bubble, as waiting for a neighbour's activations is.
             self.window.times.pipe_wait += wait;
         }
         Ok((sum_squares, loss))
+    }
+
+    /// This rank's squared-norm partials of `grads` (the slots of
+    /// [`global_metrics`](Self::global_metrics)), read from the device now where some are
+    /// there.
+    pub(super) fn measure(&self, grads: &[Flat]) -> Result<Vec<(usize, f32)>> {
+        measure(&self.shared, &self.span, self.root_counted_elsewhere(), grads)
+    }
+
+    /// Reads the micro-step's loss `values` (and the units' loss `terms`) from the device. Where the micro-step ends the
+    /// window and every unit's reduced gradient is on the device already, the norm's
+    /// partials are queued first and come back in the same read, kept for the step: the
+    /// host then waits for the device once per micro-step, not once more at the step, and
+    /// the device computes the norm while the host still waits for the backward (see
+    /// [`StepReport::device_reads`](super::StepReport::device_reads)).
+    pub(super) fn read_micro_step(&mut self, values: LossValues, terms: LossValues) -> Result<f32> {
+        let at_boundary = self.next_micro_step_is_boundary() && !self.span.is_pipelined();
+        let grads: Option<Vec<Flat>> = match at_boundary {
+            true => self.units.iter().map(|u| u.reduced_on_device().map(Flat::Device)).collect(),
+            false => None,
+        };
+        self.progress.measured = None;
+        self.shared.read_device();
+        let Some(grads) = grads else { return values.read_with(terms) };
+        let queued = queue_partials(&self.shared, &self.span, self.root_counted_elsewhere(), &grads);
+        let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
+        let (value, sums) = values.read_beside(terms, on_device)?;
+        let partials = sum_partials(queued, &sums);
+        self.progress.measured = Some(Measured { after_micro_steps: self.progress.counters.micro_steps + 1, partials });
+        Ok(value)
     }
 
     /// The step's gradients, before [`step`](Self::step): for logging them, clipping them
@@ -112,26 +148,27 @@ impl<M: Module> Engine<M> {
     }
 }
 
-/// [`Engine::global_metrics`] of `grads` (`skip`: a root another stage counts), and the
-/// seconds spent in the all-reduce.
+/// The gradient norm's partials measured with a window's last loss, for its step.
+pub(super) struct Measured {
+    /// The engine's `micro_steps` count they belong to (a later micro-step voids them).
+    pub after_micro_steps: u64,
+    /// Slot in the world's metrics and partial sum of squares ([`Engine::global_metrics`]).
+    pub partials: Vec<(usize, f32)>,
+}
+
+/// [`Engine::global_metrics`] of this rank's `partials`, and the seconds spent in the
+/// all-reduce.
 fn world_metrics(
     shared: &Shared,
     span: &Span,
-    skip: Option<usize>,
-    grads: &[Flat],
+    partials: Vec<(usize, f32)>,
     loss: Option<f32>,
 ) -> Result<(f64, f32, f64)> {
-    let (world, group) = (&shared.world, &shared.comm);
+    let world = &shared.world;
     let n = world.world_size();
-    let sharded = shared.plan.zero.stage.shards_optimizer_states();
-    let partial = |r: usize| partial_sum_squares(shared, grads, r, sharded, skip);
     let mut metrics = vec![0.0f32; n + 1];
-    if sharded {
-        metrics[span.world_rank(group.rank())] = partial(group.rank())?;
-    } else if group.rank() == 0 {
-        for r in 0..group.world_size() {
-            metrics[span.world_rank(r)] = partial(r)?;
-        }
+    for (slot, partial) in partials {
+        metrics[slot] = partial;
     }
     metrics[n] = loss.unwrap_or(0.0);
     let wait = Instant::now();
@@ -141,10 +178,60 @@ fn world_metrics(
     Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32, wait))
 }
 
-/// This rank's partial of the squared norm of `grads` as group rank `r` holds them: on the
-/// host in f64, element by element; on the device each unit's in f32 there, their sums
-/// read back together.
-fn partial_sum_squares(shared: &Shared, grads: &[Flat], r: usize, sharded: bool, skip: Option<usize>) -> Result<f32> {
+/// A squared-norm partial as queued: its slot in the world's metrics, the part summed on
+/// the host, and each unit's sum on the device, still to be read.
+struct Queued {
+    slot: usize,
+    host: f64,
+    device: Vec<Tensor<1>>,
+}
+
+/// The partials of `grads` this rank fills in the world's metrics (`skip`: a root another
+/// stage counts), read from the device now where some are there.
+fn measure(shared: &Shared, span: &Span, skip: Option<usize>, grads: &[Flat]) -> Result<Vec<(usize, f32)>> {
+    let queued = queue_partials(shared, span, skip, grads);
+    let on_device: Vec<Tensor<1>> = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
+    let sums = match on_device.is_empty() {
+        true => Vec::new(),
+        false => {
+            shared.read_device();
+            let sums = Tensor::cat(on_device, 0).into_data();
+            sums.try_into_vec::<f32>().map_err(|e| Error::Model(format!("the gradients' norm: {e:?}")))?
+        }
+    };
+    Ok(sum_partials(queued, &sums))
+}
+
+/// The partials this rank fills (see [`Engine::global_metrics`]): its own where the
+/// optimizer states are sharded, every group rank's on the group's first rank at stage 0.
+fn queue_partials(shared: &Shared, span: &Span, skip: Option<usize>, grads: &[Flat]) -> Vec<Queued> {
+    let group = &shared.comm;
+    let sharded = shared.plan.zero.stage.shards_optimizer_states();
+    let ranks = match (sharded, group.rank()) {
+        (true, mine) => mine..mine + 1,
+        (false, 0) => 0..group.world_size(),
+        (false, _) => 0..0,
+    };
+    ranks.map(|r| queue_partial(shared, grads, r, sharded, skip, span.world_rank(r))).collect()
+}
+
+/// Each partial's sum: its host part, then its device sums (`sums`, every partial's in
+/// order) added in f64, as f32.
+fn sum_partials(queued: Vec<Queued>, sums: &[f32]) -> Vec<(usize, f32)> {
+    let mut at = 0;
+    queued
+        .into_iter()
+        .map(|q| {
+            let device = &sums[at..at + q.device.len()];
+            at += q.device.len();
+            (q.slot, (q.host + device.iter().map(|&s| f64::from(s)).sum::<f64>()) as f32)
+        })
+        .collect()
+}
+
+/// The partial of the squared norm of `grads` as group rank `r` holds them, for `slot`: on
+/// the host in f64, element by element; on the device each unit's in f32 there, queued.
+fn queue_partial(shared: &Shared, grads: &[Flat], r: usize, sharded: bool, skip: Option<usize>, slot: usize) -> Queued {
     let mut sum = 0.0f64;
     let mut on_device = Vec::new();
     for (id, values) in grads.iter().enumerate() {
@@ -166,12 +253,7 @@ fn partial_sum_squares(shared: &Shared, grads: &[Flat], r: usize, sharded: bool,
             Flat::Device(t) => on_device.push(t.clone().slice(at).cast(FloatDType::F32).square().sum()),
         }
     }
-    if !on_device.is_empty() {
-        let sums = Tensor::cat(on_device, 0).into_data();
-        let sums = sums.as_slice::<f32>().map_err(|e| Error::Model(format!("the gradients' norm: {e:?}")))?;
-        sum += sums.iter().map(|&s| f64::from(s)).sum::<f64>();
-    }
-    Ok(sum as f32)
+    Queued { slot, host: sum, device: on_device }
 }
 
 /// The step's gradients on this rank, averaged over the ranks and unscaled, as the
@@ -262,7 +344,8 @@ impl Gradients<'_> {
     }
 
     fn remeasure(&mut self) -> Result<()> {
-        let (sum_squares, _, _) = world_metrics(self.shared, self.span, self.skip, &self.prepared.grads, None)?;
+        let partials = measure(self.shared, self.span, self.skip, &self.prepared.grads)?;
+        let (sum_squares, _, _) = world_metrics(self.shared, self.span, partials, None)?;
         self.prepared.sum_squares = sum_squares;
         self.prepared.stale_norm = false;
         Ok(())

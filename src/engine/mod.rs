@@ -188,6 +188,9 @@ struct Progress {
     /// The step's gradients, reduced and measured ahead of [`Engine::step`] by
     /// [`Engine::gradients`].
     prepared: Option<gradients::Prepared>,
+    /// The gradient norm's partials, read with the window's last loss
+    /// ([`Engine::read_micro_step`]).
+    measured: Option<gradients::Measured>,
     /// An optimizer step (or a checkpoint load) failed part-way on this rank: some units
     /// hold new values and some old ones (`step.rs`'s note).
     torn: bool,
@@ -205,6 +208,7 @@ impl Progress {
             boundary_override: None,
             last_step: None,
             prepared: None,
+            measured: None,
             torn: false,
         }
     }
@@ -350,7 +354,7 @@ impl<M: Module> Engine<M> {
 
     /// The rank's counters now: collective traffic and host<->device copies.
     fn traffic(&self) -> report::Traffic {
-        report::Traffic { comm: self.comm_stats(), crossed: self.shared.crossings() }
+        report::Traffic { comm: self.comm_stats(), crossed: self.shared.crossings(), reads: self.shared.device_reads() }
     }
 
     /// Model-state bytes this rank holds now, measured from its buffers and tensors.

@@ -34,6 +34,12 @@ pub struct StepReport {
     /// Model-state bytes (gradients, parameters, master weights) this rank copied between
     /// host memory and its device during the step's window; zero on the CPU.
     pub host_device: HostDeviceBytes,
+    /// Times this rank's host waited for its device to read the loss or the gradient norm
+    /// during the step's window (0 on the CPU, where nothing is queued): one per micro-step
+    /// (its loss), the norm coming back with the window's last loss where the gradients are
+    /// on the device (or needing no read on the host); one more at the step where it is read
+    /// apart (a pipeline stage, whose shared weights' gradient is summed over the stages).
+    pub device_reads: u64,
     /// Where the step's time went (its micro-steps included; evaluation not).
     pub times: PhaseTimes,
 }
@@ -64,6 +70,8 @@ impl HostDeviceBytes {
 pub(super) struct Traffic {
     pub comm: CommStats,
     pub crossed: HostDeviceBytes,
+    /// Reads of the loss or the gradient norm from the device.
+    pub reads: u64,
 }
 
 /// Where one optimizer step's wall time went (DeepSpeed's `wall_clock_breakdown`), seconds.
@@ -195,6 +203,7 @@ impl Window {
         let (start, then) = (&mut self.at_start, &paused.traffic);
         start.comm = start.comm.plus(&now.comm.since(&then.comm));
         start.crossed = start.crossed.plus(&now.crossed.since(&then.crossed));
+        start.reads += now.reads - then.reads;
     }
 }
 
@@ -215,24 +224,26 @@ impl LossValues {
         self.0.push(value.cast(FloatDType::F32));
     }
 
-    /// Their sum in f32, from 0 in the order they came (waits for the device).
-    pub fn read(self) -> Result<f32> {
-        self.read_with(Self::default())
-    }
-
     /// This sum plus `terms`' sum (each from 0, in order), in one read of the device.
     pub fn read_with(self, terms: LossValues) -> Result<f32> {
-        let mine = self.0.len();
-        let all: Vec<Tensor<1>> = self.0.into_iter().chain(terms.0).collect();
+        Ok(self.read_beside(terms, Vec::new())?.0)
+    }
+
+    /// [`read_with`](Self::read_with), and the values of the one-element f32 tensors
+    /// `beside`, in the same read of the device.
+    pub fn read_beside(self, terms: LossValues, beside: Vec<Tensor<1>>) -> Result<(f32, Vec<f32>)> {
+        let (mine, theirs) = (self.0.len(), terms.0.len());
+        let all: Vec<Tensor<1>> = self.0.into_iter().chain(terms.0).chain(beside).collect();
         if all.is_empty() {
-            return Ok(0.0);
+            return Ok((0.0, Vec::new()));
         }
-        let values = Tensor::cat(all, 0)
+        let mut values = Tensor::cat(all, 0)
             .into_data()
             .try_into_vec::<f32>()
             .map_err(|e| Error::Model(format!("reading the loss: {e:?}")))?;
+        let beside = values.split_off(mine + theirs);
         let sum = |v: &[f32]| v.iter().fold(0.0f32, |sum, v| sum + v);
-        Ok(sum(&values[..mine]) + sum(&values[mine..]))
+        Ok((sum(&values[..mine]) + sum(&values[mine..]), beside))
     }
 }
 

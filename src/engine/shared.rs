@@ -92,6 +92,8 @@ pub(crate) struct Shared {
 pub(crate) struct Crossings {
     to_device: AtomicU64,
     to_host: AtomicU64,
+    /// Reads of the loss or the gradient norm ([`Shared::read_device`]).
+    reads: AtomicU64,
 }
 
 impl Shared {
@@ -183,6 +185,19 @@ impl Shared {
     }
 
     /// The bytes counted so far.
+    /// Counts one wait of the host for the rank's device to read the loss or the gradient
+    /// norm (on a CPU rank nothing is queued, so nothing is waited for).
+    pub fn read_device(&self) {
+        if self.plan.runtime.device != ComputeDevice::Cpu {
+            self.crossings.reads.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The reads [`read_device`](Self::read_device) counted.
+    pub fn device_reads(&self) -> u64 {
+        self.crossings.reads.load(Ordering::Relaxed)
+    }
+
     pub fn crossings(&self) -> HostDeviceBytes {
         let c = &self.crossings;
         HostDeviceBytes { to_device: c.to_device.load(Ordering::Relaxed), to_host: c.to_host.load(Ordering::Relaxed) }

@@ -42,7 +42,8 @@ impl<M: Module> Engine<M> {
         let mut prepared = self.progress.prepared.take().expect("prepared above");
         if prepared.stale_norm {
             let start = Instant::now();
-            prepared.sum_squares = self.global_metrics(&prepared.grads, None)?.0;
+            let partials = self.measure(&prepared.grads)?;
+            prepared.sum_squares = self.global_metrics(partials, None)?.0;
             self.window.times.reduce += self.shared.phase_seconds(start);
         }
         let scale = self.loss_scale();
@@ -142,6 +143,7 @@ impl<M: Module> Engine<M> {
             next_loss_scale: self.loss_scale(),
             comm_bytes: now.comm.since(&self.window.at_start.comm).total_bytes(),
             host_device: now.crossed.since(&self.window.at_start.crossed),
+            device_reads: now.reads - self.window.at_start.reads,
             times: self.window.times,
         };
         self.window = Window { at_start: now, ..Window::default() };

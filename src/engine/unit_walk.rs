@@ -91,7 +91,8 @@ impl<M: UnitModel> Engine<M> {
         let (value, upstream, root_grads) = self.loss_backward(output, batch, micro)?;
         let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch, micro)?;
         self.reduce_root(root_grads)?;
-        Ok(self.end_micro_step(value.read_with(terms)?))
+        let value = self.read_micro_step(value, terms)?;
+        Ok(self.end_micro_step(value))
     }
 
     /// One optimizer step: [`forward_backward`](Self::forward_backward) on each of the

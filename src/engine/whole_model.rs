@@ -63,7 +63,8 @@ impl<M: Module> Engine<M> {
         for id in 0..self.units.len() {
             self.release(id);
         }
-        Ok(self.end_micro_step(value.read()?))
+        let value = self.read_micro_step(value, LossValues::default())?;
+        Ok(self.end_micro_step(value))
     }
 
     /// Checks the loss, and returns its value (f32, on the device: [`LossValues`]) and the

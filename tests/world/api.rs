@@ -23,6 +23,7 @@ fn step_acts_only_at_accumulation_boundaries_and_counts_like_deepspeed() {
             if let Some(report) = report {
                 assert_eq!(report.lr, *lrs.last().unwrap(), "a step runs at the lr get_lr() announced");
                 assert!(report.loss.is_finite() && report.grad_norm > 0.0);
+                assert_eq!(report.device_reads, 0, "the CPU queues nothing to wait for");
                 assert_eq!(engine.get_global_grad_norm(), Some(report.grad_norm));
                 assert_eq!(engine.last_step(), Some(report));
                 lrs.push(engine.get_lr());

@@ -206,6 +206,7 @@ impl<M: UnitModel> Pipeline<M> {
             };
             sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
         }
+        engine.shared.read_device();
         engine.end_micro_step(value.read_with(flight.terms)?);
         Ok(())
     }

@@ -264,6 +264,12 @@ impl Unit {
         self.grad.take_reduced(times)
     }
 
+    /// What [`take_reduced`](Self::take_reduced) would return now, where that is a tensor
+    /// on the device already reduced: read without being taken.
+    pub fn reduced_on_device(&self) -> Option<Tensor<1>> {
+        self.grad.reduced_on_device()
+    }
+
     /// Puts new values of the unit's optimizer range where the stage keeps parameters: all
     /// of them into the model at stage 0, all-gathered in the compute dtype at stages 1-2;
     /// at stage 3 into the parameter shard where it is kept apart from the masters (an
