@@ -166,8 +166,8 @@ fn host_device_copies_per_step_on_cuda_are_what_host_collectives_need() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
-fn wall_clock_breakdown_on_cuda_waits_and_changes_no_bit() {
-    super::wall_clock_breakdown_waits_and_changes_no_bit(CUDA);
+fn wall_clock_breakdown_on_cuda_waits_and_trains_the_same() {
+    super::wall_clock_breakdown_waits_and_trains_the_same(CUDA, false);
 }
 
 #[test]

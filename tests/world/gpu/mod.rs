@@ -480,18 +480,40 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
 
 /// `wall_clock_breakdown` makes the engine wait for the device at the end of each phase
 /// (so that the phases split the step, as DeepSpeed's synchronised timers do): the same
-/// work in the same order, so the same bits, at stage 0 and 3, in units with recomputation.
-pub fn wall_clock_breakdown_waits_and_changes_no_bit(on: Gpu) {
+/// work in the same order, at stage 0 and 3, in units with recomputation. Where the device
+/// rounds each operation as written (`exact`: lavapipe) that is the same bits. Where Burn's
+/// fusion compiles the operations queued between two reads into one kernel (CUDA, which
+/// contracts a multiply and an add of two operations into one rounding), a wait moves the
+/// kernels' borders: on an H200 the losses stayed the same and the parameters did not, so
+/// there the losses must agree within `DEVICE_LOSS_TOL` and the parameters within
+/// `PARAM_TOL`, far below the lr-sized step a changed step would make. A first run
+/// settles autotune (which tunes a shape at its first use), so that the runs compared
+/// differ in their waits alone.
+pub fn wall_clock_breakdown_waits_and_trains_the_same(on: Gpu, exact: bool) {
     let _alone = device_alone();
     let init = tiny_gpt(true, 10);
     let w = Tokens { vocab: 11, len: 9 };
     for stage in [0u8, 3] {
+        let what = format!("{} stage {stage}", on.name);
         let json = on_device(&unit_recipe(stage, 2, MODES[5], "fp32", ""), on);
         let timed = json.replacen('{', r#"{ "wall_clock_breakdown": true,"#, 1);
+        train(&w, &init, &plan(&json, 1), MODES[5], 2).unwrap();
         let queued = train(&w, &init, &plan(&json, 1), MODES[5], 2).unwrap();
         let waited = train(&w, &init, &plan(&timed, 1), MODES[5], 2).unwrap();
-        assert_eq!(queued.losses, waited.losses, "{} stage {stage}: losses", on.name);
-        assert!(queued.params == waited.params, "{} stage {stage}: parameters differ", on.name);
+        let (diff, at) = max_abs_diff(&queued.params[0], &waited.params[0]);
+        eprintln!(
+            "{what}: losses {:?} and {:?}, max |param difference| {diff:e} at `{at}`",
+            queued.losses, waited.losses
+        );
+        if exact {
+            assert_eq!(queued.losses, waited.losses, "{what}: losses");
+            assert!(queued.params == waited.params, "{what}: parameters differ");
+        } else {
+            for (got, want) in waited.losses.iter().zip(&queued.losses) {
+                assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "{what}: loss {got} vs {want}");
+            }
+            assert!(diff <= PARAM_TOL, "{what}: parameters {diff:e} apart at `{at}`");
+        }
     }
 }
 

@@ -51,8 +51,8 @@ fn host_device_copies_per_step_are_what_host_collectives_need() {
 }
 
 #[test]
-fn wall_clock_breakdown_on_wgpu_waits_and_changes_no_bit() {
-    super::wall_clock_breakdown_waits_and_changes_no_bit(WGPU);
+fn wall_clock_breakdown_on_wgpu_waits_and_trains_the_same() {
+    super::wall_clock_breakdown_waits_and_trains_the_same(WGPU, software_only());
 }
 
 #[test]
