@@ -252,12 +252,18 @@ fn masters_a_bf16_model_holds_exactly_are_written_by_its_first_step() {
                     plan(&unit_recipe(stage, 1, mode, "bf16", &tier_keys(&root, "nvme", param)), world_size);
                 let blocks = launch(&offloaded, |ctx| {
                     let mut engine = Engine::with_units(init.clone(), &offloaded, &ctx)?;
+                    // Every rank reads the folder every rank writes: each read between two
+                    // barriers, so that no rank's step (before) or engine's end, which
+                    // removes its swap files (after), runs during another's read.
                     ctx.collective().barrier()?;
                     let before = master_blocks(&root.join("opt"));
+                    ctx.collective().barrier()?;
                     engine.forward_backward(&w.batch(&offloaded, 0, 0, ctx.rank(), ctx.device()))?;
                     engine.step()?;
                     ctx.collective().barrier()?;
-                    Ok::<_, zerotrain::Error>((before, master_blocks(&root.join("opt"))))
+                    let after = master_blocks(&root.join("opt"));
+                    ctx.collective().barrier()?;
+                    Ok::<_, zerotrain::Error>((before, after))
                 })
                 .unwrap();
                 let (before, after) = blocks[0];
