@@ -107,12 +107,12 @@ impl<M: Module> Engine<M> {
         measure(&self.shared, &self.span, self.root_counted_elsewhere(), grads)
     }
 
-    /// Reads the micro-step's loss `values` (and the units' loss `terms`) from the device. Where the micro-step ends the
-    /// window and every unit's reduced gradient is on the device already, the norm's
-    /// partials are queued first and come back in the same read, kept for the step: the
-    /// host then waits for the device once per micro-step, not once more at the step, and
-    /// the device computes the norm while the host still waits for the backward (see
-    /// [`StepReport::device_reads`](super::StepReport::device_reads)).
+    /// Reads the micro-step's loss `values` (and the units' loss `terms`) from the device.
+    /// Where the micro-step ends the window and every unit's reduced gradient is on the
+    /// device already, the norm's partials are queued first and come back in the same
+    /// read, kept for the step: the host then waits for the device once per micro-step, not
+    /// once more at the step, and the device computes the norm while the host still waits
+    /// for the backward (see [`StepReport::device_reads`](super::StepReport::device_reads)).
     pub(super) fn read_micro_step(&mut self, values: LossValues, terms: LossValues) -> Result<f32> {
         let at_boundary = self.next_micro_step_is_boundary() && !self.span.is_pipelined();
         let grads: Option<Vec<Flat>> = match at_boundary {
