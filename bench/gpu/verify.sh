@@ -15,11 +15,14 @@
 #      and torch.compile, in the same run;
 #   5. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
 # Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
-# tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s). Burn's autotune runs at
-# CUBECL_AUTOTUNE_LEVEL=minimal unless the caller sets it (at the default level, tuning
-# bf16 GPT-2 small took over 200 s); its results are kept in target/environment, which the
-# report's folder gets as tuned.tgz: put that file in bench/gpu/bundle/ (bundle.sh keeps it)
-# and the next run starts from it (the bench took 56 s instead of 191 s on an H200).
+# tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s; on 2026-11-27 with the
+# autotune cache: the CUDA tests 94 s, the wgpu tests 106 s, the bench with the recompute
+# rows 73 s, the breakdown 36 s; a machine's start and the transfers added ~30 s a call).
+# Burn's autotune runs at CUBECL_AUTOTUNE_LEVEL=minimal unless the caller sets it (at the
+# default level, tuning bf16 GPT-2 small took over 200 s); its results are kept in
+# target/environment, which the report's folder gets as tuned.tgz: put that file in
+# bench/gpu/bundle/ (bundle.sh keeps it) and the next run starts from it (the bench took
+# 56 s instead of 191 s on an H200).
 # The exit status is 1 if any part failed or timed out (a part skipped for lack of a
 # Vulkan loader is reported as skipped, not failed; a loader whose driver cannot load is a
 # failure that names the missing library).
