@@ -115,16 +115,14 @@ impl<M: Module> Engine<M> {
     /// for the backward (see [`StepReport::device_reads`](super::StepReport::device_reads)).
     pub(super) fn read_micro_step(&mut self, values: LossValues, terms: LossValues) -> Result<f32> {
         let at_boundary = self.next_micro_step_is_boundary() && !self.span.is_pipelined();
-        let grads: Option<Vec<Flat>> = match at_boundary {
-            true => self.units.iter().map(|u| u.reduced_on_device().map(Flat::Device)).collect(),
-            false => None,
-        };
+        let on_device = || self.units.iter().map(|u| u.reduced_on_device().map(Flat::Device)).collect();
+        let grads: Option<Vec<Flat>> = if at_boundary { on_device() } else { None };
         self.progress.measured = None;
-        self.shared.read_device();
-        let Some(grads) = grads else { return values.read_with(terms) };
+        let read = |tensors| self.shared.read_values(tensors, "the loss");
+        let Some(grads) = grads else { return values.read_with(terms, read) };
         let queued = queue_partials(&self.shared, &self.span, self.root_counted_elsewhere(), &grads);
         let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
-        let (value, sums) = values.read_beside(terms, on_device)?;
+        let (value, sums) = values.read_beside(terms, on_device, read)?;
         let partials = sum_partials(queued, &sums);
         self.progress.measured = Some(Measured { after_micro_steps: self.progress.counters.micro_steps + 1, partials });
         Ok(value)
@@ -190,15 +188,8 @@ struct Queued {
 /// stage counts), read from the device now where some are there.
 fn measure(shared: &Shared, span: &Span, skip: Option<usize>, grads: &[Flat]) -> Result<Vec<(usize, f32)>> {
     let queued = queue_partials(shared, span, skip, grads);
-    let on_device: Vec<Tensor<1>> = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
-    let sums = match on_device.is_empty() {
-        true => Vec::new(),
-        false => {
-            shared.read_device();
-            let sums = Tensor::cat(on_device, 0).into_data();
-            sums.try_into_vec::<f32>().map_err(|e| Error::Model(format!("the gradients' norm: {e:?}")))?
-        }
-    };
+    let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
+    let sums = shared.read_values(on_device, "the gradients' norm")?;
     Ok(sum_partials(queued, &sums))
 }
 

@@ -6,7 +6,7 @@ use std::time::Instant;
 use burn::tensor::{FloatDType, Tensor};
 use zerotrain_zero::{CommStats, Completed, Pending};
 
-use crate::{Error, Result};
+use crate::Result;
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -224,23 +224,22 @@ impl LossValues {
         self.0.push(value.cast(FloatDType::F32));
     }
 
-    /// This sum plus `terms`' sum (each from 0, in order), in one read of the device.
-    pub fn read_with(self, terms: LossValues) -> Result<f32> {
-        Ok(self.read_beside(terms, Vec::new())?.0)
+    /// This sum plus `terms`' sum (each from 0, in order), in one `read` of the device
+    /// (`Shared::read_values`).
+    pub fn read_with(self, terms: LossValues, read: impl FnOnce(Vec<Tensor<1>>) -> Result<Vec<f32>>) -> Result<f32> {
+        Ok(self.read_beside(terms, Vec::new(), read)?.0)
     }
 
     /// [`read_with`](Self::read_with), and the values of the one-element f32 tensors
     /// `beside`, in the same read of the device.
-    pub fn read_beside(self, terms: LossValues, beside: Vec<Tensor<1>>) -> Result<(f32, Vec<f32>)> {
+    pub fn read_beside(
+        self,
+        terms: LossValues,
+        beside: Vec<Tensor<1>>,
+        read: impl FnOnce(Vec<Tensor<1>>) -> Result<Vec<f32>>,
+    ) -> Result<(f32, Vec<f32>)> {
         let (mine, theirs) = (self.0.len(), terms.0.len());
-        let all: Vec<Tensor<1>> = self.0.into_iter().chain(terms.0).chain(beside).collect();
-        if all.is_empty() {
-            return Ok((0.0, Vec::new()));
-        }
-        let mut values = Tensor::cat(all, 0)
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| Error::Model(format!("reading the loss: {e:?}")))?;
+        let mut values = read(self.0.into_iter().chain(terms.0).chain(beside).collect())?;
         let beside = values.split_off(mine + theirs);
         let sum = |v: &[f32]| v.iter().fold(0.0f32, |sum, v| sum + v);
         Ok((sum(&values[..mine]) + sum(&values[mine..]), beside))

@@ -92,7 +92,7 @@ pub(crate) struct Shared {
 pub(crate) struct Crossings {
     to_device: AtomicU64,
     to_host: AtomicU64,
-    /// Reads of the loss or the gradient norm ([`Shared::read_device`]).
+    /// Reads of the loss or the gradient norm ([`Shared::read_values`]).
     reads: AtomicU64,
 }
 
@@ -184,20 +184,26 @@ impl Shared {
         }
     }
 
-    /// The bytes counted so far.
-    /// Counts one wait of the host for the rank's device to read the loss or the gradient
-    /// norm (on a CPU rank nothing is queued, so nothing is waited for).
-    pub fn read_device(&self) {
+    /// The values of one-element f32 tensors (losses, norm partials: `what`), in one read
+    /// of the device, counted as one wait of the host for it (on a CPU rank nothing is
+    /// queued, so nothing is waited for; reading nothing waits for nothing).
+    pub fn read_values(&self, tensors: Vec<Tensor<1>>, what: &str) -> Result<Vec<f32>> {
+        if tensors.is_empty() {
+            return Ok(Vec::new());
+        }
         if self.plan.runtime.device != ComputeDevice::Cpu {
             self.crossings.reads.fetch_add(1, Ordering::Relaxed);
         }
+        let data = Tensor::cat(tensors, 0).into_data();
+        data.try_into_vec::<f32>().map_err(|e| Error::Model(format!("reading {what}: {e:?}")))
     }
 
-    /// The reads [`read_device`](Self::read_device) counted.
+    /// The reads [`read_values`](Self::read_values) counted.
     pub fn device_reads(&self) -> u64 {
         self.crossings.reads.load(Ordering::Relaxed)
     }
 
+    /// The bytes counted so far.
     pub fn crossings(&self) -> HostDeviceBytes {
         let c = &self.crossings;
         HostDeviceBytes { to_device: c.to_device.load(Ordering::Relaxed), to_host: c.to_host.load(Ordering::Relaxed) }

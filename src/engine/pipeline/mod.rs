@@ -206,8 +206,8 @@ impl<M: UnitModel> Pipeline<M> {
             };
             sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
         }
-        engine.shared.read_device();
-        engine.end_micro_step(value.read_with(flight.terms)?);
+        let value = value.read_with(flight.terms, |tensors| engine.shared.read_values(tensors, "the loss"))?;
+        engine.end_micro_step(value);
         Ok(())
     }
 
