@@ -210,6 +210,28 @@ fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision
     assert_eq!(engine_rows, ["engine 0 units", "engine 0 recompute 0", "engine 0 recompute 1"], "{table}");
 }
 
+/// `bench/gpu/verify.sh --only` refuses a part it does not have, and an unknown argument,
+/// before it unpacks or runs anything (a misspelt part would spend a GPU lease on nothing),
+/// naming the parts it has; no report is written.
+#[test]
+fn gpu_verify_refuses_an_unknown_part_by_name_before_running_anything() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("zerotrain-cli-{}-verify", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for (args, says) in [
+        (&["--only", "bench,bnch"][..], "no part named bnch (the parts: cuda,wgpu,bench,pytorch,compile,breakdown)"),
+        (&["--fast"][..], "unknown argument --fast"),
+    ] {
+        let run = Command::new("bash").arg(root.join("bench/gpu/verify.sh")).args(args).env("OUT", &out).output();
+        let run = run.expect("run bash");
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!out.join("report.md").exists(), "{args:?} wrote a report");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {

@@ -37,7 +37,8 @@ cd "$repo"
 bundle="$repo/bench/gpu/bundle"
 report="${OUT:-$repo/bench/gpu}/report.md"
 steps=10
-only="cuda,wgpu,bench,pytorch,compile,breakdown"
+parts="cuda,wgpu,bench,pytorch,compile,breakdown"
+only="$parts"
 while (($#)); do
     case "$1" in
         --quick) steps=3 ;;
@@ -50,8 +51,7 @@ while (($#)); do
     shift
 done
 for p in ${only//,/ }; do
-    [[ ",cuda,wgpu,bench,pytorch,compile,breakdown," == *",$p,"* ]] \
-        || { echo "verify.sh: --only: no part named $p (cuda, wgpu, bench, pytorch, compile, breakdown)" >&2; exit 2; }
+    [[ ",$parts," == *",$p,"* ]] || { echo "verify.sh: --only: no part named $p (the parts: $parts)" >&2; exit 2; }
 done
 wanted() { [[ ",$only," == *",$1,"* ]]; }
 work="$(mktemp -d)"
