@@ -45,6 +45,7 @@ pub(crate) use shared::agree;
 mod infer;
 mod master;
 pub mod model;
+mod norm;
 mod notices;
 pub mod on_device;
 pub mod optimizer;
@@ -190,7 +191,9 @@ struct Progress {
     prepared: Option<gradients::Prepared>,
     /// The gradient norm's partials, read with the window's last loss
     /// ([`Engine::read_micro_step`]).
-    measured: Option<gradients::Measured>,
+    measured: Option<norm::Measured>,
+    /// Micro-steps' losses still on the device (`train_batch` reads a window's at once).
+    unread: report::Unread,
     /// An optimizer step (or a checkpoint load) failed part-way on this rank: some units
     /// hold new values and some old ones (`step.rs`'s note).
     torn: bool,
@@ -209,6 +212,7 @@ impl Progress {
             last_step: None,
             prepared: None,
             measured: None,
+            unread: report::Unread::default(),
             torn: false,
         }
     }

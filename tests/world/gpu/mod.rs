@@ -669,3 +669,113 @@ fn device_bytes_grown(plan: &zerotrain::Plan, init: &Gpt, w: &Tokens) -> (u64, P
     .unwrap()
     .remove(0)
 }
+
+/// `train_batch` on one rank with its states on the device waits for the device once per
+/// step: after the optimizer is queued where the step needs no norm first (fp32 and bf16,
+/// clipped or not: one rank computes its clip factor on the device; bf16 where the device
+/// has it), at the boundary where it does (fp16's loss scaler), the window's losses and the norm in one read each time;
+/// no model-state byte crosses. It trains as `forward_backward` and `step` do (which wait
+/// once per micro-step): the same operations, the reads moved, so the same losses, norms
+/// and parameters where each operation rounds as written (`exact`: lavapipe); where Burn's
+/// fusion compiles what is queued between two reads into one kernel, within
+/// `DEVICE_LOSS_TOL` and `PARAM_TOL` (as `wall_clock_breakdown_waits_and_trains_the_same`
+/// says why). Stages 0 and 3, in units with overlap and with recomputation, accumulating 2.
+pub fn train_batch_waits_once_per_step_and_trains_the_same(on: Gpu, exact: bool) {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 10);
+    let w = Tokens { vocab: 11, len: 9 };
+    let fp16 = r#"{ "fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    for (precision, clip) in [("fp32", 0.05), ("fp32", 0.0), ("bf16", 0.05), ("fp16", 0.05)] {
+        if precision == "bf16" && !(on.device)().supports_dtype(DType::BF16) {
+            eprintln!("{}: no bf16 on this device, its bf16 runs skipped", on.name);
+            continue;
+        }
+        for stage in [0u8, 3] {
+            for mode in [MODES[3], MODES[5]] {
+                let what = format!("{} {precision} clip {clip} stage {stage} {mode:?}", on.name);
+                let json = unit_recipe(stage, 2, mode, if precision == "bf16" { "bf16" } else { "fp32" }, "")
+                    .replace(r#""gradient_clipping": 0.05"#, &format!(r#""gradient_clipping": {clip}"#));
+                let json = if precision == "fp16" { json.replacen('{', fp16, 1) } else { json };
+                let plan = plan(&on_device(&json, on), 1);
+                let stepped = train(&w, &init, &plan, mode, 3).unwrap();
+                let (reports, params) = launch(&plan, |ctx| {
+                    let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+                    let mut reports = Vec::new();
+                    for step in 0..3 {
+                        let batch = |micro: usize| w.batch(&plan, step, micro as u64, ctx.rank(), ctx.device());
+                        reports.push(engine.train_batch(batch)?);
+                    }
+                    Ok::<_, Error>((reports, params_by_path(&engine.full_model()?)))
+                })
+                .unwrap()
+                .remove(0);
+                let crossed: Vec<_> =
+                    reports.iter().map(|r| (r.host_device.to_host, r.host_device.to_device, r.device_reads)).collect();
+                assert!(crossed.iter().all(|&c| c == (0, 0, 1)), "{what}: (bytes, bytes, reads) per step {crossed:?}");
+                let losses: Vec<f32> = reports.iter().map(|r| r.loss).collect();
+                let (diff, at) = max_abs_diff(&params, &stepped.params[0]);
+                eprintln!(
+                    "{what}: losses {losses:?} and {:?}, max |param difference| {diff:e} at `{at}`",
+                    stepped.losses
+                );
+                if exact {
+                    assert_eq!(losses, stepped.losses, "{what}: losses");
+                    assert!(params == stepped.params[0], "{what}: parameters differ");
+                } else {
+                    for (got, want) in losses.iter().zip(&stepped.losses) {
+                        assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "{what}: loss {got} vs {want}");
+                    }
+                    assert!(diff <= PARAM_TOL, "{what}: parameters {diff:e} apart at `{at}`");
+                }
+            }
+        }
+    }
+}
+
+/// One rank with its gradients on the device clips them by a factor computed there (f32,
+/// as `torch.nn.utils.clip_grad_norm_`: `clip / (norm + 1e-6)`, at most 1), the host's
+/// (f64) elsewhere. Against the same step on the CPU: one plain SGD step (no momentum, no
+/// decay, so the update is `lr * factor * g` and a wrong factor shows in every parameter),
+/// the norm far above the limit, fp32 and fp16 (whose factor also unscales by 1 / 256), at
+/// stages 0 and 3, compared in the fp32 masters. The gradients of the two devices differ
+/// in their last bits (the norms by 2e-5 relative on lavapipe), the steps by that much of
+/// theirs (1.5e-8 measured): under 1e-7, where the clipped step moves a master by up to
+/// 1.4e-5 and an unclipped one would move it 18 times as far.
+pub fn one_rank_clips_on_the_device_as_the_cpu_clips(on: Gpu) {
+    let _alone = device_alone();
+    let init = tiny_gpt(true, 10);
+    let w = Tokens { vocab: 11, len: 9 };
+    let adam = r#""optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}}"#;
+    let sgd = r#""optimizer": {"type": "SGD", "params": {"lr": 0.01}}"#;
+    let fp16 = r#"{ "fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    let clip = 0.05;
+    for precision in ["fp32", "fp16"] {
+        for stage in [0u8, 3] {
+            let what = format!("{} {precision} stage {stage}", on.name);
+            let json = unit_recipe(stage, 1, MODES[3], "fp32", "").replace(adam, sgd);
+            let json = if precision == "fp16" { json.replacen('{', fp16, 1) } else { json };
+            let run = |plan: &zerotrain::Plan| {
+                launch(plan, |ctx| {
+                    let mut engine = Engine::with_units(init.clone(), plan, &ctx)?;
+                    let before = engine.master_params()?;
+                    let report =
+                        engine.train_batch(|micro| w.batch(plan, 0, micro as u64, ctx.rank(), ctx.device()))?;
+                    Ok::<_, Error>((report, before, engine.master_params()?))
+                })
+                .unwrap()
+                .remove(0)
+            };
+            let (on_gpu, _, gpu_masters) = run(&plan(&on_device(&json, on), 1));
+            let (on_cpu, initial, cpu_masters) = run(&plan(&json, 1));
+            assert!(!on_gpu.skipped && !on_cpu.skipped, "{what}: a skipped step clips nothing");
+            assert!(on_cpu.grad_norm > 10.0 * clip as f32, "{what}: the norm {} does not clip", on_cpu.grad_norm);
+            let largest = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            let (moved, diff) = (largest(&cpu_masters, &initial), largest(&gpu_masters, &cpu_masters));
+            eprintln!(
+                "{what}: norms {} and {}, the step moved {moved:e}, apart {diff:e}",
+                on_gpu.grad_norm, on_cpu.grad_norm
+            );
+            assert!(diff <= 1e-7, "{what}: fp32 masters {diff:e} apart");
+        }
+    }
+}
