@@ -13,12 +13,13 @@ use std::ops::Range;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::Tensor;
-use zerotrain_precision::FlatBuf;
+use burn::tensor::{FloatDType, Tensor};
+use zerotrain_precision::{BufRef, FlatBuf};
+use zerotrain_zero::ReduceOp;
 
 use super::Engine;
 use super::flat::Flat;
-use super::norm::{Queued, measure, queue_partials, sum_partials, world_metrics};
+use super::report::LossValues;
 use super::shared::Shared;
 use super::span::Span;
 use crate::{Error, Result};
@@ -33,13 +34,6 @@ pub(crate) struct Prepared {
     pub sum_squares: f64,
     /// Mean loss over every rank and micro-step.
     pub loss: f32,
-    /// This rank's norm partials, still on the device with the window's losses where
-    /// `train_batch` reads them after queueing the optimizer: `sum_squares` and `loss` are
-    /// known once [`Engine::settle`] has read them.
-    pub unread: Option<Vec<Queued>>,
-    /// Each unit's sum of squares on the device, where they are the whole norm (one rank,
-    /// every gradient on the device): the clip factor is then computed there.
-    pub on_device: Vec<Tensor<1>>,
     /// The factor still to apply, as `numerator / denominator`: 1 / (N * loss scale) times
     /// the caller's scales (kept apart so that without them the bits are one division's).
     pub numerator: f64,
@@ -53,35 +47,6 @@ impl Prepared {
     pub fn norm(&self) -> f64 {
         self.sum_squares.sqrt() * self.numerator / self.denominator
     }
-
-    /// The one factor the step multiplies the gradients by (module note): unscaling,
-    /// averaging and, with `clip` > 0, clipping to the global norm as
-    /// `torch.nn.utils.clip_grad_norm_` does (`clip / (norm + 1e-6)`, at most 1). Where
-    /// the norm's sums are on the device the factor is computed there, in f32, so that the
-    /// step never waits for the norm; elsewhere on the host, in f64 (see
-    /// [`Engine::read_micro_step`]).
-    pub fn factor(&self, clip: f64) -> Factor {
-        let ratio = self.numerator / self.denominator;
-        match self.on_device.iter().cloned().reduce(|sum, s| sum + s) {
-            Some(sum_squares) if clip > 0.0 => {
-                let norm = sum_squares.sqrt().mul_scalar(ratio as f32);
-                let coef = norm.add_scalar(1e-6).recip().mul_scalar(clip as f32).clamp_max(1.0);
-                Factor::Device(coef.mul_scalar(ratio as f32))
-            }
-            _ => {
-                let coef = if clip > 0.0 { (clip / (self.norm() + 1e-6)).min(1.0) } else { 1.0 };
-                Factor::Host((coef * ratio) as f32)
-            }
-        }
-    }
-}
-
-/// The factor of [`Prepared::factor`].
-#[allow(clippy::large_enum_variant, reason = "one per step: boxing the tensor would allocate per step")]
-pub(crate) enum Factor {
-    Host(f32),
-    /// A one-element f32 tensor on the device.
-    Device(Tensor<1>),
 }
 
 impl<M: Module> Engine<M> {
@@ -102,44 +67,65 @@ impl<M: Module> Engine<M> {
             self.span.sum_over_stages((&mut values).into())?;
             grads[root] = Flat::Host(FlatBuf::F32(values));
         }
-        // Queued (and maybe read) with the last micro-step's loss (`read_micro_step`).
+        let loss = (self.window.loss_sum / self.window.micro_steps as f64) as f32;
+        // Measured with the last micro-step's loss where that read them (`read_micro_step`).
         let now = self.progress.counters.micro_steps;
-        let measured = self.progress.measured.take().filter(|m| m.after_micro_steps == now);
-        let measured_at_boundary = measured.is_some();
-        let (queued, sums) = match measured {
-            Some(measured) => (measured.queued, measured.sums),
-            None => (queue_partials(&self.shared, &self.span, self.root_counted_elsewhere(), &grads), None),
+        let partials = match self.progress.measured.take().filter(|m| m.after_micro_steps == now) {
+            Some(measured) => measured.partials,
+            None => self.measure(&grads)?,
         };
-        let alone = self.shared.world.world_size() == 1 && queued.len() == 1;
-        let on_device = match alone && grads.iter().all(|g| matches!(g, Flat::Device(_))) {
-            true => queued[0].on_device().to_vec(),
-            false => Vec::new(),
-        };
-        let denominator = self.shared.comm.world_size() as f64 * self.loss_scale();
-        let mut prepared = Prepared {
-            grads,
-            sum_squares: 0.0,
-            loss: 0.0,
-            unread: None,
-            on_device,
-            numerator: 1.0,
-            denominator,
-            stale_norm: false,
-        };
-        match (measured_at_boundary, sums) {
-            // Read with the last loss: only the world's sums are left.
-            (true, Some(sums)) => {
-                let loss = self.window_loss();
-                (prepared.sum_squares, prepared.loss) = self.global_metrics(sum_partials(queued, &sums), Some(loss))?;
-            }
-            // Left on the device for `step`, which queues the optimizer first.
-            (true, None) => prepared.unread = Some(queued),
-            // Nothing measured yet: read now.
-            (false, _) => (prepared.sum_squares, prepared.loss) = self.settle(queued)?,
-        }
+        let (sum_squares, loss) = self.global_metrics(partials, Some(loss))?;
         self.window.times.reduce += self.shared.phase_seconds(start);
-        self.progress.prepared = Some(prepared);
+        let denominator = self.shared.comm.world_size() as f64 * self.loss_scale();
+        let (numerator, stale_norm) = (1.0, false);
+        self.progress.prepared = Some(Prepared { grads, sum_squares, loss, numerator, denominator, stale_norm });
         Ok(())
+    }
+
+    /// One all-reduce over the world of each rank's squared-norm partial of `grads` and of
+    /// its mean `loss` (if given): (sum of squares over all ranks, mean loss). A rank's
+    /// partial runs over its shards of every unit in unit order, in one f64 sum, the slots
+    /// summed in world rank order. At stage 0 every rank holds the full gradients of its
+    /// units, and its group's first rank computes every rank's partial the same way, so
+    /// the total is the sharded stages' to the last bit. The root (the same on every
+    /// pipeline stage) counts on the first stage only; every rank's loss counts (a pipeline
+    /// stage's is its units' loss terms, the last stage's also the model's loss).
+    pub(super) fn global_metrics(&mut self, partials: Vec<(usize, f32)>, loss: Option<f32>) -> Result<(f64, f32)> {
+        let (sum_squares, loss, wait) = world_metrics(&self.shared, &self.span, partials, loss)?;
+        if self.span.is_pipelined() {
+            // At the flush the stages that finish first wait here for the last: the
+            // pipeline's bubble, as waiting for a neighbour's activations is.
+            self.window.times.pipe_wait += wait;
+        }
+        Ok((sum_squares, loss))
+    }
+
+    /// This rank's squared-norm partials of `grads` (the slots of
+    /// [`global_metrics`](Self::global_metrics)), read from the device now where some are
+    /// there.
+    pub(super) fn measure(&self, grads: &[Flat]) -> Result<Vec<(usize, f32)>> {
+        measure(&self.shared, &self.span, self.root_counted_elsewhere(), grads)
+    }
+
+    /// Reads the micro-step's loss `values` (and the units' loss `terms`) from the device.
+    /// Where the micro-step ends the window and every unit's reduced gradient is on the
+    /// device already, the norm's partials are queued first and come back in the same
+    /// read, kept for the step: the host then waits for the device once per micro-step, not
+    /// once more at the step, and the device computes the norm while the host still waits
+    /// for the backward (see [`StepReport::device_reads`](super::StepReport::device_reads)).
+    pub(super) fn read_micro_step(&mut self, values: LossValues, terms: LossValues) -> Result<f32> {
+        let at_boundary = self.next_micro_step_is_boundary() && !self.span.is_pipelined();
+        let on_device = || self.units.iter().map(|u| u.reduced_on_device().map(Flat::Device)).collect();
+        let grads: Option<Vec<Flat>> = if at_boundary { on_device() } else { None };
+        self.progress.measured = None;
+        let read = |tensors| self.shared.read_values(tensors, "the loss");
+        let Some(grads) = grads else { return values.read_with(terms, read) };
+        let queued = queue_partials(&self.shared, &self.span, self.root_counted_elsewhere(), &grads);
+        let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
+        let (value, sums) = values.read_beside(terms, on_device, read)?;
+        let partials = sum_partials(queued, &sums);
+        self.progress.measured = Some(Measured { after_micro_steps: self.progress.counters.micro_steps + 1, partials });
+        Ok(value)
     }
 
     /// The step's gradients, before [`step`](Self::step): for logging them, clipping them
@@ -154,15 +140,111 @@ impl<M: Module> Engine<M> {
             ));
         }
         self.prepare_step()?;
-        if let Some(queued) = self.progress.prepared.as_mut().and_then(|p| p.unread.take()) {
-            let metrics = self.settle(queued)?;
-            let prepared = self.progress.prepared.as_mut().expect("prepared above");
-            (prepared.sum_squares, prepared.loss) = metrics;
-        }
         let skip = self.root_counted_elsewhere();
         let prepared = self.progress.prepared.as_mut().expect("prepared above");
         Ok(Gradients { prepared, shared: &self.shared, span: &self.span, skip })
     }
+}
+
+/// The gradient norm's partials measured with a window's last loss, for its step.
+pub(super) struct Measured {
+    /// The engine's `micro_steps` count they belong to (a later micro-step voids them).
+    pub after_micro_steps: u64,
+    /// Slot in the world's metrics and partial sum of squares ([`Engine::global_metrics`]).
+    pub partials: Vec<(usize, f32)>,
+}
+
+/// [`Engine::global_metrics`] of this rank's `partials`, and the seconds spent in the
+/// all-reduce.
+fn world_metrics(
+    shared: &Shared,
+    span: &Span,
+    partials: Vec<(usize, f32)>,
+    loss: Option<f32>,
+) -> Result<(f64, f32, f64)> {
+    let world = &shared.world;
+    let n = world.world_size();
+    let mut metrics = vec![0.0f32; n + 1];
+    for (slot, partial) in partials {
+        metrics[slot] = partial;
+    }
+    metrics[n] = loss.unwrap_or(0.0);
+    let wait = Instant::now();
+    world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+    let wait = wait.elapsed().as_secs_f64();
+    let contributors = span.topology.data_parallel;
+    Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32, wait))
+}
+
+/// A squared-norm partial as queued: its slot in the world's metrics, the part summed on
+/// the host, and each unit's sum on the device, still to be read.
+struct Queued {
+    slot: usize,
+    host: f64,
+    device: Vec<Tensor<1>>,
+}
+
+/// The partials of `grads` this rank fills in the world's metrics (`skip`: a root another
+/// stage counts), read from the device now where some are there.
+fn measure(shared: &Shared, span: &Span, skip: Option<usize>, grads: &[Flat]) -> Result<Vec<(usize, f32)>> {
+    let queued = queue_partials(shared, span, skip, grads);
+    let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
+    let sums = shared.read_values(on_device, "the gradients' norm")?;
+    Ok(sum_partials(queued, &sums))
+}
+
+/// The partials this rank fills (see [`Engine::global_metrics`]): its own where the
+/// optimizer states are sharded, every group rank's on the group's first rank at stage 0.
+fn queue_partials(shared: &Shared, span: &Span, skip: Option<usize>, grads: &[Flat]) -> Vec<Queued> {
+    let group = &shared.comm;
+    let sharded = shared.plan.zero.stage.shards_optimizer_states();
+    let ranks = match (sharded, group.rank()) {
+        (true, mine) => mine..mine + 1,
+        (false, 0) => 0..group.world_size(),
+        (false, _) => 0..0,
+    };
+    ranks.map(|r| queue_partial(shared, grads, r, sharded, skip, span.world_rank(r))).collect()
+}
+
+/// Each partial's sum: its host part, then its device sums (`sums`, every partial's in
+/// order) added in f64, as f32.
+fn sum_partials(queued: Vec<Queued>, sums: &[f32]) -> Vec<(usize, f32)> {
+    let mut at = 0;
+    queued
+        .into_iter()
+        .map(|q| {
+            let device = &sums[at..at + q.device.len()];
+            at += q.device.len();
+            (q.slot, (q.host + device.iter().map(|&s| f64::from(s)).sum::<f64>()) as f32)
+        })
+        .collect()
+}
+
+/// The partial of the squared norm of `grads` as group rank `r` holds them, for `slot`: on
+/// the host in f64, element by element; on the device each unit's in f32 there, queued.
+fn queue_partial(shared: &Shared, grads: &[Flat], r: usize, sharded: bool, skip: Option<usize>, slot: usize) -> Queued {
+    let mut sum = 0.0f64;
+    let mut on_device = Vec::new();
+    for (id, values) in grads.iter().enumerate() {
+        let layout = shared.layout(id);
+        let real = layout.shard_real_range(r);
+        if real.is_empty() || skip == Some(id) {
+            continue; // an all-padding shard, or the root counted by another stage
+        }
+        let offset = if sharded { layout.shard_range(r).start } else { 0 };
+        let at = real.start - offset..real.end - offset;
+        // Each element as the f32 the step will see (a half value converts exactly).
+        let mut add = |g: f32| sum += f64::from(g) * f64::from(g);
+        match values {
+            Flat::Host(values) => match values.as_ref().slice(at) {
+                BufRef::F32(v) => v.iter().copied().for_each(&mut add),
+                BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+                BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+            },
+            Flat::Device(t) => on_device.push(t.clone().slice(at).cast(FloatDType::F32).square().sum()),
+        }
+    }
+    Queued { slot, host: sum, device: on_device }
 }
 
 /// The step's gradients on this rank, averaged over the ranks and unscaled, as the

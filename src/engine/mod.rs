@@ -45,7 +45,6 @@ pub(crate) use shared::agree;
 mod infer;
 mod master;
 pub mod model;
-mod norm;
 mod notices;
 pub mod on_device;
 pub mod optimizer;
@@ -191,9 +190,7 @@ struct Progress {
     prepared: Option<gradients::Prepared>,
     /// The gradient norm's partials, read with the window's last loss
     /// ([`Engine::read_micro_step`]).
-    measured: Option<norm::Measured>,
-    /// Micro-steps' losses still on the device (`train_batch` reads a window's at once).
-    unread: report::Unread,
+    measured: Option<gradients::Measured>,
     /// An optimizer step (or a checkpoint load) failed part-way on this rank: some units
     /// hold new values and some old ones (`step.rs`'s note).
     torn: bool,
@@ -212,7 +209,6 @@ impl Progress {
             last_step: None,
             prepared: None,
             measured: None,
-            unread: report::Unread::default(),
             torn: false,
         }
     }

@@ -35,13 +35,10 @@ pub struct StepReport {
     /// host memory and its device during the step's window; zero on the CPU.
     pub host_device: HostDeviceBytes,
     /// Times this rank's host waited for its device to read the loss or the gradient norm
-    /// during the step's window (0 on the CPU, where nothing is queued). With
-    /// `forward_backward` (or `backward`) and `step`: one per micro-step (its loss), the
-    /// norm coming back with the window's last loss where the gradients are on the device
-    /// (or needing no read on the host); one more at the step where it is read apart (a
-    /// pipeline stage, whose shared weights' gradient is summed over the stages). With
-    /// `train_batch`, where the gradients are on the device: one per step, after the
-    /// optimizer is queued where the step needs no norm before it, else at the boundary.
+    /// during the step's window (0 on the CPU, where nothing is queued): one per micro-step
+    /// (its loss), the norm coming back with the window's last loss where the gradients are
+    /// on the device (or needing no read on the host); one more at the step where it is read
+    /// apart (a pipeline stage, whose shared weights' gradient is summed over the stages).
     pub device_reads: u64,
     /// Where the step's time went (its micro-steps included; evaluation not).
     pub times: PhaseTimes,
@@ -230,47 +227,22 @@ impl LossValues {
     /// This sum plus `terms`' sum (each from 0, in order), in one `read` of the device
     /// (`Shared::read_values`).
     pub fn read_with(self, terms: LossValues, read: impl FnOnce(Vec<Tensor<1>>) -> Result<Vec<f32>>) -> Result<f32> {
-        let mut unread = Unread::default();
-        unread.push(self, terms);
-        Ok(unread.read(Vec::new(), read)?.0[0])
-    }
-}
-
-/// Micro-steps' loss values still on the device, in micro-step order. `train_batch` leaves
-/// a window's losses there until its optimizer step is queued, where nothing before the
-/// step needs them (see [`Engine::read_micro_step`](super::Engine::read_micro_step)).
-#[derive(Default)]
-pub(super) struct Unread {
-    tensors: Vec<Tensor<1>>,
-    /// Per micro-step: how many of `tensors` are its losses, and how many its units' terms.
-    counts: Vec<(usize, usize)>,
-}
-
-impl Unread {
-    /// A micro-step's losses and its units' loss terms.
-    pub fn push(&mut self, values: LossValues, terms: LossValues) {
-        self.counts.push((values.0.len(), terms.0.len()));
-        self.tensors.extend(values.0.into_iter().chain(terms.0));
+        Ok(self.read_beside(terms, Vec::new(), read)?.0)
     }
 
-    /// Each micro-step's loss value (the sum of its losses plus the sum of its terms, each
-    /// from 0, in order) and the values of the one-element f32 tensors `beside`, in one
-    /// `read` of the device.
-    pub fn read(
+    /// [`read_with`](Self::read_with), and the values of the one-element f32 tensors
+    /// `beside`, in the same read of the device.
+    pub fn read_beside(
         self,
+        terms: LossValues,
         beside: Vec<Tensor<1>>,
         read: impl FnOnce(Vec<Tensor<1>>) -> Result<Vec<f32>>,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut values = read(self.tensors.into_iter().chain(beside).collect())?;
-        let beside = values.split_off(self.counts.iter().map(|(a, b)| a + b).sum());
+    ) -> Result<(f32, Vec<f32>)> {
+        let (mine, theirs) = (self.0.len(), terms.0.len());
+        let mut values = read(self.0.into_iter().chain(terms.0).chain(beside).collect())?;
+        let beside = values.split_off(mine + theirs);
         let sum = |v: &[f32]| v.iter().fold(0.0f32, |sum, v| sum + v);
-        let mut at = 0;
-        let steps = self.counts.iter().map(|&(mine, theirs)| {
-            let (own, terms) = (&values[at..at + mine], &values[at + mine..at + mine + theirs]);
-            at += mine + theirs;
-            sum(own) + sum(terms)
-        });
-        Ok((steps.collect(), beside))
+        Ok((sum(&values[..mine]) + sum(&values[mine..]), beside))
     }
 }
 

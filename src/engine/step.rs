@@ -18,7 +18,6 @@ use burn::module::Module;
 use burn::tensor::FloatDType;
 
 use super::flat::Flat;
-use super::gradients::Factor;
 use super::master::Values;
 use super::report::Window;
 use super::{Engine, StepReport};
@@ -48,67 +47,52 @@ impl<M: Module> Engine<M> {
             self.window.times.reduce += self.shared.phase_seconds(start);
         }
         let scale = self.loss_scale();
-        // Left on the device by `train_batch` where nothing below needs them first.
-        let unread = prepared.unread.take();
         // Every rank sums the same partials, so every rank reaches the same decision.
-        let skip = match (&mut self.progress.scaler, &unread) {
-            (_, Some(_)) => false, // no overflow check (`norm_decides_step`)
-            (Some(scaler), None) => scaler.update(!prepared.norm().is_finite())?.skip_step,
-            (None, None) => !prepared.norm().is_finite() && self.shared.plan.precision.check_grad_overflow,
+        let grad_norm = prepared.norm();
+        let overflow = !grad_norm.is_finite();
+        let skip = match &mut self.progress.scaler {
+            Some(scaler) => scaler.update(overflow)?.skip_step,
+            None => overflow && self.shared.plan.precision.check_grad_overflow,
         };
         let lr = self.get_lr();
         if skip {
             self.skip_step(scale);
         } else {
-            let factor = prepared.factor(self.shared.plan.optim.gradient_clipping);
-            for (id, grads) in std::mem::take(&mut prepared.grads).into_iter().enumerate() {
+            let clip = self.shared.plan.optim.gradient_clipping;
+            let clip_coef = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+            let factor = (clip_coef * prepared.numerator / prepared.denominator) as f32;
+            for (id, grads) in prepared.grads.into_iter().enumerate() {
                 // One unit's gradient in f32 at a time, where it is. A factor of 1 (one
                 // rank, no loss scale, no clip) changes no bit: no pass over the values.
-                let grads = match (grads, &factor) {
-                    (Flat::Host(grads), Factor::Host(factor)) => {
+                let grads = match grads {
+                    Flat::Host(grads) => {
                         let mut grads = grads.into_f32();
-                        if *factor != 1.0 {
+                        if factor != 1.0 {
                             grads.iter_mut().for_each(|g| *g *= factor);
                         }
                         Values::Host(grads)
                     }
-                    (Flat::Device(grads), Factor::Host(1.0)) => Values::Device(grads.cast(FloatDType::F32)),
-                    (Flat::Device(grads), Factor::Host(factor)) => {
-                        Values::Device(grads.cast(FloatDType::F32).mul_scalar(*factor))
-                    }
-                    (Flat::Device(grads), Factor::Device(factor)) => {
-                        Values::Device(grads.cast(FloatDType::F32).mul(factor.clone()))
-                    }
-                    (Flat::Host(_), Factor::Device(_)) => unreachable!("a device factor needs every gradient there"),
+                    Flat::Device(grads) if factor == 1.0 => Values::Device(grads.cast(FloatDType::F32)),
+                    Flat::Device(grads) => Values::Device(grads.cast(FloatDType::F32).mul_scalar(factor)),
                 };
                 let model = self.model.clone();
                 let stepped = self.units[id].step(model, lr, grads, &self.shared, &mut self.window.times);
                 let (model, transient) = match stepped {
                     Ok(stepped) => stepped,
-                    Err(e) => return Err(self.tear(e)),
+                    Err(e) => {
+                        // The window's gradients are spent: close it, so that the caller
+                        // can load a checkpoint (module note).
+                        self.window = Window { at_start: self.traffic(), ..Window::default() };
+                        self.progress.torn = true;
+                        return Err(e);
+                    }
                 };
                 self.model = model;
                 self.peaks.transient = self.peaks.transient.max(transient);
             }
             self.progress.lr_iteration += 1;
         }
-        if let Some(queued) = unread {
-            // The optimizer is queued: the device has the whole step while the host waits
-            // here for its losses and norm. A device that fails now may have stepped any
-            // unit.
-            (prepared.sum_squares, prepared.loss) = self.settle(queued).map_err(|e| self.tear(e))?;
-        }
-        Ok(Some(self.end_step(lr, prepared.norm(), skip, scale, prepared.loss)))
-    }
-
-    /// Marks the rank torn by a step that failed part-way (module note) and returns `e`.
-    /// The window's gradients are spent: it is closed, so that the caller can load a
-    /// checkpoint.
-    fn tear(&mut self, e: Error) -> Error {
-        self.window = Window { at_start: self.traffic(), ..Window::default() };
-        self.progress.unread = Default::default();
-        self.progress.torn = true;
-        e
+        Ok(Some(self.end_step(lr, grad_norm, skip, scale, prepared.loss)))
     }
 
     /// An error if a step or a load failed part-way on this rank (module note).
@@ -163,7 +147,6 @@ impl<M: Module> Engine<M> {
             times: self.window.times,
         };
         self.window = Window { at_start: now, ..Window::default() };
-        self.progress.unread = Default::default();
         self.progress.last_step = Some(report);
         report
     }

@@ -74,12 +74,6 @@ impl<M: UnitModel> Engine<M> {
     /// is divided by the accumulation steps and scaled like [`backward`](Self::backward)'s.
     /// Every rank must call it.
     pub fn forward_backward(&mut self, batch: &M::Batch) -> Result<f32> {
-        Ok(self.micro_step(batch, false)?.expect("read at once"))
-    }
-
-    /// [`forward_backward`](Self::forward_backward), its loss left on the device with
-    /// `defer` (see [`read_micro_step`](Self::read_micro_step)).
-    fn micro_step(&mut self, batch: &M::Batch, defer: bool) -> Result<Option<f32>> {
         if !matches!(self.granularity, Granularity::Declared { .. }) {
             return Err(Error::Usage(
                 "forward_backward needs an engine built with Engine::with_units (Engine::new runs the model as \
@@ -97,26 +91,20 @@ impl<M: UnitModel> Engine<M> {
         let (value, upstream, root_grads) = self.loss_backward(output, batch, micro)?;
         let (root_grads, _) = self.backward_units(saved, upstream, root_grads, batch, micro)?;
         self.reduce_root(root_grads)?;
-        let value = self.read_micro_step(value, terms, defer)?;
-        self.end_micro_step();
-        Ok(value)
+        let value = self.read_micro_step(value, terms)?;
+        Ok(self.end_micro_step(value))
     }
 
     /// One optimizer step: [`forward_backward`](Self::forward_backward) on each of the
     /// `gradient_accumulation_steps` micro-batches `batch(i)`, then [`step`](Self::step)
     /// (a [`Pipeline`](super::Pipeline) stage's `train_batch` runs its schedule instead).
-    /// The same arithmetic; on a GPU the host waits for the device once per step, for the
-    /// window's losses (and the gradient norm) read together after the optimizer step is
-    /// queued, where nothing before the step needs them: no fp16 loss scaler, no
-    /// `check_grad_overflow`, and clipping on one rank only (see
-    /// [`StepReport::device_reads`](super::StepReport::device_reads)).
     /// Every rank must call it.
     pub fn train_batch(&mut self, mut batch: impl FnMut(usize) -> M::Batch) -> Result<super::StepReport> {
         if self.window.micro_steps > 0 {
             return Err(Error::Usage("train_batch inside an accumulation window: call step() first".into()));
         }
         for i in 0..self.shared.plan.batch.gradient_accumulation_steps as usize {
-            self.micro_step(&batch(i), true)?;
+            self.forward_backward(&batch(i))?;
         }
         self.step()?.ok_or_else(|| {
             Error::Usage("train_batch's last micro-step was no boundary (set_gradient_accumulation_boundary?)".into())

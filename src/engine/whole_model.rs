@@ -63,9 +63,8 @@ impl<M: Module> Engine<M> {
         for id in 0..self.units.len() {
             self.release(id);
         }
-        let value = self.read_micro_step(value, LossValues::default(), false)?;
-        self.end_micro_step();
-        Ok(value.expect("read at once"))
+        let value = self.read_micro_step(value, LossValues::default())?;
+        Ok(self.end_micro_step(value))
     }
 
     /// Checks the loss, and returns its value (f32, on the device: [`LossValues`]) and the
@@ -109,12 +108,14 @@ impl<M: Module> Engine<M> {
         Ok(())
     }
 
-    /// Counts a finished micro-step (its losses count where they are read:
-    /// [`count_losses`](Self::count_losses)).
-    pub(super) fn end_micro_step(&mut self) {
+    /// Counts a finished micro-step whose losses (the model's and its units' terms) sum to
+    /// `value`; returns it.
+    pub(super) fn end_micro_step(&mut self, value: f32) -> f32 {
         self.progress.counters.micro_steps += 1;
         self.window.micro_steps += 1;
         self.window.forward_calls = 0;
+        self.window.loss_sum += f64::from(value);
+        value
     }
 
     /// Runs `f` on the model in evaluation mode (no autodiff graph, buffers read, not

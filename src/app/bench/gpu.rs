@@ -188,15 +188,8 @@ impl GpuBench {
         for step in 0..self.steps + 2 {
             let start = Instant::now();
             let batch = tokens(&self.shape, self.batch, step, device);
-            // In units as a training loop runs them (the host waits once per step); one
-            // unit through `forward`, `backward` and `step`.
-            let report = match mode {
-                RunMode::OneUnit => {
-                    mode.micro_step(&mut engine, &batch, |m, b| m.loss(b.clone()))?;
-                    engine.step()?.expect("accumulation 1")
-                }
-                _ => engine.train_batch(|_| batch.clone())?,
-            };
+            mode.micro_step(&mut engine, &batch, |m, b| m.loss(b.clone()))?;
+            let report = engine.step()?.expect("accumulation 1");
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
             if step >= 2 {
                 times.push(start.elapsed().as_secs_f64());

@@ -207,8 +207,7 @@ impl<M: UnitModel> Pipeline<M> {
             sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
         }
         let value = value.read_with(flight.terms, |tensors| engine.shared.read_values(tensors, "the loss"))?;
-        engine.count_losses(&[value]);
-        engine.end_micro_step();
+        engine.end_micro_step(value);
         Ok(())
     }
 

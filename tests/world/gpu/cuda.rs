@@ -172,18 +172,6 @@ fn wall_clock_breakdown_on_cuda_waits_and_trains_the_same() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
-fn train_batch_on_cuda_waits_once_per_step_and_trains_the_same() {
-    super::train_batch_waits_once_per_step_and_trains_the_same(CUDA, false);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
-fn one_rank_on_cuda_clips_on_the_device_as_the_cpu_clips() {
-    super::one_rank_clips_on_the_device_as_the_cpu_clips(CUDA);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn one_rank_with_states_on_cuda_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(CUDA);
 }

@@ -56,16 +56,6 @@ fn wall_clock_breakdown_on_wgpu_waits_and_trains_the_same() {
 }
 
 #[test]
-fn train_batch_on_wgpu_waits_once_per_step_and_trains_the_same() {
-    super::train_batch_waits_once_per_step_and_trains_the_same(WGPU, software_only());
-}
-
-#[test]
-fn one_rank_on_wgpu_clips_on_the_device_as_the_cpu_clips() {
-    super::one_rank_clips_on_the_device_as_the_cpu_clips(WGPU);
-}
-
-#[test]
 fn one_rank_with_states_on_wgpu_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(WGPU);
 }
