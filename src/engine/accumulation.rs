@@ -357,7 +357,7 @@ fn flatten(grads: UnitGrads, layout: &FlatLayout, dtype: Precision, len: usize, 
     if len > layout.num_elems() {
         pieces.push(zeros(dtype, len - layout.num_elems(), device));
     }
-    Tensor::cat(pieces, 0)
+    super::flat::cat_in_pairs(pieces)
 }
 
 /// A backward pass between the boundary's reduction and the step.

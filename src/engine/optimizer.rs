@@ -25,6 +25,7 @@ use std::sync::Arc;
 use burn::tensor::{Device, Tensor};
 use burn_pack::Scalar;
 
+use super::flat::cat_in_pairs;
 use crate::config::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 use crate::{Error, Result};
 
@@ -207,8 +208,7 @@ impl UnitOptimizer {
         }
         let mut pieces: Vec<(usize, Tensor<1>)> = Vec::new();
         for part in &mut self.parts {
-            let gather =
-                |t: &Tensor<1>| Tensor::cat(part.ranges.iter().map(|r| t.clone().slice(r.clone())).collect(), 0);
+            let gather = |t: &Tensor<1>| cat_in_pairs(part.ranges.iter().map(|r| t.clone().slice(r.clone())).collect());
             let (values, g) = (gather(&params), gather(&grads));
             let mut stepped = part.optimizer.step(lr * part.lr_scale, values, g)?;
             for r in &part.ranges {
@@ -231,7 +231,7 @@ impl UnitOptimizer {
             pieces.push((at, params.slice(at..n)));
         }
         pieces.sort_by_key(|(start, _)| *start);
-        Ok(Tensor::cat(pieces.into_iter().map(|(_, t)| t).collect(), 0))
+        Ok(cat_in_pairs(pieces.into_iter().map(|(_, t)| t).collect()))
     }
 
     /// Bytes of state held.

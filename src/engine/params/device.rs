@@ -42,7 +42,7 @@ pub(crate) fn read_range<M: Module>(
     if padding > 0 {
         reader.pieces.push(Tensor::zeros([padding], (device, DType::F32)));
     }
-    Tensor::cat(reader.pieces, 0)
+    crate::engine::flat::cat_in_pairs(reader.pieces)
 }
 
 /// Replaces unit `unit`'s trainable parameters with the matching pieces of `values`, a
