@@ -141,7 +141,7 @@ mod tests {
                 (0..n).map(|i| (0..(i * 7) % 5 + 1).map(|j| (i * 100 + j) as f32).collect()).collect();
             let pieces =
                 values.iter().map(|v| Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &device)).collect();
-            let got = super::cat_in_pairs(pieces).into_data().to_vec::<f32>().unwrap();
+            let got = super::cat_in_pairs(pieces).into_data().try_to_vec::<f32>().unwrap();
             assert_eq!(got, values.concat(), "{n} pieces");
         }
     }
