@@ -102,18 +102,20 @@ pub(crate) fn zeros(precision: Precision, len: usize, device: &Device) -> Tensor
 }
 
 /// `pieces` (1-D, one dtype, on one device) one after another, as `Tensor::cat` along
-/// dimension 0, joined in pairs, level by level.
+/// dimension 0, joined in pairs, level by level, the last few at once.
 ///
 /// Burn 0.22's `cat` writes each input into the output through a `slice_assign`, which on
 /// cubecl's backends copies the whole output first unless it holds the only reference to
 /// it (with Burn's fusion on, as the GPU features build it, measured to copy each time):
-/// joining n pieces moves n times the output's bytes. A unit's gradient joins one piece per parameter (150 for GPT-2
-/// small as one unit), so that cost grows with the square of the unit. Joined in pairs,
-/// each level moves the output's bytes about twice, over log2(n) levels. On lavapipe, 150
-/// pieces of 100,000 f32: 864 ms at once, 25 ms in pairs. The values are copies either
-/// way: the same bits.
+/// joining n pieces moves n times the output's bytes. A unit's gradient joins one piece
+/// per parameter (150 for GPT-2 small as one unit), so that cost grows with the square of
+/// the unit. Joined in pairs, each level moves the output's bytes twice; pairs pay off
+/// above 4 pieces (150 pieces: 15 times the output's bytes instead of 150; 12, a block of
+/// GPT-2: 7 instead of 12). On lavapipe, 150 pieces of 100,000 f32: 846-921 ms at once,
+/// 11-25 ms in pairs. The values are copies either way: the same bits.
 pub(crate) fn cat_in_pairs(mut pieces: Vec<Tensor<1>>) -> Tensor<1> {
-    while pieces.len() > 2 {
+    const AT_ONCE: usize = 4;
+    while pieces.len() > AT_ONCE {
         let mut joined = Vec::with_capacity(pieces.len().div_ceil(2));
         let mut it = pieces.into_iter();
         while let Some(first) = it.next() {
