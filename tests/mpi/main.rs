@@ -270,7 +270,8 @@ fn sigterm_to_one_rank_makes_every_rank_save_at_the_same_step_and_exit_zero() {
 /// rank that prints, like rank 0) by SIGPIPE writing into the dead launcher's pipe, or by
 /// OpenMPI's runtime in the rank noticing first (status 1), never by anyone else's hand
 /// (at least one by its watchdog); and that nothing was committed after mpirun died but a
-/// commit already in flight. (How soon they stop is a measurement, printed; docs/mpi.md quotes it.)
+/// commit already in flight. (How soon they stop is a measurement, printed; docs/mpi.md
+/// quotes it.)
 #[test]
 fn ranks_stop_by_themselves_when_mpirun_is_killed_and_write_nothing_after() {
     let dir = std::env::temp_dir().join(format!("zerotrain-mpi-orphans-{}", std::process::id()));
