@@ -310,7 +310,7 @@ impl UnitGrad {
         let state = std::mem::replace(&mut self.state, GradState::Idle);
         match state {
             // Several ranks reduce stages 0-1's accumulator at the boundary (below otherwise).
-            GradState::OnDevice(acc) if self.ranks == 1 || self.stage.shards_gradients() => Ok(Flat::Device(acc)),
+            GradState::OnDevice(acc) if self.acc_is_reduced() => Ok(Flat::Device(acc)),
             GradState::DeviceReduced(reduced) => Ok(Flat::Device(reduced)),
             GradState::Accumulating { acc, .. } if self.stage.shards_gradients() => Ok(Flat::Host(acc)),
             // A unit no backward reached this window (stages 2-3) has zero gradients.
@@ -332,10 +332,16 @@ impl UnitGrad {
     /// read of the device). `None` where the step must settle, reduce or stage first.
     pub fn reduced_on_device(&self) -> Option<Tensor<1>> {
         match &self.state {
-            GradState::OnDevice(acc) if self.ranks == 1 || self.stage.shards_gradients() => Some(acc.clone()),
+            GradState::OnDevice(acc) if self.acc_is_reduced() => Some(acc.clone()),
             GradState::DeviceReduced(reduced) => Some(reduced.clone()),
             _ => None,
         }
+    }
+
+    /// Whether a device accumulator holds the reduced gradient already: one rank has
+    /// nothing to reduce with, and stages 2-3 reduce-scatter every micro-step into it.
+    fn acc_is_reduced(&self) -> bool {
+        self.ranks == 1 || self.stage.shards_gradients()
     }
 }
 

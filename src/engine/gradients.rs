@@ -115,14 +115,15 @@ impl<M: Module> Engine<M> {
     /// for the backward (see [`StepReport::device_reads`](super::StepReport::device_reads)).
     pub(super) fn read_micro_step(&mut self, values: LossValues, terms: LossValues) -> Result<f32> {
         let at_boundary = self.next_micro_step_is_boundary() && !self.span.is_pipelined();
-        let on_device = || self.units.iter().map(|u| u.reduced_on_device().map(Flat::Device)).collect();
-        let grads: Option<Vec<Flat>> = if at_boundary { on_device() } else { None };
+        let grads: Option<Vec<Flat>> = match at_boundary {
+            true => self.units.iter().map(|u| u.reduced_on_device().map(Flat::Device)).collect(),
+            false => None,
+        };
         self.progress.measured = None;
         let read = |tensors| self.shared.read_values(tensors, "the loss");
         let Some(grads) = grads else { return values.read_with(terms, read) };
         let queued = queue_partials(&self.shared, &self.span, self.root_counted_elsewhere(), &grads);
-        let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
-        let (value, sums) = values.read_beside(terms, on_device, read)?;
+        let (value, sums) = values.read_beside(terms, device_sums(&queued), read)?;
         let partials = sum_partials(queued, &sums);
         self.progress.measured = Some(Measured { after_micro_steps: self.progress.counters.micro_steps + 1, partials });
         Ok(value)
@@ -188,9 +189,13 @@ struct Queued {
 /// stage counts), read from the device now where some are there.
 fn measure(shared: &Shared, span: &Span, skip: Option<usize>, grads: &[Flat]) -> Result<Vec<(usize, f32)>> {
     let queued = queue_partials(shared, span, skip, grads);
-    let on_device = queued.iter().flat_map(|p| p.device.iter().cloned()).collect();
-    let sums = shared.read_values(on_device, "the gradients' norm")?;
+    let sums = shared.read_values(device_sums(&queued), "the gradients' norm")?;
     Ok(sum_partials(queued, &sums))
+}
+
+/// The device sums of every partial in `queued`, in order: what [`sum_partials`] reads.
+fn device_sums(queued: &[Queued]) -> Vec<Tensor<1>> {
+    queued.iter().flat_map(|q| q.device.iter().cloned()).collect()
 }
 
 /// The partials this rank fills (see [`Engine::global_metrics`]): its own where the
