@@ -86,6 +86,7 @@ pub mod estimate;
 mod factory;
 mod launch;
 pub mod random;
+pub mod reduce;
 pub mod replicas;
 pub mod schedule;
 mod swap;

@@ -246,7 +246,7 @@ fn queue_partial(shared: &Shared, grads: &[Flat], r: usize, sharded: bool, skip:
                 BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
                 BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
             },
-            Flat::Device(t) => on_device.push(t.clone().slice(at).cast(FloatDType::F32).square().sum()),
+            Flat::Device(t) => on_device.push(crate::reduce::sum(t.clone().slice(at).cast(FloatDType::F32).square())),
         }
     }
     Queued { slot, host: sum, device: on_device }

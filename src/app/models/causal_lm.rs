@@ -122,13 +122,15 @@ pub(crate) fn inputs(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
 }
 
 /// Mean cross-entropy (in f32) of `logits` `[batch, time, vocab]` against the next tokens
-/// of `tokens` `[batch, time + 1]`.
-pub(crate) fn cross_entropy(logits: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<1> {
+/// of `tokens` `[batch, time + 1]`: the loss of every causal language model here, averaged
+/// over all `batch * time` predictions however many (through [`crate::reduce::mean`]).
+pub fn cross_entropy(logits: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<1> {
     let [b, t1] = tokens.dims();
     let t = t1 - 1;
     let targets = tokens.clone().slice([0..b, 1..t1]).reshape([b * t, 1]);
     let logits = logits.cast(FloatDType::F32);
     let vocab = logits.dims()[2];
     let log_probs = log_softmax(logits.reshape([b * t, vocab]), 1);
-    log_probs.gather(1, targets).mean().neg()
+    // Through `reduce::mean`: `batch * time` may pass what one device reduction counts.
+    crate::reduce::mean(log_probs.gather(1, targets)).neg()
 }

@@ -11,7 +11,7 @@ pub mod gpt2;
 pub mod layers;
 pub mod llama;
 
-pub use causal_lm::{CausalLm, Sampling};
+pub use causal_lm::{CausalLm, Sampling, cross_entropy};
 pub use conv::{ConvBlock, ConvNet, ImageTask, Images};
 pub use gpt::{Block, Gpt, GptConfig};
 pub use gpt2::Gpt2;

@@ -172,6 +172,24 @@ fn wall_clock_breakdown_on_cuda_waits_and_trains_the_same() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn a_large_units_norm_on_cuda_counts_every_element() {
+    super::large_units::a_large_units_norm_counts_every_element(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn an_overflow_at_the_end_of_a_large_unit_on_cuda_skips_the_step() {
+    super::large_units::an_overflow_at_the_end_of_a_large_unit_skips_the_step(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn long_reductions_on_cuda_count_every_element() {
+    super::large_units::long_reductions_count_every_element(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn one_rank_with_states_on_cuda_steps_there() {
     super::one_rank_with_states_on_the_device_steps_there(CUDA);
 }

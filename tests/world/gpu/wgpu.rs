@@ -80,3 +80,18 @@ fn a_step_failing_part_way_on_wgpu_leaves_the_rank_torn_until_a_load() {
 fn ranks_whose_collectives_read_device_memory_step_on_wgpu() {
     super::device_collectives::ranks_whose_collectives_read_device_memory_step_on_the_device(WGPU, software_only());
 }
+
+#[test]
+fn a_large_units_norm_on_wgpu_counts_every_element() {
+    super::large_units::a_large_units_norm_counts_every_element(WGPU);
+}
+
+#[test]
+fn an_overflow_at_the_end_of_a_large_unit_on_wgpu_skips_the_step() {
+    super::large_units::an_overflow_at_the_end_of_a_large_unit_skips_the_step(WGPU);
+}
+
+#[test]
+fn long_reductions_on_wgpu_count_every_element() {
+    super::large_units::long_reductions_count_every_element(WGPU);
+}
