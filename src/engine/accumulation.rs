@@ -350,20 +350,19 @@ impl UnitGrad {
 /// zeros for the padding.
 fn flatten(grads: UnitGrads, layout: &FlatLayout, dtype: Precision, len: usize, device: &Device) -> Tensor<1> {
     let cast = float_dtype(dtype);
-    let mut pieces: Vec<Tensor<1>> = layout
+    let pieces: Vec<(usize, Tensor<1>)> = layout
         .entries()
         .iter()
         .zip(grads.entries)
-        .map(|(entry, grad)| match grad {
-            Some(Flat::Device(t)) => t.cast(cast),
-            Some(Flat::Host(values)) => tensor(values, device).cast(cast),
-            None => zeros(dtype, entry.num_elems, device),
+        .filter_map(|(entry, grad)| {
+            let piece = match grad? {
+                Flat::Device(t) => t.cast(cast),
+                Flat::Host(values) => tensor(values, device).cast(cast),
+            };
+            Some((entry.offset, piece))
         })
         .collect();
-    if len > layout.num_elems() {
-        pieces.push(zeros(dtype, len - layout.num_elems(), device));
-    }
-    super::flat::cat_in_pairs(pieces)
+    super::flat::lay_out(len, super::flat::dtype(dtype), device, pieces)
 }
 
 /// A backward pass between the boundary's reduction and the step.

@@ -91,60 +91,94 @@ pub(crate) fn float_dtype(precision: Precision) -> FloatDType {
     }
 }
 
-/// A 1-D tensor of `len` zeros in `precision` on `device`.
-pub(crate) fn zeros(precision: Precision, len: usize, device: &Device) -> Tensor<1> {
-    let dtype = match precision {
+/// Burn's dtype for `precision`.
+pub(crate) fn dtype(precision: Precision) -> DType {
+    match precision {
         Precision::Fp32 => DType::F32,
         Precision::Fp16 => DType::F16,
         Precision::Bf16 => DType::BF16,
-    };
-    Tensor::zeros([len], (device, dtype))
+    }
 }
 
-/// `pieces` (1-D, one dtype, on one device) one after another, as `Tensor::cat` along
-/// dimension 0, joined in pairs, level by level, the last few at once.
+/// A 1-D tensor of `len` zeros in `precision` on `device`.
+pub(crate) fn zeros(precision: Precision, len: usize, device: &Device) -> Tensor<1> {
+    Tensor::zeros([len], (device, dtype(precision)))
+}
+
+/// `pieces` (1-D, one dtype, on one device, at least one) one after another, as
+/// `Tensor::cat` along dimension 0 gives them ([`lay_out`] at consecutive offsets).
+pub(crate) fn join(pieces: Vec<Tensor<1>>) -> Tensor<1> {
+    let first = pieces.first().expect("join: no pieces");
+    let (dtype, device) = (first.dtype(), first.device());
+    let mut at = 0;
+    let placed: Vec<(usize, Tensor<1>)> = pieces
+        .into_iter()
+        .map(|t| {
+            at += t.dims()[0];
+            (at - t.dims()[0], t)
+        })
+        .collect();
+    lay_out(at, dtype, &device, placed)
+}
+
+/// A 1-D tensor of `len` elements in `dtype` on `device`: each of `pieces` (in that dtype)
+/// at its offset, zeros elsewhere, each piece written once.
 ///
-/// Burn 0.22's `cat` writes each input into the output through a `slice_assign`, which on
-/// cubecl's backends copies the whole output first unless it holds the only reference to
-/// it (with Burn's fusion on, as the GPU features build it, measured to copy each time):
-/// joining n pieces moves n times the output's bytes. A unit's gradient joins one piece
-/// per parameter (150 for GPT-2 small as one unit), so that cost grows with the square of
-/// the unit. Joined in pairs, each level moves the output's bytes twice; pairs pay off
-/// above 4 pieces (150 pieces: 15 times the output's bytes instead of 150; 12, a block of
-/// GPT-2: 7 instead of 12). On lavapipe, 150 pieces of 100,000 f32: 846-921 ms at once,
-/// 11-25 ms in pairs. The values are copies either way: the same bits.
-pub(crate) fn cat_in_pairs(mut pieces: Vec<Tensor<1>>) -> Tensor<1> {
-    const AT_ONCE: usize = 4;
-    while pieces.len() > AT_ONCE {
-        let mut joined = Vec::with_capacity(pieces.len().div_ceil(2));
-        let mut it = pieces.into_iter();
-        while let Some(first) = it.next() {
-            joined.push(match it.next() {
-                Some(second) => Tensor::cat(vec![first, second], 0),
-                None => first,
-            });
-        }
-        pieces = joined;
+/// Not `Tensor::cat`: Burn's fusion (on in the GPU builds) compiles a `cat` of up to its
+/// binding limit into one kernel in which every output element tests each input's range in
+/// turn (`burn-cubecl-fusion`'s `concat`), so joining n pieces costs n times the output. On
+/// lavapipe, 12 pieces of 10^6 f32 took 343-497 ms as one `cat` and 80-111 ms here (4
+/// rounds each); CUDA's limit (1,024 bindings) fuses GPT-2 small's 150 gradients as one
+/// `cat` when the model is one unit, whose reduce phase (this flatten and the norm) took
+/// 27 ms of the step on an H200. `slice_assign` is not fused, and writes into a buffer
+/// nothing else holds in place: one kernel per piece, of the piece's size (profiled on
+/// lavapipe with `CUBECL_DEBUG_OPTION=profile`).
+pub(crate) fn lay_out(len: usize, dtype: DType, device: &Device, pieces: Vec<(usize, Tensor<1>)>) -> Tensor<1> {
+    if let [(0, piece)] = pieces.as_slice()
+        && piece.dims()[0] == len
+    {
+        return pieces.into_iter().next().expect("one piece").1;
     }
-    Tensor::cat(pieces, 0)
+    let mut out = Tensor::<1>::zeros([len], (device, dtype));
+    for (at, piece) in pieces {
+        let n = piece.dims()[0];
+        if n > 0 {
+            out = out.slice_assign(at..at + n, piece);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Device, Tensor, TensorData};
 
-    /// Joined in pairs, any number of pieces of different lengths read as the values laid
-    /// end to end.
+    /// Joined, any number of pieces of different lengths read as the values laid end to
+    /// end.
     #[test]
-    fn pieces_joined_in_pairs_lie_end_to_end() {
+    fn joined_pieces_lie_end_to_end() {
         let device = Device::flex();
         for n in [1usize, 2, 3, 4, 5, 8, 13] {
             let values: Vec<Vec<f32>> =
                 (0..n).map(|i| (0..(i * 7) % 5 + 1).map(|j| (i * 100 + j) as f32).collect()).collect();
             let pieces =
                 values.iter().map(|v| Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &device)).collect();
-            let got = super::cat_in_pairs(pieces).into_data().try_to_vec::<f32>().unwrap();
+            let got = super::join(pieces).into_data().try_to_vec::<f32>().unwrap();
             assert_eq!(got, values.concat(), "{n} pieces");
         }
+    }
+
+    /// Laid out, pieces land at their offsets in any order, an empty one is nothing, and
+    /// what no piece covers is zero; one piece covering the whole is itself.
+    #[test]
+    fn laid_out_pieces_land_at_their_offsets_over_zeros() {
+        let device = Device::flex();
+        let t = |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device);
+        let pieces = vec![(6, t(&[7.0, 8.0])), (1, t(&[1.0, 2.0])), (4, t(&[])), (9, t(&[9.0]))];
+        let got =
+            super::lay_out(11, burn::tensor::DType::F32, &device, pieces).into_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(got, [0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 7.0, 8.0, 0.0, 9.0, 0.0]);
+        let whole = super::lay_out(2, burn::tensor::DType::F32, &device, vec![(0, t(&[3.0, 4.0]))]);
+        assert_eq!(whole.into_data().try_to_vec::<f32>().unwrap(), [3.0, 4.0]);
     }
 }

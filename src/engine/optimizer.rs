@@ -25,7 +25,7 @@ use std::sync::Arc;
 use burn::tensor::{Device, Tensor};
 use burn_pack::Scalar;
 
-use super::flat::cat_in_pairs;
+use super::flat::{join, lay_out};
 use crate::config::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 use crate::{Error, Result};
 
@@ -208,7 +208,7 @@ impl UnitOptimizer {
         }
         let mut pieces: Vec<(usize, Tensor<1>)> = Vec::new();
         for part in &mut self.parts {
-            let gather = |t: &Tensor<1>| cat_in_pairs(part.ranges.iter().map(|r| t.clone().slice(r.clone())).collect());
+            let gather = |t: &Tensor<1>| join(part.ranges.iter().map(|r| t.clone().slice(r.clone())).collect());
             let (values, g) = (gather(&params), gather(&grads));
             let mut stepped = part.optimizer.step(lr * part.lr_scale, values, g)?;
             for r in &part.ranges {
@@ -217,6 +217,7 @@ impl UnitOptimizer {
                 stepped = rest;
             }
         }
+        let (dtype, device) = (params.dtype(), params.device());
         // Elements of no group (padding between groups) keep their values.
         let mut covered: Vec<Range<usize>> = self.parts.iter().flat_map(|p| p.ranges.iter().cloned()).collect();
         covered.sort_by_key(|r| r.start);
@@ -230,8 +231,7 @@ impl UnitOptimizer {
         if at < n {
             pieces.push((at, params.slice(at..n)));
         }
-        pieces.sort_by_key(|(start, _)| *start);
-        Ok(cat_in_pairs(pieces.into_iter().map(|(_, t)| t).collect()))
+        Ok(lay_out(n, dtype, &device, pieces))
     }
 
     /// Bytes of state held.

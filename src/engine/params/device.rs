@@ -24,7 +24,8 @@ pub(crate) fn read_range<M: Module>(
         walk: Walk<'a>,
         unit: usize,
         range: std::ops::Range<usize>,
-        pieces: Vec<Tensor<1>>,
+        /// Each piece at its offset in the range.
+        pieces: Vec<(usize, Tensor<1>)>,
     }
     impl ModuleVisitor for Reader<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -32,17 +33,13 @@ pub(crate) fn read_range<M: Module>(
             let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
             let Some(segment) = entry.segment(self.range.clone()) else { return };
             let flat = param.val().inner().reshape([entry.num_elems]).cast(DType::F32);
-            self.pieces.push(flat.slice(segment.param_range));
+            self.pieces.push((segment.flat_range.start - self.range.start, flat.slice(segment.param_range)));
         }
     }
+    let len = range.len();
     let mut reader = Reader { walk: Walk { index, sharding, position: 0 }, unit, range, pieces: Vec::new() };
     model.visit(&mut reader);
-    let read: usize = reader.pieces.iter().map(|t| t.dims()[0]).sum();
-    let padding = reader.range.len() - read;
-    if padding > 0 {
-        reader.pieces.push(Tensor::zeros([padding], (device, DType::F32)));
-    }
-    crate::engine::flat::cat_in_pairs(reader.pieces)
+    crate::engine::flat::lay_out(len, DType::F32, device, reader.pieces)
 }
 
 /// Replaces unit `unit`'s trainable parameters with the matching pieces of `values`, a
