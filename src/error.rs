@@ -25,6 +25,15 @@ pub enum Error {
     /// The model cannot be trained as given.
     #[error("model: {0}")]
     Model(String),
+    /// The rank's device failed to run what reading `what` waited for (an allocation past
+    /// the largest buffer the device makes, a lost device): Burn's reason, on one line.
+    #[error("the device failed while reading {what}: {cause}")]
+    Device {
+        /// What was being read (the loss, a parameter, master weights).
+        what: String,
+        /// The device's reason, and what to do where that is known.
+        cause: String,
+    },
     /// A file or folder could not be read or written. (Errors here display their cause in
     /// their own message and do not also return it as `source()`, so that an error chain
     /// prints it once.)

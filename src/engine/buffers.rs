@@ -115,7 +115,14 @@ impl Buffers {
                 self.position += 1;
                 let Some(entry) = self.entries.next_if(|e| e.position == position) else { return };
                 if (self.pick)(entry) {
-                    match param.val().into_data().try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
+                    let data = match super::flat::read(param.val(), &format!("buffer `{}`", entry.path)) {
+                        Ok(data) => data,
+                        Err(e) => {
+                            self.error.get_or_insert(e);
+                            return;
+                        }
+                    };
+                    match data.try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
                         Ok(Ok(values)) if values.len() == entry.num_elems() => self.out.extend(values),
                         _ => {
                             let what = format!("buffer `{}` is not the {:?} tensor it was", entry.path, entry.shape);

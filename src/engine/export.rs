@@ -96,7 +96,14 @@ impl<M: Module> Engine<M> {
 pub(super) fn write_safetensors<M: Module>(model: &M, path: &Path, dtype: Precision) -> Result<()> {
     let (mut tensors, mut error) = (Vec::new(), None);
     for_each_float(model, |float| {
-        match float.flat().into_data().try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
+        let data = match super::flat::read(float.flat(), &format!("`{}` for the export", float.path)) {
+            Ok(data) => data,
+            Err(e) => {
+                error.get_or_insert(e);
+                return;
+            }
+        };
+        match data.try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
             Ok(Ok(values)) => tensors.push((float.path.to_string(), float.shape.to_vec(), values)),
             _ => {
                 let path = float.path;

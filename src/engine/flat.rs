@@ -14,11 +14,11 @@
 //! are all-gathered there and written into the model, cast to the compute dtype. Elsewhere a
 //! flat buffer lives on the host, as the collectives and tiers want it.
 
-use burn::tensor::{DType, Device, FloatDType, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use zerotrain_precision::{FlatBuf, Precision};
 
 use super::params::into_flat;
-use crate::Result;
+use crate::{Error, Result};
 
 /// A unit's flat buffer, on the host or on the rank's device (module note).
 #[derive(Debug)]
@@ -48,7 +48,7 @@ impl Flat {
             Self::Host(values) => Ok(values),
             Self::Device(t) => {
                 let n = t.dims()[0];
-                into_flat(t.into_data(), what, n)
+                into_flat(read(t, what)?, what, n)
             }
         }
     }
@@ -75,6 +75,35 @@ pub(crate) fn tensor(values: FlatBuf, device: &Device) -> Tensor<1> {
     let data = zerotrain_precision::with_elem!(FlatBuf, values, v, _E => burn::tensor::TensorData::new(v, [n]));
     let dtype = data.dtype();
     Tensor::from_data(data, (device, dtype))
+}
+
+/// `t`'s values on the host, as Burn's `into_data` reads them, except that a device that
+/// failed to run what the read waits for (an allocation past the largest buffer it makes, a
+/// lost device), where `into_data` panics, is an [`Error::Device`] naming `what`.
+pub(crate) fn read<const D: usize>(t: Tensor<D>, what: &str) -> Result<TensorData> {
+    t.try_into_data().map_err(|e| Error::Device { what: what.to_string(), cause: device_cause(&e.to_string()) })
+}
+
+/// A one-element tensor's value as an f32 ([`read`], converted as `into_scalar` does).
+pub(crate) fn read_scalar(t: Tensor<1>, what: &str) -> Result<f32> {
+    let data = read(t, what)?;
+    data.iter::<f32>().next().ok_or_else(|| Error::Model(format!("{what}: an empty tensor")))
+}
+
+/// Burn's multi-line execution error as one line, without its empty backtrace lines, and
+/// what to do about a buffer the device cannot allocate.
+fn device_cause(reason: &str) -> String {
+    let skip = ["Caused by:", "No backtrace available", "Asked at:"];
+    let lines: Vec<&str> = reason.lines().map(str::trim).filter(|l| !l.is_empty() && !skip.contains(l)).collect();
+    let mut cause = lines.join(": ");
+    if reason.contains("can't allocate buffer") {
+        cause.push_str(
+            " (a tensor is larger than the largest buffer this device allocates: on wgpu the adapter's \
+             max_storage_buffer_binding_size and max_buffer_size, 128 MiB on lavapipe; a unit's flat buffers \
+             hold its parameters together, so smaller units, smaller tensors or another device)",
+        );
+    }
+    cause
 }
 
 /// Bytes a 1-D device tensor holds.

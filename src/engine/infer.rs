@@ -41,12 +41,13 @@ impl<M: UnitModel> Engine<M> {
         }
         let outputs = self.infer_units_many(batches.iter().map(|_| None).collect(), batches)?;
         let valid = self.model.valid();
-        let losses = outputs.into_iter().zip(batches).map(|(o, b)| valid.output_loss(o, b).into_scalar::<f32>());
-        let losses = losses.collect();
+        let losses: Result<Vec<f32>> = (outputs.into_iter().zip(batches))
+            .map(|(o, b)| super::flat::read_scalar(valid.output_loss(o, b), "the evaluation loss"))
+            .collect();
         if root_was_released && let Some(root) = root {
             self.release(root);
         }
-        Ok(losses)
+        losses
     }
 
     /// Runs every declared unit in inference mode from `input`, each gathered for its run

@@ -65,7 +65,7 @@ impl Values {
                     Precision::Fp16 => FloatDType::F16,
                     Precision::Bf16 => FloatDType::BF16,
                 };
-                into_flat(t.clone().cast(cast).into_data(), "master weights", self.len())
+                into_flat(super::flat::read(t.clone().cast(cast), "master weights")?, "master weights", self.len())
             }
         }
     }
@@ -90,7 +90,9 @@ impl Values {
 
 /// An f32 tensor's values (without a copy when nothing else references it).
 fn read_f32(t: Tensor<1>) -> Result<Vec<f32>> {
-    t.into_data().try_into_vec::<f32>().map_err(|e| Error::Model(format!("master weights: {e:?}")))
+    super::flat::read(t, "master weights")?
+        .try_into_vec::<f32>()
+        .map_err(|e| Error::Model(format!("master weights: {e:?}")))
 }
 
 /// `values` as a 1-D f32 tensor on `device`.

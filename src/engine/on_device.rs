@@ -75,7 +75,8 @@ pub fn run(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>) -> Result<Ten
 /// `op` through host memory: the input's values to the host, the host collective, the
 /// result back to the input's device in its dtype.
 fn staged(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize) -> Result<Tensor<1>> {
-    let mut values = into_flat(input.clone().into_data(), "a collective's input", input.dims()[0])?;
+    let what = "a collective's input";
+    let mut values = into_flat(super::flat::read(input.clone(), what)?, what, input.dims()[0])?;
     let output = match op {
         DeviceOp::AllReduce(op) => {
             comm.all_reduce(values.as_mut(), op)?;

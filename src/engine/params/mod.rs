@@ -56,11 +56,10 @@ pub(crate) fn read_params<M: Module>(
             let mut dst = self.dst.reborrow().slice(at);
             let read = match self.values.filter(|_| !param.is_initialized()) {
                 Some(values) => initial::read(values, &entry.path, segment.param_range, dst),
-                None => {
-                    let data = param.val().into_data();
+                None => super::flat::read(param.val(), &format!("parameter `{}`", entry.path)).and_then(|data| {
                     as_flat(&data, &entry.path, entry.num_elems)
                         .map(|values| dst.copy_from(values.slice(segment.param_range), false))
-                }
+                }),
             };
             self.error = read.err();
         }
@@ -166,7 +165,9 @@ pub(crate) fn take_grads<M: Module>(
             } else {
                 // Removed from `grads`, the tensor is uniquely owned, so Flex hands its
                 // buffer over without a copy.
-                into_flat(grad.into_data(), &entry.path, entry.num_elems).map(Flat::Host)
+                super::flat::read(grad, &format!("the gradient of `{}`", entry.path))
+                    .and_then(|data| into_flat(data, &entry.path, entry.num_elems))
+                    .map(Flat::Host)
             };
             match flat {
                 Ok(values) => {

@@ -244,7 +244,8 @@ impl<M: UnitModel> Pipeline<M> {
         let output = self.engine.infer_units(input, batch)?;
         let mut loss = [0.0f32];
         if last {
-            loss[0] = self.engine.model.valid().output_loss(output, batch).into_scalar::<f32>();
+            let value = self.engine.model.valid().output_loss(output, batch);
+            loss[0] = crate::engine::flat::read_scalar(value, "the evaluation loss")?;
         } else {
             for send in wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)? {
                 send.wait()?;

@@ -129,3 +129,28 @@ pub fn long_reductions_count_every_element(on: Gpu) {
         on.name
     );
 }
+
+/// A parameter of 144 MiB, past the largest buffer lavapipe allocates (128 MiB): on a device
+/// that cannot hold it (`too_big`) the engine's step is an error naming the parameter it was
+/// reading and the allocation, from `launch`, not a panic; on one that can, the step runs.
+pub fn a_tensor_past_the_devices_largest_buffer_is_an_error_not_a_panic(on: Gpu, too_big: bool) {
+    let _alone = device_alone();
+    let len = 36 * 1024 * 1024;
+    let model = fresh(|d: &Device| Wide { w: Param::from_tensor(Tensor::zeros([len], d)) });
+    let plan = plan(&on_device(&recipe(0, 1, 1, 0.0), on), 1);
+    let constant = vec![1e-3f32; len];
+    let outcome = launch(&plan, |ctx| {
+        let mut engine = Engine::new(model.clone(), &plan, &ctx)?;
+        let loss = engine.forward(|m| m.loss(&constant))?;
+        engine.backward(loss)?;
+        Ok::<_, Error>(engine.step()?.is_some())
+    });
+    if !too_big {
+        assert!(outcome.expect("the device holds 144 MiB")[0], "{}: no step", on.name);
+        return;
+    }
+    let err = outcome.expect_err("lavapipe allocated 144 MiB").to_string();
+    assert!(!err.contains("panicked"), "{}: {err}", on.name);
+    assert!(err.contains("the device failed while reading") && err.contains("can't allocate buffer"), "{err}");
+    assert!(err.contains("max_storage_buffer_binding_size"), "{err}");
+}

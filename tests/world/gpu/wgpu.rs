@@ -95,3 +95,9 @@ fn an_overflow_at_the_end_of_a_large_unit_on_wgpu_skips_the_step() {
 fn long_reductions_on_wgpu_count_every_element() {
     super::large_units::long_reductions_count_every_element(WGPU);
 }
+
+#[test]
+fn a_tensor_past_the_largest_wgpu_buffer_is_an_error_not_a_panic() {
+    // lavapipe allocates at most 128 MiB at once; a GPU's adapter allows more.
+    super::large_units::a_tensor_past_the_devices_largest_buffer_is_an_error_not_a_panic(WGPU, software_only());
+}
