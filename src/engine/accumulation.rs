@@ -362,7 +362,7 @@ fn flatten(grads: UnitGrads, layout: &FlatLayout, dtype: Precision, len: usize, 
             Some((entry.offset, piece))
         })
         .collect();
-    super::flat::lay_out(len, super::flat::dtype(dtype), device, pieces)
+    super::flat::lay_out(len, cast.into(), device, pieces)
 }
 
 /// A backward pass between the boundary's reduction and the step.

@@ -115,15 +115,11 @@ impl Buffers {
                 self.position += 1;
                 let Some(entry) = self.entries.next_if(|e| e.position == position) else { return };
                 if (self.pick)(entry) {
-                    let data = match super::flat::read(param.val(), &format!("buffer `{}`", entry.path)) {
-                        Ok(data) => data,
-                        Err(e) => {
+                    match super::readout::f32s(param.val(), &format!("buffer `{}`", entry.path)) {
+                        Ok(values) if values.len() == entry.num_elems() => self.out.extend(values),
+                        Err(e @ Error::Device { .. }) => {
                             self.error.get_or_insert(e);
-                            return;
                         }
-                    };
-                    match data.try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
-                        Ok(Ok(values)) if values.len() == entry.num_elems() => self.out.extend(values),
                         _ => {
                             let what = format!("buffer `{}` is not the {:?} tensor it was", entry.path, entry.shape);
                             self.error.get_or_insert(Error::Model(what));

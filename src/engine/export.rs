@@ -5,7 +5,6 @@
 use std::path::Path;
 
 use burn::module::Module;
-use burn::tensor::DType;
 use zerotrain_checkpoint::{SafetensorsWriter, TensorSpec};
 use zerotrain_precision::{FlatBuf, Precision};
 
@@ -96,15 +95,11 @@ impl<M: Module> Engine<M> {
 pub(super) fn write_safetensors<M: Module>(model: &M, path: &Path, dtype: Precision) -> Result<()> {
     let (mut tensors, mut error) = (Vec::new(), None);
     for_each_float(model, |float| {
-        let data = match super::flat::read(float.flat(), &format!("`{}` for the export", float.path)) {
-            Ok(data) => data,
-            Err(e) => {
+        match super::readout::f32s(float.flat(), &format!("`{}` for the export", float.path)) {
+            Ok(values) => tensors.push((float.path.to_string(), float.shape.to_vec(), values)),
+            Err(e @ Error::Device { .. }) => {
                 error.get_or_insert(e);
-                return;
             }
-        };
-        match data.try_cast(DType::F32).map(|d| d.try_into_vec::<f32>()) {
-            Ok(Ok(values)) => tensors.push((float.path.to_string(), float.shape.to_vec(), values)),
             _ => {
                 let path = float.path;
                 error.get_or_insert(Error::Model(format!("`{path}` cannot be read as f32 for the export")));

@@ -14,11 +14,11 @@
 //! are all-gathered there and written into the model, cast to the compute dtype. Elsewhere a
 //! flat buffer lives on the host, as the collectives and tiers want it.
 
-use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
 use zerotrain_precision::{FlatBuf, Precision};
 
-use super::params::into_flat;
-use crate::{Error, Result};
+use super::readout::{into_flat, read};
+use crate::Result;
 
 /// A unit's flat buffer, on the host or on the rank's device (module note).
 #[derive(Debug)]
@@ -77,35 +77,6 @@ pub(crate) fn tensor(values: FlatBuf, device: &Device) -> Tensor<1> {
     Tensor::from_data(data, (device, dtype))
 }
 
-/// `t`'s values on the host, as Burn's `into_data` reads them, except that a device that
-/// failed to run what the read waits for (an allocation past the largest buffer it makes, a
-/// lost device), where `into_data` panics, is an [`Error::Device`] naming `what`.
-pub(crate) fn read<const D: usize>(t: Tensor<D>, what: &str) -> Result<TensorData> {
-    t.try_into_data().map_err(|e| Error::Device { what: what.to_string(), cause: device_cause(&e.to_string()) })
-}
-
-/// A one-element tensor's value as an f32 ([`read`], converted as `into_scalar` does).
-pub(crate) fn read_scalar(t: Tensor<1>, what: &str) -> Result<f32> {
-    let data = read(t, what)?;
-    data.iter::<f32>().next().ok_or_else(|| Error::Model(format!("{what}: an empty tensor")))
-}
-
-/// Burn's multi-line execution error as one line, without its empty backtrace lines, and
-/// what to do about a buffer the device cannot allocate.
-fn device_cause(reason: &str) -> String {
-    let skip = ["Caused by:", "No backtrace available", "Asked at:"];
-    let lines: Vec<&str> = reason.lines().map(str::trim).filter(|l| !l.is_empty() && !skip.contains(l)).collect();
-    let mut cause = lines.join(": ");
-    if reason.contains("can't allocate buffer") {
-        cause.push_str(
-            " (a tensor is larger than the largest buffer this device allocates: on wgpu the adapter's \
-             max_storage_buffer_binding_size and max_buffer_size, 128 MiB on lavapipe; a unit's flat buffers \
-             hold its parameters together, so smaller units, smaller tensors or another device)",
-        );
-    }
-    cause
-}
-
 /// Bytes a 1-D device tensor holds.
 pub(crate) fn tensor_bytes(t: &Tensor<1>) -> u64 {
     (t.dims()[0] * t.dtype().size()) as u64
@@ -120,18 +91,9 @@ pub(crate) fn float_dtype(precision: Precision) -> FloatDType {
     }
 }
 
-/// Burn's dtype for `precision`.
-pub(crate) fn dtype(precision: Precision) -> DType {
-    match precision {
-        Precision::Fp32 => DType::F32,
-        Precision::Fp16 => DType::F16,
-        Precision::Bf16 => DType::BF16,
-    }
-}
-
 /// A 1-D tensor of `len` zeros in `precision` on `device`.
 pub(crate) fn zeros(precision: Precision, len: usize, device: &Device) -> Tensor<1> {
-    Tensor::zeros([len], (device, dtype(precision)))
+    Tensor::zeros([len], (device, DType::from(float_dtype(precision))))
 }
 
 /// `pieces` (1-D, one dtype, on one device, at least one) one after another, as
@@ -139,15 +101,16 @@ pub(crate) fn zeros(precision: Precision, len: usize, device: &Device) -> Tensor
 pub(crate) fn join(pieces: Vec<Tensor<1>>) -> Tensor<1> {
     let first = pieces.first().expect("join: no pieces");
     let (dtype, device) = (first.dtype(), first.device());
-    let mut at = 0;
+    let mut len = 0;
     let placed: Vec<(usize, Tensor<1>)> = pieces
         .into_iter()
         .map(|t| {
-            at += t.dims()[0];
-            (at - t.dims()[0], t)
+            let start = len;
+            len += t.dims()[0];
+            (start, t)
         })
         .collect();
-    lay_out(at, dtype, &device, placed)
+    lay_out(len, dtype, &device, placed)
 }
 
 /// A 1-D tensor of `len` elements in `dtype` on `device`: each of `pieces` (in that dtype)

@@ -212,7 +212,7 @@ fn named(time: usize, m: Vec<f32>, v: Vec<f32>) -> ExportedState {
 
 /// A 1-D f32 tensor's values (moved out without a copy when nothing else holds it).
 fn host_vec(t: Tensor<1>, what: &str) -> Result<Vec<f32>> {
-    super::flat::read(t, what)?.try_into_vec::<f32>().map_err(|e| Error::Model(format!("AdamW {what}: {e:?}")))
+    super::readout::f32s(t, &format!("AdamW {what}"))
 }
 
 #[cfg(test)]

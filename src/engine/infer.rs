@@ -42,7 +42,7 @@ impl<M: UnitModel> Engine<M> {
         let outputs = self.infer_units_many(batches.iter().map(|_| None).collect(), batches)?;
         let valid = self.model.valid();
         let losses: Result<Vec<f32>> = (outputs.into_iter().zip(batches))
-            .map(|(o, b)| super::flat::read_scalar(valid.output_loss(o, b), "the evaluation loss"))
+            .map(|(o, b)| super::readout::read_scalar(valid.output_loss(o, b), "the evaluation loss"))
             .collect();
         if root_was_released && let Some(root) = root {
             self.release(root);

@@ -7,11 +7,12 @@
 //! element by element (4 ms for 3.2 MB, measured); a tensor that is referenced once moves
 //! in and out of a vector without a copy, so the optimizer steps the same values either way.
 
-use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use zerotrain_precision::{FlatBuf, Precision};
 
-use super::params::into_flat;
-use crate::{Error, Result};
+use super::flat::float_dtype;
+use super::readout::{f32s, into_flat};
+use crate::Result;
 
 /// fp32 values of one flat range; see the module docs.
 #[expect(clippy::large_enum_variant, reason = "one per unit, moved once per step")]
@@ -51,7 +52,7 @@ impl Values {
 
     /// The optimizer's output kept as [`new`](Self::new) keeps values.
     pub fn from_tensor(t: Tensor<1>, on_cpu: bool) -> Result<Self> {
-        if on_cpu { read_f32(t).map(Self::Host) } else { Ok(Self::Device(t)) }
+        if on_cpu { f32s(t, "master weights").map(Self::Host) } else { Ok(Self::Device(t)) }
     }
 
     /// The values in `dtype` on the host: a collective's input (on a device, a half dtype
@@ -60,12 +61,8 @@ impl Values {
         match self {
             Self::Host(values) => Ok(FlatBuf::from_f32(dtype, values)),
             Self::Device(t) => {
-                let cast = match dtype {
-                    Precision::Fp32 => FloatDType::F32,
-                    Precision::Fp16 => FloatDType::F16,
-                    Precision::Bf16 => FloatDType::BF16,
-                };
-                into_flat(super::flat::read(t.clone().cast(cast), "master weights")?, "master weights", self.len())
+                let what = "master weights";
+                into_flat(super::readout::read(t.clone().cast(float_dtype(dtype)), what)?, what, self.len())
             }
         }
     }
@@ -83,16 +80,9 @@ impl Values {
     pub fn to_vec(&self) -> Result<Vec<f32>> {
         match self {
             Self::Host(values) => Ok(values.clone()),
-            Self::Device(t) => read_f32(t.clone()),
+            Self::Device(t) => f32s(t.clone(), "master weights"),
         }
     }
-}
-
-/// An f32 tensor's values (without a copy when nothing else references it).
-fn read_f32(t: Tensor<1>) -> Result<Vec<f32>> {
-    super::flat::read(t, "master weights")?
-        .try_into_vec::<f32>()
-        .map_err(|e| Error::Model(format!("master weights: {e:?}")))
 }
 
 /// `values` as a 1-D f32 tensor on `device`.

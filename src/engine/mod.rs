@@ -51,6 +51,7 @@ pub mod optimizer;
 mod params;
 mod parts;
 mod pipeline;
+mod readout;
 mod report;
 mod shard_masters;
 mod shared;

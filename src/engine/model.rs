@@ -262,7 +262,7 @@ impl<const D: usize> Activation for Tensor<D> {
 
     fn into_parts(self) -> Result<Vec<(FlatBuf, Vec<usize>)>> {
         let shape = self.dims().to_vec();
-        let data = super::flat::read(self, "an activation")?;
+        let data = super::readout::read(self, "an activation")?;
         let values = match data.dtype() {
             DType::F32 => data.try_into_vec::<f32>().map(FlatBuf::F32),
             DType::F16 => data.try_into_vec::<f16>().map(FlatBuf::F16),

@@ -22,7 +22,7 @@ use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::{Collective, DeviceOp, ReduceOp};
 
 use super::flat::tensor;
-use super::params::into_flat;
+use super::readout::into_flat;
 use crate::{Error, Result};
 
 /// [`Collective::all_reduce`] of `tensor` over the ranks of `comm`.
@@ -76,7 +76,7 @@ pub fn run(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>) -> Result<Ten
 /// result back to the input's device in its dtype.
 fn staged(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize) -> Result<Tensor<1>> {
     let what = "a collective's input";
-    let mut values = into_flat(super::flat::read(input.clone(), what)?, what, input.dims()[0])?;
+    let mut values = into_flat(super::readout::read(input.clone(), what)?, what, input.dims()[0])?;
     let output = match op {
         DeviceOp::AllReduce(op) => {
             comm.all_reduce(values.as_mut(), op)?;

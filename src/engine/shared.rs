@@ -194,8 +194,7 @@ impl Shared {
         if self.plan.runtime.device != ComputeDevice::Cpu {
             self.crossings.reads.fetch_add(1, Ordering::Relaxed);
         }
-        let data = super::flat::read(Tensor::cat(tensors, 0), what)?;
-        data.try_into_vec::<f32>().map_err(|e| Error::Model(format!("reading {what}: {e:?}")))
+        super::readout::f32s(Tensor::cat(tensors, 0), what)
     }
 
     /// The reads [`read_values`](Self::read_values) counted.

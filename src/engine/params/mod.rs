@@ -7,8 +7,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Tensor, TensorData};
-use zerotrain_precision::half::{bf16, f16};
+use burn::tensor::{Device, Tensor, TensorData};
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision, with_elem};
 use zerotrain_zero::Sharding;
 
@@ -18,6 +17,7 @@ pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_laz
 pub(crate) use self::initial::initial_dtype;
 use super::flat::Flat;
 use super::model::InitialValues;
+use super::readout::{as_flat, into_flat, read};
 use crate::{Error, Result};
 
 mod device;
@@ -56,7 +56,7 @@ pub(crate) fn read_params<M: Module>(
             let mut dst = self.dst.reborrow().slice(at);
             let read = match self.values.filter(|_| !param.is_initialized()) {
                 Some(values) => initial::read(values, &entry.path, segment.param_range, dst),
-                None => super::flat::read(param.val(), &format!("parameter `{}`", entry.path)).and_then(|data| {
+                None => read(param.val(), &format!("parameter `{}`", entry.path)).and_then(|data| {
                     as_flat(&data, &entry.path, entry.num_elems)
                         .map(|values| dst.copy_from(values.slice(segment.param_range), false))
                 }),
@@ -165,7 +165,7 @@ pub(crate) fn take_grads<M: Module>(
             } else {
                 // Removed from `grads`, the tensor is uniquely owned, so Flex hands its
                 // buffer over without a copy.
-                super::flat::read(grad, &format!("the gradient of `{}`", entry.path))
+                read(grad, &format!("the gradient of `{}`", entry.path))
                     .and_then(|data| into_flat(data, &entry.path, entry.num_elems))
                     .map(Flat::Host)
             };
@@ -199,38 +199,6 @@ pub(crate) fn take_grads<M: Module>(
         }
     }
     Ok(taken)
-}
-
-/// The tensor data as a flat buffer, checked against the layout.
-fn as_flat<'a>(data: &'a TensorData, path: &str, num_elems: usize) -> Result<BufRef<'a>> {
-    let values = match data.dtype() {
-        DType::F32 => data.as_slice::<f32>().ok().map(BufRef::F32),
-        DType::F16 => data.as_slice::<f16>().ok().map(BufRef::F16),
-        DType::BF16 => data.as_slice::<bf16>().ok().map(BufRef::Bf16),
-        _ => None,
-    };
-    match values {
-        Some(values) if values.len() == num_elems => Ok(values),
-        Some(values) => Err(Error::Model(format!(
-            "parameter `{path}` has {} elements, the layout expects {num_elems}; was the model changed after \
-             Engine::new?",
-            values.len()
-        ))),
-        None => {
-            Err(Error::Model(format!("parameter `{path}` is {:?}; zerotrain trains f32, f16 and bf16", data.dtype())))
-        }
-    }
-}
-
-/// Like [`as_flat`], taking the data (`path` names it in errors).
-pub(crate) fn into_flat(data: TensorData, path: &str, num_elems: usize) -> Result<FlatBuf> {
-    as_flat(&data, path, num_elems)?;
-    let buf = match data.dtype() {
-        DType::F32 => data.try_into_vec::<f32>().map(FlatBuf::F32),
-        DType::F16 => data.try_into_vec::<f16>().map(FlatBuf::F16),
-        _ => data.try_into_vec::<bf16>().map(FlatBuf::Bf16),
-    };
-    buf.map_err(|e| Error::Model(format!("`{path}`: unreadable tensor data: {e:?}")))
 }
 
 /// What [`write_params`] puts into each trainable parameter of a unit.

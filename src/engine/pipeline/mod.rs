@@ -245,7 +245,7 @@ impl<M: UnitModel> Pipeline<M> {
         let mut loss = [0.0f32];
         if last {
             let value = self.engine.model.valid().output_loss(output, batch);
-            loss[0] = crate::engine::flat::read_scalar(value, "the evaluation loss")?;
+            loss[0] = crate::engine::readout::read_scalar(value, "the evaluation loss")?;
         } else {
             for send in wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)? {
                 send.wait()?;

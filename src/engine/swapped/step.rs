@@ -119,9 +119,7 @@ impl SwappedOptimizer {
             let grads = Tensor::<1>::from_data(TensorData::new(grads[range.clone()].to_vec(), [range.len()]), device);
             let stepped = tile.optimizer.step(lr, params, grads)?;
             let exported = tile.optimizer.take_state()?;
-            let new = crate::engine::flat::read(stepped, "master weights")?
-                .try_into_vec::<f32>()
-                .map_err(|e| Error::Model(format!("master weights: {e:?}")))?;
+            let new = crate::engine::readout::f32s(stepped, "master weights")?;
             if let Some(prev) = writing.take() {
                 prev.finish()?;
             }
