@@ -113,8 +113,9 @@ pub(crate) fn join(pieces: Vec<Tensor<1>>) -> Tensor<1> {
     lay_out(len, dtype, &device, placed)
 }
 
-/// A 1-D tensor of `len` elements in `dtype` on `device`: each of `pieces` (in that dtype)
-/// at its offset, zeros elsewhere, each piece written once.
+/// A 1-D tensor of `len` elements in `dtype` on `device`: each of `pieces` (in that dtype,
+/// none overlapping another) at its offset, zeros elsewhere, each piece written once (into
+/// a buffer left unfilled where the pieces cover it all).
 ///
 /// Not `Tensor::cat`: Burn's fusion (on in the GPU builds) compiles a `cat` of up to its
 /// binding limit into one kernel in which every output element tests each input's range in
@@ -131,7 +132,12 @@ pub(crate) fn lay_out(len: usize, dtype: DType, device: &Device, pieces: Vec<(us
     {
         return pieces.into_iter().next().expect("one piece").1;
     }
-    let mut out = Tensor::<1>::zeros([len], (device, dtype));
+    // Pieces never overlap: where they cover every element, nothing needs the zeros.
+    let covered: usize = pieces.iter().map(|(_, t)| t.dims()[0]).sum();
+    let mut out = match covered == len {
+        true => Tensor::<1>::empty([len], (device, dtype)),
+        false => Tensor::<1>::zeros([len], (device, dtype)),
+    };
     for (at, piece) in pieces {
         let n = piece.dims()[0];
         if n > 0 {
