@@ -3,9 +3,13 @@
 //! Burn 0.22's reductions on lavapipe (Mesa's Vulkan on the CPU, where CI runs the wgpu
 //! tests) count only the first 262,128 or so elements of a longer one: `sum`, `sum_dim`
 //! and `mean` alike, along a contiguous axis, and from about 65,500 along a strided one
-//! (measured with `Tensor::ones`). A unit's gradient has millions of elements, and a
-//! language model's loss averages `batch * context` tokens. [`sum`] reduces in rows short
-//! enough for every backend.
+//! (measured with `Tensor::ones`). The cause is lavapipe's shader compiler, llvmpipe: it
+//! ends a shader invocation's loops after 65,535 iterations in all (its loop limiter, which
+//! guards against shaders that never end), and a reduction walks its axis in one loop, one
+//! vector of 4 elements per iteration where the axis is contiguous (65,533 x 4 = 262,132).
+//! CUDA has no such limit. A unit's gradient has millions of elements, and a language
+//! model's loss averages `batch * context` tokens: [`sum`] reduces in rows short enough for
+//! every backend.
 
 use burn::tensor::Tensor;
 
@@ -14,8 +18,9 @@ use burn::tensor::Tensor;
 /// elements viewed as rows of that length, each row summed, level by level until one
 /// reduction is left).
 ///
-/// Rows of 32,768 keep every reduction well inside what was measured right (module note),
-/// on any backend; one more small reduction per level is all it costs. Differentiable, as
+/// A row of 32,768 is at most 32,768 loop iterations, half of lavapipe's limit even where
+/// the elements cannot be read as vectors (module note); one more small reduction per level
+/// is all it costs elsewhere. Differentiable, as
 /// the operations it is made of are.
 pub fn sum<const D: usize>(t: Tensor<D>) -> Tensor<1> {
     let n = t.shape().num_elements();

@@ -1,6 +1,7 @@
 //! A unit longer than one device reduction may be: Burn 0.22's reductions on lavapipe sum
 //! only the first 262,132 elements of a 1-D tensor of 2^18 or more (`sum`, `sum_dim`, `mean`
-//! alike; measured), and a GPT-2 block alone has 7 million. The engine sums a unit's
+//! alike; measured: lavapipe's compiler ends a shader's loops after 65,535 iterations, and
+//! a reduction reads 4 elements per iteration), and a GPT-2 block alone has 7 million. The engine sums a unit's
 //! squared gradients on the device for the norm, which clipping and the overflow check read,
 //! so a norm missing most of a unit would clip to the wrong length and step on an infinite
 //! gradient. One parameter of `LEN` elements, one rank, the states on the device.
