@@ -210,6 +210,23 @@ fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision
     assert_eq!(engine_rows, ["engine 0 units", "engine 0 recompute 0", "engine 0 recompute 1"], "{table}");
 }
 
+/// `bench gpu` refuses a stage or a precision it cannot run by its flag, before the table's
+/// heading or any row (a stage past 3 was reported as the config key `zero_optimization.stage`
+/// after the heading was printed).
+#[test]
+fn bench_gpu_refuses_a_bad_stage_or_precision_by_its_flag_before_printing() {
+    for (flag, value, says) in [
+        ("--stages", "0,7", "--stages: a ZeRO stage is 0, 1, 2 or 3, got 7"),
+        ("--precision", "fp8", "invalid value 'fp8' for '--precision <PRECISION>'"),
+    ] {
+        let out = zerotrain(&["bench", "gpu", "--device", "cpu", "--steps", "1", flag, value]);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value}: {stderr}");
+        assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+        assert!(out.stdout.is_empty(), "{flag} {value} printed: {}", text(&out.stdout));
+    }
+}
+
 /// `bench/gpu/verify.sh --only` refuses a part it does not have, and an unknown argument,
 /// before it unpacks or runs anything (a misspelt part would spend a GPU lease on nothing),
 /// naming the parts it has; no report is written.

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use serde::Serialize;
 
 use super::RunMode;
@@ -74,6 +74,11 @@ pub struct GpuRow {
     pub host_device: Option<crate::engine::HostDeviceBytes>,
 }
 
+/// An error naming the command-line flag `name` (`bench gpu`'s settings are its flags).
+fn flag(name: &str, message: String) -> Error {
+    Error::Config(crate::config::ConfigError::Unsupported { key: name.into(), message })
+}
+
 /// Deterministic tokens `[batch, block + 1]` for step `step`.
 fn tokens(shape: &GptConfig, batch: usize, step: usize, device: &Device) -> Tensor<2, Int> {
     let len = shape.block_size + 1;
@@ -92,7 +97,7 @@ impl GpuBench {
             "fp32" => None,
             "fp16" => Some(FloatDType::F16),
             "bf16" => Some(FloatDType::BF16),
-            other => return Err(Error::Usage(format!("--precision must be fp32, fp16 or bf16, got {other}"))),
+            other => return Err(flag("--precision", format!("must be fp32, fp16 or bf16, got {other}"))),
         };
         let precision =
             half.map_or(String::new(), |_| format!(r#""{}": {{"enabled": true}},"#, self.precision.as_str()));
@@ -117,13 +122,28 @@ impl GpuBench {
                 }
             }
         }
-        let Some((_, first)) = plans.first() else { return Err(Error::Usage("no --stages or --mode given".into())) };
+        let Some((_, first)) = plans.first() else {
+            return Err(flag("--stages", "no --stages or --mode given".into()));
+        };
         // Initialised on the CPU, so that the device holds only what each row trains.
         let cpu = Device::flex().autodiff();
         cpu.seed(1);
         let init = Gpt::new(&self.shape, &cpu);
         let rows = launch(first, |ctx| {
             let device = ctx.device().clone();
+            if half.is_some_and(|h| !device.supports_dtype(DType::from(h))) {
+                // Burn would compile the half-precision kernels anyway, and they panic inside
+                // the device's thread (wgpu has no bf16), so refuse before the first row.
+                return Err(flag(
+                    "--precision",
+                    format!(
+                        "this {} device cannot compute in {}; use fp32{}",
+                        self.device.name(),
+                        self.precision,
+                        if device.supports_dtype(DType::F16) { " or fp16" } else { "" }
+                    ),
+                ));
+            }
             let mut rows = Vec::new();
             let mut keep = |row: GpuRow| {
                 measured(&row);

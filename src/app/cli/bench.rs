@@ -165,7 +165,7 @@ pub enum BenchCommand {
         #[arg(long, value_delimiter = ',', default_value = "0,3")]
         stages: Vec<u8>,
         /// The engine's compute dtype: fp32, fp16 or bf16.
-        #[arg(long, default_value = "fp32")]
+        #[arg(long, default_value = "fp32", value_parser = ["fp32", "fp16", "bf16"])]
         precision: String,
         /// How the engine runs the model: a row per mode at each stage.
         #[arg(long, value_enum, value_delimiter = ',', default_value = "units,checkpointed")]

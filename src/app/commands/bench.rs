@@ -259,6 +259,9 @@ pub fn bench_gpu(bench: &crate::app::bench::gpu::GpuBench, json: bool) -> anyhow
     if bench.steps == 0 || bench.batch == 0 {
         anyhow::bail!("--steps and --batch must be at least 1");
     }
+    if let Some(stage) = bench.stages.iter().find(|&&s| s > 3) {
+        anyhow::bail!("--stages: a ZeRO stage is 0, 1, 2 or 3, got {stage}");
+    }
     use std::io::Write;
     if !json {
         print!("{}", bench.heading());

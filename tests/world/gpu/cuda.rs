@@ -142,6 +142,12 @@ fn half_precision_cuda_lacks_is_a_clear_error() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn bench_gpu_on_cuda_in_half_precision_measures_every_row_or_refuses_before_the_first() {
+    super::bench::bench_in_half_precision_measures_every_row_or_refuses_before_the_first(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn fp16_on_cuda_trains_as_fp16_on_the_cpu() {
     super::fp16_trains_as_fp16_on_the_cpu(CUDA);
 }

@@ -9,6 +9,8 @@
 //!   (`bench/gpu/verify.sh` runs them), beside what a CUDA build must do on a machine
 //!   without one, and NCCL.
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod bench;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "wgpu")]

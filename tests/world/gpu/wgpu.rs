@@ -31,6 +31,11 @@ fn half_precision_the_device_lacks_is_a_clear_error() {
 }
 
 #[test]
+fn bench_gpu_on_wgpu_in_half_precision_measures_every_row_or_refuses_before_the_first() {
+    super::bench::bench_in_half_precision_measures_every_row_or_refuses_before_the_first(WGPU);
+}
+
+#[test]
 fn fp16_on_wgpu_trains_as_fp16_on_the_cpu() {
     super::fp16_trains_as_fp16_on_the_cpu(WGPU);
 }
