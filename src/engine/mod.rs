@@ -51,7 +51,7 @@ pub mod optimizer;
 mod params;
 mod parts;
 mod pipeline;
-mod readout;
+pub(crate) mod readout;
 mod report;
 mod shard_masters;
 mod shared;

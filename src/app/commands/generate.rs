@@ -1,5 +1,5 @@
 //! `zerotrain generate`: text sampled from a Hugging Face family's model (`model.hf_dir`,
-//! or a checkpoint of it), one rank, deterministic for a seed.
+//! or a checkpoint of it), one rank on the config's device, deterministic for a seed.
 
 use std::path::PathBuf;
 
@@ -56,20 +56,20 @@ struct Generate<'a> {
 impl WithModel for Generate<'_> {
     type Output = anyhow::Result<Vec<u32>>;
 
+    /// The model as the engine holds it on one rank (the config's device and compute dtype,
+    /// gathered whole at stage 3), with a checkpoint's weights where one is given.
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<Vec<u32>> {
-        let model = match &self.args.checkpoint {
-            None => model,
-            Some(dir) => {
-                let model = crate::app::train::Handout::new(model, self.plan);
-                let models = crate::launch(self.plan, |ctx| -> crate::Result<Option<M>> {
-                    let mut engine = crate::trainer(model.take(), self.plan, &ctx)?;
-                    engine.load_checkpoint(dir, self.args.tag.as_deref(), LoadOptions::module_only())?;
-                    engine.gather_model(0)
-                })?;
-                models.into_iter().flatten().next().expect("rank 0 gathers the model")
+        let model = crate::app::train::Handout::new(model, self.plan);
+        let tokens = crate::launch(self.plan, |ctx| -> crate::Result<Option<Vec<u32>>> {
+            let mut engine = crate::trainer(model.take(), self.plan, &ctx)?;
+            if let Some(dir) = &self.args.checkpoint {
+                engine.load_checkpoint(dir, self.args.tag.as_deref(), LoadOptions::module_only())?;
             }
-        };
-        let mut rng = self.args.seed;
-        Ok(model.generate(self.prompt, self.args.tokens, self.context, self.args.sampling, &mut rng))
+            let Some(model) = engine.gather_model(0)? else { return Ok(None) };
+            drop(engine);
+            let mut rng = self.args.seed;
+            model.generate(self.prompt, self.args.tokens, self.context, self.args.sampling, &mut rng).map(Some)
+        })?;
+        Ok(tokens.into_iter().flatten().next().expect("rank 0 generates"))
     }
 }

@@ -16,8 +16,17 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
 
     /// Continues `prompt` by `count` tokens, each from the logits of the last `context`
     /// tokens: greedy at temperature 0, else sampled from the `top_k` most likely (all when
-    /// 0) at `temperature`, drawing from the deterministic generator `rng`.
-    fn generate(&self, prompt: &[u32], count: usize, context: usize, sampling: Sampling, rng: &mut u64) -> Vec<u32> {
+    /// 0) at `temperature`, drawing from the deterministic generator `rng`. Runs where the
+    /// model's parameters are; a device that fails reading the logits is an
+    /// [`Error::Device`](crate::Error::Device), not a token.
+    fn generate(
+        &self,
+        prompt: &[u32],
+        count: usize,
+        context: usize,
+        sampling: Sampling,
+        rng: &mut u64,
+    ) -> crate::Result<Vec<u32>> {
         // Without autodiff: on an autodiff device each forward's graph stays reachable from
         // the parameters (leaves that require grad) until a backward that never comes.
         let model = self.valid();
@@ -29,11 +38,10 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
             let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, window.len()]), &device);
             let logits = model.logits(input).cast(FloatDType::F32);
             let [_, t, vocab] = logits.dims();
-            let last: Vec<f32> =
-                logits.slice([0..1, t - 1..t, 0..vocab]).into_data().try_into_vec::<f32>().unwrap_or_default();
+            let last = crate::engine::readout::f32s(logits.slice([0..1, t - 1..t, 0..vocab]), "the logits")?;
             tokens.push(pick(&last, sampling, rng));
         }
-        tokens.split_off(prompt.len())
+        Ok(tokens.split_off(prompt.len()))
     }
 }
 

@@ -224,7 +224,7 @@ struct Job<'a, M> {
     plan: &'a Plan,
     options: &'a TrainOptions,
     data: &'a dyn TrainData,
-    samples: &'a (dyn Fn(&M) -> Vec<String> + Sync),
+    samples: &'a (dyn Fn(&M) -> crate::Result<Vec<String>> + Sync),
     ckpt_dir: PathBuf,
     /// The checkpoint to resume from: `Some(None)` for `latest`, `Some(Some(tag))` for a tag.
     resume_tag: Option<Option<String>>,
@@ -305,7 +305,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         }
         let final_val = val_loss(&mut engine)?;
         let model = engine.gather_model(0)?;
-        let samples = model.map(|model| (self.samples)(&model)).unwrap_or_default();
+        let samples = model.map(|model| (self.samples)(&model)).transpose()?.unwrap_or_default();
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io(&metrics_path))?;
             let png = options.out.join("loss.png");

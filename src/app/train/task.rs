@@ -54,7 +54,7 @@ pub struct Task<'a, M> {
     /// The data.
     pub data: &'a dyn TrainData,
     /// Text the trained model writes, for the summary (rank 0's gathered model).
-    pub samples: &'a (dyn Fn(&M) -> Vec<String> + Sync),
+    pub samples: &'a (dyn Fn(&M) -> crate::Result<Vec<String>> + Sync),
     /// Files written into the checkpoints' folder once the run folder is locked (a Hugging
     /// Face family's `config.json` and `tokenizer.json`): (name, contents).
     pub files: Vec<(String, Vec<u8>)>,

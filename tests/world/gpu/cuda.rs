@@ -143,7 +143,13 @@ fn half_precision_cuda_lacks_is_a_clear_error() {
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn bench_gpu_on_cuda_in_half_precision_measures_every_row_or_refuses_before_the_first() {
-    super::bench::bench_in_half_precision_measures_every_row_or_refuses_before_the_first(CUDA);
+    super::commands::bench_in_half_precision_measures_every_row_or_refuses_before_the_first(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn generate_samples_on_cuda_when_the_config_names_it() {
+    super::commands::generate_samples_on_the_configured_device(CUDA);
 }
 
 #[test]

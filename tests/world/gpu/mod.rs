@@ -10,7 +10,7 @@
 //!   without one, and NCCL.
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod bench;
+mod commands;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "wgpu")]

@@ -32,7 +32,12 @@ fn half_precision_the_device_lacks_is_a_clear_error() {
 
 #[test]
 fn bench_gpu_on_wgpu_in_half_precision_measures_every_row_or_refuses_before_the_first() {
-    super::bench::bench_in_half_precision_measures_every_row_or_refuses_before_the_first(WGPU);
+    super::commands::bench_in_half_precision_measures_every_row_or_refuses_before_the_first(WGPU);
+}
+
+#[test]
+fn generate_samples_on_wgpu_when_the_config_names_it() {
+    super::commands::generate_samples_on_the_configured_device(WGPU);
 }
 
 #[test]
