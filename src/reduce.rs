@@ -20,8 +20,7 @@ use burn::tensor::Tensor;
 ///
 /// A row of 32,768 is at most 32,768 loop iterations, half of lavapipe's limit even where
 /// the elements cannot be read as vectors (module note); one more small reduction per level
-/// is all it costs elsewhere. Differentiable, as
-/// the operations it is made of are.
+/// is all it costs elsewhere. Differentiable, as the operations it is made of are.
 pub fn sum<const D: usize>(t: Tensor<D>) -> Tensor<1> {
     let n = t.shape().num_elements();
     if n <= ROW { t.sum() } else { sum_in_rows(t.reshape([n]), ROW) }
