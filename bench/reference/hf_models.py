@@ -8,6 +8,7 @@ in float64. zerotrain's tests compare `zerotrain eval` with `loss` below.
 
     hf_models.py make DIR --family gpt2|llama|qwen2 [--layers N] [--kv-heads N] [--tied]
                  [--rope none|linear|llama3] [--dtype f32|bf16|f16] [--shards N] [--seed S]
+                 [--layout v4|v5]
     hf_models.py loss DIR TEXT --context N      -> {"loss": mean next-token loss per token}
     hf_models.py text FILE [--bytes N]          -> deterministic English-like text
     hf_models.py ids DIR TEXT                   -> {"ids": the tokenizer's ids of the file}
@@ -88,6 +89,18 @@ def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny", extra=None
     elif rope == "llama3":
         config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return config
+
+
+def v5_layout(config):
+    """The config as transformers 5 writes it: the rotary base and scaling in one
+    `rope_parameters` object (no `rope_theta`, no `rope_scaling`), `dtype` for `torch_dtype`."""
+    config = dict(config)
+    config["dtype"] = config.pop("torch_dtype")
+    if config["model_type"] != "gpt2":
+        rope = dict(config.pop("rope_scaling", None) or {"rope_type": "default"})
+        rope["rope_theta"] = config.pop("rope_theta")
+        config["rope_parameters"] = rope
     return config
 
 
@@ -189,6 +202,8 @@ def make(args):
         extra.update({"attention_bias": True, "mlp_bias": True})
     config = configs(args.family, layers, kv, args.tied, args.rope, vocab, args.size, extra)
     config["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[args.dtype]
+    if args.layout == "v5":
+        config = v5_layout(config)
     with open(os.path.join(args.dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     save(args.dir, tensors_of(config, np.random.default_rng(args.seed), args.dtype), args.dtype, args.shards)
@@ -249,8 +264,10 @@ def gpt2_logits(c, t, ids):
 
 
 def inverse_frequencies(c, hd):
-    inv = c.get("rope_theta", 10000.0) ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-    s = c.get("rope_scaling") or {}
+    # transformers 5 keeps the base and the scaling together in rope_parameters
+    s = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = c["rope_parameters"]["rope_theta"] if "rope_parameters" in c else c.get("rope_theta", 10000.0)
+    inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     kind = s.get("rope_type", s.get("type"))
     if kind == "linear":
         return inv / s["factor"]
@@ -338,6 +355,8 @@ def main():
     m.add_argument("--size", choices=["tiny", "1b"], default="tiny")
     m.add_argument("--head-dim", type=int, default=0, help="a head_dim other than hidden_size / heads")
     m.add_argument("--biases", action="store_true", help="attention_bias and mlp_bias (LLaMA)")
+    m.add_argument("--layout", choices=["v4", "v5"], default="v4",
+                   help="config.json as transformers 4 writes it, or as 5 does (rope_parameters, dtype)")
     l_ = sub.add_parser("loss")
     l_.add_argument("dir")
     l_.add_argument("text")

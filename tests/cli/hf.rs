@@ -42,20 +42,22 @@ fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> Pa
 
 /// `zerotrain eval` of each family (GPT-2; LLaMA with and without a tied head, grouped
 /// kv heads, llama3 rope scaling, attention and MLP biases, a head_dim other than width /
-/// heads; Qwen2's q/k/v biases and linear scaling from a sharded index) equals the numpy
-/// forward pass within 1e-5, at one rank and at stage 3 on two.
+/// heads; Qwen2's q/k/v biases and linear scaling from a sharded index; a config.json as
+/// `transformers` 5 writes it, whose rotary base and scaling are only in `rope_parameters`)
+/// equals the numpy forward pass within 1e-5, at one rank and at stage 3 on two.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn eval_matches_the_numpy_reference_for_every_family() {
     let dir = folder("eval");
     let text_file = dir.join("text.txt");
     reference(&["text", text_file.to_str().unwrap(), "--bytes", "2500"]);
-    let cases: [(&str, &[&str]); 5] = [
+    let cases: [(&str, &[&str]); 6] = [
         ("gpt2", &["--family", "gpt2"]),
         ("llama-untied", &["--family", "llama"]),
         ("llama-gqa-tied-llama3", &["--family", "llama", "--kv-heads", "2", "--tied", "--rope", "llama3"]),
         ("qwen2-sharded-linear", &["--family", "qwen2", "--kv-heads", "1", "--rope", "linear", "--shards", "3"]),
         ("llama-biases-head-dim", &["--family", "llama", "--kv-heads", "2", "--biases", "--head-dim", "12"]),
+        ("llama-v5-llama3", &["--family", "llama", "--kv-heads", "2", "--rope", "llama3", "--layout", "v5"]),
     ];
     for (name, args) in cases {
         let hf = dir.join(name);
@@ -129,10 +131,11 @@ print("same" if not diff and ca == cb and tok else f"tensors {diff[:5]} config {
     text(&out.stdout).trim().to_string()
 }
 
-/// A Hugging Face folder in f32 and in bf16 (GPT-2; Qwen2 from a sharded index) goes
-/// through a zerotrain run whose step changes nothing (lr 0) at stage 3 on two ranks and
-/// comes back out bit for bit: tensors, dtype, config.json, tokenizer.json; an export in
-/// shards of a few KB writes an index that reads back as the same tensors.
+/// A Hugging Face folder in f32 and in bf16 (GPT-2; Qwen2 from a sharded index; a LLaMA
+/// whose config.json is `transformers` 5's, naming its dtype `dtype`) goes through a
+/// zerotrain run whose step changes nothing (lr 0) at stage 3 on two ranks and comes back
+/// out bit for bit: tensors, dtype, config.json, tokenizer.json; an export in shards of a
+/// few KB writes an index that reads back as the same tensors.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
@@ -143,6 +146,7 @@ fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
     for (name, args) in [
         ("gpt2-f32", &["--family", "gpt2"][..]),
         ("qwen2-bf16", &["--family", "qwen2", "--kv-heads", "2", "--dtype", "bf16", "--shards", "2"][..]),
+        ("llama-v5-bf16", &["--family", "llama", "--rope", "llama3", "--dtype", "bf16", "--layout", "v5"][..]),
     ] {
         let hf = dir.join(name);
         reference(&[&["make", hf.to_str().unwrap()], args].concat());

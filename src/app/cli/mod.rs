@@ -116,7 +116,7 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Output dtype: f32, bf16 or f16 (default: f32; with `--format hf`, the
-        /// config's torch_dtype).
+        /// config's dtype or torch_dtype).
         #[arg(long)]
         dtype: Option<String>,
         /// safetensors (one file keyed by module path) or hf (config.json, sharded

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+use serde_json::Value;
 use zerotrain_checkpoint::{Checkpoint, LayoutEntry};
 use zerotrain_precision::Precision;
 
@@ -33,7 +34,7 @@ pub struct Exported {
 }
 
 /// Writes the checkpoint `<dir>/<tag>` (or `latest`'s) as a Hugging Face folder `out`, in
-/// `dtype` (default: the config's `torch_dtype`, else f32), shards of at most
+/// `dtype` (default: the config's `dtype` or `torch_dtype`, else f32), shards of at most
 /// `max_shard_bytes` (a larger tensor gets a shard of its own, as in `transformers`).
 /// `config.json` and the tokenizer files come from `source` (default: `dir`, where
 /// `zerotrain train` puts them). `out` must not exist; it appears whole or not at all.
@@ -60,14 +61,7 @@ pub fn export(
     if ckpt.manifest().buffers.is_some() {
         bail!("{}: the checkpoint holds buffers, which no Hugging Face family here has", ckpt.dir().display());
     }
-    let dtype = match dtype {
-        Some(d) => d,
-        None => match config.json.get("torch_dtype").and_then(|v| v.as_str()) {
-            Some("bfloat16") => Precision::Bf16,
-            Some("float16") => Precision::Fp16,
-            _ => Precision::Fp32,
-        },
-    };
+    let dtype = dtype.unwrap_or_else(|| stored_dtype(&config.json));
     let groups = shards(layout, dtype.bytes_per_elem() as u64, max_shard_bytes);
     let partial = sibling(out, ".partial")?;
     let _ = std::fs::remove_dir_all(&partial);
@@ -151,15 +145,7 @@ fn write_folder(
         let index = serde_json::json!({"metadata": {"total_size": bytes}, "weight_map": weight_map});
         write_atomically(&folder.join(INDEX_FILE), serde_json::to_string_pretty(&index)?.as_bytes())?;
     }
-    let mut json = config.json.clone();
-    json["torch_dtype"] = serde_json::Value::String(
-        match dtype {
-            Precision::Fp32 => "float32",
-            Precision::Fp16 => "float16",
-            Precision::Bf16 => "bfloat16",
-        }
-        .into(),
-    );
+    let json = with_stored_dtype(config.json.clone(), dtype);
     write_atomically(&folder.join(CONFIG_FILE), serde_json::to_string_pretty(&json)?.as_bytes())?;
     for file in TOKENIZER_FILES {
         let from = source.join(file);
@@ -168,6 +154,38 @@ fn write_folder(
         }
     }
     Ok(Exported { shards, tensors: weight_map.len(), bytes, dtype })
+}
+
+/// The dtype a `config.json` says its tensors are stored in: `dtype` (`transformers` 5) or
+/// `torch_dtype` (before it); f32 where it names neither.
+fn stored_dtype(json: &Value) -> Precision {
+    match DTYPE_KEYS.iter().find_map(|key| json.get(*key)?.as_str()) {
+        Some("bfloat16") => Precision::Bf16,
+        Some("float16") => Precision::Fp16,
+        _ => Precision::Fp32,
+    }
+}
+
+/// The keys a `config.json` names its stored dtype under, newest first.
+const DTYPE_KEYS: [&str; 2] = ["dtype", "torch_dtype"];
+
+/// `json` saying its tensors are stored in `dtype`, under each of [`DTYPE_KEYS`] it has (a
+/// file keeps its own layout), or under `torch_dtype`, which every version reads, where it
+/// has neither.
+fn with_stored_dtype(mut json: Value, dtype: Precision) -> Value {
+    let name = Value::String(
+        match dtype {
+            Precision::Fp32 => "float32",
+            Precision::Fp16 => "float16",
+            Precision::Bf16 => "bfloat16",
+        }
+        .into(),
+    );
+    let present: Vec<&str> = DTYPE_KEYS.into_iter().filter(|key| json.get(*key).is_some()).collect();
+    for key in if present.is_empty() { vec!["torch_dtype"] } else { present } {
+        json[key] = name.clone();
+    }
+    json
 }
 
 /// `path` with `suffix` added to its name.
@@ -184,4 +202,24 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(&partial, bytes).with_context(|| format!("cannot write {}", partial.display()))?;
     std::fs::rename(&partial, path)
         .with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_stored_dtype_is_read_and_written_under_the_files_own_key() {
+        let v5 = json!({"model_type": "llama", "dtype": "bfloat16"});
+        let v4 = json!({"model_type": "llama", "torch_dtype": "float16"});
+        assert_eq!((stored_dtype(&v5), stored_dtype(&v4)), (Precision::Bf16, Precision::Fp16));
+        assert_eq!(stored_dtype(&json!({"dtype": "bfloat16", "torch_dtype": "float32"})), Precision::Bf16);
+        assert_eq!(stored_dtype(&json!({"model_type": "gpt2"})), Precision::Fp32);
+        assert_eq!(with_stored_dtype(v5, Precision::Fp32), json!({"model_type": "llama", "dtype": "float32"}));
+        assert_eq!(with_stored_dtype(v4, Precision::Bf16), json!({"model_type": "llama", "torch_dtype": "bfloat16"}));
+        let both = with_stored_dtype(json!({"dtype": "bfloat16", "torch_dtype": "bfloat16"}), Precision::Fp16);
+        assert_eq!(both, json!({"dtype": "float16", "torch_dtype": "float16"}));
+        assert_eq!(with_stored_dtype(json!({}), Precision::Bf16), json!({"torch_dtype": "bfloat16"}));
+    }
 }

@@ -7,8 +7,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::app::file_error::FileError;
 use serde_json::Value;
+
+use super::rope::{self, RopeScaling};
+use crate::app::file_error::FileError;
 
 /// The built-in model family a `config.json` describes, with its shape.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,9 +66,9 @@ pub struct LlamaShape {
     pub max_position_embeddings: usize,
     /// `rms_norm_eps`.
     pub rms_norm_eps: f64,
-    /// `rope_theta`: the rotary base (default 10000).
+    /// `rope_theta` (or `rope_parameters.rope_theta`): the rotary base (default 10000).
     pub rope_theta: f64,
-    /// `rope_scaling`.
+    /// `rope_scaling` (or `rope_parameters`' scaling).
     pub rope_scaling: RopeScaling,
     /// `tie_word_embeddings`: the head is the token embedding, transposed.
     pub tie_word_embeddings: bool,
@@ -76,29 +78,6 @@ pub struct LlamaShape {
     pub o_bias: bool,
     /// Biases on the MLP's projections (`mlp_bias`).
     pub mlp_bias: bool,
-}
-
-/// `rope_scaling`: how rotary frequencies are stretched for long contexts.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RopeScaling {
-    /// None (`rope_scaling: null`, or `rope_type: "default"`).
-    None,
-    /// Positions divided by `factor` (`rope_type: "linear"`).
-    Linear {
-        /// `factor`.
-        factor: f64,
-    },
-    /// Llama 3.1's frequency-dependent scaling (`rope_type: "llama3"`).
-    Llama3 {
-        /// `factor`: how much longer the context is than the original's.
-        factor: f64,
-        /// `low_freq_factor`: wavelengths beyond `original / low_freq_factor` are scaled fully.
-        low_freq_factor: f64,
-        /// `high_freq_factor`: wavelengths below `original / high_freq_factor` are kept.
-        high_freq_factor: f64,
-        /// `original_max_position_embeddings`.
-        original_max_position_embeddings: f64,
-    },
 }
 
 /// A `config.json`: its family and shape, and the JSON as read.
@@ -157,14 +136,14 @@ impl HfConfig {
 }
 
 /// One field, deserialized, named in the error.
-fn field<T: for<'de> Deserialize<'de>>(json: &Value, name: &str) -> Result<Option<T>, String> {
+pub(super) fn field<T: for<'de> Deserialize<'de>>(json: &Value, name: &str) -> Result<Option<T>, String> {
     match json.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => T::deserialize(v).map(Some).map_err(|e| format!("{name}: {e}")),
     }
 }
 
-fn required<T: for<'de> Deserialize<'de>>(json: &Value, name: &str) -> Result<T, String> {
+pub(super) fn required<T: for<'de> Deserialize<'de>>(json: &Value, name: &str) -> Result<T, String> {
     field(json, name)?.ok_or_else(|| format!("has no {name}"))
 }
 
@@ -252,6 +231,7 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
              attention is not built"
         ));
     }
+    let (rope_theta, rope_scaling) = rope::rotary(json)?;
     let qwen = model_type == "qwen2";
     let attention_bias = field::<bool>(json, "attention_bias")?.unwrap_or(false);
     Ok(LlamaShape {
@@ -264,47 +244,14 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
         head_dim,
         max_position_embeddings: max_positions,
         rms_norm_eps: positive(json, "rms_norm_eps", 1e-6)?,
-        rope_theta: positive(json, "rope_theta", 10000.0)?,
-        rope_scaling: rope_scaling(json)?,
+        rope_theta,
+        rope_scaling,
         tie_word_embeddings: field(json, "tie_word_embeddings")?.unwrap_or(false),
         qkv_bias: qwen || attention_bias,
         o_bias: !qwen && attention_bias,
         mlp_bias: field(json, "mlp_bias")?.unwrap_or(false),
         model_type,
     })
-}
-
-fn rope_scaling(json: &Value) -> Result<RopeScaling, String> {
-    let Some(scaling) = json.get("rope_scaling").filter(|v| !v.is_null()) else { return Ok(RopeScaling::None) };
-    let kind: Option<String> = field(scaling, "rope_type")?.or(field(scaling, "type")?);
-    let named = |name: &str| format!("rope_scaling.{name}");
-    let number = |name: &str| -> Result<f64, String> {
-        let v: f64 = required(scaling, name).map_err(|e| format!("rope_scaling: {e}"))?;
-        if !(v > 0.0 && v.is_finite()) {
-            return Err(format!("{} is {v}: it must be a positive number", named(name)));
-        }
-        Ok(v)
-    };
-    match kind.as_deref() {
-        None | Some("default") => Ok(RopeScaling::None),
-        Some("linear") => Ok(RopeScaling::Linear { factor: number("factor")? }),
-        Some("llama3") => {
-            let (low, high) = (number("low_freq_factor")?, number("high_freq_factor")?);
-            if high <= low {
-                return Err(format!("rope_scaling.high_freq_factor ({high}) must exceed low_freq_factor ({low})"));
-            }
-            Ok(RopeScaling::Llama3 {
-                factor: number("factor")?,
-                low_freq_factor: low,
-                high_freq_factor: high,
-                original_max_position_embeddings: number("original_max_position_embeddings")?,
-            })
-        }
-        Some(other) => Err(format!(
-            "rope_scaling.rope_type `{other}` is not built: default, linear and llama3 are (dynamic, yarn and \
-             longrope are not)"
-        )),
-    }
 }
 
 #[cfg(test)]

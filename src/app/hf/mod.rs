@@ -1,10 +1,12 @@
 //! Hugging Face checkpoint folders as files: `config.json` read into a family's shape
-//! ([`config`]), safetensors files and shard indexes memory-mapped ([`files`]), and the
+//! ([`config`], its rotary settings in either of `transformers`' layouts in [`rope`]),
+//! safetensors files and shard indexes memory-mapped ([`files`]), and the
 //! source a model's parameters are read from by name ([`weights`]). The models built from
 //! them, their import and export are [`family`](crate::app::family)'s.
 
 pub mod config;
 pub mod files;
+pub mod rope;
 pub mod weights;
 
 pub use self::config::{Family, HfConfig};

@@ -9,7 +9,7 @@ use burn::tensor::module::{embedding, layer_norm, linear};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
-use crate::app::hf::config::RopeScaling;
+use crate::app::hf::rope::RopeScaling;
 use crate::app::hf::weights::{Init, Weights};
 
 /// A projection stored as `nn.Linear` stores it: `weight` `[out, in]`, optional `bias`.
