@@ -11,7 +11,9 @@ in float64. zerotrain's tests compare `zerotrain eval` with `loss` below.
                  [--layout v4|v5]
     hf_models.py loss DIR TEXT --context N      -> {"loss": mean next-token loss per token}
     hf_models.py text FILE [--bytes N]          -> deterministic English-like text
-    hf_models.py ids DIR TEXT                   -> {"ids": the tokenizer's ids of the file}
+    hf_models.py ids DIR TEXT                   -> {"ids": the tokenizer's ids of the file,
+                                                    "eos": the id of tokenizer_config.json's eos_token,
+                                                    "endoftext": the id of <|endoftext|>}
 """
 
 import argparse
@@ -51,7 +53,7 @@ def train_tokenizer(text, vocab_size):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text], trainer)
     return tok
@@ -61,6 +63,35 @@ def encode(dir_, text):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(os.path.join(dir_, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def eos_id(dir_):
+    """The id of the end token transformers' AutoTokenizer takes: tokenizer_config.json's
+    eos_token (a string or an added token's content); None without that file."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(dir_, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return None
+    eos = json.load(open(path))["eos_token"]
+    name = eos["content"] if isinstance(eos, dict) else eos
+    return Tokenizer.from_file(os.path.join(dir_, "tokenizer.json")).token_to_id(name)
+
+
+def tokenizer_files(dir_, family, tok):
+    """The files transformers writes beside tokenizer.json and config.json: the end token
+    (Qwen2's chat models end on <|im_end|>, as here), a chat template, sampling defaults."""
+    eos = "<|im_end|>" if family == "qwen2" else "<|endoftext|>"
+    files = {
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                                  "eos_token": {"content": eos, "special": True}, "model_max_length": 128,
+                                  "chat_template": "{% for m in messages %}{{ m['content'] }}" + eos + "{% endfor %}"},
+        "special_tokens_map.json": {"eos_token": eos},
+        "generation_config.json": {"eos_token_id": tok.token_to_id(eos), "do_sample": True, "top_k": 20},
+    }
+    for name, content in files.items():
+        with open(os.path.join(dir_, name), "w") as f:
+            json.dump(content, f, indent=2)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -192,6 +223,7 @@ def make(args):
     os.makedirs(args.dir, exist_ok=True)
     tok = train_tokenizer(make_text(20000, seed=args.seed), 300)
     tok.save(os.path.join(args.dir, "tokenizer.json"))
+    tokenizer_files(args.dir, args.family, tok)
     vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
     kv = args.kv_heads or 4
     layers = args.layers or (22 if args.size == "1b" else 2)
@@ -378,7 +410,10 @@ def main():
             f.write(make_text(args.bytes, seed=args.seed))
     else:
         with open(args.text, encoding="utf-8") as f:
-            print(json.dumps({"ids": encode(args.dir, f.read())}))
+            from tokenizers import Tokenizer
+
+            endoftext = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json")).token_to_id("<|endoftext|>")
+            print(json.dumps({"ids": encode(args.dir, f.read()), "eos": eos_id(args.dir), "endoftext": endoftext}))
 
 
 if __name__ == "__main__":

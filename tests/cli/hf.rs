@@ -101,8 +101,9 @@ fn eval_json(config: &Path, input: [&str; 2], checkpoint: Option<&Path>) -> f64 
     number(&run_ok(&args), "loss")
 }
 
-/// Python's check that two Hugging Face folders hold the same tensors, bit for bit, and the
-/// same config apart from `ignore`d keys; prints what differs, or `same`.
+/// Python's check that two Hugging Face folders hold the same tensors, bit for bit, the
+/// same config, and the same tokenizer files (each the first has, the second has too);
+/// prints what differs, or `same`.
 fn same_folders(a: &Path, b: &Path) -> String {
     let script = r#"
 import json, os, sys
@@ -120,8 +121,12 @@ a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
 diff = [k for k in sorted(set(a) | set(b)) if k not in a or k not in b or a[k].dtype != b[k].dtype
         or a[k].shape != b[k].shape or a[k].tobytes() != b[k].tobytes()]
 ca, cb = (json.load(open(os.path.join(d, "config.json"))) for d in sys.argv[1:3])
-tok = open(os.path.join(sys.argv[1], "tokenizer.json")).read() == open(os.path.join(sys.argv[2], "tokenizer.json")).read()
-print("same" if not diff and ca == cb and tok else f"tensors {diff[:5]} config {ca == cb} tokenizer {tok}")
+def text(d, name):
+    path = os.path.join(d, name)
+    return open(path).read() if os.path.exists(path) else None
+names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+tok = [n for n in names if text(sys.argv[1], n) is None or text(sys.argv[1], n) != text(sys.argv[2], n)]
+print("same" if not diff and ca == cb and not tok else f"tensors {diff[:5]} config {ca == cb} files {tok}")
 "#;
     let out = std::process::Command::new("python3")
         .args(["-c", script, a.to_str().unwrap(), b.to_str().unwrap()])
@@ -134,8 +139,10 @@ print("same" if not diff and ca == cb and tok else f"tensors {diff[:5]} config {
 /// A Hugging Face folder in f32 and in bf16 (GPT-2; Qwen2 from a sharded index; a LLaMA
 /// whose config.json is `transformers` 5's, naming its dtype `dtype`) goes through a
 /// zerotrain run whose step changes nothing (lr 0) at stage 3 on two ranks and comes back
-/// out bit for bit: tensors, dtype, config.json, tokenizer.json; an export in shards of a
-/// few KB writes an index that reads back as the same tensors.
+/// out bit for bit: tensors, dtype, config.json, tokenizer.json and the files beside them
+/// (tokenizer_config.json with its chat template, special_tokens_map.json,
+/// generation_config.json); an export in shards of a few KB writes an index that reads back
+/// as the same tensors.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
@@ -176,40 +183,59 @@ fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
 }
 
 /// The token ids zerotrain writes are the ids Python's tokenizers gives for the same
-/// tokenizer.json, document by document; and a BPE zerotrain trains loads in Python and
+/// tokenizer.json, document by document, each document closed by the end token
+/// `transformers` takes (tokenizer_config.json's `eos_token`: Qwen2's chat `<|im_end|>`,
+/// not the `<|endoftext|>` it also has); and a BPE zerotrain trains loads in Python and
 /// encodes the same there.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn token_ids_are_python_tokenizers_ids() {
     let dir = folder("tokenizer");
-    let hf = dir.join("gpt2");
-    reference(&["make", hf.to_str().unwrap(), "--family", "gpt2"]);
+    let (gpt2, qwen2) = (dir.join("gpt2"), dir.join("qwen2"));
+    reference(&["make", gpt2.to_str().unwrap(), "--family", "gpt2"]);
+    reference(&["make", qwen2.to_str().unwrap(), "--family", "qwen2"]);
     let data = dir.join("text.txt");
     reference(&["text", data.to_str().unwrap(), "--bytes", "3000", "--seed", "5"]);
     let doc = std::fs::read_to_string(&data).unwrap().replace("\n\n", "\n");
     std::fs::write(&data, &doc).unwrap();
-    for (tokenizer, train) in [(hf.join("tokenizer.json"), None), (dir.join("trained.json"), Some("320"))] {
+    let cases = [
+        (gpt2.join("tokenizer.json"), None),
+        (qwen2.join("tokenizer.json"), None),
+        (dir.join("trained.json"), Some("320")),
+    ];
+    for (tokenizer, train) in cases {
         let tokens = dir.join("t.tokens");
         let mut args = vec!["tokenize", data.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
         args.extend(["--out", tokens.to_str().unwrap(), "--valid-fraction", "0"]);
         if let Some(vocab) = train {
             args.extend(["--train-vocab", vocab]);
         }
-        run_ok(&args);
+        let printed = run_ok(&args);
         let ids = read_token_file(&tokens);
-        // The tokenizer folder for the Python side: tokenizer.json beside nothing else.
+        // The tokenizer folder for the Python side: tokenizer.json and the config beside it.
         let tok_dir = dir.join("tok");
+        let _ = std::fs::remove_dir_all(&tok_dir);
         std::fs::create_dir_all(&tok_dir).unwrap();
         std::fs::copy(&tokenizer, tok_dir.join("tokenizer.json")).unwrap();
+        let config = tokenizer.with_file_name("tokenizer_config.json");
+        if config.exists() {
+            std::fs::copy(&config, tok_dir.join("tokenizer_config.json")).unwrap();
+        }
         let python: serde_json::Value =
             serde_json::from_str(&reference(&["ids", tok_dir.to_str().unwrap(), data.to_str().unwrap()])).unwrap();
         let mut expected: Vec<u32> =
             python["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let eos = *ids.last().unwrap();
+        // The end token transformers takes (the config's eos_token), else <|endoftext|>.
+        let eos = python["eos"].as_u64().or(python["endoftext"].as_u64()).unwrap() as u32;
         expected.push(eos);
         assert_eq!(ids, expected, "{}", tokenizer.display());
         assert!(ids.len() > 100);
+        assert!(printed.contains(&format!("(id {eos})")), "{printed}");
     }
+    // Qwen2's chat tokenizer ends documents on <|im_end|>, not on the <|endoftext|> it also has.
+    let python: serde_json::Value =
+        serde_json::from_str(&reference(&["ids", qwen2.to_str().unwrap(), data.to_str().unwrap()])).unwrap();
+    assert_ne!(python["eos"], python["endoftext"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -85,7 +85,7 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
         None => Tokenizer::from_file(&args.tokenizer)?,
     };
     let trained = start.elapsed().as_secs_f64();
-    let eos = tokenizer.end_of_text();
+    let (eos, eos_name) = tokenizer.end_of_text()?;
     let mut writer = TokenFileWriter::create(&args.out, tokenizer.vocab_size(), eos)?;
     let encode_start = Instant::now();
     // Documents are encoded in parallel a batch at a time and written in order.
@@ -98,7 +98,8 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     let file = writer.finish(args.valid_fraction)?;
     let seconds = encode_start.elapsed().as_secs_f64();
     println!(
-        "wrote {}: {} tokens ({} held out) in {} documents, vocabulary {} ({}), {:.1} MB of text at {:.1} MB/s{}",
+        "wrote {}: {} tokens ({} held out) in {} documents each closed by {eos_name} (id {eos}), vocabulary {} \
+         ({}), {:.1} MB of text at {:.1} MB/s{}",
         args.out.display(),
         file.len(),
         file.len() - file.train_tokens(),

@@ -14,11 +14,11 @@ use zerotrain_precision::Precision;
 
 use super::parameter_names;
 use crate::app::hf::files::{INDEX_FILE, SINGLE_FILE};
-use crate::app::hf::{CONFIG_FILE, HfConfig, TOKENIZER_FILE};
+use crate::app::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfConfig, TOKENIZER_COMPANIONS, TOKENIZER_FILE};
 
 /// Files of a checkpoint folder copied as they are, when the source has them.
 const TOKENIZER_FILES: [&str; 4] =
-    [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"];
+    [TOKENIZER_FILE, TOKENIZER_COMPANIONS[0], TOKENIZER_COMPANIONS[1], GENERATION_CONFIG_FILE];
 
 /// What [`export`] wrote.
 #[derive(Debug, Clone)]

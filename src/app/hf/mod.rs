@@ -15,3 +15,11 @@ pub use self::config::{Family, HfConfig};
 pub const CONFIG_FILE: &str = "config.json";
 /// The tokenizer file of a checkpoint folder.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// The file beside a `tokenizer.json` that names its special tokens (`eos_token`) and holds
+/// its chat template.
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+/// The files that travel with a model's `tokenizer.json`, where its folder has them.
+pub const TOKENIZER_COMPANIONS: [&str; 2] = [TOKENIZER_CONFIG_FILE, "special_tokens_map.json"];
+/// The file that travels with a model's `config.json`, where its folder has it: the
+/// settings `transformers` samples with.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use self::words::Words;
 use crate::app::file_error::FileError;
+use crate::app::hf::TOKENIZER_CONFIG_FILE;
 
 /// A `tokenizer.json`: text to token ids and back, exactly as Hugging Face's tokenizers do
 /// (same crate), special tokens not added.
@@ -23,6 +24,9 @@ pub struct Tokenizer {
     /// A GPT-2-style byte-level BPE's pre-tokens, each encoded once (`words.rs`).
     words: Option<Words>,
 }
+
+/// End-of-text tokens by their usual names, for a tokenizer whose config names none.
+pub const USUAL_EOS: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>"];
 
 /// Pieces [`Tokenizer::encode_long`] cuts a long text into, in bytes at least.
 const PIECE_BYTES: usize = 1 << 16;
@@ -90,13 +94,24 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// The end-of-text token that closes each document of a token file: the first of the
-    /// usual names the tokenizer has, else its last id.
-    pub fn end_of_text(&self) -> u32 {
-        ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>"]
-            .iter()
-            .find_map(|t| self.token_id(t))
-            .unwrap_or(self.vocab_size().saturating_sub(1) as u32)
+    /// The end-of-text token that closes each document of a token file, as `transformers`
+    /// picks a tokenizer's: the `eos_token` of the `tokenizer_config.json` beside it, else
+    /// the first of the usual names ([`USUAL_EOS`]) it has. Its id and text; an error where
+    /// it has none, or the config names a token the tokenizer lacks.
+    pub fn end_of_text(&self) -> Result<(u32, String), FileError> {
+        let config = self.file.with_file_name(TOKENIZER_CONFIG_FILE);
+        if let Some(name) = configured_eos(&config)? {
+            let id = self.token_id(&name).ok_or_else(|| {
+                FileError::new(&config, format!("eos_token `{name}` is not a token of {}", self.file.display()))
+            })?;
+            return Ok((id, name));
+        }
+        USUAL_EOS.iter().find_map(|t| Some((self.token_id(t)?, t.to_string()))).ok_or_else(|| {
+            self.error(format!(
+                "no end-of-text token to close documents with: none of {USUAL_EOS:?}, and no {TOKENIZER_CONFIG_FILE} \
+                 beside it naming its eos_token"
+            ))
+        })
     }
 
     /// The id of `token` (an end-of-text token such as `<|endoftext|>`), if it has one.
@@ -106,6 +121,27 @@ impl Tokenizer {
 
     fn error(&self, message: String) -> FileError {
         FileError::new(&self.file, message)
+    }
+}
+
+/// The `eos_token` a `tokenizer_config.json` names (a string, or an added token's
+/// `content`), if the file exists and names one.
+fn configured_eos(path: &Path) -> Result<Option<String>, FileError> {
+    use serde_json::Value;
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(FileError::new(path, format!("cannot read it: {e}"))),
+    };
+    let json: Value = serde_json::from_str(&text).map_err(|e| FileError::new(path, format!("not JSON: {e}")))?;
+    match json.get("eos_token") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(name)) => Ok(Some(name.clone())),
+        Some(Value::Object(token)) => match token.get("content") {
+            Some(Value::String(name)) => Ok(Some(name.clone())),
+            _ => Err(FileError::new(path, "eos_token has no string `content`")),
+        },
+        Some(other) => Err(FileError::new(path, format!("eos_token must be a string or a token, not {other}"))),
     }
 }
 
@@ -176,5 +212,48 @@ mod tests {
         assert_eq!(pieces.concat(), text);
         assert_eq!(pieces, ["ab", " cd  ef\u{a0} gh\n ij", " kl"]);
         assert_eq!(cut_at_spaces("abc", 1), ["abc"]);
+    }
+
+    fn eos_folder() -> PathBuf {
+        std::env::temp_dir().join(format!("zerotrain-eos-{}", std::process::id()))
+    }
+
+    /// A folder holding `tokenizer` as tokenizer.json and, if given, `config` as
+    /// tokenizer_config.json; the tokenizer read back.
+    fn saved(name: &str, tokenizer: &tokenizers::Tokenizer, config: Option<&str>) -> Tokenizer {
+        let dir = eos_folder().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tokenizer.json");
+        tokenizer.save(&file, false).unwrap();
+        match config {
+            Some(text) => std::fs::write(dir.join(TOKENIZER_CONFIG_FILE), text).unwrap(),
+            None => drop(std::fs::remove_file(dir.join(TOKENIZER_CONFIG_FILE))),
+        }
+        Tokenizer::from_file(&file).unwrap()
+    }
+
+    #[test]
+    fn documents_end_with_the_token_the_tokenizer_config_names_else_a_usual_one() {
+        let mut bpe = train_byte_level_bpe(&["the rank holds a shard"], 300).unwrap();
+        bpe.add_special_tokens(&[tokenizers::AddedToken::from("</s>", true)]);
+        let (text, s) = (bpe.token_to_id("<|endoftext|>").unwrap(), bpe.token_to_id("</s>").unwrap());
+        assert_ne!(text, s);
+        let plain = saved("plain", &bpe, None);
+        assert_eq!(plain.end_of_text().unwrap(), (text, "<|endoftext|>".to_string()));
+        let named = saved("named", &bpe, Some(r#"{"eos_token": {"content": "</s>", "special": true}}"#));
+        assert_eq!(named.end_of_text().unwrap(), (s, "</s>".to_string()));
+        let string = saved("string", &bpe, Some(r#"{"eos_token": "</s>", "bos_token": null}"#));
+        assert_eq!(string.end_of_text().unwrap().0, s);
+        let unset = saved("unset", &bpe, Some(r#"{"eos_token": null}"#));
+        assert_eq!(unset.end_of_text().unwrap().0, text);
+        let err = |t: Tokenizer| t.end_of_text().unwrap_err().to_string();
+        let absent = err(saved("absent", &bpe, Some(r#"{"eos_token": "<|eot_id|>"}"#)));
+        assert!(absent.contains("tokenizer_config.json: eos_token `<|eot_id|>` is not a token of"), "{absent}");
+        assert!(err(saved("broken", &bpe, Some("{"))).contains("tokenizer_config.json: not JSON"));
+        let mut bare = tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default());
+        bare.add_tokens(&[tokenizers::AddedToken::from("word", false)]);
+        let none = err(saved("none", &bare, None));
+        assert!(none.contains("tokenizer.json: no end-of-text token to close documents with"), "{none}");
+        std::fs::remove_dir_all(eos_folder()).unwrap();
     }
 }

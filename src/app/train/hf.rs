@@ -39,7 +39,7 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         let text =
             std::fs::read_to_string(data).with_context(|| format!("cannot read {} as UTF-8 text", data.display()))?;
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        let eos = tokenizer.end_of_text();
+        let (eos, _) = tokenizer.end_of_text()?;
         let mut writer = TokenFileWriter::create(&out.join("data.tokens"), tokenizer.vocab_size(), eos)?;
         for document in text.split("\n\n").filter(|d| !d.trim().is_empty()) {
             writer.document(&tokenizer.encode_long(document)?)?;
@@ -111,7 +111,7 @@ impl TrainData for TokenData {
 }
 
 /// Trains `loaded` on `data`; the checkpoints' folder gets its `config.json` and
-/// `tokenizer.json` first.
+/// `tokenizer.json` first, and the files that travel with them ([`companions`]).
 pub fn train_hf(
     plan: &Plan,
     settings: &AppSettings,
@@ -124,13 +124,33 @@ pub fn train_hf(
     let config = serde_json::to_string_pretty(&loaded.config.json)?.into_bytes();
     let tokenizer = std::fs::read(loaded.tokenizer.file())
         .with_context(|| format!("cannot read {}", loaded.tokenizer.file().display()))?;
-    let files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
+    let mut files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
+    files.extend(companions(&loaded)?);
     let file = Arc::new(data);
     let sampler =
         TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
     let token_data = TokenData { sampler, file, global_batch: plan.batch.train_batch_size, base: Mutex::new((0, 0)) };
     let job = HfJob { plan, settings, options, data: &token_data, tokenizer: &loaded.tokenizer, files, log, progress };
     loaded.model.run(job)
+}
+
+/// The files beside `loaded`'s tokenizer and model that an export hands on with them
+/// (`tokenizer_config.json` with its end token and chat template, `special_tokens_map.json`,
+/// `generation_config.json`), where those folders have them: (name, contents).
+fn companions(loaded: &LoadedModel) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let model_dir = if loaded.source.is_dir() { Some(loaded.source.as_path()) } else { loaded.source.parent() };
+    let tokenizer_dir = loaded.tokenizer.file().parent();
+    let beside_tokenizer = hf::TOKENIZER_COMPANIONS.iter().filter_map(|name| Some(tokenizer_dir?.join(name)));
+    let beside_model = model_dir.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE));
+    let mut files = Vec::new();
+    for path in beside_tokenizer.chain(beside_model) {
+        match std::fs::read(&path) {
+            Ok(contents) => files.push((path.file_name().expect("joined").to_string_lossy().into_owned(), contents)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(anyhow::anyhow!("cannot read {}: {e}", path.display())),
+        }
+    }
+    Ok(files)
 }
 
 struct HfJob<'a> {
