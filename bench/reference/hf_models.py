@@ -11,9 +11,13 @@ in float64. zerotrain's tests compare `zerotrain eval` with `loss` below.
                  [--layout v4|v5]
     hf_models.py loss DIR TEXT --context N      -> {"loss": mean next-token loss per token}
     hf_models.py text FILE [--bytes N]          -> deterministic English-like text
+    hf_models.py greedy DIR PROMPT [--tokens N] -> {"text", "prompt_ids", "ids": the prompt's greedy
+                                                    continuation, "margin": the least gap between
+                                                    the two likeliest logits}
     hf_models.py ids DIR TEXT                   -> {"ids": the tokenizer's ids of the file,
                                                     "eos": the id of tokenizer_config.json's eos_token,
-                                                    "endoftext": the id of <|endoftext|>}
+                                                    "endoftext", "begin": the ids of <|endoftext|>
+                                                    and <|begin_of_text|>}
 """
 
 import argparse
@@ -47,22 +51,31 @@ def make_text(n_bytes, seed=7):
     return "".join(out)
 
 
-def train_tokenizer(text, vocab_size):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(text, vocab_size, begin=False):
+    """A byte-level BPE; with `begin`, one that puts <|begin_of_text|> before every text, as
+    LLaMA 3's post-processor does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_end|>"],
+    specials = ["<|endoftext|>", "<|im_end|>"] + (["<|begin_of_text|>"] if begin else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text], trainer)
+    if begin:
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", bos)])
     return tok
 
 
 def encode(dir_, text):
+    """The ids transformers' tokenizer(text) gives: the text's, with the special tokens the
+    tokenizer's post-processor adds (none for GPT-2's and Qwen2's; LLaMA's beginning token)."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(os.path.join(dir_, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    return Tokenizer.from_file(os.path.join(dir_, "tokenizer.json")).encode(text).ids
 
 
 def eos_id(dir_):
@@ -221,7 +234,7 @@ def save(dir_, tensors, dtype, shards):
 
 def make(args):
     os.makedirs(args.dir, exist_ok=True)
-    tok = train_tokenizer(make_text(20000, seed=args.seed), 300)
+    tok = train_tokenizer(make_text(20000, seed=args.seed), 300, begin=args.family == "llama")
     tok.save(os.path.join(args.dir, "tokenizer.json"))
     tokenizer_files(args.dir, args.family, tok)
     vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
@@ -371,6 +384,24 @@ def loss(args):
     print(json.dumps({"loss": float(np.mean(losses)), "windows": len(losses)}))
 
 
+def greedy(args):
+    """The prompt's greedy continuation by the reference forward pass: the prompt encoded as
+    transformers' tokenizer(prompt) does, then the most likely token `--tokens` times."""
+    from tokenizers import Tokenizer
+
+    config, tensors = load(args.dir)
+    forward = gpt2_logits if config["model_type"] == "gpt2" else llama_logits
+    ids = encode(args.dir, args.prompt)
+    start, margin = len(ids), math.inf
+    for _ in range(args.tokens):
+        logits = forward(config, tensors, np.array(ids))[-1]
+        top = np.sort(logits)
+        margin = min(margin, float(top[-1] - top[-2]))
+        ids.append(int(np.argmax(logits)))
+    text = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json")).decode(ids[start:], skip_special_tokens=False)
+    print(json.dumps({"text": args.prompt + text, "prompt_ids": ids[:start], "ids": ids[start:], "margin": margin}))
+
+
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -400,8 +431,14 @@ def main():
     i = sub.add_parser("ids")
     i.add_argument("dir")
     i.add_argument("text")
+    g = sub.add_parser("greedy")
+    g.add_argument("dir")
+    g.add_argument("prompt")
+    g.add_argument("--tokens", type=int, default=8)
     args = parser.parse_args()
-    if args.command == "make":
+    if args.command == "greedy":
+        greedy(args)
+    elif args.command == "make":
         make(args)
     elif args.command == "loss":
         loss(args)
@@ -412,8 +449,10 @@ def main():
         with open(args.text, encoding="utf-8") as f:
             from tokenizers import Tokenizer
 
-            endoftext = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json")).token_to_id("<|endoftext|>")
-            print(json.dumps({"ids": encode(args.dir, f.read()), "eos": eos_id(args.dir), "endoftext": endoftext}))
+            tok = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json"))
+            print(json.dumps({"ids": encode(args.dir, f.read()), "eos": eos_id(args.dir),
+                              "endoftext": tok.token_to_id("<|endoftext|>"),
+                              "begin": tok.token_to_id("<|begin_of_text|>")}))
 
 
 if __name__ == "__main__":

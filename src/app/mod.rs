@@ -187,7 +187,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consolidate { dir, tag, out, dtype, format, max_shard_size, hf_config } => {
             commands::consolidate(commands::ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config })
         }
-        Command::Generate { config, prompt, tokens, temperature, top_k, seed, checkpoint, tag } => {
+        Command::Generate { config, prompt, tokens, temperature, top_k, seed, checkpoint, tag, json } => {
             let sampling = crate::app::models::Sampling { temperature, top_k };
             commands::generate::generate(commands::generate::GenerateArgs {
                 config,
@@ -197,6 +197,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 seed,
                 checkpoint,
                 tag,
+                json,
             })
         }
         Command::Tokenize { inputs, tokenizer, train_vocab, out, valid_fraction, field } => {

@@ -76,6 +76,44 @@ fn eval_matches_the_numpy_reference_for_every_family() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `zerotrain generate --temperature 0` continues a prompt with the tokens the numpy forward
+/// pass finds likeliest, from the prompt's ids as `transformers`' `tokenizer(prompt)` gives
+/// them (a LLaMA tokenizer's beginning token first; a `transformers` 5 config), and GPT-2's.
+#[test]
+#[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
+fn greedy_generation_follows_the_numpy_reference() {
+    let dir = folder("greedy");
+    for (name, args) in [
+        ("llama-v5", &["--family", "llama", "--kv-heads", "2", "--rope", "llama3", "--layout", "v5"][..]),
+        ("gpt2", &["--family", "gpt2"][..]),
+    ] {
+        let hf = dir.join(name);
+        reference(&[&["make", hf.to_str().unwrap()], args].concat());
+        let expected: serde_json::Value =
+            serde_json::from_str(&reference(&["greedy", hf.to_str().unwrap(), "the", "--tokens", "8"])).unwrap();
+        // Near ties could fall either way between f32 and f64; these fixtures have none.
+        assert!(expected["margin"].as_f64().unwrap() > 1e-3, "{name}: {expected}");
+        let config = config(&dir, &hf, 1, 0, "");
+        let printed = run_ok(&[
+            "generate",
+            "--config",
+            config.to_str().unwrap(),
+            "--prompt",
+            "the",
+            "--tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--json",
+        ]);
+        let got: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
+        for key in ["prompt_ids", "ids", "text"] {
+            assert_eq!(got[key], expected[key], "{name}: {key}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Runs `zerotrain` and returns its stdout, failing with its stderr.
 fn run_ok(args: &[&str]) -> String {
     let out = zerotrain(args);
@@ -183,17 +221,19 @@ fn a_checkpoint_goes_through_zerotrain_and_back_bit_for_bit() {
 }
 
 /// The token ids zerotrain writes are the ids Python's tokenizers gives for the same
-/// tokenizer.json, document by document, each document closed by the end token
-/// `transformers` takes (tokenizer_config.json's `eos_token`: Qwen2's chat `<|im_end|>`,
-/// not the `<|endoftext|>` it also has); and a BPE zerotrain trains loads in Python and
-/// encodes the same there.
+/// tokenizer.json, document by document, as `transformers`' `tokenizer(text)` encodes a
+/// text (with the beginning token a LLaMA tokenizer puts before each), each document closed
+/// by the end token `transformers` takes (tokenizer_config.json's `eos_token`: Qwen2's chat
+/// `<|im_end|>`, not the `<|endoftext|>` it also has); and a BPE zerotrain trains loads in
+/// Python and encodes the same there.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn token_ids_are_python_tokenizers_ids() {
     let dir = folder("tokenizer");
-    let (gpt2, qwen2) = (dir.join("gpt2"), dir.join("qwen2"));
-    reference(&["make", gpt2.to_str().unwrap(), "--family", "gpt2"]);
-    reference(&["make", qwen2.to_str().unwrap(), "--family", "qwen2"]);
+    let (gpt2, qwen2, llama) = (dir.join("gpt2"), dir.join("qwen2"), dir.join("llama"));
+    for (folder, family) in [(&gpt2, "gpt2"), (&qwen2, "qwen2"), (&llama, "llama")] {
+        reference(&["make", folder.to_str().unwrap(), "--family", family]);
+    }
     let data = dir.join("text.txt");
     reference(&["text", data.to_str().unwrap(), "--bytes", "3000", "--seed", "5"]);
     let doc = std::fs::read_to_string(&data).unwrap().replace("\n\n", "\n");
@@ -201,6 +241,7 @@ fn token_ids_are_python_tokenizers_ids() {
     let cases = [
         (gpt2.join("tokenizer.json"), None),
         (qwen2.join("tokenizer.json"), None),
+        (llama.join("tokenizer.json"), None),
         (dir.join("trained.json"), Some("320")),
     ];
     for (tokenizer, train) in cases {
@@ -232,10 +273,14 @@ fn token_ids_are_python_tokenizers_ids() {
         assert!(ids.len() > 100);
         assert!(printed.contains(&format!("(id {eos})")), "{printed}");
     }
-    // Qwen2's chat tokenizer ends documents on <|im_end|>, not on the <|endoftext|> it also has.
-    let python: serde_json::Value =
-        serde_json::from_str(&reference(&["ids", qwen2.to_str().unwrap(), data.to_str().unwrap()])).unwrap();
-    assert_ne!(python["eos"], python["endoftext"]);
+    // Qwen2's chat tokenizer ends documents on <|im_end|>, not on the <|endoftext|> it also
+    // has; the LLaMA one begins each with a token of its own.
+    let ids = |folder: &Path| -> serde_json::Value {
+        serde_json::from_str(&reference(&["ids", folder.to_str().unwrap(), data.to_str().unwrap()])).unwrap()
+    };
+    let (qwen2, llama) = (ids(&qwen2), ids(&llama));
+    assert_ne!(qwen2["eos"], qwen2["endoftext"]);
+    assert!(llama["begin"].is_u64() && llama["ids"][0] == llama["begin"] && qwen2["begin"].is_null());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

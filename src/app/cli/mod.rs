@@ -187,6 +187,9 @@ pub enum Command {
         /// The checkpoint's tag (default: the one `latest` names).
         #[arg(long)]
         tag: Option<String>,
+        /// Print JSON: the text, and the token ids of the prompt and of what was added.
+        #[arg(long)]
+        json: bool,
     },
     /// Tokenize text or JSON-lines files into a token file for training (`--data`), with a
     /// tokenizer.json or a byte-level BPE trained on the same files.

@@ -48,7 +48,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let (name, source) = match &args.input {
         EvalInput::Text(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-            (path.display().to_string(), Source::Ids(loaded.tokenizer.encode_long(&text)?))
+            (path.display().to_string(), Source::Ids(loaded.tokenizer.encode_document(&text)?))
         }
         EvalInput::Tokens { file, all } => {
             let tokens = crate::app::text::tokens::TokenFile::open(file)?;

@@ -23,6 +23,8 @@ pub struct GenerateArgs {
     pub seed: u64,
     pub checkpoint: Option<PathBuf>,
     pub tag: Option<String>,
+    /// Print JSON (`text`, `prompt_ids`, `ids`) instead of the text.
+    pub json: bool,
 }
 
 /// `zerotrain generate`: prints the prompt and its continuation.
@@ -36,13 +38,18 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
     let loaded = load_model(&settings, &args.config, &device, args.checkpoint.as_deref())?;
-    let prompt = loaded.tokenizer.encode(&args.prompt)?;
+    let prompt = loaded.tokenizer.encode_prompt(&args.prompt)?;
     if prompt.is_empty() {
         bail!("--prompt is empty: give at least one token of text to continue");
     }
     let job = Generate { plan: &plan, args: &args, prompt: &prompt, context: loaded.context };
     let out = loaded.model.run(job)?;
-    println!("{}{}", args.prompt, loaded.tokenizer.decode(&out)?);
+    let text = format!("{}{}", args.prompt, loaded.tokenizer.decode(&out)?);
+    if args.json {
+        println!("{}", serde_json::json!({"text": text, "prompt_ids": prompt, "ids": out}));
+    } else {
+        println!("{text}");
+    }
     Ok(())
 }
 

@@ -90,7 +90,7 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     let encode_start = Instant::now();
     // Documents are encoded in parallel a batch at a time and written in order.
     for batch in docs.chunks(256) {
-        let ids: Vec<Vec<u32>> = batch.par_iter().map(|d| tokenizer.encode_long(d)).collect::<Result<_, _>>()?;
+        let ids: Vec<Vec<u32>> = batch.par_iter().map(|d| tokenizer.encode_document(d)).collect::<Result<_, _>>()?;
         for doc in &ids {
             writer.document(doc)?;
         }

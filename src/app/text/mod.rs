@@ -23,6 +23,10 @@ pub struct Tokenizer {
     splits_at_spaces: bool,
     /// A GPT-2-style byte-level BPE's pre-tokens, each encoded once (`words.rs`).
     words: Option<Words>,
+    /// The tokens its post-processor puts before every text (LLaMA's `<s>` or
+    /// `<|begin_of_text|>`), and after it.
+    before: Vec<u32>,
+    after: Vec<u32>,
 }
 
 /// End-of-text tokens by their usual names, for a tokenizer whose config names none.
@@ -39,12 +43,18 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     /// Reads `path`.
+    ///
+    /// Truncation and padding the file may configure are turned off, as `transformers`
+    /// does unless asked for them: a long document is never cut.
     pub fn from_file(path: &Path) -> Result<Self, FileError> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| FileError::new(path, format!("not a usable tokenizer.json: {e}")))?;
+        let error = |e: tokenizers::Error| FileError::new(path, format!("not a usable tokenizer.json: {e}"));
+        let mut inner = tokenizers::Tokenizer::from_file(path).map_err(error)?;
+        inner.with_truncation(None).map_err(error)?;
+        inner.with_padding(None);
+        let (before, after) = around(&inner).map_err(|why| FileError::new(path, why))?;
         let splits_at_spaces = splits_at_spaces(&inner);
         let words = Words::of(&inner);
-        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces, words })
+        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces, words, before, after })
     }
 
     /// The file it was read from.
@@ -84,6 +94,20 @@ impl Tokenizer {
         Ok(ids.concat())
     }
 
+    /// Token ids of a document as `transformers`' `tokenizer(text)` gives them: the text's
+    /// ([`encode_long`](Self::encode_long)) between the special tokens the tokenizer puts
+    /// around every text (a LLaMA tokenizer's beginning-of-text token; none for GPT-2's or
+    /// Qwen2's).
+    pub fn encode_document(&self, text: &str) -> Result<Vec<u32>, FileError> {
+        Ok([&self.before[..], &self.encode_long(text)?, &self.after].concat())
+    }
+
+    /// Token ids of a prompt to continue: the text's after the tokens the tokenizer puts
+    /// before every text (none of those it puts after, which would end it).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, FileError> {
+        Ok([&self.before[..], &self.encode(text)?].concat())
+    }
+
     /// The text of `ids`.
     pub fn decode(&self, ids: &[u32]) -> Result<String, FileError> {
         self.inner.decode(ids, false).map_err(|e| self.error(format!("cannot decode: {e}")))
@@ -121,6 +145,23 @@ impl Tokenizer {
 
     fn error(&self, message: String) -> FileError {
         FileError::new(&self.file, message)
+    }
+}
+
+/// The special tokens `tokenizer`'s post-processor puts before and after every text: what
+/// encoding a probe with them adds around its ids without them.
+fn around(tokenizer: &tokenizers::Tokenizer) -> Result<(Vec<u32>, Vec<u32>), String> {
+    const PROBE: &str = "probe";
+    let ids = |special| tokenizer.encode_fast(PROBE, special).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string());
+    let (plain, with) = (ids(false)?, ids(true)?);
+    let at = (0..=with.len().saturating_sub(plain.len())).find(|&i| with[i..].starts_with(&plain));
+    match at {
+        _ if plain.is_empty() && with.is_empty() => Ok((Vec::new(), Vec::new())),
+        Some(i) if !plain.is_empty() => Ok((with[..i].to_vec(), with[i + plain.len()..].to_vec())),
+        _ => Err(format!(
+            "its post-processor turns the ids {plain:?} of `{PROBE}` into {with:?}, not adding tokens around them: \
+             not supported"
+        )),
     }
 }
 
@@ -214,14 +255,15 @@ mod tests {
         assert_eq!(cut_at_spaces("abc", 1), ["abc"]);
     }
 
-    fn eos_folder() -> PathBuf {
-        std::env::temp_dir().join(format!("zerotrain-eos-{}", std::process::id()))
+    /// A test's own folder.
+    fn folder(test: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("zerotrain-text-{}-{test}", std::process::id()))
     }
 
-    /// A folder holding `tokenizer` as tokenizer.json and, if given, `config` as
-    /// tokenizer_config.json; the tokenizer read back.
-    fn saved(name: &str, tokenizer: &tokenizers::Tokenizer, config: Option<&str>) -> Tokenizer {
-        let dir = eos_folder().join(name);
+    /// A folder `name` in `parent` holding `tokenizer` as tokenizer.json and, if given,
+    /// `config` as tokenizer_config.json; the tokenizer read back.
+    fn saved(parent: &Path, name: &str, tokenizer: &tokenizers::Tokenizer, config: Option<&str>) -> Tokenizer {
+        let dir = parent.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("tokenizer.json");
         tokenizer.save(&file, false).unwrap();
@@ -234,26 +276,60 @@ mod tests {
 
     #[test]
     fn documents_end_with_the_token_the_tokenizer_config_names_else_a_usual_one() {
+        let dir = folder("eos");
         let mut bpe = train_byte_level_bpe(&["the rank holds a shard"], 300).unwrap();
         bpe.add_special_tokens(&[tokenizers::AddedToken::from("</s>", true)]);
         let (text, s) = (bpe.token_to_id("<|endoftext|>").unwrap(), bpe.token_to_id("</s>").unwrap());
         assert_ne!(text, s);
-        let plain = saved("plain", &bpe, None);
+        let plain = saved(&dir, "plain", &bpe, None);
         assert_eq!(plain.end_of_text().unwrap(), (text, "<|endoftext|>".to_string()));
-        let named = saved("named", &bpe, Some(r#"{"eos_token": {"content": "</s>", "special": true}}"#));
+        let named = saved(&dir, "named", &bpe, Some(r#"{"eos_token": {"content": "</s>", "special": true}}"#));
         assert_eq!(named.end_of_text().unwrap(), (s, "</s>".to_string()));
-        let string = saved("string", &bpe, Some(r#"{"eos_token": "</s>", "bos_token": null}"#));
+        let string = saved(&dir, "string", &bpe, Some(r#"{"eos_token": "</s>", "bos_token": null}"#));
         assert_eq!(string.end_of_text().unwrap().0, s);
-        let unset = saved("unset", &bpe, Some(r#"{"eos_token": null}"#));
+        let unset = saved(&dir, "unset", &bpe, Some(r#"{"eos_token": null}"#));
         assert_eq!(unset.end_of_text().unwrap().0, text);
         let err = |t: Tokenizer| t.end_of_text().unwrap_err().to_string();
-        let absent = err(saved("absent", &bpe, Some(r#"{"eos_token": "<|eot_id|>"}"#)));
+        let absent = err(saved(&dir, "absent", &bpe, Some(r#"{"eos_token": "<|eot_id|>"}"#)));
         assert!(absent.contains("tokenizer_config.json: eos_token `<|eot_id|>` is not a token of"), "{absent}");
-        assert!(err(saved("broken", &bpe, Some("{"))).contains("tokenizer_config.json: not JSON"));
+        assert!(err(saved(&dir, "broken", &bpe, Some("{"))).contains("tokenizer_config.json: not JSON"));
         let mut bare = tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default());
         bare.add_tokens(&[tokenizers::AddedToken::from("word", false)]);
-        let none = err(saved("none", &bare, None));
+        let none = err(saved(&dir, "none", &bare, None));
         assert!(none.contains("tokenizer.json: no end-of-text token to close documents with"), "{none}");
-        std::fs::remove_dir_all(eos_folder()).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A document gets the tokens the tokenizer's post-processor puts around every text, as
+    /// the crate's own encoding with special tokens does (LLaMA's beginning-of-text token),
+    /// and is never cut by the truncation a tokenizer.json may configure; a prompt gets the
+    /// ones before it only.
+    #[test]
+    fn documents_are_encoded_as_transformers_encodes_a_text_and_never_cut() {
+        use tokenizers::processors::template::TemplateProcessing;
+        let mut bpe = train_byte_level_bpe(&["the rank holds a shard of state"], 300).unwrap();
+        bpe.add_special_tokens(&[
+            tokenizers::AddedToken::from("<s>", true),
+            tokenizers::AddedToken::from("</s>", true),
+        ]);
+        let (bos, eos) = (bpe.token_to_id("<s>").unwrap(), bpe.token_to_id("</s>").unwrap());
+        let template = TemplateProcessing::builder()
+            .try_single("<s> $A </s>")
+            .unwrap()
+            .special_tokens(vec![("<s>", bos), ("</s>", eos)])
+            .build()
+            .unwrap();
+        bpe.with_post_processor(Some(template));
+        let text = "the rank holds a shard of state and the rank holds a shard";
+        let expected = bpe.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!((expected[0], expected[expected.len() - 1]), (bos, eos));
+        let truncation = tokenizers::TruncationParams { max_length: 4, ..Default::default() };
+        bpe.with_truncation(Some(truncation)).unwrap();
+        assert_eq!(bpe.encode(text, true).unwrap().get_ids().len(), 4, "the file's own setting cuts");
+        let dir = folder("template");
+        let tokenizer = saved(&dir, "template", &bpe, None);
+        assert_eq!(tokenizer.encode_document(text).unwrap(), expected);
+        assert_eq!(tokenizer.encode_prompt(text).unwrap(), expected[..expected.len() - 1]);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -65,10 +65,12 @@ impl TokenFileWriter {
         })
     }
 
-    /// Appends one document and its end-of-text token.
+    /// Appends one document and its end-of-text token (unless its ids end with it: a
+    /// tokenizer that adds it to every text).
     pub fn document(&mut self, ids: &[u32]) -> Result<(), FileError> {
+        let end = Some(self.eos).filter(|&eos| ids.last() != Some(&eos));
         let mut bytes = Vec::with_capacity((ids.len() + 1) * self.width);
-        for &id in ids.iter().chain(std::iter::once(&self.eos)) {
+        for &id in ids.iter().chain(end.iter()) {
             if self.width == 2 {
                 bytes.extend_from_slice(&(id as u16).to_le_bytes());
             } else {
@@ -76,7 +78,7 @@ impl TokenFileWriter {
             }
         }
         self.write(&bytes)?;
-        self.tokens += ids.len() as u64 + 1;
+        self.tokens += (ids.len() + end.iter().len()) as u64;
         self.ends.push(self.tokens);
         Ok(())
     }
@@ -257,10 +259,12 @@ mod tests {
         let mut w = TokenFileWriter::create(&path, 300, 299).unwrap();
         w.document(&[1, 2, 3]).unwrap();
         w.document(&[250, 7]).unwrap();
+        w.document(&[8, 299]).unwrap(); // closed already, by a tokenizer that ends every text
         let file = w.finish(0.3).unwrap();
         file.verify().unwrap();
-        assert_eq!((0..file.len()).map(|i| file.token(i)).collect::<Vec<_>>(), [1, 2, 3, 299, 250, 7, 299]);
-        assert_eq!((file.documents(), file.train_tokens(), file.vocab_size()), (2, 5, 300));
+        let tokens = [1, 2, 3, 299, 250, 7, 299, 8, 299];
+        assert_eq!((0..file.len()).map(|i| file.token(i)).collect::<Vec<_>>(), tokens);
+        assert_eq!((file.documents(), file.train_tokens(), file.vocab_size()), (3, 6, 300));
 
         let bytes = std::fs::read(&path).unwrap();
         let write = |name: &str, bytes: &[u8]| {

@@ -43,20 +43,20 @@ pub(super) struct Words {
 impl Words {
     /// The cache, if `tokenizer` encodes as the module note says: no normalizer, the
     /// byte-level pre-tokenizer alone with its pattern and no prefix space, no BPE dropout,
-    /// no added token holding a space, a post-processor that adds nothing without special
-    /// tokens (none, or the byte-level one), no truncation or padding.
+    /// no added token holding a space, no truncation or padding. Any post-processor will
+    /// do: the crate's add tokens only when asked for special ones (a template's, BERT's
+    /// and RoBERTa's check; the byte-level one moves offsets), which these ids never are.
     pub fn of(tokenizer: &tokenizers::Tokenizer) -> Option<Self> {
-        use tokenizers::{ModelWrapper, PostProcessorWrapper, PreTokenizerWrapper};
+        use tokenizers::{ModelWrapper, PreTokenizerWrapper};
         let byte_level = matches!(
             tokenizer.get_pre_tokenizer(),
             Some(PreTokenizerWrapper::ByteLevel(b)) if b.use_regex && !b.add_prefix_space
         );
         let random = matches!(tokenizer.get_model(), ModelWrapper::BPE(bpe) if bpe.dropout.is_some_and(|p| p > 0.0));
-        let post = matches!(tokenizer.get_post_processor(), None | Some(PostProcessorWrapper::ByteLevel(_)));
         let shaped = tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some();
         let added: Vec<String> = tokenizer.get_added_tokens_decoder().values().map(|t| t.content.clone()).collect();
         let spaced = added.iter().any(|t| t.contains(char::is_whitespace) || t.is_empty());
-        if !byte_level || random || !post || shaped || spaced || tokenizer.get_normalizer().is_some() {
+        if !byte_level || random || shaped || spaced || tokenizer.get_normalizer().is_some() {
             return None;
         }
         let shards = (0..=rayon::current_num_threads())
@@ -138,10 +138,20 @@ mod tests {
     }
 
     /// Through the cache, texts encode to the crate's ids: ASCII, accented and other
-    /// scripts, curly quotes, no-break spaces, an added token, runs of whitespace.
+    /// scripts, curly quotes, no-break spaces, an added token, runs of whitespace; with a
+    /// post-processor that puts a token before every text, which adds nothing here.
     #[test]
     fn ids_are_the_crates() {
-        let tokenizer = trained();
+        let mut tokenizer = trained();
+        let bos = tokenizer.token_to_id("<|endoftext|>").unwrap();
+        let template = tokenizers::processors::template::TemplateProcessing::builder()
+            .try_single("<|endoftext|> $A")
+            .unwrap()
+            .special_tokens(vec![("<|endoftext|>", bos)])
+            .build()
+            .unwrap();
+        tokenizer.with_post_processor(Some(template));
+        assert_eq!(tokenizer.encode_fast("the", true).unwrap().get_ids()[0], bos, "the template is on");
         let words = Words::of(&tokenizer).expect("a byte-level BPE");
         let crate_ids = |t: &str| tokenizer.encode_fast(t, false).map(|e| e.get_ids().to_vec());
         let texts = [

@@ -42,7 +42,7 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         let (eos, _) = tokenizer.end_of_text()?;
         let mut writer = TokenFileWriter::create(&out.join("data.tokens"), tokenizer.vocab_size(), eos)?;
         for document in text.split("\n\n").filter(|d| !d.trim().is_empty()) {
-            writer.document(&tokenizer.encode_long(document)?)?;
+            writer.document(&tokenizer.encode_document(document)?)?;
         }
         writer.finish(0.01)?
     };
