@@ -155,6 +155,11 @@ fn a_checkpoint_that_does_not_fit_its_config_is_refused_naming_the_tensor_and_fi
         .unwrap();
     let err = import_error(&dir);
     assert!(err.contains("not a file name in its folder"), "{err}");
+
+    std::fs::remove_file(dir.join(files::INDEX_FILE)).unwrap();
+    std::fs::rename(dir.join(files::SINGLE_FILE), dir.join("pytorch_model.bin")).unwrap();
+    let err = import_error(&dir);
+    assert!(err.contains("has neither model.safetensors nor") && err.contains("only pytorch_model.bin"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -61,7 +61,16 @@ impl TensorFiles {
         } else if single.exists() {
             vec![(single, None)]
         } else {
-            return Err(FileError::new(dir, format!("has neither {SINGLE_FILE} nor {INDEX_FILE}")));
+            let pickled =
+                ["pytorch_model.bin", "pytorch_model.bin.index.json"].into_iter().find(|f| dir.join(f).exists());
+            let hint = match pickled {
+                Some(file) => format!(
+                    ", only {file}: PyTorch's pickle format, which zerotrain does not read (it can run code); save \
+                     the model as safetensors (transformers' save_pretrained does by default)"
+                ),
+                None => String::new(),
+            };
+            return Err(FileError::new(dir, format!("has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")));
         };
         let mut out = Self { files: Vec::new(), tensors: BTreeMap::new() };
         for (path, listed) in names {
