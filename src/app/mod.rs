@@ -187,7 +187,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consolidate { dir, tag, out, dtype, format, max_shard_size, hf_config } => {
             commands::consolidate(commands::ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config })
         }
-        Command::Generate { config, prompt, tokens, temperature, top_k, seed, checkpoint, tag, json } => {
+        Command::Generate { config, prompt, tokens, temperature, top_k, seed, checkpoint, tag, json, ignore_eos } => {
             let sampling = crate::app::models::Sampling { temperature, top_k };
             commands::generate::generate(commands::generate::GenerateArgs {
                 config,
@@ -198,6 +198,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 checkpoint,
                 tag,
                 json,
+                ignore_eos,
             })
         }
         Command::Tokenize { inputs, tokenizer, train_vocab, out, valid_fraction, field } => {

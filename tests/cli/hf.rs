@@ -78,7 +78,9 @@ fn eval_matches_the_numpy_reference_for_every_family() {
 
 /// `zerotrain generate --temperature 0` continues a prompt with the tokens the numpy forward
 /// pass finds likeliest, from the prompt's ids as `transformers`' `tokenizer(prompt)` gives
-/// them (a LLaMA tokenizer's beginning token first; a `transformers` 5 config), and GPT-2's.
+/// them (a LLaMA tokenizer's beginning token first; a `transformers` 5 config), and GPT-2's;
+/// it stops after the first of generation_config.json's `eos_token_id`s it samples, as
+/// `transformers` does, unless told `--ignore-eos`.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn greedy_generation_follows_the_numpy_reference() {
@@ -94,22 +96,29 @@ fn greedy_generation_follows_the_numpy_reference() {
         // Near ties could fall either way between f32 and f64; these fixtures have none.
         assert!(expected["margin"].as_f64().unwrap() > 1e-3, "{name}: {expected}");
         let config = config(&dir, &hf, 1, 0, "");
-        let printed = run_ok(&[
-            "generate",
-            "--config",
-            config.to_str().unwrap(),
-            "--prompt",
-            "the",
-            "--tokens",
-            "8",
-            "--temperature",
-            "0",
-            "--json",
-        ]);
-        let got: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
+        let generate = |extra: &[&str]| -> serde_json::Value {
+            let mut args = vec!["generate", "--config", config.to_str().unwrap(), "--prompt", "the"];
+            args.extend(["--tokens", "8", "--temperature", "0", "--json"]);
+            serde_json::from_str(run_ok(&[&args[..], extra].concat()).trim()).unwrap()
+        };
+        let got = generate(&["--ignore-eos"]);
         for key in ["prompt_ids", "ids", "text"] {
             assert_eq!(got[key], expected[key], "{name}: {key}");
         }
+        // The reference's 8 ids, up to and with the first of `stop`.
+        let ids = expected["ids"].as_array().unwrap().clone();
+        let until = |stop: &[serde_json::Value]| {
+            let end = ids.iter().position(|id| stop.contains(id)).map_or(ids.len(), |at| at + 1);
+            serde_json::Value::from(ids[..end].to_vec())
+        };
+        let generation = hf.join("generation_config.json");
+        let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&generation).unwrap()).unwrap();
+        assert_eq!(generate(&[])["ids"], until(&[written["eos_token_id"].clone()]), "{name}: the file's end token");
+        let third = ids[2].clone();
+        std::fs::write(&generation, serde_json::json!({"eos_token_id": [100000, third]}).to_string()).unwrap();
+        let stopped = generate(&[])["ids"].clone();
+        assert!(stopped.as_array().unwrap().len() <= 3, "{name}: {stopped}");
+        assert_eq!(stopped, until(std::slice::from_ref(&third)), "{name}: an end token it samples third");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -476,7 +485,7 @@ fn generating_more_tokens_holds_no_more_memory() {
     let model_bytes = ((layers * per_layer + hidden + vocab * hidden) * 4) as u64;
     let peak = |tokens: &str| {
         let config = config.to_str().unwrap();
-        generate_peak_rss(&["--config", config, "--prompt", "the rank holds", "--tokens", tokens])
+        generate_peak_rss(&["--config", config, "--prompt", "the rank holds", "--tokens", tokens, "--ignore-eos"])
     };
     let (one, many) = (peak("1"), peak("24"));
     assert!(

@@ -190,6 +190,11 @@ pub enum Command {
         /// Print JSON: the text, and the token ids of the prompt and of what was added.
         #[arg(long)]
         json: bool,
+        /// Add all --tokens, past the model's end tokens (by default sampling stops after
+        /// one: generation_config.json's eos_token_id, else config.json's, else the
+        /// tokenizer's end token).
+        #[arg(long)]
+        ignore_eos: bool,
     },
     /// Tokenize text or JSON-lines files into a token file for training (`--data`), with a
     /// tokenizer.json or a byte-level BPE trained on the same files.

@@ -1,13 +1,15 @@
 //! `zerotrain generate`: text sampled from a Hugging Face family's model (`model.hf_dir`,
 //! or a checkpoint of it), one rank on the config's device, deterministic for a seed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use burn::tensor::Device;
+use serde_json::Value;
 
 use crate::app::family::WithModel;
-use crate::app::family::load::load_model;
+use crate::app::family::load::{LoadedModel, load_model};
+use crate::app::hf;
 use crate::app::keys;
 use crate::app::models::{CausalLm, Sampling};
 use crate::{LoadOptions, Overrides, Plan};
@@ -25,6 +27,8 @@ pub struct GenerateArgs {
     pub tag: Option<String>,
     /// Print JSON (`text`, `prompt_ids`, `ids`) instead of the text.
     pub json: bool,
+    /// Add all `tokens`, past the model's end tokens.
+    pub ignore_eos: bool,
 }
 
 /// `zerotrain generate`: prints the prompt and its continuation.
@@ -42,7 +46,8 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("--prompt is empty: give at least one token of text to continue");
     }
-    let job = Generate { plan: &plan, args: &args, prompt: &prompt, context: loaded.context };
+    let stop = if args.ignore_eos { Vec::new() } else { stop_tokens(&loaded, args.checkpoint.as_deref())? };
+    let job = Generate { plan: &plan, args: &args, prompt: &prompt, stop: &stop, context: loaded.context };
     let out = loaded.model.run(job)?;
     let text = format!("{}{}", args.prompt, loaded.tokenizer.decode(&out)?);
     if args.json {
@@ -53,10 +58,47 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tokens sampling stops after, as `transformers`' `generate` takes them: the
+/// `eos_token_id` (one id or a list) of the `generation_config.json` beside the checkpoint
+/// (or else the model), else of the model's `config.json`, else the tokenizer's end token.
+fn stop_tokens(loaded: &LoadedModel, checkpoint: Option<&Path>) -> anyhow::Result<Vec<u32>> {
+    let model_dir = if loaded.source.is_dir() { Some(loaded.source.as_path()) } else { loaded.source.parent() };
+    let folders = [checkpoint, model_dir].into_iter().flatten();
+    if let Some(path) = folders.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE)).find(|p| p.exists()) {
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let json: Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+        if let Some(ids) = eos_ids(&json).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))? {
+            return Ok(ids);
+        }
+    }
+    let config = match checkpoint {
+        Some(dir) => dir.join(hf::CONFIG_FILE),
+        None if loaded.source.is_dir() => loaded.source.join(hf::CONFIG_FILE),
+        None => loaded.source.clone(),
+    };
+    if let Some(ids) = eos_ids(&loaded.config.json).map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))? {
+        return Ok(ids);
+    }
+    Ok(vec![loaded.tokenizer.end_of_text()?.0])
+}
+
+/// A JSON object's `eos_token_id`: one id or a list of them; `None` where absent or null.
+fn eos_ids(json: &Value) -> Result<Option<Vec<u32>>, String> {
+    let id = |v: &Value| v.as_u64().and_then(|i| u32::try_from(i).ok());
+    let ids = match json.get("eos_token_id") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(list)) => list.iter().map(id).collect::<Option<Vec<u32>>>(),
+        Some(one) => id(one).map(|i| vec![i]),
+    };
+    ids.map(Some)
+        .ok_or_else(|| format!("eos_token_id must be a token id or a list of them, not {}", json["eos_token_id"]))
+}
+
 struct Generate<'a> {
     plan: &'a Plan,
     args: &'a GenerateArgs,
     prompt: &'a [u32],
+    stop: &'a [u32],
     context: usize,
 }
 
@@ -75,8 +117,27 @@ impl WithModel for Generate<'_> {
             let Some(model) = engine.gather_model(0)? else { return Ok(None) };
             drop(engine);
             let mut rng = self.args.seed;
-            model.generate(self.prompt, self.args.tokens, self.context, self.args.sampling, &mut rng).map(Some)
+            let (count, sampling) = (self.args.tokens, self.args.sampling);
+            model.generate(self.prompt, count, self.context, sampling, self.stop, &mut rng).map(Some)
         })?;
         Ok(tokens.into_iter().flatten().next().expect("rank 0 generates"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn end_tokens_are_one_id_or_a_list() {
+        assert_eq!(eos_ids(&json!({"eos_token_id": 7})), Ok(Some(vec![7])));
+        assert_eq!(eos_ids(&json!({"eos_token_id": [128001, 128009]})), Ok(Some(vec![128001, 128009])));
+        assert_eq!(eos_ids(&json!({"eos_token_id": null})), Ok(None));
+        assert_eq!(eos_ids(&json!({"bos_token_id": 1})), Ok(None));
+        for bad in [json!("</s>"), json!([1, "x"]), json!(-1), json!(1u64 << 40)] {
+            let err = eos_ids(&json!({"eos_token_id": bad})).unwrap_err();
+            assert!(err.starts_with("eos_token_id must be a token id or a list of them"), "{err}");
+        }
     }
 }

@@ -16,8 +16,9 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
 
     /// Continues `prompt` by `count` tokens, each from the logits of the last `context`
     /// tokens: greedy at temperature 0, else sampled from the `top_k` most likely (all when
-    /// 0) at `temperature`, drawing from the deterministic generator `rng`. Runs where the
-    /// model's parameters are; a device that fails reading the logits is an
+    /// 0) at `temperature`, drawing from the deterministic generator `rng`; ends early after
+    /// a token of `stop` (the model's end tokens), which it keeps. Runs where the model's
+    /// parameters are; a device that fails reading the logits is an
     /// [`Error::Device`](crate::Error::Device), not a token.
     fn generate(
         &self,
@@ -25,6 +26,7 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
         count: usize,
         context: usize,
         sampling: Sampling,
+        stop: &[u32],
         rng: &mut u64,
     ) -> crate::Result<Vec<u32>> {
         // Without autodiff: on an autodiff device each forward's graph stays reachable from
@@ -39,7 +41,11 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
             let logits = model.logits(input).cast(FloatDType::F32);
             let [_, t, vocab] = logits.dims();
             let last = crate::engine::readout::f32s(logits.slice([0..1, t - 1..t, 0..vocab]), "the logits")?;
-            tokens.push(pick(&last, sampling, rng));
+            let next = pick(&last, sampling, rng);
+            tokens.push(next);
+            if stop.contains(&next) {
+                break;
+            }
         }
         Ok(tokens.split_off(prompt.len()))
     }

@@ -16,7 +16,8 @@ pub(super) fn write_samples(model: &Gpt, corpus: &Corpus, shape: &GptConfig) -> 
             .map(|line| {
                 let prompt = &line[..line.find('=').map_or(line.len(), |i| i + 1)];
                 let context = format!("\n{prompt}");
-                let out = model.generate(&corpus.encode(&context), 4, shape.block_size, Sampling::GREEDY, &mut rng)?;
+                let out =
+                    model.generate(&corpus.encode(&context), 4, shape.block_size, Sampling::GREEDY, &[], &mut rng)?;
                 let answer: String = corpus.decode(&out).chars().take_while(|c| *c != '\n').collect();
                 let verdict = if format!("{prompt}{answer}") == line { "correct" } else { "wrong" };
                 Ok(format!("{prompt}{answer}  ({verdict}; expected {line})"))
@@ -24,6 +25,6 @@ pub(super) fn write_samples(model: &Gpt, corpus: &Corpus, shape: &GptConfig) -> 
             .collect();
     }
     let prompt: Vec<u32> = corpus.valid.iter().take(shape.block_size / 2).copied().collect();
-    let out = model.generate(&prompt, 200, shape.block_size, Sampling { temperature: 0.8, top_k: 0 }, &mut rng)?;
+    let out = model.generate(&prompt, 200, shape.block_size, Sampling { temperature: 0.8, top_k: 0 }, &[], &mut rng)?;
     Ok(vec![format!("{}|{}", corpus.decode(&prompt), corpus.decode(&out))])
 }

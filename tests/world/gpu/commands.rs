@@ -96,7 +96,18 @@ pub fn generate_samples_on_the_configured_device(on: Gpu) {
         );
         let file = format!("{device}{}.json", half.len());
         std::fs::write(dir.join(&file), json).unwrap();
-        let args = ["generate", "--config", &file, "--prompt", "the cat", "--tokens", "6", "--temperature", "0"];
+        let args = [
+            "generate",
+            "--config",
+            &file,
+            "--prompt",
+            "the cat",
+            "--tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ];
         zerotrain(&dir, &args)
     };
     let cpu = run("cpu", "");
