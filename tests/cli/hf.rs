@@ -444,13 +444,12 @@ fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `zerotrain generate ARGS`'s peak resident size in bytes, from the kernel's accounting of
-/// the finished child (`wait4`); panics unless it succeeded.
-fn generate_peak_rss(args: &[&str]) -> u64 {
+/// `zerotrain ARGS`'s peak resident size in bytes, from the kernel's accounting of the
+/// finished child (`wait4`); panics unless it succeeded.
+fn peak_rss(args: &[&str]) -> u64 {
     use std::io::Read;
     #[expect(clippy::zombie_processes, reason = "reaped by the wait4 below, which also gives its peak")]
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .arg("generate")
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -461,7 +460,7 @@ fn generate_peak_rss(args: &[&str]) -> u64 {
     let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
     // SAFETY: the child is ours and not yet reaped; both out-pointers are live locals.
     let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
-    assert!(pid > 0 && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "generate {args:?}: {err}");
+    assert!(pid > 0 && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "zerotrain {args:?}: {err}");
     usage.ru_maxrss as u64 * 1024
 }
 
@@ -485,13 +484,56 @@ fn generating_more_tokens_holds_no_more_memory() {
     let model_bytes = ((layers * per_layer + hidden + vocab * hidden) * 4) as u64;
     let peak = |tokens: &str| {
         let config = config.to_str().unwrap();
-        generate_peak_rss(&["--config", config, "--prompt", "the rank holds", "--tokens", tokens, "--ignore-eos"])
+        peak_rss(&["generate", "--config", config, "--prompt", "the rank holds", "--tokens", tokens, "--ignore-eos"])
     };
     let (one, many) = (peak("1"), peak("24"));
     assert!(
         many < one + model_bytes,
         "24 tokens peaked at {many} B, 1 token at {one} B: more than the model's {model_bytes} B apart"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `tokenize` reads its files a batch of documents at a time: a corpus of 160 MB peaks far
+/// below its own size (holding it whole, as it did, took twice that), and gives the ids of
+/// each document read alone. A file that turns out malformed after many documents leaves
+/// no token file, whole or partial.
+#[test]
+fn tokenize_holds_a_batch_of_the_corpus_not_all_of_it() {
+    let dir = folder("tokenize-stream");
+    let (small, big) = (dir.join("small.txt"), dir.join("big.txt"));
+    let paragraph = words(1500, 9);
+    std::fs::write(&small, format!("{paragraph}\n\n{}", words(200, 4))).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    let out = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let train = ["tokenize", small.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
+    run_ok(&[&train[..], &["--train-vocab", "300", "--out", &out("small.tokens")]].concat());
+    let mut corpus = std::io::BufWriter::new(std::fs::File::create(&big).unwrap());
+    let mut bytes = 0;
+    while bytes < 160_000_000 {
+        std::io::Write::write_all(&mut corpus, paragraph.as_bytes()).unwrap();
+        std::io::Write::write_all(&mut corpus, b"\n\n").unwrap();
+        bytes += paragraph.len() + 2;
+    }
+    drop(corpus);
+    let big_args = ["tokenize", big.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
+    let peak = peak_rss(&[&big_args[..], &["--out", &out("big.tokens"), "--valid-fraction", "0"]].concat());
+    assert!(peak < bytes as u64 / 2, "a {bytes} B corpus peaked at {peak} B");
+    // Every document is the same paragraph: its ids, then the end token, over and over.
+    let one = read_token_file(&dir.join("small.tokens"));
+    let (first, tokens) =
+        (&one[..one.iter().position(|&t| t == 0).unwrap() + 1], read_token_file(&dir.join("big.tokens")));
+    assert_eq!(tokens.len() % first.len(), 0);
+    assert!(tokens.chunks(first.len()).all(|doc| doc == first));
+    std::fs::remove_file(&big).unwrap();
+
+    let jsonl = dir.join("docs.jsonl");
+    let line = format!("{}\n", serde_json::json!({"text": paragraph}));
+    std::fs::write(&jsonl, format!("{}{{\"body\": \"no text\"}}\n", line.repeat(3000))).unwrap();
+    let args = ["tokenize", jsonl.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap(), "--out"];
+    let failed = zerotrain(&[&args[..], &[&out("bad.tokens")]].concat());
+    assert!(text(&failed.stderr).contains("line 3001: no string field `text`"), "{}", text(&failed.stderr));
+    assert!(!dir.join("bad.tokens").exists() && !dir.join("bad.tokens.partial").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

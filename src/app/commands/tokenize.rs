@@ -1,15 +1,15 @@
 //! `zerotrain tokenize`: text or JSON-lines files into a token file (see
 //! [`tokens`](crate::app::text::tokens)), with a tokenizer given or a byte-level BPE trained
-//! on the same files.
+//! on the same files; the files are read a batch of documents at a time.
 
-use std::io::BufRead;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
-use rayon::prelude::*;
+use anyhow::bail;
 
 use crate::app::text::Tokenizer;
+use crate::app::text::documents::Documents;
 use crate::app::text::tokens::TokenFileWriter;
 
 /// What `zerotrain tokenize` was asked.
@@ -30,38 +30,27 @@ pub struct TokenizeArgs {
     pub field: String,
 }
 
-/// Documents of one input file, in order.
-fn documents(path: &Path, field: &str) -> anyhow::Result<Vec<String>> {
-    let jsonl = path.extension().is_some_and(|e| e == "jsonl" || e == "ndjson");
-    if !jsonl {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("cannot read {} as UTF-8 text", path.display()))?;
-        return Ok(text.split("\n\n").filter(|d| !d.trim().is_empty()).map(str::to_string).collect());
-    }
-    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut out = Vec::new();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.with_context(|| format!("cannot read {}", path.display()))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let value: serde_json::Value =
-            serde_json::from_str(&line).with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
-        match value.get(field) {
-            Some(serde_json::Value::String(text)) => out.push(text.clone()),
-            _ => bail!("{} line {}: no string field `{field}` (choose it with --field)", path.display(), i + 1),
-        }
-    }
-    Ok(out)
-}
-
-/// A byte-level BPE of `vocab` tokens (`<|endoftext|>` among them) trained on `documents`.
-fn train_bpe(documents: &[String], vocab: usize, out: &Path) -> anyhow::Result<Tokenizer> {
+/// A byte-level BPE of `vocab` tokens (`<|endoftext|>` among them) trained on the documents
+/// of `args`' files, read as the trainer asks for them.
+fn train_bpe(args: &TokenizeArgs, vocab: usize) -> anyhow::Result<Tokenizer> {
     if vocab < 257 {
         bail!("--train-vocab {vocab}: a byte-level BPE needs at least 257 tokens (256 bytes and <|endoftext|>)");
     }
-    let tokenizer = crate::app::text::train_byte_level_bpe(documents, vocab)
-        .map_err(|e| anyhow::anyhow!("training the BPE failed: {e}"))?;
+    let mut documents = Documents::new(&args.inputs, &args.field);
+    let failed = Mutex::new(None);
+    let stream = std::iter::from_fn(|| match documents.batch(1, 1) {
+        Ok(mut one) => one.pop(),
+        Err(e) => {
+            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            None
+        }
+    });
+    let trained = crate::app::text::train_byte_level_bpe(stream, vocab);
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e.into());
+    }
+    let tokenizer = trained.map_err(|e| anyhow::anyhow!("training the BPE failed: {e}"))?;
+    let out = &args.tokenizer;
     tokenizer.save(out, true).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
     Ok(Tokenizer::from_file(out)?)
 }
@@ -75,26 +64,21 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
         bail!("give the text or JSON-lines files to tokenize");
     }
     let start = Instant::now();
-    let mut docs = Vec::new();
-    for input in &args.inputs {
-        docs.extend(documents(input, &args.field)?);
-    }
-    let text_bytes: usize = docs.iter().map(String::len).sum();
     let tokenizer = match args.train_vocab {
-        Some(vocab) => train_bpe(&docs, vocab, &args.tokenizer)?,
+        Some(vocab) => train_bpe(&args, vocab)?,
         None => Tokenizer::from_file(&args.tokenizer)?,
     };
     let trained = start.elapsed().as_secs_f64();
     let (eos, eos_name) = tokenizer.end_of_text()?;
     let mut writer = TokenFileWriter::create(&args.out, tokenizer.vocab_size(), eos)?;
     let encode_start = Instant::now();
-    // Documents are encoded in parallel a batch at a time and written in order.
-    for batch in docs.chunks(256) {
-        let ids: Vec<Vec<u32>> = batch.par_iter().map(|d| tokenizer.encode_document(d)).collect::<Result<_, _>>()?;
-        for doc in &ids {
-            writer.document(doc)?;
+    let text_bytes = match Documents::new(&args.inputs, &args.field).encode_into(&tokenizer, &mut writer) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            writer.abandon();
+            return Err(e.into());
         }
-    }
+    };
     let file = writer.finish(args.valid_fraction)?;
     let seconds = encode_start.elapsed().as_secs_f64();
     println!(

@@ -1,7 +1,9 @@
 //! Text for the Hugging Face families: a `tokenizer.json` through Hugging Face's own
-//! `tokenizers` crate ([`Tokenizer`]), corpora tokenized once into memory-mapped token
-//! files ([`tokens`]), and the order a run reads their windows in ([`sampler`]).
+//! `tokenizers` crate ([`Tokenizer`]), corpora read a batch of documents at a time
+//! ([`documents`]) and tokenized once into memory-mapped token files ([`tokens`]), and the
+//! order a run reads their windows in ([`sampler`]).
 
+pub mod documents;
 mod pattern;
 pub mod sampler;
 pub mod tokens;
@@ -188,8 +190,8 @@ fn configured_eos(path: &Path) -> Result<Option<String>, FileError> {
 
 /// A byte-level BPE as GPT-2's (its pre-tokenizer and decoder, no prefix space) trained
 /// on `documents` to `vocab` tokens, `<|endoftext|>` among them (`tokenize --train-vocab`).
-pub fn train_byte_level_bpe<S: AsRef<str> + Send + Sync>(
-    documents: &[S],
+pub fn train_byte_level_bpe<S: AsRef<str> + Send>(
+    documents: impl Iterator<Item = S> + Send,
     vocab: usize,
 ) -> tokenizers::Result<tokenizers::Tokenizer> {
     use tokenizers::models::TrainerWrapper;
@@ -207,7 +209,7 @@ pub fn train_byte_level_bpe<S: AsRef<str> + Send + Sync>(
     let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
     tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true))));
     tokenizer.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())));
-    tokenizer.train(&mut trainer, documents.iter().map(AsRef::as_ref))?;
+    tokenizer.train(&mut trainer, documents)?;
     Ok(tokenizer)
 }
 
@@ -277,7 +279,7 @@ mod tests {
     #[test]
     fn documents_end_with_the_token_the_tokenizer_config_names_else_a_usual_one() {
         let dir = folder("eos");
-        let mut bpe = train_byte_level_bpe(&["the rank holds a shard"], 300).unwrap();
+        let mut bpe = train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap();
         bpe.add_special_tokens(&[tokenizers::AddedToken::from("</s>", true)]);
         let (text, s) = (bpe.token_to_id("<|endoftext|>").unwrap(), bpe.token_to_id("</s>").unwrap());
         assert_ne!(text, s);
@@ -307,7 +309,7 @@ mod tests {
     #[test]
     fn documents_are_encoded_as_transformers_encodes_a_text_and_never_cut() {
         use tokenizers::processors::template::TemplateProcessing;
-        let mut bpe = train_byte_level_bpe(&["the rank holds a shard of state"], 300).unwrap();
+        let mut bpe = train_byte_level_bpe(["the rank holds a shard of state"].into_iter(), 300).unwrap();
         bpe.add_special_tokens(&[
             tokenizers::AddedToken::from("<s>", true),
             tokenizers::AddedToken::from("</s>", true),

@@ -83,6 +83,13 @@ impl TokenFileWriter {
         Ok(())
     }
 
+    /// Gives up the file: what was written is removed, nothing appears at the path.
+    pub fn abandon(self) {
+        let partial = self.partial.clone();
+        drop(self);
+        let _ = std::fs::remove_file(partial);
+    }
+
     fn write(&mut self, bytes: &[u8]) -> Result<(), FileError> {
         self.crc.update(bytes);
         self.out.write_all(bytes).map_err(|e| FileError::new(&self.partial, format!("cannot write it: {e}")))

@@ -134,7 +134,7 @@ mod tests {
     /// What `zerotrain tokenize --train-vocab` trains, on a little text.
     fn trained() -> tokenizers::Tokenizer {
         let text = ["the cat sat on the mat; the dog's bowl, 42 bones", "déjà vu — naïve café, 東京 “quoted”"];
-        super::super::train_byte_level_bpe(&text, 400).unwrap()
+        super::super::train_byte_level_bpe(text.iter(), 400).unwrap()
     }
 
     /// Through the cache, texts encode to the crate's ids: ASCII, accented and other

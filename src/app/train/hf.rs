@@ -18,12 +18,14 @@ use crate::app::hf;
 use crate::app::keys::AppSettings;
 use crate::app::models::{CausalLm, Sampling};
 use crate::app::text::Tokenizer;
+use crate::app::text::documents::Documents;
 use crate::app::text::sampler::TokenSampler;
 use crate::app::text::tokens::{TokenFile, TokenFileWriter};
 use crate::engine::ParamCount;
 
 /// The training data of a Hugging Face family's run: `data` as a token file, or a UTF-8
-/// text file tokenized into `<out>/data.tokens` first (1% held out).
+/// text file (or JSON lines, as `tokenize` reads them) tokenized into `<out>/data.tokens`
+/// first (1% held out), a batch at a time.
 pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> anyhow::Result<TokenFile> {
     let Some(data) = data else {
         bail!("a Hugging Face family's run needs --data: a token file (zerotrain tokenize) or a text file")
@@ -36,13 +38,12 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
     let file = if is_tokens {
         TokenFile::open(data)?
     } else {
-        let text =
-            std::fs::read_to_string(data).with_context(|| format!("cannot read {} as UTF-8 text", data.display()))?;
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
         let (eos, _) = tokenizer.end_of_text()?;
         let mut writer = TokenFileWriter::create(&out.join("data.tokens"), tokenizer.vocab_size(), eos)?;
-        for document in text.split("\n\n").filter(|d| !d.trim().is_empty()) {
-            writer.document(&tokenizer.encode_document(document)?)?;
+        if let Err(e) = Documents::new(&[data.to_path_buf()], "text").encode_into(tokenizer, &mut writer) {
+            writer.abandon();
+            return Err(e.into());
         }
         writer.finish(0.01)?
     };
