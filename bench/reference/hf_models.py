@@ -6,9 +6,9 @@ API), the tokenizer is trained with Python's `tokenizers`, and the forward passe
 the families' published definitions (GPT2LMHeadModel; LlamaForCausalLM / Qwen2ForCausalLM),
 in float64. zerotrain's tests compare `zerotrain eval` with `loss` below.
 
-    hf_models.py make DIR --family gpt2|llama|qwen2 [--layers N] [--kv-heads N] [--tied]
+    hf_models.py make DIR --family gpt2|llama|qwen2|mistral [--layers N] [--kv-heads N] [--tied]
                  [--rope none|linear|llama3] [--dtype f32|bf16|f16] [--shards N] [--seed S]
-                 [--layout v4|v5]
+                 [--layout v4|v5] [--sliding-window N]
     hf_models.py loss DIR TEXT --context N      -> {"loss": mean next-token loss per token}
     hf_models.py text FILE [--bytes N]          -> deterministic English-like text
     hf_models.py greedy DIR PROMPT [--tokens N] -> {"text", "prompt_ids", "ids": the prompt's greedy
@@ -126,7 +126,7 @@ def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny", extra=None
               "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
               "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 500.0,
               "tie_word_embeddings": tied, "hidden_act": "silu", "initializer_range": 0.02}
-    config["architectures"] = ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"]
+    config["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(family, "LlamaForCausalLM")]
     config.update(extra or {})
     if rope == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
@@ -245,6 +245,8 @@ def make(args):
         extra["head_dim"] = args.head_dim
     if args.biases:
         extra.update({"attention_bias": True, "mlp_bias": True})
+    if args.sliding_window:
+        extra["sliding_window"] = args.sliding_window
     config = configs(args.family, layers, kv, args.tied, args.rope, vocab, args.size, extra)
     config["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[args.dtype]
     if args.layout == "v5":
@@ -275,11 +277,14 @@ def softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-def causal_attention(q, k, v):
-    """q [h, t, hd], k and v [h, t, hd] (kv heads already repeated)."""
+def causal_attention(q, k, v, window=None):
+    """q [h, t, hd], k and v [h, t, hd] (kv heads already repeated); with a sliding
+    `window`, query i sees keys j with i - window < j <= i."""
     t, hd = q.shape[1], q.shape[2]
     scores = q @ k.transpose(0, 2, 1) / math.sqrt(hd)
-    scores = np.where(np.triu(np.ones((t, t), dtype=bool), 1), -np.inf, scores)
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    hidden = (j > i) | ((j <= i - window) if window else False)
+    scores = np.where(hidden, -np.inf, scores)
     return softmax(scores) @ v
 
 
@@ -347,6 +352,9 @@ def llama_logits(c, t, ids):
         y = x @ t[name + ".weight"].T
         return y + t[name + ".bias"] if name + ".bias" in t else y
 
+    # Mistral's window is on in every layer (Qwen2's, per layer, is not written here)
+    assert not c.get("use_sliding_window"), "Qwen2's sliding window is not in this reference"
+    window = c.get("sliding_window") if c["model_type"] == "mistral" else None
     angles = np.arange(n, dtype=np.float64)[:, None] * inverse_frequencies(c, hd)[None, :]
     cos, sin = np.cos(np.concatenate([angles, angles], -1)), np.sin(np.concatenate([angles, angles], -1))
     h = t["model.embed_tokens.weight"][ids]
@@ -358,7 +366,7 @@ def llama_logits(c, t, ids):
         v = proj(x, p + "self_attn.v_proj").reshape(n, kv, hd).transpose(1, 0, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = np.repeat(k, heads // kv, axis=0), np.repeat(v, heads // kv, axis=0)
-        ctx = causal_attention(q, k, v).transpose(1, 0, 2).reshape(n, heads * hd)
+        ctx = causal_attention(q, k, v, window).transpose(1, 0, 2).reshape(n, heads * hd)
         h = h + proj(ctx, p + "self_attn.o_proj")
         x = rms(h, t[p + "post_attention_layernorm.weight"])
         gate = proj(x, p + "mlp.gate_proj")
@@ -407,7 +415,7 @@ def main():
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make")
     m.add_argument("dir")
-    m.add_argument("--family", choices=["gpt2", "llama", "qwen2"], required=True)
+    m.add_argument("--family", choices=["gpt2", "llama", "qwen2", "mistral"], required=True)
     m.add_argument("--layers", type=int, default=0, help="default 2 (tiny) or 22 (1b)")
     m.add_argument("--kv-heads", type=int, default=0)
     m.add_argument("--tied", action="store_true")
@@ -418,6 +426,7 @@ def main():
     m.add_argument("--size", choices=["tiny", "1b"], default="tiny")
     m.add_argument("--head-dim", type=int, default=0, help="a head_dim other than hidden_size / heads")
     m.add_argument("--biases", action="store_true", help="attention_bias and mlp_bias (LLaMA)")
+    m.add_argument("--sliding-window", type=int, default=0, help="sliding_window (Mistral: every layer)")
     m.add_argument("--layout", choices=["v4", "v5"], default="v4",
                    help="config.json as transformers 4 writes it, or as 5 does (rope_parameters, dtype)")
     l_ = sub.add_parser("loss")

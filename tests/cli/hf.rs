@@ -43,21 +43,24 @@ fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> Pa
 /// `zerotrain eval` of each family (GPT-2; LLaMA with and without a tied head, grouped
 /// kv heads, llama3 rope scaling, attention and MLP biases, a head_dim other than width /
 /// heads; Qwen2's q/k/v biases and linear scaling from a sharded index; a config.json as
-/// `transformers` 5 writes it, whose rotary base and scaling are only in `rope_parameters`)
-/// equals the numpy forward pass within 1e-5, at one rank and at stage 3 on two.
+/// `transformers` 5 writes it, whose rotary base and scaling are only in `rope_parameters`;
+/// Mistral with a sliding window as long as the context) equals the numpy forward pass
+/// within 1e-5, at one rank and at stage 3 on two. A context longer than the window, which
+/// would need sliding-window attention, is refused naming both.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn eval_matches_the_numpy_reference_for_every_family() {
     let dir = folder("eval");
     let text_file = dir.join("text.txt");
     reference(&["text", text_file.to_str().unwrap(), "--bytes", "2500"]);
-    let cases: [(&str, &[&str]); 6] = [
+    let cases: [(&str, &[&str]); 7] = [
         ("gpt2", &["--family", "gpt2"]),
         ("llama-untied", &["--family", "llama"]),
         ("llama-gqa-tied-llama3", &["--family", "llama", "--kv-heads", "2", "--tied", "--rope", "llama3"]),
         ("qwen2-sharded-linear", &["--family", "qwen2", "--kv-heads", "1", "--rope", "linear", "--shards", "3"]),
         ("llama-biases-head-dim", &["--family", "llama", "--kv-heads", "2", "--biases", "--head-dim", "12"]),
         ("llama-v5-llama3", &["--family", "llama", "--kv-heads", "2", "--rope", "llama3", "--layout", "v5"]),
+        ("mistral-window", &["--family", "mistral", "--kv-heads", "2", "--sliding-window", "16"]),
     ];
     for (name, args) in cases {
         let hf = dir.join(name);
@@ -73,6 +76,12 @@ fn eval_matches_the_numpy_reference_for_every_family() {
             );
         }
     }
+    let long = dir.join("long.json");
+    let json = std::fs::read_to_string(config(&dir, &dir.join("mistral-window"), 1, 0, "")).unwrap();
+    std::fs::write(&long, json.replace(r#""block_size": 16"#, r#""block_size": 17"#)).unwrap();
+    let out = zerotrain(&["eval", "--config", long.to_str().unwrap(), "--text", text_file.to_str().unwrap()]);
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("model.block_size 17 is longer than the model's sliding_window (16)"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

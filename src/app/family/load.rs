@@ -69,12 +69,9 @@ pub fn load_model(
         );
     }
     let context = settings.model.block_size;
-    if context > config.max_context() {
-        bail!(
-            "{}: model.block_size {context} is longer than the model's positions ({})",
-            config_file.display(),
-            config.max_context()
-        );
+    let (exact, bound) = config.exact_context();
+    if context > exact {
+        bail!("{}: model.block_size {context} is longer than {bound}", config_file.display());
     }
     Ok(LoadedModel { model, config, tokenizer, context, source: dir })
 }

@@ -78,6 +78,11 @@ pub struct LlamaShape {
     pub o_bias: bool,
     /// Biases on the MLP's projections (`mlp_bias`).
     pub mlp_bias: bool,
+    /// `sliding_window`, where it is in effect (Qwen2's only with `use_sliding_window`) and
+    /// shorter than the positions: each token attends to the last `sliding_window` tokens
+    /// only. Not built: a run's context may be at most this long, where the window covers
+    /// it and attention is the full causal one.
+    pub sliding_window: Option<usize>,
 }
 
 /// A `config.json`: its family and shape, and the JSON as read.
@@ -131,6 +136,20 @@ impl HfConfig {
         match &self.family {
             Family::Gpt2(s) => s.n_positions,
             Family::Llama(s) => s.max_position_embeddings,
+        }
+    }
+
+    /// The longest context the built model computes exactly: its positions', or a sliding
+    /// attention window's where one is shorter. Its message names the bound.
+    pub fn exact_context(&self) -> (usize, String) {
+        match &self.family {
+            Family::Llama(LlamaShape { sliding_window: Some(window), .. }) => (
+                *window,
+                format!(
+                    "the model's sliding_window ({window}): sliding-window attention is not built, and within it attention is the full causal one"
+                ),
+            ),
+            _ => (self.max_context(), format!("the model's positions ({})", self.max_context())),
         }
     }
 }
@@ -225,12 +244,7 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
         "qwen2" => field::<bool>(json, "use_sliding_window")?.unwrap_or(false),
         _ => true,
     };
-    if let Some(window) = sliding.filter(|&w| sliding_on && w < max_positions) {
-        return Err(format!(
-            "sliding_window is {window}, less than max_position_embeddings ({max_positions}): sliding-window \
-             attention is not built"
-        ));
-    }
+    let sliding_window = sliding.filter(|&w| sliding_on && w < max_positions);
     let (rope_theta, rope_scaling) = rope::rotary(json)?;
     let qwen = model_type == "qwen2";
     let attention_bias = field::<bool>(json, "attention_bias")?.unwrap_or(false);
@@ -250,6 +264,7 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
         qkv_bias: qwen || attention_bias,
         o_bias: !qwen && attention_bias,
         mlp_bias: field(json, "mlp_bias")?.unwrap_or(false),
+        sliding_window,
         model_type,
     })
 }
@@ -283,6 +298,11 @@ mod tests {
     fn what_is_not_built_is_refused_by_field() {
         let base = json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "vocab_size": 100});
+        fn with_ok(base: &Value, key: &str, value: Value) -> Value {
+            let mut v = base.clone();
+            v[key] = value;
+            v
+        }
         let with = |key: &str, value: Value| {
             let mut v = base.clone();
             v[key] = value;
@@ -293,7 +313,8 @@ mod tests {
         assert!(with("rope_scaling", json!({"rope_type": "linear"})).contains("factor"));
         assert!(with("hidden_act", json!("gelu")).contains("hidden_act"));
         assert!(with("model_type", json!("bert")).contains("`bert`"));
-        assert!(with("sliding_window", json!(16)).contains("sliding_window is 16"));
+        let Family::Llama(windowed) = parse(with_ok(&base, "sliding_window", json!(16))).unwrap() else { panic!() };
+        assert_eq!(windowed.sliding_window, Some(16));
         assert!(with("hidden_size", json!(0)).contains("hidden_size is 0"));
         assert!(parse(json!({"n_embd": 4})).unwrap_err().contains("model_type"));
         let err = HfConfig::read(Path::new("/nonexistent/config.json")).unwrap_err().to_string();
