@@ -187,8 +187,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consolidate { dir, tag, out, dtype, format, max_shard_size, hf_config } => {
             commands::consolidate(commands::ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config })
         }
-        Command::Generate { config, prompt, tokens, temperature, top_k, seed, checkpoint, tag, json, ignore_eos } => {
-            let sampling = crate::app::models::Sampling { temperature, top_k };
+        Command::Generate {
+            config,
+            prompt,
+            tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            checkpoint,
+            tag,
+            json,
+            ignore_eos,
+        } => {
+            let sampling = crate::app::models::Sampling { temperature, top_k, top_p };
             commands::generate::generate(commands::generate::GenerateArgs {
                 config,
                 prompt,

@@ -418,7 +418,7 @@ fn a_run_resumed_at_another_world_size_continues_the_same_samples() {
 }
 
 /// `generate` is deterministic for a seed, greedy at temperature 0, and refuses a bad
-/// temperature by name; `eval` of a fresh model from `hf_config` scores a text file.
+/// temperature or top-p by name; `eval` of a fresh model from `hf_config` scores a text file.
 #[test]
 fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
     let dir = folder("generate");
@@ -445,6 +445,8 @@ fn generate_is_repeatable_per_seed_and_eval_scores_a_fresh_model() {
     assert_eq!(sample("1", "0"), sample("2", "0"), "greedy ignores the seed");
     let out = zerotrain(&["generate", "--config", config.to_str().unwrap(), "--prompt", "x", "--temperature=-1"]);
     assert!(text(&out.stderr).contains("--temperature must be 0 (greedy) or positive"), "{}", text(&out.stderr));
+    let out = zerotrain(&["generate", "--config", config.to_str().unwrap(), "--prompt", "x", "--top-p", "0"]);
+    assert!(text(&out.stderr).contains("--top-p must be above 0 and at most 1, not 0"), "{}", text(&out.stderr));
     let printed =
         run_ok(&["eval", "--config", config.to_str().unwrap(), "--text", dir.join("text.txt").to_str().unwrap()]);
     let loss: f64 = printed.split("mean loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();

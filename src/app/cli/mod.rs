@@ -178,6 +178,10 @@ pub enum Command {
         /// Sample among the K most likely tokens only (0: all).
         #[arg(long, default_value_t = 40)]
         top_k: usize,
+        /// Then among the fewest most likely whose probabilities reach P (nucleus
+        /// sampling; 1: all).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
         /// The sampler's seed (the same seed gives the same text).
         #[arg(long, default_value_t = 1)]
         seed: u64,

@@ -36,6 +36,9 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     if !(args.sampling.temperature >= 0.0 && args.sampling.temperature.is_finite()) {
         bail!("--temperature must be 0 (greedy) or positive, not {}", args.sampling.temperature);
     }
+    if !(args.sampling.top_p > 0.0 && args.sampling.top_p <= 1.0) {
+        bail!("--top-p must be above 0 and at most 1, not {}", args.sampling.top_p);
+    }
     let overrides = Overrides { world_size: Some(1), total_steps: Some(1), ..Overrides::default() };
     let (mut plan, settings) = keys::load(&args.config, overrides)?;
     plan.pipeline = None;

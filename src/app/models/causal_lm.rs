@@ -58,28 +58,50 @@ pub struct Sampling {
     pub temperature: f32,
     /// Sample among the `top_k` most likely tokens only (0: all).
     pub top_k: usize,
+    /// Then among the fewest most likely whose probabilities (at `temperature`, among those
+    /// `top_k`) reach `top_p` (nucleus sampling; 1: all).
+    pub top_p: f32,
 }
 
 impl Sampling {
     /// The most likely token every time.
-    pub const GREEDY: Self = Self { temperature: 0.0, top_k: 0 };
+    pub const GREEDY: Self = Self { temperature: 0.0, top_k: 0, top_p: 1.0 };
+
+    /// At `temperature` among the `top_k` most likely (0: all), no nucleus.
+    pub const fn top_k(temperature: f32, top_k: usize) -> Self {
+        Self { temperature, top_k, top_p: 1.0 }
+    }
 }
 
 /// The most likely token (temperature 0), or one sampled at `temperature` among the
-/// `top_k` most likely.
+/// `top_k` most likely, and of those the fewest whose probabilities reach `top_p`: the
+/// order `transformers` applies its temperature, top-k and top-p warpers in.
 fn pick(logits: &[f32], sampling: Sampling, rng: &mut u64) -> u32 {
     let best = logits.iter().enumerate().fold(0, |b, (i, &l)| if l > logits[b] { i } else { b });
     if sampling.temperature <= 0.0 || logits.is_empty() {
         return best as u32;
     }
     let mut candidates: Vec<usize> = (0..logits.len()).collect();
-    if sampling.top_k > 0 && sampling.top_k < logits.len() {
+    let nucleus = sampling.top_p < 1.0;
+    if nucleus || sampling.top_k > 0 && sampling.top_k < logits.len() {
         candidates.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    }
+    if sampling.top_k > 0 {
         candidates.truncate(sampling.top_k);
     }
     let max = logits[best];
-    let weights: Vec<f64> =
+    let mut weights: Vec<f64> =
         candidates.iter().map(|&i| f64::from((logits[i] - max) / sampling.temperature).exp()).collect();
+    if nucleus {
+        let (total, mut sum) = (weights.iter().sum::<f64>(), 0.0);
+        let keep = weights.iter().position(|w| {
+            sum += w;
+            sum >= f64::from(sampling.top_p) * total
+        });
+        let keep = keep.map_or(weights.len(), |at| at + 1);
+        candidates.truncate(keep);
+        weights.truncate(keep);
+    }
     let total: f64 = weights.iter().sum();
     *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     let mut target = (*rng >> 11) as f64 / (1u64 << 53) as f64 * total;
@@ -147,4 +169,31 @@ pub fn cross_entropy(logits: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<1> {
     let log_probs = log_softmax(logits.reshape([b * t, vocab]), 1);
     // Through `reduce::mean`: `batch * time` may pass what one device reduction counts.
     crate::reduce::mean(log_probs.gather(1, targets)).neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tokens `sampling` draws from `logits` over many draws.
+    fn drawn(logits: &[f32], sampling: Sampling) -> std::collections::BTreeSet<u32> {
+        let mut rng = 9;
+        (0..2000).map(|_| pick(logits, sampling, &mut rng)).collect()
+    }
+
+    /// Softmax of [2, 1, 0, -1]: 0.644, 0.237, 0.087, 0.032 (cumulative 0.644, 0.881,
+    /// 0.968, 1). The nucleus is the fewest most likely reaching top_p; top-k cuts first.
+    #[test]
+    fn the_nucleus_is_the_fewest_likeliest_tokens_reaching_top_p() {
+        let logits = [0.0, 2.0, -1.0, 1.0];
+        let with = |top_k, top_p| Sampling { temperature: 1.0, top_k, top_p };
+        assert_eq!(drawn(&logits, with(0, 1.0)), [0, 1, 2, 3].into());
+        assert_eq!(drawn(&logits, with(0, 0.5)), [1].into());
+        assert_eq!(drawn(&logits, with(0, 0.85)), [1, 3].into());
+        assert_eq!(drawn(&logits, with(0, 0.9)), [0, 1, 3].into());
+        // Among the top 2 (0.731, 0.269 of them), 0.9 needs both; 0.7 the first.
+        assert_eq!(drawn(&logits, with(2, 0.9)), [1, 3].into());
+        assert_eq!(drawn(&logits, with(2, 0.7)), [1].into());
+        assert_eq!(drawn(&logits, Sampling::GREEDY), [1].into());
+    }
 }

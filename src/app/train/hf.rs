@@ -174,8 +174,7 @@ impl WithModel for HfJob<'_> {
             let prompt = self.data.sampler.batch(0, 1, &Device::flex()).into_data().convert::<i64>();
             let prompt: Vec<u32> =
                 prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
-            let out =
-                model.generate(&prompt, 48, context, Sampling { temperature: 0.8, top_k: 40 }, &[], &mut 0x5EED)?;
+            let out = model.generate(&prompt, 48, context, Sampling::top_k(0.8, 40), &[], &mut 0x5EED)?;
             let text = |ids: &[u32]| self.tokenizer.decode(ids).unwrap_or_else(|e| e.to_string());
             Ok(vec![format!("{}|{}", text(&prompt), text(&out))])
         };

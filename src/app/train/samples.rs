@@ -25,6 +25,6 @@ pub(super) fn write_samples(model: &Gpt, corpus: &Corpus, shape: &GptConfig) -> 
             .collect();
     }
     let prompt: Vec<u32> = corpus.valid.iter().take(shape.block_size / 2).copied().collect();
-    let out = model.generate(&prompt, 200, shape.block_size, Sampling { temperature: 0.8, top_k: 0 }, &[], &mut rng)?;
+    let out = model.generate(&prompt, 200, shape.block_size, Sampling::top_k(0.8, 0), &[], &mut rng)?;
     Ok(vec![format!("{}|{}", corpus.decode(&prompt), corpus.decode(&out))])
 }
