@@ -65,7 +65,7 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
 /// `eos_token_id` (one id or a list) of the `generation_config.json` beside the checkpoint
 /// (or else the model), else of the model's `config.json`, else the tokenizer's end token.
 fn stop_tokens(loaded: &LoadedModel, checkpoint: Option<&Path>) -> anyhow::Result<Vec<u32>> {
-    let model_dir = if loaded.source.is_dir() { Some(loaded.source.as_path()) } else { loaded.source.parent() };
+    let model_dir = loaded.folder();
     let folders = [checkpoint, model_dir].into_iter().flatten();
     if let Some(path) = folders.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE)).find(|p| p.exists()) {
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;

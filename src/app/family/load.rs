@@ -26,6 +26,13 @@ pub struct LoadedModel {
     pub source: PathBuf,
 }
 
+impl LoadedModel {
+    /// The folder of the model's files: `hf_dir`, or the one holding `hf_config`'s file.
+    pub fn folder(&self) -> Option<&Path> {
+        if self.source.is_dir() { Some(&self.source) } else { self.source.parent() }
+    }
+}
+
 /// The model the settings name, on `device`, and its tokenizer: `tokenizer_dir`'s
 /// `tokenizer.json` (a checkpoints' folder, where training puts it), else
 /// `model.tokenizer`, else `hf_dir`'s.

@@ -139,7 +139,7 @@ pub fn train_hf(
 /// (`tokenizer_config.json` with its end token and chat template, `special_tokens_map.json`,
 /// `generation_config.json`), where those folders have them: (name, contents).
 fn companions(loaded: &LoadedModel) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
-    let model_dir = if loaded.source.is_dir() { Some(loaded.source.as_path()) } else { loaded.source.parent() };
+    let model_dir = loaded.folder();
     let tokenizer_dir = loaded.tokenizer.file().parent();
     let beside_tokenizer = hf::TOKENIZER_COMPANIONS.iter().filter_map(|name| Some(tokenizer_dir?.join(name)));
     let beside_model = model_dir.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE));
