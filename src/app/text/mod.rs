@@ -16,7 +16,8 @@ use crate::app::file_error::FileError;
 use crate::app::hf::TOKENIZER_CONFIG_FILE;
 
 /// A `tokenizer.json`: text to token ids and back, exactly as Hugging Face's tokenizers do
-/// (same crate), special tokens not added.
+/// (same crate); a text's own ids, or a document's and a prompt's with the special tokens
+/// its post-processor puts around every text, as `transformers`' `tokenizer(text)` adds them.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     file: PathBuf,
@@ -26,8 +27,9 @@ pub struct Tokenizer {
     /// A GPT-2-style byte-level BPE's pre-tokens, each encoded once (`words.rs`).
     words: Option<Words>,
     /// The tokens its post-processor puts before every text (LLaMA's `<s>` or
-    /// `<|begin_of_text|>`), and after it.
+    /// `<|begin_of_text|>`).
     before: Vec<u32>,
+    /// The tokens it puts after every text (an end token, for some).
     after: Vec<u32>,
 }
 

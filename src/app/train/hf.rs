@@ -112,7 +112,9 @@ impl TrainData for TokenData {
 }
 
 /// Trains `loaded` on `data`; the checkpoints' folder gets its `config.json` and
-/// `tokenizer.json` first, and the files that travel with them ([`companions`]).
+/// `tokenizer.json` first, and the files that travel with them where the model's folders
+/// have them (`tokenizer_config.json`, `special_tokens_map.json`,
+/// `generation_config.json`).
 pub fn train_hf(
     plan: &Plan,
     settings: &AppSettings,
