@@ -3,10 +3,11 @@
 
 Independent of zerotrain: the checkpoints are written with Python's `safetensors` (numpy
 API), the tokenizer is trained with Python's `tokenizers`, and the forward passes follow
-the families' published definitions (GPT2LMHeadModel; LlamaForCausalLM / Qwen2ForCausalLM),
+the families' published definitions (GPT2LMHeadModel; LlamaForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM / MistralForCausalLM),
 in float64. zerotrain's tests compare `zerotrain eval` with `loss` below.
 
-    hf_models.py make DIR --family gpt2|llama|qwen2|mistral [--layers N] [--kv-heads N] [--tied]
+    hf_models.py make DIR --family gpt2|llama|qwen2|qwen3|mistral [--layers N] [--kv-heads N] [--tied]
                  [--rope none|linear|llama3] [--dtype f32|bf16|f16] [--shards N] [--seed S]
                  [--layout v4|v5] [--sliding-window N]
     hf_models.py loss DIR TEXT --context N      -> {"loss": mean next-token loss per token}
@@ -126,7 +127,8 @@ def configs(family, layers, kv_heads, tied, rope, vocab, size="tiny", extra=None
               "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
               "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 500.0,
               "tie_word_embeddings": tied, "hidden_act": "silu", "initializer_range": 0.02}
-    config["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(family, "LlamaForCausalLM")]
+    config["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                "mistral": "MistralForCausalLM"}.get(family, "LlamaForCausalLM")]
     config.update(extra or {})
     if rope == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
@@ -187,6 +189,8 @@ def tensors_of(config, rng, dtype="f32"):
         t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
         t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
         t[p + "self_attn.o_proj.weight"] = w(d, heads * hd)
+        if config["model_type"] == "qwen3":
+            t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
         if qwen or attention_bias:
             for n, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
                 t[p + f"self_attn.{n}_proj.bias"] = w(rows, std=0.1)
@@ -363,6 +367,8 @@ def llama_logits(c, t, ids):
         x = rms(h, t[p + "input_layernorm.weight"])
         q = proj(x, p + "self_attn.q_proj").reshape(n, heads, hd).transpose(1, 0, 2)
         k = proj(x, p + "self_attn.k_proj").reshape(n, kv, hd).transpose(1, 0, 2)
+        if p + "self_attn.q_norm.weight" in t:  # Qwen3: each head's queries and keys, before rotating
+            q, k = rms(q, t[p + "self_attn.q_norm.weight"]), rms(k, t[p + "self_attn.k_norm.weight"])
         v = proj(x, p + "self_attn.v_proj").reshape(n, kv, hd).transpose(1, 0, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = np.repeat(k, heads // kv, axis=0), np.repeat(v, heads // kv, axis=0)
@@ -415,7 +421,7 @@ def main():
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make")
     m.add_argument("dir")
-    m.add_argument("--family", choices=["gpt2", "llama", "qwen2", "mistral"], required=True)
+    m.add_argument("--family", choices=["gpt2", "llama", "qwen2", "qwen3", "mistral"], required=True)
     m.add_argument("--layers", type=int, default=0, help="default 2 (tiny) or 22 (1b)")
     m.add_argument("--kv-heads", type=int, default=0)
     m.add_argument("--tied", action="store_true")

@@ -44,7 +44,8 @@ fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> Pa
 /// kv heads, llama3 rope scaling, attention and MLP biases, a head_dim other than width /
 /// heads; Qwen2's q/k/v biases and linear scaling from a sharded index; a config.json as
 /// `transformers` 5 writes it, whose rotary base and scaling are only in `rope_parameters`;
-/// Mistral with a sliding window as long as the context) equals the numpy forward pass
+/// Mistral with a sliding window as long as the context; Qwen3's normalised queries and
+/// keys, with a head_dim other than width / heads) equals the numpy forward pass
 /// within 1e-5, at one rank and at stage 3 on two. A context longer than the window, which
 /// would need sliding-window attention, is refused naming both.
 #[test]
@@ -53,7 +54,7 @@ fn eval_matches_the_numpy_reference_for_every_family() {
     let dir = folder("eval");
     let text_file = dir.join("text.txt");
     reference(&["text", text_file.to_str().unwrap(), "--bytes", "2500"]);
-    let cases: [(&str, &[&str]); 7] = [
+    let cases: [(&str, &[&str]); 8] = [
         ("gpt2", &["--family", "gpt2"]),
         ("llama-untied", &["--family", "llama"]),
         ("llama-gqa-tied-llama3", &["--family", "llama", "--kv-heads", "2", "--tied", "--rope", "llama3"]),
@@ -61,6 +62,7 @@ fn eval_matches_the_numpy_reference_for_every_family() {
         ("llama-biases-head-dim", &["--family", "llama", "--kv-heads", "2", "--biases", "--head-dim", "12"]),
         ("llama-v5-llama3", &["--family", "llama", "--kv-heads", "2", "--rope", "llama3", "--layout", "v5"]),
         ("mistral-window", &["--family", "mistral", "--kv-heads", "2", "--sliding-window", "16"]),
+        ("qwen3-qk-norm", &["--family", "qwen3", "--kv-heads", "2", "--head-dim", "12", "--tied"]),
     ];
     for (name, args) in cases {
         let hf = dir.join(name);

@@ -1,6 +1,6 @@
 //! A Hugging Face `config.json`, read into the shape of one of the built-in families
 //! ([`Family`]): GPT-2 (`GPT2LMHeadModel`) or the LLaMA family (`LlamaForCausalLM`,
-//! `Qwen2ForCausalLM`, `MistralForCausalLM`). The file's own JSON is kept, so an export
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`). The file's own JSON is kept, so an export
 //! writes it back with only what training changed.
 
 use std::path::Path;
@@ -17,7 +17,7 @@ use crate::app::file_error::FileError;
 pub enum Family {
     /// `model_type: "gpt2"`.
     Gpt2(Gpt2Shape),
-    /// `model_type: "llama" | "qwen2" | "mistral"`.
+    /// `model_type: "llama" | "qwen2" | "qwen3" | "mistral"`.
     Llama(LlamaShape),
 }
 
@@ -45,7 +45,7 @@ pub struct Gpt2Shape {
 /// attention.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaShape {
-    /// `model_type`, as written (`llama`, `qwen2` or `mistral`).
+    /// `model_type`, as written (`llama`, `qwen2`, `qwen3` or `mistral`).
     pub model_type: String,
     /// `vocab_size`.
     pub vocab_size: usize,
@@ -78,6 +78,9 @@ pub struct LlamaShape {
     pub o_bias: bool,
     /// Biases on the MLP's projections (`mlp_bias`).
     pub mlp_bias: bool,
+    /// An RMSNorm over each head's queries and keys before the rotation (`q_norm`,
+    /// `k_norm`: Qwen3).
+    pub qk_norm: bool,
     /// `sliding_window`, where it is in effect (Qwen2's only with `use_sliding_window`) and
     /// shorter than the positions: each token attends to the last `sliding_window` tokens
     /// only. Not built: a run's context may be at most this long, where the window covers
@@ -109,14 +112,14 @@ impl HfConfig {
         let model_type = match object.get("model_type") {
             Some(Value::String(s)) => s.clone(),
             Some(other) => return Err(format!("model_type must be a string, not {other}")),
-            None => return Err("has no model_type (gpt2, llama, qwen2 or mistral)".into()),
+            None => return Err("has no model_type (gpt2, llama, qwen2, qwen3 or mistral)".into()),
         };
         let family = match model_type.as_str() {
             "gpt2" => Family::Gpt2(gpt2(&json)?),
-            "llama" | "qwen2" | "mistral" => Family::Llama(llama(&json, model_type)?),
+            "llama" | "qwen2" | "qwen3" | "mistral" => Family::Llama(llama(&json, model_type)?),
             other => {
                 return Err(format!(
-                    "model_type `{other}` is not a family zerotrain builds: gpt2, llama, qwen2 or mistral"
+                    "model_type `{other}` is not a family zerotrain builds: gpt2, llama, qwen2, qwen3 or mistral"
                 ));
             }
         };
@@ -241,7 +244,7 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
     let max_positions = size(json, "max_position_embeddings", Some(2048))?;
     let sliding: Option<usize> = field(json, "sliding_window")?;
     let sliding_on = match model_type.as_str() {
-        "qwen2" => field::<bool>(json, "use_sliding_window")?.unwrap_or(false),
+        "qwen2" | "qwen3" => field::<bool>(json, "use_sliding_window")?.unwrap_or(false),
         _ => true,
     };
     let sliding_window = sliding.filter(|&w| sliding_on && w < max_positions);
@@ -264,6 +267,7 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
         qkv_bias: qwen || attention_bias,
         o_bias: !qwen && attention_bias,
         mlp_bias: field(json, "mlp_bias")?.unwrap_or(false),
+        qk_norm: model_type == "qwen3",
         sliding_window,
         model_type,
     })
@@ -292,6 +296,10 @@ mod tests {
             (q.head_dim, q.qkv_bias, q.o_bias, q.tie_word_embeddings, q.rope_theta),
             (16, true, false, true, 1e6)
         );
+        let qwen3 = json!({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 100});
+        let Family::Llama(q) = parse(qwen3).unwrap() else { panic!("qwen3") };
+        assert_eq!((q.head_dim, q.qk_norm, q.qkv_bias, q.o_bias), (32, true, false, false));
     }
 
     #[test]

@@ -1,7 +1,9 @@
-//! The LLaMA family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`) as Hugging
-//! Face lays it out: module paths are its tensor names (`model.layers.0.self_attn.q_proj.weight`,
-//! ...), projections are `nn.Linear` `[out, in]`. RMSNorm, rotary positions, a SwiGLU MLP,
-//! grouped-query attention; the head is `lm_head`, or `model.embed_tokens` when tied.
+//! The LLaMA family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+//! `MistralForCausalLM`) as Hugging Face lays it out: module paths are its tensor names
+//! (`model.layers.0.self_attn.q_proj.weight`, ...), projections are `nn.Linear` `[out, in]`.
+//! RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention (Qwen3's with each
+//! head's queries and keys normalised); the head is `lm_head`, or `model.embed_tokens` when
+//! tied.
 
 use std::sync::Arc;
 
@@ -50,6 +52,9 @@ pub struct LlamaAttention {
     k_proj: Dense,
     v_proj: Dense,
     o_proj: Dense,
+    /// Qwen3's RMSNorm over each head's queries, and over its keys, before the rotation.
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
     #[module(skip)]
     heads: (usize, usize),
     #[module(skip)]
@@ -82,6 +87,8 @@ impl Llama {
                         k_proj: dense("self_attn.k_proj", d, kv * hd, shape.qkv_bias),
                         v_proj: dense("self_attn.v_proj", d, kv * hd, shape.qkv_bias),
                         o_proj: dense("self_attn.o_proj", heads * hd, d, shape.o_bias),
+                        q_norm: shape.qk_norm.then(|| RmsNorm::new(w, &at("self_attn.q_norm"), hd, eps)),
+                        k_norm: shape.qk_norm.then(|| RmsNorm::new(w, &at("self_attn.k_norm"), hd, eps)),
                         heads: (heads, kv),
                         rope: rope.clone(),
                     },
@@ -124,13 +131,20 @@ impl Llama {
     }
 }
 
+/// `x` `[batch, heads, time, head_dim]` normalised by `norm` over each head's vector.
+fn per_head(norm: &Option<RmsNorm>, x: Tensor<4>) -> Tensor<4> {
+    let Some(norm) = norm else { return x };
+    let [b, h, t, hd] = x.dims();
+    norm.forward(x.reshape([b, h * t, hd])).reshape([b, h, t, hd])
+}
+
 impl LlamaLayer {
     fn forward(&self, h: Tensor<3>) -> Tensor<3> {
         let a = &self.self_attn;
         let (heads, kv) = a.heads;
         let x = self.input_layernorm.forward(h.clone());
-        let q = a.rope.apply(split_heads(a.q_proj.forward(x.clone()), heads));
-        let k = a.rope.apply(split_heads(a.k_proj.forward(x.clone()), kv));
+        let q = a.rope.apply(per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads)));
+        let k = a.rope.apply(per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv)));
         let v = split_heads(a.v_proj.forward(x), kv);
         let h = h + a.o_proj.forward(causal_attention(q, k, v));
         let x = self.post_attention_layernorm.forward(h.clone());
