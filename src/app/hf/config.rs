@@ -5,10 +5,9 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
-
 use serde_json::Value;
 
+use super::fields::{field, positive, required};
 use super::rope::{self, RopeScaling};
 use crate::app::file_error::FileError;
 
@@ -157,18 +156,6 @@ impl HfConfig {
     }
 }
 
-/// One field, deserialized, named in the error.
-pub(super) fn field<T: for<'de> Deserialize<'de>>(json: &Value, name: &str) -> Result<Option<T>, String> {
-    match json.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => T::deserialize(v).map(Some).map_err(|e| format!("{name}: {e}")),
-    }
-}
-
-pub(super) fn required<T: for<'de> Deserialize<'de>>(json: &Value, name: &str) -> Result<T, String> {
-    field(json, name)?.ok_or_else(|| format!("has no {name}"))
-}
-
 /// A positive size, at most `limit`.
 fn size(json: &Value, name: &str, default: Option<usize>) -> Result<usize, String> {
     let value = match default {
@@ -181,12 +168,9 @@ fn size(json: &Value, name: &str, default: Option<usize>) -> Result<usize, Strin
     Ok(value)
 }
 
-fn positive(json: &Value, name: &str, default: f64) -> Result<f64, String> {
-    let value = field(json, name)?.unwrap_or(default);
-    if !(value > 0.0 && value.is_finite()) {
-        return Err(format!("{name} is {value}: it must be a positive number"));
-    }
-    Ok(value)
+/// A positive number, `default` where the file has none.
+fn positive_or(json: &Value, name: &str, default: f64) -> Result<f64, String> {
+    positive(field(json, name)?.unwrap_or(default), name)
 }
 
 fn gpt2(json: &Value) -> Result<Gpt2Shape, String> {
@@ -219,7 +203,7 @@ fn gpt2(json: &Value) -> Result<Gpt2Shape, String> {
         n_layer: size(json, "n_layer", Some(12))?,
         n_head,
         n_inner: size(json, "n_inner", Some(4 * n_embd))?,
-        layer_norm_epsilon: positive(json, "layer_norm_epsilon", 1e-5)?,
+        layer_norm_epsilon: positive_or(json, "layer_norm_epsilon", 1e-5)?,
     })
 }
 
@@ -260,7 +244,7 @@ fn llama(json: &Value, model_type: String) -> Result<LlamaShape, String> {
         num_key_value_heads: kv_heads,
         head_dim,
         max_position_embeddings: max_positions,
-        rms_norm_eps: positive(json, "rms_norm_eps", 1e-6)?,
+        rms_norm_eps: positive_or(json, "rms_norm_eps", 1e-6)?,
         rope_theta,
         rope_scaling,
         tie_word_embeddings: field(json, "tie_word_embeddings")?.unwrap_or(false),

@@ -5,6 +5,7 @@
 //! them, their import and export are [`family`](crate::app::family)'s.
 
 pub mod config;
+mod fields;
 pub mod files;
 pub mod rope;
 pub mod weights;

@@ -14,7 +14,7 @@
 
 use serde_json::Value;
 
-use super::config::{field, required};
+use super::fields::{field, positive, required};
 
 /// `rope_scaling` (or `rope_parameters`' scaling): how rotary frequencies are stretched for
 /// long contexts.
@@ -87,13 +87,6 @@ fn parameters(json: &Value) -> Result<Option<&Value>, String> {
         None => Ok(object.get("full_attention")),
         Some(other) => Err(format!("rope_parameters.{other}: rotary settings per layer type are not built")),
     }
-}
-
-fn positive(value: f64, name: &str) -> Result<f64, String> {
-    if !(value > 0.0 && value.is_finite()) {
-        return Err(format!("{name} is {value}: it must be a positive number"));
-    }
-    Ok(value)
 }
 
 /// The scaling `object` (named `name`) describes.
