@@ -3,12 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use burn::tensor::Device;
 use serde_json::Value;
 
 use crate::app::family::WithModel;
 use crate::app::family::load::{LoadedModel, load_model};
+use crate::app::file_error::{FileError, read_optional_json};
 use crate::app::hf;
 use crate::app::keys;
 use crate::app::models::{CausalLm, Sampling};
@@ -65,21 +66,16 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
 /// `eos_token_id` (one id or a list) of the `generation_config.json` beside the checkpoint
 /// (or else the model), else of the model's `config.json`, else the tokenizer's end token.
 fn stop_tokens(loaded: &LoadedModel, checkpoint: Option<&Path>) -> anyhow::Result<Vec<u32>> {
-    let model_dir = loaded.folder();
-    let folders = [checkpoint, model_dir].into_iter().flatten();
-    if let Some(path) = folders.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE)).find(|p| p.exists()) {
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let json: Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
-        if let Some(ids) = eos_ids(&json).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))? {
-            return Ok(ids);
+    for dir in [checkpoint, loaded.folder()].into_iter().flatten() {
+        let path = dir.join(hf::GENERATION_CONFIG_FILE);
+        if let Some(json) = read_optional_json(&path)? {
+            if let Some(ids) = eos_ids(&json).map_err(|e| FileError::new(&path, e))? {
+                return Ok(ids);
+            }
+            break;
         }
     }
-    let config = match checkpoint {
-        Some(dir) => dir.join(hf::CONFIG_FILE),
-        None if loaded.source.is_dir() => loaded.source.join(hf::CONFIG_FILE),
-        None => loaded.source.clone(),
-    };
-    if let Some(ids) = eos_ids(&loaded.config.json).map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))? {
+    if let Some(ids) = eos_ids(&loaded.config.json).map_err(|e| FileError::new(&loaded.config_file(), e))? {
         return Ok(ids);
     }
     Ok(vec![loaded.tokenizer.end_of_text()?.0])

@@ -10,7 +10,6 @@ use anyhow::bail;
 
 use crate::app::text::Tokenizer;
 use crate::app::text::documents::Documents;
-use crate::app::text::tokens::TokenFileWriter;
 
 /// What `zerotrain tokenize` was asked.
 #[derive(Debug, Clone)]
@@ -36,15 +35,10 @@ fn train_bpe(args: &TokenizeArgs, vocab: usize) -> anyhow::Result<Tokenizer> {
     if vocab < 257 {
         bail!("--train-vocab {vocab}: a byte-level BPE needs at least 257 tokens (256 bytes and <|endoftext|>)");
     }
-    let mut documents = Documents::new(&args.inputs, &args.field);
+    // The trainer takes plain texts: the first error ends the stream and is kept for after.
     let failed = Mutex::new(None);
-    let stream = std::iter::from_fn(|| match documents.batch(1, 1) {
-        Ok(mut one) => one.pop(),
-        Err(e) => {
-            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-            None
-        }
-    });
+    let stream = Documents::new(&args.inputs, &args.field)
+        .map_while(|document| document.map_err(|e| *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e)).ok());
     let trained = crate::app::text::train_byte_level_bpe(stream, vocab);
     if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e.into());
@@ -70,16 +64,9 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     };
     let trained = start.elapsed().as_secs_f64();
     let (eos, eos_name) = tokenizer.end_of_text()?;
-    let mut writer = TokenFileWriter::create(&args.out, tokenizer.vocab_size(), eos)?;
     let encode_start = Instant::now();
-    let text_bytes = match Documents::new(&args.inputs, &args.field).encode_into(&tokenizer, &mut writer) {
-        Ok(bytes) => bytes,
-        Err(e) => {
-            writer.abandon();
-            return Err(e.into());
-        }
-    };
-    let file = writer.finish(args.valid_fraction)?;
+    let documents = Documents::new(&args.inputs, &args.field);
+    let (file, text_bytes) = documents.write_token_file(&tokenizer, &args.out, args.valid_fraction)?;
     let seconds = encode_start.elapsed().as_secs_f64();
     println!(
         "wrote {}: {} tokens ({} held out) in {} documents each closed by {eos_name} (id {eos}), vocabulary {} \

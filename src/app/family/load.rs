@@ -31,6 +31,11 @@ impl LoadedModel {
     pub fn folder(&self) -> Option<&Path> {
         if self.source.is_dir() { Some(&self.source) } else { self.source.parent() }
     }
+
+    /// The `config.json` the model was read from: `hf_dir`'s, or `hf_config`.
+    pub fn config_file(&self) -> PathBuf {
+        if self.source.is_dir() { self.source.join(hf::CONFIG_FILE) } else { self.source.clone() }
+    }
 }
 
 /// The model the settings name, on `device`, and its tokenizer: `tokenizer_dir`'s

@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Lines, Read};
 use std::path::{Path, PathBuf};
 
 use super::Tokenizer;
-use super::tokens::TokenFileWriter;
+use super::tokens::{TokenFile, TokenFileWriter};
 use crate::app::file_error::FileError;
 
 /// Bytes read from a text file at a time.
@@ -68,24 +68,43 @@ impl Documents {
         Ok(batch)
     }
 
-    /// Encodes every document into `writer`, a batch at a time (its documents in parallel,
-    /// as `tokenizer` encodes a document, written in order); the bytes of text read.
-    pub fn encode_into(mut self, tokenizer: &Tokenizer, writer: &mut TokenFileWriter) -> Result<usize, FileError> {
+    /// Writes every document, as `tokenizer` encodes a document, into a new token file at
+    /// `path` (the last `valid_fraction` of its tokens held out), a batch at a time: a
+    /// batch's documents are encoded in parallel and written in order. A file that fails
+    /// part-way leaves nothing at `path`. The file, and the bytes of text read.
+    pub fn write_token_file(
+        mut self,
+        tokenizer: &Tokenizer,
+        path: &Path,
+        valid_fraction: f64,
+    ) -> Result<(TokenFile, usize), FileError> {
         use rayon::prelude::*;
+        let mut writer = TokenFileWriter::create(path, tokenizer.vocab_size(), tokenizer.end_of_text()?.0)?;
         let mut text_bytes = 0;
-        loop {
-            let batch = self.batch(BATCH_BYTES, BATCH_DOCUMENTS)?;
-            if batch.is_empty() {
-                return Ok(text_bytes);
-            }
+        let written = loop {
+            let batch = match self.batch(BATCH_BYTES, BATCH_DOCUMENTS) {
+                Ok(batch) if batch.is_empty() => break Ok(()),
+                Ok(batch) => batch,
+                Err(e) => break Err(e),
+            };
             text_bytes += batch.iter().map(String::len).sum::<usize>();
-            let ids: Vec<Vec<u32>> =
-                batch.par_iter().map(|d| tokenizer.encode_document(d)).collect::<Result<_, _>>()?;
-            for doc in &ids {
-                writer.document(doc)?;
+            let ids = batch.par_iter().map(|d| tokenizer.encode_document(d)).collect::<Result<Vec<_>, _>>();
+            if let Err(e) = ids.and_then(|ids| ids.iter().try_for_each(|doc| writer.document(doc))) {
+                break Err(e);
+            }
+        };
+        match written {
+            Ok(()) => Ok((writer.finish(valid_fraction)?, text_bytes)),
+            Err(e) => {
+                writer.abandon();
+                Err(e)
             }
         }
     }
+}
+
+impl Iterator for Documents {
+    type Item = Result<String, FileError>;
 
     /// The next document of the file being read, opening the next file where one ends.
     fn next(&mut self) -> Option<Result<String, FileError>> {

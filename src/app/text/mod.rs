@@ -12,7 +12,7 @@ mod words;
 use std::path::{Path, PathBuf};
 
 use self::words::Words;
-use crate::app::file_error::FileError;
+use crate::app::file_error::{FileError, read_optional_json};
 use crate::app::hf::TOKENIZER_CONFIG_FILE;
 
 /// A `tokenizer.json`: text to token ids and back, exactly as Hugging Face's tokenizers do
@@ -68,7 +68,7 @@ impl Tokenizer {
 
     /// Token ids of `text` (a GPT-2-style byte-level BPE's through a cache of the words
     /// it has seen, the same ids: `words.rs`).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, FileError> {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, FileError> {
         let ids = match &self.words {
             Some(words) => words.encode(&self.inner, text),
             None => self.inner.encode_fast(text, false).map(|e| e.get_ids().to_vec()),
@@ -88,7 +88,7 @@ impl Tokenizer {
     /// cutting the text there and concatenating the pieces' ids gives the whole text's ids.
     /// Other tokenizers (a normalizer, a Metaspace prefix added to each text) encode the
     /// text whole.
-    pub fn encode_long(&self, text: &str) -> Result<Vec<u32>, FileError> {
+    fn encode_long(&self, text: &str) -> Result<Vec<u32>, FileError> {
         use rayon::prelude::*;
         if !self.splits_at_spaces || text.len() < 2 * PIECE_BYTES {
             return self.encode(text);
@@ -99,11 +99,15 @@ impl Tokenizer {
     }
 
     /// Token ids of a document as `transformers`' `tokenizer(text)` gives them: the text's
-    /// ([`encode_long`](Self::encode_long)) between the special tokens the tokenizer puts
-    /// around every text (a LLaMA tokenizer's beginning-of-text token; none for GPT-2's or
+    /// (`encode_long`: in pieces on every core where the tokenizer allows it) between the
+    /// special tokens the tokenizer puts around every text (a LLaMA tokenizer's beginning-of-text token; none for GPT-2's or
     /// Qwen2's).
     pub fn encode_document(&self, text: &str) -> Result<Vec<u32>, FileError> {
-        Ok([&self.before[..], &self.encode_long(text)?, &self.after].concat())
+        let ids = self.encode_long(text)?;
+        if self.before.is_empty() && self.after.is_empty() {
+            return Ok(ids); // no copy, for the tokenizers (GPT-2's, Qwen2's) that add nothing
+        }
+        Ok([&self.before[..], &ids, &self.after].concat())
     }
 
     /// Token ids of a prompt to continue: the text's after the tokens the tokenizer puts
@@ -173,12 +177,7 @@ fn around(tokenizer: &tokenizers::Tokenizer) -> Result<(Vec<u32>, Vec<u32>), Str
 /// `content`), if the file exists and names one.
 fn configured_eos(path: &Path) -> Result<Option<String>, FileError> {
     use serde_json::Value;
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(FileError::new(path, format!("cannot read it: {e}"))),
-    };
-    let json: Value = serde_json::from_str(&text).map_err(|e| FileError::new(path, format!("not JSON: {e}")))?;
+    let Some(json) = read_optional_json(path)? else { return Ok(None) };
     match json.get("eos_token") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(name)) => Ok(Some(name.clone())),

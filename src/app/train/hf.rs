@@ -14,13 +14,14 @@ use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, train_mode
 use crate::Plan;
 use crate::app::family::WithModel;
 use crate::app::family::load::LoadedModel;
+use crate::app::file_error::read_optional;
 use crate::app::hf;
 use crate::app::keys::AppSettings;
 use crate::app::models::{CausalLm, Sampling};
 use crate::app::text::Tokenizer;
 use crate::app::text::documents::Documents;
 use crate::app::text::sampler::TokenSampler;
-use crate::app::text::tokens::{TokenFile, TokenFileWriter};
+use crate::app::text::tokens::TokenFile;
 use crate::engine::ParamCount;
 
 /// The training data of a Hugging Face family's run: `data` as a token file, or a UTF-8
@@ -39,13 +40,7 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         TokenFile::open(data)?
     } else {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        let (eos, _) = tokenizer.end_of_text()?;
-        let mut writer = TokenFileWriter::create(&out.join("data.tokens"), tokenizer.vocab_size(), eos)?;
-        if let Err(e) = Documents::new(&[data.to_path_buf()], "text").encode_into(tokenizer, &mut writer) {
-            writer.abandon();
-            return Err(e.into());
-        }
-        writer.finish(0.01)?
+        Documents::new(&[data.to_path_buf()], "text").write_token_file(tokenizer, &out.join("data.tokens"), 0.01)?.0
     };
     file.verify()?;
     if file.vocab_size() > tokenizer.vocab_size() {
@@ -147,10 +142,8 @@ fn companions(loaded: &LoadedModel) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
     let beside_model = model_dir.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE));
     let mut files = Vec::new();
     for path in beside_tokenizer.chain(beside_model) {
-        match std::fs::read(&path) {
-            Ok(contents) => files.push((path.file_name().expect("joined").to_string_lossy().into_owned(), contents)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(anyhow::anyhow!("cannot read {}: {e}", path.display())),
+        if let Some(contents) = read_optional(&path)? {
+            files.push((path.file_name().expect("joined").to_string_lossy().into_owned(), contents));
         }
     }
     Ok(files)
@@ -189,6 +182,7 @@ impl WithModel for HfJob<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::app::text::tokens::TokenFileWriter;
 
     /// A token file of `n` tokens `0, 1, 2, ...` (mod 1000) in documents of 50.
     fn counting_file(name: &str, n: u32) -> Arc<TokenFile> {
