@@ -352,3 +352,38 @@ fn a_stage_3_import_holds_about_one_unit_at_a_time() {
     drop(engine);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The recipes decay what Hugging Face's `Trainer` and nanoGPT decay: every matrix and
+/// embedding, no bias and no norm (for these families, exactly the parameters of rank 1).
+#[test]
+fn the_recipes_decay_the_matrices_and_not_the_biases_or_norms() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let groups = |recipe: &str| {
+        let overrides = crate::Overrides { total_steps: Some(100), ..crate::Overrides::default() };
+        let (plan, _) = crate::app::keys::load(&root.join("configs").join(recipe), overrides).unwrap();
+        plan.optim.param_groups
+    };
+    let check = |groups: &[crate::config::ParamGroupPlan], config: &HfConfig, what: &str| {
+        let names = parameter_names(config);
+        for (name, shape) in &names {
+            let group = groups.iter().find(|g| g.matches(name));
+            // In a group without decay, whatever the optimizer's (0 in the fine-tuning
+            // recipe, where the group keeps a raised decay off the norms).
+            let undecayed = group.is_some_and(|g| g.weight_decay == 0.0);
+            assert_eq!(undecayed, shape.len() == 1, "{what}: {name} {shape:?} in {group:?}");
+        }
+        assert!(names.iter().any(|(_, s)| s.len() == 1) && names.iter().any(|(_, s)| s.len() == 2), "{what}");
+    };
+    let gpt2 = HfConfig::read(&root.join("configs/models/gpt2-small.json")).unwrap();
+    check(&groups("gpt2_scratch.json"), &gpt2, "gpt2_scratch");
+    let llama = groups("llama_finetune.json");
+    check(&llama, &HfConfig::read(&root.join("configs/models/llama-100m.json")).unwrap(), "llama-100m");
+    // Qwen2's q/k/v biases, Qwen3's per-head query and key norms, an untied head.
+    let mut qwen2 = llama_config(false);
+    qwen2["model_type"] = json!("qwen2");
+    check(&llama, &HfConfig::from_json(qwen2).unwrap(), "qwen2");
+    let mut qwen3 = llama_config(false);
+    qwen3["model_type"] = json!("qwen3");
+    qwen3["attention_bias"] = json!(true);
+    check(&llama, &HfConfig::from_json(qwen3).unwrap(), "qwen3");
+}
