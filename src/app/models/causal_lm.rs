@@ -6,6 +6,7 @@ use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
+use super::layers::KvCache;
 use crate::engine::UnitModel;
 
 /// A decoder-only language model: logits for token ids, and units over next-token batches
@@ -14,12 +15,23 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3>;
 
+    /// Logits `[batch, vocab]` of the token after `ids` `[batch, time]`, which follow the
+    /// tokens `cache` holds (they are at positions `cache.len()..`) and whose keys and
+    /// values join it; `None` for a model that keeps no cache (then it is left as it was).
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<2>> {
+        let _ = (ids, cache);
+        None
+    }
+
     /// Continues `prompt` by `count` tokens, each from the logits of the last `context`
     /// tokens: greedy at temperature 0, else sampled from the `top_k` most likely (all when
     /// 0) at `temperature`, drawing from the deterministic generator `rng`; ends early after
-    /// a token of `stop` (the model's end tokens), which it keeps. Runs where the model's
-    /// parameters are; a device that fails reading the logits is an
-    /// [`Error::Device`](crate::Error::Device), not a token.
+    /// a token of `stop` (the model's end tokens), which it keeps. A model with a
+    /// [`next_logits`](Self::next_logits) computes the prompt once and then each new token
+    /// alone, over the keys and values it has cached, until the tokens pass `context`;
+    /// from there (and for a model without) each token is a forward pass over the last
+    /// `context`. Runs where the model's parameters are; a device that fails reading the
+    /// logits is an [`Error::Device`](crate::Error::Device), not a token.
     fn generate(
         &self,
         prompt: &[u32],
@@ -33,14 +45,24 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
         // the parameters (leaves that require grad) until a backward that never comes.
         let model = self.valid();
         let device = model.devices().into_iter().next().unwrap_or_default();
+        let ids = |tokens: &[u32]| {
+            let ids: Vec<i64> = tokens.iter().map(|&x| i64::from(x)).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device)
+        };
         let mut tokens = prompt.to_vec();
+        let mut cache = KvCache::default();
         for _ in 0..count {
-            let window = &tokens[tokens.len().saturating_sub(context)..];
-            let ids: Vec<i64> = window.iter().map(|&x| i64::from(x)).collect();
-            let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, window.len()]), &device);
-            let logits = model.logits(input).cast(FloatDType::F32);
-            let [_, t, vocab] = logits.dims();
-            let last = crate::engine::readout::f32s(logits.slice([0..1, t - 1..t, 0..vocab]), "the logits")?;
+            let cached = match tokens.len() <= context {
+                true => model.next_logits(ids(&tokens[cache.len()..]), &mut cache),
+                false => None,
+            };
+            let last = cached.unwrap_or_else(|| {
+                cache = KvCache::default();
+                let logits = model.logits(ids(&tokens[tokens.len().saturating_sub(context)..]));
+                let [_, t, vocab] = logits.dims();
+                logits.slice([0..1, t - 1..t, 0..vocab]).reshape([1, vocab])
+            });
+            let last = crate::engine::readout::f32s(last.cast(FloatDType::F32), "the logits")?;
             let next = pick(&last, sampling, rng);
             tokens.push(next);
             if stop.contains(&next) {
@@ -124,11 +146,19 @@ impl CausalLm for super::Gpt2 {
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.forward(ids)
     }
+
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<2>> {
+        Some(self.forward_cached(ids, cache))
+    }
 }
 
 impl CausalLm for super::Llama {
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.forward(ids)
+    }
+
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<2>> {
+        Some(self.forward_cached(ids, cache))
     }
 }
 

@@ -9,7 +9,7 @@ use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{cross_entropy, decoder_unit};
-use super::layers::{Conv1D, Embed, Norm, causal_attention, split_heads};
+use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads, with_cached};
 use crate::app::hf::config::Gpt2Shape;
 use crate::app::hf::weights::Weights;
 use crate::engine::{InitialValues, UnitModel, UnitSpec};
@@ -91,10 +91,11 @@ impl Gpt2 {
         }
     }
 
-    /// Token plus position embeddings `[batch, time, d]`.
-    fn embed(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+    /// Token plus position embeddings `[batch, time, d]`, the first token at position
+    /// `start`.
+    fn embed(&self, ids: Tensor<2, Int>, start: usize) -> Tensor<3> {
         let [_, t] = ids.dims();
-        let positions = Tensor::<1, Int>::arange(0..t as i64, &ids.device()).reshape([1, t]);
+        let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &ids.device()).reshape([1, t]);
         self.transformer.wte.forward(ids) + self.transformer.wpe.forward(positions)
     }
 
@@ -105,20 +106,37 @@ impl Gpt2 {
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
-        let mut h = self.embed(ids);
+        let mut h = self.embed(ids, 0);
         for block in &self.transformer.h {
-            h = block.forward(h);
+            h = block.forward(h, None);
         }
         self.head(h)
+    }
+
+    /// Logits `[batch, vocab]` of the token after `ids` `[batch, time]`, which follow the
+    /// tokens `cache` holds; their keys and values join it.
+    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<2> {
+        let [b, t] = ids.dims();
+        let mut h = self.embed(ids, cache.advance(t));
+        for (i, block) in self.transformer.h.iter().enumerate() {
+            h = block.forward(h, Some((&mut *cache, i)));
+        }
+        let d = h.dims()[2];
+        let logits = self.head(h.slice([0..b, t - 1..t, 0..d]));
+        let vocab = logits.dims()[2];
+        logits.reshape([b, vocab])
     }
 }
 
 impl Gpt2Block {
-    fn forward(&self, h: Tensor<3>) -> Tensor<3> {
+    /// `h` `[batch, time, d]`, attending also to the earlier positions a cache holds (block
+    /// `i` of it), to which this block's keys and values join.
+    fn forward(&self, h: Tensor<3>, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
         let n_head = self.attn.n_head;
         let qkv = self.attn.c_attn.forward(self.ln_1.forward(h.clone()));
         let [q, k, v]: [Tensor<3>; 3] = qkv.chunk(3, 2).try_into().expect("c_attn is [d, 3d]");
-        let a = causal_attention(split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head));
+        let (k, v) = with_cached(cache, split_heads(k, n_head), split_heads(v, n_head));
+        let a = causal_attention(split_heads(q, n_head), k, v);
         let h = h + self.attn.c_proj.forward(a);
         let m = self.mlp.c_proj.forward(gelu_approximate(self.mlp.c_fc.forward(self.ln_2.forward(h.clone()))));
         h + m
@@ -160,8 +178,8 @@ impl UnitModel for Gpt2 {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let blocks = &self.transformer.h;
-        let block = |i: usize, h| blocks[i].forward(h);
-        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids), block, |h| self.head(h))
+        let block = |i: usize, h| blocks[i].forward(h, None);
+        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids, 0), block, |h| self.head(h))
     }
 
     fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {

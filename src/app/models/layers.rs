@@ -134,19 +134,79 @@ impl Embed {
 }
 
 /// Causal attention of `q` `[batch, heads, time, head_dim]` over `k`, `v`
-/// `[batch, kv_heads, time, head_dim]` (each kv head serves `heads / kv_heads` query heads,
-/// consecutively), scaled by `1/sqrt(head_dim)`, softmax in f32; `[batch, time, heads * head_dim]`.
+/// `[batch, kv_heads, past + time, head_dim]` (each kv head serves `heads / kv_heads` query
+/// heads, consecutively; the queries are the last `time` of the positions), scaled by
+/// `1/sqrt(head_dim)`, softmax in f32; `[batch, time, heads * head_dim]`.
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<3> {
     let [b, h, t, hd] = q.dims();
-    let kv = k.dims()[1];
+    let [_, kv, keys, _] = k.dims();
     let widen = |x: Tensor<4>| {
-        if kv == h { x } else { x.unsqueeze_dim::<5>(2).repeat_dim(2, h / kv).reshape([b, h, t, hd]) }
+        if kv == h { x } else { x.unsqueeze_dim::<5>(2).repeat_dim(2, h / kv).reshape([b, h, keys, hd]) }
     };
     let dtype = q.dtype();
     let f32 = |x: Tensor<4>| x.cast(FloatDType::F32);
-    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
-    let out = burn::tensor::module::attention(f32(q), f32(widen(k)), f32(widen(v)), None, None, options);
+    // A query sees every key up to its own position. One new query sees them all; queries
+    // after cached keys get the mask aligned to their positions (not every backend's
+    // `is_causal` aligns a shorter query block at the end).
+    let mask = (t > 1 && keys > t).then(|| {
+        let device = q.device();
+        let positions = Tensor::<1, Int>::arange((keys - t) as i64..keys as i64, &device).reshape([t, 1]);
+        let keys_at = Tensor::<1, Int>::arange(0..keys as i64, &device).reshape([1, keys]);
+        keys_at.greater(positions).reshape([1, 1, t, keys]).expand([b, h, t, keys])
+    });
+    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: t > 1 && keys == t };
+    let out = burn::tensor::module::attention(f32(q), f32(widen(k)), f32(widen(v)), mask, None, options);
     out.cast(dtype).swap_dims(1, 2).reshape([b, t, h * hd])
+}
+
+/// The keys and values a decoder has computed for the tokens it has seen, layer by layer,
+/// so that each new token is computed alone (Hugging Face's `use_cache`): what
+/// [`CausalLm::generate`](super::CausalLm::generate) keeps while it samples.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// The number of tokens whose keys and values are held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Takes `time` more tokens: returns the position of the first.
+    pub(crate) fn advance(&mut self, time: usize) -> usize {
+        self.len += time;
+        self.len - time
+    }
+
+    /// Layer `layer`'s keys and values `[batch, kv_heads, past + time, head_dim]`: those held
+    /// followed by the new `k`, `v`, which are held from now on.
+    pub(crate) fn extend(&mut self, layer: usize, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, || None);
+        }
+        let (k, v) = match self.layers[layer].take() {
+            Some((past_k, past_v)) => (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2)),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        (k, v)
+    }
+}
+
+/// A layer's attention inputs `k`, `v` with a cache's: all of them when there is a cache
+/// (which holds them from now on), else these.
+pub(crate) fn with_cached(cache: Option<(&mut KvCache, usize)>, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+    match cache {
+        Some((cache, layer)) => cache.extend(layer, k, v),
+        None => (k, v),
+    }
 }
 
 /// `[batch, time, heads * head_dim] -> [batch, heads, time, head_dim]`.
@@ -189,12 +249,12 @@ impl Rope {
     }
 
     /// `x` `[batch, heads, time, head_dim]` rotated by position (Hugging Face's half-split
-    /// pairing: dimension `i` with `i + head_dim / 2`).
-    pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+    /// pairing: dimension `i` with `i + head_dim / 2`), its first row at position `start`.
+    pub fn apply(&self, x: Tensor<4>, start: usize) -> Tensor<4> {
         let [b, h, t, hd] = x.dims();
         let half = hd / 2;
         let (mut cos, mut sin) = (Vec::with_capacity(t * hd), Vec::with_capacity(t * hd));
-        for pos in 0..t {
+        for pos in start..start + t {
             for i in 0..hd {
                 let angle = pos as f64 * self.inv_freq[i % half];
                 cos.push(angle.cos() as f32);

@@ -12,7 +12,7 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{cross_entropy, decoder_unit};
-use super::layers::{Dense, Embed, RmsNorm, Rope, causal_attention, split_heads};
+use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, split_heads, with_cached};
 use crate::app::hf::config::LlamaShape;
 use crate::app::hf::weights::Weights;
 use crate::engine::{InitialValues, UnitModel, UnitSpec};
@@ -125,9 +125,24 @@ impl Llama {
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
-            h = layer.forward(h);
+            h = layer.forward(h, 0, None);
         }
         self.head(h)
+    }
+
+    /// Logits `[batch, vocab]` of the token after `ids` `[batch, time]`, which follow the
+    /// tokens `cache` holds; their keys and values join it.
+    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<2> {
+        let [b, t] = ids.dims();
+        let start = cache.advance(t);
+        let mut h = self.model.embed_tokens.forward(ids);
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            h = layer.forward(h, start, Some((&mut *cache, i)));
+        }
+        let d = h.dims()[2];
+        let logits = self.head(h.slice([0..b, t - 1..t, 0..d]));
+        let vocab = logits.dims()[2];
+        logits.reshape([b, vocab])
     }
 }
 
@@ -139,13 +154,15 @@ fn per_head(norm: &Option<RmsNorm>, x: Tensor<4>) -> Tensor<4> {
 }
 
 impl LlamaLayer {
-    fn forward(&self, h: Tensor<3>) -> Tensor<3> {
+    /// `h` `[batch, time, d]` at positions `start..`, attending also to the earlier
+    /// positions a cache holds (layer `i` of it), to which this layer's keys and values join.
+    fn forward(&self, h: Tensor<3>, start: usize, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
         let a = &self.self_attn;
         let (heads, kv) = a.heads;
         let x = self.input_layernorm.forward(h.clone());
-        let q = a.rope.apply(per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads)));
-        let k = a.rope.apply(per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv)));
-        let v = split_heads(a.v_proj.forward(x), kv);
+        let q = a.rope.apply(per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads)), start);
+        let k = a.rope.apply(per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv)), start);
+        let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward(x), kv));
         let h = h + a.o_proj.forward(causal_attention(q, k, v));
         let x = self.post_attention_layernorm.forward(h.clone());
         let m = &self.mlp;
@@ -188,7 +205,7 @@ impl UnitModel for Llama {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let (embed, layers) = (&self.model.embed_tokens, &self.model.layers);
-        let layer = |i: usize, h| layers[i].forward(h);
+        let layer = |i: usize, h| layers[i].forward(h, 0, None);
         decoder_unit(unit, input, tokens, layers.len(), |ids| embed.forward(ids), layer, |h| self.head(h))
     }
 

@@ -15,6 +15,7 @@ pub use causal_lm::{CausalLm, Sampling, cross_entropy};
 pub use conv::{ConvBlock, ConvNet, ImageTask, Images};
 pub use gpt::{Block, Gpt, GptConfig};
 pub use gpt2::Gpt2;
+pub use layers::KvCache;
 pub use llama::Llama;
 
 use burn::module::Module;
