@@ -1,4 +1,5 @@
-//! Import checks that need no Python: checkpoints written here with the safetensors crate.
+//! Checks of the families that need no Python: imports of checkpoints written here with
+//! the safetensors crate, the presets' sizes, the recipes' parameter groups.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -386,62 +387,4 @@ fn the_recipes_decay_the_matrices_and_not_the_biases_or_norms() {
     qwen3["model_type"] = json!("qwen3");
     qwen3["attention_bias"] = json!(true);
     check(&llama, &HfConfig::from_json(qwen3).unwrap(), "qwen3");
-}
-
-/// With a cache of keys and values, the logits of the next token equal the last row of a
-/// forward pass over every token so far: after the prompt, after each single token, after
-/// several at once (queries behind cached keys); and `generate` picks the tokens a forward
-/// pass over the window picks, past the point where the window slides.
-#[test]
-fn cached_logits_and_generation_equal_full_forward_passes() {
-    struct Check;
-    impl WithModel for Check {
-        type Output = ();
-        fn run<M: CausalLm>(self, model: M) {
-            let model = model.valid();
-            let device = Device::flex();
-            let ids = |tokens: &[u32]| {
-                let v: Vec<i64> = tokens.iter().map(|&x| i64::from(x)).collect();
-                Tensor::<2, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(v, [1, tokens.len()]), &device)
-            };
-            let row = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
-            let full = |tokens: &[u32]| {
-                let logits = model.logits(ids(tokens));
-                let [_, t, vocab] = logits.dims();
-                row(logits.slice([0..1, t - 1..t, 0..vocab]).reshape([1, vocab]))
-            };
-            let tokens = [3u32, 7, 1, 9, 4, 4, 0, 8, 2, 6, 5];
-            let mut cache = crate::app::models::KvCache::default();
-            for (from, to) in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11)] {
-                let cached = row(model.next_logits(ids(&tokens[from..to]), &mut cache).expect("a cache"));
-                let expected = full(&tokens[..to]);
-                assert_eq!(cache.len(), to);
-                for (i, (c, e)) in cached.iter().zip(&expected).enumerate() {
-                    assert!((c - e).abs() <= 1e-5 * (1.0 + e.abs()), "after {to} tokens, logit {i}: {c} vs {e}");
-                }
-            }
-            // Greedy: each token the argmax of a forward pass over the last `context`.
-            let (prompt, context, count) = (&tokens[..4], 8, 10);
-            let mut expected = prompt.to_vec();
-            for _ in 0..count {
-                let logits = full(&expected[expected.len().saturating_sub(context)..]);
-                let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
-                expected.push(best as u32);
-            }
-            let greedy = crate::app::models::Sampling::GREEDY;
-            let got = model.generate(prompt, count, context, greedy, &[], &mut 1).unwrap();
-            assert_eq!(got, expected[prompt.len()..]);
-        }
-    }
-    let gpt2 = json!({"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 16,
-                      "vocab_size": 10, "initializer_range": 0.5});
-    let mut llama = llama_config(false);
-    llama["model_type"] = json!("qwen3");
-    llama["initializer_range"] = json!(0.5);
-    llama["rope_scaling"] = json!({"rope_type": "linear", "factor": 2.0});
-    for config in [gpt2, llama] {
-        let device = Device::flex();
-        device.seed(5);
-        fresh(&HfConfig::from_json(config).unwrap(), &device).run(Check);
-    }
 }

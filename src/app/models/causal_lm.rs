@@ -15,10 +15,10 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3>;
 
-    /// Logits `[batch, vocab]` of the token after `ids` `[batch, time]`, which follow the
+    /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow the
     /// tokens `cache` holds (they are at positions `cache.len()..`) and whose keys and
     /// values join it; `None` for a model that keeps no cache (then it is left as it was).
-    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<2>> {
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<3>> {
         let _ = (ids, cache);
         None
     }
@@ -58,9 +58,7 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
             };
             let last = cached.unwrap_or_else(|| {
                 cache = KvCache::default();
-                let logits = model.logits(ids(&tokens[tokens.len().saturating_sub(context)..]));
-                let [_, t, vocab] = logits.dims();
-                logits.slice([0..1, t - 1..t, 0..vocab]).reshape([1, vocab])
+                last_position(model.logits(ids(&tokens[tokens.len().saturating_sub(context)..])))
             });
             let last = crate::engine::readout::f32s(last.cast(FloatDType::F32), "the logits")?;
             let next = pick(&last, sampling, rng);
@@ -147,7 +145,7 @@ impl CausalLm for super::Gpt2 {
         self.forward(ids)
     }
 
-    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<2>> {
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<3>> {
         Some(self.forward_cached(ids, cache))
     }
 }
@@ -157,9 +155,15 @@ impl CausalLm for super::Llama {
         self.forward(ids)
     }
 
-    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<2>> {
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<3>> {
         Some(self.forward_cached(ids, cache))
     }
+}
+
+/// The last position of `x` `[batch, time, width]`: `[batch, 1, width]`.
+pub(crate) fn last_position(x: Tensor<3>) -> Tensor<3> {
+    let time = x.dims()[1];
+    x.narrow(1, time - 1, 1)
 }
 
 /// Unit `unit` of a decoder declared as its embedding (unit 0, on the batch's inputs),
@@ -225,5 +229,61 @@ mod tests {
         assert_eq!(drawn(&logits, with(2, 0.9)), [1, 3].into());
         assert_eq!(drawn(&logits, with(2, 0.7)), [1].into());
         assert_eq!(drawn(&logits, Sampling::GREEDY), [1].into());
+    }
+
+    /// With a cache of keys and values, the logits of the next token equal the last row of
+    /// a forward pass over every token so far: after the prompt, after each single token,
+    /// after several at once (queries behind cached keys); and `generate` picks the tokens
+    /// a forward pass over the window picks, past the point where the window slides.
+    fn cache_equals_full_passes<M: CausalLm>(model: M) {
+        let model = model.valid();
+        let device = burn::tensor::Device::flex();
+        let ids = |tokens: &[u32]| {
+            let v: Vec<i64> = tokens.iter().map(|&x| i64::from(x)).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(v, [1, tokens.len()]), &device)
+        };
+        let row = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        let full = |tokens: &[u32]| row(last_position(model.logits(ids(tokens))));
+        let tokens = [3u32, 7, 1, 9, 4, 4, 0, 8, 2, 6, 5];
+        let mut cache = KvCache::default();
+        for (from, to) in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11)] {
+            let cached = row(model.next_logits(ids(&tokens[from..to]), &mut cache).expect("a cache"));
+            let expected = full(&tokens[..to]);
+            assert_eq!(cache.len(), to);
+            for (i, (c, e)) in cached.iter().zip(&expected).enumerate() {
+                assert!((c - e).abs() <= 1e-5 * (1.0 + e.abs()), "after {to} tokens, logit {i}: {c} vs {e}");
+            }
+        }
+        // Greedy: each token the argmax of a forward pass over the last `context`.
+        let (prompt, context, count) = (&tokens[..4], 8, 10);
+        let mut expected = prompt.to_vec();
+        for _ in 0..count {
+            let logits = full(&expected[expected.len().saturating_sub(context)..]);
+            let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+            expected.push(best as u32);
+        }
+        let got = model.generate(prompt, count, context, Sampling::GREEDY, &[], &mut 1).unwrap();
+        assert_eq!(got, expected[prompt.len()..]);
+    }
+
+    /// GPT-2, and Qwen3 (grouped kv heads, per-head norms, linear rope scaling), with
+    /// weights of std 0.5 so that the likeliest tokens are far apart.
+    #[test]
+    fn cached_logits_and_generation_equal_full_forward_passes() {
+        use crate::app::hf::{Family, HfConfig, weights::Weights};
+        let gpt2 = serde_json::json!({"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2,
+                                      "n_positions": 16, "vocab_size": 10});
+        let qwen3 = serde_json::json!({"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 12,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+            "tie_word_embeddings": false, "rope_scaling": {"rope_type": "linear", "factor": 2.0}});
+        for config in [gpt2, qwen3] {
+            let device = burn::tensor::Device::flex();
+            device.seed(5);
+            let w = Weights::fresh(&device, 0.5);
+            match HfConfig::from_json(config).unwrap().family {
+                Family::Gpt2(shape) => cache_equals_full_passes(super::super::Gpt2::new(&shape, &w)),
+                Family::Llama(shape) => cache_equals_full_passes(super::super::Llama::new(&shape, &w)),
+            }
+        }
     }
 }

@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
 
-use super::causal_lm::{cross_entropy, decoder_unit};
+use super::causal_lm::{cross_entropy, decoder_unit, last_position};
 use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads, with_cached};
 use crate::app::hf::config::Gpt2Shape;
 use crate::app::hf::weights::Weights;
@@ -113,18 +113,15 @@ impl Gpt2 {
         self.head(h)
     }
 
-    /// Logits `[batch, vocab]` of the token after `ids` `[batch, time]`, which follow the
-    /// tokens `cache` holds; their keys and values join it.
-    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<2> {
-        let [b, t] = ids.dims();
-        let mut h = self.embed(ids, cache.advance(t));
+    /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
+    /// the tokens `cache` holds; their keys and values join it.
+    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let start = cache.advance(ids.dims()[1]);
+        let mut h = self.embed(ids, start);
         for (i, block) in self.transformer.h.iter().enumerate() {
             h = block.forward(h, Some((&mut *cache, i)));
         }
-        let d = h.dims()[2];
-        let logits = self.head(h.slice([0..b, t - 1..t, 0..d]));
-        let vocab = logits.dims()[2];
-        logits.reshape([b, vocab])
+        self.head(last_position(h))
     }
 }
 

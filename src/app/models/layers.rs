@@ -248,10 +248,11 @@ impl Rope {
         Self { inv_freq }
     }
 
-    /// `x` `[batch, heads, time, head_dim]` rotated by position (Hugging Face's half-split
-    /// pairing: dimension `i` with `i + head_dim / 2`), its first row at position `start`.
-    pub fn apply(&self, x: Tensor<4>, start: usize) -> Tensor<4> {
-        let [b, h, t, hd] = x.dims();
+    /// Queries `q` and keys `k` `[batch, heads, time, head_dim]` rotated by position
+    /// (Hugging Face's half-split pairing: dimension `i` with `i + head_dim / 2`), their
+    /// first row at position `start`; one table of angles serves both.
+    pub fn rotate(&self, q: Tensor<4>, k: Tensor<4>, start: usize) -> (Tensor<4>, Tensor<4>) {
+        let [_, _, t, hd] = q.dims();
         let half = hd / 2;
         let (mut cos, mut sin) = (Vec::with_capacity(t * hd), Vec::with_capacity(t * hd));
         for pos in start..start + t {
@@ -261,13 +262,17 @@ impl Rope {
                 sin.push(angle.sin() as f32);
             }
         }
-        let device = x.device();
-        let dtype = x.dtype();
+        let device = q.device();
+        let dtype = q.dtype();
         let table = |v: Vec<f32>| Tensor::<4>::from_data(TensorData::new(v, [1, 1, t, hd]), &device).cast(dtype);
         let (cos, sin) = (table(cos), table(sin));
-        let first = x.clone().slice([0..b, 0..h, 0..t, 0..half]);
-        let second = x.clone().slice([0..b, 0..h, 0..t, half..hd]);
-        let rotated = Tensor::cat(vec![second.neg(), first], 3);
-        x * cos + rotated * sin
+        let apply = |x: Tensor<4>| {
+            let [b, h, _, _] = x.dims();
+            let first = x.clone().slice([0..b, 0..h, 0..t, 0..half]);
+            let second = x.clone().slice([0..b, 0..h, 0..t, half..hd]);
+            let rotated = Tensor::cat(vec![second.neg(), first], 3);
+            x * cos.clone() + rotated * sin.clone()
+        };
+        (apply(q), apply(k))
     }
 }

@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
 
-use super::causal_lm::{cross_entropy, decoder_unit};
+use super::causal_lm::{cross_entropy, decoder_unit, last_position};
 use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, split_heads, with_cached};
 use crate::app::hf::config::LlamaShape;
 use crate::app::hf::weights::Weights;
@@ -130,19 +130,15 @@ impl Llama {
         self.head(h)
     }
 
-    /// Logits `[batch, vocab]` of the token after `ids` `[batch, time]`, which follow the
-    /// tokens `cache` holds; their keys and values join it.
-    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<2> {
-        let [b, t] = ids.dims();
-        let start = cache.advance(t);
+    /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
+    /// the tokens `cache` holds; their keys and values join it.
+    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let start = cache.advance(ids.dims()[1]);
         let mut h = self.model.embed_tokens.forward(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
             h = layer.forward(h, start, Some((&mut *cache, i)));
         }
-        let d = h.dims()[2];
-        let logits = self.head(h.slice([0..b, t - 1..t, 0..d]));
-        let vocab = logits.dims()[2];
-        logits.reshape([b, vocab])
+        self.head(last_position(h))
     }
 }
 
@@ -160,8 +156,9 @@ impl LlamaLayer {
         let a = &self.self_attn;
         let (heads, kv) = a.heads;
         let x = self.input_layernorm.forward(h.clone());
-        let q = a.rope.apply(per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads)), start);
-        let k = a.rope.apply(per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv)), start);
+        let q = per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads));
+        let k = per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv));
+        let (q, k) = a.rope.rotate(q, k, start);
         let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward(x), kv));
         let h = h + a.o_proj.forward(causal_attention(q, k, v));
         let x = self.post_attention_layernorm.forward(h.clone());
