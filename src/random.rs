@@ -37,6 +37,17 @@
 //! its seeds from the generator when it runs: a forward that draws flushes its queue before
 //! it lets the generator go (the probe's read of the generator flushes it anyway).
 //!
+//! # Note: initialisation
+//! A Burn parameter built lazily (every `nn` layer's, and the Hugging Face families' fresh
+//! ones) draws its first value from the process's generator when it is first read. The
+//! engine reads a model one unit at a time, in an order that depends on the layout: a
+//! pipeline's first rank reads the later stages' units before its own, and other layouts
+//! may read in other orders again. So that a seeded model is the same model whatever the
+//! layout (stages, world size, units, backend), the engine draws each lazy parameter under
+//! a stream of its own, seeded from the run's `seed` and the parameter's module path
+//! ([`init_seed`]), holding the [`lock`] meanwhile. A parameter already holding a value
+//! (built eagerly, or read by the caller before) keeps it.
+//!
 //! Code of the caller's that seeds the device or draws random numbers while ranks train
 //! should hold the same lock ([`lock`], [`seeded`]); an unlocked draw there can land inside
 //! another rank's forward and change its numbers. Code running inside an engine's forward
@@ -67,6 +78,12 @@ pub fn seeded<T>(device: &Device, seed: u64, draw: impl FnOnce() -> T) -> T {
     let _held = lock();
     device.seed(seed);
     draw()
+}
+
+/// The seed the first value of the lazy parameter at module path `path` is drawn with, in
+/// a run seeded with `seed` (module note: initialisation).
+pub(crate) fn init_seed(seed: u64, path: &str) -> u64 {
+    path.bytes().fold(mix(seed ^ 0x1A17_5EED), |h, b| mix(h ^ u64::from(b)))
 }
 
 /// Which forward draws: within step `step`'s micro-batch `micro`, the stream `index`

@@ -87,7 +87,9 @@ impl Buffers {
     }
 
     /// Applies Burn's pending running-state updates (a `RunningState` keeps the last update
-    /// aside until it is next read), so that what is read or written next is current.
+    /// aside until it is next read), so that what is read or written next is current. This
+    /// gives every lazy parameter its value: while a model is built, call
+    /// `params::initialise_lazy` first.
     fn flush<M: Module>(model: &M) {
         drop(model.valid());
     }
@@ -100,6 +102,9 @@ impl Buffers {
         pick: impl Fn(&BufferEntry) -> bool,
         zeros_elsewhere: bool,
     ) -> Result<Vec<f32>> {
+        if self.entries.is_empty() {
+            return Ok(Vec::new()); // nothing to read, and no parameter to initialise
+        }
         Self::flush(model);
         struct Reader<'a, F> {
             entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,
@@ -145,6 +150,9 @@ impl Buffers {
     /// Writes `values` (as [`read`](Self::read) with the same `pick` gives them, without
     /// zeros) into the picked buffers, each in its own dtype.
     pub fn write<M: Module>(&self, model: M, values: &[f32], pick: impl Fn(&BufferEntry) -> bool) -> M {
+        if self.entries.is_empty() {
+            return model;
+        }
         Self::flush(&model);
         struct Writer<'a, F> {
             entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,

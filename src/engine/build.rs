@@ -7,14 +7,14 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, Tensor};
 use zerotrain_precision::Precision;
-use zerotrain_zero::Sharding;
+use zerotrain_zero::{ReduceOp, Sharding};
 
 use super::buffers::Buffers;
 use super::first_values::FirstValues;
 use super::model::{InitialValues, UnitModel, UnitSpec, claims, group, under};
 use super::notices::Notices;
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
-use super::params::{ParamIndex, ParamShapes, is_all_lazy};
+use super::params::{ParamIndex, ParamShapes, initialise_lazy, is_all_lazy};
 use super::parts::{ALIGN_ELEMS, Declared, Parts};
 use super::report::{Peaks, Window};
 use super::shared::Shared;
@@ -85,7 +85,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
                 "the plan has pipeline stages: build a Pipeline (Pipeline::new) of a model declared in units".into(),
             ));
         }
-        let (model, params, index) = prepare(self.model, self.ctx)?;
+        let (model, params, index) = prepare(self.model, self.ctx, self.plan.runtime.seed)?;
         let sharding = Sharding::single(params, self.plan.world_size(), ALIGN_ELEMS)?;
         let buffers = Buffers::scan(&model, |_| Some(0));
         let parts =
@@ -116,7 +116,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         M: UnitModel,
     {
         let EngineBuilder { model, plan, ctx, optimizer } = self;
-        let (model, params, index) = prepare(model, ctx)?;
+        let (model, params, index) = prepare(model, ctx, plan.runtime.seed)?;
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
         // Buffers belong to the unit whose module holds them, else to the root.
@@ -175,7 +175,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let (builder, declared) = self.declared()?;
         let EngineBuilder { model, plan, ctx, optimizer } = builder;
         let root_paths = declared.root_paths.clone();
-        let placed = super::pipeline::place(model, ctx, pipeline, declared)?;
+        let placed = super::pipeline::place(model, ctx, pipeline, declared, plan.runtime.seed)?;
         let root = placed.parts.sharding.units().len() > placed.stage_units;
         let every = pipeline.checkpoint_interval;
         let granularity = Granularity::declared(placed.stage_units, root, every, plan.recompute_units);
@@ -203,7 +203,14 @@ fn unshared_root(paths: &[String], unit_of: &[usize], specs: &[UnitSpec], shared
 
 /// The model with buffers of its own, forked onto the rank's device, its trainable
 /// parameters (path, shape) and their index; an error if it has none, saying why.
-pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, ParamShapes, ParamIndex)> {
+///
+/// Whether the model is still all lazy is agreed by every rank before any initialises a
+/// parameter: ranks that are threads hold clones sharing each lazy parameter's value, so
+/// one rank's first reads would otherwise make the model look partly initialised to a rank
+/// that looks later, which would then initialise the rest in its own order. A model partly
+/// initialised by its caller gets its remaining lazy parameters under their own streams of
+/// `seed` (`random.rs`' note on initialisation).
+pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext, seed: u64) -> Result<(M, ParamShapes, ParamIndex)> {
     if !ctx.device().is_autodiff() {
         return Err(Error::Usage(
             "the rank's device has no autodiff, so nothing can train: build the context on an autodiff device \
@@ -220,7 +227,14 @@ pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext) -> Result<(M, Para
     // shards them, and no rank ever holds the whole model (the construction peak). It is
     // forked once the engine has replaced its parameters (`assemble`): forking a lazy
     // parameter that a clone shares (each thread rank's model is a clone) initialises it.
-    let model = if is_all_lazy(&model) { model } else { model.valid().train().fork(ctx.device()) };
+    let mut lazy = [f32::from(u8::from(is_all_lazy(&model)))];
+    ctx.collective().all_reduce((&mut lazy[..]).into(), ReduceOp::Min)?;
+    let model = if lazy[0] > 0.0 {
+        model
+    } else {
+        initialise_lazy(&model, seed);
+        model.valid().train().fork(ctx.device())
+    };
     let (params, index) = ParamIndex::scan(&model);
     if params.is_empty() {
         let floats = count_floats(&model);
@@ -314,6 +328,9 @@ fn assemble<M: Module>(
         units.push(unit);
     }
     if !buffers.entries().is_empty() {
+        // Frozen parameters still lazy get their values under their own streams, not in
+        // whatever order reading the buffers would give them.
+        initialise_lazy(&model, plan.runtime.seed);
         let mut values = buffers.read(&model, |_| true, false)?;
         shared.comm.broadcast((&mut values).into(), 0)?;
         model = buffers.write(model, &values, |_| true);

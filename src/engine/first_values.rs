@@ -12,7 +12,7 @@ use burn::module::Module;
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, FlatElem, Precision};
 
 use super::model::InitialValues;
-use super::params::{initial_dtype, read_params};
+use super::params::{Lazy, initial_dtype, read_params};
 use super::shared::Shared;
 use crate::Result;
 
@@ -71,7 +71,8 @@ impl FirstValues {
                 ahead.iter().flat_map(|u| u.layout.entries()).for_each(|entry| initial.prefetch(&entry.path));
             }
             let values = buf.reborrow().slice(0..real);
-            read_params(model, &shared.index, &shared.sharding, id, 0..real, values, initial)?;
+            let lazy = Lazy { values: initial, seed: shared.plan.runtime.seed };
+            read_params(model, &shared.index, &shared.sharding, id, 0..real, values, Some(lazy))?;
         }
         shared.comm.broadcast(buf, 0)?;
         Ok(match (narrow, &self.compute) {

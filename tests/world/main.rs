@@ -12,6 +12,7 @@ mod failure;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod gpu;
 mod handles;
+mod init;
 mod memory;
 mod mixed;
 mod offload;

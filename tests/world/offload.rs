@@ -145,27 +145,34 @@ fn swap_faults_are_errors_naming_the_path() {
 
 /// A model handed over untouched (Burn initialises parameters lazily) is initialised by the
 /// engine one unit at a time, on the group's first rank only, so no rank holds the whole
-/// model (`zerotrain bench memory` measures the construction peak); its values are the ones
-/// the same seeded model gets when initialised up front, since an MLP's units are in visit
-/// order. Two thread ranks share the lazy model, as `launch` callers' clones do.
+/// model (`zerotrain bench memory` measures the construction peak). Each parameter draws
+/// from a stream of the config's `seed` and its path (`random.rs`' note), not from the
+/// generator as the device was seeded when the model was built: two lazy models built
+/// after different device seeds start alike, at stage 3 on two thread ranks sharing the lazy
+/// model (as `launch` callers' clones do) as on one rank, and another config seed gives
+/// another model. A model the caller initialised up front keeps its values.
 #[test]
-fn a_lazy_model_is_initialised_unit_by_unit_with_the_values_it_would_have_had() {
+fn a_lazy_model_is_initialised_unit_by_unit_from_the_configs_seed() {
     use burn::tensor::Device;
     use zerotrain::app::models::Mlp;
     let dims = [6, 16, 16, 1];
-    let plan = plan(&unit_recipe(3, 1, MODES[2], "fp32", ""), 2);
-    let masters = |model: &Mlp| {
-        launch(&plan, |ctx| Engine::with_units(model.clone(), &plan, &ctx)?.master_params()).unwrap().remove(0)
+    let masters = |model: &Mlp, plan: &zerotrain::Plan| {
+        launch(plan, |ctx| Engine::with_units(model.clone(), plan, &ctx)?.master_params()).unwrap().remove(0)
     };
-    let eager = masters(&seeded(9, |d| Mlp::new(&dims, d)));
-    let lazy = {
-        let _rng = rng_lock();
+    let lazy = |device_seed: u64| {
         let device = Device::flex().autodiff();
-        device.seed(9);
-        let model = Mlp::new(&dims, &device);
-        masters(&model)
+        zerotrain::random::seeded(&device, device_seed, || Mlp::new(&dims, &device))
     };
-    assert!(lazy == eager, "the lazily built model's initial values differ");
+    let two = plan(&unit_recipe(3, 1, MODES[2], "fp32", ""), 2);
+    let one = plan(&unit_recipe(0, 1, MODES[2], "fp32", ""), 1);
+    let first = masters(&lazy(9), &two);
+    assert!(masters(&lazy(10), &two) == first, "the device's seed at build time chose the values");
+    assert!(masters(&lazy(9), &one) == first, "one rank and two at stage 3 start from other models");
+    let reseeded = plan(&unit_recipe(3, 1, MODES[2], "fp32", "").replacen('{', r#"{"seed": 5, "#, 1), 2);
+    assert!(masters(&lazy(9), &reseeded) != first, "the config's seed chooses the model");
+    let eager = seeded(9, |d| Mlp::new(&dims, d));
+    let own: Vec<f32> = params_by_path(&eager).into_iter().flat_map(|(_, v)| v).collect();
+    assert!(masters(&eager, &two) == own, "a model initialised up front keeps its values");
 }
 
 /// An offloaded checkpoint loads at another world size and stage, offloaded or not, and an

@@ -27,7 +27,8 @@ mod initial;
 /// Copies the part of unit `unit`'s parameters that falls in `range` (of the unit's flat
 /// buffer) into `dst` (`range.len()` long, any dtype; padding is left as it is), every
 /// element of it (an error otherwise: the model is not the one the sharding was made from).
-/// A parameter still lazy is read from `values` when given, and is left uninitialised.
+/// A parameter still lazy is read from `lazy`'s values when it has them (and is left
+/// uninitialised), else initialised under its own seeded stream ([`Lazy`]).
 pub(crate) fn read_params<M: Module>(
     model: &M,
     index: &ParamIndex,
@@ -35,14 +36,14 @@ pub(crate) fn read_params<M: Module>(
     unit: usize,
     range: std::ops::Range<usize>,
     dst: BufMut<'_>,
-    values: Option<&dyn InitialValues>,
+    lazy: Option<Lazy<'_>>,
 ) -> Result<()> {
     struct Reader<'a> {
         walk: Walk<'a>,
         unit: usize,
         range: std::ops::Range<usize>,
         dst: BufMut<'a>,
-        values: Option<&'a dyn InitialValues>,
+        lazy: Option<Lazy<'a>>,
         written: usize,
         error: Option<Error>,
     }
@@ -54,12 +55,15 @@ pub(crate) fn read_params<M: Module>(
             let at = segment.flat_range.start - self.range.start..segment.flat_range.end - self.range.start;
             self.written += at.len();
             let mut dst = self.dst.reborrow().slice(at);
-            let read = match self.values.filter(|_| !param.is_initialized()) {
+            let lazy = self.lazy.filter(|_| !param.is_initialized());
+            let read = match lazy.and_then(|l| l.values) {
                 Some(values) => initial::read(values, &entry.path, segment.param_range, dst),
-                None => read(param.val(), &format!("parameter `{}`", entry.path)).and_then(|data| {
-                    as_flat(&data, &entry.path, entry.num_elems)
-                        .map(|values| dst.copy_from(values.slice(segment.param_range), false))
-                }),
+                None => read(first_value(param, &entry.path, lazy), &format!("parameter `{}`", entry.path)).and_then(
+                    |data| {
+                        as_flat(&data, &entry.path, entry.num_elems)
+                            .map(|values| dst.copy_from(values.slice(segment.param_range), false))
+                    },
+                ),
             };
             self.error = read.err();
         }
@@ -67,7 +71,7 @@ pub(crate) fn read_params<M: Module>(
     let real = sharding.units()[unit].layout.num_elems();
     let expected = range.end.min(real).saturating_sub(range.start.min(real));
     let walk = Walk { index, sharding, position: 0 };
-    let mut reader = Reader { walk, unit, range, dst, values, written: 0, error: None };
+    let mut reader = Reader { walk, unit, range, dst, lazy, written: 0, error: None };
     model.visit(&mut reader);
     match reader.error {
         Some(error) => Err(error),
@@ -78,6 +82,55 @@ pub(crate) fn read_params<M: Module>(
         ))),
         None => Ok(()),
     }
+}
+
+/// Where parameters still lazy get their first values when the engine first reads them:
+/// the model's [`InitialValues`] (a checkpoint's tensors), or else their own initialisers
+/// drawing from a stream seeded by `seed` and the parameter's path (the note on
+/// initialisation in `random.rs`).
+#[derive(Clone, Copy)]
+pub(crate) struct Lazy<'a> {
+    /// Values read instead of initialising (`UnitModel::initial_values`).
+    pub values: Option<&'a dyn InitialValues>,
+    /// The run's seed.
+    pub seed: u64,
+}
+
+/// `param`'s value; a lazy one initialised under its path's stream when `lazy` is given.
+fn first_value<const D: usize>(param: &Param<Tensor<D>>, path: &str, lazy: Option<Lazy<'_>>) -> Tensor<D> {
+    match lazy {
+        Some(lazy) if !param.is_initialized() => {
+            let device = param.lazy_device();
+            crate::random::seeded(&device, crate::random::init_seed(lazy.seed, path), || param.val())
+        }
+        _ => param.val(),
+    }
+}
+
+/// Initialises every float tensor of `model` that is still lazy, each under its path's
+/// stream of `seed` (`random.rs`' note on initialisation): before a walk that would
+/// initialise the rest in its own order (reading buffers goes through `Module::valid`,
+/// which gives every parameter its value).
+pub(crate) fn initialise_lazy<M: Module>(model: &M, seed: u64) {
+    struct Init {
+        path: Vec<String>,
+        seed: u64,
+    }
+    impl ModuleVisitor for Init {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_initialized() {
+                let lazy = Lazy { values: None, seed: self.seed };
+                drop(first_value(param, &self.path.join("."), Some(lazy)));
+            }
+        }
+    }
+    model.visit(&mut Init { path: Vec::new(), seed });
 }
 
 /// `param` holding `tensor`, keeping its id. A lazy parameter not initialised yet is

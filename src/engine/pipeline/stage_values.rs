@@ -18,7 +18,7 @@ use super::Pipeline;
 use crate::config::PipelinePlan;
 use crate::context::RankContext;
 use crate::engine::model::{UnitModel, claims};
-use crate::engine::params::{Fill, read_params, release_unheld, write_global, write_params};
+use crate::engine::params::{Fill, Lazy, initialise_lazy, read_params, release_unheld, write_global, write_params};
 use crate::engine::parts::{ALIGN_ELEMS, Declared, Parts};
 use crate::engine::span::Span;
 use crate::{Error, Result};
@@ -34,12 +34,15 @@ pub(in crate::engine) struct Placed<M> {
 
 /// This rank's stage (module note in `pipeline/mod.rs`): the topology, the groups, the
 /// partition of the declared units, the values seeded from world rank 0, and the stage's
-/// sharding over its data-parallel group.
+/// sharding over its data-parallel group. Lazy parameters are initialised under the run's
+/// `seed` (`random.rs`' note on initialisation), so the stages start from the model an
+/// unpipelined run starts from.
 pub(in crate::engine) fn place<M: UnitModel>(
     model: M,
     ctx: &RankContext,
     pipeline: PipelinePlan,
     declared: Declared,
+    seed: u64,
 ) -> Result<Placed<M>> {
     let world = ctx.collective();
     let topology = Topology::new(world.world_size(), pipeline.stages)?;
@@ -58,7 +61,7 @@ pub(in crate::engine) fn place<M: UnitModel>(
         ))
     })?;
     let holds = |s: usize, u: usize| u == count || ranges[s].contains(&u);
-    let model = seed(model, world.as_ref(), topology, &declared, &holds, ctx)?;
+    let model = seed_stages(model, world.as_ref(), topology, &declared, &holds, (ctx, seed))?;
     let units = ranges[stage].clone();
     // A declared unit's index on this stage (`None` elsewhere); the root comes last.
     let to_local = |u: usize| if u < count { units.contains(&u).then(|| u - units.start) } else { Some(units.len()) };
@@ -77,13 +80,13 @@ pub(in crate::engine) fn place<M: UnitModel>(
 
 /// Sends every stage's first rank world rank 0's values of what it holds (`holds(stage,
 /// unit)`, the root being unit `specs.len()`) and every buffer (module note).
-fn seed<M: UnitModel>(
+fn seed_stages<M: UnitModel>(
     mut model: M,
     world: &dyn Collective,
     topology: Topology,
     declared: &Declared,
     holds: &dyn Fn(usize, usize) -> bool,
-    ctx: &RankContext,
+    (ctx, seed): (&RankContext, u64),
 ) -> Result<M> {
     let me = world.rank();
     let buffers = &declared.buffers;
@@ -99,8 +102,14 @@ fn seed<M: UnitModel>(
         let mut states = vec![0.0f32; buffers.entries().iter().map(|e| e.shape.iter().product::<usize>()).sum()];
         if me == 0 {
             let initial = model.initial_values();
-            read_params(&model, &declared.index, &view, 0, 0..n, BufMut::F32(&mut values), initial.as_deref())?;
-            states = buffers.read(&model, |_| true, false)?;
+            let lazy = Lazy { values: initial.as_deref(), seed };
+            read_params(&model, &declared.index, &view, 0, 0..n, BufMut::F32(&mut values), Some(lazy))?;
+            if !buffers.entries().is_empty() {
+                // Reading buffers gives every parameter its value: the lazy ones of this
+                // rank's own stage first get theirs under their own streams.
+                initialise_lazy(&model, seed);
+                states = buffers.read(&model, |_| true, false)?;
+            }
             world.send((&values).into(), leader)?;
             world.send((&states).into(), leader)?;
         } else {
@@ -108,7 +117,10 @@ fn seed<M: UnitModel>(
             world.recv((&mut states).into(), 0)?;
             let device = ctx.device();
             model = write_params(model, &declared.index, &view, 0, Fill::Take(FlatBuf::F32(values)), device);
-            model = buffers.write(model, &states, |_| true);
+            if !buffers.entries().is_empty() {
+                initialise_lazy(&model, seed);
+                model = buffers.write(model, &states, |_| true);
+            }
         }
     }
     Ok(model)

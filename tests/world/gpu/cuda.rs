@@ -130,6 +130,12 @@ fn a_gpt_on_cuda_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn a_lazy_model_starts_on_cuda_as_on_the_cpu() {
+    super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn ranks_compute_on_the_configured_cuda_device() {
     super::ranks_compute_on_the_configured_device(CUDA);
 }

@@ -673,3 +673,17 @@ fn device_bytes_grown(plan: &zerotrain::Plan, init: &Gpt, w: &Tokens) -> (u64, P
     .unwrap()
     .remove(0)
 }
+
+/// A seeded lazy model (built on the CPU, as `zerotrain train` builds it) starts as the same
+/// model on the device as on the CPU, at one rank and in a 2-stage pipeline (`init.rs`).
+fn a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(gpu: Gpu) {
+    let _alone = device_alone();
+    let json = recipe(1, 1, 2, 0.0);
+    let pipelined = json.replacen('{', r#"{"pipeline": {"stages": 2, "partition": "uniform"},"#, 1);
+    let expected = crate::init::initial_masters(&plan(&json, 1));
+    for (name, json, world) in [("one rank", &json, 1), ("two stages", &pipelined, 2)] {
+        let masters = crate::init::initial_masters(&plan(&on_device(json, gpu), world));
+        let differ = masters.iter().zip(&expected).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert!(differ == 0, "{} {name}: {differ} of {} values differ from the CPU's", gpu.name, masters.len());
+    }
+}

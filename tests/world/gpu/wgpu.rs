@@ -21,6 +21,11 @@ fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
 }
 
 #[test]
+fn a_lazy_model_starts_on_wgpu_as_on_the_cpu() {
+    super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(WGPU);
+}
+
+#[test]
 fn ranks_compute_on_the_configured_device() {
     super::ranks_compute_on_the_configured_device(WGPU);
 }
