@@ -678,8 +678,13 @@ fn hostile_inputs_are_short_one_line_errors_never_panics_or_aborts() {
     let run = temp_run("hostile");
     let big_model =
         temp_config("hostile-memory", r#"{"train_batch_size": 2, "model": {"n_embd": 4096, "n_layer": 16}}"#);
+    // A FIFO: its open would wait for a writer that never comes.
+    let fifo = big_model.with_file_name("fifo.json");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["config", "check", "/dev/zero"], "is larger than 16777216 bytes"),
+        (vec!["config", "check", "/dev/zero"], "a device, not a regular file: refused"),
+        (vec!["config", "check", fifo.to_str().unwrap()], "a FIFO, not a regular file: refused"),
         (vec!["config", "check", "configs/tiny.json", "--world-size", "20000"], "20000 thread ranks is more than"),
         (vec!["train", "--config", "configs/tiny.json", "--data", "/dev/zero"], "larger than 268435456 bytes"),
         (vec!["train", "--config", "configs/tiny.json", "--out", "/proc/zerotrain"], "cannot create /proc/zerotrain"),

@@ -5,8 +5,12 @@ use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use crate::bounded::read_bounded;
 use crate::commit::LATEST;
 use crate::manifest::MAX_MANIFEST_BYTES;
+
+/// The largest `latest` file read: a tag and a newline (tags are far shorter).
+const MAX_LATEST_BYTES: u64 = 4096;
 use crate::shard::ShardReader;
 use crate::{CheckpointError, LayoutEntry, Manifest, Result, validate_tag};
 
@@ -57,12 +61,16 @@ impl Checkpoint {
             Some(tag) => tag.to_string(),
             None => {
                 let latest = root.join(LATEST);
-                let text = fs::read_to_string(&latest).map_err(|e| match e.kind() {
+                let bytes = read_bounded(&latest, MAX_LATEST_BYTES).map_err(|e| match e.kind() {
                     std::io::ErrorKind::NotFound => CheckpointError::NotFound {
                         path: latest.clone(),
                         reason: "no `latest` file: nothing was saved here".into(),
                     },
                     _ => CheckpointError::io(&latest)(e),
+                })?;
+                let text = String::from_utf8(bytes).map_err(|_| CheckpointError::Corrupted {
+                    path: latest.clone(),
+                    reason: "not UTF-8 text naming a tag".into(),
                 })?;
                 text.trim().to_string()
             }
@@ -70,18 +78,13 @@ impl Checkpoint {
         validate_tag(&tag)?;
         let dir = root.join(&tag);
         let path = dir.join("manifest.json");
-        let size = fs::metadata(&path)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => {
-                    CheckpointError::NotFound { path: path.clone(), reason: "no manifest".into() }
-                }
-                _ => CheckpointError::io(&path)(e),
-            })?
-            .len();
-        if size > MAX_MANIFEST_BYTES {
-            return Err(CheckpointError::Corrupted { path, reason: format!("manifest of {size} bytes is too large") });
-        }
-        let bytes = fs::read(&path).map_err(CheckpointError::io(&path))?;
+        let bytes = read_bounded(&path, MAX_MANIFEST_BYTES).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CheckpointError::NotFound { path: path.clone(), reason: "no manifest".into() }
+            }
+            std::io::ErrorKind::InvalidData => CheckpointError::Corrupted { path: path.clone(), reason: e.to_string() },
+            _ => CheckpointError::io(&path)(e),
+        })?;
         let manifest = Manifest::from_bytes(&bytes, &path)?;
         if manifest.tag != tag {
             return Err(CheckpointError::InvalidManifest {

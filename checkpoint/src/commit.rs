@@ -83,7 +83,8 @@ pub fn prepare(root: &Path, tag: &str) -> Result<PathBuf> {
     remove_leftovers(root)?;
     let target = root.join(tag);
     if target.exists() {
-        let latest = fs::read_to_string(root.join(LATEST)).ok();
+        let latest =
+            crate::bounded::read_bounded(&root.join(LATEST), 4096).ok().and_then(|b| String::from_utf8(b).ok());
         if latest.as_deref().map(str::trim) == Some(tag) {
             return Err(CheckpointError::Exists { path: target });
         }
@@ -224,7 +225,8 @@ pub fn commit(root: &Path, mut manifest: Manifest, keep_last_n: Option<usize>) -
     for entry in fs::read_dir(&partial).map_err(CheckpointError::io(&partial))? {
         let path = entry.map_err(CheckpointError::io(&partial))?.path();
         if path.extension().is_some_and(|e| e == "json") {
-            let bytes = fs::read(&path).map_err(CheckpointError::io(&path))?;
+            let bytes = crate::bounded::read_bounded(&path, crate::manifest::MAX_MANIFEST_BYTES)
+                .map_err(CheckpointError::io(&path))?;
             let info: ShardFile = serde_json::from_slice(&bytes)
                 .map_err(|e| CheckpointError::Corrupted { path: path.clone(), reason: e.to_string() })?;
             files.push(info);

@@ -7,7 +7,6 @@
 //! `deny_unknown_fields`: the check happens here, once, for the library's sections and for
 //! a program's [`ConfigExtension`] alike.
 
-use std::io::Read;
 use std::path::Path;
 
 use serde::de::DeserializeOwned;
@@ -51,12 +50,14 @@ pub trait ConfigExtension: DeserializeOwned {
 /// Reads a config file of at most [`MAX_CONFIG_BYTES`].
 pub fn read_file(path: &Path) -> Result<String, ConfigError> {
     let io = |source| ConfigError::Io { path: path.to_path_buf(), cause: source };
-    let mut text = String::new();
-    std::fs::File::open(path).and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)).map_err(io)?;
-    if text.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(ConfigError::TooLarge { path: path.to_path_buf(), limit: MAX_CONFIG_BYTES });
-    }
-    Ok(text)
+    // A FIFO or a device (a symlink to /dev/zero) is refused before it is read.
+    let bytes = zerotrain_checkpoint::read_bounded(path, MAX_CONFIG_BYTES).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData if e.to_string().starts_with("larger") => {
+            ConfigError::TooLarge { path: path.to_path_buf(), limit: MAX_CONFIG_BYTES }
+        }
+        _ => io(e),
+    })?;
+    String::from_utf8(bytes).map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
 }
 
 /// Parses JSON text into a value (`null` and `{}` alike mean an empty config). An object
