@@ -45,7 +45,14 @@ impl Token {
             return Self::new(&secret, TOKEN_VARIABLE).map(Some);
         }
         let Some(file) = file else { return Ok(None) };
-        let secret = std::fs::read_to_string(file).map_err(|cause| Error::Io { path: file.to_path_buf(), cause })?;
+        let secret = read_small_text(file)?;
+        if let Some(mode) = readable_by_others(file) {
+            eprintln!(
+                "zerotrain: warning: local_sgd.auth_token_file {} can be read by other users (mode {mode:o}): \
+                 chmod 600 it",
+                file.display()
+            );
+        }
         Self::new(&secret, &format!("local_sgd.auth_token_file {}", file.display())).map(Some)
     }
 
@@ -101,9 +108,27 @@ impl Interceptor for Check {
     }
 }
 
-/// Whether `a` equals `b`, in time that depends on their lengths only.
+/// Whether `a` equals `b`, in time that depends on their lengths only (`subtle`'s
+/// constant-time comparison, which the optimiser cannot turn into an early exit).
 fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
+    use subtle::ConstantTimeEq;
+    bool::from(a.ct_eq(b))
+}
+
+/// The file's permission bits where others than its owner may read it.
+fn readable_by_others(file: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(file).ok()?.permissions().mode() & 0o777;
+    (mode & 0o044 != 0).then_some(mode)
+}
+
+/// The text of a small file a config names (a token, a PEM certificate or key): a regular
+/// file of at most 1 MiB, refused by name otherwise (a FIFO would block the open, a device
+/// would be read without end).
+pub(super) fn read_small_text(file: &Path) -> Result<String> {
+    let io = |cause| Error::Io { path: file.to_path_buf(), cause };
+    let bytes = zerotrain_checkpoint::read_bounded(file, 1 << 20).map_err(io)?;
+    String::from_utf8(bytes).map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
 }
 
 #[cfg(test)]

@@ -110,7 +110,7 @@ impl Service {
     fn due_checkpoint(&self, state: &State, every: u64) -> Option<(Vec<Option<Place>>, u64)> {
         self.config.checkpoint.as_ref()?;
         let round = state.places.iter().flatten().map(|p| p.round).min()?;
-        if round < state.saved + every {
+        if round < state.saved.saturating_add(every) {
             return None;
         }
         Some((state.places.iter().map(|p| p.as_ref().map(Place::snapshot)).collect(), round))

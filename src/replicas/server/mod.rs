@@ -29,7 +29,9 @@
 //! different rounds (each place stays consistent, being one shard of the weights).
 
 pub mod auth;
+mod budget;
 mod client;
+pub mod incoming;
 mod keeper;
 mod parts;
 mod place;
@@ -73,6 +75,8 @@ pub struct ServerConfig {
     pub token: Option<auth::Token>,
     /// The identity the server presents over TLS ([`tls::identity`]); none: plain TCP.
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// The connections it accepts at a time, and how long one may stay silent.
+    pub limits: incoming::Limits,
 }
 
 impl ServerConfig {
@@ -89,6 +93,7 @@ impl ServerConfig {
             comm_dtype: plan.comm_dtype,
             token: None,
             tls: None,
+            limits: incoming::Limits::for_this_process(),
         }
     }
 }

@@ -95,11 +95,18 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
     let state = State { places, saved: resumed.unwrap_or(0), failed: None };
     let check = super::auth::Check::new(config.token.as_ref());
+    let limits = config.limits;
     // HTTP/2's default 64 KiB windows would hold a stream of large tensors to a trickle.
     let builder = tonic::transport::Server::builder()
         .initial_stream_window_size(WINDOW)
         .initial_connection_window_size(WINDOW)
-        .max_frame_size(MAX_FRAME);
+        .max_frame_size(MAX_FRAME)
+        // Answered by every client's HTTP/2 stack, also while it waits in a pull: a
+        // connection that answers nothing is idle (`incoming.rs`).
+        .http2_keepalive_interval(Some(super::incoming::KEEPALIVE))
+        .http2_keepalive_timeout(Some(super::incoming::KEEPALIVE))
+        // A caller's streams at a time (a rank sends to a place one vector at a time).
+        .concurrency_limit_per_connection(8);
     let mut builder = match config.tls.clone() {
         Some(tls) => builder.tls_config(tls).map_err(|e| Error::Launch(format!("local_sgd.tls: {e}")))?,
         None => builder,
@@ -111,6 +118,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
         version: Arc::new(watch::channel(0).0),
         sessions: Arc::new(AtomicU64::new(sessions)),
         writing: Arc::new(Mutex::new(None)),
+        budget: Arc::new(super::budget::Budget::default()),
     };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<std::io::Result<SocketAddr>>();
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
@@ -133,8 +141,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
                     }
                 };
                 let _ = ready_tx.send(listener.local_addr());
-                // Without TCP_NODELAY a round's small messages wait out delayed ACKs (~40 ms each).
-                let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+                let incoming = super::incoming::accept(listener, limits);
                 let keeper = service.clone().keep();
                 let last = service.clone();
                 let service = ParameterServerServer::new(service).max_decoding_message_size(16 << 20);
@@ -197,6 +204,7 @@ mod tests {
             comm_dtype: Precision::Fp32,
             token: None,
             tls: None,
+            limits: super::super::incoming::Limits::for_this_process(),
         }
     }
 
@@ -341,6 +349,60 @@ mod tests {
                 assert!(e.contains("the checkpoint of round 1 failed") && e.contains(&*dir.to_string_lossy()), "{e}");
                 std::fs::remove_file(&dir).unwrap();
             }
+        }
+    }
+
+    /// A crowd of connections that send nothing cannot hold a server: past its connection
+    /// cap a new one is closed at once, a silent one is closed after the idle timeout, and
+    /// a real caller that comes while the crowd holds every slot gets its answer once the
+    /// silent ones have been dropped. (tonic alone kept every connection: about 250 of them
+    /// at a limit of 128 descriptors made the server spin on `accept`.)
+    #[test]
+    fn silent_connections_are_capped_and_closed_and_a_real_caller_gets_through() {
+        use std::io::Read;
+        let idle = Duration::from_millis(400);
+        let limits = super::super::incoming::Limits { max_connections: 4, idle_timeout: idle };
+        let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig { limits, ..config(1, None) }).unwrap();
+        let addr = server.addr();
+        let crowd: Vec<std::net::TcpStream> = (0..4).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+        // The server has taken the four (each is answered by its HTTP/2 preface) ...
+        for mut c in &crowd {
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut preface = [0u8; 9];
+            c.read_exact(&mut preface).unwrap();
+        }
+        // ... so a fifth is closed at once, with nothing said.
+        let mut fifth = std::net::TcpStream::connect(addr).unwrap();
+        fifth.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let started = std::time::Instant::now();
+        let mut rest = Vec::new();
+        assert_eq!(fifth.read_to_end(&mut rest).map(|_| rest.len()).unwrap_or(0), 0, "closed without a word");
+        assert!(started.elapsed() < Duration::from_secs(5), "closed at once, not timed out");
+        // A real caller, while the silent four still hold every slot.
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let started = std::time::Instant::now();
+        let ack = runtime.block_on(async {
+            let mut last = None;
+            for _ in 0..50 {
+                match ParameterServerClient::connect(format!("http://{addr}")).await {
+                    Ok(mut c) => match c.join(iter(joining(head(0, 0, 0), &[1.0, 2.0]))).await {
+                        Ok(ack) => return ack.into_inner(),
+                        Err(e) => last = Some(e.to_string()),
+                    },
+                    Err(e) => last = Some(e.to_string()),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("no answer: {last:?}");
+        });
+        assert_eq!(ack.live, 1);
+        assert!(started.elapsed() < Duration::from_secs(5), "answered once the silent ones were dropped");
+        // The silent ones were closed for their silence.
+        for mut c in crowd {
+            let mut rest = Vec::new();
+            let _ = c.read_to_end(&mut rest);
+            let mut one = [0u8; 1];
+            assert_eq!(c.read(&mut one).unwrap_or(0), 0, "closed");
         }
     }
 }

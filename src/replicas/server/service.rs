@@ -12,6 +12,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::ServerConfig;
+use super::budget::{Budget, Reserved};
 use super::place::{self, Place, Pulled, Refusal};
 use super::proto::parameter_server_server::ParameterServer;
 use super::proto::{Ack, Chunk, PullRequest};
@@ -37,24 +38,30 @@ pub(super) struct Service {
     pub sessions: Arc<AtomicU64>,
     /// The keeper's save in progress, if any (one at a time; the stop waits for it).
     pub writing: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
+    /// The memory given to vectors being received.
+    pub budget: Arc<Budget>,
 }
 
 /// The values of a streamed vector, and its chunks' common header. `check` sees the header
 /// before anything is allocated for the values, and may give a buffer to fill (a spare of
-/// the place's, already of the length: its pages are mapped). The chunks must come in order
-/// and cover the vector exactly, so nothing of a reused buffer's old values survives.
-async fn collect(
+/// the place's, already of the length: its pages are mapped). The vector's bytes are
+/// reserved from the server's [`Budget`] first (held until the returned reservation drops,
+/// at the end of the call). The chunks must come in order and cover the vector exactly, so
+/// nothing of a reused buffer's old values survives.
+async fn collect<'s>(
+    service: &'s Service,
     mut stream: Streaming<Chunk>,
     check: impl FnOnce(&Chunk) -> std::result::Result<Option<Vec<f32>>, Status>,
-) -> std::result::Result<(Chunk, Vec<f32>), Status> {
+) -> std::result::Result<(Chunk, Vec<f32>, Reserved<'s>), Status> {
     let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty stream"))?;
-    let spare = check(&first)?;
     let len = usize::try_from(first.len).map_err(|_| Status::invalid_argument("a vector too long"))?;
     if len > MAX_PLACE_ELEMS {
         return Err(Status::invalid_argument(format!(
             "a vector of {len} values is over the limit of {MAX_PLACE_ELEMS}"
         )));
     }
+    let reserved = service.budget.reserve(4 * len as u64, || service.budget_limit()).await;
+    let spare = check(&first)?;
     let mut values = match spare {
         Some(buffer) if buffer.len() == len => buffer,
         _ => vec![0.0f32; len],
@@ -70,18 +77,25 @@ async fn collect(
     if next != len {
         return Err(Status::invalid_argument(format!("the stream ended after {next} of its {len} values")));
     }
-    Ok((first, values))
+    Ok((first, values, reserved))
 }
 
 /// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
-const MAX_PLACE_ELEMS: usize = 1 << 32;
+pub(super) const MAX_PLACE_ELEMS: usize = 1 << 32;
 
 /// The most places (ranks of a group) a server holds.
-const MAX_PLACES: u32 = 1 << 16;
+pub(super) const MAX_PLACES: u32 = 1 << 16;
 
 impl Service {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The bytes of vectors that may be in flight at once: `groups + 1` times the places'
+    /// (the note in `budget.rs`).
+    fn budget_limit(&self) -> u64 {
+        let held: u64 = self.lock().places.iter().flatten().map(|p| 4 * p.global.len() as u64).sum();
+        held.saturating_mul(self.config.groups as u64 + 1)
     }
 
     fn check_group(&self, group: u32) -> std::result::Result<usize, Status> {
@@ -206,7 +220,7 @@ fn ack(round: u64, session: u64, status: place::Status) -> Response<Ack> {
 #[tonic::async_trait]
 impl ParameterServer for Service {
     async fn join(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
-        let (head, values) = collect(request.into_inner(), |head| {
+        let (head, values, _reserved) = collect(self, request.into_inner(), |head| {
             self.check_group(head.group)?;
             if head.place >= MAX_PLACES {
                 return Err(Status::invalid_argument(format!(
@@ -257,7 +271,7 @@ impl ParameterServer for Service {
     }
 
     async fn push(&self, request: Request<Streaming<Chunk>>) -> std::result::Result<Response<Ack>, Status> {
-        let (head, delta) = collect(request.into_inner(), |head| {
+        let (head, delta, _reserved) = collect(self, request.into_inner(), |head| {
             self.check_group(head.group)?;
             self.check_len(head)?;
             let mut state = self.lock();

@@ -15,6 +15,7 @@ use zerotrain_checkpoint::{Checkpoint, FORMAT_VERSION, LATEST, LayoutEntry, Mani
 
 use super::ServerConfig;
 use super::place::{Outer, Place};
+use super::service::{MAX_PLACE_ELEMS, MAX_PLACES};
 use crate::replicas::outer::{Delayed, OuterState};
 use crate::{Error, Result};
 
@@ -104,6 +105,41 @@ pub(super) fn save(
     commit(dir, manifest, Some(KEEP_LAST)).map_err(|e| failed(dir, e))
 }
 
+/// The furthest round a checkpoint may record (2^48: far beyond any run, and far enough
+/// below 2^64 that counting on from it cannot overflow).
+const MAX_ROUND: u64 = 1 << 48;
+
+/// Refuses what a damaged or hostile manifest says of place `p` (which starts at `offset`
+/// of the layout): a length other than its layout entry's (the files were checked against
+/// the layout, not against this record) or past what a place may hold, a round past
+/// [`MAX_ROUND`], more pending pushes than groups.
+fn check_saved(
+    saved: &SavedPlace,
+    p: usize,
+    offset: u64,
+    manifest: &Manifest,
+    config: &ServerConfig,
+) -> std::result::Result<(), String> {
+    let name = format!("place{p}");
+    let entry = manifest.layout.iter().find(|e| e.path == name);
+    if entry.is_none_or(|e| e.shape != [saved.len] || e.offset != offset) {
+        return Err(format!(
+            "place {p} records {} values at offset {offset}, which its layout does not hold",
+            saved.len
+        ));
+    }
+    if saved.len > MAX_PLACE_ELEMS as u64 {
+        return Err(format!("place {p} records {} values, more than a place holds ({MAX_PLACE_ELEMS})", saved.len));
+    }
+    if saved.round > MAX_ROUND || manifest.global_step > MAX_ROUND {
+        return Err(format!("place {p} records round {}, past {MAX_ROUND}: the manifest is damaged", saved.round));
+    }
+    if saved.pending_pushes > config.groups {
+        return Err(format!("place {p} records {} pending pushes from {} groups", saved.pending_pushes, config.groups));
+    }
+    Ok(())
+}
+
 /// The places of the latest checkpoint in `dir`, or `None` where nothing was saved there.
 /// A checkpoint of other groups or another mode is an error naming both.
 pub(super) fn load(dir: &Path, config: &ServerConfig) -> Result<Option<(Vec<Option<Place>>, u64)>> {
@@ -124,13 +160,17 @@ pub(super) fn load(dir: &Path, config: &ServerConfig) -> Result<Option<(Vec<Opti
             ),
         ));
     }
+    if server.places.len() > MAX_PLACES as usize {
+        return Err(failed(dir, format!("{} places, more than a server holds ({MAX_PLACES})", server.places.len())));
+    }
     let mut places = Vec::with_capacity(server.places.len());
     let mut offset = 0u64;
-    for saved in server.places {
+    for (p, saved) in server.places.into_iter().enumerate() {
         let Some(saved) = saved else {
             places.push(None);
             continue;
         };
+        check_saved(&saved, p, offset, manifest, config).map_err(|e| failed(dir, e))?;
         let range = offset..offset + saved.len;
         let read = |tensor: &str| -> Result<Vec<f32>> {
             let mut out = vec![0.0f32; saved.len as usize];
@@ -151,7 +191,79 @@ pub(super) fn load(dir: &Path, config: &ServerConfig) -> Result<Option<(Vec<Opti
         let mut place = Place::new(config.mode, global, outer, saved.round, config.groups, config.comm_dtype);
         place.part = saved.part;
         places.push(Some(place));
-        offset += saved.len;
+        offset = offset.saturating_add(saved.len);
     }
     Ok(Some((places, manifest.global_step)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use zerotrain_precision::Precision;
+
+    use super::*;
+    use crate::config::{OuterOptimizer, ReplicaMode};
+
+    fn config() -> ServerConfig {
+        ServerConfig {
+            groups: 2,
+            outer: OuterOptimizer { lr: 1.0, momentum: 0.0, nesterov: false },
+            mode: ReplicaMode::Sync,
+            group_timeout: Duration::from_secs(30),
+            checkpoint: None,
+            checkpoint_every: 1,
+            comm_dtype: Precision::Fp32,
+            token: None,
+            tls: None,
+            limits: super::super::incoming::Limits::for_this_process(),
+        }
+    }
+
+    /// A server's checkpoint whose manifest was edited is refused naming what it records,
+    /// before anything is allocated for it: a place longer than its layout (2^40 values once
+    /// aborted the allocation, 2^64 - 1 overflowed), a round of 2^64 - 1 (it once killed the
+    /// keeper, counting on from it), more pending pushes than groups. Unedited, it loads.
+    #[test]
+    fn an_edited_server_checkpoint_is_refused_for_what_it_records() {
+        let dir = std::env::temp_dir().join(format!("zerotrain-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = config();
+        let place = Place::new(
+            config.mode,
+            vec![1.0, 2.0, 3.0],
+            Outer::Sync(OuterState::from_momentum(None)),
+            4,
+            2,
+            Precision::Fp32,
+        );
+        let path = save(&dir, &config, &[Some(place)], 4).unwrap();
+        let (places, round) = load(&dir, &config).unwrap().unwrap();
+        assert_eq!((places[0].as_ref().unwrap().global.to_vec(), round), (vec![1.0, 2.0, 3.0], 4));
+        let manifest = path.join("manifest.json");
+        let bytes = std::fs::read(&manifest).unwrap();
+        let original: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        // As an attacker would: the manifest's own checksum recomputed over the edit.
+        let edit = |key: &str, value: serde_json::Value| {
+            let mut edited = original["manifest"].clone();
+            edited["engine"]["parameter_server"]["places"][0][key] = value;
+            let raw = edited.to_string();
+            let envelope = format!(r#"{{"manifest":{raw},"crc32":{}}}"#, crc32fast::hash(raw.as_bytes()));
+            std::fs::write(&manifest, envelope).unwrap();
+            let Err(e) = load(&dir, &config) else { panic!("an edited {key} was accepted") };
+            e.to_string()
+        };
+        let err = edit("len", serde_json::json!(1u64 << 40));
+        assert!(
+            err.contains("place 0 records 1099511627776 values at offset 0, which its layout does not hold"),
+            "{err}"
+        );
+        assert!(edit("len", serde_json::json!(u64::MAX)).contains("which its layout does not hold"));
+        let err = edit("round", serde_json::json!(u64::MAX));
+        assert!(err.contains("place 0 records round 18446744073709551615, past 281474976710656"), "{err}");
+        assert!(edit("pending_pushes", serde_json::json!(3)).contains("3 pending pushes from 2 groups"));
+        std::fs::write(&manifest, bytes).unwrap();
+        assert!(load(&dir, &config).unwrap().is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

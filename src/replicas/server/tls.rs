@@ -42,7 +42,7 @@ fn needed<'a>(file: Option<&'a Path>, key: &str, what: &str) -> Result<&'a Path>
 
 /// The PEM text of `file`, which must hold at least one block whose label ends in `label`.
 fn pem(file: &Path, label: &str) -> Result<String> {
-    let text = std::fs::read_to_string(file).map_err(|cause| Error::Io { path: file.to_path_buf(), cause })?;
+    let text = super::auth::read_small_text(file)?;
     let has = text.lines().any(|l| l.starts_with("-----BEGIN ") && l.trim_end().ends_with(&format!("{label}-----")));
     if !has {
         return Err(Error::Usage(format!("local_sgd.tls: {} holds no PEM `{label}` block", file.display())));
