@@ -59,6 +59,16 @@ impl Plan {
         self.pipeline.map_or(self.runtime.world_size, |p| p.data_parallel(self.runtime.world_size))
     }
 
+    /// Sequences read per optimizer step by every rank that shares the data: the global
+    /// batch `train_batch_size`, times the groups when this job is one replica group
+    /// through parameter servers (each group reads its own part of every step, as the
+    /// groups of one job do). A sampler that strides through a corpus step by step strides
+    /// by this, so that no two groups read the same sequence.
+    pub fn sequences_per_step(&self) -> u64 {
+        let groups = self.replicas.as_ref().filter(|r| r.group.is_some()).map_or(1, |r| r.groups as u64);
+        self.batch.train_batch_size.saturating_mul(groups)
+    }
+
     /// The one warning for accepted keys that have no effect, if any.
     pub fn warning(&self) -> Option<String> {
         self.notes.warning()

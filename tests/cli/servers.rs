@@ -443,3 +443,71 @@ fn finished_in_step(dir: &Path, outs: &[Output], steps: u64) {
         assert_eq!(loss_a.to_bits(), loss_b.to_bits(), "the groups ended at round {a} with other weights: {finals:?}");
     }
 }
+
+/// Two replica groups through a server read their own parts of every global batch from a
+/// Hugging Face token file: with lr 0 (the loss depends on the batch alone) the mean of the
+/// groups' losses at each step is the loss of the synchronous 2-rank job reading the same
+/// global batches, and the groups' losses differ. (They once strode by their own batch and
+/// read each other's samples a step apart: group 1's step s was group 0's step s + 1.)
+#[test]
+fn groups_through_a_server_read_their_own_samples_of_a_token_file() {
+    let dir = temp_run("ps-token-data");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (_, tokens) = super::hf::fresh_llama(&dir, 1, "");
+    let write = |name: &str, world: usize, batch: usize, section: &str| {
+        let json = format!(
+            r#"{{"train_batch_size": {batch}, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {{"stage": 2}},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.0}}}}, {section}
+                "zerotrain": {{"world_size": {world}, "eval_every": 100, "comm_timeout_s": 30}},
+                "model": {{"hf_config": "model.json", "tokenizer": "tokenizer.json", "block_size": 8}}}}"#
+        );
+        let path = dir.join(name);
+        std::fs::write(&path, json).unwrap();
+        path
+    };
+    let section = r#"{"groups": 2, "sync_every": 2, "group_timeout_s": 30, "outer_optimizer": {"type": "sgd"}}"#;
+    let sync = write("sync.json", 2, 8, "");
+    let groups = write("groups.json", 1, 4, &format!(r#""local_sgd": {section},"#));
+    let whole = dir.join("sync");
+    super::hf::run_ok(&[
+        "train",
+        "--config",
+        sync.to_str().unwrap(),
+        "--data",
+        tokens.to_str().unwrap(),
+        "--steps",
+        "5",
+        "--out",
+        whole.to_str().unwrap(),
+    ]);
+    let (mut server, addr) = server(&dir, section, "127.0.0.1:0", None);
+    let jobs: Vec<Job> = (0..2)
+        .map(|g| {
+            let out = dir.join(format!("run{g}"));
+            Job::spawn(
+                Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+                    .args(["train", "--config", groups.to_str().unwrap(), "--server", &addr, "--group", &g.to_string()])
+                    .args(["--data", tokens.to_str().unwrap(), "--steps", "5", "--out", out.to_str().unwrap()])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped()),
+            )
+        })
+        .collect();
+    let outs: Vec<Output> = jobs.into_iter().map(|j| finish(j, Duration::from_secs(120))).collect();
+    server.kill();
+    for (g, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "group {g}: {}", text(&out.stderr));
+    }
+    let expected = super::hf::losses(&whole);
+    let (a, b) = (super::hf::losses(&dir.join("run0")), super::hf::losses(&dir.join("run1")));
+    assert_eq!((expected.len(), a.len(), b.len()), (5, 5, 5));
+    for ((&(step, whole), &(_, x)), &(_, y)) in expected.iter().zip(&a).zip(&b) {
+        let mean = (x + y) / 2.0;
+        assert!(
+            (mean - whole).abs() <= 1e-5 * whole,
+            "step {step}: groups {x} and {y} (mean {mean}), synchronous {whole}"
+        );
+        assert!(x != y, "step {step}: both groups scored {x}: the same samples");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
