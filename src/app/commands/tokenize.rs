@@ -12,28 +12,41 @@ use crate::app::text::Tokenizer;
 use crate::app::text::documents::Documents;
 
 /// What `zerotrain tokenize` was asked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct TokenizeArgs {
-    /// Text files (a document per blank-line-separated paragraph) or JSON-lines files
-    /// (`.jsonl`: a document per line, its `field`).
+    /// Text files (a document per blank-line-separated paragraph) or `.jsonl` files (a
+    /// document per line).
+    #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
-    /// The `tokenizer.json` to use, or to write when `train_vocab` is set.
+    /// The tokenizer.json to use (or to write, with --train-vocab).
+    #[arg(long)]
     pub tokenizer: PathBuf,
-    /// Train a byte-level BPE of this many tokens on the inputs first.
+    /// Train a byte-level BPE of this many tokens on the inputs and write it to --tokenizer.
+    #[arg(long)]
     pub train_vocab: Option<usize>,
     /// The token file to write.
+    #[arg(long)]
     pub out: PathBuf,
-    /// The held-out share of the tokens (the file's end).
+    /// The share of the tokens held out for validation (the file's end).
+    #[arg(long, default_value_t = 0.01)]
     pub valid_fraction: f64,
-    /// The JSON-lines field holding the text.
+    /// The JSON-lines field holding each document's text.
+    #[arg(long, default_value = "text")]
     pub field: String,
 }
+
+/// The largest vocabulary `--train-vocab` trains: 2^24, the largest `vocab_size` a model's
+/// config may have (the trainer allocates by the size asked).
+const MAX_TRAIN_VOCAB: usize = 1 << 24;
 
 /// A byte-level BPE of `vocab` tokens (`<|endoftext|>` among them) trained on the documents
 /// of `args`' files, read as the trainer asks for them.
 fn train_bpe(args: &TokenizeArgs, vocab: usize) -> anyhow::Result<Tokenizer> {
     if vocab < 257 {
         bail!("--train-vocab {vocab}: a byte-level BPE needs at least 257 tokens (256 bytes and <|endoftext|>)");
+    }
+    if vocab > MAX_TRAIN_VOCAB {
+        bail!("--train-vocab {vocab}: at most {MAX_TRAIN_VOCAB} tokens (a model's vocabulary is at most that)");
     }
     // The trainer takes plain texts: the first error ends the stream and is kept for after.
     let failed = Mutex::new(None);
@@ -57,6 +70,23 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     if args.inputs.is_empty() {
         bail!("give the text or JSON-lines files to tokenize");
     }
+    for input in &args.inputs {
+        if same_file(input, &args.out) {
+            bail!(
+                "--out {} is an input: the token file would replace the text (nothing was written)",
+                args.out.display()
+            );
+        }
+        if args.train_vocab.is_some() && same_file(input, &args.tokenizer) {
+            bail!(
+                "--tokenizer {} is an input: the trained tokenizer would replace the text (nothing was written)",
+                args.tokenizer.display()
+            );
+        }
+    }
+    if same_file(&args.out, &args.tokenizer) {
+        bail!("--out and --tokenizer are one file, {}: give each its own (nothing was written)", args.out.display());
+    }
     let start = Instant::now();
     let tokenizer = match args.train_vocab {
         Some(vocab) => train_bpe(&args, vocab)?,
@@ -69,17 +99,31 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     let (file, text_bytes) = documents.write_token_file(&tokenizer, &args.out, args.valid_fraction)?;
     let seconds = encode_start.elapsed().as_secs_f64();
     println!(
-        "wrote {}: {} tokens ({} held out) in {} documents each closed by {eos_name} (id {eos}), vocabulary {} \
+        "wrote {}: {} tokens ({} held out) in {} documents each closed by {eos_name} (id {eos}), ids below {} \
          ({}), {:.1} MB of text at {:.1} MB/s{}",
         args.out.display(),
         file.len(),
         file.len() - file.train_tokens(),
         file.documents(),
-        tokenizer.vocab_size(),
+        tokenizer.id_bound(),
         args.tokenizer.display(),
         text_bytes as f64 / 1e6,
         text_bytes as f64 / 1e6 / seconds.max(1e-9),
         if args.train_vocab.is_some() { format!(" (BPE trained in {trained:.1} s)") } else { String::new() }
     );
     Ok(())
+}
+
+/// Whether `a` and `b` name one file: the same file where both exist (links, `..`, another
+/// spelling), else the same path once their folders are resolved.
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        return (x.dev(), x.ino()) == (y.dev(), y.ino());
+    }
+    let resolved = |p: &std::path::Path| {
+        let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        parent.canonicalize().ok().map(|d| d.join(p.file_name().unwrap_or_default()))
+    };
+    resolved(a).is_some_and(|x| Some(x) == resolved(b))
 }

@@ -28,7 +28,8 @@ pub struct Documents {
 
 /// The file being read.
 enum Open {
-    /// Paragraphs: the text between two `\n\n`, as `str::split` cuts it (a paragraph of
+    /// Paragraphs: the text between blank lines (`\n\n`, or `\r\n\r\n` in a file with
+    /// Windows line ends), the line end before the blank line not included (a paragraph of
     /// whitespace alone is no document).
     Text(TextFile),
     /// A JSON-lines file: a document per non-blank line, its `field`.
@@ -40,7 +41,7 @@ struct TextFile {
     path: PathBuf,
     file: File,
     /// Bytes read and not dropped yet; `pending[start..]` is not cut yet, and holds no
-    /// `\n\n` before `searched`.
+    /// blank line before `searched`.
     pending: Vec<u8>,
     start: usize,
     searched: usize,
@@ -79,7 +80,8 @@ impl Documents {
         valid_fraction: f64,
     ) -> Result<(TokenFile, usize), FileError> {
         use rayon::prelude::*;
-        let mut writer = TokenFileWriter::create(path, tokenizer.vocab_size(), tokenizer.end_of_text()?.0)?;
+        let mut writer =
+            TokenFileWriter::create(path, tokenizer.id_bound(), tokenizer.end_of_text()?.0, tokenizer.fingerprint())?;
         let mut text_bytes = 0;
         let written = loop {
             let batch = match self.batch(BATCH_BYTES, BATCH_DOCUMENTS) {
@@ -164,23 +166,39 @@ impl Open {
     }
 }
 
+/// The first blank line in `bytes` from `from`: (where the line end before it starts, the
+/// bytes to skip), for `\n\n` and `\n\r\n`. A `\n\r` at the very end is not decided
+/// until more is read (unless `at_end`).
+fn blank_line(bytes: &[u8], from: usize, at_end: bool) -> Option<(usize, usize)> {
+    let n = bytes.len();
+    (from..n.saturating_sub(1)).find_map(|i| match (bytes[i], bytes[i + 1], bytes.get(i + 2)) {
+        (b'\n', b'\n', _) => Some(Some((i, 2))),
+        (b'\n', b'\r', Some(b'\n')) => Some(Some((i, 3))),
+        (b'\n', b'\r', None) if !at_end => Some(None),
+        _ => None,
+    })?
+}
+
 impl TextFile {
     /// The next paragraph holding more than whitespace, `None` at the file's end.
     fn next(&mut self) -> Result<Option<String>, FileError> {
         loop {
             let from = self.searched.min(self.pending.len());
-            let cut = self.pending[from..].windows(2).position(|w| w == b"\n\n").map(|i| from + i);
-            let end = match cut {
-                Some(cut) => cut,
-                None if self.at_end && self.start < self.pending.len() => self.pending.len(),
+            let cut = blank_line(&self.pending, from, self.at_end);
+            let (end, next) = match cut {
+                Some((cut, len)) => (cut, cut + len),
+                None if self.at_end && self.start < self.pending.len() => (self.pending.len(), self.pending.len()),
                 None if self.at_end => return Ok(None),
                 None => {
                     self.read()?;
                     continue;
                 }
             };
-            let (start, bytes) = (self.start, &self.pending[self.start..end]);
-            (self.start, self.searched) = (end + 2, end + 2);
+            let (start, mut bytes) = (self.start, &self.pending[self.start..end]);
+            if let [rest @ .., b'\r'] = bytes {
+                bytes = rest; // a Windows line end before the blank line
+            }
+            (self.start, self.searched) = (next, next);
             let text = std::str::from_utf8(bytes).map_err(|e| {
                 let at = self.offset + start as u64;
                 FileError::new(&self.path, format!("not UTF-8 text: {e} in the paragraph from byte {at}"))
@@ -191,12 +209,12 @@ impl TextFile {
         }
     }
 
-    /// Drops what is cut and reads on (a `\n\n` may span the seam).
+    /// Drops what is cut and reads on (a blank line may span the seam).
     fn read(&mut self) -> Result<(), FileError> {
         let start = self.start.min(self.pending.len());
         self.pending.drain(..start);
         self.offset += start as u64;
-        (self.start, self.searched) = (0, self.pending.len().saturating_sub(1));
+        (self.start, self.searched) = (0, self.pending.len().saturating_sub(2));
         let read = (&mut self.file)
             .take(CHUNK as u64)
             .read_to_end(&mut self.pending)
@@ -256,6 +274,26 @@ mod tests {
         assert!(all(std::slice::from_ref(&plain), 1).unwrap_err().to_string().contains("t.txt: not UTF-8 text"));
         let err = all(&[dir.join("missing.txt")], 1).unwrap_err().to_string();
         assert!(err.contains("missing.txt: cannot open it"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file with Windows line ends is cut at its blank lines too (`\r\n\r\n`; it was once
+    /// one document, held whole, with one end token), the line end before each blank line
+    /// left out, lines inside a paragraph kept as written, across reads.
+    #[test]
+    fn windows_line_ends_cut_paragraphs_too() {
+        let dir = std::env::temp_dir().join(format!("zerotrain-documents-crlf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let paragraph =
+            |i: usize| format!("paragraph {i} line one\r\nand its second line {}", "x".repeat(5000 + i % 3000));
+        let text: String = (0..400).map(|i| paragraph(i) + "\r\n\r\n").collect();
+        assert!(text.len() > 2 * CHUNK);
+        let path = dir.join("crlf.txt");
+        std::fs::write(&path, format!("{text}\r\n\n{}", paragraph(400))).unwrap();
+        let got = all(&[path], 1 << 30).unwrap();
+        let expected: Vec<String> = (0..=400).map(paragraph).collect();
+        assert_eq!(got.len(), 401);
+        assert!(got == expected, "the paragraphs of a CRLF text, without their last line end");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -31,6 +31,10 @@ pub struct Tokenizer {
     before: Vec<u32>,
     /// The tokens it puts after every text (an end token, for some).
     after: Vec<u32>,
+    /// One past its largest id (added tokens included).
+    id_bound: usize,
+    /// A hash of every id and its token ([`Tokenizer::fingerprint`]).
+    fingerprint: u64,
 }
 
 /// End-of-text tokens by their usual names, for a tokenizer whose config names none.
@@ -41,7 +45,7 @@ const PIECE_BYTES: usize = 1 << 16;
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tokenizer({}, {} tokens)", self.file.display(), self.vocab_size())
+        write!(f, "Tokenizer({}, ids below {})", self.file.display(), self.id_bound)
     }
 }
 
@@ -52,13 +56,16 @@ impl Tokenizer {
     /// does unless asked for them: a long document is never cut.
     pub fn from_file(path: &Path) -> Result<Self, FileError> {
         let error = |e: tokenizers::Error| FileError::new(path, format!("not a usable tokenizer.json: {e}"));
-        let mut inner = tokenizers::Tokenizer::from_file(path).map_err(error)?;
+        let bytes = crate::app::file_error::read_file(path)?;
+        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(error)?;
         inner.with_truncation(None).map_err(error)?;
         inner.with_padding(None);
         let (before, after) = around(&inner).map_err(|why| FileError::new(path, why))?;
+        let (before, after) = configured_around(&inner, &path.with_file_name(TOKENIZER_CONFIG_FILE), (before, after))?;
         let splits_at_spaces = splits_at_spaces(&inner);
         let words = Words::of(&inner);
-        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces, words, before, after })
+        let (id_bound, fingerprint) = identity(&inner);
+        Ok(Self { inner, file: path.to_path_buf(), splits_at_spaces, words, before, after, id_bound, fingerprint })
     }
 
     /// The file it was read from.
@@ -121,9 +128,32 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| self.error(format!("cannot decode: {e}")))
     }
 
-    /// Its vocabulary, added tokens included.
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+    /// The text `new` adds after `prompt` (ids), as `transformers` decodes a generation:
+    /// the two decoded together, less the prompt's own decoding. A SentencePiece-style
+    /// decoder (Metaspace) takes the space off a text's first word, so decoding `new` alone
+    /// would lose the space between prompt and continuation. Where the prompt's decoding is
+    /// not a prefix of the whole (a decoder that merges across the seam), the whole.
+    pub fn decode_continuation(&self, prompt: &[u32], new: &[u32]) -> Result<String, FileError> {
+        let whole = self.decode(&[prompt, new].concat())?;
+        let head = self.decode(prompt)?;
+        Ok(match whole.strip_prefix(&head) {
+            Some(tail) => tail.to_string(),
+            None => whole,
+        })
+    }
+
+    /// One past its largest id, added tokens included: the rows an embedding indexed by its
+    /// ids needs, and the bound a token file's ids are checked against. Not its number of
+    /// tokens, which is smaller where ids leave gaps (an added token placed at a high id).
+    pub fn id_bound(&self) -> usize {
+        self.id_bound
+    }
+
+    /// A hash of every id with its token's text: two tokenizers that give the same ids the
+    /// same tokens have the same fingerprint, whatever else their files hold. A token file
+    /// records its tokenizer's, so that reading it with another is refused.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// The end-of-text token that closes each document of a token file, as `transformers`
@@ -156,6 +186,21 @@ impl Tokenizer {
     }
 }
 
+/// (`id_bound`, `fingerprint`) of `tokenizer` (see [`Tokenizer::id_bound`] and
+/// [`Tokenizer::fingerprint`]): FNV-1a over each id and its token, in id order.
+fn identity(tokenizer: &tokenizers::Tokenizer) -> (usize, u64) {
+    let mut tokens: Vec<(u32, String)> = tokenizer.get_vocab(true).into_iter().map(|(t, id)| (id, t)).collect();
+    tokens.sort_unstable();
+    let bound = tokens.last().map_or(0, |(id, _)| *id as usize + 1);
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for (id, token) in &tokens {
+        for byte in id.to_le_bytes().iter().chain(token.as_bytes()).chain([0xFF].iter()) {
+            hash = (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    (bound, hash)
+}
+
 /// The special tokens `tokenizer`'s post-processor puts before and after every text: what
 /// encoding a probe with them adds around its ids without them.
 fn around(tokenizer: &tokenizers::Tokenizer) -> Result<(Vec<u32>, Vec<u32>), String> {
@@ -176,17 +221,55 @@ fn around(tokenizer: &tokenizers::Tokenizer) -> Result<(Vec<u32>, Vec<u32>), Str
 /// The `eos_token` a `tokenizer_config.json` names (a string, or an added token's
 /// `content`), if the file exists and names one.
 fn configured_eos(path: &Path) -> Result<Option<String>, FileError> {
-    use serde_json::Value;
     let Some(json) = read_optional_json(path)? else { return Ok(None) };
-    match json.get("eos_token") {
+    configured_token(&json, "eos_token").map_err(|why| FileError::new(path, why))
+}
+
+/// The token a `tokenizer_config.json`'s `key` names (a string, or an added token's
+/// `content`), if it names one.
+fn configured_token(json: &serde_json::Value, key: &str) -> Result<Option<String>, String> {
+    use serde_json::Value;
+    match json.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(name)) => Ok(Some(name.clone())),
         Some(Value::Object(token)) => match token.get("content") {
             Some(Value::String(name)) => Ok(Some(name.clone())),
-            _ => Err(FileError::new(path, "eos_token has no string `content`")),
+            _ => Err(format!("{key} has no string `content`")),
         },
-        Some(other) => Err(FileError::new(path, format!("eos_token must be a string or a token, not {other}"))),
+        Some(other) => Err(format!("{key} must be a string or a token, not {other}")),
     }
+}
+
+/// The tokens put before and after every text once the `tokenizer_config.json` beside the
+/// tokenizer (`config`) has its say: `transformers` rebuilds a tokenizer's post-processor
+/// from `add_bos_token` and `add_eos_token` when the config sets them (`bos_token` before
+/// every text when `add_bos_token` is true, `eos_token` after it when `add_eos_token` is),
+/// so a config that sets one decides that side; a side it leaves unset stays as the
+/// `tokenizer.json`'s post-processor has it (`around`).
+fn configured_around(
+    tokenizer: &tokenizers::Tokenizer,
+    config: &Path,
+    (before, after): (Vec<u32>, Vec<u32>),
+) -> Result<(Vec<u32>, Vec<u32>), FileError> {
+    let Some(json) = read_optional_json(config)? else { return Ok((before, after)) };
+    let error = |why: String| FileError::new(config, why);
+    let side = |flag: &str, token: &str, keep: Vec<u32>| -> Result<Vec<u32>, FileError> {
+        match json.get(flag) {
+            None | Some(serde_json::Value::Null) => Ok(keep),
+            Some(serde_json::Value::Bool(false)) => Ok(Vec::new()),
+            Some(serde_json::Value::Bool(true)) => {
+                let name = configured_token(&json, token)
+                    .map_err(error)?
+                    .ok_or_else(|| error(format!("{flag} is true but {token} is not set")))?;
+                let id = tokenizer
+                    .token_to_id(&name)
+                    .ok_or_else(|| error(format!("{token} `{name}` is not a token of the tokenizer beside it")))?;
+                Ok(vec![id])
+            }
+            Some(other) => Err(error(format!("{flag} must be true or false, not {other}"))),
+        }
+    };
+    Ok((side("add_bos_token", "bos_token", before)?, side("add_eos_token", "eos_token", after)?))
 }
 
 /// A byte-level BPE as GPT-2's (its pre-tokenizer and decoder, no prefix space) trained
@@ -295,7 +378,14 @@ mod tests {
         let err = |t: Tokenizer| t.end_of_text().unwrap_err().to_string();
         let absent = err(saved(&dir, "absent", &bpe, Some(r#"{"eos_token": "<|eot_id|>"}"#)));
         assert!(absent.contains("tokenizer_config.json: eos_token `<|eot_id|>` is not a token of"), "{absent}");
-        assert!(err(saved(&dir, "broken", &bpe, Some("{"))).contains("tokenizer_config.json: not JSON"));
+        // A broken config beside the tokenizer is refused when the tokenizer is read (it
+        // also decides the tokens around every text).
+        let broken = dir.join("broken").join("tokenizer.json");
+        std::fs::create_dir_all(broken.parent().unwrap()).unwrap();
+        bpe.save(&broken, false).unwrap();
+        std::fs::write(broken.with_file_name(TOKENIZER_CONFIG_FILE), "{").unwrap();
+        let refused = Tokenizer::from_file(&broken).unwrap_err().to_string();
+        assert!(refused.contains("tokenizer_config.json: not JSON"), "{refused}");
         let mut bare = tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default());
         bare.add_tokens(&[tokenizers::AddedToken::from("word", false)]);
         let none = err(saved(&dir, "none", &bare, None));
@@ -333,6 +423,141 @@ mod tests {
         let tokenizer = saved(&dir, "template", &bpe, None);
         assert_eq!(tokenizer.encode_document(text).unwrap(), expected);
         assert_eq!(tokenizer.encode_prompt(text).unwrap(), expected[..expected.len() - 1]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A tokenizer with few tokens but an added token at a high id (as tokenizers whose
+    /// special tokens sit above a gap have): the id bound is one past that id, not the
+    /// token count, so a token file holds it in 32 bits and reads it back (it was once
+    /// written in 16 bits: id 65636 as 100); the model check compares that bound.
+    #[test]
+    fn an_id_above_the_token_count_is_written_whole_and_bounds_the_vocabulary() {
+        let dir = folder("sparse");
+        let bpe = train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap();
+        let mut json: serde_json::Value = serde_json::from_str(&bpe.to_string(false).unwrap()).unwrap();
+        // The model's vocabulary may leave gaps; an added token then takes the model's id.
+        json["model"]["vocab"]["<|big|>"] = serde_json::json!(65636);
+        let big = serde_json::json!({"id": 65636, "content": "<|big|>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true});
+        json["added_tokens"].as_array_mut().unwrap().push(big);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tokenizer.json");
+        std::fs::write(&file, json.to_string()).unwrap();
+        let tokenizer = Tokenizer::from_file(&file).unwrap();
+        assert!(tokenizer.inner.get_vocab_size(true) <= 302, "few tokens");
+        assert_eq!(tokenizer.id_bound(), 65637);
+        let ids = tokenizer.encode_document("the rank<|big|> holds").unwrap();
+        assert!(ids.contains(&65636), "{ids:?}");
+        let path = dir.join("t.tokens");
+        let mut writer =
+            tokens::TokenFileWriter::create(&path, tokenizer.id_bound(), 0, tokenizer.fingerprint()).unwrap();
+        writer.document(&ids).unwrap();
+        let tokens = writer.finish(0.0).unwrap();
+        tokens.verify().unwrap();
+        let back: Vec<u32> = (0..ids.len()).map(|i| tokens.token(i)).collect();
+        assert_eq!(back, ids);
+        tokens.check_written_by(&tokenizer).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A token file names the tokenizer that wrote it: another tokenizer of the same size
+    /// (trained on other text) is refused by name, with the fix.
+    #[test]
+    fn a_token_file_is_refused_by_another_tokenizer_of_the_same_size() {
+        let dir = folder("fingerprint");
+        let a = saved(&dir, "a", &train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap(), None);
+        let b = saved(&dir, "b", &train_byte_level_bpe(["a shard holds the rank"].into_iter(), 300).unwrap(), None);
+        assert_eq!(a.id_bound(), b.id_bound());
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        let again =
+            saved(&dir, "again", &train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap(), None);
+        assert_eq!(a.fingerprint(), again.fingerprint(), "the same vocabulary, the same fingerprint");
+        let path = dir.join("t.tokens");
+        let mut writer = tokens::TokenFileWriter::create(&path, a.id_bound(), 0, a.fingerprint()).unwrap();
+        writer.document(&a.encode_document("the rank holds").unwrap()).unwrap();
+        let file = writer.finish(0.0).unwrap();
+        file.check_written_by(&a).unwrap();
+        let err = file.check_written_by(&b).unwrap_err().to_string();
+        assert!(err.contains("t.tokens: it was written by another tokenizer than") && err.contains("b/tokenizer.json"));
+        assert!(err.contains("tokenize the text again"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// With a SentencePiece-style tokenizer (Metaspace, as LLaMA 2's and Mistral's), whose
+    /// decoder takes the space off a text's first word, a continuation is the text it adds
+    /// after the prompt ("the cat" and " cat"), not its own decoding ("cat", which printed
+    /// "thecat"); with GPT-2's byte-level BPE both agree.
+    #[test]
+    fn a_continuation_keeps_the_space_a_sentencepiece_decoder_drops_from_a_first_word() {
+        use tokenizers::models::TrainerWrapper;
+        use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+        use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+        use tokenizers::{DecoderWrapper, PreTokenizerWrapper};
+        let metaspace = Metaspace::new('\u{2581}', PrependScheme::First, true);
+        let mut sp = tokenizers::Tokenizer::new(BPE::default());
+        sp.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(metaspace.clone())));
+        sp.with_decoder(Some(DecoderWrapper::Metaspace(metaspace)));
+        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new().show_progress(false).vocab_size(60).build().into();
+        sp.train(&mut trainer, ["the cat sat on the mat", "a cat and the cat"].into_iter()).unwrap();
+        let dir = folder("metaspace");
+        let bpe = train_byte_level_bpe(["the cat sat on the mat"].into_iter(), 300).unwrap();
+        for (name, tokenizer) in [("sentencepiece", &sp), ("byte-level", &bpe)] {
+            let t = saved(&dir, name, tokenizer, None);
+            let (prompt, cat) = (t.encode_prompt("the").unwrap(), t.encode(" cat").unwrap());
+            assert_eq!(t.decode(&[&prompt[..], &cat].concat()).unwrap(), "the cat", "{name}");
+            assert_eq!(t.decode_continuation(&prompt, &cat).unwrap(), " cat", "{name}");
+            if name == "sentencepiece" {
+                assert_eq!(t.decode(&cat).unwrap(), "cat", "the decoder drops a first word's space");
+            }
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// `tokenizer_config.json`'s `add_bos_token` / `add_eos_token` decide what is put around
+    /// every text, as `transformers` rebuilds a LLaMA tokenizer's post-processor from them:
+    /// both on give what a `<s> $A </s>` template gives; `add_bos_token: false` takes off the
+    /// beginning token a `tokenizer.json`'s template puts; a flag without its token is an
+    /// error naming the file.
+    #[test]
+    fn add_bos_and_eos_token_in_the_tokenizer_config_decide_the_tokens_around_a_text() {
+        use tokenizers::processors::template::TemplateProcessing;
+        let dir = folder("add-bos");
+        let mut bpe = train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap();
+        bpe.add_special_tokens(&[
+            tokenizers::AddedToken::from("<s>", true),
+            tokenizers::AddedToken::from("</s>", true),
+        ]);
+        let (bos, eos) = (bpe.token_to_id("<s>").unwrap(), bpe.token_to_id("</s>").unwrap());
+        let text = "the rank holds";
+        let plain = bpe.encode(text, false).unwrap().get_ids().to_vec();
+        let mut both = bpe.clone();
+        let template = |single: &str| {
+            TemplateProcessing::builder()
+                .try_single(single)
+                .unwrap()
+                .special_tokens(vec![("<s>", bos), ("</s>", eos)])
+                .build()
+                .unwrap()
+        };
+        both.with_post_processor(Some(template("<s> $A </s>")));
+        let expected = both.encode(text, true).unwrap().get_ids().to_vec();
+        let config = r#"{"add_bos_token": true, "add_eos_token": true, "bos_token": "<s>",
+                         "eos_token": {"content": "</s>", "special": true}}"#;
+        let flagged = saved(&dir, "flagged", &bpe, Some(config));
+        assert_eq!(flagged.encode_document(text).unwrap(), expected);
+        assert_eq!(flagged.encode_prompt(text).unwrap(), expected[..expected.len() - 1]);
+        let mut begins = bpe.clone();
+        begins.with_post_processor(Some(template("<s> $A")));
+        let kept = saved(&dir, "kept", &begins, Some(r#"{"eos_token": "</s>"}"#));
+        assert_eq!(kept.encode_document(text).unwrap(), [&[bos][..], &plain].concat(), "no flag: the template's");
+        let off = saved(&dir, "off", &begins, Some(r#"{"add_bos_token": false}"#));
+        assert_eq!(off.encode_document(text).unwrap(), plain);
+        let file = dir.join("missing").join("tokenizer.json");
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        bpe.save(&file, false).unwrap();
+        std::fs::write(file.with_file_name(TOKENIZER_CONFIG_FILE), r#"{"add_eos_token": true}"#).unwrap();
+        let err = Tokenizer::from_file(&file).unwrap_err().to_string();
+        assert!(err.contains("tokenizer_config.json: add_eos_token is true but eos_token is not set"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

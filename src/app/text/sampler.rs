@@ -45,8 +45,9 @@ impl TokenSampler {
         }
         if held < context + 1 {
             return Err(format!(
-                "{name}: its held-out split has {held} tokens, fewer than one window of {}: tokenize with a larger \
-                 --valid-fraction",
+                "{name}: its held-out split has {held} tokens, fewer than one window of {}: give a longer text (train \
+                 --data holds out 1% of it), tokenize it with `zerotrain tokenize --valid-fraction F` and train on the \
+                 token file, or set a shorter model.block_size",
                 context + 1
             ));
         }

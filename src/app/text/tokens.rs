@@ -5,14 +5,15 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0..8 | magic `ZTTOKENS` |
-//! | 8..12 | version (1) |
-//! | 12..16 | bytes per token: 2 (`u16`, vocabularies up to 65,536) or 4 (`u32`) |
+//! | 8..12 | version (2; version 1 files, which record no tokenizer, are read too) |
+//! | 12..16 | bytes per token: 2 (`u16`, ids below 65,536) or 4 (`u32`) |
 //! | 16..24 | tokens |
 //! | 24..32 | training tokens (the held-out split is the rest) |
 //! | 32..40 | documents |
-//! | 40..48 | vocabulary size of the tokenizer that wrote it |
+//! | 40..48 | one past the largest id of the tokenizer that wrote it (its id bound) |
 //! | 48..52 | CRC-32 of everything after the header |
-//! | 52..64 | zero |
+//! | 52..56 | zero |
+//! | 56..64 | the fingerprint of the tokenizer that wrote it (its ids and their tokens; version 2) |
 //! | 64.. | the tokens: documents back to back, each followed by the end-of-text token |
 //! | then | each document's end (one past its end-of-text token), `u64` each |
 
@@ -24,7 +25,9 @@ use memmap2::Mmap;
 use crate::app::file_error::FileError;
 
 const MAGIC: &[u8; 8] = b"ZTTOKENS";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// Files of this version record no tokenizer fingerprint; they are read as they are.
+const VERSION_WITHOUT_FINGERPRINT: u32 = 1;
 const HEADER: usize = 64;
 
 /// Writes a token file document by document, through `<path>.partial` and a rename.
@@ -35,14 +38,20 @@ pub struct TokenFileWriter {
     crc: crc32fast::Hasher,
     width: usize,
     vocab_size: u64,
+    fingerprint: u64,
     eos: u32,
     ends: Vec<u64>,
     tokens: u64,
 }
 
 impl TokenFileWriter {
-    /// A writer of ids below `vocab_size`, each document closed by `eos`.
-    pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<Self, FileError> {
+    /// A writer of ids below `vocab_size` (the tokenizer's id bound: one past its largest
+    /// id, which decides the width), each document closed by `eos`, recording the
+    /// tokenizer's `fingerprint`.
+    pub fn create(path: &Path, vocab_size: usize, eos: u32, fingerprint: u64) -> Result<Self, FileError> {
+        if eos as usize >= vocab_size {
+            return Err(FileError::new(path, format!("the end token {eos} is not below the id bound {vocab_size}")));
+        }
         let mut partial = path.as_os_str().to_owned();
         partial.push(".partial");
         let partial = PathBuf::from(partial);
@@ -59,6 +68,7 @@ impl TokenFileWriter {
             crc,
             width,
             vocab_size: vocab_size as u64,
+            fingerprint,
             eos,
             ends,
             tokens: 0,
@@ -69,6 +79,12 @@ impl TokenFileWriter {
     /// tokenizer that adds it to every text).
     pub fn document(&mut self, ids: &[u32]) -> Result<(), FileError> {
         let end = Some(self.eos).filter(|&eos| ids.last() != Some(&eos));
+        if let Some(&id) = ids.iter().find(|&&id| u64::from(id) >= self.vocab_size) {
+            return Err(FileError::new(
+                &self.partial,
+                format!("id {id} is not below the tokenizer's id bound {}: nothing is written for it", self.vocab_size),
+            ));
+        }
         let mut bytes = Vec::with_capacity((ids.len() + 1) * self.width);
         for &id in ids.iter().chain(end.iter()) {
             if self.width == 2 {
@@ -113,6 +129,7 @@ impl TokenFileWriter {
         header[32..40].copy_from_slice(&(documents as u64).to_le_bytes());
         header[40..48].copy_from_slice(&self.vocab_size.to_le_bytes());
         header[48..52].copy_from_slice(&self.crc.clone().finalize().to_le_bytes());
+        header[56..64].copy_from_slice(&self.fingerprint.to_le_bytes());
         let partial = self.partial.clone();
         let io = |e: std::io::Error| FileError::new(&partial, format!("cannot write it: {e}"));
         let mut file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
@@ -136,6 +153,7 @@ pub struct TokenFile {
     train_tokens: usize,
     documents: usize,
     vocab_size: usize,
+    fingerprint: Option<u64>,
     crc: u32,
 }
 
@@ -151,8 +169,12 @@ impl TokenFile {
         }
         let u32_at = |at: usize| u32::from_le_bytes(map[at..at + 4].try_into().expect("4 bytes"));
         let u64_at = |at: usize| u64::from_le_bytes(map[at..at + 8].try_into().expect("8 bytes"));
-        if u32_at(8) != VERSION {
-            return Err(FileError::new(path, format!("token file version {} is not {VERSION}", u32_at(8))));
+        let version = u32_at(8);
+        if version != VERSION && version != VERSION_WITHOUT_FINGERPRINT {
+            return Err(FileError::new(
+                path,
+                format!("token file version {version} is not {VERSION_WITHOUT_FINGERPRINT} or {VERSION}"),
+            ));
         }
         let width = u32_at(12) as usize;
         let (tokens, train_tokens, documents) = (u64_at(16), u64_at(24), u64_at(32));
@@ -170,7 +192,8 @@ impl TokenFile {
             tokens: tokens as usize,
             train_tokens: train_tokens as usize,
             documents: documents as usize,
-            vocab_size: u64_at(40) as usize,
+            vocab_size: usize::try_from(u64_at(40)).unwrap_or(usize::MAX),
+            fingerprint: (version == VERSION).then(|| u64_at(56)),
             crc: u32_at(48),
             map,
         })
@@ -198,6 +221,43 @@ impl TokenFile {
         Ok(())
     }
 
+    /// Refuses the file unless `tokenizer` wrote it: the fingerprint it records must be
+    /// `tokenizer`'s. A version 1 file records none: then its ids need only be below
+    /// `tokenizer`'s id bound, and a warning says that it cannot be told apart from another
+    /// tokenizer's.
+    pub fn check_written_by(&self, tokenizer: &super::Tokenizer) -> Result<(), FileError> {
+        match self.fingerprint {
+            Some(f) if f == tokenizer.fingerprint() => Ok(()),
+            Some(f) => Err(FileError::new(
+                &self.path,
+                format!(
+                    "it was written by another tokenizer than {} (tokenizer fingerprint {f:016x}, not {:016x}): \
+                     its ids would mean other tokens; tokenize the text again with this tokenizer",
+                    tokenizer.file().display(),
+                    tokenizer.fingerprint()
+                ),
+            )),
+            None if self.vocab_size > tokenizer.id_bound() => Err(FileError::new(
+                &self.path,
+                format!(
+                    "it was written by a tokenizer of ids below {}; {} has ids below {}",
+                    self.vocab_size,
+                    tokenizer.file().display(),
+                    tokenizer.id_bound()
+                ),
+            )),
+            None => {
+                eprintln!(
+                    "warning: {} records no tokenizer (a version 1 token file): it cannot be checked against {}; \
+                     tokenize it again to record it",
+                    self.path.display(),
+                    tokenizer.file().display()
+                );
+                Ok(())
+            }
+        }
+    }
+
     /// The file.
     pub fn path(&self) -> &Path {
         &self.path
@@ -223,9 +283,16 @@ impl TokenFile {
         self.documents
     }
 
-    /// The vocabulary of the tokenizer that wrote it.
+    /// The id bound of the tokenizer that wrote it: one past its largest id (every token of
+    /// a verified file is below it).
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// The fingerprint of the tokenizer that wrote it ([`Tokenizer::fingerprint`](super::Tokenizer::fingerprint));
+    /// `None` for a file of version 1, which records none.
+    pub fn fingerprint(&self) -> Option<u64> {
+        self.fingerprint
     }
 
     /// The checksum recorded in its header (identifies the corpus in checkpoints).
@@ -263,7 +330,7 @@ mod tests {
     #[test]
     fn token_files_read_back_and_damage_is_refused_by_name() {
         let path = dir("roundtrip").join("t.tokens");
-        let mut w = TokenFileWriter::create(&path, 300, 299).unwrap();
+        let mut w = TokenFileWriter::create(&path, 300, 299, 7).unwrap();
         w.document(&[1, 2, 3]).unwrap();
         w.document(&[250, 7]).unwrap();
         w.document(&[8, 299]).unwrap(); // closed already, by a tokenizer that ends every text
@@ -293,6 +360,30 @@ mod tests {
         assert!(err.contains("token 0 is id 400, not below its vocabulary size 300"), "{err}");
         let err = TokenFile::open(&write("text", b"hello")).unwrap_err().to_string();
         assert!(err.contains("not a zerotrain token file"), "{err}");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    /// An id at or beyond the id bound is refused, never wrapped into the width; a file of
+    /// version 1 (before files recorded their tokenizer) still reads, with no fingerprint.
+    #[test]
+    fn ids_beyond_the_bound_are_refused_and_version_1_files_still_read() {
+        let path = dir("bound").join("t.tokens");
+        let mut w = TokenFileWriter::create(&path, 300, 299, 7).unwrap();
+        let err = w.document(&[1, 300]).unwrap_err().to_string();
+        assert!(err.contains("id 300 is not below the tokenizer's id bound 300"), "{err}");
+        w.document(&[1, 2]).unwrap();
+        let file = w.finish(0.0).unwrap();
+        assert_eq!(file.fingerprint(), Some(7));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+        bytes[56..64].fill(0);
+        let old = path.with_file_name("old");
+        std::fs::write(&old, &bytes).unwrap();
+        let file = TokenFile::open(&old).unwrap();
+        file.verify().unwrap();
+        assert_eq!((file.fingerprint(), file.token(1)), (None, 2));
+        let err = TokenFileWriter::create(&path, 300, 300, 7).err().unwrap().to_string();
+        assert!(err.contains("the end token 300 is not below the id bound 300"), "{err}");
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 }
