@@ -96,22 +96,24 @@ pub fn deepspeed_zero3(
     let largest_memory = 4 * largest_layer;
     // Python's `total_params * max(4 * num_gpus_per_node, k * gpus_factor)`: an int product
     // when the int wins the max (it comes first, so a tie picks it), a float one otherwise.
+    // Python's ints do not overflow: the int products here are taken in u128.
+    let (p, l, g) = (u128::from(params), u128::from(largest_layer), u128::from(gpus_per_node));
     let whole_or_share = |k: f64| -> f64 {
         let per_gpu = (4 * gpus_per_node) as f64;
-        if per_gpu >= k * gpus_factor { (params * 4 * gpus_per_node) as f64 } else { params as f64 * (k * gpus_factor) }
+        if per_gpu >= k * gpus_factor { (p * 4 * g) as f64 } else { params as f64 * (k * gpus_factor) }
     };
     let (cpu, gpu) = match (o.offload_optimizer, o.offload_param) {
         (true, true) => {
-            let cpu = if o.zero_init { (params * 18) as f64 * gpus_factor } else { whole_or_share(18.0) };
+            let cpu = if o.zero_init { (p * 18) as f64 * gpus_factor } else { whole_or_share(18.0) };
             (cpu * buffer_factor, largest_memory)
         }
         (true, false) => {
-            let cpu = if o.zero_init { (params * 16) as f64 * gpus_factor } else { whole_or_share(16.0) };
-            (cpu * buffer_factor, largest_memory + ((2 * params) as f64 / gpus as f64) as u64)
+            let cpu = if o.zero_init { (p * 16) as f64 * gpus_factor } else { whole_or_share(16.0) };
+            (cpu * buffer_factor, largest_memory + ((2 * p) as f64 / gpus as f64) as u64)
         }
         (false, _) => {
-            let cpu = if o.zero_init { largest_layer * 4 * gpus_per_node } else { params * 4 * gpus_per_node };
-            (cpu as f64 * buffer_factor, largest_memory + ((18 * params) as f64 / gpus as f64) as u64)
+            let cpu = if o.zero_init { l * 4 * g } else { p * 4 * g };
+            (cpu as f64 * buffer_factor, largest_memory + ((18 * p) as f64 / gpus as f64) as u64)
         }
     };
     (cpu as u64, gpu)

@@ -105,10 +105,11 @@ fn print_hf_placement(plan: &crate::Plan, source: &keys::HfSource) {
     };
     match crate::app::hf::HfConfig::read(&file) {
         Ok(config) => {
-            let psi: u64 = crate::app::family::parameter_names(&config)
-                .iter()
-                .map(|(_, s)| s.iter().product::<usize>() as u64)
-                .sum();
+            let psi = crate::app::hf::size::ModelSize::of(&config).params;
+            if psi > 1 << 50 {
+                println!("model               {}: {psi} parameters, more than any machine holds", file.display());
+                return;
+            }
             let p = crate::estimate::placement(plan, psi);
             let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
             println!(

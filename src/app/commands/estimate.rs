@@ -8,22 +8,55 @@ use anyhow::{Context, bail};
 use crate::app::keys;
 
 /// `zerotrain estimate`'s arguments (see `cli::Command::Estimate`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct EstimateArgs {
+    /// Parameters (e.g. 7.5e9); or take them from --model-config.
+    #[arg(long, required_unless_present = "model_config")]
     pub params: Option<f64>,
+    /// Parameters of the largest layer (unit), for DeepSpeed's ZeRO-3 estimate; or take
+    /// it from --model-config (the largest unit of the GPT).
+    #[arg(long)]
     pub largest_layer_params: Option<f64>,
+    /// Total number of ranks (GPUs) over all nodes; default: --nodes x --gpus-per-node.
+    #[arg(long, required_unless_present = "gpus_per_node")]
     pub world_size: Option<u64>,
+    /// Ranks per node (DeepSpeed's `num_gpus_per_node`); default: --world-size / --nodes.
+    #[arg(long)]
     pub gpus_per_node: Option<u64>,
+    /// Nodes (machines) the ranks are spread over.
+    #[arg(long, default_value_t = 1)]
     pub nodes: u64,
+    /// Show DeepSpeed's estimates with offload to CPU too (stage 2: the optimizer;
+    /// stage 3: the optimizer, then the parameters too).
+    #[arg(long)]
     pub offload: bool,
+    /// A config whose `model` section gives the parameter count, or a Hugging Face
+    /// `config.json` (such as the presets in configs/models/).
+    #[arg(long)]
     pub model_config: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
     pub json: bool,
 }
+
+/// The largest model estimated: 10^15 parameters, a thousand times the largest trained,
+/// so that every byte count below fits its arithmetic.
+const MAX_PARAMS: u64 = 1_000_000_000_000_000;
+
+/// The most ranks estimated (2^24).
+const MAX_RANKS: u64 = 1 << 24;
 
 /// `zerotrain estimate`.
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let EstimateArgs { params, largest_layer_params, world_size, gpus_per_node, nodes, offload, model_config, json } =
         args;
     let (params, largest) = model_size(params, largest_layer_params, model_config.as_deref())?;
+    if params > MAX_PARAMS || largest > params {
+        bail!(
+            "a model of {params} parameters (largest layer {largest}): more than {MAX_PARAMS} parameters, or a layer \
+             larger than the model, is no model any machine holds"
+        );
+    }
     let (total, ranks) = ranks_per_node(world_size, gpus_per_node, nodes)?;
     let rows = crate::estimate::paper(params, total);
     let ds: Vec<(bool, u64, u64)> = [false, true]
@@ -129,7 +162,8 @@ fn model_size(
 /// Whether `file` is a Hugging Face `config.json` (it names a `model_type`) rather than a
 /// training config; unreadable files are left to the training config's reader to report.
 fn is_hf_config(file: &std::path::Path) -> bool {
-    let parsed = std::fs::read(file).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    let parsed =
+        crate::app::file_error::read_file(file).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
     parsed.is_some_and(|v| v.get("model_type").is_some())
 }
 
@@ -141,14 +175,13 @@ fn hf_model_size(source: &keys::HfSource) -> anyhow::Result<(u64, u64)> {
         keys::HfSource::Config(file) => file.clone(),
     };
     let config = crate::app::hf::HfConfig::read(&file)?;
-    let mut layers: std::collections::BTreeMap<String, u64> = Default::default();
-    for (path, shape) in crate::app::family::parameter_names(&config) {
-        let parts: Vec<&str> = path.split('.').collect();
-        // `model.layers.3.…` and `transformer.h.3.…` are a block; anything else its module.
-        let depth = if parts.len() > 3 && parts[2].parse::<usize>().is_ok() { 3 } else { parts.len() - 1 };
-        *layers.entry(parts[..depth].join(".")).or_default() += shape.iter().product::<usize>() as u64;
+    // From the shape alone: building even a lazy model of a config's millions of layers
+    // would take the machine's memory.
+    let size = crate::app::hf::size::ModelSize::of(&config);
+    if size.params == u64::MAX {
+        bail!("{}: the model's parameter count passes 2^64: no machine holds it", file.display());
     }
-    Ok((layers.values().sum(), layers.values().copied().max().unwrap_or(0)))
+    Ok((size.params, size.largest_layer))
 }
 
 /// DeepSpeed's ZeRO-3 rows: no offload; with `offload`, the optimizer, then the parameters
@@ -179,6 +212,11 @@ fn zero3_rows(params: u64, largest: u64, ranks: u64, nodes: u64, offload: bool) 
 fn ranks_per_node(world_size: Option<u64>, gpus_per_node: Option<u64>, nodes: u64) -> anyhow::Result<(u64, u64)> {
     if nodes == 0 || world_size == Some(0) || gpus_per_node == Some(0) {
         bail!("--world-size, --gpus-per-node and --nodes must be at least 1");
+    }
+    if [Some(nodes), world_size, gpus_per_node].into_iter().flatten().any(|n| n > MAX_RANKS)
+        || nodes.saturating_mul(gpus_per_node.unwrap_or(1)) > MAX_RANKS
+    {
+        bail!("--world-size, --gpus-per-node and --nodes may give at most {MAX_RANKS} ranks");
     }
     match (world_size, gpus_per_node) {
         (Some(total), Some(per_node)) if nodes.checked_mul(per_node) != Some(total) => {

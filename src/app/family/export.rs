@@ -50,6 +50,9 @@ pub fn export(
         bail!("{} exists: give a new folder for the export", out.display());
     }
     let ckpt = Checkpoint::open(dir, tag)?;
+    if source.is_none() {
+        super::companions::verify(dir, tag, &super::companions::FILES)?;
+    }
     let source = source.unwrap_or(dir);
     let config_file = source.join(CONFIG_FILE);
     let config = HfConfig::read(&config_file).context(
@@ -83,6 +86,15 @@ pub fn export(
 
 /// The checkpoint's parameters are exactly the config's, shape for shape.
 fn check_layout(layout: &[LayoutEntry], config: &HfConfig, config_file: &Path) -> anyhow::Result<()> {
+    let tensors = crate::app::hf::size::ModelSize::of(config).tensors;
+    if tensors != layout.len() as u64 {
+        bail!(
+            "{} describes a model of {tensors} tensors ({} layers); the checkpoint holds {}",
+            config_file.display(),
+            config.num_layers(),
+            layout.len()
+        );
+    }
     let expected: BTreeMap<String, Vec<usize>> = parameter_names(config).into_iter().collect();
     for entry in layout {
         let shape: Vec<usize> = entry.shape.iter().map(|&d| d as usize).collect();
@@ -158,7 +170,7 @@ fn write_folder(
 
 /// The dtype a `config.json` says its tensors are stored in: `dtype` (`transformers` 5) or
 /// `torch_dtype` (before it); f32 where it names neither.
-fn stored_dtype(json: &Value) -> Precision {
+pub(crate) fn stored_dtype(json: &Value) -> Precision {
     match DTYPE_KEYS.iter().find_map(|key| json.get(*key)?.as_str()) {
         Some("bfloat16") => Precision::Bf16,
         Some("float16") => Precision::Fp16,

@@ -7,6 +7,7 @@ use anyhow::bail;
 use burn::tensor::Device;
 
 use super::HfModel;
+use crate::app::hf::size::ModelSize;
 use crate::app::hf::{self, HfConfig};
 use crate::app::keys::{AppSettings, HfSource};
 use crate::app::text::Tokenizer;
@@ -20,8 +21,11 @@ pub struct LoadedModel {
     pub config: HfConfig,
     /// Its tokenizer.
     pub tokenizer: Tokenizer,
-    /// `model.block_size`: the context it trains, evaluates and samples at.
+    /// The context it trains and evaluates at: `model.block_size`, or the model's own
+    /// positions (or sliding window) where that is not set.
     pub context: usize,
+    /// Where [`context`](Self::context) comes from, for what the commands print.
+    pub context_from: String,
     /// Where the model came from, for messages.
     pub source: PathBuf,
 }
@@ -36,6 +40,25 @@ impl LoadedModel {
     pub fn config_file(&self) -> PathBuf {
         if self.source.is_dir() { self.source.join(hf::CONFIG_FILE) } else { self.source.clone() }
     }
+}
+
+/// Refuses a fresh model whose parameters, still lazy, would not fit this machine's memory
+/// (from the config's shape, before anything is built).
+fn check_buildable(config: &HfConfig, file: &Path) -> anyhow::Result<()> {
+    let size = ModelSize::of(config);
+    let available = crate::app::train::available_memory().unwrap_or(u64::MAX);
+    if size.build_bytes() > available / 2 {
+        bail!(
+            "{}: a model of {} layers has {} parameter tensors, whose bookkeeping alone would take about {:.1} GiB \
+             of the {:.1} GiB this machine has available (nothing was built)",
+            file.display(),
+            config.num_layers(),
+            size.tensors,
+            size.build_bytes() as f64 / (1u64 << 30) as f64,
+            available as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
 }
 
 /// The model the settings name, on `device`, and its tokenizer: `tokenizer_dir`'s
@@ -57,6 +80,7 @@ pub fn load_model(
         }
         HfSource::Config(file) => {
             let config = HfConfig::read(file)?;
+            check_buildable(&config, file)?;
             let model = super::fresh(&config, device);
             (config, model, file.clone())
         }
@@ -72,18 +96,54 @@ pub fn load_model(
         ),
     };
     let tokenizer = Tokenizer::from_file(&tokenizer_file)?;
-    if tokenizer.vocab_size() > config.vocab_size() {
+    if tokenizer.id_bound() > config.vocab_size() {
         bail!(
-            "{} has {} tokens, more than the model's vocab_size {}",
+            "{} has ids up to {}, beyond the model's vocab_size {} ({}): the model has no embedding row for them",
             tokenizer_file.display(),
-            tokenizer.vocab_size(),
-            config.vocab_size()
+            tokenizer.id_bound() - 1,
+            config.vocab_size(),
+            match source {
+                HfSource::Dir(dir) => dir.join(hf::CONFIG_FILE),
+                HfSource::Config(file) => file.clone(),
+            }
+            .display()
         );
     }
-    let context = settings.model.block_size;
     let (exact, bound) = config.exact_context();
-    if context > exact {
-        bail!("{}: model.block_size {context} is longer than {bound}", config_file.display());
+    let (context, context_from) = match settings.block_size {
+        Some(context) if context > exact => {
+            bail!("{}: model.block_size {context} is longer than {bound}", config_file.display())
+        }
+        Some(context) => (context, "model.block_size".to_string()),
+        None => (exact, format!("the model's {}; model.block_size not set", config.context_key())),
+    };
+    Ok(LoadedModel { model, config, tokenizer, context, context_from, source: dir })
+}
+
+/// The context a run trains at: `loaded`'s, or where `model.block_size` is not set and the
+/// model's positions would not fit (the activations of a micro-batch of `micro` sequences,
+/// estimated without recomputation, past half the memory available), the longest power of
+/// two below them that does, with a notice saying so.
+pub fn training_context(loaded: &LoadedModel, micro: u64, block_size_set: bool) -> (usize, Option<String>) {
+    let available = crate::app::train::available_memory().unwrap_or(u64::MAX) / 2;
+    let bytes = |context: usize| crate::app::hf::size::activation_bytes(&loaded.config, micro, context);
+    let mut context = loaded.context;
+    if block_size_set || bytes(context) <= available {
+        return (context, None);
     }
-    Ok(LoadedModel { model, config, tokenizer, context, source: dir })
+    // The longest power of two below the model's positions, halved while it does not fit.
+    context = 1 << (usize::BITS - 1 - (context - 1).max(1).leading_zeros());
+    while context > 16 && bytes(context) > available {
+        context /= 2;
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let notice = format!(
+        "model.block_size is not set: training at context {context}, not the model's {} positions, whose activations \
+         (about {:.1} GiB for a micro-batch of {micro}) would not fit the {:.1} GiB of memory available; set \
+         model.block_size to choose",
+        loaded.context,
+        gib(bytes(loaded.context)),
+        gib(2 * available)
+    );
+    (context, Some(notice))
 }

@@ -3,6 +3,7 @@
 //! loaded with its tokenizer as a config names it ([`load`]), and written back as a Hugging
 //! Face folder ([`export`]).
 
+pub mod companions;
 pub mod export;
 pub mod load;
 
@@ -11,6 +12,7 @@ use std::path::Path;
 use burn::tensor::Device;
 
 use crate::app::hf::files::TensorFiles;
+use crate::app::hf::size::ModelSize;
 use crate::app::hf::weights::Weights;
 use crate::app::hf::{CONFIG_FILE, Family, HfConfig};
 use crate::app::models::{CausalLm, Gpt2, Llama, gpt2, llama};
@@ -74,6 +76,19 @@ pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, HfModel), Import
     let fail = |message: String| ImportError { dir: dir.display().to_string(), message };
     let config = HfConfig::read(&dir.join(CONFIG_FILE)).map_err(|e| fail(e.to_string()))?;
     let files = TensorFiles::open(dir).map_err(|e| fail(e.to_string()))?;
+    let size = ModelSize::of(&config);
+    let held = files.names().count() as u64;
+    // A few missing tensors are named one by one below, once built; a config asking for
+    // far more than the files hold (millions of layers) is refused before anything is
+    // built for it.
+    if size.tensors > held.saturating_add(1024) {
+        return Err(fail(format!(
+            "{CONFIG_FILE} asks for a model of {} tensors ({} layers), but its files hold {held}: the config is not \
+             the weights' (nothing was built)",
+            size.tensors,
+            config.num_layers()
+        )));
+    }
     let model = match &config.family {
         Family::Gpt2(shape) => {
             let w = Weights::from_files(device, files, gpt2::alias);

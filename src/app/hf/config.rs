@@ -100,7 +100,7 @@ impl HfConfig {
     /// Reads `path`.
     pub fn read(path: &Path) -> Result<Self, FileError> {
         let error = |message: String| FileError::new(path, message);
-        let text = std::fs::read_to_string(path).map_err(|e| error(format!("cannot read it: {e}")))?;
+        let text = crate::app::file_error::read_text(path)?;
         let json: Value = serde_json::from_str(&text).map_err(|e| error(format!("not JSON: {e}")))?;
         Self::from_json(json).map_err(error)
     }
@@ -133,11 +133,29 @@ impl HfConfig {
         }
     }
 
+    /// Its blocks (`n_layer` or `num_hidden_layers`).
+    pub fn num_layers(&self) -> usize {
+        match &self.family {
+            Family::Gpt2(s) => s.n_layer,
+            Family::Llama(s) => s.num_hidden_layers,
+        }
+    }
+
     /// The longest context the model's positions cover.
     pub fn max_context(&self) -> usize {
         match &self.family {
             Family::Gpt2(s) => s.n_positions,
             Family::Llama(s) => s.max_position_embeddings,
+        }
+    }
+
+    /// The config key of [`exact_context`](Self::exact_context)'s bound (`n_positions`,
+    /// `max_position_embeddings` or `sliding_window`).
+    pub fn context_key(&self) -> &'static str {
+        match &self.family {
+            Family::Gpt2(_) => "n_positions",
+            Family::Llama(LlamaShape { sliding_window: Some(_), .. }) => "sliding_window",
+            Family::Llama(_) => "max_position_embeddings",
         }
     }
 

@@ -91,6 +91,10 @@ impl TensorFiles {
         let start = 8 + header;
         let id = self.files.len();
         for (name, info) in metadata.tensors() {
+            if name.chars().any(char::is_control) {
+                // Printed raw in a message, escapes in a name could forge terminal lines.
+                return Err(FileError::new(path, format!("a tensor name holds control characters: {name:?}")));
+            }
             let (a, b) = info.data_offsets;
             let entry =
                 TensorEntry { file: id, dtype: info.dtype, shape: info.shape.clone(), range: start + a..start + b };
@@ -192,10 +196,16 @@ fn shards_of_index(index: &Path) -> Result<Vec<(String, Vec<String>)>, FileError
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(index).map_err(|e| FileError::new(index, format!("cannot read it: {e}")))?;
+    let text = crate::app::file_error::read_text(index)?;
     let parsed: Index = serde_json::from_str(&text).map_err(|e| FileError::new(index, format!("not an index: {e}")))?;
     let mut shards: Vec<(String, Vec<String>)> = Vec::new();
     for (name, file) in parsed.weight_map {
+        if name.chars().chain(file.chars()).any(char::is_control) {
+            return Err(FileError::new(
+                index,
+                format!("its weight_map holds control characters: {name:?} in {file:?}"),
+            ));
+        }
         if file.contains('/') || file.contains('\\') || file.starts_with('.') {
             return Err(FileError::new(
                 index,

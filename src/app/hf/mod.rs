@@ -1,6 +1,7 @@
 //! Hugging Face checkpoint folders as files: `config.json` read into a family's shape
 //! ([`config`], its rotary settings in either of `transformers`' layouts in [`rope`]),
-//! safetensors files and shard indexes memory-mapped ([`files`]), and the
+//! safetensors files and shard indexes memory-mapped ([`files`]), the model's size from
+//! its config before anything is built ([`size`]), and the
 //! source a model's parameters are read from by name ([`weights`]). The models built from
 //! them, their import and export are [`family`](crate::app::family)'s.
 
@@ -8,6 +9,7 @@ pub mod config;
 mod fields;
 pub mod files;
 pub mod rope;
+pub mod size;
 pub mod weights;
 
 pub use self::config::{Family, HfConfig};

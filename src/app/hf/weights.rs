@@ -15,13 +15,16 @@ use burn::tensor::{Device, Shape, Tensor, TensorData};
 use super::files::{TensorEntry, TensorFiles, check_float};
 use crate::Precision;
 use crate::engine::InitialValues;
-use zerotrain_precision::BufMut;
+use zerotrain_precision::{BufMut, FlatElem};
 
 /// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
 #[derive(Debug, Clone, Copy)]
 pub enum Init {
     /// N(0, `initializer_range`): projections and embeddings.
     Normal,
+    /// N(0, `initializer_range` x the factor): GPT-2's residual projections (`c_proj`),
+    /// scaled by 1/sqrt(2 n_layer) as GPT-2's paper and Hugging Face's `_init_weights` do.
+    ScaledNormal(f64),
     /// Ones: norm scales.
     Ones,
     /// Zeros: biases.
@@ -63,6 +66,7 @@ impl Weights {
         match &self.files {
             None => match init {
                 Init::Normal => Initializer::Normal { mean: 0.0, std: self.std },
+                Init::ScaledNormal(factor) => Initializer::Normal { mean: 0.0, std: self.std * factor },
                 Init::Ones => Initializer::Ones,
                 Init::Zeros => Initializer::Zeros,
             }
@@ -158,6 +162,19 @@ struct FileValues {
     reader: std::sync::Mutex<Option<std::sync::mpsc::Sender<String>>>,
 }
 
+/// The first element of `values` that is NaN or infinite, and its value, searched on every
+/// core.
+fn first_non_finite(values: BufMut<'_>) -> Option<(usize, f32)> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    zerotrain_precision::with_elem!(BufMut, values, v, E => {
+        v.par_chunks(CHUNK).enumerate().find_map_first(|(c, chunk)| {
+            let i = chunk.iter().position(|x| !E::to_f32(*x).is_finite())?;
+            Some((c * CHUNK + i, E::to_f32(chunk[i])))
+        })
+    })
+}
+
 /// The file entry of the parameter at module path `path`, under its own name or the one
 /// `alias` gives.
 fn entry<'a>(files: &'a TensorFiles, alias: fn(&str) -> Option<String>, path: &str) -> Option<&'a TensorEntry> {
@@ -171,7 +188,10 @@ impl std::fmt::Debug for FileValues {
 }
 
 impl InitialValues for FileValues {
-    fn read(&self, path: &str, elems: Range<usize>, dst: BufMut<'_>) -> Result<(), String> {
+    /// Reads the elements and checks them: a NaN or an infinity among a checkpoint's
+    /// weights is refused naming the tensor and the element, rather than training on it
+    /// (every step would be skipped as an overflow) or scoring it (NaN).
+    fn read(&self, path: &str, elems: Range<usize>, mut dst: BufMut<'_>) -> Result<(), String> {
         let files = &self.files;
         let entry = entry(files, self.alias, path).ok_or_else(|| format!("no file holds tensor `{path}`"))?;
         let len: usize = entry.shape.iter().product();
@@ -179,7 +199,16 @@ impl InitialValues for FileValues {
             let at = files.file_of(entry).display();
             return Err(format!("{at}: tensor `{path}` has {len} elements; elements {elems:?} were asked for"));
         }
-        files.read_into(entry, elems, dst);
+        let first = elems.start;
+        files.read_into(entry, elems, dst.reborrow());
+        if let Some((i, value)) = first_non_finite(dst) {
+            let at = files.file_of(entry).display();
+            return Err(format!(
+                "{at}: tensor `{path}` holds {value} at element {} of {len}: the checkpoint is damaged, or its \
+                 training diverged",
+                first + i
+            ));
+        }
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use burn::tensor::{Int, Tensor};
 use super::causal_lm::{cross_entropy, decoder_unit, last_position};
 use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads, with_cached};
 use crate::app::hf::config::Gpt2Shape;
-use crate::app::hf::weights::Weights;
+use crate::app::hf::weights::{Init, Weights};
 use crate::engine::{InitialValues, UnitModel, UnitSpec};
 
 /// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
@@ -62,20 +62,24 @@ impl Gpt2 {
     /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]).
     pub fn new(shape: &Gpt2Shape, w: &Weights) -> Self {
         let (d, eps) = (shape.n_embd, shape.layer_norm_epsilon);
+        // Hugging Face's `GPT2PreTrainedModel._init_weights`: the residual projections at
+        // initializer_range / sqrt(2 n_layer), so the residual stream's variance does not
+        // grow with depth.
+        let residual = Init::ScaledNormal(1.0 / (2.0 * shape.n_layer as f64).sqrt());
         let h = (0..shape.n_layer)
             .map(|i| {
                 let at = |part: &str| format!("transformer.h.{i}.{part}");
                 Gpt2Block {
                     ln_1: Norm::new(w, &at("ln_1"), d, eps),
                     attn: Gpt2Attention {
-                        c_attn: Conv1D::new(w, &at("attn.c_attn"), d, 3 * d),
-                        c_proj: Conv1D::new(w, &at("attn.c_proj"), d, d),
+                        c_attn: Conv1D::new(w, &at("attn.c_attn"), d, 3 * d, Init::Normal),
+                        c_proj: Conv1D::new(w, &at("attn.c_proj"), d, d, residual),
                         n_head: shape.n_head,
                     },
                     ln_2: Norm::new(w, &at("ln_2"), d, eps),
                     mlp: Gpt2Mlp {
-                        c_fc: Conv1D::new(w, &at("mlp.c_fc"), d, shape.n_inner),
-                        c_proj: Conv1D::new(w, &at("mlp.c_proj"), shape.n_inner, d),
+                        c_fc: Conv1D::new(w, &at("mlp.c_fc"), d, shape.n_inner, Init::Normal),
+                        c_proj: Conv1D::new(w, &at("mlp.c_proj"), shape.n_inner, d, residual),
                     },
                 }
             })

@@ -42,10 +42,10 @@ pub struct Conv1D {
 }
 
 impl Conv1D {
-    /// `name.weight` `[d_in, out]` and `name.bias`.
-    pub fn new(w: &Weights, name: &str, d_in: usize, out: usize) -> Self {
+    /// `name.weight` `[d_in, out]`, fresh as `init` says, and `name.bias`.
+    pub fn new(w: &Weights, name: &str, d_in: usize, out: usize, init: Init) -> Self {
         Self {
-            weight: w.param(&format!("{name}.weight"), [d_in, out], Init::Normal),
+            weight: w.param(&format!("{name}.weight"), [d_in, out], init),
             bias: w.param(&format!("{name}.bias"), [out], Init::Zeros),
         }
     }
