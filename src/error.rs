@@ -48,6 +48,10 @@ pub enum Error {
     /// number of processes, or this build has no MPI support).
     #[error("cannot launch: {0}")]
     Launch(String),
+    /// A checkpoint cannot be continued from as asked: what it records of the run (its
+    /// data position, say) does not fit this run's.
+    #[error("cannot resume: {0}")]
+    Resume(String),
     /// The engine was driven out of order (e.g. `backward` twice without `forward`).
     #[error("engine used out of order: {0}")]
     Usage(String),

@@ -52,17 +52,25 @@ def make_text(n_bytes, seed=7):
     return "".join(out)
 
 
-def train_tokenizer(text, vocab_size, begin=False):
-    """A byte-level BPE; with `begin`, one that puts <|begin_of_text|> before every text, as
-    LLaMA 3's post-processor does."""
+def train_tokenizer(text, vocab_size, begin=False, kind="byte-level"):
+    """A byte-level BPE, or (`kind` "metaspace") a SentencePiece-style one as LLaMA 2's,
+    Mistral's and TinyLlama's: words marked by a leading "\u2581", a space put before the
+    text's first word and taken off again when decoding. With `begin`, one that puts
+    <|begin_of_text|> before every text, as LLaMA 3's post-processor does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+        alphabet = sorted(set(text.replace(" ", "\u2581")))
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     specials = ["<|endoftext|>", "<|im_end|>"] + (["<|begin_of_text|>"] if begin else [])
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator([text], trainer)
     if begin:
         bos = tok.token_to_id("<|begin_of_text|>")
@@ -238,7 +246,7 @@ def save(dir_, tensors, dtype, shards):
 
 def make(args):
     os.makedirs(args.dir, exist_ok=True)
-    tok = train_tokenizer(make_text(20000, seed=args.seed), 300, begin=args.family == "llama")
+    tok = train_tokenizer(make_text(20000, seed=args.seed), 300, begin=args.family == "llama", kind=args.tokenizer)
     tok.save(os.path.join(args.dir, "tokenizer.json"))
     tokenizer_files(args.dir, args.family, tok)
     vocab = tok.get_vocab_size() + 5  # a model's table may be larger than its tokenizer
@@ -412,8 +420,12 @@ def greedy(args):
         top = np.sort(logits)
         margin = min(margin, float(top[-1] - top[-2]))
         ids.append(int(np.argmax(logits)))
-    text = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json")).decode(ids[start:], skip_special_tokens=False)
-    print(json.dumps({"text": args.prompt + text, "prompt_ids": ids[:start], "ids": ids[start:], "margin": margin}))
+    # As transformers decodes a generation: prompt and continuation together (a SentencePiece
+    # tokenizer's decoder takes the space off the first word only), the prompt as given.
+    tok = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json"))
+    whole, head = tok.decode(ids, skip_special_tokens=False), tok.decode(ids[:start], skip_special_tokens=False)
+    text = args.prompt + whole[len(head):] if whole.startswith(head) else whole
+    print(json.dumps({"text": text, "prompt_ids": ids[:start], "ids": ids[start:], "margin": margin}))
 
 
 def main():
@@ -429,6 +441,8 @@ def main():
     m.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32")
     m.add_argument("--shards", type=int, default=1)
     m.add_argument("--seed", type=int, default=1)
+    m.add_argument("--tokenizer", choices=["byte-level", "metaspace"], default="byte-level",
+                   help="a byte-level BPE (GPT-2, LLaMA 3, Qwen) or a SentencePiece-style one (LLaMA 2, Mistral)")
     m.add_argument("--size", choices=["tiny", "1b"], default="tiny")
     m.add_argument("--head-dim", type=int, default=0, help="a head_dim other than hidden_size / heads")
     m.add_argument("--biases", action="store_true", help="attention_bias and mlp_bias (LLaMA)")

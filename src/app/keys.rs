@@ -105,11 +105,14 @@ impl ConfigExtension for AppKeys {
 /// The application's settings, resolved and validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppSettings {
-    /// The built-in GPT's shape (`vocab_size` 0: from the corpus); its `block_size` is the
-    /// context of a Hugging Face family's model too.
+    /// The built-in GPT's shape (`vocab_size` 0: from the corpus; `block_size` its default
+    /// where the key is not set).
     pub model: GptConfig,
     /// A Hugging Face family's model instead of the built-in GPT.
     pub hf: Option<HfSource>,
+    /// `model.block_size` as written: a Hugging Face family's model without it trains and
+    /// evaluates at its own positions.
+    pub block_size: Option<usize>,
     /// `model.tokenizer`: the `tokenizer.json` to use instead of `hf_dir`'s.
     pub tokenizer: Option<PathBuf>,
     /// Checkpoint every this many steps (0: only at the end).
@@ -152,6 +155,7 @@ impl AppKeys {
         Ok(AppSettings {
             model,
             hf,
+            block_size: section.block_size,
             tokenizer: section.tokenizer.as_ref().map(|t| base.join(t)),
             checkpoint_every: self.zerotrain.checkpoint_every.map_or(0, |c| c.0),
             eval_every: self.zerotrain.eval_every.map_or(50, |c| c.0).max(1),

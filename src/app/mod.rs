@@ -83,39 +83,8 @@ fn end_quietly_on_a_closed_pipe() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Train { config, world_size, device, steps, data, out, save_every, resume, servers, group } => {
-            commands::train(commands::TrainArgs {
-                config,
-                world_size,
-                device,
-                steps,
-                data,
-                out,
-                save_every,
-                resume,
-                servers,
-                group,
-            })
-        }
-        Command::Estimate {
-            params,
-            largest_layer_params,
-            world_size,
-            gpus_per_node,
-            nodes,
-            offload,
-            model_config,
-            json,
-        } => commands::estimate::estimate(commands::estimate::EstimateArgs {
-            params,
-            largest_layer_params,
-            world_size,
-            gpus_per_node,
-            nodes,
-            offload,
-            model_config,
-            json,
-        }),
+        Command::Train(args) => commands::train(args),
+        Command::Estimate(args) => commands::estimate::estimate(args),
         Command::Config(ConfigCommand::Check { file, world_size, steps, json }) => {
             commands::config_check(&file, world_size, steps, json)
         }
@@ -184,54 +153,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Memory { millions, layers, stage, world_size, mode, nvme }) => {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())
         }
-        Command::Consolidate { dir, tag, out, dtype, format, max_shard_size, hf_config } => {
-            commands::consolidate(commands::ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config })
-        }
-        Command::Generate {
-            config,
-            prompt,
-            tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            checkpoint,
-            tag,
-            json,
-            ignore_eos,
-        } => {
-            let sampling = crate::app::models::Sampling { temperature, top_k, top_p };
-            commands::generate::generate(commands::generate::GenerateArgs {
-                config,
-                prompt,
-                tokens,
-                sampling,
-                seed,
-                checkpoint,
-                tag,
-                json,
-                ignore_eos,
-            })
-        }
-        Command::Tokenize { inputs, tokenizer, train_vocab, out, valid_fraction, field } => {
-            commands::tokenize::tokenize(commands::tokenize::TokenizeArgs {
-                inputs,
-                tokenizer,
-                train_vocab,
-                out,
-                valid_fraction,
-                field,
-            })
-        }
-        Command::Eval { config, text, tokens, all, checkpoint, tag, world_size, json } => {
-            use commands::eval::EvalInput;
-            let input = match (text, tokens) {
-                (Some(text), _) => EvalInput::Text(text),
-                (None, Some(file)) => EvalInput::Tokens { file, all },
-                (None, None) => unreachable!("clap requires --text or --tokens"),
-            };
-            commands::eval::eval(commands::eval::EvalArgs { config, input, checkpoint, tag, world_size, json })
-        }
+        Command::Consolidate(args) => commands::consolidate(args),
+        Command::Generate(args) => commands::generate::generate(args),
+        Command::Tokenize(args) => commands::tokenize::tokenize(args),
+        Command::Eval(args) => commands::eval::eval(args),
         Command::Inspect { dir, tag, verify, json } => commands::inspect(&dir, tag.as_deref(), verify, json),
         Command::Serve { config, listen, checkpoint } => commands::serve(&config, listen, checkpoint),
     }

@@ -89,8 +89,11 @@ fn eval_matches_the_numpy_reference_for_every_family() {
 
 /// `zerotrain generate --temperature 0` continues a prompt with the tokens the numpy forward
 /// pass finds likeliest, from the prompt's ids as `transformers`' `tokenizer(prompt)` gives
-/// them (a LLaMA tokenizer's beginning token first; a `transformers` 5 config), and GPT-2's;
-/// it stops after the first of generation_config.json's `eos_token_id`s it samples, as
+/// them (a LLaMA tokenizer's beginning token first; a `transformers` 5 config), GPT-2's, and
+/// a Mistral's with a SentencePiece-style (Metaspace) tokenizer, whose decoder takes the
+/// space off a text's first word: the continuation is decoded after the prompt, as
+/// `transformers` decodes a generation, so the space between them stays ("the cat", not
+/// "thecat"); it stops after the first of generation_config.json's `eos_token_id`s it samples, as
 /// `transformers` does, unless told `--ignore-eos`.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
@@ -99,6 +102,7 @@ fn greedy_generation_follows_the_numpy_reference() {
     for (name, args) in [
         ("llama-v5", &["--family", "llama", "--kv-heads", "2", "--rope", "llama3", "--layout", "v5"][..]),
         ("gpt2", &["--family", "gpt2"][..]),
+        ("mistral-metaspace", &["--family", "mistral", "--kv-heads", "2", "--tokenizer", "metaspace"][..]),
     ] {
         let hf = dir.join(name);
         reference(&[&["make", hf.to_str().unwrap()], args].concat());
@@ -135,7 +139,7 @@ fn greedy_generation_follows_the_numpy_reference() {
 }
 
 /// Runs `zerotrain` and returns its stdout, failing with its stderr.
-fn run_ok(args: &[&str]) -> String {
+pub(super) fn run_ok(args: &[&str]) -> String {
     let out = zerotrain(args);
     assert!(out.status.success(), "zerotrain {args:?}: {}", text(&out.stderr));
     text(&out.stdout)
@@ -343,7 +347,7 @@ fn words(words: usize, seed: u64) -> String {
 
 /// A LLaMA-shaped config.json (fresh weights) and a BPE trained by `zerotrain tokenize` on
 /// the text: no Python. Returns (config file for `zerotrain`, token file).
-fn fresh_llama(dir: &Path, world: usize, extra: &str) -> (PathBuf, PathBuf) {
+pub(super) fn fresh_llama(dir: &Path, world: usize, extra: &str) -> (PathBuf, PathBuf) {
     let text = dir.join("text.txt");
     std::fs::write(&text, words(6000, 3)).unwrap();
     let (tokenizer, tokens) = (dir.join("tokenizer.json"), dir.join("data.tokens"));
@@ -377,7 +381,7 @@ fn fresh_llama(dir: &Path, world: usize, extra: &str) -> (PathBuf, PathBuf) {
 }
 
 /// (step, loss) of every line of a run's metrics.jsonl.
-fn losses(run: &Path) -> Vec<(u64, f64)> {
+pub(super) fn losses(run: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -571,5 +575,144 @@ fn training_lowers_the_held_out_loss_measured_from_the_checkpoint() {
     let sgd = dir.join("sgd.json");
     std::fs::write(&sgd, std::fs::read_to_string(&config).unwrap().replace("AdamW", "SGD")).unwrap();
     assert_eq!(eval_json(&sgd, text, Some(&checkpoint)), after.0, "the optimizer's state is not the model's");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The files beside a run's checkpoints are the ones its weights were trained with: every
+/// checkpoint records their checksums, so a `tokenizer.json` swapped for another one of the
+/// same size is refused by `eval` and `generate` naming it, and an edited `config.json`
+/// (another `rms_norm_eps`) by `consolidate --format hf`; restored, both work. `--checkpoint`
+/// may name the run folder, whose `checkpoints` is meant.
+#[test]
+fn files_changed_beside_a_checkpoint_are_refused_by_name() {
+    let dir = folder("companions");
+    let (config, tokens) = fresh_llama(&dir, 1, "");
+    let run = dir.join("run");
+    run_ok(&train_args(&config, &tokens, "2", &run, &[]));
+    let ckpt = run.join("checkpoints");
+    let held_out = dir.join("held_out.txt");
+    std::fs::write(&held_out, words(300, 5)).unwrap();
+    let text_arg = ["--text", held_out.to_str().unwrap()];
+    let scored = eval_json(&config, text_arg, Some(&ckpt));
+    assert_eq!(eval_json(&config, text_arg, Some(&run)), scored, "the run folder names its checkpoints");
+
+    let tokenizer = ckpt.join("tokenizer.json");
+    let original = std::fs::read(&tokenizer).unwrap();
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("text.txt"), words(6000, 11)).unwrap();
+    let other_tokenizer = other.join("tokenizer.json");
+    run_ok(&[
+        "tokenize",
+        other.join("text.txt").to_str().unwrap(),
+        "--tokenizer",
+        other_tokenizer.to_str().unwrap(),
+        "--train-vocab",
+        "280",
+        "--out",
+        other.join("t.tokens").to_str().unwrap(),
+    ]);
+    std::fs::copy(&other_tokenizer, &tokenizer).unwrap();
+    let eval = zerotrain(&[
+        "eval",
+        "--config",
+        config.to_str().unwrap(),
+        text_arg[0],
+        text_arg[1],
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    let err = text(&eval.stderr);
+    assert!(!eval.status.success() && err.contains("checkpoints/tokenizer.json was changed since checkpoint"), "{err}");
+    let generate = zerotrain(&[
+        "generate",
+        "--config",
+        config.to_str().unwrap(),
+        "--prompt",
+        "the rank",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(!generate.status.success() && text(&generate.stderr).contains("tokenizer.json was changed"));
+    std::fs::write(&tokenizer, &original).unwrap();
+
+    let config_json = ckpt.join("config.json");
+    let original = std::fs::read_to_string(&config_json).unwrap();
+    let mut edited: serde_json::Value = serde_json::from_str(&original).unwrap();
+    edited["rms_norm_eps"] = serde_json::json!(0.5);
+    std::fs::write(&config_json, edited.to_string()).unwrap();
+    let export = |name: &str| {
+        zerotrain(&["consolidate", ckpt.to_str().unwrap(), "--format", "hf", "--out", dir.join(name).to_str().unwrap()])
+    };
+    let out = export("edited");
+    assert!(!out.status.success() && text(&out.stderr).contains("config.json was changed since checkpoint"));
+    assert!(!dir.join("edited").exists());
+    std::fs::write(&config_json, original).unwrap();
+    let out = export("restored");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A model without `model.block_size` evaluates and generates over its own positions (not
+/// the built-in GPT's 32), and says so: `eval --json` reports the context and where it
+/// comes from; a text shorter than one window is scored whole, as one window of its own
+/// length (the loss of `model.block_size` set to its length less one); `generate` refuses a
+/// prompt longer than the positions instead of cutting it, and warns past them.
+#[test]
+fn a_model_without_block_size_uses_its_own_positions_and_says_so() {
+    let dir = folder("positions");
+    let (with, _) = fresh_llama(&dir, 1, "");
+    let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 280, "tie_word_embeddings": true,
+        "max_position_embeddings": 64}"#;
+    std::fs::write(dir.join("model.json"), model).unwrap();
+    let without = dir.join("without.json");
+    std::fs::write(&without, std::fs::read_to_string(&with).unwrap().replace(r#", "block_size": 8"#, "")).unwrap();
+    let eval = |config: &Path, file: &Path| -> serde_json::Value {
+        let out = run_ok(&["eval", "--config", config.to_str().unwrap(), "--text", file.to_str().unwrap(), "--json"]);
+        serde_json::from_str(out.trim()).unwrap()
+    };
+    let long = dir.join("long.txt");
+    std::fs::write(&long, words(400, 8)).unwrap();
+    let scored = eval(&without, &long);
+    assert_eq!(scored["context"], 64, "{scored}");
+    assert!(scored["context_from"].as_str().unwrap().contains("max_position_embeddings"), "{scored}");
+    // A text of fewer tokens than one window: one window of its own length.
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "the rank holds a shard of state and gathers each unit").unwrap();
+    let whole = eval(&without, &short);
+    let tokens = whole["tokens"].as_u64().unwrap();
+    assert!(tokens > 4 && tokens < 64 && whole["windows"] == 1 && whole["context"] == tokens, "{whole}");
+    let exact = dir.join("exact.json");
+    let json =
+        std::fs::read_to_string(&with).unwrap().replace(r#""block_size": 8"#, &format!(r#""block_size": {tokens}"#));
+    std::fs::write(&exact, json).unwrap();
+    assert_eq!(whole["loss"], eval(&exact, &short)["loss"], "the window of the text's length");
+    // generate: over the 64 positions; a longer prompt is refused, not cut.
+    let generate = |prompt: &str, tokens: &str| {
+        zerotrain(&[
+            "generate",
+            "--config",
+            without.to_str().unwrap(),
+            "--prompt",
+            prompt,
+            "--tokens",
+            tokens,
+            "--json",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ])
+    };
+    let out = generate("the rank holds", "4");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["context"], 64);
+    let long_prompt = words(200, 3);
+    let out = generate(&long_prompt, "4");
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("more than the model's positions (64)"), "{err}");
+    let out = generate("the rank holds", "70");
+    assert!(out.status.success() && text(&out.stderr).contains("pass the model's positions (64)"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

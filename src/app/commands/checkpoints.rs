@@ -10,13 +10,30 @@ use zerotrain_precision::Precision;
 use super::proc_status_kib;
 
 /// `zerotrain consolidate`'s arguments (see `cli::Command::Consolidate`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct ConsolidateArgs {
+    /// The checkpoint directory (holding `latest` and the tags).
     pub dir: PathBuf,
+    /// The tag to read (default: the one `latest` names).
+    #[arg(long)]
     pub tag: Option<String>,
+    /// The output file (`--format safetensors`) or new folder (`--format hf`).
+    #[arg(long)]
     pub out: PathBuf,
+    /// Output dtype: f32, bf16 or f16 (default: f32; with `--format hf`, the
+    /// config's dtype or torch_dtype).
+    #[arg(long)]
     pub dtype: Option<String>,
+    /// safetensors (one file keyed by module path) or hf (config.json, sharded
+    /// safetensors and the tokenizer, loadable by transformers).
+    #[arg(long, default_value = "safetensors")]
     pub format: String,
+    /// `--format hf`: the largest shard, e.g. 5GB, 500MB or bytes.
+    #[arg(long, default_value = "5GB")]
     pub max_shard_size: String,
+    /// `--format hf`: the folder with the model's config.json and tokenizer (default:
+    /// DIR, where zerotrain train puts them).
+    #[arg(long)]
     pub hf_config: Option<PathBuf>,
 }
 

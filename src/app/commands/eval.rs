@@ -9,24 +9,53 @@ use anyhow::{Context, bail};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use zerotrain_zero::ReduceOp;
 
-use crate::app::family::WithModel;
 use crate::app::family::load::load_model;
+use crate::app::family::{WithModel, companions};
 use crate::app::keys;
 use crate::app::models::CausalLm;
 use crate::app::train::Handout;
 use crate::{LoadOptions, Overrides, Plan};
 
 /// What `zerotrain eval` was asked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct EvalArgs {
+    /// A config whose `model` section names the model (`hf_dir` or `hf_config`); its
+    /// `block_size`, where set, is the context (else the model's own positions).
+    #[arg(long)]
     pub config: PathBuf,
-    /// What to score.
-    pub input: EvalInput,
-    /// A zerotrain checkpoint folder of the model to load instead of `hf_dir`'s weights.
+    /// The UTF-8 text to score, tokenized by the model's tokenizer.json.
+    #[arg(long, required_unless_present = "tokens", conflicts_with = "tokens")]
+    pub text: Option<PathBuf>,
+    /// A token file (zerotrain tokenize) to score: its held-out split, or all of it
+    /// with --all.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// With --tokens: score every token of the file, not only its held-out split.
+    #[arg(long, requires = "tokens")]
+    pub all: bool,
+    /// A checkpoint folder (holding `latest` and the tags) of the model to load.
+    #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// The checkpoint's tag (default: the one `latest` names).
+    #[arg(long)]
     pub tag: Option<String>,
+    /// Number of ranks (overrides `zerotrain.world_size`).
+    #[arg(long)]
     pub world_size: Option<usize>,
+    /// One JSON object instead of the sentence.
+    #[arg(long)]
     pub json: bool,
+}
+
+impl EvalArgs {
+    /// What to score: `--text`, or `--tokens` (all of it with `--all`).
+    pub fn input(&self) -> EvalInput {
+        match (&self.text, &self.tokens) {
+            (Some(text), _) => EvalInput::Text(text.clone()),
+            (None, Some(file)) => EvalInput::Tokens { file: file.clone(), all: self.all },
+            (None, None) => unreachable!("clap requires --text or --tokens"),
+        }
+    }
 }
 
 /// What `zerotrain eval` scores.
@@ -44,8 +73,12 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let (plan, settings) = keys::load(&args.config, overrides)?;
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
-    let loaded = load_model(&settings, &args.config, &device, args.checkpoint.as_deref())?;
-    let (name, source) = match &args.input {
+    let checkpoint = args.checkpoint.as_deref().map(companions::checkpoints_folder);
+    if let Some(dir) = &checkpoint {
+        companions::verify(dir, args.tag.as_deref(), &companions::FILES)?;
+    }
+    let loaded = load_model(&settings, &args.config, &device, checkpoint.as_deref())?;
+    let (name, source) = match &args.input() {
         EvalInput::Text(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
             (path.display().to_string(), Source::Ids(loaded.tokenizer.encode_document(&text)?))
@@ -53,38 +86,62 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
         EvalInput::Tokens { file, all } => {
             let tokens = crate::app::text::tokens::TokenFile::open(file)?;
             tokens.verify()?;
-            if tokens.vocab_size() > loaded.config.vocab_size() {
-                bail!(
-                    "{} holds ids of a {}-token vocabulary; the model has {}",
-                    file.display(),
-                    tokens.vocab_size(),
-                    loaded.config.vocab_size()
-                );
-            }
+            tokens.check_written_by(&loaded.tokenizer)?;
             let range = if *all { 0..tokens.len() } else { tokens.train_tokens()..tokens.len() };
             let what = if *all { "" } else { " (held-out split)" };
             (format!("{}{what}", file.display()), Source::File(tokens, range))
         }
     };
-    let windows = Windows::over(&source, loaded.context).with_context(|| format!("{name}: {} tokens", source.len()))?;
-    let (checkpoint, tag, vocab) = (args.checkpoint.as_deref(), args.tag.as_deref(), loaded.config.vocab_size());
+    let windows = Windows::over(&source, loaded.context).with_context(|| name.clone())?;
+    let context_from = match windows.context < loaded.context {
+        true => format!("the text's length; {} would be {}", loaded.context_from, loaded.context),
+        false => loaded.context_from.clone(),
+    };
+    let (checkpoint, tag, vocab) = (checkpoint.as_deref(), args.tag.as_deref(), loaded.config.vocab_size());
     let job = EvalJob { plan: &plan, windows: &windows, vocab, checkpoint, tag };
     let Scores { loss, load_seconds, score_seconds } = loaded.model.run(job)?;
     let scored = windows.count * windows.context;
+    let weights = scored_weights(&plan, &loaded.config, checkpoint);
     if args.json {
         let json = serde_json::json!({"loss": loss, "perplexity": loss.exp(), "tokens": scored,
+            "context": windows.context, "windows": windows.count, "context_from": context_from, "weights": weights,
             "load_seconds": load_seconds, "score_seconds": score_seconds});
         println!("{json}");
     } else {
         println!(
-            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {}); \
-             model loaded in {load_seconds:.1} s, scored in {score_seconds:.1} s",
+            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {}: \
+             {context_from}); {weights}; model loaded in {load_seconds:.1} s, scored in {score_seconds:.1} s",
             loss.exp(),
             windows.count,
             windows.context
         );
     }
     Ok(())
+}
+
+/// Which weights `eval` scored, in words: the model's (or the checkpoint's fp32 masters)
+/// in the config's compute dtype, and where an export of them is stored in another dtype
+/// (`consolidate --format hf` writes config.json's), that it would score otherwise.
+fn scored_weights(plan: &Plan, config: &crate::app::hf::HfConfig, checkpoint: Option<&Path>) -> String {
+    let compute = plan.precision.compute;
+    let stored = crate::app::family::export::stored_dtype(&config.json);
+    let whose = match checkpoint {
+        Some(dir) => format!("the fp32 masters of {}", dir.display()),
+        None => "the model's weights".to_string(),
+    };
+    let mut words = format!("scored {whose} computed in {compute}");
+    if checkpoint.is_some() && stored != compute {
+        words += &format!(
+            " (its Hugging Face export is stored in {stored}, config.json's dtype: set {}.enabled to score those \
+             weights)",
+            if stored == zerotrain_precision::Precision::Fp32 {
+                "neither bf16 nor fp16".to_string()
+            } else {
+                stored.to_string()
+            }
+        );
+    }
+    words
 }
 
 /// The tokens `eval` scores: a text's ids, or a range of a token file (read through its map).
@@ -113,7 +170,9 @@ impl Source {
 }
 
 /// Non-overlapping windows of `context + 1` tokens, one token apart (each token after the
-/// first is predicted once); a tail shorter than a window is left out.
+/// first is predicted once); a tail shorter than a window is left out. A text shorter than
+/// one window is one window of its own length, as `transformers` scores the tokens it is
+/// given.
 pub struct Windows<'a> {
     source: &'a Source,
     /// The model's context (windows are one token longer).
@@ -125,11 +184,11 @@ pub struct Windows<'a> {
 impl<'a> Windows<'a> {
     /// The windows of `source`; an error when it holds less than one.
     pub fn over(source: &'a Source, context: usize) -> anyhow::Result<Self> {
-        let count = source.len().saturating_sub(1) / context;
-        if count == 0 {
-            bail!("fewer than the {} tokens of one window (model.block_size {context} + 1)", context + 1);
+        if source.len() < 2 {
+            bail!("{} token(s): a loss needs at least 2 (one to predict from, one to predict)", source.len());
         }
-        Ok(Self { source, context, count })
+        let context = context.min(source.len() - 1);
+        Ok(Self { source, context, count: (source.len() - 1) / context })
     }
 
     /// Windows `range` as a batch `[n, context + 1]`.

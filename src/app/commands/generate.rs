@@ -7,8 +7,8 @@ use anyhow::bail;
 use burn::tensor::Device;
 use serde_json::Value;
 
-use crate::app::family::WithModel;
 use crate::app::family::load::{LoadedModel, load_model};
+use crate::app::family::{WithModel, companions};
 use crate::app::file_error::{FileError, read_optional_json};
 use crate::app::hf;
 use crate::app::keys;
@@ -16,29 +16,65 @@ use crate::app::models::{CausalLm, Sampling};
 use crate::{LoadOptions, Overrides, Plan};
 
 /// What `zerotrain generate` was asked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct GenerateArgs {
+    /// A config whose `model` section names the model (text is generated over the model's
+    /// own positions).
+    #[arg(long)]
     pub config: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
     pub prompt: String,
     /// Tokens to add.
+    #[arg(long, default_value_t = 64)]
     pub tokens: usize,
-    pub sampling: Sampling,
+    /// 0: the most likely token each time; else the sampling temperature.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Sample among the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Then among the fewest most likely whose probabilities reach P (nucleus
+    /// sampling; 1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// The sampler's seed (the same seed gives the same text).
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// A checkpoint folder (holding `latest` and the tags) of the model to load.
+    #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// The checkpoint's tag (default: the one `latest` names).
+    #[arg(long)]
     pub tag: Option<String>,
-    /// Print JSON (`text`, `prompt_ids`, `ids`) instead of the text.
+    /// Print JSON: the text, and the token ids of the prompt and of what was added.
+    #[arg(long)]
     pub json: bool,
-    /// Add all `tokens`, past the model's end tokens.
+    /// Add all --tokens, past the model's end tokens (by default sampling stops after
+    /// one: generation_config.json's eos_token_id, else config.json's, else the
+    /// tokenizer's end token).
+    #[arg(long)]
     pub ignore_eos: bool,
 }
 
-/// `zerotrain generate`: prints the prompt and its continuation.
-pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
-    if !(args.sampling.temperature >= 0.0 && args.sampling.temperature.is_finite()) {
-        bail!("--temperature must be 0 (greedy) or positive, not {}", args.sampling.temperature);
+impl GenerateArgs {
+    /// How each token is picked.
+    pub fn sampling(&self) -> Sampling {
+        Sampling { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p }
     }
-    if !(args.sampling.top_p > 0.0 && args.sampling.top_p <= 1.0) {
-        bail!("--top-p must be above 0 and at most 1, not {}", args.sampling.top_p);
+}
+
+/// `zerotrain generate`: prints the prompt and its continuation.
+pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
+    args.checkpoint = args.checkpoint.as_deref().map(companions::checkpoints_folder);
+    if let Some(dir) = &args.checkpoint {
+        companions::verify(dir, args.tag.as_deref(), &companions::FILES)?;
+    }
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!("--temperature must be 0 (greedy) or positive, not {}", args.temperature);
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be above 0 and at most 1, not {}", args.top_p);
     }
     let overrides = Overrides { world_size: Some(1), total_steps: Some(1), ..Overrides::default() };
     let (mut plan, settings) = keys::load(&args.config, overrides)?;
@@ -51,11 +87,26 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         bail!("--prompt is empty: give at least one token of text to continue");
     }
     let stop = if args.ignore_eos { Vec::new() } else { stop_tokens(&loaded, args.checkpoint.as_deref())? };
-    let job = Generate { plan: &plan, args: &args, prompt: &prompt, stop: &stop, context: loaded.context };
+    // The model's own positions, as `transformers` generates (model.block_size is the
+    // context a run trains at, not a limit of the model's).
+    let (context, bound) = loaded.config.exact_context();
+    if prompt.len() > context {
+        bail!("--prompt is {} tokens, more than {bound}: give a shorter prompt (nothing of it was cut)", prompt.len());
+    }
+    if prompt.len() + args.tokens > context {
+        eprintln!(
+            "warning: {} tokens after a prompt of {} pass {bound}: from token {} on, each is predicted from the \
+             last {context} only",
+            args.tokens,
+            prompt.len(),
+            context - prompt.len() + 1
+        );
+    }
+    let job = Generate { plan: &plan, args: &args, prompt: &prompt, stop: &stop, context };
     let out = loaded.model.run(job)?;
-    let text = format!("{}{}", args.prompt, loaded.tokenizer.decode(&out)?);
+    let text = format!("{}{}", args.prompt, loaded.tokenizer.decode_continuation(&prompt, &out)?);
     if args.json {
-        println!("{}", serde_json::json!({"text": text, "prompt_ids": prompt, "ids": out}));
+        println!("{}", serde_json::json!({"text": text, "prompt_ids": prompt, "ids": out, "context": context}));
     } else {
         println!("{text}");
     }
@@ -116,7 +167,7 @@ impl WithModel for Generate<'_> {
             let Some(model) = engine.gather_model(0)? else { return Ok(None) };
             drop(engine);
             let mut rng = self.args.seed;
-            let (count, sampling) = (self.args.tokens, self.args.sampling);
+            let (count, sampling) = (self.args.tokens, self.args.sampling());
             model.generate(self.prompt, count, self.context, sampling, self.stop, &mut rng).map(Some)
         })?;
         Ok(tokens.into_iter().flatten().next().expect("rank 0 generates"))

@@ -49,13 +49,23 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let job = if settings.hf.is_some() {
         let device = burn::tensor::Device::flex().autodiff();
         device.seed(plan.runtime.seed);
-        let loaded = crate::app::family::load::load_model(&settings, &args.config, &device, None)?;
+        let mut loaded = crate::app::family::load::load_model(&settings, &args.config, &device, None)?;
+        let micro = plan.batch.micro_batch_per_rank;
+        let (context, notice) =
+            crate::app::family::load::training_context(&loaded, micro, settings.block_size.is_some());
+        if let Some(notice) = notice {
+            if lead {
+                eprintln!("notice: {notice}");
+            }
+            (loaded.context, loaded.context_from) = (context, "fits this machine's memory".into());
+        }
         let data = crate::app::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, &out)?;
         say(format!(
-            "training {} ({}, context {}) on {} ({} tokens, {} held out): {ranks}",
+            "training {} ({}, context {}: {}) on {} ({} tokens, {} held out): {ranks}",
             loaded.source.display(),
             loaded.config.json["model_type"].as_str().unwrap_or("?"),
             loaded.context,
+            loaded.context_from,
             data.path().display(),
             data.len(),
             data.len() - data.train_tokens()
@@ -129,16 +139,41 @@ pub fn overrides(world_size: Option<usize>, total_steps: Option<u64>) -> Overrid
 }
 
 /// `zerotrain train`'s arguments (see `cli::Command::Train`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
+    /// A DeepSpeed-style JSON config.
+    #[arg(long)]
     pub config: PathBuf,
+    /// Number of ranks (overrides `zerotrain.world_size`).
+    #[arg(long)]
     pub world_size: Option<usize>,
+    /// Where the ranks compute: cpu, wgpu or cuda (overrides `zerotrain.device`).
+    #[arg(long)]
     pub device: Option<crate::config::ComputeDevice>,
+    /// Optimizer steps to reach.
+    #[arg(long, default_value_t = 2400)]
     pub steps: u64,
+    /// What to train on. The built-in GPT: a UTF-8 text file of characters (default:
+    /// generated arithmetic). A Hugging Face family's model: a token file (`zerotrain
+    /// tokenize`), or a text or JSON-lines file, tokenized into <out>/data.tokens (1% of
+    /// its tokens held out for validation).
+    #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Run folder for metrics.jsonl, loss.png and checkpoints/ (default: runs/<config name>).
+    #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Save a checkpoint every N steps (overrides `zerotrain.checkpoint_every`; 0: at the end).
+    #[arg(long)]
     pub save_every: Option<u64>,
+    /// Continue from the run folder's latest checkpoint.
+    #[arg(long)]
     pub resume: bool,
+    /// Train as one replica group through this parameter server (`zerotrain serve`;
+    /// repeat for several): overrides `local_sgd.servers`.
+    #[arg(long = "server", value_name = "ADDR")]
     pub servers: Vec<String>,
+    /// This job's replica group among the servers' groups: overrides `local_sgd.group`.
+    #[arg(long)]
     pub group: Option<u64>,
 }
 

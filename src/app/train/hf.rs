@@ -36,22 +36,51 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
         .map(|()| &head == b"ZTTOKENS")
         .unwrap_or(false);
-    let file = if is_tokens {
-        TokenFile::open(data)?
-    } else {
-        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        Documents::new(&[data.to_path_buf()], "text").write_token_file(tokenizer, &out.join("data.tokens"), 0.01)?.0
-    };
+    let file = if is_tokens { TokenFile::open(data)? } else { tokenized_once(data, tokenizer, out)? };
     file.verify()?;
-    if file.vocab_size() > tokenizer.vocab_size() {
-        bail!(
-            "{} was written by a tokenizer of {} tokens; {} has {}",
-            data.display(),
-            file.vocab_size(),
-            tokenizer.file().display(),
-            tokenizer.vocab_size()
-        );
+    file.check_written_by(tokenizer)?;
+    Ok(file)
+}
+
+/// The furthest position a checkpoint may record, in samples (2^48: far beyond any run, and
+/// far enough below 2^64 that counting on from it cannot overflow).
+const MAX_SAMPLES: u64 = 1 << 48;
+
+/// `data`, a text file, as `<out>/data.tokens`, tokenized by one process: under mpirun every
+/// process of the job asks, and they take turns on `<out>/data.tokens.lock`. The first
+/// writes the file (through a rename) and then `data.tokens.source`, a stamp of the text
+/// (its path, size and modification time) and the tokenizer's fingerprint; one that finds
+/// the stamp its own opens the file instead of writing it again (once every process wrote
+/// the same file over the others', truncating it under readers).
+fn tokenized_once(data: &Path, tokenizer: &Tokenizer, out: &Path) -> anyhow::Result<TokenFile> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let lock_path = out.join("data.tokens.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("cannot create {}", lock_path.display()))?;
+    lock.lock().with_context(|| format!("cannot lock {}", lock_path.display()))?;
+    let meta = std::fs::metadata(data).with_context(|| format!("cannot read {}", data.display()))?;
+    let stamp = serde_json::json!({
+        "source": std::fs::canonicalize(data).unwrap_or_else(|_| data.to_path_buf()).display().to_string(),
+        "bytes": meta.len(),
+        "modified_ns": meta.mtime() as i128 * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        "tokenizer": format!("{:016x}", tokenizer.fingerprint()),
+    })
+    .to_string();
+    let (tokens, stamp_path) = (out.join("data.tokens"), out.join("data.tokens.source"));
+    let recorded = read_optional(&stamp_path)?;
+    if recorded.as_deref() == Some(stamp.as_bytes())
+        && let Ok(file) = TokenFile::open(&tokens)
+    {
+        return Ok(file);
     }
+    let _ = std::fs::remove_file(&stamp_path);
+    let file = Documents::new(&[data.to_path_buf()], "text").write_token_file(tokenizer, &tokens, 0.01)?.0;
+    crate::app::family::export::write_atomically(&stamp_path, stamp.as_bytes())?;
     Ok(file)
 }
 
@@ -59,7 +88,7 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
 struct TokenData {
     sampler: TokenSampler,
     file: Arc<TokenFile>,
-    /// Sequences per optimizer step.
+    /// Sequences per optimizer step, over every replica group ([`Plan::sequences_per_step`]).
     global_batch: u64,
     /// (samples drawn before the first step of this run, that step).
     base: Mutex<(u64, u64)>,
@@ -89,9 +118,18 @@ impl TrainData for TokenData {
     }
 
     fn resume(&self, record: &serde_json::Value, step: u64) -> anyhow::Result<()> {
-        let (Some(checksum), Some(samples)) = (record["checksum"].as_u64(), record["samples"].as_u64()) else {
+        if !record.is_object() || record.get("checksum").is_none() && record.get("samples").is_none() {
             bail!("the checkpoint records no position in a token file (it was not trained on one)");
+        }
+        let (Some(checksum), Some(samples)) = (record["checksum"].as_u64(), record["samples"].as_u64()) else {
+            bail!("the checkpoint's position in its token file is malformed (a checksum and a sample count): {record}");
         };
+        if samples > MAX_SAMPLES || checksum > u64::from(u32::MAX) {
+            bail!(
+                "the checkpoint's position in its token file is out of range (sample {samples}, checksum {checksum}; \
+                 at most {MAX_SAMPLES} samples): the manifest is damaged"
+            );
+        }
         if checksum != u64::from(self.file.checksum()) {
             bail!(
                 "the checkpoint was trained on {} (checksum {checksum:08x}); this run reads {} (checksum {:08x}): \
@@ -120,14 +158,13 @@ pub fn train_hf(
     progress: &(dyn Fn(&StepMetrics) + Sync),
 ) -> anyhow::Result<TrainSummary> {
     let config = serde_json::to_string_pretty(&loaded.config.json)?.into_bytes();
-    let tokenizer = std::fs::read(loaded.tokenizer.file())
-        .with_context(|| format!("cannot read {}", loaded.tokenizer.file().display()))?;
+    let tokenizer = crate::app::file_error::read_file(loaded.tokenizer.file())?;
     let mut files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
     files.extend(companions(&loaded)?);
     let file = Arc::new(data);
     let sampler =
         TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
-    let token_data = TokenData { sampler, file, global_batch: plan.batch.train_batch_size, base: Mutex::new((0, 0)) };
+    let token_data = TokenData { sampler, file, global_batch: plan.sequences_per_step(), base: Mutex::new((0, 0)) };
     let job = HfJob { plan, settings, options, data: &token_data, tokenizer: &loaded.tokenizer, files, log, progress };
     loaded.model.run(job)
 }
@@ -171,7 +208,8 @@ impl WithModel for HfJob<'_> {
                 prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
             let out = model.generate(&prompt, 48, context, Sampling::top_k(0.8, 40), &[], &mut 0x5EED)?;
             let text = |ids: &[u32]| self.tokenizer.decode(ids).unwrap_or_else(|e| e.to_string());
-            Ok(vec![format!("{}|{}", text(&prompt), text(&out))])
+            let continuation = self.tokenizer.decode_continuation(&prompt, &out).unwrap_or_else(|e| e.to_string());
+            Ok(vec![format!("{}|{continuation}", text(&prompt))])
         };
         let num_params = ParamCount::trainable(&model);
         let task = Task { num_params, init: model, data: self.data, samples: &samples, files: self.files };
@@ -188,7 +226,7 @@ mod tests {
     fn counting_file(name: &str, n: u32) -> Arc<TokenFile> {
         let dir = std::env::temp_dir().join(format!("zerotrain-tokendata-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut writer = TokenFileWriter::create(&dir.join("t.tokens"), 1000, 999).unwrap();
+        let mut writer = TokenFileWriter::create(&dir.join("t.tokens"), 1000, 999, 1).unwrap();
         let ids: Vec<u32> = (0..n).map(|i| i % 999).collect();
         for doc in ids.chunks(49) {
             writer.document(doc).unwrap();
@@ -246,5 +284,53 @@ mod tests {
         let other = counting_file("other", 3000);
         let err = data(&other, 8).resume(&record, 3).unwrap_err().to_string();
         assert!(err.contains("the checkpoint was trained on"), "{err}");
+    }
+
+    /// A position read from a damaged manifest is refused for what it is: no record, a
+    /// malformed one, or one out of range (2^64 - 1 samples once overflowed the sampler).
+    #[test]
+    fn a_damaged_position_is_refused_for_what_it_is() {
+        let file = counting_file("damaged", 2000);
+        let d = data(&file, 8);
+        let crc = u64::from(file.checksum());
+        let err = |record: serde_json::Value| d.resume(&record, 3).unwrap_err().to_string();
+        assert!(err(serde_json::Value::Null).contains("records no position"));
+        assert!(err(serde_json::json!({"step": 3})).contains("records no position"));
+        assert!(err(serde_json::json!({"checksum": crc, "samples": "24"})).contains("is malformed"));
+        assert!(err(serde_json::json!({"checksum": crc, "samples": -1})).contains("is malformed"));
+        let far = err(serde_json::json!({"checksum": crc, "samples": u64::MAX}));
+        assert!(far.contains("out of range (sample 18446744073709551615"), "{far}");
+        d.resume(&serde_json::json!({"checksum": crc, "samples": 1u64 << 48}), 3).unwrap();
+        assert_eq!(rows(d.batch(4, 0, 1, &Device::flex())).len(), 1, "the furthest position still samples");
+    }
+
+    /// A text given to `train --data` is tokenized by the first process to ask (under
+    /// mpirun every process asks at once): the others, and a later run, open the same file
+    /// instead of writing it again; a changed text is tokenized again.
+    #[test]
+    fn a_text_is_tokenized_once_however_many_processes_ask() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("zerotrain-tokenized-once-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let bpe = crate::app::text::train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap();
+        bpe.save(dir.join("tokenizer.json"), false).unwrap();
+        let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let text = dir.join("text.txt");
+        std::fs::write(&text, "the rank holds a shard\n\n".repeat(400)).unwrap();
+        let out = dir.join("run");
+        let checksums: Vec<u32> = std::thread::scope(|s| {
+            let asks: Vec<_> = (0..3).map(|_| s.spawn(|| tokenized_once(&text, &tokenizer, &out).unwrap())).collect();
+            asks.into_iter().map(|a| a.join().unwrap().checksum()).collect()
+        });
+        assert!(checksums.iter().all(|&c| c == checksums[0]), "{checksums:?}");
+        let inode = || std::fs::metadata(out.join("data.tokens")).unwrap().ino();
+        let first = inode();
+        tokenized_once(&text, &tokenizer, &out).unwrap();
+        assert_eq!(inode(), first, "a later run opens the file it finds");
+        std::fs::write(&text, "a shard holds the rank\n\n".repeat(300)).unwrap();
+        let again = tokenized_once(&text, &tokenizer, &out).unwrap();
+        assert_ne!((inode(), again.checksum()), (first, checksums[0]), "another text, another token file");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

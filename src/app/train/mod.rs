@@ -143,8 +143,9 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
     }
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
+    let files = crate::app::family::companions::record(&task.files);
     let Task { init, num_params: _, data, samples, files: _ } = task;
-    let job = Job { plan, options, data, samples, ckpt_dir, resume_tag, every, eval_every, log, progress };
+    let job = Job { plan, options, data, samples, ckpt_dir, resume_tag, every, eval_every, files, log, progress };
     let init = Handout::new(init, plan);
     let results = launch(plan, |ctx| job.run_rank(init.take(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
@@ -167,10 +168,7 @@ fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
     let shard = params.div_ceil(plan.world_size() as u64);
     let per_rank = model_state_bytes(plan.zero.stage, params, shard, cost).total();
     let needed = per_rank.saturating_mul(ranks_here).saturating_add(params.saturating_mul(4));
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
-        let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
-    });
+    let available = available_memory();
     let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
     match available {
         Some(available) if needed > available => bail!(
@@ -183,6 +181,14 @@ fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
         ),
         _ => Ok(()),
     }
+}
+
+/// The memory this machine can still give (Linux's `MemAvailable`), in bytes; `None` where
+/// it does not say.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib.saturating_mul(1024))
 }
 
 /// The run folder's lock file: held for the whole run, so two trainers cannot write one
@@ -232,6 +238,9 @@ struct Job<'a, M> {
     every: u64,
     /// Validation interval in steps.
     eval_every: u64,
+    /// The checksums of the files beside the checkpoints, which every checkpoint records
+    /// (`family::companions`); `Null` for none.
+    files: serde_json::Value,
     log: &'a (dyn Fn(&str) + Sync),
     progress: &'a (dyn Fn(&StepMetrics) + Sync),
 }
@@ -245,7 +254,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         if let Some(tag) = &self.resume_tag {
             let client = engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
             let step = engine.counters().global_steps;
-            self.data.resume(&client["data"], step).map_err(|e| Error::Usage(format!("--resume: {e:#}")))?;
+            self.data.resume(&client["data"], step).map_err(|e| Error::Resume(format!("{e:#}")))?;
         }
         let first_step = engine.counters().global_steps;
         let lead = ctx.rank() == 0;
@@ -300,7 +309,9 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         }
         let seconds = start.elapsed().as_secs_f64();
         let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / (step - first_step).max(1);
-        if step > last_saved {
+        // A run of no steps saves the model it starts from (`--steps 0`: a fresh model to
+        // export), as it says it does.
+        if step > last_saved || self.resume_tag.is_none() && step == 0 {
             self.save(engine.as_mut(), step)?;
         }
         let final_val = val_loss(&mut engine)?;
@@ -372,6 +383,9 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         let position = self.data.position(step);
         if !position.is_null() {
             client["data"] = position;
+        }
+        if !self.files.is_null() {
+            client[crate::app::family::companions::KEY] = self.files.clone();
         }
         engine.save_checkpoint(&self.ckpt_dir, None, client)?;
         Ok(())
