@@ -1020,3 +1020,54 @@ fn groups_as_separate_processes_meet_at_a_parameter_server() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30), "{:?}", started.elapsed());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Regressions from issue 50's hostile sizes and a newcomer's frictions: `estimate` of
+/// absurd parameter counts is refused (2e19 overflowed a multiply) and a `config.json` of
+/// 2^24 layers is sized from its shape in a moment (building it took 25 GB); `tokenize
+/// --train-vocab 2^40` is refused (the trainer allocated by it); `tokenize --out` naming
+/// its input is refused and the text survives; `train --steps 0` saves the model it
+/// starts from, as the path it prints says.
+#[test]
+fn absurd_sizes_are_refused_and_a_run_of_no_steps_saves_its_start() {
+    for params in ["2e19", "1e300"] {
+        let out = zerotrain(&["estimate", "--params", params, "--world-size", "8"]);
+        let err = text(&out.stderr);
+        assert!(out.status.code() == Some(1) && err.contains("is no model any machine holds"), "{params}: {err}");
+    }
+    let huge = temp_config(
+        "huge-layers",
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 16777216,
+            "num_attention_heads": 2, "vocab_size": 100, "tie_word_embeddings": false}"#,
+    );
+    let started = std::time::Instant::now();
+    let out = zerotrain(&["estimate", "--model-config", huge.to_str().unwrap(), "--world-size", "8", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Per layer: 2 norms of 16, q/k/v/o of 16 x 16, gate/up/down of 16 x 24; then the
+    // embedding, the final norm and the untied head.
+    let layer = 2 * 16 + 4 * 16 * 16 + 3 * 16 * 24;
+    assert_eq!(json["params"], 16777216u64 * layer + 100 * 16 + 16 + 100 * 16, "{json}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "{:?}", started.elapsed());
+
+    let dir = temp_run("frictions");
+    std::fs::create_dir_all(&dir).unwrap();
+    let textfile = dir.join("text.txt");
+    std::fs::write(&textfile, "the rank holds a shard\n\n".repeat(50)).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    let tokenize = |out: &std::path::Path, vocab: &str| {
+        zerotrain(&["tokenize", textfile.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap(),
+            "--train-vocab", vocab, "--out", out.to_str().unwrap()])
+    };
+    let out = tokenize(&dir.join("t.tokens"), "1099511627776");
+    assert!(text(&out.stderr).contains("at most 16777216 tokens"), "{}", text(&out.stderr));
+    let out = tokenize(&dir.join(".").join("text.txt"), "300");
+    assert!(!out.status.success() && text(&out.stderr).contains("is an input"), "{}", text(&out.stderr));
+    assert_eq!(std::fs::read_to_string(&textfile).unwrap(), "the rank holds a shard\n\n".repeat(50));
+
+    let run = dir.join("run");
+    let out = zerotrain(&["train", "--config", "configs/tiny.json", "--steps", "0", "--out", run.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let latest = std::fs::read_to_string(run.join("checkpoints").join("latest")).unwrap();
+    assert_eq!(latest.trim(), "global_step0");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -356,6 +356,7 @@ fn assemble<M: Module>(
         engine.notices.warn(notice.clone());
     }
     engine.note_persistence();
+    engine.note_param_cache();
     let swaps = &engine.shared.swaps;
     for dir in [&swaps.optimizer, &swaps.param].into_iter().flatten().filter(|d| !d.is_direct()) {
         engine.notices.warn(format!(

@@ -64,6 +64,27 @@ impl<M: Module> Engine<M> {
         }
     }
 
+    /// With parameters on NVMe: how many of their shards `offload_param.max_in_cpu` keeps in
+    /// memory instead (DeepSpeed's default, 1e9 elements, keeps a model of fewer whole:
+    /// the step report then lists them as parameters in memory, as without offload).
+    pub(super) fn note_param_cache(&mut self) {
+        if self.shared.swaps.param.is_none() {
+            return;
+        }
+        let kept: Vec<u64> = self.units.iter().map(super::unit::Unit::shard_bytes).filter(|&b| b > 0).collect();
+        if kept.is_empty() {
+            return;
+        }
+        let (bytes, units) = (kept.iter().sum::<u64>(), self.units.len());
+        self.notices.warn(format!(
+            "zero_optimization.offload_param.max_in_cpu ({} elements) keeps the parameter shards of {} of the {units} \
+             units in memory, {bytes} bytes on this rank, not on NVMe; set it to 0 to hold in memory only the units \
+             in use",
+            self.shared.plan.zero.offload.max_in_cpu,
+            kept.len()
+        ));
+    }
+
     /// At stage 3: how many parameters `stage3_param_persistence_threshold` keeps whole on
     /// every rank, and what they cost there (DeepSpeed's default of 1e5 elements keeps a
     /// small model entirely unsharded).

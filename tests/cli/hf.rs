@@ -420,6 +420,7 @@ fn a_run_resumed_at_another_world_size_continues_the_same_samples() {
         !out.status.success() && err.contains("the checkpoint was trained on") && err.contains("data.tokens"),
         "{err}"
     );
+    assert!(err.contains("cannot resume:") && !err.contains("engine used out of order"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -595,6 +596,10 @@ fn files_changed_beside_a_checkpoint_are_refused_by_name() {
     let text_arg = ["--text", held_out.to_str().unwrap()];
     let scored = eval_json(&config, text_arg, Some(&ckpt));
     assert_eq!(eval_json(&config, text_arg, Some(&run)), scored, "the run folder names its checkpoints");
+    let args = ["eval", "--config", config.to_str().unwrap(), text_arg[0], text_arg[1], "--json", "--checkpoint"];
+    let said: serde_json::Value = serde_json::from_str(run_ok(&[&args[..], &[ckpt.to_str().unwrap()]].concat()).trim()).unwrap();
+    let weights = said["weights"].as_str().unwrap();
+    assert!(weights.starts_with("scored the fp32 masters of") && weights.contains("computed in fp32"), "{weights}");
 
     let tokenizer = ckpt.join("tokenizer.json");
     let original = std::fs::read(&tokenizer).unwrap();

@@ -26,7 +26,7 @@ pub struct Noisy {
 }
 
 impl Noisy {
-    fn new(prob: f64, seed: u64) -> Self {
+    pub(crate) fn new(prob: f64, seed: u64) -> Self {
         let (d, f) = (16, TASK.features);
         seeded(seed, |device| Self {
             input: LinearConfig::new(f, d).init(device),
@@ -63,7 +63,7 @@ impl UnitModel for Noisy {
 }
 
 /// The regression task for [`Noisy`].
-struct Task;
+pub(crate) struct Task;
 
 impl Workload for Task {
     type Model = Noisy;

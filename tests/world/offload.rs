@@ -8,7 +8,7 @@ use zerotrain::{Engine, Error, LoadOptions, launch};
 
 use crate::common::*;
 use crate::tiers::{same, scratch, tier_keys};
-use crate::units::{MODES, Mode, Tokens, tiny_gpt, train, unit_recipe};
+use crate::units::{MODES, Mode, Tokens, Workload, tiny_gpt, train, unit_recipe};
 
 /// `zero_optimization` keys that put the optimizer (and at stage 3 the parameters) on
 /// NVMe under `root` ([`tier_keys`]).
@@ -308,6 +308,55 @@ fn an_optimizer_state_of_the_wrong_length_is_an_error_naming_it() {
             })
             .unwrap_or_else(|| panic!("{e}"));
         assert_eq!(got, elems + 3, "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// With parameters and the optimizer on NVMe at stage 3, a rank holds between steps none of
+/// the parameters' shards in memory when `max_in_cpu` is 0, at one rank as at three (ZeRO-Infinity: only the units in
+/// use); with DeepSpeed's default of 1e9 elements every shard of this small model stays in
+/// memory, the report lists them as parameters (the whole model at one rank, a third at
+/// three), and the engine says so, naming the key. (A 30M GPT at one rank was found
+/// listing its whole model, silently.)
+#[test]
+fn nvme_parameters_leave_memory_at_one_rank_as_at_three_unless_max_in_cpu_keeps_them() {
+    let init = tiny_gpt(true, 31);
+    let w = Tokens { vocab: 11, len: 9 };
+    let root = scratch("param-cache");
+    // The optimizer on NVMe too: in fp32 its masters are the parameters' own values.
+    let keys = |max_in_cpu: &str| {
+        format!(
+            r#", "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}},
+                 "offload_param": {{"device": "nvme", "nvme_path": "{}"{max_in_cpu}}}"#,
+            root.join("opt").display(),
+            root.join("param").display()
+        )
+    };
+    let total: u64 = params_by_path(&init).iter().map(|(_, v)| 4 * v.len() as u64).sum();
+    for world in [1usize, 3] {
+        for (max_in_cpu, kept) in [(r#", "max_in_cpu": 0"#, false), ("", true)] {
+            let plan = plan(&unit_recipe(3, 1, MODES[5], "fp32", &keys(max_in_cpu)), world);
+            let out = launch(&plan, |ctx| {
+                let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+                for step in 0..2 {
+                    engine.forward_backward(&w.batch(&plan, step, 0, ctx.rank(), ctx.device()))?;
+                    engine.step()?;
+                }
+                Ok::<_, Error>((engine.memory_report().params, engine.notices().to_vec()))
+            })
+            .unwrap();
+            let what = format!("{world} rank(s), max_in_cpu {max_in_cpu:?}");
+            let held: u64 = out.iter().map(|(params, _)| params).sum();
+            let named = out[0].1.iter().any(|n| n.contains("offload_param.max_in_cpu"));
+            if kept {
+                // Every rank's shard, padding included: at least the model, over all ranks.
+                assert!(held >= total && held < total + 4096, "{what}: {held} bytes held, the model is {total}");
+                assert!(named, "{what}: no notice of what max_in_cpu keeps: {:?}", out[0].1);
+            } else {
+                assert_eq!(held, 0, "{what}: parameter bytes held in memory between steps");
+                assert!(!named, "{what}");
+            }
+        }
     }
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -136,6 +136,12 @@ fn a_lazy_model_starts_on_cuda_as_on_the_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn dropout_replays_under_recomputation_on_cuda() {
+    super::dropout_replays_under_recomputation_on_the_device(CUDA, false);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn ranks_compute_on_the_configured_cuda_device() {
     super::ranks_compute_on_the_configured_device(CUDA);
 }

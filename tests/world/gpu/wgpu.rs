@@ -26,6 +26,11 @@ fn a_lazy_model_starts_on_wgpu_as_on_the_cpu() {
 }
 
 #[test]
+fn dropout_replays_under_recomputation_on_wgpu() {
+    super::dropout_replays_under_recomputation_on_the_device(WGPU, software_only());
+}
+
+#[test]
 fn ranks_compute_on_the_configured_device() {
     super::ranks_compute_on_the_configured_device(WGPU);
 }
