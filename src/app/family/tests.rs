@@ -468,3 +468,42 @@ fn a_config_asking_for_far_more_tensors_than_the_files_hold_is_refused_before_bu
         "{err}"
     );
 }
+
+/// A tensor name holding control characters (terminal escapes would forge lines where it
+/// is printed) is refused, printed escaped.
+#[test]
+fn a_tensor_name_with_control_characters_is_refused_escaped() {
+    let dir = folder("escapes");
+    write(&dir, &llama_config(false), |t| {
+        let norm = t.remove("model.norm.weight").unwrap();
+        t.insert("model.norm.weight\u{1b}[2K\rforged".to_string(), norm);
+    });
+    let err = import_error(&dir);
+    assert!(err.contains(r#"holds control characters: "model.norm.weight\u{1b}[2K\rforged""#), "{err}");
+    assert!(!err.contains('\u{1b}'), "{err:?}");
+}
+
+/// A tokenizer whose ids pass the model's vocab_size is refused naming both files, though
+/// it has fewer tokens than the vocabulary (an id past a gap): an embedding lookup of that
+/// id once panicked inside Burn.
+#[test]
+fn a_tokenizer_id_past_the_models_vocabulary_is_refused() {
+    let dir = folder("id-bound");
+    let bpe = crate::app::text::train_byte_level_bpe(["the rank holds a shard"].into_iter(), 280).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&bpe.to_string(false).unwrap()).unwrap();
+    json["model"]["vocab"]["<|far|>"] = json!(1000);
+    json["added_tokens"].as_array_mut().unwrap().push(json!({"id": 1000, "content": "<|far|>", "single_word": false,
+        "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let mut config = llama_config(false);
+    config["vocab_size"] = json!(305);
+    std::fs::write(dir.join("model.json"), config.to_string()).unwrap();
+    let keys: crate::app::keys::AppKeys = serde_json::from_value(json!({
+        "model": {"hf_config": dir.join("model.json"), "tokenizer": dir.join("tokenizer.json"), "block_size": 4}
+    }))
+    .unwrap();
+    let settings = keys.resolve().unwrap();
+    let err = load::load_model(&settings, &dir.join("config.json"), &Device::flex().autodiff(), None).err().unwrap();
+    let err = err.to_string();
+    assert!(err.contains("tokenizer.json has ids up to 1000, beyond the model's vocab_size 305"), "{err}");
+}

@@ -142,4 +142,19 @@ mod tests {
         assert!(super::same(b"Bearer abc", b"Bearer abc"));
         assert!(!super::same(b"Bearer abd", b"Bearer abc") && !super::same(b"Bearer ab", b"Bearer abc"));
     }
+
+    /// A token file others may read is told apart (the load warns of it); one only its
+    /// owner reads is not.
+    #[test]
+    fn a_token_file_others_can_read_is_noticed() {
+        use std::os::unix::fs::PermissionsExt;
+        let file = std::env::temp_dir().join(format!("zerotrain-token-{}", std::process::id()));
+        std::fs::write(&file, "0123456789abcdef0123").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(super::readable_by_others(&file), Some(0o644));
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(super::readable_by_others(&file), None);
+        assert!(super::Token::load(Some(&file)).unwrap().is_some());
+        std::fs::remove_file(&file).unwrap();
+    }
 }
