@@ -67,7 +67,7 @@
 //! - *Note: replayable randomness* (dropout under recomputation and thread ranks): [`random`].
 //! - *Note: identifying parameters* (module paths, not `ParamId`s): `engine/params/index.rs`.
 //! - *Note: why reduce-scatter per micro-step*, *reductions in flight*: `engine/accumulation.rs`.
-//! - *Note: persistence* (stage 3): `engine/unit/`; *lost master weights*, the offload tiers: `engine/tier.rs`, `engine/swapped.rs`; *threads and direct I/O*: `swap/io.rs`; *the host AdamW*: `engine/host_adam.rs`.
+//! - *Note: persistence* (stage 3): `engine/unit/`; *lost master weights*, the offload tiers: `engine/tier/` (`nvme.rs`: the NVMe tier); *threads and direct I/O* of its swap files: `swap/io.rs`; *the host AdamW*: `engine/host_adam.rs`.
 //! - *Note: one engine, any span* (what a pipeline stage changes): `engine/span.rs`.
 //! - *Note: buffers* (running statistics: averaged when observed): `engine/buffers.rs`.
 //! - *Note: flat shards*, *parameter groups*: [`engine::optimizer`].

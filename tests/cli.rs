@@ -1055,8 +1055,16 @@ fn absurd_sizes_are_refused_and_a_run_of_no_steps_saves_its_start() {
     std::fs::write(&textfile, "the rank holds a shard\n\n".repeat(50)).unwrap();
     let tokenizer = dir.join("tokenizer.json");
     let tokenize = |out: &std::path::Path, vocab: &str| {
-        zerotrain(&["tokenize", textfile.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap(),
-            "--train-vocab", vocab, "--out", out.to_str().unwrap()])
+        zerotrain(&[
+            "tokenize",
+            textfile.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--train-vocab",
+            vocab,
+            "--out",
+            out.to_str().unwrap(),
+        ])
     };
     let out = tokenize(&dir.join("t.tokens"), "1099511627776");
     assert!(text(&out.stderr).contains("at most 16777216 tokens"), "{}", text(&out.stderr));

@@ -57,9 +57,8 @@ mod shard_masters;
 mod shared;
 mod span;
 mod step;
-mod swapped;
 #[cfg(feature = "cli")] // `zerotrain bench offload`
-pub(crate) use swapped::{FirstMasters, SwappedOptimizer, SwappedOptimizerSetup};
+pub(crate) use tier::{FirstMasters, NvmeOptimizer, NvmeOptimizerSetup};
 #[cfg(all(test, feature = "cli"))]
 pub(crate) mod stream_tests;
 #[cfg(test)]

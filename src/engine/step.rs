@@ -9,7 +9,7 @@
 //! every later forward, step, save, export or evaluation is an error saying so, never a
 //! model or a checkpoint of two steps mixed, until a checkpoint load writes every unit
 //! again (a load that fails part-way tears the rank the same way). (A
-//! swapped unit keeps its own mark for its tiles, `swapped.rs`; lost masters are `tier.rs`'s
+//! unit in the NVMe tier keeps its own mark for its tiles, `tier/nvme.rs`; lost masters are `tier/mod.rs`'s
 //! note.) Keeping the old values to roll back instead would double the optimizer's memory.
 
 use std::time::Instant;

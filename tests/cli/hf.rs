@@ -597,7 +597,8 @@ fn files_changed_beside_a_checkpoint_are_refused_by_name() {
     let scored = eval_json(&config, text_arg, Some(&ckpt));
     assert_eq!(eval_json(&config, text_arg, Some(&run)), scored, "the run folder names its checkpoints");
     let args = ["eval", "--config", config.to_str().unwrap(), text_arg[0], text_arg[1], "--json", "--checkpoint"];
-    let said: serde_json::Value = serde_json::from_str(run_ok(&[&args[..], &[ckpt.to_str().unwrap()]].concat()).trim()).unwrap();
+    let said: serde_json::Value =
+        serde_json::from_str(run_ok(&[&args[..], &[ckpt.to_str().unwrap()]].concat()).trim()).unwrap();
     let weights = said["weights"].as_str().unwrap();
     assert!(weights.starts_with("scored the fp32 masters of") && weights.contains("computed in fp32"), "{weights}");
 

@@ -11,7 +11,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use serde::Serialize;
 
 use crate::engine::optimizer::{ShardSegment, built_in};
-use crate::engine::{FirstMasters, HostAdamW, HostAdamWParams, SwappedOptimizer, SwappedOptimizerSetup};
+use crate::engine::{FirstMasters, HostAdamW, HostAdamWParams, NvmeOptimizer, NvmeOptimizerSetup};
 use crate::swap::{AlignedBuf, SwapDir, wait};
 use crate::{Config, Overrides};
 
@@ -126,8 +126,8 @@ pub fn run(elems: usize, nvme: &Path, tile_elems: usize, repeats: usize) -> anyh
     drop(files);
     let segments = [ShardSegment { path: "w".into(), shape: vec![n], param_range: 0..n, range: 0..n }];
     let factory = built_in();
-    let with = SwappedOptimizerSetup { optim: &plan.optim, factory: &factory, offload: &plan.zero.offload, dir: &dir };
-    let mut swapped = SwappedOptimizer::new(0, n, &segments, FirstMasters::Values(&p), &with)?;
+    let with = NvmeOptimizerSetup { optim: &plan.optim, factory: &factory, offload: &plan.zero.offload, dir: &dir };
+    let mut swapped = NvmeOptimizer::new(0, n, &segments, FirstMasters::Values(&p), &with)?;
     let dtype = plan.precision.compute;
     swapped.step(1e-3, &g, None, dtype, &device)?; // creates the moments' files
     let step = best(repeats, || {

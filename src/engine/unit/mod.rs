@@ -25,8 +25,7 @@ use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params, write_unit};
 use super::report::PhaseTimes;
 use super::shared::Shared;
-use super::swapped::{FirstMasters, SwappedOptimizer, SwappedOptimizerSetup};
-use super::tier::{Home, Master, ParamShard, lost};
+use super::tier::{FirstMasters, Home, Master, NvmeOptimizer, NvmeOptimizerSetup, ParamShard, lost};
 use crate::swap::{Ticket, unpack, wait, words};
 
 mod state;
@@ -97,9 +96,9 @@ impl Unit {
                     // Values in the compute dtype are exact in it.
                     _ => FirstMasters::ParametersUntilStepped,
                 };
-                let with = SwappedOptimizerSetup { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
-                let swapped = SwappedOptimizer::new(id, range.len(), &segments, first, &with)?;
-                Home::Swapped(Box::new(swapped))
+                let with = NvmeOptimizerSetup { optim: &plan.optim, factory, offload: &plan.zero.offload, dir };
+                let swapped = NvmeOptimizer::new(id, range.len(), &segments, first, &with)?;
+                Home::Nvme(Box::new(swapped))
             }
             None => {
                 let master = match (stage.shards_parameters(), fp32) {
@@ -156,7 +155,7 @@ impl Unit {
             return Ok(());
         }
         let len = shared.layout(self.id).shard_len();
-        if let ParamShard::Swapped(file) = &self.shard {
+        if let ParamShard::Nvme(file) = &self.shard {
             self.presence = Presence::Reading(file.read(0..words(shared.dtype(), len))?);
             return Ok(());
         }
@@ -312,7 +311,7 @@ impl Unit {
         match &self.home {
             Home::Resident { master: Master::InModel, .. } => in_model(model, shared, self.id),
             Home::Resident { .. } => self.held(len)?.to_vec(),
-            Home::Swapped(swapped) => match swapped.masters()? {
+            Home::Nvme(swapped) => match swapped.masters()? {
                 Some(masters) => Ok(masters),
                 None => Ok(self.given_masters(model, shared)?.expect("masters the swap does not hold")),
             },
@@ -320,11 +319,11 @@ impl Unit {
     }
 
     /// With swapped optimizer state, the masters when the swap does not hold them (fp32,
-    /// or mixed precision before the first step: the note in `swapped.rs`): the parameters,
+    /// or mixed precision before the first step: the note in `tier/nvme.rs`): the parameters,
     /// widened, from the model at stages 1-2, the shard at stage 3. `None` otherwise.
     fn given_masters<M: Module>(&self, model: &M, shared: &Shared) -> Result<Option<Vec<f32>>> {
         match &self.home {
-            Home::Swapped(swapped) if !swapped.holds_masters() => {}
+            Home::Nvme(swapped) if !swapped.holds_masters() => {}
             _ => return Ok(None),
         }
         if !shared.stage().shards_parameters() {
@@ -339,7 +338,7 @@ impl Unit {
     /// where the stage keeps parameters.
     pub fn load<M: Module>(&mut self, model: M, values: Vec<f32>, shared: &Shared) -> Result<M> {
         let dtype = shared.dtype();
-        if let Home::Swapped(swapped) = &mut self.home {
+        if let Home::Nvme(swapped) = &mut self.home {
             swapped.load_masters(&values)?;
         }
         let values = Values::new(values, shared.states_on_host(), &shared.state_device());

@@ -37,10 +37,10 @@ impl Unit {
         let range = shared.optimizer_range(self.id);
         let start = Instant::now();
         let transient = (2 * range.len() * size_of::<f32>()) as u64;
-        if let Home::Swapped(_) = &self.home {
+        if let Home::Nvme(_) = &self.home {
             let masters = self.given_masters(&model, shared)?;
             let grads = grads.into_host(Precision::Fp32)?.into_f32();
-            let Home::Swapped(swapped) = &mut self.home else { unreachable!("matched above") };
+            let Home::Nvme(swapped) = &mut self.home else { unreachable!("matched above") };
             let new = swapped.step(lr, &grads, masters, shared.dtype(), &shared.state_device())?;
             times.optimizer += shared.phase_seconds(start);
             let start = Instant::now();

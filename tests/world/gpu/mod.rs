@@ -655,7 +655,10 @@ pub fn stage_3_device_gathers_equal_host_gathers(on: Gpu, exact: bool) {
                 }
             } else {
                 for (d, h) in device.0.iter().zip(&host.0) {
-                    assert!((d - h).abs() <= DEVICE_LOSS_TOL * h.abs(), "{what}: loss {d} on the device, {h} on the host");
+                    assert!(
+                        (d - h).abs() <= DEVICE_LOSS_TOL * h.abs(),
+                        "{what}: loss {d} on the device, {h} on the host"
+                    );
                 }
             }
         }

@@ -10,12 +10,14 @@
 //! new values in and heals it. (A swapped step reads from and writes to its files, so a
 //! failure leaves the last written values there.)
 
+pub(crate) mod nvme;
+
 use zerotrain_precision::{BufMut, BufRef, FlatBuf};
 
+pub(crate) use self::nvme::{FirstMasters, NvmeOptimizer, NvmeOptimizerSetup};
 use super::master::Values;
 use super::optimizer::{ExportedState, StateLayout, UnitOptimizer};
 use super::shared::Shared;
-use super::swapped::SwappedOptimizer;
 use crate::swap::{SwapFile, pack, pack_f32, unpack, wait, words};
 use crate::{Error, Result};
 
@@ -49,7 +51,7 @@ pub(crate) enum Home {
         optimizer: UnitOptimizer,
     },
     /// In swap files, stepped tile by tile (`offload_optimizer: nvme`).
-    Swapped(Box<SwappedOptimizer>),
+    Nvme(Box<NvmeOptimizer>),
 }
 
 impl Home {
@@ -57,7 +59,7 @@ impl Home {
     pub fn export(&self) -> Result<ExportedState> {
         match self {
             Self::Resident { optimizer, .. } => optimizer.export(),
-            Self::Swapped(swapped) => swapped.export(),
+            Self::Nvme(swapped) => swapped.export(),
         }
     }
 
@@ -69,7 +71,7 @@ impl Home {
                 let (tensors, scalars) = optimizer.export()?;
                 Ok((tensors.into_iter().map(|(n, _)| n).collect(), scalars))
             }
-            Self::Swapped(swapped) => Ok((swapped.state_names(), swapped.scalars().to_vec())),
+            Self::Nvme(swapped) => Ok((swapped.state_names(), swapped.scalars().to_vec())),
         }
     }
 
@@ -80,7 +82,7 @@ impl Home {
             Self::Resident { optimizer, .. } => {
                 Ok(optimizer.export()?.0.into_iter().find(|(n, _)| n == name).map(|(_, v)| v))
             }
-            Self::Swapped(swapped) => swapped.state_tensor(name),
+            Self::Nvme(swapped) => swapped.state_tensor(name),
         }
     }
 
@@ -88,7 +90,7 @@ impl Home {
     pub fn import(&mut self, state: ExportedState, device: &burn::tensor::Device) -> Result<()> {
         match self {
             Self::Resident { optimizer, .. } => optimizer.import(state, device),
-            Self::Swapped(swapped) => swapped.import(state),
+            Self::Nvme(swapped) => swapped.import(state),
         }
     }
 
@@ -96,7 +98,7 @@ impl Home {
     pub fn state_bytes(&self) -> u64 {
         match self {
             Self::Resident { optimizer, .. } => optimizer.state_bytes(),
-            Self::Swapped(_) => 0,
+            Self::Nvme(_) => 0,
         }
     }
 
@@ -112,7 +114,7 @@ impl Home {
     pub fn swapped_bytes(&self) -> u64 {
         match self {
             Self::Resident { .. } => 0,
-            Self::Swapped(swapped) => swapped.swapped_bytes(),
+            Self::Nvme(swapped) => swapped.swapped_bytes(),
         }
     }
 }
@@ -127,7 +129,7 @@ pub(crate) enum ParamShard {
     Memory(FlatBuf),
     /// In a swap file (`offload_param: nvme`), read at each gather, in the compute dtype's
     /// own bytes (half types two to a word: `swap::pack`).
-    Swapped(SwapFile),
+    Nvme(SwapFile),
 }
 
 impl ParamShard {
@@ -147,9 +149,9 @@ impl ParamShard {
                     compute => pack(compute),
                 };
                 wait(file.write(0, packed)?)?;
-                Ok(ParamShard::Swapped(file))
+                Ok(ParamShard::Nvme(file))
             }
-            (Some(_), _) | (None, Home::Swapped(_)) => Ok(ParamShard::Memory(compute())),
+            (Some(_), _) | (None, Home::Nvme(_)) => Ok(ParamShard::Memory(compute())),
             (None, Home::Resident { .. }) => Ok(ParamShard::FromMaster),
         }
     }
@@ -165,7 +167,7 @@ impl ParamShard {
         match self {
             Self::FromMaster => master(),
             Self::Memory(values) => Ok(values.clone()),
-            Self::Swapped(file) => Ok(unpack(wait(file.read(0..words(dtype, len))?)?.as_slice(), dtype, len)),
+            Self::Nvme(file) => Ok(unpack(wait(file.read(0..words(dtype, len))?)?.as_slice(), dtype, len)),
         }
     }
 
@@ -183,7 +185,7 @@ impl ParamShard {
                 *held = values;
                 Ok(())
             }
-            Self::Swapped(file) => wait(file.write(0, pack(values.as_ref()))?).map(drop),
+            Self::Nvme(file) => wait(file.write(0, pack(values.as_ref()))?).map(drop),
         }
     }
 
@@ -198,7 +200,7 @@ impl ParamShard {
     /// Bytes in the swap file.
     pub fn swapped_bytes(&self, len: usize, dtype: zerotrain_precision::Precision) -> u64 {
         match self {
-            Self::Swapped(_) => (words(dtype, len) * size_of::<f32>()) as u64,
+            Self::Nvme(_) => (words(dtype, len) * size_of::<f32>()) as u64,
             _ => 0,
         }
     }

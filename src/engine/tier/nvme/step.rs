@@ -5,7 +5,7 @@
 use burn::tensor::{Device, Tensor, TensorData};
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
 
-use super::SwappedOptimizer;
+use super::NvmeOptimizer;
 use crate::engine::optimizer::ExportedState;
 use crate::swap::{AlignedBuf, Ticket, wait};
 use crate::{Error, Result};
@@ -28,7 +28,7 @@ impl Writing {
     }
 }
 
-impl SwappedOptimizer {
+impl NvmeOptimizer {
     /// Tiles alive at once as `buffer_count` allows: (read ahead, write behind). Before the
     /// optimizer's state tensors are known (its first step) nothing is pipelined: a tile's
     /// write may hold more buffers than its read did.

@@ -27,12 +27,12 @@ use std::sync::Arc;
 
 use burn_pack::Scalar;
 
-use super::optimizer::{ExportedState, ShardSegment, UnitOptimizer};
 use crate::config::{OffloadPlan, OptimPlan};
+use crate::engine::optimizer::{ExportedState, ShardSegment, UnitOptimizer};
 use crate::swap::{ALIGN_ELEMS, SwapDir, SwapFile};
 use crate::{Error, Result};
 
-use super::optimizer::OptimizerFactory;
+use crate::engine::optimizer::OptimizerFactory;
 
 mod step;
 
@@ -46,7 +46,7 @@ struct Tile {
 
 /// What every unit's swapped optimizer is built from: the optimizer's plan and factory, the
 /// offload settings and the rank's swap folder.
-pub(crate) struct SwappedOptimizerSetup<'a> {
+pub(crate) struct NvmeOptimizerSetup<'a> {
     pub optim: &'a OptimPlan,
     pub factory: &'a OptimizerFactory,
     pub offload: &'a OffloadPlan,
@@ -65,7 +65,7 @@ pub(crate) enum FirstMasters<'a> {
 }
 
 /// One unit's swapped optimizer (module docs).
-pub(crate) struct SwappedOptimizer {
+pub(crate) struct NvmeOptimizer {
     unit: usize,
     len: usize,
     tiles: Vec<Tile>,
@@ -85,12 +85,12 @@ pub(crate) struct SwappedOptimizer {
     pipeline_write: bool,
     dir: Arc<SwapDir>,
     /// A step failed part-way: some tiles hold the new values, some the old. Every use is
-    /// an error until a checkpoint load writes the whole range again (see `tier.rs`'s note
+    /// an error until a checkpoint load writes the whole range again (see `tier/mod.rs`'s note
     /// on lost master weights).
     torn: bool,
 }
 
-impl SwappedOptimizer {
+impl NvmeOptimizer {
     /// Unit `unit`'s optimizer over a range of `len` elements whose pieces are `segments`,
     /// tiled and swapped as `with` says, starting from the masters `first` says.
     pub fn new(
@@ -98,9 +98,9 @@ impl SwappedOptimizer {
         len: usize,
         segments: &[ShardSegment],
         first: FirstMasters<'_>,
-        with: &SwappedOptimizerSetup<'_>,
+        with: &NvmeOptimizerSetup<'_>,
     ) -> Result<Self> {
-        let SwappedOptimizerSetup { optim, factory, offload, dir } = *with;
+        let NvmeOptimizerSetup { optim, factory, offload, dir } = *with;
         let tile = (offload.sub_group_size as usize).max(ALIGN_ELEMS);
         let tiles = (0..len.div_ceil(tile).max(1))
             .map(|t| {
