@@ -56,12 +56,7 @@ fn tokenized_once(data: &Path, tokenizer: &Tokenizer, out: &Path) -> anyhow::Res
     use std::os::unix::fs::MetadataExt;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let lock_path = out.join("data.tokens.lock");
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .with_context(|| format!("cannot create {}", lock_path.display()))?;
+    let lock = super::open_lock_file(&lock_path)?;
     lock.lock().with_context(|| format!("cannot lock {}", lock_path.display()))?;
     let meta = std::fs::metadata(data).with_context(|| format!("cannot read {}", data.display()))?;
     let stamp = serde_json::json!({

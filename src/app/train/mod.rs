@@ -2,7 +2,9 @@
 //! rank a thread, rank 0 reporting. Outputs go to the run folder: `metrics.jsonl`,
 //! `loss.png` and `checkpoints/`.
 
+mod folder_lock;
 pub mod hf;
+mod memory;
 mod metrics;
 mod samples;
 mod task;
@@ -15,6 +17,11 @@ use std::time::Instant;
 use burn::tensor::Device;
 use zerotrain_zero::ReduceOp;
 
+use self::folder_lock::lock_run_folder;
+pub(crate) use self::folder_lock::open_lock_file;
+pub use self::folder_lock::{LOCK_FILE, lock_file_name};
+pub use self::memory::available_memory;
+use self::memory::check_memory;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 use self::task::CorpusData;
 pub(crate) use self::task::Handout;
@@ -152,77 +159,6 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
     let mut summary = results.into_iter().next().expect("at least one rank");
     summary.memory = memory;
     Ok(summary)
-}
-
-/// Refuses a model whose model states would not fit this machine's available memory,
-/// before allocating them: a failed allocation aborts the process without a message.
-/// Counts the ranks in this process (all of them under threads, one under mpirun) at
-/// the stage's ZeRO formula, plus the initial copy of the model.
-fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
-    use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
-    let ranks_here = if crate::detect_mpirun().is_some() { 1 } else { plan.world_size() as u64 };
-    let cost = match plan.precision.compute {
-        zerotrain_precision::Precision::Fp32 => BytesPerParam::FP32_ADAM,
-        _ => BytesPerParam::MIXED_ADAM,
-    };
-    let shard = params.div_ceil(plan.world_size() as u64);
-    let per_rank = model_state_bytes(plan.zero.stage, params, shard, cost).total();
-    let needed = per_rank.saturating_mul(ranks_here).saturating_add(params.saturating_mul(4));
-    let available = available_memory();
-    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
-    match available {
-        Some(available) if needed > available => bail!(
-            "a GPT of {params} parameters needs about {:.1} GiB of model states in this process ({ranks_here} \
-             rank(s), {}), but only {:.1} GiB of memory is available: shrink the model section, or use a higher \
-             ZeRO stage or more processes",
-            gib(needed),
-            plan.zero.stage,
-            gib(available)
-        ),
-        _ => Ok(()),
-    }
-}
-
-/// The memory this machine can still give (Linux's `MemAvailable`), in bytes; `None` where
-/// it does not say.
-pub fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib.saturating_mul(1024))
-}
-
-/// The run folder's lock file: held for the whole run, so two trainers cannot write one
-/// folder. Under mpirun every process holds one, `.zerotrain.lock` for rank 0 and
-/// `.zerotrain.rank<r>.lock` for rank `r`: a second job in the same folder fails on the
-/// first rank the two share (rank 0 at least), and no process writes a folder it has not
-/// locked.
-pub const LOCK_FILE: &str = ".zerotrain.lock";
-
-/// The lock file of this process: [`LOCK_FILE`], or rank `r`'s under mpirun.
-pub fn lock_file_name() -> String {
-    match crate::detect_mpirun() {
-        Some(m) if m.rank != 0 => format!(".zerotrain.rank{}.lock", m.rank),
-        _ => LOCK_FILE.to_string(),
-    }
-}
-
-/// Takes this process's exclusive lock of the run folder (released when the returned file
-/// is dropped, or by the OS when the process dies).
-fn lock_run_folder(out: &Path) -> anyhow::Result<std::fs::File> {
-    let path = out.join(lock_file_name());
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot create {}", path.display()))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => {
-            bail!("{} is in use by another zerotrain run (its lock {} is held)", out.display(), path.display())
-        }
-        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
-    }
 }
 
 /// One `train_model` call, shared by its rank threads.

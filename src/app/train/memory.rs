@@ -1,0 +1,42 @@
+//! Whether a run's model states fit this machine before they are allocated.
+
+use anyhow::bail;
+
+use crate::Plan;
+
+/// Refuses a model whose model states would not fit this machine's available memory,
+/// before allocating them: a failed allocation aborts the process without a message.
+/// Counts the ranks in this process (all of them under threads, one under mpirun) at
+/// the stage's ZeRO formula, plus the initial copy of the model.
+pub(super) fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
+    use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
+    let ranks_here = if crate::detect_mpirun().is_some() { 1 } else { plan.world_size() as u64 };
+    let cost = match plan.precision.compute {
+        zerotrain_precision::Precision::Fp32 => BytesPerParam::FP32_ADAM,
+        _ => BytesPerParam::MIXED_ADAM,
+    };
+    let shard = params.div_ceil(plan.world_size() as u64);
+    let per_rank = model_state_bytes(plan.zero.stage, params, shard, cost).total();
+    let needed = per_rank.saturating_mul(ranks_here).saturating_add(params.saturating_mul(4));
+    let available = available_memory();
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    match available {
+        Some(available) if needed > available => bail!(
+            "a GPT of {params} parameters needs about {:.1} GiB of model states in this process ({ranks_here} \
+             rank(s), {}), but only {:.1} GiB of memory is available: shrink the model section, or use a higher \
+             ZeRO stage or more processes",
+            gib(needed),
+            plan.zero.stage,
+            gib(available)
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The memory this machine can still give (Linux's `MemAvailable`), in bytes; `None` where
+/// it does not say.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib.saturating_mul(1024))
+}
