@@ -60,8 +60,8 @@ async fn collect<'s>(
             "a vector of {len} values is over the limit of {MAX_PLACE_ELEMS}"
         )));
     }
-    let reserved = service.budget.reserve(4 * len as u64, || service.budget_limit()).await;
     let spare = check(&first)?;
+    let reserved = service.budget.reserve(4 * len as u64, || service.budget_limit()).await;
     let mut values = match spare {
         Some(buffer) if buffer.len() == len => buffer,
         _ => vec![0.0f32; len],
