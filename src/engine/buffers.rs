@@ -28,7 +28,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use zerotrain_precision::BufMut;
 use zerotrain_zero::{Collective, ReduceOp};
 
-use super::params::for_each_float;
+use super::params::{for_each_float, initialise_lazy};
 use crate::{Error, Result};
 
 /// One buffer: its visit position among the model's float tensors, path and shape, and the
@@ -51,6 +51,9 @@ impl BufferEntry {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Buffers {
     entries: Vec<BufferEntry>,
+    /// The run's seed: reading buffers gives every parameter still lazy its value, each
+    /// under its own stream of it (`random.rs`' note on initialisation).
+    seed: u64,
 }
 
 /// Buffer values of one unit, to put back.
@@ -60,8 +63,9 @@ pub(crate) struct Snapshot {
 }
 
 impl Buffers {
-    /// Finds `model`'s buffers; `unit_of(path)` says which engine unit holds each.
-    pub fn scan<M: Module>(model: &M, unit_of: impl Fn(&str) -> Option<usize>) -> Self {
+    /// Finds `model`'s buffers; `unit_of(path)` says which engine unit holds each. `seed`
+    /// is the run's, for the parameters still lazy when buffers are read.
+    pub fn scan<M: Module>(model: &M, seed: u64, unit_of: impl Fn(&str) -> Option<usize>) -> Self {
         let (mut entries, mut position) = (Vec::new(), 0);
         for_each_float(model, |float| {
             if !float.trainable {
@@ -70,7 +74,7 @@ impl Buffers {
             }
             position += 1;
         });
-        Self { entries }
+        Self { entries, seed }
     }
 
     /// The same buffers with each unit `u` renumbered `f(u)` (`None`: held by no unit here).
@@ -87,10 +91,11 @@ impl Buffers {
     }
 
     /// Applies Burn's pending running-state updates (a `RunningState` keeps the last update
-    /// aside until it is next read), so that what is read or written next is current. This
-    /// gives every lazy parameter its value: while a model is built, call
-    /// `params::initialise_lazy` first.
-    fn flush<M: Module>(model: &M) {
+    /// aside until it is next read), so that what is read or written next is current.
+    /// `Module::valid` gives every parameter its value: the ones still lazy (while a model
+    /// is built) first get theirs under their own streams, not in the walk's order.
+    fn flush<M: Module>(&self, model: &M) {
+        initialise_lazy(model, self.seed);
         drop(model.valid());
     }
 
@@ -105,7 +110,7 @@ impl Buffers {
         if self.entries.is_empty() {
             return Ok(Vec::new()); // nothing to read, and no parameter to initialise
         }
-        Self::flush(model);
+        self.flush(model);
         struct Reader<'a, F> {
             entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,
             pick: F,
@@ -153,7 +158,7 @@ impl Buffers {
         if self.entries.is_empty() {
             return model;
         }
-        Self::flush(&model);
+        self.flush(&model);
         struct Writer<'a, F> {
             entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,
             pick: F,

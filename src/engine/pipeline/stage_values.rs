@@ -18,7 +18,7 @@ use super::Pipeline;
 use crate::config::PipelinePlan;
 use crate::context::RankContext;
 use crate::engine::model::{UnitModel, claims};
-use crate::engine::params::{Fill, Lazy, initialise_lazy, read_params, release_unheld, write_global, write_params};
+use crate::engine::params::{Fill, Lazy, read_params, release_unheld, write_global, write_params};
 use crate::engine::parts::{ALIGN_ELEMS, Declared, Parts};
 use crate::engine::span::Span;
 use crate::{Error, Result};
@@ -104,12 +104,7 @@ fn seed_stages<M: UnitModel>(
             let initial = model.initial_values();
             let lazy = Lazy { values: initial.as_deref(), seed };
             read_params(&model, &declared.index, &view, 0, 0..n, BufMut::F32(&mut values), Some(lazy))?;
-            if !buffers.entries().is_empty() {
-                // Reading buffers gives every parameter its value: the lazy ones of this
-                // rank's own stage first get theirs under their own streams.
-                initialise_lazy(&model, seed);
-                states = buffers.read(&model, |_| true, false)?;
-            }
+            states = buffers.read(&model, |_| true, false)?;
             world.send((&values).into(), leader)?;
             world.send((&states).into(), leader)?;
         } else {
@@ -117,10 +112,7 @@ fn seed_stages<M: UnitModel>(
             world.recv((&mut states).into(), 0)?;
             let device = ctx.device();
             model = write_params(model, &declared.index, &view, 0, Fill::Take(FlatBuf::F32(values)), device);
-            if !buffers.entries().is_empty() {
-                initialise_lazy(&model, seed);
-                model = buffers.write(model, &states, |_| true);
-            }
+            model = buffers.write(model, &states, |_| true);
         }
     }
     Ok(model)
