@@ -73,10 +73,8 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let (plan, settings) = keys::load(&args.config, overrides)?;
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
-    let checkpoint = args.checkpoint.as_deref().map(companions::checkpoints_folder);
-    if let Some(dir) = &checkpoint {
-        companions::verify(dir, args.tag.as_deref(), &companions::FILES)?;
-    }
+    let checkpoint =
+        args.checkpoint.as_deref().map(|d| companions::checked_folder(d, args.tag.as_deref())).transpose()?;
     let loaded = load_model(&settings, &args.config, &device, checkpoint.as_deref())?;
     let (name, source) = match &args.input() {
         EvalInput::Text(path) => {
@@ -132,13 +130,8 @@ fn scored_weights(plan: &Plan, config: &crate::app::hf::HfConfig, checkpoint: Op
     let mut words = format!("scored {whose} computed in {compute}");
     if checkpoint.is_some() && stored != compute {
         words += &format!(
-            " (its Hugging Face export is stored in {stored}, config.json's dtype: set {}.enabled to score those \
-             weights)",
-            if stored == zerotrain_precision::Precision::Fp32 {
-                "neither bf16 nor fp16".to_string()
-            } else {
-                stored.to_string()
-            }
+            " (its Hugging Face export is stored in {stored}, config.json's dtype: compute in {stored} to score \
+             those weights)"
         );
     }
     words

@@ -66,10 +66,8 @@ impl GenerateArgs {
 
 /// `zerotrain generate`: prints the prompt and its continuation.
 pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
-    args.checkpoint = args.checkpoint.as_deref().map(companions::checkpoints_folder);
-    if let Some(dir) = &args.checkpoint {
-        companions::verify(dir, args.tag.as_deref(), &companions::FILES)?;
-    }
+    args.checkpoint =
+        args.checkpoint.as_deref().map(|d| companions::checked_folder(d, args.tag.as_deref())).transpose()?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!("--temperature must be 0 (greedy) or positive, not {}", args.temperature);
     }

@@ -43,6 +43,15 @@ pub fn checkpoints_folder(dir: &Path) -> std::path::PathBuf {
     }
 }
 
+/// The checkpoints' folder `--checkpoint DIR` names ([`checkpoints_folder`]), its files
+/// beside the checkpoints checked against what the checkpoint `tag` recorded ([`verify`]):
+/// what `eval` and `generate` read a checkpoint through.
+pub fn checked_folder(dir: &Path, tag: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
+    let folder = checkpoints_folder(dir);
+    verify(&folder, tag, &FILES)?;
+    Ok(folder)
+}
+
 /// Checks the files `names` in the checkpoints' folder `dir` against what the checkpoint
 /// `tag` (or `latest`'s) recorded of them: a file it recorded must be there and unchanged.
 /// A checkpoint that recorded nothing (written before checkpoints recorded them, or by a
