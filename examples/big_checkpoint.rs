@@ -7,7 +7,7 @@
 //! ```
 
 use burn::tensor::Device;
-use zerotrain::app::models::{Mlp, RegressionTask};
+use zerotrain_models::{Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Overrides, launch};
 
 fn main() {

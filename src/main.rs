@@ -1,5 +1,5 @@
-//! The `zerotrain` command line; everything it does lives in [`zerotrain::app`].
+//! The `zerotrain` command line; everything it does lives in [`zerotrain_cli`].
 
 fn main() -> std::process::ExitCode {
-    zerotrain::app::main()
+    zerotrain_cli::main()
 }

@@ -12,7 +12,7 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use serde_json::Value;
-use zerotrain::app::keys::AppKeys;
+use zerotrain_cli::keys::AppKeys;
 use zerotrain::config::{ComputeDevice, MpirunEnvironment};
 use zerotrain::{Config, Overrides};
 use zerotrain_checkpoint::{

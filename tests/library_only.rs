@@ -1,6 +1,7 @@
-//! A Burn program that depends on `zerotrain = { default-features = false }` gets the
-//! library alone: this builds a scratch crate outside the workspace whose `main.rs` is
-//! `examples/minimal.rs`, runs it, and checks its dependency tree has no application crate.
+//! A Burn program that depends on `zerotrain` gets the library alone: this builds a scratch
+//! crate outside the workspace whose `main.rs` is `examples/minimal.rs`, runs it, and checks
+//! its dependency tree has no application crate. A program that depends on
+//! `zerotrain-models` (Hugging Face's families) gets no command-line crate either.
 //!
 //! The scratch crate shares this build's target directory and copies the workspace's
 //! profiles and lock file, so Burn is not compiled a second time.
@@ -8,8 +9,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Crates only the application (`cli` feature) may bring in.
+/// Crates only the application (`zerotrain-cli`) may bring in.
 const APPLICATION_ONLY: &[&str] = &["clap", "indicatif", "plotters", "ctrlc", "anyhow"];
+
+/// Of those, the crates of the command line alone: `zerotrain-models` may use `anyhow`.
+const COMMAND_LINE_ONLY: &[&str] = &["clap", "indicatif", "plotters", "ctrlc"];
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -21,7 +25,7 @@ fn target_dir() -> PathBuf {
     exe.ancestors().nth(3).expect("<target>/<profile>/deps/<exe>").to_path_buf()
 }
 
-/// Writes the scratch crate into `dir`: the example as its program, `zerotrain` without
+/// Writes the scratch crate into `dir`: the example as its program, `zerotrain` with its
 /// default features, Burn as the workspace pins it, and the workspace's build profiles.
 fn write_scratch_crate(dir: &Path) {
     let manifest = std::fs::read_to_string(repo().join("Cargo.toml")).unwrap();
@@ -29,8 +33,8 @@ fn write_scratch_crate(dir: &Path) {
     let profiles = &manifest[manifest.find("\n[profile.").expect("the workspace has build profiles")..];
     let toml = format!(
         "[package]\nname = \"scratch\"\nversion = \"0.0.0\"\nedition = \"2024\"\npublish = false\n\n\
-         [workspace]\n\n[dependencies]\nzerotrain = {{ path = {:?}, default-features = false }}\n{burn}\n{profiles}",
-        repo().display().to_string()
+         [workspace]\n\n[dependencies]\nzerotrain = {{ path = {:?} }}\n{burn}\n{profiles}",
+        repo().join("zerotrain").display().to_string()
     );
     std::fs::create_dir_all(dir.join("src")).unwrap();
     std::fs::write(dir.join("Cargo.toml"), toml).unwrap();
@@ -82,4 +86,22 @@ fn a_crate_depending_on_the_library_alone_builds_runs_and_pulls_no_application_c
     assert!(String::from_utf8_lossy(&bytes[8..8 + header]).contains("BF16"), "{model}");
     std::fs::remove_file(model).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The crates a build of `package` alone compiles (`cargo tree -p`, features as that build
+/// resolves them), read from the workspace without building anything.
+fn tree_of(package: &str) -> Vec<String> {
+    let out = cargo(repo(), &["tree", "-p", package, "--edges", "normal", "--prefix", "none", "--format", "{p}"]);
+    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect()
+}
+
+#[test]
+fn the_models_crate_pulls_no_command_line_crate() {
+    let crates = tree_of("zerotrain-models");
+    assert!(["zerotrain", "tokenizers", "memmap2"].iter().all(|c| crates.iter().any(|k| k == c)), "{crates:?}");
+    let found: Vec<_> = COMMAND_LINE_ONLY.iter().filter(|name| crates.iter().any(|c| c == *name)).collect();
+    assert!(found.is_empty(), "zerotrain-models depends on {found:?}");
+    // And the command's own crates are the command's: the tree above is not vacuous.
+    let command = tree_of("zerotrain-cli");
+    assert!(COMMAND_LINE_ONLY.iter().all(|name| command.iter().any(|c| c == name)), "{command:?}");
 }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
-use zerotrain::app::models::{ConvNet, ImageTask, Mlp, RegressionTask};
+use zerotrain_models::{ConvNet, ImageTask, Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::collective::{CommStats, OpKind, convention_bytes};
@@ -139,7 +139,7 @@ fn train_noisy(model: Mlp, ctx: &RankContext, plan: &Plan) -> Result<Vec<f32>, E
         let first = step * b.train_batch_size + r * b.micro_batch_per_rank;
         let batch = TASK.batch(first..first + b.micro_batch_per_rank, ctx.device());
         let loss = engine.forward(|m| {
-            let dropped = zerotrain::app::models::Batch { input: m.dropout.forward(batch.input.clone()), ..batch };
+            let dropped = zerotrain_models::Batch { input: m.dropout.forward(batch.input.clone()), ..batch };
             m.mlp.loss(&dropped)
         })?;
         engine.backward(loss)?;

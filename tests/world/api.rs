@@ -1,6 +1,6 @@
 //! The engine's counters, boundaries, lr sequence and usage errors.
 
-use zerotrain::app::models::Mlp;
+use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;
@@ -115,7 +115,7 @@ fn a_forward_before_step_does_not_leave_stale_weights_at_stage_3() {
 /// standard error and in `notices()`: each of these ran silently before (issue 22).
 #[test]
 fn settings_the_chosen_path_ignores_and_surprising_layouts_are_noticed_once() {
-    use zerotrain::app::models::{Gpt, GptConfig};
+    use zerotrain_models::{Gpt, GptConfig};
     let gpt = fresh(|device| {
         Gpt::new(&GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 7, tied_head: true }, device)
     });

@@ -7,7 +7,7 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain::app::models::{ConvNet, ImageTask};
+use zerotrain_models::{ConvNet, ImageTask};
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
 use zerotrain_precision::Precision;
 
@@ -301,7 +301,7 @@ fn frozen<M: Module>(model: M, prefix: &str) -> M {
 /// unit passes the gradient through.
 #[test]
 fn frozen_parameters_keep_their_bits_while_the_rest_trains_like_plain_burn() {
-    use zerotrain::app::models::Mlp;
+    use zerotrain_models::Mlp;
     let dir = std::env::temp_dir().join(format!("zt-frozen-{}", std::process::id()));
     for layer in ["layers.0", "layers.1"] {
         let init = frozen(seeded(35, |d| Mlp::new(&[6, 8, 8, 6], d)), layer);

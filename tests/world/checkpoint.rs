@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use zerotrain::app::models::Mlp;
+use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
 
 use crate::common::*;

@@ -1,6 +1,6 @@
 //! Bytes communicated per step equal the stage's theoretical volume exactly.
 
-use zerotrain::app::models::Mlp;
+use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;

@@ -4,7 +4,7 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
-use zerotrain::app::models::{Batch, RegressionTask};
+use zerotrain_models::{Batch, RegressionTask};
 use zerotrain::{Config, Overrides, Plan};
 
 /// Note: building models in tests. Burn draws a parameter's initial values from Flex's

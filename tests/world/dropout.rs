@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, FloatDType, Tensor};
-use zerotrain::app::models::Batch;
+use zerotrain_models::Batch;
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Error, Plan, launch};
 

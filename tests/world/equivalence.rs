@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
-use zerotrain::app::models::{Batch, Mlp, TinyTransformer};
+use zerotrain_models::{Batch, Mlp, TinyTransformer};
 use zerotrain::{Engine, Plan, launch};
 
 use crate::common::*;

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use zerotrain::app::models::Mlp;
+use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, Plan, launch};
 
 use crate::common::*;

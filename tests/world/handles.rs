@@ -8,7 +8,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor};
-use zerotrain::app::models::{Batch, Mlp};
+use zerotrain_models::{Batch, Mlp};
 use zerotrain::engine::optimizer::{ExportedState, ShardGroup, ShardOptimizer};
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};

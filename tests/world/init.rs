@@ -7,7 +7,7 @@
 //! 2.57280).
 
 use burn::tensor::Device;
-use zerotrain::app::models::{Gpt, GptConfig};
+use zerotrain_models::{Gpt, GptConfig};
 use zerotrain::{Error, Plan, launch};
 
 use crate::common::*;

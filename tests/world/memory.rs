@@ -1,6 +1,6 @@
 //! `memory_report()` holds exactly what the ZeRO formulas say, plus padding.
 
-use zerotrain::app::models::Mlp;
+use zerotrain_models::Mlp;
 use zerotrain::{Engine, MemoryReport, launch};
 use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
 use zerotrain_zero::{FlatLayout, ZeroStage};

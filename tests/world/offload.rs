@@ -65,7 +65,7 @@ fn checkpoints_move_between_offloaded_and_in_memory_runs() {
 /// losses and the masters.
 fn run_steps(
     w: &Tokens,
-    init: &zerotrain::app::models::Gpt,
+    init: &zerotrain_models::Gpt,
     plan: &zerotrain::Plan,
     steps: std::ops::Range<u64>,
     resume: Option<&Path>,
@@ -154,7 +154,7 @@ fn swap_faults_are_errors_naming_the_path() {
 #[test]
 fn a_lazy_model_is_initialised_unit_by_unit_from_the_configs_seed() {
     use burn::tensor::Device;
-    use zerotrain::app::models::Mlp;
+    use zerotrain_models::Mlp;
     let dims = [6, 16, 16, 1];
     let masters = |model: &Mlp, plan: &zerotrain::Plan| {
         launch(plan, |ctx| Engine::with_units(model.clone(), plan, &ctx)?.master_params()).unwrap().remove(0)

@@ -1,6 +1,6 @@
 //! A step whose gradients are not finite is skipped on every rank and leaves no trace.
 
-use zerotrain::app::models::Mlp;
+use zerotrain_models::Mlp;
 use zerotrain::{Counters, Engine, Error, Plan, launch};
 
 use crate::common::*;

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Int, Tensor};
-use zerotrain::app::models::Gpt;
+use zerotrain_models::Gpt;
 use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Pipeline, Plan, launch};
 
 use crate::common::*;

@@ -13,9 +13,9 @@ use std::process::{Command, Output};
 use std::sync::Mutex;
 
 use burn::tensor::DType;
-use zerotrain::app::bench::RunMode;
-use zerotrain::app::bench::gpu::GpuBench;
-use zerotrain::app::models::GptConfig;
+use zerotrain_cli::bench::RunMode;
+use zerotrain_cli::bench::gpu::GpuBench;
+use zerotrain_models::GptConfig;
 use zerotrain::config::ComputeDevice;
 
 use super::{Gpu, device_alone};

@@ -8,7 +8,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain::app::models::cross_entropy;
+use zerotrain_models::cross_entropy;
 use zerotrain::{Engine, Error, launch};
 
 use super::{DEVICE_LOSS_TOL, Gpu, device_alone, on_device};

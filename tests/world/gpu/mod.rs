@@ -23,7 +23,7 @@ mod wgpu;
 use std::sync::{Mutex, MutexGuard};
 
 use burn::tensor::{DType, Device, Tensor};
-use zerotrain::app::models::Gpt;
+use zerotrain_models::Gpt;
 use zerotrain::{Engine, Error, launch};
 
 use crate::common::*;

@@ -1,0 +1,289 @@
+//! What every built-in language model shares: next-token batches and their loss, and the
+//! [`CausalLm`] the commands (`eval`, `generate`, training on token files) are written
+//! against.
+
+use burn::module::Module;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+
+use super::layers::KvCache;
+use zerotrain::engine::UnitModel;
+
+/// A decoder-only language model: logits for token ids, and units over next-token batches
+/// (`[batch, time + 1]` ids: inputs and targets).
+pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Module + Clone + Sync + 'static {
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3>;
+
+    /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow the
+    /// tokens `cache` holds (they are at positions `cache.len()..`) and whose keys and
+    /// values join it; `None` for a model that keeps no cache (then it is left as it was).
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<3>> {
+        let _ = (ids, cache);
+        None
+    }
+
+    /// Continues `prompt` by `count` tokens, each from the logits of the last `context`
+    /// tokens: greedy at temperature 0, else sampled from the `top_k` most likely (all when
+    /// 0) at `temperature`, drawing from the deterministic generator `rng`; ends early after
+    /// a token of `stop` (the model's end tokens), which it keeps. A model with a
+    /// [`next_logits`](Self::next_logits) computes the prompt once and then each new token
+    /// alone, over the keys and values it has cached, until the tokens pass `context`;
+    /// from there (and for a model without) each token is a forward pass over the last
+    /// `context`. Runs where the model's parameters are; a device that fails reading the
+    /// logits is an [`Error::Device`](zerotrain::Error::Device), not a token.
+    fn generate(
+        &self,
+        prompt: &[u32],
+        count: usize,
+        context: usize,
+        sampling: Sampling,
+        stop: &[u32],
+        rng: &mut u64,
+    ) -> zerotrain::Result<Vec<u32>> {
+        // Without autodiff: on an autodiff device each forward's graph stays reachable from
+        // the parameters (leaves that require grad) until a backward that never comes.
+        let model = self.valid();
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let ids = |tokens: &[u32]| {
+            let ids: Vec<i64> = tokens.iter().map(|&x| i64::from(x)).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device)
+        };
+        let mut tokens = prompt.to_vec();
+        let mut cache = KvCache::default();
+        for _ in 0..count {
+            let cached = match tokens.len() <= context {
+                true => model.next_logits(ids(&tokens[cache.len()..]), &mut cache),
+                false => None,
+            };
+            let last = cached.unwrap_or_else(|| {
+                cache = KvCache::default();
+                last_position(model.logits(ids(&tokens[tokens.len().saturating_sub(context)..])))
+            });
+            let last = zerotrain::engine::readout::f32s(last.cast(FloatDType::F32), "the logits")?;
+            let next = pick(&last, sampling, rng);
+            tokens.push(next);
+            if stop.contains(&next) {
+                break;
+            }
+        }
+        Ok(tokens.split_off(prompt.len()))
+    }
+}
+
+/// How [`CausalLm::generate`] picks each token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0: the most likely token; else the softmax's temperature.
+    pub temperature: f32,
+    /// Sample among the `top_k` most likely tokens only (0: all).
+    pub top_k: usize,
+    /// Then among the fewest most likely whose probabilities (at `temperature`, among those
+    /// `top_k`) reach `top_p` (nucleus sampling; 1: all).
+    pub top_p: f32,
+}
+
+impl Sampling {
+    /// The most likely token every time.
+    pub const GREEDY: Self = Self { temperature: 0.0, top_k: 0, top_p: 1.0 };
+
+    /// At `temperature` among the `top_k` most likely (0: all), no nucleus.
+    pub const fn top_k(temperature: f32, top_k: usize) -> Self {
+        Self { temperature, top_k, top_p: 1.0 }
+    }
+}
+
+/// The most likely token (temperature 0), or one sampled at `temperature` among the
+/// `top_k` most likely, and of those the fewest whose probabilities reach `top_p`: the
+/// order `transformers` applies its temperature, top-k and top-p warpers in.
+fn pick(logits: &[f32], sampling: Sampling, rng: &mut u64) -> u32 {
+    let best = logits.iter().enumerate().fold(0, |b, (i, &l)| if l > logits[b] { i } else { b });
+    if sampling.temperature <= 0.0 || logits.is_empty() {
+        return best as u32;
+    }
+    let mut candidates: Vec<usize> = (0..logits.len()).collect();
+    let nucleus = sampling.top_p < 1.0;
+    if nucleus || sampling.top_k > 0 && sampling.top_k < logits.len() {
+        candidates.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    }
+    if sampling.top_k > 0 {
+        candidates.truncate(sampling.top_k);
+    }
+    let max = logits[best];
+    let mut weights: Vec<f64> =
+        candidates.iter().map(|&i| f64::from((logits[i] - max) / sampling.temperature).exp()).collect();
+    if nucleus {
+        let (total, mut sum) = (weights.iter().sum::<f64>(), 0.0);
+        let keep = weights.iter().position(|w| {
+            sum += w;
+            sum >= f64::from(sampling.top_p) * total
+        });
+        let keep = keep.map_or(weights.len(), |at| at + 1);
+        candidates.truncate(keep);
+        weights.truncate(keep);
+    }
+    let total: f64 = weights.iter().sum();
+    *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut target = (*rng >> 11) as f64 / (1u64 << 53) as f64 * total;
+    for (&i, w) in candidates.iter().zip(&weights) {
+        target -= w;
+        if target <= 0.0 {
+            return i as u32;
+        }
+    }
+    best as u32
+}
+
+impl CausalLm for super::Gpt {
+    fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(ids)
+    }
+}
+
+impl CausalLm for super::Gpt2 {
+    fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(ids)
+    }
+
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<3>> {
+        Some(self.forward_cached(ids, cache))
+    }
+}
+
+impl CausalLm for super::Llama {
+    fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(ids)
+    }
+
+    fn next_logits(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Option<Tensor<3>> {
+        Some(self.forward_cached(ids, cache))
+    }
+}
+
+/// The last position of `x` `[batch, time, width]`: `[batch, 1, width]`.
+pub(crate) fn last_position(x: Tensor<3>) -> Tensor<3> {
+    let time = x.dims()[1];
+    x.narrow(1, time - 1, 1)
+}
+
+/// Unit `unit` of a decoder declared as its embedding (unit 0, on the batch's inputs),
+/// `blocks` blocks, and its head (the last unit).
+pub(crate) fn decoder_unit(
+    unit: usize,
+    input: Option<Tensor<3>>,
+    tokens: &Tensor<2, Int>,
+    blocks: usize,
+    embed: impl FnOnce(Tensor<2, Int>) -> Tensor<3>,
+    block: impl FnOnce(usize, Tensor<3>) -> Tensor<3>,
+    head: impl FnOnce(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    match (unit, input) {
+        (0, _) => embed(inputs(tokens)),
+        (i, Some(h)) if i <= blocks => block(i - 1, h),
+        (_, Some(h)) => head(h),
+        (_, None) => unreachable!("only unit 0 runs without an input"),
+    }
+}
+
+/// The model's input tokens: all but the last of each sequence in `tokens`.
+pub(crate) fn inputs(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
+    let [b, t1] = tokens.dims();
+    tokens.clone().slice([0..b, 0..t1 - 1])
+}
+
+/// Mean cross-entropy (in f32) of `logits` `[batch, time, vocab]` against the next tokens
+/// of `tokens` `[batch, time + 1]`: the loss of every causal language model here, averaged
+/// over all `batch * time` predictions however many (through [`zerotrain::reduce::mean`]).
+pub fn cross_entropy(logits: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<1> {
+    let [b, t1] = tokens.dims();
+    let t = t1 - 1;
+    let targets = tokens.clone().slice([0..b, 1..t1]).reshape([b * t, 1]);
+    let logits = logits.cast(FloatDType::F32);
+    let vocab = logits.dims()[2];
+    let log_probs = log_softmax(logits.reshape([b * t, vocab]), 1);
+    // Through `reduce::mean`: `batch * time` may pass what one device reduction counts.
+    zerotrain::reduce::mean(log_probs.gather(1, targets)).neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tokens `sampling` draws from `logits` over many draws.
+    fn drawn(logits: &[f32], sampling: Sampling) -> std::collections::BTreeSet<u32> {
+        let mut rng = 9;
+        (0..2000).map(|_| pick(logits, sampling, &mut rng)).collect()
+    }
+
+    /// Softmax of [2, 1, 0, -1]: 0.644, 0.237, 0.087, 0.032 (cumulative 0.644, 0.881,
+    /// 0.968, 1). The nucleus is the fewest most likely reaching top_p; top-k cuts first.
+    #[test]
+    fn the_nucleus_is_the_fewest_likeliest_tokens_reaching_top_p() {
+        let logits = [0.0, 2.0, -1.0, 1.0];
+        let with = |top_k, top_p| Sampling { temperature: 1.0, top_k, top_p };
+        assert_eq!(drawn(&logits, with(0, 1.0)), [0, 1, 2, 3].into());
+        assert_eq!(drawn(&logits, with(0, 0.5)), [1].into());
+        assert_eq!(drawn(&logits, with(0, 0.85)), [1, 3].into());
+        assert_eq!(drawn(&logits, with(0, 0.9)), [0, 1, 3].into());
+        // Among the top 2 (0.731, 0.269 of them), 0.9 needs both; 0.7 the first.
+        assert_eq!(drawn(&logits, with(2, 0.9)), [1, 3].into());
+        assert_eq!(drawn(&logits, with(2, 0.7)), [1].into());
+        assert_eq!(drawn(&logits, Sampling::GREEDY), [1].into());
+    }
+
+    /// With a cache of keys and values, the logits of the next token equal the last row of
+    /// a forward pass over every token so far: after the prompt, after each single token,
+    /// after several at once (queries behind cached keys); and `generate` picks the tokens
+    /// a forward pass over the window picks, past the point where the window slides.
+    fn cache_equals_full_passes<M: CausalLm>(model: M) {
+        let model = model.valid();
+        let device = burn::tensor::Device::flex();
+        let ids = |tokens: &[u32]| {
+            let v: Vec<i64> = tokens.iter().map(|&x| i64::from(x)).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(v, [1, tokens.len()]), &device)
+        };
+        let row = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        let full = |tokens: &[u32]| row(last_position(model.logits(ids(tokens))));
+        let tokens = [3u32, 7, 1, 9, 4, 4, 0, 8, 2, 6, 5];
+        let mut cache = KvCache::default();
+        for (from, to) in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11)] {
+            let cached = row(model.next_logits(ids(&tokens[from..to]), &mut cache).expect("a cache"));
+            let expected = full(&tokens[..to]);
+            assert_eq!(cache.len(), to);
+            for (i, (c, e)) in cached.iter().zip(&expected).enumerate() {
+                assert!((c - e).abs() <= 1e-5 * (1.0 + e.abs()), "after {to} tokens, logit {i}: {c} vs {e}");
+            }
+        }
+        // Greedy: each token the argmax of a forward pass over the last `context`.
+        let (prompt, context, count) = (&tokens[..4], 8, 10);
+        let mut expected = prompt.to_vec();
+        for _ in 0..count {
+            let logits = full(&expected[expected.len().saturating_sub(context)..]);
+            let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+            expected.push(best as u32);
+        }
+        let got = model.generate(prompt, count, context, Sampling::GREEDY, &[], &mut 1).unwrap();
+        assert_eq!(got, expected[prompt.len()..]);
+    }
+
+    /// GPT-2, and Qwen3 (grouped kv heads, per-head norms, linear rope scaling), with
+    /// weights of std 0.5 so that the likeliest tokens are far apart.
+    #[test]
+    fn cached_logits_and_generation_equal_full_forward_passes() {
+        use crate::hf::{Family, HfConfig, weights::Weights};
+        let gpt2 = serde_json::json!({"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2,
+                                      "n_positions": 16, "vocab_size": 10});
+        let qwen3 = serde_json::json!({"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 12,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+            "tie_word_embeddings": false, "rope_scaling": {"rope_type": "linear", "factor": 2.0}});
+        for config in [gpt2, qwen3] {
+            let device = burn::tensor::Device::flex();
+            device.seed(5);
+            let w = Weights::fresh(&device, 0.5);
+            match HfConfig::from_json(config).unwrap().family {
+                Family::Gpt2(shape) => cache_equals_full_passes(super::super::Gpt2::new(&shape, &w)),
+                Family::Llama(shape) => cache_equals_full_passes(super::super::Llama::new(&shape, &w)),
+            }
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! A Hugging Face family's model: built fresh from a `config.json` ([`fresh`]) or imported
+//! from a checkpoint folder, its parameters read lazily one unit at a time ([`import`]),
+//! loaded with its tokenizer as a config names it ([`load`]), and written back as a Hugging
+//! Face folder ([`export`]).
+
+pub mod companions;
+pub mod export;
+pub mod load;
+
+use std::path::Path;
+
+use burn::tensor::Device;
+
+use crate::hf::files::TensorFiles;
+use crate::hf::size::ModelSize;
+use crate::hf::weights::Weights;
+use crate::hf::{CONFIG_FILE, Family, HfConfig};
+use crate::{CausalLm, Gpt2, Llama, gpt2, llama};
+
+/// A built-in model of either family.
+#[derive(Debug, Clone)]
+pub enum HfModel {
+    /// GPT-2.
+    Gpt2(Gpt2),
+    /// The LLaMA family.
+    Llama(Llama),
+}
+
+/// Code run on whichever family a model is ([`HfModel::run`]).
+pub trait WithModel {
+    /// What the code returns.
+    type Output;
+    /// Runs on `model`.
+    fn run<M: CausalLm>(self, model: M) -> Self::Output;
+}
+
+impl HfModel {
+    /// Runs `job` on the model.
+    pub fn run<J: WithModel>(self, job: J) -> J::Output {
+        match self {
+            Self::Gpt2(m) => job.run(m),
+            Self::Llama(m) => job.run(m),
+        }
+    }
+}
+
+fn build(config: &HfConfig, w: &Weights) -> HfModel {
+    match &config.family {
+        Family::Gpt2(shape) => HfModel::Gpt2(Gpt2::new(shape, w)),
+        Family::Llama(shape) => HfModel::Llama(Llama::new(shape, w)),
+    }
+}
+
+/// A fresh model of `config` on `device` (Hugging Face's initialisation: N(0,
+/// `initializer_range`) for projections and embeddings, norms at one, biases at zero;
+/// drawn from the device's generator, so seed it first).
+pub fn fresh(config: &HfConfig, device: &Device) -> HfModel {
+    let std = config.json.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
+    build(config, &Weights::fresh(device, std))
+}
+
+/// A problem importing a checkpoint folder, naming the file and the tensor.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot import the Hugging Face checkpoint {dir}: {message}")]
+pub struct ImportError {
+    /// The folder.
+    pub dir: String,
+    /// What is wrong, naming the file and the tensor.
+    pub message: String,
+}
+
+/// The checkpoint in `dir`: its config and the model, every parameter a lazy read of its
+/// tensor (converted to f32 exactly). Every tensor the model needs is checked (present,
+/// float, of the config's shape) and every tensor the files hold must have a place.
+pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, HfModel), ImportError> {
+    let fail = |message: String| ImportError { dir: dir.display().to_string(), message };
+    let config = HfConfig::read(&dir.join(CONFIG_FILE)).map_err(|e| fail(e.to_string()))?;
+    let files = TensorFiles::open(dir).map_err(|e| fail(e.to_string()))?;
+    let size = ModelSize::of(&config);
+    let held = files.names().count() as u64;
+    // A few missing tensors are named one by one below, once built; a config asking for
+    // far more than the files hold (millions of layers) is refused before anything is
+    // built for it.
+    if size.tensors > held.saturating_add(1024) {
+        return Err(fail(format!(
+            "{CONFIG_FILE} asks for a model of {} tensors ({} layers), but its files hold {held}: the config is not \
+             the weights' (nothing was built)",
+            size.tensors,
+            config.num_layers()
+        )));
+    }
+    let model = match &config.family {
+        Family::Gpt2(shape) => {
+            let w = Weights::from_files(device, files, gpt2::alias);
+            let model = Gpt2::new(shape, &w);
+            w.finish(gpt2::ignored).map_err(fail)?;
+            HfModel::Gpt2(model)
+        }
+        Family::Llama(shape) => {
+            let w = Weights::from_files(device, files, |_| None);
+            let model = Llama::new(shape, &w);
+            let tied = shape.tie_word_embeddings;
+            w.finish(|name| llama::ignored(name, tied)).map_err(fail)?;
+            HfModel::Llama(model)
+        }
+    };
+    Ok((config, model))
+}
+
+/// The module path and shape of every parameter a model of `config` has, in order (the
+/// tensors an export writes).
+pub fn parameter_names(config: &HfConfig) -> Vec<(String, Vec<usize>)> {
+    let w = Weights::fresh(&Device::flex(), 0.02);
+    build(config, &w);
+    w.asked()
+}
+
+#[cfg(test)]
+mod tests;

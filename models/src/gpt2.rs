@@ -1,0 +1,197 @@
+//! GPT-2 as Hugging Face's `GPT2LMHeadModel` lays it out: module paths are its tensor
+//! names (`transformer.h.0.attn.c_attn.weight`, ...), projections are `Conv1D` `[in, out]`,
+//! and the head is the token embedding `transformer.wte`, transposed.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::activation::gelu_approximate;
+use burn::tensor::{Int, Tensor};
+
+use super::causal_lm::{cross_entropy, decoder_unit, last_position};
+use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads, with_cached};
+use crate::hf::config::Gpt2Shape;
+use crate::hf::weights::{Init, Weights};
+use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
+
+/// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
+#[derive(Module, Debug)]
+pub struct Gpt2Body {
+    wte: Embed,
+    wpe: Embed,
+    h: Vec<Gpt2Block>,
+    ln_f: Norm,
+}
+
+/// `GPT2LMHeadModel`: the body under `transformer`, the head tied to `transformer.wte`.
+#[derive(Module, Debug)]
+pub struct Gpt2 {
+    transformer: Gpt2Body,
+    /// Where an engine reads the first values of the still-lazy parameters (an imported
+    /// checkpoint's files).
+    #[module(skip)]
+    values: Option<Arc<dyn InitialValues>>,
+}
+
+/// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
+#[derive(Module, Debug)]
+pub struct Gpt2Block {
+    ln_1: Norm,
+    attn: Gpt2Attention,
+    ln_2: Norm,
+    mlp: Gpt2Mlp,
+}
+
+/// `c_attn` `[d, 3d]` gives q, k and v; `c_proj` mixes the heads.
+#[derive(Module, Debug)]
+pub struct Gpt2Attention {
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+    #[module(skip)]
+    n_head: usize,
+}
+
+/// `c_fc` `[d, n_inner]`, tanh-GELU, `c_proj` `[n_inner, d]`.
+#[derive(Module, Debug)]
+pub struct Gpt2Mlp {
+    c_fc: Conv1D,
+    c_proj: Conv1D,
+}
+
+impl Gpt2 {
+    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]).
+    pub fn new(shape: &Gpt2Shape, w: &Weights) -> Self {
+        let (d, eps) = (shape.n_embd, shape.layer_norm_epsilon);
+        // Hugging Face's `GPT2PreTrainedModel._init_weights`: the residual projections at
+        // initializer_range / sqrt(2 n_layer), so the residual stream's variance does not
+        // grow with depth.
+        let residual = Init::ScaledNormal(1.0 / (2.0 * shape.n_layer as f64).sqrt());
+        let h = (0..shape.n_layer)
+            .map(|i| {
+                let at = |part: &str| format!("transformer.h.{i}.{part}");
+                Gpt2Block {
+                    ln_1: Norm::new(w, &at("ln_1"), d, eps),
+                    attn: Gpt2Attention {
+                        c_attn: Conv1D::new(w, &at("attn.c_attn"), d, 3 * d, Init::Normal),
+                        c_proj: Conv1D::new(w, &at("attn.c_proj"), d, d, residual),
+                        n_head: shape.n_head,
+                    },
+                    ln_2: Norm::new(w, &at("ln_2"), d, eps),
+                    mlp: Gpt2Mlp {
+                        c_fc: Conv1D::new(w, &at("mlp.c_fc"), d, shape.n_inner, Init::Normal),
+                        c_proj: Conv1D::new(w, &at("mlp.c_proj"), shape.n_inner, d, residual),
+                    },
+                }
+            })
+            .collect();
+        Self {
+            transformer: Gpt2Body {
+                wte: Embed::new(w, "transformer.wte", shape.vocab_size, d),
+                wpe: Embed::new(w, "transformer.wpe", shape.n_positions, d),
+                h,
+                ln_f: Norm::new(w, "transformer.ln_f", d, eps),
+            },
+            values: w.initial_values(),
+        }
+    }
+
+    /// Token plus position embeddings `[batch, time, d]`, the first token at position
+    /// `start`.
+    fn embed(&self, ids: Tensor<2, Int>, start: usize) -> Tensor<3> {
+        let [_, t] = ids.dims();
+        let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &ids.device()).reshape([1, t]);
+        self.transformer.wte.forward(ids) + self.transformer.wpe.forward(positions)
+    }
+
+    /// The final norm and the tied head: logits `[batch, time, vocab]`.
+    fn head(&self, h: Tensor<3>) -> Tensor<3> {
+        self.transformer.wte.logits(self.transformer.ln_f.forward(h))
+    }
+
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let mut h = self.embed(ids, 0);
+        for block in &self.transformer.h {
+            h = block.forward(h, None);
+        }
+        self.head(h)
+    }
+
+    /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
+    /// the tokens `cache` holds; their keys and values join it.
+    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let start = cache.advance(ids.dims()[1]);
+        let mut h = self.embed(ids, start);
+        for (i, block) in self.transformer.h.iter().enumerate() {
+            h = block.forward(h, Some((&mut *cache, i)));
+        }
+        self.head(last_position(h))
+    }
+}
+
+impl Gpt2Block {
+    /// `h` `[batch, time, d]`, attending also to the earlier positions a cache holds (block
+    /// `i` of it), to which this block's keys and values join.
+    fn forward(&self, h: Tensor<3>, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
+        let n_head = self.attn.n_head;
+        let qkv = self.attn.c_attn.forward(self.ln_1.forward(h.clone()));
+        let [q, k, v]: [Tensor<3>; 3] = qkv.chunk(3, 2).try_into().expect("c_attn is [d, 3d]");
+        let (k, v) = with_cached(cache, split_heads(k, n_head), split_heads(v, n_head));
+        let a = causal_attention(split_heads(q, n_head), k, v);
+        let h = h + self.attn.c_proj.forward(a);
+        let m = self.mlp.c_proj.forward(gelu_approximate(self.mlp.c_fc.forward(self.ln_2.forward(h.clone()))));
+        h + m
+    }
+}
+
+/// Names a GPT-2 checkpoint may use instead: the original `gpt2` files have no
+/// `transformer.` prefix.
+pub fn alias(name: &str) -> Option<String> {
+    name.strip_prefix("transformer.").map(str::to_string)
+}
+
+/// Tensors of a GPT-2 checkpoint that are not parameters: the attention masks older
+/// checkpoints store, and a head saved beside the table it is tied to.
+pub fn ignored(name: &str) -> bool {
+    name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") || name == "lm_head.weight"
+}
+
+/// Units: the position embedding, each block, the final norm; the tied token embedding is
+/// the root's (used by the first and the last unit).
+impl UnitModel for Gpt2 {
+    /// Token ids `[batch, time + 1]`: inputs and next-token targets.
+    type Batch = Tensor<2, Int>;
+    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    type Hidden = Tensor<3>;
+
+    fn units(&self) -> Vec<UnitSpec> {
+        let blocks = (0..self.transformer.h.len())
+            .map(|i| UnitSpec::new(format!("transformer.h.{i}"), [format!("transformer.h.{i}")]));
+        std::iter::once(UnitSpec::new("embed", ["transformer.wpe"]))
+            .chain(blocks)
+            .chain(std::iter::once(UnitSpec::new("head", ["transformer.ln_f"])))
+            .collect()
+    }
+
+    fn shared(&self) -> Vec<String> {
+        vec!["transformer.wte".into()]
+    }
+
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
+        let blocks = &self.transformer.h;
+        let block = |i: usize, h| blocks[i].forward(h, None);
+        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids, 0), block, |h| self.head(h))
+    }
+
+    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
+        cross_entropy(logits, tokens)
+    }
+
+    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
+        Some(tokens.dims()[0])
+    }
+
+    fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
+        self.values.clone()
+    }
+}

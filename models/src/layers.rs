@@ -1,0 +1,278 @@
+//! The layers of the Hugging Face families, with Hugging Face's parameter names and layouts
+//! (a module path here is the checkpoint's tensor name): projections stored `[out, in]` as
+//! `nn.Linear` ([`Dense`]) or `[in, out]` as GPT-2's `Conv1D`, LayerNorm and RMSNorm
+//! (`weight`, `bias`), embeddings, causal attention over grouped heads, rotary positions.
+//! Norms and softmax compute in f32 whatever the model's dtype, as Hugging Face's do.
+
+use burn::module::{Module, Param};
+use burn::tensor::module::{embedding, layer_norm, linear};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+
+use crate::hf::rope::RopeScaling;
+use crate::hf::weights::{Init, Weights};
+
+/// A projection stored as `nn.Linear` stores it: `weight` `[out, in]`, optional `bias`.
+#[derive(Module, Debug)]
+pub struct Dense {
+    weight: Param<Tensor<2>>,
+    bias: Option<Param<Tensor<1>>>,
+}
+
+impl Dense {
+    /// `name.weight` `[out, d_in]`, and `name.bias` when `bias`.
+    pub fn new(w: &Weights, name: &str, d_in: usize, out: usize, bias: bool) -> Self {
+        Self {
+            weight: w.param(&format!("{name}.weight"), [out, d_in], Init::Normal),
+            bias: bias.then(|| w.param(&format!("{name}.bias"), [out], Init::Zeros)),
+        }
+    }
+
+    /// `x W^T + b` over the last dimension.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        linear(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
+    }
+}
+
+/// GPT-2's `Conv1D`: `weight` `[in, out]` and `bias`.
+#[derive(Module, Debug)]
+pub struct Conv1D {
+    weight: Param<Tensor<2>>,
+    bias: Param<Tensor<1>>,
+}
+
+impl Conv1D {
+    /// `name.weight` `[d_in, out]`, fresh as `init` says, and `name.bias`.
+    pub fn new(w: &Weights, name: &str, d_in: usize, out: usize, init: Init) -> Self {
+        Self {
+            weight: w.param(&format!("{name}.weight"), [d_in, out], init),
+            bias: w.param(&format!("{name}.bias"), [out], Init::Zeros),
+        }
+    }
+
+    /// `x W + b` over the last dimension.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        linear(x, self.weight.val(), Some(self.bias.val()))
+    }
+}
+
+/// LayerNorm with `weight` and `bias`, in f32.
+#[derive(Module, Debug)]
+pub struct Norm {
+    weight: Param<Tensor<1>>,
+    bias: Param<Tensor<1>>,
+    #[module(skip)]
+    eps: f64,
+}
+
+impl Norm {
+    /// `name.weight` and `name.bias` of width `d`.
+    pub fn new(w: &Weights, name: &str, d: usize, eps: f64) -> Self {
+        Self {
+            weight: w.param(&format!("{name}.weight"), [d], Init::Ones),
+            bias: w.param(&format!("{name}.bias"), [d], Init::Zeros),
+            eps,
+        }
+    }
+
+    /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let dtype = x.dtype();
+        let f32 = |t: Tensor<1>| t.cast(FloatDType::F32);
+        let y = layer_norm(x.cast(FloatDType::F32), f32(self.weight.val()), Some(f32(self.bias.val())), self.eps);
+        y.cast(dtype)
+    }
+}
+
+/// RMSNorm with `weight`: `x / rms(x)` in f32, then scaled in the model's dtype (as
+/// `LlamaRMSNorm`).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    weight: Param<Tensor<1>>,
+    #[module(skip)]
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// `name.weight` of width `d`.
+    pub fn new(w: &Weights, name: &str, d: usize, eps: f64) -> Self {
+        Self { weight: w.param(&format!("{name}.weight"), [d], Init::Ones), eps }
+    }
+
+    /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let dtype = x.dtype();
+        let x = x.cast(FloatDType::F32);
+        let rms = x.clone().square().mean_dim(2).add_scalar(self.eps).sqrt();
+        let weight = self.weight.val();
+        let d = weight.dims()[0];
+        (x / rms).cast(dtype) * weight.reshape([1, 1, d])
+    }
+}
+
+/// A token (or position) embedding table `weight` `[rows, d]`.
+#[derive(Module, Debug)]
+pub struct Embed {
+    weight: Param<Tensor<2>>,
+}
+
+impl Embed {
+    /// `name.weight` `[rows, d]`.
+    pub fn new(w: &Weights, name: &str, rows: usize, d: usize) -> Self {
+        Self { weight: w.param(&format!("{name}.weight"), [rows, d], Init::Normal) }
+    }
+
+    /// `[batch, time] -> [batch, time, d]`.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        embedding(self.weight.val(), ids)
+    }
+
+    /// Logits `h E^T` `[batch, time, rows]` (a head tied to this table).
+    pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
+        linear(h, self.weight.val().transpose(), None)
+    }
+}
+
+/// Causal attention of `q` `[batch, heads, time, head_dim]` over `k`, `v`
+/// `[batch, kv_heads, past + time, head_dim]` (each kv head serves `heads / kv_heads` query
+/// heads, consecutively; the queries are the last `time` of the positions), scaled by
+/// `1/sqrt(head_dim)`, softmax in f32; `[batch, time, heads * head_dim]`.
+pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<3> {
+    let [b, h, t, hd] = q.dims();
+    let [_, kv, keys, _] = k.dims();
+    let widen = |x: Tensor<4>| {
+        if kv == h { x } else { x.unsqueeze_dim::<5>(2).repeat_dim(2, h / kv).reshape([b, h, keys, hd]) }
+    };
+    let dtype = q.dtype();
+    let f32 = |x: Tensor<4>| x.cast(FloatDType::F32);
+    // A query sees every key up to its own position. One new query sees them all; queries
+    // after cached keys get the mask aligned to their positions (not every backend's
+    // `is_causal` aligns a shorter query block at the end).
+    let mask = (t > 1 && keys > t).then(|| {
+        let device = q.device();
+        let positions = Tensor::<1, Int>::arange((keys - t) as i64..keys as i64, &device).reshape([t, 1]);
+        let keys_at = Tensor::<1, Int>::arange(0..keys as i64, &device).reshape([1, keys]);
+        keys_at.greater(positions).reshape([1, 1, t, keys]).expand([b, h, t, keys])
+    });
+    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: t > 1 && keys == t };
+    let out = burn::tensor::module::attention(f32(q), f32(widen(k)), f32(widen(v)), mask, None, options);
+    out.cast(dtype).swap_dims(1, 2).reshape([b, t, h * hd])
+}
+
+/// The keys and values a decoder has computed for the tokens it has seen, layer by layer,
+/// so that each new token is computed alone (Hugging Face's `use_cache`): what
+/// [`CausalLm::generate`](super::CausalLm::generate) keeps while it samples.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// The number of tokens whose keys and values are held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Takes `time` more tokens: returns the position of the first.
+    pub(crate) fn advance(&mut self, time: usize) -> usize {
+        self.len += time;
+        self.len - time
+    }
+
+    /// Layer `layer`'s keys and values `[batch, kv_heads, past + time, head_dim]`: those held
+    /// followed by the new `k`, `v`, which are held from now on.
+    pub(crate) fn extend(&mut self, layer: usize, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, || None);
+        }
+        let (k, v) = match self.layers[layer].take() {
+            Some((past_k, past_v)) => (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2)),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        (k, v)
+    }
+}
+
+/// A layer's attention inputs `k`, `v` with a cache's: all of them when there is a cache
+/// (which holds them from now on), else these.
+pub(crate) fn with_cached(cache: Option<(&mut KvCache, usize)>, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+    match cache {
+        Some((cache, layer)) => cache.extend(layer, k, v),
+        None => (k, v),
+    }
+}
+
+/// `[batch, time, heads * head_dim] -> [batch, heads, time, head_dim]`.
+pub fn split_heads(x: Tensor<3>, heads: usize) -> Tensor<4> {
+    let [b, t, width] = x.dims();
+    x.reshape([b, t, heads, width / heads]).swap_dims(1, 2)
+}
+
+/// Rotary positions: the inverse frequencies of each pair of a head's dimensions.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    /// `theta^(-2i/head_dim)` for `i < head_dim / 2`, stretched as `scaling` says.
+    pub fn new(head_dim: usize, theta: f64, scaling: RopeScaling) -> Self {
+        let base = (0..head_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64));
+        let inv_freq = match scaling {
+            RopeScaling::None => base.collect(),
+            RopeScaling::Linear { factor } => base.map(|f| f / factor).collect(),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = original_max_position_embeddings;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                base.map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+            }
+        };
+        Self { inv_freq }
+    }
+
+    /// Queries `q` and keys `k` `[batch, heads, time, head_dim]` rotated by position
+    /// (Hugging Face's half-split pairing: dimension `i` with `i + head_dim / 2`), their
+    /// first row at position `start`; one table of angles serves both.
+    pub fn rotate(&self, q: Tensor<4>, k: Tensor<4>, start: usize) -> (Tensor<4>, Tensor<4>) {
+        let [_, _, t, hd] = q.dims();
+        let half = hd / 2;
+        let (mut cos, mut sin) = (Vec::with_capacity(t * hd), Vec::with_capacity(t * hd));
+        for pos in start..start + t {
+            for i in 0..hd {
+                let angle = pos as f64 * self.inv_freq[i % half];
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let device = q.device();
+        let dtype = q.dtype();
+        let table = |v: Vec<f32>| Tensor::<4>::from_data(TensorData::new(v, [1, 1, t, hd]), &device).cast(dtype);
+        let (cos, sin) = (table(cos), table(sin));
+        let apply = |x: Tensor<4>| {
+            let [b, h, _, _] = x.dims();
+            let first = x.clone().slice([0..b, 0..h, 0..t, 0..half]);
+            let second = x.clone().slice([0..b, 0..h, 0..t, half..hd]);
+            let rotated = Tensor::cat(vec![second.neg(), first], 3);
+            x * cos.clone() + rotated * sin.clone()
+        };
+        (apply(q), apply(k))
+    }
+}

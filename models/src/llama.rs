@@ -1,0 +1,220 @@
+//! The LLaMA family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+//! `MistralForCausalLM`) as Hugging Face lays it out: module paths are its tensor names
+//! (`model.layers.0.self_attn.q_proj.weight`, ...), projections are `nn.Linear` `[out, in]`.
+//! RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention (Qwen3's with each
+//! head's queries and keys normalised); the head is `lm_head`, or `model.embed_tokens` when
+//! tied.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::activation::silu;
+use burn::tensor::{Int, Tensor};
+
+use super::causal_lm::{cross_entropy, decoder_unit, last_position};
+use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, split_heads, with_cached};
+use crate::hf::config::LlamaShape;
+use crate::hf::weights::Weights;
+use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
+
+/// The decoder under `model`: the token embedding, the layers, the final norm.
+#[derive(Module, Debug)]
+pub struct LlamaBody {
+    embed_tokens: Embed,
+    layers: Vec<LlamaLayer>,
+    norm: RmsNorm,
+}
+
+/// `*ForCausalLM`: the decoder and its head (none when tied to the embedding).
+#[derive(Module, Debug)]
+pub struct Llama {
+    model: LlamaBody,
+    lm_head: Option<Dense>,
+    /// Where an engine reads the first values of the still-lazy parameters (an imported
+    /// checkpoint's files).
+    #[module(skip)]
+    values: Option<Arc<dyn InitialValues>>,
+}
+
+/// One pre-norm layer.
+#[derive(Module, Debug)]
+pub struct LlamaLayer {
+    input_layernorm: RmsNorm,
+    self_attn: LlamaAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: LlamaMlp,
+}
+
+/// Grouped-query attention with rotary positions.
+#[derive(Module, Debug)]
+pub struct LlamaAttention {
+    q_proj: Dense,
+    k_proj: Dense,
+    v_proj: Dense,
+    o_proj: Dense,
+    /// Qwen3's RMSNorm over each head's queries, and over its keys, before the rotation.
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    #[module(skip)]
+    heads: (usize, usize),
+    #[module(skip)]
+    rope: Rope,
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct LlamaMlp {
+    gate_proj: Dense,
+    up_proj: Dense,
+    down_proj: Dense,
+}
+
+impl Llama {
+    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]).
+    pub fn new(shape: &LlamaShape, w: &Weights) -> Self {
+        let (d, hd, eps) = (shape.hidden_size, shape.head_dim, shape.rms_norm_eps);
+        let (heads, kv) = (shape.num_attention_heads, shape.num_key_value_heads);
+        let rope = Rope::new(hd, shape.rope_theta, shape.rope_scaling);
+        let layers = (0..shape.num_hidden_layers)
+            .map(|i| {
+                let at = |part: &str| format!("model.layers.{i}.{part}");
+                let dense = |part: &str, d_in, out, bias| Dense::new(w, &at(part), d_in, out, bias);
+                let ffn = shape.intermediate_size;
+                LlamaLayer {
+                    input_layernorm: RmsNorm::new(w, &at("input_layernorm"), d, eps),
+                    self_attn: LlamaAttention {
+                        q_proj: dense("self_attn.q_proj", d, heads * hd, shape.qkv_bias),
+                        k_proj: dense("self_attn.k_proj", d, kv * hd, shape.qkv_bias),
+                        v_proj: dense("self_attn.v_proj", d, kv * hd, shape.qkv_bias),
+                        o_proj: dense("self_attn.o_proj", heads * hd, d, shape.o_bias),
+                        q_norm: shape.qk_norm.then(|| RmsNorm::new(w, &at("self_attn.q_norm"), hd, eps)),
+                        k_norm: shape.qk_norm.then(|| RmsNorm::new(w, &at("self_attn.k_norm"), hd, eps)),
+                        heads: (heads, kv),
+                        rope: rope.clone(),
+                    },
+                    post_attention_layernorm: RmsNorm::new(w, &at("post_attention_layernorm"), d, eps),
+                    mlp: LlamaMlp {
+                        gate_proj: dense("mlp.gate_proj", d, ffn, shape.mlp_bias),
+                        up_proj: dense("mlp.up_proj", d, ffn, shape.mlp_bias),
+                        down_proj: dense("mlp.down_proj", ffn, d, shape.mlp_bias),
+                    },
+                }
+            })
+            .collect();
+        Self {
+            model: LlamaBody {
+                embed_tokens: Embed::new(w, "model.embed_tokens", shape.vocab_size, d),
+                layers,
+                norm: RmsNorm::new(w, "model.norm", d, eps),
+            },
+            lm_head: (!shape.tie_word_embeddings).then(|| Dense::new(w, "lm_head", d, shape.vocab_size, false)),
+            values: w.initial_values(),
+        }
+    }
+
+    /// The final norm and the head: logits `[batch, time, vocab]`.
+    fn head(&self, h: Tensor<3>) -> Tensor<3> {
+        let h = self.model.norm.forward(h);
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => self.model.embed_tokens.logits(h),
+        }
+    }
+
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let mut h = self.model.embed_tokens.forward(ids);
+        for layer in &self.model.layers {
+            h = layer.forward(h, 0, None);
+        }
+        self.head(h)
+    }
+
+    /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
+    /// the tokens `cache` holds; their keys and values join it.
+    pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let start = cache.advance(ids.dims()[1]);
+        let mut h = self.model.embed_tokens.forward(ids);
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            h = layer.forward(h, start, Some((&mut *cache, i)));
+        }
+        self.head(last_position(h))
+    }
+}
+
+/// `x` `[batch, heads, time, head_dim]` normalised by `norm` over each head's vector.
+fn per_head(norm: &Option<RmsNorm>, x: Tensor<4>) -> Tensor<4> {
+    let Some(norm) = norm else { return x };
+    let [b, h, t, hd] = x.dims();
+    norm.forward(x.reshape([b, h * t, hd])).reshape([b, h, t, hd])
+}
+
+impl LlamaLayer {
+    /// `h` `[batch, time, d]` at positions `start..`, attending also to the earlier
+    /// positions a cache holds (layer `i` of it), to which this layer's keys and values join.
+    fn forward(&self, h: Tensor<3>, start: usize, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
+        let a = &self.self_attn;
+        let (heads, kv) = a.heads;
+        let x = self.input_layernorm.forward(h.clone());
+        let q = per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads));
+        let k = per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv));
+        let (q, k) = a.rope.rotate(q, k, start);
+        let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward(x), kv));
+        let h = h + a.o_proj.forward(causal_attention(q, k, v));
+        let x = self.post_attention_layernorm.forward(h.clone());
+        let m = &self.mlp;
+        h + m.down_proj.forward(silu(m.gate_proj.forward(x.clone())) * m.up_proj.forward(x))
+    }
+}
+
+/// Tensors of a LLaMA-family checkpoint that are not parameters: rotary tables older
+/// checkpoints store, and a head saved beside the table it is tied to.
+pub fn ignored(name: &str, tied: bool) -> bool {
+    name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
+}
+
+/// Units: the token embedding (the root's when tied), each layer, the norm and head.
+impl UnitModel for Llama {
+    /// Token ids `[batch, time + 1]`: inputs and next-token targets.
+    type Batch = Tensor<2, Int>;
+    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    type Hidden = Tensor<3>;
+
+    fn units(&self) -> Vec<UnitSpec> {
+        let tied = self.lm_head.is_none();
+        let layers = (0..self.model.layers.len())
+            .map(|i| UnitSpec::new(format!("model.layers.{i}"), [format!("model.layers.{i}")]));
+        let head: &[&str] = if tied { &["model.norm"] } else { &["model.norm", "lm_head"] };
+        let embed = if tied {
+            UnitSpec::new("embed", Vec::<String>::new())
+        } else {
+            UnitSpec::new("embed", ["model.embed_tokens"])
+        };
+        std::iter::once(embed)
+            .chain(layers)
+            .chain(std::iter::once(UnitSpec::new("head", head.iter().copied())))
+            .collect()
+    }
+
+    fn shared(&self) -> Vec<String> {
+        if self.lm_head.is_none() { vec!["model.embed_tokens".into()] } else { Vec::new() }
+    }
+
+    fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
+        let (embed, layers) = (&self.model.embed_tokens, &self.model.layers);
+        let layer = |i: usize, h| layers[i].forward(h, 0, None);
+        decoder_unit(unit, input, tokens, layers.len(), |ids| embed.forward(ids), layer, |h| self.head(h))
+    }
+
+    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
+        cross_entropy(logits, tokens)
+    }
+
+    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
+        Some(tokens.dims()[0])
+    }
+
+    fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
+        self.values.clone()
+    }
+}

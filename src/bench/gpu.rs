@@ -1,0 +1,332 @@
+//! `bench gpu`: a GPT on one device (a GPU through wgpu or CUDA, or the CPU), plain Burn
+//! loops (fp32, and in the engine's precision) beside the engine at the given stages and
+//! modes, in tokens per second and model FLOPs utilisation, with the device's own count of
+//! the memory it holds; a table, or one JSON line per row.
+
+use std::time::Instant;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use serde::Serialize;
+
+use super::RunMode;
+use super::engine::{median, median_times};
+use zerotrain_models::{Gpt, GptConfig};
+use zerotrain::config::ComputeDevice;
+use zerotrain::{Error, PhaseTimes, Result, launch};
+
+/// What `bench gpu` measures.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuBench {
+    /// The model's shape.
+    pub shape: GptConfig,
+    /// Where it runs.
+    pub device: ComputeDevice,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Measured steps (after 2 warm-up steps).
+    pub steps: usize,
+    /// ZeRO stages to run the engine at.
+    pub stages: Vec<u8>,
+    /// The engine's compute dtype: fp32, fp16 or bf16.
+    pub precision: String,
+    /// How the engine runs the model: a row per mode at each stage.
+    pub modes: Vec<RunMode>,
+    /// With recomputation: a row per value, recomputing only that many units, the first
+    /// (`zerotrain.recompute_units`); empty: one row recomputing every unit.
+    pub recompute_units: Vec<usize>,
+    /// The device's dense peak, TFLOPS, for the utilisation column.
+    pub peak_tflops: f64,
+    /// The engine waits for the device at the end of each phase (`wall_clock_breakdown`),
+    /// so that its phase times split the step; the step time includes those waits.
+    pub breakdown: bool,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuRow {
+    /// `plain Burn` or `engine stage N`.
+    pub what: String,
+    /// The dtype the model computes in: fp32, fp16 or bf16.
+    pub precision: String,
+    /// The engine's ZeRO stage (`None` for a plain loop).
+    pub stage: Option<u8>,
+    /// How the engine ran the model (`None` for a plain loop).
+    pub mode: Option<RunMode>,
+    /// With recomputation, how many units were recomputed (`None`: every unit).
+    pub recompute_units: Option<usize>,
+    /// Median step time, seconds.
+    pub step_seconds: f64,
+    /// Tokens per second at the median.
+    pub tokens_per_s: f64,
+    /// Model FLOPs per second (6 x parameters x tokens / time), in TFLOPS.
+    pub tflops: f64,
+    /// `tflops` over the peak.
+    pub mfu: f64,
+    /// Bytes the device's allocator holds live after a step (`None`: the device does not
+    /// report it, as Flex on the CPU).
+    pub device_bytes: Option<u64>,
+    /// The engine's median phase times (`None` for the plain loop).
+    pub times: Option<PhaseTimes>,
+    /// Model-state bytes the engine's last step copied between host memory and the device
+    /// (`None` for the plain loop).
+    pub host_device: Option<zerotrain::engine::HostDeviceBytes>,
+}
+
+/// An error naming the command-line flag `name` (`bench gpu`'s settings are its flags).
+fn flag(name: &str, message: String) -> Error {
+    Error::Config(zerotrain::config::ConfigError::Unsupported { key: name.into(), message })
+}
+
+/// Deterministic tokens `[batch, block + 1]` for step `step`.
+fn tokens(shape: &GptConfig, batch: usize, step: usize, device: &Device) -> Tensor<2, Int> {
+    let len = shape.block_size + 1;
+    let vocab = shape.vocab_size as u64;
+    let values: Vec<i64> =
+        (0..(batch * len) as u64).map(|i| ((i * 2_654_435_761 + step as u64 * 40_503) % vocab) as i64).collect();
+    Tensor::from_data(TensorData::new(values, [batch, len]), device)
+}
+
+impl GpuBench {
+    /// Runs the plain loops, then the engine at each stage and mode (world size 1), each
+    /// for `steps` measured steps, handing each row to `measured` as soon as it is (a run
+    /// cut short by a time limit still reports the rows it finished).
+    pub fn run(&self, measured: impl Fn(&GpuRow) + Sync) -> Result<Vec<GpuRow>> {
+        let half = match self.precision.as_str() {
+            "fp32" => None,
+            "fp16" => Some(FloatDType::F16),
+            "bf16" => Some(FloatDType::BF16),
+            other => return Err(flag("--precision", format!("must be fp32, fp16 or bf16, got {other}"))),
+        };
+        let precision =
+            half.map_or(String::new(), |_| format!(r#""{}": {{"enabled": true}},"#, self.precision.as_str()));
+        let mut plans = Vec::new();
+        let every: &[Option<usize>] = &[None];
+        let partial: Vec<Option<usize>> = self.recompute_units.iter().copied().map(Some).collect();
+        for &stage in &self.stages {
+            for &mode in &self.modes {
+                let recomputed = if mode == RunMode::Checkpointed && !partial.is_empty() { &partial } else { every };
+                for &units in recomputed {
+                    let units_key = units.map_or(String::new(), |u| format!(r#", "recompute_units": {u}"#));
+                    let json = format!(
+                        r#"{{ {precision} {} "zero_optimization": {{"stage": {stage}}}, "wall_clock_breakdown": {},
+                             "train_micro_batch_size_per_gpu": {}, "zerotrain": {{"device": "{}"{units_key}}},
+                             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}} }}"#,
+                        mode.config_keys(),
+                        self.breakdown,
+                        self.batch,
+                        self.device.name()
+                    );
+                    plans.push((Variant { stage, mode, recompute_units: units }, super::resolve(&json, 1)?));
+                }
+            }
+        }
+        let Some((_, first)) = plans.first() else {
+            return Err(flag("--stages", "no --stages or --mode given".into()));
+        };
+        // Initialised on the CPU, so that the device holds only what each row trains.
+        let cpu = Device::flex().autodiff();
+        cpu.seed(1);
+        let init = Gpt::new(&self.shape, &cpu);
+        let rows = launch(first, |ctx| {
+            let device = ctx.device().clone();
+            if half.is_some_and(|h| !device.supports_dtype(DType::from(h))) {
+                // Burn would compile the half-precision kernels anyway, and they panic inside
+                // the device's thread (wgpu has no bf16), so refuse before the first row.
+                return Err(flag(
+                    "--precision",
+                    format!(
+                        "this {} device cannot compute in {}; use fp32{}",
+                        self.device.name(),
+                        self.precision,
+                        if device.supports_dtype(DType::F16) { " or fp16" } else { "" }
+                    ),
+                ));
+            }
+            let mut rows = Vec::new();
+            let mut keep = |row: GpuRow| {
+                measured(&row);
+                rows.push(row);
+            };
+            keep(self.plain(&init, &device, None)?);
+            if let Some(half) = half {
+                keep(self.plain(&init, &device, Some(half))?);
+            }
+            // A row that fails is reported and the others still run: one GPU session
+            // should bring back every figure it can.
+            let mut failed = Vec::new();
+            for (variant, plan) in &plans {
+                match self.engine(*variant, &init, plan, &ctx) {
+                    Ok(row) => keep(row),
+                    Err(e) => {
+                        eprintln!("{}: {e}", variant.name());
+                        failed.push(variant.name());
+                    }
+                }
+            }
+            if !failed.is_empty() {
+                return Err(Error::Model(format!("bench gpu: {} failed (errors above)", failed.join(", "))));
+            }
+            Ok::<_, Error>(rows)
+        })?;
+        Ok(rows.into_iter().next().expect("one rank"))
+    }
+
+    /// The plain Burn loop the engine replaces: forward, backward, AdamW, in fp32 or with
+    /// every parameter in `half` (no master weights, no loss scaling: the engine's
+    /// arithmetic at the compute dtype's speed).
+    fn plain(&self, init: &Gpt, device: &Device, half: Option<FloatDType>) -> Result<GpuRow> {
+        let mut model = init.clone().fork(device);
+        if let Some(dtype) = half {
+            model = model.map(&mut CastParams(dtype));
+        }
+        let mut optim = AdamWConfig::new().with_epsilon(1e-8).with_weight_decay(0.0).init();
+        let mut times = Vec::new();
+        for step in 0..self.steps + 2 {
+            let start = Instant::now();
+            let loss = model.loss(tokens(&self.shape, self.batch, step, device));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-4, model, grads);
+            device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
+            if step >= 2 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        let precision = if half.is_some() { self.precision.clone() } else { "fp32".into() };
+        let mut row = self.row(format!("plain Burn {precision}"), median(times), device, None);
+        row.precision = precision;
+        Ok(row)
+    }
+
+    /// The engine row `variant` on `ctx`'s device.
+    fn engine(&self, variant: Variant, init: &Gpt, plan: &zerotrain::Plan, ctx: &zerotrain::RankContext) -> Result<GpuRow> {
+        let Variant { stage, mode, recompute_units } = variant;
+        let device = ctx.device();
+        let mut engine = mode.engine(init.clone(), plan, ctx)?;
+        let (mut times, mut reports) = (Vec::new(), Vec::new());
+        for step in 0..self.steps + 2 {
+            let start = Instant::now();
+            let batch = tokens(&self.shape, self.batch, step, device);
+            mode.micro_step(&mut engine, &batch, |m, b| m.loss(b.clone()))?;
+            let report = engine.step()?.expect("accumulation 1");
+            device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
+            if step >= 2 {
+                times.push(start.elapsed().as_secs_f64());
+                reports.push(report);
+            }
+        }
+        let phases = median_times(&reports);
+        let mut row = self.row(variant.name(), median(times), device, Some(phases));
+        (row.stage, row.mode, row.host_device) = (Some(stage), Some(mode), reports.last().map(|r| r.host_device));
+        row.recompute_units = recompute_units;
+        Ok(row)
+    }
+
+    fn row(&self, what: String, step_seconds: f64, device: &Device, times: Option<PhaseTimes>) -> GpuRow {
+        let tokens_per_s = (self.batch * self.shape.block_size) as f64 / step_seconds;
+        let tflops = 6.0 * self.shape.num_params() as f64 * tokens_per_s / 1e12;
+        GpuRow {
+            what,
+            precision: self.precision.clone(),
+            stage: None,
+            mode: None,
+            recompute_units: None,
+            step_seconds,
+            tokens_per_s,
+            tflops,
+            mfu: tflops / self.peak_tflops,
+            device_bytes: device.memory_pool_usage().map(|u| u.bytes_in_use),
+            times,
+            host_device: None,
+        }
+    }
+
+    /// The table's heading: the model, the device and the columns.
+    pub fn heading(&self) -> String {
+        let s = &self.shape;
+        let mut out = format!(
+            "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters), {} sequences per step, on {}; engine \
+             in {} (stage and mode per row: one unit, units, units with recomputation, of the first N units only); medians of {} steps; MFU \
+             against {} TFLOPS; phase times {}\n",
+            s.n_layer,
+            s.n_embd,
+            s.n_head,
+            s.block_size,
+            s.vocab_size,
+            s.num_params() as f64 / 1e6,
+            self.batch,
+            self.device.name(),
+            self.precision,
+            self.steps,
+            self.peak_tflops,
+            match self.breakdown {
+                true => "synchronised: each waits for the device (--breakdown), the steps include the waits",
+                false => "of the host queueing work (--breakdown splits the step)",
+            }
+        );
+        out.push_str(
+            "what                   step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
+             to/from device MiB\n",
+        );
+        out
+    }
+
+    /// One row of the table.
+    pub fn line(r: &GpuRow) -> String {
+        let mib = r.device_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
+        let phases = r.times.map_or(String::new(), |t| {
+            let ms = |x: f64| x * 1e3;
+            format!(
+                "  {:>7.1} {:>8.1} {:>6.1} {:>6.1} {:>6.1}",
+                ms(t.forward),
+                ms(t.backward),
+                ms(t.reduce),
+                ms(t.optimizer),
+                ms(t.gather)
+            )
+        });
+        let crossed = r.host_device.map_or(String::new(), |c| {
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
+        });
+        format!(
+            "{:<21} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
+            r.what,
+            r.step_seconds * 1e3,
+            r.tokens_per_s,
+            r.tflops,
+            r.mfu * 100.0,
+            mib
+        )
+    }
+}
+
+/// One engine row: the stage, the mode and, with recomputation, how many units.
+#[derive(Clone, Copy)]
+struct Variant {
+    stage: u8,
+    mode: RunMode,
+    recompute_units: Option<usize>,
+}
+
+impl Variant {
+    /// The row's name: `engine 3 recompute`, `engine 3 recompute 6`.
+    fn name(self) -> String {
+        let units = self.recompute_units.map_or(String::new(), |u| format!(" {u}"));
+        format!("engine {} {}{units}", self.stage, self.mode.short_name())
+    }
+}
+
+/// Casts every float parameter to a dtype (the plain loop in the engine's precision). Each
+/// cast is a new leaf that takes gradients: a cast left in the autodiff graph would take
+/// none, so the optimizer would never update it and the next backward would find its graph
+/// consumed.
+struct CastParams(FloatDType);
+
+impl ModuleMapper for CastParams {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let dtype = self.0;
+        param.map(|t| t.cast(dtype).detach().require_grad())
+    }
+}

@@ -1,0 +1,142 @@
+//! `zerotrain config check`: the resolved plan, and what it means on this machine for the
+//! built-in GPT or the Hugging Face family's model the config names.
+
+use std::path::Path;
+
+use super::overrides;
+use crate::keys;
+
+/// `zerotrain config check`.
+pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, json: bool) -> anyhow::Result<()> {
+    let (plan, settings) = keys::load(file, overrides(world_size, steps))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        println!("{} resolves to:\n{plan}", file.display());
+        if let Some(source) = &settings.hf {
+            print_hf_placement(&plan, source);
+            print_collectives(&plan);
+            return Ok(());
+        }
+        print_placement(&plan, &settings.model);
+        print_collectives(&plan);
+        print_replicas(&plan, &settings.model);
+        if let Some(pipeline) = plan.pipeline {
+            print_stages(&settings.model, pipeline)?;
+        }
+    }
+    Ok(())
+}
+
+/// On CUDA, whether NCCL can run on this machine (what `zerotrain.collectives: "auto"`
+/// would find in its libraries; a launch also checks the GPUs).
+fn print_collectives(plan: &zerotrain::Plan) {
+    use zerotrain::config::{Collectives, ComputeDevice};
+    if plan.runtime.device != ComputeDevice::Cuda || plan.runtime.collectives == Collectives::Host {
+        return;
+    }
+    match zerotrain_zero::collective::nccl::available() {
+        Ok(()) => println!("collectives here    NCCL loads on this machine"),
+        Err(reason) => println!("collectives here    NCCL cannot run on this machine: {reason}"),
+    }
+}
+
+/// Replica groups: each rank's bytes per round against synchronous data parallelism's over
+/// as many steps, for the built-in GPT (the bus-bandwidth convention: an all-reduce moves
+/// 2(n-1)/n of its buffer).
+fn print_replicas(plan: &zerotrain::Plan, model: &zerotrain_models::GptConfig) {
+    let Some(r) = &plan.replicas else { return };
+    let model = with_vocabulary(model);
+    let psi = model.num_params() as f64;
+    let (job, g) = (plan.world_size() as f64, r.groups as f64);
+    let bytes = r.comm_dtype.bytes_per_elem() as f64;
+    // In one job a group is `job / g` ranks and a round all-reduces each rank's shard among
+    // its peers; through servers the job is one group, pushing its shard (in the wire dtype)
+    // and pulling it back (f32).
+    let (n, group_size, round, how) = match r.servers.is_empty() {
+        true => (job, job / g, 2.0 * (g - 1.0) / g * bytes, "across groups"),
+        false => (job * g, job, bytes + 4.0, "to and from the servers"),
+    };
+    let shard = if plan.zero.stage.shards_optimizer_states() { psi / group_size } else { psi };
+    let round = round * shard;
+    let per_step = if plan.zero.stage.shards_parameters() { 3.0 } else { 2.0 } * (n - 1.0) / n
+        * psi
+        * plan.precision.comm.bytes_per_elem() as f64;
+    let dp = per_step * r.sync_every as f64;
+    println!(
+        "  per round         {:.1} MiB per rank {how}, against {:.1} MiB of synchronous data parallelism on all {n} ranks over {} steps ({:.0}x less)",
+        round / (1 << 20) as f64,
+        dp / (1 << 20) as f64,
+        r.sync_every,
+        dp / round
+    );
+}
+
+/// The built-in GPT `model` describes, its vocabulary the generated corpus's when the
+/// config leaves it to the data.
+fn with_vocabulary(model: &zerotrain_models::GptConfig) -> zerotrain_models::GptConfig {
+    let mut model = *model;
+    if model.vocab_size == 0 {
+        model.vocab_size = zerotrain_models::data::Corpus::arithmetic(1000, 1).vocab.len();
+    }
+    model
+}
+
+/// Where each rank's model states live, by tier, for the built-in GPT the config describes.
+fn print_placement(plan: &zerotrain::Plan, model: &zerotrain_models::GptConfig) {
+    let model = with_vocabulary(model);
+    let psi = model.num_params();
+    let p = zerotrain::estimate::placement(plan, psi);
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    println!(
+        "model states        per rank for the GPT of {psi} parameters: device {}, host memory {}, NVMe {}",
+        mib(p.device),
+        mib(p.host),
+        mib(p.nvme)
+    );
+}
+
+/// Where each rank's model states live for a Hugging Face family's model (its size from
+/// its config.json), or why its config cannot be read.
+fn print_hf_placement(plan: &zerotrain::Plan, source: &keys::HfSource) {
+    let file = source.config_file();
+    match zerotrain_models::hf::HfConfig::read(&file) {
+        Ok(config) => {
+            let psi = zerotrain_models::hf::size::ModelSize::of(&config).params;
+            if psi > 1 << 50 {
+                println!("model               {}: {psi} parameters, more than any machine holds", file.display());
+                return;
+            }
+            let p = zerotrain::estimate::placement(plan, psi);
+            let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+            println!(
+                "model states        per rank for {} ({} parameters): device {}, host memory {}, NVMe {}",
+                file.display(),
+                psi,
+                mib(p.device),
+                mib(p.host),
+                mib(p.nvme)
+            );
+        }
+        Err(e) => println!("model               {e}"),
+    }
+}
+
+/// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the
+/// generated corpus when the config leaves it to the data).
+fn print_stages(model: &zerotrain_models::GptConfig, pipeline: zerotrain::config::PipelinePlan) -> anyhow::Result<()> {
+    let model = with_vocabulary(model);
+    let (units, root) = model.unit_params();
+    let weights: Vec<u64> = units.iter().map(|(_, n)| *n).collect();
+    let parts = zerotrain_zero::pipeline::partition(&weights, pipeline.stages, pipeline.partition)
+        .map_err(|_| anyhow::anyhow!("pipeline.stages is {} but the GPT has {} units", pipeline.stages, units.len()))?;
+    for (stage, range) in parts.into_iter().enumerate() {
+        let names: Vec<&str> = units[range.clone()].iter().map(|(name, _)| name.as_str()).collect();
+        let params: u64 = weights[range].iter().sum();
+        println!("  {:<17} {} ({params} parameters)", format!("stage {stage}"), names.join(", "));
+    }
+    if root > 0 {
+        println!("  every stage       the root: the tied token embedding ({root} parameters), summed over the stages");
+    }
+    Ok(())
+}

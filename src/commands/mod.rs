@@ -1,0 +1,248 @@
+//! What each `zerotrain` subcommand does (errors are `anyhow`).
+
+pub mod bench;
+mod check;
+mod checkpoints;
+pub mod estimate;
+pub mod eval;
+pub mod generate;
+mod serve;
+pub mod tokenize;
+
+use std::path::PathBuf;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+pub use self::check::config_check;
+pub use self::checkpoints::{ConsolidateArgs, consolidate, inspect};
+pub use self::serve::serve;
+use crate::keys;
+use crate::train::{StepMetrics, TrainOptions, TrainSummary};
+use zerotrain::{Overrides, detect_mpirun};
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// `zerotrain train`.
+pub fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps)) };
+    let (plan, settings) = keys::load_as_group(&args.config, overrides, &args.servers, args.group)?;
+    if let Some(warning) = plan.warning() {
+        eprintln!("warning: {warning}");
+    }
+    let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
+    let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
+    // Under mpirun every process runs this; rank 0 alone speaks.
+    let lead = detect_mpirun().is_none_or(|m| m.rank == 0);
+    let say = |line: String| {
+        if lead {
+            println!("{line}");
+        }
+    };
+    let ranks = format!(
+        "{} ranks on {}, {}, {}",
+        plan.world_size(),
+        plan.runtime.device.name(),
+        plan.zero.stage,
+        plan.precision.compute
+    );
+    let job = if settings.hf.is_some() {
+        let device = burn::tensor::Device::flex().autodiff();
+        device.seed(plan.runtime.seed);
+        let mut loaded = zerotrain_models::family::load::load_model(&settings.hf_model(&args.config)?, &args.config, &device, None)?;
+        let micro = plan.batch.micro_batch_per_rank;
+        let (context, notice) =
+            zerotrain_models::family::load::training_context(&loaded, micro, settings.block_size.is_some());
+        if let Some(notice) = notice {
+            if lead {
+                eprintln!("notice: {notice}");
+            }
+            (loaded.context, loaded.context_from) = (context, "fits this machine's memory".into());
+        }
+        let data = crate::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, &out)?;
+        say(format!(
+            "training {} ({}, context {}: {}) on {} ({} tokens, {} held out): {ranks}",
+            loaded.source.display(),
+            loaded.config.json["model_type"].as_str().unwrap_or("?"),
+            loaded.context,
+            loaded.context_from,
+            data.path().display(),
+            data.len(),
+            data.len() - data.train_tokens()
+        ));
+        TrainJob::Hf(Box::new(loaded), data)
+    } else {
+        let (corpus, shape) = crate::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
+        say(format!(
+            "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {ranks}",
+            shape.num_params(),
+            shape.n_layer,
+            shape.n_embd,
+            shape.block_size,
+            corpus.name,
+            corpus.train.len() + corpus.valid.len(),
+            shape.vocab_size,
+        ));
+        TrainJob::Gpt(corpus, shape)
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            eprintln!("\nzerotrain: second signal: stopping now");
+            std::process::exit(130);
+        }
+        eprintln!(
+            "\nzerotrain: SIGINT/SIGTERM: finishing this step, saving a checkpoint and stopping (again to abort)"
+        );
+    })?;
+    let bar = if lead { ProgressBar::new(args.steps) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let log = |line: &str| if bar.is_hidden() { println!("{line}") } else { bar.println(line) };
+    let progress = |m: &StepMetrics| {
+        bar.set_position(m.step);
+        bar.set_message(format!(
+            "loss {:.4}  lr {:.2e}  scale {}  {:.0} tok/s",
+            m.loss, m.lr, m.loss_scale, m.tokens_per_s
+        ));
+    };
+    let options = TrainOptions { steps: args.steps, out, resume: args.resume, save_every: args.save_every, stop };
+    let s = match job {
+        TrainJob::Gpt(corpus, shape) => {
+            crate::train::train_gpt(&plan, &settings, &options, (&corpus, shape), &log, &progress)
+        }
+        TrainJob::Hf(loaded, data) => {
+            crate::train::hf::train_hf(&plan, &settings, &options, *loaded, data, &log, &progress)
+        }
+    }
+    .context("training failed")?;
+    bar.finish_and_clear();
+    if lead {
+        print_summary(&s);
+    }
+    Ok(())
+}
+
+/// What `zerotrain train` trains: the built-in GPT on a character corpus, or a Hugging
+/// Face family's model on a token file.
+enum TrainJob {
+    Gpt(zerotrain_models::data::Corpus, zerotrain_models::GptConfig),
+    Hf(Box<zerotrain_models::family::load::LoadedModel>, zerotrain_models::text::tokens::TokenFile),
+}
+
+/// The command line's overrides, plus what the launcher's environment says.
+pub fn overrides(world_size: Option<usize>, total_steps: Option<u64>) -> Overrides {
+    Overrides { world_size, total_steps, mpirun: detect_mpirun(), device: None }
+}
+
+/// `zerotrain train`'s arguments (see `cli::Command::Train`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// A DeepSpeed-style JSON config.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Number of ranks (overrides `zerotrain.world_size`).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Where the ranks compute: cpu, wgpu or cuda (overrides `zerotrain.device`).
+    #[arg(long)]
+    pub device: Option<zerotrain::config::ComputeDevice>,
+    /// Optimizer steps to reach.
+    #[arg(long, default_value_t = 2400)]
+    pub steps: u64,
+    /// What to train on. The built-in GPT: a UTF-8 text file of characters (default:
+    /// generated arithmetic). A Hugging Face family's model: a token file (`zerotrain
+    /// tokenize`), or a text or JSON-lines file, tokenized into <out>/data.tokens (1% of
+    /// its tokens held out for validation).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Run folder for metrics.jsonl, loss.png and checkpoints/ (default: runs/<config name>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Save a checkpoint every N steps (overrides `zerotrain.checkpoint_every`; 0: at the end).
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Continue from the run folder's latest checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// Train as one replica group through this parameter server (`zerotrain serve`;
+    /// repeat for several): overrides `local_sgd.servers`.
+    #[arg(long = "server", value_name = "ADDR")]
+    pub servers: Vec<String>,
+    /// This job's replica group among the servers' groups: overrides `local_sgd.group`.
+    #[arg(long)]
+    pub group: Option<u64>,
+}
+
+/// How the validation loss moved, as a ratio: "2.2x lower", "1.1x higher".
+fn loss_change(before: f32, after: f32) -> String {
+    let r = before / after;
+    if r.is_nan() {
+        "no ratio".into()
+    } else if r > 1.0 {
+        format!("{r:.1}x lower")
+    } else if r < 1.0 {
+        format!("{:.1}x higher", 1.0 / r)
+    } else {
+        "unchanged".into()
+    }
+}
+
+fn print_summary(s: &TrainSummary) {
+    let (a, b) = s.val_loss;
+    if s.interrupted {
+        println!("stopped by SIGINT/SIGTERM at step {} (checkpoint saved)", s.last_step);
+    }
+    // A large model on a CPU may take seconds per token.
+    let places = if s.tokens_per_s < 10.0 { 2 } else { 0 };
+    println!(
+        "validation loss {a:.5} -> {b:.5} ({}) in {:.1} s, steps {}..{}, {:.*} tokens/s",
+        loss_change(a, b),
+        s.seconds,
+        s.first_step,
+        s.last_step,
+        places,
+        s.tokens_per_s
+    );
+    println!("model states per rank (bytes; Ψ = {}):", s.num_params);
+    println!(
+        "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
+        "rank", "params", "grads", "master", "optimizer", "peak transient"
+    );
+    for (rank, m) in s.memory.iter().enumerate() {
+        println!(
+            "  {rank:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
+            m.params, m.grads, m.master, m.optimizer, m.peak_transient
+        );
+    }
+    println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
+    println!("samples from the trained model:");
+    for sample in &s.samples {
+        println!("  {sample}");
+    }
+    let out = s.out.display();
+    println!("outputs: {out}/metrics.jsonl, {out}/loss.png, {out}/checkpoints/");
+}
+
+/// A `/proc/self/status` field in KiB (Linux).
+pub(crate) fn proc_status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find(|l| l.starts_with(field))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loss_change;
+
+    #[test]
+    fn the_summary_says_which_way_the_loss_moved() {
+        assert_eq!(loss_change(2.57, 1.16), "2.2x lower");
+        assert_eq!(loss_change(1.0, 1.25), "1.2x higher");
+        assert_eq!(loss_change(37.95, 37.98), "1.0x higher");
+        assert_eq!(loss_change(3.0, 3.0), "unchanged");
+        assert_eq!(loss_change(3.0, f32::NAN), "no ratio");
+    }
+}

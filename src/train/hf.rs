@@ -1,0 +1,331 @@
+//! `zerotrain train` of a Hugging Face family's model (`model.hf_dir` or `model.hf_config`)
+//! on a token file (or a text file tokenized on the fly): the checkpoints' folder gets the
+//! model's `config.json` and `tokenizer.json`, so `zerotrain consolidate --format hf` can
+//! write a Hugging Face folder from any of its checkpoints.
+
+use std::path::Path;
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, bail};
+use burn::tensor::{Device, Int, Tensor};
+
+use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, train_model};
+use zerotrain::Plan;
+use zerotrain_models::family::WithModel;
+use zerotrain_models::family::load::LoadedModel;
+use zerotrain_models::file_error::read_optional;
+use zerotrain_models::hf;
+use crate::keys::AppSettings;
+use zerotrain_models::{CausalLm, Sampling};
+use zerotrain_models::text::Tokenizer;
+use zerotrain_models::text::documents::Documents;
+use zerotrain_models::text::sampler::TokenSampler;
+use zerotrain_models::text::tokens::TokenFile;
+use zerotrain::engine::ParamCount;
+
+/// The training data of a Hugging Face family's run: `data` as a token file, or a UTF-8
+/// text file (or JSON lines, as `tokenize` reads them) tokenized into `<out>/data.tokens`
+/// first (1% held out), a batch at a time.
+pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> anyhow::Result<TokenFile> {
+    let Some(data) = data else {
+        bail!("a Hugging Face family's run needs --data: a token file (zerotrain tokenize) or a text file")
+    };
+    let mut head = [0u8; 8];
+    let is_tokens = std::fs::File::open(data)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+        .map(|()| &head == b"ZTTOKENS")
+        .unwrap_or(false);
+    let file = if is_tokens { TokenFile::open(data)? } else { tokenized_once(data, tokenizer, out)? };
+    file.verify()?;
+    file.check_written_by(tokenizer)?;
+    Ok(file)
+}
+
+/// The furthest position a checkpoint may record, in samples (2^48: far beyond any run, and
+/// far enough below 2^64 that counting on from it cannot overflow).
+const MAX_SAMPLES: u64 = 1 << 48;
+
+/// `data`, a text file, as `<out>/data.tokens`, tokenized by one process: under mpirun every
+/// process of the job asks, and they take turns on `<out>/data.tokens.lock`. The first
+/// writes the file (through a rename) and then `data.tokens.source`, a stamp of the text
+/// (its path, size and modification time) and the tokenizer's fingerprint; one that finds
+/// the stamp its own opens the file instead of writing it again (once every process wrote
+/// the same file over the others', truncating it under readers).
+fn tokenized_once(data: &Path, tokenizer: &Tokenizer, out: &Path) -> anyhow::Result<TokenFile> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let lock_path = out.join("data.tokens.lock");
+    let lock = super::open_lock_file(&lock_path)?;
+    lock.lock().with_context(|| format!("cannot lock {}", lock_path.display()))?;
+    let meta = std::fs::metadata(data).with_context(|| format!("cannot read {}", data.display()))?;
+    let stamp = serde_json::json!({
+        "source": std::fs::canonicalize(data).unwrap_or_else(|_| data.to_path_buf()).display().to_string(),
+        "bytes": meta.len(),
+        "modified_ns": meta.mtime() as i128 * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        "tokenizer": format!("{:016x}", tokenizer.fingerprint()),
+    })
+    .to_string();
+    let (tokens, stamp_path) = (out.join("data.tokens"), out.join("data.tokens.source"));
+    let recorded = read_optional(&stamp_path)?;
+    if recorded.as_deref() == Some(stamp.as_bytes())
+        && let Ok(file) = TokenFile::open(&tokens)
+    {
+        return Ok(file);
+    }
+    let _ = std::fs::remove_file(&stamp_path);
+    let file = Documents::new(&[data.to_path_buf()], "text").write_token_file(tokenizer, &tokens, 0.01)?.0;
+    zerotrain_models::family::export::write_atomically(&stamp_path, stamp.as_bytes())?;
+    Ok(file)
+}
+
+/// A token file's windows in the sampler's order, the position counted in samples.
+struct TokenData {
+    sampler: TokenSampler,
+    file: Arc<TokenFile>,
+    /// Sequences per optimizer step, over every replica group ([`Plan::sequences_per_step`]).
+    global_batch: u64,
+    /// (samples drawn before the first step of this run, that step).
+    base: Mutex<(u64, u64)>,
+}
+
+impl TrainData for TokenData {
+    fn context(&self) -> usize {
+        self.sampler.context()
+    }
+
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int> {
+        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
+        self.sampler.batch(samples + (step - from) * self.global_batch + first, count, device)
+    }
+
+    fn validation(&self, device: &Device) -> Tensor<2, Int> {
+        self.sampler.validation(device)
+    }
+
+    fn position(&self, step: u64) -> serde_json::Value {
+        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
+        serde_json::json!({
+            "file": self.file.path().display().to_string(),
+            "checksum": self.file.checksum(),
+            "samples": samples + (step - from) * self.global_batch,
+        })
+    }
+
+    fn resume(&self, record: &serde_json::Value, step: u64) -> anyhow::Result<()> {
+        if !record.is_object() || record.get("checksum").is_none() && record.get("samples").is_none() {
+            bail!("the checkpoint records no position in a token file (it was not trained on one)");
+        }
+        let (Some(checksum), Some(samples)) = (record["checksum"].as_u64(), record["samples"].as_u64()) else {
+            bail!("the checkpoint's position in its token file is malformed (a checksum and a sample count): {record}");
+        };
+        if samples > MAX_SAMPLES || checksum > u64::from(u32::MAX) {
+            bail!(
+                "the checkpoint's position in its token file is out of range (sample {samples}, checksum {checksum}; \
+                 at most {MAX_SAMPLES} samples): the manifest is damaged"
+            );
+        }
+        if checksum != u64::from(self.file.checksum()) {
+            bail!(
+                "the checkpoint was trained on {} (checksum {checksum:08x}); this run reads {} (checksum {:08x}): \
+                 give the same --data to continue its sample order",
+                record["file"].as_str().unwrap_or("another token file"),
+                self.file.path().display(),
+                self.file.checksum()
+            );
+        }
+        *self.base.lock().unwrap_or_else(|p| p.into_inner()) = (samples, step);
+        Ok(())
+    }
+}
+
+/// Trains `loaded` on `data`; the checkpoints' folder gets its `config.json` and
+/// `tokenizer.json` first, and the files that travel with them where the model's folders
+/// have them (`tokenizer_config.json`, `special_tokens_map.json`,
+/// `generation_config.json`).
+pub fn train_hf(
+    plan: &Plan,
+    settings: &AppSettings,
+    options: &TrainOptions,
+    loaded: LoadedModel,
+    data: TokenFile,
+    log: &(dyn Fn(&str) + Sync),
+    progress: &(dyn Fn(&StepMetrics) + Sync),
+) -> anyhow::Result<TrainSummary> {
+    let config = serde_json::to_string_pretty(&loaded.config.json)?.into_bytes();
+    let tokenizer = zerotrain_models::file_error::read_file(loaded.tokenizer.file())?;
+    let mut files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
+    files.extend(companions(&loaded)?);
+    let file = Arc::new(data);
+    let sampler =
+        TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
+    let token_data = TokenData { sampler, file, global_batch: plan.sequences_per_step(), base: Mutex::new((0, 0)) };
+    let job = HfJob { plan, settings, options, data: &token_data, tokenizer: &loaded.tokenizer, files, log, progress };
+    loaded.model.run(job)
+}
+
+/// The files beside `loaded`'s tokenizer and model that an export hands on with them
+/// (`tokenizer_config.json` with its end token and chat template, `special_tokens_map.json`,
+/// `generation_config.json`), where those folders have them: (name, contents).
+fn companions(loaded: &LoadedModel) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let model_dir = loaded.folder();
+    let tokenizer_dir = loaded.tokenizer.file().parent();
+    let beside_tokenizer = hf::TOKENIZER_COMPANIONS.iter().filter_map(|name| Some(tokenizer_dir?.join(name)));
+    let beside_model = model_dir.map(|dir| dir.join(hf::GENERATION_CONFIG_FILE));
+    let mut files = Vec::new();
+    for path in beside_tokenizer.chain(beside_model) {
+        if let Some(contents) = read_optional(&path)? {
+            files.push((path.file_name().expect("joined").to_string_lossy().into_owned(), contents));
+        }
+    }
+    Ok(files)
+}
+
+struct HfJob<'a> {
+    plan: &'a Plan,
+    settings: &'a AppSettings,
+    options: &'a TrainOptions,
+    data: &'a TokenData,
+    tokenizer: &'a Tokenizer,
+    files: Vec<(String, Vec<u8>)>,
+    log: &'a (dyn Fn(&str) + Sync),
+    progress: &'a (dyn Fn(&StepMetrics) + Sync),
+}
+
+impl WithModel for HfJob<'_> {
+    type Output = anyhow::Result<TrainSummary>;
+
+    fn run<M: CausalLm>(self, model: M) -> anyhow::Result<TrainSummary> {
+        let context = self.data.context();
+        let samples = |model: &M| {
+            let prompt = self.data.sampler.batch(0, 1, &Device::flex()).into_data().convert::<i64>();
+            let prompt: Vec<u32> =
+                prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
+            let out = model.generate(&prompt, 48, context, Sampling::top_k(0.8, 40), &[], &mut 0x5EED)?;
+            let text = |ids: &[u32]| self.tokenizer.decode(ids).unwrap_or_else(|e| e.to_string());
+            let continuation = self.tokenizer.decode_continuation(&prompt, &out).unwrap_or_else(|e| e.to_string());
+            Ok(vec![format!("{}|{continuation}", text(&prompt))])
+        };
+        let num_params = ParamCount::trainable(&model);
+        let task = Task { num_params, init: model, data: self.data, samples: &samples, files: self.files };
+        train_model(self.plan, self.settings, self.options, task, self.log, self.progress)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zerotrain_models::text::tokens::TokenFileWriter;
+
+    /// A token file of `n` tokens `0, 1, 2, ...` (mod 1000) in documents of 50.
+    fn counting_file(name: &str, n: u32) -> Arc<TokenFile> {
+        let dir = std::env::temp_dir().join(format!("zerotrain-tokendata-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut writer = TokenFileWriter::create(&dir.join("t.tokens"), 1000, 999, 1).unwrap();
+        let ids: Vec<u32> = (0..n).map(|i| i % 999).collect();
+        for doc in ids.chunks(49) {
+            writer.document(doc).unwrap();
+        }
+        let file = writer.finish(0.05).unwrap();
+        file.verify().unwrap();
+        Arc::new(file)
+    }
+
+    fn data(file: &Arc<TokenFile>, global_batch: u64) -> TokenData {
+        let sampler = TokenSampler::new(Arc::clone(file), 8, 7).unwrap();
+        TokenData { sampler, file: Arc::clone(file), global_batch, base: Mutex::new((0, 0)) }
+    }
+
+    fn rows(t: Tensor<2, Int>) -> Vec<Vec<i64>> {
+        let [n, w] = t.dims();
+        let flat = t.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
+        (0..n).map(|i| flat[i * w..(i + 1) * w].to_vec()).collect()
+    }
+
+    /// Samples continue where the checkpoint says however the next run splits its batches
+    /// (ranks, micro-batches) and whatever its global batch; every window is a run of
+    /// consecutive tokens, and an epoch visits every window once.
+    #[test]
+    fn a_resumed_run_draws_the_samples_after_the_recorded_position() {
+        let file = counting_file("resume", 4000);
+        let device = Device::flex();
+        let a = data(&file, 8);
+        // Run A: steps 0..6, each global batch of 8 as 2 ranks x 4.
+        let mut drawn = Vec::new();
+        for step in 0..6 {
+            for rank in 0..2 {
+                drawn.extend(rows(a.batch(step, rank * 4, 4, &device)));
+            }
+        }
+        let record = a.position(3);
+        assert_eq!(record["samples"], 24);
+        // Run B resumes after step 3 with a global batch of 4 on one rank.
+        let b = data(&file, 4);
+        b.resume(&record, 3).unwrap();
+        let mut again = Vec::new();
+        for step in 3..9 {
+            again.extend(rows(b.batch(step, 0, 4, &device)));
+        }
+        assert_eq!(again, drawn[24..48]);
+        assert_eq!(b.position(9)["samples"], 48);
+        for row in &drawn {
+            let text: Vec<i64> = row.iter().copied().filter(|&t| t != 999).collect();
+            assert!(text.windows(2).all(|p| p[1] == (p[0] + 1) % 999), "consecutive but for end tokens: {row:?}");
+        }
+        let n = a.sampler.windows() as u64;
+        let mut starts: Vec<usize> = (0..n).map(|k| a.sampler.start(k)).collect();
+        starts.sort_unstable();
+        assert_eq!(starts, (0..n as usize).map(|w| w * 8).collect::<Vec<_>>(), "one epoch, every window once");
+        let other = counting_file("other", 3000);
+        let err = data(&other, 8).resume(&record, 3).unwrap_err().to_string();
+        assert!(err.contains("the checkpoint was trained on"), "{err}");
+    }
+
+    /// A position read from a damaged manifest is refused for what it is: no record, a
+    /// malformed one, or one out of range (2^64 - 1 samples once overflowed the sampler).
+    #[test]
+    fn a_damaged_position_is_refused_for_what_it_is() {
+        let file = counting_file("damaged", 2000);
+        let d = data(&file, 8);
+        let crc = u64::from(file.checksum());
+        let err = |record: serde_json::Value| d.resume(&record, 3).unwrap_err().to_string();
+        assert!(err(serde_json::Value::Null).contains("records no position"));
+        assert!(err(serde_json::json!({"step": 3})).contains("records no position"));
+        assert!(err(serde_json::json!({"checksum": crc, "samples": "24"})).contains("is malformed"));
+        assert!(err(serde_json::json!({"checksum": crc, "samples": -1})).contains("is malformed"));
+        let far = err(serde_json::json!({"checksum": crc, "samples": u64::MAX}));
+        assert!(far.contains("out of range (sample 18446744073709551615"), "{far}");
+        d.resume(&serde_json::json!({"checksum": crc, "samples": 1u64 << 48}), 3).unwrap();
+        assert_eq!(rows(d.batch(4, 0, 1, &Device::flex())).len(), 1, "the furthest position still samples");
+    }
+
+    /// A text given to `train --data` is tokenized by the first process to ask (under
+    /// mpirun every process asks at once): the others, and a later run, open the same file
+    /// instead of writing it again; a changed text is tokenized again.
+    #[test]
+    fn a_text_is_tokenized_once_however_many_processes_ask() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("zerotrain-tokenized-once-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let bpe = zerotrain_models::text::train_byte_level_bpe(["the rank holds a shard"].into_iter(), 300).unwrap();
+        bpe.save(dir.join("tokenizer.json"), false).unwrap();
+        let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let text = dir.join("text.txt");
+        std::fs::write(&text, "the rank holds a shard\n\n".repeat(400)).unwrap();
+        let out = dir.join("run");
+        let checksums: Vec<u32> = std::thread::scope(|s| {
+            let asks: Vec<_> = (0..3).map(|_| s.spawn(|| tokenized_once(&text, &tokenizer, &out).unwrap())).collect();
+            asks.into_iter().map(|a| a.join().unwrap().checksum()).collect()
+        });
+        assert!(checksums.iter().all(|&c| c == checksums[0]), "{checksums:?}");
+        let inode = || std::fs::metadata(out.join("data.tokens")).unwrap().ino();
+        let first = inode();
+        tokenized_once(&text, &tokenizer, &out).unwrap();
+        assert_eq!(inode(), first, "a later run opens the file it finds");
+        std::fs::write(&text, "a shard holds the rank\n\n".repeat(300)).unwrap();
+        let again = tokenized_once(&text, &tokenizer, &out).unwrap();
+        assert_ne!((inode(), again.checksum()), (first, checksums[0]), "another text, another token file");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

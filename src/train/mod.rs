@@ -1,0 +1,342 @@
+//! The main job behind `zerotrain train`: the built-in [`Gpt`] on a character corpus, every
+//! rank a thread, rank 0 reporting. Outputs go to the run folder: `metrics.jsonl`,
+//! `loss.png` and `checkpoints/`.
+
+mod folder_lock;
+pub mod hf;
+mod memory;
+mod metrics;
+mod samples;
+mod task;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use burn::tensor::Device;
+use zerotrain_zero::ReduceOp;
+
+use self::folder_lock::lock_run_folder;
+pub(crate) use self::folder_lock::open_lock_file;
+pub use self::folder_lock::{LOCK_FILE, lock_file_name};
+pub use zerotrain_models::hf::size::available_memory;
+use self::memory::check_memory;
+pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
+use self::task::CorpusData;
+pub(crate) use self::task::Handout;
+pub use self::task::{Task, TrainData};
+use anyhow::{Context, bail};
+
+use zerotrain::Trainer;
+use zerotrain_models::data::Corpus;
+use crate::keys::AppSettings;
+use zerotrain_models::{Gpt, GptConfig};
+use zerotrain::engine::UnitModel;
+use zerotrain::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
+use burn::tensor::{Int, Tensor};
+
+/// Lines in the generated arithmetic corpus.
+const ARITHMETIC_LINES: usize = 40_000;
+/// Validation sequences per measurement.
+const VALIDATION_SEQUENCES: u64 = 32;
+
+/// What `zerotrain train` was asked to do.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Optimizer steps to reach.
+    pub steps: u64,
+    /// The run folder.
+    pub out: PathBuf,
+    /// Continue from `<out>/checkpoints/latest`.
+    pub resume: bool,
+    /// Checkpoint interval, overriding `zerotrain.checkpoint_every` (0: only at the end).
+    pub save_every: Option<u64>,
+    /// Set (by SIGINT or SIGTERM) to finish the current step, save and stop.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// What a run did, for the final summary.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// The step the run started after (0, or the resumed step).
+    pub first_step: u64,
+    /// The step it ended at.
+    pub last_step: u64,
+    /// Stopped early by SIGINT or SIGTERM.
+    pub interrupted: bool,
+    /// Validation loss at the start and the end.
+    pub val_loss: (f32, f32),
+    /// Wall time of the training loop, seconds.
+    pub seconds: f64,
+    /// Training tokens per second over all ranks.
+    pub tokens_per_s: f64,
+    /// Trainable parameters.
+    pub num_params: usize,
+    /// Each rank's model-state memory at the end.
+    pub memory: Vec<MemoryReport>,
+    /// Bytes rank 0 moved per step (mean).
+    pub comm_bytes_per_step: u64,
+    /// Text the trained model wrote.
+    pub samples: Vec<String>,
+    /// Where the metrics, plot and checkpoints are.
+    pub out: PathBuf,
+}
+
+/// The corpus the options name (generated from `seed`, or read from `data`), checked
+/// against the model's context; and the model's shape with its vocabulary filled in.
+pub fn load_corpus(model: &GptConfig, seed: u64, data: Option<&Path>) -> anyhow::Result<(Corpus, GptConfig)> {
+    let corpus = match data {
+        Some(path) => Corpus::from_file(path)?,
+        None => Corpus::arithmetic(ARITHMETIC_LINES, seed),
+    };
+    corpus.check(model.block_size)?;
+    let vocab = corpus.vocab.len();
+    let model = match model.vocab_size {
+        0 => GptConfig { vocab_size: vocab, ..*model },
+        n if n < vocab => bail!("model.vocab_size is {n} but {} has {vocab} distinct characters", corpus.name),
+        _ => *model,
+    };
+    model.validate().map_err(anyhow::Error::msg)?;
+    Ok((corpus, model))
+}
+
+/// Runs the main job; `log` receives rank 0's lines, `progress` its per-step updates.
+pub fn train_gpt(
+    plan: &Plan,
+    settings: &AppSettings,
+    options: &TrainOptions,
+    (corpus, shape): (&Corpus, GptConfig),
+    log: &(dyn Fn(&str) + Sync),
+    progress: &(dyn Fn(&StepMetrics) + Sync),
+) -> anyhow::Result<TrainSummary> {
+    check_memory(plan, shape.num_params())?;
+    let device = Device::flex().autodiff();
+    device.seed(plan.runtime.seed);
+    let data = CorpusData { corpus, context: shape.block_size, seed: plan.runtime.seed };
+    let samples = |model: &Gpt| samples::write_samples(model, corpus, &shape);
+    let init = Gpt::new(&shape, &device);
+    let task = Task { init, num_params: shape.num_params(), data: &data, samples: &samples, files: Vec::new() };
+    train_model(plan, settings, options, task, log, progress)
+}
+
+/// Trains `task`'s model as the main job does: resume, train, validate, checkpoint, plot.
+pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static>(
+    plan: &Plan,
+    settings: &AppSettings,
+    options: &TrainOptions,
+    task: Task<'_, M>,
+    log: &(dyn Fn(&str) + Sync),
+    progress: &(dyn Fn(&StepMetrics) + Sync),
+) -> anyhow::Result<TrainSummary> {
+    let ckpt_dir = options.out.join("checkpoints");
+    std::fs::create_dir_all(&options.out).with_context(|| format!("cannot create {}", options.out.display()))?;
+    let _lock = lock_run_folder(&options.out)?;
+    let resume_tag = zerotrain::resume_point(&ckpt_dir, options.resume).map_err(|e| match (e, options.resume) {
+        (Error::Usage(_), false) => anyhow::anyhow!(
+            "{} holds checkpoints of an earlier run: continue it with --resume, or choose another --out (nothing \
+             was changed)",
+            ckpt_dir.display()
+        ),
+        (Error::Usage(message), true) => anyhow::anyhow!("--resume: {message}"),
+        (other, _) => other.into(),
+    })?;
+    check_memory(plan, task.num_params)?;
+    if !task.files.is_empty() {
+        std::fs::create_dir_all(&ckpt_dir).with_context(|| format!("cannot create {}", ckpt_dir.display()))?;
+    }
+    for (name, contents) in &task.files {
+        zerotrain_models::family::export::write_atomically(&ckpt_dir.join(name), contents)?;
+    }
+    let every = options.save_every.unwrap_or(settings.checkpoint_every);
+    let eval_every = settings.eval_every;
+    let files = zerotrain_models::family::companions::record(&task.files);
+    let Task { init, num_params: _, data, samples, files: _ } = task;
+    let job = Job { plan, options, data, samples, ckpt_dir, resume_tag, every, eval_every, files, log, progress };
+    let init = Handout::new(init, plan);
+    let results = launch(plan, |ctx| job.run_rank(init.take(), &ctx))?;
+    let memory = results.iter().map(|s| s.memory[0]).collect();
+    let mut summary = results.into_iter().next().expect("at least one rank");
+    summary.memory = memory;
+    Ok(summary)
+}
+
+/// One `train_model` call, shared by its rank threads.
+struct Job<'a, M> {
+    plan: &'a Plan,
+    options: &'a TrainOptions,
+    data: &'a dyn TrainData,
+    samples: &'a (dyn Fn(&M) -> zerotrain::Result<Vec<String>> + Sync),
+    ckpt_dir: PathBuf,
+    /// The checkpoint to resume from: `Some(None)` for `latest`, `Some(Some(tag))` for a tag.
+    resume_tag: Option<Option<String>>,
+    /// Checkpoint interval in steps (0: only at the end).
+    every: u64,
+    /// Validation interval in steps.
+    eval_every: u64,
+    /// The checksums of the files beside the checkpoints, which every checkpoint records
+    /// (`family::companions`); `Null` for none.
+    files: serde_json::Value,
+    log: &'a (dyn Fn(&str) + Sync),
+    progress: &'a (dyn Fn(&StepMetrics) + Sync),
+}
+
+impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
+    /// One rank's whole run: resume, train to `options.steps` (or a stop signal), save, sample.
+    fn run_rank(&self, init: M, ctx: &RankContext) -> Result<TrainSummary> {
+        let (plan, options) = (self.plan, self.options);
+        let context = self.data.context();
+        let mut engine = zerotrain::trainer(init, plan, ctx)?;
+        if let Some(tag) = &self.resume_tag {
+            let client = engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
+            let step = engine.counters().global_steps;
+            self.data.resume(&client["data"], step).map_err(|e| Error::Resume(format!("{e:#}")))?;
+        }
+        let first_step = engine.counters().global_steps;
+        let lead = ctx.rank() == 0;
+        let metrics_path = options.out.join("metrics.jsonl");
+        let mut log_file =
+            if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io(&metrics_path))?) } else { None };
+        let validation = self.data.validation(ctx.device());
+        let val_loss = |engine: &mut Box<dyn Trainer<M>>| engine.evaluate(&validation);
+        let initial_val = val_loss(&mut engine)?;
+        let tokens_per_step = (plan.batch.train_batch_size * context as u64) as f64;
+        let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
+        let (mut step, mut last_saved, mut interrupted) = (first_step, first_step, false);
+        while step < options.steps {
+            let step_start = Instant::now();
+            let report = self.train_step(engine.as_mut(), step, ctx)?;
+            step = report.global_step;
+            let val =
+                (step % self.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
+            let metrics = StepMetrics {
+                step,
+                loss: report.loss,
+                lr: report.lr,
+                loss_scale: report.loss_scale,
+                grad_norm: report.grad_norm,
+                tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
+                skipped: report.skipped,
+                val_loss: val,
+                comm_bytes: report.comm_bytes,
+                rounds: engine.rounds(),
+                live_groups: engine.last_round().map(|r| r.live_groups),
+                staleness: engine.last_round().map(|r| r.staleness),
+                global_round: engine.last_round().and_then(|r| r.global_round),
+            };
+            if let Some(file) = &mut log_file {
+                file.push(&metrics).map_err(io(&metrics_path))?;
+                (self.progress)(&metrics);
+                // Once a stop signal has arrived, no more step lines: under mpirun the
+                // launcher stops draining the ranks' output as it shuts down, and a rank
+                // blocked on a full stdout pipe would never reach its save.
+                if step % plan.runtime.steps_per_print == 0 && !options.stop.load(Ordering::Relaxed) {
+                    self.print_step(&metrics, &report, engine.counters().skipped_steps);
+                }
+            }
+            if self.every > 0 && step % self.every == 0 {
+                self.save(engine.as_mut(), step)?;
+                last_saved = step;
+            }
+            if stop_requested(&options.stop, ctx)? {
+                interrupted = true;
+                break;
+            }
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let comm_bytes_per_step = (engine.comm_stats().total_bytes() - comm_start) / (step - first_step).max(1);
+        // A run of no steps saves the model it starts from (`--steps 0`: a fresh model to
+        // export), as it says it does.
+        if step > last_saved || self.resume_tag.is_none() && step == 0 {
+            self.save(engine.as_mut(), step)?;
+        }
+        let final_val = val_loss(&mut engine)?;
+        let model = engine.gather_model(0)?;
+        let samples = model.map(|model| (self.samples)(&model)).transpose()?.unwrap_or_default();
+        if let Some(file) = &mut log_file {
+            let all = file.read_all().map_err(io(&metrics_path))?;
+            let png = options.out.join("loss.png");
+            plot(&all, &png).map_err(|e| io(&png)(std::io::Error::other(e)))?;
+        }
+        Ok(TrainSummary {
+            first_step,
+            last_step: step,
+            interrupted,
+            val_loss: (initial_val, final_val),
+            seconds,
+            tokens_per_s: (step - first_step) as f64 * tokens_per_step / seconds.max(1e-9),
+            num_params: engine.num_params(),
+            memory: vec![engine.memory_report()],
+            comm_bytes_per_step,
+            samples,
+            out: options.out.clone(),
+        })
+    }
+
+    /// The optimizer step after `step`: every micro-batch of this rank, then the update.
+    /// Data-parallel rank `d`'s micro-step `i` reads sequences `(i·D + d)·micro ..` of the
+    /// step's batch, `D` the data-parallel ranks (every stage of one pipeline reads the same
+    /// micro-batches).
+    fn train_step(&self, engine: &mut dyn Trainer<M>, step: u64, ctx: &RankContext) -> Result<StepReport> {
+        let b = &self.plan.batch;
+        let (n, d) = (engine.data_parallel_size() as u64, engine.data_parallel_rank() as u64);
+        engine.train_batch(&mut |micro| {
+            let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
+            self.data.batch(step, first, b.micro_batch_per_rank, ctx.device())
+        })
+    }
+
+    /// DeepSpeed's per-step log line (and the time breakdown when `wall_clock_breakdown`).
+    fn print_step(&self, m: &StepMetrics, report: &StepReport, skipped_steps: u64) {
+        (self.log)(&format!(
+            "[Rank 0] step={}, skipped={skipped_steps}, lr=[{:.6e}], loss={:.5}, grad_norm={:.4}, loss_scale={}, tokens/s={:.0}{}",
+            m.step,
+            m.lr,
+            m.loss,
+            m.grad_norm,
+            report.next_loss_scale,
+            m.tokens_per_s,
+            m.val_loss.map(|v| format!(", val_loss={v:.5}")).unwrap_or_default()
+        ));
+        if self.plan.runtime.wall_clock_breakdown {
+            let t = report.times;
+            let ms = |s: f64| s * 1e3;
+            (self.log)(&format!(
+                "[Rank 0] time (ms) | forward: {:.2} | backward: {:.2} | reduce: {:.2} | optimizer: {:.2} | gather: {:.2}",
+                ms(t.forward),
+                ms(t.backward),
+                ms(t.reduce),
+                ms(t.optimizer),
+                ms(t.gather)
+            ));
+        }
+    }
+
+    /// Saves a checkpoint tagged with the step, its client state `{"step": step}` and,
+    /// where the data has one, its position (`"data"`).
+    fn save(&self, engine: &mut dyn Trainer<M>, step: u64) -> Result<()> {
+        let mut client = serde_json::json!({ "step": step });
+        let position = self.data.position(step);
+        if !position.is_null() {
+            client["data"] = position;
+        }
+        if !self.files.is_null() {
+            client[zerotrain_models::family::companions::KEY] = self.files.clone();
+        }
+        engine.save_checkpoint(&self.ckpt_dir, None, client)?;
+        Ok(())
+    }
+}
+
+/// Whether any rank saw SIGINT or SIGTERM. The signal reaches each rank (thread, or process
+/// under mpirun, where a scheduler may signal only some) at a different moment,
+/// so the ranks agree (an all-reduce MAX) before acting on it.
+fn stop_requested(stop: &AtomicBool, ctx: &RankContext) -> Result<bool> {
+    let mut flag = [if stop.load(Ordering::Relaxed) { 1.0f32 } else { 0.0 }];
+    ctx.collective().all_reduce((&mut flag[..]).into(), ReduceOp::Max)?;
+    Ok(flag[0] > 0.0)
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), cause: source }
+}
