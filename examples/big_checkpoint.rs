@@ -7,8 +7,8 @@
 //! ```
 
 use burn::tensor::Device;
-use zerotrain_models::{Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Overrides, launch};
+use zerotrain_models::{Mlp, RegressionTask};
 
 fn main() {
     let mut args = std::env::args().skip(1);

@@ -72,7 +72,6 @@ impl ModelKeys {
     }
 }
 
-
 /// `zerotrain.checkpoint_every` and `zerotrain.eval_every`.
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
 pub struct JobKeys {

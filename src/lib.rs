@@ -16,6 +16,7 @@ pub mod bench;
 mod cli;
 mod commands;
 pub mod keys;
+mod processes;
 pub mod train;
 
 use std::process::ExitCode;
@@ -32,7 +33,7 @@ pub fn main() -> ExitCode {
     // Jobs that talk over sockets keep SIGPIPE ignored: a parameter server that dies under
     // a worker's write must be an error the worker handles (it reconnects), not a silent
     // death by signal.
-    if !matches!(cli.command, Command::Train { .. } | Command::Serve { .. }) {
+    if !matches!(cli.command, Command::Train { .. } | Command::Serve { .. } | Command::Launch { .. }) {
         end_quietly_on_a_closed_pipe();
     }
     match run(cli) {
@@ -145,6 +146,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             commands::bench::bench_memory(millions, layers, stage, world_size, mode, nvme.as_deref())
         }
         Command::Consolidate(args) => commands::consolidate(args),
+        Command::Launch(args) => commands::launch::launch(args),
         Command::Generate(args) => commands::generate::generate(args),
         Command::Tokenize(args) => commands::tokenize::tokenize(args),
         Command::Eval(args) => commands::eval::eval(args),

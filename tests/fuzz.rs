@@ -12,12 +12,12 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use serde_json::Value;
-use zerotrain_cli::keys::AppKeys;
-use zerotrain::config::{ComputeDevice, MpirunEnvironment};
+use zerotrain::config::{ComputeDevice, LauncherEnvironment, MpirunEnvironment};
 use zerotrain::{Config, Overrides};
 use zerotrain_checkpoint::{
     Checkpoint, FORMAT_VERSION, LayoutEntry, Manifest, commit, prepare, write_buffers, write_shard,
 };
+use zerotrain_cli::keys::AppKeys;
 use zerotrain_precision::Precision;
 
 const FUZZ_CASES_DEFAULT: u32 = 300;
@@ -224,10 +224,13 @@ fn overrides() -> impl Strategy<Value = Overrides> {
         Just(Some(ComputeDevice::Wgpu)),
         Just(Some(ComputeDevice::Cuda))
     ];
-    (sizes, steps, mpirun, device).prop_map(|(world_size, total_steps, mpirun, device)| Overrides {
+    let launcher =
+        prop_oneof![Just(None), (1usize..5).prop_map(|n| Some(LauncherEnvironment { rank: n - 1, world_size: n }))];
+    (sizes, steps, mpirun, launcher, device).prop_map(|(world_size, total_steps, mpirun, launcher, device)| Overrides {
         world_size,
         total_steps,
         mpirun,
+        launcher,
         device,
     })
 }

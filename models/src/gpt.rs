@@ -274,8 +274,8 @@ impl UnitModel for Gpt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use zerotrain::engine::ParamCount;
     use burn::tensor::TensorData;
+    use zerotrain::engine::ParamCount;
 
     #[test]
     fn the_parameter_formula_counts_the_built_model() {

@@ -10,9 +10,9 @@ use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
 use zerotrain_zero::{Sharding, ZeroStage};
 
 use super::RunMode;
+use zerotrain::{Engine, PhaseTimes, Plan, Result, launch};
 use zerotrain_models::data::{Corpus, windows};
 use zerotrain_models::{Gpt, GptConfig};
-use zerotrain::{Engine, PhaseTimes, Plan, Result, launch};
 
 /// The benchmark model: a 4-layer GPT of width 128 (about 0.8M parameters).
 pub fn bench_model(vocab: usize) -> GptConfig {

@@ -12,9 +12,9 @@ use serde::Serialize;
 
 use super::RunMode;
 use super::engine::{median, median_times};
-use zerotrain_models::{Gpt, GptConfig};
 use zerotrain::config::ComputeDevice;
 use zerotrain::{Error, PhaseTimes, Result, launch};
+use zerotrain_models::{Gpt, GptConfig};
 
 /// What `bench gpu` measures.
 #[derive(Debug, Clone, Serialize)]
@@ -200,7 +200,13 @@ impl GpuBench {
     }
 
     /// The engine row `variant` on `ctx`'s device.
-    fn engine(&self, variant: Variant, init: &Gpt, plan: &zerotrain::Plan, ctx: &zerotrain::RankContext) -> Result<GpuRow> {
+    fn engine(
+        &self,
+        variant: Variant,
+        init: &Gpt,
+        plan: &zerotrain::Plan,
+        ctx: &zerotrain::RankContext,
+    ) -> Result<GpuRow> {
         let Variant { stage, mode, recompute_units } = variant;
         let device = ctx.device();
         let mut engine = mode.engine(init.clone(), plan, ctx)?;

@@ -17,7 +17,11 @@ use zerotrain::{Engine, Result};
 pub fn resolve(json: &str, world_size: usize) -> Result<zerotrain::Plan> {
     let mpirun = zerotrain::detect_mpirun();
     let world_size = if mpirun.is_some() { None } else { Some(world_size) };
-    Ok(zerotrain::Config::parse(json, "bench")?.resolve(zerotrain::Overrides { world_size, mpirun, ..Default::default() })?)
+    Ok(zerotrain::Config::parse(json, "bench")?.resolve(zerotrain::Overrides {
+        world_size,
+        mpirun,
+        ..Default::default()
+    })?)
 }
 
 /// How a benchmark runs its model through the engine.
@@ -49,7 +53,12 @@ impl RunMode {
     }
 
     /// The engine for `model` in this mode.
-    pub fn engine<M: UnitModel>(self, model: M, plan: &zerotrain::Plan, ctx: &zerotrain::RankContext) -> Result<Engine<M>> {
+    pub fn engine<M: UnitModel>(
+        self,
+        model: M,
+        plan: &zerotrain::Plan,
+        ctx: &zerotrain::RankContext,
+    ) -> Result<Engine<M>> {
         match self {
             Self::OneUnit => Engine::new(model, plan, ctx),
             _ => Engine::with_units(model, plan, ctx),

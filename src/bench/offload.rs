@@ -72,8 +72,8 @@ pub struct GptShape {
 /// at a time.
 pub fn run_gpt(shape: GptShape, steps: u64, lr: f64, nvme: Option<&Path>) -> anyhow::Result<GptOffloadReport> {
     let GptShape { layers, width, tokens } = shape;
-    use zerotrain_models::{Gpt, GptConfig};
     use burn::tensor::{Int, Tensor, TensorData};
+    use zerotrain_models::{Gpt, GptConfig};
     let shape = GptConfig {
         n_layer: layers,
         n_head: (width / 128).max(1),

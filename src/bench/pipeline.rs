@@ -7,8 +7,8 @@ use burn::tensor::Device;
 use serde::Serialize;
 use zerotrain_zero::pipeline::bubble_fraction;
 
-use zerotrain_models::{Mlp, RegressionTask};
 use zerotrain::{Engine, Plan, Result, launch};
+use zerotrain_models::{Mlp, RegressionTask};
 
 /// The benchmark model: an MLP of `LAYERS` equal layers (balanced stages), one unit each.
 const LAYERS: usize = 8;

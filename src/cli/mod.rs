@@ -21,6 +21,10 @@ pub enum Command {
     /// Train the config's model: the built-in GPT on generated arithmetic (the main job), or
     /// a Hugging Face family's model (`model.hf_dir` / `model.hf_config`) on --data.
     Train(crate::commands::TrainArgs),
+    /// Start this node's ranks as processes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    /// MASTER_PORT set, as torchrun does) and supervise them: `zerotrain launch
+    /// --nproc-per-node N -- train --config FILE`. The ranks train on CUDA GPUs over NCCL.
+    Launch(crate::commands::launch::LaunchArgs),
     /// Run a parameter server for replica groups that are separate jobs (each trains with
     /// `local_sgd.servers` naming this address and its own `local_sgd.group`), until
     /// Ctrl-C or SIGTERM.

@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use zerotrain::Config;
 use crate::bench::RunMode;
+use zerotrain::Config;
 
 use super::{overrides, proc_status_kib};
 
@@ -40,7 +40,7 @@ pub fn bench_servers(params: f64, dtype: &str, repeats: usize, json: bool) -> an
 pub fn bench_collectives(world_sizes: &[usize], max_mib: usize, repeats: usize, json: bool) -> anyhow::Result<()> {
     let sizes: Vec<usize> =
         std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s <= max_mib << 20).collect();
-    let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?.resolve(overrides(None, None))?;
+    let plan = Config::parse(r#"{"train_micro_batch_size_per_gpu": 1}"#, "bench")?.resolve(overrides(None, None)?)?;
     let rows = if plan.runtime.backend == zerotrain::config::Backend::Mpi {
         // Under mpirun: every process joins the MPI measurement; rank 0 then measures the
         // threads backend with as many ranks, in this process, while the others wait.
@@ -162,8 +162,8 @@ pub fn bench_memory(
     mode: RunMode,
     nvme: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
-    use zerotrain_models::{Mlp, RegressionTask};
     use burn::tensor::Device;
+    use zerotrain_models::{Mlp, RegressionTask};
     let width = ((millions as f64 * 1e6 / layers.max(1) as f64).sqrt()) as usize;
     let checkpointing = mode.config_keys();
     let offload = match nvme {
@@ -185,7 +185,7 @@ pub fn bench_memory(
         r#"{{ {checkpointing} "train_micro_batch_size_per_gpu": 1,
              "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0 {offload}}}}}"#
     );
-    let plan = Config::parse(&json, "bench")?.resolve(overrides(Some(world_size), None))?;
+    let plan = Config::parse(&json, "bench")?.resolve(overrides(Some(world_size), None)?)?;
     let task = RegressionTask { seq_len: 1, features: width };
     let rows = zerotrain::launch(&plan, |ctx| {
         // Built inside the rank: under mpirun each process is one rank, and no copy of the

@@ -8,7 +8,7 @@ use crate::keys;
 
 /// `zerotrain config check`.
 pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, json: bool) -> anyhow::Result<()> {
-    let (plan, settings) = keys::load(file, overrides(world_size, steps))?;
+    let (plan, settings) = keys::load(file, overrides(world_size, steps)?)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

@@ -53,7 +53,8 @@ pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
         "safetensors" => {}
         "hf" => {
             let max = parse_size(&max_shard_size)?;
-            let e = zerotrain_models::family::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
+            let e =
+                zerotrain_models::family::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
             println!(
                 "wrote {}: {} tensors, {} bytes ({}) in {} shard(s), config.json and the tokenizer; peak RSS {}",
                 out.display(),

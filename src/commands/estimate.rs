@@ -162,8 +162,9 @@ fn model_size(
 /// Whether `file` is a Hugging Face `config.json` (it names a `model_type`) rather than a
 /// training config; unreadable files are left to the training config's reader to report.
 fn is_hf_config(file: &std::path::Path) -> bool {
-    let parsed =
-        zerotrain_models::file_error::read_file(file).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    let parsed = zerotrain_models::file_error::read_file(file)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
     parsed.is_some_and(|v| v.get("model_type").is_some())
 }
 

@@ -9,12 +9,12 @@ use anyhow::{Context, bail};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use zerotrain_zero::ReduceOp;
 
-use zerotrain_models::family::load::load_model;
-use zerotrain_models::family::{WithModel, companions};
 use crate::keys;
-use zerotrain_models::CausalLm;
 use crate::train::Handout;
 use zerotrain::{LoadOptions, Overrides, Plan};
+use zerotrain_models::CausalLm;
+use zerotrain_models::family::load::load_model;
+use zerotrain_models::family::{WithModel, companions};
 
 /// What `zerotrain eval` was asked.
 #[derive(Debug, Clone, clap::Args)]

@@ -7,13 +7,13 @@ use anyhow::bail;
 use burn::tensor::Device;
 use serde_json::Value;
 
+use crate::keys;
+use zerotrain::{LoadOptions, Overrides, Plan};
 use zerotrain_models::family::load::{LoadedModel, load_model};
 use zerotrain_models::family::{WithModel, companions};
 use zerotrain_models::file_error::{FileError, read_optional_json};
 use zerotrain_models::hf;
-use crate::keys;
 use zerotrain_models::{CausalLm, Sampling};
-use zerotrain::{LoadOptions, Overrides, Plan};
 
 /// What `zerotrain generate` was asked.
 #[derive(Debug, Clone, clap::Args)]

@@ -6,6 +6,7 @@ mod checkpoints;
 pub mod estimate;
 pub mod eval;
 pub mod generate;
+pub mod launch;
 mod serve;
 pub mod tokenize;
 
@@ -19,21 +20,21 @@ pub use self::checkpoints::{ConsolidateArgs, consolidate, inspect};
 pub use self::serve::serve;
 use crate::keys;
 use crate::train::{StepMetrics, TrainOptions, TrainSummary};
-use zerotrain::{Overrides, detect_mpirun};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use zerotrain::{Overrides, detect_mpirun};
 
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
-    let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps)) };
+    let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps))? };
     let (plan, settings) = keys::load_as_group(&args.config, overrides, &args.servers, args.group)?;
     if let Some(warning) = plan.warning() {
         eprintln!("warning: {warning}");
     }
     let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
-    // Under mpirun every process runs this; rank 0 alone speaks.
-    let lead = detect_mpirun().is_none_or(|m| m.rank == 0);
+    // In a job of processes every process runs this; rank 0 alone speaks.
+    let lead = crate::processes::place().is_none_or(|(rank, _)| rank == 0);
     let say = |line: String| {
         if lead {
             println!("{line}");
@@ -49,7 +50,8 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let job = if settings.hf.is_some() {
         let device = burn::tensor::Device::flex().autodiff();
         device.seed(plan.runtime.seed);
-        let mut loaded = zerotrain_models::family::load::load_model(&settings.hf_model(&args.config)?, &args.config, &device, None)?;
+        let mut loaded =
+            zerotrain_models::family::load::load_model(&settings.hf_model(&args.config)?, &args.config, &device, None)?;
         let micro = plan.batch.micro_batch_per_rank;
         let (context, notice) =
             zerotrain_models::family::load::training_context(&loaded, micro, settings.block_size.is_some());
@@ -133,9 +135,11 @@ enum TrainJob {
     Hf(Box<zerotrain_models::family::load::LoadedModel>, zerotrain_models::text::tokens::TokenFile),
 }
 
-/// The command line's overrides, plus what the launcher's environment says.
-pub fn overrides(world_size: Option<usize>, total_steps: Option<u64>) -> Overrides {
-    Overrides { world_size, total_steps, mpirun: detect_mpirun(), device: None }
+/// The command line's overrides, plus what the launcher's environment says (`mpirun`'s, or
+/// another launcher's: a malformed variable of theirs is an error naming it).
+pub fn overrides(world_size: Option<usize>, total_steps: Option<u64>) -> anyhow::Result<Overrides> {
+    let launcher = zerotrain::detect_launcher()?;
+    Ok(Overrides { world_size, total_steps, mpirun: detect_mpirun(), launcher, device: None })
 }
 
 /// `zerotrain train`'s arguments (see `cli::Command::Train`).

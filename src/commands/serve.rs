@@ -8,7 +8,7 @@ use crate::keys;
 pub fn serve(file: &Path, listen: std::net::SocketAddr, checkpoint: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     // A server trains nothing: a schedule's "auto" length, the world size and mpirun do
     // not matter to it.
-    let only_groups = zerotrain::Overrides { world_size: None, total_steps: Some(1 << 30), mpirun: None, device: None };
+    let only_groups = zerotrain::Overrides { total_steps: Some(1 << 30), ..zerotrain::Overrides::default() };
     let (plan, _) = keys::load(file, only_groups)?;
     let Some(replicas) = &plan.replicas else {
         anyhow::bail!("{}: no local_sgd section with groups: nothing to serve", file.display());

@@ -6,16 +6,16 @@ use std::path::Path;
 use anyhow::{Context, bail};
 
 /// The run folder's lock file: held for the whole run, so two trainers cannot write one
-/// folder. Under mpirun every process holds one, `.zerotrain.lock` for rank 0 and
+/// folder. Under mpirun (or a launcher) every process holds one, `.zerotrain.lock` for rank 0 and
 /// `.zerotrain.rank<r>.lock` for rank `r`: a second job in the same folder fails on the
 /// first rank the two share (rank 0 at least), and no process writes a folder it has not
 /// locked.
 pub const LOCK_FILE: &str = ".zerotrain.lock";
 
-/// The lock file of this process: [`LOCK_FILE`], or rank `r`'s under mpirun.
+/// The lock file of this process: [`LOCK_FILE`], or rank `r`'s in a job of processes.
 pub fn lock_file_name() -> String {
-    match zerotrain::detect_mpirun() {
-        Some(m) if m.rank != 0 => format!(".zerotrain.rank{}.lock", m.rank),
+    match crate::processes::place() {
+        Some((rank, _)) if rank != 0 => format!(".zerotrain.rank{rank}.lock"),
         _ => LOCK_FILE.to_string(),
     }
 }

@@ -11,18 +11,18 @@ use anyhow::{Context, bail};
 use burn::tensor::{Device, Int, Tensor};
 
 use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, train_model};
+use crate::keys::AppSettings;
 use zerotrain::Plan;
+use zerotrain::engine::ParamCount;
 use zerotrain_models::family::WithModel;
 use zerotrain_models::family::load::LoadedModel;
 use zerotrain_models::file_error::read_optional;
 use zerotrain_models::hf;
-use crate::keys::AppSettings;
-use zerotrain_models::{CausalLm, Sampling};
 use zerotrain_models::text::Tokenizer;
 use zerotrain_models::text::documents::Documents;
 use zerotrain_models::text::sampler::TokenSampler;
 use zerotrain_models::text::tokens::TokenFile;
-use zerotrain::engine::ParamCount;
+use zerotrain_models::{CausalLm, Sampling};
 
 /// The training data of a Hugging Face family's run: `data` as a token file, or a UTF-8
 /// text file (or JSON lines, as `tokenize` reads them) tokenized into `<out>/data.tokens`

@@ -11,7 +11,7 @@ use zerotrain_models::hf::size::available_memory;
 /// the stage's ZeRO formula, plus the initial copy of the model.
 pub(super) fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
     use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
-    let ranks_here = if zerotrain::detect_mpirun().is_some() { 1 } else { plan.world_size() as u64 };
+    let ranks_here = if crate::processes::place().is_some() { 1 } else { plan.world_size() as u64 };
     let cost = match plan.precision.compute {
         zerotrain_precision::Precision::Fp32 => BytesPerParam::FP32_ADAM,
         _ => BytesPerParam::MIXED_ADAM,

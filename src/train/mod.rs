@@ -20,21 +20,21 @@ use zerotrain_zero::ReduceOp;
 use self::folder_lock::lock_run_folder;
 pub(crate) use self::folder_lock::open_lock_file;
 pub use self::folder_lock::{LOCK_FILE, lock_file_name};
-pub use zerotrain_models::hf::size::available_memory;
 use self::memory::check_memory;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 use self::task::CorpusData;
 pub(crate) use self::task::Handout;
 pub use self::task::{Task, TrainData};
 use anyhow::{Context, bail};
+pub use zerotrain_models::hf::size::available_memory;
 
-use zerotrain::Trainer;
-use zerotrain_models::data::Corpus;
 use crate::keys::AppSettings;
-use zerotrain_models::{Gpt, GptConfig};
+use burn::tensor::{Int, Tensor};
+use zerotrain::Trainer;
 use zerotrain::engine::UnitModel;
 use zerotrain::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
-use burn::tensor::{Int, Tensor};
+use zerotrain_models::data::Corpus;
+use zerotrain_models::{Gpt, GptConfig};
 
 /// Lines in the generated arithmetic corpus.
 const ARITHMETIC_LINES: usize = 40_000;

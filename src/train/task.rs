@@ -77,7 +77,7 @@ impl<M: Clone> Handout<M> {
     /// `model` for the ranks `plan` runs in this process (all of them under threads, one
     /// under mpirun).
     pub(crate) fn new(model: M, plan: &Plan) -> Self {
-        let ranks = if zerotrain::detect_mpirun().is_some() { 1 } else { plan.world_size() };
+        let ranks = if crate::processes::place().is_some() { 1 } else { plan.world_size() };
         Self { left: std::sync::Mutex::new((ranks, Some(model))) }
     }
 
@@ -93,8 +93,8 @@ impl<M: Clone> Handout<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use zerotrain_models::{Gpt, GptConfig};
     use burn::module::{Module, ModuleVisitor, Param};
+    use zerotrain_models::{Gpt, GptConfig};
 
     /// Whether every float parameter of `model` holds a value.
     fn initialised<M: Module>(model: &M) -> bool {

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
-use zerotrain_models::{ConvNet, ImageTask, Mlp, RegressionTask};
 use zerotrain::{Config, Engine, Error, LoadOptions, Overrides, Plan, RankContext, launch};
+use zerotrain_models::{ConvNet, ImageTask, Mlp, RegressionTask};
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::collective::{CommStats, OpKind, convention_bytes};
 use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};

@@ -1,7 +1,7 @@
 //! The engine's counters, boundaries, lr sequence and usage errors.
 
-use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, launch};
+use zerotrain_models::Mlp;
 
 use crate::common::*;
 

@@ -7,8 +7,8 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain_models::{ConvNet, ImageTask};
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
+use zerotrain_models::{ConvNet, ImageTask};
 use zerotrain_precision::Precision;
 
 use crate::common::*;

@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
-use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
+use zerotrain_models::Mlp;
 
 use crate::common::*;
 

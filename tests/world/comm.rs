@@ -1,7 +1,7 @@
 //! Bytes communicated per step equal the stage's theoretical volume exactly.
 
-use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, launch};
+use zerotrain_models::Mlp;
 
 use crate::common::*;
 

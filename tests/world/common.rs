@@ -4,8 +4,8 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
-use zerotrain_models::{Batch, RegressionTask};
 use zerotrain::{Config, Overrides, Plan};
+use zerotrain_models::{Batch, RegressionTask};
 
 /// Note: building models in tests. Burn draws a parameter's initial values from Flex's
 /// process-wide RNG at the parameter's first access, not at construction. Tests run in

@@ -7,9 +7,9 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, FloatDType, Tensor};
-use zerotrain_models::Batch;
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Error, Plan, launch};
+use zerotrain_models::Batch;
 
 use crate::common::*;
 use crate::tiers::same;

@@ -3,8 +3,8 @@
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
-use zerotrain_models::{Batch, Mlp, TinyTransformer};
 use zerotrain::{Engine, Plan, launch};
+use zerotrain_models::{Batch, Mlp, TinyTransformer};
 
 use crate::common::*;
 

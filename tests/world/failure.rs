@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use zerotrain_models::Mlp;
 use zerotrain::{Engine, Error, Plan, launch};
+use zerotrain_models::Mlp;
 
 use crate::common::*;
 

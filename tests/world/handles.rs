@@ -8,10 +8,10 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor};
-use zerotrain_models::{Batch, Mlp};
 use zerotrain::engine::optimizer::{ExportedState, ShardGroup, ShardOptimizer};
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Engine, Error, LoadOptions, Plan, launch};
+use zerotrain_models::{Batch, Mlp};
 
 use crate::common::*;
 

@@ -7,8 +7,8 @@
 //! 2.57280).
 
 use burn::tensor::Device;
-use zerotrain_models::{Gpt, GptConfig};
 use zerotrain::{Error, Plan, launch};
+use zerotrain_models::{Gpt, GptConfig};
 
 use crate::common::*;
 

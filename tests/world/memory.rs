@@ -1,7 +1,7 @@
 //! `memory_report()` holds exactly what the ZeRO formulas say, plus padding.
 
-use zerotrain_models::Mlp;
 use zerotrain::{Engine, MemoryReport, launch};
+use zerotrain_models::Mlp;
 use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
 use zerotrain_zero::{FlatLayout, ZeroStage};
 

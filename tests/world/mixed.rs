@@ -1,7 +1,7 @@
 //! fp16 and bf16 training: loss scaling, skipped steps, half-precision traffic and memory.
 
-use zerotrain_models::{Mlp, TinyTransformer};
 use zerotrain::{Engine, Error, MemoryReport, Plan, StepReport, launch};
+use zerotrain_models::{Mlp, TinyTransformer};
 use zerotrain_zero::memory::{BytesPerParam, model_state_bytes};
 use zerotrain_zero::{FlatLayout, ZeroStage};
 

@@ -1,7 +1,7 @@
 //! A step whose gradients are not finite is skipped on every rank and leaves no trace.
 
-use zerotrain_models::Mlp;
 use zerotrain::{Counters, Engine, Error, Plan, launch};
+use zerotrain_models::Mlp;
 
 use crate::common::*;
 

@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Int, Tensor};
-use zerotrain_models::Gpt;
 use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Pipeline, Plan, launch};
+use zerotrain_models::Gpt;
 
 use crate::common::*;
 use crate::units::{Tokens, tiny_gpt};

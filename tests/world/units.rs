@@ -9,9 +9,9 @@ use std::path::Path;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use zerotrain_models::{Batch, Gpt, GptConfig, Mlp, TinyTransformer};
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Plan, launch};
+use zerotrain_models::{Batch, Gpt, GptConfig, Mlp, TinyTransformer};
 
 use crate::common::*;
 

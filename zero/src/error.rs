@@ -52,6 +52,10 @@ pub enum ZeroError {
         /// NCCL's or the driver's error, or what is missing.
         detail: String,
     },
+    /// Ranks started as processes could not join one world over TCP (a rank missing, a
+    /// fingerprint that differs, the relay gone).
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
     /// A buffer has the wrong length for the call.
     #[error("rank {rank}: {op}: {detail}")]
     BadBuffer {

@@ -100,7 +100,7 @@ pub use engine::{
 };
 pub use error::{Error, Result};
 pub use factory::trainer;
-pub use launch::{detect_mpirun, launch};
+pub use launch::{detect_launcher, detect_mpirun, launch};
 /// The JSON values checkpoints carry as client state (`save_checkpoint`'s last argument),
 /// re-exported so that a program needs no dependency of its own for it.
 pub use serde_json;

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
-use zerotrain::Precision;
 use crate::file_error::FileError;
+use zerotrain::Precision;
 use zerotrain_precision::{BufMut, with_elem};
 
 /// The single-file checkpoint's name.

@@ -13,10 +13,10 @@ use std::process::{Command, Output};
 use std::sync::Mutex;
 
 use burn::tensor::DType;
+use zerotrain::config::ComputeDevice;
 use zerotrain_cli::bench::RunMode;
 use zerotrain_cli::bench::gpu::GpuBench;
 use zerotrain_models::GptConfig;
-use zerotrain::config::ComputeDevice;
 
 use super::{Gpu, device_alone};
 

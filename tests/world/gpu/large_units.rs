@@ -8,8 +8,8 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
-use zerotrain_models::cross_entropy;
 use zerotrain::{Engine, Error, launch};
+use zerotrain_models::cross_entropy;
 
 use super::{DEVICE_LOSS_TOL, Gpu, device_alone, on_device};
 use crate::common::*;

@@ -23,8 +23,8 @@ mod wgpu;
 use std::sync::{Mutex, MutexGuard};
 
 use burn::tensor::{DType, Device, Tensor};
-use zerotrain_models::Gpt;
 use zerotrain::{Engine, Error, launch};
+use zerotrain_models::Gpt;
 
 use crate::common::*;
 use crate::units::{

@@ -17,6 +17,7 @@ mod mpi;
 pub mod nccl;
 mod rendezvous;
 mod request;
+pub mod tcp;
 mod threads;
 mod worker;
 

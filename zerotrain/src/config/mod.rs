@@ -162,6 +162,11 @@ pub struct Overrides {
     /// [`detect_mpirun`](crate::detect_mpirun)). With `zerotrain.backend` `auto` (the
     /// default) it selects the MPI backend, and its process count is the world size.
     pub mpirun: Option<MpirunEnvironment>,
+    /// This process's place in a job whose processes a launcher started (`zerotrain
+    /// launch`, torchrun, a cluster's operator; see
+    /// [`detect_launcher`](crate::detect_launcher)). With `zerotrain.backend` `auto` it
+    /// selects the launcher backend, and its process count is the world size.
+    pub launcher: Option<LauncherEnvironment>,
     /// Overrides `zerotrain.device`.
     pub device: Option<ComputeDevice>,
 }
@@ -172,6 +177,16 @@ pub struct MpirunEnvironment {
     /// This process's rank.
     pub rank: usize,
     /// The number of processes `mpirun` started.
+    pub world_size: usize,
+}
+
+/// This process's place in a job whose processes a launcher started, as its environment
+/// (`RANK`, `WORLD_SIZE`) says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct LauncherEnvironment {
+    /// This process's rank (`RANK`).
+    pub rank: usize,
+    /// The number of processes (`WORLD_SIZE`).
     pub world_size: usize,
 }
 

@@ -117,6 +117,10 @@ pub enum Backend {
     Threads,
     /// One process per rank, started by `mpirun` (needs the `mpi` feature).
     Mpi,
+    /// One process per rank, started by `zerotrain launch`, torchrun or a cluster's operator
+    /// (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`): joined over TCP through rank 0,
+    /// collectives over NCCL on CUDA devices.
+    Launcher,
 }
 
 /// Which library runs the ranks' reductions and gathers (`zerotrain.collectives`); where

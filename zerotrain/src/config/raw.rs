@@ -322,7 +322,9 @@ pub struct ZerotrainConfig {
     /// Number of ranks. Default 1; the CLI's `--world-size` overrides it.
     pub world_size: Option<Count>,
     /// How ranks talk: `auto` (default: MPI when the caller says this process runs under
-    /// `mpirun`, else threads), `threads` (one thread per rank in this process) or `mpi`.
+    /// `mpirun`, the launcher backend when a launcher started it, else threads), `threads`
+    /// (one thread per rank in this process), `mpi` or `launcher` (processes started by
+    /// `zerotrain launch` or torchrun, joined over TCP, collectives over NCCL).
     pub backend: Option<String>,
     /// Where each rank computes: `cpu` (default; Burn's Flex backend), `wgpu` (the `wgpu`
     /// feature: a GPU through Vulkan, Metal or DX12) or `cuda` (the `cuda` feature). The

@@ -12,7 +12,8 @@ use super::{Backend, Collectives, ComputeDevice, Config, ConfigError, Overrides,
 pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) -> Result<RuntimePlan, ConfigError> {
     let raw = &config.raw;
     let zt = raw.zerotrain.clone().unwrap_or_default();
-    let backend = backend(&zt, overrides)?;
+    let device = device(&zt, overrides)?;
+    let backend = backend(&zt, overrides, device)?;
     let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
     if !(timeout_s > 0.0 && timeout_s <= 1e7) {
         let message = format!("must be a positive number of seconds, got {timeout_s}");
@@ -23,7 +24,6 @@ pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) 
         Some(Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         None => None,
     };
-    let device = device(&zt, overrides)?;
     Ok(RuntimePlan {
         world_size: world_size(&zt, backend, overrides)?,
         backend,
@@ -37,26 +37,49 @@ pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) 
     })
 }
 
-/// `zerotrain.backend`. Inside an `mpirun` job of several processes only MPI trains one
-/// job: threads would train an independent copy in every process, all writing one run
-/// folder, so an explicit `threads` there is an error.
-fn backend(zt: &ZerotrainConfig, overrides: Overrides) -> Result<Backend, ConfigError> {
-    let mpirun = overrides.mpirun.map(|m| m.world_size);
-    match (zt.backend.as_deref().unwrap_or("auto"), mpirun) {
-        ("auto", Some(_)) | ("mpi", _) => Ok(Backend::Mpi),
-        ("auto", None) => Ok(Backend::Auto),
-        ("threads", Some(processes)) if processes > 1 => Err(ConfigError::Unsupported {
-            key: "zerotrain.backend".into(),
-            message: format!(
-                "is \"threads\" but mpirun started {processes} processes: each would train its own copy of the job \
-                 into the same folder. Remove the key (\"auto\" uses MPI under mpirun) or set it to \"mpi\""
-            ),
-        }),
-        ("threads", _) => Ok(Backend::Threads),
-        (other, _) => {
-            Err(invalid("zerotrain.backend", format!("unknown backend `{other}`; available: auto, threads, mpi")))
+/// `zerotrain.backend`. Inside a job of several processes (under `mpirun`, or started by a
+/// launcher) only their own backend trains one job: threads would train an independent copy
+/// in every process, all writing one run folder, so an explicit `threads` there is an error.
+/// The launcher's processes join over NCCL, which needs CUDA devices.
+pub(super) fn backend(
+    zt: &ZerotrainConfig,
+    overrides: Overrides,
+    device: ComputeDevice,
+) -> Result<Backend, ConfigError> {
+    let mpirun = overrides.mpirun.map(|m| ("mpirun", m.world_size, "mpi"));
+    let launcher = overrides.launcher.map(|l| ("a launcher (RANK, WORLD_SIZE)", l.world_size, "launcher"));
+    let backend = match (zt.backend.as_deref().unwrap_or("auto"), mpirun.or(launcher)) {
+        ("auto", Some((_, _, "mpi"))) | ("mpi", _) => Backend::Mpi,
+        ("auto", Some(_)) | ("launcher", _) => Backend::Launcher,
+        ("auto", None) => Backend::Auto,
+        ("threads", Some((by, processes, name))) if processes > 1 => {
+            return Err(ConfigError::Unsupported {
+                key: "zerotrain.backend".into(),
+                message: format!(
+                    "is \"threads\" but {by} started {processes} processes: each would train its own copy of the \
+                     job into the same folder. Remove the key (\"auto\" uses their backend) or set it to \"{name}\""
+                ),
+            });
         }
+        ("threads", _) => Backend::Threads,
+        (other, _) => {
+            let message = format!("unknown backend `{other}`; available: auto, threads, mpi, launcher");
+            return Err(invalid("zerotrain.backend", message));
+        }
+    };
+    if backend == Backend::Launcher && device != ComputeDevice::Cuda {
+        let rank = overrides.launcher.map_or(String::new(), |l| format!(" as rank {} of {}", l.rank, l.world_size));
+        return Err(ConfigError::Unsupported {
+            key: "zerotrain.device".into(),
+            message: format!(
+                "is \"{}\" but this process was started by a launcher{rank}: launched processes train on CUDA \
+                 GPUs and join over NCCL. On CPUs, run the processes under mpirun (--features mpi, see docs/mpi.md) \
+                 or the ranks as threads of one process (--world-size N)",
+                device.name()
+            ),
+        });
     }
+    Ok(backend)
 }
 
 fn device(zt: &ZerotrainConfig, overrides: Overrides) -> Result<ComputeDevice, ConfigError> {
@@ -94,16 +117,21 @@ fn collectives(zt: &ZerotrainConfig, device: ComputeDevice) -> Result<Collective
     Ok(choice)
 }
 
-/// Under mpirun the process count decides; `zerotrain.world_size` is the threads default.
-fn world_size(zt: &ZerotrainConfig, backend: Backend, overrides: Overrides) -> Result<usize, ConfigError> {
-    let mpirun = overrides.mpirun.map(|m| m.world_size);
-    let world_size = match (backend, mpirun, overrides.world_size) {
-        (Backend::Mpi, Some(size), Some(n)) if n != size => {
-            return Err(invalid("--world-size", format!("is {n} but mpirun started {size} processes")));
+/// Under mpirun or a launcher the process count decides; `zerotrain.world_size` is the
+/// threads default.
+pub(super) fn world_size(zt: &ZerotrainConfig, backend: Backend, overrides: Overrides) -> Result<usize, ConfigError> {
+    let started = match backend {
+        Backend::Mpi => overrides.mpirun.map(|m| (m.world_size, "mpirun")),
+        Backend::Launcher => overrides.launcher.map(|l| (l.world_size, "the launcher")),
+        _ => None,
+    };
+    let world_size = match (started, overrides.world_size) {
+        (Some((size, by)), Some(n)) if n != size => {
+            return Err(invalid("--world-size", format!("is {n} but {by} started {size} processes")));
         }
-        (Backend::Mpi, Some(size), _) => size,
-        (_, _, Some(n)) => n,
-        (_, _, None) => match zt.world_size {
+        (Some((size, _)), _) => size,
+        (None, Some(n)) => n,
+        (None, None) => match zt.world_size {
             Some(Count(n)) => usize::try_from(n).map_err(|_| invalid("zerotrain.world_size", "too large"))?,
             None => 1,
         },
@@ -111,7 +139,7 @@ fn world_size(zt: &ZerotrainConfig, backend: Backend, overrides: Overrides) -> R
     if world_size == 0 {
         return Err(invalid("zerotrain.world_size", "must be at least 1"));
     }
-    if backend != Backend::Mpi && world_size > MAX_THREAD_RANKS {
+    if matches!(backend, Backend::Auto | Backend::Threads) && world_size > MAX_THREAD_RANKS {
         let key = if overrides.world_size.is_some() { "--world-size" } else { "zerotrain.world_size" };
         let message = format!("{world_size} thread ranks is more than the {MAX_THREAD_RANKS} one process runs");
         return Err(invalid(key, message));

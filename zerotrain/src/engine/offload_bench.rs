@@ -153,4 +153,3 @@ pub fn run(elems: usize, nvme: &Path, tile_elems: usize, repeats: usize) -> Resu
         nvme_step_of_disk: (moved / read_bw + moved / write_bw) / step,
     })
 }
-

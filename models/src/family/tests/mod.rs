@@ -250,7 +250,8 @@ fn model_of(model: HfModel) -> crate::Llama {
 #[test]
 fn the_presets_have_their_published_parameter_counts() {
     let count = |file: &str| {
-        let config = HfConfig::read(&Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/models")).join(file)).unwrap();
+        let config =
+            HfConfig::read(&Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/models")).join(file)).unwrap();
         parameter_names(&config).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>()
     };
     // GPT-2 small: 124,439,808 parameters (Hugging Face's `gpt2`, head tied).

@@ -1,7 +1,8 @@
 //! Running ranks: [`launch`] starts one thread per rank (or runs this process's rank under
-//! `mpirun`), hands each a [`RankContext`], and turns a failure on any rank into an error
-//! on every rank and one error for the caller. Finding out whether this process runs
-//! under `mpirun` ([`detect_mpirun`]) belongs here, not to the config.
+//! `mpirun` or a launcher: `processes.rs`), hands each a [`RankContext`], and turns a
+//! failure on any rank into an error on every rank and one error for the caller. Finding out
+//! whether this process runs under `mpirun` ([`detect_mpirun`]) or a launcher
+//! ([`detect_launcher`]) belongs here, not to the config.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -11,12 +12,14 @@ use std::time::{Duration, Instant};
 use zerotrain_zero::{CommThread, ThreadWorld};
 
 use crate::collectives::{self, Machine};
-use crate::config::{Backend, MpirunEnvironment, Plan};
+use crate::config::{Backend, Plan};
 use crate::device::Placement;
-#[cfg(feature = "mpi")]
-use crate::device::{mpi_local_rank, mpi_local_size};
 use crate::error::{error_chain, panic_message};
+
+mod processes;
+
 use crate::{Error, RankContext, Result};
+pub use processes::{detect_launcher, detect_mpirun};
 
 /// Runs `f` once per rank of `plan` and returns each rank's result, in rank order.
 ///
@@ -42,77 +45,36 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
     F: Fn(RankContext) -> std::result::Result<T, E> + Sync,
 {
-    match (plan.runtime.backend, detect_mpirun()) {
-        (Backend::Threads, Some(mpirun)) if mpirun.world_size > 1 => Err(Error::Launch(format!(
+    let launcher = detect_launcher()?;
+    match (plan.runtime.backend, detect_mpirun(), launcher) {
+        (Backend::Threads, Some(mpirun), _) if mpirun.world_size > 1 => Err(Error::Launch(format!(
             "zerotrain.backend is \"threads\" but mpirun started {} processes: each would train its own copy of the \
              job; resolve the config with `Overrides {{ mpirun: zerotrain::detect_mpirun(), .. }}` and leave the \
              backend \"auto\" (or set \"mpi\")",
             mpirun.world_size
         ))),
-        (Backend::Threads, _) | (Backend::Auto, None) => launch_threads(plan, f),
-        (Backend::Mpi, _) => launch_mpi(plan, f),
-        (Backend::Auto, Some(mpirun)) if mpirun.world_size == plan.world_size() => launch_mpi(plan, f),
-        (Backend::Auto, Some(mpirun)) => Err(Error::Launch(format!(
+        (Backend::Threads, None, Some(launched)) if launched.world_size > 1 => Err(Error::Launch(format!(
+            "zerotrain.backend is \"threads\" but a launcher started {} processes (RANK, WORLD_SIZE): each would \
+             train its own copy of the job; resolve the config with `Overrides {{ launcher: \
+             zerotrain::detect_launcher()?, .. }}` and leave the backend \"auto\"",
+            launched.world_size
+        ))),
+        (Backend::Threads, _, _) | (Backend::Auto, None, None) => launch_threads(plan, f),
+        (Backend::Mpi, _, _) => processes::launch_mpi(plan, f),
+        (Backend::Launcher, _, _) => processes::launch_launched(plan, f),
+        (Backend::Auto, Some(mpirun), _) if mpirun.world_size == plan.world_size() => processes::launch_mpi(plan, f),
+        (Backend::Auto, Some(mpirun), _) => Err(Error::Launch(format!(
             "mpirun started {} processes but the plan was resolved for {} ranks: resolve the config with \
              `Overrides {{ mpirun: zerotrain::detect_mpirun(), .. }}`",
             mpirun.world_size,
             plan.world_size()
         ))),
+        (Backend::Auto, None, Some(launched)) => Err(Error::Launch(format!(
+            "a launcher started this process as rank {} of {} (RANK, WORLD_SIZE) but the plan was resolved without \
+             it: resolve the config with `Overrides {{ launcher: zerotrain::detect_launcher()?, .. }}`",
+            launched.rank, launched.world_size
+        ))),
     }
-}
-
-/// This process's place in an `mpirun` job (OpenMPI's, MPICH's or PMIx's environment
-/// variables), or `None` when no MPI launcher started it. Pass it to
-/// [`Config::resolve`](crate::Config::resolve) in [`Overrides`](crate::Overrides).
-pub fn detect_mpirun() -> Option<MpirunEnvironment> {
-    zerotrain_zero::collective::mpi_environment().map(|(rank, world_size)| MpirunEnvironment { rank, world_size })
-}
-
-#[cfg(feature = "mpi")]
-fn launch_mpi<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
-where
-    E: Into<Box<dyn std::error::Error + Send + Sync>>,
-    F: Fn(RankContext) -> std::result::Result<T, E>,
-{
-    use zerotrain_zero::collective::MpiComm;
-    use zerotrain_zero::{Collective, CommThread};
-    let timeout = plan.runtime.comm_timeout;
-    let comm = CommThread::spawn("zerotrain-comm".into(), move || MpiComm::init(timeout))?;
-    if comm.world_size() != plan.world_size() {
-        let n = comm.world_size();
-        return Err(Error::Launch(format!("the plan is for {} ranks but mpirun started {n}", plan.world_size())));
-    }
-    let rank = comm.rank();
-    let comm: Arc<dyn Collective> = Arc::new(comm);
-    let local_rank = mpi_local_rank().unwrap_or(rank);
-    let ctx = Placement::find(plan.runtime.device).and_then(|placement| {
-        let ctx = RankContext::new(Arc::clone(&comm), placement.device(local_rank)).with_stages(stages(plan))?;
-        let machine = Machine { ranks: mpi_local_size().unwrap_or(1), gpus: placement.len() };
-        with_collectives(ctx, plan, machine, placement.ordinal(local_rank))
-    });
-    let ctx = match ctx {
-        Ok(ctx) => ctx,
-        Err(e) => {
-            comm.abort(&e.to_string());
-            return Err(e);
-        }
-    };
-    match run_rank(rank, &|reason| comm.abort(reason), || f(ctx)) {
-        Ok(value) => Ok(vec![value]),
-        Err((error, _)) => Err(error),
-    }
-}
-
-#[cfg(not(feature = "mpi"))]
-fn launch_mpi<T, E, F>(_plan: &Plan, _f: F) -> Result<Vec<T>>
-where
-    F: Fn(RankContext) -> std::result::Result<T, E>,
-{
-    Err(Error::Launch(
-        "this process was started by mpirun (or zerotrain.backend is \"mpi\"), but this build has no MPI support: \
-         rebuild with `--features mpi` (see docs/mpi.md), or run without mpirun"
-            .into(),
-    ))
 }
 
 fn launch_threads<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>

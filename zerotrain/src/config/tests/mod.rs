@@ -4,6 +4,8 @@ use super::*;
 use crate::schedule::LrSchedule;
 use zerotrain_zero::ZeroStage;
 
+mod processes;
+
 pub(super) fn parse(json: &str) -> Result<Config, ConfigError> {
     Config::parse(json, "test.json")
 }
@@ -270,35 +272,6 @@ fn bad_precision_settings_name_their_key() {
         let err = plan(&format!(r#"{{"train_batch_size": 1, {json}}}"#)).unwrap_err().to_string();
         assert!(err.contains(&format!("`{key}`")), "{json}: {err}");
     }
-}
-
-#[test]
-fn resolution_reads_mpirun_from_the_overrides_not_the_environment() {
-    let config = parse(r#"{"train_micro_batch_size_per_gpu": 2, "zerotrain": {"world_size": 2}}"#).unwrap();
-    let plain = config.resolve(Overrides::default()).unwrap();
-    assert_eq!((plain.runtime.backend, plain.world_size(), plain.batch.train_batch_size), (Backend::Auto, 2, 4));
-    let mpirun = Some(MpirunEnvironment { rank: 1, world_size: 3 });
-    let under = config.resolve(Overrides { mpirun, ..Overrides::default() }).unwrap();
-    assert_eq!((under.runtime.backend, under.world_size(), under.batch.train_batch_size), (Backend::Mpi, 3, 6));
-    let err = config.resolve(Overrides { mpirun, world_size: Some(4), ..Overrides::default() }).unwrap_err();
-    assert!(err.to_string().contains("is 4 but mpirun started 3 processes"), "{err}");
-}
-
-/// Regression: `mpirun -np 2 zerotrain train` over a recipe with `"backend": "threads"`
-/// trained two independent jobs into one run folder.
-#[test]
-fn an_explicit_threads_backend_inside_a_multi_process_mpirun_is_refused() {
-    let threads = parse(r#"{"train_batch_size": 2, "zerotrain": {"backend": "threads"}}"#).unwrap();
-    let under = |processes| {
-        let mpirun = Some(MpirunEnvironment { rank: 0, world_size: processes });
-        threads.resolve(Overrides { mpirun, ..Overrides::default() })
-    };
-    let err = under(3).unwrap_err();
-    assert!(
-        matches!(&err, ConfigError::Unsupported { key, message } if key == "zerotrain.backend" && message.contains("mpirun started 3 processes")),
-        "{err}"
-    );
-    assert_eq!(under(1).unwrap().runtime.backend, Backend::Threads, "one process is one job");
 }
 
 #[test]
