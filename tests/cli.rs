@@ -238,7 +238,7 @@ fn gpu_verify_refuses_an_unknown_part_by_name_before_running_anything() {
     let out = std::env::temp_dir().join(format!("zerotrain-cli-{}-verify", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     for (args, says) in [
-        (&["--only", "bench,bnch"][..], "no part named bnch (the parts: cuda,wgpu,bench,pytorch,compile,breakdown)"),
+        (&["--only", "bench,bnch"][..], "no part named bnch (the parts: cuda,ranks,wgpu,bench,pytorch,compile,breakdown)"),
         (&["--fast"][..], "unknown argument --fast"),
     ] {
         let run = Command::new("bash").arg(root.join("bench/gpu/verify.sh")).args(args).env("OUT", &out).output();

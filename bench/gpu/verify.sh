@@ -7,13 +7,16 @@
 #   2. the CUDA engine tests on the GPU (`world --include-ignored gpu::cuda`: stages 0-3, world size 1
 #      through NCCL, 2 thread ranks sharing the GPU over host collectives, NCCL = host
 #      backend bit for bit, device memory per stage against the formula);
-#   3. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
-#   4. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
+#   3. several NCCL ranks as processes on the one GPU (`zerotrain launch --ranks-share-gpu`,
+#      bench/gpu/nccl_ranks.sh): 2 ranks equal to thread ranks bit for bit in fp32 at stages
+#      0-3, bf16 and 4 ranks against a bound (not yet run on a GPU);
+#   4. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
+#   5. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
 #      at stages 0 and 3 in units, recomputing no block, all 12, or the first 6
 #      (`--recompute-units`): 190-236 s on an H200 before the last two rows, autotune
 #      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
 #      and torch.compile, in the same run;
-#   5. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
+#   6. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
 # Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
 # tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s; on 2026-11-27 with the
 # autotune cache: the CUDA tests 94 s, the wgpu tests 106 s, the bench with the recompute
@@ -29,7 +32,7 @@
 #
 # Usage: bash bench/gpu/verify.sh [--quick] [--only PARTS]
 #   --quick: 3 measured steps instead of 10;
-#   --only cuda,wgpu,bench,pytorch,compile,breakdown: run only the parts named (for a lease too
+#   --only cuda,ranks,wgpu,bench,pytorch,compile,breakdown: run only the parts named (for a lease too
 #   short for the whole; the machine is always reported).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -37,7 +40,7 @@ cd "$repo"
 bundle="$repo/bench/gpu/bundle"
 report="${OUT:-$repo/bench/gpu}/report.md"
 steps=10
-parts="cuda,wgpu,bench,pytorch,compile,breakdown"
+parts="cuda,ranks,wgpu,bench,pytorch,compile,breakdown"
 only="$parts"
 while (($#)); do
     case "$1" in
@@ -131,6 +134,8 @@ say '```'
 
 wanted cuda && part "CUDA engine tests (world --include-ignored gpu::cuda)" 230 \
     "$work/world" --include-ignored --test-threads 1 --nocapture gpu::cuda
+wanted ranks && part "NCCL ranks as processes on one GPU (bench/gpu/nccl_ranks.sh)" 400 \
+    bash bench/gpu/nccl_ranks.sh "$work/zerotrain"
 # The libraries a Vulkan driver's library needs and this machine lacks (empty: it loads).
 # A driver that cannot load leaves wgpu with no adapter: every test would fail alike.
 driver_missing() {

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Several NCCL ranks as processes on one GPU (`zerotrain launch --ranks-share-gpu`: each
+# process its own NCCL_HOSTID, P2P and SHM off, sockets on loopback), against the same
+# ranks as threads sharing the GPU over host collectives. Run by verify.sh (part `ranks`).
+#   - 2 ranks in fp32: every loss equal bit for bit (a sum of two operands is exact in either
+#     order, so a difference is a defect): stages 0-3, accumulation 1 and 3;
+#   - 2 ranks in bf16 and 4 ranks in fp32: the largest relative difference of a loss,
+#     reported beside a provisional bound of 1e-5 (4-operand sums in NCCL's ring order
+#     against rank order; no bound derived yet: the first run's figures set it);
+#   - every launched run used NCCL (no "host backend" notice in its log).
+# Time-sliced ranks on one GPU: no figure here is a multi-GPU speed.
+#
+# Usage: bash bench/gpu/nccl_ranks.sh ZEROTRAIN_BINARY   (from the repository's root)
+set -uo pipefail
+zt="${1:?usage: nccl_ranks.sh ZEROTRAIN_BINARY}"
+work="$(mktemp -d)"
+steps=6
+port=29650
+failures=0
+
+# config NAME STAGE PRECISION ACCUMULATION: configs/tiny.json on CUDA at that stage.
+config() {
+    python3 - "$work/$1.json" "$2" "$3" "$4" <<'PY'
+import json, sys
+out, stage, precision, accumulation = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+c = json.load(open("configs/tiny.json"))
+c["zero_optimization"] = {"stage": stage}
+c["gradient_accumulation_steps"] = accumulation
+if precision == "bf16":
+    c["bf16"] = {"enabled": True}
+c["zerotrain"]["device"] = "cuda"
+json.dump(c, open(out, "w"))
+PY
+}
+
+# compare A B MODE: the two runs' losses; MODE equal (bit for bit) or bound (relative 1e-5).
+compare() {
+    python3 - "$1/metrics.jsonl" "$2/metrics.jsonl" "$3" <<'PY'
+import json, sys
+read = lambda p: [json.loads(l)["loss"] for l in open(p) if l.strip()]
+a, b, mode = read(sys.argv[1]), read(sys.argv[2]), sys.argv[3]
+if len(a) != len(b) or not a:
+    sys.exit(f"steps differ: {len(a)} against {len(b)}")
+worst = max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
+equal = all(repr(float(x)) == repr(float(y)) for x, y in zip(a, b))
+print(f"  losses {a[0]} .. {a[-1]}; {'equal bit for bit' if equal else f'largest relative difference {worst:.3g}'}")
+if mode == "equal" and not equal:
+    sys.exit(f"  NOT EQUAL: {a} against {b}")
+if mode == "bound" and worst > 1e-5:
+    sys.exit(f"  past the provisional bound 1e-5: {a} against {b}")
+PY
+}
+
+# run NAME RANKS MODE: the config's job as thread ranks and as launched NCCL processes.
+run() {
+    local name="$1" ranks="$2" mode="$3" out="$work/$1-$2"
+    port=$((port + 1))
+    echo "$name, $ranks ranks:"
+    if ! "$zt" train --config "$work/$name.json" --world-size "$ranks" --steps $steps --out "$out-threads" \
+        >"$out-threads.log" 2>&1; then
+        echo "  threads run failed:"; tail -5 "$out-threads.log"; failures=$((failures + 1)); return
+    fi
+    if ! timeout 300 "$zt" launch --nproc-per-node "$ranks" --ranks-share-gpu --master-port $port --grace-s 10 -- \
+        train --config "$work/$name.json" --steps $steps --out "$out-nccl" >"$out-nccl.log" 2>&1; then
+        echo "  launched run failed:"; tail -8 "$out-nccl.log"; failures=$((failures + 1)); return
+    fi
+    if grep -q "host backend" "$out-nccl.log"; then
+        echo "  the launched ranks did not use NCCL:"; grep "host backend" "$out-nccl.log" | head -2
+        failures=$((failures + 1)); return
+    fi
+    compare "$out-threads" "$out-nccl" "$mode" || failures=$((failures + 1))
+}
+
+for stage in 0 1 2 3; do
+    config "s$stage-fp32-a1" "$stage" fp32 1
+    run "s$stage-fp32-a1" 2 equal
+done
+config s2-fp32-a3 2 fp32 3 && run s2-fp32-a3 2 equal
+config s3-fp32-a3 3 fp32 3 && run s3-fp32-a3 2 equal
+config s3-bf16-a1 3 bf16 1 && run s3-bf16-a1 2 report
+run s1-fp32-a1 4 bound
+run s3-fp32-a1 4 bound
+echo "$failures failure(s); logs in $work"
+((failures == 0))
