@@ -98,6 +98,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::Gpu {
             device,
+            model,
             layers,
             width,
             heads,
@@ -122,7 +123,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 tied_head: true,
             };
             let bench = crate::bench::gpu::GpuBench {
-                shape,
+                model: bench::gpu::BenchModel::named(&model, shape)?,
                 device,
                 batch,
                 steps,

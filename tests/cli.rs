@@ -212,6 +212,45 @@ fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision
     assert_eq!(engine_rows, ["engine 0 units", "engine 0 recompute 0", "engine 0 recompute 1"], "{table}");
 }
 
+/// `bench gpu --model` trains a Hugging Face family's model of a `config.json` (random
+/// weights) the same way: a LLaMA with grouped-query attention here, every row measured and
+/// named; a context past its positions and the built-in GPT's shape flags are refused.
+#[test]
+fn bench_gpu_times_a_hugging_face_family_of_a_config_file() {
+    let config = temp_config(
+        "bench-llama",
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40, "max_position_embeddings": 16}"#,
+    );
+    let config = config.to_str().unwrap();
+    let common = ["bench", "gpu", "--device", "cpu", "--steps", "1", "--batch", "2", "--model", config];
+    let mut args = common.to_vec();
+    args.extend(["--context", "8", "--stages", "0,3", "--mode", "one-unit,units", "--json"]);
+    let out = zerotrain(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let whats: Vec<&str> = rows.iter().map(|r| r["what"].as_str().unwrap()).collect();
+    assert_eq!(whats, ["plain Burn fp32", "engine 0 1-unit", "engine 0 units", "engine 3 1-unit", "engine 3 units"]);
+    // 6 x parameters x tokens per second: the parameters counted from the config by hand
+    // (embedding and head 40 x 16 each, per layer q, o 16 x 16, k, v 16 x 8, the MLP
+    // 3 x 16 x 24, two norms; the final norm).
+    let params = 2.0 * 40.0 * 16.0 + 2.0 * (2.0 * 256.0 + 2.0 * 128.0 + 3.0 * 384.0 + 32.0) + 16.0;
+    for row in &rows {
+        assert_eq!(row["model"].as_str(), Some(format!("llama {config}").as_str()), "{row}");
+        let (tokens, tflops) = (row["tokens_per_s"].as_f64().unwrap(), row["tflops"].as_f64().unwrap());
+        assert!(tokens > 0.0 && (tflops - 6.0 * params * tokens / 1e12).abs() <= 1e-9 * tflops.max(1e-12), "{row}");
+    }
+    let mut args = common.to_vec();
+    args.extend(["--context", "17"]);
+    let out = zerotrain(&args);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(text(&out.stderr).contains("--context 17 is longer than"), "{}", text(&out.stderr));
+    let mut args = common.to_vec();
+    args.extend(["--layers", "3"]);
+    let out = zerotrain(&args);
+    assert!(text(&out.stderr).contains("cannot be used with"), "{}", text(&out.stderr));
+}
+
 /// `bench gpu` refuses a stage or a precision it cannot run by its flag, before the table's
 /// heading or any row (a stage past 3 was reported as the config key `zero_optimization.stage`
 /// after the heading was printed).
@@ -238,7 +277,10 @@ fn gpu_verify_refuses_an_unknown_part_by_name_before_running_anything() {
     let out = std::env::temp_dir().join(format!("zerotrain-cli-{}-verify", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     for (args, says) in [
-        (&["--only", "bench,bnch"][..], "no part named bnch (the parts: cuda,ranks,wgpu,bench,pytorch,compile,breakdown)"),
+        (
+            &["--only", "bench,bnch"][..],
+            "no part named bnch (the parts: cuda,ranks,wgpu,bench,pytorch,compile,families,breakdown)",
+        ),
         (&["--fast"][..], "unknown argument --fast"),
     ] {
         let run = Command::new("bash").arg(root.join("bench/gpu/verify.sh")).args(args).env("OUT", &out).output();

@@ -16,7 +16,9 @@
 #      (`--recompute-units`): 190-236 s on an H200 before the last two rows, autotune
 #      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
 #      and torch.compile, in the same run;
-#   6. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
+#   6. the Hugging Face families timed (`bench gpu --model gpt2|llama`: GPT-2 small at context
+#      1024, TinyLlama-1.1B's shape at 2048, random weights; not yet run on a GPU);
+#   7. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
 # Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
 # tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s; on 2026-11-27 with the
 # autotune cache: the CUDA tests 94 s, the wgpu tests 106 s, the bench with the recompute
@@ -32,7 +34,7 @@
 #
 # Usage: bash bench/gpu/verify.sh [--quick] [--only PARTS]
 #   --quick: 3 measured steps instead of 10;
-#   --only cuda,ranks,wgpu,bench,pytorch,compile,breakdown: run only the parts named (for a lease too
+#   --only cuda,ranks,wgpu,bench,pytorch,compile,families,breakdown: run only the parts named (for a lease too
 #   short for the whole; the machine is always reported).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -40,7 +42,7 @@ cd "$repo"
 bundle="$repo/bench/gpu/bundle"
 report="${OUT:-$repo/bench/gpu}/report.md"
 steps=10
-parts="cuda,ranks,wgpu,bench,pytorch,compile,breakdown"
+parts="cuda,ranks,wgpu,bench,pytorch,compile,families,breakdown"
 only="$parts"
 while (($#)); do
     case "$1" in
@@ -182,6 +184,12 @@ wanted pytorch && part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
 # shellcheck disable=SC2086
 wanted compile && part "PyTorch torch.compile (bench/pytorch/gpu_gpt.py --compile)" 50 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 --compile $gpt
+wanted families && part "zerotrain bench gpu --model gpt2 (GPT-2 small, Hugging Face's layout, context 1024)" 150 \
+    "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units --model gpt2 \
+    --context 1024 --batch 8 --steps "$steps"
+wanted families && part "zerotrain bench gpu --model llama (TinyLlama-1.1B's shape, GQA, context 2048)" 240 \
+    "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units --model llama \
+    --context 2048 --batch 2 --steps "$steps"
 # Last, as the least needed: where the engine's step goes on the device (each phase waits
 # for the device at its end, so the phases split the step; the step includes the waits).
 # shellcheck disable=SC2086

@@ -1,11 +1,12 @@
-//! `bench gpu`: a GPT on one device (a GPU through wgpu or CUDA, or the CPU), plain Burn
-//! loops (fp32, and in the engine's precision) beside the engine at the given stages and
-//! modes, in tokens per second and model FLOPs utilisation, with the device's own count of
-//! the memory it holds; a table, or one JSON line per row.
+//! `bench gpu`: a causal language model on one device (a GPU through wgpu or CUDA, or the
+//! CPU): the built-in GPT, or a Hugging Face family's model of a `config.json` (random
+//! weights). Plain Burn loops (fp32, and in the engine's precision) beside the engine at the
+//! given stages and modes, in tokens per second and model FLOPs utilisation, with the
+//! device's own count of the memory it holds; a table, or one JSON line per row.
 
 use std::time::Instant;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{ModuleMapper, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use serde::Serialize;
@@ -14,13 +15,118 @@ use super::RunMode;
 use super::engine::{median, median_times};
 use zerotrain::config::ComputeDevice;
 use zerotrain::{Error, PhaseTimes, Result, launch};
-use zerotrain_models::{Gpt, GptConfig};
+use zerotrain_models::family::{self, WithModel};
+use zerotrain_models::hf::HfConfig;
+use zerotrain_models::hf::size::ModelSize;
+use zerotrain_models::{CausalLm, Gpt, GptConfig, cross_entropy};
+
+/// The model `bench gpu` trains.
+#[derive(Debug, Clone, Serialize)]
+pub enum BenchModel {
+    /// The built-in GPT of this shape.
+    Builtin(GptConfig),
+    /// A Hugging Face family's model of a `config.json`, initialised as Hugging Face
+    /// initialises one, trained on sequences of `context` tokens.
+    Hf {
+        /// Where its config came from, for the table.
+        name: String,
+        /// Its config.
+        #[serde(skip)]
+        config: HfConfig,
+        /// Tokens per sequence.
+        context: usize,
+    },
+}
+
+impl BenchModel {
+    /// The model `bench gpu --model` names: `builtin` (the built-in GPT of `shape`), `gpt2`
+    /// or `llama` (the presets in `configs/models/`), or a `config.json`'s path; a Hugging
+    /// Face model trains at `shape`'s context.
+    pub fn named(name: &str, shape: GptConfig) -> std::result::Result<Self, zerotrain_models::file_error::FileError> {
+        let file = match name {
+            "builtin" => return Ok(Self::Builtin(shape)),
+            "gpt2" => "configs/models/gpt2-small.json",
+            "llama" => "configs/models/llama-1b.json",
+            path => path,
+        };
+        let config = HfConfig::read(std::path::Path::new(file))?;
+        Ok(Self::Hf { name: file.to_string(), config, context: shape.block_size })
+    }
+
+    /// Tokens per sequence.
+    pub fn context(&self) -> usize {
+        match self {
+            Self::Builtin(shape) => shape.block_size,
+            Self::Hf { context, .. } => *context,
+        }
+    }
+
+    fn vocab(&self) -> usize {
+        match self {
+            Self::Builtin(shape) => shape.vocab_size,
+            Self::Hf { config, .. } => config.vocab_size(),
+        }
+    }
+
+    /// Trainable parameters (a tied head counted once).
+    pub fn num_params(&self) -> u64 {
+        match self {
+            Self::Builtin(shape) => shape.num_params(),
+            Self::Hf { config, .. } => ModelSize::of(config).params,
+        }
+    }
+
+    /// Refuses a shape the model cannot train, naming `bench gpu`'s flag.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        match self {
+            Self::Builtin(shape) => shape.validate().map_err(|e| {
+                let flags = [
+                    ("model.n_layer", "--layers"),
+                    ("model.n_head", "--heads"),
+                    ("model.n_embd", "--width"),
+                    ("model.block_size", "--context"),
+                    ("model.vocab_size", "--vocab"),
+                ];
+                flags.iter().fold(e, |e, (key, flag)| e.replace(key, flag))
+            }),
+            Self::Hf { config, context, .. } => {
+                let (positions, bound) = config.exact_context();
+                match *context {
+                    0 => Err("--context must be at least 1".into()),
+                    c if c > positions => Err(format!("--context {c} is longer than {bound}")),
+                    _ => Ok(()),
+                }
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Builtin(s) => format!(
+                "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters)",
+                s.n_layer,
+                s.n_embd,
+                s.n_head,
+                s.block_size,
+                s.vocab_size,
+                s.num_params() as f64 / 1e6
+            ),
+            Self::Hf { name, config, context } => format!(
+                "{} of {name} ({} layers, context {context}, vocabulary {}, {:.1}M parameters)",
+                config.model_type(),
+                config.num_layers(),
+                config.vocab_size(),
+                self.num_params() as f64 / 1e6
+            ),
+        }
+    }
+}
 
 /// What `bench gpu` measures.
 #[derive(Debug, Clone, Serialize)]
 pub struct GpuBench {
-    /// The model's shape.
-    pub shape: GptConfig,
+    /// The model.
+    pub model: BenchModel,
     /// Where it runs.
     pub device: ComputeDevice,
     /// Sequences per step.
@@ -46,6 +152,8 @@ pub struct GpuBench {
 /// One row of the table.
 #[derive(Debug, Clone, Serialize)]
 pub struct GpuRow {
+    /// The model: `builtin`, or the family and its config file.
+    pub model: String,
     /// `plain Burn` or `engine stage N`.
     pub what: String,
     /// The dtype the model computes in: fp32, fp16 or bf16.
@@ -79,20 +187,53 @@ fn flag(name: &str, message: String) -> Error {
     Error::Config(zerotrain::config::ConfigError::Unsupported { key: name.into(), message })
 }
 
-/// Deterministic tokens `[batch, block + 1]` for step `step`.
-fn tokens(shape: &GptConfig, batch: usize, step: usize, device: &Device) -> Tensor<2, Int> {
-    let len = shape.block_size + 1;
-    let vocab = shape.vocab_size as u64;
+/// Deterministic tokens `[batch, context + 1]` for step `step`.
+fn tokens(model: &BenchModel, batch: usize, step: usize, device: &Device) -> Tensor<2, Int> {
+    let len = model.context() + 1;
+    let vocab = model.vocab() as u64;
     let values: Vec<i64> =
         (0..(batch * len) as u64).map(|i| ((i * 2_654_435_761 + step as u64 * 40_503) % vocab) as i64).collect();
     Tensor::from_data(TensorData::new(values, [batch, len]), device)
 }
 
+/// The mean next-token loss of `model` on `tokens` `[batch, context + 1]`.
+fn lm_loss<M: CausalLm>(model: &M, tokens: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t1] = tokens.dims();
+    let inputs = tokens.clone().slice([0..b, 0..t1 - 1]);
+    cross_entropy(model.logits(inputs), &tokens)
+}
+
+/// [`GpuBench::run_with`] for whichever family's model `HfModel` holds.
+struct Bench<'a> {
+    bench: &'a GpuBench,
+    measured: &'a (dyn Fn(&GpuRow) + Sync),
+}
+
+impl WithModel for Bench<'_> {
+    type Output = Result<Vec<GpuRow>>;
+    fn run<M: CausalLm>(self, model: M) -> Self::Output {
+        self.bench.run_with(model, self.measured)
+    }
+}
+
 impl GpuBench {
     /// Runs the plain loops, then the engine at each stage and mode (world size 1), each
     /// for `steps` measured steps, handing each row to `measured` as soon as it is (a run
-    /// cut short by a time limit still reports the rows it finished).
+    /// cut short by a time limit still reports the rows it finished). The model is
+    /// initialised on the CPU, so that the device holds only what each row trains.
     pub fn run(&self, measured: impl Fn(&GpuRow) + Sync) -> Result<Vec<GpuRow>> {
+        let cpu = Device::flex().autodiff();
+        cpu.seed(1);
+        match &self.model {
+            BenchModel::Builtin(shape) => self.run_with(Gpt::new(shape, &cpu), &measured),
+            BenchModel::Hf { config, .. } => {
+                self.model.validate().map_err(|e| Error::Model(format!("bench gpu: {e}")))?;
+                family::fresh(config, &cpu).run(Bench { bench: self, measured: &measured })
+            }
+        }
+    }
+
+    fn run_with<M: CausalLm>(&self, init: M, measured: &(dyn Fn(&GpuRow) + Sync)) -> Result<Vec<GpuRow>> {
         let half = match self.precision.as_str() {
             "fp32" => None,
             "fp16" => Some(FloatDType::F16),
@@ -125,10 +266,6 @@ impl GpuBench {
         let Some((_, first)) = plans.first() else {
             return Err(flag("--stages", "no --stages or --mode given".into()));
         };
-        // Initialised on the CPU, so that the device holds only what each row trains.
-        let cpu = Device::flex().autodiff();
-        cpu.seed(1);
-        let init = Gpt::new(&self.shape, &cpu);
         let rows = launch(first, |ctx| {
             let device = ctx.device().clone();
             if half.is_some_and(|h| !device.supports_dtype(DType::from(h))) {
@@ -176,7 +313,7 @@ impl GpuBench {
     /// The plain Burn loop the engine replaces: forward, backward, AdamW, in fp32 or with
     /// every parameter in `half` (no master weights, no loss scaling: the engine's
     /// arithmetic at the compute dtype's speed).
-    fn plain(&self, init: &Gpt, device: &Device, half: Option<FloatDType>) -> Result<GpuRow> {
+    fn plain<M: CausalLm>(&self, init: &M, device: &Device, half: Option<FloatDType>) -> Result<GpuRow> {
         let mut model = init.clone().fork(device);
         if let Some(dtype) = half {
             model = model.map(&mut CastParams(dtype));
@@ -185,7 +322,7 @@ impl GpuBench {
         let mut times = Vec::new();
         for step in 0..self.steps + 2 {
             let start = Instant::now();
-            let loss = model.loss(tokens(&self.shape, self.batch, step, device));
+            let loss = lm_loss(&model, tokens(&self.model, self.batch, step, device));
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-4, model, grads);
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
@@ -200,10 +337,10 @@ impl GpuBench {
     }
 
     /// The engine row `variant` on `ctx`'s device.
-    fn engine(
+    fn engine<M: CausalLm>(
         &self,
         variant: Variant,
-        init: &Gpt,
+        init: &M,
         plan: &zerotrain::Plan,
         ctx: &zerotrain::RankContext,
     ) -> Result<GpuRow> {
@@ -213,8 +350,8 @@ impl GpuBench {
         let (mut times, mut reports) = (Vec::new(), Vec::new());
         for step in 0..self.steps + 2 {
             let start = Instant::now();
-            let batch = tokens(&self.shape, self.batch, step, device);
-            mode.micro_step(&mut engine, &batch, |m, b| m.loss(b.clone()))?;
+            let batch = tokens(&self.model, self.batch, step, device);
+            mode.micro_step(&mut engine, &batch, |m, b| lm_loss(m, b.clone()))?;
             let report = engine.step()?.expect("accumulation 1");
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
             if step >= 2 {
@@ -230,9 +367,13 @@ impl GpuBench {
     }
 
     fn row(&self, what: String, step_seconds: f64, device: &Device, times: Option<PhaseTimes>) -> GpuRow {
-        let tokens_per_s = (self.batch * self.shape.block_size) as f64 / step_seconds;
-        let tflops = 6.0 * self.shape.num_params() as f64 * tokens_per_s / 1e12;
+        let tokens_per_s = (self.batch * self.model.context()) as f64 / step_seconds;
+        let tflops = 6.0 * self.model.num_params() as f64 * tokens_per_s / 1e12;
         GpuRow {
+            model: match &self.model {
+                BenchModel::Builtin(_) => "builtin".into(),
+                BenchModel::Hf { name, config, .. } => format!("{} {name}", config.model_type()),
+            },
             what,
             precision: self.precision.clone(),
             stage: None,
@@ -250,17 +391,11 @@ impl GpuBench {
 
     /// The table's heading: the model, the device and the columns.
     pub fn heading(&self) -> String {
-        let s = &self.shape;
         let mut out = format!(
-            "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters), {} sequences per step, on {}; engine \
+            "{}, {} sequences per step, on {}; engine \
              in {} (stage and mode per row: one unit, units, units with recomputation, of the first N units only); medians of {} steps; MFU \
              against {} TFLOPS; phase times {}\n",
-            s.n_layer,
-            s.n_embd,
-            s.n_head,
-            s.block_size,
-            s.vocab_size,
-            s.num_params() as f64 / 1e6,
+            self.model.describe(),
             self.batch,
             self.device.name(),
             self.precision,

@@ -140,20 +140,25 @@ pub enum BenchCommand {
         /// Where to run: cpu, wgpu or cuda.
         #[arg(long, default_value = "wgpu")]
         device: zerotrain::config::ComputeDevice,
-        /// Transformer blocks.
-        #[arg(long, default_value_t = 12)]
+        /// The model: `builtin` (the built-in GPT of --layers, --width, --heads, --vocab), a
+        /// Hugging Face `config.json` (random weights: GPT-2 or the LLaMA family), or `gpt2`
+        /// / `llama` for configs/models/gpt2-small.json / llama-1b.json.
+        #[arg(long, default_value = "builtin")]
+        model: String,
+        /// Transformer blocks (the built-in GPT).
+        #[arg(long, default_value_t = 12, conflicts_with = "model")]
         layers: usize,
-        /// Model width.
-        #[arg(long, default_value_t = 768)]
+        /// Model width (the built-in GPT).
+        #[arg(long, default_value_t = 768, conflicts_with = "model")]
         width: usize,
-        /// Attention heads.
-        #[arg(long, default_value_t = 12)]
+        /// Attention heads (the built-in GPT).
+        #[arg(long, default_value_t = 12, conflicts_with = "model")]
         heads: usize,
         /// Context length, tokens.
         #[arg(long, default_value_t = 1024)]
         context: usize,
-        /// Vocabulary size.
-        #[arg(long, default_value_t = 50304)]
+        /// Vocabulary size (the built-in GPT).
+        #[arg(long, default_value_t = 50304, conflicts_with = "model")]
         vocab: usize,
         /// Sequences per step.
         #[arg(long, default_value_t = 8)]

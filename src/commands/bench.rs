@@ -242,15 +242,8 @@ fn reset_peak_rss() {
 
 /// `zerotrain bench gpu`.
 pub fn bench_gpu(bench: &crate::bench::gpu::GpuBench, json: bool) -> anyhow::Result<()> {
-    if let Err(e) = bench.shape.validate() {
-        let flags = [
-            ("model.n_layer", "--layers"),
-            ("model.n_head", "--heads"),
-            ("model.n_embd", "--width"),
-            ("model.block_size", "--context"),
-            ("model.vocab_size", "--vocab"),
-        ];
-        anyhow::bail!("{}", flags.iter().fold(e, |e, (key, flag)| e.replace(key, flag)));
+    if let Err(e) = bench.model.validate() {
+        anyhow::bail!("{e}");
     }
     if !bench.device.is_built() {
         let name = bench.device.name();

@@ -125,6 +125,11 @@ impl HfConfig {
         Ok(Self { family, json })
     }
 
+    /// Its `model_type` (`gpt2`, `llama`, `qwen2`, `qwen3` or `mistral`).
+    pub fn model_type(&self) -> &str {
+        self.json.get("model_type").and_then(Value::as_str).unwrap_or("?")
+    }
+
     /// The vocabulary size.
     pub fn vocab_size(&self) -> usize {
         match &self.family {

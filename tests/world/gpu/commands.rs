@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use burn::tensor::DType;
 use zerotrain::config::ComputeDevice;
 use zerotrain_cli::bench::RunMode;
-use zerotrain_cli::bench::gpu::GpuBench;
+use zerotrain_cli::bench::gpu::{BenchModel, GpuBench};
 use zerotrain_models::GptConfig;
 
 use super::{Gpu, device_alone};
@@ -31,7 +31,7 @@ pub fn bench_in_half_precision_measures_every_row_or_refuses_before_the_first(on
     for (precision, dtype) in [("bf16", DType::BF16), ("fp16", DType::F16)] {
         let supported = (on.device)().supports_dtype(dtype);
         let bench = GpuBench {
-            shape,
+            model: BenchModel::Builtin(shape),
             device,
             batch: 2,
             steps: 1,

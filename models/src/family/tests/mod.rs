@@ -260,6 +260,10 @@ fn the_presets_have_their_published_parameter_counts() {
     // (3 x 768x2048) and two norms, the final norm; the head tied.
     let layer = 2 * 768 * 768 + 2 * 768 * 256 + 3 * 768 * 2048 + 2 * 768;
     assert_eq!(count("llama-100m.json"), 32000 * 768 + 12 * layer + 768);
+    // TinyLlama-1.1B's shape (`bench gpu --model llama`): 1,100,048,384 parameters, its
+    // published count (22 layers of 2048, 32 query and 4 key-value heads, MLP 5632, an
+    // untied head).
+    assert_eq!(count("llama-1b.json"), 1_100_048_384);
 }
 
 /// At stage 3 with parameters and optimizer state on NVMe, building the engine of an
