@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use burn::module::{ModuleMapper, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
 use serde::Serialize;
 
 use super::RunMode;
@@ -16,111 +16,12 @@ use super::engine::{median, median_times};
 use zerotrain::config::ComputeDevice;
 use zerotrain::{Error, PhaseTimes, Result, launch};
 use zerotrain_models::family::{self, WithModel};
-use zerotrain_models::hf::HfConfig;
-use zerotrain_models::hf::size::ModelSize;
-use zerotrain_models::{CausalLm, Gpt, GptConfig, cross_entropy};
+use zerotrain_models::{CausalLm, Gpt};
 
-/// The model `bench gpu` trains.
-#[derive(Debug, Clone, Serialize)]
-pub enum BenchModel {
-    /// The built-in GPT of this shape.
-    Builtin(GptConfig),
-    /// A Hugging Face family's model of a `config.json`, initialised as Hugging Face
-    /// initialises one, trained on sequences of `context` tokens.
-    Hf {
-        /// Where its config came from, for the table.
-        name: String,
-        /// Its config.
-        #[serde(skip)]
-        config: HfConfig,
-        /// Tokens per sequence.
-        context: usize,
-    },
-}
+mod model;
 
-impl BenchModel {
-    /// The model `bench gpu --model` names: `builtin` (the built-in GPT of `shape`), `gpt2`
-    /// or `llama` (the presets in `configs/models/`), or a `config.json`'s path; a Hugging
-    /// Face model trains at `shape`'s context.
-    pub fn named(name: &str, shape: GptConfig) -> std::result::Result<Self, zerotrain_models::file_error::FileError> {
-        let file = match name {
-            "builtin" => return Ok(Self::Builtin(shape)),
-            "gpt2" => "configs/models/gpt2-small.json",
-            "llama" => "configs/models/llama-1b.json",
-            path => path,
-        };
-        let config = HfConfig::read(std::path::Path::new(file))?;
-        Ok(Self::Hf { name: file.to_string(), config, context: shape.block_size })
-    }
-
-    /// Tokens per sequence.
-    pub fn context(&self) -> usize {
-        match self {
-            Self::Builtin(shape) => shape.block_size,
-            Self::Hf { context, .. } => *context,
-        }
-    }
-
-    fn vocab(&self) -> usize {
-        match self {
-            Self::Builtin(shape) => shape.vocab_size,
-            Self::Hf { config, .. } => config.vocab_size(),
-        }
-    }
-
-    /// Trainable parameters (a tied head counted once).
-    pub fn num_params(&self) -> u64 {
-        match self {
-            Self::Builtin(shape) => shape.num_params(),
-            Self::Hf { config, .. } => ModelSize::of(config).params,
-        }
-    }
-
-    /// Refuses a shape the model cannot train, naming `bench gpu`'s flag.
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        match self {
-            Self::Builtin(shape) => shape.validate().map_err(|e| {
-                let flags = [
-                    ("model.n_layer", "--layers"),
-                    ("model.n_head", "--heads"),
-                    ("model.n_embd", "--width"),
-                    ("model.block_size", "--context"),
-                    ("model.vocab_size", "--vocab"),
-                ];
-                flags.iter().fold(e, |e, (key, flag)| e.replace(key, flag))
-            }),
-            Self::Hf { config, context, .. } => {
-                let (positions, bound) = config.exact_context();
-                match *context {
-                    0 => Err("--context must be at least 1".into()),
-                    c if c > positions => Err(format!("--context {c} is longer than {bound}")),
-                    _ => Ok(()),
-                }
-            }
-        }
-    }
-
-    fn describe(&self) -> String {
-        match self {
-            Self::Builtin(s) => format!(
-                "GPT {}x{} ({} heads, context {}, vocabulary {}, {:.1}M parameters)",
-                s.n_layer,
-                s.n_embd,
-                s.n_head,
-                s.block_size,
-                s.vocab_size,
-                s.num_params() as f64 / 1e6
-            ),
-            Self::Hf { name, config, context } => format!(
-                "{} of {name} ({} layers, context {context}, vocabulary {}, {:.1}M parameters)",
-                config.model_type(),
-                config.num_layers(),
-                config.vocab_size(),
-                self.num_params() as f64 / 1e6
-            ),
-        }
-    }
-}
+pub use model::BenchModel;
+use model::{lm_loss, tokens};
 
 /// What `bench gpu` measures.
 #[derive(Debug, Clone, Serialize)]
@@ -185,22 +86,6 @@ pub struct GpuRow {
 /// An error naming the command-line flag `name` (`bench gpu`'s settings are its flags).
 fn flag(name: &str, message: String) -> Error {
     Error::Config(zerotrain::config::ConfigError::Unsupported { key: name.into(), message })
-}
-
-/// Deterministic tokens `[batch, context + 1]` for step `step`.
-fn tokens(model: &BenchModel, batch: usize, step: usize, device: &Device) -> Tensor<2, Int> {
-    let len = model.context() + 1;
-    let vocab = model.vocab() as u64;
-    let values: Vec<i64> =
-        (0..(batch * len) as u64).map(|i| ((i * 2_654_435_761 + step as u64 * 40_503) % vocab) as i64).collect();
-    Tensor::from_data(TensorData::new(values, [batch, len]), device)
-}
-
-/// The mean next-token loss of `model` on `tokens` `[batch, context + 1]`.
-fn lm_loss<M: CausalLm>(model: &M, tokens: Tensor<2, Int>) -> Tensor<1> {
-    let [b, t1] = tokens.dims();
-    let inputs = tokens.clone().slice([0..b, 0..t1 - 1]);
-    cross_entropy(model.logits(inputs), &tokens)
 }
 
 /// [`GpuBench::run_with`] for whichever family's model `HfModel` holds.
