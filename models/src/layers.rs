@@ -5,8 +5,8 @@
 //! Norms and softmax compute in f32 whatever the model's dtype, as Hugging Face's do.
 
 use burn::module::{Module, Param};
+use burn::tensor::activation::softmax;
 use burn::tensor::module::{embedding, layer_norm, linear};
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use crate::hf::rope::RopeScaling;
@@ -136,27 +136,38 @@ impl Embed {
 /// Causal attention of `q` `[batch, heads, time, head_dim]` over `k`, `v`
 /// `[batch, kv_heads, past + time, head_dim]` (each kv head serves `heads / kv_heads` query
 /// heads, consecutively; the queries are the last `time` of the positions), scaled by
-/// `1/sqrt(head_dim)`, softmax in f32; `[batch, time, heads * head_dim]`.
+/// `1/sqrt(head_dim)`; `[batch, time, heads * head_dim]`.
+///
+/// As Hugging Face's eager attention computes it: both matmuls in the model's dtype (on
+/// tensor cores in bf16 or fp16), the scores widened to f32 for the scale, the mask and the
+/// softmax, the probabilities narrowed back. The query heads of one kv head are stacked
+/// along time (`[batch, kv_heads, group * time, head_dim]`, a reshape), so each kv head's
+/// keys and values serve its whole group in one matmul: grouped-query attention without
+/// copies of the keys and values.
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<3> {
     let [b, h, t, hd] = q.dims();
     let [_, kv, keys, _] = k.dims();
-    let widen = |x: Tensor<4>| {
-        if kv == h { x } else { x.unsqueeze_dim::<5>(2).repeat_dim(2, h / kv).reshape([b, h, keys, hd]) }
-    };
+    let group = h / kv;
     let dtype = q.dtype();
-    let f32 = |x: Tensor<4>| x.cast(FloatDType::F32);
-    // A query sees every key up to its own position. One new query sees them all; queries
-    // after cached keys get the mask aligned to their positions (not every backend's
-    // `is_causal` aligns a shorter query block at the end).
-    let mask = (t > 1 && keys > t).then(|| {
-        let device = q.device();
-        let positions = Tensor::<1, Int>::arange((keys - t) as i64..keys as i64, &device).reshape([t, 1]);
-        let keys_at = Tensor::<1, Int>::arange(0..keys as i64, &device).reshape([1, keys]);
-        keys_at.greater(positions).reshape([1, 1, t, keys]).expand([b, h, t, keys])
-    });
-    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: t > 1 && keys == t };
-    let out = burn::tensor::module::attention(f32(q), f32(widen(k)), f32(widen(v)), mask, None, options);
-    out.cast(dtype).swap_dims(1, 2).reshape([b, t, h * hd])
+    let scores = q.reshape([b, kv, group * t, hd]).matmul(k.swap_dims(2, 3));
+    let scores = scores.cast(FloatDType::F32).mul_scalar((hd as f64).sqrt().recip());
+    // A query sees every key up to its own position (`keys - t` + its index): one new query
+    // sees them all; a block of queries after cached keys gets the mask at its positions.
+    let scores = match t > 1 {
+        true => {
+            let device = scores.device();
+            let positions = Tensor::<1, Int>::arange((keys - t) as i64..keys as i64, &device)
+                .reshape([1, t])
+                .repeat_dim(0, group)
+                .reshape([group * t, 1]);
+            let keys_at = Tensor::<1, Int>::arange(0..keys as i64, &device).reshape([1, keys]);
+            let future = keys_at.greater(positions).reshape([1, 1, group * t, keys]).expand([b, kv, group * t, keys]);
+            scores.mask_fill(future, f32::NEG_INFINITY)
+        }
+        false => scores,
+    };
+    let probs = softmax(scores, 3).cast(dtype);
+    probs.matmul(v).reshape([b, h, t, hd]).swap_dims(1, 2).reshape([b, t, h * hd])
 }
 
 /// The keys and values a decoder has computed for the tokens it has seen, layer by layer,
@@ -274,5 +285,92 @@ impl Rope {
             x * cos.clone() + rotated * sin.clone()
         };
         (apply(q), apply(k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+
+    use super::causal_attention;
+
+    /// `[b, heads, len, hd]` values in [-1, 1) from a fixed sequence, rounded to `dtype`.
+    fn values(dims: [usize; 4], seed: u64, dtype: FloatDType, device: &Device) -> (Tensor<4>, Vec<f64>) {
+        let n: usize = dims.iter().product();
+        let raw: Vec<f32> = (0..n as u64).map(|i| (((i + seed) * 2_654_435_761 % 1000) as f32 / 500.0) - 1.0).collect();
+        let t = Tensor::<4>::from_data(TensorData::new(raw, dims), device).cast(dtype);
+        let rounded = t.clone().cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+        (t, rounded.into_iter().map(f64::from).collect())
+    }
+
+    /// Attention in f64 from the definition: query `i` of `t` sits at position `keys - t + i`
+    /// and sees the keys up to it; query head `hq` reads kv head `hq / (h / kv)`.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        b: usize,
+        h: usize,
+        kv: usize,
+        t: usize,
+        keys: usize,
+        hd: usize,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; b * t * h * hd];
+        for bi in 0..b {
+            for hq in 0..h {
+                let hk = hq / (h / kv);
+                for i in 0..t {
+                    let seen = keys - t + i + 1;
+                    let at = |x: &[f64], heads: usize, head: usize, len: usize, row: usize| {
+                        let base = ((bi * heads + head) * len + row) * hd;
+                        x[base..base + hd].to_vec()
+                    };
+                    let query = at(q, h, hq, t, i);
+                    let scores: Vec<f64> = (0..seen)
+                        .map(|j| {
+                            at(k, kv, hk, keys, j).iter().zip(&query).map(|(a, b)| a * b).sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let top = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                    let total: f64 = weights.iter().sum();
+                    for (j, w) in weights.iter().enumerate() {
+                        for (d, value) in at(v, kv, hk, keys, j).iter().enumerate() {
+                            out[((bi * t + i) * h + hq) * hd + d] += w / total * value;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Grouped heads (1 to 3 query heads per kv head), a block of queries after cached keys,
+    /// one new query, lengths that are not powers of two: within 1e-5 of the f64 reference in
+    /// f32; in bf16 within 0.03, the bound from its roundings (inputs here are exact in bf16;
+    /// a score |s| <= sqrt(head_dim) = 2 rounded to bf16 moves by up to 2 x 2^-8, so a
+    /// probability by a factor within 1 +- 0.016; the probabilities rounded, 2^-8 each; the
+    /// output, |v| <= 1, rounded once more: 0.016 + 0.004 + 0.004 < 0.03).
+    #[test]
+    fn attention_equals_the_f64_reference_for_groups_cached_keys_and_bf16() {
+        let device = Device::flex();
+        let (b, hd) = (2, 4);
+        for (dtype, bound) in [(FloatDType::F32, 1e-5), (FloatDType::BF16, 0.03)] {
+            for (h, kv, t, keys) in [(4, 2, 5, 5), (3, 1, 3, 7), (3, 3, 1, 6), (6, 2, 7, 7), (2, 2, 9, 9)] {
+                let (q, qr) = values([b, h, t, hd], 1, dtype, &device);
+                let (k, kr) = values([b, kv, keys, hd], 2, dtype, &device);
+                let (v, vr) = values([b, kv, keys, hd], 3, dtype, &device);
+                let got = causal_attention(q, k, v);
+                assert_eq!(got.dims(), [b, t, h * hd]);
+                assert_eq!(got.dtype(), dtype.into());
+                let got = got.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+                let want = reference(&qr, &kr, &vr, b, h, kv, t, keys, hd);
+                let worst = got.iter().zip(&want).map(|(g, w)| (f64::from(*g) - w).abs()).fold(0.0, f64::max);
+                assert!(worst <= bound, "{dtype:?} h {h} kv {kv} t {t} keys {keys}: off by {worst}");
+            }
+        }
     }
 }
