@@ -15,6 +15,12 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3>;
 
+    /// The mean next-token [`cross_entropy`] on `tokens` `[batch, time + 1]` (the model run
+    /// as one: what the units compute together).
+    fn next_token_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
+        cross_entropy(self.logits(inputs(tokens)), tokens)
+    }
+
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow the
     /// tokens `cache` holds (they are at positions `cache.len()..`) and whose keys and
     /// values join it; `None` for a model that keeps no cache (then it is left as it was).

@@ -8,7 +8,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::causal_lm::{cross_entropy, decoder_unit, inputs};
+use super::causal_lm::{CausalLm, cross_entropy, decoder_unit};
 use zerotrain::engine::{UnitModel, UnitSpec};
 
 /// The `model` section of a config: a GPT's shape.
@@ -194,7 +194,7 @@ impl Gpt {
 
     /// Mean next-token cross-entropy (in f32) over `tokens` `[batch, time + 1]`.
     pub fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1> {
-        cross_entropy(self.forward(inputs(&tokens)), &tokens)
+        self.next_token_loss(&tokens)
     }
 }
 

@@ -299,7 +299,7 @@ mod tests {
         let n: usize = dims.iter().product();
         let raw: Vec<f32> = (0..n as u64).map(|i| (((i + seed) * 2_654_435_761 % 1000) as f32 / 500.0) - 1.0).collect();
         let t = Tensor::<4>::from_data(TensorData::new(raw, dims), device).cast(dtype);
-        let rounded = t.clone().cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+        let rounded = t.clone().cast(FloatDType::F32).into_data().try_to_vec::<f32>().unwrap();
         (t, rounded.into_iter().map(f64::from).collect())
     }
 
@@ -366,7 +366,7 @@ mod tests {
                 let got = causal_attention(q, k, v);
                 assert_eq!(got.dims(), [b, t, h * hd]);
                 assert_eq!(got.dtype(), dtype.into());
-                let got = got.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+                let got = got.cast(FloatDType::F32).into_data().try_to_vec::<f32>().unwrap();
                 let want = reference(&qr, &kr, &vr, b, h, kv, t, keys, hd);
                 let worst = got.iter().zip(&want).map(|(g, w)| (f64::from(*g) - w).abs()).fold(0.0, f64::max);
                 assert!(worst <= bound, "{dtype:?} h {h} kv {kv} t {t} keys {keys}: off by {worst}");

@@ -21,7 +21,7 @@ use zerotrain_models::{CausalLm, Gpt};
 mod model;
 
 pub use model::BenchModel;
-use model::{lm_loss, tokens};
+use model::tokens;
 
 /// What `bench gpu` measures.
 #[derive(Debug, Clone, Serialize)]
@@ -207,7 +207,7 @@ impl GpuBench {
         let mut times = Vec::new();
         for step in 0..self.steps + 2 {
             let start = Instant::now();
-            let loss = lm_loss(&model, tokens(&self.model, self.batch, step, device));
+            let loss = model.next_token_loss(&tokens(&self.model, self.batch, step, device));
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-4, model, grads);
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
@@ -236,7 +236,7 @@ impl GpuBench {
         for step in 0..self.steps + 2 {
             let start = Instant::now();
             let batch = tokens(&self.model, self.batch, step, device);
-            mode.micro_step(&mut engine, &batch, |m, b| lm_loss(m, b.clone()))?;
+            mode.micro_step(&mut engine, &batch, |m, b| m.next_token_loss(b))?;
             let report = engine.step()?.expect("accumulation 1");
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
             if step >= 2 {

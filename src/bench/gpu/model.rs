@@ -3,9 +3,9 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::Serialize;
+use zerotrain_models::GptConfig;
 use zerotrain_models::hf::HfConfig;
 use zerotrain_models::hf::size::ModelSize;
-use zerotrain_models::{CausalLm, GptConfig, cross_entropy};
 
 /// The model `bench gpu` trains.
 #[derive(Debug, Clone, Serialize)]
@@ -116,11 +116,4 @@ pub(super) fn tokens(model: &BenchModel, batch: usize, step: usize, device: &Dev
     let values: Vec<i64> =
         (0..(batch * len) as u64).map(|i| ((i * 2_654_435_761 + step as u64 * 40_503) % vocab) as i64).collect();
     Tensor::from_data(TensorData::new(values, [batch, len]), device)
-}
-
-/// The mean next-token loss of `model` on `tokens` `[batch, context + 1]`.
-pub(super) fn lm_loss<M: CausalLm>(model: &M, tokens: Tensor<2, Int>) -> Tensor<1> {
-    let [b, t1] = tokens.dims();
-    let inputs = tokens.clone().slice([0..b, 0..t1 - 1]);
-    cross_entropy(model.logits(inputs), &tokens)
 }

@@ -4,19 +4,20 @@
 //! whether this process runs under `mpirun` ([`detect_mpirun`]) or a launcher
 //! ([`detect_launcher`]) belongs here, not to the config.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use zerotrain_zero::{CommThread, ThreadWorld};
 
-use crate::collectives::{self, Machine};
+use crate::collectives::Machine;
 use crate::config::{Backend, Plan};
 use crate::device::Placement;
-use crate::error::{error_chain, panic_message};
 
 mod processes;
+mod rank;
+
+use rank::{run_rank, stages, with_collectives};
 
 use crate::{Error, RankContext, Result};
 pub use processes::{detect_launcher, detect_mpirun};
@@ -147,31 +148,11 @@ where
     Err(errors.swap_remove(root).1)
 }
 
-/// `ctx` with its collectives on the library `zerotrain.collectives` comes to (module
-/// `collectives`); every rank calls it at once, `ordinal` being its CUDA device's.
-fn with_collectives(ctx: RankContext, plan: &Plan, machine: Machine, ordinal: usize) -> Result<RankContext> {
-    let host = ctx.collective();
-    let available = zerotrain_zero::collective::nccl::available;
-    let obstacle = || collectives::obstacle(machine, available);
-    let library = collectives::decide(plan.runtime.collectives, plan.runtime.device, obstacle, &*host)?;
-    let comm = collectives::connect(&library, host, ordinal, plan.runtime.comm_timeout)?;
-    let notice = match library {
-        collectives::Library::Host { notice } => notice,
-        collectives::Library::Nccl => None,
-    };
-    Ok(ctx.with_collective(comm, notice))
-}
-
 /// How long rank threads get to finish once the job has failed: the collective timeout,
 /// at most 10 s (a failed job's ranks unwind in milliseconds; one still computing by then
 /// is stalled).
 fn stall_grace(plan: &Plan) -> Duration {
     plan.runtime.comm_timeout.min(Duration::from_secs(10))
-}
-
-/// The plan's pipeline stages (1 without a pipeline).
-fn stages(plan: &Plan) -> usize {
-    plan.pipeline.map_or(1, |p| p.stages)
 }
 
 /// Waits until the `running` rank threads have reported on `finished`. Once the job has failed,
@@ -206,29 +187,4 @@ fn watch_for_stalls(world: &ThreadWorld, finished: &Receiver<usize>, mut running
             std::process::exit(1);
         }
     }
-}
-
-/// Runs one rank's closure; on failure aborts the world and returns the error and whether
-/// it is only a consequence of another rank's failure.
-fn run_rank<T, E>(
-    rank: usize,
-    abort: &dyn Fn(&str),
-    f: impl FnOnce() -> std::result::Result<T, E>,
-) -> Result<T, (Error, bool)>
-where
-    E: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let outcome = catch_unwind(AssertUnwindSafe(f));
-    let mut consequence = false;
-    let error = match outcome {
-        Ok(Ok(value)) => return Ok(value),
-        Ok(Err(e)) => {
-            let e: Box<dyn std::error::Error + Send + Sync> = e.into();
-            consequence = e.downcast_ref::<Error>().is_some_and(Error::is_consequence);
-            Error::Rank { rank, message: error_chain(e.as_ref()) }
-        }
-        Err(panic) => Error::RankPanicked { rank, message: panic_message(panic.as_ref()) },
-    };
-    abort(&error.to_string());
-    Err((error, consequence))
 }

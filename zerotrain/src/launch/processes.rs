@@ -8,7 +8,7 @@ use std::sync::Arc;
 use zerotrain_zero::Collective;
 use zerotrain_zero::collective::tcp;
 
-use super::{run_rank, stages, with_collectives};
+use super::rank::{run_rank, stages, with_collectives};
 use crate::collectives::Machine;
 use crate::config::{LauncherEnvironment, MpirunEnvironment, Plan};
 use crate::device::Placement;
