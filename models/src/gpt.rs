@@ -8,7 +8,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::causal_lm::{CausalLm, cross_entropy, decoder_unit};
+use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
 use zerotrain::engine::{UnitModel, UnitSpec};
 
 /// The `model` section of a config: a GPT's shape.
@@ -164,11 +164,33 @@ impl Gpt {
 
     /// Logits `[batch, time, vocab]` for tokens `[batch, time]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.head(self.trunk(tokens))
+    }
+
+    /// The residual stream after the last block `[batch, time, d]`.
+    fn trunk(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.embed(tokens);
         for block in &self.blocks {
             h = block.forward(h);
         }
-        self.head(h)
+        h
+    }
+
+    /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path
+    /// (the head and loss over blocks of tokens).
+    pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), tokens))
+    }
+
+    /// The final norm, the head and the mean next-token loss against `tokens` (the last
+    /// unit), without the whole logits.
+    fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
+        let h = self.norm.forward(h);
+        let (weight, bias) = match &self.head {
+            Some(head) => (head.weight.val().transpose(), head.bias.as_ref().map(|b| b.val())),
+            None => (self.token.weight.val(), None),
+        };
+        head_loss(h, weight, bias, tokens)
     }
 
     /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]`.
@@ -230,7 +252,8 @@ impl Block {
 impl UnitModel for Gpt {
     /// Token sequences `[batch, time + 1]`: inputs and next-token targets.
     type Batch = Tensor<2, Int>;
-    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    /// The residual stream `[batch, time, d]`; after the last unit, the mean loss
+    /// `[1, 1, 1]`.
     type Hidden = Tensor<3>;
 
     fn units(&self) -> Vec<UnitSpec> {
@@ -258,12 +281,12 @@ impl UnitModel for Gpt {
             blocks.len(),
             |ids| self.embed(ids),
             |i, h| blocks[i].forward(h),
-            |h| self.head(h),
+            |h| self.head_loss(h, tokens),
         )
     }
 
-    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
-        cross_entropy(logits, tokens)
+    fn output_loss(&self, loss: Tensor<3>, _: &Self::Batch) -> Tensor<1> {
+        unit_loss(loss)
     }
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {

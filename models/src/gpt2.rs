@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
 
-use super::causal_lm::{cross_entropy, decoder_unit, last_position};
+use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
 use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads, with_cached};
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
@@ -108,13 +108,29 @@ impl Gpt2 {
         self.transformer.wte.logits(self.transformer.ln_f.forward(h))
     }
 
+    /// The final norm, the tied head and the mean next-token loss against `tokens` (the
+    /// last unit), without the whole logits.
+    fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
+        head_loss(self.transformer.ln_f.forward(h), self.transformer.wte.table(), None, tokens)
+    }
+
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.head(self.trunk(ids))
+    }
+
+    /// The residual stream after the last block `[batch, time, d]`.
+    fn trunk(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.embed(ids, 0);
         for block in &self.transformer.h {
             h = block.forward(h, None);
         }
-        self.head(h)
+        h
+    }
+
+    /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path.
+    pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), tokens))
     }
 
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
@@ -161,7 +177,8 @@ pub fn ignored(name: &str) -> bool {
 impl UnitModel for Gpt2 {
     /// Token ids `[batch, time + 1]`: inputs and next-token targets.
     type Batch = Tensor<2, Int>;
-    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    /// The residual stream `[batch, time, d]`; after the last unit, the mean loss
+    /// `[1, 1, 1]`.
     type Hidden = Tensor<3>;
 
     fn units(&self) -> Vec<UnitSpec> {
@@ -180,11 +197,12 @@ impl UnitModel for Gpt2 {
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let blocks = &self.transformer.h;
         let block = |i: usize, h| blocks[i].forward(h, None);
-        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids, 0), block, |h| self.head(h))
+        let head = |h| self.head_loss(h, tokens);
+        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids, 0), block, head)
     }
 
-    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
-        cross_entropy(logits, tokens)
+    fn output_loss(&self, loss: Tensor<3>, _: &Self::Batch) -> Tensor<1> {
+        unit_loss(loss)
     }
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {

@@ -32,6 +32,11 @@ impl Dense {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         linear(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
     }
+
+    /// The weight `[out, d_in]` and the bias: a head's, for its loss.
+    pub fn weight_and_bias(&self) -> (Tensor<2>, Option<Tensor<1>>) {
+        (self.weight.val(), self.bias.as_ref().map(Param::val))
+    }
 }
 
 /// GPT-2's `Conv1D`: `weight` `[in, out]` and `bias`.
@@ -130,6 +135,11 @@ impl Embed {
     /// Logits `h E^T` `[batch, time, rows]` (a head tied to this table).
     pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
         linear(h, self.weight.val().transpose(), None)
+    }
+
+    /// The table `[rows, d]`: a tied head's weight, for its loss.
+    pub fn table(&self) -> Tensor<2> {
+        self.weight.val()
     }
 }
 

@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
 
-use super::causal_lm::{cross_entropy, decoder_unit, last_position};
+use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
 use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, split_heads, with_cached};
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
@@ -121,13 +121,34 @@ impl Llama {
         }
     }
 
+    /// The final norm, the head and the mean next-token loss against `tokens` (the last
+    /// unit), without the whole logits.
+    fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
+        let h = self.model.norm.forward(h);
+        let (weight, bias) = match &self.lm_head {
+            Some(head) => head.weight_and_bias(),
+            None => (self.model.embed_tokens.table(), None),
+        };
+        head_loss(h, weight, bias, tokens)
+    }
+
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.head(self.trunk(ids))
+    }
+
+    /// The residual stream after the last layer `[batch, time, d]`.
+    fn trunk(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
             h = layer.forward(h, 0, None);
         }
-        self.head(h)
+        h
+    }
+
+    /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path.
+    pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), tokens))
     }
 
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
@@ -177,7 +198,8 @@ pub fn ignored(name: &str, tied: bool) -> bool {
 impl UnitModel for Llama {
     /// Token ids `[batch, time + 1]`: inputs and next-token targets.
     type Batch = Tensor<2, Int>;
-    /// The residual stream `[batch, time, d]`; after the last unit, the logits.
+    /// The residual stream `[batch, time, d]`; after the last unit, the mean loss
+    /// `[1, 1, 1]`.
     type Hidden = Tensor<3>;
 
     fn units(&self) -> Vec<UnitSpec> {
@@ -203,11 +225,12 @@ impl UnitModel for Llama {
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let (embed, layers) = (&self.model.embed_tokens, &self.model.layers);
         let layer = |i: usize, h| layers[i].forward(h, 0, None);
-        decoder_unit(unit, input, tokens, layers.len(), |ids| embed.forward(ids), layer, |h| self.head(h))
+        let head = |h| self.head_loss(h, tokens);
+        decoder_unit(unit, input, tokens, layers.len(), |ids| embed.forward(ids), layer, head)
     }
 
-    fn output_loss(&self, logits: Tensor<3>, tokens: &Self::Batch) -> Tensor<1> {
-        cross_entropy(logits, tokens)
+    fn output_loss(&self, loss: Tensor<3>, _: &Self::Batch) -> Tensor<1> {
+        unit_loss(loss)
     }
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {

@@ -74,6 +74,7 @@
 //! - *Note: flat shards*, *parameter groups*: [`engine::optimizer`].
 //! - *Note: a pipeline stage*, *seeding the stages*, *the header*: `engine/pipeline/`.
 //! - *Note: the iteration convention* (DeepSpeed's lr schedules): [`schedule`].
+//! - *Note: a loss that computes its gradients in forward* (the head without whole logits): `nn/cross_entropy.rs`.
 //! - *Note: padding*, *the three-barrier protocol*, *byte counting*: `zerotrain-zero`.
 #![deny(missing_docs)]
 
@@ -86,6 +87,7 @@ mod error;
 pub mod estimate;
 mod factory;
 mod launch;
+pub mod nn;
 pub mod random;
 pub mod reduce;
 pub mod replicas;

@@ -1,0 +1,223 @@
+//! The output head and its mean cross-entropy over blocks of tokens.
+//!
+//! *Note: a loss that computes its gradients in forward.* A language model's head turns
+//! `N` hidden states of width `d` into `N x V` logits, and the loss reads them through a
+//! log-softmax: for GPT-2 small at batch 8 that is 8,192 x 50,257 values, 1.6 GB in f32,
+//! and autodiff keeps the logits, their f32 copy and the log-softmax for backward, then
+//! forms as many gradients. [`LinearCrossEntropy`] never holds more than one block of
+//! tokens' logits: for each block it computes the logits, their log-softmax, the block's
+//! loss, and at once the gradient of the mean loss with respect to the block's logits,
+//! `(softmax - one_hot(target)) / N`, which it multiplies into the gradients of the
+//! hidden states, the weight and the bias, and drops. Burn 0.22 has no user-defined
+//! backward outside a backend extension, so the gradients reach autodiff through a
+//! surrogate built from tracked inputs and constant gradients:
+//!
+//! `loss = (s - detach(s)) + value`, where `s = sum(h * dh) + sum(W * dW) + sum(b * db)`.
+//!
+//! `s - detach(s)` is exactly 0 (a finite number minus itself), so the value is the loss's
+//! exactly; its gradient with respect to `h` is `dh` times the upstream gradient, and the
+//! same for `W` and `b`. The upstream gradient (the loss scale, the accumulation divisor) is
+//! applied in f32 before the gradient narrows to the parameters' dtype, as autodiff would
+//! have done through the logits: the gradients are kept in f32 so that `1/N`-sized values
+//! do not underflow fp16 before the loss scale reaches them. The logits' matmuls and the two
+//! gradient matmuls run in the inputs' dtype (on tensor cores in bf16 and fp16), the
+//! log-softmax in f32, as the unfused loss does. Only what is tracked gets a gradient: a
+//! run without autodiff (evaluation) computes the value alone.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor};
+
+use crate::reduce;
+
+/// A language model's output projection and its mean next-token cross-entropy, computed
+/// over blocks of tokens so that the `[tokens, vocabulary]` logits never exist whole, in
+/// forward or in backward.
+///
+/// Equals `cross_entropy(hidden W^T + b, targets)` (log-softmax in f32, the mean over all
+/// tokens) and its gradients with respect to `hidden`, `weight` and `bias`; each block's
+/// gradient is formed during forward (see the module's note), so a backward pass costs
+/// nothing more and a forward pass in training costs the two gradient matmuls. Where the
+/// inputs are not tracked by autodiff, it computes the value alone.
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor, TensorData};
+/// use zerotrain::nn::LinearCrossEntropy;
+///
+/// let device = Device::flex().autodiff();
+/// let hidden = Tensor::<2>::from_data(TensorData::new(vec![0.5f32, -1.0, 2.0, 0.25], [2, 2]), &device).require_grad();
+/// let weight = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0], [3, 2]), &device).require_grad();
+/// let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![2i64, 0], [2]), &device);
+/// let loss = LinearCrossEntropy::new().forward(hidden.clone(), weight.clone(), None, targets);
+/// let grads = loss.backward();
+/// assert_eq!(hidden.grad(&grads).unwrap().dims(), [2, 2]);
+/// assert_eq!(weight.grad(&grads).unwrap().dims(), [3, 2]);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinearCrossEntropy {
+    /// Tokens per block; 0: as many as make [`BLOCK_ELEMENTS`](Self::BLOCK_ELEMENTS) logits.
+    block_tokens: usize,
+}
+
+impl LinearCrossEntropy {
+    /// Logits per block when the block is chosen by the vocabulary: 16 Mi, 64 MiB in f32
+    /// (333 tokens of GPT-2's 50,257-token vocabulary, where its whole batch of 8 x 1,024
+    /// tokens' logits take 1.6 GB).
+    pub const BLOCK_ELEMENTS: usize = 1 << 24;
+
+    /// The longest block: its per-token values are summed in one reduction (a longer one
+    /// would pass what every backend counts; see [`reduce`](crate::reduce)).
+    pub const MAX_BLOCK_TOKENS: usize = 1 << 15;
+
+    /// Blocks of [`BLOCK_ELEMENTS`](Self::BLOCK_ELEMENTS) logits.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Blocks of `tokens` tokens (at least 1, at most
+    /// [`MAX_BLOCK_TOKENS`](Self::MAX_BLOCK_TOKENS)); 0 chooses by the vocabulary.
+    pub fn with_block_tokens(self, tokens: usize) -> Self {
+        Self { block_tokens: tokens.min(Self::MAX_BLOCK_TOKENS) }
+    }
+
+    /// Tokens per block for a vocabulary of `vocab`.
+    pub fn block_tokens(&self, vocab: usize) -> usize {
+        match self.block_tokens {
+            0 => (Self::BLOCK_ELEMENTS / vocab.max(1)).clamp(1, Self::MAX_BLOCK_TOKENS),
+            n => n,
+        }
+    }
+
+    /// The mean cross-entropy (a 1-element f32 tensor) of `hidden` `[tokens, d]` projected
+    /// by `weight` `[vocab, d]` (PyTorch's `F.linear` layout; pass a Burn `Linear`'s
+    /// `[d, vocab]` weight transposed) plus `bias` `[vocab]`, against `targets` `[tokens]`
+    /// (ids below `vocab`).
+    ///
+    /// # Panics
+    /// On shapes that do not fit together, or no tokens, naming them; `targets` at or past
+    /// `vocab` are not checked on every backend.
+    pub fn forward(
+        &self,
+        hidden: Tensor<2>,
+        weight: Tensor<2>,
+        bias: Option<Tensor<1>>,
+        targets: Tensor<1, Int>,
+    ) -> Tensor<1> {
+        let ([n, d], [vocab, dw], [nt]) = (hidden.dims(), weight.dims(), targets.dims());
+        assert!(d == dw, "LinearCrossEntropy: hidden [{n}, {d}] and weight [{vocab}, {dw}] differ in width");
+        assert!(nt == n, "LinearCrossEntropy: {nt} targets for {n} hidden states");
+        assert!(n > 0, "LinearCrossEntropy: no tokens");
+        if let Some(b) = &bias {
+            assert!(b.dims() == [vocab], "LinearCrossEntropy: bias {:?} for a vocabulary of {vocab}", b.dims());
+        }
+        let wants = Wants {
+            hidden: hidden.is_tracked(),
+            weight: weight.is_tracked(),
+            bias: bias.as_ref().is_some_and(Tensor::is_tracked),
+        };
+        let mut blocks = Blocks::new(constant(weight.clone()), bias.clone().map(constant), wants);
+        let h = constant(hidden.clone());
+        let step = self.block_tokens(vocab);
+        for start in (0..n).step_by(step) {
+            let len = step.min(n - start);
+            blocks.add(h.clone().narrow(0, start, len), targets.clone().narrow(0, start, len).reshape([len, 1]));
+        }
+        blocks.loss(n, hidden, weight, bias)
+    }
+}
+
+/// `t` outside autodiff's graph: its value, neither tracked nor requiring a gradient
+/// (`detach` alone keeps a leaf's `require_grad`, and every operation on it would be
+/// recorded).
+fn constant<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    t.set_require_grad(false)
+}
+
+/// Which inputs are tracked by autodiff, and so get a gradient.
+#[derive(Clone, Copy)]
+struct Wants {
+    hidden: bool,
+    weight: bool,
+    bias: bool,
+}
+
+impl Wants {
+    fn any(self) -> bool {
+        self.hidden || self.weight || self.bias
+    }
+}
+
+/// What the blocks add up: the summed loss, and the unnormalised gradients (f32).
+struct Blocks {
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    wants: Wants,
+    total: Option<Tensor<1>>,
+    hidden_grads: Vec<Tensor<2>>,
+    weight_grad: Option<Tensor<2>>,
+    bias_grad: Option<Tensor<1>>,
+}
+
+impl Blocks {
+    /// Blocks projected by the detached `weight` and `bias`.
+    fn new(weight: Tensor<2>, bias: Option<Tensor<1>>, wants: Wants) -> Self {
+        let (total, hidden_grads, weight_grad, bias_grad) = (None, Vec::new(), None, None);
+        Self { weight, bias, wants, total, hidden_grads, weight_grad, bias_grad }
+    }
+
+    /// One block: detached hidden states `h` `[len, d]` and their targets `[len, 1]`.
+    fn add(&mut self, h: Tensor<2>, targets: Tensor<2, Int>) {
+        let mut logits = h.clone().matmul(self.weight.clone().transpose());
+        if let Some(b) = &self.bias {
+            logits = logits + b.clone().unsqueeze_dim(0);
+        }
+        let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
+        let picked = log_probs.clone().gather(1, targets.clone());
+        let block = reduce::sum(picked.clone()).neg();
+        self.total = Some(match self.total.take() {
+            Some(total) => total + block,
+            None => block,
+        });
+        if !self.wants.any() {
+            return;
+        }
+        // softmax - one_hot(target): the gradient of the block's summed loss by its logits.
+        let minus_one = picked.ones_like().neg();
+        let grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add);
+        if self.wants.bias {
+            let vocab = grad.dims()[1];
+            let g = grad.clone().sum_dim(0).reshape([vocab]);
+            self.bias_grad = Some(self.bias_grad.take().map_or(g.clone(), |sum| sum + g));
+        }
+        let grad = grad.cast(self.weight.dtype());
+        if self.wants.hidden {
+            self.hidden_grads.push(grad.clone().matmul(self.weight.clone()).cast(FloatDType::F32));
+        }
+        if self.wants.weight {
+            let g = grad.transpose().matmul(h).cast(FloatDType::F32);
+            self.weight_grad = Some(self.weight_grad.take().map_or(g.clone(), |sum| sum + g));
+        }
+    }
+
+    /// The mean loss over `n` tokens, carrying the blocks' gradients to the tracked
+    /// `hidden`, `weight` and `bias` (the module's note).
+    fn loss(self, n: usize, hidden: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<1> {
+        let scale = 1.0 / n as f64;
+        let value = self.total.expect("at least one block").mul_scalar(scale);
+        let term =
+            |input: Tensor<2>, grad: Tensor<2>| reduce::sum(input.cast(FloatDType::F32) * grad.mul_scalar(scale));
+        let mut terms = Vec::new();
+        if self.wants.hidden {
+            terms.push(term(hidden, Tensor::cat(self.hidden_grads, 0)));
+        }
+        if let Some(grad) = self.weight_grad {
+            terms.push(term(weight, grad));
+        }
+        if let (Some(bias), Some(grad)) = (bias, self.bias_grad) {
+            terms.push(term(bias.unsqueeze_dim(0), grad.unsqueeze_dim(0)));
+        }
+        match terms.into_iter().reduce(|a, b| a + b) {
+            Some(s) => (s.clone() - s.detach()) + value,
+            None => value,
+        }
+    }
+}
