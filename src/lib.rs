@@ -112,6 +112,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             recompute_units,
             peak_tflops,
             breakdown,
+            whole_logits,
             json,
         }) => {
             let shape = zerotrain_models::GptConfig {
@@ -133,6 +134,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 recompute_units,
                 peak_tflops,
                 breakdown,
+                whole_logits,
             };
             commands::bench::bench_gpu(&bench, json)
         }

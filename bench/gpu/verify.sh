@@ -14,8 +14,10 @@
 #   5. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
 #      at stages 0 and 3 in units, recomputing no block, all 12, or the first 6
 #      (`--recompute-units`): 190-236 s on an H200 before the last two rows, autotune
-#      included; stages 1-2 would not fit the time) beside bench/pytorch/gpu_gpt.py, eager
-#      and torch.compile, in the same run;
+#      included; stages 1-2 would not fit the time), and last plain Burn bf16 with the loss
+#      of the whole logits (`--whole-logits`: the device memory the blocked loss saves, not
+#      yet run on a GPU), beside bench/pytorch/gpu_gpt.py, eager and torch.compile, in the
+#      same run;
 #   6. the Hugging Face families timed (`bench gpu --model gpt2|llama`: GPT-2 small at context
 #      1024, TinyLlama-1.1B's shape at 2048, random weights; not yet run on a GPU);
 #   7. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
@@ -177,7 +179,7 @@ gpt="--layers 12 --width 768 --heads 12 --context 1024 --batch 8 --steps $steps"
 # shellcheck disable=SC2086
 wanted bench && part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units, recomputing none, all 12 or the first 6 blocks)" 270 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units,checkpointed \
-    --recompute-units 12,6 $gpt
+    --recompute-units 12,6 --whole-logits $gpt
 # shellcheck disable=SC2086
 wanted pytorch && part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 $gpt

@@ -186,6 +186,10 @@ pub enum BenchCommand {
         /// end (`wall_clock_breakdown`), which its step time then includes.
         #[arg(long)]
         breakdown: bool,
+        /// A last row: plain Burn in the engine's precision with the loss of the whole logits
+        /// (Burn's log-softmax of `[tokens, vocabulary]`) instead of over blocks of tokens.
+        #[arg(long)]
+        whole_logits: bool,
         /// Print one JSON object per row, a line each, instead of a table.
         #[arg(long)]
         json: bool,

@@ -16,7 +16,7 @@ use super::engine::{median, median_times};
 use zerotrain::config::ComputeDevice;
 use zerotrain::{Error, PhaseTimes, Result, launch};
 use zerotrain_models::family::{self, WithModel};
-use zerotrain_models::{CausalLm, Gpt};
+use zerotrain_models::{CausalLm, Gpt, cross_entropy};
 
 mod model;
 
@@ -48,6 +48,9 @@ pub struct GpuBench {
     /// The engine waits for the device at the end of each phase (`wall_clock_breakdown`),
     /// so that its phase times split the step; the step time includes those waits.
     pub breakdown: bool,
+    /// A last row: plain Burn in the engine's precision with [`cross_entropy`] of the whole
+    /// logits, against which the loss over blocks of tokens is measured.
+    pub whole_logits: bool,
 }
 
 /// One row of the table.
@@ -76,6 +79,10 @@ pub struct GpuRow {
     /// Bytes the device's allocator holds live after a step (`None`: the device does not
     /// report it, as Flex on the CPU).
     pub device_bytes: Option<u64>,
+    /// Bytes the device's allocator reserves after the row: the pages it grew to, which it
+    /// keeps for reuse, so the most any row so far needed at once (rows run in order; a
+    /// row that needs more than every earlier one raises it).
+    pub device_reserved: Option<u64>,
     /// The engine's median phase times (`None` for the plain loop).
     pub times: Option<PhaseTimes>,
     /// Model-state bytes the engine's last step copied between host memory and the device
@@ -171,9 +178,9 @@ impl GpuBench {
                 measured(&row);
                 rows.push(row);
             };
-            keep(self.plain(&init, &device, None)?);
+            keep(self.plain(&init, &device, None, Loss::Blocks)?);
             if let Some(half) = half {
-                keep(self.plain(&init, &device, Some(half))?);
+                keep(self.plain(&init, &device, Some(half), Loss::Blocks)?);
             }
             // A row that fails is reported and the others still run: one GPU session
             // should bring back every figure it can.
@@ -187,6 +194,10 @@ impl GpuBench {
                     }
                 }
             }
+            if self.whole_logits {
+                // Last, so that what it reserves beyond the rows before shows its logits.
+                keep(self.plain(&init, &device, half, Loss::WholeLogits)?);
+            }
             if !failed.is_empty() {
                 return Err(Error::Model(format!("bench gpu: {} failed (errors above)", failed.join(", "))));
             }
@@ -197,8 +208,9 @@ impl GpuBench {
 
     /// The plain Burn loop the engine replaces: forward, backward, AdamW, in fp32 or with
     /// every parameter in `half` (no master weights, no loss scaling: the engine's
-    /// arithmetic at the compute dtype's speed).
-    fn plain<M: CausalLm>(&self, init: &M, device: &Device, half: Option<FloatDType>) -> Result<GpuRow> {
+    /// arithmetic at the compute dtype's speed), with the model's loss or that of its whole
+    /// logits.
+    fn plain<M: CausalLm>(&self, init: &M, device: &Device, half: Option<FloatDType>, loss: Loss) -> Result<GpuRow> {
         let mut model = init.clone().fork(device);
         if let Some(dtype) = half {
             model = model.map(&mut CastParams(dtype));
@@ -207,7 +219,14 @@ impl GpuBench {
         let mut times = Vec::new();
         for step in 0..self.steps + 2 {
             let start = Instant::now();
-            let loss = model.next_token_loss(&tokens(&self.model, self.batch, step, device));
+            let tokens = tokens(&self.model, self.batch, step, device);
+            let loss = match loss {
+                Loss::Blocks => model.next_token_loss(&tokens),
+                Loss::WholeLogits => {
+                    let [b, t1] = tokens.dims();
+                    cross_entropy(model.logits(tokens.clone().slice([0..b, 0..t1 - 1])), &tokens)
+                }
+            };
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-4, model, grads);
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
@@ -216,7 +235,11 @@ impl GpuBench {
             }
         }
         let precision = if half.is_some() { self.precision.clone() } else { "fp32".into() };
-        let mut row = self.row(format!("plain Burn {precision}"), median(times), device, None);
+        let what = match loss {
+            Loss::Blocks => format!("plain Burn {precision}"),
+            Loss::WholeLogits => format!("plain {precision} whole logits"),
+        };
+        let mut row = self.row(what, median(times), device, None);
         row.precision = precision;
         Ok(row)
     }
@@ -269,6 +292,7 @@ impl GpuBench {
             tflops,
             mfu: tflops / self.peak_tflops,
             device_bytes: device.memory_pool_usage().map(|u| u.bytes_in_use),
+            device_reserved: device.memory_pool_usage().map(|u| u.bytes_reserved),
             times,
             host_device: None,
         }
@@ -292,7 +316,7 @@ impl GpuBench {
             }
         );
         out.push_str(
-            "what                   step ms   tokens/s   TFLOPS    MFU  device MiB  forward backward reduce  optim gather  \
+            "what                   step ms   tokens/s   TFLOPS    MFU  device MiB reserved  forward backward reduce  optim gather  \
              to/from device MiB\n",
         );
         out
@@ -300,7 +324,7 @@ impl GpuBench {
 
     /// One row of the table.
     pub fn line(r: &GpuRow) -> String {
-        let mib = r.device_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
+        let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
         let phases = r.times.map_or(String::new(), |t| {
             let ms = |x: f64| x * 1e3;
             format!(
@@ -317,15 +341,25 @@ impl GpuBench {
             format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
         });
         format!(
-            "{:<21} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11}{phases}{crossed}\n",
+            "{:<21} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11} {:>8}{phases}{crossed}\n",
             r.what,
             r.step_seconds * 1e3,
             r.tokens_per_s,
             r.tflops,
             r.mfu * 100.0,
-            mib
+            mib(r.device_bytes),
+            mib(r.device_reserved)
         )
     }
+}
+
+/// The loss a plain row trains.
+#[derive(Clone, Copy)]
+enum Loss {
+    /// The model's own: over blocks of tokens (`zerotrain::nn::LinearCrossEntropy`).
+    Blocks,
+    /// [`cross_entropy`] of the whole logits `[tokens, vocabulary]`.
+    WholeLogits,
 }
 
 /// One engine row: the stage, the mode and, with recomputation, how many units.
