@@ -53,6 +53,24 @@ fn index(manifest: &Manifest) -> Vec<Piece> {
     index
 }
 
+/// The 64-bit FNV-1a hash (for [`Checkpoint::identity`]; fields are written with their
+/// lengths, so that no two sequences of fields write the same bytes).
+struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv1a {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
 impl Checkpoint {
     /// Opens `<root>/<tag>`, or the checkpoint `<root>/latest` names when `tag` is `None`,
     /// and validates its manifest.
@@ -103,6 +121,22 @@ impl Checkpoint {
     /// The validated manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// What tells this checkpoint from another: a 64-bit FNV-1a hash of its tag, its step and
+    /// every shard file's name, size and block checksums, so two checkpoints that differ in
+    /// any byte of their shards (or in tag or step) differ here but for a 2^-64 chance. Ranks
+    /// compare it to know they opened the same one.
+    pub fn identity(&self) -> u64 {
+        let mut hash = Fnv1a::default();
+        hash.write(self.manifest.tag.as_bytes());
+        hash.write(&self.manifest.global_step.to_le_bytes());
+        for file in &self.manifest.files {
+            hash.write(file.name.as_bytes());
+            hash.write(&file.size.to_le_bytes());
+            file.block_crc32.iter().for_each(|crc| hash.write(&crc.to_le_bytes()));
+        }
+        hash.0
     }
 
     /// Reads elements `range` of the flat tensor `tensor` (`master` or an `optim.*` name)

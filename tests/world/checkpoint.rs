@@ -145,6 +145,38 @@ fn bad_checkpoints_and_mismatched_models_give_specific_errors() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Ranks that open different checkpoints (a tag each here; `latest` rewritten by another job
+/// between their reads would do the same) are refused on every rank, naming the ranks that
+/// differ from rank 0, before any loads its shard: each would otherwise load its part of
+/// another checkpoint, and the model would train on as a mix of both.
+#[test]
+fn ranks_that_open_different_checkpoints_are_refused_before_loading() {
+    let init = seeded(29);
+    let plan3 = plan(&recipe(3, 2, 1, 0.0), 3);
+    let dir = temp_dir("differ");
+    train(&plan3, &init, 0..1, None, Some(&dir)).unwrap();
+    train(&plan3, &init, 0..2, None, Some(&dir)).unwrap();
+    let tags = ["global_step1", "global_step1", "global_step2"];
+    let results = std::sync::Mutex::new(Vec::new());
+    let outcome = launch(&plan3, |ctx| {
+        let mut engine = Engine::new(init.clone(), &plan3, &ctx)?;
+        let loaded = engine.load_checkpoint(&dir, Some(tags[ctx.rank()]), LoadOptions::default()).map(|_| ());
+        let error = loaded.as_ref().err().map(ToString::to_string);
+        results.lock().unwrap().push((ctx.rank(), error));
+        loaded
+    });
+    assert!(outcome.is_err(), "ranks loading different checkpoints were let through");
+    let results = results.into_inner().unwrap();
+    assert_eq!(results.len(), 3);
+    for (rank, error) in results {
+        let error = error.unwrap_or_else(|| panic!("rank {rank} loaded"));
+        assert!(error.contains("rank(s) [2] opened another checkpoint than rank 0"), "rank {rank}: {error}");
+        let step = if rank == 2 { "at step 2" } else { "at step 1" };
+        assert!(error.contains(step), "rank {rank}: {error}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn the_consolidated_file_loads_into_burn_with_the_engines_values() {
     use burn::store::{ModuleSnapshot, SafetensorsStore};

@@ -38,6 +38,7 @@ impl<M: Module> Engine<M> {
             Ok((c, state))
         });
         let (ckpt, state) = self.agree(opened, "opening the checkpoint")?;
+        self.same_checkpoint(&ckpt)?;
         let reader = UnitReader::new(&ckpt, options);
         let buffers = ckpt.read_buffers().map_err(Error::from).and_then(|b| self.check_buffers(&ckpt, b));
         let buffers = self.agree(buffers, "reading the checkpoint's buffers")?;
@@ -48,6 +49,35 @@ impl<M: Module> Engine<M> {
             self.restore_progress(state, options);
         }
         Ok(ckpt.manifest().client_state.clone())
+    }
+
+    /// Every rank opened the same checkpoint (by [`Checkpoint::identity`]): ranks given
+    /// different tags, or reading `latest` while another job rewrote it, would each load
+    /// its shard of another checkpoint and go on training a model made of both. Every rank
+    /// fails alike, naming the ranks that differ from rank 0.
+    fn same_checkpoint(&self, ckpt: &Checkpoint) -> Result<()> {
+        let world = self.shared.world.as_ref();
+        let id = ckpt.identity();
+        // In 16-bit pieces, which f32 holds exactly.
+        let mine: Vec<f32> = (0..4).map(|i| ((id >> (16 * i)) & 0xffff) as f32).collect();
+        let mut all = vec![0.0f32; 4 * world.world_size()];
+        world.all_gather((&mine).into(), (&mut all).into())?;
+        let ids: Vec<u64> =
+            all.chunks(4).map(|c| c.iter().enumerate().fold(0, |id, (i, &v)| id | (v as u64) << (16 * i))).collect();
+        let differ: Vec<usize> = (0..ids.len()).filter(|&r| ids[r] != ids[0]).collect();
+        if differ.is_empty() {
+            return Ok(());
+        }
+        let manifest = ckpt.manifest();
+        Err(Error::Resume(format!(
+            "rank(s) {differ:?} opened another checkpoint than rank 0 (rank {} opened {}, tag {:?} at step {}): \
+             every rank must load the same one; give them one tag, and let no other job write `latest` while this \
+             one loads",
+            world.rank(),
+            ckpt.dir().display(),
+            manifest.tag,
+            manifest.global_step
+        )))
     }
 
     /// Every rank reads (and so checks, block by block) all it needs before any rank
