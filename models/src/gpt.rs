@@ -2,7 +2,7 @@
 //! causal self-attention and an MLP, a final norm and a (tied or untied) output head.
 
 use burn::module::Module;
-use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};
+use burn::nn::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
 use zerotrain::engine::{UnitModel, UnitSpec};
+use zerotrain::nn::causal_attention;
 
 /// The `model` section of a config: a GPT's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -234,12 +235,18 @@ impl Block {
         }
     }
 
-    /// Causal self-attention and the MLP, each residual, on `[batch, time, d]`.
+    /// Causal self-attention and the MLP, each residual, on `[batch, time, d]`. The
+    /// attention is burn-nn's `MultiHeadAttention`'s projections around
+    /// [`zerotrain::nn::causal_attention`] (what its `forward` computes with a causal mask,
+    /// without keeping the `[time, time]` probabilities for backward).
     pub fn forward(&self, h: Tensor<3>) -> Tensor<3> {
-        let [b, t, _] = h.dims();
-        let mask = generate_autoregressive_mask(b, t, &h.device());
-        let a = self.attn.forward(MhaInput::self_attn(self.norm_attn.forward(h.clone())).mask_attn(mask));
-        let h = h + a.context;
+        let [b, t, d] = h.dims();
+        let x = self.norm_attn.forward(h.clone());
+        let attn = &self.attn;
+        let heads = |linear: &Linear| linear.forward(x.clone()).reshape([b, t, attn.n_heads, attn.d_k]).swap_dims(1, 2);
+        let scale = (attn.d_k as f32).sqrt().recip();
+        let context = causal_attention(heads(&attn.query), heads(&attn.key), heads(&attn.value), scale);
+        let h = h + attn.output.forward(context.swap_dims(1, 2).reshape([b, t, d]));
         let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
         h + m
     }

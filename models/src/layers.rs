@@ -5,7 +5,6 @@
 //! Norms and softmax compute in f32 whatever the model's dtype, as Hugging Face's do.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::softmax;
 use burn::tensor::module::{embedding, layer_norm, linear};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
@@ -148,36 +147,14 @@ impl Embed {
 /// heads, consecutively; the queries are the last `time` of the positions), scaled by
 /// `1/sqrt(head_dim)`; `[batch, time, heads * head_dim]`.
 ///
-/// As Hugging Face's eager attention computes it: both matmuls in the model's dtype (on
-/// tensor cores in bf16 or fp16), the scores widened to f32 for the scale, the mask and the
-/// softmax, the probabilities narrowed back. The query heads of one kv head are stacked
-/// along time (`[batch, kv_heads, group * time, head_dim]`, a reshape), so each kv head's
-/// keys and values serve its whole group in one matmul: grouped-query attention without
-/// copies of the keys and values.
+/// Through [`zerotrain::nn::causal_attention`]: both matmuls in the model's dtype (on
+/// tensor cores in bf16 or fp16), the softmax in f32, as Hugging Face's eager attention
+/// computes it; grouped-query attention without copies of the keys and values; and under
+/// autodiff nothing of `[time, keys]` kept for backward.
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<3> {
     let [b, h, t, hd] = q.dims();
-    let [_, kv, keys, _] = k.dims();
-    let group = h / kv;
-    let dtype = q.dtype();
-    let scores = q.reshape([b, kv, group * t, hd]).matmul(k.swap_dims(2, 3));
-    let scores = scores.cast(FloatDType::F32).mul_scalar((hd as f64).sqrt().recip());
-    // A query sees every key up to its own position (`keys - t` + its index): one new query
-    // sees them all; a block of queries after cached keys gets the mask at its positions.
-    let scores = match t > 1 {
-        true => {
-            let device = scores.device();
-            let positions = Tensor::<1, Int>::arange((keys - t) as i64..keys as i64, &device)
-                .reshape([1, t])
-                .repeat_dim(0, group)
-                .reshape([group * t, 1]);
-            let keys_at = Tensor::<1, Int>::arange(0..keys as i64, &device).reshape([1, keys]);
-            let future = keys_at.greater(positions).reshape([1, 1, group * t, keys]).expand([b, kv, group * t, keys]);
-            scores.mask_fill(future, f32::NEG_INFINITY)
-        }
-        false => scores,
-    };
-    let probs = softmax(scores, 3).cast(dtype);
-    probs.matmul(v).reshape([b, h, t, hd]).swap_dims(1, 2).reshape([b, t, h * hd])
+    let scale = (hd as f32).sqrt().recip();
+    zerotrain::nn::causal_attention(q, k, v, scale).swap_dims(1, 2).reshape([b, t, h * hd])
 }
 
 /// The keys and values a decoder has computed for the tokens it has seen, layer by layer,

@@ -64,6 +64,8 @@ pub mod gpt2;
 pub mod hf;
 pub mod layers;
 pub mod llama;
+#[cfg(test)]
+mod memory_tests;
 mod small;
 #[cfg(test)]
 mod stream_tests;

@@ -128,6 +128,17 @@ fn a_gpt_on_cuda_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
     super::a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(CUDA);
 }
 
+/// In f32 within 1e-5 of each result's largest value (as on wgpu; not yet run on a GPU),
+/// and in bf16 within 3e-2: the matmuls' inputs rounded to bf16's 2^-8 (3.9e-3), over sums
+/// of at most 46 terms.
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn zerotrains_attention_and_loss_on_cuda_equal_burns_unfused_ops_on_the_cpu() {
+    use burn::tensor::FloatDType;
+    super::kernels::nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(CUDA, FloatDType::F32, 1e-5);
+    super::kernels::nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(CUDA, FloatDType::BF16, 3e-2);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn a_lazy_model_starts_on_cuda_as_on_the_cpu() {

@@ -16,6 +16,8 @@ mod cuda;
 #[cfg(feature = "wgpu")]
 mod device_collectives;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod kernels;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod large_units;
 #[cfg(feature = "wgpu")]
 mod wgpu;

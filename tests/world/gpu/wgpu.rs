@@ -20,6 +20,13 @@ fn a_gpt_on_wgpu_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
     super::a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(WGPU);
 }
 
+/// In f32 within 1e-5 of each result's largest value: the same arithmetic in another order
+/// (blocks, the device's reductions), over sums of at most 46 terms.
+#[test]
+fn zerotrains_attention_and_loss_on_wgpu_equal_burns_unfused_ops_on_the_cpu() {
+    super::kernels::nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(WGPU, burn::tensor::FloatDType::F32, 1e-5);
+}
+
 #[test]
 fn a_lazy_model_starts_on_wgpu_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(WGPU);

@@ -1,0 +1,118 @@
+//! zerotrain's own operations (`zerotrain::nn`) on the device, through the backend's
+//! fusion stream: causal attention and the loss over blocks of tokens, their outputs and
+//! every input's gradient, against Burn's unfused attention and loss on the CPU in f32 (an
+//! implementation that shares none of their code).
+
+use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData};
+use zerotrain::nn::{LinearCrossEntropy, causal_attention};
+
+use super::Gpu;
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// A leaf requiring its gradient, in `dtype`.
+fn leaf<const D: usize>(v: &[f32], shape: [usize; D], device: &Device, dtype: FloatDType) -> Tensor<D> {
+    Tensor::<D>::from_data(TensorData::new(v.to_vec(), shape), device).cast(dtype).detach().require_grad()
+}
+
+fn read<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+    t.cast(FloatDType::F32).into_data().try_to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+}
+
+/// The largest difference relative to `want`'s largest value.
+fn relative_error(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(f64::MIN_POSITIVE);
+    got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs())) / scale
+}
+
+/// Attention `[batch, heads, time, d]` over `kv_heads` after `past` cached keys: the output
+/// and the gradients of `sum(out * upstream)` by q, k, v. `fused`: through
+/// [`causal_attention`]; else Burn's unfused ops with the kv heads repeated.
+fn attention(device: &Device, dtype: FloatDType, fused: bool, shape: [usize; 6]) -> [Vec<f64>; 4] {
+    let [b, h, kv, t, past, d] = shape;
+    let keys = past + t;
+    let q = leaf(&values(b * h * t * d, 1), [b, h, t, d], device, dtype);
+    let k = leaf(&values(b * kv * keys * d, 2), [b, kv, keys, d], device, dtype);
+    let v = leaf(&values(b * kv * keys * d, 3), [b, kv, keys, d], device, dtype);
+    let upstream = Tensor::<4>::from_data(TensorData::new(values(b * h * t * d, 4), [b, h, t, d]), device).cast(dtype);
+    let scale = 0.4f32;
+    let out = match fused {
+        true => causal_attention(q.clone(), k.clone(), v.clone(), scale),
+        false => {
+            let repeat =
+                |x: Tensor<4>| x.reshape([b, kv, 1, keys, d]).expand([b, kv, h / kv, keys, d]).reshape([b, h, keys, d]);
+            let scores = q.clone().matmul(repeat(k.clone()).swap_dims(2, 3)).mul_scalar(scale);
+            let positions = Tensor::<1, Int>::arange(past as i64..keys as i64, device).reshape([t, 1]);
+            let future: Tensor<2, Bool> =
+                Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]).greater(positions);
+            let mask = future.reshape([1, 1, t, keys]).expand([b, h, t, keys]);
+            softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3).matmul(repeat(v.clone()))
+        }
+    };
+    let grads = (out.clone() * upstream).sum().backward();
+    let grad = |x: &Tensor<4>| read(x.grad(&grads).expect("a gradient"));
+    [read(out), grad(&q), grad(&k), grad(&v)]
+}
+
+/// The loss of hidden states `[n, d]` under a head `[vocab, d]` and bias: its value and its
+/// gradients by the three. `fused`: [`LinearCrossEntropy`] in blocks of 16 tokens; else
+/// Burn's log-softmax of the whole logits.
+fn loss(device: &Device, dtype: FloatDType, fused: bool) -> [Vec<f64>; 4] {
+    let (n, d, vocab) = (53, 16, 301);
+    let hidden = leaf(&values(n * d, 5), [n, d], device, dtype);
+    let weight = leaf(&values(vocab * d, 6), [vocab, d], device, dtype);
+    let bias = leaf(&values(vocab, 7), [vocab], device, dtype);
+    let ids: Vec<i64> = (0..n as i64).map(|i| i * 37 % vocab as i64).collect();
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(ids, [n]), device);
+    let value = match fused {
+        true => LinearCrossEntropy::new().with_block_tokens(16).forward(
+            hidden.clone(),
+            weight.clone(),
+            Some(bias.clone()),
+            targets,
+        ),
+        false => {
+            let logits = hidden.clone().matmul(weight.clone().transpose()) + bias.clone().unsqueeze_dim(0);
+            log_softmax(logits.cast(FloatDType::F32), 1).gather(1, targets.reshape([n, 1])).mean().neg()
+        }
+    };
+    let grads = value.clone().backward();
+    [
+        read(value),
+        read(hidden.grad(&grads).expect("a gradient")),
+        read(weight.grad(&grads).expect("a gradient")),
+        read(bias.grad(&grads).expect("a gradient")),
+    ]
+}
+
+/// On `on`'s device in `dtype`, attention (multi-head, grouped by 2 after 0 and 9 cached
+/// keys, 37 tokens: no multiple of anything) and the loss equal Burn's unfused ops on the CPU
+/// in f32 within `bound` of each result's largest value.
+pub fn nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(on: Gpu, dtype: FloatDType, bound: f64) {
+    let _alone = super::device_alone();
+    let (device, cpu) = ((on.device)().autodiff(), Device::flex().autodiff());
+    let names = ["output", "dq", "dk", "dv"];
+    for shape in [[2, 4, 4, 37, 0, 16], [2, 4, 2, 37, 0, 16], [1, 4, 2, 5, 9, 8]] {
+        let (got, want) = (attention(&device, dtype, true, shape), attention(&cpu, FloatDType::F32, false, shape));
+        for (name, (g, w)) in names.iter().zip(got.iter().zip(&want)) {
+            let error = relative_error(g, w);
+            assert!(error <= bound, "{} {dtype:?} attention {shape:?}: {name} off by {error:e}", on.name);
+        }
+    }
+    let (got, want) = (loss(&device, dtype, true), loss(&cpu, FloatDType::F32, false));
+    for (name, (g, w)) in ["loss", "hidden", "weight", "bias"].iter().zip(got.iter().zip(&want)) {
+        let error = relative_error(g, w);
+        assert!(error <= bound, "{} {dtype:?} loss: {name}'s off by {error:e}", on.name);
+    }
+}

@@ -1,0 +1,143 @@
+//! Causal attention as one Burn operation with a backward of its own.
+//!
+//! *Note: why an operation of our own.* Under autodiff, Burn 0.22's `attention` runs its
+//! unfused fallback (scores, mask, softmax, matmul) and keeps the `[batch, heads, time,
+//! time]` probabilities of every layer until backward: at GPT-2 small's context 1024 and
+//! batch 8 that is 400 MB a layer in f32. [`causal_attention`] is a backend extension
+//! (Burn's `#[backend_extension]`): its forward returns the output and each row's
+//! log-sum-exp, autodiff keeps those and the inputs, and its backward forms the
+//! probabilities again from them one block of rows at a time (`blocked.rs`), as flash
+//! attention does. Every backend runs the blocked version in its own operations (with
+//! fusion on, they enter the fusion stream like any other); a backend with a kernel of its
+//! own overrides the two methods of [`CausalAttentionOps`] for itself.
+
+mod blocked;
+
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::Tensor;
+
+/// Causal attention of `q` `[batch, heads, time, head_dim]` over `k` `[batch, kv_heads,
+/// keys, head_dim]` and `v` `[batch, kv_heads, keys, value_dim]`, scaled by `scale`:
+/// `[batch, heads, time, value_dim]`.
+///
+/// The queries are the last `time` of the `keys` positions (`keys > time`: a block of
+/// queries after cached keys), and each sees the keys up to its own position. Each kv head
+/// serves `heads / kv_heads` consecutive query heads (grouped-query attention) without its
+/// keys and values being repeated. The matmuls run in the inputs' dtype (on tensor cores in
+/// bf16 and fp16), the softmax in f32. Under autodiff it keeps the inputs, the output and
+/// one f32 value per query row, never the `[time, keys]` probabilities (the module's note).
+///
+/// # Panics
+/// On shapes that do not fit together (naming them), or heads that are not a multiple of
+/// the kv heads.
+pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f32) -> Tensor<4> {
+    if let Err(e) = blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
+        panic!("causal_attention: {e}");
+    }
+    let (out, _lse) = <Dispatch as CausalAttentionOps>::causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        scale,
+    );
+    Tensor::from_dispatch(out)
+}
+
+/// The backend operations behind [`causal_attention`]: the forward pass with each query
+/// row's log-sum-exp, and the backward pass from it. Both default to the blocked version
+/// in the backend's own operations.
+#[backend_extension(
+    Autodiff,
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda")),
+)]
+pub trait CausalAttentionOps: Backend {
+    /// The output `[batch, heads, time, value_dim]` and each row's log-sum-exp of its
+    /// scaled scores `[batch, heads, time]` (f32).
+    #[fusion(default)]
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        blocked::forward::<Self>(q, k, v, scale)
+    }
+
+    /// The gradients of `q`, `k` and `v` from the output's gradient `grad`, given the
+    /// output `out` and log-sum-exp `lse` of [`causal_attention`](Self::causal_attention).
+    #[fusion(default)]
+    #[allow(clippy::too_many_arguments)]
+    fn causal_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        blocked::backward::<Self>(q, k, v, out, lse, grad, scale)
+    }
+}
+
+impl CausalAttentionOps for Flex {}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl CausalAttentionOps for burn::backend::Cube {}
+
+/// The backward step: the inputs (by their checkpointed nodes), the output, the log-sum-exp
+/// and the scale.
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: CausalAttentionOps> Backward<B, 3> for AttentionBackward {
+    type State = (NodeId, NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f32);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (q, k, v, out, lse, scale) = ops.state;
+        let q = checkpointer.retrieve_node_output::<FloatTensor<B>>(q);
+        let k = checkpointer.retrieve_node_output::<FloatTensor<B>>(k);
+        let v = checkpointer.retrieve_node_output::<FloatTensor<B>>(v);
+        let (dq, dk, dv) = B::causal_attention_backward(q, k, v, out, lse, grad, scale);
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+impl<B: CausalAttentionOps, C: CheckpointStrategy> CausalAttentionOps for Autodiff<B, C> {
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let prepared = AttentionBackward.prepare::<C>([q.node(), k.node(), v.node()]).compute_bound().stateful();
+        match prepared {
+            OpsKind::Tracked(mut prep) => {
+                let (q_id, k_id, v_id) = (prep.checkpoint(&q), prep.checkpoint(&k), prep.checkpoint(&v));
+                let (out, lse) = B::causal_attention(q.into_primitive(), k.into_primitive(), v.into_primitive(), scale);
+                let state = (q_id, k_id, v_id, out.clone(), lse.clone(), scale);
+                (prep.finish(state, out), <Self as AutodiffBackend>::from_inner(lse))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (out, lse) = B::causal_attention(q.into_primitive(), k.into_primitive(), v.into_primitive(), scale);
+                (prep.finish(out), <Self as AutodiffBackend>::from_inner(lse))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
