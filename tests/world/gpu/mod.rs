@@ -492,7 +492,12 @@ pub fn one_rank_with_states_on_the_device_steps_there(on: Gpu) {
 /// `wall_clock_breakdown` makes the engine wait for the device at the end of each phase
 /// (so that the phases split the step, as DeepSpeed's synchronised timers do): the same
 /// work in the same order, at stage 0 and 3, in units with recomputation. Where the device
-/// rounds each operation as written (`exact`: lavapipe) that is the same bits. Where Burn's
+/// rounds each operation as written (`exact`: lavapipe) the losses are the same bits; the
+/// parameters were too until the loss computed its gradient matmuls in forward
+/// (`zerotrain::nn::LinearCrossEntropy`): they now end the forward phase, where the wait
+/// falls, and fusion joins them with their neighbours differently with and without it, so
+/// lavapipe's parameters came 6.4e-7 apart (losses equal) and meet `PARAM_TOL` as CUDA's do.
+/// Where Burn's
 /// fusion compiles the operations queued between two reads into one kernel (CUDA, which
 /// contracts a multiply and an add of two operations into one rounding), a wait moves the
 /// kernels' borders: on an H200 the losses stayed the same and the parameters did not
@@ -519,13 +524,12 @@ pub fn wall_clock_breakdown_waits_and_trains_the_same(on: Gpu, exact: bool) {
         );
         if exact {
             assert_eq!(queued.losses, waited.losses, "{what}: losses");
-            assert!(queued.params == waited.params, "{what}: parameters differ");
         } else {
             for (got, want) in waited.losses.iter().zip(&queued.losses) {
                 assert!((got - want).abs() <= DEVICE_LOSS_TOL * want.abs(), "{what}: loss {got} vs {want}");
             }
-            assert!(diff <= PARAM_TOL, "{what}: parameters {diff:e} apart at `{at}`");
         }
+        assert!(diff <= PARAM_TOL, "{what}: parameters {diff:e} apart at `{at}`");
     }
 }
 
