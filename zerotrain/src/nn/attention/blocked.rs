@@ -155,8 +155,8 @@ pub(super) fn backward<B: Backend>(
     let d_rows = B::float_sum_dim(B::float_mul(f32(grad.clone()), f32(out)), 3);
     let (q, grad, d_rows) = (stacked::<B>(q, &dims), stacked::<B>(grad, &dims), stacked::<B>(d_rows, &dims));
     let lse = B::float_reshape(lse, Shape::new([dims.batch, dims.kv_heads, dims.rows(), 1]));
-    let (mut dq, mut dk, mut dv): (Vec<FloatTensor<B>>, Option<FloatTensor<B>>, Option<FloatTensor<B>>) =
-        (Vec::new(), None, None);
+    let mut dq: Vec<FloatTensor<B>> = Vec::new();
+    let (mut dk, mut dv): (Option<FloatTensor<B>>, Option<FloatTensor<B>>) = (None, None);
     let accumulate = |sum: Option<FloatTensor<B>>, x: FloatTensor<B>| {
         Some(match sum {
             Some(sum) => B::float_add(sum, x),
