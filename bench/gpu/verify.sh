@@ -18,7 +18,8 @@
 #      of the whole logits (`--whole-logits`: the device memory the blocked loss saves, not
 #      yet run on a GPU), beside bench/pytorch/gpu_gpt.py, eager and torch.compile, in the
 #      same run;
-#   6. the Hugging Face families timed (`bench gpu --model gpt2|llama`: GPT-2 small at context
+#   6. the Hugging Face families timed (`bench gpu --model gpt2|llama`, and the LLaMA shape in
+#      PyTorch eager with SDPA, bench/pytorch/gpu_llama.py: GPT-2 small at context
 #      1024, TinyLlama-1.1B's shape at 2048, random weights; not yet run on a GPU);
 #   7. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
 # Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
@@ -191,6 +192,9 @@ wanted families && part "zerotrain bench gpu --model gpt2 (GPT-2 small, Hugging 
     --context 1024 --batch 8 --steps "$steps"
 wanted families && part "zerotrain bench gpu --model llama (TinyLlama-1.1B's shape, GQA, context 2048)" 240 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units --model llama \
+    --context 2048 --batch 2 --steps "$steps"
+wanted families && part "PyTorch eager, the same LLaMA shape with SDPA (bench/pytorch/gpu_llama.py)" 60 \
+    python3 bench/pytorch/gpu_llama.py --config configs/models/llama-1b.json --precision bf16 \
     --context 2048 --batch 2 --steps "$steps"
 # Last, as the least needed: where the engine's step goes on the device (each phase waits
 # for the device at its end, so the phases split the step; the step includes the waits).
