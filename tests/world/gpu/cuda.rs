@@ -141,6 +141,12 @@ fn zerotrains_attention_and_loss_on_cuda_equal_burns_unfused_ops_on_the_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn attention_on_cuda_holds_what_grows_with_the_tokens_not_the_context() {
+    super::kernels::attention_holds_on_the_device_what_grows_with_the_tokens_not_the_context(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn a_lazy_model_starts_on_cuda_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(CUDA);
 }

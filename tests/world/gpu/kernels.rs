@@ -116,3 +116,41 @@ pub fn nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(on: Gpu, dtype: F
         assert!(error <= bound, "{} {dtype:?} loss: {name}'s off by {error:e}", on.name);
     }
 }
+
+/// On the device's own allocator, at a fixed 2,048 tokens (batch x time): what attention
+/// holds between forward and backward does not grow with the context (the output and a
+/// value per query row), where Burn's unfused attention's `[time, time]` probabilities grow
+/// 4x from context 256 to 1024 (4 MiB to 16 MiB in f32 at 2 heads). Both backward passes
+/// give the inputs their gradients.
+pub fn attention_holds_on_the_device_what_grows_with_the_tokens_not_the_context(on: Gpu) {
+    let _alone = super::device_alone();
+    let device = (on.device)().autodiff();
+    let (tokens, heads, d) = (2048, 2, 16);
+    let kept = |time: usize, fused: bool| -> u64 {
+        let b = tokens / time;
+        let q = leaf(&values(b * heads * time * d, 8), [b, heads, time, d], &device, FloatDType::F32);
+        let k = leaf(&values(b * heads * time * d, 9), [b, heads, time, d], &device, FloatDType::F32);
+        let v = leaf(&values(b * heads * time * d, 10), [b, heads, time, d], &device, FloatDType::F32);
+        let before = super::bytes_in_use(&device);
+        let out = match fused {
+            true => causal_attention(q.clone(), k.clone(), v.clone(), 0.25),
+            false => {
+                let mask = burn::nn::attention::generate_autoregressive_mask(b, time, &device)
+                    .reshape([b, 1, time, time])
+                    .expand([b, heads, time, time]);
+                let scores = q.clone().matmul(k.clone().swap_dims(2, 3)).mul_scalar(0.25);
+                softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3).matmul(v.clone())
+            }
+        };
+        let held = super::bytes_in_use(&device) - before;
+        let grads = out.sum().backward();
+        assert!(q.grad(&grads).is_some() && k.grad(&grads).is_some() && v.grad(&grads).is_some());
+        held
+    };
+    let (ours, theirs) = ([kept(256, true), kept(1024, true)], [kept(256, false), kept(1024, false)]);
+    eprintln!("{}: held after forward: ours {ours:?} B, unfused {theirs:?} B", on.name);
+    let probabilities = (tokens * heads * 1024 * size_of::<f32>()) as u64;
+    assert!(theirs[1] >= probabilities && theirs[1] >= 3 * theirs[0], "{}: the unfused held {theirs:?}", on.name);
+    assert!(ours[1] <= ours[0] + ours[0] / 4, "{}: held {ours:?}: it grows with the context", on.name);
+    assert!(ours[1] <= probabilities / 16, "{}: held {} B at context 1024", on.name, ours[1]);
+}

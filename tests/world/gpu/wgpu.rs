@@ -28,6 +28,11 @@ fn zerotrains_attention_and_loss_on_wgpu_equal_burns_unfused_ops_on_the_cpu() {
 }
 
 #[test]
+fn attention_on_wgpu_holds_what_grows_with_the_tokens_not_the_context() {
+    super::kernels::attention_holds_on_the_device_what_grows_with_the_tokens_not_the_context(WGPU);
+}
+
+#[test]
 fn a_lazy_model_starts_on_wgpu_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(WGPU);
 }
