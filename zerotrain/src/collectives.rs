@@ -3,7 +3,7 @@
 //!
 //! The host backend (threads or MPI) is always there. NCCL runs where every rank computes on
 //! a CUDA device, the driver and `libnccl` load, and no two ranks of a machine share a GPU
-//! (NCCL refuses that). Every rank must use the same library, so the ranks agree over the
+//! (NCCL refuses that, but from 2.30.3 where `NCCL_MULTI_RANK_GPU_ENABLE=1` is set). Every rank must use the same library, so the ranks agree over the
 //! host backend: NCCL only if every rank can run it. Under `auto` a job that cannot falls
 //! back to the host backend with one notice saying why; under `nccl` it is an error naming
 //! the key.
@@ -35,16 +35,63 @@ pub(crate) struct Machine {
     pub gpus: usize,
 }
 
-/// Why NCCL cannot run on this CUDA rank, or `None` if it can. `nccl` says whether the
-/// libraries load.
-pub(crate) fn obstacle(machine: Machine, nccl: impl FnOnce() -> std::result::Result<(), String>) -> Option<String> {
-    if machine.ranks > machine.gpus {
-        return Some(format!(
-            "{} ranks share this machine's {} GPU(s), and NCCL takes one rank per GPU",
-            machine.ranks, machine.gpus
-        ));
+/// The first NCCL that runs several ranks on one GPU (2.30.3, with
+/// `NCCL_MULTI_RANK_GPU_ENABLE=1`), in NCCL's version code.
+const MULTI_RANK_NCCL: u32 = 23003;
+
+/// What this rank's NCCL is: whether its libraries load, its version code, and whether
+/// `NCCL_MULTI_RANK_GPU_ENABLE` is `1` in the environment it will read.
+pub(crate) struct Nccl<L, V> {
+    pub loads: L,
+    pub version: V,
+    pub multi_rank: bool,
+}
+
+impl Nccl<fn() -> std::result::Result<(), String>, fn() -> Option<u32>> {
+    /// This process's NCCL.
+    pub(crate) fn here() -> Self {
+        Self {
+            loads: zerotrain_zero::collective::nccl::available,
+            version: zerotrain_zero::collective::nccl::version,
+            multi_rank: std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1"),
+        }
     }
-    nccl().err()
+}
+
+/// Why NCCL cannot run on this CUDA rank, or `None` if it can: its libraries must load, and
+/// ranks that share a GPU need NCCL 2.30.3 or later with `NCCL_MULTI_RANK_GPU_ENABLE=1`
+/// (which this does not set for the user: the variable also changes how NCCL builds its
+/// rings, and it is read when NCCL starts, from an environment other threads may read).
+pub(crate) fn obstacle<L, V>(machine: Machine, nccl: Nccl<L, V>) -> Option<String>
+where
+    L: FnOnce() -> std::result::Result<(), String>,
+    V: FnOnce() -> Option<u32>,
+{
+    if let Err(missing) = (nccl.loads)() {
+        return Some(missing);
+    }
+    if machine.ranks <= machine.gpus {
+        return None;
+    }
+    let shared = format!("{} ranks share this machine's {} GPU(s)", machine.ranks, machine.gpus);
+    match (nccl.version)() {
+        Some(v) if v >= MULTI_RANK_NCCL && nccl.multi_rank => None,
+        Some(v) if v >= MULTI_RANK_NCCL => Some(format!(
+            "{shared}, which NCCL {} runs only with NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment (and \
+             NCCL_NVLS_ENABLE=0)",
+            version_name(v)
+        )),
+        version => Some(format!(
+            "{shared}, and NCCL {} takes one rank per GPU (2.30.3 and later run several with \
+             NCCL_MULTI_RANK_GPU_ENABLE=1)",
+            version.map_or("of unknown version".into(), version_name)
+        )),
+    }
+}
+
+/// NCCL's version code as `major.minor.patch`.
+fn version_name(code: u32) -> String {
+    format!("{}.{}.{}", code / 10000, code / 100 % 100, code % 100)
 }
 
 /// The library every rank uses, from `setting`, the ranks' `device` and, on CUDA, each
@@ -114,13 +161,37 @@ mod tests {
 
     const ONE_GPU_EACH: Machine = Machine { ranks: 2, gpus: 2 };
 
+    /// An NCCL that loads, of version code `version`, with or without the multi-rank
+    /// variable.
+    fn nccl(
+        version: Option<u32>,
+        multi_rank: bool,
+    ) -> Nccl<impl FnOnce() -> std::result::Result<(), String>, impl FnOnce() -> Option<u32>> {
+        Nccl { loads: || Ok(()), version: move || version, multi_rank }
+    }
+
     #[test]
     fn obstacles_name_what_stops_nccl() {
-        assert_eq!(obstacle(ONE_GPU_EACH, || Ok(())), None);
-        let shared = obstacle(Machine { ranks: 2, gpus: 1 }, || Ok(())).unwrap();
+        assert_eq!(obstacle(ONE_GPU_EACH, nccl(Some(22803), false)), None);
+        let shared = obstacle(Machine { ranks: 2, gpus: 1 }, nccl(Some(22803), false)).unwrap();
         assert!(shared.contains("2 ranks share") && shared.contains("1 GPU"), "{shared}");
-        let missing = obstacle(ONE_GPU_EACH, || Err("libnccl.so does not load".into()));
-        assert_eq!(missing.as_deref(), Some("libnccl.so does not load"));
+        assert!(shared.contains("NCCL 2.28.3 takes one rank per GPU") && shared.contains("2.30.3"), "{shared}");
+        let missing = Nccl { loads: || Err("libnccl.so does not load".into()), version: || None, multi_rank: true };
+        assert_eq!(obstacle(ONE_GPU_EACH, missing).as_deref(), Some("libnccl.so does not load"));
+    }
+
+    /// Ranks sharing a GPU run NCCL from 2.30.3 with NCCL_MULTI_RANK_GPU_ENABLE=1; a new
+    /// enough NCCL without the variable is told to set it; one too old is told which is
+    /// needed.
+    #[test]
+    fn ranks_sharing_a_gpu_need_nccl_2_30_3_and_its_variable() {
+        let shared = Machine { ranks: 4, gpus: 1 };
+        assert_eq!(obstacle(shared, nccl(Some(23003), true)), None);
+        assert_eq!(obstacle(shared, nccl(Some(23101), true)), None);
+        let unset = obstacle(shared, nccl(Some(23003), false)).unwrap();
+        assert!(unset.contains("NCCL 2.30.3 runs only with NCCL_MULTI_RANK_GPU_ENABLE=1"), "{unset}");
+        let old = obstacle(shared, nccl(Some(23002), true)).unwrap();
+        assert!(old.contains("NCCL 2.30.2 takes one rank per GPU"), "{old}");
     }
 
     /// Runs `decide` for CUDA ranks on every rank of a thread world, rank `r` with

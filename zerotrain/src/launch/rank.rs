@@ -12,8 +12,7 @@ use crate::{Error, RankContext, Result};
 /// `collectives`); every rank calls it at once, `ordinal` being its CUDA device's.
 pub(super) fn with_collectives(ctx: RankContext, plan: &Plan, machine: Machine, ordinal: usize) -> Result<RankContext> {
     let host = ctx.collective();
-    let available = zerotrain_zero::collective::nccl::available;
-    let obstacle = || collectives::obstacle(machine, available);
+    let obstacle = || collectives::obstacle(machine, collectives::Nccl::here());
     let library = collectives::decide(plan.runtime.collectives, plan.runtime.device, obstacle, &*host)?;
     let comm = collectives::connect(&library, host, ordinal, plan.runtime.comm_timeout)?;
     let notice = match library {

@@ -20,6 +20,15 @@ pub use call::{NcclCall, NcclDtype};
 pub use comm::NcclComm;
 pub use id::{ID_BYTES, share_id};
 
+/// The version of the NCCL that loads (`major * 10000 + minor * 100 + patch`, NCCL's own
+/// code), or `None` where [`available`] is not `Ok`.
+pub fn version() -> Option<u32> {
+    #[cfg(feature = "nccl")]
+    return library::check().ok().and_then(|()| cudarc::nccl::result::get_nccl_version().ok()).map(|v| v as u32);
+    #[cfg(not(feature = "nccl"))]
+    None
+}
+
 /// Whether NCCL can run here: `Ok` when this build has the `nccl` feature and the driver's
 /// `libcuda` and `libnccl` load; otherwise what is missing, in words for an error message.
 pub fn available() -> Result<(), String> {
