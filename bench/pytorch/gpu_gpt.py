@@ -6,14 +6,13 @@ model: pre-norm blocks, no key bias, 4x GELU MLP, tied head), batch and AdamW st
 
 Prints the same columns as `zerotrain bench gpu`: median step time, tokens/s, model TFLOPS
 (6 x parameters x tokens / time) and their share of --peak-tflops, and the memory the
-CUDA caching allocator holds live after a step.
+CUDA caching allocator holds live after a step and at its peak.
 """
 import argparse
-import statistics
-import time
 
 import torch
 
+from timing import median_step, report
 from train_gpt import Gpt
 
 
@@ -35,28 +34,13 @@ def main():
     forward = torch.compile(model) if args.compile else model
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, eps=1e-8)
     generator = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(args.steps + 2):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator).to(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss = forward(tokens)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    tokens_per_s = args.batch * args.context / seconds
-    tflops = 6 * params * tokens_per_s / 1e12
-    live = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+
+    def tokens(_step):
+        return torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator).to(device)
+
+    seconds = median_step(forward, optim, tokens, args.steps, args.precision, device)
     mode = "torch.compile" if args.compile else "eager"
-    print(f"PyTorch {torch.__version__} {mode} on {device}, {params / 1e6:.1f}M parameters, {args.precision}, "
-          f"{args.batch} sequences of {args.context} tokens")
-    print(f"step {seconds * 1e3:.1f} ms, {tokens_per_s:.0f} tokens/s, {tflops:.3f} TFLOPS, "
-          f"MFU {100 * tflops / args.peak_tflops:.2f}%, live {live:.1f} MiB")
+    report(f"{mode}, {args.precision}", params, seconds, args.batch, args.context, args.peak_tflops, device)
 
 
 if __name__ == "__main__":

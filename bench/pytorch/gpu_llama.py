@@ -12,12 +12,12 @@ PyTorch at hand: first run it where both are (bench/gpu/verify.sh, part `familie
 """
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from timing import median_step, report
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -121,29 +121,14 @@ def main():
     forward = torch.compile(model) if args.compile else model
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, eps=1e-8)
     generator = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(args.steps + 2):
-        tokens = torch.randint(0, c["vocab_size"], (args.batch, args.context + 1), generator=generator).to(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss = forward(tokens)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    tokens_per_s = args.batch * args.context / seconds
-    tflops = 6 * params * tokens_per_s / 1e12
-    live = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+
+    def tokens(_step):
+        return torch.randint(0, c["vocab_size"], (args.batch, args.context + 1), generator=generator).to(device)
+
+    seconds = median_step(forward, optim, tokens, args.steps, args.precision, device)
     mode = "torch.compile" if args.compile else "eager"
-    print(f"PyTorch {torch.__version__} {mode} on {device}, {c['model_type']} of {args.config}, "
-          f"{params / 1e6:.1f}M parameters, {args.precision}, {args.batch} sequences of {args.context} tokens")
-    print(f"step {seconds * 1e3:.1f} ms, {tokens_per_s:.0f} tokens/s, {tflops:.3f} TFLOPS, "
-          f"MFU {100 * tflops / args.peak_tflops:.2f}%, live {live:.1f} MiB, peak {peak:.1f} MiB")
+    what = f"{mode}, {c['model_type']} of {args.config}, {args.precision}"
+    report(what, params, seconds, args.batch, args.context, args.peak_tflops, device)
 
 
 if __name__ == "__main__":
