@@ -21,6 +21,13 @@ pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Modu
     /// [`LinearCrossEntropy`](zerotrain::nn::LinearCrossEntropy), never forming the whole
     /// logits.
     fn next_token_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
+        self.whole_logits_loss(tokens)
+    }
+
+    /// The same loss as [`cross_entropy`] of the whole logits `[batch, time, vocab]` (what
+    /// [`next_token_loss`](Self::next_token_loss) is for a model without a blocked head):
+    /// the unfused reference, and what `bench gpu --whole-logits` times.
+    fn whole_logits_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
         cross_entropy(self.logits(inputs(tokens)), tokens)
     }
 
@@ -354,7 +361,7 @@ mod tests {
             let device = model.devices().into_iter().next().unwrap();
             let ids: Vec<i64> = (0..2 * 9).map(|i| (i * 5 + i * i / 3) % vocab).collect();
             let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 9]), &device);
-            let whole = cross_entropy(model.logits(inputs(&tokens)), &tokens);
+            let whole = model.whole_logits_loss(&tokens);
             let fused = model.next_token_loss(&tokens);
             let value = |t: &Tensor<1>| t.clone().into_scalar::<f32>();
             let (a, b) = (value(&whole), value(&fused));

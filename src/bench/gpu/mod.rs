@@ -16,7 +16,7 @@ use super::engine::{median, median_times};
 use zerotrain::config::ComputeDevice;
 use zerotrain::{Error, PhaseTimes, Result, launch};
 use zerotrain_models::family::{self, WithModel};
-use zerotrain_models::{CausalLm, Gpt, cross_entropy};
+use zerotrain_models::{CausalLm, Gpt};
 
 mod model;
 
@@ -48,8 +48,8 @@ pub struct GpuBench {
     /// The engine waits for the device at the end of each phase (`wall_clock_breakdown`),
     /// so that its phase times split the step; the step time includes those waits.
     pub breakdown: bool,
-    /// A last row: plain Burn in the engine's precision with [`cross_entropy`] of the whole
-    /// logits, against which the loss over blocks of tokens is measured.
+    /// A last row: plain Burn in the engine's precision with `CausalLm::whole_logits_loss`
+    /// (the whole logits), against which the loss over blocks of tokens is measured.
     pub whole_logits: bool,
 }
 
@@ -222,10 +222,7 @@ impl GpuBench {
             let tokens = tokens(&self.model, self.batch, step, device);
             let loss = match loss {
                 Loss::Blocks => model.next_token_loss(&tokens),
-                Loss::WholeLogits => {
-                    let [b, t1] = tokens.dims();
-                    cross_entropy(model.logits(tokens.clone().slice([0..b, 0..t1 - 1])), &tokens)
-                }
+                Loss::WholeLogits => model.whole_logits_loss(&tokens),
             };
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-4, model, grads);
@@ -277,6 +274,7 @@ impl GpuBench {
     fn row(&self, what: String, step_seconds: f64, device: &Device, times: Option<PhaseTimes>) -> GpuRow {
         let tokens_per_s = (self.batch * self.model.context()) as f64 / step_seconds;
         let tflops = 6.0 * self.model.num_params() as f64 * tokens_per_s / 1e12;
+        let usage = device.memory_pool_usage();
         GpuRow {
             model: match &self.model {
                 BenchModel::Builtin(_) => "builtin".into(),
@@ -291,8 +289,8 @@ impl GpuBench {
             tokens_per_s,
             tflops,
             mfu: tflops / self.peak_tflops,
-            device_bytes: device.memory_pool_usage().map(|u| u.bytes_in_use),
-            device_reserved: device.memory_pool_usage().map(|u| u.bytes_reserved),
+            device_bytes: usage.map(|u| u.bytes_in_use),
+            device_reserved: usage.map(|u| u.bytes_reserved),
             times,
             host_device: None,
         }
@@ -358,7 +356,7 @@ impl GpuBench {
 enum Loss {
     /// The model's own: over blocks of tokens (`zerotrain::nn::LinearCrossEntropy`).
     Blocks,
-    /// [`cross_entropy`] of the whole logits `[tokens, vocabulary]`.
+    /// `CausalLm::whole_logits_loss`: the whole logits `[tokens, vocabulary]`.
     WholeLogits,
 }
 

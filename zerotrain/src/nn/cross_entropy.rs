@@ -132,6 +132,14 @@ fn constant<const D: usize>(t: Tensor<D>) -> Tensor<D> {
     t.set_require_grad(false)
 }
 
+/// `x` added into the running `sum` (which starts as `x`).
+fn add_to<const D: usize>(sum: &mut Option<Tensor<D>>, x: Tensor<D>) {
+    *sum = Some(match sum.take() {
+        Some(sum) => sum + x,
+        None => x,
+    });
+}
+
 /// Which inputs are tracked by autodiff, and so get a gradient.
 #[derive(Clone, Copy)]
 struct Wants {
@@ -173,10 +181,7 @@ impl Blocks {
         let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
         let picked = log_probs.clone().gather(1, targets.clone());
         let block = reduce::sum(picked.clone()).neg();
-        self.total = Some(match self.total.take() {
-            Some(total) => total + block,
-            None => block,
-        });
+        add_to(&mut self.total, block);
         if !self.wants.any() {
             return;
         }
@@ -186,7 +191,7 @@ impl Blocks {
         if self.wants.bias {
             let vocab = grad.dims()[1];
             let g = grad.clone().sum_dim(0).reshape([vocab]);
-            self.bias_grad = Some(self.bias_grad.take().map_or(g.clone(), |sum| sum + g));
+            add_to(&mut self.bias_grad, g);
         }
         let grad = grad.cast(self.weight.dtype());
         if self.wants.hidden {
@@ -194,7 +199,7 @@ impl Blocks {
         }
         if self.wants.weight {
             let g = grad.transpose().matmul(h).cast(FloatDType::F32);
-            self.weight_grad = Some(self.weight_grad.take().map_or(g.clone(), |sum| sum + g));
+            add_to(&mut self.weight_grad, g);
         }
     }
 

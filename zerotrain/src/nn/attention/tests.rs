@@ -156,19 +156,24 @@ fn cases() -> Vec<(&'static str, Case)> {
     ]
 }
 
+/// Every case in `dtype` on Flex with autodiff: the output and every input's gradient
+/// within `bound` of their largest value.
+fn every_case_within(dtype: FloatDType, bound: f64) {
+    let device = Device::flex().autodiff();
+    for (name, case) in cases() {
+        let (want, got) = (case.reference(), case.run(&device, dtype));
+        for (i, what) in ["output", "dq", "dk", "dv"].iter().enumerate() {
+            let error = relative_error(&got[i], &want[i]);
+            assert!(error <= bound, "{name} in {dtype:?}: {what} off by {error:e} of its largest");
+        }
+    }
+}
+
 /// In f32 the output and every input's gradient are within 2e-6 of their largest value (a
 /// few sums of at most 15 f32 terms; 3.9e-7 measured at most).
 #[test]
 fn output_and_gradients_equal_the_definition_in_f32() {
-    let device = Device::flex().autodiff();
-    for (name, case) in cases() {
-        let want = case.reference();
-        let got = case.run(&device, FloatDType::F32);
-        for (i, what) in ["output", "dq", "dk", "dv"].iter().enumerate() {
-            let error = relative_error(&got[i], &want[i]);
-            assert!(error <= 2e-6, "{name}: {what} off by {error:e} of its largest");
-        }
-    }
+    every_case_within(FloatDType::F32, 2e-6);
 }
 
 /// In fp16 (the matmuls in fp16, the softmax in f32) within 4e-3 of the largest value:
@@ -176,15 +181,7 @@ fn output_and_gradients_equal_the_definition_in_f32() {
 /// to 15 terms (1.3e-3 measured at most).
 #[test]
 fn output_and_gradients_stay_within_fp16_rounding() {
-    let device = Device::flex().autodiff();
-    for (name, case) in cases() {
-        let want = case.reference();
-        let got = case.run(&device, FloatDType::F16);
-        for (i, what) in ["output", "dq", "dk", "dv"].iter().enumerate() {
-            let error = relative_error(&got[i], &want[i]);
-            assert!(error <= 4e-3, "{name}: {what} off by {error:e} of its largest");
-        }
-    }
+    every_case_within(FloatDType::F16, 4e-3);
 }
 
 /// Without autodiff the forward alone, equal to the definition.
