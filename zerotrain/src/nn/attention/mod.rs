@@ -7,18 +7,23 @@
 //! (Burn's `#[backend_extension]`): its forward returns the output and each row's
 //! log-sum-exp, autodiff keeps those and the inputs, and its backward forms the
 //! probabilities again from them one block of rows at a time (`blocked.rs`), as flash
-//! attention does. Every backend runs the blocked version in its own operations (with
-//! fusion on, they enter the fusion stream like any other); a backend with a kernel of its
-//! own overrides the two methods of [`CausalAttentionOps`] for itself.
+//! attention does. The GPU builds run it as cubecl kernels (`kernels.rs`, launched from
+//! `launch.rs`), registered in the fusion stream as one operation each way; the CPU
+//! backend runs the blocked version in its own operations (`blocked.rs`), as do the shapes
+//! the kernels refuse.
 
 mod blocked;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod kernels;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod launch;
 
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
+use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::Tensor;
 
 /// Causal attention of `q` `[batch, heads, time, head_dim]` over `k` `[batch, kv_heads,
@@ -28,8 +33,9 @@ use burn::tensor::Tensor;
 /// The queries are the last `time` of the `keys` positions (`keys > time`: a block of
 /// queries after cached keys), and each sees the keys up to its own position. Each kv head
 /// serves `heads / kv_heads` consecutive query heads (grouped-query attention) without its
-/// keys and values being repeated. The matmuls run in the inputs' dtype (on tensor cores in
-/// bf16 and fp16), the softmax in f32. Under autodiff it keeps the inputs, the output and
+/// keys and values being repeated. On the CPU the matmuls run in the inputs' dtype and
+/// the softmax in f32; on CUDA and wgpu kernels of its own read and write the tensors in
+/// their dtype and compute every product and sum in f32. Under autodiff it keeps the inputs, the output and
 /// one f32 value per query row, never the `[time, keys]` probabilities (the module's note).
 ///
 /// # Panics
@@ -60,7 +66,7 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f32) ->
 pub trait CausalAttentionOps: Backend {
     /// The output `[batch, heads, time, value_dim]` and each row's log-sum-exp of its
     /// scaled scores `[batch, heads, time]` (f32).
-    #[fusion(default)]
+    #[fusion(meta = fused::forward)]
     fn causal_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -72,7 +78,7 @@ pub trait CausalAttentionOps: Backend {
 
     /// The gradients of `q`, `k` and `v` from the output's gradient `grad`, given the
     /// output `out` and log-sum-exp `lse` of [`causal_attention`](Self::causal_attention).
-    #[fusion(default)]
+    #[fusion(meta = fused::backward)]
     #[allow(clippy::too_many_arguments)]
     fn causal_attention_backward(
         q: FloatTensor<Self>,
@@ -89,8 +95,67 @@ pub trait CausalAttentionOps: Backend {
 
 impl CausalAttentionOps for Flex {}
 
+/// The cubecl kernels, for the shapes they take on the tensors' device (`launch.rs`); the
+/// blocked version for the rest.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl CausalAttentionOps for burn::backend::Cube {}
+impl CausalAttentionOps for burn_cubecl::CubeBackend {
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
+            Ok(dims) if launch::takes(&q, &dims) => launch::forward(q, k, v, scale, dims),
+            _ => blocked::forward::<Self>(q, k, v, scale),
+        }
+    }
+
+    fn causal_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        match blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
+            Ok(dims) if launch::takes(&q, &dims) => launch::backward(q, k, v, out, lse, grad, scale, dims),
+            _ => blocked::backward::<Self>(q, k, v, out, lse, grad, scale),
+        }
+    }
+}
+
+/// What the fusion stream registers for each call before the backend runs it: the outputs'
+/// shapes and dtypes.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod fused {
+    use burn::backend::fusion::custom::TensorSpec;
+    use burn::tensor::{DType, Shape};
+
+    /// The output (`q`'s dtype, `v`'s last dimension) and the f32 log-sum-exp.
+    pub(super) fn forward(q: &TensorSpec, _k: &TensorSpec, v: &TensorSpec, _scale: &f32) -> (TensorSpec, TensorSpec) {
+        let (mut out, mut lse) = (q.shape.clone(), q.shape.clone());
+        out[3] = v.shape[3];
+        lse = Shape::from(lse.as_slice()[..3].to_vec());
+        (TensorSpec::new(out, q.dtype), TensorSpec::new(lse, DType::F32))
+    }
+
+    /// Each input's gradient, shaped and typed as the input.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        _out: &TensorSpec,
+        _lse: &TensorSpec,
+        _grad: &TensorSpec,
+        _scale: &f32,
+    ) -> (TensorSpec, TensorSpec, TensorSpec) {
+        (q.clone(), k.clone(), v.clone())
+    }
+}
 
 /// The backward step: the inputs (by their checkpointed nodes), the output, the log-sum-exp
 /// and the scale.
