@@ -112,6 +112,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             recompute_units,
             peak_tflops,
             breakdown,
+            blocked_attention,
             whole_logits,
             json,
         }) => {
@@ -134,6 +135,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 recompute_units,
                 peak_tflops,
                 breakdown,
+                blocked_attention,
                 whole_logits,
             };
             commands::bench::bench_gpu(&bench, json)

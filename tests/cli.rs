@@ -167,7 +167,8 @@ fn bench_convert_prints_every_conversion_beside_memcpy() {
 }
 
 /// `bench gpu --json` prints one object per row, a line each: plain Burn in fp32 and in the
-/// engine's precision, then the engine at every stage and mode asked for, and with
+/// engine's precision, then the engine at every stage and mode asked for, with
+/// `--blocked-attention` plain Burn with the attention kernels off, and with
 /// `--whole-logits` plain Burn's loss of the whole logits last; on the CPU (where this runs)
 /// nothing crosses to a device.
 #[test]
@@ -175,7 +176,7 @@ fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision
     let shape = ["--layers", "1", "--width", "16", "--heads", "2", "--context", "8", "--vocab", "13", "--batch", "2"];
     let mut args = vec!["bench", "gpu", "--device", "cpu", "--steps", "1", "--stages", "0,3", "--precision", "bf16"];
     args.extend(shape);
-    args.extend(["--mode", "one-unit,checkpointed", "--whole-logits", "--json"]);
+    args.extend(["--mode", "one-unit,checkpointed", "--blocked-attention", "--whole-logits", "--json"]);
     let out = zerotrain(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> =
@@ -189,11 +190,13 @@ fn bench_gpu_prints_a_json_line_per_row_with_plain_burn_in_the_engines_precision
         ("bf16", Some(3), Some("one-unit")),
         ("bf16", Some(3), Some("checkpointed")),
         ("bf16", None, None),
+        ("bf16", None, None),
     ];
     let want: Vec<_> =
         expected.iter().map(|&(p, s, m)| (serde_json::json!(p), serde_json::json!(s), serde_json::json!(m))).collect();
     assert_eq!(rows.iter().map(key).collect::<Vec<_>>(), want);
-    assert_eq!(rows.last().unwrap()["what"], "plain bf16 whole logits");
+    let last: Vec<_> = rows[rows.len() - 2..].iter().map(|r| r["what"].clone()).collect();
+    assert_eq!(last, ["plain bf16 blocked attn", "plain bf16 whole logits"]);
     for row in &rows {
         assert!(row["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{row}");
         if row["stage"].is_u64() {

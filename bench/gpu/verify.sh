@@ -14,13 +14,15 @@
 #   5. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
 #      at stages 0 and 3 in units, recomputing no block, all 12, or the first 6
 #      (`--recompute-units`): 190-236 s on an H200 before the last two rows, autotune
-#      included; stages 1-2 would not fit the time), and last plain Burn bf16 with the loss
-#      of the whole logits (`--whole-logits`: the device memory the blocked loss saves, not
-#      yet run on a GPU), beside bench/pytorch/gpu_gpt.py, eager and torch.compile, in the
-#      same run;
-#   6. the Hugging Face families timed (`bench gpu --model gpt2|llama`, and the LLaMA shape in
-#      PyTorch eager with SDPA, bench/pytorch/gpu_llama.py: GPT-2 small at context
-#      1024, TinyLlama-1.1B's shape at 2048, random weights; not yet run on a GPU);
+#      included; stages 1-2 would not fit the time), plain Burn bf16 with the attention
+#      kernels off (`--blocked-attention`: what the kernels gain or lose), and last with the
+#      loss of the whole logits (`--whole-logits`: the device memory the blocked loss saves;
+#      both not yet run on a GPU), beside bench/pytorch/gpu_gpt.py, eager and torch.compile,
+#      in the same run;
+#   6. the Hugging Face families timed (`bench gpu --model gpt2|llama`, each with the
+#      attention kernels off in a row of its own, and the LLaMA shape in PyTorch eager with
+#      SDPA, bench/pytorch/gpu_llama.py: GPT-2 small at context 1024, TinyLlama-1.1B's shape
+#      at 2048, random weights; not yet run on a GPU);
 #   7. the engine's stage-0 step split into device time per phase (`bench gpu --breakdown`).
 # Each part has its own time limit (on an H200 at ebbe482: the CUDA tests 219 s, the wgpu
 # tests 103 s, the bench 190 s, PyTorch 12 + 38 s; the whole 470 s; on 2026-11-27 with the
@@ -180,7 +182,7 @@ gpt="--layers 12 --width 768 --heads 12 --context 1024 --batch 8 --steps $steps"
 # shellcheck disable=SC2086
 wanted bench && part "zerotrain bench gpu (124M GPT, bf16, stages 0 and 3 in units, recomputing none, all 12 or the first 6 blocks)" 270 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units,checkpointed \
-    --recompute-units 12,6 --whole-logits $gpt
+    --recompute-units 12,6 --blocked-attention --whole-logits $gpt
 # shellcheck disable=SC2086
 wanted pytorch && part "PyTorch eager (bench/pytorch/gpu_gpt.py)" 30 \
     python3 bench/pytorch/gpu_gpt.py --precision bf16 $gpt
@@ -189,10 +191,10 @@ wanted compile && part "PyTorch torch.compile (bench/pytorch/gpu_gpt.py --compil
     python3 bench/pytorch/gpu_gpt.py --precision bf16 --compile $gpt
 wanted families && part "zerotrain bench gpu --model gpt2 (GPT-2 small, Hugging Face's layout, context 1024)" 150 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units --model gpt2 \
-    --context 1024 --batch 8 --steps "$steps"
+    --context 1024 --batch 8 --steps "$steps" --blocked-attention
 wanted families && part "zerotrain bench gpu --model llama (TinyLlama-1.1B's shape, GQA, context 2048)" 240 \
     "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0,3 --mode units --model llama \
-    --context 2048 --batch 2 --steps "$steps"
+    --context 2048 --batch 2 --steps "$steps" --blocked-attention
 wanted families && part "PyTorch eager, the same LLaMA shape with SDPA (bench/pytorch/gpu_llama.py)" 60 \
     python3 bench/pytorch/gpu_llama.py --config configs/models/llama-1b.json --precision bf16 \
     --context 2048 --batch 2 --steps "$steps"

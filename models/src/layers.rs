@@ -147,10 +147,10 @@ impl Embed {
 /// heads, consecutively; the queries are the last `time` of the positions), scaled by
 /// `1/sqrt(head_dim)`; `[batch, time, heads * head_dim]`.
 ///
-/// Through [`zerotrain::nn::causal_attention`]: both matmuls in the model's dtype (on
-/// tensor cores in bf16 or fp16), the softmax in f32, as Hugging Face's eager attention
-/// computes it; grouped-query attention without copies of the keys and values; and under
-/// autodiff nothing of `[time, keys]` kept for backward.
+/// Through [`zerotrain::nn::causal_attention`]: on the CPU both matmuls in the model's
+/// dtype and the softmax in f32, as Hugging Face's eager attention computes it; on CUDA and
+/// wgpu its own kernels, every product in f32; grouped-query attention without copies of
+/// the keys and values; and under autodiff nothing of `[time, keys]` kept for backward.
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<3> {
     let [b, h, t, hd] = q.dims();
     let scale = (hd as f32).sqrt().recip();

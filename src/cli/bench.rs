@@ -186,6 +186,11 @@ pub enum BenchCommand {
         /// end (`wall_clock_breakdown`), which its step time then includes.
         #[arg(long)]
         breakdown: bool,
+        /// A row after the engine's: plain Burn in the engine's precision with attention in
+        /// Burn's own operations (`zerotrain::nn::set_attention_kernels(false)`), to measure
+        /// the attention kernels against.
+        #[arg(long)]
+        blocked_attention: bool,
         /// A last row: plain Burn in the engine's precision with the loss of the whole logits
         /// (Burn's log-softmax of `[tokens, vocabulary]`) instead of over blocks of tokens.
         #[arg(long)]

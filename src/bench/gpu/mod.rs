@@ -19,6 +19,7 @@ use zerotrain_models::family::{self, WithModel};
 use zerotrain_models::{CausalLm, Gpt};
 
 mod model;
+mod table;
 
 pub use model::BenchModel;
 use model::tokens;
@@ -48,6 +49,10 @@ pub struct GpuBench {
     /// The engine waits for the device at the end of each phase (`wall_clock_breakdown`),
     /// so that its phase times split the step; the step time includes those waits.
     pub breakdown: bool,
+    /// A row after the engine's: plain Burn in the engine's precision with
+    /// `zerotrain::nn::set_attention_kernels(false)` (attention in Burn's own operations,
+    /// block by block), against which the attention kernels are measured.
+    pub blocked_attention: bool,
     /// A last row: plain Burn in the engine's precision with `CausalLm::whole_logits_loss`
     /// (the whole logits), against which the loss over blocks of tokens is measured.
     pub whole_logits: bool,
@@ -178,9 +183,9 @@ impl GpuBench {
                 measured(&row);
                 rows.push(row);
             };
-            keep(self.plain(&init, &device, None, Loss::Blocks)?);
+            keep(self.plain(&init, &device, None, Plain::Own)?);
             if let Some(half) = half {
-                keep(self.plain(&init, &device, Some(half), Loss::Blocks)?);
+                keep(self.plain(&init, &device, Some(half), Plain::Own)?);
             }
             // A row that fails is reported and the others still run: one GPU session
             // should bring back every figure it can.
@@ -194,9 +199,12 @@ impl GpuBench {
                     }
                 }
             }
+            if self.blocked_attention {
+                keep(self.plain(&init, &device, half, Plain::BlockedAttention)?);
+            }
             if self.whole_logits {
                 // Last, so that what it reserves beyond the rows before shows its logits.
-                keep(self.plain(&init, &device, half, Loss::WholeLogits)?);
+                keep(self.plain(&init, &device, half, Plain::WholeLogits)?);
             }
             if !failed.is_empty() {
                 return Err(Error::Model(format!("bench gpu: {} failed (errors above)", failed.join(", "))));
@@ -208,9 +216,9 @@ impl GpuBench {
 
     /// The plain Burn loop the engine replaces: forward, backward, AdamW, in fp32 or with
     /// every parameter in `half` (no master weights, no loss scaling: the engine's
-    /// arithmetic at the compute dtype's speed), with the model's loss or that of its whole
-    /// logits.
-    fn plain<M: CausalLm>(&self, init: &M, device: &Device, half: Option<FloatDType>, loss: Loss) -> Result<GpuRow> {
+    /// arithmetic at the compute dtype's speed), as the model trains or with `plain`'s change.
+    fn plain<M: CausalLm>(&self, init: &M, device: &Device, half: Option<FloatDType>, plain: Plain) -> Result<GpuRow> {
+        let _kernels = AttentionKernels::set(plain != Plain::BlockedAttention);
         let mut model = init.clone().fork(device);
         if let Some(dtype) = half {
             model = model.map(&mut CastParams(dtype));
@@ -220,9 +228,9 @@ impl GpuBench {
         for step in 0..self.steps + 2 {
             let start = Instant::now();
             let tokens = tokens(&self.model, self.batch, step, device);
-            let loss = match loss {
-                Loss::Blocks => model.next_token_loss(&tokens),
-                Loss::WholeLogits => model.whole_logits_loss(&tokens),
+            let loss = match plain {
+                Plain::WholeLogits => model.whole_logits_loss(&tokens),
+                Plain::Own | Plain::BlockedAttention => model.next_token_loss(&tokens),
             };
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-4, model, grads);
@@ -232,9 +240,10 @@ impl GpuBench {
             }
         }
         let precision = if half.is_some() { self.precision.clone() } else { "fp32".into() };
-        let what = match loss {
-            Loss::Blocks => format!("plain Burn {precision}"),
-            Loss::WholeLogits => format!("plain {precision} whole logits"),
+        let what = match plain {
+            Plain::Own => format!("plain Burn {precision}"),
+            Plain::WholeLogits => format!("plain {precision} whole logits"),
+            Plain::BlockedAttention => format!("plain {precision} blocked attn"),
         };
         let mut row = self.row(what, median(times), device, None);
         row.precision = precision;
@@ -295,69 +304,36 @@ impl GpuBench {
             host_device: None,
         }
     }
+}
 
-    /// The table's heading: the model, the device and the columns.
-    pub fn heading(&self) -> String {
-        let mut out = format!(
-            "{}, {} sequences per step, on {}; engine \
-             in {} (stage and mode per row: one unit, units, units with recomputation, of the first N units only); medians of {} steps; MFU \
-             against {} TFLOPS; phase times {}\n",
-            self.model.describe(),
-            self.batch,
-            self.device.name(),
-            self.precision,
-            self.steps,
-            self.peak_tflops,
-            match self.breakdown {
-                true => "synchronised: each waits for the device (--breakdown), the steps include the waits",
-                false => "of the host queueing work (--breakdown splits the step)",
-            }
-        );
-        out.push_str(
-            "what                   step ms   tokens/s   TFLOPS    MFU  device MiB reserved  forward backward reduce  optim gather  \
-             to/from device MiB\n",
-        );
-        out
-    }
+/// What a plain row changes from the way the model trains.
+#[derive(Clone, Copy, PartialEq)]
+enum Plain {
+    /// Nothing: its loss over blocks of tokens (`zerotrain::nn::LinearCrossEntropy`), its
+    /// attention through `zerotrain::nn::causal_attention`'s kernels.
+    Own,
+    /// `CausalLm::whole_logits_loss`: the whole logits `[tokens, vocabulary]`.
+    WholeLogits,
+    /// `causal_attention` in Burn's own operations (its kernels switched off).
+    BlockedAttention,
+}
 
-    /// One row of the table.
-    pub fn line(r: &GpuRow) -> String {
-        let mib = |b: Option<u64>| b.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
-        let phases = r.times.map_or(String::new(), |t| {
-            let ms = |x: f64| x * 1e3;
-            format!(
-                "  {:>7.1} {:>8.1} {:>6.1} {:>6.1} {:>6.1}",
-                ms(t.forward),
-                ms(t.backward),
-                ms(t.reduce),
-                ms(t.optimizer),
-                ms(t.gather)
-            )
-        });
-        let crossed = r.host_device.map_or(String::new(), |c| {
-            let mib = |b: u64| b as f64 / (1 << 20) as f64;
-            format!("  {:>8.1} / {:.1}", mib(c.to_device), mib(c.to_host))
-        });
-        format!(
-            "{:<21} {:>8.1} {:>10.0} {:>8.3} {:>5.2}% {:>11} {:>8}{phases}{crossed}\n",
-            r.what,
-            r.step_seconds * 1e3,
-            r.tokens_per_s,
-            r.tflops,
-            r.mfu * 100.0,
-            mib(r.device_bytes),
-            mib(r.device_reserved)
-        )
+/// `zerotrain::nn::set_attention_kernels` for a row's length: the setting before comes back
+/// when the row ends, failed or not.
+struct AttentionKernels(bool);
+
+impl AttentionKernels {
+    fn set(on: bool) -> Self {
+        let before = zerotrain::nn::attention_kernels();
+        zerotrain::nn::set_attention_kernels(on);
+        Self(before)
     }
 }
 
-/// The loss a plain row trains.
-#[derive(Clone, Copy)]
-enum Loss {
-    /// The model's own: over blocks of tokens (`zerotrain::nn::LinearCrossEntropy`).
-    Blocks,
-    /// `CausalLm::whole_logits_loss`: the whole logits `[tokens, vocabulary]`.
-    WholeLogits,
+impl Drop for AttentionKernels {
+    fn drop(&mut self) {
+        zerotrain::nn::set_attention_kernels(self.0);
+    }
 }
 
 /// One engine row: the stage, the mode and, with recomputation, how many units.

@@ -41,6 +41,7 @@ pub fn bench_in_half_precision_measures_every_row_or_refuses_before_the_first(on
             recompute_units: Vec::new(),
             peak_tflops: 1.0,
             breakdown: false,
+            blocked_attention: false,
             whole_logits: false,
         };
         let rows = Mutex::new(Vec::new());

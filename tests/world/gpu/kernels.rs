@@ -5,7 +5,7 @@
 
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData};
-use zerotrain::nn::{LinearCrossEntropy, causal_attention};
+use zerotrain::nn::{LinearCrossEntropy, causal_attention, set_attention_kernels};
 
 use super::Gpu;
 
@@ -107,7 +107,8 @@ fn loss(device: &Device, dtype: FloatDType, fused: bool) -> [Vec<f64>; 4] {
 /// token, a value width unlike the key's; and two shapes the blocked version takes: a width
 /// past the kernels' (560), and on lavapipe a group of 16 over 70 rows at widths 24 and 40
 /// (201,000 loop iterations for a `dk`/`dv` unit, past the 65,535 its compiler runs; the
-/// other shapes stay under it).
+/// other shapes stay under it). Switched off (`set_attention_kernels`), the blocked version
+/// runs and is as close.
 pub fn nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(on: Gpu, dtype: FloatDType, bound: f64) {
     let _alone = super::device_alone();
     let (device, cpu) = ((on.device)().autodiff(), Device::flex().autodiff());
@@ -128,6 +129,18 @@ pub fn nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(on: Gpu, dtype: F
             assert!(error <= bound, "{} {dtype:?} attention {shape:?}: {name} off by {error:e}", on.name);
         }
     }
+    // Switched off, the blocked version runs: as close to Burn's, in another order.
+    let shape = [2, 4, 2, 37, 0, 16, 16];
+    let kernels = attention(&device, dtype, true, shape);
+    set_attention_kernels(false);
+    let blocked = attention(&device, dtype, true, shape);
+    set_attention_kernels(true);
+    let want = attention(&cpu, FloatDType::F32, false, shape);
+    for (name, (g, w)) in names.iter().zip(blocked.iter().zip(&want)) {
+        let error = relative_error(g, w);
+        assert!(error <= bound, "{} {dtype:?} blocked attention {shape:?}: {name} off by {error:e}", on.name);
+    }
+    assert_ne!(kernels, blocked, "{}: switching the attention kernels off changed nothing", on.name);
     let (got, want) = (loss(&device, dtype, true), loss(&cpu, FloatDType::F32, false));
     for (name, (g, w)) in ["loss", "hidden", "weight", "bias"].iter().zip(got.iter().zip(&want)) {
         let error = relative_error(g, w);

@@ -9,7 +9,7 @@
 mod attention;
 mod cross_entropy;
 
-pub use attention::{CausalAttentionOps, causal_attention};
+pub use attention::{CausalAttentionOps, attention_kernels, causal_attention, set_attention_kernels};
 pub use cross_entropy::LinearCrossEntropy;
 
 #[cfg(test)]

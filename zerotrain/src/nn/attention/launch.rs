@@ -28,12 +28,13 @@ fn staged_rows(width: usize) -> usize {
 /// lavapipe's, ends a shader invocation's loops there so that none can hang the process).
 const SOFTWARE_LOOP_LIMIT: usize = 65_535;
 
-/// Whether the kernels take these shapes on `like`'s device: widths a unit holds, and on a
-/// software adapter (no card behind it: lavapipe) no unit's loops past its limit, which
-/// would end them early and silently; the blocked version takes the rest.
+/// Whether the kernels take these shapes on `like`'s device: no empty side, widths a unit
+/// holds, and on a software adapter (no card behind it: lavapipe) no unit's loops past its
+/// limit, which would end them early and silently. The blocked version takes the rest.
 pub(super) fn takes(like: &CubeTensor, dims: &Dims) -> bool {
     let software = matches!(like.device, CubeDevice::Wgpu(_)) && like.client.properties().identity.physical.is_none();
-    dims.head_dim + dims.value_dim <= MAX_WIDTH && !(software && loop_iterations(dims) > SOFTWARE_LOOP_LIMIT)
+    let empty = [dims.heads, dims.value_dim].contains(&0);
+    !empty && dims.head_dim + dims.value_dim <= MAX_WIDTH && !(software && loop_iterations(dims) > SOFTWARE_LOOP_LIMIT)
 }
 
 /// At most the loop iterations one unit runs in any of the three kernels, no loop unrolled:

@@ -18,13 +18,17 @@ mod kernels;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod launch;
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::TensorMetadata;
+
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::Tensor;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Causal attention of `q` `[batch, heads, time, head_dim]` over `k` `[batch, kv_heads,
 /// keys, head_dim]` and `v` `[batch, kv_heads, keys, value_dim]`, scaled by `scale`:
@@ -95,6 +99,24 @@ pub trait CausalAttentionOps: Backend {
 
 impl CausalAttentionOps for Flex {}
 
+/// Whether [`causal_attention`] runs its own kernels where it has them (CUDA and wgpu).
+static KERNELS: AtomicBool = AtomicBool::new(true);
+
+/// Turns [`causal_attention`]'s own kernels on CUDA and wgpu on (the default) or off, for
+/// the whole process from its next call, as `torch.backends.cuda.enable_flash_sdp` does
+/// for PyTorch's: off, those backends run the blocked version in Burn's own operations (the
+/// same results within rounding, and nothing `[time, keys]` kept for backward either), to
+/// compare the two or to step around a kernel a device's compiler gets wrong. The CPU
+/// always runs the blocked version.
+pub fn set_attention_kernels(enabled: bool) {
+    KERNELS.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`causal_attention`]'s own kernels are on ([`set_attention_kernels`]).
+pub fn attention_kernels() -> bool {
+    KERNELS.load(Ordering::Relaxed)
+}
+
 /// The cubecl kernels, for the shapes they take on the tensors' device (`launch.rs`); the
 /// blocked version for the rest.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -106,7 +128,7 @@ impl CausalAttentionOps for burn_cubecl::CubeBackend {
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         match blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
-            Ok(dims) if launch::takes(&q, &dims) => launch::forward(q, k, v, scale, dims),
+            Ok(dims) if attention_kernels() && launch::takes(&q, &dims) => launch::forward(q, k, v, scale, dims),
             _ => blocked::forward::<Self>(q, k, v, scale),
         }
     }
@@ -121,7 +143,9 @@ impl CausalAttentionOps for burn_cubecl::CubeBackend {
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         match blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
-            Ok(dims) if launch::takes(&q, &dims) => launch::backward(q, k, v, out, lse, grad, scale, dims),
+            Ok(dims) if attention_kernels() && launch::takes(&q, &dims) => {
+                launch::backward(q, k, v, out, lse, grad, scale, dims)
+            }
             _ => blocked::backward::<Self>(q, k, v, out, lse, grad, scale),
         }
     }
