@@ -117,8 +117,19 @@ pub fn attention_kernels() -> bool {
     KERNELS.load(Ordering::Relaxed)
 }
 
-/// The cubecl kernels, for the shapes they take on the tensors' device (`launch.rs`); the
-/// blocked version for the rest.
+/// The shapes of a call the kernels take (switched on, and shapes they take on the
+/// tensors' device: `launch.rs`); `None` for the blocked version.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn kernel_dims(
+    q: &burn_cubecl::tensor::CubeTensor,
+    k: &burn_cubecl::tensor::CubeTensor,
+    v: &burn_cubecl::tensor::CubeTensor,
+) -> Option<blocked::Dims> {
+    let dims = blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()).ok()?;
+    (attention_kernels() && launch::takes(q, &dims)).then_some(dims)
+}
+
+/// The cubecl kernels, for the shapes they take; the blocked version for the rest.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl CausalAttentionOps for burn_cubecl::CubeBackend {
     fn causal_attention(
@@ -127,9 +138,9 @@ impl CausalAttentionOps for burn_cubecl::CubeBackend {
         v: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        match blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
-            Ok(dims) if attention_kernels() && launch::takes(&q, &dims) => launch::forward(q, k, v, scale, dims),
-            _ => blocked::forward::<Self>(q, k, v, scale),
+        match kernel_dims(&q, &k, &v) {
+            Some(dims) => launch::forward(q, k, v, scale, dims),
+            None => blocked::forward::<Self>(q, k, v, scale),
         }
     }
 
@@ -142,11 +153,9 @@ impl CausalAttentionOps for burn_cubecl::CubeBackend {
         grad: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        match blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()) {
-            Ok(dims) if attention_kernels() && launch::takes(&q, &dims) => {
-                launch::backward(q, k, v, out, lse, grad, scale, dims)
-            }
-            _ => blocked::backward::<Self>(q, k, v, out, lse, grad, scale),
+        match kernel_dims(&q, &k, &v) {
+            Some(dims) => launch::backward(q, k, v, out, lse, grad, scale, dims),
+            None => blocked::backward::<Self>(q, k, v, out, lse, grad, scale),
         }
     }
 }
