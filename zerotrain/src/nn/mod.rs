@@ -8,6 +8,7 @@
 
 mod attention;
 mod cross_entropy;
+pub mod parallel;
 
 pub use attention::{CausalAttentionOps, attention_kernels, causal_attention, set_attention_kernels};
 pub use cross_entropy::LinearCrossEntropy;

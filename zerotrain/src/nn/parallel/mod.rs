@@ -1,0 +1,120 @@
+//! Tensor parallelism's building blocks, as Megatron-LM defines them: a [`ParallelGroup`]
+//! of ranks that split each layer between them, its two operations (`f`,
+//! [`ParallelGroup::copy_to`]: the identity forward, a sum over the group backward; `g`,
+//! [`ParallelGroup::reduce_from`]: the sum forward, the identity backward), the layers made
+//! of them ([`ColumnParallelLinear`], [`RowParallelLinear`], [`VocabParallelEmbedding`]) and
+//! a cross-entropy over a vocabulary split across the group
+//! ([`vocab_parallel_cross_entropy`]), no rank forming the whole logits.
+//!
+//! The operations are Burn autodiff operations over zerotrain's
+//! [`Collective`], so they run over threads, MPI and NCCL alike. Every rank of a group calls
+//! them in the same order on tensors of the same shape, as every collective is called.
+//!
+//! # Note: which gradients are whole
+//! A layer pair `copy_to -> column-parallel -> ... -> row-parallel -> reduce_from` computes
+//! what the unsplit pair does: each rank holds a slice of the weights, the sum restores the
+//! whole output, and the copy's backward sums the slices' contributions to the input's
+//! gradient. Everything outside the pair (norms, residuals, the loss) computes the same
+//! values on every rank of the group, so the gradients of parameters every rank holds
+//! (norms, the row-parallel bias) come out equal on all of them, and each slice's gradient
+//! is the unsplit layer's gradient of that slice.
+
+mod linear;
+mod loss;
+mod ops;
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::Tensor;
+use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
+
+pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+pub use loss::vocab_parallel_cross_entropy;
+
+use crate::{Error, Result};
+
+/// The ranks that split each layer between them (a tensor-parallel group): a handle on their
+/// collective, cheap to clone into every layer that needs it.
+#[derive(Clone)]
+pub struct ParallelGroup {
+    comm: Arc<dyn Collective>,
+}
+
+impl fmt::Debug for ParallelGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ParallelGroup(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+impl ParallelGroup {
+    /// The group of `comm`'s ranks (a communicator split from the world for this purpose:
+    /// every rank of it holds a slice of the same layers).
+    pub fn new(comm: Arc<dyn Collective>) -> Self {
+        Self { comm }
+    }
+
+    /// A group of one rank: every operation is the identity and nothing is split.
+    pub fn alone() -> Self {
+        Self::new(Arc::new(ThreadWorld::new(1, Duration::from_secs(1)).communicator(0)))
+    }
+
+    /// This rank's place in the group, `0..size`.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The group's collective.
+    pub fn collective(&self) -> &Arc<dyn Collective> {
+        &self.comm
+    }
+
+    /// This rank's part of `len` items split in [`size`](Self::size) equal consecutive
+    /// parts (rank 0 the first); an error naming `what` where they do not divide.
+    pub fn part(&self, len: usize, what: &str) -> Result<Range<usize>> {
+        let n = self.size();
+        if len % n != 0 {
+            return Err(Error::Usage(format!("{what} ({len}) is not divisible by the tensor-parallel size {n}")));
+        }
+        let each = len / n;
+        Ok(self.rank() * each..(self.rank() + 1) * each)
+    }
+
+    /// Megatron's `f`: `x` unchanged, its gradient summed over the group. It enters a
+    /// region the ranks compute a slice each of ([`ColumnParallelLinear`] calls it).
+    pub fn copy_to<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        if self.size() == 1 {
+            return x;
+        }
+        Tensor::from_dispatch(ops::copy(x.into_dispatch(), self.clone()))
+    }
+
+    /// Megatron's `g`: `x` summed over the group (every rank receiving the sum), its
+    /// gradient passed through unchanged. It leaves a region the ranks computed a part
+    /// each of ([`RowParallelLinear`] calls it). Half precision is summed in f32 and
+    /// rounded once.
+    pub fn reduce_from<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        if self.size() == 1 {
+            return x;
+        }
+        Tensor::from_dispatch(ops::reduce(x.into_dispatch(), self.clone(), ReduceOp::Sum))
+    }
+
+    /// The element-wise maximum of `x` over the group; no gradient flows through it.
+    pub fn max<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        if self.size() == 1 {
+            return x.detach();
+        }
+        Tensor::from_dispatch(ops::reduce(x.detach().into_dispatch(), self.clone(), ReduceOp::Max))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,138 @@
+//! The group operations as one Burn backend extension: a reduction over the group's ranks
+//! and the identity that sums its gradient, each with the backward of its own.
+//!
+//! *Note: why a backend extension.* The copy's backward must call the collective on the
+//! gradient, in the middle of Burn's backward pass; only an autodiff step of our own runs
+//! code there. Every backend runs the reduction through host memory (the tensor read into
+//! a buffer of its dtype, the collective's result written back), which is what a host
+//! collective needs; NCCL's device-memory path (`engine::on_device`) is not used here yet,
+//! so NCCL ranks stage tensor-parallel reductions through the host too.
+//!
+//! The reduction's step is compute-bound and keeps no state: Burn never recomputes it in
+//! backward (that would call the collective out of turn), it keeps its output.
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, unary};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::tensor::{DType, TensorData, try_read_sync};
+use zerotrain_precision::BufMut;
+use zerotrain_zero::ReduceOp;
+
+use super::ParallelGroup;
+
+/// The backend operations behind [`ParallelGroup::reduce_from`], [`ParallelGroup::copy_to`]
+/// and [`ParallelGroup::max`]. Their default bodies are every backend's (module docs);
+/// autodiff's gives them their backward.
+#[backend_extension(
+    Autodiff,
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda")),
+)]
+pub trait GroupOps: Backend {
+    /// `x` reduced by `op` over the group's ranks, every rank receiving the result.
+    #[fusion(default)]
+    fn group_reduce(x: FloatTensor<Self>, group: ParallelGroup, op: ReduceOp) -> FloatTensor<Self> {
+        through_host::<Self>(x, &group, op)
+    }
+
+    /// `x` itself (the group's copy: its gradient is summed over the group).
+    #[fusion(default)]
+    fn group_copy(x: FloatTensor<Self>, group: ParallelGroup) -> FloatTensor<Self> {
+        let _ = group;
+        x
+    }
+}
+
+impl GroupOps for Flex {}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl GroupOps for burn_cubecl::CubeBackend {}
+
+/// `op` of `x` over `group`: its values read into a host buffer of their dtype, reduced by
+/// the group's collective in place, written back on `x`'s device. A failed collective
+/// aborts the group's job (every rank's next collective fails, naming this rank) and
+/// panics with the cause: the engine reports a panic in a model's forward or backward as
+/// the model's error.
+fn through_host<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: ReduceOp) -> FloatTensor<B> {
+    let device = x.device();
+    let comm = group.collective();
+    let fail = |cause: String| -> ! {
+        let reason = format!("a tensor-parallel reduction failed: {cause}");
+        comm.abort(&reason);
+        panic!("{reason}");
+    };
+    let mut data: TensorData = match try_read_sync(B::float_into_data(x)) {
+        Some(Ok(data)) => data,
+        Some(Err(e)) => fail(format!("reading the tensor: {e:?}")),
+        None => fail("reading the tensor: the device did not answer".into()),
+    };
+    let dtype = data.dtype();
+    let reduced = match dtype {
+        DType::F32 => data.as_mut_slice::<f32>().map(|s| comm.all_reduce(BufMut::F32(s), op)),
+        DType::F16 => data.as_mut_slice().map(|s| comm.all_reduce(BufMut::F16(s), op)),
+        DType::BF16 => data.as_mut_slice().map(|s| comm.all_reduce(BufMut::Bf16(s), op)),
+        other => fail(format!("a tensor of {other:?}: only f32, f16 and bf16 are reduced")),
+    };
+    match reduced {
+        Ok(Ok(())) => B::float_from_data(data, &device),
+        Ok(Err(e)) => fail(e.to_string()),
+        Err(e) => fail(format!("the tensor's data: {e:?}")),
+    }
+}
+
+/// The reduction's backward: the sum's gradient is the output's, on every rank (each
+/// rank's loss depends on the sum alike).
+#[derive(Debug)]
+struct SumBackward;
+
+impl<B: Backend> Backward<B, 1> for SumBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| grad);
+    }
+}
+
+/// The copy's backward: the input's gradient is the sum over the group of each rank's
+/// output gradient (each rank's branch of the layer contributes its part).
+#[derive(Debug)]
+struct CopyBackward(ParallelGroup);
+
+impl<B: GroupOps> Backward<B, 1> for CopyBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let group = self.0;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| B::group_reduce(grad, group, ReduceOp::Sum));
+    }
+}
+
+impl<B: GroupOps, C: CheckpointStrategy> GroupOps for Autodiff<B, C> {
+    fn group_reduce(x: FloatTensor<Self>, group: ParallelGroup, op: ReduceOp) -> FloatTensor<Self> {
+        if op != ReduceOp::Sum {
+            // A maximum or minimum passes no gradient: a constant of the graph.
+            return <Self as AutodiffBackend>::from_inner(B::group_reduce(Self::inner(x), group, op));
+        }
+        let prep = SumBackward.prepare::<C>([x.node()]).compute_bound();
+        prep.stateless(B::group_reduce(x.into_primitive(), group, op))
+    }
+
+    fn group_copy(x: FloatTensor<Self>, group: ParallelGroup) -> FloatTensor<Self> {
+        let prep = CopyBackward(group).prepare::<C>([x.node()]).compute_bound();
+        prep.stateless(x.into_primitive())
+    }
+}
+
+/// Runs `op` of [`GroupOps`] through Burn's dispatch.
+pub(super) fn reduce(x: FloatTensor<Dispatch>, group: ParallelGroup, op: ReduceOp) -> FloatTensor<Dispatch> {
+    <Dispatch as GroupOps>::group_reduce(x, group, op)
+}
+
+/// The group's copy through Burn's dispatch.
+pub(super) fn copy(x: FloatTensor<Dispatch>, group: ParallelGroup) -> FloatTensor<Dispatch> {
+    <Dispatch as GroupOps>::group_copy(x, group)
+}

@@ -1,0 +1,222 @@
+//! The tensor-parallel layers and loss against the same computation unsplit, in Burn's own
+//! operations on one rank: outputs, the loss, and every gradient (each rank's slice
+//! against the same slice of the unsplit gradient), over thread ranks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::activation::{gelu, log_softmax};
+use burn::tensor::module::{embedding, linear};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use zerotrain_zero::{Collective, ThreadWorld};
+
+use super::{
+    ColumnParallelLinear, ParallelGroup, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+};
+
+/// `f(group)` on each of `n` thread ranks of one world, in rank order.
+fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
+    let world = ThreadWorld::new(n, Duration::from_secs(30));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let comm: Arc<dyn Collective> = Arc::new(world.communicator(r));
+                let f = &f;
+                s.spawn(move || f(ParallelGroup::new(comm)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+    })
+}
+
+/// `n` values in [-scale, scale) from a seeded generator.
+fn draw(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn tensor<const D: usize>(values: &[f32], shape: [usize; D], tracked: bool) -> Tensor<D> {
+    let t = Tensor::from_data(TensorData::new(values.to_vec(), shape), &Device::flex().autodiff());
+    if tracked { t.require_grad() } else { t }
+}
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().iter::<f32>().collect()
+}
+
+/// Columns `cols` of a row-major `[rows, width]` matrix, row-major.
+fn columns(m: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
+    m.chunks(width).flat_map(|row| row[cols.clone()].to_vec()).collect()
+}
+
+/// The largest difference between `got` and `want`, as a share of `want`'s largest value.
+fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
+}
+
+/// An MLP `x -> column-parallel -> gelu -> row-parallel` at 2 and 4 ranks gives the unsplit
+/// MLP's output and input gradient on every rank, each rank's weight and bias slices get
+/// the unsplit gradients' slices, and the replicated bias the whole gradient. Bound: each
+/// value is a sum of at most 16 products (hidden width 16) regrouped into partial sums, one
+/// per rank, added in rank order; f32 regrouping moves it by at most a few ulp of its
+/// largest term: 1e-5 of the largest value.
+#[test]
+fn column_then_row_parallel_equals_the_unsplit_mlp_and_its_gradients() {
+    let (d, h, shape) = (8, 16, [2, 3, 8]);
+    let n_x = shape.iter().product();
+    let (x, w1, b1, w2, b2, up) = (
+        draw(n_x, 1, 1.0),
+        draw(d * h, 2, 0.5),
+        draw(h, 3, 0.2),
+        draw(h * d, 4, 0.5),
+        draw(d, 5, 0.2),
+        draw(n_x, 6, 1.0),
+    );
+    let mlp = |x: Tensor<3>, w1: Tensor<2>, b1: Tensor<1>, w2: Tensor<2>, b2: Tensor<1>| {
+        linear(gelu(linear(x, w1, Some(b1))), w2, Some(b2))
+    };
+    let (tx, tw1, tb1, tw2, tb2) = (
+        tensor(&x, shape, true),
+        tensor(&w1, [d, h], true),
+        tensor(&b1, [h], true),
+        tensor(&w2, [h, d], true),
+        tensor(&b2, [d], true),
+    );
+    let y = mlp(tx.clone(), tw1.clone(), tb1.clone(), tw2.clone(), tb2.clone());
+    let grads = (y.clone() * tensor(&up, shape, false)).sum().backward();
+    let want_y = values(y);
+    let g = |t: &Tensor<3>| values(t.grad(&grads).unwrap());
+    let (g2, g1) = (|t: &Tensor<2>| values(t.grad(&grads).unwrap()), |t: &Tensor<1>| values(t.grad(&grads).unwrap()));
+    let (want_dx, want_dw1, want_db1, want_dw2, want_db2) = (g(&tx), g2(&tw1), g1(&tb1), g2(&tw2), g1(&tb2));
+
+    for n in [2, 4] {
+        let results = on_ranks(n, |group| {
+            let tx = tensor(&x, shape, true);
+            let col =
+                ColumnParallelLinear::from_whole(tensor(&w1, [d, h], false), Some(tensor(&b1, [h], false)), &group)
+                    .unwrap();
+            let row = RowParallelLinear::from_whole(tensor(&w2, [h, d], false), Some(tensor(&b2, [d], false)), &group)
+                .unwrap();
+            let y = row.forward(gelu(col.forward(tx.clone())));
+            let grads = (y.clone() * tensor(&up, shape, false)).sum().backward();
+            let (cw, cb) = col.weight_and_bias();
+            let (rw, rb) = row.weight_and_bias();
+            let g2 = |t: Tensor<2>| values(t.grad(&grads).unwrap());
+            let g1 = |t: Tensor<1>| values(t.grad(&grads).unwrap());
+            (values(y), values(tx.grad(&grads).unwrap()), g2(cw), g1(cb.unwrap()), g2(rw), g1(rb.unwrap()))
+        });
+        let each = h / n;
+        for (r, (y, dx, dw1, db1, dw2, db2)) in results.iter().enumerate() {
+            let cols = r * each..(r + 1) * each;
+            let checks = [
+                ("output", y, want_y.clone()),
+                ("input's gradient", dx, want_dx.clone()),
+                ("column weight's gradient", dw1, columns(&want_dw1, h, cols.clone())),
+                ("column bias's gradient", db1, want_db1[cols.clone()].to_vec()),
+                ("row weight's gradient", dw2, want_dw2[cols.start * d..cols.end * d].to_vec()),
+                ("row bias's gradient", db2, want_db2.clone()),
+            ];
+            for (what, got, want) in checks {
+                let error = relative_error(got, &want);
+                assert!(error <= 1e-5, "{n} ranks, rank {r}: the {what} is off by {error:e} of its largest value");
+            }
+        }
+    }
+}
+
+/// A vocabulary-parallel embedding and head with the vocabulary-parallel loss, at 2 and 4
+/// ranks: the loss equals the unsplit model's (embedding, head, log-softmax, the targets'
+/// mean negative log-likelihood) on every rank, and each rank's table rows and head columns
+/// get the unsplit gradients' slices. Targets include each rank's first and last ids. Bound:
+/// the loss and gradients regroup sums of at most 12 exponentials and 4 products into one
+/// partial sum per rank; 1e-5 of the largest value.
+#[test]
+fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
+    let (vocab, d, batch, time) = (12, 4, 2, 5);
+    let ids: Vec<i64> = vec![0, 5, 6, 11, 2, 3, 8, 9, 11, 1];
+    let targets: Vec<i64> = vec![5, 6, 0, 11, 2, 3, 9, 8, 1, 11];
+    let (table, head) = (draw(vocab * d, 7, 1.0), draw(d * vocab, 8, 1.0));
+    let int = |v: &[i64], shape: [usize; 2]| {
+        Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), shape), &Device::flex().autodiff())
+    };
+    let n = batch * time;
+
+    let (te, tw) = (tensor(&table, [vocab, d], true), tensor(&head, [d, vocab], true));
+    let hidden = embedding(te.clone(), int(&ids, [batch, time])).reshape([n, d]);
+    let logp = log_softmax(hidden.matmul(tw.clone()), 1);
+    let picked = logp.gather(1, int(&targets, [n, 1]));
+    let loss = picked.mean().neg();
+    let grads = loss.clone().backward();
+    let (want_loss, want_de, want_dw) =
+        (values(loss), values(te.grad(&grads).unwrap()), values(tw.grad(&grads).unwrap()));
+
+    for ranks in [2, 4] {
+        let results = on_ranks(ranks, |group| {
+            let embed = VocabParallelEmbedding::from_whole(tensor(&table, [vocab, d], false), &group).unwrap();
+            let head = ColumnParallelLinear::from_whole(tensor(&head, [d, vocab], false), None, &group).unwrap();
+            let hidden = embed.forward(int(&ids, [batch, time])).reshape([n, d]);
+            let targets = int(&targets, [n, 1]).reshape([n]);
+            let loss = vocab_parallel_cross_entropy(head.forward(hidden), targets, &group);
+            let grads = loss.clone().backward();
+            let (hw, _) = head.weight_and_bias();
+            (values(loss), values(embed.weight().grad(&grads).unwrap()), values(hw.grad(&grads).unwrap()))
+        });
+        let each = vocab / ranks;
+        for (r, (loss, de, dw)) in results.iter().enumerate() {
+            let rows = r * each..(r + 1) * each;
+            let checks = [
+                ("loss", loss, want_loss.clone()),
+                ("table's gradient", de, want_de[rows.start * d..rows.end * d].to_vec()),
+                ("head's gradient", dw, columns(&want_dw, vocab, rows.clone())),
+            ];
+            for (what, got, want) in checks {
+                let error = relative_error(got, &want);
+                assert!(error <= 1e-5, "{ranks} ranks, rank {r}: the {what} is off by {error:e} of its largest value");
+            }
+        }
+    }
+}
+
+/// Widths that do not divide over the group are refused, naming the width; a group of one
+/// rank splits nothing.
+#[test]
+fn widths_that_do_not_divide_are_refused_by_name() {
+    let results = on_ranks(4, |group| {
+        let col = ColumnParallelLinear::from_whole(tensor(&[0.0; 12], [2, 6], false), None, &group).err().unwrap();
+        let row = RowParallelLinear::from_whole(tensor(&[0.0; 12], [6, 2], false), None, &group).err().unwrap();
+        let emb = VocabParallelEmbedding::from_whole(tensor(&[0.0; 12], [6, 2], false), &group).err().unwrap();
+        [col.to_string(), row.to_string(), emb.to_string()]
+    });
+    for [col, row, emb] in results {
+        assert!(col.contains("output width (6)") && col.contains("tensor-parallel size 4"), "{col}");
+        assert!(row.contains("input width (6)"), "{row}");
+        assert!(emb.contains("vocabulary (6)"), "{emb}");
+    }
+    let alone = ParallelGroup::alone();
+    let col = ColumnParallelLinear::from_whole(tensor(&[1.0; 12], [2, 6], false), None, &alone).unwrap();
+    assert_eq!(col.weight_and_bias().0.dims(), [2, 6]);
+}
+
+/// A rank whose peer has failed does not wait: its reduction panics (the engine reports a
+/// panic in a model as the model's error) naming the failed rank's reason.
+#[test]
+fn a_failed_peer_ends_a_reduction_with_its_reason() {
+    let results = on_ranks(2, |group| {
+        if group.rank() == 1 {
+            group.collective().abort("rank 1 ran out of memory");
+            return None;
+        }
+        let x = tensor(&[1.0, 2.0], [2], true);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| group.reduce_from(x)));
+        Some(caught.err().map(|p| p.downcast_ref::<String>().cloned().unwrap_or_default()))
+    });
+    let message = results[0].clone().unwrap().expect("the reduction did not fail");
+    assert!(message.contains("tensor-parallel reduction failed") && message.contains("out of memory"), "{message}");
+}
