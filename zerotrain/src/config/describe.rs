@@ -30,6 +30,7 @@ impl fmt::Display for Plan {
         self.describe_offload(f)?;
         self.describe_replicas(f)?;
         self.describe_pipeline(f)?;
+        self.describe_mesh(f)?;
         let z = &self.zero;
         let recompute: std::borrow::Cow<str> =
             if let (true, Some(units)) = (self.activation_checkpointing, self.recompute_units) {
@@ -219,6 +220,43 @@ impl Plan {
                 p.stages - 1,
                 m + p.stages - 1,
                 100.0 * zerotrain_zero::pipeline::bubble_fraction(p.stages, m)
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The device mesh, where it splits layers or sequences: the ranks of each group and
+    /// what each rank holds of the model.
+    fn describe_mesh(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.mesh;
+        if m.is_trivial() {
+            return Ok(());
+        }
+        let d = self.data_parallel_size();
+        writeln!(
+            f,
+            "mesh                dp {d} x sp {} x tp {} (rank r: dp r / {}, sp (r / {}) % {}, tp r % {})",
+            m.sp,
+            m.tp,
+            m.model_parallel(),
+            m.tp,
+            m.sp,
+            m.tp
+        )?;
+        if m.tp > 1 {
+            writeln!(
+                f,
+                "  tensor parallel   ranks 0..{} split each layer: 1/{} of its attention heads, kv heads, MLP width and \
+                 vocabulary each; norms whole on each; ZeRO shards each rank's slice over dp",
+                m.tp, m.tp
+            )?;
+        }
+        if m.sp > 1 {
+            writeln!(
+                f,
+                "  sequence parallel groups of {} ranks {} apart hold 1/{} of each sequence; attention trades it for 1/{} \
+                 of the heads (all-to-all)",
+                m.sp, m.tp, m.sp, m.sp
             )?;
         }
         Ok(())

@@ -21,6 +21,7 @@ mod autos;
 mod batch;
 mod describe;
 pub mod keys;
+mod mesh;
 mod offload;
 mod optim;
 mod parallel;
@@ -36,6 +37,7 @@ mod value;
 use std::path::{Path, PathBuf};
 
 pub use batch::{MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH};
+pub use mesh::MeshPlan;
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
     AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan,

@@ -14,9 +14,9 @@ use serde_aux::serde_introspection::serde_introspect;
 use serde_json::{Map, Value};
 
 use super::raw::{
-    ActivationCheckpointingConfig, AioConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config,
+    ActivationCheckpointingConfig, AioConfig, Bf16Config, DataTypesConfig, DeepSpeedConfig, Fp16Config, MeshConfig,
     OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, OptimizerParams, ParamGroupConfig, PipelineConfig,
-    SchedulerConfig, SchedulerParams, ZeroConfig, ZerotrainConfig,
+    SchedulerConfig, SchedulerParams, TensorParallelConfig, ZeroConfig, ZerotrainConfig,
 };
 use super::{ConfigError, keys};
 
@@ -236,7 +236,9 @@ pub fn library_keys(parent: &str, extension: &[&'static str]) -> Vec<&'static st
         "data_types" => serde_introspect::<DataTypesConfig>(),
         "activation_checkpointing" => serde_introspect::<ActivationCheckpointingConfig>(),
         "pipeline" => serde_introspect::<PipelineConfig>(),
+        "tensor_parallel" => serde_introspect::<TensorParallelConfig>(),
         "zerotrain" => serde_introspect::<ZerotrainConfig>(),
+        "zerotrain.mesh" => serde_introspect::<MeshConfig>(),
         group if group.starts_with("zerotrain.param_groups.") => serde_introspect::<ParamGroupConfig>(),
         _ => &[],
     };

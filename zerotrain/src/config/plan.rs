@@ -11,6 +11,8 @@ use zerotrain_precision::{DynamicScaleConfig, LossScaler, Precision};
 use zerotrain_zero::ZeroStage;
 use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 
+use super::MeshPlan;
+
 pub use super::batch::BatchPlan;
 pub use super::offload::{AioPlan, OffloadPlan, Tier};
 pub use super::optim::{OptimPlan, OptimizerPlan, ParamGroupPlan};
@@ -32,6 +34,8 @@ pub struct Plan {
     pub pipeline: Option<PipelinePlan>,
     /// Replica groups (`local_sgd`); `None` without (one synchronous job).
     pub replicas: Option<ReplicaPlan>,
+    /// The device mesh: ranks splitting each layer and each sequence (1 and 1 without).
+    pub mesh: MeshPlan,
     /// Dtypes, loss scaling and the non-finite gradient check.
     pub precision: PrecisionPlan,
     /// The optimizer, its parameter groups, the lr schedule and clipping.
@@ -54,9 +58,10 @@ impl Plan {
     }
 
     /// Ranks that hold the same units and split each batch between them: the world, or a
-    /// pipeline stage's data-parallel group.
+    /// pipeline stage's data-parallel group, over the mesh's `tp * sp` (ZeRO's group).
     pub fn data_parallel_size(&self) -> usize {
-        self.pipeline.map_or(self.runtime.world_size, |p| p.data_parallel(self.runtime.world_size))
+        let stage = self.pipeline.map_or(self.runtime.world_size, |p| p.data_parallel(self.runtime.world_size));
+        stage / self.mesh.model_parallel()
     }
 
     /// Sequences read per optimizer step by every rank that shares the data: the global

@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::mesh::{MeshConfig, TensorParallelConfig};
 pub use super::replicas::{LocalSgdConfig, OuterOptimizerConfig};
 use super::value::{AutoOr, Count};
 
@@ -49,6 +50,8 @@ pub struct DeepSpeedConfig {
     pub data_types: Option<DataTypesConfig>,
     /// Pipeline parallelism over a model's units. Default: none.
     pub pipeline: Option<PipelineConfig>,
+    /// Tensor parallelism (DeepSpeed's AutoTP training section). Default: none.
+    pub tensor_parallel: Option<TensorParallelConfig>,
     /// Activation checkpointing: present (even `{}`), a model declared in units
     /// ([`UnitModel`](crate::engine::UnitModel)) keeps only the activations between units in
     /// forward and recomputes each unit in backward. Default: absent (off).
@@ -358,6 +361,8 @@ pub struct ZerotrainConfig {
     /// first matching group wins; the rest is `optimizer.params`). Default: none.
     #[serde(default)]
     pub param_groups: Vec<ParamGroupConfig>,
+    /// The device mesh's tensor- and sequence-parallel sizes. Default: none (1 and 1).
+    pub mesh: Option<MeshConfig>,
 }
 
 /// One of `zerotrain.param_groups`: PyTorch's parameter group, its parameters named by

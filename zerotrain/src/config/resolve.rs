@@ -1,13 +1,17 @@
 //! [`Config`] -> [`Plan`]: each sub-plan by its own module, then the rules that cross them.
 
 use super::autos::Autos;
-use super::{Config, ConfigError, Overrides, Plan, PlanNotes, batch, optim, parallel, precision, replicas, runtime};
+use super::{
+    Config, ConfigError, Overrides, Plan, PlanNotes, batch, mesh, optim, parallel, precision, replicas, runtime,
+};
 
 pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, ConfigError> {
     let mut autos = Autos(PlanNotes { no_effect: config.not_implemented.clone(), ..PlanNotes::default() });
     let runtime = runtime::resolve(config, overrides, &mut autos)?;
     let pipeline = parallel::resolve_pipeline(config, runtime.world_size, &mut autos)?;
-    let data_parallel = pipeline.map_or(runtime.world_size, |p| p.data_parallel(runtime.world_size));
+    let stage_ranks = pipeline.map_or(runtime.world_size, |p| p.data_parallel(runtime.world_size));
+    let mesh = mesh::resolve(config, stage_ranks)?;
+    let data_parallel = stage_ranks / mesh.model_parallel();
     let batch = batch::resolve(config, data_parallel as u64, &mut autos)?;
     let precision = precision::resolve(config, &mut autos)?;
     let zero = parallel::resolve_zero(config, runtime.device, &mut autos)?;
@@ -24,12 +28,24 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let recompute_units = parallel::resolve_recompute_units(config, recomputes)?;
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
     let replicas = replicas::resolve(config, &runtime, pipeline.is_some(), &mut autos)?;
+    let beside = match (pipeline.is_some(), replicas.is_some()) {
+        (true, _) => Some("pipeline.stages > 1"),
+        (_, true) => Some("local_sgd groups"),
+        _ => None,
+    };
+    if let (Some(other), false) = (beside, mesh.is_trivial()) {
+        return Err(ConfigError::Unsupported {
+            key: mesh::key(config).into(),
+            message: format!("tensor or sequence parallelism with {other} is not supported yet"),
+        });
+    }
     Ok(Plan {
         runtime,
         batch,
         zero,
         pipeline,
         replicas,
+        mesh,
         precision,
         optim,
         activation_checkpointing,

@@ -8,7 +8,7 @@ use burn::tensor::module::{embedding, linear};
 use burn::tensor::{Int, Tensor};
 
 use super::ParallelGroup;
-use crate::Result;
+use crate::{Error, Result};
 
 /// A linear layer whose output columns are split over the group: rank `r` holds columns
 /// `r * d_out / size ..` of the weight and bias, and its output is that slice of the
@@ -93,8 +93,9 @@ impl RowParallelLinear {
 }
 
 /// An embedding table whose rows (the vocabulary) are split over the group: rank `r`
-/// holds rows `r * vocab / size ..`, looks up the ids in its range, and the ranks' lookups
-/// (zeros for ids outside each rank's range) are summed into the unsplit table's.
+/// holds rows [`ParallelGroup::share`] of the vocabulary (parts that differ by at most one
+/// where it does not divide), looks up the ids in its range, and the ranks' lookups (zeros
+/// for ids outside each rank's range) are summed into the unsplit table's.
 #[derive(Module, Debug)]
 pub struct VocabParallelEmbedding {
     weight: Param<Tensor<2>>,
@@ -106,10 +107,16 @@ pub struct VocabParallelEmbedding {
 
 impl VocabParallelEmbedding {
     /// This rank's rows of the unsplit table `weight` `[vocab, d]`; an error where the
-    /// vocabulary does not divide over the group.
+    /// vocabulary has fewer ids than the group has ranks.
     pub fn from_whole(weight: Tensor<2>, group: &ParallelGroup) -> Result<Self> {
         let [vocab, _] = weight.dims();
-        let part = group.part(vocab, "VocabParallelEmbedding: the vocabulary")?;
+        if vocab < group.size() {
+            return Err(Error::Usage(format!(
+                "VocabParallelEmbedding: the vocabulary ({vocab}) has fewer ids than the tensor-parallel size {}",
+                group.size()
+            )));
+        }
+        let part = group.share(vocab);
         Ok(Self {
             weight: Param::from_tensor(weight.narrow(0, part.start, part.len())),
             first: part.start,
@@ -129,17 +136,17 @@ impl VocabParallelEmbedding {
 
     /// The embeddings of `ids` `[batch, time]`: `[batch, time, d]`, equal on every rank.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
-        let rows = self.rows();
-        let (local, inside) = local_ids(ids, &rows);
+        let (local, inside) = local_ids(ids, &self.rows());
         let weight = self.weight.val();
         let mask = inside.float().cast(weight.dtype()).unsqueeze_dim::<3>(2);
         self.group.reduce_from(embedding(weight, local) * mask)
     }
 }
 
-/// `ids` as rows of a slice `rows` of the vocabulary: ids inside it less its first row,
+/// `ids` as rows of a slice `rows` of the vocabulary (for a rank's lookup or loss over its
+/// part of a vocabulary-parallel table): ids inside it less its first row,
 /// ids outside it as row 0 (to be masked), and the mask (1 inside) as ints.
-pub(super) fn local_ids<const D: usize>(
+pub fn local_ids<const D: usize>(
     ids: Tensor<D, Int>,
     rows: &std::ops::Range<usize>,
 ) -> (Tensor<D, Int>, Tensor<D, Int>) {

@@ -22,6 +22,7 @@
 mod linear;
 mod loss;
 mod ops;
+mod split;
 
 use std::fmt;
 use std::ops::Range;
@@ -33,6 +34,7 @@ use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
 pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
 pub use loss::vocab_parallel_cross_entropy;
+pub use split::Split;
 
 use crate::{Error, Result};
 
@@ -85,6 +87,12 @@ impl ParallelGroup {
         }
         let each = len / n;
         Ok(self.rank() * each..(self.rank() + 1) * each)
+    }
+
+    /// This rank's part of `len` items that need not divide over the group (a
+    /// vocabulary): cut at `floor(r * len / size)`, so parts differ by at most one.
+    pub fn share(&self, len: usize) -> Range<usize> {
+        split::uneven(len, self.rank(), self.size())
     }
 
     /// Megatron's `f`: `x` unchanged, its gradient summed over the group. It enters a

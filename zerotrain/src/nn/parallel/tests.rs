@@ -11,7 +11,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use zerotrain_zero::{Collective, ThreadWorld};
 
 use super::{
-    ColumnParallelLinear, ParallelGroup, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+    ColumnParallelLinear, ParallelGroup, RowParallelLinear, Split, VocabParallelEmbedding, vocab_parallel_cross_entropy,
 };
 
 /// `f(group)` on each of `n` thread ranks of one world, in rank order.
@@ -131,8 +131,8 @@ fn column_then_row_parallel_equals_the_unsplit_mlp_and_its_gradients() {
     }
 }
 
-/// A vocabulary-parallel embedding and head with the vocabulary-parallel loss, at 2 and 4
-/// ranks: the loss equals the unsplit model's (embedding, head, log-softmax, the targets'
+/// A vocabulary-parallel embedding and head with the vocabulary-parallel loss, at 2 and 5
+/// ranks (12 ids in parts of 2 or 3): the loss equals the unsplit model's (embedding, head, log-softmax, the targets'
 /// mean negative log-likelihood) on every rank, and each rank's table rows and head columns
 /// get the unsplit gradients' slices. Targets include each rank's first and last ids. Bound:
 /// the loss and gradients regroup sums of at most 12 exponentials and 4 products into one
@@ -157,20 +157,21 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
     let (want_loss, want_de, want_dw) =
         (values(loss), values(te.grad(&grads).unwrap()), values(tw.grad(&grads).unwrap()));
 
-    for ranks in [2, 4] {
+    for ranks in [2, 5] {
         let results = on_ranks(ranks, |group| {
             let embed = VocabParallelEmbedding::from_whole(tensor(&table, [vocab, d], false), &group).unwrap();
-            let head = ColumnParallelLinear::from_whole(tensor(&head, [d, vocab], false), None, &group).unwrap();
+            let split = Split::Uneven { dim: 1 };
+            let head = split.slice(tensor(&head, [d, vocab], false), group.rank(), group.size(), "head").unwrap();
+            let head = ColumnParallelLinear::from_slice(head, None, &group);
             let hidden = embed.forward(int(&ids, [batch, time])).reshape([n, d]);
             let targets = int(&targets, [n, 1]).reshape([n]);
-            let loss = vocab_parallel_cross_entropy(head.forward(hidden), targets, &group);
+            let loss = vocab_parallel_cross_entropy(head.forward(hidden), targets, vocab, &group);
             let grads = loss.clone().backward();
             let (hw, _) = head.weight_and_bias();
             (values(loss), values(embed.weight().grad(&grads).unwrap()), values(hw.grad(&grads).unwrap()))
         });
-        let each = vocab / ranks;
         for (r, (loss, de, dw)) in results.iter().enumerate() {
-            let rows = r * each..(r + 1) * each;
+            let rows = r * vocab / ranks..(r + 1) * vocab / ranks;
             let checks = [
                 ("loss", loss, want_loss.clone()),
                 ("table's gradient", de, want_de[rows.start * d..rows.end * d].to_vec()),
@@ -184,20 +185,20 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
     }
 }
 
-/// Widths that do not divide over the group are refused, naming the width; a group of one
-/// rank splits nothing.
+/// Widths that do not divide over the group are refused, naming the width (and a vocabulary
+/// smaller than the group); a group of one rank splits nothing.
 #[test]
 fn widths_that_do_not_divide_are_refused_by_name() {
     let results = on_ranks(4, |group| {
         let col = ColumnParallelLinear::from_whole(tensor(&[0.0; 12], [2, 6], false), None, &group).err().unwrap();
         let row = RowParallelLinear::from_whole(tensor(&[0.0; 12], [6, 2], false), None, &group).err().unwrap();
-        let emb = VocabParallelEmbedding::from_whole(tensor(&[0.0; 12], [6, 2], false), &group).err().unwrap();
+        let emb = VocabParallelEmbedding::from_whole(tensor(&[0.0; 6], [3, 2], false), &group).err().unwrap();
         [col.to_string(), row.to_string(), emb.to_string()]
     });
     for [col, row, emb] in results {
         assert!(col.contains("output width (6)") && col.contains("tensor-parallel size 4"), "{col}");
         assert!(row.contains("input width (6)"), "{row}");
-        assert!(emb.contains("vocabulary (6)"), "{emb}");
+        assert!(emb.contains("vocabulary (3) has fewer ids than the tensor-parallel size 4"), "{emb}");
     }
     let alone = ParallelGroup::alone();
     let col = ColumnParallelLinear::from_whole(tensor(&[1.0; 12], [2, 6], false), None, &alone).unwrap();
@@ -219,4 +220,22 @@ fn a_failed_peer_ends_a_reduction_with_its_reason() {
     });
     let message = results[0].clone().unwrap().expect("the reduction did not fail");
     assert!(message.contains("tensor-parallel reduction failed") && message.contains("out of memory"), "{message}");
+}
+
+/// A split's parts: GPT-2's fused q, k and v (3 blocks of 8 over 2 ranks) give each rank its
+/// part of every block, in block order; 7 ids over 3 ranks are parts of 2, 2 and 3; an even
+/// split that does not divide is refused, naming the parameter and its blocks.
+#[test]
+fn splits_cut_blocks_and_vocabularies_as_documented() {
+    let fused = Split::Even { dim: 1, blocks: 3 };
+    assert_eq!(fused.ranges(24, 1, 2, "c_attn").unwrap(), vec![4..8, 12..16, 20..24]);
+    assert_eq!(fused.local_shape([2, 24], 1, 2, "c_attn").unwrap(), [2, 12]);
+    let whole = tensor(&(0..24).map(|i| i as f32).collect::<Vec<_>>(), [1, 24], false);
+    let want: Vec<f32> = [4..8, 12..16, 20..24].into_iter().flatten().map(|i| i as f32).collect();
+    assert_eq!(values(fused.slice(whole, 1, 2, "c_attn").unwrap()), want);
+    let parts: Vec<_> = (0..3).map(|r| Split::Uneven { dim: 0 }.ranges(7, r, 3, "wte").unwrap()).collect();
+    assert_eq!(parts, [vec![0..2], vec![2..4], vec![4..7]]);
+    assert_eq!(Split::Whole.local_shape([3, 5], 1, 4, "ln").unwrap(), [3, 5]);
+    let e = fused.ranges(18, 0, 4, "h.0.attn.c_attn.weight").unwrap_err().to_string();
+    assert!(e.contains("h.0.attn.c_attn.weight") && e.contains("(3 blocks of 6)") && e.contains("size 4"), "{e}");
 }
