@@ -4,11 +4,13 @@
 
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
+use burn::tensor::module::linear;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::layers::KvCache;
 use zerotrain::engine::UnitModel;
 use zerotrain::nn::LinearCrossEntropy;
+use zerotrain::nn::parallel::{ParallelGroup, vocab_parallel_cross_entropy};
 
 /// A decoder-only language model: logits for token ids, and units over next-token batches
 /// (`[batch, time + 1]` ids: inputs and targets).
@@ -217,16 +219,26 @@ pub(crate) fn decoder_unit(
 /// hidden states `h` `[batch, time, d]` under the head `weight` `[vocab, d]` and `bias`,
 /// against the next tokens of `tokens` `[batch, time + 1]`, as a `[1, 1, 1]` tensor (the
 /// unit's output; [`unit_loss`] reads it). Through [`LinearCrossEntropy`], so the logits
-/// never exist whole: the head's matmul and the loss run over blocks of tokens.
+/// never exist whole: the head's matmul and the loss run over blocks of tokens. Where the
+/// vocabulary is split over a tensor-parallel group (`split`: the group, the whole
+/// vocabulary's size; `weight` this rank's rows), each rank forms its part of the logits
+/// and the ranks exchange three values per token (`vocab_parallel_cross_entropy`).
 pub(crate) fn head_loss(
     h: Tensor<3>,
-    weight: Tensor<2>,
-    bias: Option<Tensor<1>>,
+    (weight, bias): (Tensor<2>, Option<Tensor<1>>),
     tokens: &Tensor<2, Int>,
+    split: Option<(&ParallelGroup, usize)>,
 ) -> Tensor<3> {
     let [b, t, d] = h.dims();
     let targets = tokens.clone().slice([0..b, 1..t + 1]).reshape([b * t]);
-    LinearCrossEntropy::new().forward(h.reshape([b * t, d]), weight, bias, targets).reshape([1, 1, 1])
+    let h = h.reshape([b * t, d]);
+    match split {
+        Some((group, vocab)) if group.size() > 1 => {
+            let logits = linear(group.copy_to(h), weight.transpose(), bias);
+            vocab_parallel_cross_entropy(logits, targets, vocab, group).reshape([1, 1, 1])
+        }
+        _ => LinearCrossEntropy::new().forward(h, weight, bias, targets).reshape([1, 1, 1]),
+    }
 }
 
 /// The loss a decoder's last unit returned ([`head_loss`]'s `[1, 1, 1]`).

@@ -13,6 +13,7 @@ use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads,
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
+use zerotrain::nn::parallel::ParallelGroup;
 
 /// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
 #[derive(Module, Debug)]
@@ -31,6 +32,10 @@ pub struct Gpt2 {
     /// checkpoint's files).
     #[module(skip)]
     values: Option<Arc<dyn InitialValues>>,
+    /// The tensor-parallel group the blocks are split over (alone: none), and the whole
+    /// vocabulary's size.
+    #[module(skip)]
+    vocab: (ParallelGroup, usize),
 }
 
 /// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
@@ -47,6 +52,7 @@ pub struct Gpt2Block {
 pub struct Gpt2Attention {
     c_attn: Conv1D,
     c_proj: Conv1D,
+    /// This rank's heads (all of them without tensor parallelism).
     #[module(skip)]
     n_head: usize,
 }
@@ -59,9 +65,15 @@ pub struct Gpt2Mlp {
 }
 
 impl Gpt2 {
-    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]).
+    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]); built for a
+    /// tensor-parallel group (`w`'s), this rank's part of it: `c_attn` split by heads (its
+    /// q, k and v alike), `c_fc` by output features, both `c_proj` by input features, the
+    /// token embedding (and so the tied head) by vocabulary; norms and positions whole.
+    /// Head counts and the MLP width that do not divide are refused by their config field.
     pub fn new(shape: &Gpt2Shape, w: &Weights) -> Self {
         let (d, eps) = (shape.n_embd, shape.layer_norm_epsilon);
+        let tp = w.tensor_parallel().clone();
+        crate::layers::refuse_undivided(w, &[("n_head", shape.n_head), ("n_inner", shape.n_inner)]);
         // Hugging Face's `GPT2PreTrainedModel._init_weights`: the residual projections at
         // initializer_range / sqrt(2 n_layer), so the residual stream's variance does not
         // grow with depth.
@@ -72,26 +84,27 @@ impl Gpt2 {
                 Gpt2Block {
                     ln_1: Norm::new(w, &at("ln_1"), d, eps),
                     attn: Gpt2Attention {
-                        c_attn: Conv1D::new(w, &at("attn.c_attn"), d, 3 * d, Init::Normal),
-                        c_proj: Conv1D::new(w, &at("attn.c_proj"), d, d, residual),
-                        n_head: shape.n_head,
+                        c_attn: Conv1D::column(w, &at("attn.c_attn"), d, 3 * d, Init::Normal, 3),
+                        c_proj: Conv1D::row(w, &at("attn.c_proj"), d, d, residual),
+                        n_head: shape.n_head / tp.size(),
                     },
                     ln_2: Norm::new(w, &at("ln_2"), d, eps),
                     mlp: Gpt2Mlp {
-                        c_fc: Conv1D::new(w, &at("mlp.c_fc"), d, shape.n_inner, Init::Normal),
-                        c_proj: Conv1D::new(w, &at("mlp.c_proj"), shape.n_inner, d, residual),
+                        c_fc: Conv1D::column(w, &at("mlp.c_fc"), d, shape.n_inner, Init::Normal, 1),
+                        c_proj: Conv1D::row(w, &at("mlp.c_proj"), shape.n_inner, d, residual),
                     },
                 }
             })
             .collect();
         Self {
             transformer: Gpt2Body {
-                wte: Embed::new(w, "transformer.wte", shape.vocab_size, d),
+                wte: Embed::vocabulary(w, "transformer.wte", shape.vocab_size, d),
                 wpe: Embed::new(w, "transformer.wpe", shape.n_positions, d),
                 h,
                 ln_f: Norm::new(w, "transformer.ln_f", d, eps),
             },
             values: w.initial_values(),
+            vocab: (tp, shape.vocab_size),
         }
     }
 
@@ -103,15 +116,18 @@ impl Gpt2 {
         self.transformer.wte.forward(ids) + self.transformer.wpe.forward(positions)
     }
 
-    /// The final norm and the tied head: logits `[batch, time, vocab]`.
+    /// The final norm and the tied head: logits `[batch, time, vocab]` (gathered from the
+    /// group's ranks where the vocabulary is split).
     fn head(&self, h: Tensor<3>) -> Tensor<3> {
-        self.transformer.wte.logits(self.transformer.ln_f.forward(h))
+        let logits = self.transformer.wte.logits(self.transformer.ln_f.forward(h));
+        self.vocab.0.gather_shares(logits, self.vocab.1)
     }
 
     /// The final norm, the tied head and the mean next-token loss against `tokens` (the
     /// last unit), without the whole logits.
     fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
-        head_loss(self.transformer.ln_f.forward(h), self.transformer.wte.table(), None, tokens)
+        let head = (self.transformer.wte.table(), None);
+        head_loss(self.transformer.ln_f.forward(h), head, tokens, Some((&self.vocab.0, self.vocab.1)))
     }
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.

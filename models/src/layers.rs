@@ -10,26 +10,94 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use crate::hf::rope::RopeScaling;
 use crate::hf::weights::{Init, Weights};
+use zerotrain::nn::parallel::{ParallelGroup, Split, vocab_parallel_lookup};
 
-/// A projection stored as `nn.Linear` stores it: `weight` `[out, in]`, optional `bias`.
+/// How a projection is split over its [`Weights`]' tensor-parallel group (Megatron-LM's
+/// column- and row-parallel layers); with a group of one rank, nothing is.
+#[derive(Debug, Clone)]
+pub enum Cut {
+    /// The whole layer on every rank.
+    Whole,
+    /// Output features split: the input enters through the group's copy (`f`).
+    Column(ParallelGroup),
+    /// Input features split: the ranks' products are summed (`g`), the bias added once.
+    Row(ParallelGroup),
+}
+
+impl Cut {
+    /// `y = x W + b` for `x` and the weight `[d_in, out]` as this rank holds them.
+    fn apply(&self, x: Tensor<3>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<3> {
+        match self {
+            Self::Whole => linear(x, weight, bias),
+            Self::Column(group) => linear(group.copy_to(x), weight, bias),
+            Self::Row(group) => {
+                let y = group.reduce_from(linear(x, weight, None));
+                match bias {
+                    Some(b) => y + b.unsqueeze(),
+                    None => y,
+                }
+            }
+        }
+    }
+}
+
+/// Records with `w` (as its [`finish`](Weights::finish) error) each of `fields` (a config
+/// field and its value) that does not divide over `w`'s tensor-parallel group.
+pub(crate) fn refuse_undivided(w: &Weights, fields: &[(&str, usize)]) {
+    let n = w.tensor_parallel().size();
+    for (field, value) in fields.iter().filter(|(_, v)| v % n != 0) {
+        w.refuse(format!("config.json: `{field}` ({value}) does not divide by the tensor-parallel size {n}"));
+    }
+}
+
+/// A projection stored as `nn.Linear` stores it: `weight` `[out, in]`, optional `bias`;
+/// whole, or this rank's part of it ([`Cut`]).
 #[derive(Module, Debug)]
 pub struct Dense {
     weight: Param<Tensor<2>>,
     bias: Option<Param<Tensor<1>>>,
+    #[module(skip)]
+    cut: Cut,
 }
 
 impl Dense {
-    /// `name.weight` `[out, d_in]`, and `name.bias` when `bias`.
+    /// `name.weight` `[out, d_in]`, and `name.bias` when `bias`, whole on every rank.
     pub fn new(w: &Weights, name: &str, d_in: usize, out: usize, bias: bool) -> Self {
+        Self::cut(w, name, [d_in, out], bias, Split::Whole, Split::Whole, Cut::Whole)
+    }
+
+    /// The layer with its output features split over `w`'s group: its rows of `weight` and
+    /// of `bias` (Megatron's column-parallel layer: q, k, v, an MLP's up and gate).
+    pub fn column(w: &Weights, name: &str, d_in: usize, out: usize, bias: bool) -> Self {
+        let rows = Split::Even { dim: 0, blocks: 1 };
+        Self::cut(w, name, [d_in, out], bias, rows, rows, Cut::Column(w.tensor_parallel().clone()))
+    }
+
+    /// The layer with its input features split over `w`'s group: its columns of `weight`,
+    /// the whole `bias` (Megatron's row-parallel layer: attention's output, an MLP's down).
+    pub fn row(w: &Weights, name: &str, d_in: usize, out: usize, bias: bool) -> Self {
+        let columns = Split::Even { dim: 1, blocks: 1 };
+        Self::cut(w, name, [d_in, out], bias, columns, Split::Whole, Cut::Row(w.tensor_parallel().clone()))
+    }
+
+    /// A head over a vocabulary of `vocab` ids split over `w`'s group (parts that need not
+    /// be equal), without a bias: this rank's logits.
+    pub fn vocabulary(w: &Weights, name: &str, d_in: usize, vocab: usize) -> Self {
+        let rows = Split::Uneven { dim: 0 };
+        Self::cut(w, name, [d_in, vocab], false, rows, rows, Cut::Column(w.tensor_parallel().clone()))
+    }
+
+    fn cut(w: &Weights, name: &str, [d_in, out]: [usize; 2], bias: bool, ws: Split, bs: Split, cut: Cut) -> Self {
         Self {
-            weight: w.param(&format!("{name}.weight"), [out, d_in], Init::Normal),
-            bias: bias.then(|| w.param(&format!("{name}.bias"), [out], Init::Zeros)),
+            weight: w.split_param(&format!("{name}.weight"), [out, d_in], ws, Init::Normal),
+            bias: bias.then(|| w.split_param(&format!("{name}.bias"), [out], bs, Init::Zeros)),
+            cut,
         }
     }
 
-    /// `x W^T + b` over the last dimension.
+    /// `x W^T + b` over the last dimension (this rank's part of it, as [`Cut`] says).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        linear(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
+        self.cut.apply(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
     }
 
     /// The weight `[out, d_in]` and the bias: a head's, for its loss.
@@ -38,25 +106,45 @@ impl Dense {
     }
 }
 
-/// GPT-2's `Conv1D`: `weight` `[in, out]` and `bias`.
+/// GPT-2's `Conv1D`: `weight` `[in, out]` and `bias`; whole, or this rank's part ([`Cut`]).
 #[derive(Module, Debug)]
 pub struct Conv1D {
     weight: Param<Tensor<2>>,
     bias: Param<Tensor<1>>,
+    #[module(skip)]
+    cut: Cut,
 }
 
 impl Conv1D {
-    /// `name.weight` `[d_in, out]`, fresh as `init` says, and `name.bias`.
+    /// `name.weight` `[d_in, out]`, fresh as `init` says, and `name.bias`, whole.
     pub fn new(w: &Weights, name: &str, d_in: usize, out: usize, init: Init) -> Self {
+        Self::cut(w, name, [d_in, out], init, [Split::Whole; 2], Cut::Whole)
+    }
+
+    /// The layer with its output features split over `w`'s group, the output being
+    /// `blocks` equal blocks side by side (`c_attn`'s q, k and v: 3), each split alike.
+    pub fn column(w: &Weights, name: &str, d_in: usize, out: usize, init: Init, blocks: usize) -> Self {
+        let splits = [Split::Even { dim: 1, blocks }, Split::Even { dim: 0, blocks }];
+        Self::cut(w, name, [d_in, out], init, splits, Cut::Column(w.tensor_parallel().clone()))
+    }
+
+    /// The layer with its input features split over `w`'s group, its bias whole.
+    pub fn row(w: &Weights, name: &str, d_in: usize, out: usize, init: Init) -> Self {
+        let splits = [Split::Even { dim: 0, blocks: 1 }, Split::Whole];
+        Self::cut(w, name, [d_in, out], init, splits, Cut::Row(w.tensor_parallel().clone()))
+    }
+
+    fn cut(w: &Weights, name: &str, [d_in, out]: [usize; 2], init: Init, [ws, bs]: [Split; 2], cut: Cut) -> Self {
         Self {
-            weight: w.param(&format!("{name}.weight"), [d_in, out], init),
-            bias: w.param(&format!("{name}.bias"), [out], Init::Zeros),
+            weight: w.split_param(&format!("{name}.weight"), [d_in, out], ws, init),
+            bias: w.split_param(&format!("{name}.bias"), [out], bs, Init::Zeros),
+            cut,
         }
     }
 
-    /// `x W + b` over the last dimension.
+    /// `x W + b` over the last dimension (this rank's part of it, as [`Cut`] says).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        linear(x, self.weight.val(), Some(self.bias.val()))
+        self.cut.apply(x, self.weight.val(), Some(self.bias.val()))
     }
 }
 
@@ -114,29 +202,50 @@ impl RmsNorm {
     }
 }
 
-/// A token (or position) embedding table `weight` `[rows, d]`.
+/// A token (or position) embedding table `weight` `[rows, d]`: whole, or this rank's rows
+/// of a vocabulary split over a tensor-parallel group.
 #[derive(Module, Debug)]
 pub struct Embed {
     weight: Param<Tensor<2>>,
+    /// The group and the first row this rank holds, where the rows are split.
+    #[module(skip)]
+    split: Option<(ParallelGroup, usize)>,
 }
 
 impl Embed {
-    /// `name.weight` `[rows, d]`.
+    /// `name.weight` `[rows, d]`, whole on every rank.
     pub fn new(w: &Weights, name: &str, rows: usize, d: usize) -> Self {
-        Self { weight: w.param(&format!("{name}.weight"), [rows, d], Init::Normal) }
+        Self { weight: w.param(&format!("{name}.weight"), [rows, d], Init::Normal), split: None }
     }
 
-    /// `[batch, time] -> [batch, time, d]`.
+    /// `name.weight` `[rows, d]` with its rows split over `w`'s group (a vocabulary: parts
+    /// that need not be equal).
+    pub fn vocabulary(w: &Weights, name: &str, rows: usize, d: usize) -> Self {
+        let group = w.tensor_parallel();
+        let weight = w.split_param(&format!("{name}.weight"), [rows, d], Split::Uneven { dim: 0 }, Init::Normal);
+        let split = (group.size() > 1).then(|| (group.clone(), group.share(rows).start));
+        Self { weight, split }
+    }
+
+    /// `[batch, time] -> [batch, time, d]`, the same on every rank.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
-        embedding(self.weight.val(), ids)
+        match &self.split {
+            Some((group, first)) => vocab_parallel_lookup(self.weight.val(), *first, ids, group),
+            None => embedding(self.weight.val(), ids),
+        }
     }
 
-    /// Logits `h E^T` `[batch, time, rows]` (a head tied to this table).
+    /// Logits `h E^T` `[batch, time, rows]` (a head tied to this table): this rank's part
+    /// of the vocabulary where the rows are split.
     pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
+        let h = match &self.split {
+            Some((group, _)) => group.copy_to(h),
+            None => h,
+        };
         linear(h, self.weight.val().transpose(), None)
     }
 
-    /// The table `[rows, d]`: a tied head's weight, for its loss.
+    /// The table `[rows, d]` (this rank's rows): a tied head's weight, for its loss.
     pub fn table(&self) -> Tensor<2> {
         self.weight.val()
     }

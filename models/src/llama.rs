@@ -16,6 +16,7 @@ use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, spli
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
+use zerotrain::nn::parallel::ParallelGroup;
 
 /// The decoder under `model`: the token embedding, the layers, the final norm.
 #[derive(Module, Debug)]
@@ -34,6 +35,10 @@ pub struct Llama {
     /// checkpoint's files).
     #[module(skip)]
     values: Option<Arc<dyn InitialValues>>,
+    /// The tensor-parallel group the layers are split over (alone: none), and the whole
+    /// vocabulary's size.
+    #[module(skip)]
+    vocab: (ParallelGroup, usize),
 }
 
 /// One pre-norm layer.
@@ -55,6 +60,7 @@ pub struct LlamaAttention {
     /// Qwen3's RMSNorm over each head's queries, and over its keys, before the rotation.
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// This rank's query heads and kv heads (all of them without tensor parallelism).
     #[module(skip)]
     heads: (usize, usize),
     #[module(skip)]
@@ -70,66 +76,80 @@ pub struct LlamaMlp {
 }
 
 impl Llama {
-    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]).
+    /// The model of `shape`, its parameters from `w` (lazy: see [`Weights`]); built for a
+    /// tensor-parallel group (`w`'s), this rank's part of it: q, k, v, the MLP's gate and up
+    /// split by output features (whole heads, whole kv heads), the attention's output and
+    /// the MLP's down by input features, the embedding and the head by vocabulary; norms
+    /// whole. Head counts and the MLP width that do not divide over the group are refused
+    /// by their config field (through `w`'s [`finish`](Weights::finish)).
     pub fn new(shape: &LlamaShape, w: &Weights) -> Self {
         let (d, hd, eps) = (shape.hidden_size, shape.head_dim, shape.rms_norm_eps);
-        let (heads, kv) = (shape.num_attention_heads, shape.num_key_value_heads);
+        let (heads, kv, ffn) = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size);
+        let tp = w.tensor_parallel().clone();
+        crate::layers::refuse_undivided(
+            w,
+            &[("num_attention_heads", heads), ("num_key_value_heads", kv), ("intermediate_size", ffn)],
+        );
         let rope = Rope::new(hd, shape.rope_theta, shape.rope_scaling);
         let layers = (0..shape.num_hidden_layers)
             .map(|i| {
                 let at = |part: &str| format!("model.layers.{i}.{part}");
-                let dense = |part: &str, d_in, out, bias| Dense::new(w, &at(part), d_in, out, bias);
-                let ffn = shape.intermediate_size;
+                let column = |part: &str, d_in, out, bias| Dense::column(w, &at(part), d_in, out, bias);
+                let row = |part: &str, d_in, out, bias| Dense::row(w, &at(part), d_in, out, bias);
                 LlamaLayer {
                     input_layernorm: RmsNorm::new(w, &at("input_layernorm"), d, eps),
                     self_attn: LlamaAttention {
-                        q_proj: dense("self_attn.q_proj", d, heads * hd, shape.qkv_bias),
-                        k_proj: dense("self_attn.k_proj", d, kv * hd, shape.qkv_bias),
-                        v_proj: dense("self_attn.v_proj", d, kv * hd, shape.qkv_bias),
-                        o_proj: dense("self_attn.o_proj", heads * hd, d, shape.o_bias),
+                        q_proj: column("self_attn.q_proj", d, heads * hd, shape.qkv_bias),
+                        k_proj: column("self_attn.k_proj", d, kv * hd, shape.qkv_bias),
+                        v_proj: column("self_attn.v_proj", d, kv * hd, shape.qkv_bias),
+                        o_proj: row("self_attn.o_proj", heads * hd, d, shape.o_bias),
                         q_norm: shape.qk_norm.then(|| RmsNorm::new(w, &at("self_attn.q_norm"), hd, eps)),
                         k_norm: shape.qk_norm.then(|| RmsNorm::new(w, &at("self_attn.k_norm"), hd, eps)),
-                        heads: (heads, kv),
+                        heads: (heads / tp.size(), kv / tp.size()),
                         rope: rope.clone(),
                     },
                     post_attention_layernorm: RmsNorm::new(w, &at("post_attention_layernorm"), d, eps),
                     mlp: LlamaMlp {
-                        gate_proj: dense("mlp.gate_proj", d, ffn, shape.mlp_bias),
-                        up_proj: dense("mlp.up_proj", d, ffn, shape.mlp_bias),
-                        down_proj: dense("mlp.down_proj", ffn, d, shape.mlp_bias),
+                        gate_proj: column("mlp.gate_proj", d, ffn, shape.mlp_bias),
+                        up_proj: column("mlp.up_proj", d, ffn, shape.mlp_bias),
+                        down_proj: row("mlp.down_proj", ffn, d, shape.mlp_bias),
                     },
                 }
             })
             .collect();
+        let vocab = shape.vocab_size;
         Self {
             model: LlamaBody {
-                embed_tokens: Embed::new(w, "model.embed_tokens", shape.vocab_size, d),
+                embed_tokens: Embed::vocabulary(w, "model.embed_tokens", vocab, d),
                 layers,
                 norm: RmsNorm::new(w, "model.norm", d, eps),
             },
-            lm_head: (!shape.tie_word_embeddings).then(|| Dense::new(w, "lm_head", d, shape.vocab_size, false)),
+            lm_head: (!shape.tie_word_embeddings).then(|| Dense::vocabulary(w, "lm_head", d, vocab)),
             values: w.initial_values(),
+            vocab: (tp, vocab),
         }
     }
 
-    /// The final norm and the head: logits `[batch, time, vocab]`.
+    /// The final norm and the head: logits `[batch, time, vocab]` (gathered from the
+    /// group's ranks where the vocabulary is split).
     fn head(&self, h: Tensor<3>) -> Tensor<3> {
         let h = self.model.norm.forward(h);
-        match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => head.forward(h),
             None => self.model.embed_tokens.logits(h),
-        }
+        };
+        self.vocab.0.gather_shares(logits, self.vocab.1)
     }
 
     /// The final norm, the head and the mean next-token loss against `tokens` (the last
     /// unit), without the whole logits.
     fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
         let h = self.model.norm.forward(h);
-        let (weight, bias) = match &self.lm_head {
+        let head = match &self.lm_head {
             Some(head) => head.weight_and_bias(),
             None => (self.model.embed_tokens.table(), None),
         };
-        head_loss(h, weight, bias, tokens)
+        head_loss(h, head, tokens, Some((&self.vocab.0, self.vocab.1)))
     }
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.

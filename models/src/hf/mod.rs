@@ -2,7 +2,8 @@
 //! ([`config`], its rotary settings in either of `transformers`' layouts in [`rope`]),
 //! safetensors files and shard indexes memory-mapped ([`files`]), the model's size from
 //! its config before anything is built ([`size`]), and the
-//! source a model's parameters are read from by name ([`weights`]). The models built from
+//! source a model's parameters are read from by name ([`weights`]), whole or a
+//! tensor-parallel rank's slice (`slices.rs`). The models built from
 //! them, their import and export are [`family`](crate::family)'s.
 
 pub mod config;
@@ -10,6 +11,7 @@ mod fields;
 pub mod files;
 pub mod rope;
 pub mod size;
+pub(crate) mod slices;
 pub mod weights;
 
 pub use self::config::{Family, HfConfig};

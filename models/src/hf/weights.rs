@@ -4,7 +4,7 @@
 //! imported model is read from its files one unit at a time, and never whole.
 
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -13,8 +13,10 @@ use burn::nn::Initializer;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
 
 use super::files::{TensorEntry, TensorFiles, check_float};
+use super::slices;
 use zerotrain::Precision;
 use zerotrain::engine::InitialValues;
+use zerotrain::nn::parallel::{ParallelGroup, Split};
 use zerotrain_precision::{BufMut, FlatElem};
 
 /// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
@@ -32,7 +34,9 @@ pub enum Init {
 }
 
 /// The source of a model's parameters while it is built; records every name it is asked
-/// for (the model's parameter paths, checked against the files).
+/// for (the model's parameter paths, checked against the files). Built for a
+/// tensor-parallel group ([`with_tensor_parallel`](Self::with_tensor_parallel)), it gives
+/// each split parameter as this rank's slice.
 pub struct Weights {
     device: Device,
     std: f64,
@@ -42,6 +46,13 @@ pub struct Weights {
     asked: RefCell<Vec<(String, Vec<usize>)>>,
     used: RefCell<BTreeSet<String>>,
     errors: RefCell<Vec<String>>,
+    /// The group whose rank's slices split parameters are (alone: nothing is split).
+    tp: ParallelGroup,
+    /// Fresh values drawn per parameter from this seed and its name, not from the device's
+    /// generator (set with a group: every rank must draw the same whole tensors).
+    seed: Option<u64>,
+    /// The split parameters, by module path.
+    splits: RefCell<BTreeMap<String, Split>>,
 }
 
 impl Weights {
@@ -56,28 +67,116 @@ impl Weights {
     }
 
     fn new(device: &Device, std: f64, files: Option<Arc<TensorFiles>>, alias: fn(&str) -> Option<String>) -> Self {
-        let (asked, used, errors) = Default::default();
-        Self { device: device.clone(), std, files, alias, asked, used, errors }
+        let (asked, used, errors, splits) = Default::default();
+        let (tp, seed) = (ParallelGroup::alone(), None);
+        Self { device: device.clone(), std, files, alias, asked, used, errors, tp, seed, splits }
+    }
+
+    /// The same source for rank `group.rank()` of a tensor-parallel group: each parameter
+    /// asked for with a [`Split`] is this rank's slice of it, read from the files or drawn;
+    /// fresh values are drawn from `seed` and each parameter's name (the same whole
+    /// tensors on every rank, whatever order they are first used in).
+    pub fn with_tensor_parallel(mut self, group: ParallelGroup, seed: u64) -> Self {
+        self.tp = group;
+        self.seed = Some(seed);
+        self
+    }
+
+    /// The tensor-parallel group the slices are for (a group of one rank by default).
+    pub fn tensor_parallel(&self) -> &ParallelGroup {
+        &self.tp
+    }
+
+    /// The split parameters asked for so far, by module path.
+    pub fn splits(&self) -> BTreeMap<String, Split> {
+        self.splits.borrow().clone()
+    }
+
+    /// Records a problem the build must end with ([`finish`](Self::finish) returns it): a
+    /// shape the model cannot take, named by its config field.
+    pub fn refuse(&self, problem: String) {
+        self.errors.borrow_mut().push(problem);
     }
 
     /// The parameter at module path `name` of `shape`.
     pub fn param<const D: usize>(&self, name: &str, shape: [usize; D], init: Init) -> Param<Tensor<D>> {
-        self.asked.borrow_mut().push((name.to_string(), shape.to_vec()));
-        match &self.files {
-            None => match init {
-                Init::Normal => Initializer::Normal { mean: 0.0, std: self.std },
-                Init::ScaledNormal(factor) => Initializer::Normal { mean: 0.0, std: self.std * factor },
-                Init::Ones => Initializer::Ones,
-                Init::Zeros => Initializer::Zeros,
+        self.split_param(name, shape, Split::Whole, init)
+    }
+
+    /// This rank's slice under `split` of the parameter at module path `name`, whose whole
+    /// shape is `whole` (the whole parameter for [`Split::Whole`] or a group of one rank).
+    pub fn split_param<const D: usize>(
+        &self,
+        name: &str,
+        whole: [usize; D],
+        split: Split,
+        init: Init,
+    ) -> Param<Tensor<D>> {
+        self.asked.borrow_mut().push((name.to_string(), whole.to_vec()));
+        let (rank, n) = (self.tp.rank(), self.tp.size());
+        let local = match split.local_shape(whole, rank, n, name) {
+            Ok(local) => local,
+            Err(e) => {
+                self.refuse(e.to_string());
+                return Initializer::Zeros.init(whole, &self.device);
             }
-            .init(shape, &self.device),
-            Some(files) => self.read(files, name, shape),
+        };
+        if n > 1 && split != Split::Whole {
+            self.splits.borrow_mut().insert(name.to_string(), split);
+        }
+        match (&self.files, self.seed) {
+            (Some(files), _) => self.read(files, name, whole, split),
+            (None, Some(seed)) => self.drawn(seed, name, whole, local, split, init),
+            (None, None) => self.generated(whole, init),
         }
     }
 
-    /// A lazy parameter that reads `name` when first used; a placeholder of zeros (and an
-    /// error recorded) if the files do not hold it as `shape`.
-    fn read<const D: usize>(&self, files: &Arc<TensorFiles>, name: &str, shape: [usize; D]) -> Param<Tensor<D>> {
+    /// A fresh parameter from the device's generator.
+    fn generated<const D: usize>(&self, shape: [usize; D], init: Init) -> Param<Tensor<D>> {
+        match init {
+            Init::Normal => Initializer::Normal { mean: 0.0, std: self.std },
+            Init::ScaledNormal(factor) => Initializer::Normal { mean: 0.0, std: self.std * factor },
+            Init::Ones => Initializer::Ones,
+            Init::Zeros => Initializer::Zeros,
+        }
+        .init(shape, &self.device)
+    }
+
+    /// A fresh, lazy parameter: this rank's slice of the whole tensor drawn from `seed` and
+    /// `name` ([`slices::drawn`]), or ones or zeros.
+    fn drawn<const D: usize>(
+        &self,
+        seed: u64,
+        name: &str,
+        whole: [usize; D],
+        local: [usize; D],
+        split: Split,
+        init: Init,
+    ) -> Param<Tensor<D>> {
+        let std = match init {
+            Init::Normal => self.std,
+            Init::ScaledNormal(factor) => self.std * factor,
+            Init::Ones => return Initializer::Ones.init(local, &self.device),
+            Init::Zeros => return Initializer::Zeros.init(local, &self.device),
+        };
+        let (name, rank, n) = (name.to_string(), self.tp.rank(), self.tp.size());
+        let make = move |device: &Device| {
+            let values = slices::drawn(seed, &name, whole.iter().product(), std);
+            let tensor = Tensor::<D>::from_data(TensorData::new(values, whole), device);
+            split.slice(tensor, rank, n, &name).expect("the split was checked when the model was built")
+        };
+        lazy(make, local, &self.device)
+    }
+
+    /// A lazy parameter that reads `name` (this rank's slice under `split`) when first used;
+    /// a placeholder of zeros (and an error recorded) if the files do not hold it as `shape`.
+    fn read<const D: usize>(
+        &self,
+        files: &Arc<TensorFiles>,
+        name: &str,
+        shape: [usize; D],
+        split: Split,
+    ) -> Param<Tensor<D>> {
         let found = files
             .get(name)
             .map(|e| (name.to_string(), e))
@@ -100,18 +199,14 @@ impl Weights {
         }
         let files = Arc::clone(files);
         let file_name = found.expect("checked").0;
-        Param::uninitialized(
-            ParamId::new(),
-            move |device, require_grad| {
-                let entry = files.get(&file_name).expect("checked when the model was built");
-                let data = TensorData::new(files.read_f32(entry), shape);
-                let tensor = Tensor::<D>::from_data(data, device);
-                if require_grad { tensor.require_grad() } else { tensor }
-            },
-            self.device.clone(),
-            true,
-            Shape::from(shape),
-        )
+        let (rank, n) = (self.tp.rank(), self.tp.size());
+        let local = split.local_shape(shape, rank, n, name).expect("checked by split_param");
+        let make = move |device: &Device| {
+            let entry = files.get(&file_name).expect("checked when the model was built");
+            let tensor = Tensor::<D>::from_data(TensorData::new(files.read_f32(entry), shape), device);
+            split.slice(tensor, rank, n, &file_name).expect("checked by split_param")
+        };
+        lazy(make, local, &self.device)
     }
 
     /// Where an engine reads the first values of the parameters straight from the files
@@ -119,7 +214,8 @@ impl Weights {
     /// fresh ones.
     pub fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
         let files = Arc::clone(self.files.as_ref()?);
-        Some(Arc::new(FileValues { files, alias: self.alias, reader: std::sync::Mutex::new(None) }))
+        let (splits, place) = (self.splits(), (self.tp.rank(), self.tp.size()));
+        Some(Arc::new(FileValues { files, alias: self.alias, splits, place, reader: std::sync::Mutex::new(None) }))
     }
 
     /// Every (module path, shape) asked for, in order.
@@ -153,10 +249,13 @@ impl Weights {
 }
 
 /// A checkpoint's tensors as the first values of its model's parameters, by module path
-/// (or the name the alias gives).
+/// (or the name the alias gives): this rank's slice of a split one.
 struct FileValues {
     files: Arc<TensorFiles>,
     alias: fn(&str) -> Option<String>,
+    /// The split parameters (this rank's slices are read), and (rank, group size).
+    splits: BTreeMap<String, Split>,
+    place: (usize, usize),
     /// The thread reading ahead ([`InitialValues::prefetch`]), started by the first hint; it
     /// ends when this is dropped.
     reader: std::sync::Mutex<Option<std::sync::mpsc::Sender<String>>>,
@@ -194,13 +293,19 @@ impl InitialValues for FileValues {
     fn read(&self, path: &str, elems: Range<usize>, mut dst: BufMut<'_>) -> Result<(), String> {
         let files = &self.files;
         let entry = entry(files, self.alias, path).ok_or_else(|| format!("no file holds tensor `{path}`"))?;
-        let len: usize = entry.shape.iter().product();
+        let split = self.splits.get(path).copied().unwrap_or(Split::Whole);
+        let (rank, n) = self.place;
+        let runs = slices::runs(&entry.shape, split, rank, n, path)?;
+        let len: usize = runs.iter().map(|r| r.1).sum();
         if elems.end > len || dst.len() != elems.len() {
             let at = files.file_of(entry).display();
-            return Err(format!("{at}: tensor `{path}` has {len} elements; elements {elems:?} were asked for"));
+            return Err(format!("{at}: tensor `{path}` has {len} elements here; elements {elems:?} were asked for"));
         }
         let first = elems.start;
-        files.read_into(entry, elems, dst.reborrow());
+        for (whole, part) in slices::within(&runs, elems.clone()) {
+            let at = part.start - first..part.end - first;
+            files.read_into(entry, whole, dst.reborrow().slice(at));
+        }
         if let Some((i, value)) = first_non_finite(dst) {
             let at = files.file_of(entry).display();
             return Err(format!(
@@ -235,4 +340,22 @@ impl InitialValues for FileValues {
         });
         let _ = sender.send(path.to_owned());
     }
+}
+
+/// A parameter of `shape` that `make` computes on first use.
+fn lazy<const D: usize>(
+    make: impl Fn(&Device) -> Tensor<D> + Send + Sync + 'static,
+    shape: [usize; D],
+    device: &Device,
+) -> Param<Tensor<D>> {
+    Param::uninitialized(
+        ParamId::new(),
+        move |device, require_grad| {
+            let tensor = make(device);
+            if require_grad { tensor.require_grad() } else { tensor }
+        },
+        device.clone(),
+        true,
+        Shape::from(shape),
+    )
 }

@@ -12,6 +12,7 @@ use super::*;
 use crate::hf::files;
 use zerotrain::engine::UnitModel;
 
+mod parallel;
 mod refusals;
 
 fn folder(name: &str) -> PathBuf {

@@ -136,17 +136,24 @@ impl VocabParallelEmbedding {
 
     /// The embeddings of `ids` `[batch, time]`: `[batch, time, d]`, equal on every rank.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
-        let (local, inside) = local_ids(ids, &self.rows());
-        let weight = self.weight.val();
-        let mask = inside.float().cast(weight.dtype()).unsqueeze_dim::<3>(2);
-        self.group.reduce_from(embedding(weight, local) * mask)
+        vocab_parallel_lookup(self.weight.val(), self.first, ids, &self.group)
     }
 }
 
-/// `ids` as rows of a slice `rows` of the vocabulary (for a rank's lookup or loss over its
-/// part of a vocabulary-parallel table): ids inside it less its first row,
+/// The embeddings of `ids` `[batch, time]` in a table whose rows are split over `group`:
+/// this rank holds rows `first..first + table.dims()[0]` as `table`, looks up the ids among
+/// them (zeros for the others), and the group's sum is the whole table's lookup `[batch,
+/// time, d]` on every rank.
+pub fn vocab_parallel_lookup(table: Tensor<2>, first: usize, ids: Tensor<2, Int>, group: &ParallelGroup) -> Tensor<3> {
+    let rows = first..first + table.dims()[0];
+    let (local, inside) = local_ids(ids, &rows);
+    let mask = inside.float().cast(table.dtype()).unsqueeze_dim::<3>(2);
+    group.reduce_from(embedding(table, local) * mask)
+}
+
+/// `ids` as rows of a slice `rows` of the vocabulary: ids inside it less its first row,
 /// ids outside it as row 0 (to be masked), and the mask (1 inside) as ints.
-pub fn local_ids<const D: usize>(
+pub(super) fn local_ids<const D: usize>(
     ids: Tensor<D, Int>,
     rows: &std::ops::Range<usize>,
 ) -> (Tensor<D, Int>, Tensor<D, Int>) {

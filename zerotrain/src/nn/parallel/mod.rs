@@ -19,6 +19,7 @@
 //! (norms, the row-parallel bias) come out equal on all of them, and each slice's gradient
 //! is the unsplit layer's gradient of that slice.
 
+mod gather;
 mod linear;
 mod loss;
 mod ops;
@@ -32,7 +33,7 @@ use std::time::Duration;
 use burn::tensor::Tensor;
 use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
-pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup};
 pub use loss::vocab_parallel_cross_entropy;
 pub use split::Split;
 

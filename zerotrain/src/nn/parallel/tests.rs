@@ -239,3 +239,22 @@ fn splits_cut_blocks_and_vocabularies_as_documented() {
     let e = fused.ranges(18, 0, 4, "h.0.attn.c_attn.weight").unwrap_err().to_string();
     assert!(e.contains("h.0.attn.c_attn.weight") && e.contains("(3 blocks of 6)") && e.contains("size 4"), "{e}");
 }
+
+/// Each rank's share of a last dimension of 12 over 5 ranks (parts of 2 and 3), gathered:
+/// the whole on every rank, in the input's dtype.
+#[test]
+fn shares_gather_into_the_whole_dimension_on_every_rank() {
+    let (rows, len) = (3, 12);
+    let whole: Vec<f32> = (0..rows * len).map(|i| i as f32 * 0.5 - 4.0).collect();
+    let results = on_ranks(5, |group| {
+        let part = group.share(len);
+        let mine = columns(&whole, len, part.clone());
+        let x = tensor(&mine, [1, rows, part.len()], false).cast(burn::tensor::FloatDType::BF16);
+        let gathered = group.gather_shares(x, len);
+        (gathered.dims(), gathered.dtype(), values(gathered.cast(burn::tensor::FloatDType::F32)))
+    });
+    for (dims, dtype, got) in results {
+        assert_eq!((dims, dtype), ([1, rows, len], burn::tensor::DType::BF16));
+        assert_eq!(got, whole, "the values are multiples of 0.5 below 16: exact in bf16");
+    }
+}

@@ -1,0 +1,252 @@
+//! The families split over tensor-parallel thread ranks against the same model whole: the
+//! loss, the logits and every parameter's gradient (each rank's slice against the slice
+//! of the whole model's gradient that Megatron's plan gives that rank, written out here
+//! name by name), fresh and imported; shapes that cannot split are refused by field.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::module::{ModuleVisitor, Param};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use serde_json::json;
+use zerotrain::engine::UnitModel;
+use zerotrain::nn::parallel::{ParallelGroup, Split};
+use zerotrain_zero::{Collective, ThreadWorld};
+
+use super::super::*;
+use super::{folder, write};
+
+/// `f(group)` on each of `n` thread ranks of one world, in rank order.
+fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
+    let world = ThreadWorld::new(n, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let comm: Arc<dyn Collective> = Arc::new(world.communicator(r));
+                let f = &f;
+                s.spawn(move || f(ParallelGroup::new(comm)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+    })
+}
+
+/// What a run of a model gives: the loss, the logits, and each parameter's gradient and
+/// value by module path.
+struct Run {
+    loss: f32,
+    logits: Vec<f32>,
+    grads: BTreeMap<String, Vec<f32>>,
+    values: BTreeMap<String, Vec<f32>>,
+}
+
+fn run<M: CausalLm>(model: M, vocab: i64) -> Run {
+    struct Walk<'a> {
+        path: Vec<String>,
+        grads: &'a burn::tensor::Gradients,
+        out: (BTreeMap<String, Vec<f32>>, BTreeMap<String, Vec<f32>>),
+    }
+    impl ModuleVisitor for Walk<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let read = |t: Tensor<D>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+            let grad = param.val().grad(self.grads).map(read).unwrap_or_default();
+            self.out.0.insert(self.path.join("."), grad);
+            self.out.1.insert(self.path.join("."), read(param.val()));
+        }
+    }
+    let device = Device::flex().autodiff();
+    let ids: Vec<i64> = (0..2 * 7).map(|i| (i * 5 + i * i / 3) % vocab).collect();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 7]), &device);
+    let loss = model.next_token_loss(&tokens);
+    let grads = loss.clone().backward();
+    let logits = model.logits(tokens.slice([0..2, 0..6])).into_data().convert::<f32>().try_to_vec().unwrap();
+    let mut walk = Walk { path: Vec::new(), grads: &grads, out: Default::default() };
+    model.visit(&mut walk);
+    Run { loss: loss.into_scalar::<f32>(), logits, grads: walk.out.0, values: walk.out.1 }
+}
+
+fn run_hf(model: HfModel, vocab: i64) -> Run {
+    match model {
+        HfModel::Gpt2(m) => run(m, vocab),
+        HfModel::Llama(m) => run(m, vocab),
+    }
+}
+
+/// Megatron's plan, written out by name: how each parameter of the two families splits.
+fn expected_split(name: &str) -> Split {
+    let rows = Split::Even { dim: 0, blocks: 1 };
+    let columns = Split::Even { dim: 1, blocks: 1 };
+    let vocabulary = Split::Uneven { dim: 0 };
+    let is = |suffix: &str| name.ends_with(suffix);
+    if is("embed_tokens.weight") || is("lm_head.weight") || is("wte.weight") {
+        vocabulary
+    } else if ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"].iter().any(|p| name.contains(p)) {
+        rows // [out, in], bias [out]
+    } else if is("o_proj.weight") || is("down_proj.weight") {
+        columns
+    } else if is("c_attn.weight") {
+        Split::Even { dim: 1, blocks: 3 }
+    } else if is("c_attn.bias") {
+        Split::Even { dim: 0, blocks: 3 }
+    } else if is("c_fc.weight") {
+        columns // Conv1D: [in, out]
+    } else if is("c_fc.bias") || (is("c_proj.weight") && name.contains("h.")) {
+        rows
+    } else {
+        Split::Whole
+    }
+}
+
+/// `values` of a tensor of `shape` sliced as `split` gives rank `rank` of `n`.
+fn slice_of(values: &[f32], shape: &[usize], split: Split, rank: usize, n: usize) -> Vec<f32> {
+    let Some(dim) = split.dim() else { return values.to_vec() };
+    let ranges = split.ranges(shape[dim], rank, n, "test").unwrap();
+    let inner: usize = shape[dim + 1..].iter().product();
+    let outer: usize = shape[..dim].iter().product();
+    let mut out = Vec::new();
+    for o in 0..outer {
+        for r in &ranges {
+            let at = (o * shape[dim] + r.start) * inner;
+            out.extend_from_slice(&values[at..at + r.len() * inner]);
+        }
+    }
+    out
+}
+
+fn largest_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
+}
+
+/// `ranks`' runs against the whole model's run: each rank's loss and logits equal the
+/// whole's, each parameter (value and gradient) is its slice. Bound: each value regroups
+/// sums of at most a few hundred f32 terms into one partial per rank: 1e-5 relative to
+/// the largest (the loss: 1e-6).
+fn check(what: &str, whole: &Run, ranks: &[Run], shapes: &BTreeMap<String, Vec<usize>>) {
+    let n = ranks.len();
+    for (r, got) in ranks.iter().enumerate() {
+        let at = format!("{what}, rank {r} of {n}");
+        assert!((got.loss - whole.loss).abs() <= 1e-6 * whole.loss.abs(), "{at}: loss {} vs {}", got.loss, whole.loss);
+        let error = largest_error(&got.logits, &whole.logits);
+        assert!(error <= 1e-5, "{at}: the logits are off by {error:e}");
+        assert_eq!(got.grads.keys().collect::<Vec<_>>(), whole.grads.keys().collect::<Vec<_>>(), "{at}");
+        for (name, grad) in &got.grads {
+            let split = expected_split(name);
+            let shape = &shapes[name];
+            let value = slice_of(&whole.values[name], shape, split, r, n);
+            assert_eq!(got.values[name], value, "{at}: `{name}` is not its slice of the whole");
+            let error = largest_error(grad, &slice_of(&whole.grads[name], shape, split, r, n));
+            assert!(error <= 1e-5, "{at}: `{name}`'s gradient is off by {error:e} ({split:?})");
+        }
+    }
+}
+
+fn configs() -> Vec<(serde_json::Value, Vec<usize>)> {
+    vec![
+        // Grouped-query attention: 4 heads over 2 kv heads; 10 ids split 5 + 5.
+        (
+            json!({"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10, "tie_word_embeddings": false}),
+            vec![2],
+        ),
+        // Qwen2's q, k, v biases and a tied head; 11 ids over 4 ranks: 2, 3, 3, 3.
+        (
+            json!({"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1,
+                   "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 11, "tie_word_embeddings": true}),
+            vec![2, 4],
+        ),
+        // GPT-2: c_attn's q, k and v each split by heads; 13 ids.
+        (
+            json!({"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 8, "vocab_size": 13}),
+            vec![2, 4],
+        ),
+    ]
+}
+
+/// Fresh models: every rank's part of the model drawn from the seed and the names is its
+/// slice of the whole model drawn the same way, and trains to the same loss and gradients.
+#[test]
+fn fresh_split_models_equal_the_whole_model_and_its_gradients() {
+    for (config, sizes) in configs() {
+        let parsed = HfConfig::from_json(config.clone()).unwrap();
+        let vocab = parsed.vocab_size() as i64;
+        let shapes: BTreeMap<String, Vec<usize>> = parameter_names(&parsed).into_iter().collect();
+        let build = |group: &ParallelGroup| fresh_split(&parsed, &Device::flex().autodiff(), group, 11).unwrap();
+        let whole = run_hf(build(&ParallelGroup::alone()), vocab);
+        for n in sizes {
+            let ranks = on_ranks(n, |group| run_hf(build(&group), vocab));
+            check(&format!("{config} fresh"), &whole, &ranks, &shapes);
+        }
+    }
+}
+
+/// Imported models: each rank reads its slice of every split tensor (the model's lazy
+/// parameters and the engine's first values alike) and trains as the whole model does.
+#[test]
+fn imported_split_models_read_their_slices_and_equal_the_whole_model() {
+    for (i, (config, sizes)) in configs().into_iter().enumerate() {
+        let dir = folder(&format!("parallel-{i}"));
+        write(&dir, &config, |tensors| {
+            for (name, (_, shape, bytes)) in tensors.iter_mut() {
+                let n: usize = shape.iter().product();
+                let values = crate::hf::slices::drawn(3, name, n, 0.3);
+                *bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            }
+        });
+        let parsed = HfConfig::from_json(config.clone()).unwrap();
+        let vocab = parsed.vocab_size() as i64;
+        let shapes: BTreeMap<String, Vec<usize>> = parameter_names(&parsed).into_iter().collect();
+        let whole = run_hf(import(&dir, &Device::flex().autodiff()).unwrap().1, vocab);
+        for n in sizes {
+            let ranks = on_ranks(n, |group| {
+                let (rank, size) = (group.rank(), group.size());
+                let model = import_split(&dir, &Device::flex().autodiff(), &group).unwrap().1;
+                let initial = match &model {
+                    HfModel::Gpt2(m) => m.initial_values(),
+                    HfModel::Llama(m) => m.initial_values(),
+                }
+                .unwrap();
+                // The engine's reads of first values: this rank's slice, elements 1.. of it.
+                for (name, shape) in &shapes {
+                    let all = crate::hf::slices::drawn(3, name, shape.iter().product(), 0.3);
+                    let want = slice_of(&all, shape, expected_split(name), rank, size);
+                    let mut got = vec![0f32; want.len() - 1];
+                    initial.read(name, 1..want.len(), (&mut got).into()).unwrap();
+                    assert_eq!(got, want[1..], "rank {rank} of {size}: the first values of `{name}`");
+                }
+                run_hf(model, vocab)
+            });
+            check(&format!("{config} imported"), &whole, &ranks, &shapes);
+        }
+    }
+}
+
+/// Heads, kv heads or an MLP width that do not divide over the group are refused, naming
+/// the config field, fresh and imported.
+#[test]
+fn shapes_that_do_not_divide_are_refused_by_their_field() {
+    let llama = json!({"model_type": "llama", "hidden_size": 12, "intermediate_size": 18, "num_hidden_layers": 1,
+                       "num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 10});
+    let gpt2 = json!({"model_type": "gpt2", "n_embd": 12, "n_layer": 1, "n_head": 6, "n_inner": 20, "vocab_size": 10});
+    let dir = folder("parallel-refused");
+    write(&dir, &llama, |_| {});
+    let errors = on_ranks(4, |group| {
+        let fresh_llama = fresh_split(&HfConfig::from_json(llama.clone()).unwrap(), &Device::flex(), &group, 1);
+        let fresh_gpt2 = fresh_split(&HfConfig::from_json(gpt2.clone()).unwrap(), &Device::flex(), &group, 1);
+        let imported = import_split(&dir, &Device::flex(), &group).err().unwrap().to_string();
+        (fresh_llama.err().unwrap(), fresh_gpt2.err().unwrap(), imported)
+    });
+    for (llama, gpt2, imported) in errors {
+        assert!(llama.contains("`num_attention_heads` (6) does not divide by the tensor-parallel size 4"), "{llama}");
+        assert!(gpt2.contains("`n_head` (6) does not divide by the tensor-parallel size 4"), "{gpt2}");
+        assert!(imported.contains("`num_attention_heads` (6)") && imported.contains("more problem"), "{imported}");
+    }
+}
