@@ -2,6 +2,7 @@
 //! names (`transformer.h.0.attn.c_attn.weight`, ...), projections are `Conv1D` `[in, out]`,
 //! and the head is the token embedding `transformer.wte`, transposed.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -13,7 +14,7 @@ use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads,
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel};
 
 /// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
 #[derive(Module, Debug)]
@@ -32,10 +33,13 @@ pub struct Gpt2 {
     /// checkpoint's files).
     #[module(skip)]
     values: Option<Arc<dyn InitialValues>>,
-    /// The tensor-parallel group the blocks are split over (alone: none), and the whole
+    /// The tensor-parallel group the layers are split over (alone: none), and the whole
     /// vocabulary's size.
     #[module(skip)]
     vocab: (ParallelGroup, usize),
+    /// How each split parameter is cut (none without tensor parallelism).
+    #[module(skip)]
+    splits: BTreeMap<String, Split>,
 }
 
 /// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
@@ -105,6 +109,7 @@ impl Gpt2 {
             },
             values: w.initial_values(),
             vocab: (tp, shape.vocab_size),
+            splits: w.splits(),
         }
     }
 
@@ -227,5 +232,9 @@ impl UnitModel for Gpt2 {
 
     fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
         self.values.clone()
+    }
+
+    fn tensor_parallel(&self) -> Option<TensorParallel> {
+        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone() })
     }
 }

@@ -5,6 +5,7 @@
 //! head's queries and keys normalised); the head is `lm_head`, or `model.embed_tokens` when
 //! tied.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -16,7 +17,7 @@ use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, spli
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel};
 
 /// The decoder under `model`: the token embedding, the layers, the final norm.
 #[derive(Module, Debug)]
@@ -39,6 +40,9 @@ pub struct Llama {
     /// vocabulary's size.
     #[module(skip)]
     vocab: (ParallelGroup, usize),
+    /// How each split parameter is cut (none without tensor parallelism).
+    #[module(skip)]
+    splits: BTreeMap<String, Split>,
 }
 
 /// One pre-norm layer.
@@ -127,6 +131,7 @@ impl Llama {
             lm_head: (!shape.tie_word_embeddings).then(|| Dense::vocabulary(w, "lm_head", d, vocab)),
             values: w.initial_values(),
             vocab: (tp, vocab),
+            splits: w.splits(),
         }
     }
 
@@ -259,5 +264,9 @@ impl UnitModel for Llama {
 
     fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
         self.values.clone()
+    }
+
+    fn tensor_parallel(&self) -> Option<TensorParallel> {
+        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone() })
     }
 }

@@ -9,6 +9,7 @@ use zerotrain_zero::Collective;
 use zerotrain_zero::pipeline::Topology;
 
 use crate::Result;
+use crate::mesh::MeshPlace;
 
 /// One rank's view of the world: its rank, the world size, its device, its collective, and
 /// its place among the pipeline stages and data-parallel ranks.
@@ -25,6 +26,8 @@ pub struct RankContext {
     data_position: Option<(usize, usize)>,
     /// The replica group this rank trains in (`local_sgd`), if any.
     replica_group: Option<usize>,
+    /// Its place in a device mesh, where its collective is the mesh's data-parallel group.
+    mesh: Option<MeshPlace>,
 }
 
 impl RankContext {
@@ -33,7 +36,8 @@ impl RankContext {
     pub fn new(comm: Arc<dyn Collective>, device: Device) -> Self {
         let (rank, world_size) = (comm.rank(), comm.world_size());
         let topology = Topology { stages: 1, data_parallel: world_size };
-        Self { rank, world_size, device, comm, topology, notices: Vec::new(), data_position: None, replica_group: None }
+        let (notices, data_position, replica_group, mesh) = Default::default();
+        Self { rank, world_size, device, comm, topology, notices, data_position, replica_group, mesh }
     }
 
     /// The same rank with its collectives on `comm` (the same ranks, another library), and
@@ -55,6 +59,17 @@ impl RankContext {
     pub(crate) fn in_replica_group(mut self, group: usize) -> Self {
         self.replica_group = Some(group);
         self
+    }
+
+    /// The same rank as the data-parallel rank of a device mesh ([`crate::mesh::split`]).
+    pub(crate) fn in_mesh(mut self, place: MeshPlace) -> Self {
+        self.mesh = Some(place);
+        self
+    }
+
+    /// This rank's place in a device mesh, if its context is a mesh's data-parallel group.
+    pub fn mesh(&self) -> Option<&MeshPlace> {
+        self.mesh.as_ref()
     }
 
     /// The replica group this rank trains in, if it is one's (`local_sgd`).

@@ -87,6 +87,7 @@ mod error;
 pub mod estimate;
 mod factory;
 mod launch;
+pub mod mesh;
 pub mod nn;
 pub mod random;
 pub mod reduce;

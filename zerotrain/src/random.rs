@@ -109,13 +109,25 @@ pub(crate) struct Streams {
     data_parallel_rank: u64,
     /// By [`Draw::index`]: whether that forward drew random numbers the first time it ran.
     seen: Mutex<HashMap<u64, bool>>,
+    /// The forwards wait for other ranks inside them ([`Streams::waiting_inside`]).
+    unlocked: bool,
 }
 
 impl Streams {
     /// The streams of the rank at data-parallel position `data_parallel_rank` of a run
     /// seeded with `seed`.
     pub fn new(seed: u64, data_parallel_rank: usize) -> Self {
-        Self { seed, data_parallel_rank: data_parallel_rank as u64, seen: Mutex::default() }
+        Self { seed, data_parallel_rank: data_parallel_rank as u64, seen: Mutex::default(), unlocked: false }
+    }
+
+    /// The same streams for forwards that wait for other ranks of the process inside them
+    /// (a tensor-parallel model's collectives): holding the generator's lock there would
+    /// keep those ranks from ever arriving, so they run without it, unseeded. Such a
+    /// model's forward must draw no random numbers (the Hugging Face families draw none):
+    /// its draws would neither repeat nor be its rank's own.
+    pub fn waiting_inside(mut self) -> Self {
+        self.unlocked = true;
+        self
     }
 
     /// The seed of `draw`'s stream.
@@ -126,8 +138,12 @@ impl Streams {
 
     /// Runs the forward `f` drawing from `draw`'s stream on `device`: holding the
     /// generator, seeded with the stream's seed, unless this forward (`draw.index`) drew
-    /// nothing the first time it ran; that first time, it finds out (module note).
+    /// nothing the first time it ran; that first time, it finds out (module note). Streams
+    /// [`waiting_inside`](Self::waiting_inside) just run `f`.
     pub fn run<T>(&self, device: &Device, draw: Draw, f: impl FnOnce() -> T) -> T {
+        if self.unlocked {
+            return f();
+        }
         let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner).get(&draw.index).copied();
         let seed = self.seed_of(draw);
         match seen {

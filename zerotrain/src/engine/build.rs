@@ -85,11 +85,18 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
                 "the plan has pipeline stages: build a Pipeline (Pipeline::new) of a model declared in units".into(),
             ));
         }
+        if !self.plan.mesh.is_trivial() {
+            return Err(Error::Usage(
+                "the plan has a tensor- or sequence-parallel mesh: build the engine of a model declared in units \
+                 (Engine::with_units), whose UnitModel::tensor_parallel says how it is split"
+                    .into(),
+            ));
+        }
         let (model, params, index) = prepare(self.model, self.ctx, self.plan.runtime.seed)?;
         let sharding = Sharding::single(params, self.plan.world_size(), ALIGN_ELEMS)?;
         let buffers = Buffers::scan(&model, self.plan.runtime.seed, |_| Some(0));
-        let parts =
-            Parts { comm: self.ctx.collective(), sharding, index, buffers, span: Span::whole(self.plan.world_size()) };
+        let span = Span::whole(self.plan.world_size());
+        let parts = Parts { comm: self.ctx.collective(), sharding, index, buffers, span, tensor: None };
         let (plan, ctx) = (self.plan, self.ctx);
         let mut engine = assemble(model, plan, ctx, parts, Granularity::WholeModel, &self.optimizer, None)?;
         if plan.activation_checkpointing {
@@ -150,12 +157,14 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let root = sharding.units().len() > declared_units;
         let every = usize::from(plan.activation_checkpointing);
         let granularity = Granularity::declared(declared_units, root, every, plan.recompute_units);
+        let tensor = super::tensor::share(&model, plan, ctx, &sharding)?;
         let parts = Parts {
             comm: ctx.collective(),
             sharding,
             index: declared.index,
             buffers: declared.buffers,
             span: Span::whole(plan.world_size()),
+            tensor,
         };
         let initial = model.initial_values();
         let mut engine = assemble(model, plan, ctx, parts, granularity, &optimizer, initial.as_deref())?;
@@ -304,19 +313,37 @@ fn assemble<M: Module>(
         return Err(Error::Usage(format!("plan is for {planned} ranks, the communicator has {actual}")));
     }
     check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
-    let Parts { comm, sharding, index, buffers, span } = parts;
+    let Parts { comm, sharding, index, buffers, span, tensor } = parts;
     let lead = world.rank() == 0;
-    let swaps = SwapFolders::open(plan, world.as_ref(), ctx.replica_group())?;
+    let owner = match (ctx.replica_group(), &tensor) {
+        (Some(g), _) => format!("group{g}.rank{}", world.rank()),
+        (None, Some(t)) => format!("tp{}.rank{}", t.place().0, world.rank()),
+        (None, None) => format!("rank{}", world.rank()),
+    };
+    let swaps = SwapFolders::open(plan, world.as_ref(), &owner)?;
     let device = ctx.device().clone();
     let streams = Streams::new(plan.runtime.seed, ctx.data_parallel_rank());
+    // A tensor-parallel model's forward waits for the other tensor ranks inside it.
+    let streams = if tensor.is_some() { streams.waiting_inside() } else { streams };
     let crossings = Default::default();
     // Nothing on the host needs the step's values (the note in `engine/flat.rs`).
     let device_step = plan.runtime.device != ComputeDevice::Cpu
         && !plan.zero.offload.uses_host_or_nvme()
         && (comm.world_size() == 1 || comm.reads_device_memory())
         && !span.is_pipelined();
-    let shared =
-        Shared { comm, world, device, plan: plan.clone(), sharding, index, swaps, crossings, streams, device_step };
+    let shared = Shared {
+        comm,
+        world,
+        device,
+        plan: plan.clone(),
+        sharding,
+        index,
+        swaps,
+        crossings,
+        streams,
+        device_step,
+        tensor,
+    };
     let (mut units, mut transient, mut first) = (Vec::new(), 0, FirstValues::new(shared.dtype()));
     for id in 0..shared.sharding.units().len() {
         // Only the group's first rank reads (the broadcast overwrites the others' values):

@@ -165,16 +165,22 @@ fn world_metrics(
 ) -> Result<(f64, f32, f64)> {
     let world = &shared.world;
     let n = world.world_size();
-    let mut metrics = vec![0.0f32; n + 1];
+    // A tensor group's ranks fill slots of their own (tensor rank t: t * n ..), and only
+    // the first of them the loss, which every one computes alike (`tensor.rs`).
+    let (t, tp) = shared.tensor.as_ref().map_or((0, 1), |share| share.place());
+    let mut metrics = vec![0.0f32; n * tp + 1];
     for (slot, partial) in partials {
-        metrics[slot] = partial;
+        metrics[t * n + slot] = partial;
     }
-    metrics[n] = loss.unwrap_or(0.0);
+    metrics[n * tp] = if t == 0 { loss.unwrap_or(0.0) } else { 0.0 };
     let wait = Instant::now();
     world.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+    if let Some(share) = &shared.tensor {
+        share.comm.all_reduce((&mut metrics).into(), ReduceOp::Sum)?;
+    }
     let wait = wait.elapsed().as_secs_f64();
     let contributors = span.topology.data_parallel;
-    Ok((metrics[..n].iter().map(|&p| f64::from(p)).sum(), metrics[n] / contributors as f32, wait))
+    Ok((metrics[..n * tp].iter().map(|&p| f64::from(p)).sum(), metrics[n * tp] / contributors as f32, wait))
 }
 
 /// A squared-norm partial as queued: its slot in the world's metrics, the part summed on
@@ -237,16 +243,25 @@ fn queue_partial(shared: &Shared, grads: &[Flat], r: usize, sharded: bool, skip:
             continue; // an all-padding shard, or the root counted by another stage
         }
         let offset = if sharded { layout.shard_range(r).start } else { 0 };
-        let at = real.start - offset..real.end - offset;
-        // Each element as the f32 the step will see (a half value converts exactly).
-        let mut add = |g: f32| sum += f64::from(g) * f64::from(g);
-        match values {
-            Flat::Host(values) => match values.as_ref().slice(at) {
-                BufRef::F32(v) => v.iter().copied().for_each(&mut add),
-                BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
-                BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
-            },
-            Flat::Device(t) => on_device.push(crate::reduce::sum(t.clone().slice(at).cast(FloatDType::F32).square())),
+        // A tensor rank other than the first leaves out what every tensor rank holds.
+        let counted = match &shared.tensor {
+            Some(tensor) => tensor.counted(id, real),
+            None => vec![real],
+        };
+        for part in counted {
+            let at = part.start - offset..part.end - offset;
+            // Each element as the f32 the step will see (a half value converts exactly).
+            let mut add = |g: f32| sum += f64::from(g) * f64::from(g);
+            match values {
+                Flat::Host(values) => match values.as_ref().slice(at) {
+                    BufRef::F32(v) => v.iter().copied().for_each(&mut add),
+                    BufRef::F16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+                    BufRef::Bf16(v) => v.iter().map(|g| g.to_f32()).for_each(&mut add),
+                },
+                Flat::Device(t) => {
+                    on_device.push(crate::reduce::sum(t.clone().slice(at).cast(FloatDType::F32).square()))
+                }
+            }
         }
     }
     Queued { slot, host: sum, device: on_device }

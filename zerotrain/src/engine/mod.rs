@@ -56,6 +56,7 @@ mod shard_masters;
 mod shared;
 mod span;
 mod step;
+mod tensor;
 #[cfg(test)]
 mod tests;
 mod unit;

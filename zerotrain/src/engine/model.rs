@@ -119,6 +119,15 @@ pub trait UnitModel: Module {
     fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {
         None
     }
+
+    /// The model's split over a tensor-parallel group, where it was built as one rank's
+    /// part (Megatron's plan: [`crate::nn::parallel`]): the group and each split
+    /// parameter's cut. An engine whose plan has a tensor-parallel mesh
+    /// (`tensor_parallel.autotp_size`) refuses a model without one rather than train it
+    /// whole on every rank. Default: none.
+    fn tensor_parallel(&self) -> Option<crate::nn::parallel::TensorParallel> {
+        None
+    }
 }
 
 /// The first values of a model's parameters, by module path

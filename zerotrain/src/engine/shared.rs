@@ -14,6 +14,7 @@ use super::on_device;
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
 use super::report::HostDeviceBytes;
+use super::tensor::TensorShare;
 use crate::config::{ComputeDevice, Plan, Tier};
 use crate::random::Streams;
 use crate::swap::SwapDir;
@@ -32,16 +33,12 @@ impl SwapFolders {
     /// The rank's swap folders for the plan's NVMe tiers, agreed over the world: if any rank
     /// cannot open its folder (unwritable, or in use by another job), every rank fails at
     /// once, the failing one naming the path, instead of the others waiting at the next
-    /// collective. Each folder is named by the rank, and by its replica group if it is in
-    /// one (the groups' ranks count from 0 in every group).
-    pub fn open(plan: &Plan, world: &dyn zerotrain_zero::Collective, group: Option<usize>) -> Result<Self> {
+    /// collective. Each folder is named by `owner`: the rank, and its replica group or
+    /// tensor rank where it has one (their ranks count from 0 in every group).
+    pub fn open(plan: &Plan, world: &dyn zerotrain_zero::Collective, owner: &str) -> Result<Self> {
         let offload = &plan.zero.offload;
-        let owner = match group {
-            Some(g) => format!("group{g}.rank{}", world.rank()),
-            None => format!("rank{}", world.rank()),
-        };
         let open = |tier: &Tier, name: &str| -> Result<Option<Arc<SwapDir>>> {
-            tier.nvme_path().map(|path| SwapDir::open(path, name, &owner, offload.aio).map(Arc::new)).transpose()
+            tier.nvme_path().map(|path| SwapDir::open(path, name, owner, offload.aio).map(Arc::new)).transpose()
         };
         let opened = open(&offload.optimizer, "optimizer")
             .and_then(|optimizer| Ok(Self { optimizer, param: open(&offload.param, "param")? }));
@@ -85,6 +82,8 @@ pub(crate) struct Shared {
     /// Whether the step stays on the device: gradients, their norm, the optimizer and the
     /// new parameters (the note in `engine/flat.rs`).
     pub device_step: bool,
+    /// How the units are split over a tensor-parallel group, if they are (`tensor.rs`).
+    pub tensor: Option<TensorShare>,
 }
 
 /// Model-state bytes a rank copied between host memory and its device, each way.

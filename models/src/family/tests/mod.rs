@@ -13,6 +13,7 @@ use crate::hf::files;
 use zerotrain::engine::UnitModel;
 
 mod parallel;
+mod parallel_training;
 mod refusals;
 
 fn folder(name: &str) -> PathBuf {

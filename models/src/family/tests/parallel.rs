@@ -80,7 +80,7 @@ fn run_hf(model: HfModel, vocab: i64) -> Run {
 }
 
 /// Megatron's plan, written out by name: how each parameter of the two families splits.
-fn expected_split(name: &str) -> Split {
+pub(super) fn expected_split(name: &str) -> Split {
     let rows = Split::Even { dim: 0, blocks: 1 };
     let columns = Split::Even { dim: 1, blocks: 1 };
     let vocabulary = Split::Uneven { dim: 0 };
@@ -105,7 +105,7 @@ fn expected_split(name: &str) -> Split {
 }
 
 /// `values` of a tensor of `shape` sliced as `split` gives rank `rank` of `n`.
-fn slice_of(values: &[f32], shape: &[usize], split: Split, rank: usize, n: usize) -> Vec<f32> {
+pub(super) fn slice_of(values: &[f32], shape: &[usize], split: Split, rank: usize, n: usize) -> Vec<f32> {
     let Some(dim) = split.dim() else { return values.to_vec() };
     let ranges = split.ranges(shape[dim], rank, n, "test").unwrap();
     let inner: usize = shape[dim + 1..].iter().product();
@@ -120,7 +120,7 @@ fn slice_of(values: &[f32], shape: &[usize], split: Split, rank: usize, n: usize
     out
 }
 
-fn largest_error(got: &[f32], want: &[f32]) -> f32 {
+pub(super) fn largest_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
     got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale

@@ -74,7 +74,7 @@ pub(in crate::engine) fn place<M: UnitModel>(
     let model = release_unheld(model, &declared.index, &sharding, ctx.device());
     let buffers = declared.buffers.map_units(to_local);
     let span = Span { topology, stage, first_unit: units.start, pipe: Some(pipe) };
-    let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span };
+    let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span, tensor: None };
     Ok(Placed { model, parts, stage_units: units.len(), stage_ranges: ranges })
 }
 

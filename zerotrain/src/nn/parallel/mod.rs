@@ -25,6 +25,7 @@ mod loss;
 mod ops;
 mod split;
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
@@ -123,6 +124,17 @@ impl ParallelGroup {
         }
         Tensor::from_dispatch(ops::reduce(x.detach().into_dispatch(), self.clone(), ReduceOp::Max))
     }
+}
+
+/// A model's split over a tensor-parallel group, as an engine needs to know it: the group,
+/// and how each split parameter is cut, by module path (every other parameter is whole on
+/// every rank of the group, with equal values and equal gradients).
+#[derive(Debug, Clone)]
+pub struct TensorParallel {
+    /// The ranks that split the model's layers.
+    pub group: ParallelGroup,
+    /// Each split parameter's cut, by module path.
+    pub splits: BTreeMap<String, Split>,
 }
 
 #[cfg(test)]

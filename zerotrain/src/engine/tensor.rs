@@ -1,0 +1,135 @@
+//! The engine of one tensor-parallel rank: its model is the rank's part of the whole
+//! (`UnitModel::tensor_parallel`), ZeRO shards that part over the mesh's data-parallel
+//! group, and the step's global metrics are the whole model's: the squared norm adds the
+//! split parameters of every tensor rank and the parameters every rank holds whole once
+//! (tensor rank 0's), and the loss is counted once per data-parallel place.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use zerotrain_zero::{Collective, Sharding};
+
+use super::model::UnitModel;
+use crate::config::Plan;
+use crate::{Error, RankContext, Result};
+
+/// How this rank's units are split over its tensor group, for the metrics.
+pub(crate) struct TensorShare {
+    /// The tensor group.
+    pub comm: Arc<dyn Collective>,
+    /// Each unit's flat ranges of parameters held whole on every tensor rank, in order.
+    whole: Vec<Vec<Range<usize>>>,
+}
+
+impl TensorShare {
+    /// This rank's place in its tensor group and the group's size.
+    pub fn place(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world_size())
+    }
+
+    /// The parts of unit `unit`'s flat range `range` this rank counts in the norm: all of
+    /// it on tensor rank 0; elsewhere only its split parameters' parts.
+    pub fn counted(&self, unit: usize, range: Range<usize>) -> Vec<Range<usize>> {
+        if self.comm.rank() == 0 {
+            return vec![range];
+        }
+        let mut parts = Vec::new();
+        let mut at = range.start;
+        for whole in &self.whole[unit] {
+            if whole.end <= at || whole.start >= range.end {
+                continue;
+            }
+            if whole.start > at {
+                parts.push(at..whole.start);
+            }
+            at = at.max(whole.end);
+        }
+        if at < range.end {
+            parts.push(at..range.end);
+        }
+        parts
+    }
+}
+
+/// The tensor-parallel share of an engine for `model` under `plan` on `ctx`: `None`
+/// without a tensor-parallel mesh; an error naming the key where the plan has one and the
+/// context is not a mesh's data-parallel group, the model has no tensor-parallel plan, or
+/// its group is not the mesh's; sequence parallelism is refused by its key.
+pub(super) fn share<M: UnitModel>(
+    model: &M,
+    plan: &Plan,
+    ctx: &RankContext,
+    sharding: &Sharding,
+) -> Result<Option<TensorShare>> {
+    let mesh = plan.mesh;
+    let split = model.tensor_parallel().filter(|t| t.group.size() > 1);
+    if mesh.is_trivial() {
+        return match split {
+            None => Ok(None),
+            Some(t) => Err(Error::Usage(format!(
+                "the model is split over {} tensor-parallel ranks, but the plan has no mesh: set \
+                 tensor_parallel.autotp_size to {}",
+                t.group.size(),
+                t.group.size()
+            ))),
+        };
+    }
+    if mesh.sp > 1 {
+        return Err(Error::Usage(
+            "zerotrain.mesh.sp: the engine does not train sequence-parallel meshes yet (sp must be 1)".into(),
+        ));
+    }
+    let place = ctx.mesh().ok_or_else(|| {
+        Error::Usage(
+            "the plan has a tensor-parallel mesh (tensor_parallel.autotp_size): build the engine with the context \
+             and plan zerotrain::mesh::split gives, and the model for its tensor group"
+                .into(),
+        )
+    })?;
+    let Some(split) = split else {
+        return Err(Error::Usage(format!(
+            "tensor_parallel.autotp_size is {}, but the model has no tensor-parallel plan (UnitModel::tensor_parallel): \
+             build it split over the mesh's tensor group (the Hugging Face families: zerotrain_models::family::\
+             fresh_split or import_split); a model is never trained whole on every tensor rank",
+            mesh.tp
+        )));
+    };
+    let (t, tp) = (place.coordinates.2, mesh.tp);
+    if (split.group.rank(), split.group.size()) != (t, tp) {
+        return Err(Error::Usage(format!(
+            "the model is rank {} of {} tensor-parallel ranks, but this rank is tensor rank {t} of {tp}: build it \
+             for the mesh's tensor group",
+            split.group.rank(),
+            split.group.size()
+        )));
+    }
+    let whole = sharding
+        .units()
+        .iter()
+        .map(|unit| {
+            let entries = unit.layout.entries().iter();
+            entries.filter(|e| !split.splits.contains_key(&e.path)).map(|e| e.flat_range()).collect()
+        })
+        .collect();
+    Ok(Some(TensorShare { comm: Arc::clone(place.tensor.collective()), whole }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zerotrain_zero::ThreadWorld;
+
+    /// Tensor rank 0 counts a range whole; another rank skips the parameters every rank
+    /// holds, where they overlap the range.
+    #[test]
+    fn only_the_first_tensor_rank_counts_what_every_rank_holds() {
+        let world = ThreadWorld::new(2, std::time::Duration::from_secs(5));
+        let whole = vec![vec![0..4, 10..12, 20..30]];
+        let share = |r: usize| TensorShare { comm: Arc::new(world.communicator(r)), whole: whole.clone() };
+        assert_eq!(share(0).counted(0, 2..25), vec![2..25]);
+        assert_eq!(share(1).counted(0, 2..25), vec![4..10, 12..20]);
+        assert_eq!(share(1).counted(0, 12..20), vec![12..20]);
+        assert_eq!(share(1).counted(0, 21..29), Vec::<Range<usize>>::new());
+        assert_eq!(share(1).counted(0, 28..40), vec![30..40]);
+    }
+}

@@ -1,0 +1,147 @@
+//! The device mesh: the world split into a rank's tensor-parallel, sequence-parallel and
+//! data-parallel groups, each a communicator split from the world as replica groups are.
+//!
+//! ```text
+//! world rank r = (dp * sp + s) * tp + t      (a tensor group: tp consecutive ranks)
+//! ```
+//!
+//! A program builds its model for [`MeshRank::tensor`] (the Hugging Face families:
+//! `zerotrain_models::family::fresh_split` or `import_split`) and its engine with
+//! [`MeshRank::ctx`] and [`MeshRank::plan`]: ZeRO shards each tensor rank's slice over its
+//! data-parallel group, and every rank of a tensor group reads the same samples.
+
+use std::sync::Arc;
+
+use zerotrain_zero::Collective;
+
+use crate::config::MeshPlan;
+use crate::nn::parallel::ParallelGroup;
+use crate::{Error, Plan, RankContext, Result};
+
+/// A rank's place in the mesh: its coordinates and groups, carried by the data-parallel
+/// context an engine is built with.
+#[derive(Clone)]
+pub struct MeshPlace {
+    /// The mesh's sizes.
+    pub plan: MeshPlan,
+    /// (data-parallel, sequence, tensor) index of this rank.
+    pub coordinates: (usize, usize, usize),
+    /// The ranks that split each layer with this one.
+    pub tensor: ParallelGroup,
+    /// The ranks that split each sequence with this one.
+    pub sequence: ParallelGroup,
+    /// Every rank of the job.
+    pub world: Arc<dyn Collective>,
+}
+
+impl std::fmt::Debug for MeshPlace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (d, s, t) = self.coordinates;
+        write!(f, "MeshPlace(dp {d}, sp {s} of {}, tp {t} of {})", self.plan.sp, self.plan.tp)
+    }
+}
+
+/// What [`split`] gives a rank: the data-parallel context and plan its engine is built with
+/// (the context carries its [`MeshPlace`]), and its tensor- and sequence-parallel groups.
+pub struct MeshRank {
+    /// The rank's data-parallel group (its collective), reading its data-parallel place's
+    /// part of every batch.
+    pub ctx: RankContext,
+    /// The plan over the data-parallel group (its world size the group's).
+    pub plan: Plan,
+    /// The ranks that split each layer with this one (build the model for it).
+    pub tensor: ParallelGroup,
+    /// The ranks that split each sequence with this one.
+    pub sequence: ParallelGroup,
+}
+
+/// Splits `ctx`'s world into `plan`'s mesh (`plan.mesh`). Every rank calls it at once. An
+/// error where the plan has no mesh, or is for another world size.
+pub fn split(ctx: &RankContext, plan: &Plan) -> Result<MeshRank> {
+    let mesh = plan.mesh;
+    if mesh.is_trivial() {
+        return Err(Error::Usage("mesh::split: the plan has no tensor or sequence parallelism".into()));
+    }
+    let world = ctx.collective();
+    if world.world_size() != plan.world_size() {
+        let (planned, actual) = (plan.world_size(), world.world_size());
+        return Err(Error::Usage(format!("mesh::split: the plan is for {planned} ranks, the world has {actual}")));
+    }
+    let rank = world.rank();
+    let (d, s, t) = mesh.coordinates(rank);
+    let dp = plan.data_parallel_size();
+    // Colors: the other two coordinates; keys: the group's own.
+    let tensor = world.split(d * mesh.sp + s, t)?;
+    let sequence = world.split(d * mesh.tp + t, s)?;
+    let data = world.split(s * mesh.tp + t, d)?;
+    let (tensor, sequence) = (ParallelGroup::new(tensor), ParallelGroup::new(sequence));
+    let place =
+        MeshPlace { plan: mesh, coordinates: (d, s, t), tensor: tensor.clone(), sequence: sequence.clone(), world };
+    let ctx = RankContext::new(data, ctx.device().clone()).with_data_position(d, dp).in_mesh(place);
+    let mut dp_plan = plan.clone();
+    dp_plan.runtime.world_size = dp;
+    Ok(MeshRank { ctx, plan: dp_plan, tensor, sequence })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use burn::tensor::Device;
+    use zerotrain_precision::{BufMut, BufRef};
+    use zerotrain_zero::ThreadWorld;
+
+    use super::*;
+    use crate::config::{Config, Overrides};
+
+    /// Every rank's groups hold the world ranks the mesh's order says, in order: at dp 2 x
+    /// sp 2 x tp 2, rank 5 = (1, 0, 1) has tensor group {4, 5}, sequence group {5, 7}, data
+    /// group {1, 5}; the data-parallel plan's world is dp and its batch the whole job's.
+    #[test]
+    fn each_rank_gets_the_groups_of_its_coordinates() {
+        let json = r#"{"train_micro_batch_size_per_gpu": 1, "zerotrain": {"mesh": {"tp": 2, "sp": 2}}}"#;
+        let plan = Config::parse(json, "t.json")
+            .unwrap()
+            .resolve(Overrides { world_size: Some(8), ..Default::default() })
+            .unwrap();
+        let world = ThreadWorld::new(8, Duration::from_secs(30));
+        let got: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|r| {
+                    let (world, plan) = (&world, &plan);
+                    s.spawn(move || {
+                        let ctx = RankContext::new(Arc::new(world.communicator(r)), Device::flex());
+                        let m = split(&ctx, plan).unwrap();
+                        let members = |comm: &Arc<dyn Collective>| {
+                            let mut all = vec![0f32; comm.world_size()];
+                            comm.all_gather(BufRef::F32(&[r as f32]), BufMut::F32(&mut all)).unwrap();
+                            all.into_iter().map(|x| x as usize).collect::<Vec<_>>()
+                        };
+                        let place = m.ctx.mesh().unwrap().coordinates;
+                        let dp = (m.ctx.data_parallel_rank(), m.ctx.data_parallel_size(), m.plan.world_size());
+                        (
+                            place,
+                            members(m.tensor.collective()),
+                            members(m.sequence.collective()),
+                            members(&m.ctx.collective()),
+                            dp,
+                            m.plan.batch.train_batch_size,
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let (place, tensor, sequence, data, dp, batch) = &got[5];
+        assert_eq!(
+            (*place, tensor.as_slice(), sequence.as_slice(), data.as_slice()),
+            ((1, 0, 1), &[4, 5][..], &[5, 7][..], &[1, 5][..])
+        );
+        assert_eq!((*dp, *batch), ((1, 2, 2), 2));
+        for (r, (place, tensor, sequence, data, _, _)) in got.iter().enumerate() {
+            assert_eq!(plan.mesh.coordinates(r), *place);
+            assert!(tensor.contains(&r) && sequence.contains(&r) && data.contains(&r), "rank {r}");
+            assert_eq!((tensor.len(), sequence.len(), data.len()), (2, 2, 2), "rank {r}");
+        }
+    }
+}
