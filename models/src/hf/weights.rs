@@ -16,7 +16,7 @@ use super::files::{TensorEntry, TensorFiles, check_float};
 use super::slices;
 use zerotrain::Precision;
 use zerotrain::engine::InitialValues;
-use zerotrain::nn::parallel::{ParallelGroup, Split};
+use zerotrain::nn::parallel::{ParallelGroup, Split, within};
 use zerotrain_precision::{BufMut, FlatElem};
 
 /// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
@@ -295,14 +295,14 @@ impl InitialValues for FileValues {
         let entry = entry(files, self.alias, path).ok_or_else(|| format!("no file holds tensor `{path}`"))?;
         let split = self.splits.get(path).copied().unwrap_or(Split::Whole);
         let (rank, n) = self.place;
-        let runs = slices::runs(&entry.shape, split, rank, n, path)?;
+        let runs = split.runs(&entry.shape, rank, n, path).map_err(|e| e.to_string())?;
         let len: usize = runs.iter().map(|r| r.1).sum();
         if elems.end > len || dst.len() != elems.len() {
             let at = files.file_of(entry).display();
             return Err(format!("{at}: tensor `{path}` has {len} elements here; elements {elems:?} were asked for"));
         }
         let first = elems.start;
-        for (whole, part) in slices::within(&runs, elems.clone()) {
+        for (whole, part) in within(&runs, elems.clone()) {
             let at = part.start - first..part.end - first;
             files.read_into(entry, whole, dst.reborrow().slice(at));
         }

@@ -47,7 +47,8 @@ impl<M: Module> Engine<M> {
     /// The model with every parameter present and current (in the compute dtype) and its
     /// buffers averaged, on rank `root` only (`None` elsewhere). At stage 3 the units are
     /// gathered one at a time: no other rank holds more than one unit beyond its shards.
-    /// Every rank must call it.
+    /// Every rank must call it. A tensor-parallel rank's model is its part of the whole
+    /// (gathered over its data-parallel group, `root` a rank of that group).
     pub fn gather_model(&mut self, root: usize) -> Result<Option<M>> {
         self.off_the_clock(|engine| engine.gather_on(root))
     }
@@ -80,8 +81,16 @@ impl<M: Module> Engine<M> {
     /// Writes the whole model (parameters and buffers, by module path, in `dtype`) to one
     /// safetensors file at `path`, from world rank 0, through `<path>.partial` and a rename.
     /// Burn loads it with `SafetensorsStore`, Python with `safetensors`. Every rank must
-    /// call it; it returns once the file is complete.
+    /// call it; it returns once the file is complete. A tensor-parallel engine refuses it
+    /// (its model is a part): its checkpoints hold the whole model.
     pub fn save_model(&mut self, path: impl AsRef<Path>, dtype: Precision) -> Result<()> {
+        if self.shared.tensor.is_some() {
+            return Err(Error::Usage(
+                "save_model of a tensor-parallel engine would write one rank's part of the model: save a checkpoint \
+                 (it holds the whole model) and write the model from it with `zerotrain consolidate`"
+                    .into(),
+            ));
+        }
         let model = self.gather_model(0)?;
         let written = match model {
             Some(model) => write_safetensors(&model, path.as_ref(), dtype),

@@ -96,6 +96,26 @@ pub(crate) struct Crossings {
 }
 
 impl Shared {
+    /// The pieces of unit `unit`'s flat range `range` and their places in the checkpoint's
+    /// global order: the whole model's for a tensor-parallel rank (`tensor.rs`), where
+    /// `saving` leaves out what another tensor rank writes.
+    pub fn checkpoint_segments(
+        &self,
+        unit: usize,
+        range: Range<usize>,
+        saving: bool,
+    ) -> Vec<(Range<usize>, Range<usize>)> {
+        match &self.tensor {
+            Some(tensor) => tensor.segments(&self.sharding, unit, range, saving),
+            None => self.sharding.global_segments(unit, range),
+        }
+    }
+
+    /// The ranks that write and agree on a checkpoint: the world, or a mesh's every rank.
+    pub fn checkpoint_world(&self) -> &Arc<dyn Collective> {
+        self.tensor.as_ref().map_or(&self.world, |t| &t.world)
+    }
+
     /// Seconds since `start`, for a phase of the step's report. With `wall_clock_breakdown`
     /// on a device that queues its work (wgpu, CUDA) the device first finishes what was
     /// queued, as DeepSpeed's synchronised timers do, so that the phases split the step (at

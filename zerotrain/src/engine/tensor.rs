@@ -3,14 +3,24 @@
 //! group, and the step's global metrics are the whole model's: the squared norm adds the
 //! split parameters of every tensor rank and the parameters every rank holds whole once
 //! (tensor rank 0's), and the loss is counted once per data-parallel place.
+//!
+//! # Note: checkpoints in the whole model's order
+//! A tensor rank's checkpoint segments are placed in the whole model's global order: each
+//! split parameter has its whole shape in the manifest, and a rank's slice of it is the
+//! runs `Split::runs` gives. Every rank of the mesh writes a shard; the parameters every
+//! tensor rank holds are written by tensor rank 0's. So the checkpoint is the one an
+//! unsplit run writes: it resumes at any tensor-parallel size (each rank reads its own
+//! slice's runs) and `consolidate` and the exports read it unchanged.
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use zerotrain_zero::{Collective, Sharding};
+use zerotrain_checkpoint::LayoutEntry;
+use zerotrain_zero::{Collective, ReduceOp, Sharding};
 
 use super::model::UnitModel;
 use crate::config::Plan;
+use crate::nn::parallel::{Split, within};
 use crate::{Error, RankContext, Result};
 
 /// How this rank's units are split over its tensor group, for the metrics.
@@ -19,6 +29,18 @@ pub(crate) struct TensorShare {
     pub comm: Arc<dyn Collective>,
     /// Each unit's flat ranges of parameters held whole on every tensor rank, in order.
     whole: Vec<Vec<Range<usize>>>,
+    /// Every rank of the mesh (checkpoints are written and agreed over it).
+    pub world: Arc<dyn Collective>,
+    /// Each parameter of the global order as the whole model has it.
+    layout: Vec<WholeEntry>,
+}
+
+/// A parameter of the whole model: how this rank's is cut from it, its whole shape, and
+/// its offset in the whole model's global order.
+struct WholeEntry {
+    split: Split,
+    shape: Vec<usize>,
+    offset: usize,
 }
 
 impl TensorShare {
@@ -48,6 +70,55 @@ impl TensorShare {
             parts.push(at..range.end);
         }
         parts
+    }
+
+    /// The whole model's global order, as a manifest records it (paths from `sharding`).
+    pub fn manifest_layout(&self, sharding: &Sharding) -> Vec<LayoutEntry> {
+        let paths = sharding.global().entries().iter().map(|e| &e.path);
+        paths
+            .zip(&self.layout)
+            .map(|(path, w)| LayoutEntry {
+                path: path.clone(),
+                shape: w.shape.iter().map(|&d| d as u64).collect(),
+                offset: w.offset as u64,
+            })
+            .collect()
+    }
+
+    /// The pieces of unit `unit`'s flat range `range` and where each lies in the whole
+    /// model's global order (the note on checkpoints), as `Sharding::global_segments` gives
+    /// them for an unsplit model; `saving` leaves out, on tensor ranks other than the
+    /// first, the parameters every tensor rank holds.
+    pub fn segments(
+        &self,
+        sharding: &Sharding,
+        unit: usize,
+        range: Range<usize>,
+        saving: bool,
+    ) -> Vec<(Range<usize>, Range<usize>)> {
+        let (t, tp) = self.place();
+        let u = &sharding.units()[unit];
+        let mut out: Vec<(Range<usize>, Range<usize>)> = Vec::new();
+        for (entry, &g) in u.layout.entries().iter().zip(&u.global_entries) {
+            let Some(segment) = entry.segment(range.clone()) else { continue };
+            let whole = &self.layout[g];
+            if saving && t != 0 && whole.split == Split::Whole {
+                continue;
+            }
+            let runs = whole.split.runs(&whole.shape, t, tp, &entry.path).expect("checked when the engine was built");
+            for (global, local) in within(&runs, segment.param_range) {
+                let flat = entry.offset + local.start..entry.offset + local.end;
+                let global = whole.offset + global.start..whole.offset + global.end;
+                match out.last_mut() {
+                    Some((f, g)) if f.end == flat.start && g.end == global.start => {
+                        f.end = flat.end;
+                        g.end = global.end;
+                    }
+                    _ => out.push((flat, global)),
+                }
+            }
+        }
+        out
     }
 }
 
@@ -111,7 +182,44 @@ pub(super) fn share<M: UnitModel>(
             entries.filter(|e| !split.splits.contains_key(&e.path)).map(|e| e.flat_range()).collect()
         })
         .collect();
-    Ok(Some(TensorShare { comm: Arc::clone(place.tensor.collective()), whole }))
+    let comm = Arc::clone(place.tensor.collective());
+    let layout = whole_layout(sharding, &split.splits, comm.as_ref())?;
+    Ok(Some(TensorShare { comm, whole, world: Arc::clone(&place.world), layout }))
+}
+
+/// The whole model's global order: each split parameter's whole length along its cut is
+/// the sum of the tensor ranks' (one all-reduce over the tensor group).
+fn whole_layout(
+    sharding: &Sharding,
+    splits: &std::collections::BTreeMap<String, Split>,
+    comm: &dyn Collective,
+) -> Result<Vec<WholeEntry>> {
+    let entries = sharding.global().entries();
+    let cut = |path: &str| splits.get(path).copied().unwrap_or(Split::Whole);
+    let mut lengths: Vec<f32> = entries.iter().map(|e| cut(&e.path).dim().map_or(0.0, |d| e.shape[d] as f32)).collect();
+    if let Some(e) = entries.iter().find(|e| cut(&e.path).dim().is_some_and(|d| e.shape[d] >= 1 << 24)) {
+        return Err(Error::Model(format!(
+            "`{}` has {:?}: a cut dimension over 2^24 is not supported",
+            e.path, e.shape
+        )));
+    }
+    comm.all_reduce((&mut lengths).into(), ReduceOp::Sum)?;
+    let mut offset = 0;
+    let layout = entries
+        .iter()
+        .zip(lengths)
+        .map(|(e, whole)| {
+            let split = cut(&e.path);
+            let mut shape = e.shape.clone();
+            if let Some(d) = split.dim() {
+                shape[d] = whole as usize;
+            }
+            let entry = WholeEntry { split, offset, shape };
+            offset += entry.shape.iter().product::<usize>();
+            entry
+        })
+        .collect();
+    Ok(layout)
 }
 
 #[cfg(test)]
@@ -125,7 +233,12 @@ mod tests {
     fn only_the_first_tensor_rank_counts_what_every_rank_holds() {
         let world = ThreadWorld::new(2, std::time::Duration::from_secs(5));
         let whole = vec![vec![0..4, 10..12, 20..30]];
-        let share = |r: usize| TensorShare { comm: Arc::new(world.communicator(r)), whole: whole.clone() };
+        let share = |r: usize| TensorShare {
+            comm: Arc::new(world.communicator(r)),
+            whole: whole.clone(),
+            world: Arc::new(world.communicator(r)),
+            layout: Vec::new(),
+        };
         assert_eq!(share(0).counted(0, 2..25), vec![2..25]);
         assert_eq!(share(1).counted(0, 2..25), vec![4..10, 12..20]);
         assert_eq!(share(1).counted(0, 12..20), vec![12..20]);

@@ -48,8 +48,11 @@ impl<M: Module> Engine<M> {
         Ok(())
     }
 
-    /// The global order as a manifest records it.
+    /// The global order as a manifest records it (the whole model's, for a tensor rank).
     pub(super) fn manifest_layout(&self) -> Vec<LayoutEntry> {
+        if let Some(tensor) = &self.shared.tensor {
+            return tensor.manifest_layout(&self.shared.sharding);
+        }
         let entries = self.shared.sharding.global().entries().iter();
         entries
             .map(|e| LayoutEntry {

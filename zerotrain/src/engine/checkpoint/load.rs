@@ -37,7 +37,7 @@ impl<M: Module> Engine<M> {
             let state = EngineState::read(&c)?;
             Ok((c, state))
         });
-        let (ckpt, state) = self.agree(opened, "opening the checkpoint")?;
+        let (ckpt, state) = self.agree_all(opened, "opening the checkpoint")?;
         self.same_checkpoint(&ckpt)?;
         let reader = UnitReader::new(&ckpt, options);
         let buffers = ckpt.read_buffers().map_err(Error::from).and_then(|b| self.check_buffers(&ckpt, b));
@@ -56,7 +56,7 @@ impl<M: Module> Engine<M> {
     /// its shard of another checkpoint and go on training a model made of both. Every rank
     /// fails alike, naming the ranks that differ from rank 0.
     fn same_checkpoint(&self, ckpt: &Checkpoint) -> Result<()> {
-        let world = self.shared.world.as_ref();
+        let world = self.shared.checkpoint_world().as_ref();
         let id = ckpt.identity();
         // In 16-bit pieces, which f32 holds exactly.
         let mine: Vec<f32> = (0..4).map(|i| ((id >> (16 * i)) & 0xffff) as f32).collect();
@@ -91,7 +91,7 @@ impl<M: Module> Engine<M> {
             true => units.into_iter().try_for_each(|id| reader.unit(&self.shared, id).map(drop)).map(|()| None),
             false => units.map(|id| reader.unit(&self.shared, id)).collect::<Result<Vec<_>>>().map(Some),
         };
-        self.agree(loaded, "reading its shard of the checkpoint")
+        self.agree_all(loaded, "reading its shard of the checkpoint")
     }
 
     /// Puts each unit's values (`loaded`, or read again now when streaming) where the
@@ -193,7 +193,7 @@ impl<'a> UnitReader<'a> {
     fn range(&self, shared: &Shared, id: usize, name: &str) -> Result<Vec<f32>> {
         let range = shared.optimizer_range(id);
         let mut values = vec![0.0; range.len()];
-        for (unit_range, global) in shared.sharding.global_segments(id, shared.optimizer_real_range(id)) {
+        for (unit_range, global) in shared.checkpoint_segments(id, shared.optimizer_real_range(id), false) {
             let out = &mut values[unit_range.start - range.start..unit_range.end - range.start];
             self.ckpt.read_range(name, global.start as u64..global.end as u64, out)?;
         }

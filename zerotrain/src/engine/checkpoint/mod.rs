@@ -51,17 +51,17 @@ impl<M: Module> Engine<M> {
 
     fn save(&mut self, root: &Path, tag: Option<&str>, client_state: serde_json::Value) -> Result<PathBuf> {
         let tag = tag.map_or_else(|| default_tag(self.progress.counters.global_steps), str::to_string);
-        self.agree(self.whole(), "checking its states")?;
+        self.agree_all(self.whole(), "checking its states")?;
         self.sync_buffers()?;
         let buffers = self.stage_buffers()?;
-        let rank = self.shared.world.rank();
+        let rank = self.shared.checkpoint_world().rank();
         let prepared =
             if rank == 0 { zerotrain_checkpoint::prepare(root, &tag).map(|_| ()).map_err(Error::from) } else { Ok(()) };
-        self.agree(prepared, "preparing the checkpoint")?;
+        self.agree_all(prepared, "preparing the checkpoint")?;
         let written = self.write_my_shard(root, &tag);
-        self.agree(written, "writing its shard")?;
+        self.agree_all(written, "writing its shard")?;
         let committed = if rank == 0 { self.commit(root, &tag, client_state, buffers).map(|_| ()) } else { Ok(()) };
-        self.agree(committed, "committing the checkpoint")?;
+        self.agree_all(committed, "committing the checkpoint")?;
         Ok(root.join(tag))
     }
 
@@ -104,7 +104,7 @@ impl<M: Module> Engine<M> {
                 if (stage0 && self.shared.comm.rank() != 0) || skip_root == Some(id) {
                     return Vec::new();
                 }
-                self.shared.sharding.global_segments(id, self.shared.optimizer_real_range(id))
+                self.shared.checkpoint_segments(id, self.shared.optimizer_real_range(id), true)
             })
             .collect()
     }
@@ -137,7 +137,7 @@ impl<M: Module> Engine<M> {
         let partial = zerotrain_checkpoint::partial_dir(root, tag);
         let written = zerotrain_checkpoint::write_shard_streamed(
             &partial,
-            self.shared.world.rank(),
+            self.shared.checkpoint_world().rank(),
             &ranges,
             &names,
             |t, out| {
@@ -203,7 +203,7 @@ impl<M: Module> Engine<M> {
             format_version: FORMAT_VERSION,
             tag: tag.to_string(),
             global_step: progress.counters.global_steps,
-            world_size: self.shared.world.world_size(),
+            world_size: self.shared.checkpoint_world().world_size(),
             stage: self.shared.plan.zero.stage.index(),
             precision: self.shared.plan.precision.compute.to_string(),
             layout: self.manifest_layout(),
@@ -226,6 +226,12 @@ impl<M: Module> Engine<M> {
     /// usable, so a caller may catch a failed save and go on training.
     pub(super) fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
         super::shared::agree(self.shared.world.as_ref(), result, phase)
+    }
+
+    /// [`agree`](Self::agree) over every rank that writes the checkpoint (a mesh's every
+    /// rank, not only the data-parallel group's).
+    pub(super) fn agree_all<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
+        super::shared::agree(self.shared.checkpoint_world().as_ref(), result, phase)
     }
 }
 

@@ -36,7 +36,7 @@ use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
 pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup};
 pub use loss::vocab_parallel_cross_entropy;
-pub use split::Split;
+pub use split::{Split, within};
 
 use crate::{Error, Result};
 

@@ -84,6 +84,42 @@ impl Split {
     }
 }
 
+impl Split {
+    /// The runs of the whole tensor of shape `whole` (row-major) that make up rank `rank`'s
+    /// slice, in the slice's own row-major order: `(start in the whole, length)`.
+    pub fn runs(&self, whole: &[usize], rank: usize, n: usize, what: &str) -> Result<Vec<(usize, usize)>> {
+        let Some(dim) = self.dim() else { return Ok(vec![(0, whole.iter().product())]) };
+        let ranges = self.ranges(whole[dim], rank, n, what)?;
+        let outer: usize = whole[..dim].iter().product();
+        let inner: usize = whole[dim + 1..].iter().product();
+        let mut runs = Vec::with_capacity(outer * ranges.len());
+        for o in 0..outer {
+            for r in &ranges {
+                runs.push(((o * whole[dim] + r.start) * inner, r.len() * inner));
+            }
+        }
+        Ok(runs)
+    }
+}
+
+/// The parts of `runs` (a slice's, [`Split::runs`]) that elements `elems` of the slice fall
+/// in: `(range in the whole, range in the slice)` pairs, in order.
+pub fn within(runs: &[(usize, usize)], elems: Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
+    let mut at = 0;
+    let mut parts = Vec::new();
+    for &(start, len) in runs {
+        let (lo, hi) = (elems.start.max(at), elems.end.min(at + len));
+        if lo < hi {
+            parts.push((start + lo - at..start + hi - at, lo..hi));
+        }
+        at += len;
+        if at >= elems.end {
+            break;
+        }
+    }
+    parts
+}
+
 /// Rank `rank`'s part of `len` items cut at `floor(r * len / n)`.
 pub(super) fn uneven(len: usize, rank: usize, n: usize) -> Range<usize> {
     rank * len / n..(rank + 1) * len / n

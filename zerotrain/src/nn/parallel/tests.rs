@@ -236,6 +236,13 @@ fn splits_cut_blocks_and_vocabularies_as_documented() {
     let parts: Vec<_> = (0..3).map(|r| Split::Uneven { dim: 0 }.ranges(7, r, 3, "wte").unwrap()).collect();
     assert_eq!(parts, [vec![0..2], vec![2..4], vec![4..7]]);
     assert_eq!(Split::Whole.local_shape([3, 5], 1, 4, "ln").unwrap(), [3, 5]);
+    // Where a slice's elements lie in the whole: [2, 6] in 3 column blocks over 2 ranks
+    // gives rank 1 columns 1, 3 and 5 of each row; its elements 2..5 cross a row's end.
+    let runs = Split::Even { dim: 1, blocks: 3 }.runs(&[2, 6], 1, 2, "w").unwrap();
+    assert_eq!(runs, [(1, 1), (3, 1), (5, 1), (7, 1), (9, 1), (11, 1)]);
+    assert_eq!(super::within(&runs, 2..5), [(5..6, 2..3), (7..8, 3..4), (9..10, 4..5)]);
+    assert_eq!(Split::Uneven { dim: 0 }.runs(&[5, 3], 1, 2, "wte").unwrap(), [(6, 9)]);
+    assert_eq!(Split::Whole.runs(&[4, 3], 0, 2, "ln").unwrap(), [(0, 12)]);
     let e = fused.ranges(18, 0, 4, "h.0.attn.c_attn.weight").unwrap_err().to_string();
     assert!(e.contains("h.0.attn.c_attn.weight") && e.contains("(3 blocks of 6)") && e.contains("size 4"), "{e}");
 }
