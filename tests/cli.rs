@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 mod hf;
 #[path = "cli/launch.rs"]
 mod launch;
+#[path = "cli/parallel.rs"]
+mod parallel;
 #[path = "cli/servers.rs"]
 mod servers;
 

@@ -10,12 +10,13 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, bail};
 use burn::tensor::{Device, Int, Tensor};
 
-use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, train_model};
+use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, task, train_model};
 use crate::keys::AppSettings;
 use zerotrain::Plan;
 use zerotrain::engine::ParamCount;
-use zerotrain_models::family::WithModel;
+use zerotrain::nn::parallel::ParallelGroup;
 use zerotrain_models::family::load::LoadedModel;
+use zerotrain_models::family::{HfModel, WithModel};
 use zerotrain_models::file_error::read_optional;
 use zerotrain_models::hf;
 use zerotrain_models::text::Tokenizer;
@@ -160,8 +161,11 @@ pub fn train_hf(
     let sampler =
         TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
     let token_data = TokenData { sampler, file, global_batch: plan.sequences_per_step(), base: Mutex::new((0, 0)) };
-    let job = HfJob { plan, settings, options, data: &token_data, tokenizer: &loaded.tokenizer, files, log, progress };
-    loaded.model.run(job)
+    let seed = plan.runtime.seed;
+    let split = |group: &ParallelGroup, device: &Device| loaded.split(group, device, seed);
+    let (tokenizer, model) = (&loaded.tokenizer, loaded.model.clone());
+    let job = HfJob { plan, settings, options, data: &token_data, tokenizer, files, split: &split, log, progress };
+    model.run(job)
 }
 
 /// The files beside `loaded`'s tokenizer and model that an export hands on with them
@@ -188,6 +192,8 @@ struct HfJob<'a> {
     data: &'a TokenData,
     tokenizer: &'a Tokenizer,
     files: Vec<(String, Vec<u8>)>,
+    /// A tensor-parallel rank's part of the model, for its group.
+    split: &'a (dyn Fn(&ParallelGroup, &Device) -> anyhow::Result<HfModel> + Sync),
     log: &'a (dyn Fn(&str) + Sync),
     progress: &'a (dyn Fn(&StepMetrics) + Sync),
 }
@@ -207,7 +213,12 @@ impl WithModel for HfJob<'_> {
             Ok(vec![format!("{}|{continuation}", text(&prompt))])
         };
         let num_params = ParamCount::trainable(&model);
-        let task = Task { num_params, init: model, data: self.data, samples: &samples, files: self.files };
+        let family = |group: &ParallelGroup, device: &Device| -> anyhow::Result<M> {
+            let part = (self.split)(group, device)?;
+            part.into_model::<M>().ok_or_else(|| anyhow::anyhow!("a tensor-parallel part of another family"))
+        };
+        let split: Option<&task::Splitter<'_, M>> = Some(&family);
+        let task = Task { num_params, init: model, data: self.data, samples: &samples, files: self.files, split };
         train_model(self.plan, self.settings, self.options, task, self.log, self.progress)
     }
 }

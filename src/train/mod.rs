@@ -116,7 +116,8 @@ pub fn train_gpt(
     let data = CorpusData { corpus, context: shape.block_size, seed: plan.runtime.seed };
     let samples = |model: &Gpt| samples::write_samples(model, corpus, &shape);
     let init = Gpt::new(&shape, &device);
-    let task = Task { init, num_params: shape.num_params(), data: &data, samples: &samples, files: Vec::new() };
+    let (num_params, files) = (shape.num_params(), Vec::new());
+    let task = Task { init, num_params, data: &data, samples: &samples, files, split: None };
     train_model(plan, settings, options, task, log, progress)
 }
 
@@ -151,8 +152,9 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
     let files = zerotrain_models::family::companions::record(&task.files);
-    let Task { init, num_params: _, data, samples, files: _ } = task;
-    let job = Job { plan, options, data, samples, ckpt_dir, resume_tag, every, eval_every, files, log, progress };
+    let Task { init, num_params: _, data, samples, files: _, split } = task;
+    let job =
+        Job { plan, options, data, samples, split, ckpt_dir, resume_tag, every, eval_every, files, log, progress };
     let init = Handout::new(init, plan);
     let results = launch(plan, |ctx| job.run_rank(init.take(), &ctx))?;
     let memory = results.iter().map(|s| s.memory[0]).collect();
@@ -167,6 +169,8 @@ struct Job<'a, M> {
     options: &'a TrainOptions,
     data: &'a dyn TrainData,
     samples: &'a (dyn Fn(&M) -> zerotrain::Result<Vec<String>> + Sync),
+    /// How a tensor-parallel rank builds its part of the model, where the model can.
+    split: Option<&'a task::Splitter<'a, M>>,
     ckpt_dir: PathBuf,
     /// The checkpoint to resume from: `Some(None)` for `latest`, `Some(Some(tag))` for a tag.
     resume_tag: Option<Option<String>>,
@@ -186,7 +190,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
     fn run_rank(&self, init: M, ctx: &RankContext) -> Result<TrainSummary> {
         let (plan, options) = (self.plan, self.options);
         let context = self.data.context();
-        let mut engine = zerotrain::trainer(init, plan, ctx)?;
+        let mut engine = self.trainer(init, ctx)?;
         if let Some(tag) = &self.resume_tag {
             let client = engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
             let step = engine.counters().global_steps;
@@ -271,6 +275,21 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             samples,
             out: options.out.clone(),
         })
+    }
+
+    /// This rank's trainer: on a tensor-parallel mesh, over its data-parallel group, of its
+    /// part of the model (built for its tensor group: `init` is dropped); else of `init`.
+    fn trainer(&self, init: M, ctx: &RankContext) -> Result<Box<dyn Trainer<M>>> {
+        if self.plan.mesh.is_trivial() {
+            return zerotrain::trainer(init, self.plan, ctx);
+        }
+        let mesh = zerotrain::mesh::split(ctx, self.plan)?;
+        let model = match self.split {
+            Some(split) => split(&mesh.tensor, ctx.device()).map_err(|e| Error::Model(format!("{e:#}")))?,
+            // The engine refuses it, naming the missing plan.
+            None => init,
+        };
+        zerotrain::trainer(model, &mesh.plan, &mesh.ctx)
     }
 
     /// The optimizer step after `step`: every micro-batch of this rank, then the update.

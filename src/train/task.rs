@@ -2,6 +2,7 @@
 //! ([`Task`], [`TrainData`]), and how the model reaches each rank ([`Handout`]).
 
 use burn::tensor::{Device, Int, Tensor};
+use zerotrain::nn::parallel::ParallelGroup;
 
 use super::VALIDATION_SEQUENCES;
 use zerotrain::Plan;
@@ -58,7 +59,13 @@ pub struct Task<'a, M> {
     /// Files written into the checkpoints' folder once the run folder is locked (a Hugging
     /// Face family's `config.json` and `tokenizer.json`): (name, contents).
     pub files: Vec<(String, Vec<u8>)>,
+    /// How a tensor-parallel rank builds its part of the model on its device, where the
+    /// model has a tensor-parallel plan (`None`: the engine refuses a tensor-parallel mesh).
+    pub split: Option<&'a Splitter<'a, M>>,
 }
+
+/// Builds a tensor-parallel rank's part of a model for its group, on a device.
+pub type Splitter<'a, M> = dyn Fn(&ParallelGroup, &Device) -> anyhow::Result<M> + Sync + 'a;
 
 /// One model for each rank of this process, with no copy left behind.
 ///

@@ -20,7 +20,7 @@ fn number(json: &str, key: &str) -> f64 {
 }
 
 /// A fresh folder for one test.
-fn folder(name: &str) -> PathBuf {
+pub(super) fn folder(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("zerotrain-hf-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -146,7 +146,13 @@ pub(super) fn run_ok(args: &[&str]) -> String {
 }
 
 /// `zerotrain train`'s arguments: `config` on `data` to `steps`, into `out`, then `extra`.
-fn train_args<'a>(config: &'a Path, data: &'a Path, steps: &'a str, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+pub(super) fn train_args<'a>(
+    config: &'a Path,
+    data: &'a Path,
+    steps: &'a str,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
     let mut args = vec!["train", "--config", config.to_str().unwrap(), "--data", data.to_str().unwrap()];
     args.extend(["--steps", steps, "--out", out.to_str().unwrap()]);
     args.extend(extra);
@@ -155,7 +161,7 @@ fn train_args<'a>(config: &'a Path, data: &'a Path, steps: &'a str, out: &'a Pat
 
 /// `zerotrain eval --json`'s loss of `config`'s model (or `checkpoint`'s) on `input`
 /// (`--text FILE` or `--tokens FILE`).
-fn eval_json(config: &Path, input: [&str; 2], checkpoint: Option<&Path>) -> f64 {
+pub(super) fn eval_json(config: &Path, input: [&str; 2], checkpoint: Option<&Path>) -> f64 {
     let mut args = vec!["eval", "--config", config.to_str().unwrap(), input[0], input[1], "--json"];
     if let Some(dir) = checkpoint {
         args.extend(["--checkpoint", dir.to_str().unwrap()]);

@@ -36,6 +36,16 @@ pub trait WithModel {
 }
 
 impl HfModel {
+    /// The model as the family type `M`, if it is one (for code generic over the families
+    /// that builds another model of the same family: a tensor-parallel rank's part).
+    pub fn into_model<M: 'static>(self) -> Option<M> {
+        let any: Box<dyn std::any::Any> = match self {
+            Self::Gpt2(m) => Box::new(m),
+            Self::Llama(m) => Box::new(m),
+        };
+        any.downcast().ok().map(|m| *m)
+    }
+
     /// Runs `job` on the model.
     pub fn run<J: WithModel>(self, job: J) -> J::Output {
         match self {

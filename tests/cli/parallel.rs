@@ -1,0 +1,79 @@
+//! Tensor parallelism from the command line: a Hugging Face family trained on a mesh of
+//! thread ranks, its checkpoints the whole model's; models without a plan, and shapes
+//! that cannot split, refused by name.
+
+use super::hf::{eval_json, folder, fresh_llama, losses, run_ok, train_args};
+use super::{text, zerotrain};
+
+/// LLaMA with 4 heads over 2 kv heads at `tensor_parallel.autotp_size` 2 on two thread
+/// ranks: stopped at step 3 and resumed at tp 1 on one rank, it trains steps 4..6 with the
+/// losses of the run that never stopped (within 1e-5 relative: the same samples, the sums
+/// grouped otherwise); `eval` at tp 1 reads the checkpoint the tp 2 run wrote (the whole
+/// model) and scores it as the resumed run's final checkpoint within 1e-4 relative (one
+/// more AdamW update than the last loss compared, which can move a parameter whose
+/// gradient is near zero by up to the lr).
+#[test]
+fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
+    let dir = folder("tensor-parallel");
+    let tp = r#", "tensor_parallel": {"autotp_size": 2}"#;
+    let (split, tokens) = fresh_llama(&dir, 2, tp);
+    let (whole, _) = fresh_llama(&dir, 1, "");
+    let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": false}"#;
+    std::fs::write(dir.join("model.json"), model).unwrap();
+    let (uninterrupted, resumed) = (dir.join("uninterrupted"), dir.join("resumed"));
+    run_ok(&train_args(&split, &tokens, "6", &uninterrupted, &[]));
+    run_ok(&train_args(&split, &tokens, "3", &resumed, &[]));
+    run_ok(&train_args(&whole, &tokens, "6", &resumed, &["--resume"]));
+    let (a, b) = (losses(&uninterrupted), losses(&resumed));
+    assert_eq!(b.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6], "{b:?}");
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} at tp 2 throughout, {y} resumed at tp 1");
+    }
+    let score = |run: &std::path::Path| {
+        eval_json(&whole, ["--tokens", tokens.to_str().unwrap()], Some(&run.join("checkpoints")))
+    };
+    let (at_tp2, at_tp1) = (score(&uninterrupted), score(&resumed));
+    assert!(
+        (at_tp2 - at_tp1).abs() <= 1e-4 * at_tp1,
+        "eval of the tp 2 checkpoint {at_tp2}, of the resumed one {at_tp1}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The built-in GPT has no tensor-parallel plan: a mesh is refused naming the key and
+/// what is missing (never trained whole on every rank); a family whose kv heads do not
+/// divide over the mesh is refused naming the config field.
+#[test]
+fn models_that_cannot_split_are_refused_by_name() {
+    let dir = folder("tensor-parallel-refused");
+    let builtin = dir.join("builtin.json");
+    std::fs::write(
+        &builtin,
+        r#"{"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}, "zerotrain": {"world_size": 2}}"#,
+    )
+    .unwrap();
+    let out = zerotrain(&[
+        "train",
+        "--config",
+        builtin.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--out",
+        dir.join("a").to_str().unwrap(),
+    ]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("autotp_size is 2, but the model has no tensor-parallel plan"),
+        "{err}"
+    );
+    let (kv1, tokens) = fresh_llama(&dir, 2, r#", "tensor_parallel": {"autotp_size": 2}"#);
+    let out = zerotrain(&train_args(&kv1, &tokens, "1", &dir.join("b"), &[]));
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("`num_key_value_heads` (1) does not divide by the tensor-parallel size 2"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
