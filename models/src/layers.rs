@@ -100,6 +100,26 @@ impl Dense {
         self.cut.apply(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
     }
 
+    /// `x` entering this column-parallel layer's region through the group's copy (`f`), to
+    /// be shared by the layers that read the same input ([`forward_entered`]
+    /// (Self::forward_entered)): q, k and v, or gate and up, then cost one all-reduce of
+    /// its gradient, not one each. Other cuts return `x`.
+    pub fn enter(&self, x: Tensor<3>) -> Tensor<3> {
+        match &self.cut {
+            Cut::Column(group) => group.copy_to(x),
+            _ => x,
+        }
+    }
+
+    /// [`forward`](Self::forward) of an `x` that [`enter`](Self::enter) gave.
+    pub fn forward_entered(&self, x: Tensor<3>) -> Tensor<3> {
+        let cut = match &self.cut {
+            Cut::Column(_) => &Cut::Whole,
+            other => other,
+        };
+        cut.apply(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
+    }
+
     /// The weight `[out, d_in]` and the bias: a head's, for its loss.
     pub fn weight_and_bias(&self) -> (Tensor<2>, Option<Tensor<1>>) {
         (self.weight.val(), self.bias.as_ref().map(Param::val))

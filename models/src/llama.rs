@@ -201,15 +201,16 @@ impl LlamaLayer {
     fn forward(&self, h: Tensor<3>, start: usize, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
         let a = &self.self_attn;
         let (heads, kv) = a.heads;
-        let x = self.input_layernorm.forward(h.clone());
-        let q = per_head(&a.q_norm, split_heads(a.q_proj.forward(x.clone()), heads));
-        let k = per_head(&a.k_norm, split_heads(a.k_proj.forward(x.clone()), kv));
+        // One copy into the tensor-parallel region for q, k and v, one for gate and up.
+        let x = a.q_proj.enter(self.input_layernorm.forward(h.clone()));
+        let q = per_head(&a.q_norm, split_heads(a.q_proj.forward_entered(x.clone()), heads));
+        let k = per_head(&a.k_norm, split_heads(a.k_proj.forward_entered(x.clone()), kv));
         let (q, k) = a.rope.rotate(q, k, start);
-        let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward(x), kv));
+        let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward_entered(x), kv));
         let h = h + a.o_proj.forward(causal_attention(q, k, v));
-        let x = self.post_attention_layernorm.forward(h.clone());
         let m = &self.mlp;
-        h + m.down_proj.forward(silu(m.gate_proj.forward(x.clone())) * m.up_proj.forward(x))
+        let x = m.gate_proj.enter(self.post_attention_layernorm.forward(h.clone()));
+        h + m.down_proj.forward(silu(m.gate_proj.forward_entered(x.clone())) * m.up_proj.forward_entered(x))
     }
 }
 

@@ -250,3 +250,82 @@ fn shapes_that_do_not_divide_are_refused_by_their_field() {
         assert!(imported.contains("`num_attention_heads` (6)") && imported.contains("more problem"), "{imported}");
     }
 }
+
+/// One forward and backward of `model`'s loss on 2 sequences of 7 ids (12 predictions).
+struct LossOnly(i64);
+
+impl WithModel for LossOnly {
+    type Output = ();
+
+    fn run<M: CausalLm>(self, model: M) {
+        let ids: Vec<i64> = (0..2 * 7).map(|i| (i * 5 + i * i / 3) % self.0).collect();
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 7]), &Device::flex().autodiff());
+        let _ = model.next_token_loss(&tokens).backward();
+    }
+}
+
+/// The tensor group's traffic for one forward and backward of the loss is Megatron's: per
+/// layer four all-reduces of the `[tokens, hidden]` activations in f32 (the attention's and
+/// the MLP's outputs forward, the gradients of their inputs backward: q, k and v share one,
+/// gate and up one), one each for the embedding's lookup and the head's input, and three
+/// values per token for the loss; each all-reduce of `B` bytes counts `2 (N - 1) / N * B`
+/// (the ring convention the backends count in).
+#[test]
+fn the_tensor_groups_traffic_is_megatrons() {
+    let llama = json!({"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10, "tie_word_embeddings": false});
+    let gpt2 =
+        json!({"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 8, "vocab_size": 13});
+    for (config, n) in [(llama, 2), (gpt2, 4)] {
+        let parsed = HfConfig::from_json(config.clone()).unwrap();
+        let (layers, vocab) = (parsed.num_layers(), parsed.vocab_size() as i64);
+        let traffic = on_ranks(n, |group| {
+            let model = fresh_split(&parsed, &Device::flex().autodiff(), &group, 1).unwrap();
+            let before = group.collective().stats();
+            model.run(LossOnly(vocab));
+            group.collective().stats().since(&before).all_reduce
+        });
+        let (tokens, hidden) = (12u64, 16u64);
+        let ring = |bytes: u64| 2 * (n as u64 - 1) * bytes / n as u64;
+        let activations = (4 * layers as u64 + 2) * ring(tokens * hidden * 4);
+        let want = (4 * layers as u64 + 2 + 3, activations + 3 * ring(tokens * 4));
+        for (r, got) in traffic.iter().enumerate() {
+            assert_eq!((got.calls, got.bytes), want, "{config} at tp {n}, rank {r}: (all-reduces, bytes)");
+        }
+    }
+}
+
+/// A GPT-2-small-shaped model (124.4M parameters) split over 4 tensor ranks: each rank's
+/// part holds the count the plan gives (its quarter of every split parameter, every whole
+/// one), below 0.3x of the whole model with the embedding; nothing is initialised to count.
+#[test]
+fn a_gpt2_small_shaped_part_at_tp_4_holds_a_quarter_of_the_splits_and_the_rest() {
+    let config = json!({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
+                        "vocab_size": 50257});
+    let parsed = HfConfig::from_json(config).unwrap();
+    let shapes = parameter_names(&parsed);
+    let whole: u64 = shapes.iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+    let counts = on_ranks(4, |group| {
+        let model = fresh_split(&parsed, &Device::flex().autodiff(), &group, 1).unwrap();
+        let held = match &model {
+            HfModel::Gpt2(m) => zerotrain::engine::ParamCount::trainable(m),
+            HfModel::Llama(m) => zerotrain::engine::ParamCount::trainable(m),
+        };
+        let planned: u64 = shapes
+            .iter()
+            .map(|(name, shape)| {
+                let all = shape.iter().product::<usize>() as u64;
+                let Some(dim) = expected_split(name).dim() else { return all };
+                let ranges = expected_split(name).ranges(shape[dim], group.rank(), 4, name).unwrap();
+                all / shape[dim] as u64 * ranges.iter().map(|r| r.len() as u64).sum::<u64>()
+            })
+            .sum();
+        (held, planned)
+    });
+    assert_eq!(whole, 124_439_808, "GPT-2 small's parameter count");
+    for (r, (held, planned)) in counts.into_iter().enumerate() {
+        assert_eq!(held, planned, "rank {r}");
+        let share = held as f64 / whole as f64;
+        assert!(share <= 0.3, "rank {r} holds {held} of {whole} parameters ({share:.3}x)");
+    }
+}
