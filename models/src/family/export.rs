@@ -208,9 +208,12 @@ fn sibling(path: &Path, suffix: &str) -> anyhow::Result<PathBuf> {
     Ok(path.with_file_name(name))
 }
 
-/// Writes `bytes` to `path` through `<path>.partial` and a rename.
+/// Writes `bytes` to `path` through `<path>.<pid>.partial` and a rename.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let partial = sibling(path, ".partial")?;
+    // Named by the process: every process of an MPI job writes the same companion files
+    // into one checkpoints folder, and a shared partial name let one process rename away
+    // the file another was about to rename.
+    let partial = sibling(path, &format!(".{}.partial", std::process::id()))?;
     std::fs::write(&partial, bytes).with_context(|| format!("cannot write {}", partial.display()))?;
     std::fs::rename(&partial, path)
         .with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))
