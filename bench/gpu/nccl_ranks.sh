@@ -7,6 +7,10 @@
 #   - 2 ranks in bf16 and 4 ranks in fp32: the largest relative difference of a loss,
 #     reported beside a provisional bound of 1e-5 (4-operand sums in NCCL's ring order
 #     against rank order; no bound derived yet: the first run's figures set it);
+#   - tensor parallelism: LLaMA (4 heads over 2 kv heads, fresh from a config.json) at
+#     tensor_parallel.autotp_size 2 on 2 ranks (tp 2) and 4 (tp 2 x dp 2) in fp32: every
+#     loss equal bit for bit to the same mesh of thread ranks (every sum, the tensor
+#     group's and the data-parallel group's, has two operands);
 #   - every launched run used NCCL (no "host backend" notice in its log).
 # Time-sliced ranks on one GPU: no figure here is a multi-GPU speed.
 #
@@ -51,17 +55,19 @@ if mode == "bound" and worst > 1e-5:
 PY
 }
 
-# run NAME RANKS MODE: the config's job as thread ranks and as launched NCCL processes.
+# run NAME RANKS MODE [TRAIN ARGS...]: the config's job as thread ranks and as launched
+# NCCL processes.
 run() {
     local name="$1" ranks="$2" mode="$3" out="$work/$1-$2"
+    shift 3
     port=$((port + 1))
     echo "$name, $ranks ranks:"
-    if ! "$zt" train --config "$work/$name.json" --world-size "$ranks" --steps $steps --out "$out-threads" \
+    if ! "$zt" train --config "$work/$name.json" --world-size "$ranks" --steps $steps --out "$out-threads" "$@" \
         >"$out-threads.log" 2>&1; then
         echo "  threads run failed:"; tail -5 "$out-threads.log"; failures=$((failures + 1)); return
     fi
     if ! timeout 300 "$zt" launch --nproc-per-node "$ranks" --ranks-share-gpu --master-port $port --grace-s 10 -- \
-        train --config "$work/$name.json" --steps $steps --out "$out-nccl" >"$out-nccl.log" 2>&1; then
+        train --config "$work/$name.json" --steps $steps --out "$out-nccl" "$@" >"$out-nccl.log" 2>&1; then
         echo "  launched run failed:"; tail -8 "$out-nccl.log"; failures=$((failures + 1)); return
     fi
     if grep -q "host backend" "$out-nccl.log"; then
@@ -80,5 +86,23 @@ config s3-fp32-a3 3 fp32 3 && run s3-fp32-a3 2 equal
 config s3-bf16-a1 3 bf16 1 && run s3-bf16-a1 2 report
 run s1-fp32-a1 4 bound
 run s3-fp32-a1 4 bound
+
+# Tensor parallelism: a tokenizer and token file made here, LLaMA fresh from a config.json.
+python3 -c "
+w = ['the', 'rank', 'holds', 'a', 'slice', 'of', 'each', 'layer', 'and', 'sums', 'its', 'part', '.']
+print(' '.join(w[(i * 7 + i * i // 11) % len(w)] for i in range(4000)))" >"$work/text.txt"
+"$zt" tokenize "$work/text.txt" --tokenizer "$work/tokenizer.json" --train-vocab 280 --out "$work/data.tokens" \
+    >"$work/tokenize.log" 2>&1 || { echo "tokenize failed:"; tail -5 "$work/tokenize.log"; failures=$((failures + 1)); }
+cat >"$work/model.json" <<'JSON'
+{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": false}
+JSON
+cat >"$work/tp.json" <<JSON
+{"train_batch_size": 8, "zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2},
+ "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zerotrain": {"device": "cuda", "eval_every": 100},
+ "model": {"hf_config": "$work/model.json", "tokenizer": "$work/tokenizer.json", "block_size": 16}}
+JSON
+run tp 2 equal --data "$work/data.tokens"
+run tp 4 equal --data "$work/data.tokens"
 echo "$failures failure(s); logs in $work"
 ((failures == 0))
