@@ -137,10 +137,13 @@ pub struct Placement {
 /// compute dtype (stage 3: only the shard, which is the fp32 master in fp32 training, and
 /// a compute-dtype copy when the optimizer is offloaded), gradients in the accumulation
 /// dtype, fp32 masters in mixed precision, and the optimizer's moments (Adam 2, AMSGrad 3,
-/// SGD with momentum 1), each where the plan's tiers put it.
+/// SGD with momentum 1), each where the plan's tiers put it. On a tensor-parallel mesh a
+/// rank holds `1/tp` of the model (the few parameters every tensor rank holds whole, norms
+/// and biases, counted at `1/tp` too: a slight underestimate) and shards it over `dp`.
 pub fn placement(plan: &crate::Plan, params: u64) -> Placement {
     use crate::config::{ComputeDevice, OptimizerPlan, Tier};
     let (zero, precision) = (&plan.zero, &plan.precision);
+    let params = params.div_ceil(plan.mesh.tp as u64);
     let shard = params.div_ceil(plan.data_parallel_size().max(1) as u64);
     let pick = |sharded: bool| if sharded { shard } else { params };
     let compute = precision.compute.bytes_per_elem() as u64;
@@ -254,5 +257,16 @@ mod tests {
         // No offload, fp32 stage 3: master shard 4 x 500, moments 8 x 500, grads 4 x 500.
         let p = placement(&plan(r#""stage": 3"#, ""), 1000);
         assert_eq!(p, Placement { device: 0, host: 2000 + 4000 + 2000, nvme: 0 });
+        // At tp 2 (4 ranks: dp 2) a rank holds 500 of the 1000 and shards them over 2: the
+        // same bytes as 500 parameters over 2 data-parallel ranks, half of the above.
+        let mesh = |zero: &str| {
+            let json = format!(
+                r#"{{"train_batch_size": 2, "zero_optimization": {{{zero}}}, "tensor_parallel": {{"autotp_size": 2}},
+                    "zerotrain": {{"world_size": 4}}}}"#
+            );
+            crate::Config::parse(&json, "t").unwrap().resolve(crate::Overrides::default()).unwrap()
+        };
+        let p = placement(&mesh(r#""stage": 3"#), 1000);
+        assert_eq!(p, Placement { device: 0, host: 1000 + 2000 + 1000, nvme: 0 });
     }
 }
