@@ -10,6 +10,8 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use crate::hf::rope::RopeScaling;
 use crate::hf::weights::{Init, Weights};
+pub use crate::kv_cache::KvCache;
+pub(crate) use crate::kv_cache::with_cached;
 use zerotrain::nn::parallel::{ParallelGroup, Split, vocab_parallel_lookup};
 
 /// How a projection is split over its [`Weights`]' tensor-parallel group (Megatron-LM's
@@ -284,56 +286,6 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<3> {
     let [b, h, t, hd] = q.dims();
     let scale = (hd as f32).sqrt().recip();
     zerotrain::nn::causal_attention(q, k, v, scale).swap_dims(1, 2).reshape([b, t, h * hd])
-}
-
-/// The keys and values a decoder has computed for the tokens it has seen, layer by layer,
-/// so that each new token is computed alone (Hugging Face's `use_cache`): what
-/// [`CausalLm::generate`](super::CausalLm::generate) keeps while it samples.
-#[derive(Debug, Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
-    len: usize,
-}
-
-impl KvCache {
-    /// The number of tokens whose keys and values are held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no token is held.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Takes `time` more tokens: returns the position of the first.
-    pub(crate) fn advance(&mut self, time: usize) -> usize {
-        self.len += time;
-        self.len - time
-    }
-
-    /// Layer `layer`'s keys and values `[batch, kv_heads, past + time, head_dim]`: those held
-    /// followed by the new `k`, `v`, which are held from now on.
-    pub(crate) fn extend(&mut self, layer: usize, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-        if self.layers.len() <= layer {
-            self.layers.resize_with(layer + 1, || None);
-        }
-        let (k, v) = match self.layers[layer].take() {
-            Some((past_k, past_v)) => (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2)),
-            None => (k, v),
-        };
-        self.layers[layer] = Some((k.clone(), v.clone()));
-        (k, v)
-    }
-}
-
-/// A layer's attention inputs `k`, `v` with a cache's: all of them when there is a cache
-/// (which holds them from now on), else these.
-pub(crate) fn with_cached(cache: Option<(&mut KvCache, usize)>, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-    match cache {
-        Some((cache, layer)) => cache.extend(layer, k, v),
-        None => (k, v),
-    }
 }
 
 /// `[batch, time, heads * head_dim] -> [batch, heads, time, head_dim]`.

@@ -62,6 +62,7 @@ pub mod file_error;
 mod gpt;
 pub mod gpt2;
 pub mod hf;
+mod kv_cache;
 pub mod layers;
 pub mod llama;
 #[cfg(test)]

@@ -11,11 +11,12 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 
-use crate::config::ComputeDevice;
+use crate::config::{ComputeDevice, ConfigError};
 use crate::error::panic_message;
 use crate::{Error, Result};
+use zerotrain_precision::Precision;
 
 /// The devices ranks of this machine are placed on, in local-rank order (round-robin).
 pub(crate) struct Placement {
@@ -140,4 +141,23 @@ pub(crate) fn mpi_local_rank() -> Option<usize> {
     ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID"]
         .iter()
         .find_map(|name| std::env::var(name).ok()?.parse().ok())
+}
+/// An error naming the config key if `device` (the plan's `kind`) cannot compute in
+/// `precision` (wgpu has no bf16, and f16 only where the adapter offers it).
+pub(crate) fn check_dtype(precision: Precision, kind: ComputeDevice, device: &Device) -> Result<()> {
+    let (dtype, key) = match precision {
+        Precision::Fp32 => return Ok(()),
+        Precision::Fp16 => (DType::F16, "fp16.enabled"),
+        Precision::Bf16 => (DType::BF16, "bf16.enabled"),
+    };
+    if device.supports_dtype(dtype) {
+        return Ok(());
+    }
+    Err(Error::Config(ConfigError::Unsupported {
+        key: key.into(),
+        message: format!(
+            "this rank's {} device cannot compute in {precision}: train in a dtype it has (fp32 always works)",
+            kind.name()
+        ),
+    }))
 }

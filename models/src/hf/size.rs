@@ -102,6 +102,14 @@ pub fn activation_bytes(config: &HfConfig, micro: u64, context: usize) -> u64 {
     u64::try_from(b * (layers as u128 * per_layer + logits)).unwrap_or(u64::MAX)
 }
 
+/// The memory this machine can still give (Linux's `MemAvailable`), in bytes; `None` where
+/// it does not say.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib.saturating_mul(1024))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,12 +161,4 @@ mod tests {
         assert_eq!(size.params, u64::MAX);
         assert!(size.build_bytes() > 100 << 30, "more than any machine here has");
     }
-}
-
-/// The memory this machine can still give (Linux's `MemAvailable`), in bytes; `None` where
-/// it does not say.
-pub fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib.saturating_mul(1024))
 }

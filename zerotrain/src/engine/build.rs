@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{DType, Device, Tensor};
-use zerotrain_precision::Precision;
+use burn::tensor::Tensor;
 use zerotrain_zero::{ReduceOp, Sharding};
 
 use super::buffers::Buffers;
@@ -22,7 +21,7 @@ use super::shared::SwapFolders;
 use super::span::Span;
 use super::unit::Unit;
 use super::{Engine, Granularity, Pipeline, Progress};
-use crate::config::{ComputeDevice, ConfigError, Plan};
+use crate::config::{ComputeDevice, Plan};
 use crate::context::RankContext;
 use crate::random::Streams;
 use crate::{Error, Result};
@@ -273,26 +272,6 @@ fn count_floats<M: Module>(model: &M) -> usize {
     count.0
 }
 
-/// An error naming the config key if `device` (the plan's `kind`) cannot compute in
-/// `precision` (wgpu has no bf16, and f16 only where the adapter offers it).
-fn check_dtype(precision: Precision, kind: ComputeDevice, device: &Device) -> Result<()> {
-    let (dtype, key) = match precision {
-        Precision::Fp32 => return Ok(()),
-        Precision::Fp16 => (DType::F16, "fp16.enabled"),
-        Precision::Bf16 => (DType::BF16, "bf16.enabled"),
-    };
-    if device.supports_dtype(dtype) {
-        return Ok(());
-    }
-    Err(Error::Config(ConfigError::Unsupported {
-        key: key.into(),
-        message: format!(
-            "this rank's {} device cannot compute in {precision}: train in a dtype it has (fp32 always works)",
-            kind.name()
-        ),
-    }))
-}
-
 /// Every unit's state from the model's values (still-lazy parameters' from `initial`,
 /// when given), broadcast from the group's rank 0 one unit at a time (so no full-size
 /// buffer exists), written in the compute dtype, kept as the stage says; the buffers
@@ -312,7 +291,7 @@ fn assemble<M: Module>(
         let (planned, actual) = (plan.world_size(), world.world_size());
         return Err(Error::Usage(format!("plan is for {planned} ranks, the communicator has {actual}")));
     }
-    check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
+    crate::device::check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
     let Parts { comm, sharding, index, buffers, span, tensor } = parts;
     let lead = world.rank() == 0;
     let owner = match (ctx.replica_group(), &tensor) {

@@ -84,7 +84,7 @@ impl ParallelGroup {
     /// parts (rank 0 the first); an error naming `what` where they do not divide.
     pub fn part(&self, len: usize, what: &str) -> Result<Range<usize>> {
         let n = self.size();
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return Err(Error::Usage(format!("{what} ({len}) is not divisible by the tensor-parallel size {n}")));
         }
         let each = len / n;

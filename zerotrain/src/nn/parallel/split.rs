@@ -44,11 +44,11 @@ impl Split {
     /// divide.
     pub fn ranges(&self, len: usize, rank: usize, n: usize, what: &str) -> Result<Vec<Range<usize>>> {
         match *self {
-            Self::Whole => Ok(vec![0..len]),
-            Self::Uneven { .. } => Ok(vec![uneven(len, rank, n)]),
+            Self::Whole => Ok(std::iter::once(0..len).collect()),
+            Self::Uneven { .. } => Ok(std::iter::once(uneven(len, rank, n)).collect()),
             Self::Even { blocks, .. } => {
                 let block = len / blocks.max(1);
-                if blocks == 0 || len % blocks != 0 || block % n != 0 {
+                if blocks == 0 || !len.is_multiple_of(blocks) || !block.is_multiple_of(n) {
                     let detail = if blocks > 1 { format!(" ({blocks} blocks of {block})") } else { String::new() };
                     return Err(Error::Usage(format!(
                         "{what}: its length {len}{detail} does not divide by the tensor-parallel size {n}"

@@ -226,6 +226,7 @@ fn a_failed_peer_ends_a_reduction_with_its_reason() {
 /// part of every block, in block order; 7 ids over 3 ranks are parts of 2, 2 and 3; an even
 /// split that does not divide is refused, naming the parameter and its blocks.
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn splits_cut_blocks_and_vocabularies_as_documented() {
     let fused = Split::Even { dim: 1, blocks: 3 };
     assert_eq!(fused.ranges(24, 1, 2, "c_attn").unwrap(), vec![4..8, 12..16, 20..24]);
