@@ -19,6 +19,7 @@
 //! (norms, the row-parallel bias) come out equal on all of them, and each slice's gradient
 //! is the unsplit layer's gradient of that slice.
 
+mod exchange;
 mod gather;
 mod linear;
 mod loss;
@@ -115,6 +116,18 @@ impl ParallelGroup {
             return x;
         }
         Tensor::from_dispatch(ops::reduce(x.into_dispatch(), self.clone(), ReduceOp::Sum))
+    }
+
+    /// DeepSpeed-Ulysses' exchange: `x` cut along dimension `scatter` into a part per rank,
+    /// part `j` sent to rank `j`, the parts received joined along dimension `gather` in
+    /// rank order (sequence parts for head parts before attention, and back after it). Its
+    /// gradient is the inverse exchange. Dimension `scatter` must divide by the group's
+    /// size (a panic naming it otherwise, after aborting the job).
+    pub fn all_to_all<const D: usize>(&self, x: Tensor<D>, scatter: usize, gather: usize) -> Tensor<D> {
+        if self.size() == 1 {
+            return x;
+        }
+        Tensor::from_dispatch(ops::all_to_all(x.into_dispatch(), self.clone(), [scatter, gather]))
     }
 
     /// The element-wise maximum of `x` over the group; no gradient flows through it.

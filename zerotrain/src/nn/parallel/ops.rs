@@ -45,6 +45,13 @@ pub trait GroupOps: Backend {
         let _ = group;
         x
     }
+
+    /// `x` cut along `dims[0]` into a part per rank, part `j` to rank `j`, the parts
+    /// received side by side along `dims[1]` in rank order.
+    #[fusion(default)]
+    fn group_all_to_all(x: FloatTensor<Self>, group: ParallelGroup, dims: [usize; 2]) -> FloatTensor<Self> {
+        exchanged::<Self>(x, &group, dims)
+    }
 }
 
 impl GroupOps for Flex {}
@@ -81,6 +88,43 @@ fn through_host<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: Reduce
         Ok(Ok(())) => B::float_from_data(data, &device),
         Ok(Err(e)) => fail(e.to_string()),
         Err(e) => fail(format!("the tensor's data: {e:?}")),
+    }
+}
+
+/// [`GroupOps::group_all_to_all`] through host memory (in f32, exactly; the result in
+/// `x`'s dtype); a failure aborts and panics as [`through_host`]'s does.
+fn exchanged<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, dims: [usize; 2]) -> FloatTensor<B> {
+    let (device, shape, dtype) = (x.device(), x.shape(), x.dtype());
+    let comm = group.collective();
+    let fail = |cause: String| -> ! {
+        let reason = format!("a sequence-parallel all-to-all failed: {cause}");
+        comm.abort(&reason);
+        panic!("{reason}");
+    };
+    let values = match try_read_sync(B::float_into_data(x)) {
+        Some(Ok(data)) => data.convert::<f32>().try_into_vec::<f32>().unwrap_or_else(|e| fail(format!("{e:?}"))),
+        Some(Err(e)) => fail(format!("reading the tensor: {e:?}")),
+        None => fail("reading the tensor: the device did not answer".into()),
+    };
+    let (out, out_dims) =
+        super::exchange::all_to_all(group, &values, shape.as_slice(), dims).unwrap_or_else(|e| fail(e.to_string()));
+    let t = B::float_from_data(TensorData::new(out, out_dims), &device);
+    match dtype {
+        DType::F32 => t,
+        other => B::float_cast(t, other.into()),
+    }
+}
+
+/// The all-to-all's backward: the inverse exchange (the dimensions swapped).
+#[derive(Debug)]
+struct ExchangeBackward(ParallelGroup, [usize; 2]);
+
+impl<B: GroupOps> Backward<B, 1> for ExchangeBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (group, [scatter, gather]) = (self.0, self.1);
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| B::group_all_to_all(grad, group, [gather, scatter]));
     }
 }
 
@@ -125,11 +169,21 @@ impl<B: GroupOps, C: CheckpointStrategy> GroupOps for Autodiff<B, C> {
         let prep = CopyBackward(group).prepare::<C>([x.node()]).compute_bound();
         prep.stateless(x.into_primitive())
     }
+
+    fn group_all_to_all(x: FloatTensor<Self>, group: ParallelGroup, dims: [usize; 2]) -> FloatTensor<Self> {
+        let prep = ExchangeBackward(group.clone(), dims).prepare::<C>([x.node()]).compute_bound();
+        prep.stateless(B::group_all_to_all(x.into_primitive(), group, dims))
+    }
 }
 
 /// Runs `op` of [`GroupOps`] through Burn's dispatch.
 pub(super) fn reduce(x: FloatTensor<Dispatch>, group: ParallelGroup, op: ReduceOp) -> FloatTensor<Dispatch> {
     <Dispatch as GroupOps>::group_reduce(x, group, op)
+}
+
+/// The group's all-to-all through Burn's dispatch.
+pub(super) fn all_to_all(x: FloatTensor<Dispatch>, group: ParallelGroup, dims: [usize; 2]) -> FloatTensor<Dispatch> {
+    <Dispatch as GroupOps>::group_all_to_all(x, group, dims)
 }
 
 /// The group's copy through Burn's dispatch.

@@ -266,3 +266,65 @@ fn shares_gather_into_the_whole_dimension_on_every_rank() {
         assert_eq!(got, whole, "the values are multiples of 0.5 below 16: exact in bf16");
     }
 }
+
+/// DeepSpeed-Ulysses over 2 and 4 ranks: each holds a quarter (or half) of the sequence of
+/// q, k and v (4 query heads over 4 kv heads at 4 ranks, 2 kv heads at 2: grouped), trades
+/// it for all of the sequence of its share of the heads, attends causally, and trades
+/// back: its part of the output and of every input's gradient equals the whole attention's.
+/// Bound: the exchanges move values exactly, so only the attention's own rounding differs
+/// (the same kernel over the same rows): 1e-6 of the largest value.
+#[test]
+fn ulysses_attention_equals_whole_attention_and_its_gradients() {
+    let (b, h, t, d) = (2, 4, 8, 3);
+    for (n, kv) in [(2, 2), (4, 4)] {
+        let (q, k, v, up) = (
+            draw(b * h * t * d, 11, 1.0),
+            draw(b * kv * t * d, 12, 1.0),
+            draw(b * kv * t * d, 13, 1.0),
+            draw(b * h * t * d, 14, 1.0),
+        );
+        let (tq, tk, tv) =
+            (tensor(&q, [b, h, t, d], true), tensor(&k, [b, kv, t, d], true), tensor(&v, [b, kv, t, d], true));
+        let out = crate::nn::causal_attention(tq.clone(), tk.clone(), tv.clone(), 0.5);
+        let grads = (out.clone() * tensor(&up, [b, h, t, d], false)).sum().backward();
+        let whole = [
+            values(out),
+            values(tq.grad(&grads).unwrap()),
+            values(tk.grad(&grads).unwrap()),
+            values(tv.grad(&grads).unwrap()),
+        ];
+        let results = on_ranks(n, |group| {
+            let rows = group.share(t);
+            let local = |x: &[f32], heads: usize| {
+                let x = tensor(x, [b, heads, t, d], false).narrow(2, rows.start, rows.len());
+                Tensor::<4>::from_data(x.into_data(), &Device::flex().autodiff()).require_grad()
+            };
+            let (lq, lk, lv) = (local(&q, h), local(&k, kv), local(&v, kv));
+            let heads_of = |x: Tensor<4>| group.all_to_all(x, 1, 2);
+            let out =
+                crate::nn::causal_attention(heads_of(lq.clone()), heads_of(lk.clone()), heads_of(lv.clone()), 0.5);
+            let out = group.all_to_all(out, 2, 1);
+            let upstream = tensor(&up, [b, h, t, d], false).narrow(2, rows.start, rows.len());
+            let grads = (out.clone() * upstream).sum().backward();
+            [
+                values(out),
+                values(lq.grad(&grads).unwrap()),
+                values(lk.grad(&grads).unwrap()),
+                values(lv.grad(&grads).unwrap()),
+            ]
+        });
+        for (r, got) in results.iter().enumerate() {
+            let rows = r * t / n..(r + 1) * t / n;
+            for (i, what) in ["output", "q's gradient", "k's gradient", "v's gradient"].iter().enumerate() {
+                let heads = if i < 2 { h } else { kv };
+                let want: Vec<f32> = whole[i]
+                    .chunks(t * d)
+                    .take(b * heads)
+                    .flat_map(|head| head[rows.start * d..rows.end * d].to_vec())
+                    .collect();
+                let error = relative_error(&got[i], &want);
+                assert!(error <= 1e-6, "{n} ranks, rank {r}: the {what} is off by {error:e}");
+            }
+        }
+    }
+}
