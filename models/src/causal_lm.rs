@@ -217,7 +217,8 @@ pub(crate) fn decoder_unit(
 
 /// What a decoder's last unit returns: the mean next-token loss of its final (normed)
 /// hidden states `h` `[batch, time, d]` under the head `weight` `[vocab, d]` and `bias`,
-/// against the next tokens of `tokens` `[batch, time + 1]`, as a `[1, 1, 1]` tensor (the
+/// against the next tokens of `tokens` `[batch, time + 1]` (those of positions `first..`,
+/// where `h` is a sequence-parallel rank's part of the sequence), as a `[1, 1, 1]` tensor (the
 /// unit's output; [`unit_loss`] reads it). Through [`LinearCrossEntropy`], so the logits
 /// never exist whole: the head's matmul and the loss run over blocks of tokens. Where the
 /// vocabulary is split over a tensor-parallel group (`split`: the group, the whole
@@ -226,11 +227,11 @@ pub(crate) fn decoder_unit(
 pub(crate) fn head_loss(
     h: Tensor<3>,
     (weight, bias): (Tensor<2>, Option<Tensor<1>>),
-    tokens: &Tensor<2, Int>,
+    (tokens, first): (&Tensor<2, Int>, usize),
     split: Option<(&ParallelGroup, usize)>,
 ) -> Tensor<3> {
     let [b, t, d] = h.dims();
-    let targets = tokens.clone().slice([0..b, 1..t + 1]).reshape([b * t]);
+    let targets = tokens.clone().slice([0..b, first + 1..first + t + 1]).reshape([b * t]);
     let h = h.reshape([b * t, d]);
     match split {
         Some((group, vocab)) if group.size() > 1 => {

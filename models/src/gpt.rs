@@ -191,7 +191,7 @@ impl Gpt {
             Some(head) => (head.weight.val().transpose(), head.bias.as_ref().map(|b| b.val())),
             None => (self.token.weight.val(), None),
         };
-        head_loss(h, (weight, bias), tokens, None)
+        head_loss(h, (weight, bias), (tokens, 0), None)
     }
 
     /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]`.

@@ -10,7 +10,10 @@ use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
-use super::layers::{Conv1D, Embed, KvCache, Norm, causal_attention, split_heads, with_cached};
+use super::layers::{
+    Conv1D, Embed, KvCache, Norm, causal_attention, sequence_parallel_attention, sequence_part, split_heads,
+    with_cached,
+};
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
@@ -40,6 +43,9 @@ pub struct Gpt2 {
     /// How each split parameter is cut (none without tensor parallelism).
     #[module(skip)]
     splits: BTreeMap<String, Split>,
+    /// The ranks whose units each run a part of every sequence (alone: none).
+    #[module(skip)]
+    seq: ParallelGroup,
 }
 
 /// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
@@ -77,7 +83,7 @@ impl Gpt2 {
     pub fn new(shape: &Gpt2Shape, w: &Weights) -> Self {
         let (d, eps) = (shape.n_embd, shape.layer_norm_epsilon);
         let tp = w.tensor_parallel().clone();
-        crate::layers::refuse_undivided(w, &[("n_head", shape.n_head), ("n_inner", shape.n_inner)]);
+        crate::layers::refuse_undivided(w, &[("n_head", shape.n_head, true), ("n_inner", shape.n_inner, false)]);
         // Hugging Face's `GPT2PreTrainedModel._init_weights`: the residual projections at
         // initializer_range / sqrt(2 n_layer), so the residual stream's variance does not
         // grow with depth.
@@ -110,6 +116,7 @@ impl Gpt2 {
             values: w.initial_values(),
             vocab: (tp, shape.vocab_size),
             splits: w.splits(),
+            seq: w.sequence_parallel().clone(),
         }
     }
 
@@ -130,7 +137,7 @@ impl Gpt2 {
 
     /// The final norm, the tied head and the mean next-token loss against `tokens` (the
     /// last unit), without the whole logits.
-    fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
+    fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
         let head = (self.transformer.wte.table(), None);
         head_loss(self.transformer.ln_f.forward(h), head, tokens, Some((&self.vocab.0, self.vocab.1)))
     }
@@ -144,14 +151,14 @@ impl Gpt2 {
     fn trunk(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.embed(ids, 0);
         for block in &self.transformer.h {
-            h = block.forward(h, None);
+            h = block.forward(h, None, None);
         }
         h
     }
 
     /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path.
     pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
-        unit_loss(self.head_loss(self.trunk(inputs(tokens)), tokens))
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (tokens, 0)))
     }
 
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
@@ -160,7 +167,7 @@ impl Gpt2 {
         let start = cache.advance(ids.dims()[1]);
         let mut h = self.embed(ids, start);
         for (i, block) in self.transformer.h.iter().enumerate() {
-            h = block.forward(h, Some((&mut *cache, i)));
+            h = block.forward(h, Some((&mut *cache, i)), None);
         }
         self.head(last_position(h))
     }
@@ -169,12 +176,17 @@ impl Gpt2 {
 impl Gpt2Block {
     /// `h` `[batch, time, d]`, attending also to the earlier positions a cache holds (block
     /// `i` of it), to which this block's keys and values join.
-    fn forward(&self, h: Tensor<3>, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
+    /// With `seq`, `h` is this rank's part of each sequence and attention trades parts for
+    /// heads over the group (DeepSpeed-Ulysses).
+    fn forward(&self, h: Tensor<3>, cache: Option<(&mut KvCache, usize)>, seq: Option<&ParallelGroup>) -> Tensor<3> {
         let n_head = self.attn.n_head;
         let qkv = self.attn.c_attn.forward(self.ln_1.forward(h.clone()));
         let [q, k, v]: [Tensor<3>; 3] = qkv.chunk(3, 2).try_into().expect("c_attn is [d, 3d]");
         let (k, v) = with_cached(cache, split_heads(k, n_head), split_heads(v, n_head));
-        let a = causal_attention(split_heads(q, n_head), k, v);
+        let a = match seq {
+            Some(seq) => sequence_parallel_attention(split_heads(q, n_head), k, v, seq),
+            None => causal_attention(split_heads(q, n_head), k, v),
+        };
         let h = h + self.attn.c_proj.forward(a);
         let m = self.mlp.c_proj.forward(gelu_approximate(self.mlp.c_fc.forward(self.ln_2.forward(h.clone()))));
         h + m
@@ -217,9 +229,22 @@ impl UnitModel for Gpt2 {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let blocks = &self.transformer.h;
-        let block = |i: usize, h| blocks[i].forward(h, None);
-        let head = |h| self.head_loss(h, tokens);
-        decoder_unit(unit, input, tokens, blocks.len(), |ids| self.embed(ids, 0), block, head)
+        // Sequence parallelism: this rank's part of every sequence, its positions from `first`.
+        let seq = (self.seq.size() > 1).then_some(&self.seq);
+        let part = |t: usize| seq.map_or(0, |s| s.rank() * t);
+        let block = |i: usize, h| blocks[i].forward(h, None, seq);
+        let head = |h: Tensor<3>| {
+            let first = part(h.dims()[1]);
+            self.head_loss(h, (tokens, first))
+        };
+        let embed = |ids: Tensor<2, Int>| match seq {
+            Some(seq) => {
+                let (ids, first) = sequence_part(ids, seq);
+                self.embed(ids, first)
+            }
+            None => self.embed(ids, 0),
+        };
+        decoder_unit(unit, input, tokens, blocks.len(), embed, block, head)
     }
 
     fn output_loss(&self, loss: Tensor<3>, _: &Self::Batch) -> Tensor<1> {
@@ -235,6 +260,6 @@ impl UnitModel for Gpt2 {
     }
 
     fn tensor_parallel(&self) -> Option<TensorParallel> {
-        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone() })
+        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone(), sequence: self.seq.clone() })
     }
 }

@@ -13,7 +13,10 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
-use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, split_heads, with_cached};
+use super::layers::{
+    Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, sequence_parallel_attention, sequence_part, split_heads,
+    with_cached,
+};
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
@@ -43,6 +46,9 @@ pub struct Llama {
     /// How each split parameter is cut (none without tensor parallelism).
     #[module(skip)]
     splits: BTreeMap<String, Split>,
+    /// The ranks whose units each run a part of every sequence (alone: none).
+    #[module(skip)]
+    seq: ParallelGroup,
 }
 
 /// One pre-norm layer.
@@ -92,7 +98,11 @@ impl Llama {
         let tp = w.tensor_parallel().clone();
         crate::layers::refuse_undivided(
             w,
-            &[("num_attention_heads", heads), ("num_key_value_heads", kv), ("intermediate_size", ffn)],
+            &[
+                ("num_attention_heads", heads, true),
+                ("num_key_value_heads", kv, true),
+                ("intermediate_size", ffn, false),
+            ],
         );
         let rope = Rope::new(hd, shape.rope_theta, shape.rope_scaling);
         let layers = (0..shape.num_hidden_layers)
@@ -132,6 +142,7 @@ impl Llama {
             values: w.initial_values(),
             vocab: (tp, vocab),
             splits: w.splits(),
+            seq: w.sequence_parallel().clone(),
         }
     }
 
@@ -148,7 +159,7 @@ impl Llama {
 
     /// The final norm, the head and the mean next-token loss against `tokens` (the last
     /// unit), without the whole logits.
-    fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
+    fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
         let h = self.model.norm.forward(h);
         let head = match &self.lm_head {
             Some(head) => head.weight_and_bias(),
@@ -166,14 +177,14 @@ impl Llama {
     fn trunk(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
-            h = layer.forward(h, 0, None);
+            h = layer.forward(h, 0, None, None);
         }
         h
     }
 
     /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path.
     pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
-        unit_loss(self.head_loss(self.trunk(inputs(tokens)), tokens))
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (tokens, 0)))
     }
 
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
@@ -182,7 +193,7 @@ impl Llama {
         let start = cache.advance(ids.dims()[1]);
         let mut h = self.model.embed_tokens.forward(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
-            h = layer.forward(h, start, Some((&mut *cache, i)));
+            h = layer.forward(h, start, Some((&mut *cache, i)), None);
         }
         self.head(last_position(h))
     }
@@ -198,7 +209,15 @@ fn per_head(norm: &Option<RmsNorm>, x: Tensor<4>) -> Tensor<4> {
 impl LlamaLayer {
     /// `h` `[batch, time, d]` at positions `start..`, attending also to the earlier
     /// positions a cache holds (layer `i` of it), to which this layer's keys and values join.
-    fn forward(&self, h: Tensor<3>, start: usize, cache: Option<(&mut KvCache, usize)>) -> Tensor<3> {
+    /// With `seq`, `h` is this rank's part of each sequence (at positions `start..`), and
+    /// attention trades parts for heads over the group (DeepSpeed-Ulysses).
+    fn forward(
+        &self,
+        h: Tensor<3>,
+        start: usize,
+        cache: Option<(&mut KvCache, usize)>,
+        seq: Option<&ParallelGroup>,
+    ) -> Tensor<3> {
         let a = &self.self_attn;
         let (heads, kv) = a.heads;
         // One copy into the tensor-parallel region for q, k and v, one for gate and up.
@@ -207,7 +226,11 @@ impl LlamaLayer {
         let k = per_head(&a.k_norm, split_heads(a.k_proj.forward_entered(x.clone()), kv));
         let (q, k) = a.rope.rotate(q, k, start);
         let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward_entered(x), kv));
-        let h = h + a.o_proj.forward(causal_attention(q, k, v));
+        let attended = match seq {
+            Some(seq) => sequence_parallel_attention(q, k, v, seq),
+            None => causal_attention(q, k, v),
+        };
+        let h = h + a.o_proj.forward(attended);
         let m = &self.mlp;
         let x = m.gate_proj.enter(self.post_attention_layernorm.forward(h.clone()));
         h + m.down_proj.forward(silu(m.gate_proj.forward_entered(x.clone())) * m.up_proj.forward_entered(x))
@@ -250,9 +273,22 @@ impl UnitModel for Llama {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let (embed, layers) = (&self.model.embed_tokens, &self.model.layers);
-        let layer = |i: usize, h| layers[i].forward(h, 0, None);
-        let head = |h| self.head_loss(h, tokens);
-        decoder_unit(unit, input, tokens, layers.len(), |ids| embed.forward(ids), layer, head)
+        // Sequence parallelism: this rank's part of every sequence, its positions from `first`.
+        let seq = (self.seq.size() > 1).then_some(&self.seq);
+        let part = |t: usize| seq.map_or(0, |s| s.rank() * t);
+        let layer = |i: usize, h: Tensor<3>| {
+            let first = part(h.dims()[1]);
+            layers[i].forward(h, first, None, seq)
+        };
+        let head = |h: Tensor<3>| {
+            let first = part(h.dims()[1]);
+            self.head_loss(h, (tokens, first))
+        };
+        let embed = |ids: Tensor<2, Int>| match seq {
+            Some(seq) => embed.forward(sequence_part(ids, seq).0),
+            None => embed.forward(ids),
+        };
+        decoder_unit(unit, input, tokens, layers.len(), embed, layer, head)
     }
 
     fn output_loss(&self, loss: Tensor<3>, _: &Self::Batch) -> Tensor<1> {
@@ -268,6 +304,6 @@ impl UnitModel for Llama {
     }
 
     fn tensor_parallel(&self) -> Option<TensorParallel> {
-        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone() })
+        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone(), sequence: self.seq.clone() })
     }
 }

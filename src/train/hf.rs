@@ -14,7 +14,7 @@ use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, task, trai
 use crate::keys::AppSettings;
 use zerotrain::Plan;
 use zerotrain::engine::ParamCount;
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain_models::family::load::LoadedModel;
 use zerotrain_models::family::{HfModel, WithModel};
 use zerotrain_models::file_error::read_optional;
@@ -153,6 +153,15 @@ pub fn train_hf(
     log: &(dyn Fn(&str) + Sync),
     progress: &(dyn Fn(&StepMetrics) + Sync),
 ) -> anyhow::Result<TrainSummary> {
+    let sp = plan.mesh.sp;
+    if !loaded.context.is_multiple_of(sp) {
+        bail!(
+            "a context of {} tokens ({}) does not divide by zerotrain.mesh.sp {sp}: each sequence rank holds an \
+             equal part of every sequence; set model.block_size to a multiple of {sp}",
+            loaded.context,
+            loaded.context_from
+        );
+    }
     let config = serde_json::to_string_pretty(&loaded.config.json)?.into_bytes();
     let tokenizer = zerotrain_models::file_error::read_file(loaded.tokenizer.file())?;
     let mut files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
@@ -162,7 +171,7 @@ pub fn train_hf(
         TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
     let token_data = TokenData { sampler, file, global_batch: plan.sequences_per_step(), base: Mutex::new((0, 0)) };
     let seed = plan.runtime.seed;
-    let split = |group: &ParallelGroup, device: &Device| loaded.split(group, device, seed);
+    let split = |groups: &ParallelGroups, device: &Device| loaded.split(groups, device, seed);
     let (tokenizer, model) = (&loaded.tokenizer, loaded.model.clone());
     let job = HfJob { plan, settings, options, data: &token_data, tokenizer, files, split: &split, log, progress };
     model.run(job)
@@ -193,7 +202,7 @@ struct HfJob<'a> {
     tokenizer: &'a Tokenizer,
     files: Vec<(String, Vec<u8>)>,
     /// A tensor-parallel rank's part of the model, for its group.
-    split: &'a (dyn Fn(&ParallelGroup, &Device) -> anyhow::Result<HfModel> + Sync),
+    split: &'a (dyn Fn(&ParallelGroups, &Device) -> anyhow::Result<HfModel> + Sync),
     log: &'a (dyn Fn(&str) + Sync),
     progress: &'a (dyn Fn(&StepMetrics) + Sync),
 }
@@ -213,8 +222,8 @@ impl WithModel for HfJob<'_> {
             Ok(vec![format!("{}|{continuation}", text(&prompt))])
         };
         let num_params = ParamCount::trainable(&model);
-        let family = |group: &ParallelGroup, device: &Device| -> anyhow::Result<M> {
-            let part = (self.split)(group, device)?;
+        let family = |groups: &ParallelGroups, device: &Device| -> anyhow::Result<M> {
+            let part = (self.split)(groups, device)?;
             part.into_model::<M>().ok_or_else(|| anyhow::anyhow!("a tensor-parallel part of another family"))
         };
         let split: Option<&task::Splitter<'_, M>> = Some(&family);

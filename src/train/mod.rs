@@ -285,7 +285,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         }
         let mesh = zerotrain::mesh::split(ctx, self.plan)?;
         let model = match self.split {
-            Some(split) => split(&mesh.tensor, ctx.device()).map_err(|e| Error::Model(format!("{e:#}")))?,
+            Some(split) => split(&mesh.groups(), ctx.device()).map_err(|e| Error::Model(format!("{e:#}")))?,
             // The engine refuses it, naming the missing plan.
             None => init,
         };

@@ -2,7 +2,7 @@
 //! ([`Task`], [`TrainData`]), and how the model reaches each rank ([`Handout`]).
 
 use burn::tensor::{Device, Int, Tensor};
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::ParallelGroups;
 
 use super::VALIDATION_SEQUENCES;
 use zerotrain::Plan;
@@ -65,7 +65,7 @@ pub struct Task<'a, M> {
 }
 
 /// Builds a tensor-parallel rank's part of a model for its group, on a device.
-pub type Splitter<'a, M> = dyn Fn(&ParallelGroup, &Device) -> anyhow::Result<M> + Sync + 'a;
+pub type Splitter<'a, M> = dyn Fn(&ParallelGroups, &Device) -> anyhow::Result<M> + Sync + 'a;
 
 /// One model for each rank of this process, with no copy left behind.
 ///

@@ -6,9 +6,10 @@ use super::hf::{eval_json, folder, fresh_llama, losses, run_ok, train_args};
 use super::{text, zerotrain};
 
 /// LLaMA with 4 heads over 2 kv heads at `tensor_parallel.autotp_size` 2 on two thread
-/// ranks: stopped at step 3 and resumed at tp 1 on one rank, it trains steps 4..6 with the
-/// losses of the run that never stopped (within 1e-5 relative: the same samples, the sums
-/// grouped otherwise); `eval` at tp 1 reads the checkpoint the tp 2 run wrote (the whole
+/// ranks: stopped at step 3 and resumed at tp 1 on one rank, and again at sequence
+/// parallelism 2 (`zerotrain.mesh.sp`) on two, it trains steps 4..6 with the losses of the
+/// run that never stopped (within 1e-5 relative: the same samples, the sums grouped
+/// otherwise); `eval` at tp 1 reads the checkpoint the tp 2 run wrote (the whole
 /// model) and scores it as the resumed run's final checkpoint within 1e-4 relative (one
 /// more AdamW update than the last loss compared, which can move a parameter whose
 /// gradient is near zero by up to the lr).
@@ -24,11 +25,21 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
     let (uninterrupted, resumed) = (dir.join("uninterrupted"), dir.join("resumed"));
     run_ok(&train_args(&split, &tokens, "6", &uninterrupted, &[]));
     run_ok(&train_args(&split, &tokens, "3", &resumed, &[]));
+    let sequence = dir.join("sp.json");
+    let sp_config = std::fs::read_to_string(&split).unwrap().replace(tp, "");
+    std::fs::write(&sequence, sp_config.replace(r#""world_size": 2"#, r#""world_size": 2, "mesh": {"sp": 2}"#))
+        .unwrap();
+    let at_sp = dir.join("at-sp");
+    run_ok(&train_args(&split, &tokens, "3", &at_sp, &[]));
     run_ok(&train_args(&whole, &tokens, "6", &resumed, &["--resume"]));
-    let (a, b) = (losses(&uninterrupted), losses(&resumed));
-    assert_eq!(b.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6], "{b:?}");
-    for ((step, x), (_, y)) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} at tp 2 throughout, {y} resumed at tp 1");
+    run_ok(&train_args(&sequence, &tokens, "6", &at_sp, &["--resume"]));
+    let a = losses(&uninterrupted);
+    for (how, run) in [("at tp 1", &resumed), ("at sp 2", &at_sp)] {
+        let b = losses(run);
+        assert_eq!(b.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6], "{b:?}");
+        for ((step, x), (_, y)) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} at tp 2 throughout, {y} resumed {how}");
+        }
     }
     let score = |run: &std::path::Path| {
         eval_json(&whole, ["--tokens", tokens.to_str().unwrap()], Some(&run.join("checkpoints")))
@@ -43,7 +54,8 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
 
 /// The built-in GPT has no tensor-parallel plan: a mesh is refused naming the key and
 /// what is missing (never trained whole on every rank); a family whose kv heads do not
-/// divide over the mesh is refused naming the config field.
+/// divide over the mesh is refused naming the config field, and a context that does not
+/// divide over the sequence ranks naming `model.block_size`.
 #[test]
 fn models_that_cannot_split_are_refused_by_name() {
     let dir = folder("tensor-parallel-refused");
@@ -64,7 +76,9 @@ fn models_that_cannot_split_are_refused_by_name() {
     ]);
     let err = text(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("autotp_size is 2, but the model has no tensor-parallel plan"),
+        !out.status.success()
+            && err.contains("but the model has no tensor- or sequence-parallel plan")
+            && err.contains("autotp_size is 2"),
         "{err}"
     );
     let (kv1, tokens) = fresh_llama(&dir, 2, r#", "tensor_parallel": {"autotp_size": 2}"#);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use zerotrain_zero::Collective;
 
 use crate::config::MeshPlan;
-use crate::nn::parallel::ParallelGroup;
+use crate::nn::parallel::{ParallelGroup, ParallelGroups};
 use crate::{Error, Plan, RankContext, Result};
 
 /// A rank's place in the mesh: its coordinates and groups, carried by the data-parallel
@@ -41,13 +41,15 @@ impl std::fmt::Debug for MeshPlace {
     }
 }
 
-/// What [`split`] gives a rank: the data-parallel context and plan its engine is built with
-/// (the context carries its [`MeshPlace`]), and its tensor- and sequence-parallel groups.
+/// What [`split`] gives a rank: the context and plan its engine is built with (the context
+/// carries its [`MeshPlace`]), and its tensor- and sequence-parallel groups.
 pub struct MeshRank {
-    /// The rank's data-parallel group (its collective), reading its data-parallel place's
-    /// part of every batch.
+    /// The ranks ZeRO shards this rank's part of the model over: its data-parallel places'
+    /// ranks of its sequence group too (DeepSpeed's sequence-data-parallel group: the
+    /// sequence ranks hold the same parameters), reading its data-parallel place's part of
+    /// every batch.
     pub ctx: RankContext,
-    /// The plan over the data-parallel group (its world size the group's).
+    /// The plan over that group (its world size the group's, its mesh in the context).
     pub plan: Plan,
     /// The ranks that split each layer with this one (build the model for it).
     pub tensor: ParallelGroup,
@@ -70,17 +72,25 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<MeshRank> {
     let rank = world.rank();
     let (d, s, t) = mesh.coordinates(rank);
     let dp = plan.data_parallel_size();
-    // Colors: the other two coordinates; keys: the group's own.
+    // Colors: the other coordinates; keys: the group's own.
     let tensor = world.split(d * mesh.sp + s, t)?;
     let sequence = world.split(d * mesh.tp + t, s)?;
-    let data = world.split(s * mesh.tp + t, d)?;
+    let shards = world.split(t, d * mesh.sp + s)?;
     let (tensor, sequence) = (ParallelGroup::new(tensor), ParallelGroup::new(sequence));
     let place =
         MeshPlace { plan: mesh, coordinates: (d, s, t), tensor: tensor.clone(), sequence: sequence.clone(), world };
-    let ctx = RankContext::new(data, ctx.device().clone()).with_data_position(d, dp).in_mesh(place);
-    let mut dp_plan = plan.clone();
-    dp_plan.runtime.world_size = dp;
-    Ok(MeshRank { ctx, plan: dp_plan, tensor, sequence })
+    let ctx = RankContext::new(shards, ctx.device().clone()).with_data_position(d, dp).in_mesh(place);
+    let mut group_plan = plan.clone();
+    group_plan.runtime.world_size = dp * mesh.sp;
+    group_plan.mesh = MeshPlan::default();
+    Ok(MeshRank { ctx, plan: group_plan, tensor, sequence })
+}
+
+impl MeshRank {
+    /// The groups to build this rank's part of the model for.
+    pub fn groups(&self) -> ParallelGroups {
+        ParallelGroups { tensor: self.tensor.clone(), sequence: self.sequence.clone() }
+    }
 }
 
 #[cfg(test)]
@@ -95,8 +105,9 @@ mod tests {
     use crate::config::{Config, Overrides};
 
     /// Every rank's groups hold the world ranks the mesh's order says, in order: at dp 2 x
-    /// sp 2 x tp 2, rank 5 = (1, 0, 1) has tensor group {4, 5}, sequence group {5, 7}, data
-    /// group {1, 5}; the data-parallel plan's world is dp and its batch the whole job's.
+    /// sp 2 x tp 2, rank 5 = (1, 0, 1) has tensor group {4, 5}, sequence group {5, 7}, and
+    /// shards its part over {1, 3, 5, 7} (its tensor rank's every data and sequence rank);
+    /// that plan's world is 4, its batch the whole job's, and the data split over dp 2.
     #[test]
     fn each_rank_gets_the_groups_of_its_coordinates() {
         let json = r#"{"train_micro_batch_size_per_gpu": 1, "zerotrain": {"mesh": {"tp": 2, "sp": 2}}}"#;
@@ -135,13 +146,13 @@ mod tests {
         let (place, tensor, sequence, data, dp, batch) = &got[5];
         assert_eq!(
             (*place, tensor.as_slice(), sequence.as_slice(), data.as_slice()),
-            ((1, 0, 1), &[4, 5][..], &[5, 7][..], &[1, 5][..])
+            ((1, 0, 1), &[4, 5][..], &[5, 7][..], &[1, 3, 5, 7][..])
         );
-        assert_eq!((*dp, *batch), ((1, 2, 2), 2));
+        assert_eq!((*dp, *batch), ((1, 2, 4), 2));
         for (r, (place, tensor, sequence, data, _, _)) in got.iter().enumerate() {
             assert_eq!(plan.mesh.coordinates(r), *place);
             assert!(tensor.contains(&r) && sequence.contains(&r) && data.contains(&r), "rank {r}");
-            assert_eq!((tensor.len(), sequence.len(), data.len()), (2, 2, 2), "rank {r}");
+            assert_eq!((tensor.len(), sequence.len(), data.len()), (2, 2, 4), "rank {r}");
         }
     }
 }

@@ -10,7 +10,7 @@ use super::HfModel;
 use crate::hf::size::ModelSize;
 use crate::hf::{self, HfConfig};
 use crate::text::Tokenizer;
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::ParallelGroups;
 
 /// Where a Hugging Face family's model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,14 +69,14 @@ impl LoadedModel {
         if self.source.is_dir() { Some(&self.source) } else { self.source.parent() }
     }
 
-    /// Rank `group.rank()`'s part of the model for a tensor-parallel group, on `device`: its
+    /// A mesh rank's part of the model for its `groups`, on `device`: its
     /// slices of the checkpoint's tensors (`hf_dir`), or of a fresh model drawn from `seed`
     /// and each parameter's name (`hf_config`: every rank draws the same whole model).
-    pub fn split(&self, group: &ParallelGroup, device: &Device, seed: u64) -> anyhow::Result<HfModel> {
+    pub fn split(&self, groups: &ParallelGroups, device: &Device, seed: u64) -> anyhow::Result<HfModel> {
         if self.source.is_dir() {
-            return Ok(super::import_split(&self.source, device, group)?.1);
+            return Ok(super::import_split(&self.source, device, groups)?.1);
         }
-        super::fresh_split(&self.config, device, group, seed)
+        super::fresh_split(&self.config, device, groups, seed)
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.source.display()))
     }
 

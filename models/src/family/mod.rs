@@ -16,7 +16,7 @@ use crate::hf::size::ModelSize;
 use crate::hf::weights::Weights;
 use crate::hf::{CONFIG_FILE, Family, HfConfig};
 use crate::{CausalLm, Gpt2, Llama, gpt2, llama};
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::ParallelGroups;
 
 /// A built-in model of either family.
 #[derive(Debug, Clone)]
@@ -69,12 +69,13 @@ pub fn fresh(config: &HfConfig, device: &Device) -> HfModel {
     build(config, &Weights::fresh(device, initializer_range(config)))
 }
 
-/// [`fresh`] for rank `group.rank()` of a tensor-parallel group: its part of the model
-/// ([`Llama::new`], [`Gpt2::new`]), every value drawn from `seed` and the parameter's
-/// name, so that the ranks' parts make one model (the one every group size draws); an
-/// error naming the config field that does not divide over the group.
-pub fn fresh_split(config: &HfConfig, device: &Device, group: &ParallelGroup, seed: u64) -> Result<HfModel, String> {
-    let w = Weights::fresh(device, initializer_range(config)).with_tensor_parallel(group.clone(), seed);
+/// [`fresh`] for a rank of a device mesh's `groups`: its part of the model ([`Llama::new`],
+/// [`Gpt2::new`]) for its tensor group, its units running its part of every sequence for
+/// its sequence group; every value drawn from `seed` and the parameter's name, so that the
+/// ranks' parts make one model (the one every group size draws); an error naming the
+/// config field that does not divide over the groups.
+pub fn fresh_split(config: &HfConfig, device: &Device, groups: &ParallelGroups, seed: u64) -> Result<HfModel, String> {
+    let w = Weights::fresh(device, initializer_range(config)).with_groups(groups, seed);
     let model = build(config, &w);
     w.finish(|_| false)?;
     Ok(model)
@@ -99,12 +100,12 @@ pub struct ImportError {
 /// tensor (converted to f32 exactly). Every tensor the model needs is checked (present,
 /// float, of the config's shape) and every tensor the files hold must have a place.
 pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, HfModel), ImportError> {
-    import_split(dir, device, &ParallelGroup::alone())
+    import_split(dir, device, &ParallelGroups::alone())
 }
 
-/// [`import`] for rank `group.rank()` of a tensor-parallel group: its part of the model
-/// ([`Llama::new`], [`Gpt2::new`]), each split parameter a lazy read of its slice.
-pub fn import_split(dir: &Path, device: &Device, group: &ParallelGroup) -> Result<(HfConfig, HfModel), ImportError> {
+/// [`import`] for a rank of a device mesh's `groups`: its part of the model ([`Llama::new`],
+/// [`Gpt2::new`]), each split parameter a lazy read of its slice.
+pub fn import_split(dir: &Path, device: &Device, groups: &ParallelGroups) -> Result<(HfConfig, HfModel), ImportError> {
     let fail = |message: String| ImportError { dir: dir.display().to_string(), message };
     let config = HfConfig::read(&dir.join(CONFIG_FILE)).map_err(|e| fail(e.to_string()))?;
     let files = TensorFiles::open(dir).map_err(|e| fail(e.to_string()))?;
@@ -123,13 +124,13 @@ pub fn import_split(dir: &Path, device: &Device, group: &ParallelGroup) -> Resul
     }
     let model = match &config.family {
         Family::Gpt2(shape) => {
-            let w = Weights::from_files(device, files, gpt2::alias).with_tensor_parallel(group.clone(), 0);
+            let w = Weights::from_files(device, files, gpt2::alias).with_groups(groups, 0);
             let model = Gpt2::new(shape, &w);
             w.finish(gpt2::ignored).map_err(fail)?;
             HfModel::Gpt2(model)
         }
         Family::Llama(shape) => {
-            let w = Weights::from_files(device, files, |_| None).with_tensor_parallel(group.clone(), 0);
+            let w = Weights::from_files(device, files, |_| None).with_groups(groups, 0);
             let model = Llama::new(shape, &w);
             let tied = shape.tie_word_embeddings;
             w.finish(|name| llama::ignored(name, tied)).map_err(fail)?;

@@ -16,7 +16,7 @@ use super::files::{TensorEntry, TensorFiles, check_float};
 use super::slices;
 use zerotrain::Precision;
 use zerotrain::engine::InitialValues;
-use zerotrain::nn::parallel::{ParallelGroup, Split, within};
+use zerotrain::nn::parallel::{ParallelGroup, ParallelGroups, Split, within};
 use zerotrain_precision::{BufMut, FlatElem};
 
 /// How a fresh parameter starts (Hugging Face's `_init_weights` for these families).
@@ -53,6 +53,8 @@ pub struct Weights {
     seed: Option<u64>,
     /// The split parameters, by module path.
     splits: RefCell<BTreeMap<String, Split>>,
+    /// The ranks that split each sequence (no parameter is split over them).
+    sequence: ParallelGroup,
 }
 
 impl Weights {
@@ -68,8 +70,8 @@ impl Weights {
 
     fn new(device: &Device, std: f64, files: Option<Arc<TensorFiles>>, alias: fn(&str) -> Option<String>) -> Self {
         let (asked, used, errors, splits) = Default::default();
-        let (tp, seed) = (ParallelGroup::alone(), None);
-        Self { device: device.clone(), std, files, alias, asked, used, errors, tp, seed, splits }
+        let (tp, seed, sequence) = (ParallelGroup::alone(), None, ParallelGroup::alone());
+        Self { device: device.clone(), std, files, alias, asked, used, errors, tp, seed, splits, sequence }
     }
 
     /// The same source for rank `group.rank()` of a tensor-parallel group: each parameter
@@ -82,9 +84,23 @@ impl Weights {
         self
     }
 
+    /// The same source for a model built for `groups`: the tensor group's slices (as
+    /// [`with_tensor_parallel`](Self::with_tensor_parallel)) and the sequence group the
+    /// model's units split each sequence over.
+    pub fn with_groups(self, groups: &ParallelGroups, seed: u64) -> Self {
+        let mut w = self.with_tensor_parallel(groups.tensor.clone(), seed);
+        w.sequence = groups.sequence.clone();
+        w
+    }
+
     /// The tensor-parallel group the slices are for (a group of one rank by default).
     pub fn tensor_parallel(&self) -> &ParallelGroup {
         &self.tp
+    }
+
+    /// The sequence-parallel group (a group of one rank by default).
+    pub fn sequence_parallel(&self) -> &ParallelGroup {
+        &self.sequence
     }
 
     /// The split parameters asked for so far, by module path.

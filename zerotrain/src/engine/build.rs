@@ -84,7 +84,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
                 "the plan has pipeline stages: build a Pipeline (Pipeline::new) of a model declared in units".into(),
             ));
         }
-        if !self.plan.mesh.is_trivial() {
+        if !self.plan.mesh.is_trivial() || self.ctx.mesh().is_some() {
             return Err(Error::Usage(
                 "the plan has a tensor- or sequence-parallel mesh: build the engine of a model declared in units \
                  (Engine::with_units), whose UnitModel::tensor_parallel says how it is split"
@@ -302,8 +302,9 @@ fn assemble<M: Module>(
     let swaps = SwapFolders::open(plan, world.as_ref(), &owner)?;
     let device = ctx.device().clone();
     let streams = Streams::new(plan.runtime.seed, ctx.data_parallel_rank());
-    // A tensor-parallel model's forward waits for the other tensor ranks inside it.
-    let streams = if tensor.is_some() { streams.waiting_inside() } else { streams };
+    // A mesh's model waits for the other ranks of its tensor or sequence group inside its
+    // forward.
+    let streams = if ctx.mesh().is_some() { streams.waiting_inside() } else { streams };
     let crossings = Default::default();
     // Nothing on the host needs the step's values (the note in `engine/flat.rs`).
     let device_step = plan.runtime.device != ComputeDevice::Cpu
@@ -322,6 +323,7 @@ fn assemble<M: Module>(
         streams,
         device_step,
         tensor,
+        data_place: ctx.mesh().map(|_| (ctx.data_parallel_rank(), ctx.data_parallel_size())),
     };
     let (mut units, mut transient, mut first) = (Vec::new(), 0, FirstValues::new(shared.dtype()));
     for id in 0..shared.sharding.units().len() {

@@ -321,15 +321,16 @@ impl<M: Module> Engine<M> {
         self.notices.all()
     }
 
-    /// This rank's index among the ranks that split each batch (the world, or its pipeline
-    /// stage's data-parallel group).
+    /// This rank's index among the ranks that split each batch (the world, its pipeline
+    /// stage's data-parallel group, or its mesh's data-parallel places: a sequence group's
+    /// ranks read the same samples).
     pub fn data_parallel_rank(&self) -> usize {
-        self.shared.comm.rank()
+        self.shared.data_place.map_or_else(|| self.shared.comm.rank(), |(rank, _)| rank)
     }
 
     /// How many ranks split each batch (see [`data_parallel_rank`](Self::data_parallel_rank)).
     pub fn data_parallel_size(&self) -> usize {
-        self.shared.comm.world_size()
+        self.shared.data_place.map_or_else(|| self.shared.comm.world_size(), |(_, size)| size)
     }
 
     /// Bytes this rank has read from and written to its NVMe swap files so far

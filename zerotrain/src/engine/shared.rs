@@ -84,6 +84,9 @@ pub(crate) struct Shared {
     pub device_step: bool,
     /// How the units are split over a tensor-parallel group, if they are (`tensor.rs`).
     pub tensor: Option<TensorShare>,
+    /// On a mesh, this rank's data-parallel place and the places' count: the ranks of a
+    /// sequence group shard one model but read the same samples.
+    pub data_place: Option<(usize, usize)>,
 }
 
 /// Model-state bytes a rank copied between host memory and its device, each way.

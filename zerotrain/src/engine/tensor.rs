@@ -132,39 +132,43 @@ pub(super) fn share<M: UnitModel>(
     ctx: &RankContext,
     sharding: &Sharding,
 ) -> Result<Option<TensorShare>> {
-    let mesh = plan.mesh;
-    let split = model.tensor_parallel().filter(|t| t.group.size() > 1);
+    let place = ctx.mesh();
+    let mesh = place.map_or(plan.mesh, |p| p.plan);
+    let split = model.tensor_parallel();
+    let (tp, sp) = split.as_ref().map_or((1, 1), |s| (s.group.size(), s.sequence.size()));
     if mesh.is_trivial() {
-        return match split {
-            None => Ok(None),
-            Some(t) => Err(Error::Usage(format!(
-                "the model is split over {} tensor-parallel ranks, but the plan has no mesh: set \
-                 tensor_parallel.autotp_size to {}",
-                t.group.size(),
-                t.group.size()
-            ))),
-        };
+        if (tp, sp) == (1, 1) {
+            return Ok(None);
+        }
+        return Err(Error::Usage(format!(
+            "the model is split over {tp} tensor and {sp} sequence ranks, but the plan has no mesh: set \
+             tensor_parallel.autotp_size to {tp} and zerotrain.mesh.sp to {sp}"
+        )));
     }
-    if mesh.sp > 1 {
-        return Err(Error::Usage(
-            "zerotrain.mesh.sp: the engine does not train sequence-parallel meshes yet (sp must be 1)".into(),
-        ));
-    }
-    let place = ctx.mesh().ok_or_else(|| {
+    let place = place.ok_or_else(|| {
         Error::Usage(
-            "the plan has a tensor-parallel mesh (tensor_parallel.autotp_size): build the engine with the context \
-             and plan zerotrain::mesh::split gives, and the model for its tensor group"
+            "the plan has a tensor- or sequence-parallel mesh (tensor_parallel.autotp_size, zerotrain.mesh): build \
+             the engine with the context and plan zerotrain::mesh::split gives, and the model for its groups"
                 .into(),
         )
     })?;
-    let Some(split) = split else {
+    let Some(split) = split.filter(|_| (tp, sp) != (1, 1)) else {
         return Err(Error::Usage(format!(
-            "tensor_parallel.autotp_size is {}, but the model has no tensor-parallel plan (UnitModel::tensor_parallel): \
-             build it split over the mesh's tensor group (the Hugging Face families: zerotrain_models::family::\
-             fresh_split or import_split); a model is never trained whole on every tensor rank",
-            mesh.tp
+            "the mesh has tp {} and sp {}, but the model has no tensor- or sequence-parallel plan \
+             (UnitModel::tensor_parallel): build it for the mesh's groups (the Hugging Face families: \
+             zerotrain_models::family::fresh_split or import_split); a model is never trained whole on every rank \
+             (tensor_parallel.autotp_size is {})",
+            mesh.tp, mesh.sp, mesh.tp
         )));
     };
+    let (s, sp_mesh) = (place.coordinates.1, mesh.sp);
+    if (split.sequence.rank(), sp) != (s, sp_mesh) {
+        return Err(Error::Usage(format!(
+            "the model runs sequence rank {} of {sp}, but this rank is sequence rank {s} of {sp_mesh}: build it for \
+             the mesh's sequence group",
+            split.sequence.rank()
+        )));
+    }
     let (t, tp) = (place.coordinates.2, mesh.tp);
     if (split.group.rank(), split.group.size()) != (t, tp) {
         return Err(Error::Usage(format!(
@@ -173,6 +177,9 @@ pub(super) fn share<M: UnitModel>(
             split.group.rank(),
             split.group.size()
         )));
+    }
+    if tp == 1 {
+        return Ok(None); // sequence parallelism alone: every rank holds the whole model
     }
     let whole = sharding
         .units()

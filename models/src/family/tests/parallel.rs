@@ -11,7 +11,7 @@ use burn::module::{ModuleVisitor, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde_json::json;
 use zerotrain::engine::UnitModel;
-use zerotrain::nn::parallel::{ParallelGroup, Split};
+use zerotrain::nn::parallel::{ParallelGroup, ParallelGroups, Split};
 use zerotrain_zero::{Collective, ThreadWorld};
 
 use super::super::*;
@@ -30,6 +30,11 @@ fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> 
             .collect();
         handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
     })
+}
+
+/// `group` as the tensor group, no sequence parallelism.
+pub(super) fn tensor(group: &ParallelGroup) -> ParallelGroups {
+    ParallelGroups { tensor: group.clone(), sequence: ParallelGroup::alone() }
 }
 
 /// What a run of a model gives: the loss, the logits, and each parameter's gradient and
@@ -179,7 +184,8 @@ fn fresh_split_models_equal_the_whole_model_and_its_gradients() {
         let parsed = HfConfig::from_json(config.clone()).unwrap();
         let vocab = parsed.vocab_size() as i64;
         let shapes: BTreeMap<String, Vec<usize>> = parameter_names(&parsed).into_iter().collect();
-        let build = |group: &ParallelGroup| fresh_split(&parsed, &Device::flex().autodiff(), group, 11).unwrap();
+        let build =
+            |group: &ParallelGroup| fresh_split(&parsed, &Device::flex().autodiff(), &tensor(group), 11).unwrap();
         let whole = run_hf(build(&ParallelGroup::alone()), vocab);
         for n in sizes {
             let ranks = on_ranks(n, |group| run_hf(build(&group), vocab));
@@ -208,7 +214,7 @@ fn imported_split_models_read_their_slices_and_equal_the_whole_model() {
         for n in sizes {
             let ranks = on_ranks(n, |group| {
                 let (rank, size) = (group.rank(), group.size());
-                let model = import_split(&dir, &Device::flex().autodiff(), &group).unwrap().1;
+                let model = import_split(&dir, &Device::flex().autodiff(), &tensor(&group)).unwrap().1;
                 let initial = match &model {
                     HfModel::Gpt2(m) => m.initial_values(),
                     HfModel::Llama(m) => m.initial_values(),
@@ -239,9 +245,10 @@ fn shapes_that_do_not_divide_are_refused_by_their_field() {
     let dir = folder("parallel-refused");
     write(&dir, &llama, |_| {});
     let errors = on_ranks(4, |group| {
-        let fresh_llama = fresh_split(&HfConfig::from_json(llama.clone()).unwrap(), &Device::flex(), &group, 1);
-        let fresh_gpt2 = fresh_split(&HfConfig::from_json(gpt2.clone()).unwrap(), &Device::flex(), &group, 1);
-        let imported = import_split(&dir, &Device::flex(), &group).err().unwrap().to_string();
+        let fresh_llama =
+            fresh_split(&HfConfig::from_json(llama.clone()).unwrap(), &Device::flex(), &tensor(&group), 1);
+        let fresh_gpt2 = fresh_split(&HfConfig::from_json(gpt2.clone()).unwrap(), &Device::flex(), &tensor(&group), 1);
+        let imported = import_split(&dir, &Device::flex(), &tensor(&group)).err().unwrap().to_string();
         (fresh_llama.err().unwrap(), fresh_gpt2.err().unwrap(), imported)
     });
     for (llama, gpt2, imported) in errors {
@@ -280,7 +287,7 @@ fn the_tensor_groups_traffic_is_megatrons() {
         let parsed = HfConfig::from_json(config.clone()).unwrap();
         let (layers, vocab) = (parsed.num_layers(), parsed.vocab_size() as i64);
         let traffic = on_ranks(n, |group| {
-            let model = fresh_split(&parsed, &Device::flex().autodiff(), &group, 1).unwrap();
+            let model = fresh_split(&parsed, &Device::flex().autodiff(), &tensor(&group), 1).unwrap();
             let before = group.collective().stats();
             model.run(LossOnly(vocab));
             group.collective().stats().since(&before).all_reduce
@@ -306,7 +313,7 @@ fn a_gpt2_small_shaped_part_at_tp_4_holds_a_quarter_of_the_splits_and_the_rest()
     let shapes = parameter_names(&parsed);
     let whole: u64 = shapes.iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
     let counts = on_ranks(4, |group| {
-        let model = fresh_split(&parsed, &Device::flex().autodiff(), &group, 1).unwrap();
+        let model = fresh_split(&parsed, &Device::flex().autodiff(), &tensor(&group), 1).unwrap();
         let held = match &model {
             HfModel::Gpt2(m) => zerotrain::engine::ParamCount::trainable(m),
             HfModel::Llama(m) => zerotrain::engine::ParamCount::trainable(m),

@@ -9,7 +9,7 @@ use std::path::Path;
 use burn::module::{ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::json;
-use zerotrain::nn::parallel::ParallelGroup;
+use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain::{Config, Overrides, Plan, RankContext};
 
 use super::super::*;
@@ -44,6 +44,7 @@ type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>);
 #[derive(Clone, Copy)]
 struct Run<'a> {
     tp: usize,
+    sp: usize,
     dp: usize,
     stage: u8,
     steps: u64,
@@ -68,15 +69,16 @@ impl WithModel for Job<'_> {
             engine.load_checkpoint(dir, None, zerotrain::LoadOptions::default())?;
         }
         let (d, device) = (engine.data_parallel_rank() as i64, self.ctx.device().clone());
-        // Each step reads 8 sequences of 6 ids; data-parallel rank d its 8 / dp of them.
+        // Each step reads 8 sequences of 9 ids (8 inputs, divisible by every sp here);
+        // data-parallel rank d its 8 / dp of them.
         let rows = 8 / self.run.dp as i64;
         let mut steps = Vec::new();
         for _ in 0..self.run.steps {
             let step = engine.counters().global_steps as i64;
             let mut batch = |_micro: usize| {
                 let ids =
-                    (0..6 * rows).map(|i| i + 6 * rows * d + 100 * step).map(|i| (i * 7 + i * i / 5) % self.vocab);
-                Tensor::<2, Int>::from_data(TensorData::new::<i64, _>(ids.collect(), [rows as usize, 6]), &device)
+                    (0..9 * rows).map(|i| i + 9 * rows * d + 100 * step).map(|i| (i * 7 + i * i / 5) % self.vocab);
+                Tensor::<2, Int>::from_data(TensorData::new::<i64, _>(ids.collect(), [rows as usize, 9]), &device)
             };
             let report = engine.train_batch(&mut batch)?;
             steps.push((report.loss, report.grad_norm));
@@ -91,26 +93,27 @@ impl WithModel for Job<'_> {
 /// `run`'s SGD steps on the model of `config` over thread ranks, each data-parallel place
 /// reading its rows of one global batch of 8 sequences per step.
 fn train(config: &serde_json::Value, run: Run<'_>) -> Vec<Seen> {
-    let (tp, dp) = (run.tp, run.dp);
+    let (tp, sp, dp) = (run.tp, run.sp, run.dp);
     let plan_json = json!({
         "train_batch_size": 8, "gradient_clipping": 0.05,
         "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
         "zero_optimization": {"stage": run.stage}, "tensor_parallel": {"autotp_size": tp},
-        "zerotrain": {"backend": "threads", "comm_timeout_s": 20}
+        "zerotrain": {"backend": "threads", "comm_timeout_s": 20, "mesh": {"sp": sp}}
     });
-    let overrides = Overrides { world_size: Some(tp * dp), ..Overrides::default() };
+    let overrides = Overrides { world_size: Some(tp * sp * dp), ..Overrides::default() };
     let plan: Plan = Config::parse(&plan_json.to_string(), "t.json").unwrap().resolve(overrides).unwrap();
     let parsed = HfConfig::from_json(config.clone()).unwrap();
     let vocab = parsed.vocab_size() as i64;
     let rank = |ctx: RankContext| -> zerotrain::Result<Seen> {
-        let (ctx, plan, group) = match tp {
-            1 => (ctx, plan.clone(), ParallelGroup::alone()),
-            _ => {
+        let (ctx, plan, groups) = match plan.mesh.is_trivial() {
+            true => (ctx, plan.clone(), ParallelGroups::alone()),
+            false => {
                 let m = zerotrain::mesh::split(&ctx, &plan)?;
-                (m.ctx, m.plan, m.tensor)
+                let groups = m.groups();
+                (m.ctx, m.plan, groups)
             }
         };
-        let model = fresh_split(&parsed, ctx.device(), &group, 5).map_err(zerotrain::Error::Model)?;
+        let model = fresh_split(&parsed, ctx.device(), &groups, 5).map_err(zerotrain::Error::Model)?;
         model.run(Job { plan: &plan, ctx: &ctx, vocab, run })
     };
     zerotrain::launch(&plan, rank).unwrap()
@@ -125,24 +128,42 @@ fn llama() -> serde_json::Value {
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10, "tie_word_embeddings": false})
 }
 
+fn llama_mha() -> serde_json::Value {
+    json!({"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 10, "tie_word_embeddings": true})
+}
+
 fn gpt2() -> serde_json::Value {
     json!({"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 4, "n_positions": 8, "vocab_size": 13})
 }
 
-/// (tp 2, dp 1), (tp 2, dp 2) at stages 0 to 3, and tp 4 for GPT-2, each against the whole
-/// model at the same dp: losses and norms within 1e-5 relative, parameters within 1e-5 of
-/// each tensor's largest value (three steps of SGD with momentum at lr 0.5 on gradients
-/// that agree to 1e-6 relative; clipping to 0.05 is active, so a norm that counted a whole
-/// parameter twice or missed a rank's slice would scale every update).
+/// Tensor parallelism ((tp 2, dp 1), (tp 2, dp 2) at stages 0 to 3, tp 4 for GPT-2),
+/// sequence parallelism ((sp 2, dp 1) and (sp 2, dp 2) for LLaMA with grouped kv heads, sp
+/// 4 for GPT-2 at stage 3) and both ((tp 2, sp 2) for LLaMA with a kv head per query head),
+/// each against the whole model at the same dp: losses and norms within 1e-5 relative,
+/// parameters within 1e-5 of each tensor's largest value (three steps of SGD with momentum
+/// at lr 0.5 on gradients that agree to 1e-6 relative; clipping to 0.05 is active, so a
+/// norm that counted a whole parameter twice or missed a rank's slice would scale every
+/// update).
 #[test]
 fn a_split_model_trains_as_the_whole_model_does() {
-    let (llama, gpt2) = (llama(), gpt2());
-    let cases = [(&llama, 2, 1, 0), (&llama, 2, 2, 1), (&llama, 2, 2, 3), (&gpt2, 2, 2, 2), (&gpt2, 4, 1, 0)];
-    for (config, tp, dp, stage) in cases {
-        let run = |tp| Run { tp, dp, stage, steps: 3, load: None, save: None };
-        let whole = train(config, run(1));
-        let split = train(config, run(tp));
-        let at = format!("{} tp {tp} dp {dp} stage {stage}", config["model_type"]);
+    let (llama, gpt2, mha) = (llama(), gpt2(), llama_mha());
+    let cases = [
+        (&llama, 2, 1, 1, 0),
+        (&llama, 2, 1, 2, 1),
+        (&llama, 2, 1, 2, 3),
+        (&gpt2, 2, 1, 2, 2),
+        (&gpt2, 4, 1, 1, 0),
+        (&llama, 1, 2, 1, 0),
+        (&llama, 1, 2, 2, 2),
+        (&gpt2, 1, 4, 1, 3),
+        (&mha, 2, 2, 1, 1),
+    ];
+    for (config, tp, sp, dp, stage) in cases {
+        let run = |tp, sp| Run { tp, sp, dp, stage, steps: 3, load: None, save: None };
+        let whole = train(config, run(1, 1));
+        let split = train(config, run(tp, sp));
+        let at = format!("{} tp {tp} sp {sp} dp {dp} stage {stage}", config["model_type"]);
         let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
         for (r, (steps, model)) in split.iter().enumerate() {
             for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
@@ -177,7 +198,7 @@ fn a_tensor_parallel_checkpoint_resumes_at_any_mesh() {
     let config = gpt2();
     let dir = super::folder("parallel-checkpoints");
     let (at_tp2, at_tp1) = (dir.join("tp2"), dir.join("tp1"));
-    let run = |tp, dp| Run { tp, dp, stage: 1, steps: 2, load: None, save: None };
+    let run = |tp, dp| Run { tp, sp: 1, dp, stage: 1, steps: 2, load: None, save: None };
     let uninterrupted = train(&config, Run { steps: 4, ..run(2, 2) });
     let want: Vec<f32> = uninterrupted[0].0[2..].iter().map(|s| s.0).collect();
     train(&config, Run { save: Some(&at_tp2), ..run(2, 2) });

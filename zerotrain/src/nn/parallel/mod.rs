@@ -139,15 +139,35 @@ impl ParallelGroup {
     }
 }
 
-/// A model's split over a tensor-parallel group, as an engine needs to know it: the group,
-/// and how each split parameter is cut, by module path (every other parameter is whole on
-/// every rank of the group, with equal values and equal gradients).
+/// A model's split over a device mesh, as an engine needs to know it: the tensor group and
+/// how each split parameter is cut, by module path (every other parameter is whole on every
+/// rank of the group, with equal values and equal gradients), and the sequence group whose
+/// ranks each run a part of every sequence through the model's units.
 #[derive(Debug, Clone)]
 pub struct TensorParallel {
     /// The ranks that split the model's layers.
     pub group: ParallelGroup,
     /// Each split parameter's cut, by module path.
     pub splits: BTreeMap<String, Split>,
+    /// The ranks that split each sequence (a group of one: none).
+    pub sequence: ParallelGroup,
+}
+
+/// The groups a rank's part of a model is built for: the ranks that split its layers and
+/// those that split each sequence.
+#[derive(Debug, Clone)]
+pub struct ParallelGroups {
+    /// Tensor parallelism's group.
+    pub tensor: ParallelGroup,
+    /// Sequence parallelism's group.
+    pub sequence: ParallelGroup,
+}
+
+impl ParallelGroups {
+    /// Groups of one rank each: nothing split.
+    pub fn alone() -> Self {
+        Self { tensor: ParallelGroup::alone(), sequence: ParallelGroup::alone() }
+    }
 }
 
 #[cfg(test)]
