@@ -25,10 +25,11 @@ fn losses(run: &Path) -> Vec<f64> {
     text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap()).collect()
 }
 
-/// LLaMA (4 heads over 2 kv heads) at `tensor_parallel.autotp_size` 2 and dp 2 on four
-/// MPI processes: each step's loss equals the four thread ranks' run bit for bit (the tensor
-/// group's sums have two operands, exact in either order; the data-parallel reduction is
-/// the same rank-ordered sum on both backends).
+/// LLaMA (4 heads over 2 kv heads) at `tensor_parallel.autotp_size` 2 and dp 2, and at
+/// sequence parallelism 2 and dp 2, on four MPI processes: each step's loss equals the four
+/// thread ranks' run bit for bit (the tensor group's sums have two operands, exact in either
+/// order; the exchanges move values; the data-parallel reduction is the same rank-ordered
+/// sum on both backends).
 #[test]
 fn a_tensor_parallel_mesh_over_mpi_trains_as_thread_ranks_do() {
     let dir = std::env::temp_dir().join(format!("zerotrain-mpi-tp-{}", std::process::id()));
@@ -46,11 +47,19 @@ fn a_tensor_parallel_mesh_over_mpi_trains_as_thread_ranks_do() {
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zerotrain": {"world_size": 4, "eval_every": 100},
         "model": {"hf_config": "model.json", "tokenizer": "tokenizer.json", "block_size": 8}}"#;
     std::fs::write(dir.join("tp.json"), config).unwrap();
-    let train = ["train", "--config", "tp.json", "--data", "data.tokens", "--steps", "4", "--out"];
-    zerotrain(&dir, 0, &[&train[..], &["threads"]].concat());
-    zerotrain(&dir, 4, &[&train[..], &["mpi"]].concat());
-    let (threads, mpi) = (losses(&dir.join("threads")), losses(&dir.join("mpi")));
-    assert_eq!(threads.len(), 4);
-    assert_eq!(mpi, threads, "the same mesh over MPI processes and over threads");
+    let sp = config
+        .replace(r#""tensor_parallel": {"autotp_size": 2},"#, "")
+        .replace(r#""world_size": 4"#, r#""world_size": 4, "mesh": {"sp": 2}"#);
+    std::fs::write(dir.join("sp.json"), sp).unwrap();
+    for mesh in ["tp", "sp"] {
+        let config = format!("{mesh}.json");
+        let train = ["train", "--config", &config, "--data", "data.tokens", "--steps", "4", "--out"];
+        let (threads, mpi) = (format!("{mesh}-threads"), format!("{mesh}-mpi"));
+        zerotrain(&dir, 0, &[&train[..], &[threads.as_str()]].concat());
+        zerotrain(&dir, 4, &[&train[..], &[mpi.as_str()]].concat());
+        let (threads, mpi) = (losses(&dir.join(threads)), losses(&dir.join(mpi)));
+        assert_eq!(threads.len(), 4);
+        assert_eq!(mpi, threads, "the same {mesh} mesh over MPI processes and over threads");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
