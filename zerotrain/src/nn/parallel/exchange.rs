@@ -19,7 +19,7 @@ pub(super) fn all_to_all(
     [scatter, gather]: [usize; 2],
 ) -> Result<(Vec<f32>, Vec<usize>)> {
     let (n, me) = (group.size(), group.rank());
-    if dims[scatter] % n != 0 {
+    if !dims[scatter].is_multiple_of(n) {
         return Err(Error::Usage(format!(
             "all-to-all over {n} ranks: dimension {scatter} of {dims:?} does not divide into {n} parts"
         )));
