@@ -7,10 +7,10 @@
 #   - 2 ranks in bf16 and 4 ranks in fp32: the largest relative difference of a loss,
 #     reported beside a provisional bound of 1e-5 (4-operand sums in NCCL's ring order
 #     against rank order; no bound derived yet: the first run's figures set it);
-#   - tensor parallelism: LLaMA (4 heads over 2 kv heads, fresh from a config.json) at
-#     tensor_parallel.autotp_size 2 on 2 ranks (tp 2) and 4 (tp 2 x dp 2) in fp32: every
-#     loss equal bit for bit to the same mesh of thread ranks (every sum, the tensor
-#     group's and the data-parallel group's, has two operands);
+#   - tensor and sequence parallelism: LLaMA (4 heads over 2 kv heads, fresh from a
+#     config.json) at tensor_parallel.autotp_size 2 on 2 ranks (tp 2) and 4 (tp 2 x dp 2),
+#     and at zerotrain.mesh.sp 2 on 2 ranks, in fp32: every loss equal bit for bit to the
+#     same mesh of thread ranks (every sum has two operands; the exchanges move values);
 #   - every launched run used NCCL (no "host backend" notice in its log).
 # Time-sliced ranks on one GPU: no figure here is a multi-GPU speed.
 #
@@ -104,5 +104,8 @@ cat >"$work/tp.json" <<JSON
 JSON
 run tp 2 equal --data "$work/data.tokens"
 run tp 4 equal --data "$work/data.tokens"
+sed -e 's/"tensor_parallel": {"autotp_size": 2},//' -e 's/"device": "cuda"/"device": "cuda", "mesh": {"sp": 2}/' \
+    "$work/tp.json" >"$work/sp.json"
+run sp 2 equal --data "$work/data.tokens"
 echo "$failures failure(s); logs in $work"
 ((failures == 0))

@@ -10,7 +10,7 @@
 #   3. several NCCL ranks as processes on the one GPU (`zerotrain launch --ranks-share-gpu`,
 #      bench/gpu/nccl_ranks.sh): 2 ranks equal to thread ranks bit for bit in fp32 at stages
 #      0-3, bf16 and 4 ranks against a bound, and a tensor-parallel LLaMA at tp 2 (2 and 4
-#      ranks) equal to thread ranks bit for bit (not yet run on a GPU);
+#      ranks) and at sp 2, equal to thread ranks bit for bit (not yet run on a GPU);
 #   4. the wgpu engine tests on the same GPU through Vulkan (`world gpu::wgpu`);
 #   5. `zerotrain bench gpu` (GPT-2 small, 124M, bf16: plain Burn in fp32 and bf16, the engine
 #      at stages 0 and 3 in units, recomputing no block, all 12, or the first 6
