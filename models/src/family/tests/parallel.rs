@@ -258,16 +258,21 @@ fn shapes_that_do_not_divide_are_refused_by_their_field() {
     }
 }
 
-/// One forward and backward of `model`'s loss on 2 sequences of 7 ids (12 predictions).
-struct LossOnly(i64);
+/// One forward and backward of `model`'s loss through its units (as the engine runs them)
+/// on 2 sequences of `.1` ids, from a vocabulary of `.0`.
+struct LossOnly(i64, usize);
 
 impl WithModel for LossOnly {
     type Output = ();
 
     fn run<M: CausalLm>(self, model: M) {
-        let ids: Vec<i64> = (0..2 * 7).map(|i| (i * 5 + i * i / 3) % self.0).collect();
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 7]), &Device::flex().autodiff());
-        let _ = model.next_token_loss(&tokens).backward();
+        let ids: Vec<i64> = (0..2 * self.1 as i64).map(|i| (i * 5 + i * i / 3) % self.0).collect();
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, self.1]), &Device::flex().autodiff());
+        let mut h = None;
+        for unit in 0..model.units().len() {
+            h = Some(model.forward_unit(unit, h, &tokens));
+        }
+        let _ = model.output_loss(h.expect("units"), &tokens).backward();
     }
 }
 
@@ -289,7 +294,7 @@ fn the_tensor_groups_traffic_is_megatrons() {
         let traffic = on_ranks(n, |group| {
             let model = fresh_split(&parsed, &Device::flex().autodiff(), &tensor(&group), 1).unwrap();
             let before = group.collective().stats();
-            model.run(LossOnly(vocab));
+            model.run(LossOnly(vocab, 7));
             group.collective().stats().since(&before).all_reduce
         });
         let (tokens, hidden) = (12u64, 16u64);
@@ -334,5 +339,29 @@ fn a_gpt2_small_shaped_part_at_tp_4_holds_a_quarter_of_the_splits_and_the_rest()
         assert_eq!(held, planned, "rank {r}");
         let share = held as f64 / whole as f64;
         assert!(share <= 0.3, "rank {r} holds {held} of {whole} parameters ({share:.3}x)");
+    }
+}
+
+/// Ulysses' traffic for one forward and backward at sp 2 (LLaMA, 2 layers, 4 heads over 2
+/// kv heads of width 4, 2 sequences of 8 positions): per layer four all-to-alls forward (q,
+/// k, v and the output) and their four inverses backward, each rank sending the other half
+/// of each f32 tensor: (q 512 + k 256 + v 256 + output 512 bytes) / 2 each way; nothing
+/// else crosses the sequence group.
+#[test]
+fn the_sequence_groups_traffic_is_ulysses() {
+    let config = json!({"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10});
+    let parsed = HfConfig::from_json(config).unwrap();
+    let traffic = on_ranks(2, |group| {
+        let groups = ParallelGroups { tensor: ParallelGroup::alone(), sequence: group.clone() };
+        let model = fresh_split(&parsed, &Device::flex().autodiff(), &groups, 1).unwrap();
+        let before = group.collective().stats();
+        model.run(LossOnly(10, 9));
+        group.collective().stats().since(&before)
+    });
+    let per_layer = 2 * (512 + 256 + 256 + 512) / 2;
+    for (r, got) in traffic.iter().enumerate() {
+        assert_eq!((got.send.calls, got.send.bytes), (2 * 8, 2 * per_layer), "rank {r}: (sends, bytes)");
+        assert_eq!((got.all_reduce.calls, got.all_gather.calls), (0, 0), "rank {r}");
     }
 }
