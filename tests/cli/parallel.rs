@@ -12,7 +12,8 @@ use super::{text, zerotrain};
 /// otherwise); `eval` at tp 1 reads the checkpoint the tp 2 run wrote (the whole
 /// model) and scores it as the resumed run's final checkpoint within 1e-4 relative (one
 /// more AdamW update than the last loss compared, which can move a parameter whose
-/// gradient is near zero by up to the lr).
+/// gradient is near zero by up to the lr); its `consolidate --format hf` export scores as
+/// the checkpoint does.
 #[test]
 fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
     let dir = folder("tensor-parallel");
@@ -48,6 +49,22 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
     assert!(
         (at_tp2 - at_tp1).abs() <= 1e-4 * at_tp1,
         "eval of the tp 2 checkpoint {at_tp2}, of the resumed one {at_tp1}"
+    );
+    // `consolidate --format hf` reads the tp 2 checkpoint as it would an unsplit run's: the
+    // exported folder scores what the checkpoint does.
+    let exported = dir.join("exported");
+    let ckpt = uninterrupted.join("checkpoints");
+    run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "hf", "--out", exported.to_str().unwrap()]);
+    let from_folder = dir.join("from-folder.json");
+    let json = format!(
+        r#"{{"train_batch_size": 1, "model": {{"hf_dir": {:?}, "block_size": 8}}}}"#,
+        exported.display().to_string()
+    );
+    std::fs::write(&from_folder, json).unwrap();
+    let folder_score = eval_json(&from_folder, ["--tokens", tokens.to_str().unwrap()], None);
+    assert!(
+        (folder_score - at_tp2).abs() <= 1e-6 * at_tp2,
+        "the export scores {folder_score}, its checkpoint {at_tp2}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
