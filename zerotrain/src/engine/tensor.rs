@@ -123,9 +123,10 @@ impl TensorShare {
 }
 
 /// The tensor-parallel share of an engine for `model` under `plan` on `ctx`: `None`
-/// without a tensor-parallel mesh; an error naming the key where the plan has one and the
-/// context is not a mesh's data-parallel group, the model has no tensor-parallel plan, or
-/// its group is not the mesh's; sequence parallelism is refused by its key.
+/// without a tensor-parallel mesh (sequence parallelism alone needs none: every rank holds
+/// the whole model). An error naming the key where the plan has a mesh and the context is
+/// not one `mesh::split` gave, where the model has no plan for it or was built for other
+/// groups, and where a split model meets a plan without a mesh.
 pub(super) fn share<M: UnitModel>(
     model: &M,
     plan: &Plan,
