@@ -37,7 +37,7 @@ fn values<M: burn::module::Module>(model: &M) -> BTreeMap<String, Vec<f32>> {
 
 /// What a rank saw: each step's loss and gradient norm, and (on a data-parallel group's
 /// first rank) its model's parameters after the last step.
-type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>);
+type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>, (u64, zerotrain::engine::MemoryReport));
 
 /// A run: the mesh, the stage, the steps to take, and a checkpoint to start from and one
 /// to save at the end.
@@ -66,6 +66,7 @@ impl WithModel for Job<'_> {
     type Output = zerotrain::Result<Seen>;
 
     fn run<M: CausalLm>(self, model: M) -> Self::Output {
+        let local = zerotrain::engine::ParamCount::trainable(&model);
         let mut engine = zerotrain::trainer(model, self.plan, self.ctx)?;
         if let Some(dir) = self.run.load {
             engine.load_checkpoint(dir, None, zerotrain::LoadOptions::default())?;
@@ -88,7 +89,8 @@ impl WithModel for Job<'_> {
         if let Some(dir) = self.run.save {
             engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
         }
-        Ok((steps, engine.gather_model(0)?.map(|m| values(&m))))
+        let memory = (local, engine.memory_report());
+        Ok((steps, engine.gather_model(0)?.map(|m| values(&m)), memory))
     }
 }
 
@@ -168,7 +170,7 @@ fn a_split_model_trains_as_the_whole_model_does() {
         let split = train(config, run(tp, sp));
         let at = format!("{} tp {tp} sp {sp} dp {dp} stage {stage}", config["model_type"]);
         let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
-        for (r, (steps, model)) in split.iter().enumerate() {
+        for (r, (steps, model, _)) in split.iter().enumerate() {
             for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
                 assert!(
                     (loss - want_loss).abs() <= 1e-5 * want_loss,
@@ -208,7 +210,7 @@ fn a_tensor_parallel_checkpoint_resumes_at_any_mesh() {
     train(&config, Run { save: Some(&at_tp1), ..run(1, 4) });
     for (from, tp, dp) in [(&at_tp2, 1, 4), (&at_tp2, 4, 1), (&at_tp1, 2, 2)] {
         let resumed = train(&config, Run { load: Some(from), ..run(tp, dp) });
-        for (r, (steps, _)) in resumed.iter().enumerate() {
+        for (r, (steps, _, _)) in resumed.iter().enumerate() {
             for (s, ((loss, _), want)) in steps.iter().zip(&want).enumerate() {
                 let at = format!("{} at tp {tp} dp {dp}, rank {r}, step {}", from.display(), s + 2);
                 assert!((loss - want).abs() <= 1e-5 * want, "{at}: loss {loss}, uninterrupted {want}");
@@ -247,12 +249,46 @@ fn bf16_meshes_train_as_the_whole_model_does_within_a_rounding() {
         let run = |tp, sp| Run { tp, sp, dp: 1, stage: 2, steps: 3, bf16: true, load: None, save: None };
         let (whole, split) = (train(&config, run(1, 1)), train(&config, run(tp, sp)));
         let ulp = 2f32.powi(-8);
-        for (r, (steps, _)) in split.iter().enumerate() {
+        for (r, (steps, _, _)) in split.iter().enumerate() {
             for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(&whole[0].0).enumerate() {
                 let at = format!("{} tp {tp} sp {sp}, rank {r}, step {s}", config["model_type"]);
                 assert!((loss - want_loss).abs() <= ulp * want_loss, "{at}: loss {loss} vs {want_loss}");
                 assert!((norm - want_norm).abs() <= 2.0 * ulp * want_norm, "{at}: norm {norm} vs {want_norm}");
             }
+        }
+    }
+}
+
+/// Each rank of (tp 2, dp 2) at stage 2 (fp32, SGD with momentum) holds its part of the
+/// model (the count the plan gives: its half of every split parameter, every whole one)
+/// as parameters, and a data-parallel shard of that part as gradients and momentum: 4 bytes
+/// per element, the shards of the two data-parallel ranks together the part, padded to the
+/// 16-element alignment of each unit's shards at most.
+#[test]
+fn a_rank_holds_its_part_of_every_state() {
+    let config = llama();
+    let shapes = parameter_names(&HfConfig::from_json(config.clone()).unwrap());
+    let units = 2 + 2; // the embedding, two layers, the head
+    let run = Run { tp: 2, sp: 1, dp: 2, stage: 2, steps: 1, bf16: false, load: None, save: None };
+    for (r, (_, _, (local, memory))) in train(&config, run).iter().enumerate() {
+        let t = r % 2;
+        let planned: u64 = shapes
+            .iter()
+            .map(|(name, shape)| {
+                let all = shape.iter().product::<usize>() as u64;
+                let Some(dim) = expected_split(name).dim() else { return all };
+                let ranges = expected_split(name).ranges(shape[dim], t, 2, name).unwrap();
+                all / shape[dim] as u64 * ranges.iter().map(|r| r.len() as u64).sum::<u64>()
+            })
+            .sum();
+        assert_eq!(*local, planned, "rank {r}: the part the plan gives");
+        assert_eq!(memory.params, 4 * planned, "rank {r}: parameters");
+        for (what, bytes) in [("gradients", memory.grads), ("momentum", memory.optimizer)] {
+            let (least, most) = (4 * planned, 4 * (planned + 16 * 2 * units));
+            assert!(
+                (least..=most).contains(&(2 * bytes)),
+                "rank {r}: {what} {bytes} B, two shards not in {least}..={most}"
+            );
         }
     }
 }
