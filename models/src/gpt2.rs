@@ -2,7 +2,6 @@
 //! names (`transformer.h.0.attn.c_attn.weight`, ...), projections are `Conv1D` `[in, out]`,
 //! and the head is the token embedding `transformer.wte`, transposed.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -11,13 +10,13 @@ use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
 use super::layers::{
-    Conv1D, Embed, KvCache, Norm, causal_attention, sequence_parallel_attention, sequence_part, split_heads,
-    with_cached,
+    Conv1D, Embed, KvCache, Norm, causal_attention, sequence_parallel_attention, split_heads, with_cached,
 };
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
+use crate::mesh_part::MeshPart;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
-use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel};
+use zerotrain::nn::parallel::{ParallelGroup, TensorParallel};
 
 /// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
 #[derive(Module, Debug)]
@@ -36,16 +35,9 @@ pub struct Gpt2 {
     /// checkpoint's files).
     #[module(skip)]
     values: Option<Arc<dyn InitialValues>>,
-    /// The tensor-parallel group the layers are split over (alone: none), and the whole
-    /// vocabulary's size.
+    /// Its place on a device mesh (the whole model without one).
     #[module(skip)]
-    vocab: (ParallelGroup, usize),
-    /// How each split parameter is cut (none without tensor parallelism).
-    #[module(skip)]
-    splits: BTreeMap<String, Split>,
-    /// The ranks whose units each run a part of every sequence (alone: none).
-    #[module(skip)]
-    seq: ParallelGroup,
+    part: MeshPart,
 }
 
 /// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
@@ -83,7 +75,7 @@ impl Gpt2 {
     pub fn new(shape: &Gpt2Shape, w: &Weights) -> Self {
         let (d, eps) = (shape.n_embd, shape.layer_norm_epsilon);
         let tp = w.tensor_parallel().clone();
-        crate::layers::refuse_undivided(w, &[("n_head", shape.n_head, true), ("n_inner", shape.n_inner, false)]);
+        crate::mesh_part::refuse_undivided(w, &[("n_head", shape.n_head, true), ("n_inner", shape.n_inner, false)]);
         // Hugging Face's `GPT2PreTrainedModel._init_weights`: the residual projections at
         // initializer_range / sqrt(2 n_layer), so the residual stream's variance does not
         // grow with depth.
@@ -114,9 +106,7 @@ impl Gpt2 {
                 ln_f: Norm::new(w, "transformer.ln_f", d, eps),
             },
             values: w.initial_values(),
-            vocab: (tp, shape.vocab_size),
-            splits: w.splits(),
-            seq: w.sequence_parallel().clone(),
+            part: MeshPart::of(w, shape.vocab_size),
         }
     }
 
@@ -132,14 +122,14 @@ impl Gpt2 {
     /// group's ranks where the vocabulary is split).
     fn head(&self, h: Tensor<3>) -> Tensor<3> {
         let logits = self.transformer.wte.logits(self.transformer.ln_f.forward(h));
-        self.vocab.0.gather_shares(logits, self.vocab.1)
+        self.part.logits(logits)
     }
 
     /// The final norm, the tied head and the mean next-token loss against `tokens` (the
     /// last unit), without the whole logits.
     fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
         let head = (self.transformer.wte.table(), None);
-        head_loss(self.transformer.ln_f.forward(h), head, tokens, Some((&self.vocab.0, self.vocab.1)))
+        head_loss(self.transformer.ln_f.forward(h), head, tokens, self.part.vocabulary())
     }
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
@@ -229,20 +219,16 @@ impl UnitModel for Gpt2 {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let blocks = &self.transformer.h;
-        // Sequence parallelism: this rank's part of every sequence, its positions from `first`.
-        let seq = (self.seq.size() > 1).then_some(&self.seq);
-        let part = |t: usize| seq.map_or(0, |s| s.rank() * t);
-        let block = |i: usize, h| blocks[i].forward(h, None, seq);
+        // With sequence parallelism, this rank's part of every sequence.
+        let part = &self.part;
+        let block = |i: usize, h| blocks[i].forward(h, None, part.sequence());
         let head = |h: Tensor<3>| {
-            let first = part(h.dims()[1]);
+            let first = part.first(h.dims()[1]);
             self.head_loss(h, (tokens, first))
         };
-        let embed = |ids: Tensor<2, Int>| match seq {
-            Some(seq) => {
-                let (ids, first) = sequence_part(ids, seq);
-                self.embed(ids, first)
-            }
-            None => self.embed(ids, 0),
+        let embed = |ids: Tensor<2, Int>| {
+            let (ids, first) = part.inputs(ids);
+            self.embed(ids, first)
         };
         decoder_unit(unit, input, tokens, blocks.len(), embed, block, head)
     }
@@ -260,6 +246,6 @@ impl UnitModel for Gpt2 {
     }
 
     fn tensor_parallel(&self) -> Option<TensorParallel> {
-        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone(), sequence: self.seq.clone() })
+        Some(self.part.tensor_parallel())
     }
 }

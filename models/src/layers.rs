@@ -43,22 +43,6 @@ impl Cut {
     }
 }
 
-/// Records with `w` (as its [`finish`](Weights::finish) error) each of `fields` (a config
-/// field, its value, and whether the sequence group splits it too: heads) that does not
-/// divide over `w`'s tensor-parallel group (times its sequence-parallel one).
-pub(crate) fn refuse_undivided(w: &Weights, fields: &[(&str, usize, bool)]) {
-    let (tp, sp) = (w.tensor_parallel().size(), w.sequence_parallel().size());
-    for &(field, value, heads) in fields {
-        let (n, what) = match heads && sp > 1 {
-            true => (tp * sp, format!("the tensor- times the sequence-parallel size {tp} x {sp}")),
-            false => (tp, format!("the tensor-parallel size {tp}")),
-        };
-        if value % n != 0 {
-            w.refuse(format!("config.json: `{field}` ({value}) does not divide by {what}"));
-        }
-    }
-}
-
 /// Causal attention of `q`, `k`, `v` `[batch, heads, time, head_dim]` (as
 /// [`causal_attention`]) where each rank of `seq` holds a consecutive part of the sequence
 /// (DeepSpeed-Ulysses): the parts are traded for all of the sequence of a share of the
@@ -72,19 +56,6 @@ pub fn sequence_parallel_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seq
     let whole = |x: Tensor<4>| seq.all_to_all(x, 1, 2);
     let out = zerotrain::nn::causal_attention(whole(q), whole(k), whole(v), scale);
     seq.all_to_all(out, 2, 1).swap_dims(1, 2).reshape([b, t, h * hd])
-}
-
-/// This rank's part of the sequences of `ids` `[batch, time]` (consecutive, `time / size`
-/// each) and the position of its first token.
-///
-/// # Panics
-/// Where the time does not divide by the group's size, naming both.
-pub fn sequence_part(ids: Tensor<2, Int>, seq: &ParallelGroup) -> (Tensor<2, Int>, usize) {
-    let [_, t] = ids.dims();
-    let n = seq.size();
-    assert!(t % n == 0, "a context of {t} tokens does not divide by the sequence-parallel size {n}");
-    let part = t / n;
-    (ids.narrow(1, seq.rank() * part, part), seq.rank() * part)
 }
 
 /// A projection stored as `nn.Linear` stores it: `weight` `[out, in]`, optional `bias`;

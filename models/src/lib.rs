@@ -67,6 +67,7 @@ pub mod layers;
 pub mod llama;
 #[cfg(test)]
 mod memory_tests;
+mod mesh_part;
 mod small;
 #[cfg(test)]
 mod stream_tests;

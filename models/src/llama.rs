@@ -5,7 +5,6 @@
 //! head's queries and keys normalised); the head is `lm_head`, or `model.embed_tokens` when
 //! tied.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -14,13 +13,13 @@ use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
 use super::layers::{
-    Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, sequence_parallel_attention, sequence_part, split_heads,
-    with_cached,
+    Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, sequence_parallel_attention, split_heads, with_cached,
 };
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
+use crate::mesh_part::MeshPart;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
-use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel};
+use zerotrain::nn::parallel::{ParallelGroup, TensorParallel};
 
 /// The decoder under `model`: the token embedding, the layers, the final norm.
 #[derive(Module, Debug)]
@@ -39,16 +38,9 @@ pub struct Llama {
     /// checkpoint's files).
     #[module(skip)]
     values: Option<Arc<dyn InitialValues>>,
-    /// The tensor-parallel group the layers are split over (alone: none), and the whole
-    /// vocabulary's size.
+    /// Its place on a device mesh (the whole model without one).
     #[module(skip)]
-    vocab: (ParallelGroup, usize),
-    /// How each split parameter is cut (none without tensor parallelism).
-    #[module(skip)]
-    splits: BTreeMap<String, Split>,
-    /// The ranks whose units each run a part of every sequence (alone: none).
-    #[module(skip)]
-    seq: ParallelGroup,
+    part: MeshPart,
 }
 
 /// One pre-norm layer.
@@ -96,7 +88,7 @@ impl Llama {
         let (d, hd, eps) = (shape.hidden_size, shape.head_dim, shape.rms_norm_eps);
         let (heads, kv, ffn) = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size);
         let tp = w.tensor_parallel().clone();
-        crate::layers::refuse_undivided(
+        crate::mesh_part::refuse_undivided(
             w,
             &[
                 ("num_attention_heads", heads, true),
@@ -140,9 +132,7 @@ impl Llama {
             },
             lm_head: (!shape.tie_word_embeddings).then(|| Dense::vocabulary(w, "lm_head", d, vocab)),
             values: w.initial_values(),
-            vocab: (tp, vocab),
-            splits: w.splits(),
-            seq: w.sequence_parallel().clone(),
+            part: MeshPart::of(w, vocab),
         }
     }
 
@@ -154,7 +144,7 @@ impl Llama {
             Some(head) => head.forward(h),
             None => self.model.embed_tokens.logits(h),
         };
-        self.vocab.0.gather_shares(logits, self.vocab.1)
+        self.part.logits(logits)
     }
 
     /// The final norm, the head and the mean next-token loss against `tokens` (the last
@@ -165,7 +155,7 @@ impl Llama {
             Some(head) => head.weight_and_bias(),
             None => (self.model.embed_tokens.table(), None),
         };
-        head_loss(h, head, tokens, Some((&self.vocab.0, self.vocab.1)))
+        head_loss(h, head, tokens, self.part.vocabulary())
     }
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
@@ -273,21 +263,17 @@ impl UnitModel for Llama {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let (embed, layers) = (&self.model.embed_tokens, &self.model.layers);
-        // Sequence parallelism: this rank's part of every sequence, its positions from `first`.
-        let seq = (self.seq.size() > 1).then_some(&self.seq);
-        let part = |t: usize| seq.map_or(0, |s| s.rank() * t);
+        // With sequence parallelism, this rank's part of every sequence.
+        let part = &self.part;
         let layer = |i: usize, h: Tensor<3>| {
-            let first = part(h.dims()[1]);
-            layers[i].forward(h, first, None, seq)
+            let first = part.first(h.dims()[1]);
+            layers[i].forward(h, first, None, part.sequence())
         };
         let head = |h: Tensor<3>| {
-            let first = part(h.dims()[1]);
+            let first = part.first(h.dims()[1]);
             self.head_loss(h, (tokens, first))
         };
-        let embed = |ids: Tensor<2, Int>| match seq {
-            Some(seq) => embed.forward(sequence_part(ids, seq).0),
-            None => embed.forward(ids),
-        };
+        let embed = |ids: Tensor<2, Int>| embed.forward(part.inputs(ids).0);
         decoder_unit(unit, input, tokens, layers.len(), embed, layer, head)
     }
 
@@ -304,6 +290,6 @@ impl UnitModel for Llama {
     }
 
     fn tensor_parallel(&self) -> Option<TensorParallel> {
-        Some(TensorParallel { group: self.vocab.0.clone(), splits: self.splits.clone(), sequence: self.seq.clone() })
+        Some(self.part.tensor_parallel())
     }
 }

@@ -67,16 +67,8 @@ impl GroupOps for burn_cubecl::CubeBackend {}
 fn through_host<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: ReduceOp) -> FloatTensor<B> {
     let device = x.device();
     let comm = group.collective();
-    let fail = |cause: String| -> ! {
-        let reason = format!("a tensor-parallel reduction failed: {cause}");
-        comm.abort(&reason);
-        panic!("{reason}");
-    };
-    let mut data: TensorData = match try_read_sync(B::float_into_data(x)) {
-        Some(Ok(data)) => data,
-        Some(Err(e)) => fail(format!("reading the tensor: {e:?}")),
-        None => fail("reading the tensor: the device did not answer".into()),
-    };
+    let fail = |cause: String| -> ! { failed(group, "a tensor-parallel reduction", cause) };
+    let mut data = read::<B>(x).unwrap_or_else(|e| fail(e));
     let dtype = data.dtype();
     let reduced = match dtype {
         DType::F32 => data.as_mut_slice::<f32>().map(|s| comm.all_reduce(BufMut::F32(s), op)),
@@ -95,17 +87,12 @@ fn through_host<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: Reduce
 /// `x`'s dtype); a failure aborts and panics as [`through_host`]'s does.
 fn exchanged<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, dims: [usize; 2]) -> FloatTensor<B> {
     let (device, shape, dtype) = (x.device(), x.shape(), x.dtype());
-    let comm = group.collective();
-    let fail = |cause: String| -> ! {
-        let reason = format!("a sequence-parallel all-to-all failed: {cause}");
-        comm.abort(&reason);
-        panic!("{reason}");
-    };
-    let values = match try_read_sync(B::float_into_data(x)) {
-        Some(Ok(data)) => data.convert::<f32>().try_into_vec::<f32>().unwrap_or_else(|e| fail(format!("{e:?}"))),
-        Some(Err(e)) => fail(format!("reading the tensor: {e:?}")),
-        None => fail("reading the tensor: the device did not answer".into()),
-    };
+    let fail = |cause: String| -> ! { failed(group, "a sequence-parallel all-to-all", cause) };
+    let values = read::<B>(x)
+        .unwrap_or_else(|e| fail(e))
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap_or_else(|e| fail(format!("{e:?}")));
     let (out, out_dims) =
         super::exchange::all_to_all(group, &values, shape.as_slice(), dims).unwrap_or_else(|e| fail(e.to_string()));
     let t = B::float_from_data(TensorData::new(out, out_dims), &device);
@@ -113,6 +100,23 @@ fn exchanged<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, dims: [usize;
         DType::F32 => t,
         other => B::float_cast(t, other.into()),
     }
+}
+
+/// `x`'s values on the host, or why not.
+fn read<B: Backend>(x: FloatTensor<B>) -> Result<TensorData, String> {
+    match try_read_sync(B::float_into_data(x)) {
+        Some(Ok(data)) => Ok(data),
+        Some(Err(e)) => Err(format!("reading the tensor: {e:?}")),
+        None => Err("reading the tensor: the device did not answer".into()),
+    }
+}
+
+/// Aborts `group`'s job (every rank's next collective fails, naming this rank) and panics
+/// with `what` failed and why.
+fn failed(group: &ParallelGroup, what: &str, cause: String) -> ! {
+    let reason = format!("{what} failed: {cause}");
+    group.collective().abort(&reason);
+    panic!("{reason}");
 }
 
 /// The all-to-all's backward: the inverse exchange (the dimensions swapped).
