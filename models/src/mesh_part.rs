@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor};
-use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel};
+use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel, vocab_parallel_lookup};
 
 use crate::hf::weights::Weights;
 
@@ -25,6 +25,27 @@ impl MeshPart {
         let (group, sequence) = (w.tensor_parallel().clone(), w.sequence_parallel().clone());
         let splits: BTreeMap<String, Split> = w.splits();
         Self { split: TensorParallel { group, splits, sequence }, vocab }
+    }
+
+    /// The part `split` describes, of a vocabulary of `vocab` ids (a model cut by
+    /// [`split_module`](zerotrain::nn::parallel::split_module)).
+    pub fn new(split: TensorParallel, vocab: usize) -> Self {
+        Self { split, vocab }
+    }
+
+    /// The group the layers are split over (a group of one: none).
+    pub fn group(&self) -> &ParallelGroup {
+        &self.split.group
+    }
+
+    /// The embeddings `[batch, time, d]` of `ids` `[batch, time]` in a token table `[rows,
+    /// d]` of this rank's rows of the vocabulary (the whole table without a split).
+    pub fn lookup(&self, table: Tensor<2>, ids: Tensor<2, Int>) -> Tensor<3> {
+        let group = &self.split.group;
+        match group.size() {
+            1 => burn::tensor::module::embedding(table, ids),
+            _ => vocab_parallel_lookup(table, group.share(self.vocab).start, ids, group),
+        }
     }
 
     /// The split, as the engine asks for it (`UnitModel::tensor_parallel`).

@@ -32,6 +32,7 @@ use crate::keys::AppSettings;
 use burn::tensor::{Int, Tensor};
 use zerotrain::Trainer;
 use zerotrain::engine::UnitModel;
+use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
 use zerotrain_models::data::Corpus;
 use zerotrain_models::{Gpt, GptConfig};
@@ -111,13 +112,19 @@ pub fn train_gpt(
     progress: &(dyn Fn(&StepMetrics) + Sync),
 ) -> anyhow::Result<TrainSummary> {
     check_memory(plan, shape.num_params())?;
+    shape.check_mesh(plan.mesh.tp, plan.mesh.sp).map_err(anyhow::Error::msg)?;
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
     let data = CorpusData { corpus, context: shape.block_size, seed: plan.runtime.seed };
     let samples = |model: &Gpt| samples::write_samples(model, corpus, &shape);
     let init = Gpt::new(&shape, &device);
     let (num_params, files) = (shape.num_params(), Vec::new());
-    let task = Task { init, num_params, data: &data, samples: &samples, files, split: None };
+    // On a mesh, each rank's part of the model the run would otherwise start from.
+    let seed = plan.runtime.seed;
+    let part = |groups: &ParallelGroups, device: &Device| {
+        Gpt::new_split(&shape, device, groups, seed).map_err(anyhow::Error::msg)
+    };
+    let task = Task { init, num_params, data: &data, samples: &samples, files, split: Some(&part) };
     train_model(plan, settings, options, task, log, progress)
 }
 

@@ -180,3 +180,24 @@ fn a_model_without_gradient_tracking_is_an_error_that_says_why() {
     let err = Engine::new(layer, &plan, &wrong_ctx).map(|_| ()).unwrap_err().to_string();
     assert!(err.contains("the rank's device has no autodiff"), "{err}");
 }
+
+/// A user's model that declares no tensor-parallel plan (`UnitModel::tensor_parallel`) is
+/// refused on a mesh, naming the key and what it lacks, rather than trained whole on every
+/// tensor rank.
+#[test]
+fn a_model_without_a_split_is_refused_on_a_mesh() {
+    let plan = plan(r#"{"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}}"#, 2);
+    let errors = launch(&plan, |ctx| {
+        let mesh = zerotrain::mesh::split(&ctx, &plan)?;
+        let model = fresh(|d| Mlp::new(&[6, 8, 6], d));
+        Ok::<_, Error>(Engine::with_units(model, &mesh.plan, &mesh.ctx).err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    for error in errors {
+        let error = error.expect("the engine trained a model without a split on a tensor-parallel mesh");
+        assert!(
+            error.contains("no tensor- or sequence-parallel plan") && error.contains("autotp_size is 2"),
+            "{error}"
+        );
+    }
+}

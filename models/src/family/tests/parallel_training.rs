@@ -9,7 +9,7 @@ use std::path::Path;
 use burn::module::{ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::json;
-use zerotrain::nn::parallel::ParallelGroups;
+use zerotrain::nn::parallel::{ParallelGroups, Split};
 use zerotrain::{Config, Overrides, Plan, RankContext};
 
 use super::super::*;
@@ -97,6 +97,20 @@ impl WithModel for Job<'_> {
 /// `run`'s SGD steps on the model of `config` over thread ranks, each data-parallel place
 /// reading its rows of one global batch of 8 sequences per step.
 fn train(config: &serde_json::Value, run: Run<'_>) -> Vec<Seen> {
+    let parsed = HfConfig::from_json(config.clone()).unwrap();
+    let vocab = parsed.vocab_size() as i64;
+    train_on(run, vocab, |job, groups| {
+        fresh_split(&parsed, job.ctx.device(), groups, 5).map_err(zerotrain::Error::Model)?.run(job)
+    })
+}
+
+/// `run` over thread ranks of a model of `vocab` ids that `rank` builds for its groups
+/// and trains through the job it is given.
+fn train_on(
+    run: Run<'_>,
+    vocab: i64,
+    rank: impl Fn(Job<'_>, &ParallelGroups) -> zerotrain::Result<Seen> + Sync,
+) -> Vec<Seen> {
     let (tp, sp, dp) = (run.tp, run.sp, run.dp);
     let plan_json = json!({
         "train_batch_size": 8, "gradient_clipping": 0.05,
@@ -107,9 +121,7 @@ fn train(config: &serde_json::Value, run: Run<'_>) -> Vec<Seen> {
     });
     let overrides = Overrides { world_size: Some(tp * sp * dp), ..Overrides::default() };
     let plan: Plan = Config::parse(&plan_json.to_string(), "t.json").unwrap().resolve(overrides).unwrap();
-    let parsed = HfConfig::from_json(config.clone()).unwrap();
-    let vocab = parsed.vocab_size() as i64;
-    let rank = |ctx: RankContext| -> zerotrain::Result<Seen> {
+    let one = |ctx: RankContext| -> zerotrain::Result<Seen> {
         let (ctx, plan, groups) = match plan.mesh.is_trivial() {
             true => (ctx, plan.clone(), ParallelGroups::alone()),
             false => {
@@ -118,10 +130,9 @@ fn train(config: &serde_json::Value, run: Run<'_>) -> Vec<Seen> {
                 (m.ctx, m.plan, groups)
             }
         };
-        let model = fresh_split(&parsed, ctx.device(), &groups, 5).map_err(zerotrain::Error::Model)?;
-        model.run(Job { plan: &plan, ctx: &ctx, vocab, run })
+        rank(Job { plan: &plan, ctx: &ctx, vocab, run }, &groups)
     };
-    zerotrain::launch(&plan, rank).unwrap()
+    zerotrain::launch(&plan, one).unwrap()
 }
 
 fn shapes(config: &serde_json::Value) -> BTreeMap<String, Vec<usize>> {
@@ -289,6 +300,88 @@ fn a_rank_holds_its_part_of_every_state() {
                 (least..=most).contains(&(2 * bytes)),
                 "rank {r}: {what} {bytes} B, two shards not in {least}..={most}"
             );
+        }
+    }
+}
+
+/// The built-in GPT's cuts, written out: q, k, v and the MLP's up projection by output
+/// features (Burn's `Linear` stores `[d_in, d_out]`: dimension 1; their biases with them),
+/// attention's output and the MLP's down projection by input features (dimension 0), the
+/// token table and an untied head by vocabulary; everything else whole.
+fn gpt_split(name: &str) -> Split {
+    let column = ["attn.query.weight", "attn.key.weight", "attn.value.weight", "mlp_up.weight"];
+    let column_bias = ["attn.query.bias", "attn.value.bias", "mlp_up.bias"];
+    let row = ["attn.output.weight", "mlp_down.weight"];
+    match name {
+        "token.weight" | "head.bias" => Split::Uneven { dim: 0 },
+        "head.weight" => Split::Uneven { dim: 1 },
+        _ if column.iter().any(|p| name.ends_with(p)) => Split::Even { dim: 1, blocks: 1 },
+        _ if column_bias.iter().chain(&row).any(|p| name.ends_with(p)) => Split::Even { dim: 0, blocks: 1 },
+        _ => Split::Whole,
+    }
+}
+
+/// The whole shape of the built-in GPT's parameter `name` at width `d`, vocabulary `v`,
+/// context `t`.
+fn gpt_shape(name: &str, (d, v, t): (usize, usize, usize)) -> Vec<usize> {
+    match name.rsplit('.').nth(1).unwrap_or(name) {
+        "token" => vec![v, d],
+        "position" => vec![t, d],
+        "head" if name.ends_with("weight") => vec![d, v],
+        "head" => vec![v],
+        "mlp_up" if name.ends_with("weight") => vec![d, 4 * d],
+        "mlp_up" => vec![4 * d],
+        "mlp_down" if name.ends_with("weight") => vec![4 * d, d],
+        "query" | "key" | "value" | "output" if name.ends_with("weight") => vec![d, d],
+        _ => vec![d],
+    }
+}
+
+/// The built-in GPT (burn-nn's layers) split over a mesh ((tp 2, dp 2) at stage 3 tied,
+/// tp 4 untied over 11 ids (parts of 2 and 3), (sp 2, dp 2) at stage 2, (tp 2, sp 2)
+/// untied), each against the whole GPT at the same dp: it starts from the same values (the
+/// parts are cut from what the engine draws for the whole model), so the losses and norms
+/// agree within 1e-5 relative and every gathered parameter is its slice of the whole
+/// model's within 1e-5 of its largest value (the bound of the family test above).
+#[test]
+fn the_built_in_gpt_split_over_a_mesh_trains_as_the_whole_gpt_does() {
+    let config =
+        |tied_head| crate::GptConfig { n_layer: 2, n_head: 4, n_embd: 16, block_size: 8, vocab_size: 11, tied_head };
+    let gpt = |config: crate::GptConfig, run: Run<'_>| {
+        train_on(run, 11, |job, groups| {
+            let (device, seed) = (job.ctx.device(), job.plan.runtime.seed);
+            match run.tp * run.sp {
+                1 => job.run(crate::Gpt::new(&config, device)),
+                _ => job.run(crate::Gpt::new_split(&config, device, groups, seed).map_err(zerotrain::Error::Model)?),
+            }
+        })
+    };
+    for (tied, tp, sp, dp, stage) in [(true, 2, 1, 2, 3), (false, 4, 1, 1, 1), (true, 1, 2, 2, 2), (false, 2, 2, 1, 0)]
+    {
+        let run = |tp, sp| Run { tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
+        let (whole, split) = (gpt(config(tied), run(1, 1)), gpt(config(tied), run(tp, sp)));
+        let at = format!("gpt tied {tied} tp {tp} sp {sp} dp {dp} stage {stage}");
+        let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
+        for (r, (steps, model, _)) in split.iter().enumerate() {
+            for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
+                assert!(
+                    (loss - want_loss).abs() <= 1e-5 * want_loss,
+                    "{at}, rank {r}, step {s}: loss {loss} vs {want_loss}"
+                );
+                assert!(
+                    (norm - want_norm).abs() <= 1e-5 * want_norm,
+                    "{at}, rank {r}, step {s}: norm {norm} vs {want_norm}"
+                );
+            }
+            let Some(model) = model else { continue };
+            assert_eq!(model.len(), want_model.len(), "{at}: the part has every parameter");
+            let t = r % tp;
+            for (name, got) in model {
+                let shape = gpt_shape(name, (16, 11, 8));
+                let want = slice_of(&want_model[name], &shape, gpt_split(name), t, tp);
+                let error = largest_error(got, &want);
+                assert!(error <= 1e-5, "{at}, tensor rank {t}: `{name}` is off by {error:e}");
+            }
         }
     }
 }

@@ -97,7 +97,7 @@ pub(crate) struct Lazy<'a> {
 }
 
 /// `param`'s value; a lazy one initialised under its path's stream when `lazy` is given.
-fn first_value<const D: usize>(param: &Param<Tensor<D>>, path: &str, lazy: Option<Lazy<'_>>) -> Tensor<D> {
+pub(crate) fn first_value<const D: usize>(param: &Param<Tensor<D>>, path: &str, lazy: Option<Lazy<'_>>) -> Tensor<D> {
     match lazy {
         Some(lazy) if !param.is_initialized() => {
             let device = param.lazy_device();

@@ -23,6 +23,7 @@ mod exchange;
 mod gather;
 mod linear;
 mod loss;
+mod module_split;
 mod ops;
 mod split;
 
@@ -37,6 +38,7 @@ use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
 pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup};
 pub use loss::vocab_parallel_cross_entropy;
+pub use module_split::split_module;
 pub use split::{Split, within};
 
 use crate::{Error, Result};

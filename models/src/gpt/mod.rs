@@ -1,5 +1,8 @@
 //! A GPT-style decoder: token and position embeddings, pre-norm transformer blocks with
-//! causal self-attention and an MLP, a final norm and a (tied or untied) output head.
+//! causal self-attention and an MLP, a final norm and a (tied or untied) output head; and
+//! a rank's part of it on a device mesh ([`Gpt::new_split`]).
+
+mod parallel;
 
 use burn::module::Module;
 use burn::nn::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
@@ -9,8 +12,10 @@ use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
+use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
+use crate::mesh_part::MeshPart;
 use zerotrain::engine::{UnitModel, UnitSpec};
-use zerotrain::nn::causal_attention;
+use zerotrain::nn::parallel::{ParallelGroup, TensorParallel};
 
 /// The `model` section of a config: a GPT's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,6 +151,9 @@ pub struct Gpt {
     blocks: Vec<Block>,
     norm: LayerNorm,
     head: Option<Linear>,
+    /// Its place on a device mesh (`None`: the whole model).
+    #[module(skip)]
+    mesh: Option<MeshPart>,
 }
 
 impl Gpt {
@@ -160,6 +168,7 @@ impl Gpt {
             blocks,
             norm: LayerNormConfig::new(d).init(device),
             head: (!config.tied_head).then(|| LinearConfig::new(d, config.vocab_size).init(device)),
+            mesh: None,
         }
     }
 
@@ -170,48 +179,68 @@ impl Gpt {
 
     /// The residual stream after the last block `[batch, time, d]`.
     fn trunk(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let mut h = self.embed(tokens);
+        let mut h = self.embed(tokens, 0);
         for block in &self.blocks {
-            h = block.forward(h);
+            h = block.run(h, self.tensor_group(), None);
         }
         h
+    }
+
+    /// The group its layers are split over, on a mesh.
+    fn tensor_group(&self) -> Option<&ParallelGroup> {
+        self.mesh.as_ref().map(MeshPart::group)
     }
 
     /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path
     /// (the head and loss over blocks of tokens).
     pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
-        unit_loss(self.head_loss(self.trunk(inputs(tokens)), tokens))
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (tokens, 0)))
     }
 
-    /// The final norm, the head and the mean next-token loss against `tokens` (the last
-    /// unit), without the whole logits.
-    fn head_loss(&self, h: Tensor<3>, tokens: &Tensor<2, Int>) -> Tensor<3> {
+    /// The final norm, the head and the mean next-token loss against `tokens`, whose
+    /// position `first` is `h`'s first (the last unit), without the whole logits (nor, on
+    /// a mesh, the whole vocabulary's).
+    fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
         let h = self.norm.forward(h);
         let (weight, bias) = match &self.head {
             Some(head) => (head.weight.val().transpose(), head.bias.as_ref().map(|b| b.val())),
             None => (self.token.weight.val(), None),
         };
-        head_loss(h, (weight, bias), (tokens, 0), None)
+        head_loss(h, (weight, bias), tokens, self.mesh.as_ref().and_then(MeshPart::vocabulary))
     }
 
-    /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]`.
-    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+    /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]`, the
+    /// first at position `start`.
+    fn embed(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
         let [_, t] = tokens.dims();
-        let positions = Tensor::<1, Int>::arange(0..t as i64, &tokens.device()).reshape([1, t]);
-        self.token.forward(tokens) + self.position.forward(positions)
+        let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &tokens.device()).reshape([1, t]);
+        let token = match &self.mesh {
+            Some(mesh) => mesh.lookup(self.token.weight.val(), tokens),
+            None => self.token.forward(tokens),
+        };
+        token + self.position.forward(positions)
     }
 
-    /// The final norm and the output head (the token embedding, transposed, when tied).
+    /// The final norm and the output head (the token embedding, transposed, when tied);
+    /// on a mesh, the vocabulary's parts gathered from the group.
     fn head(&self, h: Tensor<3>) -> Tensor<3> {
         let h = self.norm.forward(h);
+        let h = match self.tensor_group() {
+            Some(group) => group.copy_to(h),
+            None => h,
+        };
         let [b, t, d] = h.dims();
-        match &self.head {
+        let logits = match &self.head {
             Some(head) => head.forward(h),
             None => {
                 let weight = self.token.weight.val(); // [vocab, d]
                 let vocab = weight.dims()[0];
                 h.reshape([b * t, d]).matmul(weight.transpose()).reshape([b, t, vocab])
             }
+        };
+        match &self.mesh {
+            Some(mesh) => mesh.logits(logits),
+            None => logits,
         }
     }
 
@@ -240,15 +269,40 @@ impl Block {
     /// [`zerotrain::nn::causal_attention`] (what its `forward` computes with a causal mask,
     /// without keeping the `[time, time]` probabilities for backward).
     pub fn forward(&self, h: Tensor<3>) -> Tensor<3> {
-        let [b, t, d] = h.dims();
-        let x = self.norm_attn.forward(h.clone());
+        self.run(h, None, None)
+    }
+
+    /// [`forward`](Self::forward) of this rank's part of the block: with `tensor`, its
+    /// heads and its columns of the MLP (Megatron's column- and row-parallel pairs: each
+    /// region entered through the group's copy, left through its sum, a row-parallel bias
+    /// added once after it); with `seq`, `h` is this rank's part of each sequence and
+    /// attention trades parts for heads over that group (DeepSpeed-Ulysses).
+    fn run(&self, h: Tensor<3>, tensor: Option<&ParallelGroup>, seq: Option<&ParallelGroup>) -> Tensor<3> {
+        let enter = |x: Tensor<3>| match tensor {
+            Some(group) => group.copy_to(x),
+            None => x,
+        };
+        let leave = |linear: &Linear, x: Tensor<3>| match tensor {
+            Some(group) => {
+                let y = group.reduce_from(burn::tensor::module::linear(x, linear.weight.val(), None));
+                match &linear.bias {
+                    Some(bias) => y + bias.val().unsqueeze(),
+                    None => y,
+                }
+            }
+            None => linear.forward(x),
+        };
+        let x = enter(self.norm_attn.forward(h.clone()));
         let attn = &self.attn;
-        let heads = |linear: &Linear| linear.forward(x.clone()).reshape([b, t, attn.n_heads, attn.d_k]).swap_dims(1, 2);
-        let scale = (attn.d_k as f32).sqrt().recip();
-        let context = causal_attention(heads(&attn.query), heads(&attn.key), heads(&attn.value), scale);
-        let h = h + attn.output.forward(context.swap_dims(1, 2).reshape([b, t, d]));
-        let m = self.mlp_down.forward(gelu(self.mlp_up.forward(self.norm_mlp.forward(h.clone()))));
-        h + m
+        let heads = |linear: &Linear| split_heads(linear.forward(x.clone()), attn.n_heads);
+        let (q, k, v) = (heads(&attn.query), heads(&attn.key), heads(&attn.value));
+        let context = match seq {
+            Some(seq) => sequence_parallel_attention(q, k, v, seq),
+            None => causal_attention(q, k, v),
+        };
+        let h = h + leave(&attn.output, context);
+        let up = self.mlp_up.forward(enter(self.norm_mlp.forward(h.clone())));
+        h + leave(&self.mlp_down, gelu(up))
     }
 }
 
@@ -281,15 +335,22 @@ impl UnitModel for Gpt {
 
     fn forward_unit(&self, unit: usize, input: Option<Tensor<3>>, tokens: &Self::Batch) -> Tensor<3> {
         let blocks = &self.blocks;
-        decoder_unit(
-            unit,
-            input,
-            tokens,
-            blocks.len(),
-            |ids| self.embed(ids),
-            |i, h| blocks[i].forward(h),
-            |h| self.head_loss(h, tokens),
-        )
+        // On a mesh with sequence parallelism, this rank's part of every sequence.
+        let mesh = self.mesh.as_ref();
+        let seq = mesh.and_then(MeshPart::sequence);
+        let embed = |ids: Tensor<2, Int>| {
+            let (ids, first) = match mesh {
+                Some(mesh) => mesh.inputs(ids),
+                None => (ids, 0),
+            };
+            self.embed(ids, first)
+        };
+        let head = |h: Tensor<3>| {
+            let first = mesh.map_or(0, |m| m.first(h.dims()[1]));
+            self.head_loss(h, (tokens, first))
+        };
+        let block = |i: usize, h| blocks[i].run(h, self.tensor_group(), seq);
+        decoder_unit(unit, input, tokens, blocks.len(), embed, block, head)
     }
 
     fn output_loss(&self, loss: Tensor<3>, _: &Self::Batch) -> Tensor<1> {
@@ -298,6 +359,11 @@ impl UnitModel for Gpt {
 
     fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
         Some(tokens.dims()[0])
+    }
+
+    /// On a mesh ([`Gpt::new_split`]), its split; the whole model has none.
+    fn tensor_parallel(&self) -> Option<TensorParallel> {
+        self.mesh.as_ref().map(MeshPart::tensor_parallel)
     }
 }
 

@@ -1,0 +1,96 @@
+//! The built-in GPT on a device mesh: Megatron-LM's plan for its layers, each rank's part
+//! cut from the values the whole model starts from.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::Device;
+use zerotrain::nn::parallel::{ParallelGroups, Split, TensorParallel, split_module};
+
+use super::{Gpt, GptConfig};
+use crate::mesh_part::MeshPart;
+
+impl Gpt {
+    /// This rank's part of the model of shape `config`, on `device`, for a device mesh's
+    /// `groups`, starting from exactly the values the whole model starts from in an engine
+    /// run seeded with `seed` (each split parameter drawn whole as the engine would draw
+    /// it, then cut: [`split_module`]; the others left for the engine to draw).
+    ///
+    /// Megatron-LM's plan: attention's query, key and value and the MLP's up projection
+    /// split by output features (a rank holds `n_head / tp` heads), attention's output
+    /// and the MLP's down projection by input features, the token embedding (and so a tied
+    /// head) and an untied head by vocabulary (parts that differ by one where it does not
+    /// divide); norms, positions and the row-parallel biases whole. With sequence
+    /// parallelism each rank's units run its consecutive part of every sequence (positions
+    /// from its first) and attention trades parts for heads (DeepSpeed-Ulysses).
+    ///
+    /// # Errors
+    /// Heads that do not divide by tp x sp (`model.n_head`), a context that does not divide
+    /// by sp (`model.block_size`), fewer ids than tensor ranks (`model.vocab_size`).
+    pub fn new_split(config: &GptConfig, device: &Device, groups: &ParallelGroups, seed: u64) -> Result<Self, String> {
+        let (tp, sp) = (groups.tensor.size(), groups.sequence.size());
+        config.check_mesh(tp, sp)?;
+        let splits = if tp > 1 { plan(config) } else { BTreeMap::new() };
+        let mut part =
+            split_module(Self::new(config, device), &splits, &groups.tensor, seed).map_err(|e| e.to_string())?;
+        for block in &mut part.blocks {
+            block.attn.n_heads = config.n_head / tp;
+            block.attn.d_model = config.n_embd / tp;
+        }
+        let split = TensorParallel { group: groups.tensor.clone(), splits, sequence: groups.sequence.clone() };
+        part.mesh = Some(MeshPart::new(split, config.vocab_size));
+        Ok(part)
+    }
+}
+
+impl GptConfig {
+    /// Whether this shape splits over `tp` tensor and `sp` sequence ranks
+    /// ([`Gpt::new_split`]); the error names the field that does not divide.
+    pub fn check_mesh(&self, tp: usize, sp: usize) -> Result<(), String> {
+        if !self.n_head.is_multiple_of(tp * sp) {
+            return Err(format!(
+                "model.n_head ({}) does not divide by the tensor- times the sequence-parallel size {tp} x {sp}",
+                self.n_head
+            ));
+        }
+        if !self.block_size.is_multiple_of(sp) {
+            return Err(format!(
+                "model.block_size ({}) does not divide by the sequence-parallel size {sp}: each rank runs an equal \
+                 part of every sequence",
+                self.block_size
+            ));
+        }
+        if self.vocab_size < tp {
+            return Err(format!(
+                "model.vocab_size ({}) has fewer ids than the tensor-parallel size {tp}",
+                self.vocab_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Each split parameter's cut, by module path. Burn's `Linear` stores its weight `[d_in,
+/// d_out]`: a column-parallel layer's weight is cut along dimension 1 and its bias with
+/// it, a row-parallel layer's weight along dimension 0 (its bias whole, added once after
+/// the group's sum). The key projection has no bias.
+fn plan(config: &GptConfig) -> BTreeMap<String, Split> {
+    let (by_output, by_input) = (Split::Even { dim: 1, blocks: 1 }, Split::Even { dim: 0, blocks: 1 });
+    let mut plan = BTreeMap::from([("token.weight".to_string(), Split::Uneven { dim: 0 })]);
+    for i in 0..config.n_layer {
+        let mut cut = |param: &str, split| plan.insert(format!("blocks.{i}.{param}"), split);
+        for column in ["attn.query", "attn.key", "attn.value", "mlp_up"] {
+            cut(&format!("{column}.weight"), by_output);
+        }
+        for bias in ["attn.query", "attn.value", "mlp_up"] {
+            cut(&format!("{bias}.bias"), by_input);
+        }
+        for row in ["attn.output", "mlp_down"] {
+            cut(&format!("{row}.weight"), by_input);
+        }
+    }
+    if !config.tied_head {
+        plan.insert("head.weight".into(), Split::Uneven { dim: 1 });
+        plan.insert("head.bias".into(), Split::Uneven { dim: 0 });
+    }
+    plan
+}
