@@ -90,6 +90,27 @@ impl Launched {
     }
 }
 
+impl Launched {
+    /// Refuses a mesh whose tensor-parallel groups would span nodes, where the launcher
+    /// says how many processes a node runs: a group's ranks are consecutive
+    /// (`tensor_parallel.autotp_size` of them, from a multiple of it) and a node's are
+    /// `LOCAL_WORLD_SIZE` consecutive ranks, so every group lies on one node exactly when
+    /// that divides by the tensor-parallel size. Megatron's four all-reduces per layer
+    /// would otherwise cross the network inside every forward. Sequence groups (strided by
+    /// the tensor size) may span nodes: DeepSpeed-Ulysses' all-to-all does across nodes.
+    fn check_tensor_groups(&self, plan: &Plan) -> Result<()> {
+        let (tp, Some(local)) = (plan.mesh.tp, self.local_world_size) else { return Ok(()) };
+        if local.is_multiple_of(tp) {
+            return Ok(());
+        }
+        Err(Error::Usage(format!(
+            "tensor_parallel.autotp_size is {tp}, but a node runs {local} ranks (LOCAL_WORLD_SIZE): a tensor-parallel \
+             group would span nodes; use a size that divides {local} (ranks of one group sit on one node, \
+             consecutive)"
+        )))
+    }
+}
+
 /// This process's place in a job whose processes a launcher started (`zerotrain launch`,
 /// torchrun, a Kubernetes training operator, SageMaker, Slurm with `MASTER_ADDR` and
 /// `MASTER_PORT` set), or `None` when none did (or `mpirun` did). A variable set to
@@ -141,6 +162,7 @@ where
             launched.world_size
         )));
     }
+    launched.check_tensor_groups(plan)?;
     let join = tcp::Join {
         rank: launched.rank,
         world_size: launched.world_size,
@@ -252,6 +274,28 @@ mod tests {
         let under_mpirun = [("OMPI_COMM_WORLD_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "2")];
         assert_eq!(read(&under_mpirun).unwrap(), None);
         assert_eq!(read(&[]).unwrap(), None);
+    }
+
+    /// A tensor group must lie on one node: tp 4 over nodes of 2 (larger) or of 6 (the
+    /// second group would take ranks 4..8 of nodes 0 and 1) is refused naming the key and
+    /// LOCAL_WORLD_SIZE; tp 2 over nodes of 6, or with no node size given, is not.
+    #[test]
+    fn a_tensor_group_that_would_span_nodes_is_refused() {
+        let plan = |tp: usize| {
+            let json =
+                format!(r#"{{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {{"autotp_size": {tp}}}}}"#);
+            let overrides = crate::Overrides { world_size: Some(12), ..Default::default() };
+            crate::Config::parse(&json, "t.json").unwrap().resolve(overrides).unwrap()
+        };
+        let node =
+            |local| Launched { rank: 0, world_size: 12, local_rank: 0, local_world_size: local, addr: "a:1".into() };
+        for local in [2, 6] {
+            let err = node(Some(local)).check_tensor_groups(&plan(4)).unwrap_err().to_string();
+            let said = format!("autotp_size is 4, but a node runs {local} ranks (LOCAL_WORLD_SIZE)");
+            assert!(err.contains(&said), "{err}");
+        }
+        assert!(node(Some(6)).check_tensor_groups(&plan(2)).is_ok());
+        assert!(node(None).check_tensor_groups(&plan(4)).is_ok());
     }
 
     #[test]
