@@ -4,13 +4,12 @@
 
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
-use burn::tensor::module::linear;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::layers::KvCache;
 use zerotrain::engine::UnitModel;
 use zerotrain::nn::LinearCrossEntropy;
-use zerotrain::nn::parallel::{ParallelGroup, vocab_parallel_cross_entropy};
+use zerotrain::nn::parallel::ParallelGroup;
 
 /// A decoder-only language model: logits for token ids, and units over next-token batches
 /// (`[batch, time + 1]` ids: inputs and targets).
@@ -235,8 +234,7 @@ pub(crate) fn head_loss(
     let h = h.reshape([b * t, d]);
     match split {
         Some((group, vocab)) if group.size() > 1 => {
-            let logits = linear(group.copy_to(h), weight.transpose(), bias);
-            vocab_parallel_cross_entropy(logits, targets, vocab, group).reshape([1, 1, 1])
+            LinearCrossEntropy::new().forward_parallel(h, (weight, bias), targets, vocab, group).reshape([1, 1, 1])
         }
         _ => LinearCrossEntropy::new().forward(h, weight, bias, targets).reshape([1, 1, 1]),
     }

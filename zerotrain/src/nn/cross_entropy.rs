@@ -24,9 +24,12 @@
 //! log-softmax in f32, as the unfused loss does. Only what is tracked gets a gradient: a
 //! run without autodiff (evaluation) computes the value alone.
 
+use std::ops::Range;
+
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor};
 
+use super::parallel::{ParallelGroup, local_ids};
 use crate::reduce;
 
 /// A language model's output projection and its mean next-token cross-entropy, computed
@@ -102,6 +105,51 @@ impl LinearCrossEntropy {
         bias: Option<Tensor<1>>,
         targets: Tensor<1, Int>,
     ) -> Tensor<1> {
+        self.run(hidden, weight, bias, targets, None)
+    }
+
+    /// [`forward`](Self::forward) of a head whose vocabulary of `vocab` ids is split over
+    /// `group` (a vocabulary-parallel head): `weight` `[part, d]` and `bias` `[part]` are
+    /// this rank's consecutive rows of the whole head's ([`ParallelGroup::share`]), `hidden`
+    /// the whole hidden states (equal on every rank), `targets` ids into the whole
+    /// vocabulary. Every rank gets the whole loss, its rows of the weight and bias their
+    /// gradients, and `hidden` the whole gradient (it enters through
+    /// [`ParallelGroup::copy_to`], whose backward sums the ranks' parts). No rank forms the
+    /// whole logits, nor more than one block of its part: per block, the group exchanges
+    /// three values per token (the maximum, the sum of exponentials, the target's logit),
+    /// as [`vocab_parallel_cross_entropy`](super::parallel::vocab_parallel_cross_entropy)
+    /// does over all tokens at once.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), and where the weight's rows are not this rank's share
+    /// of `vocab`.
+    pub fn forward_parallel(
+        &self,
+        hidden: Tensor<2>,
+        (weight, bias): (Tensor<2>, Option<Tensor<1>>),
+        targets: Tensor<1, Int>,
+        vocab: usize,
+        group: &ParallelGroup,
+    ) -> Tensor<1> {
+        let part = group.share(vocab);
+        assert_eq!(
+            weight.dims()[0],
+            part.len(),
+            "LinearCrossEntropy::forward_parallel: rank {} holds ids {part:?} of {vocab}, the weight {} rows",
+            group.rank(),
+            weight.dims()[0]
+        );
+        self.run(group.copy_to(hidden), weight, bias, targets, Some((group.clone(), part)))
+    }
+
+    fn run(
+        &self,
+        hidden: Tensor<2>,
+        weight: Tensor<2>,
+        bias: Option<Tensor<1>>,
+        targets: Tensor<1, Int>,
+        split: Option<(ParallelGroup, Range<usize>)>,
+    ) -> Tensor<1> {
         let ([n, d], [vocab, dw], [nt]) = (hidden.dims(), weight.dims(), targets.dims());
         assert!(d == dw, "LinearCrossEntropy: hidden [{n}, {d}] and weight [{vocab}, {dw}] differ in width");
         assert!(nt == n, "LinearCrossEntropy: {nt} targets for {n} hidden states");
@@ -114,8 +162,10 @@ impl LinearCrossEntropy {
             weight: weight.is_tracked(),
             bias: bias.as_ref().is_some_and(Tensor::is_tracked),
         };
-        let mut blocks = Blocks::new(constant(weight.clone()), bias.clone().map(constant), wants);
+        let mut blocks = Blocks::new(constant(weight.clone()), bias.clone().map(constant), wants, split);
         let h = constant(hidden.clone());
+        // A split head's blocks are as long as the whole vocabulary's would be: each block
+        // costs the group three exchanges, whatever this rank's part.
         let step = self.block_tokens(vocab);
         for start in (0..n).step_by(step) {
             let len = step.min(n - start);
@@ -159,6 +209,8 @@ struct Blocks {
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     wants: Wants,
+    /// The group a vocabulary-parallel head's rows are split over, and this rank's ids.
+    split: Option<(ParallelGroup, Range<usize>)>,
     total: Option<Tensor<1>>,
     hidden_grads: Vec<Tensor<2>>,
     weight_grad: Option<Tensor<2>>,
@@ -167,9 +219,14 @@ struct Blocks {
 
 impl Blocks {
     /// Blocks projected by the detached `weight` and `bias`.
-    fn new(weight: Tensor<2>, bias: Option<Tensor<1>>, wants: Wants) -> Self {
+    fn new(
+        weight: Tensor<2>,
+        bias: Option<Tensor<1>>,
+        wants: Wants,
+        split: Option<(ParallelGroup, Range<usize>)>,
+    ) -> Self {
         let (total, hidden_grads, weight_grad, bias_grad) = (None, Vec::new(), None, None);
-        Self { weight, bias, wants, total, hidden_grads, weight_grad, bias_grad }
+        Self { weight, bias, wants, split, total, hidden_grads, weight_grad, bias_grad }
     }
 
     /// One block: detached hidden states `h` `[len, d]` and their targets `[len, 1]`.
@@ -178,16 +235,23 @@ impl Blocks {
         if let Some(b) = &self.bias {
             logits = logits + b.clone().unsqueeze_dim(0);
         }
-        let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
-        let picked = log_probs.clone().gather(1, targets.clone());
-        let block = reduce::sum(picked.clone()).neg();
+        let (picked, probs, targets, inside) = match &self.split {
+            None => {
+                let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
+                let picked = log_probs.clone().gather(1, targets.clone());
+                let inside = picked.ones_like();
+                (picked, log_probs.exp(), targets, inside)
+            }
+            Some((group, part)) => normalise_split(logits.cast(FloatDType::F32), targets, group, part),
+        };
+        let block = reduce::sum(picked).neg();
         add_to(&mut self.total, block);
         if !self.wants.any() {
             return;
         }
-        // softmax - one_hot(target): the gradient of the block's summed loss by its logits.
-        let minus_one = picked.ones_like().neg();
-        let grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add);
+        // softmax - one_hot(target): the gradient of the block's summed loss by its logits
+        // (a split head's rank subtracts the one where it holds the target).
+        let grad = probs.scatter(1, targets, inside.neg(), IndexingUpdateOp::Add);
         if self.wants.bias {
             let vocab = grad.dims()[1];
             let g = grad.clone().sum_dim(0).reshape([vocab]);
@@ -225,4 +289,26 @@ impl Blocks {
             None => value,
         }
     }
+}
+
+/// A block of a vocabulary-parallel head: this rank's f32 logits `z` `[len, part]` of ids
+/// `part`, and the targets `[len, 1]` in the whole vocabulary. Returns the log-probability
+/// of each target `[len, 1]` (equal on every rank), this rank's probabilities `[len,
+/// part]`, the targets as rows of the part (0 outside it), and 1 where this rank holds the
+/// target (else 0), `[len, 1]`.
+fn normalise_split(
+    z: Tensor<2>,
+    targets: Tensor<2, Int>,
+    group: &ParallelGroup,
+    part: &Range<usize>,
+) -> (Tensor<2>, Tensor<2>, Tensor<2, Int>, Tensor<2>) {
+    // The maximum only steadies the exponentials; the result does not depend on it.
+    let max = group.max(z.clone().max_dim(1));
+    let exp = (z.clone() - max.clone()).exp();
+    let sum = group.reduce_from(exp.clone().sum_dim(1));
+    let (ids, inside) = local_ids(targets, part);
+    let inside = inside.float();
+    let target = group.reduce_from(z.gather(1, ids.clone()) * inside.clone());
+    let picked = target - max - sum.clone().log();
+    (picked, exp / sum, ids, inside)
 }

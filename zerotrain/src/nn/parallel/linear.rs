@@ -153,7 +153,7 @@ pub fn vocab_parallel_lookup(table: Tensor<2>, first: usize, ids: Tensor<2, Int>
 
 /// `ids` as rows of a slice `rows` of the vocabulary: ids inside it less its first row,
 /// ids outside it as row 0 (to be masked), and the mask (1 inside) as ints.
-pub(super) fn local_ids<const D: usize>(
+pub(crate) fn local_ids<const D: usize>(
     ids: Tensor<D, Int>,
     rows: &std::ops::Range<usize>,
 ) -> (Tensor<D, Int>, Tensor<D, Int>) {

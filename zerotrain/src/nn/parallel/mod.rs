@@ -36,6 +36,7 @@ use std::time::Duration;
 use burn::tensor::Tensor;
 use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
+pub(crate) use linear::local_ids;
 pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup};
 pub use loss::vocab_parallel_cross_entropy;
 pub use module_split::split_module;

@@ -131,55 +131,84 @@ fn column_then_row_parallel_equals_the_unsplit_mlp_and_its_gradients() {
     }
 }
 
-/// A vocabulary-parallel embedding and head with the vocabulary-parallel loss, at 2 and 5
-/// ranks (12 ids in parts of 2 or 3): the loss equals the unsplit model's (embedding, head, log-softmax, the targets'
-/// mean negative log-likelihood) on every rank, and each rank's table rows and head columns
-/// get the unsplit gradients' slices. Targets include each rank's first and last ids. Bound:
-/// the loss and gradients regroup sums of at most 12 exponentials and 4 products into one
-/// partial sum per rank; 1e-5 of the largest value.
+/// A vocabulary-parallel embedding and head (with a bias) with the vocabulary-parallel
+/// loss, at 2 and 5 ranks (12 ids in parts of 2 or 3), both as the logits'
+/// `vocab_parallel_cross_entropy` and as `LinearCrossEntropy::forward_parallel` in blocks
+/// of 3 tokens (10 tokens: 4 blocks, the last short): the loss equals the unsplit model's
+/// (embedding, head, log-softmax, the targets' mean negative log-likelihood) on every rank,
+/// and each rank's table rows, head columns and bias entries get the unsplit gradients'
+/// slices. Targets include each rank's first and last ids. Bound: the loss and gradients
+/// regroup sums of at most 12 exponentials and 4 products into one partial sum per rank;
+/// 1e-5 of the largest value.
 #[test]
 fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
     let (vocab, d, batch, time) = (12, 4, 2, 5);
     let ids: Vec<i64> = vec![0, 5, 6, 11, 2, 3, 8, 9, 11, 1];
     let targets: Vec<i64> = vec![5, 6, 0, 11, 2, 3, 9, 8, 1, 11];
-    let (table, head) = (draw(vocab * d, 7, 1.0), draw(d * vocab, 8, 1.0));
+    let (table, head, bias) = (draw(vocab * d, 7, 1.0), draw(d * vocab, 8, 1.0), draw(vocab, 9, 0.5));
     let int = |v: &[i64], shape: [usize; 2]| {
         Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), shape), &Device::flex().autodiff())
     };
     let n = batch * time;
 
-    let (te, tw) = (tensor(&table, [vocab, d], true), tensor(&head, [d, vocab], true));
+    let (te, tw, tb) =
+        (tensor(&table, [vocab, d], true), tensor(&head, [d, vocab], true), tensor(&bias, [vocab], true));
     let hidden = embedding(te.clone(), int(&ids, [batch, time])).reshape([n, d]);
-    let logp = log_softmax(hidden.matmul(tw.clone()), 1);
+    let logp = log_softmax(hidden.matmul(tw.clone()) + tb.clone().unsqueeze(), 1);
     let picked = logp.gather(1, int(&targets, [n, 1]));
     let loss = picked.mean().neg();
     let grads = loss.clone().backward();
-    let (want_loss, want_de, want_dw) =
-        (values(loss), values(te.grad(&grads).unwrap()), values(tw.grad(&grads).unwrap()));
+    let want = [
+        values(loss),
+        values(te.grad(&grads).unwrap()),
+        values(tw.grad(&grads).unwrap()),
+        values(tb.grad(&grads).unwrap()),
+    ];
 
     for ranks in [2, 5] {
         let results = on_ranks(ranks, |group| {
-            let embed = VocabParallelEmbedding::from_whole(tensor(&table, [vocab, d], false), &group).unwrap();
+            let (r, n_ranks) = (group.rank(), group.size());
             let split = Split::Uneven { dim: 1 };
-            let head = split.slice(tensor(&head, [d, vocab], false), group.rank(), group.size(), "head").unwrap();
-            let head = ColumnParallelLinear::from_slice(head, None, &group);
-            let hidden = embed.forward(int(&ids, [batch, time])).reshape([n, d]);
+            let head = split.slice(tensor(&head, [d, vocab], false), r, n_ranks, "head").unwrap();
+            let bias = Split::Uneven { dim: 0 }.slice(tensor(&bias, [vocab], false), r, n_ranks, "bias").unwrap();
+            let head = ColumnParallelLinear::from_slice(head, Some(bias), &group);
             let targets = int(&targets, [n, 1]).reshape([n]);
-            let loss = vocab_parallel_cross_entropy(head.forward(hidden), targets, vocab, &group);
-            let grads = loss.clone().backward();
-            let (hw, _) = head.weight_and_bias();
-            (values(loss), values(embed.weight().grad(&grads).unwrap()), values(hw.grad(&grads).unwrap()))
+            let run = |blocked: bool| {
+                let embed = VocabParallelEmbedding::from_whole(tensor(&table, [vocab, d], false), &group).unwrap();
+                let hidden = embed.forward(int(&ids, [batch, time])).reshape([n, d]);
+                let (hw, hb) = head.weight_and_bias();
+                let loss = match blocked {
+                    false => vocab_parallel_cross_entropy(head.forward(hidden), targets.clone(), vocab, &group),
+                    true => crate::nn::LinearCrossEntropy::new().with_block_tokens(3).forward_parallel(
+                        hidden,
+                        (hw.clone().transpose(), hb.clone()),
+                        targets.clone(),
+                        vocab,
+                        &group,
+                    ),
+                };
+                let grads = loss.clone().backward();
+                let grad = |t: Tensor<2>| values(t.grad(&grads).unwrap());
+                [values(loss), grad(embed.weight()), grad(hw), values(hb.unwrap().grad(&grads).unwrap())]
+            };
+            [run(false), run(true)]
         });
-        for (r, (loss, de, dw)) in results.iter().enumerate() {
+        for (r, both) in results.iter().enumerate() {
             let rows = r * vocab / ranks..(r + 1) * vocab / ranks;
-            let checks = [
-                ("loss", loss, want_loss.clone()),
-                ("table's gradient", de, want_de[rows.start * d..rows.end * d].to_vec()),
-                ("head's gradient", dw, columns(&want_dw, vocab, rows.clone())),
+            let slices = [
+                ("loss", want[0].clone()),
+                ("table's gradient", want[1][rows.start * d..rows.end * d].to_vec()),
+                ("head's gradient", columns(&want[2], vocab, rows.clone())),
+                ("bias's gradient", want[3][rows.clone()].to_vec()),
             ];
-            for (what, got, want) in checks {
-                let error = relative_error(got, &want);
-                assert!(error <= 1e-5, "{ranks} ranks, rank {r}: the {what} is off by {error:e} of its largest value");
+            for (how, got) in ["logits", "blocked"].iter().zip(both) {
+                for ((what, want), got) in slices.iter().zip(got) {
+                    let error = relative_error(got, want);
+                    assert!(
+                        error <= 1e-5,
+                        "{how}, {ranks} ranks, rank {r}: the {what} is off by {error:e} of its largest value"
+                    );
+                }
             }
         }
     }
