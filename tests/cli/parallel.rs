@@ -70,16 +70,33 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
 }
 
 /// The built-in GPT on a mesh of two thread ranks, at tp 2 (`tensor_parallel.autotp_size`)
-/// and at sp 2 (`zerotrain.mesh.sp`), trains with the losses of the same job at dp 2
-/// within 1e-5 relative: every rank's part is cut from the model the run at dp 2 starts
-/// from, the same global batch is read, and only the sums' grouping differs.
+/// and at sp 2 (`zerotrain.mesh.sp`), and in two pipeline stages of tp 2 or sp 2 each (four ranks),
+/// trains with the losses of the same job at dp 2 within 1e-5 relative: every rank's part
+/// is cut from the model the run at dp 2 starts from, the same global batch is read, and
+/// only the sums' grouping differs (two micro-batches a step, so that each rank's place in
+/// the batch matters).
 #[test]
 fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
     let dir = folder("builtin-mesh");
     let runs = [
-        ("dp", r#"{"train_batch_size": 4, "zerotrain": {"world_size": 2}}"#),
-        ("tp", r#"{"train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}, "zerotrain": {"world_size": 2}}"#),
-        ("sp", r#"{"train_batch_size": 4, "zerotrain": {"world_size": 2, "mesh": {"sp": 2}}}"#),
+        ("dp", r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2, "zerotrain": {"world_size": 2}}"#),
+        (
+            "tp",
+            r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2, "tensor_parallel": {"autotp_size": 2}, "zerotrain": {"world_size": 2}}"#,
+        ),
+        (
+            "sp",
+            r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2, "zerotrain": {"world_size": 2, "mesh": {"sp": 2}}}"#,
+        ),
+        (
+            "pp-tp",
+            r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2},
+                "zerotrain": {"world_size": 4}}"#,
+        ),
+        (
+            "pp-sp",
+            r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2}, "zerotrain": {"world_size": 4, "mesh": {"sp": 2}}}"#,
+        ),
     ];
     let mut seen = Vec::new();
     for (name, json) in runs {

@@ -1,5 +1,6 @@
 //! Tensor parallelism over MPI processes: a Hugging Face family on a tensor-parallel mesh
-//! under `mpirun` trains as the same mesh of thread ranks does.
+//! (alone or in pipeline stages) under `mpirun` trains as the same mesh of thread ranks
+//! does.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -25,9 +26,9 @@ fn losses(run: &Path) -> Vec<f64> {
     text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap()).collect()
 }
 
-/// LLaMA (4 heads over 2 kv heads) at `tensor_parallel.autotp_size` 2 and dp 2, and at
-/// sequence parallelism 2 and dp 2, on four MPI processes: each step's loss equals the four
-/// thread ranks' run bit for bit (the tensor group's sums have two operands, exact in either
+/// LLaMA (4 heads over 2 kv heads) at `tensor_parallel.autotp_size` 2 and dp 2, at
+/// sequence parallelism 2 and dp 2, and in two pipeline stages of tp 2, on four MPI
+/// processes: each step's loss equals the four thread ranks' run bit for bit (the tensor group's sums have two operands, exact in either
 /// order; the exchanges move values; the data-parallel reduction is the same rank-ordered
 /// sum on both backends).
 #[test]
@@ -51,7 +52,9 @@ fn a_tensor_parallel_mesh_over_mpi_trains_as_thread_ranks_do() {
         .replace(r#""tensor_parallel": {"autotp_size": 2},"#, "")
         .replace(r#""world_size": 4"#, r#""world_size": 4, "mesh": {"sp": 2}"#);
     std::fs::write(dir.join("sp.json"), sp).unwrap();
-    for mesh in ["tp", "sp"] {
+    let piped = r#""train_batch_size": 8, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2},"#;
+    std::fs::write(dir.join("pp-tp.json"), config.replace(r#""train_batch_size": 8,"#, piped)).unwrap();
+    for mesh in ["tp", "sp", "pp-tp"] {
         let config = format!("{mesh}.json");
         let train = ["train", "--config", &config, "--data", "data.tokens", "--steps", "4", "--out"];
         let (threads, mpi) = (format!("{mesh}-threads"), format!("{mesh}-mpi"));

@@ -2,13 +2,24 @@
 //! data-parallel groups, each a communicator split from the world as replica groups are.
 //!
 //! ```text
-//! world rank r = (dp * sp + s) * tp + t      (a tensor group: tp consecutive ranks)
+//! world rank r = ((stage * dp + d) * sp + s) * tp + t      (a tensor group: tp consecutive ranks)
 //! ```
 //!
 //! A program builds its model for [`MeshRank::tensor`] (the Hugging Face families:
 //! `zerotrain_models::family::fresh_split` or `import_split`) and its engine with
 //! [`MeshRank::ctx`] and [`MeshRank::plan`]: ZeRO shards each tensor rank's slice over its
 //! data-parallel group, and every rank of a tensor group reads the same samples.
+//!
+//! # Note: a mesh in a pipeline
+//! With pipeline stages, each stage's ranks are a mesh of their own (the stage's ranks
+//! consecutive, as without a mesh). The context [`split`] gives is the job's ranks of this
+//! rank's tensor index, in world order: to the pipeline they are an ordinary pipeline of
+//! `dp * sp` data-parallel ranks per stage, every one of them holding tensor part `t` of
+//! its stage's units. So what a pipeline exchanges (activations between neighbouring
+//! stages, the root's gradient over the stages, world rank 0's first values for every
+//! stage) passes between ranks of the same tensor part, and the engine adds the tensor
+//! dimension on top of it (the norm over the tensor group, the checkpoint in the whole
+//! model's order), as it does without a pipeline.
 
 use std::sync::Arc;
 
@@ -24,13 +35,13 @@ use crate::{Error, Plan, RankContext, Result};
 pub struct MeshPlace {
     /// The mesh's sizes.
     pub plan: MeshPlan,
-    /// (data-parallel, sequence, tensor) index of this rank.
+    /// (data-parallel, sequence, tensor) index of this rank (within its pipeline stage).
     pub coordinates: (usize, usize, usize),
     /// The ranks that split each layer with this one.
     pub tensor: ParallelGroup,
     /// The ranks that split each sequence with this one.
     pub sequence: ParallelGroup,
-    /// Every rank of the job.
+    /// Every rank of the job (every stage's).
     pub world: Arc<dyn Collective>,
 }
 
@@ -69,19 +80,22 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<MeshRank> {
         let (planned, actual) = (plan.world_size(), world.world_size());
         return Err(Error::Usage(format!("mesh::split: the plan is for {planned} ranks, the world has {actual}")));
     }
-    let rank = world.rank();
-    let (d, s, t) = mesh.coordinates(rank);
     let dp = plan.data_parallel_size();
-    // Colors: the other coordinates; keys: the group's own.
-    let tensor = world.split(d * mesh.sp + s, t)?;
-    let sequence = world.split(d * mesh.tp + t, s)?;
-    let shards = world.split(t, d * mesh.sp + s)?;
+    let stages = plan.pipeline.map_or(1, |p| p.stages);
+    let stage_ranks = dp * mesh.model_parallel();
+    let (stage, (d, s, t)) = (world.rank() / stage_ranks, mesh.coordinates(world.rank() % stage_ranks));
+    // Colors: the other coordinates; keys: the group's own. The engine's ranks: this
+    // tensor index's, in world order (module note).
+    let tensor = world.split((stage * dp + d) * mesh.sp + s, t)?;
+    let sequence = world.split((stage * dp + d) * mesh.tp + t, s)?;
+    let shards = world.split(t, (stage * dp + d) * mesh.sp + s)?;
     let (tensor, sequence) = (ParallelGroup::new(tensor), ParallelGroup::new(sequence));
     let place =
         MeshPlace { plan: mesh, coordinates: (d, s, t), tensor: tensor.clone(), sequence: sequence.clone(), world };
-    let ctx = RankContext::new(shards, ctx.device().clone()).with_data_position(d, dp).in_mesh(place);
+    let ctx =
+        RankContext::new(shards, ctx.device().clone()).with_stages(stages)?.with_data_position(d, dp).in_mesh(place);
     let mut group_plan = plan.clone();
-    group_plan.runtime.world_size = dp * mesh.sp;
+    group_plan.runtime.world_size = stages * dp * mesh.sp;
     group_plan.mesh = MeshPlan::default();
     Ok(MeshRank { ctx, plan: group_plan, tensor, sequence })
 }

@@ -233,9 +233,10 @@ impl Plan {
             return Ok(());
         }
         let d = self.data_parallel_size();
+        let rank = if self.pipeline.is_some() { "a stage's rank r" } else { "rank r" };
         writeln!(
             f,
-            "mesh                dp {d} x sp {} x tp {} (rank r: dp r / {}, sp (r / {}) % {}, tp r % {})",
+            "mesh                dp {d} x sp {} x tp {} ({rank}: dp r / {}, sp (r / {}) % {}, tp r % {})",
             m.sp,
             m.tp,
             m.model_parallel(),

@@ -140,8 +140,8 @@ mod tests {
         assert!(!at(r#"{"train_batch_size": 4}"#, 4).unwrap().to_string().contains("mesh"));
     }
 
-    /// Sizes that cannot make a mesh, keys that disagree, and what the mesh does not run
-    /// beside yet are refused, naming the key.
+    /// Sizes that cannot make a mesh (of the world, or of a pipeline stage's ranks), keys
+    /// that disagree, and what the mesh does not run beside yet are refused, naming the key.
     #[test]
     fn bad_meshes_are_refused_naming_the_key() {
         let err = |json: &str, n: usize| at(json, n).unwrap_err().to_string();
@@ -156,14 +156,13 @@ mod tests {
             8,
         );
         assert!(e.contains("`zerotrain.mesh.tp`") && e.contains("autotp_size is 2"), "{e}");
-        let e = err(
-            r#"{"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2}}"#,
-            4,
-        );
-        assert!(
-            e.contains("tensor_parallel.autotp_size") && e.contains("pipeline.stages > 1 is not supported yet"),
-            "{e}"
-        );
+        // Beside pipeline stages the mesh splits each stage's ranks: 8 ranks in 2 stages at
+        // tp 2 are 2 data-parallel places per stage; tp 4 does not divide a stage of 2.
+        let piped = r#"{"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2}}"#;
+        let plan = at(piped, 8).unwrap();
+        assert_eq!((plan.mesh.tp, plan.data_parallel_size(), plan.batch.train_batch_size), (2, 2, 2));
+        let e = err(&piped.replace("\"autotp_size\": 2", "\"autotp_size\": 4"), 4);
+        assert!(e.contains("tensor_parallel.autotp_size") && e.contains("the 2 ranks of a pipeline stage"), "{e}");
         let e = err(r#"{"train_batch_size": 2, "local_sgd": {"groups": 2}, "zerotrain": {"mesh": {"tp": 2}}}"#, 4);
         assert!(e.contains("zerotrain.mesh") && e.contains("local_sgd groups"), "{e}");
         let e = parse(r#"{"tensor_parallel": {"autotp_sise": 2}}"#).unwrap_err().to_string();

@@ -28,15 +28,10 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let recompute_units = parallel::resolve_recompute_units(config, recomputes)?;
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
     let replicas = replicas::resolve(config, &runtime, pipeline.is_some(), &mut autos)?;
-    let beside = match (pipeline.is_some(), replicas.is_some()) {
-        (true, _) => Some("pipeline.stages > 1"),
-        (_, true) => Some("local_sgd groups"),
-        _ => None,
-    };
-    if let (Some(other), false) = (beside, mesh.is_trivial()) {
+    if replicas.is_some() && !mesh.is_trivial() {
         return Err(ConfigError::Unsupported {
             key: mesh::key(config).into(),
-            message: format!("tensor or sequence parallelism with {other} is not supported yet"),
+            message: "tensor or sequence parallelism with local_sgd groups is not supported yet".into(),
         });
     }
     Ok(Plan {

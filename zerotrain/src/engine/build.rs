@@ -184,7 +184,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let (builder, declared) = self.declared()?;
         let EngineBuilder { model, plan, ctx, optimizer } = builder;
         let root_paths = declared.root_paths.clone();
-        let placed = super::pipeline::place(model, ctx, pipeline, declared, plan.runtime.seed)?;
+        let placed = super::pipeline::place(model, ctx, (plan, pipeline), declared)?;
         let root = placed.parts.sharding.units().len() > placed.stage_units;
         let every = pipeline.checkpoint_interval;
         let granularity = Granularity::declared(placed.stage_units, root, every, plan.recompute_units);

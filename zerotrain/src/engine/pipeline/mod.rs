@@ -19,6 +19,11 @@
 //! both contribute (a tied embedding), is summed over the stages at the flush, so every
 //! stage steps its replica of it identically. Checkpoints record each unit once, in the one
 //! global order, so they resume at any `K` and `D`, or without a pipeline.
+//!
+//! On a device mesh the pipeline's world is the job's ranks of one tensor index
+//! (`mesh.rs`' note on pipelines): its `D` ranks per stage are the stage's data-parallel
+//! and sequence ranks, each holding that tensor part of its units; the engine's tensor
+//! share adds the tensor group.
 
 mod stage_values;
 mod wire;
@@ -121,9 +126,9 @@ impl<M: UnitModel> Pipeline<M> {
         self.engine.data_parallel_rank()
     }
 
-    /// Data-parallel ranks per stage `D`.
+    /// Data-parallel ranks per stage `D` (on a mesh, the stage's data-parallel places).
     pub fn data_parallel_size(&self) -> usize {
-        self.engine.span.topology.data_parallel
+        self.engine.data_parallel_size()
     }
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches, `batch(i)`

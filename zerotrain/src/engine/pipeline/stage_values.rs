@@ -15,7 +15,7 @@ use zerotrain_zero::pipeline::{Topology, partition};
 use zerotrain_zero::{Collective, Sharding};
 
 use super::Pipeline;
-use crate::config::PipelinePlan;
+use crate::config::{PipelinePlan, Plan};
 use crate::context::RankContext;
 use crate::engine::model::{UnitModel, claims};
 use crate::engine::params::{Fill, Lazy, read_params, release_unheld, write_global, write_params};
@@ -40,10 +40,10 @@ pub(in crate::engine) struct Placed<M> {
 pub(in crate::engine) fn place<M: UnitModel>(
     model: M,
     ctx: &RankContext,
-    pipeline: PipelinePlan,
+    (plan, pipeline): (&Plan, PipelinePlan),
     declared: Declared,
-    seed: u64,
 ) -> Result<Placed<M>> {
+    let seed = plan.runtime.seed;
     let world = ctx.collective();
     let topology = Topology::new(world.world_size(), pipeline.stages)?;
     let (stage, data) = (topology.stage(world.rank()), topology.data_index(world.rank()));
@@ -74,7 +74,9 @@ pub(in crate::engine) fn place<M: UnitModel>(
     let model = release_unheld(model, &declared.index, &sharding, ctx.device());
     let buffers = declared.buffers.map_units(to_local);
     let span = Span { topology, stage, first_unit: units.start, pipe: Some(pipe) };
-    let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span, tensor: None };
+    // On a mesh, the stage's tensor group splits its units (`mesh.rs`' note on pipelines).
+    let tensor = crate::engine::tensor::share(&model, plan, ctx, &sharding)?;
+    let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span, tensor };
     Ok(Placed { model, parts, stage_units: units.len(), stage_ranges: ranges })
 }
 
