@@ -185,27 +185,46 @@ fn a_split_model_trains_as_the_whole_model_does() {
         let whole = train(config, run(1, 1));
         let split = train(config, run(tp, sp));
         let at = format!("{} tp {tp} sp {sp} dp {dp} stage {stage}", config["model_type"]);
-        let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
-        for (r, (steps, model, _)) in split.iter().enumerate() {
-            for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
-                assert!(
-                    (loss - want_loss).abs() <= 1e-5 * want_loss,
-                    "{at}, rank {r}, step {s}: loss {loss} vs {want_loss}"
-                );
-                assert!(
-                    (norm - want_norm).abs() <= 1e-5 * want_norm,
-                    "{at}, rank {r}, step {s}: norm {norm} vs {want_norm}"
-                );
-            }
-            let Some(model) = model else { continue };
-            let t = r % tp;
-            for (name, got) in model {
-                let want = slice_of(&want_model[name], &shapes(config)[name], expected_split(name), t, tp);
-                let error = largest_error(got, &want);
-                assert!(error <= 1e-5, "{at}, tensor rank {t}: `{name}` is off by {error:e}");
-            }
+        let shape = |name: &str| shapes(config)[name].clone();
+        check_against_whole(&at, (&whole, &split), tp, &shape, &expected_split);
+    }
+}
+
+/// `split`'s runs against `whole`'s (rank 0's): every rank's losses and norms within 1e-5
+/// relative, and each gathered model's parameters (`shape` and `cut` say each one's whole
+/// shape and split) their tensor rank's slices of the whole model's within 1e-5 of each
+/// tensor's largest value. Returns how many ranks gathered a model.
+fn check_against_whole(
+    at: &str,
+    (whole, split): (&[Seen], &[Seen]),
+    tp: usize,
+    shape: &dyn Fn(&str) -> Vec<usize>,
+    cut: &dyn Fn(&str) -> Split,
+) -> usize {
+    let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
+    let mut gathered = 0;
+    for (r, (steps, model, _)) in split.iter().enumerate() {
+        for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
+            assert!(
+                (loss - want_loss).abs() <= 1e-5 * want_loss,
+                "{at}, rank {r}, step {s}: loss {loss} vs {want_loss}"
+            );
+            assert!(
+                (norm - want_norm).abs() <= 1e-5 * want_norm,
+                "{at}, rank {r}, step {s}: norm {norm} vs {want_norm}"
+            );
+        }
+        let Some(model) = model else { continue };
+        gathered += 1;
+        assert_eq!(model.len(), want_model.len(), "{at}: rank {r} gathered every parameter");
+        let t = r % tp;
+        for (name, got) in model {
+            let want = slice_of(&want_model[name], &shape(name), cut(name), t, tp);
+            let error = largest_error(got, &want);
+            assert!(error <= 1e-5, "{at}, tensor rank {t}: `{name}` is off by {error:e}");
         }
     }
+    gathered
 }
 
 /// A checkpoint saved by a tensor-parallel run is the whole model's: GPT-2 saved at (tp 2,
@@ -366,28 +385,8 @@ fn the_built_in_gpt_split_over_a_mesh_trains_as_the_whole_gpt_does() {
         let run = |tp, sp| Run { pp: 1, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
         let (whole, split) = (gpt(config(tied), run(1, 1)), gpt(config(tied), run(tp, sp)));
         let at = format!("gpt tied {tied} tp {tp} sp {sp} dp {dp} stage {stage}");
-        let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
-        for (r, (steps, model, _)) in split.iter().enumerate() {
-            for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
-                assert!(
-                    (loss - want_loss).abs() <= 1e-5 * want_loss,
-                    "{at}, rank {r}, step {s}: loss {loss} vs {want_loss}"
-                );
-                assert!(
-                    (norm - want_norm).abs() <= 1e-5 * want_norm,
-                    "{at}, rank {r}, step {s}: norm {norm} vs {want_norm}"
-                );
-            }
-            let Some(model) = model else { continue };
-            assert_eq!(model.len(), want_model.len(), "{at}: the part has every parameter");
-            let t = r % tp;
-            for (name, got) in model {
-                let shape = gpt_shape(name, (16, 11, 8));
-                let want = slice_of(&want_model[name], &shape, gpt_split(name), t, tp);
-                let error = largest_error(got, &want);
-                assert!(error <= 1e-5, "{at}, tensor rank {t}: `{name}` is off by {error:e}");
-            }
-        }
+        let shape = |name: &str| gpt_shape(name, (16, 11, 8));
+        check_against_whole(&at, (&whole, &split), tp, &shape, &gpt_split);
     }
 }
 
@@ -405,29 +404,8 @@ fn a_mesh_in_each_pipeline_stage_trains_as_the_whole_model_does() {
         let run = |pp, tp, sp| Run { pp, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
         let (whole, split) = (train(config, run(1, 1, 1)), train(config, run(pp, tp, sp)));
         let at = format!("{} pp {pp} tp {tp} sp {sp} dp {dp} stage {stage}", config["model_type"]);
-        let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
-        let mut gathered = 0;
-        for (r, (steps, model, _)) in split.iter().enumerate() {
-            for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
-                assert!(
-                    (loss - want_loss).abs() <= 1e-5 * want_loss,
-                    "{at}, rank {r}, step {s}: loss {loss} vs {want_loss}"
-                );
-                assert!(
-                    (norm - want_norm).abs() <= 1e-5 * want_norm,
-                    "{at}, rank {r}, step {s}: norm {norm} vs {want_norm}"
-                );
-            }
-            let Some(model) = model else { continue };
-            gathered += 1;
-            assert_eq!(model.len(), want_model.len(), "{at}: rank {r} gathered every parameter");
-            let t = r % tp;
-            for (name, got) in model {
-                let want = slice_of(&want_model[name], &shapes(config)[name], expected_split(name), t, tp);
-                let error = largest_error(got, &want);
-                assert!(error <= 1e-5, "{at}, tensor rank {t}: `{name}` is off by {error:e}");
-            }
-        }
+        let shape = |name: &str| shapes(config)[name].clone();
+        let gathered = check_against_whole(&at, (&whole, &split), tp, &shape, &expected_split);
         assert_eq!(gathered, tp, "{at}: one whole model per tensor rank");
     }
     let dir = super::folder("pipelined-mesh");
