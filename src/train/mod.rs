@@ -284,8 +284,9 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         })
     }
 
-    /// This rank's trainer: on a tensor-parallel mesh, over its data-parallel group, of its
-    /// part of the model (built for its tensor group: `init` is dropped); else of `init`.
+    /// This rank's trainer: on a tensor-parallel mesh (each replica group's, with
+    /// `local_sgd`), over its data-parallel group, of its part of the model (built for its
+    /// tensor group: `init` is dropped); else of `init`.
     fn trainer(&self, init: M, ctx: &RankContext) -> Result<Box<dyn Trainer<M>>> {
         if self.plan.mesh.is_trivial() {
             return zerotrain::trainer(init, self.plan, ctx);
@@ -296,7 +297,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             // The engine refuses it, naming the missing plan.
             None => init,
         };
-        zerotrain::trainer(model, &mesh.plan, &mesh.ctx)
+        mesh.trainer(model)
     }
 
     /// The optimizer step after `step`: every micro-batch of this rank, then the update.

@@ -74,7 +74,8 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
 /// trains with the losses of the same job at dp 2 within 1e-5 relative: every rank's part
 /// is cut from the model the run at dp 2 starts from, the same global batch is read, and
 /// only the sums' grouping differs (two micro-batches a step, so that each rank's place in
-/// the batch matters).
+/// the batch matters). Two replica groups (`local_sgd`) of tp 2 each train as two groups of
+/// whole models, within the same bound, through two rounds.
 #[test]
 fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
     let dir = folder("builtin-mesh");
@@ -111,6 +112,22 @@ fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
         for ((step, x), (_, y)) in seen[0].iter().zip(run) {
             assert!((x - y).abs() <= 1e-5 * x.abs(), "{name}, step {step}: {y}, at dp 2 {x}");
         }
+    }
+    // Replica groups, each a mesh of tp 2, against the same groups of whole models: the
+    // rounds average each tensor part between the groups as they average whole shards.
+    let groups = r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2,
+        "local_sgd": {"groups": 2, "sync_every": 2}, "zerotrain": {"world_size": 2}}"#;
+    let of_meshes = groups.replace(r#""world_size": 2"#, r#""world_size": 4, "mesh": {"tp": 2}"#);
+    let mut seen = Vec::new();
+    for (name, json) in [("groups", groups), ("groups-tp", of_meshes.as_str())] {
+        let (config, out) = (dir.join(format!("{name}.json")), dir.join(name));
+        std::fs::write(&config, json).unwrap();
+        run_ok(&["train", "--config", config.to_str().unwrap(), "--steps", "4", "--out", out.to_str().unwrap()]);
+        seen.push(losses(&out));
+    }
+    assert_eq!(seen[1].len(), 4, "{:?}", seen[1]);
+    for ((step, x), (_, y)) in seen[0].iter().zip(&seen[1]) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "groups of tp 2, step {step}: {y}, of whole models {x}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -531,3 +531,72 @@ fn a_server_with_tls_serves_workers_that_trust_its_authority_and_no_others() {
     assert!(e.contains("local_sgd.tls"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Replica groups of tensor-parallel meshes through a parameter server: two jobs of the
+/// built-in GPT at tp 2 (two thread ranks each), meeting at a server every 2 steps, end
+/// with the masters the same two groups reach inside one job of four ranks, rank for rank
+/// and bit for bit (a round sums two pushes of each tensor part's shard, exact in either
+/// order; each job's rank at place p pushes as the in-job group's rank p does).
+#[test]
+fn groups_of_meshes_through_a_server_train_as_in_one_job() {
+    use zerotrain_models::{Gpt, GptConfig};
+    let recipe = |extra: &str| {
+        plan_of(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "SGD", "params": {{"lr": 0.1}}}},
+                "zero_optimization": {{"stage": 1}}, "tensor_parallel": {{"autotp_size": 2}},
+                "local_sgd": {{"groups": 2, "sync_every": 2{extra}}},
+                "zerotrain": {{"backend": "threads", "comm_timeout_s": 30}}}}"#
+        ))
+    };
+    let shape = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 4, vocab_size: 7, tied_head: true };
+    let train = |plan: &Plan| -> Vec<Vec<f32>> {
+        launch(plan, |ctx| {
+            let mesh = zerotrain::mesh::split(&ctx, plan)?;
+            let device = mesh.ctx.device().clone();
+            let model = Gpt::new_split(&shape, &device, &mesh.groups(), plan.runtime.seed).map_err(Error::Model)?;
+            let mut trainer = mesh.trainer(model)?;
+            let place = trainer.data_parallel_rank() as i64;
+            for step in 0..STEPS as i64 {
+                let ids: Vec<i64> = (0..10).map(|i| (i * 3 + step * 5 + place * 11) % 7).collect();
+                let batch = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+                    burn::tensor::TensorData::new(ids, [2, 5]),
+                    &device,
+                );
+                trainer.train_batch(&mut |_| batch.clone())?;
+            }
+            trainer.master_params()
+        })
+        .unwrap()
+    };
+    let in_job = train(&with_world(recipe(""), 4));
+    let server_plan = with_world(recipe(r#", "servers": ["127.0.0.1:1"], "group": 0"#), 2);
+    let config = zerotrain::replicas::server::ServerConfig::new(server_plan.replicas.as_ref().unwrap(), None);
+    let server = zerotrain::replicas::server::serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let addr = server.addr();
+    let jobs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = (0..2)
+            .map(|group| {
+                let plan = with_world(recipe(&format!(r#", "servers": ["{addr}"], "group": {group}"#)), 2);
+                s.spawn(move || train(&plan))
+            })
+            .collect();
+        jobs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    server.stop().unwrap();
+    assert_ne!(in_job[0], in_job[1], "the two tensor ranks hold different parts");
+    for (group, job) in jobs.iter().enumerate() {
+        for (rank, masters) in job.iter().enumerate() {
+            assert!(masters == &in_job[2 * group + rank], "group {group} rank {rank}: other weights than in one job");
+        }
+    }
+}
+
+/// `json` as a config, unresolved.
+fn plan_of(json: &str) -> zerotrain::Config {
+    zerotrain::Config::parse(json, "test").unwrap()
+}
+
+/// `config` resolved at `world_size`.
+fn with_world(config: zerotrain::Config, world_size: usize) -> Plan {
+    config.resolve(zerotrain::Overrides { world_size: Some(world_size), ..Default::default() }).unwrap()
+}

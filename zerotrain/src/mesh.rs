@@ -26,8 +26,10 @@ use std::sync::Arc;
 use zerotrain_zero::Collective;
 
 use crate::config::MeshPlan;
+use crate::engine::UnitModel;
 use crate::nn::parallel::{ParallelGroup, ParallelGroups};
-use crate::{Error, Plan, RankContext, Result};
+use crate::replicas::{LocalSgd, Replicas};
+use crate::{Error, Plan, RankContext, Result, Trainer};
 
 /// A rank's place in the mesh: its coordinates and groups, carried by the data-parallel
 /// context an engine is built with.
@@ -66,14 +68,28 @@ pub struct MeshRank {
     pub tensor: ParallelGroup,
     /// The ranks that split each sequence with this one.
     pub sequence: ParallelGroup,
+    /// Its replica groups (`local_sgd`), where each group is a mesh of its own.
+    pub replicas: Option<Replicas>,
 }
 
-/// Splits `ctx`'s world into `plan`'s mesh (`plan.mesh`). Every rank calls it at once. An
-/// error where the plan has no mesh, or is for another world size.
+/// Splits `ctx`'s world into `plan`'s mesh (`plan.mesh`): with replica groups
+/// (`local_sgd`), each group's ranks into a mesh of their own. Every rank calls it at once.
+/// An error where the plan has no mesh, or is for another world size.
 pub fn split(ctx: &RankContext, plan: &Plan) -> Result<MeshRank> {
     let mesh = plan.mesh;
     if mesh.is_trivial() {
         return Err(Error::Usage("mesh::split: the plan has no tensor or sequence parallelism".into()));
+    }
+    if plan.replicas.is_some() {
+        // The group's mesh; the rounds pass between the ranks at the same place of every
+        // group, so of the same tensor part and shard.
+        let (group_ctx, group_plan, replicas) = crate::replicas::split(ctx, plan)?;
+        let mut rank = split(&group_ctx, &group_plan)?;
+        let replicas = replicas.on_mesh(rank.ctx.data_parallel_rank(), rank.ctx.data_parallel_size());
+        let (index, parts) = replicas.data_position();
+        rank.ctx = rank.ctx.with_data_position(index, parts).in_replica_group(replicas.group());
+        rank.replicas = Some(replicas);
+        return Ok(rank);
     }
     let world = ctx.collective();
     if world.world_size() != plan.world_size() {
@@ -97,13 +113,26 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<MeshRank> {
     let mut group_plan = plan.clone();
     group_plan.runtime.world_size = stages * dp * mesh.sp;
     group_plan.mesh = MeshPlan::default();
-    Ok(MeshRank { ctx, plan: group_plan, tensor, sequence })
+    Ok(MeshRank { ctx, plan: group_plan, tensor, sequence, replicas: None })
 }
 
 impl MeshRank {
     /// The groups to build this rank's part of the model for.
     pub fn groups(&self) -> ParallelGroups {
         ParallelGroups { tensor: self.tensor.clone(), sequence: self.sequence.clone() }
+    }
+
+    /// This rank's trainer of `model` (its part, built for [`groups`](Self::groups)): as
+    /// [`crate::trainer`] builds it, over the mesh's context and plan, meeting the other
+    /// replica groups where the plan has them.
+    pub fn trainer<M: UnitModel + 'static>(&self, model: M) -> Result<Box<dyn Trainer<M>>> {
+        match &self.replicas {
+            Some(replicas) => {
+                let engine = crate::Engine::with_units(model, &self.plan, &self.ctx)?;
+                Ok(Box::new(LocalSgd::new(engine, replicas.clone())?))
+            }
+            None => crate::trainer(model, &self.plan, &self.ctx),
+        }
     }
 }
 

@@ -163,8 +163,12 @@ mod tests {
         assert_eq!((plan.mesh.tp, plan.data_parallel_size(), plan.batch.train_batch_size), (2, 2, 2));
         let e = err(&piped.replace("\"autotp_size\": 2", "\"autotp_size\": 4"), 4);
         assert!(e.contains("tensor_parallel.autotp_size") && e.contains("the 2 ranks of a pipeline stage"), "{e}");
-        let e = err(r#"{"train_batch_size": 2, "local_sgd": {"groups": 2}, "zerotrain": {"mesh": {"tp": 2}}}"#, 4);
-        assert!(e.contains("zerotrain.mesh") && e.contains("local_sgd groups"), "{e}");
+        // Each replica group is a mesh: 4 ranks in 2 groups at tp 2 are one data-parallel
+        // place per group; 6 ranks in 2 groups of 3 do not split at tp 2.
+        let groups = r#"{"train_batch_size": 2, "local_sgd": {"groups": 2}, "zerotrain": {"mesh": {"tp": 2}}}"#;
+        assert_eq!(at(groups, 4).unwrap().data_parallel_size(), 2, "one place in each of 2 groups");
+        let e = err(groups, 6);
+        assert!(e.contains("zerotrain.mesh") && e.contains("the 3 ranks of a local_sgd group"), "{e}");
         let e = parse(r#"{"tensor_parallel": {"autotp_sise": 2}}"#).unwrap_err().to_string();
         assert!(e.contains("`tensor_parallel.autotp_sise`") && e.contains("autotp_size"), "{e}");
     }

@@ -11,6 +11,18 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let pipeline = parallel::resolve_pipeline(config, runtime.world_size, &mut autos)?;
     let stage_ranks = pipeline.map_or(runtime.world_size, |p| p.data_parallel(runtime.world_size));
     let mesh = mesh::resolve(config, stage_ranks)?;
+    let replicas = replicas::resolve(config, &runtime, pipeline.is_some(), &mut autos)?;
+    // In one job each replica group is a mesh of its own (with servers the job is one).
+    let group_ranks = replicas.as_ref().filter(|r| r.group.is_none()).map(|r| r.group_size(runtime.world_size));
+    if let Some(ranks) = group_ranks.filter(|r| !r.is_multiple_of(mesh.model_parallel())) {
+        let message = format!(
+            "tp {} x sp {} = {} must divide the {ranks} ranks of a local_sgd group into data-parallel places",
+            mesh.tp,
+            mesh.sp,
+            mesh.model_parallel()
+        );
+        return Err(super::autos::invalid(mesh::key(config), message));
+    }
     let data_parallel = stage_ranks / mesh.model_parallel();
     let batch = batch::resolve(config, data_parallel as u64, &mut autos)?;
     let precision = precision::resolve(config, &mut autos)?;
@@ -27,13 +39,6 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let recomputes = pipeline.map_or(activation_checkpointing, |p| p.checkpoint_interval > 0);
     let recompute_units = parallel::resolve_recompute_units(config, recomputes)?;
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
-    let replicas = replicas::resolve(config, &runtime, pipeline.is_some(), &mut autos)?;
-    if replicas.is_some() && !mesh.is_trivial() {
-        return Err(ConfigError::Unsupported {
-            key: mesh::key(config).into(),
-            message: "tensor or sequence parallelism with local_sgd groups is not supported yet".into(),
-        });
-    }
     Ok(Plan {
         runtime,
         batch,

@@ -78,8 +78,11 @@ pub struct Replicas {
     group: usize,
     peers: Arc<dyn Collective>,
     /// Which part of each global batch this rank reads, of how many: its place among the
-    /// ranks of every group together.
+    /// ranks of every group together (on a device mesh, among their data-parallel places).
     data: (usize, usize),
+    /// This rank's place in its group (its world rank less the group's first), of the
+    /// group's ranks.
+    place: (usize, usize),
     /// How long a round may wait for the other groups (through servers).
     #[cfg_attr(not(feature = "servers"), allow(dead_code))]
     timeout: std::time::Duration,
@@ -95,6 +98,32 @@ impl Replicas {
     /// parameter servers: this job's ranks, which meet through the servers instead).
     pub fn peers(&self) -> &Arc<dyn Collective> {
         &self.peers
+    }
+
+    /// The same rank as data-parallel place `d` of `dp` of its group's device mesh: every
+    /// rank of a tensor or sequence group reads the same part of each global batch, its
+    /// group's `d`-th.
+    pub(crate) fn on_mesh(mut self, d: usize, dp: usize) -> Self {
+        self.data = (self.group * dp + d, self.plan.groups * dp);
+        self
+    }
+
+    /// The world rank of place `place` of group `group` (this job's, with servers).
+    pub(crate) fn world_rank(&self, group: usize, place: usize) -> usize {
+        match self.plan.group {
+            Some(_) => place,
+            None => group * self.place.1 + place,
+        }
+    }
+
+    /// Which part of each global batch this rank reads, of how many.
+    pub(crate) fn data_position(&self) -> (usize, usize) {
+        self.data
+    }
+
+    /// This rank's place in its group, and the group's ranks.
+    pub(crate) fn place(&self) -> (usize, usize) {
+        self.place
     }
 }
 
@@ -120,7 +149,7 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
         let (rank, size) = (world.rank(), world.world_size());
         let data = (group * size + rank, replicas.groups * size);
         let group_ctx = ctx.clone().with_data_position(data.0, data.1).in_replica_group(group);
-        let replicas = Replicas { plan: replicas, group, peers: world, data, timeout };
+        let replicas = Replicas { plan: replicas, group, peers: world, data, place: (rank, size), timeout };
         return Ok((group_ctx, group_plan, replicas));
     }
     let (rank, size) = (world.rank(), replicas.group_size(world.world_size()));
@@ -136,7 +165,7 @@ pub fn split(ctx: &RankContext, plan: &Plan) -> Result<(RankContext, Plan, Repli
         RankContext::new(group_comm, ctx.device().clone()).with_data_position(data.0, data.1).in_replica_group(group);
     group_plan.runtime.world_size = size;
     group_plan.batch.train_batch_size /= replicas.groups as u64;
-    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data, timeout }))
+    Ok((group_ctx, group_plan, Replicas { plan: replicas, group, peers, data, place: (place, size), timeout }))
 }
 
 /// A round of [`LocalSgd`]: the groups met and the global weights moved.

@@ -60,13 +60,11 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
         };
         // Every group reports group 0's outcome (its ranks agreed on it), once it is
         // committed: nobody reads the checkpoint before.
-        let size = self.engine.plan().world_size();
-        let place = self.replicas.data.0 % size;
-        let own = saved.is_err();
+        let (place, own) = (self.replicas.place().0, saved.is_err());
         agree(self.replicas.peers.as_ref(), saved, "saving the replica groups' checkpoint").map_err(|e| match e {
             // The peers are ranked by group: name group 0's rank by its world rank.
             Error::PeerFailed { ranks, phase } if !own => {
-                Error::PeerFailed { ranks: ranks.iter().map(|g| g * size + place).collect(), phase }
+                Error::PeerFailed { ranks: ranks.iter().map(|&g| self.replicas.world_rank(g, place)).collect(), phase }
             }
             e => e,
         })
@@ -79,9 +77,13 @@ impl<M: UnitModel> Trainer<M> for LocalSgd<M> {
     }
 
     fn gather_model(&mut self, root: usize) -> Result<Option<M>> {
-        // Group 0's rank `root` gets it: the group's ranks are the world's first.
-        let model = self.engine.gather_model(root % self.engine.plan().world_size())?;
-        Ok(model.filter(|_| self.replicas.group == root / self.engine.plan().world_size()))
+        // Group 0's rank `root` gets it: the group's ranks are the world's first. On a
+        // device mesh every tensor rank of `root`'s data-parallel place gets its part (the
+        // engine's ranks are the places of one tensor index).
+        let (_, group_size) = self.replicas.place();
+        let tensor = group_size / self.engine.plan().world_size();
+        let model = self.engine.gather_model((root % group_size) / tensor)?;
+        Ok(model.filter(|_| self.replicas.group == root / group_size))
     }
 
     fn master_params(&self) -> Result<Vec<f32>> {

@@ -43,6 +43,8 @@ type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>, (u64, zerotrai
 /// to save at the end.
 #[derive(Clone, Copy)]
 struct Run<'a> {
+    /// Replica groups (`local_sgd`, a round every 2 steps), each `pp x tp x sp x dp` ranks.
+    groups: usize,
     /// Pipeline stages (each a mesh of `tp x sp x dp` ranks).
     pp: usize,
     tp: usize,
@@ -60,6 +62,8 @@ struct Run<'a> {
 struct Job<'a> {
     plan: &'a Plan,
     ctx: &'a RankContext,
+    /// The rank's mesh, where it is on one (its trainer is the mesh's).
+    mesh: Option<&'a zerotrain::mesh::MeshRank>,
     vocab: i64,
     run: Run<'a>,
 }
@@ -69,14 +73,17 @@ impl WithModel for Job<'_> {
 
     fn run<M: CausalLm>(self, model: M) -> Self::Output {
         let local = zerotrain::engine::ParamCount::trainable(&model);
-        let mut engine = zerotrain::trainer(model, self.plan, self.ctx)?;
+        let mut engine = match self.mesh {
+            Some(mesh) => mesh.trainer(model)?,
+            None => zerotrain::trainer(model, self.plan, self.ctx)?,
+        };
         if let Some(dir) = self.run.load {
             engine.load_checkpoint(dir, None, zerotrain::LoadOptions::default())?;
         }
         let (d, device) = (engine.data_parallel_rank() as i64, self.ctx.device().clone());
         // Each step reads 8 sequences of 9 ids (8 inputs, divisible by every sp here);
-        // data-parallel rank d its 8 / dp of them.
-        let rows = 8 / self.run.dp as i64;
+        // data-parallel rank d (of every replica group's) its 8 / dp of them.
+        let rows = 8 / engine.data_parallel_size() as i64;
         let mut steps = Vec::new();
         for _ in 0..self.run.steps {
             let step = engine.counters().global_steps as i64;
@@ -124,18 +131,17 @@ fn train_on(
     if pp > 1 {
         plan_json["pipeline"] = json!({"stages": pp});
     }
-    let overrides = Overrides { world_size: Some(pp * tp * sp * dp), ..Overrides::default() };
+    if run.groups > 1 {
+        plan_json["local_sgd"] = json!({"groups": run.groups, "sync_every": 2});
+    }
+    let overrides = Overrides { world_size: Some(run.groups * pp * tp * sp * dp), ..Overrides::default() };
     let plan: Plan = Config::parse(&plan_json.to_string(), "t.json").unwrap().resolve(overrides).unwrap();
     let one = |ctx: RankContext| -> zerotrain::Result<Seen> {
-        let (ctx, plan, groups) = match plan.mesh.is_trivial() {
-            true => (ctx, plan.clone(), ParallelGroups::alone()),
-            false => {
-                let m = zerotrain::mesh::split(&ctx, &plan)?;
-                let groups = m.groups();
-                (m.ctx, m.plan, groups)
-            }
-        };
-        rank(Job { plan: &plan, ctx: &ctx, vocab, run }, &groups)
+        if plan.mesh.is_trivial() {
+            return rank(Job { plan: &plan, ctx: &ctx, mesh: None, vocab, run }, &ParallelGroups::alone());
+        }
+        let m = zerotrain::mesh::split(&ctx, &plan)?;
+        rank(Job { plan: &m.plan, ctx: &m.ctx, mesh: Some(&m), vocab, run }, &m.groups())
     };
     zerotrain::launch(&plan, one).unwrap()
 }
@@ -181,29 +187,31 @@ fn a_split_model_trains_as_the_whole_model_does() {
         (&mha, 2, 2, 1, 1),
     ];
     for (config, tp, sp, dp, stage) in cases {
-        let run = |tp, sp| Run { pp: 1, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
+        let run = |tp, sp| Run { groups: 1, pp: 1, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
         let whole = train(config, run(1, 1));
         let split = train(config, run(tp, sp));
         let at = format!("{} tp {tp} sp {sp} dp {dp} stage {stage}", config["model_type"]);
         let shape = |name: &str| shapes(config)[name].clone();
-        check_against_whole(&at, (&whole, &split), tp, &shape, &expected_split);
+        check_against_whole(&at, (&whole, &split), (tp, &|_| 0), &shape, &expected_split);
     }
 }
 
-/// `split`'s runs against `whole`'s (rank 0's): every rank's losses and norms within 1e-5
-/// relative, and each gathered model's parameters (`shape` and `cut` say each one's whole
-/// shape and split) their tensor rank's slices of the whole model's within 1e-5 of each
-/// tensor's largest value. Returns how many ranks gathered a model.
+/// `split`'s runs against `whole`'s: every rank's losses and norms within 1e-5 relative of
+/// its group's (`whole`'s rank 0, or `whole_rank(r)`'s with replica groups), and each
+/// gathered model's parameters (`shape` and `cut` say each one's whole shape and split)
+/// their tensor rank's slices of the whole model's within 1e-5 of each tensor's largest
+/// value. Returns how many ranks gathered a model.
 fn check_against_whole(
     at: &str,
     (whole, split): (&[Seen], &[Seen]),
-    tp: usize,
+    (tp, whole_rank): (usize, &dyn Fn(usize) -> usize),
     shape: &dyn Fn(&str) -> Vec<usize>,
     cut: &dyn Fn(&str) -> Split,
 ) -> usize {
-    let (want_steps, want_model) = (&whole[0].0, whole[0].1.as_ref().unwrap());
+    let want_model = whole[0].1.as_ref().unwrap();
     let mut gathered = 0;
     for (r, (steps, model, _)) in split.iter().enumerate() {
+        let want_steps = &whole[whole_rank(r)].0;
         for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
             assert!(
                 (loss - want_loss).abs() <= 1e-5 * want_loss,
@@ -238,7 +246,7 @@ fn a_tensor_parallel_checkpoint_resumes_at_any_mesh() {
     let config = gpt2();
     let dir = super::folder("parallel-checkpoints");
     let (at_tp2, at_tp1) = (dir.join("tp2"), dir.join("tp1"));
-    let run = |tp, dp| Run { pp: 1, tp, sp: 1, dp, stage: 1, steps: 2, bf16: false, load: None, save: None };
+    let run = |tp, dp| Run { groups: 1, pp: 1, tp, sp: 1, dp, stage: 1, steps: 2, bf16: false, load: None, save: None };
     let uninterrupted = train(&config, Run { steps: 4, ..run(2, 2) });
     let want: Vec<f32> = uninterrupted[0].0[2..].iter().map(|s| s.0).collect();
     train(&config, Run { save: Some(&at_tp2), ..run(2, 2) });
@@ -281,7 +289,8 @@ fn a_tensor_parallel_checkpoint_resumes_at_any_mesh() {
 #[test]
 fn bf16_meshes_train_as_the_whole_model_does_within_a_rounding() {
     for (config, tp, sp) in [(llama(), 2, 1), (llama(), 1, 2), (gpt2(), 2, 1)] {
-        let run = |tp, sp| Run { pp: 1, tp, sp, dp: 1, stage: 2, steps: 3, bf16: true, load: None, save: None };
+        let run =
+            |tp, sp| Run { groups: 1, pp: 1, tp, sp, dp: 1, stage: 2, steps: 3, bf16: true, load: None, save: None };
         let (whole, split) = (train(&config, run(1, 1)), train(&config, run(tp, sp)));
         let ulp = 2f32.powi(-8);
         for (r, (steps, _, _)) in split.iter().enumerate() {
@@ -304,7 +313,7 @@ fn a_rank_holds_its_part_of_every_state() {
     let config = llama();
     let shapes = parameter_names(&HfConfig::from_json(config.clone()).unwrap());
     let units = 2 + 2; // the embedding, two layers, the head
-    let run = Run { pp: 1, tp: 2, sp: 1, dp: 2, stage: 2, steps: 1, bf16: false, load: None, save: None };
+    let run = Run { groups: 1, pp: 1, tp: 2, sp: 1, dp: 2, stage: 2, steps: 1, bf16: false, load: None, save: None };
     for (r, (_, _, (local, memory))) in train(&config, run).iter().enumerate() {
         let t = r % 2;
         let planned: u64 = shapes
@@ -382,11 +391,11 @@ fn the_built_in_gpt_split_over_a_mesh_trains_as_the_whole_gpt_does() {
     };
     for (tied, tp, sp, dp, stage) in [(true, 2, 1, 2, 3), (false, 4, 1, 1, 1), (true, 1, 2, 2, 2), (false, 2, 2, 1, 0)]
     {
-        let run = |tp, sp| Run { pp: 1, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
+        let run = |tp, sp| Run { groups: 1, pp: 1, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
         let (whole, split) = (gpt(config(tied), run(1, 1)), gpt(config(tied), run(tp, sp)));
         let at = format!("gpt tied {tied} tp {tp} sp {sp} dp {dp} stage {stage}");
         let shape = |name: &str| gpt_shape(name, (16, 11, 8));
-        check_against_whole(&at, (&whole, &split), tp, &shape, &gpt_split);
+        check_against_whole(&at, (&whole, &split), (tp, &|_| 0), &shape, &gpt_split);
     }
 }
 
@@ -401,19 +410,42 @@ fn the_built_in_gpt_split_over_a_mesh_trains_as_the_whole_gpt_does() {
 fn a_mesh_in_each_pipeline_stage_trains_as_the_whole_model_does() {
     let (llama, gpt2) = (llama(), gpt2());
     for (config, pp, tp, sp, dp, stage) in [(&llama, 2, 2, 1, 1, 1), (&llama, 2, 1, 2, 1, 0), (&gpt2, 2, 2, 1, 2, 2)] {
-        let run = |pp, tp, sp| Run { pp, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
+        let run = |pp, tp, sp| Run { groups: 1, pp, tp, sp, dp, stage, steps: 3, bf16: false, load: None, save: None };
         let (whole, split) = (train(config, run(1, 1, 1)), train(config, run(pp, tp, sp)));
         let at = format!("{} pp {pp} tp {tp} sp {sp} dp {dp} stage {stage}", config["model_type"]);
         let shape = |name: &str| shapes(config)[name].clone();
-        let gathered = check_against_whole(&at, (&whole, &split), tp, &shape, &expected_split);
+        let gathered = check_against_whole(&at, (&whole, &split), (tp, &|_| 0), &shape, &expected_split);
         assert_eq!(gathered, tp, "{at}: one whole model per tensor rank");
     }
     let dir = super::folder("pipelined-mesh");
-    let run = |pp, tp| Run { pp, tp, sp: 1, dp: 1, stage: 1, steps: 2, bf16: false, load: None, save: None };
+    let run = |pp, tp| Run { groups: 1, pp, tp, sp: 1, dp: 1, stage: 1, steps: 2, bf16: false, load: None, save: None };
     let uninterrupted = train(&llama, Run { steps: 4, ..run(2, 2) });
     train(&llama, Run { save: Some(&dir), ..run(2, 2) });
     let resumed = train(&llama, Run { load: Some(&dir), ..run(1, 1) });
     for (s, ((loss, _), (want, _))) in resumed[0].0.iter().zip(&uninterrupted[0].0[2..]).enumerate() {
         assert!((loss - want).abs() <= 1e-5 * want, "step {}: resumed at tp 1 {loss}, uninterrupted {want}", s + 2);
+    }
+}
+
+/// Replica groups (`local_sgd`, 2 groups meeting every 2 steps), each a mesh of its own:
+/// LLaMA at (tp 2) in each group at stage 1, GPT-2 at (sp 2, dp 2) at stage 2, against
+/// the same groups of whole models over 4 steps (two rounds): each group's losses and
+/// norms within 1e-5 relative of the whole groups' (a round averages each tensor part's
+/// shard between the ranks holding it in the two groups, as it averages whole shards), and
+/// group 0's gathered parts the slices of its whole model after the last round.
+#[test]
+fn replica_groups_of_meshes_train_as_groups_of_whole_models_do() {
+    let (llama, gpt2) = (llama(), gpt2());
+    for (config, tp, sp, dp, stage) in [(&llama, 2, 1, 1, 1), (&gpt2, 1, 2, 2, 2)] {
+        let run = |tp, sp| Run { groups: 2, pp: 1, tp, sp, dp, stage, steps: 4, bf16: false, load: None, save: None };
+        let (whole, split) = (train(config, run(1, 1)), train(config, run(tp, sp)));
+        let at = format!("{} in 2 groups of tp {tp} sp {sp} dp {dp} at stage {stage}", config["model_type"]);
+        let shape = |name: &str| shapes(config)[name].clone();
+        // Split rank r is in group r / (tp sp dp); the whole run's group g starts at rank g dp.
+        let group_of = |r: usize| r / (tp * sp * dp) * dp;
+        let gathered = check_against_whole(&at, (&whole, &split), (tp, &group_of), &shape, &expected_split);
+        assert_eq!(gathered, tp, "{at}: group 0's tensor ranks each gathered their part");
+        let (first, second) = (&whole[0].0, &whole[dp].0);
+        assert_ne!(first[0], second[0], "{at}: the groups read different samples");
     }
 }
