@@ -5,10 +5,13 @@
 //! world rank r = ((stage * dp + d) * sp + s) * tp + t      (a tensor group: tp consecutive ranks)
 //! ```
 //!
-//! A program builds its model for [`MeshRank::tensor`] (the Hugging Face families:
-//! `zerotrain_models::family::fresh_split` or `import_split`) and its engine with
-//! [`MeshRank::ctx`] and [`MeshRank::plan`]: ZeRO shards each tensor rank's slice over its
-//! data-parallel group, and every rank of a tensor group reads the same samples.
+//! A program builds its model for [`MeshRank::groups`] (the Hugging Face families:
+//! `zerotrain_models::family::fresh_split` or `import_split`; the built-in GPT:
+//! `Gpt::new_split`) and its trainer with [`MeshRank::trainer`] (or an engine with
+//! [`MeshRank::ctx`] and [`MeshRank::plan`]): ZeRO shards each tensor rank's slice over its
+//! data-parallel group, and every rank of a tensor group reads the same samples. With
+//! replica groups (`local_sgd`) each group is a mesh of its own, and the trainer meets the
+//! other groups.
 //!
 //! # Note: a mesh in a pipeline
 //! With pipeline stages, each stage's ranks are a mesh of their own (the stage's ranks

@@ -45,7 +45,7 @@
 //! may read in other orders again. So that a seeded model is the same model whatever the
 //! layout (stages, world size, units, backend), the engine draws each lazy parameter under
 //! a stream of its own, seeded from the run's `seed` and the parameter's module path
-//! ([`init_seed`]), holding the [`lock`] meanwhile. A parameter already holding a value
+//! (`init_seed`), holding the [`lock`] meanwhile. A parameter already holding a value
 //! (built eagerly, or read by the caller before) keeps it.
 //!
 //! Code of the caller's that seeds the device or draws random numbers while ranks train
