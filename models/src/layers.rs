@@ -109,9 +109,9 @@ impl Dense {
     }
 
     /// `x` entering this column-parallel layer's region through the group's copy (`f`), to
-    /// be shared by the layers that read the same input ([`forward_entered`]
-    /// (Self::forward_entered)): q, k and v, or gate and up, then cost one all-reduce of
-    /// its gradient, not one each. Other cuts return `x`.
+    /// be shared by the layers that read the same input
+    /// ([`forward_entered`](Self::forward_entered)): q, k and v, or gate and up, then cost
+    /// one all-reduce of its gradient, not one each. Other cuts return `x`.
     pub fn enter(&self, x: Tensor<3>) -> Tensor<3> {
         match &self.cut {
             Cut::Column(group) => group.copy_to(x),
