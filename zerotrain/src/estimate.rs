@@ -139,12 +139,13 @@ pub struct Placement {
 /// dtype, fp32 masters in mixed precision, and the optimizer's moments (Adam 2, AMSGrad 3,
 /// SGD with momentum 1), each where the plan's tiers put it. On a tensor-parallel mesh a
 /// rank holds `1/tp` of the model (the few parameters every tensor rank holds whole, norms
-/// and biases, counted at `1/tp` too: a slight underestimate) and shards it over `dp`.
+/// and biases, counted at `1/tp` too: a slight underestimate) and shards it over `dp x sp`
+/// (within its replica group, with `local_sgd` groups in one job).
 pub fn placement(plan: &crate::Plan, params: u64) -> Placement {
     use crate::config::{ComputeDevice, OptimizerPlan, Tier};
     let (zero, precision) = (&plan.zero, &plan.precision);
     let params = params.div_ceil(plan.mesh.tp as u64);
-    let shard = params.div_ceil(plan.data_parallel_size().max(1) as u64);
+    let shard = params.div_ceil(plan.sharding_size().max(1) as u64);
     let pick = |sharded: bool| if sharded { shard } else { params };
     let compute = precision.compute.bytes_per_elem() as u64;
     let fp32 = compute == 4;
@@ -268,5 +269,18 @@ mod tests {
         };
         let p = placement(&mesh(r#""stage": 3"#), 1000);
         assert_eq!(p, Placement { device: 0, host: 1000 + 2000 + 1000, nvme: 0 });
+        // A rank shards over its replica group's ranks (2 groups of 2 in a job of 4: the same
+        // bytes as one job of 2) and over its sequence ranks (sp 2 of 4 ranks: dp 2, 4 shards).
+        let at = |extra: &str, world: usize| {
+            let json = format!(r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": 3}}{extra}}}"#);
+            let overrides = crate::Overrides { world_size: Some(world), ..Default::default() };
+            crate::Config::parse(&json, "t").unwrap().resolve(overrides).unwrap()
+        };
+        let groups = at(r#", "local_sgd": {"groups": 2}"#, 4);
+        assert_eq!((groups.sharding_size(), placement(&groups, 1000)), (2, placement(&at("", 2), 1000)));
+        let sequence = at(r#", "zerotrain": {"mesh": {"sp": 2}}"#, 4);
+        assert_eq!((sequence.data_parallel_size(), sequence.sharding_size()), (2, 4));
+        assert_eq!(placement(&sequence, 1000), placement(&at("", 4), 1000));
+        assert!(groups.to_string().contains("gradients: 1/2 shard"), "{groups}");
     }
 }

@@ -90,8 +90,9 @@ impl Plan {
     /// The stage: what each rank keeps, how gradients are reduced and parameters gathered.
     fn describe_zero(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let z = &self.zero;
-        // Units are sharded over the data-parallel ranks: the world, or a pipeline stage's.
-        let d = self.data_parallel_size();
+        // Units are sharded over the data-parallel ranks: the world, or a pipeline stage's,
+        // or a replica group's (with their sequence ranks).
+        let d = self.sharding_size();
         let share = |sharded: bool| if sharded && d > 1 { format!("1/{d} shard") } else { "full copy".to_string() };
         writeln!(f, "zero                {}", z.stage)?;
         writeln!(

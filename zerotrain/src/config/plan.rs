@@ -64,6 +64,14 @@ impl Plan {
         stage / self.mesh.model_parallel()
     }
 
+    /// Ranks ZeRO shards each unit over: a stage's data-parallel places and their sequence
+    /// ranks (which hold the same part of the model), within one replica group where the
+    /// job's ranks are several groups.
+    pub fn sharding_size(&self) -> usize {
+        let groups = self.replicas.as_ref().filter(|r| r.group.is_none()).map_or(1, |r| r.groups);
+        self.data_parallel_size() * self.mesh.sp / groups.max(1)
+    }
+
     /// Sequences read per optimizer step by every rank that shares the data: the global
     /// batch `train_batch_size`, times the groups when this job is one replica group
     /// through parameter servers (each group reads its own part of every step, as the
