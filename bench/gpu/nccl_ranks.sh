@@ -9,8 +9,9 @@
 #     against rank order; no bound derived yet: the first run's figures set it);
 #   - tensor and sequence parallelism: LLaMA (4 heads over 2 kv heads, fresh from a
 #     config.json) at tensor_parallel.autotp_size 2 on 2 ranks (tp 2) and 4 (tp 2 x dp 2),
-#     and at zerotrain.mesh.sp 2 on 2 ranks, in fp32: every loss equal bit for bit to the
-#     same mesh of thread ranks (every sum has two operands; the exchanges move values);
+#     at zerotrain.mesh.sp 2 on 2 ranks, and in two pipeline stages of tp 2 (4 ranks); the
+#     built-in GPT at tp 2; in fp32: every loss equal bit for bit to the same mesh of thread
+#     ranks (every sum has two operands; the exchanges move values);
 #   - every launched run used NCCL (no "host backend" notice in its log).
 # Time-sliced ranks on one GPU: no figure here is a multi-GPU speed.
 #
@@ -107,5 +108,23 @@ run tp 4 equal --data "$work/data.tokens"
 sed -e 's/"tensor_parallel": {"autotp_size": 2},//' -e 's/"device": "cuda"/"device": "cuda", "mesh": {"sp": 2}/' \
     "$work/tp.json" >"$work/sp.json"
 run sp 2 equal --data "$work/data.tokens"
+# LLaMA in two pipeline stages of tp 2 (4 ranks: activations between stages over NCCL's
+# point-to-point), and the built-in GPT at tp 2 (its parts cut from the whole model).
+python3 - "$work/tp.json" "$work/pp-tp.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["pipeline"] = {"stages": 2}
+c["gradient_accumulation_steps"] = 2
+json.dump(c, open(sys.argv[2], "w"))
+PY
+run pp-tp 4 equal --data "$work/data.tokens"
+config gpt-tp 2 fp32 1
+python3 - "$work/gpt-tp.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["tensor_parallel"] = {"autotp_size": 2}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+run gpt-tp 2 equal
 echo "$failures failure(s); logs in $work"
 ((failures == 0))

@@ -324,6 +324,9 @@ fn assemble<M: Module>(
         device_step,
         tensor,
         data_place: ctx.mesh().map(|_| (ctx.data_parallel_rank(), ctx.data_parallel_size())),
+        mesh_groups: ctx
+            .mesh()
+            .map_or_else(Vec::new, |m| vec![Arc::clone(m.tensor.collective()), Arc::clone(m.sequence.collective())]),
     };
     let (mut units, mut transient, mut first) = (Vec::new(), 0, FirstValues::new(shared.dtype()));
     for id in 0..shared.sharding.units().len() {

@@ -346,7 +346,9 @@ impl<M: Module> Engine<M> {
 
     /// This rank's traffic so far, every communicator it uses together.
     pub fn comm_stats(&self) -> CommStats {
-        self.span.comm_stats(self.shared.world.as_ref(), self.shared.comm.as_ref())
+        let engine = self.span.comm_stats(self.shared.world.as_ref(), self.shared.comm.as_ref());
+        // On a mesh, the tensor and sequence groups' traffic too (the model's, mostly).
+        self.shared.mesh_groups.iter().fold(engine, |all, group| all.plus(&group.stats()))
     }
 
     /// The rank's counters now: collective traffic and host<->device copies.

@@ -87,6 +87,9 @@ pub(crate) struct Shared {
     /// On a mesh, this rank's data-parallel place and the places' count: the ranks of a
     /// sequence group shard one model but read the same samples.
     pub data_place: Option<(usize, usize)>,
+    /// On a mesh, its tensor and sequence groups' collectives, whose traffic (the model's
+    /// own collectives, in its forward and backward) the engine counts with its own.
+    pub mesh_groups: Vec<Arc<dyn Collective>>,
 }
 
 /// Model-state bytes a rank copied between host memory and its device, each way.

@@ -37,7 +37,7 @@ fn values<M: burn::module::Module>(model: &M) -> BTreeMap<String, Vec<f32>> {
 
 /// What a rank saw: each step's loss and gradient norm, and (on a data-parallel group's
 /// first rank) its model's parameters after the last step.
-type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>, (u64, zerotrain::engine::MemoryReport));
+type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>, (u64, zerotrain::engine::MemoryReport, Vec<u64>));
 
 /// A run: the mesh, the stage, the steps to take, and a checkpoint to start from and one
 /// to save at the end.
@@ -84,7 +84,7 @@ impl WithModel for Job<'_> {
         // Each step reads 8 sequences of 9 ids (8 inputs, divisible by every sp here);
         // data-parallel rank d (of every replica group's) its 8 / dp of them.
         let rows = 8 / engine.data_parallel_size() as i64;
-        let mut steps = Vec::new();
+        let (mut steps, mut comm) = (Vec::new(), Vec::new());
         for _ in 0..self.run.steps {
             let step = engine.counters().global_steps as i64;
             let mut batch = |_micro: usize| {
@@ -94,11 +94,12 @@ impl WithModel for Job<'_> {
             };
             let report = engine.train_batch(&mut batch)?;
             steps.push((report.loss, report.grad_norm));
+            comm.push(report.comm_bytes);
         }
         if let Some(dir) = self.run.save {
             engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
         }
-        let memory = (local, engine.memory_report());
+        let memory = (local, engine.memory_report(), comm);
         Ok((steps, engine.gather_model(0)?.map(|m| values(&m)), memory))
     }
 }
@@ -314,7 +315,7 @@ fn a_rank_holds_its_part_of_every_state() {
     let shapes = parameter_names(&HfConfig::from_json(config.clone()).unwrap());
     let units = 2 + 2; // the embedding, two layers, the head
     let run = Run { groups: 1, pp: 1, tp: 2, sp: 1, dp: 2, stage: 2, steps: 1, bf16: false, load: None, save: None };
-    for (r, (_, _, (local, memory))) in train(&config, run).iter().enumerate() {
+    for (r, (_, _, (local, memory, _))) in train(&config, run).iter().enumerate() {
         let t = r % 2;
         let planned: u64 = shapes
             .iter()
@@ -447,5 +448,26 @@ fn replica_groups_of_meshes_train_as_groups_of_whole_models_do() {
         assert_eq!(gathered, tp, "{at}: group 0's tensor ranks each gathered their part");
         let (first, second) = (&whole[0].0, &whole[dp].0);
         assert_ne!(first[0], second[0], "{at}: the groups read different samples");
+    }
+}
+
+/// A step's reported traffic counts the tensor group's (the model's own collectives): at
+/// (tp 2, dp 1) every step of LLaMA (2 layers, hidden 16, 8 sequences of 8 tokens) moves
+/// at least Megatron's bytes (four all-reduces of the f32 activations per layer, one each
+/// for the embedding's lookup and the head's input, three values per token for the loss,
+/// each all-reduce of `B` bytes counted `2 (N - 1) / N B` = `B` at N = 2), and at most
+/// 1 KiB more (the engine's own agreement on the loss and norm).
+#[test]
+fn a_steps_traffic_counts_the_tensor_groups() {
+    let run = Run { groups: 1, pp: 1, tp: 2, sp: 1, dp: 1, stage: 0, steps: 2, bf16: false, load: None, save: None };
+    let (tokens, hidden, layers) = (64u64, 16u64, 2u64);
+    let megatron = (4 * layers + 2) * tokens * hidden * 4 + 3 * tokens * 4;
+    for (r, (_, _, (_, _, comm))) in train(&llama(), run).iter().enumerate() {
+        for (s, &bytes) in comm.iter().enumerate() {
+            assert!(
+                (megatron..=megatron + 1024).contains(&bytes),
+                "rank {r}, step {s}: {bytes} B, Megatron's {megatron}"
+            );
+        }
     }
 }
