@@ -74,8 +74,9 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
 /// trains with the losses of the same job at dp 2 within 1e-5 relative: every rank's part
 /// is cut from the model the run at dp 2 starts from, the same global batch is read, and
 /// only the sums' grouping differs (two micro-batches a step, so that each rank's place in
-/// the batch matters). Two replica groups (`local_sgd`) of tp 2 each train as two groups of
-/// whole models, within the same bound, through two rounds.
+/// the batch matters). The tp 2 run's checkpoint resumes at dp 2 with the next losses of the
+/// dp 2 run; two replica groups (`local_sgd`) of tp 2 each train as two groups of whole
+/// models, within the same bound, through two rounds.
 #[test]
 fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
     let dir = folder("builtin-mesh");
@@ -112,6 +113,26 @@ fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
         for ((step, x), (_, y)) in seen[0].iter().zip(run) {
             assert!((x - y).abs() <= 1e-5 * x.abs(), "{name}, step {step}: {y}, at dp 2 {x}");
         }
+    }
+    // The tp 2 run's checkpoint (the whole model's) resumes at dp 2 with the losses of the
+    // dp 2 run that went on.
+    let (dp, tp) = (dir.join("dp"), dir.join("tp"));
+    run_ok(&[
+        "train",
+        "--config",
+        dir.join("dp.json").to_str().unwrap(),
+        "--steps",
+        "6",
+        "--out",
+        dp.to_str().unwrap(),
+        "--resume",
+    ]);
+    let at_dp = dir.join("dp.json");
+    run_ok(&["train", "--config", at_dp.to_str().unwrap(), "--steps", "6", "--out", tp.to_str().unwrap(), "--resume"]);
+    let (went_on, resumed) = (losses(&dp), losses(&tp));
+    assert_eq!(resumed.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6], "{resumed:?}");
+    for ((step, x), (_, y)) in went_on.iter().zip(&resumed).skip(4) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {y} resumed from tp 2 at dp 2, {x} at dp 2 throughout");
     }
     // Replica groups, each a mesh of tp 2, against the same groups of whole models: the
     // rounds average each tensor part between the groups as they average whole shards.
