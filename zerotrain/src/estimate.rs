@@ -282,5 +282,8 @@ mod tests {
         assert_eq!((sequence.data_parallel_size(), sequence.sharding_size()), (2, 4));
         assert_eq!(placement(&sequence, 1000), placement(&at("", 4), 1000));
         assert!(groups.to_string().contains("gradients: 1/2 shard"), "{groups}");
+        let meshes = at(r#", "local_sgd": {"groups": 2}, "tensor_parallel": {"autotp_size": 2}"#, 8);
+        let shown = meshes.to_string();
+        assert!(shown.contains("mesh                dp 2 x sp 1 x tp 2 (a group's rank r"), "{shown}");
     }
 }

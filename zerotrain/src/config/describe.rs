@@ -233,8 +233,13 @@ impl Plan {
         if m.is_trivial() {
             return Ok(());
         }
-        let d = self.data_parallel_size();
-        let rank = if self.pipeline.is_some() { "a stage's rank r" } else { "rank r" };
+        // The mesh of one stage, or of one replica group in a job of several.
+        let d = self.sharding_size() / m.sp;
+        let rank = match (self.pipeline.is_some(), self.replicas.as_ref().is_some_and(|r| r.group.is_none())) {
+            (true, _) => "a stage's rank r",
+            (_, true) => "a group's rank r",
+            _ => "rank r",
+        };
         writeln!(
             f,
             "mesh                dp {d} x sp {} x tp {} ({rank}: dp r / {}, sp (r / {}) % {}, tp r % {})",
