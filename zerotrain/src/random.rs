@@ -86,6 +86,16 @@ pub(crate) fn init_seed(seed: u64, path: &str) -> u64 {
     path.bytes().fold(mix(seed ^ 0x1A17_5EED), |h, b| mix(h ^ u64::from(b)))
 }
 
+/// The first value of `param`, at module path `path`, in a run seeded with `seed`: a lazy
+/// parameter drawn under its path's own stream ([`init_seed`]) with the generator held (as
+/// the engine draws every lazy parameter it reads), one already holding a value its value.
+pub(crate) fn first_value<const D: usize>(param: &burn::module::Param<Tensor<D>>, path: &str, seed: u64) -> Tensor<D> {
+    if param.is_initialized() {
+        return param.val();
+    }
+    seeded(&param.lazy_device(), init_seed(seed, path), || param.val())
+}
+
 /// Which forward draws: within step `step`'s micro-batch `micro`, the stream `index`
 /// (module note).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -47,7 +47,7 @@ mod notices;
 pub mod offload_bench;
 pub mod on_device;
 pub mod optimizer;
-pub(crate) mod params;
+mod params;
 mod parts;
 mod pipeline;
 pub mod readout;

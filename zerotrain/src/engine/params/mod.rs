@@ -97,13 +97,10 @@ pub(crate) struct Lazy<'a> {
 }
 
 /// `param`'s value; a lazy one initialised under its path's stream when `lazy` is given.
-pub(crate) fn first_value<const D: usize>(param: &Param<Tensor<D>>, path: &str, lazy: Option<Lazy<'_>>) -> Tensor<D> {
+fn first_value<const D: usize>(param: &Param<Tensor<D>>, path: &str, lazy: Option<Lazy<'_>>) -> Tensor<D> {
     match lazy {
-        Some(lazy) if !param.is_initialized() => {
-            let device = param.lazy_device();
-            crate::random::seeded(&device, crate::random::init_seed(lazy.seed, path), || param.val())
-        }
-        _ => param.val(),
+        Some(lazy) => crate::random::first_value(param, path, lazy.seed),
+        None => param.val(),
     }
 }
 

@@ -8,7 +8,6 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 
 use super::{ParallelGroup, Split};
-use crate::engine::params::{Lazy, first_value};
 use crate::{Error, Result};
 
 /// This rank's part of `model`: each parameter `splits` names (by module path) cut as its
@@ -77,7 +76,7 @@ impl ModuleMapper for Cutter<'_> {
         if self.error.is_some() {
             return param;
         }
-        let whole = first_value(&param, &path, Some(Lazy { values: None, seed: self.seed }));
+        let whole = crate::random::first_value(&param, &path, self.seed);
         let tracked = whole.is_require_grad();
         match split.slice(whole.detach(), self.group.rank(), self.group.size(), &format!("parameter `{path}`")) {
             // A copy of the slice (once, before training: through the host), so that no view
@@ -115,63 +114,4 @@ fn has_float<M: Module>(model: &M, path: &str) -> bool {
     let mut find = Find { path: Vec::new(), wanted: path, found: false };
     model.visit(&mut find);
     find.found
-}
-
-#[cfg(test)]
-mod tests {
-    use burn::tensor::Device;
-
-    use super::super::tests::{on_ranks, values};
-    use super::*;
-
-    /// Two lazy `Linear`s (`[4, 6]` with a bias, `[6, 4]`) for `split_module`.
-    #[derive(burn::module::Module, Debug)]
-    struct Pair {
-        up: burn::nn::Linear,
-        down: burn::nn::Linear,
-    }
-
-    fn pair() -> Pair {
-        let device = Device::flex().autodiff();
-        let linear = |d_in, d_out| burn::nn::LinearConfig::new(d_in, d_out).init(&device);
-        Pair { up: linear(4, 6), down: linear(6, 4) }
-    }
-
-    /// `split_module` cuts what the plan names from the values the engine would give the whole
-    /// model in a run of the same seed (the two ranks' parts side by side are the whole values
-    /// the engine's own initialisation draws), leaves the rest lazy, and refuses a path the
-    /// model lacks and a cut that does not divide, each by name.
-    #[test]
-    fn a_module_is_cut_from_the_values_the_whole_model_starts_from() {
-        let plan = std::collections::BTreeMap::from([
-            ("up.weight".to_string(), Split::Even { dim: 1, blocks: 1 }),
-            ("up.bias".to_string(), Split::Even { dim: 0, blocks: 1 }),
-            ("down.weight".to_string(), Split::Even { dim: 0, blocks: 1 }),
-        ]);
-        let parts = on_ranks(2, |group| {
-            let part = split_module(pair(), &plan, &group, 7).unwrap();
-            assert!(!part.down.bias.as_ref().unwrap().is_initialized(), "a whole parameter stays lazy");
-            (values(part.up.weight.val()), values(part.up.bias.unwrap().val()), values(part.down.weight.val()))
-        });
-        let whole = pair();
-        crate::engine::params::initialise_lazy(&whole, 7);
-        let up = values(whole.up.weight.val());
-        let joined: Vec<f32> = (0..4)
-            .flat_map(|row| [&parts[0].0[row * 3..row * 3 + 3], &parts[1].0[row * 3..row * 3 + 3]].concat())
-            .collect();
-        assert_eq!(joined, up, "up.weight: columns 0..3 on rank 0, 3..6 on rank 1");
-        assert_eq!([parts[0].1.clone(), parts[1].1.clone()].concat(), values(whole.up.bias.unwrap().val()));
-        assert_eq!([parts[0].2.clone(), parts[1].2.clone()].concat(), values(whole.down.weight.val()));
-        assert_ne!(parts[0].0, parts[1].0, "the ranks hold different columns");
-        let errors = on_ranks(4, |group| {
-            let mut missing = plan.clone();
-            missing.insert("up.gate".to_string(), Split::Whole);
-            let missing = split_module(pair(), &missing, &ParallelGroup::alone(), 7).err().unwrap().to_string();
-            let undivided = split_module(pair(), &plan, &group, 7).err().unwrap().to_string();
-            (missing, undivided)
-        });
-        let (missing, undivided) = &errors[0];
-        assert!(missing.contains("`up.gate`") && missing.contains("no float parameter"), "{missing}");
-        assert!(undivided.contains("`up.weight`") && undivided.contains("size 4"), "{undivided}");
-    }
 }

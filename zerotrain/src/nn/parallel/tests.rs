@@ -15,7 +15,7 @@ use super::{
 };
 
 /// `f(group)` on each of `n` thread ranks of one world, in rank order.
-pub(super) fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
+fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
     let world = ThreadWorld::new(n, Duration::from_secs(30));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
@@ -45,7 +45,7 @@ fn tensor<const D: usize>(values: &[f32], shape: [usize; D], tracked: bool) -> T
     if tracked { t.require_grad() } else { t }
 }
 
-pub(super) fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().iter::<f32>().collect()
 }
 
