@@ -100,13 +100,18 @@ fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
             r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2}, "zerotrain": {"world_size": 4, "mesh": {"sp": 2}}}"#,
         ),
     ];
-    let mut seen = Vec::new();
-    for (name, json) in runs {
-        let (config, out) = (dir.join(format!("{name}.json")), dir.join(name));
+    // The job of config `json` (written as `name.json`) trained to `steps` into the folder
+    // `out` (resuming it where `resume` says): its losses.
+    let train = |name: &str, json: &str, (steps, out, resume): (&str, &str, bool)| {
+        let (config, out) = (dir.join(format!("{name}.json")), dir.join(out));
         std::fs::write(&config, json).unwrap();
-        run_ok(&["train", "--config", config.to_str().unwrap(), "--steps", "4", "--out", out.to_str().unwrap()]);
-        seen.push(losses(&out));
-    }
+        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--steps", steps];
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.extend(resume.then_some("--resume"));
+        run_ok(&args);
+        losses(&out)
+    };
+    let seen: Vec<_> = runs.iter().map(|(name, json)| train(name, json, ("4", name, false))).collect();
     assert_eq!(seen[0].iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4], "{:?}", seen[0]);
     for (run, (name, _)) in seen.iter().zip(runs).skip(1) {
         assert_eq!(run.len(), seen[0].len(), "{name}");
@@ -116,20 +121,8 @@ fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
     }
     // The tp 2 run's checkpoint (the whole model's) resumes at dp 2 with the losses of the
     // dp 2 run that went on.
-    let (dp, tp) = (dir.join("dp"), dir.join("tp"));
-    run_ok(&[
-        "train",
-        "--config",
-        dir.join("dp.json").to_str().unwrap(),
-        "--steps",
-        "6",
-        "--out",
-        dp.to_str().unwrap(),
-        "--resume",
-    ]);
-    let at_dp = dir.join("dp.json");
-    run_ok(&["train", "--config", at_dp.to_str().unwrap(), "--steps", "6", "--out", tp.to_str().unwrap(), "--resume"]);
-    let (went_on, resumed) = (losses(&dp), losses(&tp));
+    let dp = runs[0].1;
+    let (went_on, resumed) = (train("dp", dp, ("6", "dp", true)), train("dp", dp, ("6", "tp", true)));
     assert_eq!(resumed.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6], "{resumed:?}");
     for ((step, x), (_, y)) in went_on.iter().zip(&resumed).skip(4) {
         assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {y} resumed from tp 2 at dp 2, {x} at dp 2 throughout");
@@ -139,13 +132,8 @@ fn the_built_in_gpt_trains_on_a_mesh_as_it_does_whole() {
     let groups = r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2,
         "local_sgd": {"groups": 2, "sync_every": 2}, "zerotrain": {"world_size": 2}}"#;
     let of_meshes = groups.replace(r#""world_size": 2"#, r#""world_size": 4, "mesh": {"tp": 2}"#);
-    let mut seen = Vec::new();
-    for (name, json) in [("groups", groups), ("groups-tp", of_meshes.as_str())] {
-        let (config, out) = (dir.join(format!("{name}.json")), dir.join(name));
-        std::fs::write(&config, json).unwrap();
-        run_ok(&["train", "--config", config.to_str().unwrap(), "--steps", "4", "--out", out.to_str().unwrap()]);
-        seen.push(losses(&out));
-    }
+    let seen =
+        [train("groups", groups, ("4", "groups", false)), train("groups-tp", &of_meshes, ("4", "groups-tp", false))];
     assert_eq!(seen[1].len(), 4, "{:?}", seen[1]);
     for ((step, x), (_, y)) in seen[0].iter().zip(&seen[1]) {
         assert!((x - y).abs() <= 1e-5 * x.abs(), "groups of tp 2, step {step}: {y}, of whole models {x}");

@@ -108,12 +108,9 @@ impl Replicas {
         self
     }
 
-    /// The world rank of place `place` of group `group` (this job's, with servers).
+    /// The world rank of place `place` of group `group`, in a job of several groups.
     pub(crate) fn world_rank(&self, group: usize, place: usize) -> usize {
-        match self.plan.group {
-            Some(_) => place,
-            None => group * self.place.1 + place,
-        }
+        group * self.place.1 + place
     }
 
     /// Which part of each global batch this rank reads, of how many.
