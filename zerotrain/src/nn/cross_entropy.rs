@@ -57,8 +57,11 @@ use crate::reduce;
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearCrossEntropy {
-    /// Tokens per block; 0: as many as make [`BLOCK_ELEMENTS`](Self::BLOCK_ELEMENTS) logits.
+    /// Tokens per block; 0: as many as make `block_elements` logits of the whole vocabulary.
     block_tokens: usize,
+    /// Logits per block where the block is chosen by the vocabulary; 0:
+    /// [`BLOCK_ELEMENTS`](Self::BLOCK_ELEMENTS).
+    block_elements: usize,
 }
 
 impl LinearCrossEntropy {
@@ -79,13 +82,26 @@ impl LinearCrossEntropy {
     /// Blocks of `tokens` tokens (at least 1, at most
     /// [`MAX_BLOCK_TOKENS`](Self::MAX_BLOCK_TOKENS)); 0 chooses by the vocabulary.
     pub fn with_block_tokens(self, tokens: usize) -> Self {
-        Self { block_tokens: tokens.min(Self::MAX_BLOCK_TOKENS) }
+        Self { block_tokens: tokens.min(Self::MAX_BLOCK_TOKENS), ..self }
     }
 
-    /// Tokens per block for a vocabulary of `vocab`.
+    /// Blocks of as many tokens as make `elements` logits of the whole vocabulary (at least
+    /// one token); 0 restores [`BLOCK_ELEMENTS`](Self::BLOCK_ELEMENTS). A fixed
+    /// [`with_block_tokens`](Self::with_block_tokens) takes precedence.
+    pub fn with_block_elements(self, elements: usize) -> Self {
+        Self { block_elements: elements, ..self }
+    }
+
+    /// Tokens per block for a vocabulary of `vocab` ids: for a vocabulary-parallel head,
+    /// the whole vocabulary's count, never a rank's part (every rank of the group must
+    /// cut the same blocks, since each block is one exchange of the group).
     pub fn block_tokens(&self, vocab: usize) -> usize {
+        let elements = match self.block_elements {
+            0 => Self::BLOCK_ELEMENTS,
+            n => n,
+        };
         match self.block_tokens {
-            0 => (Self::BLOCK_ELEMENTS / vocab.max(1)).clamp(1, Self::MAX_BLOCK_TOKENS),
+            0 => (elements / vocab.max(1)).clamp(1, Self::MAX_BLOCK_TOKENS),
             n => n,
         }
     }
@@ -105,7 +121,8 @@ impl LinearCrossEntropy {
         bias: Option<Tensor<1>>,
         targets: Tensor<1, Int>,
     ) -> Tensor<1> {
-        self.run(hidden, weight, bias, targets, None)
+        let vocab = weight.dims()[0];
+        self.run(hidden, weight, bias, targets, vocab, None)
     }
 
     /// [`forward`](Self::forward) of a head whose vocabulary of `vocab` ids is split over
@@ -139,15 +156,18 @@ impl LinearCrossEntropy {
             group.rank(),
             weight.dims()[0]
         );
-        self.run(group.copy_to(hidden), weight, bias, targets, Some((group.clone(), part)))
+        self.run(group.copy_to(hidden), weight, bias, targets, vocab, Some((group.clone(), part)))
     }
 
+    /// The loss over blocks of tokens; `whole_vocab` is the whole vocabulary's size, which
+    /// a split head's rank holds `split`'s part of.
     fn run(
         &self,
         hidden: Tensor<2>,
         weight: Tensor<2>,
         bias: Option<Tensor<1>>,
         targets: Tensor<1, Int>,
+        whole_vocab: usize,
         split: Option<(ParallelGroup, Range<usize>)>,
     ) -> Tensor<1> {
         let ([n, d], [vocab, dw], [nt]) = (hidden.dims(), weight.dims(), targets.dims());
@@ -165,8 +185,9 @@ impl LinearCrossEntropy {
         let mut blocks = Blocks::new(constant(weight.clone()), bias.clone().map(constant), wants, split);
         let h = constant(hidden.clone());
         // A split head's blocks are as long as the whole vocabulary's would be: each block
-        // costs the group three exchanges, whatever this rank's part.
-        let step = self.block_tokens(vocab);
+        // is three exchanges of the group, so every rank must cut the same blocks, whatever
+        // its part (parts differ by one id where the vocabulary does not divide).
+        let step = self.block_tokens(whole_vocab);
         for start in (0..n).step_by(step) {
             let len = step.min(n - start);
             blocks.add(h.clone().narrow(0, start, len), targets.clone().narrow(0, start, len).reshape([len, 1]));

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::nn::LinearCrossEntropy;
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::module::{embedding, linear};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -173,13 +174,17 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
             let bias = Split::Uneven { dim: 0 }.slice(tensor(&bias, [vocab], false), r, n_ranks, "bias").unwrap();
             let head = ColumnParallelLinear::from_slice(head, Some(bias), &group);
             let targets = int(&targets, [n, 1]).reshape([n]);
-            let run = |blocked: bool| {
+            // How the loss runs: whole logits; fixed blocks of 3 tokens; blocks chosen by
+            // the vocabulary (24 logits: 2 tokens of 12 ids), which every rank must cut
+            // from the whole vocabulary, not from its part of 2 or 3 ids (12 or 8 tokens:
+            // one block or two of the 10, exchanges of different lengths).
+            let run = |blocked: Option<LinearCrossEntropy>| {
                 let embed = VocabParallelEmbedding::from_whole(tensor(&table, [vocab, d], false), &group).unwrap();
                 let hidden = embed.forward(int(&ids, [batch, time])).reshape([n, d]);
                 let (hw, hb) = head.weight_and_bias();
                 let loss = match blocked {
-                    false => vocab_parallel_cross_entropy(head.forward(hidden), targets.clone(), vocab, &group),
-                    true => crate::nn::LinearCrossEntropy::new().with_block_tokens(3).forward_parallel(
+                    None => vocab_parallel_cross_entropy(head.forward(hidden), targets.clone(), vocab, &group),
+                    Some(blocks) => blocks.forward_parallel(
                         hidden,
                         (hw.clone().transpose(), hb.clone()),
                         targets.clone(),
@@ -191,7 +196,9 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
                 let grad = |t: Tensor<2>| values(t.grad(&grads).unwrap());
                 [values(loss), grad(embed.weight()), grad(hw), values(hb.unwrap().grad(&grads).unwrap())]
             };
-            [run(false), run(true)]
+            let by_vocab = LinearCrossEntropy::new().with_block_elements(24);
+            assert_eq!(by_vocab.block_tokens(vocab), 2);
+            [run(None), run(Some(LinearCrossEntropy::new().with_block_tokens(3))), run(Some(by_vocab))]
         });
         for (r, both) in results.iter().enumerate() {
             let rows = r * vocab / ranks..(r + 1) * vocab / ranks;
@@ -201,7 +208,7 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
                 ("head's gradient", columns(&want[2], vocab, rows.clone())),
                 ("bias's gradient", want[3][rows.clone()].to_vec()),
             ];
-            for (how, got) in ["logits", "blocked"].iter().zip(both) {
+            for (how, got) in ["logits", "blocks of 3", "blocks by the vocabulary"].iter().zip(both) {
                 for ((what, want), got) in slices.iter().zip(got) {
                     let error = relative_error(got, want);
                     assert!(
