@@ -85,6 +85,31 @@ impl ThreadComm {
 }
 
 impl ThreadComm {
+    /// The next message `from` sent this rank, as it was sent (its length and dtype the
+    /// sender's): [`Collective::recv`] without a buffer of the receiver's, for a receiver
+    /// that checks the message against what it expects before it allocates anything.
+    pub fn recv_message(&self, from: usize) -> Result<FlatBuf, ZeroError> {
+        let n = self.hub.world_size;
+        if from >= n {
+            return Err(self.bad_buffer(OpKind::Recv, format!("rank {from} is not a rank of {n}")));
+        }
+        let message = self.hub.take(from, self.rank)?;
+        self.counters.record(OpKind::Recv, message.bytes());
+        Ok(message)
+    }
+
+    /// [`Collective::split`], as the threads backend's own communicator.
+    pub fn split_threads(&self, color: usize, key: usize) -> Result<ThreadComm, ZeroError> {
+        let slot = Slot::new::<f32>(OpKind::Split, None, color, (std::ptr::null(), key), (std::ptr::null_mut(), 0));
+        let slots = self.hub.rendezvous(self.rank, slot)?;
+        let mut members: Vec<usize> = (0..slots.len()).filter(|&r| slots[r].root == color).collect();
+        members.sort_by_key(|&r| (slots[r].src_len, r));
+        let rank = members.iter().position(|&r| r == self.rank).expect("a rank is in its own color");
+        let split = self.splits.fetch_add(1, Ordering::Relaxed);
+        let hub = self.hub.group(split, color, &members);
+        Ok(ThreadComm { rank, hub, counters: CommCounters::default(), splits: AtomicU64::new(0) })
+    }
+
     fn all_reduce_typed<E: FlatElem>(&self, buf: &mut [E], op: ReduceOp) -> Result<(), ZeroError> {
         let n = self.hub.world_size;
         let len = buf.len();
@@ -234,11 +259,7 @@ impl Collective for ThreadComm {
     }
 
     fn recv(&self, mut buf: BufMut<'_>, from: usize) -> Result<(), ZeroError> {
-        let n = self.hub.world_size;
-        if from >= n {
-            return Err(self.bad_buffer(OpKind::Recv, format!("rank {from} is not a rank of {n}")));
-        }
-        let message = self.hub.take(from, self.rank)?;
+        let message = self.recv_message(from)?;
         if message.len() != buf.len() || message.dtype() != buf.dtype() {
             let detail = format!(
                 "the message from rank {from} has {} {} elements, the buffer {} {}",
@@ -250,19 +271,11 @@ impl Collective for ThreadComm {
             return Err(self.bad_buffer(OpKind::Recv, detail));
         }
         buf.copy_from(message.as_ref(), false);
-        self.counters.record(OpKind::Recv, message.bytes());
         Ok(())
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
-        let slot = Slot::new::<f32>(OpKind::Split, None, color, (std::ptr::null(), key), (std::ptr::null_mut(), 0));
-        let slots = self.hub.rendezvous(self.rank, slot)?;
-        let mut members: Vec<usize> = (0..slots.len()).filter(|&r| slots[r].root == color).collect();
-        members.sort_by_key(|&r| (slots[r].src_len, r));
-        let rank = members.iter().position(|&r| r == self.rank).expect("a rank is in its own color");
-        let split = self.splits.fetch_add(1, Ordering::Relaxed);
-        let hub = self.hub.group(split, color, &members);
-        Ok(Arc::new(ThreadComm { rank, hub, counters: CommCounters::default(), splits: AtomicU64::new(0) }))
+        Ok(Arc::new(self.split_threads(color, key)?))
     }
 
     fn abort(&self, reason: &str) {

@@ -18,17 +18,28 @@
 //! without a goodbye (its process died) aborts the job naming it; rank 0's death closes
 //! every other rank's connection, which fails their next call.
 //!
-//! Every byte goes through rank 0, so this is a control plane, not a data plane: it carries
-//! NCCL's unique id, the ranks' agreements and what NCCL leaves on the host; the reductions
-//! of gradients and the gathers of parameters run over NCCL on the GPUs. Anyone who reaches
-//! the port can join as a missing rank (as with torchrun's store): the rendezvous belongs on
-//! the cluster's private network.
+//! Every byte goes through rank 0: on GPUs this is a control plane (NCCL's unique id, the
+//! ranks' agreements, what NCCL leaves on the host), while the reductions of gradients and
+//! the gathers of parameters run over NCCL; on CPUs it carries every collective, as a
+//! torchrun job over gloo would (correct, and as fast as one process's sockets).
+//!
+//! # Note: who may connect
+//! Rank 0 listens on every address of its host (as torchrun's store does: a hostname that
+//! resolves to loopback on rank 0's own node, as Debian's and Ubuntu's `/etc/hosts` make it,
+//! must not hide it from the other nodes). So every connection first proves the job's
+//! secret ([`JobSecret`], the [`secret`] module's handshake): one that does not is dropped
+//! before anything it sends is read, and is never told anything of the job. A joined rank's
+//! lengths are checked against the group's sizes before anything is allocated for them.
+//! Traffic after the handshake is neither encrypted nor signed.
 
 mod relay;
 mod remote;
+pub mod secret;
 mod wire;
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+pub use secret::{JOB_SECRET_VARIABLE, JobSecret};
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,22 +60,35 @@ pub struct Join {
     /// What every rank must agree on, as (key, value) pairs; the first key that differs is
     /// named in the error.
     pub fingerprint: Vec<(String, String)>,
+    /// The job's secret, which every connection proves.
+    pub secret: JobSecret,
 }
 
-/// Joins the world: rank 0 listens on `join.addr` and serves the rendezvous and the relay;
-/// every other rank connects to it (retrying while rank 0 is not yet listening). Returns
-/// once every rank has joined with the same world size and fingerprint (module note).
+/// Joins the world: rank 0 listens on `join.addr`'s port on every address of its host and
+/// serves the rendezvous and the relay; every other rank connects to `join.addr` (retrying
+/// while rank 0 is not yet listening). Returns once every rank has joined with the same
+/// world size, fingerprint and secret (module notes).
 pub fn join(join: &Join) -> Result<Arc<dyn Collective>, ZeroError> {
     check(join)?;
     let addr = resolve(&join.addr)?;
     if join.rank == 0 {
-        let listener = TcpListener::bind(addr).map_err(|e| {
-            ZeroError::Rendezvous(format!("rank 0 could not listen on {addr} (MASTER_ADDR:MASTER_PORT): {e}"))
+        let listener = listen_everywhere(addr.port()).map_err(|e| {
+            ZeroError::Rendezvous(format!(
+                "rank 0 could not listen on port {} (MASTER_PORT) of this host: {e}",
+                addr.port()
+            ))
         })?;
         relay::serve(listener, join)
     } else {
         Ok(Arc::new(remote::connect(addr, join)?))
     }
+}
+
+/// A listener on `port` of every address: IPv6's (which takes IPv4 too where the system
+/// maps it), else IPv4's.
+fn listen_everywhere(port: u16) -> std::io::Result<TcpListener> {
+    TcpListener::bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
+        .or_else(|_| TcpListener::bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))))
 }
 
 /// [`join`] for rank 0 on a socket it already listens on (port 0 in tests: the system's
@@ -92,5 +116,7 @@ fn resolve(addr: &str) -> Result<SocketAddr, ZeroError> {
         .ok_or_else(|| unresolved("resolves to no address".into()))
 }
 
+#[cfg(test)]
+mod hostile_tests;
 #[cfg(test)]
 mod tests;

@@ -1,23 +1,33 @@
 //! Rank 0's side: the rendezvous, then the relay. Every connection is read by a thread of
-//! its own: a hello goes to the rendezvous, an attach becomes the proxy of a split
-//! communicator, an abort aborts the world. Once every rank has said hello, each gets a
-//! proxy thread that runs its calls on its handle of a [`ThreadWorld`] held here, so the
-//! threads backend's rendezvous (its checks, its timeouts naming the missing ranks, its
-//! aborts reaching every group) is the processes' too.
+//! its own, which first runs the handshake ([`super::secret`]): a connection that does not
+//! prove the job's secret is dropped unread. Then a hello goes to the rendezvous, an attach
+//! becomes the proxy of a split communicator, an abort aborts the world. Once every rank has
+//! said hello, each gets a proxy thread that runs its calls on its handle of a
+//! [`ThreadWorld`] held here, so the threads backend's rendezvous (its checks, its timeouts
+//! naming the missing ranks, its aborts reaching every group) is the processes' too.
+//!
+//! Connections not yet past their handshake and opening are at most [`MAX_PENDING`], each
+//! with [`HANDSHAKE_TIME`] in all: a new one past the cap sheds the oldest (a rank's own
+//! handshake takes one round trip, so idle strangers cannot keep it out), and running out of
+//! file descriptors sheds one too rather than spinning.
 
-use std::collections::{BTreeSet, HashMap};
-use std::net::{TcpListener, TcpStream};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use zerotrain_precision::{BufMut, BufRef, FlatBuf};
 
 use super::Join;
-use super::wire::{Call, MAX_CALL, MAX_OPENING, Opening, Reply, read_frame, write_frame};
+use super::secret::{self, HANDSHAKE_TIME, JobSecret, Refused};
+use super::wire::{Call, MAX_CALL, MAX_OPENING, Opening, Reply, read_frame, read_frame_by, write_frame};
 use crate::ZeroError;
-use crate::collective::{Collective, CommStats, ReduceOp, ThreadComm, ThreadWorld};
+use crate::collective::{Collective, CommStats, OpKind, ReduceOp, ThreadComm, ThreadWorld};
+
+/// The most connections at once that have not yet said what they want.
+pub(super) const MAX_PENDING: usize = 64;
 
 /// A rank that said hello, and its connection.
 struct Hello {
@@ -31,8 +41,10 @@ struct Hello {
 struct Relay {
     world: ThreadWorld,
     world_size: usize,
+    timeout: Duration,
+    secret: JobSecret,
     /// Split communicators' handles not yet attached, by id.
-    splits: Mutex<HashMap<u64, Arc<dyn Collective>>>,
+    splits: Mutex<HashMap<u64, ThreadComm>>,
     next_id: AtomicU64,
     /// Where hellos go while the world forms; `None` after.
     hellos: Mutex<Option<Sender<Hello>>>,
@@ -40,6 +52,27 @@ struct Relay {
     failure: Mutex<Option<String>>,
     /// Set when rank 0 is done: the acceptor stops at the next connection.
     closed: AtomicBool,
+    /// Connections not yet past their opening.
+    pending: Mutex<Pending>,
+    /// Where connections that failed the handshake's secret came from.
+    refused: Mutex<Vec<SocketAddr>>,
+    /// Proxies running, and those of them inside a call.
+    proxies: Mutex<Proxies>,
+    proxies_changed: Condvar,
+}
+
+/// Connections not yet past their opening, oldest first, each with its id.
+#[derive(Default)]
+struct Pending {
+    next: u64,
+    open: VecDeque<(u64, TcpStream)>,
+}
+
+/// Proxy threads running, and how many of them are inside a call.
+#[derive(Default)]
+struct Proxies {
+    live: usize,
+    busy: usize,
 }
 
 /// Serves the rendezvous on `listener` as rank 0 and returns rank 0's communicator once
@@ -51,11 +84,17 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
     let relay = Arc::new(Relay {
         world: ThreadWorld::new(join.world_size, join.timeout),
         world_size: join.world_size,
+        timeout: join.timeout,
+        secret: join.secret.clone(),
         splits: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(0),
         hellos: Mutex::new(Some(tx)),
         failure: Mutex::new(None),
         closed: AtomicBool::new(false),
+        pending: Mutex::new(Pending::default()),
+        refused: Mutex::new(Vec::new()),
+        proxies: Mutex::new(Proxies::default()),
+        proxies_changed: Condvar::new(),
     });
     let acceptor = Arc::clone(&relay);
     std::thread::Builder::new()
@@ -83,9 +122,10 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
                 let missing: Vec<usize> = (1..join.world_size).filter(|&r| joined[r].is_none()).collect();
                 let message = format!(
-                    "{} did not arrive at the rendezvous on {addr} within {} s (comm_timeout_s)",
+                    "{} did not arrive at the rendezvous on {addr} within {} s (comm_timeout_s){}",
                     ranks(&missing),
-                    join.timeout.as_secs_f64()
+                    join.timeout.as_secs_f64(),
+                    relay.refusals()
                 );
                 return Err(refuse_all(&mut joined, &message));
             }
@@ -115,8 +155,7 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
         if write_frame(&mut stream, &Reply::Done(None).encode()).is_err() {
             relay.world.abort(rank, &format!("rank {rank}'s connection closed while the world formed"));
         }
-        let comm: Arc<dyn Collective> = Arc::new(relay.world.communicator(rank));
-        spawn_proxy(stream, comm, rank, &relay);
+        spawn_proxy(stream, relay.world.communicator(rank), rank, &relay);
     }
     Ok(Arc::new(RelayComm { comm: relay.world.communicator(0), relay, addr }))
 }
@@ -149,29 +188,131 @@ fn reply(mut stream: TcpStream, reply: &Reply) {
 }
 
 /// Wakes the acceptor (blocked in `accept`) so that it sees `closed`.
-fn wake(addr: std::net::SocketAddr) {
+fn wake(addr: SocketAddr) {
+    // The listener may be bound to every address: reach it on loopback.
+    let addr = match addr.ip().is_unspecified() {
+        true if addr.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], addr.port())),
+        true => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port())),
+        false => addr,
+    };
     let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
 }
 
-/// Reads each connection's opening on a thread of its own.
+impl Relay {
+    /// Registers a new connection, shedding the oldest pending one past the cap.
+    fn admit(&self, stream: &TcpStream) -> Option<u64> {
+        let copy = stream.try_clone().ok()?;
+        let mut pending = self.pending.lock().expect("pending lock");
+        if pending.open.len() >= MAX_PENDING {
+            self.shed_oldest(&mut pending);
+        }
+        let id = pending.next;
+        pending.next += 1;
+        pending.open.push_back((id, copy));
+        Some(id)
+    }
+
+    fn shed_oldest(&self, pending: &mut Pending) {
+        if let Some((_, oldest)) = pending.open.pop_front() {
+            let _ = oldest.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The connection `id` is past its opening (or gone).
+    fn settled(&self, id: u64) {
+        self.pending.lock().expect("pending lock").open.retain(|(open, _)| *open != id);
+    }
+
+    /// ", and N connections ... were refused", for a rendezvous that failed; empty if none.
+    fn refusals(&self) -> String {
+        let refused = self.refused.lock().expect("refused lock");
+        if refused.is_empty() {
+            return String::new();
+        }
+        let from: BTreeSet<String> = refused.iter().map(|a| a.ip().to_string()).collect();
+        format!(
+            "; {} connection(s) from {} did not prove the job's secret: every rank needs the same {}",
+            refused.len(),
+            from.into_iter().collect::<Vec<_>>().join(", "),
+            secret::JOB_SECRET_VARIABLE
+        )
+    }
+
+    /// Marks a proxy as running (`live`) or inside a call (`busy`), or neither any more.
+    fn count(&self, change: impl FnOnce(&mut Proxies)) {
+        change(&mut self.proxies.lock().expect("proxies lock"));
+        self.proxies_changed.notify_all();
+    }
+
+    /// Waits, at most the collective timeout, until every proxy has ended (each rank said
+    /// goodbye or its connection closed); once the world is aborted, only until none is
+    /// inside a call (its reply, the abort, is written).
+    fn wait_for_proxies(&self) {
+        let deadline = Instant::now() + self.timeout;
+        let mut proxies = self.proxies.lock().expect("proxies lock");
+        loop {
+            let done = proxies.live == 0 || (self.world.aborted().is_some() && proxies.busy == 0);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if done || left.is_zero() {
+                return;
+            }
+            // Woken by every change; the abort is seen at the latest within a second.
+            let wait = left.min(Duration::from_secs(1));
+            proxies = self.proxies_changed.wait_timeout(proxies, wait).expect("proxies lock").0;
+        }
+    }
+}
+
+/// Reads each connection's handshake and opening on a thread of its own.
 fn accept(listener: TcpListener, relay: &Arc<Relay>) {
     for stream in listener.incoming() {
         if relay.closed.load(Ordering::Relaxed) {
             return;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(stream) => stream,
+            // Out of file descriptors: shed the oldest pending connection and let it close.
+            Err(e) if matches!(e.raw_os_error(), Some(code) if code == EMFILE || code == ENFILE) => {
+                relay.shed_oldest(&mut relay.pending.lock().expect("pending lock"));
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(_) => continue,
+        };
+        let Some(id) = relay.admit(&stream) else { continue };
         let relay = Arc::clone(relay);
-        let _ = std::thread::Builder::new().name("zerotrain-relay".into()).spawn(move || opening(stream, &relay));
+        let spawned = std::thread::Builder::new().name("zerotrain-relay".into()).spawn(move || {
+            opening(stream, id, &relay);
+        });
+        if spawned.is_err() {
+            // The closure (and its connection) is dropped: the peer sees it closed.
+            continue;
+        }
     }
 }
 
-/// Handles one connection's first message.
-fn opening(mut stream: TcpStream, relay: &Arc<Relay>) {
+/// The system's "too many open files" (per process, and in all).
+const EMFILE: i32 = 24;
+const ENFILE: i32 = 23;
+
+/// Handles one connection: the handshake, then its first message, all by one deadline.
+fn opening(mut stream: TcpStream, id: u64, relay: &Arc<Relay>) {
     let _ = stream.set_nodelay(true);
-    // A connection that never says what it wants is dropped, not waited for.
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-    let Ok(frame) = read_frame(&mut stream, MAX_OPENING) else { return };
-    let _ = stream.set_read_timeout(None);
+    let deadline = Instant::now() + HANDSHAKE_TIME;
+    let proved = secret::accept(&mut stream, &relay.secret, deadline);
+    let frame = match proved {
+        Ok(()) => read_frame_by(&mut stream, MAX_OPENING, deadline),
+        Err(Refused::WrongSecret) => {
+            if let Ok(peer) = stream.peer_addr() {
+                relay.refused.lock().expect("refused lock").push(peer);
+            }
+            relay.settled(id);
+            return;
+        }
+        Err(Refused::Failed(e)) => Err(e),
+    };
+    relay.settled(id);
+    let Ok(frame) = frame else { return };
     match Opening::decode(&frame) {
         Ok(Opening::Hello { rank, world_size, fingerprint }) => {
             let hellos = relay.hellos.lock().expect("hellos lock");
@@ -193,12 +334,14 @@ fn opening(mut stream: TcpStream, relay: &Arc<Relay>) {
                 Some(comm) => {
                     if write_frame(&mut stream, &Reply::Done(None).encode()).is_ok() {
                         let rank = comm.rank();
+                        relay.count(|p| p.live += 1);
                         proxy(stream, comm, rank, relay);
                     }
                 }
                 None => reply(stream, &Reply::Failed(ZeroError::Rendezvous(format!("no communicator {id} to attach")))),
             }
         }
+        // Only a connection that proved the secret gets here: a rank of the job's.
         Ok(Opening::Abort { rank, reason }) if rank < relay.world_size => {
             relay.world.abort(rank, &reason);
         }
@@ -206,19 +349,28 @@ fn opening(mut stream: TcpStream, relay: &Arc<Relay>) {
     }
 }
 
-fn spawn_proxy(stream: TcpStream, comm: Arc<dyn Collective>, rank: usize, relay: &Arc<Relay>) {
+fn spawn_proxy(stream: TcpStream, comm: ThreadComm, rank: usize, relay: &Arc<Relay>) {
     let shared = Arc::clone(relay);
+    relay.count(|p| p.live += 1);
     let spawned = std::thread::Builder::new()
         .name(format!("zerotrain-relay-{rank}"))
         .spawn(move || proxy(stream, comm, rank, &shared));
     if let Err(e) = spawned {
+        relay.count(|p| p.live -= 1);
         relay.world.abort(rank, &format!("could not start the relay thread of rank {rank}: {e}"));
     }
 }
 
 /// Runs one rank's calls on `comm` until it says goodbye; a connection that ends otherwise
-/// aborts the job, naming the rank.
-fn proxy(mut stream: TcpStream, comm: Arc<dyn Collective>, rank: usize, relay: &Relay) {
+/// aborts the job, naming the rank. Counted as live from before it starts until it ends.
+fn proxy(mut stream: TcpStream, comm: ThreadComm, rank: usize, relay: &Relay) {
+    struct Ended<'a>(&'a Relay);
+    impl Drop for Ended<'_> {
+        fn drop(&mut self) {
+            self.0.count(|p| p.live -= 1);
+        }
+    }
+    let _ended = Ended(relay);
     loop {
         let call = match read_frame(&mut stream, MAX_CALL) {
             Ok(frame) => Call::decode(&frame),
@@ -230,45 +382,83 @@ fn proxy(mut stream: TcpStream, comm: Arc<dyn Collective>, rank: usize, relay: &
                 return;
             }
         };
+        relay.count(|p| p.busy += 1);
         let answer = match call {
-            Ok(Call::Goodbye) => return,
-            Ok(call) => run(&*comm, call, relay),
+            Ok(Call::Goodbye) => {
+                relay.count(|p| p.busy -= 1);
+                return;
+            }
+            Ok(call) => run(&comm, call, relay),
             Err(e) => {
                 comm.abort(&format!("it sent a malformed call ({e})"));
+                relay.count(|p| p.busy -= 1);
                 return;
             }
         };
-        if write_frame(&mut stream, &answer.encode()).is_err() {
+        let written = write_frame(&mut stream, &answer.encode());
+        relay.count(|p| p.busy -= 1);
+        if written.is_err() {
             comm.abort(&format!("rank {rank}'s connection closed while it waited for a reply"));
             return;
         }
     }
 }
 
+/// Checks a length a rank asked for against what the call's other buffers and the group's
+/// size make it, before anything of that length is allocated; a mismatch aborts the group
+/// (as the threads backend does for a wrong buffer) and is the rank's reply.
+fn expect_len(comm: &ThreadComm, op: OpKind, asked: usize, expected: Option<usize>, what: &str) -> Result<(), Reply> {
+    if expected == Some(asked) {
+        return Ok(());
+    }
+    let detail = format!("asked for {asked} elements of output, but {what} make {expected:?}");
+    let error = ZeroError::BadBuffer { rank: comm.rank(), op: op.name(), detail };
+    comm.abort(&error.to_string());
+    Err(Reply::Failed(error))
+}
+
 /// Runs `call` on `comm`, as the rank that asked would have.
-fn run(comm: &dyn Collective, call: Call, relay: &Relay) -> Reply {
+fn run(comm: &ThreadComm, call: Call, relay: &Relay) -> Reply {
     let done = |result: Result<(), ZeroError>, buf: Option<FlatBuf>| match result {
         Ok(()) => Reply::Done(buf),
         Err(e) => Reply::Failed(e),
     };
+    let n = comm.world_size();
+    // A reply must fit in a frame the rank reads.
+    let fits = |len: usize, width: usize| len.checked_mul(width).filter(|b| *b as u64 <= MAX_CALL - 64);
     match call {
         Call::AllReduce { op, mut buf } => done(comm.all_reduce(buf.as_mut(), op), Some(buf)),
         Call::ReduceScatter { op, input, out_len } => {
+            let expected = input.len().is_multiple_of(n).then(|| input.len() / n);
+            if let Err(reply) = expect_len(comm, OpKind::ReduceScatter, out_len, expected, "the input and group") {
+                return reply;
+            }
             let mut out = FlatBuf::zeros(input.dtype(), out_len);
             done(comm.reduce_scatter(input.as_ref(), out.as_mut(), op), Some(out))
         }
         Call::AllGather { input, out_len } => {
+            let width = input.dtype().bytes_per_elem();
+            let expected = input.len().checked_mul(n).filter(|len| fits(*len, width).is_some());
+            if let Err(reply) = expect_len(comm, OpKind::AllGather, out_len, expected, "the input and group") {
+                return reply;
+            }
             let mut out = FlatBuf::zeros(input.dtype(), out_len);
             done(comm.all_gather(input.as_ref(), out.as_mut()), Some(out))
         }
         Call::Broadcast { root, mut buf } => done(comm.broadcast(buf.as_mut(), root), Some(buf)),
         Call::Barrier => done(comm.barrier(), None),
         Call::Send { to, buf } => done(comm.send(buf.as_ref(), to), None),
-        Call::Recv { from, dtype, len } => {
-            let mut buf = FlatBuf::zeros(dtype, len);
-            done(comm.recv(buf.as_mut(), from), Some(buf))
-        }
-        Call::Split { color, key } => match comm.split(color, key) {
+        // The message is the sender's buffer, as sent: compared, never allocated for.
+        Call::Recv { from, dtype, len } => match comm.recv_message(from) {
+            Ok(message) if message.len() == len && message.dtype() == dtype => Reply::Done(Some(message)),
+            Ok(message) => {
+                let what = format!("the {} message from rank {from}", message.dtype());
+                let got = if message.dtype() == dtype { Some(message.len()) } else { None };
+                expect_len(comm, OpKind::Recv, len, got, &what).err().unwrap_or(Reply::Done(Some(message)))
+            }
+            Err(e) => Reply::Failed(e),
+        },
+        Call::Split { color, key } => match comm.split_threads(color, key) {
             Ok(sub) => {
                 let id = relay.next_id.fetch_add(1, Ordering::Relaxed);
                 let (rank, size) = (sub.rank(), sub.world_size());
@@ -281,18 +471,21 @@ fn run(comm: &dyn Collective, call: Call, relay: &Relay) -> Reply {
     }
 }
 
-/// Rank 0's communicator: its handle of the world, which keeps the relay alive and stops
-/// its acceptor when dropped.
+/// Rank 0's communicator: its handle of the world, which keeps the relay alive and, when
+/// dropped, stops its acceptor and waits for the proxies to finish: the other ranks' last
+/// replies are written and their goodbyes heard before rank 0's process may end (ending
+/// first would look to them like rank 0's death).
 struct RelayComm {
     comm: ThreadComm,
     relay: Arc<Relay>,
-    addr: std::net::SocketAddr,
+    addr: SocketAddr,
 }
 
 impl Drop for RelayComm {
     fn drop(&mut self) {
         self.relay.closed.store(true, Ordering::Relaxed);
         wake(self.addr);
+        self.relay.wait_for_proxies();
     }
 }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use zerotrain_precision::{BufMut, BufRef, FlatBuf};
 
 use super::Join;
+use super::secret::{self, HANDSHAKE_TIME, JOB_SECRET_VARIABLE, JobSecret, Unproved};
 use super::wire::{Call, MAX_CALL, Opening, Reply, read_frame, write_frame};
 use crate::ZeroError;
 use crate::collective::{Collective, CommCounters, CommStats, OpKind, ReduceOp, convention_bytes};
@@ -26,37 +27,62 @@ pub(super) struct RemoteComm {
     world_rank: usize,
     addr: SocketAddr,
     timeout: Duration,
+    /// Proves each new connection (a split's, an abort's).
+    secret: JobSecret,
     conn: Mutex<TcpStream>,
     counters: CommCounters,
     failed: Mutex<Option<String>>,
 }
 
-/// Joins the world as rank `join.rank` (not 0): connects to rank 0's rendezvous (retrying
-/// until it listens, up to the timeout), says hello and waits until every rank has.
-pub(super) fn connect(addr: SocketAddr, join: &Join) -> Result<RemoteComm, ZeroError> {
-    let deadline = Instant::now() + join.timeout;
-    let mut stream = loop {
+/// Connects to rank 0's rendezvous at `addr` and runs the handshake, retrying (until
+/// `deadline`) while rank 0 is not yet listening or sheds the connection; a secret rank 0
+/// refuses, or a peer that cannot prove it, fails at once.
+fn open(addr: SocketAddr, secret: &JobSecret, deadline: Instant, who: &str) -> Result<TcpStream, ZeroError> {
+    loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), Duration::from_secs(5))) {
-            Ok(stream) => break stream,
-            Err(_) if Instant::now() + Duration::from_millis(100) < deadline => {
-                // Rank 0 may start later than this rank: try again shortly.
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => {
+        let attempt = TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), Duration::from_secs(5)))
+            .map_err(Unproved::Failed)
+            .and_then(|mut stream| {
+                let _ = stream.set_nodelay(true);
+                let by = deadline.min(Instant::now() + HANDSHAKE_TIME);
+                secret::connect(&mut stream, secret, by).map(|()| stream)
+            });
+        let error = match attempt {
+            Ok(stream) => return Ok(stream),
+            Err(Unproved::Refused) => {
                 return Err(ZeroError::Rendezvous(format!(
-                    "rank {} could not reach rank 0's rendezvous at {addr} within {} s (comm_timeout_s): {e}",
-                    join.rank,
-                    join.timeout.as_secs_f64()
+                    "{who}: rank 0's rendezvous at {addr} refused this process's {JOB_SECRET_VARIABLE}: every rank of \
+                     a job needs the same one"
                 )));
             }
+            Err(Unproved::NotRankZero(why)) => {
+                return Err(ZeroError::Rendezvous(format!(
+                    "{who}: the process listening at {addr} is not this job's rank 0: {why}"
+                )));
+            }
+            Err(Unproved::Failed(e)) => e,
+        };
+        if Instant::now() + Duration::from_millis(100) >= deadline {
+            return Err(ZeroError::Rendezvous(format!(
+                "{who} could not reach rank 0's rendezvous at {addr} by its deadline (comm_timeout_s): {error}"
+            )));
         }
-    };
+        // Rank 0 may start later than this rank, or have shed the connection: again shortly.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Joins the world as rank `join.rank` (not 0): connects to rank 0's rendezvous (retrying
+/// until it listens, up to the timeout), proves the job's secret, says hello and waits
+/// until every rank has.
+pub(super) fn connect(addr: SocketAddr, join: &Join) -> Result<RemoteComm, ZeroError> {
+    let deadline = Instant::now() + join.timeout;
+    let who = format!("rank {}", join.rank);
+    let mut stream = open(addr, &join.secret, deadline, &who)?;
     let hello = Opening::Hello { rank: join.rank, world_size: join.world_size, fingerprint: join.fingerprint.clone() };
     let lost = |e: std::io::Error| {
         ZeroError::Rendezvous(format!("rank {}: the rendezvous at {addr} closed the connection ({e})", join.rank))
     };
-    stream.set_nodelay(true).map_err(lost)?;
     write_frame(&mut stream, &hello.encode()).map_err(lost)?;
     // The others may take the whole timeout to arrive; rank 0 answers by then.
     stream.set_read_timeout(Some(join.timeout + RELAY_GRACE)).map_err(lost)?;
@@ -72,6 +98,7 @@ pub(super) fn connect(addr: SocketAddr, join: &Join) -> Result<RemoteComm, ZeroE
         world_rank: join.rank,
         addr,
         timeout: join.timeout,
+        secret: join.secret.clone(),
         conn: Mutex::new(stream),
         counters: CommCounters::default(),
         failed: Mutex::new(None),
@@ -197,8 +224,8 @@ impl Collective for RemoteComm {
             return Err(ZeroError::Rendezvous("split: the relay answered something else".into()));
         };
         let lost = |e: std::io::Error| ZeroError::Rendezvous(format!("split: the relay at {}: {e}", self.addr));
-        let mut stream = TcpStream::connect_timeout(&self.addr, Duration::from_secs(30)).map_err(lost)?;
-        stream.set_nodelay(true).map_err(lost)?;
+        let who = format!("rank {}'s split", self.world_rank);
+        let mut stream = open(self.addr, &self.secret, Instant::now() + Duration::from_secs(30), &who)?;
         stream.set_read_timeout(Some(self.timeout + RELAY_GRACE)).map_err(lost)?;
         write_frame(&mut stream, &Opening::Attach { id }.encode()).map_err(lost)?;
         match Reply::decode(&read_frame(&mut stream, MAX_CALL).map_err(lost)?) {
@@ -212,6 +239,7 @@ impl Collective for RemoteComm {
             world_rank: self.world_rank,
             addr: self.addr,
             timeout: self.timeout,
+            secret: self.secret.clone(),
             conn: Mutex::new(stream),
             counters: CommCounters::default(),
             failed: Mutex::new(None),
@@ -221,7 +249,8 @@ impl Collective for RemoteComm {
     fn abort(&self, reason: &str) {
         self.failed.lock().expect("failed lock").get_or_insert_with(|| reason.to_string());
         // A connection of its own: the world's may be waiting in a collective.
-        if let Ok(mut stream) = TcpStream::connect_timeout(&self.addr, Duration::from_secs(5)) {
+        let who = format!("rank {}'s abort", self.world_rank);
+        if let Ok(mut stream) = open(self.addr, &self.secret, Instant::now() + Duration::from_secs(5), &who) {
             let abort = Opening::Abort { rank: self.world_rank, reason: reason.to_string() };
             let _ = write_frame(&mut stream, &abort.encode());
         }

@@ -8,11 +8,17 @@ use std::time::{Duration, Instant};
 
 use zerotrain_precision::{BufMut, BufRef, FlatBuf, Precision};
 
+use super::secret::{self, JobSecret};
 use super::wire::{Opening, read_frame, write_frame};
 use super::{Join, join, serve};
 use crate::ZeroError;
 use crate::collective::nccl::{ID_BYTES, share_id};
 use crate::collective::{Collective, ReduceOp, ThreadWorld};
+
+/// The secret the tests' jobs share.
+fn job() -> JobSecret {
+    JobSecret::new("the-tests-job-secret-0123456789").unwrap()
+}
 
 fn fingerprint(lr: &str) -> Vec<(String, String)> {
     vec![("optimizer.params.lr".into(), lr.into()), ("zero_optimization.stage".into(), "2".into())]
@@ -31,7 +37,14 @@ fn world<T: Send>(
     let joins: Vec<Join> = prints
         .into_iter()
         .enumerate()
-        .map(|(rank, fingerprint)| Join { rank, world_size: n, addr: addr.clone(), timeout, fingerprint })
+        .map(|(rank, fingerprint)| Join {
+            rank,
+            world_size: n,
+            addr: addr.clone(),
+            timeout,
+            fingerprint,
+            secret: job(),
+        })
         .collect();
     let mut listener = Some(listener);
     std::thread::scope(|s| {
@@ -120,7 +133,14 @@ fn a_rank_that_never_arrives_fails_the_others_within_the_timeout_naming_it() {
     let addr = listener.local_addr().unwrap().to_string();
     let started = Instant::now();
     let timeout = Duration::from_secs(2);
-    let join_as = |rank| Join { rank, world_size: 3, addr: addr.clone(), timeout, fingerprint: fingerprint("0.1") };
+    let join_as = |rank| Join {
+        rank,
+        world_size: 3,
+        addr: addr.clone(),
+        timeout,
+        fingerprint: fingerprint("0.1"),
+        secret: job(),
+    };
     let (zero, one) = std::thread::scope(|s| {
         let zero = s.spawn(|| serve(listener, &join_as(0)).err().unwrap());
         let one = s.spawn(|| join(&join_as(1)).err().unwrap());
@@ -150,7 +170,14 @@ fn a_process_that_dies_fails_the_others_naming_its_rank() {
     let addr = listener.local_addr().unwrap();
     let timeout = Duration::from_secs(600);
     let started = Instant::now();
-    let j = |rank| Join { rank, world_size: 3, addr: addr.to_string(), timeout, fingerprint: fingerprint("0.1") };
+    let j = |rank| Join {
+        rank,
+        world_size: 3,
+        addr: addr.to_string(),
+        timeout,
+        fingerprint: fingerprint("0.1"),
+        secret: job(),
+    };
     let errors = std::thread::scope(|s| {
         let zero = s.spawn(|| {
             let comm = serve(listener, &j(0)).unwrap();
@@ -162,6 +189,7 @@ fn a_process_that_dies_fails_the_others_naming_its_rank() {
         });
         // Rank 2 joins by hand, is welcomed, and its "process" ends without a goodbye.
         let mut stream = TcpStream::connect(addr).unwrap();
+        secret::connect(&mut stream, &job(), Instant::now() + Duration::from_secs(10)).unwrap();
         let hello = Opening::Hello { rank: 2, world_size: 3, fingerprint: fingerprint("0.1") };
         write_frame(&mut stream, &hello.encode()).unwrap();
         read_frame(&mut stream, 1 << 20).unwrap();
@@ -202,4 +230,57 @@ fn an_abort_reaches_a_rank_waiting_in_a_collective_and_a_timeout_names_the_late_
     let err = results.into_iter().find_map(|r| r.unwrap()).unwrap();
     assert!(matches!(&err, ZeroError::Aborted { rank: 1, reason } if reason == "its data loader failed"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+/// One rank of [`a_finished_world_ends_cleanly_with_every_reply_delivered`], as a process
+/// of its own: this test binary run again with the rank's place in the environment.
+#[test]
+#[ignore = "one rank's process of a_finished_world_ends_cleanly_with_every_reply_delivered, which starts it"]
+fn one_rank_of_a_world_of_processes() {
+    let var = |name: &str| std::env::var(name).unwrap();
+    let (rank, addr) = (var("ZT_TEST_RANK").parse().unwrap(), var("ZT_TEST_ADDR"));
+    let j = Join {
+        rank,
+        world_size: 2,
+        addr,
+        timeout: Duration::from_secs(60),
+        fingerprint: fingerprint("0.1"),
+        secret: job(),
+    };
+    let comm = join(&j).unwrap();
+    // The last call's reply is large: rank 0's relay is still writing it when rank 0's own
+    // call has returned.
+    let mut buf = vec![0.5f32; 8 << 20];
+    comm.all_reduce(BufMut::F32(&mut buf), ReduceOp::Sum).unwrap();
+    assert!(buf.iter().all(|&v| v == 1.0));
+    drop(comm);
+    // Rank 0's process ends here, as a trainer's does after its last collective.
+}
+
+/// A world of two processes that finishes ends with both exiting cleanly: rank 0's process
+/// does not end before its relay has written rank 1's last reply and heard its goodbye
+/// (rank 1 would take that for rank 0's death). Three worlds, each ending on a 32 MiB
+/// all-reduce.
+#[test]
+fn a_finished_world_ends_cleanly_with_every_reply_delivered() {
+    for _ in 0..3 {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args(["--exact", "collective::tcp::tests::one_rank_of_a_world_of_processes", "--ignored"])
+                    .env("ZT_TEST_RANK", rank.to_string())
+                    .env("ZT_TEST_ADDR", format!("127.0.0.1:{port}"))
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success() && said.contains("1 passed"), "rank {rank}: {said}");
+        }
+    }
 }

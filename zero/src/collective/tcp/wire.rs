@@ -1,12 +1,16 @@
-//! What travels between a rank and the relay: length-prefixed frames of a small binary
-//! encoding (little-endian integers, length-prefixed strings and buffers). A frame longer
-//! than its context allows is refused before anything is allocated for it, so a stray
-//! client on the rendezvous port cannot make the relay allocate its length.
+//! What travels between a rank and the relay, after the handshake ([`super::secret`]):
+//! length-prefixed frames of a small binary encoding (little-endian integers,
+//! length-prefixed strings and buffers). A frame longer than its context allows is refused
+//! before anything is allocated for it, and a frame's buffer grows with the bytes that
+//! arrive, so a length prefix alone allocates nothing.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
 
 use zerotrain_precision::{BufRef, FlatBuf, Precision};
 
+use super::secret::read_by;
 use crate::ZeroError;
 use crate::collective::{OpKind, ReduceOp};
 
@@ -24,17 +28,45 @@ pub(super) fn write_frame(stream: &mut impl Write, payload: &[u8]) -> io::Result
     stream.flush()
 }
 
-/// Reads one frame of at most `max` bytes.
+/// Reads one frame of at most `max` bytes. Memory follows the bytes that arrive, not the
+/// length announced: a frame that announces gigabytes and sends a few costs a few.
 pub(super) fn read_frame(stream: &mut impl Read, max: u64) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 8];
     stream.read_exact(&mut len)?;
-    let len = u64::from_le_bytes(len);
+    read_payload(stream, u64::from_le_bytes(len), max)
+}
+
+/// [`read_frame`] by `deadline` (the whole frame, however it is spread over reads).
+pub(super) fn read_frame_by(stream: &mut TcpStream, max: u64, deadline: Instant) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    read_by(stream, &mut len, deadline)?;
+    let len = checked_len(u64::from_le_bytes(len), max)?;
+    let mut payload = vec![0u8; len];
+    read_by(stream, &mut payload, deadline)?;
+    Ok(payload)
+}
+
+/// Bytes read into a frame at a time past the first: a frame's buffer grows by this much
+/// once its bytes are there.
+const GROWTH: usize = 64 << 20;
+
+fn read_payload(stream: &mut impl Read, len: u64, max: u64) -> io::Result<Vec<u8>> {
+    let len = checked_len(len, max)?;
+    let mut payload = Vec::new();
+    while payload.len() < len {
+        let at = payload.len();
+        let more = (len - at).min(GROWTH);
+        payload.resize(at + more, 0);
+        stream.read_exact(&mut payload[at..])?;
+    }
+    Ok(payload)
+}
+
+fn checked_len(len: u64, max: u64) -> io::Result<usize> {
     if len > max {
         return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a frame of {len} bytes (at most {max})")));
     }
-    let mut payload = vec![0u8; len as usize];
-    stream.read_exact(&mut payload)?;
-    Ok(payload)
+    usize::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a frame past this machine's word"))
 }
 
 /// Builds a payload.
