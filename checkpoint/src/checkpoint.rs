@@ -1,9 +1,11 @@
 //! Reading a checkpoint: find it, validate it, read flat ranges from whichever shards hold
 //! them.
 
+use std::collections::VecDeque;
 use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use crate::bounded::read_bounded;
 use crate::commit::LATEST;
@@ -25,6 +27,53 @@ pub struct Checkpoint {
     manifest: Manifest,
     /// Every range of every shard file, sorted by start (they tile the flat order).
     index: Vec<Piece>,
+    /// Shard files opened by reads so far (shared by clones).
+    readers: Arc<Mutex<Readers>>,
+}
+
+/// Shard files kept open between reads, by file index, least recently used first: a
+/// tensor-parallel rank's slice is many short ranges that alternate between files, and each
+/// file is opened (its header read and checked) once, and each of its blocks read once,
+/// rather than once per range.
+#[derive(Default)]
+struct Readers {
+    open: VecDeque<(usize, ShardReader)>,
+    /// Bytes read by readers no longer open.
+    closed_bytes: u64,
+}
+
+impl std::fmt::Debug for Readers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Readers").field("open", &self.open.len()).finish()
+    }
+}
+
+/// The most shard files kept open at once.
+const OPEN_FILES: usize = 16;
+
+impl Readers {
+    /// The reader of file `file`, opening it (and closing the least recently used past
+    /// [`OPEN_FILES`]) where it is not open.
+    fn get(&mut self, file: usize, open: impl FnOnce() -> Result<ShardReader>) -> Result<&mut ShardReader> {
+        match self.open.iter().position(|(f, _)| *f == file) {
+            Some(at) => {
+                let hit = self.open.remove(at).expect("found above");
+                self.open.push_back(hit);
+            }
+            None => {
+                if self.open.len() >= OPEN_FILES {
+                    let (_, closed) = self.open.pop_front().expect("full");
+                    self.closed_bytes += closed.bytes_read();
+                }
+                self.open.push_back((file, open()?));
+            }
+        }
+        Ok(&mut self.open.back_mut().expect("pushed above").1)
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.closed_bytes + self.open.iter().map(|(_, r)| r.bytes_read()).sum::<u64>()
+    }
 }
 
 /// Where one range of the flat order is stored.
@@ -110,7 +159,7 @@ impl Checkpoint {
                 reason: format!("it describes tag {:?}, not {tag:?}", manifest.tag),
             });
         }
-        Ok(Self { dir, index: index(&manifest), manifest })
+        Ok(Self { dir, index: index(&manifest), manifest, readers: Arc::default() })
     }
 
     /// The checkpoint's directory.
@@ -152,19 +201,23 @@ impl Checkpoint {
             return Err(CheckpointError::Mismatch(format!("the checkpoint holds no tensor `{tensor}`")));
         }
         let first = self.index.partition_point(|p| p.end <= range.start);
-        let mut open: Option<(usize, ShardReader<'_>)> = None;
+        let mut readers = self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for piece in self.index[first..].iter().take_while(|p| p.start < range.end) {
             let (lo, hi) = (range.start.max(piece.start), range.end.min(piece.end));
-            if open.as_ref().is_none_or(|(file, _)| *file != piece.file) {
-                let reader = ShardReader::open(&self.dir, &self.manifest.files[piece.file], &self.manifest.tensors)?;
-                open = Some((piece.file, reader));
-            }
-            let (_, reader) = open.as_mut().expect("opened above");
+            let info = &self.manifest.files[piece.file];
+            let reader = readers.get(piece.file, || ShardReader::open(&self.dir, info, &self.manifest.tensors))?;
             let dst = &mut out[(lo - range.start) as usize..(hi - range.start) as usize];
             let at = piece.at + (lo - piece.start);
             reader.read_f32(tensor, at..at + (hi - lo), dst)?;
         }
         Ok(())
+    }
+
+    /// Bytes read from the shard files by [`read_range`](Self::read_range) so far (this
+    /// checkpoint's and its clones'): each file's header once, each block it needed once,
+    /// however many ranges came from it.
+    pub fn bytes_read(&self) -> u64 {
+        self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).bytes_read()
     }
 
     /// Reads every block of every shard file (and the buffers' file) and checks its

@@ -16,7 +16,7 @@
 //! offset with overflow-free arithmetic. The file format itself is the crate's: tests below
 //! read files the `safetensors` crate writes and have it read the files written here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
@@ -155,19 +155,29 @@ struct HeaderEntry {
     data_offsets: (u64, u64),
 }
 
-/// A shard file opened for verified range reads.
-pub struct ShardReader<'a> {
+/// Verified blocks a reader keeps, most recent last: enough for the tensors of one range
+/// (a master and its optimizer state) read in turn, each from its own block.
+const CACHED_BLOCKS: usize = 4;
+
+/// A shard file opened for verified range reads. The last few blocks read stay verified in
+/// memory, so reads of neighbouring small ranges (a tensor-parallel slice's rows) read and
+/// check each block once.
+pub struct ShardReader {
     path: PathBuf,
     file: File,
-    info: &'a ShardFile,
+    info: ShardFile,
     /// Byte offset of each tensor's data in the file.
     tensor_start: HashMap<String, u64>,
+    /// Verified blocks, by index, least recently used first.
+    cached: VecDeque<(u64, Vec<u8>)>,
+    /// Bytes read from the file so far.
+    bytes_read: u64,
 }
 
-impl<'a> ShardReader<'a> {
+impl ShardReader {
     /// Opens the shard `info` in `dir`, checking its size, header and that it holds
     /// `tensors` as f32 vectors over its flat range.
-    pub fn open(dir: &Path, info: &'a ShardFile, tensors: &[String]) -> Result<Self> {
+    pub fn open(dir: &Path, info: &ShardFile, tensors: &[String]) -> Result<Self> {
         let path = dir.join(&info.name);
         let file = File::open(&path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => {
@@ -176,10 +186,13 @@ impl<'a> ShardReader<'a> {
             _ => CheckpointError::io(&path)(e),
         })?;
         let size = file.metadata().map_err(CheckpointError::io(&path))?.len();
-        let mut reader = Self { path, file, info, tensor_start: HashMap::new() };
-        if size != info.size {
+        let info = info.clone();
+        let recorded = info.size;
+        let mut reader =
+            Self { path, file, info, tensor_start: HashMap::new(), cached: VecDeque::new(), bytes_read: 0 };
+        if size != recorded {
             return Err(
-                reader.corrupted(format!("{size} bytes, the manifest records {} (truncated or extended)", info.size))
+                reader.corrupted(format!("{size} bytes, the manifest records {recorded} (truncated or extended)"))
             );
         }
         let mut prefix = Vec::new();
@@ -192,7 +205,7 @@ impl<'a> ShardReader<'a> {
         reader.read_verified(8..8 + header_len, |b| prefix.extend_from_slice(b))?;
         let header: HashMap<String, serde_json::Value> =
             serde_json::from_slice(&prefix[8..]).map_err(|e| reader.corrupted(format!("header: {e}")))?;
-        let elems = info.num_elems();
+        let elems = reader.info.num_elems();
         let data_start = 8 + header_len;
         let data_len = size - data_start;
         let listed = header.keys().filter(|k| *k != "__metadata__").count();
@@ -249,31 +262,56 @@ impl<'a> ShardReader<'a> {
         self.read_verified(0..self.info.size, |_| {})
     }
 
+    /// Bytes read from the file since it was opened (a block kept in memory is read once).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
     /// Reads the bytes `range`, block by block, verifying each block's checksum before
-    /// handing the overlapping part to `sink`.
+    /// handing the overlapping part to `sink`; a block still cached is not read again.
     fn read_verified(&mut self, range: Range<u64>, mut sink: impl FnMut(&[u8])) -> Result<()> {
         if range.start >= range.end {
             return Ok(());
         }
         let b = self.info.block_bytes;
-        let mut buf = vec![0u8; b.min(self.info.size) as usize];
         for block in range.start / b..range.end.div_ceil(b) {
             let block_start = block * b;
+            let bytes = self.block(block)?;
+            let lo = range.start.max(block_start) - block_start;
+            let hi = range.end.min(block_start + bytes.len() as u64) - block_start;
+            sink(&bytes[lo as usize..hi as usize]);
+        }
+        Ok(())
+    }
+
+    /// Block `block`, verified: from the cache, or read, checked and cached.
+    fn block(&mut self, block: u64) -> Result<&[u8]> {
+        if let Some(at) = self.cached.iter().position(|(b, _)| *b == block) {
+            let hit = self.cached.remove(at).expect("found above");
+            self.cached.push_back(hit);
+        } else {
+            let b = self.info.block_bytes;
+            let block_start = block * b;
             let len = (self.info.size - block_start).min(b) as usize;
+            // The least recently used block's buffer is reused once the cache is full.
+            let mut buf = match self.cached.len() >= CACHED_BLOCKS {
+                true => self.cached.pop_front().expect("full").1,
+                false => Vec::new(),
+            };
+            buf.resize(len, 0);
             self.file.seek(SeekFrom::Start(block_start)).map_err(CheckpointError::io(&self.path))?;
-            self.file.read_exact(&mut buf[..len]).map_err(CheckpointError::io(&self.path))?;
-            let crc = crc32fast::hash(&buf[..len]);
+            self.file.read_exact(&mut buf).map_err(CheckpointError::io(&self.path))?;
+            self.bytes_read += len as u64;
+            let crc = crc32fast::hash(&buf);
             if Some(&crc) != self.info.block_crc32.get(block as usize) {
                 return Err(self.corrupted(format!(
                     "block {block} (bytes {block_start}..{}) fails its checksum",
                     block_start + len as u64
                 )));
             }
-            let lo = range.start.max(block_start) - block_start;
-            let hi = range.end.min(block_start + len as u64) - block_start;
-            sink(&buf[lo as usize..hi as usize]);
+            self.cached.push_back((block, buf));
         }
-        Ok(())
+        Ok(&self.cached.back().expect("cached above").1)
     }
 }
 

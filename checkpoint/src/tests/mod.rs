@@ -83,6 +83,30 @@ fn files_of_several_interleaved_ranges_read_back_exactly() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A tensor-parallel rank's slice is many short ranges alternating between files: read
+/// range by range (1,000 elements at a time, in order, each tensor in turn, the way
+/// `consolidate` and a resume read), every byte comes back and each file is read once,
+/// however many ranges come from it (each range opened and reread its file's header and
+/// block before: 2 MiB per range, 800 MB here).
+#[test]
+fn many_short_ranges_read_each_file_once() {
+    let root = temp_root("short-ranges");
+    let (elems, run) = (400_000u64, 1000u64);
+    let ranks: [Vec<_>; 2] =
+        [0, 1].map(|r| (0..elems / run).filter(|i| i % 2 == r).map(|i| i * run..(i + 1) * run).collect());
+    let ckpt = write_ranges(&root, "global_step1", 1, elems, &ranks);
+    let mut out = vec![0.0; run as usize];
+    for (tensor, sign) in [("master", 1.0), ("optim.momentum.moment_1", -1.0)] {
+        for start in (0..elems).step_by(run as usize) {
+            ckpt.read_range(tensor, start..start + run, &mut out).unwrap();
+            assert!(out.iter().zip(start..).all(|(v, i)| *v == sign * i as f32), "{tensor} at {start}");
+        }
+    }
+    let files: u64 = ckpt.manifest().files.iter().map(|f| f.size).sum();
+    assert!(ckpt.bytes_read() <= files, "{} bytes read from {files} bytes of files", ckpt.bytes_read());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A manifest of format version 1 (each file one range, `start` and `end`) still opens.
 #[test]
 fn format_version_1_manifests_still_open() {
