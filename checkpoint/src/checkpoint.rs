@@ -33,8 +33,8 @@ pub struct Checkpoint {
 
 /// Shard files kept open between reads, by file index, least recently used first: a
 /// tensor-parallel rank's slice is many short ranges that alternate between files, and each
-/// file is opened (its header read and checked) once, and each of its blocks read once,
-/// rather than once per range.
+/// file is opened (its header read and checked) once, and each of its blocks read once for
+/// each tensor read through it in order, rather than once per range.
 #[derive(Default)]
 struct Readers {
     open: VecDeque<(usize, ShardReader)>,

@@ -155,11 +155,13 @@ struct HeaderEntry {
     data_offsets: (u64, u64),
 }
 
-/// Verified blocks a reader keeps, most recent last: enough for the tensors of one range
-/// (a master and its optimizer state) read in turn, each from its own block.
-const CACHED_BLOCKS: usize = 4;
+/// Verified blocks a reader keeps: the last one. Readers read a tensor's ranges in order
+/// (the engine's load reads a unit's master, then each optimizer tensor, and
+/// consolidation the master in the global order), so the next range starts in the block
+/// the last one ended in, or later; one block held is the one buffer a read needs anyway.
+const CACHED_BLOCKS: usize = 1;
 
-/// A shard file opened for verified range reads. The last few blocks read stay verified in
+/// A shard file opened for verified range reads. The last block read stays verified in
 /// memory, so reads of neighbouring small ranges (a tensor-parallel slice's rows) read and
 /// check each block once.
 pub struct ShardReader {
