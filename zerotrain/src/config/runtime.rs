@@ -13,7 +13,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) 
     let raw = &config.raw;
     let zt = raw.zerotrain.clone().unwrap_or_default();
     let device = device(&zt, overrides)?;
-    let backend = backend(&zt, overrides, device)?;
+    let backend = backend(&zt, overrides)?;
     let timeout_s = zt.comm_timeout_s.unwrap_or(300.0);
     if !(timeout_s > 0.0 && timeout_s <= 1e7) {
         let message = format!("must be a positive number of seconds, got {timeout_s}");
@@ -40,12 +40,10 @@ pub(super) fn resolve(config: &Config, overrides: Overrides, autos: &mut Autos) 
 /// `zerotrain.backend`. Inside a job of several processes (under `mpirun`, or started by a
 /// launcher) only their own backend trains one job: threads would train an independent copy
 /// in every process, all writing one run folder, so an explicit `threads` there is an error.
-/// The launcher's processes join over NCCL, which needs CUDA devices.
-pub(super) fn backend(
-    zt: &ZerotrainConfig,
-    overrides: Overrides,
-    device: ComputeDevice,
-) -> Result<Backend, ConfigError> {
+/// A launcher's processes join through rank 0's relay ([`zerotrain_zero::collective::tcp`]):
+/// on CUDA their collectives then run over NCCL, on the CPU (as torchrun's gloo jobs do)
+/// through the relay itself.
+pub(super) fn backend(zt: &ZerotrainConfig, overrides: Overrides) -> Result<Backend, ConfigError> {
     let mpirun = overrides.mpirun.map(|m| ("mpirun", m.world_size, "mpi"));
     let launcher = overrides.launcher.map(|l| ("a launcher (RANK, WORLD_SIZE)", l.world_size, "launcher"));
     let backend = match (zt.backend.as_deref().unwrap_or("auto"), mpirun.or(launcher)) {
@@ -67,18 +65,6 @@ pub(super) fn backend(
             return Err(invalid("zerotrain.backend", message));
         }
     };
-    if backend == Backend::Launcher && device != ComputeDevice::Cuda {
-        let rank = overrides.launcher.map_or(String::new(), |l| format!(" as rank {} of {}", l.rank, l.world_size));
-        return Err(ConfigError::Unsupported {
-            key: "zerotrain.device".into(),
-            message: format!(
-                "is \"{}\" but this process was started by a launcher{rank}: launched processes train on CUDA \
-                 GPUs and join over NCCL. On CPUs, run the processes under mpirun (--features mpi, see docs/mpi.md) \
-                 or the ranks as threads of one process (--world-size N)",
-                device.name()
-            ),
-        });
-    }
     Ok(backend)
 }
 

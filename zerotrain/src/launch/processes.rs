@@ -141,6 +141,23 @@ fn fingerprint(plan: &Plan) -> Vec<(String, String)> {
     out
 }
 
+/// The secret the job's ranks prove to each other (`ZEROTRAIN_JOB_SECRET`: `zerotrain
+/// launch` makes one for the ranks of one node; ranks started otherwise, or on several
+/// nodes, are each given the same). A job of one rank makes its own: nobody connects.
+fn job_secret(world_size: usize) -> Result<tcp::JobSecret> {
+    let variable = tcp::JOB_SECRET_VARIABLE;
+    match tcp::JobSecret::from_env()? {
+        Some(secret) => Ok(secret),
+        None if world_size == 1 => Ok(tcp::JobSecret::new(&tcp::JobSecret::generate()?)?),
+        None => Err(Error::Launch(format!(
+            "{variable} is not set: the ranks of a launched job prove to each other that they belong to it with a \
+             secret they share (anyone who reaches rank 0's port could otherwise join or abort the job). \
+             `zerotrain launch` on one node makes one; otherwise set the same value on every rank, e.g. \
+             `export {variable}=$(openssl rand -hex 32)` before starting them"
+        ))),
+    }
+}
+
 /// Runs this process's rank of a launched job: joins the world at `MASTER_ADDR:MASTER_PORT`
 /// (rank 0 serves it), agreeing on the plan, then trains over NCCL.
 pub(super) fn launch_launched<T, E, F>(plan: &Plan, f: F) -> Result<Vec<T>>
@@ -169,6 +186,7 @@ where
         addr: launched.addr.clone(),
         timeout: plan.runtime.comm_timeout,
         fingerprint: fingerprint(plan),
+        secret: job_secret(launched.world_size)?,
     };
     let comm = tcp::join(&join)?;
     // NCCL tells hosts apart by NCCL_HOSTID where it is set: processes given one each (as

@@ -34,32 +34,26 @@ fn an_explicit_threads_backend_inside_a_multi_process_mpirun_is_refused() {
 }
 
 /// A launcher's processes (`zerotrain launch`, torchrun) select the launcher backend at its
-/// process count, on CUDA only; an explicit threads backend among them is refused.
+/// process count (on any device: on the CPU its relay carries the collectives); an
+/// explicit threads backend among them is refused.
 #[test]
-fn a_launcher_s_processes_train_over_nccl_at_its_process_count() {
+fn a_launcher_s_processes_train_at_its_process_count() {
     let zt = |json: serde_json::Value| -> raw::ZerotrainConfig { serde_json::from_value(json).unwrap() };
     let launcher = Some(LauncherEnvironment { rank: 1, world_size: 4 });
     let under = Overrides { launcher, ..Overrides::default() };
     let auto = zt(serde_json::json!({"world_size": 2}));
-    assert_eq!(backend(&auto, under, ComputeDevice::Cuda).unwrap(), Backend::Launcher);
+    assert_eq!(backend(&auto, under).unwrap(), Backend::Launcher);
     assert_eq!(world_size(&auto, Backend::Launcher, under).unwrap(), 4, "the launcher's count, not the file's");
     let err = world_size(&auto, Backend::Launcher, Overrides { world_size: Some(2), ..under }).unwrap_err();
     assert!(err.to_string().contains("is 2 but the launcher started 4 processes"), "{err}");
     // mpirun's environment wins where both are set: MPI is then what started the processes.
     let both = Overrides { mpirun: Some(MpirunEnvironment { rank: 0, world_size: 4 }), ..under };
-    assert_eq!(backend(&auto, both, ComputeDevice::Cuda).unwrap(), Backend::Mpi);
-    // On the CPU: refused by name, pointing at MPI and threads.
-    let err = backend(&auto, under, ComputeDevice::Cpu).unwrap_err();
-    assert!(
-        matches!(&err, ConfigError::Unsupported { key, message } if key == "zerotrain.device"
-            && message.contains("started by a launcher as rank 1 of 4") && message.contains("mpirun")),
-        "{err}"
-    );
+    assert_eq!(backend(&auto, both).unwrap(), Backend::Mpi);
     let threads = zt(serde_json::json!({"backend": "threads"}));
-    let err = backend(&threads, under, ComputeDevice::Cuda).unwrap_err();
+    let err = backend(&threads, under).unwrap_err();
     assert!(err.to_string().contains("a launcher (RANK, WORLD_SIZE) started 4 processes"), "{err}");
     let named = zt(serde_json::json!({"backend": "launcher"}));
-    assert_eq!(backend(&named, Overrides::default(), ComputeDevice::Cuda).unwrap(), Backend::Launcher);
-    let err = backend(&zt(serde_json::json!({"backend": "tcp"})), under, ComputeDevice::Cuda).unwrap_err();
+    assert_eq!(backend(&named, Overrides::default()).unwrap(), Backend::Launcher);
+    let err = backend(&zt(serde_json::json!({"backend": "tcp"})), under).unwrap_err();
     assert!(err.to_string().contains("available: auto, threads, mpi, launcher"), "{err}");
 }
