@@ -176,6 +176,26 @@ pub fn load(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), Co
     Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
 }
 
+/// [`load`] for one rank that holds the whole model (`generate`): the layout the config
+/// trains at (its tensor- and sequence-parallel mesh, pipeline stages, replica groups and
+/// world size) is left out, since a checkpoint loads at any layout, and so are the batch
+/// keys that would not fit one rank (only the micro-batch's size, or else the global
+/// batch's, is kept: one rank's batch, which generation does not read).
+pub fn load_for_one_rank(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), ConfigError> {
+    let (mut config, keys) = Config::from_file_with::<AppKeys>(path)?;
+    let raw = &mut config.raw;
+    (raw.tensor_parallel, raw.pipeline, raw.local_sgd) = (None, None, None);
+    if let Some(zt) = raw.zerotrain.as_mut() {
+        (zt.mesh, zt.world_size) = (None, None);
+    }
+    raw.gradient_accumulation_steps = None;
+    if raw.train_micro_batch_size_per_gpu.is_some() {
+        raw.train_batch_size = None;
+    }
+    let overrides = Overrides { world_size: Some(1), ..overrides };
+    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
+}
+
 /// The folder of a config file (relative model paths start there).
 fn folder_of(path: &Path) -> &Path {
     path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))

@@ -26,7 +26,7 @@
 //!                "zerotrain": {"world_size": 2}}"#;
 //! let plan = Config::parse(json, "inline")?.resolve(Overrides::default())?;
 //! // Parameters stay lazy: the engine initialises them unit by unit as it shards them.
-//! let HfModel::Llama(init) = family::fresh(&config, &Device::flex().autodiff()) else { unreachable!() };
+//! let HfModel::Llama(init) = family::fresh(&config, &Device::flex().autodiff(), 7) else { unreachable!() };
 //! let losses = launch(&plan, |ctx| {
 //!     let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
 //!     // Each rank's two sequences of 8 tokens and their next tokens: [batch, time + 1].

@@ -11,10 +11,11 @@ use zerotrain_zero::ReduceOp;
 
 use crate::keys;
 use crate::train::Handout;
+use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain::{LoadOptions, Overrides, Plan};
 use zerotrain_models::CausalLm;
 use zerotrain_models::family::load::load_model;
-use zerotrain_models::family::{WithModel, companions};
+use zerotrain_models::family::{HfModel, WithModel, companions};
 
 /// What `zerotrain eval` was asked.
 #[derive(Debug, Clone, clap::Args)]
@@ -75,7 +76,8 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     device.seed(plan.runtime.seed);
     let checkpoint =
         args.checkpoint.as_deref().map(|d| companions::checked_folder(d, args.tag.as_deref())).transpose()?;
-    let loaded = load_model(&settings.hf_model(&args.config)?, &args.config, &device, checkpoint.as_deref())?;
+    let loaded =
+        load_model(&settings.hf_model(&args.config)?, &args.config, &device, checkpoint.as_deref(), plan.runtime.seed)?;
     let (name, source) = match &args.input() {
         EvalInput::Text(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -90,14 +92,15 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
             (format!("{}{what}", file.display()), Source::File(tokens, range))
         }
     };
-    let windows = Windows::over(&source, loaded.context).with_context(|| name.clone())?;
+    let windows = Windows::over(&source, loaded.context, plan.mesh.sp).with_context(|| name.clone())?;
     let context_from = match windows.context < loaded.context {
         true => format!("the text's length; {} would be {}", loaded.context_from, loaded.context),
         false => loaded.context_from.clone(),
     };
     let (checkpoint, tag, vocab) = (checkpoint.as_deref(), args.tag.as_deref(), loaded.config.vocab_size());
-    let job = EvalJob { plan: &plan, windows: &windows, vocab, checkpoint, tag };
-    let Scores { loss, load_seconds, score_seconds } = loaded.model.run(job)?;
+    let split = |groups: &ParallelGroups, device: &Device| loaded.split(groups, device, plan.runtime.seed);
+    let job = EvalJob { plan: &plan, windows: &windows, vocab, checkpoint, tag, split: &split };
+    let Scores { loss, load_seconds, score_seconds } = loaded.model.clone().run(job)?;
     let scored = windows.count * windows.context;
     let weights = scored_weights(&plan, &loaded.config, checkpoint);
     if args.json {
@@ -175,12 +178,21 @@ pub struct Windows<'a> {
 }
 
 impl<'a> Windows<'a> {
-    /// The windows of `source`; an error when it holds less than one.
-    pub fn over(source: &'a Source, context: usize) -> anyhow::Result<Self> {
+    /// The windows of `source`, each of a multiple of `sp` tokens (the sequence-parallel
+    /// ranks each take an equal part); an error when it holds less than one.
+    pub fn over(source: &'a Source, context: usize, sp: usize) -> anyhow::Result<Self> {
         if source.len() < 2 {
             bail!("{} token(s): a loss needs at least 2 (one to predict from, one to predict)", source.len());
         }
-        let context = context.min(source.len() - 1);
+        let context = context.min(source.len() - 1) / sp * sp;
+        if context == 0 {
+            bail!(
+                "{} token(s): a window split over zerotrain.mesh.sp {sp} ranks needs at least {} (a part for each, \
+                 and one more to predict)",
+                source.len(),
+                sp + 1
+            );
+        }
         Ok(Self { source, context, count: (source.len() - 1) / context })
     }
 
@@ -214,6 +226,8 @@ struct EvalJob<'a> {
     vocab: usize,
     checkpoint: Option<&'a Path>,
     tag: Option<&'a str>,
+    /// A rank's part of the model for its groups, on a tensor- or sequence-parallel mesh.
+    split: &'a (dyn Fn(&ParallelGroups, &Device) -> anyhow::Result<HfModel> + Sync),
 }
 
 /// What [`EvalJob`] measured.
@@ -230,18 +244,31 @@ struct Scores {
 impl WithModel for EvalJob<'_> {
     type Output = anyhow::Result<Scores>;
 
-    /// Every data-parallel rank scores its share of the windows, a batch at a time (the
+    /// Every data-parallel rank (of the mesh's, on one) scores its share of the windows, a
+    /// batch at a time (the
     /// micro-batch, or `BATCH_TOKENS` of short windows, fewer for a vocabulary whose logits
     /// would pass `LOGIT_BYTES`), in rounds every rank joins (a rank out of windows scores
     /// window 0 with no weight), `HELD_TOKENS` per pass over the units; the sums are then
     /// all-reduced.
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<Scores> {
-        let Self { plan, windows, vocab, checkpoint, tag } = self;
+        let Self { plan, windows, vocab, checkpoint, tag, split } = self;
         let per = plan.batch.micro_batch_per_rank as usize;
         let model = Handout::new(model, plan);
         let sums = zerotrain::launch(plan, |ctx| -> zerotrain::Result<Scores> {
             let start = Instant::now();
-            let mut engine = zerotrain::trainer(model.take(), plan, &ctx)?;
+            // On a mesh (as the model trained), each rank scores with its part of the model.
+            let mut engine = match plan.mesh.is_trivial() {
+                true => zerotrain::trainer(model.take(), plan, &ctx)?,
+                false => {
+                    let mesh = zerotrain::mesh::split(&ctx, plan)?;
+                    let part =
+                        split(&mesh.groups(), ctx.device()).map_err(|e| zerotrain::Error::Model(format!("{e:#}")))?;
+                    let part = part
+                        .into_model::<M>()
+                        .ok_or_else(|| zerotrain::Error::Model("a part of another family".into()))?;
+                    mesh.trainer(part)?
+                }
+            };
             if let Some(dir) = checkpoint {
                 engine.load_checkpoint(dir, tag, LoadOptions::module_only())?;
             }
@@ -271,6 +298,8 @@ impl WithModel for EvalJob<'_> {
                     sum[1] += weight;
                 }
             }
+            // On a mesh, every rank of a data-parallel place holds the same sums: counted as
+            // often in both, which the ratio does not see.
             let mut totals = [sum[0] as f32, sum[1] as f32];
             ctx.collective().all_reduce((&mut totals[..]).into(), ReduceOp::Sum)?;
             let loss = f64::from(totals[0]) / f64::from(totals[1]);

@@ -74,12 +74,17 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be above 0 and at most 1, not {}", args.top_p);
     }
-    let overrides = Overrides { world_size: Some(1), total_steps: Some(1), ..Overrides::default() };
-    let (mut plan, settings) = keys::load(&args.config, overrides)?;
-    plan.pipeline = None;
+    let overrides = Overrides { total_steps: Some(1), ..Overrides::default() };
+    let (plan, settings) = keys::load_for_one_rank(&args.config, overrides)?;
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
-    let loaded = load_model(&settings.hf_model(&args.config)?, &args.config, &device, args.checkpoint.as_deref())?;
+    let loaded = load_model(
+        &settings.hf_model(&args.config)?,
+        &args.config,
+        &device,
+        args.checkpoint.as_deref(),
+        plan.runtime.seed,
+    )?;
     let prompt = loaded.tokenizer.encode_prompt(&args.prompt)?;
     if prompt.is_empty() {
         bail!("--prompt is empty: give at least one token of text to continue");

@@ -24,10 +24,36 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use zerotrain::{Overrides, detect_mpirun};
 
+/// The flag a stop signal sets: the job finishes its step, saves and ends.
+///
+/// Note: one stop per rank. A terminal's Ctrl-C goes to its whole foreground process group,
+/// and Slurm signals every process of a step: the ranks of a launched job (which share the
+/// launcher's group, as torchrun's do) get the signal directly and again as the launcher's
+/// SIGTERM, a moment apart. So in a job of processes every signal after the first is the
+/// same stop, and the launcher (or the scheduler) is who ends a rank that does not stop:
+/// `zerotrain launch` kills its ranks at a second signal, or `--grace-s` after the first.
+/// A job of threads, alone in its process, stops now at a second signal (exit 130).
+fn stop_on_signals(in_processes: bool) -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    ctrlc::set_handler(move || match (flag.swap(true, Ordering::SeqCst), in_processes) {
+        (false, _) => eprintln!(
+            "\nzerotrain: SIGINT/SIGTERM: finishing this step, saving a checkpoint and stopping{}",
+            if in_processes { "" } else { " (again to abort)" }
+        ),
+        (true, true) => {}
+        (true, false) => {
+            eprintln!("\nzerotrain: second signal: stopping now");
+            std::process::exit(130);
+        }
+    })?;
+    Ok(stop)
+}
+
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps))? };
-    let (plan, settings) = keys::load_as_group(&args.config, overrides, &args.servers, args.group)?;
+    let (mut plan, settings) = keys::load_as_group(&args.config, overrides, &args.servers, args.group)?;
     if let Some(warning) = plan.warning() {
         eprintln!("warning: {warning}");
     }
@@ -50,17 +76,20 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let job = if settings.hf.is_some() {
         let device = burn::tensor::Device::flex().autodiff();
         device.seed(plan.runtime.seed);
-        let mut loaded =
-            zerotrain_models::family::load::load_model(&settings.hf_model(&args.config)?, &args.config, &device, None)?;
+        let mut loaded = zerotrain_models::family::load::load_model(
+            &settings.hf_model(&args.config)?,
+            &args.config,
+            &device,
+            None,
+            plan.runtime.seed,
+        )?;
         let micro = plan.batch.micro_batch_per_rank;
-        let (context, notice) =
-            zerotrain_models::family::load::training_context(&loaded, micro, settings.block_size.is_some());
-        if let Some(notice) = notice {
-            if lead {
-                eprintln!("notice: {notice}");
-            }
-            (loaded.context, loaded.context_from) = (context, "fits this machine's memory".into());
-        }
+        let rule = (settings.block_size.is_some(), plan.activation_checkpointing);
+        let available = zerotrain_models::hf::size::available_memory();
+        (loaded.context, loaded.context_from) =
+            zerotrain_models::family::load::training_context(&loaded, micro, rule, available)?;
+        // Every rank of a job of processes must train at it (the rendezvous compares them).
+        plan.agreed.insert("model.context".into(), loaded.context.to_string());
         let data = crate::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, &out)?;
         say(format!(
             "training {} ({}, context {}: {}) on {} ({} tokens, {} held out): {ranks}",
@@ -87,17 +116,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         ));
         TrainJob::Gpt(corpus, shape)
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&stop);
-    ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            eprintln!("\nzerotrain: second signal: stopping now");
-            std::process::exit(130);
-        }
-        eprintln!(
-            "\nzerotrain: SIGINT/SIGTERM: finishing this step, saving a checkpoint and stopping (again to abort)"
-        );
-    })?;
+    let stop = stop_on_signals(crate::processes::place().is_some())?;
     let bar = if lead { ProgressBar::new(args.steps) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")

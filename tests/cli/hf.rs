@@ -726,5 +726,20 @@ fn a_model_without_block_size_uses_its_own_positions_and_says_so() {
     assert!(!out.status.success() && err.contains("more than the model's positions (64)"), "{err}");
     let out = generate("the rank holds", "70");
     assert!(out.status.success() && text(&out.stderr).contains("pass the model's positions (64)"));
+    // Training defaults to the smaller of the positions and 1024 (run_clm's and TRL's
+    // default), one rule for every rank, whatever the machine's memory: 64 here, 1024 for
+    // a model of 2048 positions.
+    let (tokens, run) = (dir.join("data.tokens"), dir.join("run"));
+    let said = run_ok(&train_args(&without, &tokens, "1", &run, &[]));
+    assert!(said.contains("context 64: the model's max_position_embeddings; model.block_size not set"), "{said}");
+    std::fs::write(
+        dir.join("model.json"),
+        model.replace(r#""max_position_embeddings": 64"#, r#""max_position_embeddings": 2048"#),
+    )
+    .unwrap();
+    let said = run_ok(&train_args(&without, &tokens, "1", &dir.join("run-2048"), &[]));
+    let want =
+        "context 1024: model.block_size not set: the smaller of the model's 2048 max_position_embeddings and 1024";
+    assert!(said.contains(want), "{said}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -13,7 +13,8 @@ use super::{text, zerotrain};
 /// model) and scores it as the resumed run's final checkpoint within 1e-4 relative (one
 /// more AdamW update than the last loss compared, which can move a parameter whose
 /// gradient is near zero by up to the lr); its `consolidate --format hf` export scores as
-/// the checkpoint does.
+/// the checkpoint does. Validation at sp 2, and `eval` and `generate` with the configs of
+/// every mesh (tp 2, sp 2, two pipeline stages), agree with the whole model's.
 #[test]
 fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
     let dir = folder("tensor-parallel");
@@ -35,6 +36,17 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
     run_ok(&train_args(&whole, &tokens, "6", &resumed, &["--resume"]));
     run_ok(&train_args(&sequence, &tokens, "6", &at_sp, &["--resume"]));
     let a = losses(&uninterrupted);
+    // A fresh model starts where it starts at dp 2 (every value drawn from the seed and its
+    // name), at tp 2 and at sp 2: the first losses agree within 1e-5 relative.
+    let dp = dir.join("dp.json");
+    std::fs::write(&dp, std::fs::read_to_string(&split).unwrap().replace(tp, "")).unwrap();
+    let (at_dp, fresh_sp) = (dir.join("at-dp"), dir.join("fresh-sp"));
+    run_ok(&train_args(&dp, &tokens, "1", &at_dp, &[]));
+    run_ok(&train_args(&sequence, &tokens, "1", &fresh_sp, &[]));
+    let first = losses(&at_dp)[0].1;
+    for (how, loss) in [("tp 2", a[0].1), ("sp 2", losses(&fresh_sp)[0].1)] {
+        assert!((loss - first).abs() <= 1e-5 * first, "a fresh model's first loss at {how} {loss}, at dp 2 {first}");
+    }
     for (how, run) in [("at tp 1", &resumed), ("at sp 2", &at_sp)] {
         let b = losses(run);
         assert_eq!(b.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6], "{b:?}");
@@ -50,6 +62,29 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
         (at_tp2 - at_tp1).abs() <= 1e-4 * at_tp1,
         "eval of the tp 2 checkpoint {at_tp2}, of the resumed one {at_tp1}"
     );
+    // Validation at sp 2 is the whole windows' loss (each rank's part averaged over the
+    // sequence group): the sp run's last val_loss is the uninterrupted tp 2 run's, within
+    // the bound above.
+    let (val_tp2, val_sp) = (last_val_loss(&uninterrupted), last_val_loss(&at_sp));
+    assert!((val_tp2 - val_sp).abs() <= 1e-4 * val_tp2, "val_loss at sp 2 {val_sp}, at tp 2 {val_tp2}");
+    // `eval` and `generate` take the configs the model trained with: eval scores the same
+    // checkpoint on the tp 2, sp 2 and pipelined meshes as whole (within 1e-5 relative: the
+    // sums grouped otherwise), and greedy generation gives the same ids from each.
+    let piped = dir.join("pp.json");
+    let pp_config = std::fs::read_to_string(&split).unwrap().replace(tp, r#", "pipeline": {"stages": 2}"#);
+    std::fs::write(&piped, pp_config).unwrap();
+    let ckpt = uninterrupted.join("checkpoints");
+    let greedy = |config: &std::path::Path| {
+        let args = ["generate", "--config", config.to_str().unwrap(), "--checkpoint", ckpt.to_str().unwrap()];
+        let out = run_ok(&[&args[..], &["--prompt", "the", "--tokens", "5", "--temperature", "0", "--json"]].concat());
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["ids"].clone()
+    };
+    let want_ids = greedy(&whole);
+    for (how, config) in [("tp 2", &split), ("sp 2", &sequence), ("pp 2", &piped)] {
+        let got = eval_json(config, ["--tokens", tokens.to_str().unwrap()], Some(&ckpt));
+        assert!((got - at_tp2).abs() <= 1e-5 * at_tp2, "eval on {how}: {got}, whole {at_tp2}");
+        assert_eq!(greedy(config), want_ids, "generate with the {how} config");
+    }
     // `consolidate --format hf` reads the tp 2 checkpoint as it would an unsplit run's: the
     // exported folder scores what the checkpoint does.
     let exported = dir.join("exported");
@@ -67,6 +102,13 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
         "the export scores {folder_score}, its checkpoint {at_tp2}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The validation loss of a run's last metrics line that has one.
+fn last_val_loss(run: &std::path::Path) -> f64 {
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let lines = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+    lines.filter_map(|v| v["val_loss"].as_f64()).last().expect("a validation loss")
 }
 
 /// The built-in GPT on a mesh of two thread ranks, at tp 2 (`tensor_parallel.autotp_size`)

@@ -114,6 +114,7 @@ pub fn load_model(
     config_file: &Path,
     device: &Device,
     tokenizer_dir: Option<&Path>,
+    seed: u64,
 ) -> anyhow::Result<LoadedModel> {
     let source = &wanted.from;
     let (config, model, dir) = match source {
@@ -124,7 +125,7 @@ pub fn load_model(
         HfSource::Config(file) => {
             let config = HfConfig::read(file)?;
             check_buildable(&config, file)?;
-            let model = super::fresh(&config, device);
+            let model = super::fresh(&config, device, seed);
             (config, model, file.clone())
         }
     };
@@ -159,30 +160,102 @@ pub fn load_model(
     Ok(LoadedModel { model, config, tokenizer, context, context_from, source: dir })
 }
 
-/// The context a run trains at: `loaded`'s, or where `model.block_size` is not set and the
-/// model's positions would not fit (the activations of a micro-batch of `micro` sequences,
-/// estimated without recomputation, past half the memory available), the longest power of
-/// two below them that does, with a notice saying so.
-pub fn training_context(loaded: &LoadedModel, micro: u64, block_size_set: bool) -> (usize, Option<String>) {
-    let available = crate::hf::size::available_memory().unwrap_or(u64::MAX) / 2;
-    let bytes = |context: usize| crate::hf::size::activation_bytes(&loaded.config, micro, context);
-    let mut context = loaded.context;
-    if block_size_set || bytes(context) <= available {
-        return (context, None);
+/// The context training defaults to where `model.block_size` is not set, when the model
+/// has at least as many positions: `run_clm`'s `block_size` and TRL's `max_length` default.
+pub const DEFAULT_TRAINING_CONTEXT: usize = 1024;
+
+/// The context a run trains at, and where it comes from (to print): `model.block_size`
+/// where set (`block_size_set`: `loaded.context` is it), else the smaller of the model's
+/// positions and [`DEFAULT_TRAINING_CONTEXT`]. One rule of the config files alone, so every
+/// rank of a job computes the same. Where it is the default, its activations for a
+/// micro-batch of `micro` sequences ([`activation_bytes`](crate::hf::size::activation_bytes),
+/// recomputed or not as `recompute` says) must fit `available` bytes (this machine's, where
+/// known): an error saying what to set otherwise.
+pub fn training_context(
+    loaded: &LoadedModel,
+    micro: u64,
+    (block_size_set, recompute): (bool, bool),
+    available: Option<u64>,
+) -> anyhow::Result<(usize, String)> {
+    if block_size_set {
+        return Ok((loaded.context, loaded.context_from.clone()));
     }
-    // The longest power of two below the model's positions, halved while it does not fit.
-    context = 1 << (usize::BITS - 1 - (context - 1).max(1).leading_zeros());
-    while context > 16 && bytes(context) > available {
-        context /= 2;
+    default_context(&loaded.config, micro, recompute, available)
+}
+
+/// [`training_context`] where `model.block_size` is not set: the smaller of `config`'s
+/// positions and [`DEFAULT_TRAINING_CONTEXT`], checked against `available`.
+fn default_context(
+    config: &HfConfig,
+    micro: u64,
+    recompute: bool,
+    available: Option<u64>,
+) -> anyhow::Result<(usize, String)> {
+    let (positions, _) = config.exact_context();
+    let context = positions.min(DEFAULT_TRAINING_CONTEXT);
+    let from = match context < positions {
+        true => format!(
+            "model.block_size not set: the smaller of the model's {positions} {} and {DEFAULT_TRAINING_CONTEXT}, as \
+             run_clm and TRL default",
+            config.context_key()
+        ),
+        false => format!("the model's {}; model.block_size not set", config.context_key()),
+    };
+    let bytes = crate::hf::size::activation_bytes(config, micro, context, recompute);
+    if let Some(available) = available.filter(|&a| bytes > a) {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!(
+            "model.block_size is not set: training at context {context} ({from}) would keep about {:.1} GiB of \
+             activations for a micro-batch of {micro}, more than the {:.1} GiB of memory available: set \
+             model.block_size to a shorter context{}, or a smaller train_micro_batch_size_per_gpu",
+            gib(bytes),
+            gib(available),
+            if recompute { "" } else { ", turn on activation_checkpointing" }
+        );
     }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let notice = format!(
-        "model.block_size is not set: training at context {context}, not the model's {} positions, whose activations \
-         (about {:.1} GiB for a micro-batch of {micro}) would not fit the {:.1} GiB of memory available; set \
-         model.block_size to choose",
-        loaded.context,
-        gib(bytes(loaded.context)),
-        gib(2 * available)
-    );
-    (context, Some(notice))
+    Ok((context, from))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn llama(positions: usize) -> HfConfig {
+        HfConfig::from_json(json!({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 32000,
+            "max_position_embeddings": positions}))
+        .unwrap()
+    }
+
+    /// Without `model.block_size`, training runs at the smaller of the model's positions
+    /// and 1024, whatever the machine's memory (Llama 3.1's 131072 positions, Llama 2's
+    /// 4096, a model of 512), and says where that came from.
+    #[test]
+    fn the_default_context_is_one_rule_of_the_config_alone() {
+        for (positions, want) in [(131_072, 1024), (4096, 1024), (512, 512)] {
+            let (context, from) = default_context(&llama(positions), 1, false, None).unwrap();
+            assert_eq!(context, want, "{positions} positions");
+            let said = if want < positions { "the smaller of the model's" } else { "the model's" };
+            assert!(from.contains(said) && from.contains("max_position_embeddings"), "{from}");
+        }
+    }
+
+    /// The memory check charges what the models keep (34 values per token and width per
+    /// layer in 2-byte units, one block of logits): Llama-2-7B's shape at 1,024 tokens keeps
+    /// 2 x 34 x 1,024 x 4,096 x 32 B = 8.5 GiB plus 192 MiB of logits, no `[time, time]`
+    /// scores (a 4,096-token micro-batch was charged 195 GiB with them); with
+    /// recomputation, each layer's input and one layer's activations. Past the memory
+    /// given, refused naming what to set.
+    #[test]
+    fn the_memory_check_charges_todays_activations_and_says_what_to_set() {
+        let config = llama(4096);
+        let layer = 2 * 34 * 1024 * 4096u64;
+        let logits = 12 * (1u64 << 24);
+        assert_eq!(crate::hf::size::activation_bytes(&config, 1, 1024, false), 32 * layer + logits);
+        assert_eq!(crate::hf::size::activation_bytes(&config, 1, 1024, true), 32 * 4 * 1024 * 4096 + layer + logits);
+        let err = default_context(&config, 1, false, Some(4 << 30)).unwrap_err().to_string();
+        assert!(err.contains("set model.block_size to a shorter context, turn on activation_checkpointing"), "{err}");
+        assert!(default_context(&config, 1, true, Some(4 << 30)).is_ok());
+    }
 }

@@ -63,10 +63,12 @@ fn build(config: &HfConfig, w: &Weights) -> HfModel {
 }
 
 /// A fresh model of `config` on `device` (Hugging Face's initialisation: N(0,
-/// `initializer_range`) for projections and embeddings, norms at one, biases at zero;
-/// drawn from the device's generator, so seed it first).
-pub fn fresh(config: &HfConfig, device: &Device) -> HfModel {
-    build(config, &Weights::fresh(device, initializer_range(config)))
+/// `initializer_range`) for projections and embeddings, norms at one, biases at zero),
+/// every value drawn from `seed` and its parameter's name, as [`fresh_split`] draws them:
+/// so a run of one seed starts from the same model at every layout (tensor or sequence
+/// parallel, any number of data-parallel ranks), and a seed alone names it.
+pub fn fresh(config: &HfConfig, device: &Device, seed: u64) -> HfModel {
+    build(config, &Weights::fresh(device, initializer_range(config)).with_groups(&ParallelGroups::alone(), seed))
 }
 
 /// [`fresh`] for a rank of a device mesh's `groups`: its part of the model ([`Llama::new`],

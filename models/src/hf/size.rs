@@ -88,18 +88,25 @@ fn llama(s: &LlamaShape) -> ModelSize {
 }
 
 /// Bytes of activations a training step keeps for a micro-batch of `micro` sequences of
-/// `context` tokens, without recomputation, in f32: Megatron's per-layer count (34 values
-/// per token and width, 5 per token pair and head), doubled for 4-byte values, and the
-/// logits with their log-softmax and gradient (3 values per token and vocabulary entry).
-pub fn activation_bytes(config: &HfConfig, micro: u64, context: usize) -> u64 {
-    let (layers, width, heads) = match &config.family {
-        Family::Gpt2(s) => (s.n_layer, s.n_embd, s.n_head),
-        Family::Llama(s) => (s.num_hidden_layers, s.hidden_size, s.num_attention_heads),
+/// `context` tokens in f32, as the models here run: per layer Megatron's count of 34
+/// values per token and width (in 2-byte values: doubled), without its 5 per token pair
+/// and head (the fused attention keeps no `[time, time]` scores); with recomputation
+/// (`recompute`), each layer's input instead and one layer's activations at a time. The
+/// loss holds one block of logits at a time, with their log-softmax and gradient
+/// (3 values each; [`LinearCrossEntropy`](zerotrain::nn::LinearCrossEntropy)'s blocks).
+pub fn activation_bytes(config: &HfConfig, micro: u64, context: usize, recompute: bool) -> u64 {
+    let (layers, width) = match &config.family {
+        Family::Gpt2(s) => (s.n_layer, s.n_embd),
+        Family::Llama(s) => (s.num_hidden_layers, s.hidden_size),
     };
-    let (t, b) = (context as u128, u128::from(micro));
-    let per_layer = 2 * (34 * t * width as u128 + 5 * heads as u128 * t * t);
-    let logits = 12 * t * config.vocab_size() as u128;
-    u64::try_from(b * (layers as u128 * per_layer + logits)).unwrap_or(u64::MAX)
+    let (t, b, layers, width) = (context as u128, u128::from(micro), layers as u128, width as u128);
+    let layer = 2 * 34 * t * width * b;
+    let kept = match recompute {
+        false => layers * layer,
+        true => layers * 4 * t * width * b + layer,
+    };
+    let block = (t * b * config.vocab_size() as u128).min(zerotrain::nn::LinearCrossEntropy::BLOCK_ELEMENTS as u128);
+    u64::try_from(kept + 12 * block).unwrap_or(u64::MAX)
 }
 
 /// The memory this machine can still give (Linux's `MemAvailable`), in bytes; `None` where

@@ -125,7 +125,7 @@ impl GpuBench {
             BenchModel::Builtin(shape) => self.run_with(Gpt::new(shape, &cpu), &measured),
             BenchModel::Hf { config, .. } => {
                 self.model.validate().map_err(|e| Error::Model(format!("bench gpu: {e}")))?;
-                family::fresh(config, &cpu).run(Bench { bench: self, measured: &measured })
+                family::fresh(config, &cpu, 1).run(Bench { bench: self, measured: &measured })
             }
         }
     }

@@ -49,6 +49,11 @@ pub struct Plan {
     pub recompute_units: Option<usize>,
     /// How `"auto"` values were resolved, and the keys that have no effect.
     pub notes: PlanNotes,
+    /// Settings outside the config's DeepSpeed keys that every rank of a job of processes
+    /// must share, by name (an application's: the context it trains at, say). The
+    /// rendezvous compares them, as it compares the plan's own values, before any rank
+    /// trains. Empty after [`Config::resolve`](crate::Config::resolve).
+    pub agreed: std::collections::BTreeMap<String, String>,
 }
 
 impl Plan {

@@ -51,5 +51,6 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         activation_checkpointing,
         recompute_units,
         notes: autos.0,
+        agreed: Default::default(),
     })
 }

@@ -74,7 +74,10 @@ impl FirstValues {
             let lazy = Lazy { values: initial, seed: shared.plan.runtime.seed };
             read_params(model, &shared.index, &shared.sharding, id, 0..real, values, Some(lazy))?;
         }
-        shared.comm.broadcast(buf, 0)?;
+        shared.comm.broadcast(buf.reborrow(), 0)?;
+        if let Some(share) = &shared.tensor {
+            share.agree_whole(id, buf)?;
+        }
         Ok(match (narrow, &self.compute) {
             (true, compute) => compute.as_ref(),
             (false, _) => BufRef::F32(&self.wide),

@@ -47,7 +47,24 @@ impl<M: UnitModel> Engine<M> {
         if root_was_released && let Some(root) = root {
             self.release(root);
         }
-        losses
+        let mut losses = losses?;
+        self.sequence_mean(&mut losses)?;
+        Ok(losses)
+    }
+
+    /// Each of `losses` (this rank's, of its part of every sequence under sequence
+    /// parallelism) made the whole sequences' loss: the mean over the model's sequence
+    /// group, whose parts are equally long (the context divides by its size). Without
+    /// sequence parallelism, unchanged. Every rank of the group must call it.
+    pub(super) fn sequence_mean(&self, losses: &mut [f32]) -> Result<()> {
+        let Some(split) = self.model.valid().tensor_parallel() else { return Ok(()) };
+        let sp = split.sequence.size();
+        if sp == 1 {
+            return Ok(());
+        }
+        split.sequence.collective().all_reduce(losses.into(), zerotrain_zero::ReduceOp::Sum)?;
+        losses.iter_mut().for_each(|l| *l /= sp as f32);
+        Ok(())
     }
 
     /// Runs every declared unit in inference mode from `input`, each gathered for its run

@@ -16,6 +16,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use zerotrain_checkpoint::LayoutEntry;
+use zerotrain_precision::BufMut;
 use zerotrain_zero::{Collective, ReduceOp, Sharding};
 
 use super::model::UnitModel;
@@ -70,6 +71,20 @@ impl TensorShare {
             parts.push(at..range.end);
         }
         parts
+    }
+
+    /// Makes unit `unit`'s parameters that every tensor rank holds whole (norms, the biases
+    /// added after a row-parallel sum) the same on all of them: tensor rank 0's first
+    /// values in `values` (the unit's flat buffer on this rank), broadcast over the tensor
+    /// group, replace the others'. Their gradients are then the same on every tensor rank
+    /// (each computes them from the same whole activations), so they stay equal, and the
+    /// checkpoint's copy (tensor rank 0's) is every rank's: a model whose ranks drew them
+    /// differently (a user's model built per rank) cannot diverge silently.
+    pub fn agree_whole(&self, unit: usize, mut values: BufMut<'_>) -> Result<()> {
+        for range in &self.whole[unit] {
+            self.comm.broadcast(values.reborrow().slice(range.clone()), 0)?;
+        }
+        Ok(())
     }
 
     /// The whole model's global order, as a manifest records it (paths from `sharding`).

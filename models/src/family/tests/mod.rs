@@ -102,7 +102,7 @@ fn module_paths_are_the_checkpoints_tensor_names() {
     for config in configs {
         let parsed = HfConfig::from_json(config.clone()).unwrap();
         let asked = parameter_names(&parsed);
-        let model = fresh(&parsed, &Device::flex().autodiff());
+        let model = fresh(&parsed, &Device::flex().autodiff(), 0);
         let (paths, units) = match &model {
             HfModel::Gpt2(m) => (floats(m, false), m.units().len()),
             HfModel::Llama(m) => (floats(m, false), m.units().len()),
@@ -319,8 +319,7 @@ fn a_fresh_gpt2_scales_its_residual_projections_as_hugging_face_does() {
         "n_positions": 16, "vocab_size": 64, "initializer_range": 0.05}))
     .unwrap();
     let device = Device::flex();
-    device.seed(3);
-    let model = match fresh(&config, &device) {
+    let model = match fresh(&config, &device, 3) {
         HfModel::Gpt2(m) => m,
         HfModel::Llama(_) => unreachable!("a gpt2 config"),
     };

@@ -36,8 +36,14 @@ fn values<M: burn::module::Module>(model: &M) -> BTreeMap<String, Vec<f32>> {
 }
 
 /// What a rank saw: each step's loss and gradient norm, and (on a data-parallel group's
-/// first rank) its model's parameters after the last step.
-type Seen = (Vec<(f32, f32)>, Option<BTreeMap<String, Vec<f32>>>, (u64, zerotrain::engine::MemoryReport, Vec<u64>));
+/// first rank) its model's parameters after the last step, its trainable parameters, memory
+/// and each step's traffic, and the validation loss of one batch after the last step.
+struct Seen {
+    steps: Vec<(f32, f32)>,
+    model: Option<BTreeMap<String, Vec<f32>>>,
+    memory: (u64, zerotrain::engine::MemoryReport, Vec<u64>),
+    validation: f32,
+}
 
 /// A run: the mesh, the stage, the steps to take, and a checkpoint to start from and one
 /// to save at the end.
@@ -99,8 +105,13 @@ impl WithModel for Job<'_> {
         if let Some(dir) = self.run.save {
             engine.save_checkpoint(dir, None, serde_json::Value::Null)?;
         }
+        // Every rank evaluates the same 3 sequences (under sequence parallelism, each its
+        // part of every one).
+        let ids = (0..27).map(|i: i64| (i * 5 + 3) % self.vocab).collect();
+        let validation =
+            engine.evaluate(&Tensor::<2, Int>::from_data(TensorData::new::<i64, _>(ids, [3, 9]), &device))?;
         let memory = (local, engine.memory_report(), comm);
-        Ok((steps, engine.gather_model(0)?.map(|m| values(&m)), memory))
+        Ok(Seen { steps, model: engine.gather_model(0)?.map(|m| values(&m)), memory, validation })
     }
 }
 
@@ -197,8 +208,9 @@ fn a_split_model_trains_as_the_whole_model_does() {
     }
 }
 
-/// `split`'s runs against `whole`'s: every rank's losses and norms within 1e-5 relative of
-/// its group's (`whole`'s rank 0, or `whole_rank(r)`'s with replica groups), and each
+/// `split`'s runs against `whole`'s: every rank's losses, norms and validation loss within
+/// 1e-5 relative of its group's (`whole`'s rank 0, or `whole_rank(r)`'s with replica
+/// groups), and each
 /// gathered model's parameters (`shape` and `cut` say each one's whole shape and split)
 /// their tensor rank's slices of the whole model's within 1e-5 of each tensor's largest
 /// value. Returns how many ranks gathered a model.
@@ -209,10 +221,16 @@ fn check_against_whole(
     shape: &dyn Fn(&str) -> Vec<usize>,
     cut: &dyn Fn(&str) -> Split,
 ) -> usize {
-    let want_model = whole[0].1.as_ref().unwrap();
+    let want_model = whole[0].model.as_ref().unwrap();
     let mut gathered = 0;
-    for (r, (steps, model, _)) in split.iter().enumerate() {
-        let want_steps = &whole[whole_rank(r)].0;
+    for (r, Seen { steps, model, validation, .. }) in split.iter().enumerate() {
+        let want = &whole[whole_rank(r)];
+        let want_validation = want.validation;
+        assert!(
+            (validation - want_validation).abs() <= 1e-5 * want_validation,
+            "{at}, rank {r}: validation loss {validation} vs {want_validation}"
+        );
+        let want_steps = &want.steps;
         for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(want_steps).enumerate() {
             assert!(
                 (loss - want_loss).abs() <= 1e-5 * want_loss,
@@ -249,12 +267,12 @@ fn a_tensor_parallel_checkpoint_resumes_at_any_mesh() {
     let (at_tp2, at_tp1) = (dir.join("tp2"), dir.join("tp1"));
     let run = |tp, dp| Run { groups: 1, pp: 1, tp, sp: 1, dp, stage: 1, steps: 2, bf16: false, load: None, save: None };
     let uninterrupted = train(&config, Run { steps: 4, ..run(2, 2) });
-    let want: Vec<f32> = uninterrupted[0].0[2..].iter().map(|s| s.0).collect();
+    let want: Vec<f32> = uninterrupted[0].steps[2..].iter().map(|s| s.0).collect();
     train(&config, Run { save: Some(&at_tp2), ..run(2, 2) });
     train(&config, Run { save: Some(&at_tp1), ..run(1, 4) });
     for (from, tp, dp) in [(&at_tp2, 1, 4), (&at_tp2, 4, 1), (&at_tp1, 2, 2)] {
         let resumed = train(&config, Run { load: Some(from), ..run(tp, dp) });
-        for (r, (steps, _, _)) in resumed.iter().enumerate() {
+        for (r, Seen { steps, .. }) in resumed.iter().enumerate() {
             for (s, ((loss, _), want)) in steps.iter().zip(&want).enumerate() {
                 let at = format!("{} at tp {tp} dp {dp}, rank {r}, step {}", from.display(), s + 2);
                 assert!((loss - want).abs() <= 1e-5 * want, "{at}: loss {loss}, uninterrupted {want}");
@@ -294,8 +312,8 @@ fn bf16_meshes_train_as_the_whole_model_does_within_a_rounding() {
             |tp, sp| Run { groups: 1, pp: 1, tp, sp, dp: 1, stage: 2, steps: 3, bf16: true, load: None, save: None };
         let (whole, split) = (train(&config, run(1, 1)), train(&config, run(tp, sp)));
         let ulp = 2f32.powi(-8);
-        for (r, (steps, _, _)) in split.iter().enumerate() {
-            for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(&whole[0].0).enumerate() {
+        for (r, Seen { steps, .. }) in split.iter().enumerate() {
+            for (s, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(&whole[0].steps).enumerate() {
                 let at = format!("{} tp {tp} sp {sp}, rank {r}, step {s}", config["model_type"]);
                 assert!((loss - want_loss).abs() <= ulp * want_loss, "{at}: loss {loss} vs {want_loss}");
                 assert!((norm - want_norm).abs() <= 2.0 * ulp * want_norm, "{at}: norm {norm} vs {want_norm}");
@@ -315,7 +333,7 @@ fn a_rank_holds_its_part_of_every_state() {
     let shapes = parameter_names(&HfConfig::from_json(config.clone()).unwrap());
     let units = 2 + 2; // the embedding, two layers, the head
     let run = Run { groups: 1, pp: 1, tp: 2, sp: 1, dp: 2, stage: 2, steps: 1, bf16: false, load: None, save: None };
-    for (r, (_, _, (local, memory, _))) in train(&config, run).iter().enumerate() {
+    for (r, Seen { memory: (local, memory, _), .. }) in train(&config, run).iter().enumerate() {
         let t = r % 2;
         let planned: u64 = shapes
             .iter()
@@ -423,7 +441,7 @@ fn a_mesh_in_each_pipeline_stage_trains_as_the_whole_model_does() {
     let uninterrupted = train(&llama, Run { steps: 4, ..run(2, 2) });
     train(&llama, Run { save: Some(&dir), ..run(2, 2) });
     let resumed = train(&llama, Run { load: Some(&dir), ..run(1, 1) });
-    for (s, ((loss, _), (want, _))) in resumed[0].0.iter().zip(&uninterrupted[0].0[2..]).enumerate() {
+    for (s, ((loss, _), (want, _))) in resumed[0].steps.iter().zip(&uninterrupted[0].steps[2..]).enumerate() {
         assert!((loss - want).abs() <= 1e-5 * want, "step {}: resumed at tp 1 {loss}, uninterrupted {want}", s + 2);
     }
 }
@@ -446,7 +464,7 @@ fn replica_groups_of_meshes_train_as_groups_of_whole_models_do() {
         let group_of = |r: usize| r / (tp * sp * dp) * dp;
         let gathered = check_against_whole(&at, (&whole, &split), (tp, &group_of), &shape, &expected_split);
         assert_eq!(gathered, tp, "{at}: group 0's tensor ranks each gathered their part");
-        let (first, second) = (&whole[0].0, &whole[dp].0);
+        let (first, second) = (&whole[0].steps, &whole[dp].steps);
         assert_ne!(first[0], second[0], "{at}: the groups read different samples");
     }
 }
@@ -462,7 +480,7 @@ fn a_steps_traffic_counts_the_tensor_groups() {
     let run = Run { groups: 1, pp: 1, tp: 2, sp: 1, dp: 1, stage: 0, steps: 2, bf16: false, load: None, save: None };
     let (tokens, hidden, layers) = (64u64, 16u64, 2u64);
     let megatron = (4 * layers + 2) * tokens * hidden * 4 + 3 * tokens * 4;
-    for (r, (_, _, (_, _, comm))) in train(&llama(), run).iter().enumerate() {
+    for (r, Seen { memory: (_, _, comm), .. }) in train(&llama(), run).iter().enumerate() {
         for (s, &bytes) in comm.iter().enumerate() {
             assert!(
                 (megatron..=megatron + 1024).contains(&bytes),
@@ -470,4 +488,65 @@ fn a_steps_traffic_counts_the_tensor_groups() {
             );
         }
     }
+}
+
+/// `module` with its float parameter at `path` scaled by `factor` (its value read now).
+fn scaled<M: burn::module::Module>(module: M, path: &str, factor: f32) -> M {
+    struct Scale<'a> {
+        at: Vec<String>,
+        path: &'a str,
+        factor: f32,
+    }
+    impl burn::module::ModuleMapper for Scale<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.at.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.at.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if self.at.join(".") != self.path {
+                return param;
+            }
+            let factor = self.factor;
+            param.map(|t| t.mul_scalar(factor))
+        }
+    }
+    module.map(&mut Scale { at: Vec::new(), path, factor })
+}
+
+/// The parameters every tensor rank holds whole start as tensor rank 0's on all of them: a
+/// built-in GPT at tp 2 whose tensor rank 1 built its part with another position table and
+/// final norm (scaled by 1.5) trains as the whole GPT does, within the bound of the test
+/// above, and every rank's gathered copy of them is the whole model's.
+#[test]
+fn whole_parameters_start_as_tensor_rank_0_s_on_every_rank() {
+    let config = crate::GptConfig { n_layer: 1, n_head: 4, n_embd: 16, block_size: 8, vocab_size: 11, tied_head: true };
+    let gpt = |run: Run<'_>| {
+        train_on(run, 11, |job, groups| {
+            let (device, seed) = (job.ctx.device(), job.plan.runtime.seed);
+            match run.tp {
+                1 => job.run(crate::Gpt::new(&config, device)),
+                _ => {
+                    let part = crate::Gpt::new_split(&config, device, groups, seed).map_err(zerotrain::Error::Model)?;
+                    let part = match groups.tensor.rank() {
+                        0 => part,
+                        _ => scaled(scaled(part, "position.weight", 1.5), "norm.gamma", 1.5),
+                    };
+                    job.run(part)
+                }
+            }
+        })
+    };
+    let run = |tp| Run { groups: 1, pp: 1, tp, sp: 1, dp: 1, stage: 1, steps: 2, bf16: false, load: None, save: None };
+    let (whole, split) = (gpt(run(1)), gpt(run(2)));
+    let shape = |name: &str| gpt_shape(name, (16, 11, 8));
+    let gathered = check_against_whole(
+        "gpt tp 2, rank 1's whole parameters drawn otherwise",
+        (&whole, &split),
+        (2, &|_| 0),
+        &shape,
+        &gpt_split,
+    );
+    assert_eq!(gathered, 2);
 }

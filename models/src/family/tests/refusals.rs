@@ -135,7 +135,7 @@ fn a_tokenizer_id_past_the_models_vocabulary_is_refused() {
         tokenizer: Some(dir.join("tokenizer.json")),
         block_size: Some(4),
     };
-    let err = load::load_model(&wanted, &dir.join("config.json"), &Device::flex().autodiff(), None).err().unwrap();
+    let err = load::load_model(&wanted, &dir.join("config.json"), &Device::flex().autodiff(), None, 0).err().unwrap();
     let err = err.to_string();
     assert!(err.contains("tokenizer.json has ids up to 1000, beyond the model's vocab_size 305"), "{err}");
 }

@@ -251,6 +251,7 @@ impl<M: UnitModel> Pipeline<M> {
         if last {
             let value = self.engine.model.valid().output_loss(output, batch);
             loss[0] = crate::engine::readout::read_scalar(value, "the evaluation loss")?;
+            self.engine.sequence_mean(&mut loss)?;
         } else {
             for send in wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)? {
                 send.wait()?;
