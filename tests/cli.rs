@@ -738,7 +738,40 @@ fn hostile_inputs_are_short_one_line_errors_never_panics_or_aborts() {
         (vec!["config", "check", "/dev/zero"], "a device, not a regular file: refused"),
         (vec!["config", "check", fifo.to_str().unwrap()], "a FIFO, not a regular file: refused"),
         (vec!["config", "check", "configs/tiny.json", "--world-size", "20000"], "20000 thread ranks is more than"),
-        (vec!["train", "--config", "configs/tiny.json", "--data", "/dev/zero"], "larger than 268435456 bytes"),
+        (
+            vec!["train", "--config", "configs/tiny.json", "--data", "/dev/zero"],
+            "a device, not a regular file: refused",
+        ),
+        (
+            vec!["train", "--config", "configs/tiny.json", "--data", fifo.to_str().unwrap()],
+            "a FIFO, not a regular file",
+        ),
+        (
+            vec![
+                "tokenize",
+                fifo.to_str().unwrap(),
+                "--tokenizer",
+                "/tmp/zt-never.json",
+                "--train-vocab",
+                "300",
+                "--out",
+                "/tmp/zt-never.tokens",
+            ],
+            "a FIFO, not a regular file",
+        ),
+        (
+            vec![
+                "tokenize",
+                "/dev/zero",
+                "--tokenizer",
+                "/tmp/zt-never.json",
+                "--train-vocab",
+                "300",
+                "--out",
+                "/tmp/zt-never.tokens",
+            ],
+            "a device, not a regular file",
+        ),
         (vec!["train", "--config", "configs/tiny.json", "--out", "/proc/zerotrain"], "cannot create /proc/zerotrain"),
         (vec!["train", "--config", big_model.to_str().unwrap(), "--world-size", "2"], "of memory is available"),
         (vec!["train", "--config", "configs/tiny.json", "--data", "no/such/file"], "No such file or directory"),
@@ -1130,4 +1163,15 @@ fn absurd_sizes_are_refused_and_a_run_of_no_steps_saves_its_start() {
     let latest = std::fs::read_to_string(run.join("checkpoints").join("latest")).unwrap();
     assert_eq!(latest.trim(), "global_step0");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A count past what a flag takes is refused by name, before anything runs (`generate
+/// --tokens 2^64 - 1` overflowed adding the prompt's length and panicked).
+#[test]
+fn counts_past_a_flags_range_are_refused_naming_the_flag() {
+    let out =
+        zerotrain(&["generate", "--config", "configs/tiny.json", "--prompt", "a", "--tokens", "18446744073709551615"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--tokens") && !stderr.contains("panicked"), "{stderr}");
 }

@@ -25,6 +25,28 @@ const O_NONBLOCK: i32 = 0o4000;
 /// `InvalidData` naming what it is otherwise (a FIFO, a device, a folder, too large).
 /// `NotFound` where there is no such file, as `fs::read` says it.
 pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let file = open_regular(path)?;
+    // A file that says it is larger is refused unread (a sparse 2 GiB file would be read to
+    // the limit first); one that grows past the limit while it is read, at the limit.
+    let size = file.metadata()?.len();
+    if size > limit {
+        return Err(Error::new(ErrorKind::InvalidData, format!("{size} bytes, larger than {limit}: refused")));
+    }
+    let mut bytes = Vec::new();
+    let read = Read::take(&file, limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if read as u64 > limit {
+        return Err(Error::new(ErrorKind::InvalidData, format!("larger than {limit} bytes: refused")));
+    }
+    drop::<File>(file);
+    Ok(bytes)
+}
+
+/// `path` opened for reading if it is a regular file: a FIFO, a device, a folder or a
+/// socket is refused at once (an error of kind `InvalidData` saying which) instead of
+/// blocking in the open or being read for ever (`/dev/zero`). For inputs read in pieces or
+/// mapped (a corpus, a token file, a checkpoint's tensors) as [`read_bounded`] is for whole
+/// ones.
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
     let file = std::fs::OpenOptions::new().read(true).custom_flags(O_NONBLOCK).open(path)?;
     let kind = file.metadata()?.file_type();
     if !kind.is_file() {
@@ -41,13 +63,7 @@ pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
         };
         return Err(Error::new(ErrorKind::InvalidData, format!("{what}, not a regular file: refused")));
     }
-    let mut bytes = Vec::new();
-    let read = Read::take(&file, limit.saturating_add(1)).read_to_end(&mut bytes)?;
-    if read as u64 > limit {
-        return Err(Error::new(ErrorKind::InvalidData, format!("larger than {limit} bytes: refused")));
-    }
-    drop::<File>(file);
-    Ok(bytes)
+    Ok(file)
 }
 
 #[cfg(test)]
@@ -76,7 +92,16 @@ mod tests {
         assert!(read_bounded(&dir, 10).unwrap_err().to_string().starts_with("a folder"));
         let big = dir.join("big");
         std::fs::write(&big, [7u8; 11]).unwrap();
-        assert_eq!(read_bounded(&big, 10).unwrap_err().to_string(), "larger than 10 bytes: refused");
+        assert_eq!(read_bounded(&big, 10).unwrap_err().to_string(), "11 bytes, larger than 10: refused");
+        // A sparse file of 2 GiB is refused by its size, unread (it was read to the limit).
+        let sparse = dir.join("sparse");
+        std::fs::File::create(&sparse).unwrap().set_len(2 << 30).unwrap();
+        let err = read_bounded(&sparse, 1 << 30).unwrap_err().to_string();
+        assert_eq!(err, "2147483648 bytes, larger than 1073741824: refused");
+        // Opened for reading in pieces: the same refusals, at once.
+        assert!(open_regular(&fifo).unwrap_err().to_string().starts_with("a FIFO"));
+        assert!(open_regular(&zero).unwrap_err().to_string().starts_with("a device"));
+        assert!(open_regular(&big).is_ok());
         assert_eq!(read_bounded(&big, 11).unwrap(), [7u8; 11]);
         assert_eq!(read_bounded(&dir.join("none"), 10).unwrap_err().kind(), ErrorKind::NotFound);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -50,7 +50,7 @@ mod manifest;
 mod shard;
 mod tag;
 
-pub use bounded::{MAX_TEXT_FILE_BYTES, read_bounded};
+pub use bounded::{MAX_TEXT_FILE_BYTES, open_regular, read_bounded};
 pub use checkpoint::{Checkpoint, SavedBuffers, list};
 pub use commit::{LATEST, commit, crash_point, partial_dir, prepare, write_buffers, write_shard, write_shard_streamed};
 pub use consolidate::{consolidate, write_parameters};

@@ -81,14 +81,19 @@ impl Corpus {
 
     /// The UTF-8 file at `path`, of at most [`MAX_CORPUS_BYTES`].
     pub fn from_file(path: &Path) -> Result<Self, DataError> {
-        use std::io::Read;
         let name = path.display().to_string();
-        let read = |cause| DataError::Read { path: name.clone(), cause };
-        let mut bytes = Vec::new();
-        std::fs::File::open(path).and_then(|f| f.take(MAX_CORPUS_BYTES + 1).read_to_end(&mut bytes)).map_err(read)?;
-        if bytes.len() as u64 > MAX_CORPUS_BYTES {
+        // Only a regular file (a FIFO's open would wait for a writer, a device never end),
+        // refused by its size before it is read.
+        let regular = zerotrain_checkpoint::open_regular(path)
+            .and_then(|f| f.metadata())
+            .map_err(|cause| DataError::Read { path: name.clone(), cause })?;
+        if regular.len() > MAX_CORPUS_BYTES {
             return Err(DataError::TooLarge { path: name, limit: MAX_CORPUS_BYTES });
         }
+        let bytes = zerotrain_checkpoint::read_bounded(path, MAX_CORPUS_BYTES).map_err(|cause| match cause.kind() {
+            std::io::ErrorKind::InvalidData => DataError::TooLarge { path: name.clone(), limit: MAX_CORPUS_BYTES },
+            _ => DataError::Read { path: name.clone(), cause },
+        })?;
         let text = String::from_utf8(bytes)
             .map_err(|e| DataError::NotUtf8 { path: name.clone(), offset: e.utf8_error().valid_up_to() })?;
         Ok(Self::from_text(&name, &text))

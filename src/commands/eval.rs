@@ -78,6 +78,8 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
         args.checkpoint.as_deref().map(|d| companions::checked_folder(d, args.tag.as_deref())).transpose()?;
     let loaded =
         load_model(&settings.hf_model(&args.config)?, &args.config, &device, checkpoint.as_deref(), plan.runtime.seed)?;
+    let params = zerotrain_models::hf::size::ModelSize::of(&loaded.config).params;
+    crate::train::memory::check_inference_memory(&plan, params, "eval")?;
     let (name, source) = match &args.input() {
         EvalInput::Text(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;

@@ -25,9 +25,9 @@ pub struct GenerateArgs {
     /// The text to continue.
     #[arg(long)]
     pub prompt: String,
-    /// Tokens to add.
-    #[arg(long, default_value_t = 64)]
-    pub tokens: usize,
+    /// Tokens to add (at most 16,777,216).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=1 << 24))]
+    pub tokens: u32,
     /// 0: the most likely token each time; else the sampling temperature.
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f32,
@@ -85,6 +85,8 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
         args.checkpoint.as_deref(),
         plan.runtime.seed,
     )?;
+    let params = zerotrain_models::hf::size::ModelSize::of(&loaded.config).params;
+    crate::train::memory::check_inference_memory(&plan, params, "generate")?;
     let prompt = loaded.tokenizer.encode_prompt(&args.prompt)?;
     if prompt.is_empty() {
         bail!("--prompt is empty: give at least one token of text to continue");
@@ -96,7 +98,7 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
     if prompt.len() > context {
         bail!("--prompt is {} tokens, more than {bound}: give a shorter prompt (nothing of it was cut)", prompt.len());
     }
-    if prompt.len() + args.tokens > context {
+    if prompt.len() + args.tokens as usize > context {
         eprintln!(
             "warning: {} tokens after a prompt of {} pass {bound}: from token {} on, each is predicted from the \
              last {context} only",
@@ -170,7 +172,7 @@ impl WithModel for Generate<'_> {
             let Some(model) = engine.gather_model(0)? else { return Ok(None) };
             drop(engine);
             let mut rng = self.args.seed;
-            let (count, sampling) = (self.args.tokens, self.args.sampling());
+            let (count, sampling) = (self.args.tokens as usize, self.args.sampling());
             model.generate(self.prompt, count, self.context, sampling, self.stop, &mut rng).map(Some)
         })?;
         Ok(tokens.into_iter().flatten().next().expect("rank 0 generates"))

@@ -33,10 +33,10 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
         bail!("a Hugging Face family's run needs --data: a token file (zerotrain tokenize) or a text file")
     };
     let mut head = [0u8; 8];
-    let is_tokens = std::fs::File::open(data)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
-        .map(|()| &head == b"ZTTOKENS")
-        .unwrap_or(false);
+    // Only a regular file: a FIFO's open would wait for a writer, a device never end.
+    let mut opened = zerotrain_checkpoint::open_regular(data)
+        .map_err(|e| anyhow::anyhow!("--data {}: cannot open it: {e}", data.display()))?;
+    let is_tokens = std::io::Read::read_exact(&mut opened, &mut head).map(|()| &head == b"ZTTOKENS").unwrap_or(false);
     let file = if is_tokens { TokenFile::open(data)? } else { tokenized_once(data, tokenizer, out)? };
     file.verify()?;
     file.check_written_by(tokenizer)?;

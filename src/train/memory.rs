@@ -33,3 +33,28 @@ pub(super) fn check_memory(plan: &Plan, params: u64) -> anyhow::Result<()> {
         _ => Ok(()),
     }
 }
+
+/// Refuses a model whose weights alone would not fit this machine's available memory for
+/// scoring or sampling (`what`: the command), before allocating them: each rank here holds
+/// them in the compute dtype (its shard at stage 3), plus the initial copy in f32.
+pub(crate) fn check_inference_memory(plan: &Plan, params: u64, what: &str) -> anyhow::Result<()> {
+    let ranks_here = if crate::processes::place().is_some() { 1 } else { plan.world_size() as u64 };
+    let held = match plan.zero.stage.shards_parameters() {
+        true => params.div_ceil(plan.world_size() as u64),
+        false => params,
+    };
+    let bytes = held.saturating_mul(plan.precision.compute.bytes_per_elem() as u64);
+    let needed = bytes.saturating_mul(ranks_here).saturating_add(params.saturating_mul(4));
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    match available_memory() {
+        Some(available) if needed > available => bail!(
+            "{what}: a model of {params} parameters needs about {:.1} GiB in this process ({ranks_here} rank(s), \
+             {}), but only {:.1} GiB of memory is available: use ZeRO stage 3 over more ranks or processes, or a \
+             smaller model",
+            gib(needed),
+            plan.zero.stage,
+            gib(available)
+        ),
+        _ => Ok(()),
+    }
+}

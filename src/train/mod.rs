@@ -4,7 +4,7 @@
 
 mod folder_lock;
 pub mod hf;
-mod memory;
+pub(crate) mod memory;
 mod metrics;
 mod samples;
 mod task;

@@ -743,3 +743,59 @@ fn a_model_without_block_size_uses_its_own_positions_and_says_so() {
     assert!(said.contains(want), "{said}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A token file whose header's id bound was raised past its tokenizer's, one token set to
+/// an id past the model's vocabulary and the checksum recomputed, is refused by `eval` and
+/// `train` naming the file and both bounds (it reached Burn's embedding lookup and panicked
+/// there once the tokenizer's fingerprint matched).
+#[test]
+fn a_token_file_whose_id_bound_was_raised_is_refused_by_name() {
+    let dir = folder("raised-bound");
+    let (config, tokens) = fresh_llama(&dir, 1, "");
+    let mut bytes = std::fs::read(&tokens).unwrap();
+    let width = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    bytes[40..48].copy_from_slice(&60_000u64.to_le_bytes());
+    bytes[64..64 + width].copy_from_slice(&59_999u32.to_le_bytes()[..width]);
+    let crc = crc32fast::hash(&bytes[64..]);
+    bytes[48..52].copy_from_slice(&crc.to_le_bytes());
+    let altered = dir.join("altered.tokens");
+    std::fs::write(&altered, bytes).unwrap();
+    let eval = ["eval", "--config", config.to_str().unwrap(), "--tokens", altered.to_str().unwrap()];
+    let run = dir.join("run");
+    let train = train_args(&config, &altered, "1", &run, &[]);
+    for args in [&eval[..], &train[..]] {
+        let out = zerotrain(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("altered.tokens") && err.contains("header says ids below 60000"), "{args:?}: {err}");
+        assert!(err.contains("has ids below 280") && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A model too large for this machine is refused by `eval` and `generate` with the memory
+/// it would need, before anything of it is allocated (eval aborted on a 65.5 GB allocation
+/// for a 34.6G-parameter `hf_config`; `train` refused it with its estimate already).
+#[test]
+fn scoring_or_sampling_a_model_past_this_machines_memory_is_refused_with_the_estimate() {
+    let dir = folder("too-large");
+    let (small, _) = fresh_llama(&dir, 1, "");
+    let model = r#"{"model_type": "llama", "hidden_size": 8192, "intermediate_size": 22016, "num_hidden_layers": 48,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}"#;
+    std::fs::write(dir.join("model.json"), model).unwrap();
+    let text_file = dir.join("text.txt");
+    let runs: [&[&str]; 2] = [
+        &["eval", "--config", small.to_str().unwrap(), "--text", text_file.to_str().unwrap()],
+        &["generate", "--config", small.to_str().unwrap(), "--prompt", "the rank"],
+    ];
+    for args in runs {
+        let out = zerotrain(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("parameters needs about") && err.contains("GiB of memory is available"),
+            "{args:?}: {err}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -81,7 +81,8 @@ impl TensorFiles {
 
     /// Maps one file and reads its header; `listed`: the names the index gives it.
     fn add(&mut self, path: &Path, listed: Option<&[String]>) -> Result<(), FileError> {
-        let file = std::fs::File::open(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
+        let file = zerotrain_checkpoint::open_regular(path)
+            .map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
         // SAFETY: the map is read-only and private to this process; a checkpoint changed
         // by another program while it is mapped is outside what zerotrain supports (the
         // same contract as Hugging Face's and safetensors' own loaders).
@@ -206,7 +207,7 @@ fn shards_of_index(index: &Path) -> Result<Vec<(String, Vec<String>)>, FileError
                 format!("its weight_map holds control characters: {name:?} in {file:?}"),
             ));
         }
-        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+        if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.') {
             return Err(FileError::new(
                 index,
                 format!("tensor `{name}` is in `{file}`, which is not a file name in its folder"),

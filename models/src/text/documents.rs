@@ -129,7 +129,8 @@ impl Iterator for Documents {
 }
 
 fn open(path: &Path) -> Result<Open, FileError> {
-    let file = File::open(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
+    let file =
+        zerotrain_checkpoint::open_regular(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
     let jsonl = path.extension().is_some_and(|e| e == "jsonl" || e == "ndjson");
     let path = path.to_path_buf();
     Ok(match jsonl {

@@ -160,7 +160,8 @@ pub struct TokenFile {
 impl TokenFile {
     /// Opens `path` and checks its header and size (not its checksum: [`verify`](Self::verify)).
     pub fn open(path: &Path) -> Result<Self, FileError> {
-        let file = std::fs::File::open(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
+        let file = zerotrain_checkpoint::open_regular(path)
+            .map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
         // SAFETY: read-only and private; a token file rewritten while a job maps it is not
         // supported (tokenize writes a new file and renames it into place instead).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| FileError::new(path, format!("cannot map it: {e}")))?;
@@ -227,6 +228,18 @@ impl TokenFile {
     /// tokenizer's.
     pub fn check_written_by(&self, tokenizer: &super::Tokenizer) -> Result<(), FileError> {
         match self.fingerprint {
+            // The bound is the tokenizer's own, whatever the header says: one raised (and
+            // the checksum recomputed) would let ids past the model's embedding through.
+            Some(f) if f == tokenizer.fingerprint() && self.vocab_size > tokenizer.id_bound() => Err(FileError::new(
+                &self.path,
+                format!(
+                    "its header says ids below {}, but the tokenizer that wrote it ({}) has ids below {}: the file \
+                     was altered; tokenize the text again",
+                    self.vocab_size,
+                    tokenizer.file().display(),
+                    tokenizer.id_bound()
+                ),
+            )),
             Some(f) if f == tokenizer.fingerprint() => Ok(()),
             Some(f) => Err(FileError::new(
                 &self.path,

@@ -50,8 +50,18 @@ fn a_checkpoint_that_does_not_fit_its_config_is_refused_naming_the_tensor_and_fi
         .unwrap();
     let err = import_error(&dir);
     assert!(err.contains("not a file name in its folder"), "{err}");
-
+    std::fs::write(dir.join(files::INDEX_FILE), r#"{"weight_map": {"model.norm.weight": ""}}"#).unwrap();
+    let err = import_error(&dir);
+    assert!(err.contains("is in ``, which is not a file name in its folder"), "{err}");
+    // A FIFO in the checkpoint's place is refused at once, not waited on.
     std::fs::remove_file(dir.join(files::INDEX_FILE)).unwrap();
+    std::fs::remove_file(dir.join(files::SINGLE_FILE)).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(dir.join(files::SINGLE_FILE)).status().unwrap().success());
+    let err = import_error(&dir);
+    assert!(err.contains("a FIFO, not a regular file: refused"), "{err}");
+    std::fs::remove_file(dir.join(files::SINGLE_FILE)).unwrap();
+    write(&dir, &llama_config(false), |_| {});
+
     std::fs::rename(dir.join(files::SINGLE_FILE), dir.join("pytorch_model.bin")).unwrap();
     let err = import_error(&dir);
     assert!(err.contains("has neither model.safetensors nor") && err.contains("only pytorch_model.bin"), "{err}");
