@@ -102,8 +102,8 @@ pub struct AppSettings {
     pub model: GptConfig,
     /// A Hugging Face family's model instead of the built-in GPT.
     pub hf: Option<HfSource>,
-    /// `model.block_size` as written: a Hugging Face family's model without it trains and
-    /// evaluates at its own positions.
+    /// `model.block_size` as written: a Hugging Face family's model without it trains at the
+    /// smaller of its positions and 1024, and evaluates at its positions.
     pub block_size: Option<usize>,
     /// `model.tokenizer`: the `tokenizer.json` to use instead of `hf_dir`'s.
     pub tokenizer: Option<PathBuf>,

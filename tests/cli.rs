@@ -1175,3 +1175,51 @@ fn counts_past_a_flags_range_are_refused_naming_the_flag() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--tokens") && !stderr.contains("panicked"), "{stderr}");
 }
+
+/// `config check` refuses the mesh plans `train` refuses, by the same field, and exits
+/// non-zero (it printed them as "1/3 of its attention heads" and exited 0): heads of the
+/// built-in GPT that do not divide over tp 3; a family's kv heads over tp 2, MLP width over
+/// tp 2, context over sp 2 and over sp 32; a `model.hf_dir` that does not exist.
+#[test]
+fn config_check_refuses_what_train_refuses_on_a_mesh() {
+    let llama = |extra: &str| {
+        format!(
+            r#"{{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64 {extra}}}"#
+        )
+    };
+    let hf = |name: &str, model: &str, mesh: &str, block: usize| {
+        let config = temp_config(&format!("mesh-check-{name}"), "{}");
+        std::fs::write(config.with_file_name("model.json"), model).unwrap();
+        let json = format!(
+            r#"{{"train_batch_size": 2, {mesh}, "model": {{"hf_config": "model.json", "block_size": {block}}}}}"#
+        );
+        std::fs::write(&config, json).unwrap();
+        config
+    };
+    let tp2 = r#""tensor_parallel": {"autotp_size": 2}, "zerotrain": {"world_size": 2}"#;
+    let sp = |n: usize| format!(r#""zerotrain": {{"world_size": {n}, "mesh": {{"sp": {n}}}}}"#);
+    let builtin = temp_config(
+        "mesh-check-builtin",
+        r#"{"train_batch_size": 3, "model": {"n_head": 4}, "tensor_parallel": {"autotp_size": 3}, "zerotrain": {"world_size": 3}}"#,
+    );
+    let no_folder =
+        temp_config("mesh-check-folder", r#"{"train_batch_size": 2, "model": {"hf_dir": "no/such/folder"}}"#);
+    let cases = [
+        (builtin, "model.n_head (4) does not divide by the tensor- times the sequence-parallel size 3 x 1"),
+        (
+            hf("kv", &llama("").replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 1"#), tp2, 8),
+            "`num_key_value_heads` (1) does not divide",
+        ),
+        (hf("mlp", &llama("").replace("24", "47"), tp2, 8), "`intermediate_size` (47) does not divide"),
+        (hf("sp2", &llama(""), &sp(2), 15), "a context of 15 tokens does not divide by zerotrain.mesh.sp 2"),
+        (hf("sp32", &llama(""), &sp(32), 16), "does not divide"),
+        (no_folder, "no/such/folder"),
+    ];
+    for (config, said) in cases {
+        let out = zerotrain(&["config", "check", config.to_str().unwrap()]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}: {stderr}", config.display());
+        assert!(stderr.contains(said), "{}: {stderr}", config.display());
+    }
+}

@@ -14,10 +14,12 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
     } else {
         println!("{} resolves to:\n{plan}", file.display());
         if let Some(source) = &settings.hf {
-            print_hf_placement(&plan, source);
+            print_hf_placement(&plan, source, settings.block_size)?;
             print_collectives(&plan);
             return Ok(());
         }
+        // What `train` refuses, refused here too.
+        with_vocabulary(&settings.model).check_mesh(plan.mesh.tp, plan.mesh.sp).map_err(anyhow::Error::msg)?;
         print_placement(&plan, &settings.model);
         print_collectives(&plan);
         print_replicas(&plan, &settings.model);
@@ -97,29 +99,43 @@ fn print_placement(plan: &zerotrain::Plan, model: &zerotrain_models::GptConfig) 
 }
 
 /// Where each rank's model states live for a Hugging Face family's model (its size from
-/// its config.json), or why its config cannot be read.
-fn print_hf_placement(plan: &zerotrain::Plan, source: &keys::HfSource) {
+/// its config.json). What `train` refuses before it trains is refused here too: a config
+/// that cannot be read (a missing `hf_dir`), a model that cannot be built, one whose heads
+/// or widths do not split over the mesh, a context (`block_size`, else the default) that
+/// does not split over its sequence ranks.
+fn print_hf_placement(
+    plan: &zerotrain::Plan,
+    source: &keys::HfSource,
+    block_size: Option<usize>,
+) -> anyhow::Result<()> {
+    use zerotrain_models::family::load::{DEFAULT_TRAINING_CONTEXT, check_buildable};
     let file = source.config_file();
-    match zerotrain_models::hf::HfConfig::read(&file) {
-        Ok(config) => {
-            let psi = zerotrain_models::hf::size::ModelSize::of(&config).params;
-            if psi > 1 << 50 {
-                println!("model               {}: {psi} parameters, more than any machine holds", file.display());
-                return;
-            }
-            let p = zerotrain::estimate::placement(plan, psi);
-            let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
-            println!(
-                "model states        per rank for {} ({} parameters): device {}, host memory {}, NVMe {}",
-                file.display(),
-                psi,
-                mib(p.device),
-                mib(p.host),
-                mib(p.nvme)
-            );
-        }
-        Err(e) => println!("model               {e}"),
+    let config = zerotrain_models::hf::HfConfig::read(&file)?;
+    let psi = zerotrain_models::hf::size::ModelSize::of(&config).params;
+    if psi > 1 << 50 {
+        anyhow::bail!("{}: {psi} parameters, more than any machine holds", file.display());
     }
+    check_buildable(&config, &file)?;
+    let (tp, sp) = (plan.mesh.tp, plan.mesh.sp);
+    zerotrain_models::family::check_split(&config, tp, sp).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    let context = block_size.unwrap_or_else(|| config.exact_context().0.min(DEFAULT_TRAINING_CONTEXT));
+    if !context.is_multiple_of(sp) {
+        anyhow::bail!(
+            "a context of {context} tokens does not divide by zerotrain.mesh.sp {sp}: each sequence rank holds an \
+             equal part of every sequence; set model.block_size to a multiple of {sp}"
+        );
+    }
+    let p = zerotrain::estimate::placement(plan, psi);
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    println!(
+        "model states        per rank for {} ({} parameters): device {}, host memory {}, NVMe {}",
+        file.display(),
+        psi,
+        mib(p.device),
+        mib(p.host),
+        mib(p.nvme)
+    );
+    Ok(())
 }
 
 /// Which of the built-in GPT's units each pipeline stage holds (vocabulary from the

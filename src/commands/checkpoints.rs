@@ -122,7 +122,7 @@ pub fn inspect(dir: &Path, tag: Option<&str>, verify: bool, json: bool) -> anyho
     }
     println!("checkpoint  {}", ckpt.dir().display());
     println!("step        {} (tag {})", m.global_step, m.tag);
-    println!("written by  {} ranks, ZeRO stage {}, {} compute", m.world_size, m.stage, m.precision);
+    println!("written by  {}, ZeRO stage {}, {} compute", super::count(m.world_size, "rank"), m.stage, m.precision);
     println!("parameters  {} in {} tensors", m.num_elems(), m.layout.len());
     println!("state       {}", m.tensors.join(", "));
     for f in &m.files {

@@ -112,10 +112,10 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
         println!("{json}");
     } else {
         println!(
-            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} windows of {}: \
+            "{name}: mean loss {loss:.6} per token, perplexity {:.4}, over {scored} tokens ({} of {}: \
              {context_from}); {weights}; model loaded in {load_seconds:.1} s, scored in {score_seconds:.1} s",
             loss.exp(),
-            windows.count,
+            super::count(windows.count, "window"),
             windows.context
         );
     }

@@ -109,6 +109,19 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
     }
     let job = Generate { plan: &plan, args: &args, prompt: &prompt, stop: &stop, context };
     let out = loaded.model.run(job)?;
+    let tokenless: std::collections::BTreeSet<u32> =
+        out.iter().copied().filter(|&id| !loaded.tokenizer.has_token(id)).collect();
+    if !tokenless.is_empty() {
+        eprintln!(
+            "warning: the model generated {} that {} has no token for ({:?}: its vocabulary of {} is padded past the \
+             tokenizer's {} ids), which decode as nothing; the JSON output's ids list them",
+            super::count(tokenless.len(), "id"),
+            loaded.tokenizer.file().display(),
+            tokenless,
+            loaded.config.vocab_size(),
+            loaded.tokenizer.id_bound()
+        );
+    }
     let text = format!("{}{}", args.prompt, loaded.tokenizer.decode_continuation(&prompt, &out)?);
     if args.json {
         println!("{}", serde_json::json!({"text": text, "prompt_ids": prompt, "ids": out, "context": context}));

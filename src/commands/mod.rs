@@ -50,6 +50,14 @@ fn stop_on_signals(in_processes: bool) -> anyhow::Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
+/// `n` and `noun`, the noun plural where `n` is not 1: "1 rank", "2 ranks".
+pub(crate) fn count(n: usize, noun: &str) -> String {
+    match n {
+        1 => format!("1 {noun}"),
+        n => format!("{n} {noun}s"),
+    }
+}
+
 /// `zerotrain train`.
 pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     let overrides = Overrides { device: args.device, ..overrides(args.world_size, Some(args.steps))? };
@@ -67,8 +75,8 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         }
     };
     let ranks = format!(
-        "{} ranks on {}, {}, {}",
-        plan.world_size(),
+        "{} on {}, {}, {}",
+        count(plan.world_size(), "rank"),
         plan.runtime.device.name(),
         plan.zero.stage,
         plan.precision.compute

@@ -799,3 +799,30 @@ fn scoring_or_sampling_a_model_past_this_machines_memory_is_refused_with_the_est
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Ids of a vocabulary padded past the tokenizer's (a model of 300 ids over a tokenizer of
+/// 280) decode as nothing, as `transformers` decodes them; `generate` says so, listing
+/// them, rather than dropping them silently.
+#[test]
+fn generated_ids_the_tokenizer_has_no_token_for_are_named() {
+    let dir = folder("padded-vocab");
+    let (config, _) = fresh_llama(&dir, 1, "");
+    let model = std::fs::read_to_string(dir.join("model.json"))
+        .unwrap()
+        .replace(r#""vocab_size": 280"#, r#""vocab_size": 300"#);
+    std::fs::write(dir.join("model.json"), model).unwrap();
+    let args = ["generate", "--config", config.to_str().unwrap(), "--prompt", "the rank", "--tokens", "100"];
+    let out = zerotrain(&[&args[..], &["--temperature", "1", "--top-k", "0", "--ignore-eos", "--json"]].concat());
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let ids: Vec<u64> = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let padded: std::collections::BTreeSet<u64> = ids.iter().copied().filter(|&id| id >= 280).collect();
+    assert!(!padded.is_empty(), "100 tokens drawn from 300 ids hit none of the 20 padded ones: {ids:?}");
+    assert!(stderr.contains("has no token for") && stderr.contains(&format!("{padded:?}")), "{padded:?}: {stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

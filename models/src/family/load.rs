@@ -88,7 +88,7 @@ impl LoadedModel {
 
 /// Refuses a fresh model whose parameters, still lazy, would not fit this machine's memory
 /// (from the config's shape, before anything is built).
-fn check_buildable(config: &HfConfig, file: &Path) -> anyhow::Result<()> {
+pub fn check_buildable(config: &HfConfig, file: &Path) -> anyhow::Result<()> {
     let size = ModelSize::of(config);
     let available = crate::hf::size::available_memory().unwrap_or(u64::MAX);
     if size.build_bytes() > available / 2 {

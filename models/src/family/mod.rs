@@ -83,6 +83,22 @@ pub fn fresh_split(config: &HfConfig, device: &Device, groups: &ParallelGroups, 
     Ok(model)
 }
 
+/// Whether `config`'s model splits over a mesh of `tp` tensor and `sp` sequence ranks as
+/// training would split it: its first rank's part is built (lazily: nothing is drawn or
+/// allocated) and every refusal named, by config field, as [`fresh_split`] names it.
+/// `config check` runs it, so that it refuses what `train` refuses.
+pub fn check_split(config: &HfConfig, tp: usize, sp: usize) -> Result<(), String> {
+    if tp * sp == 1 {
+        return Ok(());
+    }
+    let group = |n: usize| {
+        let world = zerotrain_zero::ThreadWorld::new(n, std::time::Duration::from_secs(1));
+        zerotrain::nn::parallel::ParallelGroup::new(std::sync::Arc::new(world.communicator(0)))
+    };
+    let groups = ParallelGroups { tensor: group(tp), sequence: group(sp) };
+    fresh_split(config, &Device::flex(), &groups, 0).map(|_| ())
+}
+
 /// The standard deviation of fresh projections and embeddings.
 fn initializer_range(config: &HfConfig) -> f64 {
     config.json.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02)

@@ -142,6 +142,12 @@ impl Tokenizer {
         })
     }
 
+    /// Whether id `id` is one of its tokens' (a model's vocabulary may be padded past them,
+    /// and an id may fall in a gap: such an id decodes as nothing).
+    pub fn has_token(&self, id: u32) -> bool {
+        self.inner.id_to_token(id).is_some()
+    }
+
     /// One past its largest id, added tokens included: the rows an embedding indexed by its
     /// ids needs, and the bound a token file's ids are checked against. Not its number of
     /// tokens, which is smaller where ids leave gaps (an added token placed at a high id).

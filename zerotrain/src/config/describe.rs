@@ -253,9 +253,12 @@ impl Plan {
         if m.tp > 1 {
             writeln!(
                 f,
-                "  tensor parallel   ranks 0..{} split each layer: 1/{} of its attention heads, kv heads, MLP width and \
-                 vocabulary each; norms whole on each; ZeRO shards each rank's slice over dp",
-                m.tp, m.tp
+                "  tensor parallel   groups of {} consecutive ranks (ranks 0 to {}, ...) split each layer: 1/{} of its \
+                 attention heads, kv heads, MLP width and vocabulary each; norms whole on each; ZeRO shards each \
+                 rank's slice over dp",
+                m.tp,
+                m.tp - 1,
+                m.tp
             )?;
         }
         if m.sp > 1 {
