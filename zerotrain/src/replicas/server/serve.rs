@@ -169,7 +169,7 @@ pub fn serve(listen: SocketAddr, config: ServerConfig) -> Result<ServerHandle> {
 
 #[cfg(test)]
 mod tests {
-    use tokio_stream::iter;
+    use tokio_stream::{StreamExt, iter};
 
     use super::super::proto::PullRequest;
     use super::super::proto::parameter_server_client::ParameterServerClient;
@@ -404,5 +404,38 @@ mod tests {
             let mut one = [0u8; 1];
             assert_eq!(c.read(&mut one).unwrap_or(0), 0, "closed");
         }
+    }
+
+    /// A stream that stops making progress gives its reservation back: two pushes that
+    /// send the first of their two values and then nothing fill the budget (two vectors of
+    /// the one place), and a real push still goes through once they have stalled for the
+    /// group timeout (it waited for ever before).
+    #[test]
+    fn a_stalled_stream_gives_its_room_back() {
+        let group_timeout = Duration::from_millis(300);
+        let server = serve("127.0.0.1:0".parse().unwrap(), ServerConfig { group_timeout, ..config(1, None) }).unwrap();
+        let addr = server.addr();
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        runtime.block_on(async {
+            let mut c = ParameterServerClient::connect(format!("http://{addr}")).await.unwrap();
+            let ack = c.join(iter(joining(head(0, 0, 0), &[1.0, 2.0]))).await.unwrap().into_inner();
+            let stalled: Vec<_> = (0..2)
+                .map(|_| {
+                    let mut first = chunks(head(0, 0, ack.session), &[0.5, 0.5]);
+                    first[0].data.truncate(4);
+                    let stream = iter(first).chain(tokio_stream::pending());
+                    let mut c = c.clone();
+                    tokio::spawn(async move { c.push(stream).await })
+                })
+                .collect();
+            let real = c.push(iter(chunks(head(0, 0, ack.session), &[0.5, 0.5])));
+            let pushed = tokio::time::timeout(Duration::from_secs(30), real).await.expect("the real push waited");
+            assert_eq!(pushed.unwrap().into_inner().round, 1);
+            for stalled in stalled {
+                let err = stalled.await.unwrap().unwrap_err();
+                assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{}", err.message());
+            }
+        });
+        server.stop().unwrap();
     }
 }

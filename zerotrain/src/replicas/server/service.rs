@@ -5,7 +5,7 @@
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio_stream::{Stream, StreamExt};
@@ -67,7 +67,7 @@ async fn collect<'s>(
         _ => vec![0.0f32; len],
     };
     let mut next = place_in_order(&first, &mut values, 0)?;
-    while let Some(chunk) = stream.message().await? {
+    while let Some(chunk) = next_chunk(&mut stream, service.config.group_timeout).await? {
         let key = |c: &Chunk| (c.place, c.group, c.round, c.len, c.session, c.dtype);
         if key(&chunk) != key(&first) {
             return Err(Status::invalid_argument("chunks of one stream disagree on their header"));
@@ -78,6 +78,21 @@ async fn collect<'s>(
         return Err(Status::invalid_argument(format!("the stream ended after {next} of its {len} values")));
     }
     Ok((first, values, reserved))
+}
+
+/// The next chunk of `stream`, or an error once none has come within `stall`: a stream
+/// holds its reservation of the budget while it is read, so one that stops making progress
+/// (a client trickling bytes that never complete a chunk) gives it back rather than keep
+/// every real push waiting for ever.
+async fn next_chunk(stream: &mut Streaming<Chunk>, stall: Duration) -> std::result::Result<Option<Chunk>, Status> {
+    match tokio::time::timeout(stall, stream.message()).await {
+        Ok(next) => next,
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "no chunk of the stream came within {} s (local_sgd.group_timeout_s): its room in the server's memory \
+             is given to others",
+            stall.as_secs_f64()
+        ))),
+    }
 }
 
 /// The most values one place may hold (16 GiB of f32): a bound on what a call allocates.
