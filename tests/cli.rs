@@ -4,6 +4,8 @@ use std::process::{Command, Output};
 
 #[path = "cli/hf.rs"]
 mod hf;
+#[path = "cli/hosts.rs"]
+mod hosts;
 #[path = "cli/launch.rs"]
 mod launch;
 #[path = "cli/parallel.rs"]

@@ -71,7 +71,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     // At most 2^26 ranks (the flags' ranges): no product here overflows.
     let (nproc, node_rank) = (args.nproc_per_node as usize, args.node_rank as usize);
     let world_size = nproc * args.nnodes as usize;
-    if args.nnodes > 1 && resolves_to_loopback(&args.master_addr) {
+    if args.nnodes > 1 && is_loopback(&args.master_addr) {
         bail!(
             "--master-addr {} is this host's loopback, but --nnodes {} puts ranks on other hosts, which cannot \
              reach it: give node 0's address on the network the nodes share",
@@ -130,11 +130,13 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     std::process::exit(code);
 }
 
-/// Whether `host` names this host's loopback (`localhost`, 127.0.0.0/8, `::1`).
-fn resolves_to_loopback(host: &str) -> bool {
-    use std::net::ToSocketAddrs;
+/// Whether `host` is a loopback address as written (`localhost`, 127.0.0.0/8, `::1`): one
+/// the other nodes cannot reach. A hostname that resolves to loopback here (Debian's and
+/// Ubuntu's `/etc/hosts` map the machine's own name to 127.0.1.1) is not: the other nodes
+/// resolve it through their own, and rank 0 listens on every address.
+fn is_loopback(host: &str) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    (host, 0).to_socket_addrs().is_ok_and(|mut addrs| addrs.all(|a| a.ip().is_loopback()))
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The job's secret for the ranks: `ZEROTRAIN_JOB_SECRET` where it is set (checked here, so

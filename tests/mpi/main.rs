@@ -1,6 +1,7 @@
 //! The MPI backend under `mpirun` (built with `--features mpi`; CI installs OpenMPI and
 //! runs these). Each case runs this test binary's `rank::rank_program` in an MPI job.
 
+mod hosts;
 mod parallel;
 mod rank;
 

@@ -122,8 +122,9 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
                 let missing: Vec<usize> = (1..join.world_size).filter(|&r| joined[r].is_none()).collect();
                 let message = format!(
-                    "{} did not arrive at the rendezvous on {addr} within {} s (comm_timeout_s){}",
+                    "{} did not arrive at the rendezvous on {} within {} s (comm_timeout_s){}",
                     ranks(&missing),
+                    listening(addr),
                     join.timeout.as_secs_f64(),
                     relay.refusals()
                 );
@@ -158,6 +159,15 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
         spawn_proxy(stream, relay.world.communicator(rank), rank, &relay);
     }
     Ok(Arc::new(RelayComm { comm: relay.world.communicator(0), relay, addr }))
+}
+
+/// Where the rendezvous listens, in words: "port P of every address of this host" for a
+/// listener on every address, else the address.
+fn listening(addr: SocketAddr) -> String {
+    match addr.ip().is_unspecified() {
+        true => format!("port {} of every address of this host", addr.port()),
+        false => addr.to_string(),
+    }
 }
 
 /// "rank 2" or "ranks [1, 3]".
@@ -229,7 +239,7 @@ impl Relay {
         if refused.is_empty() {
             return String::new();
         }
-        let from: BTreeSet<String> = refused.iter().map(|a| a.ip().to_string()).collect();
+        let from: BTreeSet<String> = refused.iter().map(|a| a.ip().to_canonical().to_string()).collect();
         format!(
             "; {} connection(s) from {} did not prove the job's secret: every rank needs the same {}",
             refused.len(),
