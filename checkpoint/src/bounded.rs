@@ -22,7 +22,8 @@ pub const MAX_TEXT_FILE_BYTES: u64 = 1 << 30;
 const O_NONBLOCK: i32 = 0o4000;
 
 /// The bytes of `path`, a regular file of at most `limit` bytes; an error of kind
-/// `InvalidData` naming what it is otherwise (a FIFO, a device, a folder, too large).
+/// `InvalidData` naming what it is otherwise (a FIFO, a device, a folder), of kind
+/// `FileTooLarge` where it is larger.
 /// `NotFound` where there is no such file, as `fs::read` says it.
 pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     let file = open_regular(path)?;
@@ -30,12 +31,12 @@ pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     // the limit first); one that grows past the limit while it is read, at the limit.
     let size = file.metadata()?.len();
     if size > limit {
-        return Err(Error::new(ErrorKind::InvalidData, format!("{size} bytes, larger than {limit}: refused")));
+        return Err(Error::new(ErrorKind::FileTooLarge, format!("{size} bytes, larger than {limit}: refused")));
     }
     let mut bytes = Vec::new();
     let read = Read::take(&file, limit.saturating_add(1)).read_to_end(&mut bytes)?;
     if read as u64 > limit {
-        return Err(Error::new(ErrorKind::InvalidData, format!("larger than {limit} bytes: refused")));
+        return Err(Error::new(ErrorKind::FileTooLarge, format!("larger than {limit} bytes: refused")));
     }
     drop::<File>(file);
     Ok(bytes)

@@ -149,7 +149,9 @@ impl Checkpoint {
             std::io::ErrorKind::NotFound => {
                 CheckpointError::NotFound { path: path.clone(), reason: "no manifest".into() }
             }
-            std::io::ErrorKind::InvalidData => CheckpointError::Corrupted { path: path.clone(), reason: e.to_string() },
+            std::io::ErrorKind::InvalidData | std::io::ErrorKind::FileTooLarge => {
+                CheckpointError::Corrupted { path: path.clone(), reason: e.to_string() }
+            }
             _ => CheckpointError::io(&path)(e),
         })?;
         let manifest = Manifest::from_bytes(&bytes, &path)?;

@@ -91,7 +91,7 @@ impl Corpus {
             return Err(DataError::TooLarge { path: name, limit: MAX_CORPUS_BYTES });
         }
         let bytes = zerotrain_checkpoint::read_bounded(path, MAX_CORPUS_BYTES).map_err(|cause| match cause.kind() {
-            std::io::ErrorKind::InvalidData => DataError::TooLarge { path: name.clone(), limit: MAX_CORPUS_BYTES },
+            std::io::ErrorKind::FileTooLarge => DataError::TooLarge { path: name.clone(), limit: MAX_CORPUS_BYTES },
             _ => DataError::Read { path: name.clone(), cause },
         })?;
         let text = String::from_utf8(bytes)

@@ -52,9 +52,7 @@ pub fn read_file(path: &Path) -> Result<String, ConfigError> {
     let io = |source| ConfigError::Io { path: path.to_path_buf(), cause: source };
     // A FIFO or a device (a symlink to /dev/zero) is refused before it is read.
     let bytes = zerotrain_checkpoint::read_bounded(path, MAX_CONFIG_BYTES).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidData if e.to_string().starts_with("larger") => {
-            ConfigError::TooLarge { path: path.to_path_buf(), limit: MAX_CONFIG_BYTES }
-        }
+        std::io::ErrorKind::FileTooLarge => ConfigError::TooLarge { path: path.to_path_buf(), limit: MAX_CONFIG_BYTES },
         _ => io(e),
     })?;
     String::from_utf8(bytes).map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
