@@ -222,7 +222,7 @@ pub(crate) fn decoder_unit(
 /// never exist whole: the head's matmul and the loss run over blocks of tokens. Where the
 /// vocabulary is split over a tensor-parallel group (`split`: the group, the whole
 /// vocabulary's size; `weight` this rank's rows), each rank forms its part of the logits
-/// and the ranks exchange three values per token (`vocab_parallel_cross_entropy`).
+/// and the ranks exchange three values per token (`LinearCrossEntropy::forward_parallel`).
 pub(crate) fn head_loss(
     h: Tensor<3>,
     (weight, bias): (Tensor<2>, Option<Tensor<1>>),

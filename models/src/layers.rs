@@ -12,7 +12,7 @@ use crate::hf::rope::RopeScaling;
 use crate::hf::weights::{Init, Weights};
 pub use crate::kv_cache::KvCache;
 pub(crate) use crate::kv_cache::with_cached;
-use zerotrain::nn::parallel::{ParallelGroup, Split, vocab_parallel_lookup};
+use zerotrain::nn::parallel::{ParallelGroup, Split, row_parallel_linear, vocab_parallel_lookup};
 
 /// How a projection is split over its [`Weights`]' tensor-parallel group (Megatron-LM's
 /// column- and row-parallel layers); with a group of one rank, nothing is.
@@ -32,13 +32,7 @@ impl Cut {
         match self {
             Self::Whole => linear(x, weight, bias),
             Self::Column(group) => linear(group.copy_to(x), weight, bias),
-            Self::Row(group) => {
-                let y = group.reduce_from(linear(x, weight, None));
-                match bias {
-                    Some(b) => y + b.unsqueeze(),
-                    None => y,
-                }
-            }
+            Self::Row(group) => row_parallel_linear(x, weight, bias, group),
         }
     }
 }

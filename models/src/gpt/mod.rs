@@ -15,7 +15,7 @@ use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
 use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
 use crate::mesh_part::MeshPart;
 use zerotrain::engine::{UnitModel, UnitSpec};
-use zerotrain::nn::parallel::{ParallelGroup, TensorParallel};
+use zerotrain::nn::parallel::{ParallelGroup, TensorParallel, row_parallel_linear};
 
 /// The `model` section of a config: a GPT's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -283,13 +283,7 @@ impl Block {
             None => x,
         };
         let leave = |linear: &Linear, x: Tensor<3>| match tensor {
-            Some(group) => {
-                let y = group.reduce_from(burn::tensor::module::linear(x, linear.weight.val(), None));
-                match &linear.bias {
-                    Some(bias) => y + bias.val().unsqueeze(),
-                    None => y,
-                }
-            }
+            Some(group) => row_parallel_linear(x, linear.weight.val(), linear.bias.as_ref().map(|b| b.val()), group),
             None => linear.forward(x),
         };
         let x = enter(self.norm_attn.forward(h.clone()));

@@ -134,8 +134,8 @@ impl LinearCrossEntropy {
     /// [`ParallelGroup::copy_to`], whose backward sums the ranks' parts). No rank forms the
     /// whole logits, nor more than one block of its part: per block, the group exchanges
     /// three values per token (the maximum, the sum of exponentials, the target's logit),
-    /// as [`vocab_parallel_cross_entropy`](super::parallel::vocab_parallel_cross_entropy)
-    /// does over all tokens at once.
+    /// as Megatron-LM's vocabulary-parallel cross-entropy does (over all tokens at once
+    /// there; one block here with `with_block_tokens` of at least the tokens).
     ///
     /// # Panics
     /// As [`forward`](Self::forward), and where the weight's rows are not this rank's share

@@ -1,10 +1,12 @@
 //! Tensor parallelism's building blocks, as Megatron-LM defines them: a [`ParallelGroup`]
 //! of ranks that split each layer between them, its two operations (`f`,
 //! [`ParallelGroup::copy_to`]: the identity forward, a sum over the group backward; `g`,
-//! [`ParallelGroup::reduce_from`]: the sum forward, the identity backward), the layers made
-//! of them ([`ColumnParallelLinear`], [`RowParallelLinear`], [`VocabParallelEmbedding`]) and
-//! a cross-entropy over a vocabulary split across the group
-//! ([`vocab_parallel_cross_entropy`]), no rank forming the whole logits.
+//! [`ParallelGroup::reduce_from`]: the sum forward, the identity backward), the rules the
+//! models' layers are made of ([`row_parallel_linear`], [`vocab_parallel_lookup`]; a
+//! column-parallel layer is `linear` after `copy_to`), how a parameter is cut ([`Split`],
+//! [`split_module`]), and Ulysses' exchange ([`ParallelGroup::all_to_all`]). The loss over a
+//! vocabulary split across the group, no rank forming the whole logits, is
+//! [`LinearCrossEntropy::forward_parallel`](crate::nn::LinearCrossEntropy::forward_parallel).
 //!
 //! The operations are Burn autodiff operations over zerotrain's
 //! [`Collective`], so they run over threads, MPI and NCCL alike. Every rank of a group calls
@@ -22,7 +24,6 @@
 mod exchange;
 mod gather;
 mod linear;
-mod loss;
 mod module_split;
 mod ops;
 mod split;
@@ -37,8 +38,7 @@ use burn::tensor::Tensor;
 use zerotrain_zero::{Collective, ReduceOp, ThreadWorld};
 
 pub(crate) use linear::local_ids;
-pub use linear::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup};
-pub use loss::vocab_parallel_cross_entropy;
+pub use linear::{row_parallel_linear, vocab_parallel_lookup};
 pub use module_split::split_module;
 pub use split::{Split, within};
 

@@ -45,6 +45,9 @@ impl Split {
     pub fn ranges(&self, len: usize, rank: usize, n: usize, what: &str) -> Result<Vec<Range<usize>>> {
         match *self {
             Self::Whole => Ok(std::iter::once(0..len).collect()),
+            Self::Uneven { .. } if len < n => Err(Error::Usage(format!(
+                "{what}: its length {len} is less than the tensor-parallel size {n}: a rank would hold none of it"
+            ))),
             Self::Uneven { .. } => Ok(std::iter::once(uneven(len, rank, n)).collect()),
             Self::Even { blocks, .. } => {
                 let block = len / blocks.max(1);

@@ -11,9 +11,7 @@ use burn::tensor::module::{embedding, linear};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use zerotrain_zero::{Collective, ThreadWorld};
 
-use super::{
-    ColumnParallelLinear, ParallelGroup, RowParallelLinear, Split, VocabParallelEmbedding, vocab_parallel_cross_entropy,
-};
+use super::{ParallelGroup, Split, row_parallel_linear, vocab_parallel_lookup};
 
 /// `f(group)` on each of `n` thread ranks of one world, in rank order.
 fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
@@ -99,19 +97,26 @@ fn column_then_row_parallel_equals_the_unsplit_mlp_and_its_gradients() {
 
     for n in [2, 4] {
         let results = on_ranks(n, |group| {
+            let (r, size) = (group.rank(), group.size());
+            // A leaf of this rank's slice of `values` (whole shape `whole`), cut by `split`.
+            let part = |values: &[f32], whole: [usize; 2], split: Split| {
+                let cut = split.slice(tensor(values, whole, false), r, size, "w").unwrap();
+                Tensor::<2>::from_data(cut.into_data(), &Device::flex().autodiff()).require_grad()
+            };
+            let bias = |values: &[f32], len: usize, split: Split| {
+                let cut = split.slice(tensor(values, [len], false), r, size, "b").unwrap();
+                Tensor::<1>::from_data(cut.into_data(), &Device::flex().autodiff()).require_grad()
+            };
+            let (column, row) = (Split::Even { dim: 1, blocks: 1 }, Split::Even { dim: 0, blocks: 1 });
             let tx = tensor(&x, shape, true);
-            let col =
-                ColumnParallelLinear::from_whole(tensor(&w1, [d, h], false), Some(tensor(&b1, [h], false)), &group)
-                    .unwrap();
-            let row = RowParallelLinear::from_whole(tensor(&w2, [h, d], false), Some(tensor(&b2, [d], false)), &group)
-                .unwrap();
-            let y = row.forward(gelu(col.forward(tx.clone())));
+            let (cw, cb) = (part(&w1, [d, h], column), bias(&b1, h, row));
+            let (rw, rb) = (part(&w2, [h, d], row), bias(&b2, d, Split::Whole));
+            let hidden = gelu(linear(group.copy_to(tx.clone()), cw.clone(), Some(cb.clone())));
+            let y = row_parallel_linear(hidden, rw.clone(), Some(rb.clone()), &group);
             let grads = (y.clone() * tensor(&up, shape, false)).sum().backward();
-            let (cw, cb) = col.weight_and_bias();
-            let (rw, rb) = row.weight_and_bias();
             let g2 = |t: Tensor<2>| values(t.grad(&grads).unwrap());
             let g1 = |t: Tensor<1>| values(t.grad(&grads).unwrap());
-            (values(y), values(tx.grad(&grads).unwrap()), g2(cw), g1(cb.unwrap()), g2(rw), g1(rb.unwrap()))
+            (values(y), values(tx.grad(&grads).unwrap()), g2(cw), g1(cb), g2(rw), g1(rb))
         });
         let each = h / n;
         for (r, (y, dx, dw1, db1, dw2, db2)) in results.iter().enumerate() {
@@ -133,9 +138,9 @@ fn column_then_row_parallel_equals_the_unsplit_mlp_and_its_gradients() {
 }
 
 /// A vocabulary-parallel embedding and head (with a bias) with the vocabulary-parallel
-/// loss, at 2 and 5 ranks (12 ids in parts of 2 or 3), both as the logits'
-/// `vocab_parallel_cross_entropy` and as `LinearCrossEntropy::forward_parallel` in blocks
-/// of 3 tokens (10 tokens: 4 blocks, the last short): the loss equals the unsplit model's
+/// loss (`LinearCrossEntropy::forward_parallel` in one block of all 10 tokens, in blocks of
+/// 3 tokens, the last short, and in the blocks the vocabulary gives), at 2 and 5 ranks (12
+/// ids in parts of 2 or 3): the loss equals the unsplit model's
 /// (embedding, head, log-softmax, the targets' mean negative log-likelihood) on every rank,
 /// and each rank's table rows, head columns and bias entries get the unsplit gradients'
 /// slices. Targets include each rank's first and last ids. Bound: the loss and gradients
@@ -169,36 +174,40 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
     for ranks in [2, 5] {
         let results = on_ranks(ranks, |group| {
             let (r, n_ranks) = (group.rank(), group.size());
+            let leaf = |t: Tensor<2>| Tensor::<2>::from_data(t.into_data(), &Device::flex().autodiff()).require_grad();
             let split = Split::Uneven { dim: 1 };
             let head = split.slice(tensor(&head, [d, vocab], false), r, n_ranks, "head").unwrap();
             let bias = Split::Uneven { dim: 0 }.slice(tensor(&bias, [vocab], false), r, n_ranks, "bias").unwrap();
-            let head = ColumnParallelLinear::from_slice(head, Some(bias), &group);
+            let rows = group.share(vocab);
             let targets = int(&targets, [n, 1]).reshape([n]);
-            // How the loss runs: whole logits; fixed blocks of 3 tokens; blocks chosen by
-            // the vocabulary (24 logits: 2 tokens of 12 ids), which every rank must cut
-            // from the whole vocabulary, not from its part of 2 or 3 ids (12 or 8 tokens:
-            // one block or two of the 10, exchanges of different lengths).
-            let run = |blocked: Option<LinearCrossEntropy>| {
-                let embed = VocabParallelEmbedding::from_whole(tensor(&table, [vocab, d], false), &group).unwrap();
-                let hidden = embed.forward(int(&ids, [batch, time])).reshape([n, d]);
-                let (hw, hb) = head.weight_and_bias();
-                let loss = match blocked {
-                    None => vocab_parallel_cross_entropy(head.forward(hidden), targets.clone(), vocab, &group),
-                    Some(blocks) => blocks.forward_parallel(
-                        hidden,
-                        (hw.clone().transpose(), hb.clone()),
-                        targets.clone(),
-                        vocab,
-                        &group,
-                    ),
-                };
+            // How the loss runs: one block of every token (the whole logits of this rank's
+            // part); fixed blocks of 3 tokens; blocks chosen by the vocabulary (24 logits: 2
+            // tokens of 12 ids), which every rank must cut from the whole vocabulary, not
+            // from its part of 2 or 3 ids (12 or 8 tokens: one block or two of the 10,
+            // exchanges of different lengths).
+            let run = |blocks: LinearCrossEntropy| {
+                let table = leaf(tensor(&table, [vocab, d], false).narrow(0, rows.start, rows.len()));
+                let (hw, hb) = (
+                    leaf(head.clone()),
+                    Tensor::<1>::from_data(bias.clone().into_data(), &Device::flex().autodiff()).require_grad(),
+                );
+                let hidden =
+                    vocab_parallel_lookup(table.clone(), rows.start, int(&ids, [batch, time]), &group).reshape([n, d]);
+                let loss = blocks.forward_parallel(
+                    hidden,
+                    (hw.clone().transpose(), Some(hb.clone())),
+                    targets.clone(),
+                    vocab,
+                    &group,
+                );
                 let grads = loss.clone().backward();
                 let grad = |t: Tensor<2>| values(t.grad(&grads).unwrap());
-                [values(loss), grad(embed.weight()), grad(hw), values(hb.unwrap().grad(&grads).unwrap())]
+                [values(loss), grad(table), grad(hw), values(hb.grad(&grads).unwrap())]
             };
             let by_vocab = LinearCrossEntropy::new().with_block_elements(24);
             assert_eq!(by_vocab.block_tokens(vocab), 2);
-            [run(None), run(Some(LinearCrossEntropy::new().with_block_tokens(3))), run(Some(by_vocab))]
+            let one_block = LinearCrossEntropy::new().with_block_tokens(n);
+            [run(one_block), run(LinearCrossEntropy::new().with_block_tokens(3)), run(by_vocab)]
         });
         for (r, both) in results.iter().enumerate() {
             let rows = r * vocab / ranks..(r + 1) * vocab / ranks;
@@ -208,7 +217,7 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
                 ("head's gradient", columns(&want[2], vocab, rows.clone())),
                 ("bias's gradient", want[3][rows.clone()].to_vec()),
             ];
-            for (how, got) in ["logits", "blocks of 3", "blocks by the vocabulary"].iter().zip(both) {
+            for (how, got) in ["one block", "blocks of 3", "blocks by the vocabulary"].iter().zip(both) {
                 for ((what, want), got) in slices.iter().zip(got) {
                     let error = relative_error(got, want);
                     assert!(
@@ -221,24 +230,29 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
     }
 }
 
-/// Widths that do not divide over the group are refused, naming the width (and a vocabulary
-/// smaller than the group); a group of one rank splits nothing.
+/// Widths that do not divide over the group are refused, naming the parameter and its
+/// width (and a vocabulary smaller than the group); a group of one rank splits nothing.
 #[test]
 fn widths_that_do_not_divide_are_refused_by_name() {
     let results = on_ranks(4, |group| {
-        let col = ColumnParallelLinear::from_whole(tensor(&[0.0; 12], [2, 6], false), None, &group).err().unwrap();
-        let row = RowParallelLinear::from_whole(tensor(&[0.0; 12], [6, 2], false), None, &group).err().unwrap();
-        let emb = VocabParallelEmbedding::from_whole(tensor(&[0.0; 6], [3, 2], false), &group).err().unwrap();
-        [col.to_string(), row.to_string(), emb.to_string()]
+        let (r, n) = (group.rank(), group.size());
+        let cut = |split: Split, shape: [usize; 2], what: &str| {
+            split.slice(tensor(&vec![0.0; shape[0] * shape[1]], shape, false), r, n, what).err().unwrap().to_string()
+        };
+        [
+            cut(Split::Even { dim: 1, blocks: 1 }, [2, 6], "mlp.up.weight"),
+            cut(Split::Even { dim: 0, blocks: 1 }, [6, 2], "mlp.down.weight"),
+            cut(Split::Uneven { dim: 0 }, [3, 2], "wte.weight"),
+        ]
     });
     for [col, row, emb] in results {
-        assert!(col.contains("output width (6)") && col.contains("tensor-parallel size 4"), "{col}");
-        assert!(row.contains("input width (6)"), "{row}");
-        assert!(emb.contains("vocabulary (3) has fewer ids than the tensor-parallel size 4"), "{emb}");
+        assert!(col.contains("mlp.up.weight: its length 6 does not divide by the tensor-parallel size 4"), "{col}");
+        assert!(row.contains("mlp.down.weight: its length 6"), "{row}");
+        assert!(emb.contains("wte.weight: its length 3 is less than the tensor-parallel size 4"), "{emb}");
     }
     let alone = ParallelGroup::alone();
-    let col = ColumnParallelLinear::from_whole(tensor(&[1.0; 12], [2, 6], false), None, &alone).unwrap();
-    assert_eq!(col.weight_and_bias().0.dims(), [2, 6]);
+    let whole = Split::Even { dim: 1, blocks: 1 }.slice(tensor(&[1.0; 12], [2, 6], false), 0, alone.size(), "w");
+    assert_eq!(whole.unwrap().dims(), [2, 6]);
 }
 
 /// A rank whose peer has failed does not wait: its reduction panics (the engine reports a
