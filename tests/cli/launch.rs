@@ -102,14 +102,16 @@ fn each_rank_gets_torchrun_s_variables_for_its_node() {
 #[test]
 fn a_rank_that_fails_takes_the_job_down_with_its_status() {
     let dir = scratch("fail");
-    // Ranks 0 and 2 would run for ten minutes; rank 1 fails once they are running.
+    // Ranks 0 and 2 would run for ten minutes, and note the SIGTERM that stops them; rank 1
+    // fails once they are running.
     let script = r#"echo $$ >> $OUT/pids
         if [ $RANK = 1 ]; then
             while [ $(wc -l < $OUT/pids) -lt 3 ]; do sleep 0.05; done
             exit 3
         fi
-        exec sleep 600"#;
-    let started = Instant::now();
+        trap 'echo $RANK >> $OUT/stopped; kill $sleeper; exit 143' TERM
+        sleep 600 & sleeper=$!
+        wait $sleeper"#;
     let out = launch(
         &["--nproc-per-node", "3", "--no-zerotrain", "--", "sh", "-c", script],
         &[("OUT", dir.to_str().unwrap())],
@@ -118,7 +120,10 @@ fn a_rank_that_fails_takes_the_job_down_with_its_status() {
     .unwrap();
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("launch: rank 1 ended (exit status: 3): stopping the other ranks"));
-    assert!(started.elapsed() < Duration::from_secs(60), "the sleepers were stopped, not waited for");
+    let mut stopped: Vec<String> =
+        std::fs::read_to_string(dir.join("stopped")).unwrap().lines().map(String::from).collect();
+    stopped.sort();
+    assert_eq!(stopped, ["0", "2"], "the sleepers were stopped by SIGTERM, not waited for");
     let pids = std::fs::read_to_string(dir.join("pids")).unwrap();
     assert_eq!(pids.lines().count(), 3);
     assert!(pids.lines().all(|pid| !alive(pid)), "every rank ended with the job: {pids}");

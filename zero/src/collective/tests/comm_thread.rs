@@ -86,12 +86,10 @@ fn aborting_releases_a_request_waiting_on_the_comm_thread() {
     let world = ThreadWorld::new(2, Duration::from_secs(60));
     let comm = CommThread::new(world.communicator(0)).unwrap();
     let pending = comm.start(Request::AllReduce { buf: FlatBuf::F32(vec![1.0; 4]), op: ReduceOp::Sum });
-    let t = Instant::now();
     std::thread::sleep(Duration::from_millis(50));
     comm.abort("rank 0 gives up");
     let err = pending.wait().unwrap_err();
     assert!(matches!(err, ZeroError::Aborted { rank: 0, .. }), "{err}");
-    assert!(t.elapsed() < Duration::from_secs(5));
     // Later calls fail the same way, without hanging.
     assert!(comm.barrier().is_err());
 }

@@ -325,11 +325,21 @@ struct Backoff {
     started: Instant,
     wait: Duration,
     limit: Duration,
+    /// Tries that failed so far.
+    failed: u32,
 }
 
 impl Backoff {
     fn new(limit: Duration) -> Self {
-        Self { started: Instant::now(), wait: Duration::from_millis(50), limit }
+        Self { started: Instant::now(), wait: Duration::from_millis(50), limit, failed: 0 }
+    }
+
+    /// "1 try" or "N tries": the tries that failed so far, for a message.
+    fn tries(&self) -> String {
+        match self.failed {
+            1 => "1 try".into(),
+            n => format!("{n} tries"),
+        }
     }
 
     /// The wait before the next try, or `None`: give up.
@@ -348,6 +358,7 @@ impl Backoff {
     /// or, to give up, `why` with what to look at. A certificate the worker does not trust
     /// gives up at once: waiting cannot make it trusted.
     fn retry(&mut self, why: &str, tls: bool) -> std::result::Result<Duration, String> {
+        self.failed += 1;
         let untrusted = why.contains("invalid peer certificate");
         match self.next() {
             Some(wait) if !untrusted => Ok(wait),
@@ -372,7 +383,8 @@ async fn connect(endpoint: Endpoint, addr: &str, attach: Attach, timeout: Durati
                 Ok(wait) => tokio::time::sleep(wait).await,
                 Err(why) => {
                     return Err(Error::Launch(format!(
-                        "local_sgd.servers: the server at {addr} does not answer ({why}) after {:.1} s",
+                        "local_sgd.servers: the server at {addr} does not answer ({why}) after {} in {:.1} s",
+                        backoff.tries(),
                         backoff.elapsed()
                     )));
                 }
