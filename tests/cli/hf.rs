@@ -386,17 +386,7 @@ pub(super) fn fresh_llama(dir: &Path, world: usize, extra: &str) -> (PathBuf, Pa
     (config, tokens)
 }
 
-/// (step, loss) of every line of a run's metrics.jsonl.
-pub(super) fn losses(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
-}
+pub(super) use super::metrics::losses;
 
 /// A run on a token file, stopped at step 3 on two ranks and resumed on one, trains steps
 /// 4..6 on the same samples as a run that never stopped (the checkpoint records the data

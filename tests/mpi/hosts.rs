@@ -8,20 +8,11 @@ use std::process::Command;
 
 #[path = "../common/hosts.rs"]
 mod hosts;
+#[path = "../common/metrics.rs"]
+mod metrics;
 
 use hosts::Hosts;
-
-/// (step, loss) of every line of a run's metrics.jsonl.
-fn losses(run: &std::path::Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
-}
+use metrics::losses;
 
 #[test]
 #[ignore = "needs root and iproute2 (two network-namespace hosts); .ci/run runs it"]
