@@ -16,7 +16,7 @@ use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
 use crate::mesh_part::MeshPart;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
-use zerotrain::nn::parallel::{ParallelGroup, TensorParallel};
+use zerotrain::nn::parallel::{ModelSplit, ParallelGroup};
 
 /// GPT-2's body: token and position embeddings, blocks, the final LayerNorm.
 #[derive(Module, Debug)]
@@ -245,7 +245,7 @@ impl UnitModel for Gpt2 {
         self.values.clone()
     }
 
-    fn tensor_parallel(&self) -> Option<TensorParallel> {
-        Some(self.part.tensor_parallel())
+    fn model_split(&self) -> Option<ModelSplit> {
+        Some(self.part.model_split())
     }
 }

@@ -245,7 +245,7 @@ impl Embed {
     pub fn vocabulary(w: &Weights, name: &str, rows: usize, d: usize) -> Self {
         let group = w.tensor_parallel();
         let weight = w.split_param(&format!("{name}.weight"), [rows, d], Split::Uneven { dim: 0 }, Init::Normal);
-        let split = (group.size() > 1).then(|| (group.clone(), group.share(rows).start));
+        let split = (group.size() > 1).then(|| (group.clone(), group.part(rows).start));
         Self { weight, split }
     }
 

@@ -19,7 +19,7 @@ use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
 use crate::mesh_part::MeshPart;
 use zerotrain::engine::{InitialValues, UnitModel, UnitSpec};
-use zerotrain::nn::parallel::{ParallelGroup, TensorParallel};
+use zerotrain::nn::parallel::{ModelSplit, ParallelGroup};
 
 /// The decoder under `model`: the token embedding, the layers, the final norm.
 #[derive(Module, Debug)]
@@ -289,7 +289,7 @@ impl UnitModel for Llama {
         self.values.clone()
     }
 
-    fn tensor_parallel(&self) -> Option<TensorParallel> {
-        Some(self.part.tensor_parallel())
+    fn model_split(&self) -> Option<ModelSplit> {
+        Some(self.part.model_split())
     }
 }

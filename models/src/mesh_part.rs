@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor};
-use zerotrain::nn::parallel::{ParallelGroup, Split, TensorParallel, vocab_parallel_lookup};
+use zerotrain::nn::parallel::{ModelSplit, ParallelGroup, Split, vocab_parallel_lookup};
 
 use crate::hf::weights::Weights;
 
@@ -13,7 +13,7 @@ use crate::hf::weights::Weights;
 /// where its groups are of one rank.
 #[derive(Debug, Clone)]
 pub(crate) struct MeshPart {
-    split: TensorParallel,
+    split: ModelSplit,
     /// The whole vocabulary's size.
     vocab: usize,
 }
@@ -24,43 +24,43 @@ impl MeshPart {
     pub fn of(w: &Weights, vocab: usize) -> Self {
         let (group, sequence) = (w.tensor_parallel().clone(), w.sequence_parallel().clone());
         let splits: BTreeMap<String, Split> = w.splits();
-        Self { split: TensorParallel { group, splits, sequence }, vocab }
+        Self { split: ModelSplit { tensor: group, splits, sequence }, vocab }
     }
 
     /// The part `split` describes, of a vocabulary of `vocab` ids (a model cut by
     /// [`split_module`](zerotrain::nn::parallel::split_module)).
-    pub fn new(split: TensorParallel, vocab: usize) -> Self {
+    pub fn new(split: ModelSplit, vocab: usize) -> Self {
         Self { split, vocab }
     }
 
     /// The group the layers are split over (a group of one: none).
     pub fn group(&self) -> &ParallelGroup {
-        &self.split.group
+        &self.split.tensor
     }
 
     /// The embeddings `[batch, time, d]` of `ids` `[batch, time]` in a token table `[rows,
     /// d]` of this rank's rows of the vocabulary (the whole table without a split).
     pub fn lookup(&self, table: Tensor<2>, ids: Tensor<2, Int>) -> Tensor<3> {
-        let group = &self.split.group;
+        let group = &self.split.tensor;
         match group.size() {
             1 => burn::tensor::module::embedding(table, ids),
-            _ => vocab_parallel_lookup(table, group.share(self.vocab).start, ids, group),
+            _ => vocab_parallel_lookup(table, group.part(self.vocab).start, ids, group),
         }
     }
 
-    /// The split, as the engine asks for it (`UnitModel::tensor_parallel`).
-    pub fn tensor_parallel(&self) -> TensorParallel {
+    /// The split, as the engine asks for it (`UnitModel::model_split`).
+    pub fn model_split(&self) -> ModelSplit {
         self.split.clone()
     }
 
     /// The head's group and the whole vocabulary, for the vocabulary-parallel loss.
     pub fn vocabulary(&self) -> Option<(&ParallelGroup, usize)> {
-        Some((&self.split.group, self.vocab))
+        Some((&self.split.tensor, self.vocab))
     }
 
     /// The whole logits from this rank's part of the vocabulary's (for inference).
     pub fn logits(&self, part: Tensor<3>) -> Tensor<3> {
-        self.split.group.gather_shares(part, self.vocab)
+        self.split.tensor.gather_parts(part, self.vocab)
     }
 
     /// The sequence group, where the units run a part of every sequence.

@@ -66,7 +66,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         eprintln!("warning: {warning}");
     }
     let stem = args.config.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
-    let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(stem));
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(stem));
     // In a job of processes every process runs this; rank 0 alone speaks.
     let lead = crate::processes::place().is_none_or(|(rank, _)| rank == 0);
     let say = |line: String| {
@@ -74,55 +74,9 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
             println!("{line}");
         }
     };
-    let ranks = format!(
-        "{} on {}, {}, {}",
-        count(plan.world_size(), "rank"),
-        plan.runtime.device.name(),
-        plan.zero.stage,
-        plan.precision.compute
-    );
-    let job = if settings.hf.is_some() {
-        let device = burn::tensor::Device::flex().autodiff();
-        device.seed(plan.runtime.seed);
-        let mut loaded = zerotrain_models::family::load::load_model(
-            &settings.hf_model(&args.config)?,
-            &args.config,
-            &device,
-            None,
-            plan.runtime.seed,
-        )?;
-        let micro = plan.batch.micro_batch_per_rank;
-        let rule = (settings.block_size.is_some(), plan.activation_checkpointing);
-        let available = zerotrain_models::hf::size::available_memory();
-        (loaded.context, loaded.context_from) =
-            zerotrain_models::family::load::training_context(&loaded, micro, rule, available)?;
-        // Every rank of a job of processes must train at it (the rendezvous compares them).
-        plan.agreed.insert("model.context".into(), loaded.context.to_string());
-        let data = crate::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, &out)?;
-        say(format!(
-            "training {} ({}, context {}: {}) on {} ({} tokens, {} held out): {ranks}",
-            loaded.source.display(),
-            loaded.config.json["model_type"].as_str().unwrap_or("?"),
-            loaded.context,
-            loaded.context_from,
-            data.path().display(),
-            data.len(),
-            data.len() - data.train_tokens()
-        ));
-        TrainJob::Hf(Box::new(loaded), data)
-    } else {
-        let (corpus, shape) = crate::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
-        say(format!(
-            "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {ranks}",
-            shape.num_params(),
-            shape.n_layer,
-            shape.n_embd,
-            shape.block_size,
-            corpus.name,
-            corpus.train.len() + corpus.valid.len(),
-            shape.vocab_size,
-        ));
-        TrainJob::Gpt(corpus, shape)
+    let job = match settings.hf.is_some() {
+        true => hf_job(&args, &mut plan, &settings, &out, &say)?,
+        false => gpt_job(&args, &plan, &settings, &say)?,
     };
     let stop = stop_on_signals(crate::processes::place().is_some())?;
     let bar = if lead { ProgressBar::new(args.steps) } else { ProgressBar::hidden() };
@@ -153,6 +107,74 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         print_summary(&s);
     }
     Ok(())
+}
+
+/// "N ranks on DEVICE, STAGE, DTYPE": how `plan` runs, for the line a job opens with.
+fn ranks_of(plan: &zerotrain::Plan) -> String {
+    format!(
+        "{} on {}, {}, {}",
+        count(plan.world_size(), "rank"),
+        plan.runtime.device.name(),
+        plan.zero.stage,
+        plan.precision.compute
+    )
+}
+
+/// The Hugging Face family's model of `settings`, its context (which every rank of a job of
+/// processes must train at: it joins what the rendezvous compares, `plan.agreed`) and its
+/// token data, said in one line.
+fn hf_job(
+    args: &TrainArgs,
+    plan: &mut zerotrain::Plan,
+    settings: &keys::AppSettings,
+    out: &std::path::Path,
+    say: &dyn Fn(String),
+) -> anyhow::Result<TrainJob> {
+    use zerotrain_models::family::load::{load_model, training_context};
+    let device = burn::tensor::Device::flex().autodiff();
+    device.seed(plan.runtime.seed);
+    let wanted = settings.hf_model(&args.config)?;
+    let mut loaded = load_model(&wanted, &args.config, &device, None, plan.runtime.seed)?;
+    let rule = (settings.block_size.is_some(), plan.activation_checkpointing);
+    let available = zerotrain_models::hf::size::available_memory();
+    (loaded.context, loaded.context_from) =
+        training_context(&loaded, plan.batch.micro_batch_per_rank, rule, available)?;
+    plan.agreed.insert("model.context".into(), loaded.context.to_string());
+    let data = crate::train::hf::token_file(args.data.as_deref(), &loaded.tokenizer, out)?;
+    say(format!(
+        "training {} ({}, context {}: {}) on {} ({} tokens, {} held out): {}",
+        loaded.source.display(),
+        loaded.config.json["model_type"].as_str().unwrap_or("?"),
+        loaded.context,
+        loaded.context_from,
+        data.path().display(),
+        data.len(),
+        data.len() - data.train_tokens(),
+        ranks_of(plan)
+    ));
+    Ok(TrainJob::Hf(Box::new(loaded), data))
+}
+
+/// The built-in GPT of `settings` and its character corpus, said in one line.
+fn gpt_job(
+    args: &TrainArgs,
+    plan: &zerotrain::Plan,
+    settings: &keys::AppSettings,
+    say: &dyn Fn(String),
+) -> anyhow::Result<TrainJob> {
+    let (corpus, shape) = crate::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
+    say(format!(
+        "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {}",
+        shape.num_params(),
+        shape.n_layer,
+        shape.n_embd,
+        shape.block_size,
+        corpus.name,
+        corpus.train.len() + corpus.valid.len(),
+        shape.vocab_size,
+        ranks_of(plan)
+    ));
+    Ok(TrainJob::Gpt(corpus, shape))
 }
 
 /// What `zerotrain train` trains: the built-in GPT on a character corpus, or a Hugging

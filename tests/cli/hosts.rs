@@ -8,9 +8,9 @@ use std::path::Path;
 use std::process::Output;
 
 #[path = "../common/hosts.rs"]
-mod hosts;
+mod netns;
 
-use hosts::Hosts;
+use netns::Hosts;
 
 use super::hf::losses;
 use super::{text, zerotrain};

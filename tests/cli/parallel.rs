@@ -108,7 +108,7 @@ fn a_family_trains_on_a_tensor_parallel_mesh_and_resumes_whole() {
 fn last_val_loss(run: &std::path::Path) -> f64 {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let lines = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
-    lines.filter_map(|v| v["val_loss"].as_f64()).last().expect("a validation loss")
+    lines.filter_map(|v| v["val_loss"].as_f64()).next_back().expect("a validation loss")
 }
 
 /// The built-in GPT on a mesh of two thread ranks, at tp 2 (`tensor_parallel.autotp_size`)

@@ -30,8 +30,8 @@ impl Hosts {
         }
         let links = [format!("zv{id}{}a", &tag[..1]), format!("zv{id}{}b", &tag[..1])];
         hosts.ip(&["link", "add", &links[0], "type", "veth", "peer", "name", &links[1]]);
-        for h in 0..2 {
-            let (ns, link) = (&hosts.namespaces[h], &links[h]);
+        for (h, link) in links.iter().enumerate() {
+            let ns = &hosts.namespaces[h];
             hosts.ip(&["link", "set", link, "netns", ns]);
             hosts.ip(&["-n", ns, "addr", "add", &format!("{}/24", Self::ADDRS[h]), "dev", link]);
             hosts.ip(&["-n", ns, "link", "set", link, "up"]);

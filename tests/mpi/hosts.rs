@@ -6,13 +6,13 @@
 
 use std::process::Command;
 
-#[path = "../common/hosts.rs"]
-mod hosts;
 #[path = "../common/metrics.rs"]
 mod metrics;
+#[path = "../common/hosts.rs"]
+mod netns;
 
-use hosts::Hosts;
 use metrics::losses;
+use netns::Hosts;
 
 #[test]
 #[ignore = "needs root and iproute2 (two network-namespace hosts); .ci/run runs it"]

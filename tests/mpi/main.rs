@@ -166,7 +166,7 @@ fn a_failing_or_killed_rank_ends_the_job_promptly_with_no_process_left() {
     for mode in ["fail-error", "fail-kill"] {
         // A marker only this job's processes carry (other tests run the same binary).
         let marker = format!("marker-{}-{mode}", std::process::id());
-        let (out, elapsed) = run(3, &[mode, &marker], Duration::from_secs(60));
+        let (out, _) = run(3, &[mode, &marker], Duration::from_secs(60));
         assert!(!out.status.success(), "{mode} must fail the job");
         std::thread::sleep(Duration::from_millis(500));
         let left = Command::new("pgrep").args(["-f", &marker]).output().unwrap();

@@ -181,7 +181,7 @@ fn a_model_without_gradient_tracking_is_an_error_that_says_why() {
     assert!(err.contains("the rank's device has no autodiff"), "{err}");
 }
 
-/// A user's model that declares no tensor-parallel plan (`UnitModel::tensor_parallel`) is
+/// A user's model that declares no tensor-parallel plan (`UnitModel::model_split`) is
 /// refused on a mesh, naming the key and what it lacks, rather than trained whole on every
 /// tensor rank.
 #[test]

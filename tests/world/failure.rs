@@ -7,6 +7,10 @@ use zerotrain_models::Mlp;
 
 use crate::common::*;
 
+/// How a rank ended: its rank, its error, and whether that error is a consequence of
+/// another rank's failure.
+type Ended = (usize, String, bool);
+
 /// Trains `steps` steps; `fault(rank, step)` may inject a failure before a step's forward.
 /// Returns the job's result, and whether each rank that did not inject a fault ended by
 /// another's failure reaching it (`Error::is_consequence`), not by a timeout of its own.
@@ -14,7 +18,7 @@ fn train_with_fault(
     plan: &Plan,
     steps: u64,
     fault: impl Fn(usize, u64) -> Result<(), String> + Sync,
-) -> (Result<Vec<()>, Error>, Vec<(usize, String, bool)>) {
+) -> (Result<Vec<()>, Error>, Vec<Ended>) {
     let ended = std::sync::Mutex::new(Vec::new());
     let result = launch(plan, |ctx| {
         let mut engine = Engine::new(fresh(|d| Mlp::new(&[6, 8, 6], d)), plan, &ctx)?;
@@ -41,7 +45,7 @@ fn train_with_fault(
 
 /// Every rank but `failed` ended, and each by the failure reaching it (the plan's
 /// collectives would otherwise wait 10 minutes and end in a timeout of their own).
-fn the_others_heard_of_it(ended: &[(usize, String, bool)], failed: usize, ranks: usize, at: &str) {
+fn the_others_heard_of_it(ended: &[Ended], failed: usize, ranks: usize, at: &str) {
     let others: Vec<_> = ended.iter().filter(|(rank, _, _)| *rank != failed).collect();
     assert_eq!(others.len(), ranks - 1, "{at}: {ended:?}");
     for (rank, error, heard) in others {

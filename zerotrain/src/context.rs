@@ -9,7 +9,8 @@ use zerotrain_zero::Collective;
 use zerotrain_zero::pipeline::Topology;
 
 use crate::Result;
-use crate::mesh::MeshPlace;
+use crate::config::MeshPlan;
+use crate::nn::parallel::ParallelGroup;
 
 /// One rank's view of the world: its rank, the world size, its device, its collective, and
 /// its place among the pipeline stages and data-parallel ranks.
@@ -130,5 +131,28 @@ impl RankContext {
     /// The rank's collective.
     pub fn collective(&self) -> Arc<dyn Collective> {
         Arc::clone(&self.comm)
+    }
+}
+
+/// A rank's place in the mesh: its coordinates and groups, carried by the data-parallel
+/// context an engine is built with.
+#[derive(Clone)]
+pub struct MeshPlace {
+    /// The mesh's sizes.
+    pub plan: MeshPlan,
+    /// (data-parallel, sequence, tensor) index of this rank (within its pipeline stage).
+    pub coordinates: (usize, usize, usize),
+    /// The ranks that split each layer with this one.
+    pub tensor: ParallelGroup,
+    /// The ranks that split each sequence with this one.
+    pub sequence: ParallelGroup,
+    /// Every rank of the job (every stage's).
+    pub world: Arc<dyn Collective>,
+}
+
+impl std::fmt::Debug for MeshPlace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (d, s, t) = self.coordinates;
+        write!(f, "MeshPlace(dp {d}, sp {s} of {}, tp {t} of {})", self.plan.sp, self.plan.tp)
     }
 }

@@ -24,38 +24,13 @@
 //! dimension on top of it (the norm over the tensor group, the checkpoint in the whole
 //! model's order), as it does without a pipeline.
 
-use std::sync::Arc;
-
-use zerotrain_zero::Collective;
-
 use crate::config::MeshPlan;
 use crate::engine::UnitModel;
 use crate::nn::parallel::{ParallelGroup, ParallelGroups};
 use crate::replicas::{LocalSgd, Replicas};
 use crate::{Error, Plan, RankContext, Result, Trainer};
 
-/// A rank's place in the mesh: its coordinates and groups, carried by the data-parallel
-/// context an engine is built with.
-#[derive(Clone)]
-pub struct MeshPlace {
-    /// The mesh's sizes.
-    pub plan: MeshPlan,
-    /// (data-parallel, sequence, tensor) index of this rank (within its pipeline stage).
-    pub coordinates: (usize, usize, usize),
-    /// The ranks that split each layer with this one.
-    pub tensor: ParallelGroup,
-    /// The ranks that split each sequence with this one.
-    pub sequence: ParallelGroup,
-    /// Every rank of the job (every stage's).
-    pub world: Arc<dyn Collective>,
-}
-
-impl std::fmt::Debug for MeshPlace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (d, s, t) = self.coordinates;
-        write!(f, "MeshPlace(dp {d}, sp {s} of {}, tp {t} of {})", self.plan.sp, self.plan.tp)
-    }
-}
+pub use crate::context::MeshPlace;
 
 /// What [`split`] gives a rank: the context and plan its engine is built with (the context
 /// carries its [`MeshPlace`]), and its tensor- and sequence-parallel groups.
@@ -141,11 +116,12 @@ impl MeshRank {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::Duration;
 
     use burn::tensor::Device;
     use zerotrain_precision::{BufMut, BufRef};
-    use zerotrain_zero::ThreadWorld;
+    use zerotrain_zero::{Collective, ThreadWorld};
 
     use super::*;
     use crate::config::{Config, Overrides};

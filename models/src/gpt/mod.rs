@@ -15,7 +15,7 @@ use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
 use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
 use crate::mesh_part::MeshPart;
 use zerotrain::engine::{UnitModel, UnitSpec};
-use zerotrain::nn::parallel::{ParallelGroup, TensorParallel, row_parallel_linear};
+use zerotrain::nn::parallel::{ModelSplit, ParallelGroup, row_parallel_linear};
 
 /// The `model` section of a config: a GPT's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -356,8 +356,8 @@ impl UnitModel for Gpt {
     }
 
     /// On a mesh ([`Gpt::new_split`]), its split; the whole model has none.
-    fn tensor_parallel(&self) -> Option<TensorParallel> {
-        self.mesh.as_ref().map(MeshPart::tensor_parallel)
+    fn model_split(&self) -> Option<ModelSplit> {
+        self.mesh.as_ref().map(MeshPart::model_split)
     }
 }
 

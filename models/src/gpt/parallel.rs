@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::Device;
-use zerotrain::nn::parallel::{ParallelGroups, Split, TensorParallel, split_module};
+use zerotrain::nn::parallel::{ModelSplit, ParallelGroups, Split, split_module};
 
 use super::{Gpt, GptConfig};
 use crate::mesh_part::MeshPart;
@@ -36,7 +36,7 @@ impl Gpt {
             block.attn.n_heads = config.n_head / tp;
             block.attn.d_model = config.n_embd / tp;
         }
-        let split = TensorParallel { group: groups.tensor.clone(), splits, sequence: groups.sequence.clone() };
+        let split = ModelSplit { tensor: groups.tensor.clone(), splits, sequence: groups.sequence.clone() };
         part.mesh = Some(MeshPart::new(split, config.vocab_size));
         Ok(part)
     }

@@ -8,22 +8,16 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use zerotrain_zero::{ReduceOp, Sharding};
 
+use super::assemble::assemble;
 use super::buffers::Buffers;
-use super::first_values::FirstValues;
-use super::model::{InitialValues, UnitModel, UnitSpec, claims, group, under};
-use super::notices::Notices;
+use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, initialise_lazy, is_all_lazy};
 use super::parts::{ALIGN_ELEMS, Declared, Parts};
-use super::report::{Peaks, Window};
-use super::shared::Shared;
-use super::shared::SwapFolders;
 use super::span::Span;
-use super::unit::Unit;
-use super::{Engine, Granularity, Pipeline, Progress};
-use crate::config::{ComputeDevice, Plan};
+use super::{Engine, Granularity, Pipeline};
+use crate::config::Plan;
 use crate::context::RankContext;
-use crate::random::Streams;
 use crate::{Error, Result};
 
 /// Builds an [`Engine`] (or a [`Pipeline`] stage) with options beyond the plan's.
@@ -87,7 +81,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         if !self.plan.mesh.is_trivial() || self.ctx.mesh().is_some() {
             return Err(Error::Usage(
                 "the plan has a tensor- or sequence-parallel mesh: build the engine of a model declared in units \
-                 (Engine::with_units), whose UnitModel::tensor_parallel says how it is split"
+                 (Engine::with_units), whose UnitModel::model_split says how it is split"
                     .into(),
             ));
         }
@@ -156,7 +150,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let root = sharding.units().len() > declared_units;
         let every = usize::from(plan.activation_checkpointing);
         let granularity = Granularity::declared(declared_units, root, every, plan.recompute_units);
-        let tensor = super::tensor::share(&model, plan, ctx, &sharding)?;
+        let tensor = super::tensor::tensor_part(&model, plan, ctx, &sharding)?;
         let parts = Parts {
             comm: ctx.collective(),
             sharding,
@@ -270,123 +264,4 @@ fn count_floats<M: Module>(model: &M) -> usize {
     let mut count = Count(0);
     model.visit(&mut count);
     count.0
-}
-
-/// Every unit's state from the model's values (still-lazy parameters' from `initial`,
-/// when given), broadcast from the group's rank 0 one unit at a time (so no full-size
-/// buffer exists), written in the compute dtype, kept as the stage says; the buffers
-/// likewise.
-fn assemble<M: Module>(
-    mut model: M,
-    plan: &Plan,
-    ctx: &RankContext,
-    parts: Parts,
-    granularity: Granularity,
-    factory: &OptimizerFactory,
-    initial: Option<&dyn InitialValues>,
-) -> Result<Engine<M>> {
-    let world = ctx.collective();
-    check_no_groups(plan)?;
-    if world.world_size() != plan.world_size() {
-        let (planned, actual) = (plan.world_size(), world.world_size());
-        return Err(Error::Usage(format!("plan is for {planned} ranks, the communicator has {actual}")));
-    }
-    crate::device::check_dtype(plan.precision.compute, plan.runtime.device, ctx.device())?;
-    let Parts { comm, sharding, index, buffers, span, tensor } = parts;
-    let lead = world.rank() == 0;
-    let owner = match (ctx.replica_group(), &tensor) {
-        (Some(g), _) => format!("group{g}.rank{}", world.rank()),
-        (None, Some(t)) => format!("tp{}.rank{}", t.place().0, world.rank()),
-        (None, None) => format!("rank{}", world.rank()),
-    };
-    let swaps = SwapFolders::open(plan, world.as_ref(), &owner)?;
-    let device = ctx.device().clone();
-    let streams = Streams::new(plan.runtime.seed, ctx.data_parallel_rank());
-    // A mesh's model waits for the other ranks of its tensor or sequence group inside its
-    // forward.
-    let streams = if ctx.mesh().is_some() { streams.waiting_inside() } else { streams };
-    let crossings = Default::default();
-    // Nothing on the host needs the step's values (the note in `engine/flat.rs`).
-    let device_step = plan.runtime.device != ComputeDevice::Cpu
-        && !plan.zero.offload.uses_host_or_nvme()
-        && (comm.world_size() == 1 || comm.reads_device_memory())
-        && !span.is_pipelined();
-    let shared = Shared {
-        comm,
-        world,
-        device,
-        plan: plan.clone(),
-        sharding,
-        index,
-        swaps,
-        crossings,
-        streams,
-        device_step,
-        tensor,
-        data_place: ctx.mesh().map(|_| (ctx.data_parallel_rank(), ctx.data_parallel_size())),
-        mesh_groups: ctx
-            .mesh()
-            .map_or_else(Vec::new, |m| vec![Arc::clone(m.tensor.collective()), Arc::clone(m.sequence.collective())]),
-    };
-    let (mut units, mut transient, mut first) = (Vec::new(), 0, FirstValues::new(shared.dtype()));
-    for id in 0..shared.sharding.units().len() {
-        // Only the group's first rank reads (the broadcast overwrites the others' values):
-        // a lazily built model is then initialised once, on one thread, in one order.
-        let values = first.read(&model, &shared, id, initial)?;
-        let bytes = values.len() * (values.dtype().bytes_per_elem() + shared.dtype().bytes_per_elem());
-        transient = transient.max(bytes as u64);
-        let (next, unit) = Unit::new(id, values, model, &shared, factory)?;
-        model = next;
-        units.push(unit);
-    }
-    if !buffers.entries().is_empty() {
-        let mut values = buffers.read(&model, |_| true, false)?;
-        shared.comm.broadcast((&mut values).into(), 0)?;
-        model = buffers.write(model, &values, |_| true);
-    }
-    // Its parameters are the engine's now, on the rank's device; this moves whatever else
-    // the model holds (a lazy model is not forked before: `prepare`).
-    let model = model.fork(&shared.device);
-    let progress = Progress::new(plan);
-    let mut engine = Engine {
-        model,
-        units,
-        granularity,
-        span,
-        progress,
-        window: Window::default(),
-        peaks: Peaks { transient, ..Peaks::default() },
-        buffers,
-        notices: Notices::new(lead),
-        shared,
-    };
-    engine.window.at_start = engine.traffic();
-    for notice in ctx.notices() {
-        engine.notices.warn(notice.clone());
-    }
-    engine.note_persistence();
-    engine.note_param_cache();
-    let swaps = &engine.shared.swaps;
-    for dir in [&swaps.optimizer, &swaps.param].into_iter().flatten().filter(|d| !d.is_direct()) {
-        engine.notices.warn(format!(
-            "{}: this filesystem refuses direct I/O (O_DIRECT), so swap files go through the page cache, which \
-             holds copies of them in memory; put nvme_path on a disk's filesystem (ext4, xfs)",
-            dir.path().display()
-        ));
-    }
-    Ok(engine)
-}
-
-/// Refuses `plan` for one engine while it still has replica groups: the engine would train
-/// one synchronous job and silently ignore them (`zerotrain::replicas::split` gives each
-/// group's plan).
-fn check_no_groups(plan: &Plan) -> Result<()> {
-    match plan.replicas {
-        None => Ok(()),
-        Some(_) => Err(Error::Usage(
-            "the plan has local_sgd replica groups: build each group's engine with the context and plan \
-             zerotrain::replicas::split gives (zerotrain::trainer does), or remove the section"
-                .into(),
-        )),
-    }
 }

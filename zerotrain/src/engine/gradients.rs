@@ -163,7 +163,7 @@ fn world_metrics(
     partials: Vec<(usize, f32)>,
     loss: Option<f32>,
 ) -> Result<(f64, f32, f64)> {
-    let world = &shared.world;
+    let world = &shared.ranks;
     let n = world.world_size();
     // A tensor group's ranks fill slots of their own (tensor rank t: t * n ..), and only
     // the first of them the loss, which every one computes alike (`tensor.rs`).

@@ -57,7 +57,7 @@ impl<M: UnitModel> Engine<M> {
     /// group, whose parts are equally long (the context divides by its size). Without
     /// sequence parallelism, unchanged. Every rank of the group must call it.
     pub(super) fn sequence_mean(&self, losses: &mut [f32]) -> Result<()> {
-        let Some(split) = self.model.valid().tensor_parallel() else { return Ok(()) };
+        let Some(split) = self.model.valid().model_split() else { return Ok(()) };
         let sp = split.sequence.size();
         if sp == 1 {
             return Ok(());

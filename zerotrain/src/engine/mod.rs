@@ -27,6 +27,7 @@
 //! fp32 master, and the new values are cast to the compute dtype and all-gathered in it.
 
 mod accumulation;
+mod assemble;
 mod buffers;
 mod build;
 mod builtin;
@@ -346,7 +347,7 @@ impl<M: Module> Engine<M> {
 
     /// This rank's traffic so far, every communicator it uses together.
     pub fn comm_stats(&self) -> CommStats {
-        let engine = self.span.comm_stats(self.shared.world.as_ref(), self.shared.comm.as_ref());
+        let engine = self.span.comm_stats(self.shared.ranks.as_ref(), self.shared.comm.as_ref());
         // On a mesh, the tensor and sequence groups' traffic too (the model's, mostly).
         self.shared.mesh_groups.iter().fold(engine, |all, group| all.plus(&group.stats()))
     }

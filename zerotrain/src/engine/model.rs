@@ -125,7 +125,7 @@ pub trait UnitModel: Module {
     /// parameter's cut. An engine whose plan has a tensor-parallel mesh
     /// (`tensor_parallel.autotp_size`) refuses a model without one rather than train it
     /// whole on every rank. Default: none.
-    fn tensor_parallel(&self) -> Option<crate::nn::parallel::TensorParallel> {
+    fn model_split(&self) -> Option<crate::nn::parallel::ModelSplit> {
         None
     }
 }

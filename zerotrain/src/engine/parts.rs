@@ -11,7 +11,7 @@ use super::buffers::Buffers;
 use super::model::UnitSpec;
 use super::params::{ParamIndex, ParamShapes};
 use super::span::Span;
-use super::tensor::TensorShare;
+use super::tensor::TensorPart;
 
 /// Shard alignment in elements (one 64-byte cache line of f32).
 pub(super) const ALIGN_ELEMS: usize = 16;
@@ -39,5 +39,5 @@ pub(super) struct Parts {
     pub buffers: Buffers,
     pub span: Span,
     /// How the units are split over a tensor-parallel group, if they are.
-    pub tensor: Option<TensorShare>,
+    pub tensor: Option<TensorPart>,
 }

@@ -14,7 +14,7 @@ use super::on_device;
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
 use super::report::HostDeviceBytes;
-use super::tensor::TensorShare;
+use super::tensor::TensorPart;
 use crate::config::{ComputeDevice, Plan, Tier};
 use crate::random::Streams;
 use crate::swap::SwapDir;
@@ -64,11 +64,13 @@ pub(crate) fn agree<T>(comm: &dyn Collective, result: Result<T>, phase: &str) ->
 /// What every unit works with: the rank's collectives and device, the plan, the units'
 /// layouts and the index of the model's parameters.
 pub(crate) struct Shared {
-    /// The ranks the units are sharded over: the world, or a pipeline stage's
+    /// The ranks the units are sharded over: the engine's ranks, or a pipeline stage's
     /// data-parallel group.
     pub comm: Arc<dyn Collective>,
-    /// Every rank of the job (the gradient norm, the loss, checkpoints agree over it).
-    pub world: Arc<dyn Collective>,
+    /// The ranks the engine was built over (its context's collective): the job's, a
+    /// replica group's, or a mesh's data-parallel group of one tensor index. The gradient
+    /// norm, the loss and checkpoints agree over them (over the tensor group too, on a mesh).
+    pub ranks: Arc<dyn Collective>,
     pub device: Device,
     pub plan: Plan,
     pub sharding: Sharding,
@@ -83,7 +85,7 @@ pub(crate) struct Shared {
     /// new parameters (the note in `engine/flat.rs`).
     pub device_step: bool,
     /// How the units are split over a tensor-parallel group, if they are (`tensor.rs`).
-    pub tensor: Option<TensorShare>,
+    pub tensor: Option<TensorPart>,
     /// On a mesh, this rank's data-parallel place and the places' count: the ranks of a
     /// sequence group shard one model but read the same samples.
     pub data_place: Option<(usize, usize)>,
@@ -117,9 +119,10 @@ impl Shared {
         }
     }
 
-    /// The ranks that write and agree on a checkpoint: the world, or a mesh's every rank.
-    pub fn checkpoint_world(&self) -> &Arc<dyn Collective> {
-        self.tensor.as_ref().map_or(&self.world, |t| &t.world)
+    /// The ranks that write and agree on a checkpoint: the engine's, or every rank of its
+    /// mesh.
+    pub fn checkpoint_ranks(&self) -> &Arc<dyn Collective> {
+        self.tensor.as_ref().map_or(&self.ranks, |t| &t.mesh)
     }
 
     /// Seconds since `start`, for a phase of the step's report. With `wall_clock_breakdown`

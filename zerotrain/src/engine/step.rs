@@ -111,7 +111,7 @@ impl<M: Module> Engine<M> {
     /// last backward left in the model (nothing may stay gathered across the step).
     fn skip_step(&mut self, scale: f64) {
         self.progress.counters.skipped_steps += 1;
-        if self.shared.world.rank() == 0 {
+        if self.shared.ranks.rank() == 0 {
             // The one log line per overflow, as DeepSpeed prints it.
             eprintln!(
                 "[Rank 0] OVERFLOW! Skipping step {}. Attempted loss scale: {scale}, reducing to {}",

@@ -1,5 +1,5 @@
 //! The engine of one tensor-parallel rank: its model is the rank's part of the whole
-//! (`UnitModel::tensor_parallel`), ZeRO shards that part over the mesh's data-parallel
+//! (`UnitModel::model_split`), ZeRO shards that part over the mesh's data-parallel
 //! group, and the step's global metrics are the whole model's: the squared norm adds the
 //! split parameters of every tensor rank and the parameters every rank holds whole once
 //! (tensor rank 0's), and the loss is counted once per data-parallel place.
@@ -25,13 +25,13 @@ use crate::nn::parallel::{Split, within};
 use crate::{Error, RankContext, Result};
 
 /// How this rank's units are split over its tensor group, for the metrics.
-pub(crate) struct TensorShare {
+pub(crate) struct TensorPart {
     /// The tensor group.
     pub comm: Arc<dyn Collective>,
     /// Each unit's flat ranges of parameters held whole on every tensor rank, in order.
     whole: Vec<Vec<Range<usize>>>,
     /// Every rank of the mesh (checkpoints are written and agreed over it).
-    pub world: Arc<dyn Collective>,
+    pub mesh: Arc<dyn Collective>,
     /// Each parameter of the global order as the whole model has it.
     layout: Vec<WholeEntry>,
 }
@@ -44,7 +44,7 @@ struct WholeEntry {
     offset: usize,
 }
 
-impl TensorShare {
+impl TensorPart {
     /// This rank's place in its tensor group and the group's size.
     pub fn place(&self) -> (usize, usize) {
         (self.comm.rank(), self.comm.world_size())
@@ -142,16 +142,16 @@ impl TensorShare {
 /// the whole model). An error naming the key where the plan has a mesh and the context is
 /// not one `mesh::split` gave, where the model has no plan for it or was built for other
 /// groups, and where a split model meets a plan without a mesh.
-pub(super) fn share<M: UnitModel>(
+pub(super) fn tensor_part<M: UnitModel>(
     model: &M,
     plan: &Plan,
     ctx: &RankContext,
     sharding: &Sharding,
-) -> Result<Option<TensorShare>> {
+) -> Result<Option<TensorPart>> {
     let place = ctx.mesh();
     let mesh = place.map_or(plan.mesh, |p| p.plan);
-    let split = model.tensor_parallel();
-    let (tp, sp) = split.as_ref().map_or((1, 1), |s| (s.group.size(), s.sequence.size()));
+    let split = model.model_split();
+    let (tp, sp) = split.as_ref().map_or((1, 1), |s| (s.tensor.size(), s.sequence.size()));
     if mesh.is_trivial() {
         if (tp, sp) == (1, 1) {
             return Ok(None);
@@ -171,7 +171,7 @@ pub(super) fn share<M: UnitModel>(
     let Some(split) = split.filter(|_| (tp, sp) != (1, 1)) else {
         return Err(Error::Usage(format!(
             "the mesh has tp {} and sp {}, but the model has no tensor- or sequence-parallel plan \
-             (UnitModel::tensor_parallel): build it for the mesh's groups (the Hugging Face families: \
+             (UnitModel::model_split): build it for the mesh's groups (the Hugging Face families: \
              zerotrain_models::family::fresh_split or import_split); a model is never trained whole on every rank \
              (tensor_parallel.autotp_size is {})",
             mesh.tp, mesh.sp, mesh.tp
@@ -186,12 +186,12 @@ pub(super) fn share<M: UnitModel>(
         )));
     }
     let (t, tp) = (place.coordinates.2, mesh.tp);
-    if (split.group.rank(), split.group.size()) != (t, tp) {
+    if (split.tensor.rank(), split.tensor.size()) != (t, tp) {
         return Err(Error::Usage(format!(
             "the model is rank {} of {} tensor-parallel ranks, but this rank is tensor rank {t} of {tp}: build it \
              for the mesh's tensor group",
-            split.group.rank(),
-            split.group.size()
+            split.tensor.rank(),
+            split.tensor.size()
         )));
     }
     if tp == 1 {
@@ -207,7 +207,7 @@ pub(super) fn share<M: UnitModel>(
         .collect();
     let comm = Arc::clone(place.tensor.collective());
     let layout = whole_layout(sharding, &split.splits, comm.as_ref())?;
-    Ok(Some(TensorShare { comm, whole, world: Arc::clone(&place.world), layout }))
+    Ok(Some(TensorPart { comm, whole, mesh: Arc::clone(&place.world), layout }))
 }
 
 /// The whole model's global order: each split parameter's whole length along its cut is
@@ -256,10 +256,10 @@ mod tests {
     fn only_the_first_tensor_rank_counts_what_every_rank_holds() {
         let world = ThreadWorld::new(2, std::time::Duration::from_secs(5));
         let whole = vec![vec![0..4, 10..12, 20..30]];
-        let share = |r: usize| TensorShare {
+        let share = |r: usize| TensorPart {
             comm: Arc::new(world.communicator(r)),
             whole: whole.clone(),
-            world: Arc::new(world.communicator(r)),
+            mesh: Arc::new(world.communicator(r)),
             layout: Vec::new(),
         };
         assert_eq!(share(0).counted(0, 2..25), vec![2..25]);

@@ -148,7 +148,7 @@ impl LinearCrossEntropy {
         vocab: usize,
         group: &ParallelGroup,
     ) -> Tensor<1> {
-        let part = group.share(vocab);
+        let part = group.part(vocab);
         assert_eq!(
             weight.dims()[0],
             part.len(),

@@ -56,7 +56,7 @@ impl<M: Module> Engine<M> {
     /// its shard of another checkpoint and go on training a model made of both. Every rank
     /// fails alike, naming the ranks that differ from rank 0.
     fn same_checkpoint(&self, ckpt: &Checkpoint) -> Result<()> {
-        let world = self.shared.checkpoint_world().as_ref();
+        let world = self.shared.checkpoint_ranks().as_ref();
         let id = ckpt.identity();
         // In 16-bit pieces, which f32 holds exactly.
         let mine: Vec<f32> = (0..4).map(|i| ((id >> (16 * i)) & 0xffff) as f32).collect();

@@ -54,7 +54,7 @@ impl<M: Module> Engine<M> {
         self.agree_all(self.whole(), "checking its states")?;
         self.sync_buffers()?;
         let buffers = self.stage_buffers()?;
-        let rank = self.shared.checkpoint_world().rank();
+        let rank = self.shared.checkpoint_ranks().rank();
         let prepared =
             if rank == 0 { zerotrain_checkpoint::prepare(root, &tag).map(|_| ()).map_err(Error::from) } else { Ok(()) };
         self.agree_all(prepared, "preparing the checkpoint")?;
@@ -137,7 +137,7 @@ impl<M: Module> Engine<M> {
         let partial = zerotrain_checkpoint::partial_dir(root, tag);
         let written = zerotrain_checkpoint::write_shard_streamed(
             &partial,
-            self.shared.checkpoint_world().rank(),
+            self.shared.checkpoint_ranks().rank(),
             &ranges,
             &names,
             |t, out| {
@@ -203,7 +203,7 @@ impl<M: Module> Engine<M> {
             format_version: FORMAT_VERSION,
             tag: tag.to_string(),
             global_step: progress.counters.global_steps,
-            world_size: self.shared.checkpoint_world().world_size(),
+            world_size: self.shared.checkpoint_ranks().world_size(),
             stage: self.shared.plan.zero.stage.index(),
             precision: self.shared.plan.precision.compute.to_string(),
             layout: self.manifest_layout(),
@@ -225,13 +225,13 @@ impl<M: Module> Engine<M> {
     /// own error, the others [`Error::PeerFailed`] naming the failed ranks. The world stays
     /// usable, so a caller may catch a failed save and go on training.
     pub(super) fn agree<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
-        super::shared::agree(self.shared.world.as_ref(), result, phase)
+        super::shared::agree(self.shared.ranks.as_ref(), result, phase)
     }
 
     /// [`agree`](Self::agree) over every rank that writes the checkpoint (a mesh's every
     /// rank, not only the data-parallel group's).
     pub(super) fn agree_all<T>(&self, result: Result<T>, phase: &str) -> Result<T> {
-        super::shared::agree(self.shared.checkpoint_world().as_ref(), result, phase)
+        super::shared::agree(self.shared.checkpoint_ranks().as_ref(), result, phase)
     }
 }
 

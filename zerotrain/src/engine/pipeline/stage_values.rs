@@ -75,7 +75,7 @@ pub(in crate::engine) fn place<M: UnitModel>(
     let buffers = declared.buffers.map_units(to_local);
     let span = Span { topology, stage, first_unit: units.start, pipe: Some(pipe) };
     // On a mesh, the stage's tensor group splits its units (`mesh.rs`' note on pipelines).
-    let tensor = crate::engine::tensor::share(&model, plan, ctx, &sharding)?;
+    let tensor = crate::engine::tensor::tensor_part(&model, plan, ctx, &sharding)?;
     let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span, tensor };
     Ok(Placed { model, parts, stage_units: units.len(), stage_ranges: ranges })
 }
@@ -127,7 +127,7 @@ pub(super) fn gather_model<M: UnitModel>(pipeline: &mut Pipeline<M>, root: usize
     let engine = &mut pipeline.engine;
     let paused = engine.window.pause(engine.traffic());
     engine.sync_buffers()?;
-    let world = std::sync::Arc::clone(&engine.shared.world);
+    let world = std::sync::Arc::clone(&engine.shared.ranks);
     let (me, topology, stages) = (world.rank(), engine.span.topology, pipeline.parts.len());
     let global = engine.shared.sharding.global();
     // Every rank's view of which parameters each stage owns: those of its units, and the

@@ -12,7 +12,7 @@ impl ParallelGroup {
     /// dtype (the values cross the group in f32, exactly). For inference: no gradient
     /// flows through it (at one rank it is `x` itself). A failed collective aborts the job and panics with the cause, as
     /// [`reduce_from`](Self::reduce_from) does.
-    pub fn gather_shares<const D: usize>(&self, x: Tensor<D>, len: usize) -> Tensor<D> {
+    pub fn gather_parts<const D: usize>(&self, x: Tensor<D>, len: usize) -> Tensor<D> {
         let n = self.size();
         if n == 1 {
             return x;

@@ -42,8 +42,6 @@ pub use linear::{row_parallel_linear, vocab_parallel_lookup};
 pub use module_split::split_module;
 pub use split::{Split, within};
 
-use crate::{Error, Result};
-
 /// The ranks that split each layer between them (a tensor-parallel group): a handle on their
 /// collective, cheap to clone into every layer that needs it.
 #[derive(Clone)]
@@ -84,25 +82,14 @@ impl ParallelGroup {
         &self.comm
     }
 
-    /// This rank's part of `len` items split in [`size`](Self::size) equal consecutive
-    /// parts (rank 0 the first); an error naming `what` where they do not divide.
-    pub fn part(&self, len: usize, what: &str) -> Result<Range<usize>> {
-        let n = self.size();
-        if !len.is_multiple_of(n) {
-            return Err(Error::Usage(format!("{what} ({len}) is not divisible by the tensor-parallel size {n}")));
-        }
-        let each = len / n;
-        Ok(self.rank() * each..(self.rank() + 1) * each)
-    }
-
     /// This rank's part of `len` items that need not divide over the group (a
     /// vocabulary): cut at `floor(r * len / size)`, so parts differ by at most one.
-    pub fn share(&self, len: usize) -> Range<usize> {
+    pub fn part(&self, len: usize) -> Range<usize> {
         split::uneven(len, self.rank(), self.size())
     }
 
     /// Megatron's `f`: `x` unchanged, its gradient summed over the group. It enters a
-    /// region the ranks compute a slice each of ([`ColumnParallelLinear`] calls it).
+    /// region the ranks compute a slice each of (a column-parallel layer's input).
     pub fn copy_to<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         if self.size() == 1 {
             return x;
@@ -112,7 +99,7 @@ impl ParallelGroup {
 
     /// Megatron's `g`: `x` summed over the group (every rank receiving the sum), its
     /// gradient passed through unchanged. It leaves a region the ranks computed a part
-    /// each of ([`RowParallelLinear`] calls it). Half precision is summed in f32 and
+    /// each of ([`row_parallel_linear`] calls it). Half precision is summed in f32 and
     /// rounded once.
     pub fn reduce_from<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         if self.size() == 1 {
@@ -147,9 +134,9 @@ impl ParallelGroup {
 /// rank of the group, with equal values and equal gradients), and the sequence group whose
 /// ranks each run a part of every sequence through the model's units.
 #[derive(Debug, Clone)]
-pub struct TensorParallel {
-    /// The ranks that split the model's layers.
-    pub group: ParallelGroup,
+pub struct ModelSplit {
+    /// The ranks that split the model's layers (tensor parallelism).
+    pub tensor: ParallelGroup,
     /// Each split parameter's cut, by module path.
     pub splits: BTreeMap<String, Split>,
     /// The ranks that split each sequence (a group of one: none).

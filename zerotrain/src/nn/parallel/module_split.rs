@@ -25,8 +25,7 @@ use crate::{Error, Result};
 /// The forward of the part is the caller's to write: enter each column-parallel region
 /// through [`ParallelGroup::copy_to`], leave each row-parallel one through
 /// [`ParallelGroup::reduce_from`] (adding a row-parallel bias once, after the sum), as
-/// [`ColumnParallelLinear`](super::ColumnParallelLinear) and
-/// [`RowParallelLinear`](super::RowParallelLinear) do.
+/// [`row_parallel_linear`](super::row_parallel_linear) does for a row-parallel layer.
 ///
 /// # Errors
 /// A path of `splits` the model has no float parameter at, or a cut that does not divide

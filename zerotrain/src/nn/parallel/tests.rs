@@ -178,7 +178,7 @@ fn vocabulary_parallel_embedding_head_and_loss_equal_the_unsplit_ones() {
             let split = Split::Uneven { dim: 1 };
             let head = split.slice(tensor(&head, [d, vocab], false), r, n_ranks, "head").unwrap();
             let bias = Split::Uneven { dim: 0 }.slice(tensor(&bias, [vocab], false), r, n_ranks, "bias").unwrap();
-            let rows = group.share(vocab);
+            let rows = group.part(vocab);
             let targets = int(&targets, [n, 1]).reshape([n]);
             // How the loss runs: one block of every token (the whole logits of this rank's
             // part); fixed blocks of 3 tokens; blocks chosen by the vocabulary (24 logits: 2
@@ -305,10 +305,10 @@ fn shares_gather_into_the_whole_dimension_on_every_rank() {
     let (rows, len) = (3, 12);
     let whole: Vec<f32> = (0..rows * len).map(|i| i as f32 * 0.5 - 4.0).collect();
     let results = on_ranks(5, |group| {
-        let part = group.share(len);
+        let part = group.part(len);
         let mine = columns(&whole, len, part.clone());
         let x = tensor(&mine, [1, rows, part.len()], false).cast(burn::tensor::FloatDType::BF16);
-        let gathered = group.gather_shares(x, len);
+        let gathered = group.gather_parts(x, len);
         (gathered.dims(), gathered.dtype(), values(gathered.cast(burn::tensor::FloatDType::F32)))
     });
     for (dims, dtype, got) in results {
@@ -344,7 +344,7 @@ fn ulysses_attention_equals_whole_attention_and_its_gradients() {
             values(tv.grad(&grads).unwrap()),
         ];
         let results = on_ranks(n, |group| {
-            let rows = group.share(t);
+            let rows = group.part(t);
             let local = |x: &[f32], heads: usize| {
                 let x = tensor(x, [b, heads, t, d], false).narrow(2, rows.start, rows.len());
                 Tensor::<4>::from_data(x.into_data(), &Device::flex().autodiff()).require_grad()
