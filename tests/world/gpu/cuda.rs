@@ -147,6 +147,12 @@ fn attention_on_cuda_holds_what_grows_with_the_tokens_not_the_context() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn a_long_sequence_attends_on_cuda_without_its_whole_scores() {
+    super::kernels::a_long_sequence_attends_without_its_whole_scores(CUDA, true);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn a_lazy_model_starts_on_cuda_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(CUDA);
 }

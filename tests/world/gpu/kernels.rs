@@ -148,6 +148,29 @@ pub fn nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(on: Gpu, dtype: F
     }
 }
 
+/// A sequence whose whole scores `[batch, heads, time, time]` are past what the device
+/// allocates in one buffer (4 heads at 4,096 positions: 256 MiB in f32; lavapipe allocates
+/// at most 128 MiB at once) attends on the device: the blocked version forms at most a block
+/// of scores at a time, and equals Burn's unfused ops on the CPU, output and gradients. Where
+/// the kernels take the shape (a GPU: `kernels`), they run it too; on lavapipe its loops are
+/// past what that compiler runs, so the blocked version is what runs there either way.
+pub fn a_long_sequence_attends_without_its_whole_scores(on: Gpu, kernels: bool) {
+    let _alone = super::device_alone();
+    let (device, cpu) = ((on.device)().autodiff(), Device::flex().autodiff());
+    let shape = [1, 4, 4, 4096, 0, 8, 8];
+    let want = attention(&cpu, FloatDType::F32, false, shape);
+    let runs: &[bool] = if kernels { &[false, true] } else { &[false] };
+    for &on_kernels in runs {
+        set_attention_kernels(on_kernels);
+        let got = attention(&device, FloatDType::F32, true, shape);
+        set_attention_kernels(true);
+        for (name, (g, w)) in ["output", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let error = relative_error(g, w);
+            assert!(error <= 1e-5, "{} attention {shape:?} (kernels {on_kernels}): {name} off by {error:e}", on.name);
+        }
+    }
+}
+
 /// On the device's own allocator, at a fixed 2,048 tokens (batch x time): what attention
 /// holds between forward and backward does not grow with the context (the output and a
 /// value per query row), where Burn's unfused attention's `[time, time]` probabilities grow

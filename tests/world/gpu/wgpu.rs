@@ -33,6 +33,11 @@ fn attention_on_wgpu_holds_what_grows_with_the_tokens_not_the_context() {
 }
 
 #[test]
+fn a_long_sequence_attends_on_wgpu_without_its_whole_scores() {
+    super::kernels::a_long_sequence_attends_without_its_whole_scores(WGPU, !software_only());
+}
+
+#[test]
 fn a_lazy_model_starts_on_wgpu_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(WGPU);
 }
