@@ -265,11 +265,25 @@ fn print_summary(s: &TrainSummary) {
         "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
         "rank", "params", "grads", "master", "optimizer", "peak transient"
     );
-    for (rank, m) in s.memory.iter().enumerate() {
+    for r in &s.ranks {
+        let m = &r.memory;
         println!(
-            "  {rank:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
-            m.params, m.grads, m.master, m.optimizer, m.peak_transient
+            "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
+            r.rank, m.params, m.grads, m.master, m.optimizer, m.peak_transient
         );
+    }
+    // On a device: what the engine copied of model states between host memory and each
+    // rank's device (0 where they all live on the device).
+    for r in &s.ranks {
+        if let Some(c) = r.host_device {
+            println!(
+                "rank {}: model states crossed host<->device over {} steps: {} B to the device, {} B to the host",
+                r.rank,
+                s.last_step - s.first_step,
+                c.to_device,
+                c.to_host
+            );
+        }
     }
     println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
     println!("samples from the trained model:");

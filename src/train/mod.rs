@@ -31,6 +31,8 @@ pub use zerotrain_models::hf::size::available_memory;
 use crate::keys::AppSettings;
 use burn::tensor::{Int, Tensor};
 use zerotrain::Trainer;
+use zerotrain::config::ComputeDevice;
+use zerotrain::engine::HostDeviceBytes;
 use zerotrain::engine::UnitModel;
 use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
@@ -74,14 +76,26 @@ pub struct TrainSummary {
     pub tokens_per_s: f64,
     /// Trainable parameters.
     pub num_params: usize,
-    /// Each rank's model-state memory at the end.
-    pub memory: Vec<MemoryReport>,
+    /// Each rank of this process at the end, in rank order.
+    pub ranks: Vec<RankTotals>,
     /// Bytes rank 0 moved per step (mean).
     pub comm_bytes_per_step: u64,
     /// Text the trained model wrote.
     pub samples: Vec<String>,
     /// Where the metrics, plot and checkpoints are.
     pub out: PathBuf,
+}
+
+/// One rank at the end of a run.
+#[derive(Debug, Clone, Copy)]
+pub struct RankTotals {
+    /// Its rank in the world.
+    pub rank: usize,
+    /// Its model-state memory.
+    pub memory: MemoryReport,
+    /// The bytes of model states copied between host memory and its device over the run's
+    /// steps (the steps' reports summed); `None` on the CPU, where there is no device.
+    pub host_device: Option<HostDeviceBytes>,
 }
 
 /// The corpus the options name (generated from `seed`, or read from `data`), checked
@@ -164,9 +178,9 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
         Job { plan, options, data, samples, split, ckpt_dir, resume_tag, every, eval_every, files, log, progress };
     let init = Handout::new(init, plan);
     let results = launch(plan, |ctx| job.run_rank(init.take(), &ctx))?;
-    let memory = results.iter().map(|s| s.memory[0]).collect();
+    let ranks = results.iter().map(|s| s.ranks[0]).collect();
     let mut summary = results.into_iter().next().expect("at least one rank");
-    summary.memory = memory;
+    summary.ranks = ranks;
     Ok(summary)
 }
 
@@ -214,10 +228,12 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         let tokens_per_step = (plan.batch.train_batch_size * context as u64) as f64;
         let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
         let (mut step, mut last_saved, mut interrupted) = (first_step, first_step, false);
+        let mut crossed = HostDeviceBytes::default();
         while step < options.steps {
             let step_start = Instant::now();
             let report = self.train_step(engine.as_mut(), step, ctx)?;
             step = report.global_step;
+            crossed = crossed.plus(&report.host_device);
             let val =
                 (step % self.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
             let metrics = StepMetrics {
@@ -277,7 +293,11 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             seconds,
             tokens_per_s: (step - first_step) as f64 * tokens_per_step / seconds.max(1e-9),
             num_params: engine.num_params(),
-            memory: vec![engine.memory_report()],
+            ranks: vec![RankTotals {
+                rank: ctx.rank(),
+                memory: engine.memory_report(),
+                host_device: (plan.runtime.device != ComputeDevice::Cpu).then_some(crossed),
+            }],
             comm_bytes_per_step,
             samples,
             out: options.out.clone(),

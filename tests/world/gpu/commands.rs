@@ -4,6 +4,9 @@
 //!   (wgpu has no bf16), the bench is refused by its flag before any row. Before, the plain
 //!   half-precision row ran kernels the device cannot compile: they panicked in the device's
 //!   own thread, once per kernel, and the row was printed with a time as if measured.
+//! - `zerotrain train` on the device says, for each rank, the bytes of model states the
+//!   engine copied between host memory and its device over the run: none where the states
+//!   live on the device, some where the optimizer is offloaded to the CPU.
 //! - `zerotrain generate` on the config's device, in its compute dtype. Before, a model
 //!   from `model.hf_dir` or `model.hf_config` was sampled on the CPU in f32 whatever
 //!   `zerotrain.device` and `bf16.enabled` said.
@@ -126,6 +129,53 @@ pub fn generate_samples_on_the_configured_device(on: Gpu) {
     } else {
         let says = format!("`bf16.enabled`: this rank's {} device cannot compute in bf16", on.name);
         assert!(!bf16.status.success() && stderr.contains(&says), "{}: {}{stderr}", on.name, text(&bf16));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `zerotrain train` of `configs/tiny.json` (stage 2) on `on` for 2 steps: the line of
+/// model-state bytes crossing host<->device says 0 both ways for one rank with every state on
+/// the device, and more than 0 both ways on each of 2 ranks with `offload_optimizer` on the
+/// CPU (gradients go to the host, updated parameters come back). (Two thread ranks sharing
+/// a device reduce through host memory, so they cross even without offload.)
+pub fn train_says_each_ranks_host_device_bytes(on: Gpu) {
+    let _alone = device_alone();
+    let dir = std::env::temp_dir().join(format!("zt-crossed-{}-{}", on.name, std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.json")).unwrap(),
+    )
+    .unwrap();
+    config["zerotrain"]["device"] = on.name.into();
+    let crossed = |config: &serde_json::Value, name: &str, ranks: usize| -> Vec<(u64, u64)> {
+        std::fs::write(dir.join(format!("{name}.json")), config.to_string()).unwrap();
+        let file = format!("{name}.json");
+        let world = ranks.to_string();
+        let out = zerotrain(&dir, &["train", "--config", &file, "--steps", "2", "--out", name, "--world-size", &world]);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{}: {stdout}{}", on.name, String::from_utf8_lossy(&out.stderr));
+        (0..ranks)
+            .map(|rank| {
+                let start = format!("rank {rank}: model states crossed host<->device over 2 steps: ");
+                let line = stdout
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&start))
+                    .unwrap_or_else(|| panic!("no {start}: {stdout}"));
+                let bytes: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+                assert_eq!(bytes.len(), 2, "{line}");
+                (bytes[0], bytes[1])
+            })
+            .collect()
+    };
+    assert_eq!(crossed(&config, "on-device", 1), [(0, 0)], "{}", on.name);
+    config["zero_optimization"]["offload_optimizer"] = serde_json::json!({"device": "cpu"});
+    for (rank, (to_device, to_host)) in crossed(&config, "offloaded", 2).into_iter().enumerate() {
+        assert!(
+            to_device > 0 && to_host > 0,
+            "{} rank {rank}: {to_device} B to the device, {to_host} B to the host",
+            on.name
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

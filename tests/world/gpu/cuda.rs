@@ -153,6 +153,12 @@ fn a_long_sequence_attends_on_cuda_without_its_whole_scores() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn train_on_cuda_says_each_ranks_host_device_bytes() {
+    super::commands::train_says_each_ranks_host_device_bytes(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn a_lazy_model_starts_on_cuda_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(CUDA);
 }

@@ -38,6 +38,11 @@ fn a_long_sequence_attends_on_wgpu_without_its_whole_scores() {
 }
 
 #[test]
+fn train_on_wgpu_says_each_ranks_host_device_bytes() {
+    super::commands::train_says_each_ranks_host_device_bytes(WGPU);
+}
+
+#[test]
 fn a_lazy_model_starts_on_wgpu_as_on_the_cpu() {
     super::a_lazy_model_starts_the_same_on_the_device_as_on_the_cpu(WGPU);
 }
