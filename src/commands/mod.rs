@@ -106,7 +106,25 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
     if lead {
         print_summary(&s);
     }
+    print_crossed(&s);
     Ok(())
+}
+
+/// On a device, each of this process's ranks: what the engine copied of model states
+/// between host memory and its device (0 where they all live on the device). Every process
+/// of a job says its own, so that a job's log holds every rank's.
+fn print_crossed(s: &TrainSummary) {
+    for r in &s.ranks {
+        if let Some(c) = r.host_device {
+            println!(
+                "rank {}: model states crossed host<->device over {} steps: {} B to the device, {} B to the host",
+                r.rank,
+                s.last_step - s.first_step,
+                c.to_device,
+                c.to_host
+            );
+        }
+    }
 }
 
 /// "N ranks on DEVICE, STAGE, DTYPE": how `plan` runs, for the line a job opens with.
@@ -271,19 +289,6 @@ fn print_summary(s: &TrainSummary) {
             "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
             r.rank, m.params, m.grads, m.master, m.optimizer, m.peak_transient
         );
-    }
-    // On a device: what the engine copied of model states between host memory and each
-    // rank's device (0 where they all live on the device).
-    for r in &s.ranks {
-        if let Some(c) = r.host_device {
-            println!(
-                "rank {}: model states crossed host<->device over {} steps: {} B to the device, {} B to the host",
-                r.rank,
-                s.last_step - s.first_step,
-                c.to_device,
-                c.to_host
-            );
-        }
     }
     println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
     println!("samples from the trained model:");

@@ -136,10 +136,12 @@ pub fn generate_samples_on_the_configured_device(on: Gpu) {
 /// `zerotrain train` of `configs/tiny.json` (stage 2) on `on` for 2 steps: the line of
 /// model-state bytes crossing host<->device says 0 both ways for one rank with every state on
 /// the device, and more than 0 both ways on each of 2 ranks with `offload_optimizer` on the
-/// CPU (gradients go to the host, updated parameters come back). (Two thread ranks sharing
-/// a device reduce through host memory, so they cross even without offload.)
+/// CPU (gradients go to the host, updated parameters come back), and the same on 2 ranks as
+/// processes under `zerotrain launch`, where each process says its own rank's. (Two thread
+/// ranks sharing a device reduce through host memory, so they cross even without offload.)
 pub fn train_says_each_ranks_host_device_bytes(on: Gpu) {
-    let _alone = device_alone();
+    // Not `device_alone`: the device is used by the commands' own processes only, and this
+    // process measures nothing of it.
     let dir = std::env::temp_dir().join(format!("zt-crossed-{}-{}", on.name, std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -148,11 +150,21 @@ pub fn train_says_each_ranks_host_device_bytes(on: Gpu) {
     )
     .unwrap();
     config["zerotrain"]["device"] = on.name.into();
-    let crossed = |config: &serde_json::Value, name: &str, ranks: usize| -> Vec<(u64, u64)> {
+    // `launched`: the ranks as processes of `zerotrain launch`, each saying its own.
+    let crossed = |config: &serde_json::Value, name: &str, ranks: usize, launched: bool| -> Vec<(u64, u64)> {
         std::fs::write(dir.join(format!("{name}.json")), config.to_string()).unwrap();
         let file = format!("{name}.json");
         let world = ranks.to_string();
-        let out = zerotrain(&dir, &["train", "--config", &file, "--steps", "2", "--out", name, "--world-size", &world]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let train = ["train", "--config", &file, "--steps", "2", "--out", name];
+        let out = match launched {
+            true => {
+                let mut args = vec!["launch", "--nproc-per-node", &world, "--master-port", &port, "--"];
+                args.extend(train);
+                zerotrain(&dir, &args)
+            }
+            false => zerotrain(&dir, &[&train[..], &["--world-size", &world]].concat()),
+        };
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(out.status.success(), "{}: {stdout}{}", on.name, String::from_utf8_lossy(&out.stderr));
         (0..ranks)
@@ -160,7 +172,7 @@ pub fn train_says_each_ranks_host_device_bytes(on: Gpu) {
                 let start = format!("rank {rank}: model states crossed host<->device over 2 steps: ");
                 let line = stdout
                     .lines()
-                    .find_map(|l| l.strip_prefix(&start))
+                    .find_map(|l| l.split_once(&start).map(|(_, rest)| rest))
                     .unwrap_or_else(|| panic!("no {start}: {stdout}"));
                 let bytes: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
                 assert_eq!(bytes.len(), 2, "{line}");
@@ -168,14 +180,17 @@ pub fn train_says_each_ranks_host_device_bytes(on: Gpu) {
             })
             .collect()
     };
-    assert_eq!(crossed(&config, "on-device", 1), [(0, 0)], "{}", on.name);
+    assert_eq!(crossed(&config, "on-device", 1, false), [(0, 0)], "{}", on.name);
     config["zero_optimization"]["offload_optimizer"] = serde_json::json!({"device": "cpu"});
-    for (rank, (to_device, to_host)) in crossed(&config, "offloaded", 2).into_iter().enumerate() {
+    let threads = crossed(&config, "offloaded", 2, false);
+    for (rank, (to_device, to_host)) in threads.iter().enumerate() {
         assert!(
-            to_device > 0 && to_host > 0,
+            *to_device > 0 && *to_host > 0,
             "{} rank {rank}: {to_device} B to the device, {to_host} B to the host",
             on.name
         );
     }
+    // As processes the same ranks copy the same model states.
+    assert_eq!(crossed(&config, "launched", 2, true), threads, "{}: launched against threads", on.name);
     let _ = std::fs::remove_dir_all(&dir);
 }
