@@ -8,6 +8,8 @@ mod hf;
 mod hosts;
 #[path = "cli/launch.rs"]
 mod launch;
+#[path = "cli/lease.rs"]
+mod lease;
 #[path = "common/metrics.rs"]
 mod metrics;
 #[path = "cli/parallel.rs"]

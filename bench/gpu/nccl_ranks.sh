@@ -13,11 +13,19 @@
 #     built-in GPT at tp 2; in fp32: every loss equal bit for bit to the same mesh of thread
 #     ranks (every sum has two operands; the exchanges move values);
 #   - every launched run used NCCL (no "host backend" notice in its log).
+#   - every launched rank copied no model-state byte between host memory and its device
+#     (each rank's own line of `train`'s end: NCCL reads and writes device memory).
 # Time-sliced ranks on one GPU: no figure here is a multi-GPU speed.
+# --lease runs the part a short lease has time for, most needed first: 2 ranks at stages 0
+# and 3 bit for bit, 4 ranks at stage 3 within the bound, tp 2 and sp 2 bit for bit, and a
+# checkpoint saved by 2 NCCL ranks resumed on 1 and on 4 (their losses against the
+# uninterrupted thread ranks' within the bound: another world size sums in another order).
 #
-# Usage: bash bench/gpu/nccl_ranks.sh ZEROTRAIN_BINARY   (from the repository's root)
+# Usage: bash bench/gpu/nccl_ranks.sh [--lease] ZEROTRAIN_BINARY   (from the repository's root)
 set -uo pipefail
-zt="${1:?usage: nccl_ranks.sh ZEROTRAIN_BINARY}"
+lease=0
+[[ "${1:-}" == --lease ]] && { lease=1; shift; }
+zt="${1:?usage: nccl_ranks.sh [--lease] ZEROTRAIN_BINARY}"
 work="$(mktemp -d)"
 steps=6
 port=29650
@@ -76,17 +84,78 @@ run() {
         failures=$((failures + 1)); return
     fi
     compare "$out-threads" "$out-nccl" "$mode" || failures=$((failures + 1))
+    crossed_none "$out-nccl.log" "$ranks" || failures=$((failures + 1))
 }
 
-for stage in 0 1 2 3; do
-    config "s$stage-fp32-a1" "$stage" fp32 1
-    run "s$stage-fp32-a1" 2 equal
-done
-config s2-fp32-a3 2 fp32 3 && run s2-fp32-a3 2 equal
-config s3-fp32-a3 3 fp32 3 && run s3-fp32-a3 2 equal
-config s3-bf16-a1 3 bf16 1 && run s3-bf16-a1 2 report
-run s1-fp32-a1 4 bound
-run s3-fp32-a1 4 bound
+# crossed_none LOG RANKS: every one of the RANKS launched ranks said it copied no model-state
+# byte between host memory and its device.
+crossed_none() {
+    local said none
+    said=$(grep -cE "rank [0-9]+: model states crossed host<->device" "$1")
+    none=$(grep -cE "rank [0-9]+: model states crossed host<->device over [0-9]+ steps: 0 B to the device, 0 B to the host" "$1")
+    echo "  host<->device model-state bytes: $none of $2 ranks crossed none ($said said)"
+    if ((said != $2 || none != $2)); then
+        grep -E "model states crossed" "$1" | head -4
+        return 1
+    fi
+}
+
+# resumed NAME: the 2-rank NCCL run NAME stopped at step 3 and resumed to step 6 on 1 rank
+# and as 4 launched ranks, against the uninterrupted 2 thread ranks' losses (bound).
+resumed() {
+    local name="$1" out="$work/$1-resume"
+    shift
+    port=$((port + 1))
+    echo "$name: saved by 2 NCCL ranks at step 3, resumed on 1 and on 4:"
+    if ! timeout 300 "$zt" launch --nproc-per-node 2 --ranks-share-gpu --master-port $port --grace-s 10 -- \
+        train --config "$work/$name.json" --steps 3 --out "$out-2" "$@" >"$out-2.log" 2>&1; then
+        echo "  the saving run failed:"; tail -8 "$out-2.log"; failures=$((failures + 1)); return
+    fi
+    cp -r "$out-2" "$out-1" && cp -r "$out-2" "$out-4"
+    if ! "$zt" train --config "$work/$name.json" --world-size 1 --steps $steps --resume --out "$out-1" "$@" \
+        >"$out-1.log" 2>&1; then
+        echo "  resuming on 1 rank failed:"; tail -5 "$out-1.log"; failures=$((failures + 1))
+    else
+        compare "$work/$name-2-threads" "$out-1" bound || failures=$((failures + 1))
+    fi
+    port=$((port + 1))
+    if ! timeout 300 "$zt" launch --nproc-per-node 4 --ranks-share-gpu --master-port $port --grace-s 10 -- \
+        train --config "$work/$name.json" --steps $steps --resume --out "$out-4" "$@" >"$out-4.log" 2>&1; then
+        echo "  resuming on 4 NCCL ranks failed:"; tail -8 "$out-4.log"; failures=$((failures + 1))
+    else
+        compare "$work/$name-2-threads" "$out-4" bound || failures=$((failures + 1))
+    fi
+}
+
+if ((lease)); then
+    config s0-fp32-a1 0 fp32 1 && run s0-fp32-a1 2 equal
+    config s3-fp32-a1 3 fp32 1 && run s3-fp32-a1 2 equal
+    run s3-fp32-a1 4 bound
+    # A global batch of 8 in micro-batches of 2: accumulation 4, 2 and 1 at 1, 2 and 4 ranks,
+    # so every world size trains on the same samples.
+    config ckpt 3 fp32 1
+    python3 - "$work/ckpt.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+del c["gradient_accumulation_steps"]
+c["train_batch_size"], c["train_micro_batch_size_per_gpu"] = 8, 2
+json.dump(c, open(sys.argv[1], "w"))
+PY
+    run ckpt 2 equal
+    resumed ckpt
+fi
+
+if ((!lease)); then
+    for stage in 0 1 2 3; do
+        config "s$stage-fp32-a1" "$stage" fp32 1
+        run "s$stage-fp32-a1" 2 equal
+    done
+    config s2-fp32-a3 2 fp32 3 && run s2-fp32-a3 2 equal
+    config s3-fp32-a3 3 fp32 3 && run s3-fp32-a3 2 equal
+    config s3-bf16-a1 3 bf16 1 && run s3-bf16-a1 2 report
+    run s1-fp32-a1 4 bound
+    run s3-fp32-a1 4 bound
+fi
 
 # Tensor parallelism: a tokenizer and token file made here, LLaMA fresh from a config.json.
 python3 -c "
@@ -104,10 +173,14 @@ cat >"$work/tp.json" <<JSON
  "model": {"hf_config": "$work/model.json", "tokenizer": "$work/tokenizer.json", "block_size": 16}}
 JSON
 run tp 2 equal --data "$work/data.tokens"
-run tp 4 equal --data "$work/data.tokens"
+((lease)) || run tp 4 equal --data "$work/data.tokens"
 sed -e 's/"tensor_parallel": {"autotp_size": 2},//' -e 's/"device": "cuda"/"device": "cuda", "mesh": {"sp": 2}/' \
     "$work/tp.json" >"$work/sp.json"
 run sp 2 equal --data "$work/data.tokens"
+if ((lease)); then
+    echo "$failures failure(s); logs in $work"
+    exit $((failures > 0))
+fi
 # LLaMA in two pipeline stages of tp 2 (4 ranks: activations between stages over NCCL's
 # point-to-point), and the built-in GPT at tp 2 (its parts cut from the whole model).
 python3 - "$work/tp.json" "$work/pp-tp.json" <<'PY'

@@ -38,29 +38,58 @@
 # Vulkan loader is reported as skipped, not failed; a loader whose driver cannot load is a
 # failure that names the missing library).
 #
-# Usage: bash bench/gpu/verify.sh [--quick] [--only PARTS]
+# Usage: bash bench/gpu/verify.sh [--quick] [--only PARTS] | --lease
 #   --quick: 3 measured steps instead of 10;
-#   --only cuda,ranks,wgpu,bench,pytorch,compile,families,breakdown: run only the parts named (for a lease too
-#   short for the whole; the machine is always reported).
+#   --only cuda,ranks,wgpu,bench,pytorch,compile,families,breakdown: run only the parts named (the
+#   machine is always reported);
+#   --lease: what one short lease of a GPU machine has time for (15 minutes of device time,
+#   its start and idle seconds counted), in order of value and under 420 s of command time in
+#   all, each part with its own limit and the whole with a deadline (a part gets what is left
+#   when less is): ranks (nccl_ranks.sh --lease), speed (GPT-2 small, bf16, batch 8, context
+#   1024: the engine at stage 0 with the attention kernels, plain Burn, the kernels off; then
+#   PyTorch eager with SDPA), profile (one engine step's 20 costliest kernels, from cubecl's
+#   own profiling: kernel_profile.py), families (TinyLlama-1.1B's shape at context 2048, and
+#   PyTorch eager on it), rest (stage 3 on 4 NCCL ranks sharing the GPU: its step's phase
+#   times, where the exposed communication shows). The report opens with the plan, before
+#   anything is checked, and is written part by part, with the autotune cache as tuned.tgz
+#   after each, so a lease cut short returns what it measured. Without a GPU (a CPU
+#   machine) it is a dry run: the plan, the bundle checked (at most 62 MiB, both binaries,
+#   their paths and commit), every part said skipped, in seconds (tests/cli/lease.rs).
+#   BUNDLE=DIR reads the bundle from DIR instead of bench/gpu/bundle.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$repo"
-bundle="$repo/bench/gpu/bundle"
+bundle="${BUNDLE:-$repo/bench/gpu/bundle}"
 report="${OUT:-$repo/bench/gpu}/report.md"
 steps=10
 parts="cuda,ranks,wgpu,bench,pytorch,compile,families,breakdown"
 only="$parts"
+lease=0
 while (($#)); do
     case "$1" in
         --quick) steps=3 ;;
+        --lease) lease=1 ;;
         --only)
             only="${2:?--only needs a list of parts}"
             shift
             ;;
-        *) echo "verify.sh: unknown argument $1 (--quick, --only PARTS)" >&2; exit 2 ;;
+        *) echo "verify.sh: unknown argument $1 (--quick, --only PARTS, --lease)" >&2; exit 2 ;;
     esac
     shift
 done
+# The lease's parts in order of value: name, limit (s), what it runs. Limits from the last
+# measured times on an H200 (the bench's rows 73 s and the breakdown 36 s with the autotune
+# cache; PyTorch 12 s), the NCCL ranks (never run) from the CUDA thread-rank tests' 94 s.
+lease_plan=(
+    "ranks 120 2 NCCL ranks = 2 thread ranks bit for bit at stages 0 and 3; 4 at stage 3 within the bound; tp 2, sp 2; a checkpoint of 2 NCCL ranks resumed on 1 and 4; no model-state byte host<->device"
+    "speed 100 GPT-2 small bf16, batch 8, context 1024: engine stage 0 (attention kernels), plain Burn, kernels off"
+    "pytorch 20 PyTorch eager with SDPA, the same model and batch"
+    "profile 45 one engine step's 20 costliest kernels and their shares (cubecl's profiling)"
+    "families 70 TinyLlama-1.1B's shape, bf16, context 2048, batch 2: engine stage 0"
+    "families-pytorch 25 PyTorch eager with SDPA on the same LLaMA shape"
+    "rest 40 stage 3 on 4 NCCL ranks sharing the GPU: step time and phases"
+)
+lease_budget=420
 for p in ${only//,/ }; do
     [[ ",$parts," == *",$p,"* ]] || { echo "verify.sh: --only: no part named $p (the parts: $parts)" >&2; exit 2; }
 done
@@ -71,13 +100,25 @@ failed=()
 export CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}"
 
 say() { echo "$*" | tee -a "$report"; }
+# The autotune cache so far, beside the report (the next lease's bundle starts from it).
+keep_tuned() { [[ -d target/environment ]] && tar -C target -czf "$(dirname "$report")/tuned.tgz" environment; return 0; }
 # part NAME LIMIT_S COMMAND...: runs one part, its output into the report in a code block.
+# In a lease the part gets at most what is left of the lease's budget.
 part() {
     local name="$1" limit="$2"
     shift 2
     say ""
     say "## $name"
     say ""
+    if ((lease)); then
+        local left=$((lease_budget - ($(date +%s) - start)))
+        if ((left < 10)); then
+            say "not run: ${left} s of the lease's ${lease_budget} s left"
+            failed+=("$name (no time left)")
+            return 0
+        fi
+        ((left < limit)) && limit=$left
+    fi
     say '```'
     local t0=$(date +%s)
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$report" | tail -n 400 >/dev/null
@@ -85,13 +126,60 @@ part() {
     say '```'
     say "exit $rc after $(( $(date +%s) - t0 )) s$([[ $rc == 124 || $rc == 137 ]] && echo " (timed out at ${limit} s)")"
     [[ $rc == 0 ]] || failed+=("$name (exit $rc)")
+    keep_tuned
     return 0
 }
 
+# check_bundle: what a run needs is in the bundle, within what one call may carry.
+check_bundle() {
+    [[ -f "$bundle/commit" && -f "$bundle/paths" && -f "$bundle/bins.tar.xz" ]] || {
+        say "bundle: $bundle lacks$([[ -f "$bundle/commit" ]] || echo " commit")$([[ -f "$bundle/paths" ]] || echo " paths")$([[ -f "$bundle/bins.tar.xz" ]] || echo " bins.tar.xz"): run bench/gpu/bundle.sh on a CPU machine first"
+        return 1
+    }
+    local total limit=$((62 * 1024 * 1024)) names
+    total=$(du -cb "$bundle"/* | tail -1 | cut -f1)
+    if ((total > limit)); then
+        say "bundle: $total bytes, over the $limit a call may carry beside the repository"
+        return 1
+    fi
+    names="$(xz -dc "$bundle/bins.tar.xz" | tar -tf - 2>/dev/null | sort | tr '\n' ' ')"
+    for bin in zerotrain world; do
+        [[ " $names" == *" $bin "* ]] || { say "bundle: bins.tar.xz holds no $bin (it holds: ${names:-nothing readable})"; return 1; }
+    done
+    say "bundle: $total bytes (limit $limit), commit $(cat "$bundle/commit"), binaries: $names"
+}
+
 : >"$report"
-say "# zerotrain GPU verification"
-say ""
-[[ -f "$bundle/commit" ]] || { say "no bundle in $bundle: run bench/gpu/bundle.sh on a CPU machine first"; exit 1; }
+if ((lease)); then
+    say "# zerotrain GPU lease run"
+    say ""
+    say "parts, in order, each with its limit:"
+    planned=0
+    for entry in "${lease_plan[@]}"; do
+        read -r name limit what <<<"$entry"
+        say "- $name: ${limit} s: $what"
+        planned=$((planned + limit))
+    done
+    say "planned total: $planned s (deadline $lease_budget s)"
+    say ""
+    check_bundle || exit 1
+    if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+        say "no GPU here (nvidia-smi lists none): a dry run"
+        for entry in "${lease_plan[@]}"; do
+            read -r name _ <<<"$entry"
+            say "- $name: skipped (no GPU)"
+        done
+        say "dry run done in $(( $(date +%s) - start )) s"
+        exit 0
+    fi
+    only="ranks,speed,pytorch,profile,families,families-pytorch,rest"
+    steps=5
+fi
+if ((!lease)); then
+    say "# zerotrain GPU verification"
+    say ""
+    check_bundle || exit 1
+fi
 say "commit $(cat "$bundle/commit"), $(date -u +%Y-%m-%dT%H:%M:%SZ), parts: $only"
 
 # The binaries, and the absolute paths the test binary was compiled against.
@@ -140,6 +228,59 @@ python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.versio
 "$work/zerotrain" config check configs/zero3.json 2>&1 | grep -E "^world size" | tee -a "$report"
 say '```'
 
+if ((lease)); then
+    gpt="--layers 12 --width 768 --heads 12 --context 1024 --batch 8"
+    part "ranks: NCCL ranks as processes on one GPU (nccl_ranks.sh --lease)" 120 \
+        bash bench/gpu/nccl_ranks.sh --lease "$work/zerotrain"
+    # shellcheck disable=SC2086
+    part "speed: zerotrain bench gpu (124M GPT, bf16, stage 0 in units, the attention kernels off in a row)" 100 \
+        "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units --blocked-attention \
+        $gpt --steps $steps
+    # shellcheck disable=SC2086
+    part "speed: PyTorch eager with SDPA (bench/pytorch/gpu_gpt.py)" 20 \
+        python3 bench/pytorch/gpu_gpt.py --precision bf16 $gpt --steps $steps
+    # cubecl reads cubecl.toml from the working directory: profiling for this part only.
+    profile_log="$work/kernels.log"
+    profile() {
+        printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$profile_log" >cubecl.toml
+        # shellcheck disable=SC2086
+        "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units $gpt --steps 1
+        local rc=$?
+        rm -f cubecl.toml
+        ((rc == 0)) && python3 bench/gpu/kernel_profile.py "$profile_log" 20
+    }
+    part "profile: one engine step's costliest kernels (cubecl's profiling; every kernel timed alone)" 45 profile
+    rm -f cubecl.toml
+    part "families: zerotrain bench gpu --model llama (TinyLlama-1.1B's shape, GQA, context 2048)" 70 \
+        "$work/zerotrain" bench gpu --device cuda --precision bf16 --stages 0 --mode units --model llama \
+        --context 2048 --batch 2 --steps "$steps"
+    part "families: PyTorch eager with SDPA on the same LLaMA shape (bench/pytorch/gpu_llama.py)" 25 \
+        python3 bench/pytorch/gpu_llama.py --config configs/models/llama-1b.json --precision bf16 \
+        --context 2048 --batch 2 --steps "$steps"
+    rest() {
+        python3 - "$work/s3-4.json" "$work/s3-4.txt" <<'PY'
+import json, sys
+json.dump({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "steps_per_print": 1,
+           "wall_clock_breakdown": True, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
+           "zerotrain": {"device": "cuda", "eval_every": 1000}}, open(sys.argv[1], "w"))
+open(sys.argv[2], "w").write("".join(f"{i} + {i % 97} = {i + i % 97}\n" for i in range(200000)))
+PY
+        "$work/zerotrain" launch --nproc-per-node 4 --ranks-share-gpu --master-port 29710 --grace-s 10 -- \
+            train --config "$work/s3-4.json" --data "$work/s3-4.txt" --steps 4 --out "$work/s3-4"
+    }
+    part "rest: stage 3 on 4 NCCL ranks sharing the GPU (time-sliced: not a multi-GPU speed)" 40 rest
+    say ""
+    say "total $(( $(date +%s) - start )) s of the lease's $lease_budget s, autotune level $CUBECL_AUTOTUNE_LEVEL"
+    keep_tuned
+    echo "report: $report"
+    if ((${#failed[@]})); then
+        say "FAILED: ${failed[*]}"
+        exit 1
+    fi
+    exit 0
+fi
 wanted cuda && part "CUDA engine tests (world --include-ignored gpu::cuda)" 230 \
     "$work/world" --include-ignored --test-threads 1 --nocapture gpu::cuda
 wanted ranks && part "NCCL ranks as processes on one GPU (bench/gpu/nccl_ranks.sh)" 400 \
