@@ -32,6 +32,7 @@
 //! lengths are checked against the group's sizes before anything is allocated for them.
 //! Traffic after the handshake is neither encrypted nor signed.
 
+mod proxy;
 mod relay;
 mod remote;
 pub mod secret;

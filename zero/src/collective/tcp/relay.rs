@@ -2,7 +2,7 @@
 //! its own, which first runs the handshake ([`super::secret`]): a connection that does not
 //! prove the job's secret is dropped unread. Then a hello goes to the rendezvous, an attach
 //! becomes the proxy of a split communicator, an abort aborts the world. Once every rank has
-//! said hello, each gets a proxy thread that runs its calls on its handle of a
+//! said hello, each gets a proxy thread (`proxy.rs`) that runs its calls on its handle of a
 //! [`ThreadWorld`] held here, so the threads backend's rendezvous (its checks, its timeouts
 //! naming the missing ranks, its aborts reaching every group) is the processes' too.
 //!
@@ -13,18 +13,19 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use zerotrain_precision::{BufMut, BufRef, FlatBuf};
+use zerotrain_precision::{BufMut, BufRef};
 
 use super::Join;
+use super::proxy::Proxies;
 use super::secret::{self, HANDSHAKE_TIME, JobSecret, Refused};
-use super::wire::{Call, MAX_CALL, MAX_OPENING, Opening, Reply, read_frame, read_frame_by, write_frame};
+use super::wire::{MAX_OPENING, Opening, Reply, read_frame_by, write_frame};
 use crate::ZeroError;
-use crate::collective::{Collective, CommStats, OpKind, ReduceOp, ThreadComm, ThreadWorld};
+use crate::collective::{Collective, CommStats, ReduceOp, ThreadComm, ThreadWorld};
 
 /// The most connections at once that have not yet said what they want.
 pub(super) const MAX_PENDING: usize = 64;
@@ -43,9 +44,6 @@ struct Relay {
     world_size: usize,
     timeout: Duration,
     secret: JobSecret,
-    /// Split communicators' handles not yet attached, by id.
-    splits: Mutex<HashMap<u64, ThreadComm>>,
-    next_id: AtomicU64,
     /// Where hellos go while the world forms; `None` after.
     hellos: Mutex<Option<Sender<Hello>>>,
     /// Why the world did not form, for ranks that arrive after it failed.
@@ -56,9 +54,8 @@ struct Relay {
     pending: Mutex<Pending>,
     /// Where connections that failed the handshake's secret came from.
     refused: Mutex<Vec<SocketAddr>>,
-    /// Proxies running, and those of them inside a call.
-    proxies: Mutex<Proxies>,
-    proxies_changed: Condvar,
+    /// The joined ranks' proxy threads.
+    proxies: Arc<Proxies>,
 }
 
 /// Connections not yet past their opening, oldest first, each with its id.
@@ -66,13 +63,6 @@ struct Relay {
 struct Pending {
     next: u64,
     open: VecDeque<(u64, TcpStream)>,
-}
-
-/// Proxy threads running, and how many of them are inside a call.
-#[derive(Default)]
-struct Proxies {
-    live: usize,
-    busy: usize,
 }
 
 /// Serves the rendezvous on `listener` as rank 0 and returns rank 0's communicator once
@@ -86,15 +76,12 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
         world_size: join.world_size,
         timeout: join.timeout,
         secret: join.secret.clone(),
-        splits: Mutex::new(HashMap::new()),
-        next_id: AtomicU64::new(0),
         hellos: Mutex::new(Some(tx)),
         failure: Mutex::new(None),
         closed: AtomicBool::new(false),
         pending: Mutex::new(Pending::default()),
         refused: Mutex::new(Vec::new()),
-        proxies: Mutex::new(Proxies::default()),
-        proxies_changed: Condvar::new(),
+        proxies: Arc::new(Proxies::default()),
     });
     let acceptor = Arc::clone(&relay);
     std::thread::Builder::new()
@@ -156,7 +143,7 @@ pub(super) fn serve(listener: TcpListener, join: &Join) -> Result<Arc<dyn Collec
         if write_frame(&mut stream, &Reply::Done(None).encode()).is_err() {
             relay.world.abort(rank, &format!("rank {rank}'s connection closed while the world formed"));
         }
-        spawn_proxy(stream, relay.world.communicator(rank), rank, &relay);
+        relay.proxies.spawn(stream, &relay.world, rank);
     }
     Ok(Arc::new(RelayComm { comm: relay.world.communicator(0), relay, addr }))
 }
@@ -247,30 +234,6 @@ impl Relay {
             secret::JOB_SECRET_VARIABLE
         )
     }
-
-    /// Marks a proxy as running (`live`) or inside a call (`busy`), or neither any more.
-    fn count(&self, change: impl FnOnce(&mut Proxies)) {
-        change(&mut self.proxies.lock().expect("proxies lock"));
-        self.proxies_changed.notify_all();
-    }
-
-    /// Waits, at most the collective timeout, until every proxy has ended (each rank said
-    /// goodbye or its connection closed); once the world is aborted, only until none is
-    /// inside a call (its reply, the abort, is written).
-    fn wait_for_proxies(&self) {
-        let deadline = Instant::now() + self.timeout;
-        let mut proxies = self.proxies.lock().expect("proxies lock");
-        loop {
-            let done = proxies.live == 0 || (self.world.aborted().is_some() && proxies.busy == 0);
-            let left = deadline.saturating_duration_since(Instant::now());
-            if done || left.is_zero() {
-                return;
-            }
-            // Woken by every change; the abort is seen at the latest within a second.
-            let wait = left.min(Duration::from_secs(1));
-            proxies = self.proxies_changed.wait_timeout(proxies, wait).expect("proxies lock").0;
-        }
-    }
 }
 
 /// Reads each connection's handshake and opening on a thread of its own.
@@ -338,146 +301,19 @@ fn opening(mut stream: TcpStream, id: u64, relay: &Arc<Relay>) {
                 }
             }
         }
-        Ok(Opening::Attach { id }) => {
-            let comm = relay.splits.lock().expect("splits lock").remove(&id);
-            match comm {
-                Some(comm) => {
-                    if write_frame(&mut stream, &Reply::Done(None).encode()).is_ok() {
-                        let rank = comm.rank();
-                        relay.count(|p| p.live += 1);
-                        proxy(stream, comm, rank, relay);
-                    }
+        Ok(Opening::Attach { id }) => match relay.proxies.attach(id) {
+            Some(comm) => {
+                if write_frame(&mut stream, &Reply::Done(None).encode()).is_ok() {
+                    relay.proxies.run_here(stream, comm);
                 }
-                None => reply(stream, &Reply::Failed(ZeroError::Rendezvous(format!("no communicator {id} to attach")))),
             }
-        }
+            None => reply(stream, &Reply::Failed(ZeroError::Rendezvous(format!("no communicator {id} to attach")))),
+        },
         // Only a connection that proved the secret gets here: a rank of the job's.
         Ok(Opening::Abort { rank, reason }) if rank < relay.world_size => {
             relay.world.abort(rank, &reason);
         }
         Ok(Opening::Abort { .. }) | Err(_) => {}
-    }
-}
-
-fn spawn_proxy(stream: TcpStream, comm: ThreadComm, rank: usize, relay: &Arc<Relay>) {
-    let shared = Arc::clone(relay);
-    relay.count(|p| p.live += 1);
-    let spawned = std::thread::Builder::new()
-        .name(format!("zerotrain-relay-{rank}"))
-        .spawn(move || proxy(stream, comm, rank, &shared));
-    if let Err(e) = spawned {
-        relay.count(|p| p.live -= 1);
-        relay.world.abort(rank, &format!("could not start the relay thread of rank {rank}: {e}"));
-    }
-}
-
-/// Runs one rank's calls on `comm` until it says goodbye; a connection that ends otherwise
-/// aborts the job, naming the rank. Counted as live from before it starts until it ends.
-fn proxy(mut stream: TcpStream, comm: ThreadComm, rank: usize, relay: &Relay) {
-    struct Ended<'a>(&'a Relay);
-    impl Drop for Ended<'_> {
-        fn drop(&mut self) {
-            self.0.count(|p| p.live -= 1);
-        }
-    }
-    let _ended = Ended(relay);
-    loop {
-        let call = match read_frame(&mut stream, MAX_CALL) {
-            Ok(frame) => Call::decode(&frame),
-            Err(e) => {
-                let reason = format!(
-                    "its connection to the rendezvous on rank 0 ended ({e}): its process exited or lost the network"
-                );
-                comm.abort(&reason);
-                return;
-            }
-        };
-        relay.count(|p| p.busy += 1);
-        let answer = match call {
-            Ok(Call::Goodbye) => {
-                relay.count(|p| p.busy -= 1);
-                return;
-            }
-            Ok(call) => run(&comm, call, relay),
-            Err(e) => {
-                comm.abort(&format!("it sent a malformed call ({e})"));
-                relay.count(|p| p.busy -= 1);
-                return;
-            }
-        };
-        let written = write_frame(&mut stream, &answer.encode());
-        relay.count(|p| p.busy -= 1);
-        if written.is_err() {
-            comm.abort(&format!("rank {rank}'s connection closed while it waited for a reply"));
-            return;
-        }
-    }
-}
-
-/// Checks a length a rank asked for against what the call's other buffers and the group's
-/// size make it, before anything of that length is allocated; a mismatch aborts the group
-/// (as the threads backend does for a wrong buffer) and is the rank's reply.
-fn expect_len(comm: &ThreadComm, op: OpKind, asked: usize, expected: Option<usize>, what: &str) -> Result<(), Reply> {
-    if expected == Some(asked) {
-        return Ok(());
-    }
-    let detail = format!("asked for {asked} elements of output, but {what} make {expected:?}");
-    let error = ZeroError::BadBuffer { rank: comm.rank(), op: op.name(), detail };
-    comm.abort(&error.to_string());
-    Err(Reply::Failed(error))
-}
-
-/// Runs `call` on `comm`, as the rank that asked would have.
-fn run(comm: &ThreadComm, call: Call, relay: &Relay) -> Reply {
-    let done = |result: Result<(), ZeroError>, buf: Option<FlatBuf>| match result {
-        Ok(()) => Reply::Done(buf),
-        Err(e) => Reply::Failed(e),
-    };
-    let n = comm.world_size();
-    // A reply must fit in a frame the rank reads.
-    let fits = |len: usize, width: usize| len.checked_mul(width).filter(|b| *b as u64 <= MAX_CALL - 64);
-    match call {
-        Call::AllReduce { op, mut buf } => done(comm.all_reduce(buf.as_mut(), op), Some(buf)),
-        Call::ReduceScatter { op, input, out_len } => {
-            let expected = input.len().is_multiple_of(n).then(|| input.len() / n);
-            if let Err(reply) = expect_len(comm, OpKind::ReduceScatter, out_len, expected, "the input and group") {
-                return reply;
-            }
-            let mut out = FlatBuf::zeros(input.dtype(), out_len);
-            done(comm.reduce_scatter(input.as_ref(), out.as_mut(), op), Some(out))
-        }
-        Call::AllGather { input, out_len } => {
-            let width = input.dtype().bytes_per_elem();
-            let expected = input.len().checked_mul(n).filter(|len| fits(*len, width).is_some());
-            if let Err(reply) = expect_len(comm, OpKind::AllGather, out_len, expected, "the input and group") {
-                return reply;
-            }
-            let mut out = FlatBuf::zeros(input.dtype(), out_len);
-            done(comm.all_gather(input.as_ref(), out.as_mut()), Some(out))
-        }
-        Call::Broadcast { root, mut buf } => done(comm.broadcast(buf.as_mut(), root), Some(buf)),
-        Call::Barrier => done(comm.barrier(), None),
-        Call::Send { to, buf } => done(comm.send(buf.as_ref(), to), None),
-        // The message is the sender's buffer, as sent: compared, never allocated for.
-        Call::Recv { from, dtype, len } => match comm.recv_message(from) {
-            Ok(message) if message.len() == len && message.dtype() == dtype => Reply::Done(Some(message)),
-            Ok(message) => {
-                let what = format!("the {} message from rank {from}", message.dtype());
-                let got = if message.dtype() == dtype { Some(message.len()) } else { None };
-                expect_len(comm, OpKind::Recv, len, got, &what).err().unwrap_or(Reply::Done(Some(message)))
-            }
-            Err(e) => Reply::Failed(e),
-        },
-        Call::Split { color, key } => match comm.split_threads(color, key) {
-            Ok(sub) => {
-                let id = relay.next_id.fetch_add(1, Ordering::Relaxed);
-                let (rank, size) = (sub.rank(), sub.world_size());
-                relay.splits.lock().expect("splits lock").insert(id, sub);
-                Reply::Split { id, rank, size }
-            }
-            Err(e) => Reply::Failed(e),
-        },
-        Call::Goodbye => Reply::Done(None),
     }
 }
 
@@ -495,7 +331,7 @@ impl Drop for RelayComm {
     fn drop(&mut self) {
         self.relay.closed.store(true, Ordering::Relaxed);
         wake(self.addr);
-        self.relay.wait_for_proxies();
+        self.relay.proxies.wait(self.relay.timeout, || self.relay.world.aborted().is_some());
     }
 }
 
