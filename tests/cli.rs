@@ -29,6 +29,14 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// A fresh, empty temporary directory of this test process named by `name`.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerotrain-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// A config file in a fresh temporary directory.
 fn temp_config(name: &str, json: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("zerotrain-cli-{}-{name}", std::process::id()));

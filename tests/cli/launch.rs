@@ -5,11 +5,11 @@
 //! rendezvous the trainers join is tested over loopback in `zerotrain-zero`
 //! (`collective::tcp`), across hosts in `tests/cli/hosts.rs`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::text;
+use super::{scratch, text};
 
 fn launch(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_zerotrain"));
@@ -18,13 +18,6 @@ fn launch(args: &[&str], env: &[(&str, &str)]) -> Command {
         command.env(k, v);
     }
     command
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zerotrain-launch-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// Waits until `path` holds `lines` lines (what the ranks append when they are ready).
@@ -43,7 +36,7 @@ fn alive(pid: &str) -> bool {
 
 #[test]
 fn each_rank_gets_torchrun_s_variables_for_its_node() {
-    let dir = scratch("vars");
+    let dir = scratch("launch-vars");
     let script = "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT \
                   ${NCCL_HOSTID:-none} ${NCCL_P2P_DISABLE:-on} $ZEROTRAIN_JOB_SECRET > $OUT/$RANK";
     let out = launch(
@@ -101,7 +94,7 @@ fn each_rank_gets_torchrun_s_variables_for_its_node() {
 
 #[test]
 fn a_rank_that_fails_takes_the_job_down_with_its_status() {
-    let dir = scratch("fail");
+    let dir = scratch("launch-fail");
     // Ranks 0 and 2 would run for ten minutes, and note the SIGTERM that stops them; rank 1
     // fails once they are running.
     let script = r#"echo $$ >> $OUT/pids
@@ -150,7 +143,7 @@ fn a_rank_that_fails_takes_the_job_down_with_its_status() {
 
 #[test]
 fn a_stop_signal_to_the_launcher_reaches_every_rank_which_ends_its_own_way() {
-    let dir = scratch("stop");
+    let dir = scratch("launch-stop");
     // Each rank "saves" on SIGTERM (writes a line) and ends with 0.
     let script = r#"trap 'kill $sleeper; echo saved $RANK >> $OUT/saved; exit 0' TERM
         sleep 600 & sleeper=$!
@@ -189,7 +182,7 @@ fn free_port() -> String {
 fn ctrl_c_to_the_launchers_group_stops_every_rank_once_and_the_job_saves() {
     use std::io::BufRead;
     use std::os::unix::process::CommandExt;
-    let dir = scratch("ctrl-c");
+    let dir = scratch("launch-ctrl-c");
     let run = dir.join("run");
     let port = free_port();
     let args = ["--nproc-per-node", "2", "--master-port", &port, "--", "train", "--config", "configs/tiny.json"];
@@ -219,7 +212,7 @@ fn ctrl_c_to_the_launchers_group_stops_every_rank_once_and_the_job_saves() {
 /// (before, it was armed only after a failure, and the launcher waited for ever).
 #[test]
 fn a_rank_that_ignores_the_stop_is_killed_after_the_grace() {
-    let dir = scratch("grace");
+    let dir = scratch("launch-grace");
     let script = r#"trap '' TERM; echo $$ >> $OUT/ready; while :; do sleep 0.1; done"#;
     let child = launch(
         &["--nproc-per-node", "1", "--grace-s", "1", "--no-zerotrain", "--", "sh", "-c", script],
@@ -241,7 +234,7 @@ fn a_rank_that_ignores_the_stop_is_killed_after_the_grace() {
 /// parent-death signal), so none outlives the job's supervisor.
 #[test]
 fn ranks_do_not_outlive_a_killed_launcher() {
-    let dir = scratch("orphans");
+    let dir = scratch("launch-orphans");
     let mut child = launch(
         &["--nproc-per-node", "2", "--no-zerotrain", "--", "sh", "-c", "echo $$ >> $OUT/pids; exec sleep 600"],
         &[("OUT", dir.to_str().unwrap())],

@@ -10,12 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zt-lease-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use super::scratch;
 
 /// A bundle in `dir/bundle` whose binaries archive holds `binaries` (small stand-ins).
 fn bundle(dir: &Path, binaries: &[&str]) -> PathBuf {
@@ -61,7 +56,7 @@ fn dry_run(dir: &Path, bundle: &Path) -> (bool, String) {
 
 #[test]
 fn the_lease_dry_run_plans_checks_the_bundle_and_skips_every_part() {
-    let dir = scratch("ok");
+    let dir = scratch("lease-ok");
     let (ok, report) = dry_run(&dir, &bundle(&dir, &["zerotrain", "world"]));
     assert!(ok, "{report}");
     let lines: Vec<&str> = report.lines().collect();
@@ -93,24 +88,24 @@ fn the_lease_dry_run_plans_checks_the_bundle_and_skips_every_part() {
 
 #[test]
 fn a_lease_bundle_missing_a_binary_or_too_large_or_absent_fails_by_name() {
-    let dir = scratch("bad");
+    let dir = scratch("lease-bad");
     let (ok, report) = dry_run(&dir, &bundle(&dir, &["zerotrain"]));
     assert!(!ok && report.contains("bins.tar.xz holds no world"), "{report}");
     assert!(!report.contains("skipped"), "{report}");
+    std::fs::remove_dir_all(&dir).unwrap();
 
-    let dir = scratch("large");
+    let dir = scratch("lease-large");
     let out = bundle(&dir, &["zerotrain", "world"]);
     // 63 MiB of apparent size (sparse): over what one call carries beside the repository.
     let big = std::fs::File::create(out.join("tuned.tgz")).unwrap();
     big.set_len(63 * 1024 * 1024).unwrap();
     let (ok, report) = dry_run(&dir, &out);
     assert!(!ok && report.contains("over the 65011712"), "{report}");
+    std::fs::remove_dir_all(&dir).unwrap();
 
-    let dir = scratch("absent");
+    let dir = scratch("lease-absent");
     let (ok, report) = dry_run(&dir, &dir.join("no-bundle"));
     assert!(!ok && report.contains("lacks commit paths bins.tar.xz"), "{report}");
     assert!(report.starts_with("# zerotrain GPU lease run") && report.contains("planned total: "), "{report}");
-    for d in ["bad", "large", "absent"] {
-        let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("zt-lease-{d}-{}", std::process::id())));
-    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
