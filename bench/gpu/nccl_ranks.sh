@@ -64,19 +64,27 @@ if mode == "bound" and worst > 1e-5:
 PY
 }
 
+# launched RANKS LOG TRAIN_ARGS...: `train` as RANKS NCCL processes sharing the GPU, on a
+# port of their own, its output into LOG.
+launched() {
+    local ranks="$1" log="$2"
+    shift 2
+    port=$((port + 1))
+    timeout 300 "$zt" launch --nproc-per-node "$ranks" --ranks-share-gpu --master-port $port --grace-s 10 -- \
+        train "$@" >"$log" 2>&1
+}
+
 # run NAME RANKS MODE [TRAIN ARGS...]: the config's job as thread ranks and as launched
 # NCCL processes.
 run() {
     local name="$1" ranks="$2" mode="$3" out="$work/$1-$2"
     shift 3
-    port=$((port + 1))
     echo "$name, $ranks ranks:"
     if ! "$zt" train --config "$work/$name.json" --world-size "$ranks" --steps $steps --out "$out-threads" "$@" \
         >"$out-threads.log" 2>&1; then
         echo "  threads run failed:"; tail -5 "$out-threads.log"; failures=$((failures + 1)); return
     fi
-    if ! timeout 300 "$zt" launch --nproc-per-node "$ranks" --ranks-share-gpu --master-port $port --grace-s 10 -- \
-        train --config "$work/$name.json" --steps $steps --out "$out-nccl" "$@" >"$out-nccl.log" 2>&1; then
+    if ! launched "$ranks" "$out-nccl.log" --config "$work/$name.json" --steps $steps --out "$out-nccl" "$@"; then
         echo "  launched run failed:"; tail -8 "$out-nccl.log"; failures=$((failures + 1)); return
     fi
     if grep -q "host backend" "$out-nccl.log"; then
@@ -105,10 +113,8 @@ crossed_none() {
 resumed() {
     local name="$1" out="$work/$1-resume"
     shift
-    port=$((port + 1))
     echo "$name: saved by 2 NCCL ranks at step 3, resumed on 1 and on 4:"
-    if ! timeout 300 "$zt" launch --nproc-per-node 2 --ranks-share-gpu --master-port $port --grace-s 10 -- \
-        train --config "$work/$name.json" --steps 3 --out "$out-2" "$@" >"$out-2.log" 2>&1; then
+    if ! launched 2 "$out-2.log" --config "$work/$name.json" --steps 3 --out "$out-2" "$@"; then
         echo "  the saving run failed:"; tail -8 "$out-2.log"; failures=$((failures + 1)); return
     fi
     cp -r "$out-2" "$out-1" && cp -r "$out-2" "$out-4"
@@ -118,9 +124,7 @@ resumed() {
     else
         compare "$work/$name-2-threads" "$out-1" bound || failures=$((failures + 1))
     fi
-    port=$((port + 1))
-    if ! timeout 300 "$zt" launch --nproc-per-node 4 --ranks-share-gpu --master-port $port --grace-s 10 -- \
-        train --config "$work/$name.json" --steps $steps --resume --out "$out-4" "$@" >"$out-4.log" 2>&1; then
+    if ! launched 4 "$out-4.log" --config "$work/$name.json" --steps $steps --resume --out "$out-4" "$@"; then
         echo "  resuming on 4 NCCL ranks failed:"; tail -8 "$out-4.log"; failures=$((failures + 1))
     else
         compare "$work/$name-2-threads" "$out-4" bound || failures=$((failures + 1))
