@@ -302,6 +302,15 @@ fn point_to_point_and_groups(comm: &dyn Collective) {
             assert_eq!(got, FlatBuf::from_f32(dtype, &input(previous + k, 300_000)), "{dtype} message {k}");
         }
     }
+    // The uneven all-to-all: rank r sends rank j (r + 2j) % 3 elements (none for some
+    // pairs), counts exchanged first; what arrives is laid out by hand.
+    let count = |from: usize, to: usize| (from + 2 * to) % 3;
+    let value = |from: usize, to: usize, k: usize| (from * 100 + to * 10 + k) as f32;
+    let counts: Vec<usize> = (0..n).map(|to| count(rank, to)).collect();
+    let parts: Vec<f32> = (0..n).flat_map(|to| (0..count(rank, to)).map(move |k| value(rank, to, k))).collect();
+    let (got, from) = zerotrain_zero::exchange(comm, BufRef::F32(&parts), &counts).unwrap();
+    let want: Vec<f32> = (0..n).flat_map(|i| (0..count(i, rank)).map(move |k| value(i, rank, k))).collect();
+    assert_eq!((got.into_f32(), from), (want, (0..n).map(|i| count(i, rank)).collect::<Vec<_>>()), "all-to-all");
     let group = comm.split(rank % 2, n - rank).unwrap();
     let members: Vec<usize> = (0..n).filter(|r| r % 2 == rank % 2).rev().collect();
     assert_eq!((group.rank(), group.world_size()), (members.iter().position(|&r| r == rank).unwrap(), members.len()));

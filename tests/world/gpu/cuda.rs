@@ -296,7 +296,7 @@ fn nccl_beside_the_host_backend() -> (ThreadComm, Arc<ThreadComm>, nccl::NcclCom
 }
 
 /// NCCL's collectives at world size 1 give the host backend's results bit for bit, in every
-/// dtype and op the engine uses, and count the same bytes.
+/// dtype and op the engine uses (the all-to-all too), and count the same bytes.
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn nccl_equals_the_host_backend_bit_for_bit_at_world_size_one() {
@@ -321,6 +321,13 @@ fn nccl_equals_the_host_backend_bit_for_bit_at_world_size_one() {
         both(&|c, buf| {
             let input = buf.clone();
             c.all_gather(input.as_ref(), buf.as_mut())
+        });
+        // The all-to-all, counts then payloads: one grouped send and receive to itself.
+        both(&|c, buf| {
+            let (got, counts) = zerotrain_zero::exchange(c, buf.as_ref(), &[buf.len()])?;
+            assert_eq!(counts, [buf.len()]);
+            *buf = got;
+            Ok(())
         });
     }
     // The NCCL communicator's counts include its host communicator's (the id's broadcast).

@@ -11,6 +11,7 @@
 //! volumes (2Ψ, 3Ψ) stay comparable across backends. A point-to-point message counts its
 //! bytes as sent on the sender and as received on the receiver.
 
+mod all_to_all;
 pub mod device;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -28,6 +29,7 @@ pub use zerotrain_precision::{BufMut, BufRef};
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{LAUNCHER_GONE_EXIT_CODE, MpiComm};
+pub use all_to_all::{exchange, part_ranges};
 pub use device::{DeviceBuf, DeviceCall, DeviceOp};
 pub use request::{Completed, Pending, Request};
 pub use threads::{ThreadComm, ThreadWorld};
@@ -95,6 +97,27 @@ pub trait Collective: Send + Sync {
     /// be the message's. Fails like a collective when `from` does not send within the
     /// timeout or the job is aborted.
     fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError>;
+    /// Uneven all-to-all (MPI's `MPI_Alltoallv`, parts packed; the notes in
+    /// [`all_to_all`](self::all_to_all)): `input` holds this rank's part for every rank in
+    /// rank order, `send_counts[j]` elements for rank `j`; `output` receives every rank's part
+    /// for this one in rank order, `recv_counts[i]` elements from rank `i`, which must be the
+    /// count rank `i` sends here ([`all_to_all_counts`](Self::all_to_all_counts) gives them,
+    /// [`exchange`] does both). The default runs as sends and receives and is counted as
+    /// those.
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<(), ZeroError> {
+        all_to_all::through_messages(self, input, send_counts, output, recv_counts)
+    }
+    /// The counts of an [`all_to_all`](Self::all_to_all): given what this rank sends each
+    /// rank, what each rank sends this one. Every rank calls it.
+    fn all_to_all_counts(&self, send_counts: &[usize]) -> Result<Vec<usize>, ZeroError> {
+        all_to_all::counts_by_all_gather(self, send_counts)
+    }
     /// Splits the ranks: every rank calls it; those with the same `color` form a new
     /// communicator, ranked by `key` (then by rank here). An abort anywhere in the job
     /// reaches every communicator split from it.
@@ -221,6 +244,8 @@ pub enum OpKind {
     Recv,
     /// [`Collective::split`] (no bytes, no counter of its own).
     Split,
+    /// [`Collective::all_to_all`] (counted as its sends and receives, no counter of its own).
+    AllToAll,
 }
 
 impl OpKind {
@@ -235,14 +260,16 @@ impl OpKind {
             Self::Send => "send",
             Self::Recv => "recv",
             Self::Split => "split",
+            Self::AllToAll => "all_to_all",
         }
     }
 }
 
 impl CommCounters {
-    /// Records one call of `kind` that moved `bytes` (splits are not counted).
+    /// Records one call of `kind` that moved `bytes` (splits and all-to-alls, counted as
+    /// their messages, are not).
     pub fn record(&self, kind: OpKind, bytes: u64) {
-        if kind == OpKind::Split {
+        if matches!(kind, OpKind::Split | OpKind::AllToAll) {
             return;
         }
         let i = kind as usize * 2;
@@ -297,7 +324,7 @@ pub fn convention_bytes(
         }
         OpKind::Barrier => 0,
         OpKind::Send | OpKind::Recv => buffer_elems,
-        OpKind::Split => 0,
+        OpKind::Split | OpKind::AllToAll => 0,
     };
     (elems * elem_bytes) as u64
 }

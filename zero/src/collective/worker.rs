@@ -195,6 +195,20 @@ impl Collective for CommThread {
         self.call(move |comm| comm.recv(buf, from))
     }
 
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<(), ZeroError> {
+        self.call(move |comm| comm.all_to_all(input, send_counts, output, recv_counts))
+    }
+
+    fn all_to_all_counts(&self, send_counts: &[usize]) -> Result<Vec<usize>, ZeroError> {
+        self.call(move |comm| comm.all_to_all_counts(send_counts))
+    }
+
     /// Splits on the thread; the group's handle shares the thread (module note on groups).
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
         let group = self.call(move |comm| comm.split(color, key))?;

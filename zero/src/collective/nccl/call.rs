@@ -94,6 +94,7 @@ impl NcclCall {
             OpKind::Barrier | OpKind::Send | OpKind::Recv | OpKind::Split => {
                 return Err(bad("runs on the host communicator, not through NCCL".into()));
             }
+            OpKind::AllToAll => return Err(bad("takes a count per rank, not one count".into())),
         };
         let dtype = NcclDtype::of(dtype);
         Ok(Self { kind, dtype, count, send_bytes: send_len * dtype.size(), recv_bytes: recv_len * dtype.size() })

@@ -37,7 +37,9 @@
 //!
 //! # Note: what stays on the host
 //! Barriers, point-to-point messages (whose buffered-send contract NCCL's rendezvous sends
-//! do not keep) and the id exchange of [`Collective::split`] use the host communicator.
+//! do not keep) and the id exchange of [`Collective::split`] use the host communicator. The
+//! all-to-all's parts travel through NCCL (one group of sends and receives, `all_to_all.rs`),
+//! its counts by NCCL's all-gather.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -55,6 +57,7 @@ use super::wire::{bytes, bytes_mut, bytes_of, nccl_op, nccl_type};
 use crate::ZeroError;
 use crate::collective::{Collective, CommCounters, CommStats, DeviceCall, OpKind, ReduceOp, convention_bytes};
 
+mod all_to_all;
 mod device_call;
 
 /// One rank's NCCL communicator (see the module notes).
@@ -325,6 +328,16 @@ impl Collective for NcclComm {
         self.copy_back(call.kind, &result, bytes_mut(buf))?;
         self.record(OpKind::Broadcast, len, call.dtype, root);
         Ok(())
+    }
+
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<(), ZeroError> {
+        self.all_to_all_host(input, send_counts, output, recv_counts)
     }
 
     fn reads_device_memory(&self) -> bool {

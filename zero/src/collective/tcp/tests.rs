@@ -90,7 +90,15 @@ fn collectives(comm: &dyn Collective) -> Result<Vec<FlatBuf>, ZeroError> {
     let mut in_group = vec![rank as f32 + 0.25];
     group.all_reduce(BufMut::F32(&mut in_group), ReduceOp::Sum)?;
     let place = vec![group.rank() as f32, group.world_size() as f32];
-    Ok([sum, scattered, gathered, root, got, in_group, place].into_iter().map(FlatBuf::F32).chain([max]).collect())
+    // Uneven parts: rank r sends rank j (r + j) % 3 elements, none for some pairs.
+    let counts: Vec<usize> = (0..n).map(|j| (rank + j) % 3).collect();
+    let parts: Vec<f32> = (0..counts.iter().sum::<usize>()).map(|k| values[k % 6] + k as f32).collect();
+    let (exchanged, _) = crate::collective::exchange(comm, BufRef::F32(&parts), &counts)?;
+    Ok([sum, scattered, gathered, root, got, in_group, place]
+        .into_iter()
+        .map(FlatBuf::F32)
+        .chain([max, exchanged])
+        .collect())
 }
 
 #[test]

@@ -286,5 +286,6 @@ fn a_barrier_followed_at_once_by_another_collective_is_not_a_mismatch() {
     }
 }
 
+mod all_to_all;
 mod comm_thread;
 mod p2p;

@@ -10,15 +10,15 @@ use crate::{Error, Result};
 
 /// `values` (row-major, of shape `dims`) cut along `scatter` into `n` equal parts, part
 /// `j` to rank `j`, the parts from every rank concatenated along `gather` in rank order:
-/// the result and its shape. Sends are buffered, so every rank sends first and then
-/// receives.
+/// the result and its shape: one [`Collective::all_to_all`](zerotrain_zero::Collective::all_to_all)
+/// of equal parts (NCCL's runs as one group of sends and receives).
 pub(super) fn all_to_all(
     group: &ParallelGroup,
     values: &[f32],
     dims: &[usize],
     [scatter, gather]: [usize; 2],
 ) -> Result<(Vec<f32>, Vec<usize>)> {
-    let (n, me) = (group.size(), group.rank());
+    let n = group.size();
     if !dims[scatter].is_multiple_of(n) {
         return Err(Error::Usage(format!(
             "all-to-all over {n} ranks: dimension {scatter} of {dims:?} does not divide into {n} parts"
@@ -26,21 +26,12 @@ pub(super) fn all_to_all(
     }
     let mut part_dims = dims.to_vec();
     part_dims[scatter] /= n;
-    let parts: Vec<Vec<f32>> = (0..n).map(|j| cut(values, dims, scatter, j, n)).collect();
-    let comm = group.collective();
-    for (j, part) in parts.iter().enumerate().filter(|(j, _)| *j != me) {
-        comm.send(BufRef::F32(part), j)?;
-    }
-    let mut received = vec![Vec::new(); n];
-    for (i, slot) in received.iter_mut().enumerate() {
-        *slot = if i == me {
-            parts[me].clone()
-        } else {
-            let mut buf = vec![0f32; parts[me].len()];
-            comm.recv(BufMut::F32(&mut buf), i)?;
-            buf
-        };
-    }
+    let input: Vec<f32> = (0..n).flat_map(|j| cut(values, dims, scatter, j, n)).collect();
+    let part = input.len() / n;
+    let mut output = vec![0f32; input.len()];
+    let counts = vec![part; n];
+    group.collective().all_to_all(BufRef::F32(&input), &counts, BufMut::F32(&mut output), &counts)?;
+    let received: Vec<Vec<f32>> = (0..n).map(|i| output[i * part..(i + 1) * part].to_vec()).collect();
     let mut out_dims = part_dims.clone();
     out_dims[gather] *= n;
     Ok((join(&received, &part_dims, gather), out_dims))

@@ -6,7 +6,8 @@
 //! code there. Every backend runs the reduction through host memory (the tensor read into
 //! a buffer of its dtype, the collective's result written back), which is what a host
 //! collective needs; NCCL's device-memory path (`engine::on_device`) is not used here yet,
-//! so NCCL ranks stage tensor-parallel reductions through the host too.
+//! so NCCL ranks stage tensor-parallel reductions and Ulysses' exchange through the host
+//! too (the values then travel through NCCL: its all-reduce, its grouped sends and receives).
 //!
 //! The reduction's step is compute-bound and keeps no state: Burn never recomputes it in
 //! backward (that would call the collective out of turn), it keeps its output.
