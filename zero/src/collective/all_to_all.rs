@@ -75,12 +75,13 @@ pub(crate) fn through_messages<C: Collective + ?Sized>(
     let (me, n) = (comm.rank(), comm.world_size());
     check(me, n, &input, send_counts, &output, recv_counts)?;
     let (sends, recvs) = (part_ranges(send_counts), part_ranges(recv_counts));
+    for j in (0..n).filter(|&j| j != me && send_counts[j] > 0) {
+        comm.send(input.slice(sends[j].clone()), j)?;
+    }
+    // Checked after the sends, so that the other ranks get their parts and do not wait.
     if send_counts[me] != recv_counts[me] {
         let detail = format!("sends itself {} elements but expects {}", send_counts[me], recv_counts[me]);
         return Err(ZeroError::BadBuffer { rank: me, op: OpKind::AllToAll.name(), detail });
-    }
-    for j in (0..n).filter(|&j| j != me && send_counts[j] > 0) {
-        comm.send(input.slice(sends[j].clone()), j)?;
     }
     output.reborrow().slice(recvs[me].clone()).copy_from(input.slice(sends[me].clone()), false);
     for i in (0..n).filter(|&i| i != me && recv_counts[i] > 0) {

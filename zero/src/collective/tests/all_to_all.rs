@@ -100,3 +100,20 @@ fn bad_counts_are_refused_naming_the_call_and_a_mismatch_fails_without_hanging()
         assert!(mismatch.is_err(), "rank {rank}: a count mismatch went unnoticed");
     }
 }
+
+#[test]
+fn a_rank_whose_own_counts_disagree_fails_alone_and_the_others_get_their_parts() {
+    let out = run_world(2, T, |c| {
+        let input = [1.0f32, 2.0, 3.0];
+        // Rank 0 sends itself 1 element but expects 2; rank 1 still gets its part at once.
+        let (send, recv, len) = if c.rank() == 0 { ([1, 2], [2, 1], 3) } else { ([1, 1], [2, 1], 2) };
+        let mut out = [0.0f32; 3];
+        let own = c.all_to_all(BufRef::F32(&input[..len]), &send, BufMut::F32(&mut out), &recv);
+        (own, out)
+    });
+    let err = out[0].0.as_ref().unwrap_err();
+    assert!(err.to_string().contains("sends itself 1 elements but expects 2"), "{err}");
+    // Rank 1 got rank 0's two elements and kept its own one.
+    assert_eq!(out[1].0, Ok(()));
+    assert_eq!(out[1].1, [2.0, 3.0, 2.0]);
+}
