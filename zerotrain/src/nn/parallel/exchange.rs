@@ -31,7 +31,7 @@ pub(super) fn all_to_all(
     let mut output = vec![0f32; input.len()];
     let counts = vec![part; n];
     group.collective().all_to_all(BufRef::F32(&input), &counts, BufMut::F32(&mut output), &counts)?;
-    let received: Vec<Vec<f32>> = (0..n).map(|i| output[i * part..(i + 1) * part].to_vec()).collect();
+    let received: Vec<&[f32]> = (0..n).map(|i| &output[i * part..(i + 1) * part]).collect();
     let mut out_dims = part_dims.clone();
     out_dims[gather] *= n;
     Ok((join(&received, &part_dims, gather), out_dims))
@@ -46,13 +46,13 @@ fn cut(values: &[f32], dims: &[usize], dim: usize, j: usize, n: usize) -> Vec<f3
 }
 
 /// `parts` (each of shape `dims`) side by side along dimension `dim`.
-fn join(parts: &[Vec<f32>], dims: &[usize], dim: usize) -> Vec<f32> {
+fn join(parts: &[impl AsRef<[f32]>], dims: &[usize], dim: usize) -> Vec<f32> {
     let outer: usize = dims[..dim].iter().product();
     let block: usize = dims[dim..].iter().product();
     let mut out = Vec::with_capacity(block * outer * parts.len());
     for o in 0..outer {
         for part in parts {
-            out.extend_from_slice(&part[o * block..(o + 1) * block]);
+            out.extend_from_slice(&part.as_ref()[o * block..(o + 1) * block]);
         }
     }
     out

@@ -11,10 +11,10 @@ use zerotrain_precision::{BufMut, BufRef};
 
 use super::NcclComm;
 use crate::ZeroError;
+use crate::collective::OpKind;
 use crate::collective::all_to_all::{check, part_ranges};
 use crate::collective::nccl::call::NcclDtype;
 use crate::collective::nccl::wire::{bytes, bytes_mut, nccl_type};
-use crate::collective::{OpKind, convention_bytes};
 
 impl NcclComm {
     /// [`Collective::all_to_all`](crate::Collective::all_to_all) on host buffers.
@@ -38,7 +38,8 @@ impl NcclComm {
             true => self.stream.alloc_zeros::<u8>(1).map_err(device)?,
             false => self.stream.clone_htod(bytes(input)).map_err(device)?,
         };
-        let mut dst = self.stream.alloc_zeros::<u8>((output.len() * dtype.size()).max(1)).map_err(device)?;
+        let out_bytes = output.len() * dtype.size();
+        let mut dst = self.stream.alloc_zeros::<u8>(out_bytes.max(1)).map_err(device)?;
         {
             let (src_ptr, _src_done) = src.device_ptr_mut(&self.stream);
             let (dst_ptr, _dst_done) = dst.device_ptr_mut(&self.stream);
@@ -47,7 +48,6 @@ impl NcclComm {
             unsafe { self.launch_all_to_all(src_ptr, dst_ptr, dtype, send_counts, recv_counts) }?;
         }
         self.wait(kind)?;
-        let out_bytes = output.len() * dtype.size();
         if out_bytes > 0 {
             let recv = bytes_mut(output);
             self.stream.memcpy_dtoh(&dst.slice(..out_bytes), recv).map_err(device)?;
@@ -100,7 +100,7 @@ impl NcclComm {
     pub(super) fn record_all_to_all(&self, dtype: NcclDtype, send_counts: &[usize], recv_counts: &[usize]) {
         for (kind, counts) in [(OpKind::Send, send_counts), (OpKind::Recv, recv_counts)] {
             for (_, &c) in counts.iter().enumerate().filter(|&(j, &c)| j != self.rank && c > 0) {
-                self.counters.record(kind, convention_bytes(kind, c, dtype.size(), 1, 0, 0));
+                self.counters.record(kind, (c * dtype.size()) as u64);
             }
         }
     }
