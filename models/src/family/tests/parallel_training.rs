@@ -529,9 +529,15 @@ fn whole_parameters_start_as_tensor_rank_0_s_on_every_rank() {
                 1 => job.run(crate::Gpt::new(&config, device)),
                 _ => {
                     let part = crate::Gpt::new_split(&config, device, groups, seed).map_err(zerotrain::Error::Model)?;
+                    // Scaling reads (so draws) the lazy parameters: under the generator's
+                    // lock, as a caller's draws beside training ranks must be, or the draw
+                    // could land inside tensor rank 0's seeded draws and change its model.
                     let part = match groups.tensor.rank() {
                         0 => part,
-                        _ => scaled(scaled(part, "position.weight", 1.5), "norm.gamma", 1.5),
+                        _ => {
+                            let _held = zerotrain::random::lock();
+                            scaled(scaled(part, "position.weight", 1.5), "norm.gamma", 1.5)
+                        }
                     };
                     job.run(part)
                 }
