@@ -54,7 +54,7 @@ mod stage;
 
 pub use collective::{
     Collective, CommStats, CommThread, Completed, DeviceBuf, DeviceCall, DeviceOp, OpStats, Pending, ReduceOp, Request,
-    ThreadComm, ThreadWorld, exchange, part_ranges,
+    ThreadComm, ThreadWorld, equal_counts, exchange, part_ranges,
 };
 pub use error::ZeroError;
 pub use layout::{FlatEntry, FlatLayout, Segment};

@@ -64,6 +64,24 @@ pub fn check(
     Ok(())
 }
 
+/// The counts of an all-to-all of equal parts ([`DeviceOp::AllToAll`](super::DeviceOp)):
+/// `input_len` elements in `world_size` parts of one length, the output as long.
+pub fn equal_counts(
+    rank: usize,
+    world_size: usize,
+    input_len: usize,
+    output_len: usize,
+) -> Result<Vec<usize>, ZeroError> {
+    let bad = |detail: String| ZeroError::BadBuffer { rank, op: OpKind::AllToAll.name(), detail };
+    if !input_len.is_multiple_of(world_size) {
+        return Err(bad(format!("{input_len} elements are not {world_size} equal parts")));
+    }
+    if output_len != input_len {
+        return Err(bad(format!("an output of {output_len} elements for equal parts of {input_len}")));
+    }
+    Ok(vec![input_len / world_size; world_size])
+}
+
 /// The default [`Collective::all_to_all`]: point-to-point messages (module note).
 pub(crate) fn through_messages<C: Collective + ?Sized>(
     comm: &C,

@@ -54,6 +54,11 @@ impl DeviceBuf {
     pub fn dtype(&self) -> Precision {
         self.dtype
     }
+
+    /// No memory: the side of a [`DeviceOp::Send`] or [`DeviceOp::Recv`] that has none.
+    pub fn empty(dtype: Precision) -> Self {
+        Self { ptr: 0, len: 0, dtype }
+    }
 }
 
 /// A collective the [`DeviceCall`] runs.
@@ -68,6 +73,16 @@ pub enum DeviceOp {
     /// [`Collective::all_gather`](super::Collective::all_gather): the output is
     /// `world_size` times the input.
     AllGather,
+    /// [`Collective::all_to_all`](super::Collective::all_to_all) of equal parts: the input
+    /// is `world_size` parts of one length, part `j` for rank `j`; the output (the input's
+    /// length) holds the part each rank sent this one, in rank order.
+    AllToAll,
+    /// [`Collective::send`](super::Collective::send) of the input to this rank (the output
+    /// empty); a rank's messages to one peer arrive in the order they were sent.
+    Send(usize),
+    /// [`Collective::recv`](super::Collective::recv) from this rank into the output (the
+    /// input empty), whose length must be the message's.
+    Recv(usize),
 }
 
 impl DeviceOp {
@@ -77,6 +92,9 @@ impl DeviceOp {
             Self::AllReduce(_) => OpKind::AllReduce,
             Self::ReduceScatter(_) => OpKind::ReduceScatter,
             Self::AllGather => OpKind::AllGather,
+            Self::AllToAll => OpKind::AllToAll,
+            Self::Send(_) => OpKind::Send,
+            Self::Recv(_) => OpKind::Recv,
         }
     }
 }

@@ -29,7 +29,7 @@ pub use zerotrain_precision::{BufMut, BufRef};
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{LAUNCHER_GONE_EXIT_CODE, MpiComm};
-pub use all_to_all::{exchange, part_ranges};
+pub use all_to_all::{equal_counts, exchange, part_ranges};
 pub use device::{DeviceBuf, DeviceCall, DeviceOp};
 pub use request::{Completed, Pending, Request};
 pub use threads::{ThreadComm, ThreadWorld};
@@ -143,6 +143,16 @@ pub trait Collective: Send + Sync {
     /// memory (the default) refuses it, naming the call.
     fn on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
         Err(call.refused(self.rank()))
+    }
+    /// Starts `call` as [`on_device`](Self::on_device) runs it and returns while its work
+    /// on the GPU may still be running: the buffers' contract (the notes in [`device`])
+    /// then holds until the returned [`Pending`] has been waited for. A pipeline's sends
+    /// must not wait for their receivers (two stages sending to each other would wait
+    /// forever): NCCL's [`DeviceOp::Send`] runs so. The default runs the call and returns
+    /// it done.
+    fn start_on_device(&self, call: &DeviceCall) -> Result<Pending, ZeroError> {
+        self.on_device(call)?;
+        Ok(Pending::ready(Ok(Completed::empty(call.input.dtype()))))
     }
     /// Marks the job failed: every rank's pending and future collectives return
     /// [`ZeroError::Aborted`] naming this rank and `reason`.

@@ -9,7 +9,7 @@
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use zerotrain_precision::FlatBuf;
+use zerotrain_precision::{FlatBuf, Precision};
 
 use super::{Collective, ReduceOp};
 use crate::ZeroError;
@@ -106,6 +106,14 @@ pub struct Completed {
     pub output: FlatBuf,
     /// How long the collective itself ran (on whichever thread ran it).
     pub busy: Duration,
+}
+
+impl Completed {
+    /// A request that gave nothing back (a send; a call on device buffers), its time not
+    /// measured.
+    pub fn empty(dtype: Precision) -> Self {
+        Self { output: FlatBuf::zeros(dtype, 0), busy: Duration::ZERO }
+    }
 }
 
 /// A request in flight. Dropping it without [`wait`](Self::wait) lets it finish unobserved.

@@ -242,6 +242,11 @@ impl Collective for CommThread {
         self.call(move |comm| comm.on_device(call))
     }
 
+    /// Started on the thread; the call's own [`Pending`] comes back.
+    fn start_on_device(&self, call: &DeviceCall) -> Result<Pending, ZeroError> {
+        self.call(move |comm| comm.start_on_device(call))
+    }
+
     /// Aborts at once, from the calling thread: the communication thread may be waiting
     /// inside a collective that only the abort can end.
     fn abort(&self, reason: &str) {

@@ -55,10 +55,13 @@ use super::init;
 use super::poll::{self, Stopped};
 use super::wire::{bytes, bytes_mut, bytes_of, nccl_op, nccl_type};
 use crate::ZeroError;
-use crate::collective::{Collective, CommCounters, CommStats, DeviceCall, OpKind, ReduceOp, convention_bytes};
+use crate::collective::{
+    Collective, CommCounters, CommStats, Completed, DeviceCall, DeviceOp, OpKind, Pending, ReduceOp, convention_bytes,
+};
 
 mod all_to_all;
 mod device_call;
+mod p2p;
 
 /// One rank's NCCL communicator (see the module notes).
 pub struct NcclComm {
@@ -72,7 +75,7 @@ pub struct NcclComm {
     timeout: Duration,
     counters: CommCounters,
     /// Why the job failed, once it has; the NCCL communicator is aborted and never used again.
-    failed: Mutex<Option<String>>,
+    failed: Arc<Mutex<Option<String>>>,
     /// Whether `comm` has been aborted (done once, on the owning thread).
     comm_aborted: Mutex<bool>,
 }
@@ -107,7 +110,7 @@ impl NcclComm {
             thread: std::thread::current().id(),
             timeout,
             counters: CommCounters::default(),
-            failed: Mutex::new(None),
+            failed: Arc::default(),
             comm_aborted: Mutex::new(false),
         })
     }
@@ -346,6 +349,13 @@ impl Collective for NcclComm {
 
     fn on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
         self.run_on_device(call)
+    }
+
+    fn start_on_device(&self, call: &DeviceCall) -> Result<Pending, ZeroError> {
+        match call.op {
+            DeviceOp::Send(to) => self.start_send(call, to),
+            _ => self.run_on_device(call).map(|()| Pending::ready(Ok(Completed::empty(call.input.dtype())))),
+        }
     }
 
     fn barrier(&self) -> Result<(), ZeroError> {

@@ -11,8 +11,9 @@ use zerotrain_precision::{BufMut, BufRef};
 
 use super::NcclComm;
 use crate::ZeroError;
+use crate::collective::DeviceCall;
 use crate::collective::OpKind;
-use crate::collective::all_to_all::{check, part_ranges};
+use crate::collective::all_to_all::{check, equal_counts, part_ranges};
 use crate::collective::nccl::call::NcclDtype;
 use crate::collective::nccl::wire::{bytes, bytes_mut, nccl_type};
 
@@ -54,6 +55,27 @@ impl NcclComm {
             self.stream.synchronize().map_err(device)?;
         }
         self.record_all_to_all(dtype, send_counts, recv_counts);
+        Ok(())
+    }
+
+    /// [`DeviceOp::AllToAll`](crate::DeviceOp::AllToAll) on the caller's device buffers
+    /// (checked by the caller as two buffers of one dtype).
+    pub(super) fn all_to_all_on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
+        let (input, output) = (call.input, call.output);
+        let counts = equal_counts(self.rank, self.world_size, input.len(), output.len())?;
+        self.usable(OpKind::AllToAll)?;
+        if input.is_empty() {
+            return Ok(());
+        }
+        let dtype = NcclDtype::of(input.dtype());
+        let context = self.stream.context().bind_to_thread();
+        context.map_err(|e| self.fail(OpKind::AllToAll, format!("CUDA: {e}")))?;
+        // SAFETY: by `DeviceBuf`'s contract both are live, finished memory on this
+        // communicator's GPU that nothing else touches during the call; `equal_counts`
+        // checked that the parts fill both.
+        unsafe { self.launch_all_to_all(input.ptr(), output.ptr(), dtype, &counts, &counts) }?;
+        self.wait(OpKind::AllToAll)?;
+        self.record_all_to_all(dtype, &counts, &counts);
         Ok(())
     }
 

@@ -17,6 +17,11 @@ impl NcclComm {
     pub(super) fn run_on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
         call.check(self.rank)?;
         let (kind, input, output) = (call.op.kind(), call.input, call.output);
+        match call.op {
+            DeviceOp::AllToAll => return self.all_to_all_on_device(call),
+            DeviceOp::Send(peer) | DeviceOp::Recv(peer) => return self.p2p_on_device(call, kind, peer),
+            _ => {}
+        }
         let nccl = NcclCall::new(kind, input.dtype(), input.len(), output.len(), self.world_size, self.rank)?;
         if self.skip(nccl)? {
             return Ok(());
@@ -35,6 +40,7 @@ impl NcclComm {
                     result::reduce_scatter(src, dst, count, dtype, nccl_op(op), self.comm, stream)
                 }
                 DeviceOp::AllGather => result::all_gather(src, dst, count, dtype, self.comm, stream),
+                DeviceOp::AllToAll | DeviceOp::Send(_) | DeviceOp::Recv(_) => unreachable!("run above"),
             }
         };
         launched.map_err(|e| self.fail(kind, format!("{e:?}")))?;
