@@ -376,10 +376,14 @@ fn collectives_on_cuda_tensors_equal_the_host_backend_bit_for_bit_at_world_size_
         reference.all_gather(input.as_ref(), expected.as_mut()).unwrap();
         let got = on_device::all_gather(&comm, &tensor).unwrap();
         assert_eq!(bits(got), flat_bits(&expected), "all_gather {dtype:?}");
+        let mut expected = FlatBuf::zeros(dtype, n);
+        reference.all_to_all(input.as_ref(), &[n], expected.as_mut(), &[n]).unwrap();
+        let got = on_device::all_to_all(&comm, &tensor).unwrap();
+        assert_eq!(bits(got), flat_bits(&expected), "all_to_all {dtype:?}");
         assert_eq!(bits(tensor), flat_bits(&input), "the input was written");
         assert_eq!(bits(whole), flat_bits(&FlatBuf::from_f32(dtype, &values)), "the tensor around it was written");
     }
     let (a, b) = (reference.stats(), comm.stats().since(&nccl_host.stats()));
-    let ops = |s: zerotrain_zero::CommStats| (s.all_reduce, s.reduce_scatter, s.all_gather);
+    let ops = |s: zerotrain_zero::CommStats| (s.all_reduce, s.reduce_scatter, s.all_gather, s.send, s.recv);
     assert_eq!(ops(a), ops(b));
 }

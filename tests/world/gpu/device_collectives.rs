@@ -1,6 +1,7 @@
 //! Several ranks whose collectives read device memory (NCCL's) keep their whole step on the
 //! device: the engine reduces its gradients and gathers its parameters as device tensors
-//! (`zerotrain::engine::on_device`), at every stage. NCCL needs a GPU per rank, so here the
+//! (`zerotrain::engine::on_device`), at every stage, and a mesh's tensor and sequence
+//! groups hand their activations to the same path. NCCL needs a GPU per rank, so here the
 //! threads backend stands in for it ([`ClaimsDeviceMemory`]); `on_device` stages its calls
 //! through host memory, where the host collective computes what NCCL would. The NCCL calls
 //! on device memory themselves are checked on a CUDA GPU (`cuda.rs`).
@@ -8,18 +9,22 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn::tensor::{Int, Tensor, TensorData};
+use zerotrain::nn::parallel::GroupTraffic;
 use zerotrain::{Engine, Error, RankContext};
+use zerotrain_models::{Gpt, GptConfig};
 use zerotrain_precision::{BufMut, BufRef};
-use zerotrain_zero::{Collective, CommStats, ReduceOp, ThreadComm, ThreadWorld, ZeroError};
+use zerotrain_zero::{Collective, CommStats, ReduceOp, ThreadWorld, ZeroError};
 
 use super::{DEVICE_LOSS_TOL, Gpu, device_alone, on_device};
 use crate::common::plan;
 use crate::units::{MODES, Mode, Tokens, Workload, micro_step, tiny_gpt, unit_recipe, unit_sizes};
 
-/// The threads backend, saying its collectives read device memory as NCCL's do: the engine
-/// then keeps its step on the device and hands the collectives device tensors, which
-/// `on_device` stages through host memory (a wgpu tensor has no address to give).
-struct ClaimsDeviceMemory(ThreadComm);
+/// A host collective (the threads backend's), saying its collectives read device memory as
+/// NCCL's do, and so do the groups split from it: the engine then keeps its step on the
+/// device and hands the collectives device tensors, which `on_device` stages through host
+/// memory (a wgpu tensor has no address to give).
+struct ClaimsDeviceMemory(Arc<dyn Collective>);
 
 impl Collective for ClaimsDeviceMemory {
     fn rank(&self) -> usize {
@@ -37,6 +42,15 @@ impl Collective for ClaimsDeviceMemory {
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), ZeroError> {
         self.0.all_gather(input, output)
     }
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<(), ZeroError> {
+        self.0.all_to_all(input, send_counts, output, recv_counts)
+    }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), ZeroError> {
         self.0.broadcast(buf, root)
     }
@@ -50,7 +64,7 @@ impl Collective for ClaimsDeviceMemory {
         self.0.recv(buf, from)
     }
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Collective>, ZeroError> {
-        self.0.split(color, key)
+        Ok(Arc::new(Self(self.0.split(color, key)?)))
     }
     fn reads_device_memory(&self) -> bool {
         true
@@ -63,6 +77,15 @@ impl Collective for ClaimsDeviceMemory {
     }
     fn stats(&self) -> CommStats {
         self.0.stats()
+    }
+}
+
+/// Rank `rank` of `world`, saying its collectives read device memory where `claims`.
+fn communicator(world: &ThreadWorld, rank: usize, claims: bool) -> Arc<dyn Collective> {
+    let comm: Arc<dyn Collective> = Arc::new(world.communicator(rank));
+    match claims {
+        true => Arc::new(ClaimsDeviceMemory(comm)),
+        false => comm,
     }
 }
 
@@ -81,10 +104,7 @@ fn run(plan: &zerotrain::Plan, mode: Mode, on: Gpu, claims: bool) -> Seen {
             .map(|rank| {
                 let (world, init, w) = (&world, init.clone(), &w);
                 s.spawn(move || {
-                    let comm: Arc<dyn Collective> = match claims {
-                        true => Arc::new(ClaimsDeviceMemory(world.communicator(rank))),
-                        false => Arc::new(world.communicator(rank)),
-                    };
+                    let comm = communicator(world, rank, claims);
                     let ctx = RankContext::new(comm, (on.device)().autodiff());
                     let mut engine =
                         if mode.units { Engine::with_units(init, plan, &ctx)? } else { Engine::new(init, plan, &ctx)? };
@@ -151,5 +171,127 @@ pub fn ranks_whose_collectives_read_device_memory_step_on_the_device(on: Gpu, ex
                 }
             }
         }
+    }
+}
+
+/// What each rank of a mesh saw: its loss and gradient norm, and what its tensor and
+/// sequence groups' operations sent.
+type MeshSeen = (Vec<f32>, GroupTraffic, GroupTraffic);
+
+/// The built-in GPT on a (tp 2, sp 2) mesh of four thread ranks on `on`'s device, one step
+/// of SGD at stage 1, over the threads backend as it is or (`claims`) saying it reads device
+/// memory.
+fn mesh_run(on: Gpu, claims: bool) -> Vec<MeshSeen> {
+    let config = GptConfig { n_layer: 1, n_head: 4, n_embd: 16, block_size: 8, vocab_size: 11, tied_head: true };
+    let json = r#"{"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2},
+        "zerotrain": {"backend": "threads", "comm_timeout_s": 120, "mesh": {"sp": 2}}}"#;
+    let plan = plan(&on_device(json, on), 4);
+    let world = ThreadWorld::new(4, Duration::from_secs(120));
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..4)
+            .map(|rank| {
+                let (world, plan, config) = (&world, &plan, &config);
+                s.spawn(move || {
+                    let ctx = RankContext::new(communicator(world, rank, claims), (on.device)().autodiff());
+                    let mesh = zerotrain::mesh::split(&ctx, plan)?;
+                    let device = mesh.ctx.device().clone();
+                    let model =
+                        Gpt::new_split(config, &device, &mesh.groups(), plan.runtime.seed).map_err(Error::Model)?;
+                    let mut engine = mesh.trainer(model)?;
+                    let ids = (0..18).map(|i| (i * 7 + i * i / 3) % 11).collect::<Vec<i64>>();
+                    let mut batch =
+                        |_: usize| Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [2, 9]), &device);
+                    let report = engine.train_batch(&mut batch)?;
+                    let (tensor, sequence) = (mesh.tensor.traffic(), mesh.sequence.traffic());
+                    Ok::<_, Error>((vec![report.loss, report.grad_norm], tensor, sequence))
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap().unwrap()).collect()
+    })
+}
+
+/// A mesh over collectives that read device memory sends its activations the device's way:
+/// at (tp 2, sp 2) every rank's tensor-parallel reductions and Ulysses' exchanges hand their
+/// tensors to the device collectives and not one byte goes through host memory on the way
+/// to them (on a CUDA GPU under NCCL, none reaches the host), the same bytes the host way
+/// sends over host collectives, and the loss and gradient norm (the backward's exchanges and
+/// reductions in it) are the host way's (bit for bit where
+/// `exact`: on lavapipe the stand-in computes on the host what the host way does; elsewhere
+/// within `DEVICE_LOSS_TOL`).
+pub fn a_mesh_over_device_collectives_keeps_its_activations_on_the_device(on: Gpu, exact: bool) {
+    let _alone = device_alone();
+    let (device, host) = (mesh_run(on, true), mesh_run(on, false));
+    for (r, ((losses, tensor, sequence), (want, host_tensor, host_sequence))) in device.iter().zip(&host).enumerate() {
+        check_ways(&format!("rank {r}'s tensor group"), (tensor, host_tensor), (losses, want), exact);
+        check_ways(&format!("rank {r}'s sequence group"), (sequence, host_sequence), (losses, want), exact);
+    }
+}
+
+/// `what` sent everything the device's way (`got`) and as much as the host's way
+/// (`over_host`) sends, and its loss and gradient norm are the host way's (`exact`: bit for
+/// bit).
+fn check_ways(
+    what: &str,
+    (got, over_host): (&GroupTraffic, &GroupTraffic),
+    (seen, want): (&[f32], &[f32]),
+    exact: bool,
+) {
+    assert_eq!(got.through_host, 0, "{what} sent {got:?} through the host");
+    assert!(got.on_device > 0, "{what} sent nothing: {got:?}");
+    assert_eq!(*over_host, GroupTraffic { on_device: 0, through_host: got.on_device }, "{what}: the host's way");
+    if exact {
+        assert_eq!(seen, want, "{what}: loss and norm on the device's way and the host's");
+    }
+    for (d, h) in seen.iter().zip(want) {
+        assert!((d - h).abs() <= DEVICE_LOSS_TOL * h.abs(), "{what}: {d} vs {h} the host's way");
+    }
+}
+
+/// What each stage of a pipeline saw: its loss and gradient norm, and what its activations
+/// and gradients sent.
+type PipeSeen = (Vec<f32>, GroupTraffic);
+
+/// The tiny GPT in 2 pipeline stages (1F1B, 3 micro-batches, stage 1) of one thread rank
+/// each on `on`'s device, one step, over the threads backend as it is or (`claims`) saying
+/// it reads device memory.
+fn pipeline_run(on: Gpu, claims: bool) -> Vec<PipeSeen> {
+    let json = r#"{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1},
+        "pipeline": {"stages": 2, "partition": "uniform"},
+        "zerotrain": {"backend": "threads", "comm_timeout_s": 120, "schedule": "1f1b"}}"#;
+    let (plan, init) = (plan(&on_device(json, on), 2), tiny_gpt(true, 13));
+    let world = ThreadWorld::new(2, Duration::from_secs(120));
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (world, plan, init) = (&world, &plan, init.clone());
+                s.spawn(move || {
+                    let ctx = RankContext::new(communicator(world, rank, claims), (on.device)().autodiff());
+                    let mut pipeline = zerotrain::Pipeline::new(init, plan, &ctx)?;
+                    let batch = |micro: usize| {
+                        let ids = (0..9).map(|i| (i * 5 + micro as i64 * 7 + i * i / 4) % 11);
+                        Tensor::<2, Int>::from_data(TensorData::new(ids.collect(), [1, 9]), ctx.device())
+                    };
+                    let report = pipeline.train_batch(batch)?;
+                    Ok::<_, Error>((vec![report.loss, report.grad_norm], pipeline.activation_traffic()))
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap().unwrap()).collect()
+    })
+}
+
+/// A pipeline over collectives that read device memory passes its activations and
+/// gradients as device tensors: each stage's sends all go the device's way (on a CUDA GPU
+/// under NCCL, `ncclSend` on Burn's buffers), as many bytes as the host way sends over host
+/// collectives, and the loss and gradient norm are the host way's (bit for bit where
+/// `exact`, as above).
+pub fn a_pipeline_over_device_collectives_passes_device_tensors(on: Gpu, exact: bool) {
+    let _alone = device_alone();
+    let (device, host) = (pipeline_run(on, true), pipeline_run(on, false));
+    for (stage, ((losses, sent), (want, host_sent))) in device.iter().zip(&host).enumerate() {
+        check_ways(&format!("stage {stage}"), (sent, host_sent), (losses, want), exact);
     }
 }

@@ -124,6 +124,19 @@ fn ranks_whose_collectives_read_device_memory_step_on_wgpu() {
 }
 
 #[test]
+fn a_mesh_over_device_collectives_keeps_its_activations_on_wgpu() {
+    super::device_collectives::a_mesh_over_device_collectives_keeps_its_activations_on_the_device(
+        WGPU,
+        software_only(),
+    );
+}
+
+#[test]
+fn a_pipeline_over_device_collectives_passes_device_tensors_on_wgpu() {
+    super::device_collectives::a_pipeline_over_device_collectives_passes_device_tensors(WGPU, software_only());
+}
+
+#[test]
 fn a_large_units_norm_on_wgpu_counts_every_element() {
     super::large_units::a_large_units_norm_counts_every_element(WGPU);
 }

@@ -243,6 +243,26 @@ pub trait Activation: Clone + Send + Sized + 'static {
     fn into_parts(self) -> Result<Vec<(FlatBuf, Vec<usize>)>>;
     /// The activation from [`PARTS`](Self::PARTS) parts, on `device`.
     fn from_parts(parts: &mut dyn Iterator<Item = (FlatBuf, Vec<usize>)>, device: &Device) -> Result<Self>;
+    /// Its tensors flattened, without autodiff, with their shapes: what a pipeline sends
+    /// between stages whose collectives read device memory (NCCL's), with no copy to the
+    /// host. The default goes through [`into_parts`](Self::into_parts) onto `device`.
+    fn into_tensors(self, device: &Device) -> Result<Vec<(Tensor<1>, Vec<usize>)>> {
+        let device = device.clone().without_autodiff();
+        let parts = self.into_parts()?.into_iter();
+        Ok(parts.map(|(values, shape)| (super::flat::tensor(values, &device), shape)).collect())
+    }
+    /// The activation from [`PARTS`](Self::PARTS) such tensors, on `device`. The default
+    /// reads them for [`from_parts`](Self::from_parts).
+    fn from_tensors(parts: &mut dyn Iterator<Item = (Tensor<1>, Vec<usize>)>, device: &Device) -> Result<Self> {
+        let what = "an activation";
+        let host = parts
+            .map(|(t, shape)| {
+                let len = t.dims()[0];
+                Ok((super::readout::into_flat(super::readout::read(t, what)?, what, len)?, shape))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_parts(&mut host.into_iter(), device)
+    }
 }
 
 impl<const D: usize> Activation for Tensor<D> {
@@ -295,6 +315,28 @@ impl<const D: usize> Activation for Tensor<D> {
         let dtype = data.dtype();
         Ok(Tensor::from_data(data, (device, dtype)))
     }
+
+    fn into_tensors(self, _: &Device) -> Result<Vec<(Tensor<1>, Vec<usize>)>> {
+        let shape = self.dims().to_vec();
+        super::on_device::precision(self.dtype()).map_err(|_| {
+            Error::Model(format!("an activation of dtype {:?} cannot pass between stages", self.dtype()))
+        })?;
+        Ok(vec![(self.without_autodiff().reshape([shape.iter().product::<usize>()]), shape)])
+    }
+
+    fn from_tensors(parts: &mut dyn Iterator<Item = (Tensor<1>, Vec<usize>)>, device: &Device) -> Result<Self> {
+        let (values, shape) =
+            parts.next().ok_or_else(|| Error::Model("an activation arrived with too few parts".into()))?;
+        let shape: [usize; D] = shape.as_slice().try_into().map_err(|_| {
+            Error::Model(format!("an activation of rank {} arrived where rank {D} was expected", shape.len()))
+        })?;
+        if values.dims()[0] != shape.iter().product::<usize>() {
+            let len = values.dims()[0];
+            return Err(Error::Model(format!("an activation of shape {shape:?} arrived with {len} values")));
+        }
+        let tensor = values.reshape(shape);
+        Ok(if device.is_autodiff() { tensor.autodiff() } else { tensor })
+    }
 }
 
 /// Tuples: each part flows as its own tensor; a part nothing downstream used gets a zero
@@ -337,6 +379,16 @@ macro_rules! tuple_activation {
 
             fn from_parts(parts: &mut dyn Iterator<Item = (FlatBuf, Vec<usize>)>, device: &Device) -> Result<Self> {
                 Ok(($($name::from_parts(parts, device)?,)+))
+            }
+
+            fn into_tensors(self, device: &Device) -> Result<Vec<(Tensor<1>, Vec<usize>)>> {
+                let mut parts = Vec::with_capacity(Self::PARTS);
+                $(parts.extend(self.$index.into_tensors(device)?);)+
+                Ok(parts)
+            }
+
+            fn from_tensors(parts: &mut dyn Iterator<Item = (Tensor<1>, Vec<usize>)>, device: &Device) -> Result<Self> {
+                Ok(($($name::from_tensors(parts, device)?,)+))
             }
         }
     };

@@ -8,7 +8,7 @@
 //! over its `D` ranks exactly as a data-parallel engine is over the world (ZeRO stages
 //! 0-2); what a stage adds is here: the schedule. Each micro-batch's activations pass
 //! forward and its gradients back between neighbouring stages as point-to-point messages
-//! (`wire.rs`); a stage runs its forwards and backwards in the order its schedule gives
+//! (`wire.rs`: device tensors where the collectives read device memory); a stage runs its forwards and backwards in the order its schedule gives
 //! (GPipe or 1F1B), recomputing units from their boundaries as
 //! `activation_checkpoint_interval` says, and every stage steps at the flush after its
 //! last backward.
@@ -33,11 +33,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use zerotrain_precision::{FlatBuf, Precision};
+use zerotrain_precision::Precision;
 use zerotrain_zero::pipeline::{ScheduleKind, Work, schedule};
-use zerotrain_zero::{Collective, CommStats, Pending, Sharding};
+use zerotrain_zero::{Collective, CommStats, Sharding};
 
 pub(super) use self::stage_values::place;
+use self::wire::{Direction, Outgoing, Wire};
 use super::model::{Activation, UnitModel};
 use super::params::UnitGrads;
 use super::report::LossValues;
@@ -55,6 +56,8 @@ pub struct Pipeline<M: UnitModel> {
     schedule: ScheduleKind,
     /// This data index's ranks on every stage, ranked by stage.
     pipe: Arc<dyn Collective>,
+    /// The messages to the neighbouring stages.
+    wire: Wire,
     /// Every stage's run of the model's declared units.
     parts: Vec<std::ops::Range<usize>>,
 }
@@ -107,7 +110,8 @@ impl<M: UnitModel> Pipeline<M> {
         parts: Vec<std::ops::Range<usize>>,
     ) -> Result<Self> {
         let pipe = engine.span.pipe.clone().ok_or_else(|| Error::Usage("a pipeline stage needs its pipe".into()))?;
-        Ok(Self { engine, schedule: plan.schedule, pipe, parts })
+        let wire = Wire::new(&pipe)?;
+        Ok(Self { engine, schedule: plan.schedule, pipe, wire, parts })
     }
 
     /// This rank's stage, `0..num_stages()`.
@@ -166,16 +170,20 @@ impl<M: UnitModel> Pipeline<M> {
 
     /// Micro-batch `micro`'s forward on this stage: receive the input (but on the first
     /// stage), run the stage's units, send the output on (but from the last stage).
-    fn forward_micro_batch(&mut self, micro: u64, batch: M::Batch, sends: &mut Vec<Pending>) -> Result<InFlight<M>> {
+    fn forward_micro_batch(&mut self, micro: u64, batch: M::Batch, sends: &mut Vec<Outgoing>) -> Result<InFlight<M>> {
         let (first, last, stage) = (self.stage() == 0, self.stage() + 1 == self.num_stages(), self.stage());
         self.engine.check_batch_size(&batch);
-        let (input, received) =
-            if first { (None, Vec::new()) } else { self.recv_activation(stage - 1).map(|(h, r)| (Some(h), r))? };
+        let (input, received) = if first {
+            (None, Vec::new())
+        } else {
+            self.recv_activation(Direction::Forward).map(|(h, r)| (Some(h), r))?
+        };
         let (saved, output, terms) = self.engine.forward_units(input, &batch, micro)?;
         let output = if last {
             Some(output)
         } else {
-            sends.extend(wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)?);
+            let parts = self.wire.parts(output, &self.engine.shared.device)?;
+            sends.extend(self.wire.send(parts, Direction::Forward, stage + 1)?);
             None
         };
         Ok(InFlight { micro, batch, saved, output, terms, input: received })
@@ -184,7 +192,7 @@ impl<M: UnitModel> Pipeline<M> {
     /// One micro-batch's backward on this stage: the loss (on the last stage) or the
     /// gradient received from the next stage, back through the stage's units, the input's
     /// gradient sent back (but from the first stage).
-    fn backward_micro_batch(&mut self, flight: InFlight<M>, sends: &mut Vec<Pending>) -> Result<()> {
+    fn backward_micro_batch(&mut self, flight: InFlight<M>, sends: &mut Vec<Outgoing>) -> Result<()> {
         let (first, stage) = (self.stage() == 0, self.stage());
         let (value, upstream, root_grads) = match flight.output {
             Some(output) => self.engine.loss_backward(output, &flight.batch, flight.micro)?,
@@ -192,7 +200,7 @@ impl<M: UnitModel> Pipeline<M> {
                 // The root's gradient starts at zero here; the stage's units may add to it.
                 let engine = &self.engine;
                 let root = engine.granularity.root().map(|r| UnitGrads::empty(engine.shared.layout(r).entries().len()));
-                (LossValues::default(), Some(self.recv_activation(stage + 1)?.0), root)
+                (LossValues::default(), Some(self.recv_activation(Direction::Backward)?.0), root)
             }
         };
         let engine = &mut self.engine;
@@ -200,31 +208,38 @@ impl<M: UnitModel> Pipeline<M> {
             engine.backward_units(flight.saved, upstream, root_grads, &flight.batch, flight.micro)?;
         engine.reduce_root(root_grads)?;
         if !first {
+            let device = &engine.shared.device;
             let parts = match input_grad {
-                Some(grad) => grad.into_parts()?,
+                Some(grad) => self.wire.parts(grad, device)?,
                 // Nothing this stage computed depends on its input: its gradient is zero.
-                None => flight
-                    .input
-                    .into_iter()
-                    .map(|(dtype, shape)| (FlatBuf::zeros(dtype, shape.iter().product()), shape))
-                    .collect(),
+                None => self.wire.zeros(flight.input, device),
             };
-            sends.extend(wire::send(self.pipe.as_ref(), parts, stage - 1)?);
+            sends.extend(self.wire.send(parts, Direction::Backward, stage - 1)?);
         }
         let value = value.read_with(flight.terms, |tensors| engine.shared.read_values(tensors, "the loss"))?;
         engine.end_micro_step(value);
         Ok(())
     }
 
-    /// Receives an activation (or its gradient) from stage `from`, counting the wait;
-    /// returns it and its parts' dtypes and shapes.
-    fn recv_activation(&mut self, from: usize) -> Result<(M::Hidden, wire::Shapes)> {
+    /// Receives an activation from the stage before (`Forward`) or its gradient from the
+    /// stage after (`Backward`), counting the wait; returns it and its parts' dtypes and
+    /// shapes.
+    fn recv_activation(&mut self, direction: Direction) -> Result<(M::Hidden, wire::Shapes)> {
         let start = Instant::now();
-        let parts = wire::recv(self.pipe.as_ref(), M::Hidden::PARTS, from)?;
+        let from = match direction {
+            Direction::Forward => self.stage() - 1,
+            Direction::Backward => self.stage() + 1,
+        };
+        let received = self.wire.recv(direction, from, &self.engine.shared.device)?;
         self.engine.window.times.pipe_wait += start.elapsed().as_secs_f64();
-        let shapes = parts.iter().map(|(values, shape)| (values.dtype(), shape.clone())).collect();
-        let hidden = M::Hidden::from_parts(&mut parts.into_iter(), &self.engine.shared.device)?;
-        Ok((hidden, shapes))
+        Ok(received)
+    }
+
+    /// The bytes of activations and gradients this stage has sent, by the way they went:
+    /// as device tensors where the pipe's collectives read device memory (NCCL's), else
+    /// through host memory.
+    pub fn activation_traffic(&self) -> crate::nn::parallel::GroupTraffic {
+        self.wire.traffic()
     }
 
     /// The loss of `batch` without gradients, through the stages in inference mode (each
@@ -245,7 +260,7 @@ impl<M: UnitModel> Pipeline<M> {
 
     fn evaluate_stages(&mut self, batch: &M::Batch) -> Result<f32> {
         let (first, last, stage) = (self.stage() == 0, self.stage() + 1 == self.num_stages(), self.stage());
-        let input = if first { None } else { Some(self.recv_activation(stage - 1)?.0) };
+        let input = if first { None } else { Some(self.recv_activation(Direction::Forward)?.0) };
         let output = self.engine.infer_units(input, batch)?;
         let mut loss = [0.0f32];
         if last {
@@ -253,7 +268,8 @@ impl<M: UnitModel> Pipeline<M> {
             loss[0] = crate::engine::readout::read_scalar(value, "the evaluation loss")?;
             self.engine.sequence_mean(&mut loss)?;
         } else {
-            for send in wire::send(self.pipe.as_ref(), output.into_parts()?, stage + 1)? {
+            let parts = self.wire.parts(output, &self.engine.shared.device)?;
+            for send in self.wire.send(parts, Direction::Forward, stage + 1)? {
                 send.wait()?;
             }
         }

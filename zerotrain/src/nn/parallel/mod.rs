@@ -32,6 +32,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use burn::tensor::Tensor;
@@ -47,6 +48,23 @@ pub use split::{Split, within};
 #[derive(Clone)]
 pub struct ParallelGroup {
     comm: Arc<dyn Collective>,
+    /// What its operations sent, by way (shared by every clone).
+    traffic: Arc<[AtomicU64; 2]>,
+}
+
+/// Activation bytes a rank handed to its collectives, by the way they went: as device
+/// tensors to a collective that reads device memory (NCCL's, through
+/// [`engine::on_device`](crate::engine::on_device): on a CUDA device they never reach the
+/// host), or read into host memory for a host collective (there, from a GPU tensor, they
+/// cross to the host and the result back). A [`ParallelGroup`]'s operations count their
+/// inputs ([`ParallelGroup::traffic`]), a pipeline stage its sends
+/// ([`Pipeline::activation_traffic`](crate::Pipeline::activation_traffic)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupTraffic {
+    /// Handed to the collective on the device.
+    pub on_device: u64,
+    /// Read into host memory for the collective.
+    pub through_host: u64,
 }
 
 impl fmt::Debug for ParallelGroup {
@@ -59,7 +77,7 @@ impl ParallelGroup {
     /// The group of `comm`'s ranks (a communicator split from the world for this purpose:
     /// every rank of it holds a slice of the same layers).
     pub fn new(comm: Arc<dyn Collective>) -> Self {
-        Self { comm }
+        Self { comm, traffic: Arc::default() }
     }
 
     /// A group of one rank: every operation is the identity and nothing is split.
@@ -80,6 +98,20 @@ impl ParallelGroup {
     /// The group's collective.
     pub fn collective(&self) -> &Arc<dyn Collective> {
         &self.comm
+    }
+
+    /// The bytes the group's operations have sent so far, on this rank, by way.
+    pub fn traffic(&self) -> GroupTraffic {
+        let [on_device, through_host] = &*self.traffic;
+        GroupTraffic {
+            on_device: on_device.load(Ordering::Relaxed),
+            through_host: through_host.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts `bytes` an operation sent, on the device or through the host.
+    fn counted(&self, on_device: bool, bytes: u64) {
+        self.traffic[usize::from(!on_device)].fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// This rank's part of `len` items that need not divide over the group (a

@@ -3,11 +3,19 @@
 //!
 //! *Note: why a backend extension.* The copy's backward must call the collective on the
 //! gradient, in the middle of Burn's backward pass; only an autodiff step of our own runs
-//! code there. Every backend runs the reduction through host memory (the tensor read into
-//! a buffer of its dtype, the collective's result written back), which is what a host
-//! collective needs; NCCL's device-memory path (`engine::on_device`) is not used here yet,
-//! so NCCL ranks stage tensor-parallel reductions and Ulysses' exchange through the host
-//! too (the values then travel through NCCL: its all-reduce, its grouped sends and receives).
+//! code there.
+//!
+//! *Note: where the values go.* Where the group's collective reads device memory (NCCL's)
+//! and the tensor is cubecl's (a CUDA or wgpu tensor under Burn's fusion backend), the
+//! operation hands the tensor to `engine::on_device`: on a CUDA device the collective runs
+//! on Burn's own buffers and no byte crosses to the host; an all-to-all's parts are cut and
+//! joined by tensor operations on the device around one all-to-all of equal parts.
+//! Everywhere else (host collectives, CPU tensors) the tensor is read into a host buffer of
+//! its dtype and the collective's result written back, which is what a host collective
+//! needs. Each group counts the bytes it sent either way ([`ParallelGroup::traffic`]), so
+//! that a mesh whose activations should stay on the device can be checked to.
+//! Half-precision sums differ between the two: the host collectives sum in f32 and round
+//! once, NCCL sums in the dtype.
 //!
 //! The reduction's step is compute-bound and keeps no state: Burn never recomputes it in
 //! backward (that would call the collective out of turn), it keeps its output.
@@ -18,11 +26,12 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension};
-use burn::tensor::{DType, TensorData, try_read_sync};
+use burn::tensor::{DType, Shape, Slice, TensorData, try_read_sync};
 use zerotrain_precision::BufMut;
-use zerotrain_zero::ReduceOp;
+use zerotrain_zero::{DeviceOp, ReduceOp};
 
 use super::ParallelGroup;
+use crate::engine::on_device;
 
 /// The backend operations behind [`ParallelGroup::reduce_from`], [`ParallelGroup::copy_to`]
 /// and [`ParallelGroup::max`]. Their default bodies are every backend's (module docs);
@@ -37,7 +46,10 @@ pub trait GroupOps: Backend {
     /// `x` reduced by `op` over the group's ranks, every rank receiving the result.
     #[fusion(default)]
     fn group_reduce(x: FloatTensor<Self>, group: ParallelGroup, op: ReduceOp) -> FloatTensor<Self> {
-        through_host::<Self>(x, &group, op)
+        match on_the_device::<Self>(&group) {
+            true => reduced_on_device::<Self>(x, &group, op),
+            false => through_host::<Self>(x, &group, op),
+        }
     }
 
     /// `x` itself (the group's copy: its gradient is summed over the group).
@@ -51,7 +63,10 @@ pub trait GroupOps: Backend {
     /// received side by side along `dims[1]` in rank order.
     #[fusion(default)]
     fn group_all_to_all(x: FloatTensor<Self>, group: ParallelGroup, dims: [usize; 2]) -> FloatTensor<Self> {
-        exchanged::<Self>(x, &group, dims)
+        match on_the_device::<Self>(&group) {
+            true => exchanged_on_device::<Self>(x, &group, dims),
+            false => exchanged::<Self>(x, &group, dims),
+        }
     }
 }
 
@@ -59,6 +74,62 @@ impl GroupOps for Flex {}
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl GroupOps for burn_cubecl::CubeBackend {}
+
+/// Whether `group`'s operations on `B`'s tensors go through `engine::on_device` (module
+/// note: where the values go).
+fn on_the_device<B: Backend>(group: &ParallelGroup) -> bool {
+    group.collective().reads_device_memory() && on_device::is_cube::<B>()
+}
+
+/// The bytes of `x`.
+fn bytes<B: Backend>(x: &FloatTensor<B>) -> u64 {
+    (x.shape().num_elements() * x.dtype().size()) as u64
+}
+
+/// `op` of `x` over `group` on the device (module note); a failure aborts and panics as
+/// [`through_host`]'s does.
+fn reduced_on_device<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: ReduceOp) -> FloatTensor<B> {
+    let shape = x.shape();
+    group.counted(true, bytes::<B>(&x));
+    let reduced = on_device::run_primitive::<B>(group.collective().as_ref(), DeviceOp::AllReduce(op), x);
+    let reduced = reduced.unwrap_or_else(|e| failed(group, "a tensor-parallel reduction", e.to_string()));
+    B::float_reshape(reduced, shape)
+}
+
+/// [`GroupOps::group_all_to_all`] on the device: the parts cut by slicing and laid end to
+/// end, one all-to-all of equal parts, the parts received joined along `gather`; a
+/// failure aborts and panics as [`through_host`]'s does.
+fn exchanged_on_device<B: Backend>(
+    x: FloatTensor<B>,
+    group: &ParallelGroup,
+    [scatter, gather]: [usize; 2],
+) -> FloatTensor<B> {
+    let fail = |cause: String| -> ! { failed(group, "a sequence-parallel all-to-all", cause) };
+    let (dims, n) = (x.shape().as_slice().to_vec(), group.size());
+    if !dims[scatter].is_multiple_of(n) {
+        fail(format!("all-to-all over {n} ranks: dimension {scatter} of {dims:?} does not divide into {n} parts"));
+    }
+    let (part, part_len) = (dims[scatter] / n, dims.iter().product::<usize>() / n);
+    let range = |start: usize, len: usize| Slice::new(start as isize, Some((start + len) as isize), 1);
+    let cut = |j: usize| -> Vec<Slice> {
+        dims.iter()
+            .enumerate()
+            .map(|(d, &len)| if d == scatter { range(j * part, part) } else { range(0, len) })
+            .collect()
+    };
+    let parts = (0..n).map(|j| B::float_reshape(B::float_slice(x.clone(), &cut(j)), Shape::new([part_len])));
+    let send = B::float_cat(parts.collect(), 0);
+    group.counted(true, bytes::<B>(&send));
+    let received = on_device::run_primitive::<B>(group.collective().as_ref(), DeviceOp::AllToAll, send);
+    let received = received.unwrap_or_else(|e| fail(e.to_string()));
+    let mut part_dims = dims.clone();
+    part_dims[scatter] = part;
+    let parts = (0..n).map(|i| {
+        let flat = B::float_slice(received.clone(), &[range(i * part_len, part_len)]);
+        B::float_reshape(flat, Shape::from(part_dims.clone()))
+    });
+    B::float_cat(parts.collect(), gather)
+}
 
 /// `op` of `x` over `group`: its values read into a host buffer of their dtype, reduced by
 /// the group's collective in place, written back on `x`'s device. A failed collective
@@ -69,6 +140,7 @@ fn through_host<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: Reduce
     let device = x.device();
     let comm = group.collective();
     let fail = |cause: String| -> ! { failed(group, "a tensor-parallel reduction", cause) };
+    group.counted(false, bytes::<B>(&x));
     let mut data = read::<B>(x).unwrap_or_else(|e| fail(e));
     let dtype = data.dtype();
     let reduced = match dtype {
@@ -89,6 +161,7 @@ fn through_host<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, op: Reduce
 fn exchanged<B: Backend>(x: FloatTensor<B>, group: &ParallelGroup, dims: [usize; 2]) -> FloatTensor<B> {
     let (device, shape, dtype) = (x.device(), x.shape(), x.dtype());
     let fail = |cause: String| -> ! { failed(group, "a sequence-parallel all-to-all", cause) };
+    group.counted(false, bytes::<B>(&x));
     let values = read::<B>(x)
         .unwrap_or_else(|e| fail(e))
         .convert::<f32>()
