@@ -9,7 +9,8 @@
 #     against rank order; no bound derived yet: the first run's figures set it);
 #   - tensor and sequence parallelism: LLaMA (4 heads over 2 kv heads, fresh from a
 #     config.json) at tensor_parallel.autotp_size 2 on 2 ranks (tp 2) and 4 (tp 2 x dp 2),
-#     at zerotrain.mesh.sp 2 on 2 ranks, and in two pipeline stages of tp 2 (4 ranks); the
+#     at zerotrain.mesh.sp 2 on 2 ranks, in two pipeline stages (2 ranks) and in two of tp 2
+#     (4 ranks); the
 #     built-in GPT at tp 2; in fp32: every loss equal bit for bit to the same mesh of thread
 #     ranks (every sum has two operands; the exchanges move values);
 #   - every launched run used NCCL (no "host backend" notice in its log).
@@ -17,9 +18,10 @@
 #     (each rank's own line of `train`'s end: NCCL reads and writes device memory).
 # Time-sliced ranks on one GPU: no figure here is a multi-GPU speed.
 # --lease runs the part a short lease has time for, most needed first: 2 ranks at stages 0
-# and 3 bit for bit, 4 ranks at stage 3 within the bound, tp 2 and sp 2 bit for bit, and a
-# checkpoint saved by 2 NCCL ranks resumed on 1 and on 4 (their losses against the
-# uninterrupted thread ranks' within the bound: another world size sums in another order).
+# and 3 bit for bit, 4 ranks at stage 3 within the bound, a checkpoint saved by 2 NCCL
+# ranks resumed on 1 and on 4 (their losses against the uninterrupted thread ranks' within
+# the bound: another world size sums in another order), tp 2, sp 2 and 2 pipeline stages
+# bit for bit (their activations on device memory over NCCL).
 #
 # Usage: bash bench/gpu/nccl_ranks.sh [--lease] ZEROTRAIN_BINARY   (from the repository's root)
 set -uo pipefail
@@ -181,6 +183,17 @@ run tp 2 equal --data "$work/data.tokens"
 sed -e 's/"tensor_parallel": {"autotp_size": 2},//' -e 's/"device": "cuda"/"device": "cuda", "mesh": {"sp": 2}/' \
     "$work/tp.json" >"$work/sp.json"
 run sp 2 equal --data "$work/data.tokens"
+# Two pipeline stages on 2 ranks: activations and gradients as device tensors over NCCL's
+# sends and receives (a communicator per direction), never run before.
+python3 - "$work/tp.json" "$work/pp.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+del c["tensor_parallel"]
+c["pipeline"] = {"stages": 2}
+c["gradient_accumulation_steps"] = 2
+json.dump(c, open(sys.argv[2], "w"))
+PY
+run pp 2 equal --data "$work/data.tokens"
 if ((lease)); then
     echo "$failures failure(s); logs in $work"
     exit $((failures > 0))

@@ -81,7 +81,7 @@ done
 # measured times on an H200 (the bench's rows 73 s and the breakdown 36 s with the autotune
 # cache; PyTorch 12 s), the NCCL ranks (never run) from the CUDA thread-rank tests' 94 s.
 lease_plan=(
-    "ranks 120 2 NCCL ranks = 2 thread ranks bit for bit at stages 0 and 3; 4 at stage 3 within the bound; tp 2, sp 2; a checkpoint of 2 NCCL ranks resumed on 1 and 4; no model-state byte host<->device"
+    "ranks 120 2 NCCL ranks = 2 thread ranks bit for bit at stages 0 and 3; 4 at stage 3 within the bound; a checkpoint of 2 NCCL ranks resumed on 1 and 4; tp 2, sp 2, 2 pipeline stages; no model-state byte host<->device"
     "speed 100 GPT-2 small bf16, batch 8, context 1024: engine stage 0 (attention kernels), plain Burn, kernels off"
     "pytorch 20 PyTorch eager with SDPA, the same model and batch"
     "profile 45 one engine step's 20 costliest kernels and their shares (cubecl's profiling)"

@@ -91,12 +91,7 @@ pub fn recv(comm: &dyn Collective, from: usize, len: usize, dtype: Precision, de
         return Ok(tensor(values, &device));
     }
     // Zeros, not `empty`: a buffer some kernel has written (as in `run`).
-    let burn_dtype = match dtype {
-        Precision::Fp32 => DType::F32,
-        Precision::Fp16 => DType::F16,
-        Precision::Bf16 => DType::BF16,
-    };
-    let output = Tensor::<1>::zeros([len], (&device, burn_dtype));
+    let output = Tensor::<1>::zeros([len], (&device, self::dtype(dtype)));
     device::recv_into(comm, dtype, &output, from)?;
     Ok(output)
 }
@@ -193,6 +188,15 @@ pub(crate) fn run_primitive<B: burn::backend::Backend>(
     {
         let _ = (comm, x);
         Err(Error::Usage(format!("{} of a device tensor needs a build with a GPU feature", op.kind().name())))
+    }
+}
+
+/// Burn's dtype of one of the engine's precisions.
+pub(crate) fn dtype(precision: Precision) -> DType {
+    match precision {
+        Precision::Fp32 => DType::F32,
+        Precision::Fp16 => DType::F16,
+        Precision::Bf16 => DType::BF16,
     }
 }
 

@@ -180,13 +180,18 @@ impl Wire {
         }
     }
 
-    /// Zeros of these dtypes and shapes on `device`, the way this wire sends them.
+    /// Zeros of these dtypes and shapes, the way this wire sends them (made on `device`
+    /// where they are tensors).
     pub fn zeros(&self, shapes: Shapes, device: &Device) -> Parts {
         let device = device.clone().without_autodiff();
-        let flat = shapes.into_iter().map(|(dtype, shape)| (FlatBuf::zeros(dtype, shape.iter().product()), shape));
+        let parts = shapes.into_iter().map(|(dtype, shape)| (dtype, shape.iter().product::<usize>(), shape));
         match self.on_device {
-            true => Parts::Device(flat.map(|(v, shape)| (crate::engine::flat::tensor(v, &device), shape)).collect()),
-            false => Parts::Host(flat.collect()),
+            true => Parts::Device(
+                parts
+                    .map(|(dtype, n, shape)| (Tensor::zeros([n], (&device, on_device::dtype(dtype))), shape))
+                    .collect(),
+            ),
+            false => Parts::Host(parts.map(|(dtype, n, shape)| (FlatBuf::zeros(dtype, n), shape)).collect()),
         }
     }
 
@@ -210,7 +215,8 @@ impl Wire {
                     .collect::<Result<Shapes>>()?;
                 let Some((first, _)) = parts.first() else { return Ok(Vec::new()) };
                 let words = encode(&shapes)?;
-                let header = Tensor::<1>::from_data(TensorData::new(words.clone(), [words.len()]), &first.device());
+                let len = words.len();
+                let header = Tensor::<1>::from_data(TensorData::new(words, [len]), &first.device());
                 let mut sends = vec![Outgoing::Device(on_device::send(comm, &header, to)?)];
                 for (tensor, _) in &parts {
                     self.traffic.on_device += (tensor.shape().num_elements() * tensor.dtype().size()) as u64;
@@ -223,7 +229,7 @@ impl Wire {
 
     /// Receives an activation of `A` from rank `from` of the `direction`'s communicator, on
     /// `device`; returns it and its parts' dtypes and shapes.
-    pub fn recv<A: Activation>(&mut self, direction: Direction, from: usize, device: &Device) -> Result<(A, Shapes)> {
+    pub fn recv<A: Activation>(&self, direction: Direction, from: usize, device: &Device) -> Result<(A, Shapes)> {
         let comm = self.comm(direction);
         let comm = comm.as_ref();
         let mut header = vec![0.0f32; header_len(A::PARTS)];
