@@ -5,7 +5,7 @@
 use zerotrain_precision::Precision;
 
 use crate::ZeroError;
-use crate::collective::OpKind;
+use crate::collective::{DeviceBuf, DeviceCall, DeviceOp, OpKind};
 
 /// NCCL's datatypes zerotrain sends: the engine's three float dtypes travel as themselves
 /// (half types as 16 bits, never widened).
@@ -106,6 +106,27 @@ impl NcclCall {
     }
 }
 
+/// The buffer a [`DeviceOp::Send`] or [`DeviceOp::Recv`] moves on rank `rank` of
+/// `world_size`, checked: another rank as the peer, the other side empty, the call's own
+/// checks; `None` when it moves nothing (a message of no elements).
+pub fn message_buffer(call: &DeviceCall, rank: usize, world_size: usize) -> Result<Option<DeviceBuf>, ZeroError> {
+    let kind = call.op.kind();
+    let bad = |detail: String| ZeroError::BadBuffer { rank, op: kind.name(), detail };
+    let (peer, moved, other) = match call.op {
+        DeviceOp::Send(peer) => (peer, call.input, call.output),
+        DeviceOp::Recv(peer) => (peer, call.output, call.input),
+        _ => return Err(bad("not a message".into())),
+    };
+    call.check(rank)?;
+    if peer >= world_size || peer == rank {
+        return Err(bad(format!("peer {peer} of {world_size} ranks (this is rank {rank})")));
+    }
+    if !other.is_empty() {
+        return Err(bad(format!("a {} has one buffer; the other holds {} elements", kind.name(), other.len())));
+    }
+    Ok((!moved.is_empty()).then_some(moved))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,5 +156,35 @@ mod tests {
         // A length whose product overflows is a mismatch, not a wrap-around.
         assert!(NcclCall::new(OpKind::ReduceScatter, Precision::Fp32, 0, usize::MAX, 2, 0).is_err());
         assert!(NcclCall::new(OpKind::Send, Precision::Fp32, 1, 1, 2, 0).is_err());
+    }
+
+    fn buf(ptr: u64, len: usize) -> DeviceBuf {
+        // SAFETY: never handed to a collective that runs; only checked.
+        unsafe { DeviceBuf::new(ptr, len, Precision::Fp32) }
+    }
+
+    /// A message moves its one buffer to or from another rank; a peer that is this rank or
+    /// past the world, a second buffer, or a collective is refused naming the call; an
+    /// empty message moves nothing.
+    #[test]
+    fn messages_take_one_buffer_and_another_rank() {
+        let empty = DeviceBuf::empty(Precision::Fp32);
+        let send = |to, output| DeviceCall { op: DeviceOp::Send(to), input: buf(64, 8), output };
+        assert_eq!(message_buffer(&send(1, empty), 0, 2).unwrap(), Some(buf(64, 8)));
+        let recv = DeviceCall { op: DeviceOp::Recv(0), input: empty, output: buf(128, 4) };
+        assert_eq!(message_buffer(&recv, 1, 2).unwrap(), Some(buf(128, 4)));
+        for (call, rank, said) in [
+            (send(0, empty), 0, "peer 0 of 2 ranks (this is rank 0)"),
+            (send(2, empty), 0, "peer 2 of 2 ranks"),
+            (send(1, buf(256, 2)), 0, "the other holds 2 elements"),
+        ] {
+            let err = message_buffer(&call, rank, 2).unwrap_err();
+            assert!(matches!(err, ZeroError::BadBuffer { op: "send", .. }), "{err}");
+            assert!(err.to_string().contains(said), "{err}");
+        }
+        let gather = DeviceCall { op: DeviceOp::AllGather, input: buf(0, 1), output: buf(64, 2) };
+        assert!(message_buffer(&gather, 0, 2).unwrap_err().to_string().contains("not a message"));
+        let nothing = DeviceCall { op: DeviceOp::Send(1), input: empty, output: empty };
+        assert_eq!(message_buffer(&nothing, 0, 2).unwrap(), None);
     }
 }

@@ -15,7 +15,7 @@ pub mod poll;
 #[cfg(feature = "nccl")]
 mod wire;
 
-pub use call::{NcclCall, NcclDtype};
+pub use call::{NcclCall, NcclDtype, message_buffer};
 #[cfg(feature = "nccl")]
 pub use comm::NcclComm;
 pub use id::{ID_BYTES, share_id};

@@ -117,3 +117,14 @@ fn a_rank_whose_own_counts_disagree_fails_alone_and_the_others_get_their_parts()
     assert_eq!(out[1].0, Ok(()));
     assert_eq!(out[1].1, [2.0, 3.0, 2.0]);
 }
+
+/// An all-to-all of equal parts: a part per rank of one length, the output as long.
+#[test]
+fn equal_parts_divide_the_buffer_and_fill_the_output() {
+    assert_eq!(equal_counts(0, 3, 12, 12).unwrap(), vec![4, 4, 4]);
+    assert_eq!(equal_counts(1, 2, 0, 0).unwrap(), vec![0, 0]);
+    let err = equal_counts(2, 4, 10, 10).unwrap_err();
+    assert!(matches!(err, ZeroError::BadBuffer { rank: 2, op: "all_to_all", .. }), "{err}");
+    assert!(err.to_string().contains("10 elements are not 4 equal parts"), "{err}");
+    assert!(equal_counts(0, 2, 8, 6).unwrap_err().to_string().contains("output of 6 elements"));
+}

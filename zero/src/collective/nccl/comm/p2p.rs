@@ -15,28 +15,17 @@ use cudarc::nccl::{result, sys};
 
 use super::NcclComm;
 use crate::ZeroError;
-use crate::collective::nccl::call::NcclDtype;
+use crate::collective::nccl::call::{NcclDtype, message_buffer};
 use crate::collective::nccl::poll::{self, Stopped};
 use crate::collective::nccl::wire::nccl_type;
 use crate::collective::{Completed, DeviceBuf, DeviceCall, OpKind, Pending};
 
 impl NcclComm {
-    /// A checked point-to-point call's peer and buffer; `None` when it moves nothing.
-    fn p2p(&self, call: &DeviceCall, kind: OpKind, peer: usize) -> Result<Option<DeviceBuf>, ZeroError> {
-        call.check(self.rank)?;
-        let bad = |detail: String| ZeroError::BadBuffer { rank: self.rank, op: kind.name(), detail };
-        if peer >= self.world_size || peer == self.rank {
-            return Err(bad(format!("peer {peer} of {} ranks (this is rank {})", self.world_size, self.rank)));
-        }
-        let (moved, other) = match kind {
-            OpKind::Send => (call.input, call.output),
-            _ => (call.output, call.input),
-        };
-        if !other.is_empty() {
-            return Err(bad(format!("a {} has one buffer; the other holds {} elements", kind.name(), other.len())));
-        }
+    /// A checked message's buffer (`message_buffer`); `None` when it moves nothing.
+    fn p2p(&self, call: &DeviceCall, kind: OpKind) -> Result<Option<DeviceBuf>, ZeroError> {
+        let moved = message_buffer(call, self.rank, self.world_size)?;
         self.usable(kind)?;
-        Ok((!moved.is_empty()).then_some(moved))
+        Ok(moved)
     }
 
     /// Enqueues the send or receive of `buf` with `peer` on the stream.
@@ -62,7 +51,7 @@ impl NcclComm {
     /// [`DeviceOp::Send`](crate::DeviceOp::Send) or [`DeviceOp::Recv`](crate::DeviceOp::Recv)
     /// run to the end.
     pub(super) fn p2p_on_device(&self, call: &DeviceCall, kind: OpKind, peer: usize) -> Result<(), ZeroError> {
-        if let Some(buf) = self.p2p(call, kind, peer)? {
+        if let Some(buf) = self.p2p(call, kind)? {
             self.launch_p2p(kind, buf, peer)?;
             self.wait(kind)?;
         }
@@ -74,7 +63,7 @@ impl NcclComm {
     pub(super) fn start_send(&self, call: &DeviceCall, to: usize) -> Result<Pending, ZeroError> {
         let kind = OpKind::Send;
         let done = |dtype| Pending::ready(Ok(Completed::empty(dtype)));
-        let Some(buf) = self.p2p(call, kind, to)? else { return Ok(done(call.input.dtype())) };
+        let Some(buf) = self.p2p(call, kind)? else { return Ok(done(call.input.dtype())) };
         self.launch_p2p(kind, buf, to)?;
         let event = self.stream.record_event(None).map_err(|e| self.fail(kind, format!("CUDA: {e}")))?;
         let (failed, host, timeout, rank) = (Arc::clone(&self.failed), Arc::clone(&self.host), self.timeout, self.rank);
