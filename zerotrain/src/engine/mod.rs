@@ -27,6 +27,7 @@
 //! fp32 master, and the new values are cast to the compute dtype and all-gathered in it.
 
 mod accumulation;
+mod activation;
 mod assemble;
 mod buffers;
 mod build;

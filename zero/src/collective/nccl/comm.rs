@@ -24,22 +24,15 @@
 //! [`DeviceBuf`](crate::collective::DeviceBuf)), so no event orders the two streams.
 //!
 //! # Note: timeouts
-//! A call waits for its work on the stream by polling an event and
-//! `ncclCommGetAsyncError`; past `timeout` (or once the job is aborted) it aborts the NCCL
-//! communicator (`ncclCommAbort`, as NCCL's own watchdog does), aborts the host
-//! communicator so that every rank learns of it, and returns an error. It sleeps between
-//! looks (`poll`), so a rank waiting on a slow peer does not spin a core. `ncclCommInitRank`,
-//! which cannot be interrupted (a peer that fails after the id exchange leaves it waiting
-//! for ever), runs on a thread of its own that the rank waits for the same way, and is left
-//! there past the timeout or an abort. (NCCL's non-blocking mode, `blocking = 0`, would make
-//! every later call return `ncclInProgress` too; the helper thread bounds the one call that
-//! needs it and leaves the calls measured on GPUs as they are.)
+//! A call waits, bounded, for its work on the stream and fails the job past its timeout or
+//! an abort (`comm/failure.rs`).
 //!
 //! # Note: what stays on the host
-//! Barriers, point-to-point messages (whose buffered-send contract NCCL's rendezvous sends
-//! do not keep) and the id exchange of [`Collective::split`] use the host communicator. The
-//! all-to-all's parts travel through NCCL (one group of sends and receives, `all_to_all.rs`),
-//! its counts by NCCL's all-gather.
+//! Barriers, point-to-point messages on host buffers (whose buffered-send contract NCCL's
+//! rendezvous sends do not keep) and the id exchange of [`Collective::split`] use the host
+//! communicator. The all-to-all's parts travel through NCCL (one group of sends and
+//! receives, `all_to_all.rs`), its counts by NCCL's all-gather; messages on device buffers
+//! are NCCL's sends and receives (`p2p.rs`).
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -52,7 +45,6 @@ use zerotrain_precision::{BufMut, BufRef};
 
 use super::call::{NcclCall, NcclDtype};
 use super::init;
-use super::poll::{self, Stopped};
 use super::wire::{bytes, bytes_mut, bytes_of, nccl_op, nccl_type};
 use crate::ZeroError;
 use crate::collective::{
@@ -61,6 +53,7 @@ use crate::collective::{
 
 mod all_to_all;
 mod device_call;
+mod failure;
 mod p2p;
 
 /// One rank's NCCL communicator (see the module notes).
@@ -153,62 +146,6 @@ impl NcclComm {
         self.stream.synchronize().map_err(device)
     }
 
-    /// Waits for this stream's work, bounded by the timeout and the job's abort (module
-    /// note), sleeping between looks.
-    fn wait(&self, kind: OpKind) -> Result<(), ZeroError> {
-        let event = self.stream.record_event(None).map_err(|e| self.fail(kind, format!("CUDA: {e}")))?;
-        let look = || {
-            if event.try_is_complete().map_err(|e| self.fail(kind, format!("CUDA: {e}")))? {
-                return Ok(true);
-            }
-            let mut state = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: `comm` is live (checked by `usable` on this, its own thread) and `state`
-            // is a valid place for the result.
-            let queried = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
-            if queried != sys::ncclResult_t::ncclSuccess
-                || !matches!(state, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress)
-            {
-                return Err(self.fail(kind, format!("asynchronous error {state:?}")));
-            }
-            Ok(false)
-        };
-        match poll::poll(self.timeout, look, || self.aborted()) {
-            Ok(()) => Ok(()),
-            Err(Stopped::Failed(e)) => Err(e),
-            Err(Stopped::Aborted(reason)) => {
-                self.abort_comm();
-                Err(ZeroError::Aborted { rank: self.rank, reason })
-            }
-            Err(Stopped::TimedOut) => {
-                let timeout_ms = self.timeout.as_millis() as u64;
-                let error = ZeroError::Timeout { rank: self.rank, op: kind.name(), timeout_ms, missing: Vec::new() };
-                Err(self.fail_with(error))
-            }
-        }
-    }
-
-    /// Checks the call runs on the owning thread and the communicator is live.
-    fn usable(&self, kind: OpKind) -> Result<(), ZeroError> {
-        if std::thread::current().id() != self.thread {
-            let detail = "called off the communication thread that created the communicator".into();
-            return Err(ZeroError::Nccl { rank: self.rank, op: kind.name(), detail });
-        }
-        match self.failed_reason() {
-            Some(reason) => {
-                self.abort_comm();
-                Err(ZeroError::Aborted { rank: self.rank, reason })
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Checks the call may run; true when it has nothing to move (every rank agrees on
-    /// that, the lengths being checked equal).
-    fn skip(&self, call: NcclCall) -> Result<bool, ZeroError> {
-        self.usable(call.kind)?;
-        Ok(call.count == 0)
-    }
-
     /// A two-buffer collective's input and output must share a dtype.
     fn same_dtype(&self, kind: OpKind, input: &BufRef<'_>, output: &BufMut<'_>) -> Result<(), ZeroError> {
         match input.dtype() == output.dtype() {
@@ -217,32 +154,6 @@ impl NcclComm {
                 let detail = "input and output dtypes differ".to_owned();
                 Err(ZeroError::BadBuffer { rank: self.rank, op: kind.name(), detail })
             }
-        }
-    }
-
-    fn fail(&self, kind: OpKind, detail: String) -> ZeroError {
-        self.fail_with(ZeroError::Nccl { rank: self.rank, op: kind.name(), detail })
-    }
-
-    /// Records `error` as the job's failure, aborts the NCCL and host communicators.
-    fn fail_with(&self, error: ZeroError) -> ZeroError {
-        self.abort(&error.to_string());
-        self.abort_comm();
-        error
-    }
-
-    fn failed_reason(&self) -> Option<String> {
-        self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// `ncclCommAbort`, once; only on the owning thread (callers checked it).
-    fn abort_comm(&self) {
-        let mut aborted = self.comm_aborted.lock().unwrap_or_else(|e| e.into_inner());
-        if !*aborted {
-            *aborted = true;
-            // SAFETY: `comm` is live and used by no other thread (module note "one thread");
-            // after this it is never used again (`comm_aborted`).
-            let _ = unsafe { result::comm_abort(self.comm) };
         }
     }
 
@@ -353,7 +264,7 @@ impl Collective for NcclComm {
 
     fn start_on_device(&self, call: &DeviceCall) -> Result<Pending, ZeroError> {
         match call.op {
-            DeviceOp::Send(to) => self.start_send(call, to),
+            DeviceOp::Send(_) => self.start_send(call),
             _ => self.run_on_device(call).map(|()| Pending::ready(Ok(Completed::empty(call.input.dtype())))),
         }
     }
@@ -387,7 +298,7 @@ impl Collective for NcclComm {
     }
 
     fn aborted(&self) -> Option<String> {
-        self.failed_reason().or_else(|| self.host.aborted())
+        failure::aborted(&self.failed, self.host.as_ref())
     }
 
     fn stats(&self) -> CommStats {

@@ -21,8 +21,7 @@ use burn::tensor::{DType, Device, Tensor};
 use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::{Collective, DeviceOp, Pending, ReduceOp, Request};
 
-use super::flat::tensor;
-use super::readout::into_flat;
+use super::flat::{Flat, tensor};
 use crate::{Error, Result};
 
 /// [`Collective::all_reduce`] of `tensor` over the ranks of `comm`.
@@ -73,8 +72,7 @@ pub fn send(comm: &dyn Collective, tensor: &Tensor<1>, to: usize) -> Result<Send
     let tensor = tensor.clone().without_autodiff();
     let dtype = precision(tensor.dtype())?;
     if !stays_on_device(comm, &tensor.device()) {
-        let what = "a message";
-        let values = into_flat(super::readout::read(tensor.clone(), what)?, what, tensor.dims()[0])?;
+        let values = Flat::Device(tensor).into_host("a message")?;
         return Ok(Sending { pending: comm.start(Request::Send { buf: values, to }), _held: None });
     }
     device::start_send(comm, dtype, tensor, to)
@@ -91,7 +89,7 @@ pub fn recv(comm: &dyn Collective, from: usize, len: usize, dtype: Precision, de
         return Ok(tensor(values, &device));
     }
     // Zeros, not `empty`: a buffer some kernel has written (as in `run`).
-    let output = Tensor::<1>::zeros([len], (&device, self::dtype(dtype)));
+    let output = super::flat::zeros(dtype, len, &device);
     device::recv_into(comm, dtype, &output, from)?;
     Ok(output)
 }
@@ -136,8 +134,7 @@ pub fn run(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>) -> Result<Ten
 /// `op` through host memory: the input's values to the host, the host collective, the
 /// result back to the input's device in its dtype.
 fn staged(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize) -> Result<Tensor<1>> {
-    let what = "a collective's input";
-    let mut values = into_flat(super::readout::read(input.clone(), what)?, what, input.dims()[0])?;
+    let mut values = Flat::Device(input.clone()).into_host("a collective's input")?;
     let output = match op {
         DeviceOp::AllReduce(op) => {
             comm.all_reduce(values.as_mut(), op)?;
@@ -166,6 +163,8 @@ fn staged(comm: &dyn Collective, op: DeviceOp, input: &Tensor<1>, out_len: usize
 
 /// Whether `B`'s float tensors are those of Burn's cubecl backend with fusion (wgpu's and
 /// CUDA's: one type), which [`run_primitive`] hands to [`run`].
+// Without a GPU feature no backend is cubecl's, whatever `B` is.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(clippy::extra_unused_type_parameters))]
 pub(crate) fn is_cube<B: burn::backend::Backend>() -> bool {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     return cube::is_cube::<B>();
@@ -188,15 +187,6 @@ pub(crate) fn run_primitive<B: burn::backend::Backend>(
     {
         let _ = (comm, x);
         Err(Error::Usage(format!("{} of a device tensor needs a build with a GPU feature", op.kind().name())))
-    }
-}
-
-/// Burn's dtype of one of the engine's precisions.
-pub(crate) fn dtype(precision: Precision) -> DType {
-    match precision {
-        Precision::Fp32 => DType::F32,
-        Precision::Fp16 => DType::F16,
-        Precision::Bf16 => DType::BF16,
     }
 }
 
@@ -229,6 +219,7 @@ mod tests {
     use zerotrain_zero::{ThreadComm, ThreadWorld};
 
     use super::*;
+    use crate::engine::readout::into_flat;
 
     /// Rank `r`'s values: eighths, exact in every dtype, so each result is one rounding of
     /// sums computed here.

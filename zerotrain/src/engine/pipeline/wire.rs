@@ -26,6 +26,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use zerotrain_precision::{FlatBuf, Precision};
 use zerotrain_zero::{Collective, Pending, Request};
 
+use crate::engine::flat;
 use crate::engine::model::Activation;
 use crate::engine::on_device::{self, Sending};
 use crate::engine::readout;
@@ -142,8 +143,6 @@ pub(super) struct Wire {
     forward: Arc<dyn Collective>,
     /// Gradients.
     backward: Arc<dyn Collective>,
-    /// Whether the parts travel as device tensors.
-    on_device: bool,
     /// The parts' bytes sent, by way (headers not counted).
     traffic: GroupTraffic,
 }
@@ -152,12 +151,16 @@ impl Wire {
     /// The wire over `pipe` (every rank of it calls this at once: on the device each
     /// direction is split from it).
     pub fn new(pipe: &Arc<dyn Collective>) -> Result<Self> {
-        let on_device = pipe.reads_device_memory();
-        let (forward, backward) = match on_device {
+        let (forward, backward) = match pipe.reads_device_memory() {
             true => (pipe.split(0, pipe.rank())?, pipe.split(0, pipe.rank())?),
             false => (Arc::clone(pipe), Arc::clone(pipe)),
         };
-        Ok(Self { forward, backward, on_device, traffic: GroupTraffic::default() })
+        Ok(Self { forward, backward, traffic: GroupTraffic::default() })
+    }
+
+    /// Whether the parts travel as device tensors (module note).
+    fn on_device(&self) -> bool {
+        self.forward.reads_device_memory()
     }
 
     /// The parts' bytes sent so far, by way.
@@ -174,7 +177,7 @@ impl Wire {
 
     /// `activation`'s parts, the way this wire sends them.
     pub fn parts<A: Activation>(&self, activation: A, device: &Device) -> Result<Parts> {
-        match self.on_device {
+        match self.on_device() {
             true => activation.into_tensors(device).map(Parts::Device),
             false => activation.into_parts().map(Parts::Host),
         }
@@ -185,12 +188,8 @@ impl Wire {
     pub fn zeros(&self, shapes: Shapes, device: &Device) -> Parts {
         let device = device.clone().without_autodiff();
         let parts = shapes.into_iter().map(|(dtype, shape)| (dtype, shape.iter().product::<usize>(), shape));
-        match self.on_device {
-            true => Parts::Device(
-                parts
-                    .map(|(dtype, n, shape)| (Tensor::zeros([n], (&device, on_device::dtype(dtype))), shape))
-                    .collect(),
-            ),
+        match self.on_device() {
+            true => Parts::Device(parts.map(|(dtype, n, shape)| (flat::zeros(dtype, n, &device), shape)).collect()),
             false => Parts::Host(parts.map(|(dtype, n, shape)| (FlatBuf::zeros(dtype, n), shape)).collect()),
         }
     }
@@ -219,7 +218,7 @@ impl Wire {
                 let header = Tensor::<1>::from_data(TensorData::new(words, [len]), &first.device());
                 let mut sends = vec![Outgoing::Device(on_device::send(comm, &header, to)?)];
                 for (tensor, _) in &parts {
-                    self.traffic.on_device += (tensor.shape().num_elements() * tensor.dtype().size()) as u64;
+                    self.traffic.on_device += flat::tensor_bytes(tensor);
                     sends.push(Outgoing::Device(on_device::send(comm, tensor, to)?));
                 }
                 Ok(sends)
@@ -233,14 +232,14 @@ impl Wire {
         let comm = self.comm(direction);
         let comm = comm.as_ref();
         let mut header = vec![0.0f32; header_len(A::PARTS)];
-        if self.on_device {
+        if self.on_device() {
             let words = on_device::recv(comm, from, header.len(), Precision::Fp32, device)?;
             header = readout::f32s(words, "an activation's header")?;
         } else {
             comm.recv((&mut header).into(), from)?;
         }
         let shapes = decode(&header, from)?;
-        let activation = if self.on_device {
+        let activation = if self.on_device() {
             let mut parts = Vec::with_capacity(shapes.len());
             for (dtype, shape) in &shapes {
                 parts.push((on_device::recv(comm, from, shape.iter().product(), *dtype, device)?, shape.clone()));

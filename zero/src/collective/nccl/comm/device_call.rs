@@ -15,13 +15,14 @@ use crate::collective::{DeviceCall, DeviceOp};
 impl NcclComm {
     /// [`Collective::on_device`](crate::Collective::on_device) (the module notes).
     pub(super) fn run_on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
-        call.check(self.rank)?;
-        let (kind, input, output) = (call.op.kind(), call.input, call.output);
-        match call.op {
-            DeviceOp::AllToAll => return self.all_to_all_on_device(call),
-            DeviceOp::Send(peer) | DeviceOp::Recv(peer) => return self.p2p_on_device(call, kind, peer),
-            _ => {}
+        if let DeviceOp::Send(_) | DeviceOp::Recv(_) = call.op {
+            return self.p2p_on_device(call);
         }
+        call.check(self.rank)?;
+        if call.op == DeviceOp::AllToAll {
+            return self.all_to_all_on_device(call);
+        }
+        let (kind, input, output) = (call.op.kind(), call.input, call.output);
         let nccl = NcclCall::new(kind, input.dtype(), input.len(), output.len(), self.world_size, self.rank)?;
         if self.skip(nccl)? {
             return Ok(());

@@ -13,19 +13,24 @@ use std::sync::{Arc, mpsc};
 
 use cudarc::nccl::{result, sys};
 
-use super::NcclComm;
+use super::{NcclComm, failure};
 use crate::ZeroError;
 use crate::collective::nccl::call::{NcclDtype, message_buffer};
 use crate::collective::nccl::poll::{self, Stopped};
 use crate::collective::nccl::wire::nccl_type;
-use crate::collective::{Completed, DeviceBuf, DeviceCall, OpKind, Pending};
+use crate::collective::{Completed, DeviceBuf, DeviceCall, DeviceOp, OpKind, Pending};
 
 impl NcclComm {
-    /// A checked message's buffer (`message_buffer`); `None` when it moves nothing.
-    fn p2p(&self, call: &DeviceCall, kind: OpKind) -> Result<Option<DeviceBuf>, ZeroError> {
+    /// A checked message's peer and buffer (`message_buffer`); no buffer when it moves
+    /// nothing.
+    fn p2p(&self, call: &DeviceCall) -> Result<(usize, Option<DeviceBuf>), ZeroError> {
         let moved = message_buffer(call, self.rank, self.world_size)?;
-        self.usable(kind)?;
-        Ok(moved)
+        self.usable(call.op.kind())?;
+        let peer = match call.op {
+            DeviceOp::Send(peer) | DeviceOp::Recv(peer) => peer,
+            _ => unreachable!("message_buffer takes messages only"),
+        };
+        Ok((peer, moved))
     }
 
     /// Enqueues the send or receive of `buf` with `peer` on the stream.
@@ -48,39 +53,34 @@ impl NcclComm {
         Ok(())
     }
 
-    /// [`DeviceOp::Send`](crate::DeviceOp::Send) or [`DeviceOp::Recv`](crate::DeviceOp::Recv)
-    /// run to the end.
-    pub(super) fn p2p_on_device(&self, call: &DeviceCall, kind: OpKind, peer: usize) -> Result<(), ZeroError> {
-        if let Some(buf) = self.p2p(call, kind)? {
+    /// [`DeviceOp::Send`] or [`DeviceOp::Recv`] run to the end.
+    pub(super) fn p2p_on_device(&self, call: &DeviceCall) -> Result<(), ZeroError> {
+        let kind = call.op.kind();
+        if let (peer, Some(buf)) = self.p2p(call)? {
             self.launch_p2p(kind, buf, peer)?;
             self.wait(kind)?;
         }
         Ok(())
     }
 
-    /// A send to `to` started: its `Pending` finishes when the stream has sent it (module
-    /// docs), fails when the timeout passes or the job is aborted first.
-    pub(super) fn start_send(&self, call: &DeviceCall, to: usize) -> Result<Pending, ZeroError> {
+    /// A [`DeviceOp::Send`] started: its `Pending` finishes when the stream has sent it
+    /// (module docs), fails when the timeout passes or the job is aborted first.
+    pub(super) fn start_send(&self, call: &DeviceCall) -> Result<Pending, ZeroError> {
         let kind = OpKind::Send;
-        let done = |dtype| Pending::ready(Ok(Completed::empty(dtype)));
-        let Some(buf) = self.p2p(call, kind)? else { return Ok(done(call.input.dtype())) };
+        let (to, Some(buf)) = self.p2p(call)? else {
+            return Ok(Pending::ready(Ok(Completed::empty(call.input.dtype()))));
+        };
         self.launch_p2p(kind, buf, to)?;
         let event = self.stream.record_event(None).map_err(|e| self.fail(kind, format!("CUDA: {e}")))?;
         let (failed, host, timeout, rank) = (Arc::clone(&self.failed), Arc::clone(&self.host), self.timeout, self.rank);
         let (tx, rx) = mpsc::sync_channel(1);
         let waiter = move || {
-            let aborted = || failed.lock().unwrap_or_else(|e| e.into_inner()).clone().or_else(|| host.aborted());
             let look = || event.try_is_complete().map_err(|e| format!("CUDA: {e}"));
-            let result = match poll::poll(timeout, look, aborted) {
+            let result = match poll::poll(timeout, look, || failure::aborted(&failed, host.as_ref())) {
                 Ok(()) => Ok(Completed::empty(buf.dtype())),
                 Err(Stopped::Failed(detail)) => Err(ZeroError::Nccl { rank, op: kind.name(), detail }),
                 Err(Stopped::Aborted(reason)) => Err(ZeroError::Aborted { rank, reason }),
-                Err(Stopped::TimedOut) => Err(ZeroError::Timeout {
-                    rank,
-                    op: kind.name(),
-                    timeout_ms: timeout.as_millis() as u64,
-                    missing: vec![to],
-                }),
+                Err(Stopped::TimedOut) => Err(failure::timed_out(rank, kind, timeout, vec![to])),
             };
             let _ = tx.send(result);
         };
