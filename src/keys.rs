@@ -117,14 +117,16 @@ impl AppSettings {
     /// The Hugging Face family's model these settings name, for
     /// [`load_model`](zerotrain_models::family::load::load_model); refused, naming
     /// `config_file`, where they name the built-in GPT.
-    pub fn hf_model(&self, config_file: &Path) -> anyhow::Result<ModelSource> {
+    /// With `plan`'s `zerotrain.lora`, the model is fine-tuned with adapters.
+    pub fn hf_model(&self, config_file: &Path, plan: &zerotrain::Plan) -> anyhow::Result<ModelSource> {
         let Some(from) = self.hf.clone() else {
             anyhow::bail!(
                 "{}: give model.hf_dir (a Hugging Face checkpoint folder) or model.hf_config",
                 config_file.display()
             );
         };
-        Ok(ModelSource { from, tokenizer: self.tokenizer.clone(), block_size: self.block_size })
+        let lora = plan.lora.as_ref().map(|l| std::sync::Arc::clone(&l.config));
+        Ok(ModelSource { from, tokenizer: self.tokenizer.clone(), block_size: self.block_size, lora })
     }
 }
 

@@ -9,9 +9,10 @@ use burn::tensor::module::{embedding, layer_norm, linear};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use crate::hf::rope::RopeScaling;
-use crate::hf::weights::{Init, Weights};
+use crate::hf::weights::{Features, Init, Weights};
 pub use crate::kv_cache::KvCache;
 pub(crate) use crate::kv_cache::with_cached;
+use zerotrain::nn::lora::{AdapterCut, LoraAdapter};
 use zerotrain::nn::parallel::{ParallelGroup, Split, row_parallel_linear, vocab_parallel_lookup};
 
 /// How a projection is split over its [`Weights`]' tensor-parallel group (Megatron-LM's
@@ -27,12 +28,33 @@ pub enum Cut {
 }
 
 impl Cut {
-    /// `y = x W + b` for `x` and the weight `[d_in, out]` as this rank holds them.
-    fn apply(&self, x: Tensor<3>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<3> {
+    /// `y = x W + b` for `x` and the weight `[d_in, out]` as this rank holds them, plus
+    /// `adapter`'s update where there is one.
+    fn apply(&self, x: Tensor<3>, weight: Tensor<2>, bias: Option<Tensor<1>>, adapter: Option<&LoraAdapter>) -> Tensor<3> {
         match self {
-            Self::Whole => linear(x, weight, bias),
-            Self::Column(group) => linear(group.copy_to(x), weight, bias),
+            Self::Column(group) => Self::Whole.apply(group.copy_to(x), weight, bias, adapter),
+            _ => self.entered(x, weight, bias, adapter),
+        }
+    }
+
+    /// [`apply`](Self::apply) to an `x` that already entered a column-parallel region.
+    fn entered(&self, x: Tensor<3>, weight: Tensor<2>, bias: Option<Tensor<1>>, adapter: Option<&LoraAdapter>) -> Tensor<3> {
+        let base = |x| match self {
+            Self::Whole | Self::Column(_) => linear(x, weight, bias),
             Self::Row(group) => row_parallel_linear(x, weight, bias, group),
+        };
+        match adapter {
+            Some(adapter) => base(x.clone()) + adapter.delta(x),
+            None => base(x),
+        }
+    }
+
+    /// The rule an adapter on a layer of this cut follows.
+    fn adapter_cut(&self) -> AdapterCut {
+        match self {
+            Self::Whole => AdapterCut::Whole,
+            Self::Column(group) => AdapterCut::Column(group.clone()),
+            Self::Row(group) => AdapterCut::Row(group.clone()),
         }
     }
 }
@@ -53,11 +75,13 @@ pub fn sequence_parallel_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seq
 }
 
 /// A projection stored as `nn.Linear` stores it: `weight` `[out, in]`, optional `bias`;
-/// whole, or this rank's part of it ([`Cut`]).
+/// whole, or this rank's part of it ([`Cut`]); with a LoRA adapter where the model's
+/// [`Weights`] adapt it (`adapter.a`, `adapter.b`: PEFT's `lora_A`, `lora_B`).
 #[derive(Module, Debug)]
 pub struct Dense {
     weight: Param<Tensor<2>>,
     bias: Option<Param<Tensor<1>>>,
+    adapter: Option<LoraAdapter>,
     #[module(skip)]
     cut: Cut,
 }
@@ -66,6 +90,15 @@ impl Dense {
     /// `name.weight` `[out, d_in]`, and `name.bias` when `bias`, whole on every rank.
     pub fn new(w: &Weights, name: &str, d_in: usize, out: usize, bias: bool) -> Self {
         Self::cut(w, name, [d_in, out], bias, Split::Whole, Split::Whole, Cut::Whole)
+    }
+
+    /// Which of the layer's features its weight split `ws` (of `[out, d_in]`) cuts.
+    fn features(ws: Split) -> Features {
+        match ws.dim() {
+            Some(0) => Features::Output(ws),
+            Some(_) => Features::Input,
+            None => Features::Whole,
+        }
     }
 
     /// The layer with its output features split over `w`'s group: its rows of `weight` and
@@ -90,16 +123,19 @@ impl Dense {
     }
 
     fn cut(w: &Weights, name: &str, [d_in, out]: [usize; 2], bias: bool, ws: Split, bs: Split, cut: Cut) -> Self {
+        let head = matches!(ws, Split::Uneven { .. });
         Self {
             weight: w.split_param(&format!("{name}.weight"), [out, d_in], ws, Init::Normal),
             bias: bias.then(|| w.split_param(&format!("{name}.bias"), [out], bs, Init::Zeros)),
+            adapter: w.adapter(name, [d_in, out], Self::features(ws), cut.adapter_cut(), head),
             cut,
         }
     }
 
-    /// `x W^T + b` over the last dimension (this rank's part of it, as [`Cut`] says).
+    /// `x W^T + b` over the last dimension (this rank's part of it, as [`Cut`] says), plus
+    /// the adapter's update.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.cut.apply(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
+        self.cut.apply(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val), self.adapter.as_ref())
     }
 
     /// `x` entering this column-parallel layer's region through the group's copy (`f`), to
@@ -115,16 +151,17 @@ impl Dense {
 
     /// [`forward`](Self::forward) of an `x` that [`enter`](Self::enter) gave.
     pub fn forward_entered(&self, x: Tensor<3>) -> Tensor<3> {
-        let cut = match &self.cut {
-            Cut::Column(_) => &Cut::Whole,
-            other => other,
-        };
-        cut.apply(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
+        self.cut.entered(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val), self.adapter.as_ref())
     }
 
-    /// The weight `[out, d_in]` and the bias: a head's, for its loss.
+    /// The weight `[out, d_in]` and the bias: a head's, for its loss. An adapted head's
+    /// weight is merged (`W + scaling B A`), so its update trains through the loss.
     pub fn weight_and_bias(&self) -> (Tensor<2>, Option<Tensor<1>>) {
-        (self.weight.val(), self.bias.as_ref().map(Param::val))
+        let weight = match &self.adapter {
+            Some(adapter) => self.weight.val() + adapter.merged_delta(),
+            None => self.weight.val(),
+        };
+        (weight, self.bias.as_ref().map(Param::val))
     }
 }
 
@@ -133,6 +170,7 @@ impl Dense {
 pub struct Conv1D {
     weight: Param<Tensor<2>>,
     bias: Param<Tensor<1>>,
+    adapter: Option<LoraAdapter>,
     #[module(skip)]
     cut: Cut,
 }
@@ -157,16 +195,25 @@ impl Conv1D {
     }
 
     fn cut(w: &Weights, name: &str, [d_in, out]: [usize; 2], init: Init, [ws, bs]: [Split; 2], cut: Cut) -> Self {
+        // The weight is `[d_in, out]`: its dimension 1 is the output, whose split the bias
+        // (and B's rows) share.
+        let features = match ws.dim() {
+            Some(1) => Features::Output(bs),
+            Some(_) => Features::Input,
+            None => Features::Whole,
+        };
         Self {
             weight: w.split_param(&format!("{name}.weight"), [d_in, out], ws, init),
             bias: w.split_param(&format!("{name}.bias"), [out], bs, Init::Zeros),
+            adapter: w.adapter(name, [d_in, out], features, cut.adapter_cut(), false),
             cut,
         }
     }
 
-    /// `x W + b` over the last dimension (this rank's part of it, as [`Cut`] says).
+    /// `x W + b` over the last dimension (this rank's part of it, as [`Cut`] says), plus
+    /// the adapter's update.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.cut.apply(x, self.weight.val(), Some(self.bias.val()))
+        self.cut.apply(x, self.weight.val(), Some(self.bias.val()), self.adapter.as_ref())
     }
 }
 

@@ -77,7 +77,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let checkpoint =
         args.checkpoint.as_deref().map(|d| companions::checked_folder(d, args.tag.as_deref())).transpose()?;
     let loaded =
-        load_model(&settings.hf_model(&args.config)?, &args.config, &device, checkpoint.as_deref(), plan.runtime.seed)?;
+        load_model(&settings.hf_model(&args.config, &plan)?, &args.config, &device, checkpoint.as_deref(), plan.runtime.seed)?;
     let params = zerotrain_models::hf::size::ModelSize::of(&loaded.config).params;
     crate::train::memory::check_inference_memory(&plan, params, "eval")?;
     let (name, source) = match &args.input() {

@@ -79,7 +79,7 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
     let loaded = load_model(
-        &settings.hf_model(&args.config)?,
+        &settings.hf_model(&args.config, &plan)?,
         &args.config,
         &device,
         args.checkpoint.as_deref(),

@@ -151,7 +151,7 @@ fn hf_job(
     use zerotrain_models::family::load::{load_model, training_context};
     let device = burn::tensor::Device::flex().autodiff();
     device.seed(plan.runtime.seed);
-    let wanted = settings.hf_model(&args.config)?;
+    let wanted = settings.hf_model(&args.config, plan)?;
     let mut loaded = load_model(&wanted, &args.config, &device, None, plan.runtime.seed)?;
     let rule = (settings.block_size.is_some(), plan.activation_checkpointing);
     let available = zerotrain_models::hf::size::available_memory();

@@ -2,6 +2,7 @@
 //! from `hf_dir`, or fresh from `hf_config` ([`load_model`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::bail;
 use burn::tensor::Device;
@@ -10,6 +11,7 @@ use super::HfModel;
 use crate::hf::size::ModelSize;
 use crate::hf::{self, HfConfig};
 use crate::text::Tokenizer;
+use zerotrain::nn::lora::LoraConfig;
 use zerotrain::nn::parallel::ParallelGroups;
 
 /// Where a Hugging Face family's model comes from.
@@ -33,7 +35,7 @@ impl HfSource {
 
 /// What [`load_model`] loads: the model, its tokenizer and its context, as a config's
 /// `model` section names them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ModelSource {
     /// The model's files.
     pub from: HfSource,
@@ -43,6 +45,8 @@ pub struct ModelSource {
     /// The context to train and evaluate at (`model.block_size`); `None`: the model's own
     /// positions (or sliding window).
     pub block_size: Option<usize>,
+    /// Low-rank adapters to fine-tune, the rest frozen (the config's `zerotrain.lora`).
+    pub lora: Option<Arc<LoraConfig>>,
 }
 
 /// A model of `config`'s `model` section, its tokenizer and context: imported from
@@ -61,6 +65,8 @@ pub struct LoadedModel {
     pub context_from: String,
     /// Where the model came from, for messages.
     pub source: PathBuf,
+    /// The adapters it is fine-tuned with, if any.
+    pub lora: Option<Arc<LoraConfig>>,
 }
 
 impl LoadedModel {
@@ -74,9 +80,9 @@ impl LoadedModel {
     /// and each parameter's name (`hf_config`: every rank draws the same whole model).
     pub fn split(&self, groups: &ParallelGroups, device: &Device, seed: u64) -> anyhow::Result<HfModel> {
         if self.source.is_dir() {
-            return Ok(super::import_split(&self.source, device, groups)?.1);
+            return Ok(super::import_adapted(&self.source, device, groups, self.lora.as_ref(), seed)?.1);
         }
-        super::fresh_split(&self.config, device, groups, seed)
+        super::fresh_adapted(&self.config, device, groups, seed, self.lora.as_ref())
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.source.display()))
     }
 
@@ -116,16 +122,17 @@ pub fn load_model(
     tokenizer_dir: Option<&Path>,
     seed: u64,
 ) -> anyhow::Result<LoadedModel> {
-    let source = &wanted.from;
+    let (source, lora) = (&wanted.from, wanted.lora.as_ref());
     let (config, model, dir) = match source {
         HfSource::Dir(dir) => {
-            let (config, model) = super::import(dir, device)?;
+            let (config, model) = super::import_adapted(dir, device, &ParallelGroups::alone(), lora, seed)?;
             (config, model, dir.clone())
         }
         HfSource::Config(file) => {
             let config = HfConfig::read(file)?;
             check_buildable(&config, file)?;
-            let model = super::fresh(&config, device, seed);
+            let model = super::fresh_adapted(&config, device, &ParallelGroups::alone(), seed, lora)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
             (config, model, file.clone())
         }
     };
@@ -157,7 +164,7 @@ pub fn load_model(
         Some(context) => (context, "model.block_size".to_string()),
         None => (exact, format!("the model's {}; model.block_size not set", config.context_key())),
     };
-    Ok(LoadedModel { model, config, tokenizer, context, context_from, source: dir })
+    Ok(LoadedModel { model, config, tokenizer, context, context_from, source: dir, lora: wanted.lora.clone() })
 }
 
 /// The context training defaults to where `model.block_size` is not set, when the model

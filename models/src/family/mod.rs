@@ -8,6 +8,7 @@ pub mod export;
 pub mod load;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use burn::tensor::Device;
 
@@ -16,6 +17,7 @@ use crate::hf::size::ModelSize;
 use crate::hf::weights::Weights;
 use crate::hf::{CONFIG_FILE, Family, HfConfig};
 use crate::{CausalLm, Gpt2, Llama, gpt2, llama};
+use zerotrain::nn::lora::LoraConfig;
 use zerotrain::nn::parallel::ParallelGroups;
 
 /// A built-in model of either family.
@@ -77,10 +79,40 @@ pub fn fresh(config: &HfConfig, device: &Device, seed: u64) -> HfModel {
 /// ranks' parts make one model (the one every group size draws); an error naming the
 /// config field that does not divide over the groups.
 pub fn fresh_split(config: &HfConfig, device: &Device, groups: &ParallelGroups, seed: u64) -> Result<HfModel, String> {
-    let w = Weights::fresh(device, initializer_range(config)).with_groups(groups, seed);
+    fresh_adapted(config, device, groups, seed, None)
+}
+
+/// [`fresh_split`] fine-tuned with low-rank adapters where `lora` is given
+/// ([`Weights::with_lora`]: the base frozen, adapters drawn from `seed`); an error naming
+/// the LoRA key that names nothing, or the config field that does not divide.
+pub fn fresh_adapted(
+    config: &HfConfig,
+    device: &Device,
+    groups: &ParallelGroups,
+    seed: u64,
+    lora: Option<&Arc<LoraConfig>>,
+) -> Result<HfModel, String> {
+    let w = adapting(Weights::fresh(device, initializer_range(config)).with_groups(groups, seed), config, lora, seed);
     let model = build(config, &w);
     w.finish(|_| false)?;
     Ok(model)
+}
+
+/// PEFT's default targets of `config`'s family, where a LoRA config names none
+/// (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
+pub fn default_lora_targets(config: &HfConfig) -> &'static [&'static str] {
+    match config.family {
+        Family::Gpt2(_) => &["c_attn"],
+        Family::Llama(_) => &["q_proj", "v_proj"],
+    }
+}
+
+/// `w` adapting the layers `lora` names, if given.
+fn adapting(w: Weights, config: &HfConfig, lora: Option<&Arc<LoraConfig>>, seed: u64) -> Weights {
+    match lora {
+        Some(lora) => w.with_lora(Arc::clone(lora), default_lora_targets(config), seed),
+        None => w,
+    }
 }
 
 /// Whether `config`'s model splits over a mesh of `tp` tensor and `sp` sequence ranks as
@@ -124,6 +156,19 @@ pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, HfModel), Import
 /// [`import`] for a rank of a device mesh's `groups`: its part of the model ([`Llama::new`],
 /// [`Gpt2::new`]), each split parameter a lazy read of its slice.
 pub fn import_split(dir: &Path, device: &Device, groups: &ParallelGroups) -> Result<(HfConfig, HfModel), ImportError> {
+    import_adapted(dir, device, groups, None, 0)
+}
+
+/// [`import_split`] fine-tuned with low-rank adapters where `lora` is given
+/// ([`Weights::with_lora`]: the checkpoint's weights frozen, fresh adapters drawn from
+/// `seed`).
+pub fn import_adapted(
+    dir: &Path,
+    device: &Device,
+    groups: &ParallelGroups,
+    lora: Option<&Arc<LoraConfig>>,
+    seed: u64,
+) -> Result<(HfConfig, HfModel), ImportError> {
     let fail = |message: String| ImportError { dir: dir.display().to_string(), message };
     let config = HfConfig::read(&dir.join(CONFIG_FILE)).map_err(|e| fail(e.to_string()))?;
     let files = TensorFiles::open(dir).map_err(|e| fail(e.to_string()))?;
@@ -142,13 +187,13 @@ pub fn import_split(dir: &Path, device: &Device, groups: &ParallelGroups) -> Res
     }
     let model = match &config.family {
         Family::Gpt2(shape) => {
-            let w = Weights::from_files(device, files, gpt2::alias).with_groups(groups, 0);
+            let w = adapting(Weights::from_files(device, files, gpt2::alias).with_groups(groups, 0), &config, lora, seed);
             let model = Gpt2::new(shape, &w);
             w.finish(gpt2::ignored).map_err(fail)?;
             HfModel::Gpt2(model)
         }
         Family::Llama(shape) => {
-            let w = Weights::from_files(device, files, |_| None).with_groups(groups, 0);
+            let w = adapting(Weights::from_files(device, files, |_| None).with_groups(groups, 0), &config, lora, seed);
             let model = Llama::new(shape, &w);
             let tied = shape.tie_word_embeddings;
             w.finish(|name| llama::ignored(name, tied)).map_err(fail)?;

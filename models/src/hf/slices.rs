@@ -5,16 +5,8 @@
 /// `name` alone: every rank draws the same whole tensor, whichever of its parameters it
 /// initialises first, so slices of it and parameters every rank holds agree.
 pub fn drawn(seed: u64, name: &str, n: usize, std: f64) -> Vec<f32> {
-    // FNV-1a of the name, then SplitMix64 and Box-Muller.
-    let mut state =
-        name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    let mut next = || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    // Box-Muller over the name's stream.
+    let mut next = stream(seed, name);
     let mut values = Vec::with_capacity(n + 1);
     while values.len() < n {
         let (u, v) = (1.0 - next(), next());
@@ -25,6 +17,27 @@ pub fn drawn(seed: u64, name: &str, n: usize, std: f64) -> Vec<f32> {
     }
     values.truncate(n);
     values
+}
+
+/// `n` values uniform in `[-bound, bound)`, drawn as [`drawn`] draws (from `seed` and
+/// `name` alone).
+pub fn drawn_uniform(seed: u64, name: &str, n: usize, bound: f64) -> Vec<f32> {
+    let mut next = stream(seed, name);
+    (0..n).map(|_| ((next() * 2.0 - 1.0) * bound) as f32).collect()
+}
+
+/// Uniform values in `[0, 1)` from a generator seeded by `seed` and `name`: FNV-1a of the
+/// name, then SplitMix64.
+fn stream(seed: u64, name: &str) -> impl FnMut() -> f64 {
+    let mut state =
+        name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use super::files::{TensorEntry, TensorFiles, check_float};
 use super::slices;
 use zerotrain::Precision;
 use zerotrain::engine::InitialValues;
+use zerotrain::nn::lora::{AdapterCut, LoraAdapter, LoraConfig};
 use zerotrain::nn::parallel::{ParallelGroup, ParallelGroups, Split, within};
 use zerotrain_precision::{BufMut, FlatElem};
 
@@ -55,6 +56,33 @@ pub struct Weights {
     splits: RefCell<BTreeMap<String, Split>>,
     /// The ranks that split each sequence (no parameter is split over them).
     sequence: ParallelGroup,
+    /// Low-rank adapters on the layers a LoRA config names, the rest of the model frozen.
+    lora: Option<Adapting>,
+}
+
+/// What [`Weights::with_lora`] adapts, and what it has met.
+struct Adapting {
+    config: Arc<LoraConfig>,
+    /// The family's targets where the config names none (PEFT's table).
+    defaults: &'static [&'static str],
+    /// Fresh adapters are drawn from it and their names.
+    seed: u64,
+    /// Every linear layer built: (path, whether it is the output head).
+    linears: RefCell<Vec<(String, bool)>>,
+    /// Adapted layers' paths.
+    adapted: RefCell<Vec<String>>,
+}
+
+/// Which of an adapted layer's features are split over the tensor-parallel group: the
+/// output's (B's rows cut as given) or the input's (A's columns).
+#[derive(Debug, Clone, Copy)]
+pub enum Features {
+    /// Neither.
+    Whole,
+    /// The output features, split as B's rows are.
+    Output(Split),
+    /// The input features.
+    Input,
 }
 
 impl Weights {
@@ -71,7 +99,7 @@ impl Weights {
     fn new(device: &Device, std: f64, files: Option<Arc<TensorFiles>>, alias: fn(&str) -> Option<String>) -> Self {
         let (asked, used, errors, splits) = Default::default();
         let (tp, seed, sequence) = (ParallelGroup::alone(), None, ParallelGroup::alone());
-        Self { device: device.clone(), std, files, alias, asked, used, errors, tp, seed, splits, sequence }
+        Self { device: device.clone(), std, files, alias, asked, used, errors, tp, seed, splits, sequence, lora: None }
     }
 
     /// The same source for rank `group.rank()` of a tensor-parallel group: each parameter
@@ -91,6 +119,76 @@ impl Weights {
         let mut w = self.with_tensor_parallel(groups.tensor.clone(), seed);
         w.sequence = groups.sequence.clone();
         w
+    }
+
+    /// The same source for a model fine-tuned with low-rank adapters: every parameter
+    /// frozen but those of `config`'s `modules_to_save`, and an adapter on each linear layer
+    /// it names ([`adapter`](Self::adapter)), fresh ones drawn from `seed` and their names;
+    /// `defaults` are the family's targets where the config names none.
+    pub fn with_lora(mut self, config: Arc<LoraConfig>, defaults: &'static [&'static str], seed: u64) -> Self {
+        let (linears, adapted) = Default::default();
+        self.lora = Some(Adapting { config, defaults, seed, linears, adapted });
+        self
+    }
+
+    /// The adapter of the linear layer at module path `name` (`head`: the output head),
+    /// if the LoRA config names it: `A` `[r, d_in]` and `B` `[out, r]` (PEFT's shapes),
+    /// this rank's part of them as `features` says the layer is split, `cut` the layer's
+    /// tensor-parallel rule. Records the layer for the checks [`finish`](Self::finish)
+    /// makes.
+    pub fn adapter(&self, name: &str, [d_in, out]: [usize; 2], features: Features, cut: AdapterCut, head: bool) -> Option<LoraAdapter> {
+        let lora = self.lora.as_ref()?;
+        lora.linears.borrow_mut().push((name.to_string(), head));
+        let spec = match lora.config.adapter(name, true, head, lora.defaults) {
+            Ok(spec) => spec?,
+            Err(problem) => {
+                self.refuse(format!("zerotrain.lora.{problem}"));
+                return None;
+            }
+        };
+        lora.adapted.borrow_mut().push(name.to_string());
+        let [init_a, init_b] = zerotrain::nn::lora::initializers(&spec, d_in);
+        let (a_split, b_split) = match features {
+            Features::Whole => (Split::Whole, Split::Whole),
+            Features::Output(split) => (Split::Whole, split),
+            Features::Input => (Split::Even { dim: 1, blocks: 1 }, Split::Whole),
+        };
+        let a = self.fresh_factor(&format!("{name}.adapter.a"), [spec.r, d_in], a_split, &init_a, lora.seed);
+        let b = self.fresh_factor(&format!("{name}.adapter.b"), [out, spec.r], b_split, &init_b, lora.seed);
+        Some(LoraAdapter::new(a, b, &spec, cut))
+    }
+
+    /// A fresh adapter factor, drawn whole from `seed` and `name` and sliced for this rank:
+    /// initialised now (it is small), so that an engine reading a checkpoint's values for
+    /// the base does not look for it there.
+    fn fresh_factor(&self, name: &str, whole: [usize; 2], split: Split, init: &Initializer, seed: u64) -> Param<Tensor<2>> {
+        self.asked.borrow_mut().push((name.to_string(), whole.to_vec()));
+        let (rank, n) = (self.tp.rank(), self.tp.size());
+        if n > 1 && split != Split::Whole {
+            self.splits.borrow_mut().insert(name.to_string(), split);
+        }
+        let count = whole.iter().product();
+        let values = match *init {
+            Initializer::Uniform { min, max } => slices::drawn_uniform(seed, name, count, (max - min) / 2.0),
+            Initializer::Normal { std, .. } => slices::drawn(seed, name, count, std),
+            _ => vec![0.0; count],
+        };
+        let tensor = Tensor::<2>::from_data(TensorData::new(values, whole), &self.device);
+        match split.slice(tensor, rank, n, name) {
+            Ok(tensor) => Param::from_tensor(tensor),
+            Err(e) => {
+                self.refuse(e.to_string());
+                Initializer::Zeros.init(whole, &self.device)
+            }
+        }
+    }
+
+    /// Whether the parameter at `name` trains: every one without LoRA; with it, only those
+    /// of `modules_to_save` (adapters are made by [`adapter`](Self::adapter)).
+    fn trains(&self, name: &str) -> bool {
+        let Some(lora) = &self.lora else { return true };
+        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
+        lora.config.saves(module)
     }
 
     /// The tensor-parallel group the slices are for (a group of one rank by default).
@@ -140,11 +238,12 @@ impl Weights {
         if n > 1 && split != Split::Whole {
             self.splits.borrow_mut().insert(name.to_string(), split);
         }
-        match (&self.files, self.seed) {
+        let param = match (&self.files, self.seed) {
             (Some(files), _) => self.read(files, name, whole, split),
             (None, Some(seed)) => self.drawn(seed, name, whole, local, split, init),
             (None, None) => self.generated(whole, init),
-        }
+        };
+        if self.trains(name) { param } else { param.set_require_grad(false) }
     }
 
     /// A fresh parameter from the device's generator.
@@ -243,6 +342,12 @@ impl Weights {
     /// they hold that the model has no place for (`ignored` says which may be dropped:
     /// buffers such as GPT-2's attention masks).
     pub fn finish(self, ignored: impl Fn(&str) -> bool) -> Result<(), String> {
+        if let Some(lora) = &self.lora {
+            let modules = module_paths(&self.asked.borrow());
+            if let Err(problem) = lora.config.check_against(&lora.linears.borrow(), &modules, lora.defaults) {
+                self.refuse(format!("zerotrain.lora: {problem}"));
+            }
+        }
         let mut errors = self.errors.into_inner();
         if let Some(files) = &self.files {
             let used = self.used.borrow();
@@ -262,6 +367,20 @@ impl Weights {
             n => Err(format!("{} (and {} more problem(s))", errors[0], n - 1)),
         }
     }
+}
+
+/// Every module path above the parameters `asked` (`a.b.weight` gives `a` and `a.b`).
+fn module_paths(asked: &[(String, Vec<usize>)]) -> Vec<String> {
+    let mut modules = BTreeSet::new();
+    for (name, _) in asked {
+        let mut end = 0;
+        while let Some(dot) = name[end..].find('.') {
+            end += dot;
+            modules.insert(name[..end].to_string());
+            end += 1;
+        }
+    }
+    modules.into_iter().collect()
 }
 
 /// A checkpoint's tensors as the first values of its model's parameters, by module path

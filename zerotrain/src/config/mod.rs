@@ -22,6 +22,7 @@ mod batch;
 mod describe;
 pub mod keys;
 mod mesh;
+mod lora;
 mod offload;
 mod optim;
 mod parallel;
@@ -41,8 +42,8 @@ pub use mesh::MeshPlan;
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
     AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan,
-    OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan, ReplicaMode,
-    ReplicaPlan, RuntimePlan, Tier, TlsPlan, ZeroPlan,
+    LoraPlan, OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan,
+    ReplicaMode, ReplicaPlan, RuntimePlan, Tier, TlsPlan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};

@@ -14,6 +14,7 @@ use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 use super::MeshPlan;
 
 pub use super::batch::BatchPlan;
+pub use super::lora::LoraPlan;
 pub use super::offload::{AioPlan, OffloadPlan, Tier};
 pub use super::optim::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 
@@ -47,6 +48,9 @@ pub struct Plan {
     /// this many units, the first of the model (of each pipeline stage), are recomputed and
     /// the rest keep their activations (`zerotrain.recompute_units`); `None`: every unit.
     pub recompute_units: Option<usize>,
+    /// Low-rank adapters fine-tuned on a frozen model (`zerotrain.lora`); `None`: every
+    /// parameter the model leaves trainable trains.
+    pub lora: Option<LoraPlan>,
     /// How `"auto"` values were resolved, and the keys that have no effect.
     pub notes: PlanNotes,
     /// Settings outside the config's DeepSpeed keys that every rank of a job of processes

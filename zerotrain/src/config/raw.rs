@@ -363,6 +363,9 @@ pub struct ZerotrainConfig {
     pub param_groups: Vec<ParamGroupConfig>,
     /// The device mesh's tensor- and sequence-parallel sizes. Default: none (1 and 1).
     pub mesh: Option<MeshConfig>,
+    /// Fine-tune low-rank adapters on a frozen model: PEFT's `LoraConfig` keys (`r`,
+    /// `lora_alpha`, `target_modules`, ...). Default: none (every parameter trains).
+    pub lora: Option<serde_json::Value>,
 }
 
 /// One of `zerotrain.param_groups`: PyTorch's parameter group, its parameters named by

@@ -2,7 +2,7 @@
 
 use super::autos::Autos;
 use super::{
-    Config, ConfigError, Overrides, Plan, PlanNotes, batch, mesh, optim, parallel, precision, replicas, runtime,
+    Config, ConfigError, Overrides, Plan, PlanNotes, batch, lora, mesh, optim, parallel, precision, replicas, runtime,
 };
 
 pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, ConfigError> {
@@ -39,6 +39,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let recomputes = pipeline.map_or(activation_checkpointing, |p| p.checkpoint_interval > 0);
     let recompute_units = parallel::resolve_recompute_units(config, recomputes)?;
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
+    let lora = lora::resolve(config)?;
     Ok(Plan {
         runtime,
         batch,
@@ -50,6 +51,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
         optim,
         activation_checkpointing,
         recompute_units,
+        lora,
         notes: autos.0,
         agreed: Default::default(),
     })

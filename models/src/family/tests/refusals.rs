@@ -144,6 +144,7 @@ fn a_tokenizer_id_past_the_models_vocabulary_is_refused() {
         from: load::HfSource::Config(dir.join("model.json")),
         tokenizer: Some(dir.join("tokenizer.json")),
         block_size: Some(4),
+        lora: None,
     };
     let err = load::load_model(&wanted, &dir.join("config.json"), &Device::flex().autodiff(), None, 0).err().unwrap();
     let err = err.to_string();

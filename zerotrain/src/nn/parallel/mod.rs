@@ -193,4 +193,4 @@ impl ParallelGroups {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

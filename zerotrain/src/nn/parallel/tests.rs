@@ -14,7 +14,7 @@ use zerotrain_zero::{Collective, ThreadWorld};
 use super::{ParallelGroup, Split, row_parallel_linear, vocab_parallel_lookup};
 
 /// `f(group)` on each of `n` thread ranks of one world, in rank order.
-fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
+pub(crate) fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> {
     let world = ThreadWorld::new(n, Duration::from_secs(30));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
@@ -29,7 +29,7 @@ fn on_ranks<T: Send>(n: usize, f: impl Fn(ParallelGroup) -> T + Sync) -> Vec<T> 
 }
 
 /// `n` values in [-scale, scale) from a seeded generator.
-fn draw(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+pub(crate) fn draw(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut state = seed;
     (0..n)
         .map(|_| {
@@ -39,22 +39,22 @@ fn draw(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-fn tensor<const D: usize>(values: &[f32], shape: [usize; D], tracked: bool) -> Tensor<D> {
+pub(crate) fn tensor<const D: usize>(values: &[f32], shape: [usize; D], tracked: bool) -> Tensor<D> {
     let t = Tensor::from_data(TensorData::new(values.to_vec(), shape), &Device::flex().autodiff());
     if tracked { t.require_grad() } else { t }
 }
 
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+pub(crate) fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().iter::<f32>().collect()
 }
 
 /// Columns `cols` of a row-major `[rows, width]` matrix, row-major.
-fn columns(m: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
+pub(crate) fn columns(m: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
     m.chunks(width).flat_map(|row| row[cols.clone()].to_vec()).collect()
 }
 
 /// The largest difference between `got` and `want`, as a share of `want`'s largest value.
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+pub(crate) fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len(), "lengths differ");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
     got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
