@@ -11,6 +11,7 @@ use serde_aux::serde_introspection::serde_introspect;
 use zerotrain::config::{ConfigError, Count};
 use zerotrain::{Config, ConfigExtension, Overrides, Plan};
 use zerotrain_models::GptConfig;
+use zerotrain_models::family::Adapters;
 pub use zerotrain_models::family::load::{HfSource, ModelSource};
 
 /// The application's keys as written.
@@ -117,17 +118,35 @@ impl AppSettings {
     /// The Hugging Face family's model these settings name, for
     /// [`load_model`](zerotrain_models::family::load::load_model); refused, naming
     /// `config_file`, where they name the built-in GPT.
-    /// With `plan`'s `zerotrain.lora`, the model is fine-tuned with adapters.
-    pub fn hf_model(&self, config_file: &Path, plan: &zerotrain::Plan) -> anyhow::Result<ModelSource> {
+    /// With `adapters` ([`adapters`]), the model is fine-tuned with them.
+    pub fn hf_model(&self, config_file: &Path, adapters: Option<Adapters>) -> anyhow::Result<ModelSource> {
         let Some(from) = self.hf.clone() else {
             anyhow::bail!(
                 "{}: give model.hf_dir (a Hugging Face checkpoint folder) or model.hf_config",
                 config_file.display()
             );
         };
-        let lora = plan.lora.as_ref().map(|l| std::sync::Arc::clone(&l.config));
-        Ok(ModelSource { from, tokenizer: self.tokenizer.clone(), block_size: self.block_size, lora })
+        Ok(ModelSource { from, tokenizer: self.tokenizer.clone(), block_size: self.block_size, lora: adapters })
     }
+}
+
+/// The adapters a command's model gets: those of `adapter` (a PEFT adapter folder, from its
+/// values), else fresh ones of `plan`'s `zerotrain.lora`, else none. Where both are given,
+/// the folder's `adapter_config.json` rules, and a `zerotrain.lora` that disagrees with it
+/// is refused naming the key.
+pub fn adapters(plan: &zerotrain::Plan, adapter: Option<&Path>) -> anyhow::Result<Option<Adapters>> {
+    let Some(dir) = adapter else {
+        return Ok(plan.lora.as_ref().map(|l| Adapters::fresh(std::sync::Arc::clone(&l.config))));
+    };
+    let folder = zerotrain_models::hf::peft::AdapterFolder::read(dir)?;
+    if let Some(key) = plan.lora.as_ref().and_then(|l| l.config.first_difference(&folder.config)) {
+        anyhow::bail!(
+            "zerotrain.lora.{key} disagrees with {}'s adapter_config.json, which rules for --adapter: make them agree, \
+             or leave zerotrain.lora out",
+            dir.display()
+        );
+    }
+    Ok(Some(Adapters::from_folder(&folder)))
 }
 
 impl AppKeys {

@@ -93,10 +93,26 @@ pub fn write_parameters(
     dtype: Precision,
     meta: &[(&str, String)],
 ) -> Result<u64> {
+    let names: Vec<String> = entries.iter().map(|e| e.path.clone()).collect();
+    write_parameters_as(ckpt, entries, &names, path, dtype, meta)
+}
+
+/// [`write_parameters`] with each tensor named `names[i]` instead of its module path (a
+/// format of its own names: PEFT's adapter files).
+pub fn write_parameters_as(
+    ckpt: &Checkpoint,
+    entries: &[LayoutEntry],
+    names: &[String],
+    path: &Path,
+    dtype: Precision,
+    meta: &[(&str, String)],
+) -> Result<u64> {
+    assert_eq!(entries.len(), names.len(), "a name per tensor");
     let specs: Vec<TensorSpec> = entries
         .iter()
-        .map(|e| TensorSpec {
-            name: e.path.clone(),
+        .zip(names)
+        .map(|(e, name)| TensorSpec {
+            name: name.clone(),
             dtype: safetensors_dtype(dtype),
             shape: e.shape.iter().map(|&d| d as usize).collect(),
         })

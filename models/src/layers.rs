@@ -30,7 +30,13 @@ pub enum Cut {
 impl Cut {
     /// `y = x W + b` for `x` and the weight `[d_in, out]` as this rank holds them, plus
     /// `adapter`'s update where there is one.
-    fn apply(&self, x: Tensor<3>, weight: Tensor<2>, bias: Option<Tensor<1>>, adapter: Option<&LoraAdapter>) -> Tensor<3> {
+    fn apply(
+        &self,
+        x: Tensor<3>,
+        weight: Tensor<2>,
+        bias: Option<Tensor<1>>,
+        adapter: Option<&LoraAdapter>,
+    ) -> Tensor<3> {
         match self {
             Self::Column(group) => Self::Whole.apply(group.copy_to(x), weight, bias, adapter),
             _ => self.entered(x, weight, bias, adapter),
@@ -38,7 +44,13 @@ impl Cut {
     }
 
     /// [`apply`](Self::apply) to an `x` that already entered a column-parallel region.
-    fn entered(&self, x: Tensor<3>, weight: Tensor<2>, bias: Option<Tensor<1>>, adapter: Option<&LoraAdapter>) -> Tensor<3> {
+    fn entered(
+        &self,
+        x: Tensor<3>,
+        weight: Tensor<2>,
+        bias: Option<Tensor<1>>,
+        adapter: Option<&LoraAdapter>,
+    ) -> Tensor<3> {
         let base = |x| match self {
             Self::Whole | Self::Column(_) => linear(x, weight, bias),
             Self::Row(group) => row_parallel_linear(x, weight, bias, group),

@@ -17,22 +17,23 @@ pub struct ConsolidateArgs {
     /// The tag to read (default: the one `latest` names).
     #[arg(long)]
     pub tag: Option<String>,
-    /// The output file (`--format safetensors`) or new folder (`--format hf`).
+    /// The output file (`--format safetensors`) or new folder (`--format hf`, `peft`).
     #[arg(long)]
     pub out: PathBuf,
     /// Output dtype: f32, bf16 or f16 (default: f32; with `--format hf`, the
     /// config's dtype or torch_dtype).
     #[arg(long)]
     pub dtype: Option<String>,
-    /// safetensors (one file keyed by module path) or hf (config.json, sharded
-    /// safetensors and the tokenizer, loadable by transformers).
+    /// safetensors (one file keyed by module path), hf (config.json, sharded
+    /// safetensors and the tokenizer, loadable by transformers) or peft (a LoRA run's
+    /// adapters: adapter_config.json and adapter_model.safetensors, loadable by PEFT).
     #[arg(long, default_value = "safetensors")]
     pub format: String,
     /// `--format hf`: the largest shard, e.g. 5GB, 500MB or bytes.
     #[arg(long, default_value = "5GB")]
     pub max_shard_size: String,
-    /// `--format hf`: the folder with the model's config.json and tokenizer (default:
-    /// DIR, where zerotrain train puts them).
+    /// `--format hf` or `peft`: the folder with the model's config.json and tokenizer
+    /// (default: DIR, where zerotrain train puts them).
     #[arg(long)]
     pub hf_config: Option<PathBuf>,
 }
@@ -66,7 +67,20 @@ pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
             );
             return Ok(());
         }
-        other => bail!("--format must be safetensors or hf, not `{other}`"),
+        "peft" => {
+            let dtype = dtype.unwrap_or(Precision::Fp32);
+            let e = zerotrain_models::hf::peft::export(&dir, tag.as_deref(), &out, dtype, hf_config.as_deref())?;
+            println!(
+                "wrote {}: adapters of {} modules, {} tensors, {} bytes ({dtype}), adapter_config.json; peak RSS {}",
+                out.display(),
+                e.modules,
+                e.tensors,
+                e.bytes,
+                peak()
+            );
+            return Ok(());
+        }
+        other => bail!("--format must be safetensors, hf or peft, not `{other}`"),
     }
     let dtype = dtype.unwrap_or(Precision::Fp32);
     let ckpt = Checkpoint::open(&dir, tag.as_deref())?;

@@ -40,6 +40,10 @@ pub struct EvalArgs {
     /// The checkpoint's tag (default: the one `latest` names).
     #[arg(long)]
     pub tag: Option<String>,
+    /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`): the
+    /// model gets its adapters, from its values (its config rules over `zerotrain.lora`).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// Number of ranks (overrides `zerotrain.world_size`).
     #[arg(long)]
     pub world_size: Option<usize>,
@@ -76,8 +80,13 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     device.seed(plan.runtime.seed);
     let checkpoint =
         args.checkpoint.as_deref().map(|d| companions::checked_folder(d, args.tag.as_deref())).transpose()?;
-    let loaded =
-        load_model(&settings.hf_model(&args.config, &plan)?, &args.config, &device, checkpoint.as_deref(), plan.runtime.seed)?;
+    let loaded = load_model(
+        &settings.hf_model(&args.config, keys::adapters(&plan, args.adapter.as_deref())?)?,
+        &args.config,
+        &device,
+        checkpoint.as_deref(),
+        plan.runtime.seed,
+    )?;
     let params = zerotrain_models::hf::size::ModelSize::of(&loaded.config).params;
     crate::train::memory::check_inference_memory(&plan, params, "eval")?;
     let (name, source) = match &args.input() {

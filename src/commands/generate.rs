@@ -47,6 +47,10 @@ pub struct GenerateArgs {
     /// The checkpoint's tag (default: the one `latest` names).
     #[arg(long)]
     pub tag: Option<String>,
+    /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`): the
+    /// model gets its adapters, from its values (its config rules over `zerotrain.lora`).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// Print JSON: the text, and the token ids of the prompt and of what was added.
     #[arg(long)]
     pub json: bool,
@@ -79,7 +83,7 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
     let device = Device::flex().autodiff();
     device.seed(plan.runtime.seed);
     let loaded = load_model(
-        &settings.hf_model(&args.config, &plan)?,
+        &settings.hf_model(&args.config, keys::adapters(&plan, args.adapter.as_deref())?)?,
         &args.config,
         &device,
         args.checkpoint.as_deref(),

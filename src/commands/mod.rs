@@ -151,7 +151,7 @@ fn hf_job(
     use zerotrain_models::family::load::{load_model, training_context};
     let device = burn::tensor::Device::flex().autodiff();
     device.seed(plan.runtime.seed);
-    let wanted = settings.hf_model(&args.config, plan)?;
+    let wanted = settings.hf_model(&args.config, keys::adapters(plan, args.adapter.as_deref())?)?;
     let mut loaded = load_model(&wanted, &args.config, &device, None, plan.runtime.seed)?;
     let rule = (settings.block_size.is_some(), plan.activation_checkpointing);
     let available = zerotrain_models::hf::size::available_memory();
@@ -239,6 +239,10 @@ pub struct TrainArgs {
     /// Continue from the run folder's latest checkpoint.
     #[arg(long)]
     pub resume: bool,
+    /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`): the
+    /// model gets its adapters, from its values (its config rules over `zerotrain.lora`).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// Train as one replica group through this parameter server (`zerotrain serve`;
     /// repeat for several): overrides `local_sgd.servers`.
     #[arg(long = "server", value_name = "ADDR")]

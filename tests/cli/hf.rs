@@ -816,3 +816,6 @@ fn generated_ids_the_tokenizer_has_no_token_for_are_named() {
     assert!(stderr.contains("has no token for") && stderr.contains(&format!("{padded:?}")), "{padded:?}: {stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[path = "lora.rs"]
+mod lora;

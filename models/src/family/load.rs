@@ -2,7 +2,6 @@
 //! from `hf_dir`, or fresh from `hf_config` ([`load_model`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::bail;
 use burn::tensor::Device;
@@ -11,7 +10,6 @@ use super::HfModel;
 use crate::hf::size::ModelSize;
 use crate::hf::{self, HfConfig};
 use crate::text::Tokenizer;
-use zerotrain::nn::lora::LoraConfig;
 use zerotrain::nn::parallel::ParallelGroups;
 
 /// Where a Hugging Face family's model comes from.
@@ -46,7 +44,7 @@ pub struct ModelSource {
     /// positions (or sliding window).
     pub block_size: Option<usize>,
     /// Low-rank adapters to fine-tune, the rest frozen (the config's `zerotrain.lora`).
-    pub lora: Option<Arc<LoraConfig>>,
+    pub lora: Option<super::Adapters>,
 }
 
 /// A model of `config`'s `model` section, its tokenizer and context: imported from
@@ -66,7 +64,7 @@ pub struct LoadedModel {
     /// Where the model came from, for messages.
     pub source: PathBuf,
     /// The adapters it is fine-tuned with, if any.
-    pub lora: Option<Arc<LoraConfig>>,
+    pub lora: Option<super::Adapters>,
 }
 
 impl LoadedModel {

@@ -90,7 +90,7 @@ pub fn fresh_adapted(
     device: &Device,
     groups: &ParallelGroups,
     seed: u64,
-    lora: Option<&Arc<LoraConfig>>,
+    lora: Option<&Adapters>,
 ) -> Result<HfModel, String> {
     let w = adapting(Weights::fresh(device, initializer_range(config)).with_groups(groups, seed), config, lora, seed);
     let model = build(config, &w);
@@ -107,10 +107,34 @@ pub fn default_lora_targets(config: &HfConfig) -> &'static [&'static str] {
     }
 }
 
+/// The low-rank adapters a model is fine-tuned with: PEFT's config, and the tensors of an
+/// adapter to start from (fresh ones otherwise).
+#[derive(Debug, Clone)]
+pub struct Adapters {
+    /// Which layers get adapters, of what rank.
+    pub config: Arc<LoraConfig>,
+    /// An adapter's `adapter_model.safetensors`.
+    pub files: Option<Arc<TensorFiles>>,
+}
+
+impl Adapters {
+    /// Fresh adapters of `config`.
+    pub fn fresh(config: Arc<LoraConfig>) -> Self {
+        Self { config, files: None }
+    }
+
+    /// The adapter PEFT wrote in `folder`, to start from.
+    pub fn from_folder(folder: &crate::hf::peft::AdapterFolder) -> Self {
+        Self { config: Arc::clone(&folder.config), files: Some(Arc::clone(&folder.files)) }
+    }
+}
+
 /// `w` adapting the layers `lora` names, if given.
-fn adapting(w: Weights, config: &HfConfig, lora: Option<&Arc<LoraConfig>>, seed: u64) -> Weights {
-    match lora {
-        Some(lora) => w.with_lora(Arc::clone(lora), default_lora_targets(config), seed),
+fn adapting(w: Weights, config: &HfConfig, lora: Option<&Adapters>, seed: u64) -> Weights {
+    let Some(lora) = lora else { return w };
+    let w = w.with_lora(Arc::clone(&lora.config), default_lora_targets(config), seed);
+    match &lora.files {
+        Some(files) => w.with_adapter_files(Arc::clone(files)),
         None => w,
     }
 }
@@ -166,7 +190,7 @@ pub fn import_adapted(
     dir: &Path,
     device: &Device,
     groups: &ParallelGroups,
-    lora: Option<&Arc<LoraConfig>>,
+    lora: Option<&Adapters>,
     seed: u64,
 ) -> Result<(HfConfig, HfModel), ImportError> {
     let fail = |message: String| ImportError { dir: dir.display().to_string(), message };
@@ -187,7 +211,8 @@ pub fn import_adapted(
     }
     let model = match &config.family {
         Family::Gpt2(shape) => {
-            let w = adapting(Weights::from_files(device, files, gpt2::alias).with_groups(groups, 0), &config, lora, seed);
+            let w =
+                adapting(Weights::from_files(device, files, gpt2::alias).with_groups(groups, 0), &config, lora, seed);
             let model = Gpt2::new(shape, &w);
             w.finish(gpt2::ignored).map_err(fail)?;
             HfModel::Gpt2(model)

@@ -79,6 +79,13 @@ impl TensorFiles {
         Ok(Arc::new(out))
     }
 
+    /// The tensors of the one safetensors file `path` (an adapter's).
+    pub fn open_file(path: &Path) -> Result<Arc<Self>, FileError> {
+        let mut out = Self { files: Vec::new(), tensors: BTreeMap::new() };
+        out.add(path, None)?;
+        Ok(Arc::new(out))
+    }
+
     /// Maps one file and reads its header; `listed`: the names the index gives it.
     fn add(&mut self, path: &Path, listed: Option<&[String]>) -> Result<(), FileError> {
         let file = zerotrain_checkpoint::open_regular(path)

@@ -9,6 +9,7 @@
 pub mod config;
 mod fields;
 pub mod files;
+pub mod peft;
 pub mod rope;
 pub mod size;
 pub(crate) mod slices;

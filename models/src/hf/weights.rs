@@ -71,6 +71,10 @@ struct Adapting {
     linears: RefCell<Vec<(String, bool)>>,
     /// Adapted layers' paths.
     adapted: RefCell<Vec<String>>,
+    /// An adapter's tensors to start from (PEFT's names), instead of fresh ones.
+    files: Option<Arc<TensorFiles>>,
+    /// The names of `files` read so far.
+    used: RefCell<BTreeSet<String>>,
 }
 
 /// Which of an adapted layer's features are split over the tensor-parallel group: the
@@ -126,8 +130,18 @@ impl Weights {
     /// it names ([`adapter`](Self::adapter)), fresh ones drawn from `seed` and their names;
     /// `defaults` are the family's targets where the config names none.
     pub fn with_lora(mut self, config: Arc<LoraConfig>, defaults: &'static [&'static str], seed: u64) -> Self {
-        let (linears, adapted) = Default::default();
-        self.lora = Some(Adapting { config, defaults, seed, linears, adapted });
+        let (linears, adapted, used) = Default::default();
+        self.lora = Some(Adapting { config, defaults, seed, linears, adapted, files: None, used });
+        self
+    }
+
+    /// The same source starting the adapters from an adapter's tensors (PEFT's
+    /// `adapter_model.safetensors`), which must hold every factor the config adapts, at its
+    /// shape, and nothing else. Only after [`with_lora`](Self::with_lora).
+    pub fn with_adapter_files(mut self, files: Arc<TensorFiles>) -> Self {
+        if let Some(lora) = &mut self.lora {
+            lora.files = Some(files);
+        }
         self
     }
 
@@ -136,7 +150,14 @@ impl Weights {
     /// this rank's part of them as `features` says the layer is split, `cut` the layer's
     /// tensor-parallel rule. Records the layer for the checks [`finish`](Self::finish)
     /// makes.
-    pub fn adapter(&self, name: &str, [d_in, out]: [usize; 2], features: Features, cut: AdapterCut, head: bool) -> Option<LoraAdapter> {
+    pub fn adapter(
+        &self,
+        name: &str,
+        [d_in, out]: [usize; 2],
+        features: Features,
+        cut: AdapterCut,
+        head: bool,
+    ) -> Option<LoraAdapter> {
         let lora = self.lora.as_ref()?;
         lora.linears.borrow_mut().push((name.to_string(), head));
         let spec = match lora.config.adapter(name, true, head, lora.defaults) {
@@ -153,24 +174,58 @@ impl Weights {
             Features::Output(split) => (Split::Whole, split),
             Features::Input => (Split::Even { dim: 1, blocks: 1 }, Split::Whole),
         };
-        let a = self.fresh_factor(&format!("{name}.adapter.a"), [spec.r, d_in], a_split, &init_a, lora.seed);
-        let b = self.fresh_factor(&format!("{name}.adapter.b"), [out, spec.r], b_split, &init_b, lora.seed);
+        let a = self.factor(lora, &format!("{name}.adapter.a"), [spec.r, d_in], a_split, &init_a);
+        let b = self.factor(lora, &format!("{name}.adapter.b"), [out, spec.r], b_split, &init_b);
         Some(LoraAdapter::new(a, b, &spec, cut))
     }
 
-    /// A fresh adapter factor, drawn whole from `seed` and `name` and sliced for this rank:
-    /// initialised now (it is small), so that an engine reading a checkpoint's values for
-    /// the base does not look for it there.
-    fn fresh_factor(&self, name: &str, whole: [usize; 2], split: Split, init: &Initializer, seed: u64) -> Param<Tensor<2>> {
+    /// An adapter factor, read from the adapter's files or drawn whole from the seed and
+    /// `name`, sliced for this rank: initialised now (it is small), so that an engine
+    /// reading a checkpoint's values for the base does not look for it there.
+    fn factor(
+        &self,
+        lora: &Adapting,
+        name: &str,
+        whole: [usize; 2],
+        split: Split,
+        init: &Initializer,
+    ) -> Param<Tensor<2>> {
         self.asked.borrow_mut().push((name.to_string(), whole.to_vec()));
         let (rank, n) = (self.tp.rank(), self.tp.size());
         if n > 1 && split != Split::Whole {
             self.splits.borrow_mut().insert(name.to_string(), split);
         }
         let count = whole.iter().product();
-        let values = match *init {
-            Initializer::Uniform { min, max } => slices::drawn_uniform(seed, name, count, (max - min) / 2.0),
-            Initializer::Normal { std, .. } => slices::drawn(seed, name, count, std),
+        let values = match (&lora.files, init) {
+            (Some(files), _) => {
+                let peft = super::peft::tensor_name(name).expect("a factor's path");
+                match files.get(&peft) {
+                    Some(entry) if entry.shape == whole && check_float(entry).is_ok() => {
+                        lora.used.borrow_mut().insert(peft);
+                        files.read_f32(entry)
+                    }
+                    Some(entry) => {
+                        let at = files.file_of(entry).display();
+                        self.refuse(format!(
+                            "{at}: tensor `{peft}` has shape {:?} ({:?}); the model needs {whole:?} (float): is the \
+                             adapter for another base?",
+                            entry.shape, entry.dtype
+                        ));
+                        vec![0.0; count]
+                    }
+                    None => {
+                        self.refuse(format!(
+                            "the adapter's tensors lack `{peft}`, which its adapter_config.json asks for (shape \
+                             {whole:?})"
+                        ));
+                        vec![0.0; count]
+                    }
+                }
+            }
+            (None, &Initializer::Uniform { min, max }) => {
+                slices::drawn_uniform(lora.seed, name, count, (max - min) / 2.0)
+            }
+            (None, &Initializer::Normal { std, .. }) => slices::drawn(lora.seed, name, count, std),
             _ => vec![0.0; count],
         };
         let tensor = Tensor::<2>::from_data(TensorData::new(values, whole), &self.device);
@@ -346,6 +401,18 @@ impl Weights {
             let modules = module_paths(&self.asked.borrow());
             if let Err(problem) = lora.config.check_against(&lora.linears.borrow(), &modules, lora.defaults) {
                 self.refuse(format!("zerotrain.lora: {problem}"));
+            }
+            if let Some(files) = &lora.files {
+                let used = lora.used.borrow();
+                let extra: Vec<&str> = files.names().filter(|n| !used.contains(*n)).collect();
+                if let Some(first) = extra.first() {
+                    let at = files.file_of(files.get(first).expect("listed")).display();
+                    self.refuse(format!(
+                        "{at}: tensor `{first}` has no place in the model ({} such tensor(s)): is the adapter for \
+                         another base, or does it hold modules_to_save weights (not read from adapters yet)?",
+                        extra.len()
+                    ));
+                }
             }
         }
         let mut errors = self.errors.into_inner();

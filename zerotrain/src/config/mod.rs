@@ -21,8 +21,8 @@ mod autos;
 mod batch;
 mod describe;
 pub mod keys;
-mod mesh;
 mod lora;
+mod mesh;
 mod offload;
 mod optim;
 mod parallel;
@@ -41,8 +41,8 @@ pub use batch::{MAX_ACCUMULATION_STEPS, MAX_MICRO_BATCH};
 pub use mesh::MeshPlan;
 pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
-    AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan, OptimPlan,
-    LoraPlan, OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan,
+    AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LoraPlan, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan,
+    OptimPlan, OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan,
     ReplicaMode, ReplicaPlan, RuntimePlan, Tier, TlsPlan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;

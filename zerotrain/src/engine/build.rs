@@ -125,7 +125,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         });
         let frozen: Vec<String> = buffers.entries().iter().map(|e| e.path.clone()).collect();
         let (unit_of, names) = group(&paths, &frozen, &specs)?;
-        let root_paths = unshared_root(&paths, &unit_of, &specs, &model.shared())?;
+        let root_paths = unshared_root(&paths, &unit_of, &specs, &model.shared(), &frozen)?;
         let declared = Declared { params, index, unit_of, names, specs, root_paths, buffers };
         Ok((EngineBuilder { model, plan, ctx, optimizer }, declared))
     }
@@ -190,10 +190,19 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
 }
 
 /// The root's parameters (those no unit claims, `unit_of[i] == specs.len()`) that
-/// `shared` does not name; an error for a `shared` path that names no root parameter.
-fn unshared_root(paths: &[String], unit_of: &[usize], specs: &[UnitSpec], shared: &[String]) -> Result<Vec<String>> {
+/// `shared` does not name; an error for a `shared` path that names no root parameter, unless
+/// it names only `frozen` tensors (a frozen shared embedding: whole on every rank, nothing to
+/// share).
+fn unshared_root(
+    paths: &[String],
+    unit_of: &[usize],
+    specs: &[UnitSpec],
+    shared: &[String],
+    frozen: &[String],
+) -> Result<Vec<String>> {
     let root: Vec<&String> = paths.iter().zip(unit_of).filter(|(_, u)| **u == specs.len()).map(|(p, _)| p).collect();
-    if let Some(stray) = shared.iter().find(|s| !root.iter().any(|p| under(s, p))) {
+    let only_frozen = |s: &String| !paths.iter().any(|p| under(s, p)) && frozen.iter().any(|f| under(s, f));
+    if let Some(stray) = shared.iter().find(|s| !root.iter().any(|p| under(s, p)) && !only_frozen(s)) {
         let owner = paths.iter().zip(unit_of).find(|(p, _)| under(stray, p)).map(|(_, &u)| &specs[u].name);
         let why = match owner {
             Some(unit) => format!("unit `{unit}` claims it"),

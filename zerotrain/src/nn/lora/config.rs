@@ -217,7 +217,10 @@ impl LoraConfig {
             }
             if let Some((_, offs, what)) = off.iter().find(|(k, _, _)| k == key) {
                 if !offs.contains(value) {
-                    return Err(bad(key, format!("{what} is not built in zerotrain; set it to {} or leave it out", offs[0])));
+                    return Err(bad(
+                        key,
+                        format!("{what} is not built in zerotrain; set it to {} or leave it out", offs[0]),
+                    ));
                 }
                 continue;
             }
@@ -234,7 +237,8 @@ impl LoraConfig {
             get(key).map(|v| v.as_str().ok_or_else(|| bad(key, format!("must be a string, not {v}")))).transpose()
         };
         let flag = |key: &str| -> Result<bool, ConfigError> {
-            get(key).map_or(Ok(false), |v| v.as_bool().ok_or_else(|| bad(key, format!("must be true or false, not {v}"))))
+            get(key)
+                .map_or(Ok(false), |v| v.as_bool().ok_or_else(|| bad(key, format!("must be true or false, not {v}"))))
         };
         if let Some(kind) = string("peft_type")?
             && kind != "LORA"
@@ -244,7 +248,10 @@ impl LoraConfig {
         if let Some(task) = string("task_type")?
             && task != "CAUSAL_LM"
         {
-            return Err(bad("task_type", format!("is {task:?}: zerotrain's models are causal language models (\"CAUSAL_LM\")")));
+            return Err(bad(
+                "task_type",
+                format!("is {task:?}: zerotrain's models are causal language models (\"CAUSAL_LM\")"),
+            ));
         }
         if let Some(bias) = string("bias")?
             && bias != "none"
@@ -253,7 +260,9 @@ impl LoraConfig {
         }
         let r = match get("r") {
             None => 8,
-            Some(v) => positive_count(v).ok_or_else(|| bad("r", format!("must be a whole number of at least 1, not {v}")))?,
+            Some(v) => {
+                positive_count(v).ok_or_else(|| bad("r", format!("must be a whole number of at least 1, not {v}")))?
+            }
         };
         let number = |key: &str, default: f64| -> Result<f64, ConfigError> {
             get(key).map_or(Ok(default), |v| v.as_f64().ok_or_else(|| bad(key, format!("must be a number, not {v}"))))
@@ -308,18 +317,19 @@ impl LoraConfig {
                 ));
             }
         };
-        let layers_to_transform = match get("layers_to_transform") {
-            None => None,
-            Some(v @ Value::Number(_)) => Some(vec![count(v).ok_or_else(|| bad("layers_to_transform", format!("{v} is not a layer index")))?]),
-            Some(Value::Array(items)) => Some(
-                items
-                    .iter()
-                    .map(count)
-                    .collect::<Option<_>>()
-                    .ok_or_else(|| bad("layers_to_transform", "must list layer indices (whole numbers)".to_string()))?,
-            ),
-            Some(v) => return Err(bad("layers_to_transform", format!("must be a layer index or a list of them, not {v}"))),
-        };
+        let layers_to_transform =
+            match get("layers_to_transform") {
+                None => None,
+                Some(v @ Value::Number(_)) => {
+                    Some(vec![count(v).ok_or_else(|| bad("layers_to_transform", format!("{v} is not a layer index")))?])
+                }
+                Some(Value::Array(items)) => Some(items.iter().map(count).collect::<Option<_>>().ok_or_else(|| {
+                    bad("layers_to_transform", "must list layer indices (whole numbers)".to_string())
+                })?),
+                Some(v) => {
+                    return Err(bad("layers_to_transform", format!("must be a layer index or a list of them, not {v}")));
+                }
+            };
         let layers_pattern = match get("layers_pattern") {
             None => None,
             Some(Value::String(s)) => Some(vec![s.clone()]),
@@ -356,19 +366,22 @@ impl LoraConfig {
         };
         let (mut rank_pattern, mut rank_regex) = (BTreeMap::new(), Vec::new());
         for (pattern, v) in patterns("rank_pattern")? {
-            let rank = positive_count(&v)
-                .ok_or_else(|| bad("rank_pattern", format!("{pattern:?}: a rank is a whole number of at least 1, not {v}")))?;
+            let rank = positive_count(&v).ok_or_else(|| {
+                bad("rank_pattern", format!("{pattern:?}: a rank is a whole number of at least 1, not {v}"))
+            })?;
             rank_regex.push((pattern.clone(), compile("rank_pattern", &pattern)?));
             rank_pattern.insert(pattern, rank);
         }
         let (mut alpha_pattern, mut alpha_regex) = (BTreeMap::new(), Vec::new());
         for (pattern, v) in patterns("alpha_pattern")? {
             let alpha = v.as_f64().filter(|a| a.is_finite());
-            let alpha = alpha.ok_or_else(|| bad("alpha_pattern", format!("{pattern:?}: an alpha is a number, not {v}")))?;
+            let alpha =
+                alpha.ok_or_else(|| bad("alpha_pattern", format!("{pattern:?}: an alpha is a number, not {v}")))?;
             alpha_regex.push((pattern.clone(), compile("alpha_pattern", &pattern)?));
             alpha_pattern.insert(pattern, alpha);
         }
-        let provenance = map.iter().filter(|(k, _)| PROVENANCE.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone()));
+        let provenance =
+            map.iter().filter(|(k, _)| PROVENANCE.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone()));
         Ok(Self {
             r,
             lora_alpha,
@@ -394,7 +407,13 @@ impl LoraConfig {
     /// out by `"all-linear"`), `defaults` the family's targets where `target_modules` is not
     /// set. An error where two `rank_pattern` (or `alpha_pattern`) entries name the module
     /// (PEFT would take the first in its file's order, which JSON does not keep).
-    pub fn adapter(&self, path: &str, linear: bool, head: bool, defaults: &[&str]) -> Result<Option<AdapterSpec>, String> {
+    pub fn adapter(
+        &self,
+        path: &str,
+        linear: bool,
+        head: bool,
+        defaults: &[&str],
+    ) -> Result<Option<AdapterSpec>, String> {
         let named = match &self.target_modules {
             Some(targets) => targets.names(path, linear, head),
             None => defaults.iter().any(|n| ends_with_name(path, n)),
@@ -408,7 +427,9 @@ impl LoraConfig {
             match hits.as_slice() {
                 [] => Ok(None),
                 [one] => Ok(Some((*one).clone())),
-                [a, b, ..] => Err(format!("{key}: both {a:?} and {b:?} match module `{path}`; make one pattern name it")),
+                [a, b, ..] => {
+                    Err(format!("{key}: both {a:?} and {b:?} match module `{path}`; make one pattern name it"))
+                }
             }
         };
         let r = pick(&self.rank_regex, "rank_pattern")?.map_or(self.r, |p| self.rank_pattern[&p]);
@@ -449,7 +470,12 @@ impl LoraConfig {
     /// head) and `modules` (every module path). An error naming the pattern and a few paths
     /// that exist where `target_modules` adapts nothing, or a `modules_to_save` entry that
     /// names no module.
-    pub fn check_against(&self, linears: &[(String, bool)], modules: &[String], defaults: &[&str]) -> Result<(), String> {
+    pub fn check_against(
+        &self,
+        linears: &[(String, bool)],
+        modules: &[String],
+        defaults: &[&str],
+    ) -> Result<(), String> {
         let mut adapted = 0;
         for (path, head) in linears {
             adapted += usize::from(self.adapter(path, true, *head, defaults)?.is_some());
@@ -575,7 +601,9 @@ fn is_empty(value: &Value) -> bool {
 
 /// A whole number `>= 0` (a float holding one, as Python writes `8.0`, too).
 fn count(v: &Value) -> Option<usize> {
-    v.as_u64().or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15).map(|f| f as u64)).map(|n| n as usize)
+    v.as_u64()
+        .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15).map(|f| f as u64))
+        .map(|n| n as usize)
 }
 
 fn positive_count(v: &Value) -> Option<usize> {

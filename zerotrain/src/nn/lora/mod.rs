@@ -141,7 +141,8 @@ impl LoraLinear {
         let weight = base.weight.val();
         let ([d_in, d_out], device) = (weight.dims(), weight.device());
         let adapter = spec.map(|spec| LoraAdapter::init(d_in, d_out, spec, &device));
-        let base = Linear { weight: base.weight.set_require_grad(false), bias: base.bias.map(|b| b.set_require_grad(false)) };
+        let base =
+            Linear { weight: base.weight.set_require_grad(false), bias: base.bias.map(|b| b.set_require_grad(false)) };
         Self { base, adapter }
     }
 

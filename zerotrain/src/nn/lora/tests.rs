@@ -27,10 +27,17 @@ struct Reference {
     grad_x: Vec<f32>,
 }
 
-fn reference(x: &[f32], a: &[f32], b: &[f32], w: &[f32], (tokens, d_in, r, d_out): (usize, usize, usize, usize)) -> Reference {
+fn reference(
+    x: &[f32],
+    a: &[f32],
+    b: &[f32],
+    w: &[f32],
+    (tokens, d_in, r, d_out): (usize, usize, usize, usize),
+) -> Reference {
     let at = |m: &[f32], i: usize| f64::from(m[i]);
-    let down: Vec<f64> =
-        (0..tokens * r).map(|tk| (0..d_in).map(|i| at(a, (tk % r) * d_in + i) * at(x, (tk / r) * d_in + i)).sum()).collect();
+    let down: Vec<f64> = (0..tokens * r)
+        .map(|tk| (0..d_in).map(|i| at(a, (tk % r) * d_in + i) * at(x, (tk / r) * d_in + i)).sum())
+        .collect();
     let y = (0..tokens * d_out)
         .map(|to| S * (0..r).map(|k| at(b, (to % d_out) * r + k) * down[(to / d_out) * r + k]).sum::<f64>())
         .map(|v| v as f32)
@@ -60,7 +67,8 @@ fn an_adapted_linear_adds_the_scaled_update_and_trains_only_the_adapter() {
     let device = Device::flex().autodiff();
     let base = LinearConfig::new(d_in, d_out).init(&device);
     let mut layer = LoraLinear::new(base, Some(&spec(r)));
-    let (a, b, x, w) = (draw(r * d_in, 1, 1.0), draw(d_out * r, 2, 1.0), draw(tokens * d_in, 3, 1.0), draw(tokens * d_out, 4, 1.0));
+    let (a, b, x, w) =
+        (draw(r * d_in, 1, 1.0), draw(d_out * r, 2, 1.0), draw(tokens * d_in, 3, 1.0), draw(tokens * d_out, 4, 1.0));
     let adapter = layer.adapter.as_mut().expect("asked for");
     (adapter.a, adapter.b) = (param(&a, [r, d_in]), param(&b, [d_out, r]));
     let input = tensor(&x, [2, tokens / 2, d_in], true);
@@ -106,15 +114,22 @@ fn adapters_start_as_init_lora_weights_says() {
 #[test]
 fn adapters_follow_their_bases_cut_over_a_tensor_parallel_group() {
     let (tokens, d_in, r, d_out, n) = (4, 6, 2, 4, 2);
-    let (a, b, x, w) = (draw(r * d_in, 5, 1.0), draw(d_out * r, 6, 1.0), draw(tokens * d_in, 7, 1.0), draw(tokens * d_out, 8, 1.0));
+    let (a, b, x, w) =
+        (draw(r * d_in, 5, 1.0), draw(d_out * r, 6, 1.0), draw(tokens * d_in, 7, 1.0), draw(tokens * d_out, 8, 1.0));
     let want = reference(&x, &a, &b, &w, (tokens, d_in, r, d_out));
     let column = on_ranks(n, |group| {
         let rows = group.rank() * d_out / n..(group.rank() + 1) * d_out / n;
         let b_rows = b[rows.start * r..rows.end * r].to_vec();
-        let adapter = LoraAdapter::new(param(&a, [r, d_in]), param(&b_rows, [d_out / n, r]), &spec(r), AdapterCut::Column(group.clone()));
+        let adapter = LoraAdapter::new(
+            param(&a, [r, d_in]),
+            param(&b_rows, [d_out / n, r]),
+            &spec(r),
+            AdapterCut::Column(group.clone()),
+        );
         let input = tensor(&x, [1, tokens, d_in], true);
         let y = adapter.delta(group.copy_to(input.clone()));
-        let grads = (y.clone() * tensor(&columns(&w, d_out, rows.clone()), [1, tokens, d_out / n], false)).sum().backward();
+        let grads =
+            (y.clone() * tensor(&columns(&w, d_out, rows.clone()), [1, tokens, d_out / n], false)).sum().backward();
         let grad = |t: Tensor<2>| values(t.grad(&grads).expect("trained"));
         (rows, values(y), grad(adapter.a.val()), grad(adapter.b.val()), values(input.grad(&grads).expect("tracked")))
     });
@@ -127,7 +142,12 @@ fn adapters_follow_their_bases_cut_over_a_tensor_parallel_group() {
     let row = on_ranks(n, |group| {
         let cols = group.rank() * d_in / n..(group.rank() + 1) * d_in / n;
         let a_cols = columns(&a, d_in, cols.clone());
-        let adapter = LoraAdapter::new(param(&a_cols, [r, d_in / n]), param(&b, [d_out, r]), &spec(r), AdapterCut::Row(group.clone()));
+        let adapter = LoraAdapter::new(
+            param(&a_cols, [r, d_in / n]),
+            param(&b, [d_out, r]),
+            &spec(r),
+            AdapterCut::Row(group.clone()),
+        );
         let y = adapter.delta(tensor(&columns(&x, d_in, cols.clone()), [1, tokens, d_in / n], false));
         let grads = (y.clone() * tensor(&w, [1, tokens, d_out], false)).sum().backward();
         let grad = |t: Tensor<2>| values(t.grad(&grads).expect("trained"));
@@ -172,7 +192,8 @@ fn modules_are_adapted_by_peft_s_matching_rules() {
     assert!(adapted(&default, q).is_some() && adapted(&default, "model.layers.0.mlp.up_proj").is_none());
     let layers = parse(json!({"target_modules": ["q_proj"], "layers_to_transform": [1, 2]})).unwrap();
     assert!(adapted(&layers, q).is_none() && adapted(&layers, "model.layers.2.self_attn.q_proj").is_some());
-    let pattern = parse(json!({"target_modules": ["c_attn"], "layers_to_transform": 1, "layers_pattern": "h"})).unwrap();
+    let pattern =
+        parse(json!({"target_modules": ["c_attn"], "layers_to_transform": 1, "layers_pattern": "h"})).unwrap();
     assert!(adapted(&pattern, "transformer.h.1.attn.c_attn").is_some());
     assert!(adapted(&pattern, "transformer.h.0.attn.c_attn").is_none());
     let patterns = parse(json!({"target_modules": "all-linear", "r": 8, "lora_alpha": 16, "use_rslora": true,
@@ -230,8 +251,9 @@ fn peft_s_own_keys_are_accepted_and_variants_not_built_are_refused_by_name() {
 /// layers that exist; a `modules_to_save` that is no module is refused.
 #[test]
 fn targets_that_name_nothing_are_refused_naming_what_exists() {
-    let linears: Vec<(String, bool)> =
-        ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "lm_head"].map(|p| (p.to_string(), p == "lm_head")).into();
+    let linears: Vec<(String, bool)> = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "lm_head"]
+        .map(|p| (p.to_string(), p == "lm_head"))
+        .into();
     let modules: Vec<String> = linears.iter().map(|(p, _)| p.clone()).chain(["model.norm".to_string()]).collect();
     let none = parse(json!({"target_modules": ["qproj"]})).unwrap();
     let e = none.check_against(&linears, &modules, &[]).unwrap_err();

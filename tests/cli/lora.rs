@@ -1,0 +1,250 @@
+//! LoRA fine-tuning of the Hugging Face families (`zerotrain.lora`, `--adapter`,
+//! `consolidate --format peft`): gradients against numpy's differences
+//! (`bench/reference/lora.py`), the same run at every stage, world size, accumulation and
+//! tensor-parallel size, PEFT's files written and read, and bad input refused by name.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::{ModuleVisitor, Param};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use zerotrain_models::CausalLm;
+use zerotrain_models::family::{self, Adapters, WithModel};
+use zerotrain_models::hf::peft::{self, AdapterFolder};
+
+use super::{folder, fresh_llama, reference, run_ok, train_args};
+use crate::{text, zerotrain};
+
+/// Runs `bench/reference/lora.py`; its stdout.
+fn lora_reference(args: &[&str]) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/reference/lora.py");
+    let out = std::process::Command::new("python3").arg(script).args(args).output().expect("python3 runs");
+    assert!(out.status.success(), "lora.py {args:?}: {}", text(&out.stderr));
+    text(&out.stdout)
+}
+
+/// The loss of `tokens` `[1, n]` and the gradient of every float tensor that got one, by
+/// PEFT's name (adapters) or module path (anything else: it should have none).
+struct Gradients(Tensor<2, Int>);
+
+impl WithModel for Gradients {
+    type Output = (f64, BTreeMap<String, Vec<f32>>);
+
+    fn run<M: CausalLm>(self, model: M) -> Self::Output {
+        let loss = model.next_token_loss(&self.0);
+        let value = f64::from(loss.clone().into_data().iter::<f32>().next().expect("a loss"));
+        let grads = loss.backward();
+        struct Collect<'a> {
+            path: Vec<String>,
+            grads: &'a burn::tensor::Gradients,
+            out: BTreeMap<String, Vec<f32>>,
+        }
+        impl ModuleVisitor for Collect<'_> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some(grad) = param.val().grad(self.grads) {
+                    let path = self.path.join(".");
+                    let name = peft::tensor_name(&path).unwrap_or(path);
+                    self.out.insert(name, grad.into_data().iter::<f32>().collect());
+                }
+            }
+        }
+        let mut collect = Collect { path: Vec::new(), grads: &grads, out: BTreeMap::new() };
+        model.visit(&mut collect);
+        (value, collect.out)
+    }
+}
+
+/// The largest difference as a share of the reference's largest value.
+fn relative(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    got.iter().zip(want).fold(0f64, |m, (g, w)| m.max((f64::from(*g) - w).abs())) / scale
+}
+
+/// A random adapter PEFT's format holds (made by numpy, B not zero) on GPT-2's Conv1D
+/// layers (`c_attn`, both `c_proj`, `c_fc`) and on every linear layer of a LLaMA with
+/// grouped kv heads (rslora): zerotrain's loss and every adapter gradient equal numpy's
+/// float64 loss of the merged model and its central differences within 1e-5, and no base
+/// parameter gets a gradient.
+#[test]
+#[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
+fn adapter_gradients_match_numpy_differences_for_gpt2_and_llama() {
+    let dir = folder("lora-grads");
+    let cases: [(&str, &[&str], &str); 2] = [
+        ("gpt2", &["--family", "gpt2"], r#"{"r": 2, "lora_alpha": 3, "target_modules": ["c_attn", "c_proj", "c_fc"]}"#),
+        (
+            "llama-gqa",
+            &["--family", "llama", "--kv-heads", "2"],
+            r#"{"r": 2, "lora_alpha": 4, "use_rslora": true, "target_modules": "all-linear"}"#,
+        ),
+    ];
+    let ids: Vec<i64> = vec![5, 17, 42, 99, 3, 250, 8, 61, 120];
+    for (name, args, lora) in cases {
+        let (hf, adapter) = (dir.join(name), dir.join(format!("{name}-adapter")));
+        reference(&[&["make", hf.to_str().unwrap()], args].concat());
+        lora_reference(&["adapter", hf.to_str().unwrap(), adapter.to_str().unwrap(), "--config", lora]);
+        let ids_json = serde_json::to_string(&ids).unwrap();
+        let want: serde_json::Value = serde_json::from_str(
+            lora_reference(&["grads", hf.to_str().unwrap(), adapter.to_str().unwrap(), "--ids", &ids_json]).trim(),
+        )
+        .unwrap();
+        let folder = AdapterFolder::read(&adapter).unwrap();
+        let adapters = Adapters::from_folder(&folder);
+        let groups = zerotrain::nn::parallel::ParallelGroups::alone();
+        let device = Device::flex().autodiff();
+        let (_, model) = family::import_adapted(&hf, &device, &groups, Some(&adapters), 0).unwrap();
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [1, ids.len()]), &device);
+        let (loss, grads) = model.run(Gradients(tokens));
+        let want_loss = want["loss"].as_f64().unwrap();
+        assert!((loss - want_loss).abs() / want_loss < 1e-5, "{name}: loss {loss} vs numpy {want_loss}");
+        let expected = want["grads"].as_object().unwrap();
+        let got_names: Vec<&String> = grads.keys().collect();
+        let want_names: Vec<&String> = expected.keys().collect();
+        assert_eq!(got_names, want_names, "{name}: only the adapters get gradients");
+        for (tensor, values) in expected {
+            let values: Vec<f64> = values.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+            let error = relative(&grads[tensor], &values);
+            assert!(error < 1e-5, "{name}: {tensor}'s gradient is {error:e} off numpy's");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A config training `model.json` with `lora` on `world` ranks at `stage`, `micro` sequences
+/// per rank (a global batch of 6), on a mesh of `tp`.
+fn lora_config(dir: &Path, name: &str, (world, stage, micro, tp): (usize, u8, usize, usize), lora: &str) -> PathBuf {
+    let config = dir.join(format!("{name}.json"));
+    let mesh = if tp > 1 { format!(r#", "mesh": {{"tp": {tp}}}"#) } else { String::new() };
+    let json = format!(
+        r#"{{"train_batch_size": 6, "train_micro_batch_size_per_gpu": {micro},
+            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.02}}}},
+            "zerotrain": {{"world_size": {world}, "eval_every": 100, "lora": {lora}{mesh}}},
+            "model": {{"hf_config": "model-kv2.json", "tokenizer": "tokenizer.json", "block_size": 8}}}}"#
+    );
+    std::fs::write(&config, json).unwrap();
+    config
+}
+
+/// The adapter tensors of a PEFT folder, by name.
+fn adapter_tensors(dir: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join(peft::ADAPTER_WEIGHTS_FILE)).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let values = t.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            (name, (t.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// LoRA on every linear layer trains the same run (losses within 1e-5, adapters within 2e-5
+/// after 3 AdamW steps) at stages 0-3, on 1, 2 and 3 ranks, with 1 and 3 micro-batches per
+/// step, and on a tensor-parallel mesh of 2 against the unsplit run; the checkpoint holds the
+/// adapters alone, which `consolidate --format peft` writes under PEFT's names and shapes,
+/// with an `adapter_config.json` that reads back as the config trained.
+#[test]
+fn lora_trains_the_same_run_at_every_stage_world_size_accumulation_and_mesh() {
+    let dir = folder("lora-layouts");
+    let (_, tokens) = fresh_llama(&dir, 1, "");
+    let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": true}"#;
+    std::fs::write(dir.join("model-kv2.json"), model).unwrap();
+    let lora = r#"{"r": 2, "lora_alpha": 4, "target_modules": "all-linear", "init_lora_weights": false}"#;
+    let layouts = [(1, 0, 6, 1), (1, 3, 2, 1), (2, 1, 3, 1), (2, 3, 1, 1), (3, 2, 2, 1), (3, 3, 2, 1), (2, 0, 6, 2)];
+    let mut runs = Vec::new();
+    for layout in layouts {
+        let name = format!("w{}-s{}-m{}-tp{}", layout.0, layout.1, layout.2, layout.3);
+        let config = lora_config(&dir, &name, layout, lora);
+        let run = dir.join(format!("run-{name}"));
+        run_ok(&train_args(&config, &tokens, "3", &run, &[]));
+        let out = dir.join(format!("peft-{name}"));
+        let ckpt = run.join("checkpoints");
+        run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", out.to_str().unwrap()]);
+        runs.push((name, super::losses(&run), adapter_tensors(&out), out));
+    }
+    let (first, losses, tensors, out) = &runs[0];
+    // 2 layers x 7 projections, two factors each, PEFT's names and shapes ([r, in], [out, r]).
+    assert_eq!(tensors.len(), 28, "{:?}", tensors.keys());
+    let (a_shape, _) = &tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"];
+    let (b_shape, _) = &tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"];
+    assert_eq!((a_shape.as_slice(), b_shape.as_slice()), ([2, 24].as_slice(), [16, 2].as_slice()));
+    let written = AdapterFolder::read(out).unwrap();
+    assert_eq!((written.config.r, written.config.lora_alpha), (2, 4.0));
+    assert_eq!(losses.len(), 3);
+    for (name, other_losses, other, _) in &runs[1..] {
+        for ((step, a), (_, b)) in losses.iter().zip(other_losses) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "step {step}: {first} {a}, {name} {b}");
+        }
+        for (tensor, (_, values)) in tensors {
+            let theirs = &other[tensor].1;
+            let worst = values.iter().zip(theirs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst <= 2e-5, "{tensor}: {first} and {name} differ by {worst}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What a LoRA config or an adapter gets wrong is refused naming it: target_modules that
+/// match nothing (with module paths that exist), r 0, a dropout of 1, a modules_to_save that
+/// is no module, an adapter made for another base (a tensor's shape), a zerotrain.lora that
+/// disagrees with the adapter's own config; and --format peft of a run without LoRA.
+#[test]
+fn bad_lora_configs_and_adapters_are_refused_by_name() {
+    let dir = folder("lora-refusals");
+    let (_, tokens) = fresh_llama(&dir, 1, "");
+    let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": true}"#;
+    std::fs::write(dir.join("model-kv2.json"), model).unwrap();
+    let fails = |name: &str, lora: &str, extra: &[&str]| {
+        let config = lora_config(&dir, name, (1, 0, 6, 1), lora);
+        let run = dir.join(format!("run-{name}"));
+        let out = zerotrain(&train_args(&config, &tokens, "1", &run, extra));
+        assert!(!out.status.success(), "{name} trained");
+        text(&out.stderr)
+    };
+    let e = fails("none", r#"{"target_modules": ["qproj"]}"#, &[]);
+    assert!(
+        e.contains(r#"target_modules ["qproj"] matches none"#) && e.contains("model.layers.0.self_attn.q_proj"),
+        "{e}"
+    );
+    let e = fails("r0", r#"{"r": 0}"#, &[]);
+    assert!(e.contains("zerotrain.lora.r") && e.contains("at least 1"), "{e}");
+    let e = fails("dropout", r#"{"lora_dropout": 1.0}"#, &[]);
+    assert!(e.contains("zerotrain.lora.lora_dropout") && e.contains("[0, 1)"), "{e}");
+    let e = fails("save", r#"{"modules_to_save": ["score"]}"#, &[]);
+    assert!(e.contains("modules_to_save") && e.contains("\"score\""), "{e}");
+    // An adapter trained here, then given to a wider model and to a config that disagrees.
+    let config = lora_config(&dir, "ok", (1, 0, 6, 1), r#"{"r": 2, "target_modules": ["q_proj"]}"#);
+    let run = dir.join("run-ok");
+    run_ok(&train_args(&config, &tokens, "1", &run, &[]));
+    let adapter = dir.join("adapter");
+    let ckpt = run.join("checkpoints");
+    run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", adapter.to_str().unwrap()]);
+    let e = fails("rank", r#"{"r": 4, "target_modules": ["q_proj"]}"#, &["--adapter", adapter.to_str().unwrap()]);
+    assert!(e.contains("zerotrain.lora.r disagrees") && e.contains("adapter_config.json"), "{e}");
+    let wide = model.replace(r#""hidden_size": 16"#, r#""hidden_size": 24"#);
+    std::fs::write(dir.join("model-kv2.json"), wide).unwrap();
+    let e = fails("other-base", r#"{"r": 2, "target_modules": ["q_proj"]}"#, &["--adapter", adapter.to_str().unwrap()]);
+    assert!(e.contains("lora_A.weight` has shape [2, 16]") && e.contains("another base"), "{e}");
+    let (whole, _) = fresh_llama(&dir, 1, "");
+    let plain = dir.join("run-plain");
+    run_ok(&train_args(&whole, &tokens, "1", &plain, &[]));
+    let out = zerotrain(&[
+        "consolidate",
+        plain.join("checkpoints").to_str().unwrap(),
+        "--format",
+        "peft",
+        "--out",
+        dir.join("nope").to_str().unwrap(),
+    ]);
+    assert!(text(&out.stderr).contains("was not trained with zerotrain.lora"), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
