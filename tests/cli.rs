@@ -14,6 +14,8 @@ mod lease;
 mod metrics;
 #[path = "cli/parallel.rs"]
 mod parallel;
+#[path = "cli/peft_torch.rs"]
+mod peft_torch;
 #[path = "cli/servers.rs"]
 mod servers;
 

@@ -7,20 +7,20 @@ use std::path::{Path, PathBuf};
 use super::{text, zerotrain};
 
 /// Runs the reference script; its stdout.
-fn reference(args: &[&str]) -> String {
+pub(crate) fn reference(args: &[&str]) -> String {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/reference/hf_models.py");
     let out = std::process::Command::new("python3").arg(script).args(args).output().expect("python3 runs");
     assert!(out.status.success(), "hf_models.py {args:?}: {}", text(&out.stderr));
     text(&out.stdout)
 }
 
-fn number(json: &str, key: &str) -> f64 {
+pub(crate) fn number(json: &str, key: &str) -> f64 {
     let value: serde_json::Value = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("{e}: {json}"));
     value[key].as_f64().unwrap_or_else(|| panic!("no {key} in {json}"))
 }
 
 /// A fresh folder for one test.
-pub(super) fn folder(name: &str) -> PathBuf {
+pub(crate) fn folder(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("zerotrain-hf-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -28,7 +28,7 @@ pub(super) fn folder(name: &str) -> PathBuf {
 }
 
 /// A config training or evaluating `hf_dir` at context 16 on `world` ranks at `stage`.
-fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> PathBuf {
+pub(crate) fn config(dir: &Path, hf_dir: &Path, world: usize, stage: u8, extra: &str) -> PathBuf {
     let path = dir.join(format!("config-{world}-{stage}.json"));
     let json = format!(
         r#"{{"train_batch_size": {}, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
@@ -139,14 +139,14 @@ fn greedy_generation_follows_the_numpy_reference() {
 }
 
 /// Runs `zerotrain` and returns its stdout, failing with its stderr.
-pub(super) fn run_ok(args: &[&str]) -> String {
+pub(crate) fn run_ok(args: &[&str]) -> String {
     let out = zerotrain(args);
     assert!(out.status.success(), "zerotrain {args:?}: {}", text(&out.stderr));
     text(&out.stdout)
 }
 
 /// `zerotrain train`'s arguments: `config` on `data` to `steps`, into `out`, then `extra`.
-pub(super) fn train_args<'a>(
+pub(crate) fn train_args<'a>(
     config: &'a Path,
     data: &'a Path,
     steps: &'a str,

@@ -248,3 +248,73 @@ fn bad_lora_configs_and_adapters_are_refused_by_name() {
     assert!(text(&out.stderr).contains("was not trained with zerotrain.lora"), "{}", text(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// PEFT's own numbers, made once with torch by `bench/reference/peft_fixture.py` from inputs
+/// numpy re-creates here (a checkpoint, a text, a random adapter in PEFT's format, each from
+/// a seed): `zerotrain eval --adapter` scores the text as `PeftModel.from_pretrained` does,
+/// within 1e-5, on one rank and at stage 3 on two; and the `adapter_config.json` PEFT writes
+/// when it saves that adapter reads in zerotrain as the same config, its tensors named as
+/// the adapter zerotrain read.
+#[test]
+#[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
+fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/bench/reference/peft_lora.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = folder("lora-peft");
+    let text_file = dir.join("text.txt");
+    let text_args: Vec<&str> = fixture["text"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    reference(&[&["text", text_file.to_str().unwrap()], text_args.as_slice()].concat());
+    assert_eq!(fixture["context"], 16, "the configs here evaluate at 16");
+    for case in fixture["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let (hf, adapter) = (dir.join(name), dir.join(format!("{name}-adapter")));
+        let make: Vec<&str> = case["make"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        reference(&[&["make", hf.to_str().unwrap()], make.as_slice()].concat());
+        let lora = case["lora"].to_string();
+        lora_reference(&["adapter", hf.to_str().unwrap(), adapter.to_str().unwrap(), "--config", &lora]);
+        let want = case["peft_loss"].as_f64().unwrap();
+        for (world, stage) in [(1, 0), (2, 3)] {
+            let config = super::config(&dir, &hf, world, stage, "");
+            let printed = run_ok(&[
+                "eval",
+                "--config",
+                config.to_str().unwrap(),
+                "--text",
+                text_file.to_str().unwrap(),
+                "--adapter",
+                adapter.to_str().unwrap(),
+                "--json",
+            ]);
+            let got = super::number(&printed, "loss");
+            assert!((got - want).abs() / want < 1e-5, "{name} on {world} rank(s): {got} vs PEFT's {want}");
+        }
+        // PEFT's own adapter_config.json, beside the same tensors.
+        let saved = dir.join(format!("{name}-as-peft-saves"));
+        std::fs::create_dir_all(&saved).unwrap();
+        std::fs::copy(adapter.join(peft::ADAPTER_WEIGHTS_FILE), saved.join(peft::ADAPTER_WEIGHTS_FILE)).unwrap();
+        std::fs::write(saved.join(peft::ADAPTER_CONFIG_FILE), case["peft_written_config"].to_string()).unwrap();
+        let (ours, theirs) = (AdapterFolder::read(&adapter).unwrap(), AdapterFolder::read(&saved).unwrap());
+        // PEFT writes "all-linear" resolved into the layers' names; the rest is as given.
+        assert_eq!(theirs.config.first_difference(&ours.config).filter(|k| *k != "target_modules"), None, "{name}");
+        let config = super::config(&dir, &hf, 1, 0, "");
+        let printed = run_ok(&[
+            "eval",
+            "--config",
+            config.to_str().unwrap(),
+            "--text",
+            text_file.to_str().unwrap(),
+            "--adapter",
+            saved.to_str().unwrap(),
+            "--json",
+        ]);
+        let got = super::number(&printed, "loss");
+        assert!((got - want).abs() / want < 1e-5, "{name} with PEFT's config: {got} vs {want}");
+        let names: Vec<String> = adapter_tensors(&adapter).into_keys().collect();
+        let peft_names: Vec<String> =
+            case["peft_tensor_names"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
+        assert_eq!(names, peft_names, "{name}: PEFT saves the tensors under the names zerotrain reads");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -317,19 +317,22 @@ impl LoraConfig {
                 ));
             }
         };
-        let layers_to_transform =
-            match get("layers_to_transform") {
-                None => None,
-                Some(v @ Value::Number(_)) => {
-                    Some(vec![count(v).ok_or_else(|| bad("layers_to_transform", format!("{v} is not a layer index")))?])
-                }
-                Some(Value::Array(items)) => Some(items.iter().map(count).collect::<Option<_>>().ok_or_else(|| {
-                    bad("layers_to_transform", "must list layer indices (whole numbers)".to_string())
-                })?),
-                Some(v) => {
-                    return Err(bad("layers_to_transform", format!("must be a layer index or a list of them, not {v}")));
-                }
-            };
+        let layers_to_transform = match get("layers_to_transform") {
+            None => None,
+            Some(v @ Value::Number(_)) => {
+                Some(vec![count(v).ok_or_else(|| bad("layers_to_transform", format!("{v} is not a layer index")))?])
+            }
+            Some(Value::Array(items)) => {
+                Some(
+                    items.iter().map(count).collect::<Option<_>>().ok_or_else(|| {
+                        bad("layers_to_transform", "must list layer indices (whole numbers)".to_string())
+                    })?,
+                )
+            }
+            Some(v) => {
+                return Err(bad("layers_to_transform", format!("must be a layer index or a list of them, not {v}")));
+            }
+        };
         let layers_pattern = match get("layers_pattern") {
             None => None,
             Some(Value::String(s)) => Some(vec![s.clone()]),
