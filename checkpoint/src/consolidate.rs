@@ -130,6 +130,31 @@ fn safetensors_dtype(dtype: Precision) -> safetensors::Dtype {
     }
 }
 
+/// Writes the tensors `specs` (name, shape) to the safetensors file `path` in `dtype`, the
+/// `i`-th one's f32 values computed by `values(i)` when it is written: one tensor in memory
+/// at a time (a merged model's weights, computed from a checkpoint tensor by tensor).
+pub fn write_computed(
+    path: &Path,
+    specs: &[(String, Vec<usize>)],
+    dtype: Precision,
+    meta: &[(&str, String)],
+    mut values: impl FnMut(usize) -> Result<Vec<f32>>,
+) -> Result<u64> {
+    let tensors: Vec<TensorSpec> = specs
+        .iter()
+        .map(|(name, shape)| TensorSpec { name: name.clone(), dtype: safetensors_dtype(dtype), shape: shape.clone() })
+        .collect();
+    let mut writer = SafetensorsWriter::create(path, &tensors, meta)?;
+    for (i, (name, shape)) in specs.iter().enumerate() {
+        let v = values(i)?;
+        if v.len() != shape.iter().product::<usize>() {
+            return Err(CheckpointError::Mismatch(format!("tensor `{name}`: {} values for shape {shape:?}", v.len())));
+        }
+        write_as(&mut writer, &v, dtype)?;
+    }
+    Ok(writer.finish()?.size)
+}
+
 /// Writes each tensor of `layout` in `dtype`, read by `read` (a range of the flat order
 /// into a buffer of its length) in chunks of at most [`CHUNK_ELEMS`].
 fn stream(

@@ -53,7 +53,7 @@ mod tag;
 pub use bounded::{MAX_TEXT_FILE_BYTES, open_regular, read_bounded};
 pub use checkpoint::{Checkpoint, SavedBuffers, list};
 pub use commit::{LATEST, commit, crash_point, partial_dir, prepare, write_buffers, write_shard, write_shard_streamed};
-pub use consolidate::{consolidate, write_parameters, write_parameters_as};
+pub use consolidate::{consolidate, write_computed, write_parameters, write_parameters_as};
 pub use error::{CheckpointError, Result};
 pub use manifest::{BUFFERS_FILE, BufferSet, FORMAT_VERSION, LayoutEntry, Manifest, ShardFile};
 pub use shard::{BLOCK_BYTES, FileSummary, SafetensorsWriter, ShardReader, TensorSpec};

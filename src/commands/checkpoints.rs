@@ -36,11 +36,18 @@ pub struct ConsolidateArgs {
     /// (default: DIR, where zerotrain train puts them).
     #[arg(long)]
     pub hf_config: Option<PathBuf>,
+    /// `--format hf` of a LoRA run: the whole model with its adapters merged into the
+    /// weights (W + scaling B A), loadable by transformers without PEFT.
+    #[arg(long)]
+    pub merge: bool,
 }
 
 /// `zerotrain consolidate`.
 pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
-    let ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config } = args;
+    let ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config, merge } = args;
+    if merge && format != "hf" {
+        bail!("--merge writes a Hugging Face folder: give it with --format hf");
+    }
     let dtype = match dtype.as_deref() {
         None => None,
         Some("f32" | "fp32") => Some(Precision::Fp32),
@@ -54,8 +61,24 @@ pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
         "safetensors" => {}
         "hf" => {
             let max = parse_size(&max_shard_size)?;
-            let e =
-                zerotrain_models::family::export::export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
+            let e = match merge {
+                true => zerotrain_models::family::merge::export_merged(
+                    &dir,
+                    tag.as_deref(),
+                    &out,
+                    dtype,
+                    max,
+                    hf_config.as_deref(),
+                )?,
+                false => zerotrain_models::family::export::export(
+                    &dir,
+                    tag.as_deref(),
+                    &out,
+                    dtype,
+                    max,
+                    hf_config.as_deref(),
+                )?,
+            };
             println!(
                 "wrote {}: {} tensors, {} bytes ({}) in {} shard(s), config.json and the tokenizer; peak RSS {}",
                 out.display(),

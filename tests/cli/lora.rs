@@ -318,3 +318,76 @@ fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A LoRA run (3 steps at stage 3 on two ranks, GPT-2's Conv1D and a GQA LLaMA) consolidated
+/// with `--merge` is a Hugging Face folder without adapters that scores a text as the base
+/// with the exported adapter does (`eval --adapter`), and as numpy's forward pass of it
+/// does, within 1e-5; `--format hf` without `--merge` says what to use instead.
+#[test]
+#[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
+fn a_merged_export_scores_as_the_base_with_its_adapter() {
+    let dir = folder("lora-merge");
+    let text_file = dir.join("text.txt");
+    reference(&["text", text_file.to_str().unwrap(), "--bytes", "6000"]);
+    for (name, args) in
+        [("gpt2", &["--family", "gpt2"][..]), ("llama-gqa", &["--family", "llama", "--kv-heads", "2"][..])]
+    {
+        let hf = dir.join(name);
+        reference(&[&["make", hf.to_str().unwrap()], args].concat());
+        let lora = r#"{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "rank_pattern": {"c_fc": 2}}"#;
+        let trained = dir.join(format!("train-{name}.json"));
+        let json = format!(
+            r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": 3}},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.02}}}},
+                "zerotrain": {{"world_size": 2, "lora": {lora}}}, "model": {{"hf_dir": {:?}, "block_size": 16}}}}"#,
+            hf.display().to_string()
+        );
+        std::fs::write(&trained, json).unwrap();
+        let run = dir.join(format!("run-{name}"));
+        run_ok(&train_args(&trained, &text_file, "3", &run, &[]));
+        let ckpt = run.join("checkpoints");
+        let (adapter, merged) = (dir.join(format!("{name}-peft")), dir.join(format!("{name}-merged")));
+        run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", adapter.to_str().unwrap()]);
+        run_ok(&[
+            "consolidate",
+            ckpt.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--merge",
+            "--out",
+            merged.to_str().unwrap(),
+        ]);
+        let out = zerotrain(&[
+            "consolidate",
+            ckpt.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--out",
+            dir.join("x").to_str().unwrap(),
+        ]);
+        assert!(text(&out.stderr).contains("--merge"), "{}", text(&out.stderr));
+        let score = |config: &Path, adapter: Option<&Path>| {
+            let mut args =
+                vec!["eval", "--config", config.to_str().unwrap(), "--text", text_file.to_str().unwrap(), "--json"];
+            if let Some(a) = adapter {
+                args.extend(["--adapter", a.to_str().unwrap()]);
+            }
+            super::number(&run_ok(&args), "loss")
+        };
+        let with_adapter = score(&super::config(&dir, &hf, 1, 0, ""), Some(&adapter));
+        let merged_loss = score(&super::config(&dir, &merged, 1, 0, ""), None);
+        let numpy = super::number(
+            &reference(&["loss", merged.to_str().unwrap(), text_file.to_str().unwrap(), "--context", "16"]),
+            "loss",
+        );
+        for (what, got) in [("merged", merged_loss), ("numpy of the merged folder", numpy)] {
+            assert!(
+                (got - with_adapter).abs() / with_adapter < 1e-5,
+                "{name}: {what} {got}, base + adapter {with_adapter}"
+            );
+        }
+        let base = score(&super::config(&dir, &hf, 1, 0, ""), None);
+        assert!((base - with_adapter).abs() > 1e-4, "{name}: the adapter changes the loss");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -59,6 +59,13 @@ pub fn export(
         "the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder; or give \
          --hf-config DIR)",
     )?;
+    if ckpt.manifest().config.get("lora").is_some_and(|l| !l.is_null()) {
+        bail!(
+            "{} is a LoRA run's checkpoint (its parameters are adapters): --format peft writes the adapters, --merge \
+             the whole model with them merged",
+            ckpt.dir().display()
+        );
+    }
     let layout = &ckpt.manifest().layout;
     check_layout(layout, &config, &config_file)?;
     if ckpt.manifest().buffers.is_some() {
@@ -69,7 +76,11 @@ pub fn export(
     let partial = sibling(out, ".partial")?;
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
-    let written = write_folder(&ckpt, &config, source, &partial, &groups, dtype);
+    let write = |group: &[LayoutEntry], path: &Path| -> anyhow::Result<()> {
+        zerotrain_checkpoint::write_parameters(&ckpt, group, path, dtype, &[("format", "pt".to_string())])?;
+        Ok(())
+    };
+    let written = write_folder(&write, &config, source, &partial, &groups, dtype);
     let written = written.and_then(|exported| {
         std::fs::rename(&partial, out)
             .with_context(|| format!("cannot rename {} to {}", partial.display(), out.display()))?;
@@ -119,7 +130,7 @@ fn check_layout(layout: &[LayoutEntry], config: &HfConfig, config_file: &Path) -
 }
 
 /// The layout cut, in order, into groups of at most `max_bytes` (a larger tensor alone).
-fn shards(layout: &[LayoutEntry], elem_bytes: u64, max_bytes: u64) -> Vec<Vec<LayoutEntry>> {
+pub(super) fn shards(layout: &[LayoutEntry], elem_bytes: u64, max_bytes: u64) -> Vec<Vec<LayoutEntry>> {
     let mut groups: Vec<Vec<LayoutEntry>> = Vec::new();
     let mut size = 0;
     for entry in layout {
@@ -134,8 +145,11 @@ fn shards(layout: &[LayoutEntry], elem_bytes: u64, max_bytes: u64) -> Vec<Vec<La
     groups
 }
 
-fn write_folder(
-    ckpt: &Checkpoint,
+/// Writes a Hugging Face folder: each group of tensors by `write` as one safetensors shard
+/// (and the index where there are several), `config.json` saying `dtype`, and the
+/// tokenizer files of `source`.
+pub(super) fn write_folder(
+    write: &dyn Fn(&[LayoutEntry], &Path) -> anyhow::Result<()>,
     config: &HfConfig,
     source: &Path,
     folder: &Path,
@@ -143,12 +157,11 @@ fn write_folder(
     dtype: Precision,
 ) -> anyhow::Result<Exported> {
     let n = groups.len();
-    let meta = [("format", "pt".to_string())];
     let (mut shards, mut weight_map, mut bytes) = (Vec::new(), BTreeMap::new(), 0u64);
     for (i, group) in groups.iter().enumerate() {
         let name = if n == 1 { SINGLE_FILE.to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", i + 1) };
         let path = folder.join(&name);
-        zerotrain_checkpoint::write_parameters(ckpt, group, &path, dtype, &meta)?;
+        write(group, &path)?;
         bytes += group.iter().map(|e| e.shape.iter().product::<u64>() * dtype.bytes_per_elem() as u64).sum::<u64>();
         weight_map.extend(group.iter().map(|e| (e.path.clone(), name.clone())));
         shards.push(path);
@@ -201,7 +214,7 @@ fn with_stored_dtype(mut json: Value, dtype: Precision) -> Value {
 }
 
 /// `path` with `suffix` added to its name.
-fn sibling(path: &Path, suffix: &str) -> anyhow::Result<PathBuf> {
+pub(super) fn sibling(path: &Path, suffix: &str) -> anyhow::Result<PathBuf> {
     let name = path.file_name().with_context(|| format!("{} is not a folder name", path.display()))?;
     let mut name = name.to_owned();
     name.push(suffix);

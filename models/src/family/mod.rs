@@ -6,6 +6,7 @@
 pub mod companions;
 pub mod export;
 pub mod load;
+pub mod merge;
 
 use std::path::Path;
 use std::sync::Arc;

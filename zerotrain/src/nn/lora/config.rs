@@ -441,6 +441,19 @@ impl LoraConfig {
         Ok(Some(AdapterSpec { r, alpha, scaling, dropout: self.lora_dropout, init: self.init_lora_weights }))
     }
 
+    /// The scaling of an adapter of rank `r` on the module at `path`: its `alpha_pattern`
+    /// entry or `lora_alpha`, over `r` (its root with rslora); the rank is the adapter's own
+    /// (a trained one's factors say it).
+    pub fn scaling_of(&self, path: &str, r: usize) -> Result<f64, String> {
+        let hits: Vec<&String> = self.alpha_regex.iter().filter(|(_, re)| re.is_match(path)).map(|(p, _)| p).collect();
+        let alpha = match hits.as_slice() {
+            [] => self.lora_alpha,
+            [one] => self.alpha_pattern[*one],
+            [a, b, ..] => return Err(format!("alpha_pattern: both {a:?} and {b:?} match module `{path}`")),
+        };
+        Ok(if self.use_rslora { alpha / (r as f64).sqrt() } else { alpha / r as f64 })
+    }
+
     /// Whether the module at `path` is trained whole (`modules_to_save`; PEFT's rule: the
     /// path ends in the name, dotted or not, so `norm` names `input_layernorm` too).
     pub fn saves(&self, path: &str) -> bool {
