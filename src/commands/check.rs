@@ -125,8 +125,26 @@ fn print_hf_placement(
              equal part of every sequence; set model.block_size to a multiple of {sp}"
         );
     }
-    let p = zerotrain::estimate::placement(plan, psi);
     let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    if let Some(lora) = &plan.lora {
+        let (trained, frozen) = zerotrain_models::family::lora_sizes(&config, &lora.config)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        let p = zerotrain::estimate::placement(plan, trained);
+        let base = frozen * plan.precision.compute.bytes_per_elem() as u64;
+        println!(
+            "model states        per rank for {} with LoRA: {trained} trained parameters (adapters{}): device {}, \
+             host memory {}, NVMe {}; {frozen} frozen parameters: {} in {}, whole on every rank",
+            file.display(),
+            if lora.config.modules_to_save.is_empty() { "" } else { " and modules_to_save" },
+            mib(p.device),
+            mib(p.host),
+            mib(p.nvme),
+            mib(base),
+            plan.precision.compute
+        );
+        return Ok(());
+    }
+    let p = zerotrain::estimate::placement(plan, psi);
     println!(
         "model states        per rank for {} ({} parameters): device {}, host memory {}, NVMe {}",
         file.display(),

@@ -391,3 +391,31 @@ fn a_merged_export_scores_as_the_base_with_its_adapter() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `config check` of a LoRA config counts the trained and frozen parameters of its model
+/// (counted here from the shapes: r x (in + out) per adapted projection), says what trains,
+/// and refuses what `train` refuses.
+#[test]
+fn config_check_counts_trained_and_frozen_parameters() {
+    let dir = folder("lora-check");
+    let (_, _) = fresh_llama(&dir, 1, "");
+    std::fs::write(
+        dir.join("model-kv2.json"),
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 280, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let config = lora_config(&dir, "check", (2, 3, 3, 1), r#"{"r": 2, "target_modules": ["q_proj", "down_proj"]}"#);
+    let printed = run_ok(&["config", "check", config.to_str().unwrap()]);
+    // q: 16 -> 16, down: 24 -> 16; kv heads 1 of width 8.
+    let trained = 2 * (2 * (16 + 16) + 2 * (24 + 16));
+    let layer = 16 * 16 + 2 * (8 * 16) + 16 * 16 + 3 * (24 * 16) + 2 * 16;
+    let frozen = 280 * 16 + 2 * layer + 16;
+    assert!(printed.contains(&format!("{trained} trained parameters (adapters)")), "{printed}");
+    assert!(printed.contains(&format!("{frozen} frozen parameters")), "{printed}");
+    assert!(printed.contains("lora                r 2, alpha 8 (scaling 4)"), "{printed}");
+    let bad = lora_config(&dir, "bad", (2, 3, 3, 1), r#"{"target_modules": ["qproj"]}"#);
+    let out = zerotrain(&["config", "check", bad.to_str().unwrap()]);
+    assert!(!out.status.success() && text(&out.stderr).contains("matches none"), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

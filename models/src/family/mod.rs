@@ -99,6 +99,26 @@ pub fn fresh_adapted(
     Ok(model)
 }
 
+/// The parameters of `config`'s model fine-tuned with `lora`'s adapters: (trained: the
+/// adapters and `modules_to_save`, frozen: the rest), counted from a lazy build (nothing of
+/// the base is drawn); an error naming the LoRA key that names nothing.
+pub fn lora_sizes(config: &HfConfig, lora: &Arc<LoraConfig>) -> Result<(u64, u64), String> {
+    let w = Weights::fresh(&Device::flex(), 0.0).with_lora(Arc::clone(lora), default_lora_targets(config), 0);
+    build(config, &w);
+    let asked = w.asked();
+    w.finish(|_| false)?;
+    let (mut trained, mut frozen) = (0u64, 0u64);
+    for (name, shape) in asked {
+        let n: u64 = shape.iter().map(|&d| d as u64).product();
+        let module = name.rsplit_once('.').map_or(name.as_str(), |(m, _)| m);
+        match crate::hf::peft::tensor_name(&name).is_some() || lora.saves(module) {
+            true => trained += n,
+            false => frozen += n,
+        }
+    }
+    Ok((trained, frozen))
+}
+
 /// PEFT's default targets of `config`'s family, where a LoRA config names none
 /// (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
 pub fn default_lora_targets(config: &HfConfig) -> &'static [&'static str] {

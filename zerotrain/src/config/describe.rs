@@ -53,6 +53,7 @@ impl fmt::Display for Plan {
                 "off".into()
             };
         writeln!(f, "activation ckpt     {recompute}")?;
+        self.describe_lora(f)?;
         self.describe_precision(f)?;
         let (precision, optim) = (&self.precision, &self.optim);
         let clip = if optim.gradient_clipping > 0.0 {
@@ -228,6 +229,28 @@ impl Plan {
 
     /// The device mesh, where it splits layers or sequences: the ranks of each group and
     /// what each rank holds of the model.
+    fn describe_lora(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(lora) = &self.lora else { return Ok(()) };
+        let c = &lora.config;
+        let targets = match &c.target_modules {
+            Some(crate::nn::lora::Targets::Names(names)) => names.join(", "),
+            Some(crate::nn::lora::Targets::Pattern(source, _)) => format!("/{source}/"),
+            Some(crate::nn::lora::Targets::AllLinear) => "all-linear".into(),
+            None => "the family's default".into(),
+        };
+        let scaling = if c.use_rslora { c.lora_alpha / (c.r as f64).sqrt() } else { c.lora_alpha / c.r as f64 };
+        writeln!(
+            f,
+            "lora                r {}, alpha {} (scaling {scaling}{}), dropout {}, on {targets}: only the adapters{} \
+             train, their states sharded as the stage says; the frozen base stays whole on every rank",
+            c.r,
+            c.lora_alpha,
+            if c.use_rslora { ", rslora" } else { "" },
+            c.lora_dropout,
+            if c.modules_to_save.is_empty() { "" } else { " and modules_to_save" },
+        )
+    }
+
     fn describe_mesh(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = &self.mesh;
         if m.is_trivial() {
