@@ -130,6 +130,22 @@ impl AppSettings {
     }
 }
 
+/// Makes `plan` record the adapters a training run trains (what its checkpoints' exports
+/// read back): `adapter`'s own config where one is given (it rules), and the base model
+/// they adapt (`source`'s folder, unless the config names one).
+pub fn record_lora(plan: &mut zerotrain::Plan, adapter: Option<&Path>, source: &HfSource) -> anyhow::Result<()> {
+    if let Some(dir) = adapter {
+        let file = dir.join(zerotrain_models::hf::peft::ADAPTER_CONFIG_FILE);
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file)?)?;
+        plan.lora = Some(zerotrain::config::LoraPlan::from_json(json, &file.display().to_string())?);
+    }
+    if let HfSource::Dir(dir) = source {
+        let base = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+        plan.lora = plan.lora.take().map(|lora| lora.with_base_model(&base.display().to_string()));
+    }
+    Ok(())
+}
+
 /// The adapters a command's model gets: those of `adapter` (a PEFT adapter folder, from its
 /// values), else fresh ones of `plan`'s `zerotrain.lora`, else none. Where both are given,
 /// the folder's `adapter_config.json` rules, and a `zerotrain.lora` that disagrees with it

@@ -234,26 +234,6 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The values of one of the model's buffers (an entry of the manifest's buffer layout),
-    /// verified as they are read; an error for a checkpoint that holds no such buffer.
-    pub fn read_buffer(&self, entry: &LayoutEntry) -> Result<Vec<f32>> {
-        let Some(buffers) = &self.manifest.buffers else {
-            return Err(CheckpointError::Mismatch(format!("{} holds no buffers", self.dir.display())));
-        };
-        if !buffers.layout.contains(entry) {
-            return Err(CheckpointError::Mismatch(format!(
-                "{} holds no buffer `{}` as asked",
-                self.dir.display(),
-                entry.path
-            )));
-        }
-        let mut reader = ShardReader::open(&self.dir, &buffers.file, &["buffers".to_string()])?;
-        let elems = entry.shape.iter().product::<u64>();
-        let mut values = vec![0.0f32; elems as usize];
-        reader.read_f32("buffers", entry.offset..entry.offset + elems, &mut values)?;
-        Ok(values)
-    }
-
     /// The model's buffers, by module path, verified as they are read; `None` for a
     /// checkpoint that holds none (a model without buffers, or format 1-2).
     pub fn read_buffers(&self) -> Result<Option<SavedBuffers>> {

@@ -38,6 +38,9 @@ pub struct Gpt2 {
     /// Its place on a device mesh (the whole model without one).
     #[module(skip)]
     part: MeshPart,
+    /// Its frozen parameters' paths (a LoRA run's base).
+    #[module(skip)]
+    frozen: Vec<String>,
 }
 
 /// One pre-norm block: attention with a fused q/k/v projection, and a tanh-GELU MLP.
@@ -107,6 +110,7 @@ impl Gpt2 {
             },
             values: w.initial_values(),
             part: MeshPart::of(w, shape.vocab_size),
+            frozen: w.frozen_parameters(),
         }
     }
 
@@ -211,6 +215,10 @@ impl UnitModel for Gpt2 {
             .chain(blocks)
             .chain(std::iter::once(UnitSpec::new("head", ["transformer.ln_f"])))
             .collect()
+    }
+
+    fn frozen_parameters(&self) -> Vec<String> {
+        self.frozen.clone()
     }
 
     fn shared(&self) -> Vec<String> {

@@ -41,6 +41,9 @@ pub struct Llama {
     /// Its place on a device mesh (the whole model without one).
     #[module(skip)]
     part: MeshPart,
+    /// Its frozen parameters' paths (a LoRA run's base).
+    #[module(skip)]
+    frozen: Vec<String>,
 }
 
 /// One pre-norm layer.
@@ -133,6 +136,7 @@ impl Llama {
             lm_head: (!shape.tie_word_embeddings).then(|| Dense::vocabulary(w, "lm_head", d, vocab)),
             values: w.initial_values(),
             part: MeshPart::of(w, vocab),
+            frozen: w.frozen_parameters(),
         }
     }
 
@@ -255,6 +259,10 @@ impl UnitModel for Llama {
             .chain(layers)
             .chain(std::iter::once(UnitSpec::new("head", head.iter().copied())))
             .collect()
+    }
+
+    fn frozen_parameters(&self) -> Vec<String> {
+        self.frozen.clone()
     }
 
     fn shared(&self) -> Vec<String> {

@@ -152,6 +152,7 @@ fn hf_job(
     let device = burn::tensor::Device::flex().autodiff();
     device.seed(plan.runtime.seed);
     let wanted = settings.hf_model(&args.config, keys::adapters(plan, args.adapter.as_deref())?)?;
+    keys::record_lora(plan, args.adapter.as_deref(), &wanted.from)?;
     let mut loaded = load_model(&wanted, &args.config, &device, None, plan.runtime.seed)?;
     let rule = (settings.block_size.is_some(), plan.activation_checkpointing);
     let available = zerotrain_models::hf::size::available_memory();

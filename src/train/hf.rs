@@ -173,7 +173,9 @@ pub fn train_hf(
     let seed = plan.runtime.seed;
     let split = |groups: &ParallelGroups, device: &Device| loaded.split(groups, device, seed);
     let (tokenizer, model) = (&loaded.tokenizer, loaded.model.clone());
-    let job = HfJob { plan, settings, options, data: &token_data, tokenizer, files, split: &split, log, progress };
+    let base = loaded.base_fingerprint(seed)?;
+    let job =
+        HfJob { plan, settings, options, data: &token_data, tokenizer, files, base, split: &split, log, progress };
     model.run(job)
 }
 
@@ -201,6 +203,7 @@ struct HfJob<'a> {
     data: &'a TokenData,
     tokenizer: &'a Tokenizer,
     files: Vec<(String, Vec<u8>)>,
+    base: serde_json::Value,
     /// A tensor-parallel rank's part of the model, for its group.
     split: &'a (dyn Fn(&ParallelGroups, &Device) -> anyhow::Result<HfModel> + Sync),
     log: &'a (dyn Fn(&str) + Sync),
@@ -227,7 +230,15 @@ impl WithModel for HfJob<'_> {
             part.into_model::<M>().ok_or_else(|| anyhow::anyhow!("a tensor-parallel part of another family"))
         };
         let split: Option<&task::Splitter<'_, M>> = Some(&family);
-        let task = Task { num_params, init: model, data: self.data, samples: &samples, files: self.files, split };
+        let task = Task {
+            num_params,
+            init: model,
+            data: self.data,
+            samples: &samples,
+            files: self.files,
+            base: self.base,
+            split,
+        };
         train_model(self.plan, self.settings, self.options, task, self.log, self.progress)
     }
 }

@@ -138,7 +138,15 @@ pub fn train_gpt(
     let part = |groups: &ParallelGroups, device: &Device| {
         Gpt::new_split(&shape, device, groups, seed).map_err(anyhow::Error::msg)
     };
-    let task = Task { init, num_params, data: &data, samples: &samples, files, split: Some(&part) };
+    let task = Task {
+        init,
+        num_params,
+        data: &data,
+        samples: &samples,
+        files,
+        base: serde_json::Value::Null,
+        split: Some(&part),
+    };
     train_model(plan, settings, options, task, log, progress)
 }
 
@@ -173,9 +181,22 @@ pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static
     let every = options.save_every.unwrap_or(settings.checkpoint_every);
     let eval_every = settings.eval_every;
     let files = zerotrain_models::family::companions::record(&task.files);
-    let Task { init, num_params: _, data, samples, files: _, split } = task;
-    let job =
-        Job { plan, options, data, samples, split, ckpt_dir, resume_tag, every, eval_every, files, log, progress };
+    let Task { init, num_params: _, data, samples, files: _, base, split } = task;
+    let job = Job {
+        plan,
+        options,
+        data,
+        samples,
+        split,
+        ckpt_dir,
+        resume_tag,
+        every,
+        eval_every,
+        files,
+        base,
+        log,
+        progress,
+    };
     let init = Handout::new(init, plan);
     let results = launch(plan, |ctx| job.run_rank(init.take(), &ctx))?;
     let ranks = results.iter().map(|s| s.ranks[0]).collect();
@@ -199,6 +220,8 @@ struct Job<'a, M> {
     every: u64,
     /// Validation interval in steps.
     eval_every: u64,
+    /// The fingerprint of a LoRA run's frozen base (`Task::base`).
+    base: serde_json::Value,
     /// The checksums of the files beside the checkpoints, which every checkpoint records
     /// (`family::companions`); `Null` for none.
     files: serde_json::Value,
@@ -214,6 +237,8 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         let mut engine = self.trainer(init, ctx)?;
         if let Some(tag) = &self.resume_tag {
             let client = engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
+            let base = &client[zerotrain_models::family::base::KEY];
+            zerotrain_models::family::base::check(base, &self.base).map_err(|e| Error::Resume(e))?;
             let step = engine.counters().global_steps;
             self.data.resume(&client["data"], step).map_err(|e| Error::Resume(format!("{e:#}")))?;
         }
@@ -369,6 +394,9 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         }
         if !self.files.is_null() {
             client[zerotrain_models::family::companions::KEY] = self.files.clone();
+        }
+        if !self.base.is_null() {
+            client[zerotrain_models::family::base::KEY] = self.base.clone();
         }
         engine.save_checkpoint(&self.ckpt_dir, None, client)?;
         Ok(())

@@ -59,6 +59,9 @@ pub struct Task<'a, M> {
     /// Files written into the checkpoints' folder once the run folder is locked (a Hugging
     /// Face family's `config.json` and `tokenizer.json`): (name, contents).
     pub files: Vec<(String, Vec<u8>)>,
+    /// The fingerprint of a LoRA run's frozen base, which every checkpoint records and a
+    /// resume checks (`Null`: nothing frozen).
+    pub base: serde_json::Value,
     /// How a tensor-parallel rank builds its part of the model on its device, where the
     /// model has a tensor-parallel plan (`None`: the engine refuses a tensor-parallel mesh).
     pub split: Option<&'a Splitter<'a, M>>,

@@ -322,7 +322,8 @@ fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
 /// A LoRA run (3 steps at stage 3 on two ranks, GPT-2's Conv1D and a GQA LLaMA) consolidated
 /// with `--merge` is a Hugging Face folder without adapters that scores a text as the base
 /// with the exported adapter does (`eval --adapter`), and as numpy's forward pass of it
-/// does, within 1e-5; `--format hf` without `--merge` says what to use instead.
+/// does, within 1e-5; `--format hf` without `--merge` says what to use instead. With the
+/// base's files changed since, merging and resuming are refused naming a tensor.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn a_merged_export_scores_as_the_base_with_its_adapter() {
@@ -388,6 +389,23 @@ fn a_merged_export_scores_as_the_base_with_its_adapter() {
         }
         let base = score(&super::config(&dir, &hf, 1, 0, ""), None);
         assert!((base - with_adapter).abs() > 1e-4, "{name}: the adapter changes the loss");
+        // The base changed under the run (same shapes, other values): refused by tensor.
+        reference(&[&["make", hf.to_str().unwrap(), "--seed", "2"], args].concat());
+        let again = dir.join(format!("{name}-merged-again"));
+        let out = zerotrain(&[
+            "consolidate",
+            ckpt.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--merge",
+            "--out",
+            again.to_str().unwrap(),
+        ]);
+        let e = text(&out.stderr);
+        assert!(!out.status.success() && e.contains("differs from the one the checkpoint was trained on"), "{e}");
+        let out = zerotrain(&train_args(&trained, &text_file, "4", &run, &["--resume"]));
+        let e = text(&out.stderr);
+        assert!(!out.status.success() && e.contains("frozen base differs") && e.contains("tensor `"), "{e}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -417,5 +435,50 @@ fn config_check_counts_trained_and_frozen_parameters() {
     let bad = lora_config(&dir, "bad", (2, 3, 3, 1), r#"{"target_modules": ["qproj"]}"#);
     let out = zerotrain(&["config", "check", bad.to_str().unwrap()]);
     assert!(!out.status.success() && text(&out.stderr).contains("matches none"), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A LoRA run's checkpoint holds what trains and nothing of the frozen base (no buffers:
+/// the base is built again from its source on resume), so a run stopped at step 2 on a
+/// tensor-parallel mesh of 2 and resumed on one rank trains steps 3 and 4 as a run that
+/// never stopped (losses within 1e-5, adapters within 2e-5): each tensor rank's part of the
+/// base comes from the model, not from a saved slice.
+#[test]
+fn a_lora_checkpoint_holds_no_base_and_resumes_on_another_mesh() {
+    let dir = folder("lora-resume");
+    let (_, tokens) = fresh_llama(&dir, 1, "");
+    let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": true}"#;
+    std::fs::write(dir.join("model-kv2.json"), model).unwrap();
+    let lora = r#"{"r": 2, "lora_alpha": 4, "target_modules": "all-linear", "init_lora_weights": false}"#;
+    let (one, mesh) = (lora_config(&dir, "one", (1, 0, 6, 1), lora), lora_config(&dir, "mesh", (2, 3, 6, 2), lora));
+    let (whole, resumed) = (dir.join("whole"), dir.join("resumed"));
+    run_ok(&train_args(&one, &tokens, "4", &whole, &[]));
+    run_ok(&train_args(&mesh, &tokens, "2", &resumed, &[]));
+    let step2 = resumed.join("checkpoints").join("global_step2");
+    let file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(step2.join("manifest.json")).unwrap()).unwrap();
+    let manifest = &file["manifest"];
+    assert!(manifest["buffers"].is_null(), "the frozen base is not saved: {}", manifest["buffers"]);
+    let layout = manifest["layout"].as_array().unwrap();
+    assert!(layout.len() == 28 && layout.iter().all(|e| e["path"].as_str().unwrap().contains(".adapter.")));
+    assert!(!step2.join(zerotrain_checkpoint::BUFFERS_FILE).exists());
+    run_ok(&train_args(&one, &tokens, "4", &resumed, &["--resume"]));
+    let (a, b) = (super::losses(&whole), super::losses(&resumed));
+    assert_eq!(b.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4], "{b:?}");
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} uninterrupted, {y} resumed off the mesh");
+    }
+    let export = |run: &Path, out: &str| {
+        let out = dir.join(out);
+        let ckpt = run.join("checkpoints");
+        run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", out.to_str().unwrap()]);
+        adapter_tensors(&out)
+    };
+    let (x, y) = (export(&whole, "x"), export(&resumed, "y"));
+    for (name, (_, values)) in &x {
+        let worst = values.iter().zip(&y[name].1).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 2e-5, "{name}: {worst}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

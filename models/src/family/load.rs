@@ -84,6 +84,26 @@ impl LoadedModel {
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.source.display()))
     }
 
+    /// The fingerprint of the frozen base a LoRA run trains on ([`super::base`]), `Null`
+    /// without LoRA; `seed` is the run's (a fresh base's).
+    pub fn base_fingerprint(&self, seed: u64) -> anyhow::Result<serde_json::Value> {
+        struct Frozen;
+        impl super::WithModel for Frozen {
+            type Output = Vec<String>;
+            fn run<M: crate::CausalLm>(self, model: M) -> Vec<String> {
+                model.frozen_parameters()
+            }
+        }
+        if self.lora.is_none() {
+            return Ok(serde_json::Value::Null);
+        }
+        let frozen = self.model.clone().run(Frozen);
+        let alias: fn(&str) -> Option<String> =
+            if matches!(self.config.family, crate::hf::Family::Gpt2(_)) { crate::gpt2::alias } else { |_| None };
+        let dir = self.source.is_dir().then_some(self.source.as_path());
+        super::base::fingerprint(dir, &frozen, alias, seed)
+    }
+
     /// The `config.json` the model was read from: `hf_dir`'s, or `hf_config`.
     pub fn config_file(&self) -> PathBuf {
         if self.source.is_dir() { self.source.join(hf::CONFIG_FILE) } else { self.source.clone() }

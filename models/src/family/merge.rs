@@ -2,9 +2,9 @@
 //! (`zerotrain consolidate --format hf --merge`): each adapted weight becomes
 //! `W + scaling * B A` (transposed for GPT-2's Conv1D, which stores `[in, out]`), in the
 //! stored dtype, a Hugging Face folder `transformers` loads without PEFT. The frozen base
-//! comes from the checkpoint (its buffers), the adapters and `modules_to_save` from its
-//! trained parameters; the folder is written one tensor at a time, so no more of the base is
-//! in memory at once than its largest tensor.
+//! comes from the base model's folder (a checkpoint keeps only what trains), the adapters
+//! and `modules_to_save` from the checkpoint; the folder is written one tensor at a time,
+//! so no more of the base is in memory at once than its largest tensor.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,6 +16,7 @@ use zerotrain_precision::Precision;
 
 use super::export::{Exported, shards, sibling, stored_dtype, write_folder};
 use super::parameter_names;
+use crate::hf::files::TensorFiles;
 use crate::hf::{CONFIG_FILE, Family, HfConfig};
 
 /// Writes the checkpoint `<dir>/<tag>` (or `latest`'s) of a run trained with
@@ -46,16 +47,21 @@ pub fn export_merged(
         .context("the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder)")?;
     let conv = matches!(config.family, Family::Gpt2(_));
     let trained: BTreeMap<&str, &LayoutEntry> = manifest.layout.iter().map(|e| (e.path.as_str(), e)).collect();
-    let frozen: BTreeMap<&str, &LayoutEntry> =
-        manifest.buffers.iter().flat_map(|b| &b.layout).map(|e| (e.path.as_str(), e)).collect();
+    let base = Base::of(&lora, conv, manifest.client_state[super::base::KEY].clone())?;
     let tensors = parameter_names(&config);
     let mut used = 0;
     for (name, shape) in &tensors {
-        let held = trained.get(name.as_str()).or_else(|| frozen.get(name.as_str()));
+        let held = match trained.get(name.as_str()) {
+            Some(e) => Some((e.shape.iter().map(|&d| d as usize).collect(), "the checkpoint".to_string())),
+            None => base.shape(name),
+        };
         match held {
-            None => bail!("the checkpoint holds no tensor `{name}`, which {CONFIG_FILE} needs"),
-            Some(e) if e.shape.iter().map(|&d| d as usize).ne(shape.iter().copied()) => {
-                bail!("the checkpoint's tensor `{name}` has shape {:?}; {CONFIG_FILE} needs {shape:?}", e.shape)
+            None => bail!(
+                "neither the checkpoint nor the base {} holds tensor `{name}`, which {CONFIG_FILE} needs",
+                base.dir
+            ),
+            Some((s, from)) if s != *shape => {
+                bail!("{from}: tensor `{name}` has shape {s:?}; {CONFIG_FILE} needs {shape:?}")
             }
             Some(_) => {}
         }
@@ -82,7 +88,7 @@ pub fn export_merged(
     let value = |name: &str| -> anyhow::Result<Vec<f32>> {
         let mut values = match trained.get(name) {
             Some(entry) => read_master(&ckpt, entry)?,
-            None => ckpt.read_buffer(frozen[name])?,
+            None => base.read(name)?,
         };
         if let Some((a, b)) = factors(&trained, name) {
             let module = name.trim_end_matches(".weight");
@@ -133,6 +139,58 @@ pub fn export_merged(
         let _ = std::fs::remove_dir_all(&partial);
     }
     written
+}
+
+/// The frozen base a LoRA run adapted: the checkpoint keeps only what trains, so its
+/// weights come from the folder the run recorded (`base_model_name_or_path`, which
+/// `zerotrain train` sets to the `hf_dir` it read).
+struct Base {
+    dir: String,
+    files: std::sync::Arc<TensorFiles>,
+    alias: fn(&str) -> Option<String>,
+    /// The fingerprint the checkpoint recorded of the base it trained on.
+    recorded: serde_json::Value,
+}
+
+impl Base {
+    fn of(lora: &LoraConfig, gpt2: bool, recorded: serde_json::Value) -> anyhow::Result<Self> {
+        let named = lora.provenance.get("base_model_name_or_path").and_then(|v| v.as_str()).filter(|s| !s.is_empty());
+        let Some(dir) = named else {
+            bail!(
+                "the run records no base model (zerotrain.lora.base_model_name_or_path): a checkpoint holds only what \
+                 trains, and --merge reads the frozen weights from the base's folder (a model from model.hf_config is \
+                 drawn, not kept: export its adapters with --format peft)"
+            );
+        };
+        let files = TensorFiles::open(Path::new(dir))
+            .with_context(|| format!("--merge reads the frozen weights from the base model {dir}"))?;
+        let alias: fn(&str) -> Option<String> = if gpt2 { crate::gpt2::alias } else { |_| None };
+        Ok(Self { dir: dir.to_string(), files, alias, recorded })
+    }
+
+    fn entry(&self, name: &str) -> Option<&crate::hf::files::TensorEntry> {
+        self.files.get(name).or_else(|| (self.alias)(name).and_then(|a| self.files.get(&a)))
+    }
+
+    /// The shape of the base's tensor `name` and where it is, if it has one.
+    fn shape(&self, name: &str) -> Option<(Vec<usize>, String)> {
+        let entry = self.entry(name)?;
+        Some((entry.shape.clone(), self.files.file_of(entry).display().to_string()))
+    }
+
+    /// The base's tensor `name`, checked against the checkpoint's fingerprint of it.
+    fn read(&self, name: &str) -> anyhow::Result<Vec<f32>> {
+        let entry = self.entry(name).expect("checked by shape");
+        let crc = crc32fast::hash(self.files.bytes(entry));
+        let now = serde_json::json!({ "tensors": { name: crc } });
+        let then = match self.recorded["tensors"].get(name) {
+            Some(recorded) => serde_json::json!({ "tensors": { name: recorded } }),
+            None => serde_json::Value::Null,
+        };
+        super::base::check(&then, &now)
+            .map_err(|e| anyhow::anyhow!("{} ({}): {e}", self.dir, self.files.file_of(entry).display()))?;
+        Ok(self.files.read_f32(entry))
+    }
 }
 
 /// The adapter factors (A, B) the checkpoint trained for the weight `name`, if any.

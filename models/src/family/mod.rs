@@ -3,6 +3,7 @@
 //! loaded with its tokenizer as a config names it ([`load`]), and written back as a Hugging
 //! Face folder ([`export`]).
 
+pub mod base;
 pub mod companions;
 pub mod export;
 pub mod load;

@@ -238,6 +238,21 @@ impl Weights {
         }
     }
 
+    /// The module paths of the parameters asked for so far that are frozen (none without
+    /// LoRA; with it, all but the adapters and `modules_to_save`): the model's
+    /// [`frozen_parameters`](zerotrain::engine::UnitModel::frozen_parameters).
+    pub fn frozen_parameters(&self) -> Vec<String> {
+        if self.lora.is_none() {
+            return Vec::new();
+        }
+        let asked = self.asked.borrow();
+        asked
+            .iter()
+            .filter(|(n, _)| super::peft::tensor_name(n).is_none() && !self.trains(n))
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
     /// Whether the parameter at `name` trains: every one without LoRA; with it, only those
     /// of `modules_to_save` (adapters are made by [`adapter`](Self::adapter)).
     fn trains(&self, name: &str) -> bool {

@@ -22,6 +22,11 @@
 //!
 //! Buffers stay whole on every rank at every stage (they are not sharded) and are saved in
 //! checkpoints and consolidated files by module path.
+//!
+//! The model's frozen parameters ([`UnitModel::frozen_parameters`](super::UnitModel::frozen_parameters):
+//! a LoRA run's base) are buffers that nothing changes: they are put in place once, at the
+//! build (broadcast, as every buffer), and never averaged, snapshotted or saved, so that a
+//! step reads none of them to the host and a checkpoint holds only what trains.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData};
@@ -39,6 +44,8 @@ pub(crate) struct BufferEntry {
     pub path: String,
     pub shape: Vec<usize>,
     pub unit: Option<usize>,
+    /// A frozen parameter (module note): never averaged, snapshotted or saved.
+    pub frozen: bool,
 }
 
 impl BufferEntry {
@@ -63,14 +70,16 @@ pub(crate) struct Snapshot {
 }
 
 impl Buffers {
-    /// Finds `model`'s buffers; `unit_of(path)` says which engine unit holds each. `seed`
-    /// is the run's, for the parameters still lazy when buffers are read.
-    pub fn scan<M: Module>(model: &M, seed: u64, unit_of: impl Fn(&str) -> Option<usize>) -> Self {
+    /// Finds `model`'s buffers; `unit_of(path)` says which engine unit holds each, `frozen`
+    /// the module paths of the frozen parameters among them. `seed` is the run's, for the
+    /// parameters still lazy when buffers are read.
+    pub fn scan<M: Module>(model: &M, seed: u64, unit_of: impl Fn(&str) -> Option<usize>, frozen: &[String]) -> Self {
         let (mut entries, mut position) = (Vec::new(), 0);
         for_each_float(model, |float| {
             if !float.trainable {
                 let path = float.path.to_string();
-                entries.push(BufferEntry { unit: unit_of(&path), position, path, shape: float.shape.to_vec() });
+                let frozen = frozen.iter().any(|f| super::model::under(f, &path));
+                entries.push(BufferEntry { unit: unit_of(&path), position, path, shape: float.shape.to_vec(), frozen });
             }
             position += 1;
         });
@@ -99,27 +108,55 @@ impl Buffers {
         drop(model.valid());
     }
 
+    /// The buffers a checkpoint saves (all but the frozen parameters), in visit order.
+    pub fn saved(&self) -> impl Iterator<Item = &BufferEntry> {
+        self.entries.iter().filter(|e| !e.frozen)
+    }
+
     /// The values of the buffers `pick` selects, in f32, back to back in visit order; the
-    /// others read as zeros when `zeros_elsewhere`, else are skipped.
+    /// others read as zeros when `zeros_elsewhere`, else are skipped. Frozen parameters
+    /// are neither read nor given zeros unless `pick` selects them.
     pub fn read<M: Module>(
         &self,
         model: &M,
         pick: impl Fn(&BufferEntry) -> bool,
         zeros_elsewhere: bool,
     ) -> Result<Vec<f32>> {
-        if self.entries.is_empty() {
+        self.read_among(model, |_| true, pick, zeros_elsewhere)
+    }
+
+    /// [`read`](Self::read) over the saved buffers alone (the zeros too).
+    pub fn read_saved<M: Module>(
+        &self,
+        model: &M,
+        pick: impl Fn(&BufferEntry) -> bool,
+        zeros_elsewhere: bool,
+    ) -> Result<Vec<f32>> {
+        self.read_among(model, |e| !e.frozen, pick, zeros_elsewhere)
+    }
+
+    fn read_among<M: Module>(
+        &self,
+        model: &M,
+        among: impl Fn(&BufferEntry) -> bool,
+        pick: impl Fn(&BufferEntry) -> bool,
+        zeros_elsewhere: bool,
+    ) -> Result<Vec<f32>> {
+        let pick = |e: &BufferEntry| among(e) && pick(e);
+        let zeros = |e: &BufferEntry| zeros_elsewhere && among(e);
+        if !self.entries.iter().any(|e| pick(e) || zeros(e)) {
             return Ok(Vec::new()); // nothing to read, and no parameter to initialise
         }
         self.flush(model);
-        struct Reader<'a, F> {
+        struct Reader<'a, F, Z> {
             entries: std::iter::Peekable<std::slice::Iter<'a, BufferEntry>>,
             pick: F,
-            zeros: bool,
+            zeros: Z,
             position: usize,
             out: Vec<f32>,
             error: Option<Error>,
         }
-        impl<F: Fn(&BufferEntry) -> bool> ModuleVisitor for Reader<'_, F> {
+        impl<F: Fn(&BufferEntry) -> bool, Z: Fn(&BufferEntry) -> bool> ModuleVisitor for Reader<'_, F, Z> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let position = self.position;
                 self.position += 1;
@@ -135,19 +172,13 @@ impl Buffers {
                             self.error.get_or_insert(Error::Model(what));
                         }
                     }
-                } else if self.zeros {
+                } else if (self.zeros)(entry) {
                     self.out.resize(self.out.len() + entry.num_elems(), 0.0);
                 }
             }
         }
-        let mut reader = Reader {
-            entries: self.entries.iter().peekable(),
-            pick,
-            zeros: zeros_elsewhere,
-            position: 0,
-            out: Vec::new(),
-            error: None,
-        };
+        let mut reader =
+            Reader { entries: self.entries.iter().peekable(), pick, zeros, position: 0, out: Vec::new(), error: None };
         model.visit(&mut reader);
         reader.error.map_or(Ok(reader.out), Err)
     }
@@ -189,33 +220,36 @@ impl Buffers {
         model.map(&mut writer)
     }
 
-    /// Makes every rank's buffers the average over `group` (module note).
+    /// Makes every rank's buffers the average over `group` (module note); frozen parameters
+    /// are left as they are.
     pub fn average<M: Module>(&self, model: M, group: &dyn Collective) -> Result<M> {
-        if self.entries.is_empty() || group.world_size() == 1 {
+        if self.saved().next().is_none() || group.world_size() == 1 {
             return Ok(model);
         }
-        let mine = self.read(&model, |_| true, false)?;
+        let mine = self.read_saved(&model, |_| true, false)?;
         let mut reference = mine.clone();
         group.broadcast((&mut reference).into(), 0)?;
         let mut deltas: Vec<f32> = mine.iter().zip(&reference).map(|(x, r)| x - r).collect();
         group.all_reduce(BufMut::F32(&mut deltas), ReduceOp::Sum)?;
         let n = group.world_size() as f32;
         let averaged: Vec<f32> = reference.iter().zip(&deltas).map(|(r, d)| r + d / n).collect();
-        Ok(self.write(model, &averaged, |_| true))
+        Ok(self.write(model, &averaged, |e| !e.frozen))
     }
 
-    /// Unit `unit`'s buffer values, to put back with [`restore`](Self::restore); `None` for
-    /// a unit without buffers (nothing to put back).
+    /// Unit `unit`'s buffer values (but its frozen parameters', which nothing changes), to
+    /// put back with [`restore`](Self::restore); `None` for a unit without such buffers
+    /// (nothing to put back).
     pub fn snapshot<M: Module>(&self, model: &M, unit: usize) -> Result<Option<Snapshot>> {
-        if !self.entries.iter().any(|e| e.unit == Some(unit)) {
+        let mine = |e: &BufferEntry| e.unit == Some(unit) && !e.frozen;
+        if !self.entries.iter().any(mine) {
             return Ok(None);
         }
-        let values = self.read(model, |e| e.unit == Some(unit), false)?;
+        let values = self.read(model, mine, false)?;
         Ok(Some(Snapshot { unit, values }))
     }
 
     /// Puts a unit's buffers back as `snapshot` found them.
     pub fn restore<M: Module>(&self, model: M, snapshot: Snapshot) -> M {
-        self.write(model, &snapshot.values, |e| e.unit == Some(snapshot.unit))
+        self.write(model, &snapshot.values, |e| e.unit == Some(snapshot.unit) && !e.frozen)
     }
 }

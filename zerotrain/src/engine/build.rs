@@ -87,7 +87,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         }
         let (model, params, index) = prepare(self.model, self.ctx, self.plan.runtime.seed)?;
         let sharding = Sharding::single(params, self.plan.world_size(), ALIGN_ELEMS)?;
-        let buffers = Buffers::scan(&model, self.plan.runtime.seed, |_| Some(0));
+        let buffers = Buffers::scan(&model, self.plan.runtime.seed, |_| Some(0), &[]);
         let span = Span::whole(self.plan.world_size());
         let parts = Parts { comm: self.ctx.collective(), sharding, index, buffers, span, tensor: None };
         let (plan, ctx) = (self.plan, self.ctx);
@@ -120,9 +120,12 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let specs = model.units();
         let paths: Vec<String> = params.iter().map(|(path, _)| path.clone()).collect();
         // Buffers belong to the unit whose module holds them, else to the root.
-        let buffers = Buffers::scan(&model, plan.runtime.seed, |path| {
-            Some(specs.iter().position(|s| claims(s, path)).unwrap_or(specs.len()))
-        });
+        let buffers = Buffers::scan(
+            &model,
+            plan.runtime.seed,
+            |path| Some(specs.iter().position(|s| claims(s, path)).unwrap_or(specs.len())),
+            &model.frozen_parameters(),
+        );
         let frozen: Vec<String> = buffers.entries().iter().map(|e| e.path.clone()).collect();
         let (unit_of, names) = group(&paths, &frozen, &specs)?;
         let root_paths = unshared_root(&paths, &unit_of, &specs, &model.shared(), &frozen)?;

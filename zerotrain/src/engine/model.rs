@@ -121,6 +121,16 @@ pub trait UnitModel: Module {
         None
     }
 
+    /// Module paths of the model's frozen parameters: float tensors under them that do not
+    /// train and that no forward updates (a LoRA run's base), unlike running statistics.
+    /// The engine leaves them as the model holds them: it does not average them over the
+    /// ranks, put them back after a recomputed forward, or save them in checkpoints (a
+    /// resumed run builds them again, as the first run did, so a checkpoint holds what
+    /// trains). Default: none (every float tensor that does not train is a buffer).
+    fn frozen_parameters(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// The model's split over a tensor-parallel group, where it was built as one rank's
     /// part (Megatron's plan: [`crate::nn::parallel`]): the group and each split
     /// parameter's cut. An engine whose plan has a tensor-parallel mesh

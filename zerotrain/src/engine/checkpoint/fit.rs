@@ -10,12 +10,12 @@ use crate::{Error, Result};
 
 impl<M: Module> Engine<M> {
     /// The checkpoint's buffer values in this model's buffer order, checked to be this
-    /// model's buffers (by path and shape); `None` when the checkpoint holds none.
+    /// model's saved buffers (by path and shape: all but its frozen parameters); `None` when
+    /// the checkpoint holds none.
     pub(super) fn check_buffers(&self, ckpt: &Checkpoint, saved: Option<SavedBuffers>) -> Result<Option<Vec<f32>>> {
         let Some(saved) = saved else { return Ok(None) };
-        let live: Vec<(String, Vec<u64>)> = (self.buffers.entries().iter())
-            .map(|e| (e.path.clone(), e.shape.iter().map(|&d| d as u64).collect()))
-            .collect();
+        let live: Vec<(String, Vec<u64>)> =
+            (self.buffers.saved()).map(|e| (e.path.clone(), e.shape.iter().map(|&d| d as u64).collect())).collect();
         let stored: Vec<(String, Vec<u64>)> = saved.iter().map(|(e, _)| (e.path.clone(), e.shape.clone())).collect();
         if live != stored {
             return Err(mismatch(format!("{}'s buffers do not fit this model", ckpt.dir().display()), &live, &stored));

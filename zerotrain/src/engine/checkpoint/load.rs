@@ -134,9 +134,9 @@ impl<M: Module> Engine<M> {
         match buffers {
             Some(values) => {
                 let model = self.model.clone();
-                self.model = self.buffers.write(model, &values, |_| true);
+                self.model = self.buffers.write(model, &values, |e| !e.frozen);
             }
-            None if !self.buffers.entries().is_empty() => self.notices.warn(format!(
+            None if self.buffers.saved().next().is_some() => self.notices.warn(format!(
                 "{} holds no buffers (it was written before checkpoints kept them): the model's running \
                  statistics keep the values they had",
                 ckpt.dir().display()

@@ -71,17 +71,16 @@ impl<M: Module> Engine<M> {
         e.unit.is_some_and(|u| self.granularity.root() != Some(u) || self.span.counts_root())
     }
 
-    /// Every buffer's values (each from the stage that holds it) and their layout.
+    /// Every saved buffer's values (each from the stage that holds it) and their layout:
+    /// all but the frozen parameters, which a resumed run builds again.
     fn stage_buffers(&self) -> Result<(Vec<LayoutEntry>, Vec<f32>)> {
-        let entries = self.buffers.entries();
-        if entries.is_empty() {
+        if self.buffers.saved().next().is_none() {
             return Ok((Vec::new(), Vec::new()));
         }
-        let mut values = self.buffers.read(&self.model, |e| self.counts_buffer(e), true)?;
+        let mut values = self.buffers.read_saved(&self.model, |e| self.counts_buffer(e), true)?;
         self.span.sum_over_stages((&mut values).into())?;
         let mut offset = 0;
-        let layout = entries
-            .iter()
+        let layout = (self.buffers.saved())
             .map(|e| {
                 let entry =
                     LayoutEntry { path: e.path.clone(), shape: e.shape.iter().map(|&d| d as u64).collect(), offset };
