@@ -118,12 +118,23 @@ fn adapter_gradients_match_numpy_differences_for_gpt2_and_llama() {
 
 /// A config training `model.json` with `lora` on `world` ranks at `stage`, `micro` sequences
 /// per rank (a global batch of 6), on a mesh of `tp`.
-fn lora_config(dir: &Path, name: &str, (world, stage, micro, tp): (usize, u8, usize, usize), lora: &str) -> PathBuf {
+fn lora_config(dir: &Path, name: &str, layout: (usize, u8, usize, usize), lora: &str) -> PathBuf {
+    lora_config_with(dir, name, layout, lora, "")
+}
+
+/// [`lora_config`] with `zero` added to its `zero_optimization` section (offload tiers).
+fn lora_config_with(
+    dir: &Path,
+    name: &str,
+    (world, stage, micro, tp): (usize, u8, usize, usize),
+    lora: &str,
+    zero: &str,
+) -> PathBuf {
     let config = dir.join(format!("{name}.json"));
     let mesh = if tp > 1 { format!(r#", "mesh": {{"tp": {tp}}}"#) } else { String::new() };
     let json = format!(
         r#"{{"train_batch_size": 6, "train_micro_batch_size_per_gpu": {micro},
-            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
+            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0{zero}}},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 0.02}}}},
             "zerotrain": {{"world_size": {world}, "eval_every": 100, "lora": {lora}{mesh}}},
             "model": {{"hf_config": "model-kv2.json", "tokenizer": "tokenizer.json", "block_size": 8}}}}"#
@@ -147,7 +158,8 @@ fn adapter_tensors(dir: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
 
 /// LoRA on every linear layer trains the same run (losses within 1e-5, adapters within 2e-5
 /// after 3 AdamW steps) at stages 0-3, on 1, 2 and 3 ranks, with 1 and 3 micro-batches per
-/// step, and on a tensor-parallel mesh of 2 against the unsplit run; the checkpoint holds the
+/// step, with the optimizer state in host memory and on NVMe and the stage-3 shards on NVMe,
+/// and on a tensor-parallel mesh of 2 against the unsplit run; the checkpoint holds the
 /// adapters alone, which `consolidate --format peft` writes under PEFT's names and shapes,
 /// with an `adapter_config.json` that reads back as the config trained.
 #[test]
@@ -158,11 +170,31 @@ fn lora_trains_the_same_run_at_every_stage_world_size_accumulation_and_mesh() {
         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": true}"#;
     std::fs::write(dir.join("model-kv2.json"), model).unwrap();
     let lora = r#"{"r": 2, "lora_alpha": 4, "target_modules": "all-linear", "init_lora_weights": false}"#;
-    let layouts = [(1, 0, 6, 1), (1, 3, 2, 1), (2, 1, 3, 1), (2, 3, 1, 1), (3, 2, 2, 1), (3, 3, 2, 1), (2, 0, 6, 2)];
+    let nvme = |what: &str| format!(r#""nvme_path": {:?}"#, dir.join(what).display().to_string());
+    let tiers = [
+        String::new(),
+        r#", "offload_optimizer": {"device": "cpu"}"#.to_string(),
+        format!(
+            r#", "offload_optimizer": {{"device": "nvme", {}}}, "offload_param": {{"device": "nvme", {}}}"#,
+            nvme("opt"),
+            nvme("param")
+        ),
+    ];
+    let layouts = [
+        ((1, 0, 6, 1), 0),
+        ((1, 3, 2, 1), 0),
+        ((2, 1, 3, 1), 0),
+        ((2, 3, 1, 1), 0),
+        ((3, 2, 2, 1), 0),
+        ((3, 3, 2, 1), 0),
+        ((2, 0, 6, 2), 0),
+        ((2, 2, 3, 1), 1),
+        ((2, 3, 3, 1), 2),
+    ];
     let mut runs = Vec::new();
-    for layout in layouts {
-        let name = format!("w{}-s{}-m{}-tp{}", layout.0, layout.1, layout.2, layout.3);
-        let config = lora_config(&dir, &name, layout, lora);
+    for (layout, tier) in layouts {
+        let name = format!("w{}-s{}-m{}-tp{}-t{tier}", layout.0, layout.1, layout.2, layout.3);
+        let config = lora_config_with(&dir, &name, layout, lora, &tiers[tier]);
         let run = dir.join(format!("run-{name}"));
         run_ok(&train_args(&config, &tokens, "3", &run, &[]));
         let out = dir.join(format!("peft-{name}"));
@@ -480,5 +512,111 @@ fn a_lora_checkpoint_holds_no_base_and_resumes_on_another_mesh() {
         let worst = values.iter().zip(&y[name].1).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst <= 2e-5, "{name}: {worst}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `lora_dropout` drops the adapters' input while training only: a run with dropout 0.5
+/// trains other adapters than one without (the same seed, the same data), while scoring one
+/// adapter with and without dropout in its config gives the same loss.
+#[test]
+fn lora_dropout_acts_in_training_only() {
+    let dir = folder("lora-dropout");
+    let (_, tokens) = fresh_llama(&dir, 1, "");
+    std::fs::write(
+        dir.join("model-kv2.json"),
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let with = |dropout: f64| {
+        format!(r#"{{"r": 2, "target_modules": "all-linear", "init_lora_weights": false, "lora_dropout": {dropout}}}"#)
+    };
+    let mut trained = Vec::new();
+    for (name, dropout) in [("none", 0.0), ("half", 0.5)] {
+        let config = lora_config(&dir, name, (1, 0, 6, 1), &with(dropout));
+        let run = dir.join(format!("run-{name}"));
+        run_ok(&train_args(&config, &tokens, "2", &run, &[]));
+        trained.push((config, super::losses(&run), run));
+    }
+    let (first, second) = (&trained[0].1, &trained[1].1);
+    assert!((first[0].1 - second[0].1).abs() > 1e-4, "dropout changes the training loss: {first:?} {second:?}");
+    let adapter = dir.join("adapter");
+    let ckpt = trained[0].2.join("checkpoints");
+    run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", adapter.to_str().unwrap()]);
+    let text_file = dir.join("text.txt");
+    let score = |config: &Path| {
+        let printed = run_ok(&[
+            "eval",
+            "--config",
+            config.to_str().unwrap(),
+            "--text",
+            text_file.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--json",
+        ]);
+        super::number(&printed, "loss")
+    };
+    // The adapter's own config rules; the dropout there is set to each value in turn.
+    let config_file = adapter.join(peft::ADAPTER_CONFIG_FILE);
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_file).unwrap()).unwrap();
+    let plain = lora_config(&dir, "plain", (1, 0, 6, 1), "null");
+    let a = score(&plain);
+    json["lora_dropout"] = serde_json::json!(0.5);
+    std::fs::write(&config_file, json.to_string()).unwrap();
+    let b = score(&plain);
+    assert_eq!(a, b, "evaluation does not drop");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `modules_to_save` trains whole modules beside the adapters, named by PEFT's rule (a path
+/// ending in the name: `norm` is every RMSNorm); the checkpoint and the PEFT export hold
+/// them (`base_model.model.<path>`), and an adapter read back with them scores as the
+/// checkpoint does.
+#[test]
+fn modules_to_save_train_whole_and_travel_with_the_adapter() {
+    let dir = folder("lora-save");
+    let (_, tokens) = fresh_llama(&dir, 1, "");
+    std::fs::write(
+        dir.join("model-kv2.json"),
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 280, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let lora = r#"{"r": 2, "target_modules": ["q_proj"], "modules_to_save": ["norm"]}"#;
+    let config = lora_config(&dir, "save", (2, 3, 3, 1), lora);
+    let run = dir.join("run");
+    run_ok(&train_args(&config, &tokens, "3", &run, &[]));
+    let adapter = dir.join("adapter");
+    let ckpt = run.join("checkpoints");
+    run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", adapter.to_str().unwrap()]);
+    let tensors = adapter_tensors(&adapter);
+    let names: Vec<&str> = tensors.keys().map(String::as_str).collect();
+    for norm in
+        ["model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]
+    {
+        let name = format!("{}{norm}", peft::PREFIX);
+        let (_, values) = &tensors[&name];
+        assert!(values.iter().any(|v| (v - 1.0).abs() > 1e-4), "{norm} trained off its ones: {values:?}");
+    }
+    assert_eq!(names.len(), 2 * 2 + 5, "two q_proj adapters and five norms: {names:?}");
+    let text_file = dir.join("text.txt");
+    let plain = lora_config(&dir, "plain", (1, 0, 6, 1), "null");
+    let eval = |extra: [&str; 2], config: &Path| {
+        let printed = run_ok(&[
+            "eval",
+            "--config",
+            config.to_str().unwrap(),
+            "--text",
+            text_file.to_str().unwrap(),
+            extra[0],
+            extra[1],
+            "--json",
+        ]);
+        super::number(&printed, "loss")
+    };
+    let from_checkpoint = eval(["--checkpoint", run.to_str().unwrap()], &config);
+    let from_adapter = eval(["--adapter", adapter.to_str().unwrap()], &plain);
+    assert!((from_checkpoint - from_adapter).abs() <= 1e-6 * from_checkpoint, "{from_checkpoint} vs {from_adapter}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -253,6 +253,48 @@ impl Weights {
             .collect()
     }
 
+    /// A `modules_to_save` parameter the adapter's files hold (PEFT saves them as
+    /// `base_model.model.<path>`): this rank's slice of it, read now (the engine reads an
+    /// initialised parameter from the model, not from the base's files), and the base's own
+    /// tensor counted as used. `None` where there is no such tensor.
+    fn saved_in_adapter<const D: usize>(
+        &self,
+        name: &str,
+        whole: [usize; D],
+        split: Split,
+    ) -> Option<Param<Tensor<D>>> {
+        let lora = self.lora.as_ref()?;
+        let files = lora.files.as_ref()?;
+        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
+        let peft = format!("{}{name}", super::peft::PREFIX);
+        let entry = files.get(&peft).filter(|_| lora.config.saves(module))?;
+        lora.used.borrow_mut().insert(peft.clone());
+        if let Some(base) = &self.files {
+            let own = base
+                .get(name)
+                .map(|_| name.to_string())
+                .or_else(|| (self.alias)(name).filter(|a| base.get(a).is_some()));
+            self.used.borrow_mut().extend(own);
+        }
+        if entry.shape != whole || check_float(entry).is_err() {
+            let at = files.file_of(entry).display();
+            self.refuse(format!(
+                "{at}: tensor `{peft}` has shape {:?} ({:?}); the model needs {whole:?} (float)",
+                entry.shape, entry.dtype
+            ));
+            return Some(Initializer::Zeros.init(whole, &self.device));
+        }
+        let tensor = Tensor::<D>::from_data(TensorData::new(files.read_f32(entry), whole), &self.device);
+        let (rank, n) = (self.tp.rank(), self.tp.size());
+        Some(match split.slice(tensor, rank, n, name) {
+            Ok(tensor) => Param::from_tensor(tensor),
+            Err(e) => {
+                self.refuse(e.to_string());
+                Initializer::Zeros.init(whole, &self.device)
+            }
+        })
+    }
+
     /// Whether the parameter at `name` trains: every one without LoRA; with it, only those
     /// of `modules_to_save` (adapters are made by [`adapter`](Self::adapter)).
     fn trains(&self, name: &str) -> bool {
@@ -307,6 +349,9 @@ impl Weights {
         };
         if n > 1 && split != Split::Whole {
             self.splits.borrow_mut().insert(name.to_string(), split);
+        }
+        if let Some(param) = self.saved_in_adapter(name, whole, split) {
+            return param;
         }
         let param = match (&self.files, self.seed) {
             (Some(files), _) => self.read(files, name, whole, split),
@@ -424,7 +469,7 @@ impl Weights {
                     let at = files.file_of(files.get(first).expect("listed")).display();
                     self.refuse(format!(
                         "{at}: tensor `{first}` has no place in the model ({} such tensor(s)): is the adapter for \
-                         another base, or does it hold modules_to_save weights (not read from adapters yet)?",
+                         another base, or its adapter_config.json another adapter's?",
                         extra.len()
                     ));
                 }

@@ -105,7 +105,9 @@ impl SwapDir {
             options.custom_flags(libc::O_DIRECT);
         }
         let file = options.open(&path).map_err(|cause| Error::Io { path: path.clone(), cause })?;
-        let bytes = (elems.next_multiple_of(ALIGN_ELEMS) * size_of::<f32>()) as u64;
+        // At least one page: a request is whole pages (an empty one too: a unit whose range
+        // on this rank holds nothing, such as a tied embedding's, still reads and writes).
+        let bytes = (elems.max(1).next_multiple_of(ALIGN_ELEMS) * size_of::<f32>()) as u64;
         file.set_len(bytes).map_err(|cause| Error::Io { path: path.clone(), cause })?;
         let inode = file.metadata().map_err(|cause| Error::Io { path: path.clone(), cause })?.ino();
         Ok(SwapFile { path: Arc::new(path), file: Arc::new(file), bytes, inode, io: Arc::clone(&self.io) })
@@ -302,6 +304,21 @@ mod tests {
             assert_eq!(bits(&direct), bits(&packed), "{dtype:?}");
             assert_eq!(unpack(direct.as_slice(), dtype, values.len()), flat, "{dtype:?}");
         }
+    }
+
+    /// A file for an empty range (a unit holding nothing on this rank) takes an empty
+    /// write and read, as a range of any length does: it was a panic (the request is a
+    /// whole page, the file was none).
+    #[test]
+    fn an_empty_range_reads_and_writes_nothing_without_failing() {
+        let root = scratch("empty");
+        let dir = SwapDir::open(&root, "optimizer", "rank0", aio()).unwrap();
+        let file = dir.file("u0.master", 0).unwrap();
+        file.write_slice(0, &[]).unwrap();
+        assert_eq!(file.read_vec(0..0).unwrap(), Vec::<f32>::new());
+        drop(file);
+        drop(dir);
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     /// Values written in tiles through several threads come back bit for bit, from any
