@@ -238,7 +238,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         if let Some(tag) = &self.resume_tag {
             let client = engine.load_checkpoint(&self.ckpt_dir, tag.as_deref(), LoadOptions::default())?;
             let base = &client[zerotrain_models::family::base::KEY];
-            zerotrain_models::family::base::check(base, &self.base).map_err(|e| Error::Resume(e))?;
+            zerotrain_models::family::base::check(base, &self.base).map_err(Error::Resume)?;
             let step = engine.counters().global_steps;
             self.data.resume(&client["data"], step).map_err(|e| Error::Resume(format!("{e:#}")))?;
         }

@@ -24,6 +24,7 @@ use zerotrain::nn::parallel::ParallelGroups;
 
 /// A built-in model of either family.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant, reason = "one per rank, moved a few times while it is built")]
 pub enum HfModel {
     /// GPT-2.
     Gpt2(Gpt2),
