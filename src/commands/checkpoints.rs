@@ -44,6 +44,7 @@ pub struct ConsolidateArgs {
 
 /// `zerotrain consolidate`.
 pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
+    use zerotrain_models::family;
     let ConsolidateArgs { dir, tag, out, dtype, format, max_shard_size, hf_config, merge } = args;
     if merge && format != "hf" {
         bail!("--merge writes a Hugging Face folder: give it with --format hf");
@@ -61,24 +62,8 @@ pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
         "safetensors" => {}
         "hf" => {
             let max = parse_size(&max_shard_size)?;
-            let e = match merge {
-                true => zerotrain_models::family::merge::export_merged(
-                    &dir,
-                    tag.as_deref(),
-                    &out,
-                    dtype,
-                    max,
-                    hf_config.as_deref(),
-                )?,
-                false => zerotrain_models::family::export::export(
-                    &dir,
-                    tag.as_deref(),
-                    &out,
-                    dtype,
-                    max,
-                    hf_config.as_deref(),
-                )?,
-            };
+            let export = if merge { family::merge::export_merged } else { family::export::export };
+            let e = export(&dir, tag.as_deref(), &out, dtype, max, hf_config.as_deref())?;
             println!(
                 "wrote {}: {} tensors, {} bytes ({}) in {} shard(s), config.json and the tokenizer; peak RSS {}",
                 out.display(),

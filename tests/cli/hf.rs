@@ -818,4 +818,4 @@ fn generated_ids_the_tokenizer_has_no_token_for_are_named() {
 }
 
 #[path = "lora.rs"]
-mod lora;
+pub(crate) mod lora;

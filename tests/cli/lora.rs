@@ -23,6 +23,14 @@ fn lora_reference(args: &[&str]) -> String {
     text(&out.stdout)
 }
 
+/// `zerotrain eval --json`'s loss of `config`'s model on the text file `text`, `extra`
+/// (`--adapter DIR`, `--checkpoint DIR`) added.
+pub(crate) fn text_loss(config: &Path, text: &Path, extra: &[&str]) -> f64 {
+    let mut args = vec!["eval", "--config", config.to_str().unwrap(), "--text", text.to_str().unwrap(), "--json"];
+    args.extend(extra);
+    super::number(&run_ok(&args), "loss")
+}
+
 /// The loss of `tokens` `[1, n]` and the gradient of every float tensor that got one, by
 /// PEFT's name (adapters) or module path (anything else: it should have none).
 struct Gradients(Tensor<2, Int>);
@@ -309,17 +317,7 @@ fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
         let want = case["peft_loss"].as_f64().unwrap();
         for (world, stage) in [(1, 0), (2, 3)] {
             let config = super::config(&dir, &hf, world, stage, "");
-            let printed = run_ok(&[
-                "eval",
-                "--config",
-                config.to_str().unwrap(),
-                "--text",
-                text_file.to_str().unwrap(),
-                "--adapter",
-                adapter.to_str().unwrap(),
-                "--json",
-            ]);
-            let got = super::number(&printed, "loss");
+            let got = text_loss(&config, &text_file, &["--adapter", adapter.to_str().unwrap()]);
             assert!((got - want).abs() / want < 1e-5, "{name} on {world} rank(s): {got} vs PEFT's {want}");
         }
         // PEFT's own adapter_config.json, beside the same tensors.
@@ -331,17 +329,7 @@ fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
         // PEFT writes "all-linear" resolved into the layers' names; the rest is as given.
         assert_eq!(theirs.config.first_difference(&ours.config).filter(|k| *k != "target_modules"), None, "{name}");
         let config = super::config(&dir, &hf, 1, 0, "");
-        let printed = run_ok(&[
-            "eval",
-            "--config",
-            config.to_str().unwrap(),
-            "--text",
-            text_file.to_str().unwrap(),
-            "--adapter",
-            saved.to_str().unwrap(),
-            "--json",
-        ]);
-        let got = super::number(&printed, "loss");
+        let got = text_loss(&config, &text_file, &["--adapter", saved.to_str().unwrap()]);
         assert!((got - want).abs() / want < 1e-5, "{name} with PEFT's config: {got} vs {want}");
         let names: Vec<String> = adapter_tensors(&adapter).into_keys().collect();
         let peft_names: Vec<String> =
@@ -399,16 +387,9 @@ fn a_merged_export_scores_as_the_base_with_its_adapter() {
             dir.join("x").to_str().unwrap(),
         ]);
         assert!(text(&out.stderr).contains("--merge"), "{}", text(&out.stderr));
-        let score = |config: &Path, adapter: Option<&Path>| {
-            let mut args =
-                vec!["eval", "--config", config.to_str().unwrap(), "--text", text_file.to_str().unwrap(), "--json"];
-            if let Some(a) = adapter {
-                args.extend(["--adapter", a.to_str().unwrap()]);
-            }
-            super::number(&run_ok(&args), "loss")
-        };
-        let with_adapter = score(&super::config(&dir, &hf, 1, 0, ""), Some(&adapter));
-        let merged_loss = score(&super::config(&dir, &merged, 1, 0, ""), None);
+        let with_adapter =
+            text_loss(&super::config(&dir, &hf, 1, 0, ""), &text_file, &["--adapter", adapter.to_str().unwrap()]);
+        let merged_loss = text_loss(&super::config(&dir, &merged, 1, 0, ""), &text_file, &[]);
         let numpy = super::number(
             &reference(&["loss", merged.to_str().unwrap(), text_file.to_str().unwrap(), "--context", "16"]),
             "loss",
@@ -419,7 +400,7 @@ fn a_merged_export_scores_as_the_base_with_its_adapter() {
                 "{name}: {what} {got}, base + adapter {with_adapter}"
             );
         }
-        let base = score(&super::config(&dir, &hf, 1, 0, ""), None);
+        let base = text_loss(&super::config(&dir, &hf, 1, 0, ""), &text_file, &[]);
         assert!((base - with_adapter).abs() > 1e-4, "{name}: the adapter changes the loss");
         // The base changed under the run (same shapes, other values): refused by tensor.
         reference(&[&["make", hf.to_str().unwrap(), "--seed", "2"], args].concat());
@@ -544,19 +525,7 @@ fn lora_dropout_acts_in_training_only() {
     let ckpt = trained[0].2.join("checkpoints");
     run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "peft", "--out", adapter.to_str().unwrap()]);
     let text_file = dir.join("text.txt");
-    let score = |config: &Path| {
-        let printed = run_ok(&[
-            "eval",
-            "--config",
-            config.to_str().unwrap(),
-            "--text",
-            text_file.to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
-            "--json",
-        ]);
-        super::number(&printed, "loss")
-    };
+    let score = |config: &Path| text_loss(config, &text_file, &["--adapter", adapter.to_str().unwrap()]);
     // The adapter's own config rules; the dropout there is set to each value in turn.
     let config_file = adapter.join(peft::ADAPTER_CONFIG_FILE);
     let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_file).unwrap()).unwrap();
@@ -602,21 +571,8 @@ fn modules_to_save_train_whole_and_travel_with_the_adapter() {
     assert_eq!(names.len(), 2 * 2 + 5, "two q_proj adapters and five norms: {names:?}");
     let text_file = dir.join("text.txt");
     let plain = lora_config(&dir, "plain", (1, 0, 6, 1), "null");
-    let eval = |extra: [&str; 2], config: &Path| {
-        let printed = run_ok(&[
-            "eval",
-            "--config",
-            config.to_str().unwrap(),
-            "--text",
-            text_file.to_str().unwrap(),
-            extra[0],
-            extra[1],
-            "--json",
-        ]);
-        super::number(&printed, "loss")
-    };
-    let from_checkpoint = eval(["--checkpoint", run.to_str().unwrap()], &config);
-    let from_adapter = eval(["--adapter", adapter.to_str().unwrap()], &plain);
+    let from_checkpoint = text_loss(&config, &text_file, &["--checkpoint", run.to_str().unwrap()]);
+    let from_adapter = text_loss(&plain, &text_file, &["--adapter", adapter.to_str().unwrap()]);
     assert!((from_checkpoint - from_adapter).abs() <= 1e-6 * from_checkpoint, "{from_checkpoint} vs {from_adapter}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

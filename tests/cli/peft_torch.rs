@@ -3,6 +3,7 @@
 //! are a fixture: `hf::lora`); run it with `ZEROTRAIN_TORCH_PYTHON` naming a Python that has
 //! torch, transformers and peft (`cargo test --test cli -- --ignored peft_torch`).
 
+use crate::hf::lora::text_loss;
 use crate::hf::{config, folder, number, reference, run_ok, train_args};
 use crate::text;
 
@@ -46,22 +47,9 @@ fn peft_loads_what_zerotrain_exports_and_scores_it_alike() {
         assert!(out.status.success(), "PEFT could not score the export: {}", text(&out.stderr));
         let peft_loss = number(&text(&out.stdout), "loss");
         let plain = config(&dir, &hf, 1, 0, "");
-        let printed = run_ok(&[
-            "eval",
-            "--config",
-            plain.to_str().unwrap(),
-            "--text",
-            text_file.to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
-            "--json",
-        ]);
-        let ours = number(&printed, "loss");
+        let ours = text_loss(&plain, &text_file, &["--adapter", adapter.to_str().unwrap()]);
         assert!((ours - peft_loss).abs() / peft_loss < 1e-5, "{name}: zerotrain {ours}, PEFT {peft_loss}");
-        let base = number(
-            &run_ok(&["eval", "--config", plain.to_str().unwrap(), "--text", text_file.to_str().unwrap(), "--json"]),
-            "loss",
-        );
+        let base = text_loss(&plain, &text_file, &[]);
         assert!((base - ours).abs() > 1e-4, "{name}: the trained adapter changes the loss ({base} without it)");
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -46,20 +46,9 @@ pub fn export(
     max_shard_bytes: u64,
     source: Option<&Path>,
 ) -> anyhow::Result<Exported> {
-    if out.exists() {
-        bail!("{} exists: give a new folder for the export", out.display());
-    }
-    let ckpt = Checkpoint::open(dir, tag)?;
-    if source.is_none() {
-        super::companions::verify(dir, tag, &super::companions::FILES)?;
-    }
-    let source = source.unwrap_or(dir);
+    let (ckpt, config, source) = open(dir, tag, out, source)?;
     let config_file = source.join(CONFIG_FILE);
-    let config = HfConfig::read(&config_file).context(
-        "the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder; or give \
-         --hf-config DIR)",
-    )?;
-    if ckpt.manifest().config.get("lora").is_some_and(|l| !l.is_null()) {
+    if crate::hf::peft::trained_lora(&ckpt)?.is_some() {
         bail!(
             "{} is a LoRA run's checkpoint (its parameters are adapters): --format peft writes the adapters, --merge \
              the whole model with them merged",
@@ -93,6 +82,30 @@ pub fn export(
         let _ = std::fs::remove_dir_all(&partial);
     }
     written
+}
+
+/// The checkpoint `<dir>/<tag>` an export reads, the model's `config.json` and the folder
+/// holding it (`source`, default `dir`, whose files are then checked against what the
+/// checkpoint recorded); an error where `out` exists.
+pub(super) fn open<'a>(
+    dir: &'a Path,
+    tag: Option<&str>,
+    out: &Path,
+    source: Option<&'a Path>,
+) -> anyhow::Result<(Checkpoint, HfConfig, &'a Path)> {
+    if out.exists() {
+        bail!("{} exists: give a new folder for the export", out.display());
+    }
+    let ckpt = Checkpoint::open(dir, tag)?;
+    if source.is_none() {
+        super::companions::verify(dir, tag, &super::companions::FILES)?;
+    }
+    let source = source.unwrap_or(dir);
+    let config = HfConfig::read(&source.join(CONFIG_FILE)).context(
+        "the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder; or give \
+         --hf-config DIR)",
+    )?;
+    Ok((ckpt, config, source))
 }
 
 /// The checkpoint's parameters are exactly the config's, shape for shape.

@@ -17,7 +17,7 @@ use zerotrain_precision::Precision;
 use super::export::{Exported, shards, sibling, stored_dtype, write_folder};
 use super::parameter_names;
 use crate::hf::files::TensorFiles;
-use crate::hf::{CONFIG_FILE, Family, HfConfig};
+use crate::hf::{CONFIG_FILE, Family};
 
 /// Writes the checkpoint `<dir>/<tag>` (or `latest`'s) of a run trained with
 /// `zerotrain.lora` as a Hugging Face folder `out`, adapters merged (module docs); dtype,
@@ -30,21 +30,11 @@ pub fn export_merged(
     max_shard_bytes: u64,
     source: Option<&Path>,
 ) -> anyhow::Result<Exported> {
-    if out.exists() {
-        bail!("{} exists: give a new folder for the export", out.display());
-    }
-    let ckpt = Checkpoint::open(dir, tag)?;
-    let manifest = ckpt.manifest();
-    let Some(lora_json) = manifest.config.get("lora").filter(|l| !l.is_null()) else {
+    let (ckpt, config, source) = super::export::open(dir, tag, out, source)?;
+    let Some(lora) = crate::hf::peft::trained_lora(&ckpt)? else {
         bail!("--merge merges a LoRA run's adapters; {} was not trained with zerotrain.lora", ckpt.dir().display());
     };
-    let lora = LoraConfig::from_json(lora_json, &format!("{}'s config", ckpt.dir().display()), "zerotrain.lora")?;
-    if source.is_none() {
-        super::companions::verify(dir, tag, &super::companions::FILES)?;
-    }
-    let source = source.unwrap_or(dir);
-    let config = HfConfig::read(&source.join(CONFIG_FILE))
-        .context("the export needs the model's config.json (zerotrain train puts it in the checkpoints' folder)")?;
+    let manifest = ckpt.manifest();
     let conv = matches!(config.family, Family::Gpt2(_));
     let trained: BTreeMap<&str, &LayoutEntry> = manifest.layout.iter().map(|e| (e.path.as_str(), e)).collect();
     let base = Base::of(&lora, conv, manifest.client_state[super::base::KEY].clone())?;

@@ -69,6 +69,13 @@ impl AdapterFolder {
     }
 }
 
+/// The LoRA config the run of `ckpt` trained with (its plan's `zerotrain.lora`), if any.
+pub fn trained_lora(ckpt: &zerotrain_checkpoint::Checkpoint) -> anyhow::Result<Option<LoraConfig>> {
+    let Some(json) = ckpt.manifest().config.get("lora").filter(|l| !l.is_null()) else { return Ok(None) };
+    let origin = format!("{}'s config", ckpt.dir().display());
+    Ok(Some(LoraConfig::from_json(json, &origin, "zerotrain.lora")?))
+}
+
 /// What [`export`] wrote.
 #[derive(Debug, Clone)]
 pub struct ExportedAdapter {
@@ -97,15 +104,12 @@ pub fn export(
         bail!("{} exists: give a new folder for the adapter", out.display());
     }
     let ckpt = zerotrain_checkpoint::Checkpoint::open(dir, tag)?;
-    let lora_json = ckpt.manifest().config.get("lora").filter(|l| !l.is_null()).cloned();
-    let Some(lora_json) = lora_json else {
+    let Some(config) = trained_lora(&ckpt)? else {
         bail!(
             "{} was not trained with zerotrain.lora: it holds a whole model (use --format hf or safetensors)",
             ckpt.dir().display()
         );
     };
-    let origin = format!("{}'s config", ckpt.dir().display());
-    let config = LoraConfig::from_json(&lora_json, &origin, "zerotrain.lora")?;
     let model_config = super::HfConfig::read(&source.unwrap_or(dir).join(super::CONFIG_FILE))
         .context("the adapter's export reads the model's config.json (or give --hf-config DIR)")?;
     let gpt2 = matches!(model_config.family, super::Family::Gpt2(_));

@@ -238,7 +238,7 @@ impl Plan {
             Some(crate::nn::lora::Targets::AllLinear) => "all-linear".into(),
             None => "the family's default".into(),
         };
-        let scaling = if c.use_rslora { c.lora_alpha / (c.r as f64).sqrt() } else { c.lora_alpha / c.r as f64 };
+        let scaling = c.scaled(c.lora_alpha, c.r);
         writeln!(
             f,
             "lora                r {}, alpha {} (scaling {scaling}{}), dropout {}, on {targets}: only the adapters{} \

@@ -21,6 +21,7 @@
 //! `A x` are summed (`g`) before B, and the update is added after the base's own sum.
 
 pub mod config;
+mod matching;
 
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear};
