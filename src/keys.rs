@@ -137,7 +137,9 @@ pub fn record_lora(plan: &mut zerotrain::Plan, adapter: Option<&Path>, source: &
     if let Some(dir) = adapter {
         let file = dir.join(zerotrain_models::hf::peft::ADAPTER_CONFIG_FILE);
         let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file)?)?;
-        plan.lora = Some(zerotrain::config::LoraPlan::from_json(json, &file.display().to_string())?);
+        let quantize = plan.lora.as_ref().and_then(|l| l.quantize);
+        let lora = zerotrain::config::LoraPlan::from_json(json, &file.display().to_string())?;
+        plan.lora = Some(lora.with_quantize(quantize));
     }
     if let HfSource::Dir(dir) = source {
         let base = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());

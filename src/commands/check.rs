@@ -127,20 +127,29 @@ fn print_hf_placement(
     }
     let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
     if let Some(lora) = &plan.lora {
-        let (trained, frozen) = zerotrain_models::family::lora_sizes(&config, &lora.config)
+        let sizes = zerotrain_models::family::lora_sizes(&config, &lora.config)
             .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        let (trained, frozen) = (sizes.trained, &sizes.frozen);
         let p = zerotrain::estimate::placement(plan, trained);
-        let base = frozen * plan.precision.compute.bytes_per_elem() as u64;
+        let f = zerotrain::estimate::frozen_placement(plan, trained, frozen);
+        let held = match (plan.zero.stage.shards_parameters(), lora.quantize) {
+            (false, _) => format!("whole on every rank in {}", plan.precision.compute),
+            (true, None) => format!("its shard in {}", plan.precision.compute),
+            (true, Some(q)) => format!("its shard, the layers' matrices in {}", q.key().to_uppercase()),
+        };
         println!(
             "model states        per rank for {} with LoRA: {trained} trained parameters (adapters{}): device {}, \
-             host memory {}, NVMe {}; {frozen} frozen parameters: {} in {}, whole on every rank",
+             host memory {}, NVMe {}; {} frozen parameters ({held}): device {}, host memory {}, NVMe {} ({} bytes a rank)",
             file.display(),
             if lora.config.modules_to_save.is_empty() { "" } else { " and modules_to_save" },
             mib(p.device),
             mib(p.host),
             mib(p.nvme),
-            mib(base),
-            plan.precision.compute
+            frozen.total(),
+            mib(f.device),
+            mib(f.host),
+            mib(f.nvme),
+            f.device + f.host + f.nvme,
         );
         return Ok(());
     }

@@ -68,13 +68,17 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         })
         .collect();
     let zero3 = zero3_rows(params, largest, ranks, nodes, offload);
+    let lora = match model_config.as_deref() {
+        Some(file) if !is_hf_config(file) => lora_rows(file, total)?,
+        _ => Vec::new(),
+    };
     if json {
         let ds: Vec<_> = ds
             .iter()
             .map(|(o, cpu, gpu)| serde_json::json!({ "offload": o, "per_cpu_bytes": cpu, "per_gpu_bytes": gpu }))
             .collect();
         let value = serde_json::json!({ "params": params, "ranks": total, "zero_paper": rows, "deepspeed_zero2": ds,
-                                        "largest_layer_params": largest, "deepspeed_zero3": zero3 });
+                                        "largest_layer_params": largest, "deepspeed_zero3": zero3, "lora": lora });
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(());
     }
@@ -100,6 +104,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         let option = if o { "offload_optimizer=cpu " } else { "offload_optimizer=none" };
         println!("  {option}  per GPU {gpu:>16} B  per CPU {cpu:>16} B");
     }
+    print_lora(&lora);
     if zero3.is_empty() {
         println!("DeepSpeed's ZeRO-3 estimate needs the largest layer: --largest-layer-params or --model-config");
         return Ok(());
@@ -122,6 +127,49 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A LoRA config's bytes per rank by stage on `ranks` ranks (none without `zerotrain.lora`
+/// or a Hugging Face model): its trained parameters' model states and its frozen base, by
+/// the config's precision and tiers ([`zerotrain::estimate::placement`] and
+/// [`zerotrain::estimate::frozen_placement`]), the base in NF4 only at stage 3, where
+/// `quantize` holds it.
+fn lora_rows(file: &std::path::Path, ranks: u64) -> anyhow::Result<Vec<serde_json::Value>> {
+    use zerotrain_zero::ZeroStage;
+    let overrides = zerotrain::config::Overrides { world_size: Some(ranks as usize), ..Default::default() };
+    let (mut plan, settings) =
+        keys::load(file, overrides).with_context(|| format!("{}: reading it for the LoRA estimate", file.display()))?;
+    let (Some(lora), Some(source)) = (plan.lora.clone(), settings.hf) else { return Ok(Vec::new()) };
+    let config = zerotrain_models::hf::HfConfig::read(&source.config_file())?;
+    let sizes = zerotrain_models::family::lora_sizes(&config, &lora.config)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    let stages = [ZeroStage::Disabled, ZeroStage::OptimizerStates, ZeroStage::Gradients, ZeroStage::Parameters];
+    Ok(stages
+        .into_iter()
+        .map(|stage| {
+            plan.zero.stage = stage;
+            let total = |p: zerotrain::estimate::Placement| p.device + p.host + p.nvme;
+            let trained = total(zerotrain::estimate::placement(&plan, sizes.trained));
+            let frozen = total(zerotrain::estimate::frozen_placement(&plan, sizes.trained, &sizes.frozen));
+            serde_json::json!({ "stage": stage.index(), "trained_params": sizes.trained,
+                                "frozen_params": sizes.frozen.total(), "trained_bytes": trained,
+                                "frozen_bytes": frozen, "nf4": stage == ZeroStage::Parameters && lora.quantize.is_some() })
+        })
+        .collect())
+}
+
+/// [`lora_rows`] as a table.
+fn print_lora(rows: &[serde_json::Value]) {
+    let Some(first) = rows.first() else { return };
+    println!(
+        "LoRA (the config's precision and tiers): {} trained parameters, {} frozen, bytes per rank:",
+        first["trained_params"], first["frozen_params"]
+    );
+    println!("  {:>5} {:>16} {:>16}", "stage", "trained B", "frozen B");
+    for row in rows {
+        let nf4 = if row["nf4"] == true { " (NF4)" } else { "" };
+        println!("  {:>5} {:>16} {:>16}{nf4}", row["stage"], row["trained_bytes"], row["frozen_bytes"]);
+    }
 }
 
 /// The parameter count and the largest layer's (0: unknown), from `--params` and

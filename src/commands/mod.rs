@@ -284,15 +284,30 @@ fn print_summary(s: &TrainSummary) {
         s.tokens_per_s
     );
     println!("model states per rank (bytes; Ψ = {}):", s.num_params);
+    // A frozen base's column (a LoRA run's: in memory, swap files aside) only where one is.
+    let frozen = s.ranks.iter().any(|r| r.memory.frozen > 0);
+    let column = |v: String| if frozen { format!(" {v:>12}") } else { String::new() };
     println!(
-        "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
-        "rank", "params", "grads", "master", "optimizer", "peak transient"
+        "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}{}",
+        "rank",
+        "params",
+        "grads",
+        "master",
+        "optimizer",
+        "peak transient",
+        column("frozen".into())
     );
     for r in &s.ranks {
         let m = &r.memory;
         println!(
-            "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}",
-            r.rank, m.params, m.grads, m.master, m.optimizer, m.peak_transient
+            "  {:>4} {:>12} {:>12} {:>12} {:>12} {:>15}{}",
+            r.rank,
+            m.params,
+            m.grads,
+            m.master,
+            m.optimizer,
+            m.peak_transient,
+            column(m.frozen.to_string())
         );
     }
     println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);

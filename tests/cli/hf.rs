@@ -819,3 +819,6 @@ fn generated_ids_the_tokenizer_has_no_token_for_are_named() {
 
 #[path = "lora.rs"]
 pub(crate) mod lora;
+
+#[path = "qlora.rs"]
+mod qlora;

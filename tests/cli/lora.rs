@@ -126,7 +126,7 @@ fn adapter_gradients_match_numpy_differences_for_gpt2_and_llama() {
 
 /// A config training `model.json` with `lora` on `world` ranks at `stage`, `micro` sequences
 /// per rank (a global batch of 6), on a mesh of `tp`.
-fn lora_config(dir: &Path, name: &str, layout: (usize, u8, usize, usize), lora: &str) -> PathBuf {
+pub(super) fn lora_config(dir: &Path, name: &str, layout: (usize, u8, usize, usize), lora: &str) -> PathBuf {
     lora_config_with(dir, name, layout, lora, "")
 }
 
@@ -423,6 +423,14 @@ fn a_merged_export_scores_as_the_base_with_its_adapter() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Writes `model-kv2.json` (the name [`lora_config`] reads) as a LLaMA of width 16, 2 layers,
+/// 2 heads and one key-value head of width 8, MLP 24, vocabulary 280, tied head.
+pub(super) fn write_kv1_llama(dir: &Path) {
+    let model = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 280, "tie_word_embeddings": true}"#;
+    std::fs::write(dir.join("model-kv2.json"), model).unwrap();
+}
+
 /// `config check` of a LoRA config counts the trained and frozen parameters of its model
 /// (counted here from the shapes: r x (in + out) per adapted projection), says what trains,
 /// and refuses what `train` refuses.
@@ -430,12 +438,7 @@ fn a_merged_export_scores_as_the_base_with_its_adapter() {
 fn config_check_counts_trained_and_frozen_parameters() {
     let dir = folder("lora-check");
     let (_, _) = fresh_llama(&dir, 1, "");
-    std::fs::write(
-        dir.join("model-kv2.json"),
-        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 280, "tie_word_embeddings": true}"#,
-    )
-    .unwrap();
+    write_kv1_llama(&dir);
     let config = lora_config(&dir, "check", (2, 3, 3, 1), r#"{"r": 2, "target_modules": ["q_proj", "down_proj"]}"#);
     let printed = run_ok(&["config", "check", config.to_str().unwrap()]);
     // q: 16 -> 16, down: 24 -> 16; kv heads 1 of width 8.
@@ -445,6 +448,7 @@ fn config_check_counts_trained_and_frozen_parameters() {
     assert!(printed.contains(&format!("{trained} trained parameters (adapters)")), "{printed}");
     assert!(printed.contains(&format!("{frozen} frozen parameters")), "{printed}");
     assert!(printed.contains("lora                r 2, alpha 8 (scaling 4)"), "{printed}");
+    assert!(printed.contains("the frozen base sharded over the ranks with the parameters"), "{printed}");
     let bad = lora_config(&dir, "bad", (2, 3, 3, 1), r#"{"target_modules": ["qproj"]}"#);
     let out = zerotrain(&["config", "check", bad.to_str().unwrap()]);
     assert!(!out.status.success() && text(&out.stderr).contains("matches none"), "{}", text(&out.stderr));

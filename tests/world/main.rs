@@ -9,6 +9,7 @@ mod common;
 mod dropout;
 mod equivalence;
 mod failure;
+mod frozen;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod gpu;
 mod handles;
@@ -18,6 +19,7 @@ mod mixed;
 mod offload;
 mod overflow;
 mod pipeline;
+mod qlora;
 mod replicas;
 mod tiers;
 mod torn;

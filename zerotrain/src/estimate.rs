@@ -133,6 +133,19 @@ pub struct Placement {
     pub nvme: u64,
 }
 
+impl Placement {
+    /// Counts `bytes` in `tier` (a CPU rank's device being host memory).
+    fn put(&mut self, tier: &crate::config::Tier, cpu: bool, bytes: u64) {
+        use crate::config::Tier;
+        match tier {
+            Tier::Nvme(_) => self.nvme += bytes,
+            Tier::Host => self.host += bytes,
+            Tier::Device if cpu => self.host += bytes,
+            Tier::Device => self.device += bytes,
+        }
+    }
+}
+
 /// [`Placement`] by the rules the engine follows (padding ignored): parameters in the
 /// compute dtype (stage 3: only the shard, which is the fp32 master in fp32 training, and
 /// a compute-dtype copy when the optimizer is offloaded), gradients in the accumulation
@@ -160,13 +173,9 @@ pub fn placement(plan: &crate::Plan, params: u64) -> Placement {
     // the parameter shard is the master).
     let master = if !fp32 || (stage.shards_parameters() && !swapped) { 4 * optimizer_elems } else { 0 };
     let moments = 4 * moments * optimizer_elems;
-    let (mut out, cpu) = (Placement::default(), plan.runtime.device == ComputeDevice::Cpu);
-    let mut put = |tier: &Tier, bytes: u64| match tier {
-        Tier::Nvme(_) => out.nvme += bytes,
-        Tier::Host => out.host += bytes,
-        Tier::Device if cpu => out.host += bytes,
-        Tier::Device => out.device += bytes,
-    };
+    let mut out = Placement::default();
+    let cpu = plan.runtime.device == ComputeDevice::Cpu;
+    let mut put = |tier: &Tier, bytes: u64| out.put(tier, cpu, bytes);
     put(&zero.offload.optimizer, master + moments);
     put(&Tier::Device, precision.grad_accum.bytes_per_elem() as u64 * pick(stage.shards_gradients()));
     if !stage.shards_parameters() {
@@ -181,6 +190,63 @@ pub fn placement(plan: &crate::Plan, params: u64) -> Placement {
             }
             tier => put(tier, compute * shard),
         }
+    }
+    out
+}
+
+/// A frozen base's parameters (a LoRA run's), for [`frozen_placement`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct FrozenSizes {
+    /// Elements of each matrix of the layers (what `zerotrain.lora.quantize` stores in NF4).
+    pub layer_matrices: Vec<u64>,
+    /// Elements of the rest: embeddings, the head, norms, biases.
+    pub rest: u64,
+}
+
+impl FrozenSizes {
+    /// All the frozen parameters.
+    pub fn total(&self) -> u64 {
+        self.layer_matrices.iter().sum::<u64>() + self.rest
+    }
+}
+
+/// Where one rank holds a frozen base of `sizes` beside `trained` trainable parameters, by
+/// the rules the engine follows (padding ignored): whole in the compute dtype below stage
+/// 3, in the parameters' place; at stage 3 its shard, in `offload_param`'s tier (on NVMe
+/// beyond what `max_in_cpu` leaves after the trained shard), the layers' matrices over
+/// `stage3_param_persistence_threshold` in NF4 with `zerotrain.lora.quantize` (half a byte
+/// a value and four a block of 64, in whole words: eight values to a word).
+pub fn frozen_placement(plan: &crate::Plan, trained: u64, sizes: &FrozenSizes) -> Placement {
+    use crate::config::{ComputeDevice, Tier};
+    let zero = &plan.zero;
+    let compute = plan.precision.compute.bytes_per_elem() as u64;
+    let quantized = zero.stage.shards_parameters() && plan.lora.as_ref().is_some_and(|l| l.quantize.is_some());
+    let matrix = |n: u64| match quantized && n > zero.param_persistence_threshold {
+        true => 4 * (n.div_ceil(8) + n.div_ceil(64)),
+        false => compute * n,
+    };
+    let bytes = (sizes.layer_matrices.iter().map(|&n| matrix(n)).sum::<u64>() + compute * sizes.rest)
+        .div_ceil(plan.mesh.tp as u64);
+    let mut out = Placement::default();
+    let cpu = plan.runtime.device == ComputeDevice::Cpu;
+    let mut put = |tier: &Tier, bytes: u64| out.put(tier, cpu, bytes);
+    if !zero.stage.shards_parameters() {
+        put(&Tier::Device, bytes);
+        return out;
+    }
+    let ranks = plan.sharding_size().max(1) as u64;
+    let shard = bytes.div_ceil(ranks);
+    match &zero.offload.param {
+        Tier::Nvme(_) => {
+            // `max_in_cpu` counts elements, the trained shard's first.
+            let trained_shard = trained.div_ceil(plan.mesh.tp as u64).div_ceil(ranks);
+            let elems = sizes.total().div_ceil(plan.mesh.tp as u64).div_ceil(ranks).max(1);
+            let room = zero.offload.max_in_cpu.saturating_sub(trained_shard).min(elems);
+            let cached = (shard as u128 * room as u128 / elems as u128) as u64;
+            put(&Tier::Host, cached);
+            put(&zero.offload.param, shard - cached);
+        }
+        tier => put(tier, shard),
     }
     out
 }

@@ -101,25 +101,39 @@ pub fn fresh_adapted(
     Ok(model)
 }
 
-/// The parameters of `config`'s model fine-tuned with `lora`'s adapters: (trained: the
-/// adapters and `modules_to_save`, frozen: the rest), counted from a lazy build (nothing of
-/// the base is drawn); an error naming the LoRA key that names nothing.
-pub fn lora_sizes(config: &HfConfig, lora: &Arc<LoraConfig>) -> Result<(u64, u64), String> {
+/// The parameters of `config`'s model fine-tuned with `lora`'s adapters: the trained ones
+/// (the adapters and `modules_to_save`) and the frozen base's, counted from a lazy build
+/// (nothing of the base is drawn); an error naming the LoRA key that names nothing.
+pub fn lora_sizes(config: &HfConfig, lora: &Arc<LoraConfig>) -> Result<LoraSizes, String> {
     let w = Weights::fresh(&Device::flex(), 0.0).with_lora(Arc::clone(lora), default_lora_targets(config), 0);
     build(config, &w);
     let asked = w.asked();
     w.finish(|_| false)?;
-    let (mut trained, mut frozen) = (0u64, 0u64);
+    let mut sizes = LoraSizes { trained: 0, frozen: FrozenSizes::default() };
     for (name, shape) in asked {
         let n: u64 = shape.iter().map(|&d| d as u64).product();
         let module = name.rsplit_once('.').map_or(name.as_str(), |(m, _)| m);
+        // A layer's tensors are those under a numbered module (`model.layers.3.`, `h.0.`).
+        let in_layer = name.split('.').any(|part| part.parse::<usize>().is_ok());
         match crate::hf::peft::tensor_name(&name).is_some() || lora.saves(module) {
-            true => trained += n,
-            false => frozen += n,
+            true => sizes.trained += n,
+            false if in_layer && shape.len() == 2 => sizes.frozen.layer_matrices.push(n),
+            false => sizes.frozen.rest += n,
         }
     }
-    Ok((trained, frozen))
+    Ok(sizes)
 }
+
+/// [`lora_sizes`]' counts.
+#[derive(Debug, Clone, Default)]
+pub struct LoraSizes {
+    /// Parameters that train.
+    pub trained: u64,
+    /// The frozen base's.
+    pub frozen: FrozenSizes,
+}
+
+pub use zerotrain::estimate::FrozenSizes;
 
 /// PEFT's default targets of `config`'s family, where a LoRA config names none
 /// (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).

@@ -227,8 +227,7 @@ impl Plan {
         Ok(())
     }
 
-    /// The device mesh, where it splits layers or sequences: the ranks of each group and
-    /// what each rank holds of the model.
+    /// LoRA's adapters: their shape, what trains, and where the frozen base lives.
     fn describe_lora(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let Some(lora) = &self.lora else { return Ok(()) };
         let c = &lora.config;
@@ -242,15 +241,22 @@ impl Plan {
         writeln!(
             f,
             "lora                r {}, alpha {} (scaling {scaling}{}), dropout {}, on {targets}: only the adapters{} \
-             train, their states sharded as the stage says; the frozen base stays whole on every rank",
+             train, their states sharded as the stage says; the frozen base {}",
             c.r,
             c.lora_alpha,
             if c.use_rslora { ", rslora" } else { "" },
             c.lora_dropout,
             if c.modules_to_save.is_empty() { "" } else { " and modules_to_save" },
+            match (self.zero.stage.shards_parameters(), lora.quantize) {
+                (true, Some(_)) => "sharded over the ranks with the parameters, its layers' matrices in NF4",
+                (true, None) => "sharded over the ranks with the parameters",
+                (false, _) => "whole on every rank (sharded at stage 3)",
+            },
         )
     }
 
+    /// The device mesh, where it splits layers or sequences: the ranks of each group and
+    /// what each rank holds of the model.
     fn describe_mesh(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = &self.mesh;
         if m.is_trivial() {

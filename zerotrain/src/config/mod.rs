@@ -43,7 +43,7 @@ pub use parse::{ConfigExtension, MAX_CONFIG_BYTES};
 pub use plan::{
     AioPlan, Backend, BatchPlan, Collectives, ComputeDevice, LoraPlan, LossScalePlan, MAX_THREAD_RANKS, OffloadPlan,
     OptimPlan, OptimizerPlan, OuterOptimizer, ParamGroupPlan, PipelinePlan, Plan, PlanNotes, PrecisionPlan,
-    ReplicaMode, ReplicaPlan, RuntimePlan, Tier, TlsPlan, ZeroPlan,
+    Quantization, ReplicaMode, ReplicaPlan, RuntimePlan, Tier, TlsPlan, ZeroPlan,
 };
 pub use raw::DeepSpeedConfig;
 pub use value::{AutoOr, Count};

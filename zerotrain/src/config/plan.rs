@@ -14,7 +14,7 @@ use zerotrain_zero::pipeline::{PartitionMethod, ScheduleKind};
 use super::MeshPlan;
 
 pub use super::batch::BatchPlan;
-pub use super::lora::LoraPlan;
+pub use super::lora::{LoraPlan, Quantization};
 pub use super::offload::{AioPlan, OffloadPlan, Tier};
 pub use super::optim::{OptimPlan, OptimizerPlan, ParamGroupPlan};
 

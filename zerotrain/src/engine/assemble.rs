@@ -72,7 +72,7 @@ pub(super) fn assemble<M: Module>(
 /// with the parts the engine keeps apart (its buffers and span).
 fn shared_state(plan: &Plan, ctx: &RankContext, parts: Parts) -> Result<(Shared, Buffers, Span)> {
     let world = ctx.collective();
-    let Parts { comm, sharding, index, buffers, span, tensor } = parts;
+    let Parts { comm, sharding, index, frozen, buffers, span, tensor } = parts;
     let owner = match (ctx.replica_group(), &tensor) {
         (Some(g), _) => format!("group{g}.rank{}", world.rank()),
         (None, Some(t)) => format!("tp{}.rank{}", t.place().0, world.rank()),
@@ -97,6 +97,7 @@ fn shared_state(plan: &Plan, ctx: &RankContext, parts: Parts) -> Result<(Shared,
         plan: plan.clone(),
         sharding,
         index,
+        frozen,
         swaps,
         crossings: Default::default(),
         streams,
@@ -126,14 +127,18 @@ fn first_units<M: Module>(
         let values = first.read(&model, shared, id, initial)?;
         let bytes = values.len() * (values.dtype().bytes_per_elem() + shared.dtype().bytes_per_elem());
         transient = transient.max(bytes as u64);
-        let (next, unit) = Unit::new(id, values, model, shared, factory)?;
+        let (next, unit) = Unit::new(id, values, model, shared, factory, initial)?;
         model = next;
         units.push(unit);
     }
-    if !buffers.entries().is_empty() {
-        let mut values = buffers.read(&model, |_| true, false)?;
+    // A frozen parameter sharded at stage 3 came with its unit.
+    if buffers.entries().iter().any(|e| !e.sharded) {
+        let mut values = buffers.read(&model, |e| !e.sharded, false)?;
         shared.comm.broadcast((&mut values).into(), 0)?;
-        model = buffers.write(model, &values, |_| true);
+        model = buffers.write(model, &values, |e| !e.sharded);
+        if shared.dtype() != zerotrain_precision::Precision::Fp32 {
+            model = buffers.cast_frozen(model, super::flat::float_dtype(shared.dtype()));
+        }
     }
     Ok((model, units, transient))
 }

@@ -29,7 +29,7 @@
 //! step reads none of them to the host and a checkpoint holds only what trains.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use zerotrain_precision::BufMut;
 use zerotrain_zero::{Collective, ReduceOp};
 
@@ -46,11 +46,19 @@ pub(crate) struct BufferEntry {
     pub unit: Option<usize>,
     /// A frozen parameter (module note): never averaged, snapshotted or saved.
     pub frozen: bool,
+    /// A frozen parameter sharded at stage 3 (`engine/frozen/`): its unit's frozen part
+    /// holds it, and nothing here reads or writes it.
+    pub sharded: bool,
 }
 
 impl BufferEntry {
-    fn num_elems(&self) -> usize {
+    pub fn num_elems(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// Its visit position among the model's float tensors.
+    pub fn position(&self) -> usize {
+        self.position
     }
 }
 
@@ -79,7 +87,8 @@ impl Buffers {
             if !float.trainable {
                 let path = float.path.to_string();
                 let frozen = frozen.iter().any(|f| super::model::under(f, &path));
-                entries.push(BufferEntry { unit: unit_of(&path), position, path, shape: float.shape.to_vec(), frozen });
+                let shape = float.shape.to_vec();
+                entries.push(BufferEntry { unit: unit_of(&path), position, path, shape, frozen, sharded: false });
             }
             position += 1;
         });
@@ -97,6 +106,73 @@ impl Buffers {
     /// The buffers, in visit order.
     pub fn entries(&self) -> &[BufferEntry] {
         &self.entries
+    }
+
+    /// Marks the frozen parameters held by one of the first `units` units as sharded
+    /// (stage 3: their units keep them from now on, `engine/frozen/`) and returns them, in
+    /// visit order.
+    pub fn shard_frozen(&mut self, units: usize) -> Vec<BufferEntry> {
+        let held = |e: &BufferEntry| e.frozen && e.unit.is_some_and(|u| u < units);
+        self.entries
+            .iter_mut()
+            .filter(|e| held(e))
+            .map(|e| {
+                e.sharded = true;
+                e.clone()
+            })
+            .collect()
+    }
+
+    /// `model` with its frozen parameters that stay whole (below stage 3) cast to `dtype`,
+    /// the compute dtype: they meet the trained parameters' activations in every product,
+    /// as under DeepSpeed, whose engine casts the whole module (the sharded ones are
+    /// gathered in it).
+    pub fn cast_frozen<M: Module>(&self, model: M, dtype: FloatDType) -> M {
+        struct Cast<I: Iterator<Item = usize>> {
+            frozen: std::iter::Peekable<I>,
+            position: usize,
+            dtype: FloatDType,
+        }
+        impl<I: Iterator<Item = usize>> ModuleMapper for Cast<I> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let position = self.position;
+                self.position += 1;
+                match self.frozen.next_if_eq(&position) {
+                    Some(_) => param.map(|t| t.cast(self.dtype)),
+                    None => param,
+                }
+            }
+        }
+        let frozen = self.entries.iter().filter(|e| e.frozen && !e.sharded).map(|e| e.position).peekable();
+        model.map(&mut Cast { frozen, position: 0, dtype })
+    }
+
+    /// Bytes of the frozen parameters as the model holds them now (a released stage-3
+    /// one is empty).
+    pub fn frozen_bytes<M: Module>(&self, model: &M) -> u64 {
+        if !self.entries.iter().any(|e| e.frozen) {
+            return 0;
+        }
+        struct Count<I: Iterator<Item = usize>> {
+            frozen: std::iter::Peekable<I>,
+            position: usize,
+            bytes: u64,
+        }
+        impl<I: Iterator<Item = usize>> ModuleVisitor for Count<I> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let position = self.position;
+                self.position += 1;
+                // A parameter still lazy holds nothing yet.
+                if self.frozen.next_if_eq(&position).is_some() && param.is_initialized() {
+                    let tensor = param.val();
+                    self.bytes += (tensor.shape().num_elements() * tensor.dtype().size()) as u64;
+                }
+            }
+        }
+        let frozen = self.entries.iter().filter(|e| e.frozen).map(|e| e.position).peekable();
+        let mut count = Count { frozen, position: 0, bytes: 0 };
+        model.visit(&mut count);
+        count.bytes
     }
 
     /// Applies Burn's pending running-state updates (a `RunningState` keeps the last update
@@ -142,6 +218,8 @@ impl Buffers {
         pick: impl Fn(&BufferEntry) -> bool,
         zeros_elsewhere: bool,
     ) -> Result<Vec<f32>> {
+        // A sharded frozen parameter is its unit's (`engine/frozen/`), never a buffer's.
+        let among = |e: &BufferEntry| !e.sharded && among(e);
         let pick = |e: &BufferEntry| among(e) && pick(e);
         let zeros = |e: &BufferEntry| zeros_elsewhere && among(e);
         if !self.entries.iter().any(|e| pick(e) || zeros(e)) {
@@ -201,7 +279,7 @@ impl Buffers {
                 let position = self.position;
                 self.position += 1;
                 let Some(entry) = self.entries.next_if(|e| e.position == position) else { return param };
-                if !(self.pick)(entry) {
+                if entry.sharded || !(self.pick)(entry) {
                     return param;
                 }
                 let (mine, rest) = self.values.split_at(entry.num_elems());

@@ -10,6 +10,7 @@ use zerotrain_zero::{ReduceOp, Sharding};
 
 use super::assemble::assemble;
 use super::buffers::Buffers;
+use super::frozen::{FrozenLayout, Storage};
 use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
 use super::params::{ParamIndex, ParamShapes, initialise_lazy, is_all_lazy};
@@ -89,7 +90,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         let sharding = Sharding::single(params, self.plan.world_size(), ALIGN_ELEMS)?;
         let buffers = Buffers::scan(&model, self.plan.runtime.seed, |_| Some(0), &[]);
         let span = Span::whole(self.plan.world_size());
-        let parts = Parts { comm: self.ctx.collective(), sharding, index, buffers, span, tensor: None };
+        let parts = Parts { comm: self.ctx.collective(), sharding, index, frozen: None, buffers, span, tensor: None };
         let (plan, ctx) = (self.plan, self.ctx);
         let mut engine = assemble(model, plan, ctx, parts, Granularity::WholeModel, &self.optimizer, None)?;
         if plan.activation_checkpointing {
@@ -145,11 +146,33 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
                     .into(),
             ));
         }
-        let (builder, declared) = self.declared()?;
+        let (builder, mut declared) = self.declared()?;
         let EngineBuilder { model, plan, ctx, optimizer } = builder;
+        let stage3 = plan.zero.stage.shards_parameters();
+        let declared_units = declared.specs.len();
+        // A frozen tensor no unit claims (a LoRA run's embedding) is sharded in the root,
+        // which then exists without trained parameters of its own.
+        let frozen_root = declared.buffers.entries().iter().any(|e| e.frozen && e.unit == Some(declared_units));
+        if stage3 && frozen_root && declared.names.len() == declared_units {
+            declared.names.push("root".into());
+        }
+        let frozen = match stage3 {
+            true => FrozenLayout::new(
+                &mut declared.buffers,
+                declared.index.floats(),
+                &declared.names,
+                plan.world_size(),
+                plan.zero.param_persistence_threshold,
+                Storage {
+                    quantize: plan.lora.as_ref().and_then(|l| l.quantize),
+                    layer_units: declared_units,
+                    dtype: plan.precision.compute,
+                },
+            )?,
+            false => None,
+        };
         let unit_of: Vec<Option<usize>> = declared.unit_of.iter().copied().map(Some).collect();
         let sharding = Sharding::new(declared.params, &unit_of, declared.names, plan.world_size(), ALIGN_ELEMS)?;
-        let declared_units = declared.specs.len();
         let root = sharding.units().len() > declared_units;
         let every = usize::from(plan.activation_checkpointing);
         let granularity = Granularity::declared(declared_units, root, every, plan.recompute_units);
@@ -158,6 +181,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
             comm: ctx.collective(),
             sharding,
             index: declared.index,
+            frozen,
             buffers: declared.buffers,
             span: Span::whole(plan.world_size()),
             tensor,

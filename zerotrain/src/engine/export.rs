@@ -69,7 +69,8 @@ impl<M: Module> Engine<M> {
                 let mut values = FlatBuf::zeros(self.shared.dtype(), n);
                 let (index, sharding) = (&self.shared.index, &self.shared.sharding);
                 read_params(&self.model, index, sharding, id, 0..n, values.as_mut(), None)?;
-                out = Some(write_params(model, index, sharding, id, Fill::Take(values), &self.shared.device));
+                let model = write_params(model, index, sharding, id, Fill::Take(values), &self.shared.device);
+                out = Some(self.units[id].copy_frozen(&self.model, model, &self.shared)?);
             }
             if was_released {
                 self.release(id);

@@ -36,6 +36,7 @@ mod checkpoint;
 mod export;
 mod first_values;
 mod flat;
+mod frozen;
 mod gathering;
 mod gradients;
 mod host_adam;
@@ -371,6 +372,8 @@ impl<M: Module> Engine<M> {
             grads: self.units.iter().map(Unit::grad_bytes).sum(),
             master: if fp32 { 0 } else { held },
             optimizer: self.units.iter().map(Unit::state_bytes).sum(),
+            frozen: self.buffers.frozen_bytes(&self.model)
+                + self.units.iter().map(Unit::frozen_shard_bytes).sum::<u64>(),
             swapped: self.units.iter().map(|u| u.swapped_bytes(&self.shared)).sum(),
             peak_transient: self.peaks.transient,
             peak_gathered: self.peaks.gathered,

@@ -123,10 +123,13 @@ pub trait UnitModel: Module {
 
     /// Module paths of the model's frozen parameters: float tensors under them that do not
     /// train and that no forward updates (a LoRA run's base), unlike running statistics.
-    /// The engine leaves them as the model holds them: it does not average them over the
-    /// ranks, put them back after a recomputed forward, or save them in checkpoints (a
-    /// resumed run builds them again, as the first run did, so a checkpoint holds what
-    /// trains). Default: none (every float tensor that does not train is a buffer).
+    /// The engine does not average them over the ranks, put them back after a recomputed
+    /// forward, or save them in checkpoints (a resumed run builds them again, as the first
+    /// run did, so a checkpoint holds what trains). Below stage 3 each rank holds them
+    /// whole, cast to the compute dtype under fp16/bf16; at stage 3 those within a unit
+    /// (and the root's) are sharded with its parameters, in its tier (memory or NVMe),
+    /// gathered for the unit's forward and backward and released after, as the trained
+    /// ones are. Default: none (every float tensor that does not train is a buffer).
     fn frozen_parameters(&self) -> Vec<String> {
         Vec::new()
     }

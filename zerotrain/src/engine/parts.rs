@@ -8,6 +8,7 @@ use std::sync::Arc;
 use zerotrain_zero::{Collective, Sharding};
 
 use super::buffers::Buffers;
+use super::frozen::FrozenLayout;
 use super::model::UnitSpec;
 use super::params::{ParamIndex, ParamShapes};
 use super::span::Span;
@@ -36,6 +37,8 @@ pub(super) struct Parts {
     pub comm: Arc<dyn Collective>,
     pub sharding: Sharding,
     pub index: ParamIndex,
+    /// Stage 3: the frozen parameters' layout over the same units, if any unit holds one.
+    pub frozen: Option<FrozenLayout>,
     pub buffers: Buffers,
     pub span: Span,
     /// How the units are split over a tensor-parallel group, if they are.

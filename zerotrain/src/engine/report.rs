@@ -134,6 +134,10 @@ pub struct MemoryReport {
     pub master: u64,
     /// Optimizer state.
     pub optimizer: u64,
+    /// Frozen parameters (a LoRA run's base), in memory: the model's whole copy below
+    /// stage 3; at stage 3 this rank's shards plus what the model holds now (resident
+    /// tensors, units gathered).
+    pub frozen: u64,
     /// Bytes in NVMe swap files (`offload_optimizer` / `offload_param` with device
     /// `nvme`): master weights, optimizer state and parameter shards kept there instead of
     /// in memory. Not part of [`model_states`](Self::model_states).
@@ -158,7 +162,7 @@ pub struct MemoryReport {
 impl MemoryReport {
     /// Model states held between steps (everything but the transient peaks).
     pub fn model_states(&self) -> u64 {
-        self.params + self.grads + self.master + self.optimizer
+        self.params + self.grads + self.master + self.optimizer + self.frozen
     }
 }
 

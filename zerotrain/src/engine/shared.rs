@@ -10,6 +10,7 @@ use zerotrain_precision::Precision;
 use zerotrain_zero::{Collective, DeviceOp, FlatLayout, ReduceOp, Sharding, ZeroStage};
 
 use super::flat::tensor_bytes;
+use super::frozen::FrozenLayout;
 use super::on_device;
 use super::optimizer::ShardSegment;
 use super::params::ParamIndex;
@@ -75,6 +76,8 @@ pub(crate) struct Shared {
     pub plan: Plan,
     pub sharding: Sharding,
     pub index: ParamIndex,
+    /// Stage 3: the units' frozen parameters, sharded like the trained ones (`frozen/`).
+    pub frozen: Option<FrozenLayout>,
     /// The swap folders of the NVMe tiers.
     pub swaps: SwapFolders,
     /// Bytes copied between host memory and the device (see [`crossed`](Self::crossed)).

@@ -44,7 +44,8 @@ pub(crate) fn read_range<M: Module>(
 
 /// Replaces unit `unit`'s trainable parameters with the matching pieces of `values`, a
 /// 1-D tensor on the rank's device holding the unit's whole flat buffer (stage 0's range),
-/// keeping their ids and making them trainable leaves again.
+/// keeping their ids and making them trainable leaves again (untracked tensors, for a
+/// frozen `index`).
 pub(crate) fn write_unit<M: Module>(
     model: M,
     index: &ParamIndex,
@@ -63,7 +64,7 @@ pub(crate) fn write_unit<M: Module>(
             let entry = &self.walk.sharding.units()[unit].layout.entries()[e];
             let shape: [usize; D] = entry.shape.as_slice().try_into().expect("layout shapes come from this module");
             let piece = self.values.clone().slice(entry.flat_range()).reshape(shape);
-            super::replace(param, Tensor::from_inner(piece).require_grad())
+            super::replace(param, super::leaf(Tensor::from_inner(piece), self.walk.index))
         }
     }
     model.map(&mut Writer { walk: Walk { index, sharding, position: 0 }, unit, values })

@@ -16,16 +16,42 @@ use zerotrain_zero::Sharding;
 /// The (module path, shape) of each trainable parameter, in the model's order.
 pub(crate) type ParamShapes = Vec<(String, Vec<usize>)>;
 
-/// Which float parameters (by visit position) are trainable, and their global entry.
+/// Which float parameters (by visit position) are trainable, and their global entry. An
+/// index of frozen parameters ([`frozen`](Self::frozen)) lists those instead, and the
+/// walks that write through it leave what they write untracked by autodiff.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamIndex {
     entry_of: Vec<Option<usize>>,
+    /// Whether the indexed tensors train (they are written as autodiff leaves).
+    trains: bool,
 }
 
 impl ParamIndex {
-    /// Whether the float parameter at visit `position` is trainable.
+    /// Whether the float parameter at visit `position` is one this index lists (trainable,
+    /// for the model's own index).
     pub fn is_trainable(&self, position: usize) -> bool {
         self.entry(position).is_some()
+    }
+
+    /// Whether the tensors listed train: written back, they require gradients.
+    pub fn trains(&self) -> bool {
+        self.trains
+    }
+
+    /// The index of the frozen tensors at visit `positions` (ascending) among a model's
+    /// `floats` float tensors, numbered in that order: what a [`Sharding`] of frozen
+    /// parameters is walked with.
+    pub fn frozen(floats: usize, positions: impl IntoIterator<Item = usize>) -> Self {
+        let mut entry_of = vec![None; floats];
+        for (entry, position) in positions.into_iter().enumerate() {
+            entry_of[position] = Some(entry);
+        }
+        Self { entry_of, trains: false }
+    }
+
+    /// The model's float tensors (trainable or not) the index was made over.
+    pub fn floats(&self) -> usize {
+        self.entry_of.len()
     }
 
     fn entry(&self, position: usize) -> Option<usize> {
@@ -41,7 +67,7 @@ impl ParamIndex {
                 params.push((float.path.to_string(), float.shape.to_vec()));
             }
         });
-        (params, Self { entry_of })
+        (params, Self { entry_of, trains: true })
     }
 }
 

@@ -136,6 +136,12 @@ fn replace<const D: usize>(param: Param<Tensor<D>>, tensor: Tensor<D>) -> Param<
     if param.is_initialized() { param.map(|_| tensor) } else { Param::initialized(param.id, tensor) }
 }
 
+/// `tensor` as a parameter of `index`: an autodiff leaf where the index's tensors train,
+/// untracked where they are frozen (no gradient is computed for it).
+fn leaf<const D: usize>(tensor: Tensor<D>, index: &ParamIndex) -> Tensor<D> {
+    if index.trains() { tensor.require_grad() } else { tensor }
+}
+
 /// One unit's gradients of one backward pass, per entry of the unit, in the dtype Burn
 /// produced them in, flat, on the host or left on the device; `None` for a parameter that
 /// got no gradient (it counts as zeros).
@@ -265,7 +271,8 @@ pub(crate) enum Fill<'a> {
     Resident { values: BufRef<'a>, keep: &'a [bool], dtype: Precision },
 }
 
-/// Replaces unit `unit`'s trainable parameters in the module, keeping their ids.
+/// Replaces unit `unit`'s parameters in the module (trainable ones, or the frozen ones of a
+/// frozen `index`), keeping their ids.
 pub(crate) fn write_params<M: Module>(
     model: M,
     index: &ParamIndex,
@@ -302,12 +309,12 @@ pub(crate) fn write_params<M: Module>(
                 }
                 Source::Release(keep) if keep[e] => return param,
                 Source::Release(_) | Source::Resident(..) => {
-                    return replace(param, Tensor::<D>::empty([0; D], self.device).require_grad());
+                    return replace(param, leaf(Tensor::<D>::empty([0; D], self.device), self.walk.index));
                 }
             };
             let options = (self.device, data.dtype());
             let tensor = Tensor::<D>::from_data(data, options);
-            replace(param, tensor.require_grad())
+            replace(param, leaf(tensor, self.walk.index))
         }
     }
     let source = match fill {

@@ -76,7 +76,7 @@ pub(in crate::engine) fn place<M: UnitModel>(
     let span = Span { topology, stage, first_unit: units.start, pipe: Some(pipe) };
     // On a mesh, the stage's tensor group splits its units (`mesh.rs`' note on pipelines).
     let tensor = crate::engine::tensor::tensor_part(&model, plan, ctx, &sharding)?;
-    let parts = Parts { comm: data_group, sharding, index: declared.index, buffers, span, tensor };
+    let parts = Parts { comm: data_group, sharding, index: declared.index, frozen: None, buffers, span, tensor };
     Ok(Placed { model, parts, stage_units: units.len(), stage_ranges: ranges })
 }
 

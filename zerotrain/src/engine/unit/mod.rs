@@ -20,7 +20,9 @@ use zerotrain_zero::{DeviceOp, Pending, Request, ZeroStage};
 
 use super::accumulation::{ReduceOptions, UnitGrad};
 use super::flat::{Flat, float_dtype};
+use super::frozen::FrozenPart;
 use super::master::Values;
+use super::model::InitialValues;
 use super::optimizer::{OptimizerFactory, UnitOptimizer};
 use super::params::{Fill, UnitGrads, read_params, write_params, write_unit};
 use super::report::PhaseTimes;
@@ -56,19 +58,23 @@ pub(crate) struct Unit {
     presence: Presence,
     /// Stage 3: which of the unit's parameters stay resident when it is released.
     resident: Vec<bool>,
+    /// Stage 3: the unit's frozen parameters, which follow its gathers and releases.
+    frozen: Option<FrozenPart>,
 }
 
 impl Unit {
     /// Unit `id`, starting from `values` (its whole flat buffer, identical on every rank, in
     /// fp32 or in the compute dtype): writes them into `model` in the compute dtype, keeps
     /// the masters and optimizer state where the plan's tiers say, and at stage 3 releases
-    /// the unit. Returns the model.
+    /// the unit, its frozen parameters sharded too (still-lazy ones read from `initial`).
+    /// Returns the model.
     pub fn new<M: Module>(
         id: usize,
         values: BufRef<'_>,
         model: M,
         shared: &Shared,
         factory: &OptimizerFactory,
+        initial: Option<&dyn InitialValues>,
     ) -> Result<(M, Self)> {
         let (plan, layout) = (&shared.plan, shared.layout(id));
         let stage = plan.zero.stage;
@@ -128,12 +134,15 @@ impl Unit {
         };
         let device = shared.device_step.then(|| shared.state_device());
         let grad = UnitGrad::new(stage, layout, plan.precision.grad_accum, shared.comm.rank(), device);
-        Ok((model, Self { id, home, shard, grad, presence, resident }))
+        let (model, frozen) = FrozenPart::new(id, model, shared, initial)?;
+        Ok((model, Self { id, home, shard, grad, presence, resident, frozen }))
     }
 
-    /// Elements the unit's gathered flat buffer holds (its padded size).
+    /// Elements the unit's gathered flat buffers hold (their padded sizes, the frozen
+    /// parameters' too).
     pub fn gathered_elems(&self, shared: &Shared) -> u64 {
-        shared.layout(self.id).padded_elems() as u64
+        let frozen = self.frozen.as_ref().map_or(0, |f| f.padded_elems(shared));
+        shared.layout(self.id).padded_elems() as u64 + frozen
     }
 
     /// Whether the unit's parameters are in the model.
@@ -150,6 +159,9 @@ impl Unit {
     /// when the unit is not needed yet): the all-gather of its shard, or first the shard's
     /// read from its swap file. Nothing to do if it is gathered or already being fetched.
     pub fn fetch(&mut self, shared: &Shared) -> Result<()> {
+        if let Some(frozen) = &mut self.frozen {
+            frozen.fetch(shared)?;
+        }
         // A device-resident step has nothing to fetch: the gather casts the masters there.
         if !matches!(self.presence, Presence::Released) || shared.device_step {
             return Ok(());
@@ -173,6 +185,15 @@ impl Unit {
     /// prefetch already did, and writing them in). Returns the model and the transient
     /// bytes of the gathered buffer. `times` gets the wait; the caller times the whole.
     pub fn gather<M: Module>(&mut self, model: M, shared: &Shared, times: &mut PhaseTimes) -> Result<(M, u64)> {
+        let (model, frozen) = match &mut self.frozen {
+            Some(part) => part.gather(model, shared, times)?,
+            None => (model, 0),
+        };
+        let (model, trained) = self.gather_trained(model, shared, times)?;
+        Ok((model, trained + frozen))
+    }
+
+    fn gather_trained<M: Module>(&mut self, model: M, shared: &Shared, times: &mut PhaseTimes) -> Result<(M, u64)> {
         if shared.device_step && matches!(self.presence, Presence::Released) {
             let Values::Device(masters) = self.held(shared.optimizer_range(self.id).len())? else {
                 unreachable!("a device-resident step holds its masters on the device")
@@ -206,6 +227,10 @@ impl Unit {
     /// tensors. A fetch in flight is completed first (and its values dropped), so no
     /// collective is left behind.
     pub fn release<M: Module>(&mut self, model: M, shared: &Shared) -> M {
+        let model = match &mut self.frozen {
+            Some(frozen) => frozen.release(model, shared),
+            None => model,
+        };
         match std::mem::replace(&mut self.presence, Presence::Released) {
             // The result is not needed; an error here resurfaces at the next collective.
             Presence::Fetching(pending) => drop(pending.wait()),

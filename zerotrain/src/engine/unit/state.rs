@@ -52,7 +52,24 @@ impl Unit {
 
     /// Bytes in swap files (masters, optimizer state, parameter shard).
     pub fn swapped_bytes(&self, shared: &Shared) -> u64 {
-        self.home.swapped_bytes() + self.shard.swapped_bytes(shared.layout(self.id).shard_len(), shared.dtype())
+        let frozen = self.frozen.as_ref().map_or(0, |f| f.swapped_bytes(shared));
+        self.home.swapped_bytes()
+            + self.shard.swapped_bytes(shared.layout(self.id).shard_len(), shared.dtype())
+            + frozen
+    }
+
+    /// Bytes of the stage-3 shard of the unit's frozen parameters in memory.
+    pub fn frozen_shard_bytes(&self) -> u64 {
+        self.frozen.as_ref().map_or(0, super::FrozenPart::memory_bytes)
+    }
+
+    /// `into` with the unit's frozen parameters as `from` holds them, gathered (stage 3;
+    /// below it, or without frozen parameters, `into` as it is).
+    pub fn copy_frozen<M: burn::module::Module>(&self, from: &M, into: M, shared: &Shared) -> Result<M> {
+        match &self.frozen {
+            Some(frozen) => frozen.copy_gathered(from, into, shared),
+            None => Ok(into),
+        }
     }
 
     /// Bytes of the gradient accumulator.
@@ -63,6 +80,12 @@ impl Unit {
     /// Elements of the unit's resident (persistent) parameters at stage 3.
     pub fn resident_elems(&self, shared: &Shared) -> u64 {
         let entries = shared.layout(self.id).entries();
-        entries.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(e, _)| e.num_elems as u64).sum()
+        let trained: u64 =
+            entries.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(e, _)| e.num_elems as u64).sum();
+        let frozen = match (&self.frozen, &shared.frozen) {
+            (Some(_), Some(layout)) => layout.resident_elems(self.id),
+            _ => 0,
+        };
+        trained + frozen
     }
 }
