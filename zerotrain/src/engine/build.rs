@@ -13,7 +13,7 @@ use super::buffers::Buffers;
 use super::frozen::{FrozenLayout, Storage};
 use super::model::{UnitModel, UnitSpec, claims, group, under};
 use super::optimizer::{OptimizerFactory, ShardGroup, ShardOptimizer, built_in};
-use super::params::{ParamIndex, ParamShapes, initialise_lazy, is_all_lazy};
+use super::params::{ParamIndex, ParamShapes, initialise_lazy, is_lazy_enough};
 use super::parts::{ALIGN_ELEMS, Declared, Parts};
 use super::span::Span;
 use super::{Engine, Granularity, Pipeline};
@@ -260,13 +260,14 @@ pub(super) fn prepare<M: Module>(model: M, ctx: &RankContext, seed: u64) -> Resu
     // `valid()` copies every running state out of the caller's model (a clone shares
     // them), `train()` restores each parameter's gradient tracking (module note in
     // `buffers.rs`), `fork` puts it on the rank's device. All three give every parameter
-    // its value. A model whose tensors are all still lazy (built and handed over
-    // untouched) has no running state to copy and gets its tracking when each parameter
-    // initialises, so it skips them: the engine then initialises one unit at a time as it
-    // shards them, and no rank ever holds the whole model (the construction peak). It is
-    // forked once the engine has replaced its parameters (`assemble`): forking a lazy
-    // parameter that a clone shares (each thread rank's model is a clone) initialises it.
-    let mut lazy = [f32::from(u8::from(is_all_lazy(&model)))];
+    // its value. A model whose tensors are still lazy (built and handed over untouched),
+    // but for trained parameters with values (a LoRA run's fresh adapters), has no
+    // running state to copy and gets its tracking when each parameter initialises, so it
+    // skips them: the engine then initialises one unit at a time as it shards them, and no
+    // rank ever holds the whole model (the construction peak). It is forked once the
+    // engine has replaced its parameters (`assemble`): forking a lazy parameter that a
+    // clone shares (each thread rank's model is a clone) initialises it.
+    let mut lazy = [f32::from(u8::from(is_lazy_enough(&model)))];
     ctx.collective().all_reduce((&mut lazy[..]).into(), ReduceOp::Min)?;
     let model = if lazy[0] > 0.0 {
         model

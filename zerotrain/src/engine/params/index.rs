@@ -128,7 +128,33 @@ fn lazy_is_require_grad<const D: usize>(param: &Param<Tensor<D>>) -> bool {
     param.clone().transform_for_load(empty, param.id).val().is_require_grad()
 }
 
+/// Whether the engine may take `model` as it is and give its tensors their values one unit
+/// at a time: some float tensor has no value yet (a lazy parameter), and every one that has
+/// is a parameter that trains (a LoRA run's fresh adapters beside a base still in its
+/// files). The engine writes every trained parameter from the values it broadcasts, so an
+/// initialised one the caller's clones share is only read; a tensor with a value that does
+/// not train may be a running state those clones share and update, which must be copied
+/// first (`build.rs`'s `prepare`).
+pub(crate) fn is_lazy_enough<M: Module>(model: &M) -> bool {
+    struct Lazy {
+        lazy: bool,
+        untracked: bool,
+    }
+    impl ModuleVisitor for Lazy {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            match param.is_initialized() {
+                true => self.untracked |= !param.val().is_require_grad(),
+                false => self.lazy = true,
+            }
+        }
+    }
+    let mut lazy = Lazy { lazy: false, untracked: false };
+    model.visit(&mut lazy);
+    lazy.lazy && !lazy.untracked
+}
+
 /// Whether no float tensor of `model` has a value yet (every one is a lazy parameter).
+#[cfg(test)]
 pub(crate) fn is_all_lazy<M: Module>(model: &M) -> bool {
     struct Lazy(bool);
     impl ModuleVisitor for Lazy {
@@ -189,5 +215,30 @@ mod tests {
         let mut trainable = Vec::new();
         for_each_float(&linear, |f| trainable.push(f.trainable));
         assert_eq!(trainable, [true, false]);
+    }
+
+    /// A model is taken as it is while a tensor is still lazy and every tensor with a value
+    /// trains (fresh adapters on a base in its files); a value that does not train (a
+    /// running state, an eager frozen tensor) or no lazy tensor at all sends it through
+    /// the copy that gives every tensor its value.
+    #[test]
+    fn a_lazy_base_with_initialised_trained_tensors_stays_lazy() {
+        let device = Device::flex().autodiff();
+        let lazy_bias = || {
+            let shape = burn::tensor::Shape::new([2]);
+            Param::uninitialized(ParamId::new(), |d, _| Tensor::<1>::zeros([2], d), device.clone(), false, shape)
+        };
+        let mut linear: Linear = LinearConfig::new(3, 2).init(&device);
+        linear.bias = Some(lazy_bias());
+        assert!(is_lazy_enough(&linear), "all lazy");
+        drop(linear.weight.val());
+        assert!(is_lazy_enough(&linear), "a trained weight with a value beside a lazy bias");
+        assert!(linear.bias.as_ref().is_some_and(|b| !b.is_initialized()), "asking initialised nothing");
+        let frozen = Param::from_tensor(Tensor::<1>::zeros([2], &device)).set_require_grad(false);
+        linear.bias = Some(frozen);
+        assert!(!is_lazy_enough(&linear), "nothing lazy");
+        let mut other: Linear = LinearConfig::new(3, 2).init(&device);
+        other.weight = Param::from_tensor(Tensor::<2>::zeros([3, 2], &device)).set_require_grad(false);
+        assert!(!is_lazy_enough(&other), "a value that does not train beside a lazy bias");
     }
 }

@@ -13,7 +13,7 @@ use zerotrain_zero::Sharding;
 
 pub(crate) use self::device::{read_range, write_unit};
 use self::index::Walk;
-pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_all_lazy};
+pub(crate) use self::index::{ParamIndex, ParamShapes, for_each_float, is_lazy_enough};
 pub(crate) use self::initial::initial_dtype;
 use super::flat::Flat;
 use super::model::InitialValues;
