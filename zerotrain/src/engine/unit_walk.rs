@@ -305,15 +305,20 @@ impl<M: UnitModel> Engine<M> {
         pass: Pass,
     ) -> Result<(M::Hidden, Option<Tensor<1>>)> {
         // Without a graph, a training run still uses the autodiff model (on a detached
-        // input, its output detached at once, so the graph is dropped unit by unit): the
-        // inner backend's kernels need not round like the autodiff ones, and the
-        // recomputation in backward must reproduce the boundary activations bit for bit.
+        // input, its output detached at once): the inner backend's kernels need not round
+        // like the autodiff ones, and the recomputation in backward must reproduce the
+        // boundary activations bit for bit. Its parameters are untracked for the pass
+        // (`no_grad`), so nothing is recorded at all: Burn's autodiff frees a graph only at
+        // a backward through it, and one recorded here would keep every weight the unit's
+        // products saved for backward (at stage 3, the gathered unit's) until then.
         let unit = self.span.first_unit + i;
         let run = || match pass {
             Pass::Train { micro, graph } => {
                 let input = input.map(|x| if graph { x } else { x.detached() });
                 let draw = self.draw(micro, unit as u64);
-                let forward = || self.model.forward_unit_with_loss(unit, input, batch);
+                let untracked = (!graph).then(|| self.model.clone().no_grad());
+                let model = untracked.as_ref().unwrap_or(&self.model);
+                let forward = || model.forward_unit_with_loss(unit, input, batch);
                 let (output, term) = self.shared.streams.run(&self.shared.device, draw, forward);
                 if graph { (output, term) } else { (output.detached(), term.map(|t| t.detach())) }
             }
