@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A LoRA run's memory per process with the frozen base sharded at stage 3: TinyLlama-1.1B's
-# shape (configs/models/llama-1b.json, random weights), LoRA r 16 on every linear layer,
+# shape (configs/models/llama-1b.json; a checkpoint of random bf16 weights that
+# bench/random_checkpoint.py writes once under $WORK), LoRA r 16 on every linear layer,
 # bf16, context 512, micro-batch 1, 2 processes (`zerotrain launch`), STEPS steps (default
 # 2). Three runs: the bf16 base's shards in memory, on NVMe (max_in_cpu 0; swap files under
 # $NVME, default /tmp/zerotrain-bench-swap), and in NF4 in memory (`quantize: "nf4"`).
 # For each: every process's peak resident size (VmHWM, sampled every 0.2 s until it ends),
-# the engine's count of the frozen bytes each rank holds (the summary's `frozen` column),
-# and the seconds of the last step.
+# the engine's count of the frozen bytes rank 0 holds (the summary's `frozen` column), and
+# the run's seconds and tokens/s (the first step, which reads or draws the base, included).
+# $WORK/NAME.rss keeps each process's resident size over time (seconds, pid, KiB).
 # Usage: bench/lora_memory.sh [MODEL_CONFIG] [STEPS] [CONTEXT]; another model shape by its
 # Hugging Face config.json.
 set -euo pipefail
@@ -19,6 +21,10 @@ work="${WORK:-/tmp/zerotrain-bench-lora}"
 cargo build -q
 bin="$PWD/target/debug/zerotrain"
 mkdir -p "$work"
+ckpt="$work/ckpt-$(basename "$model" .json)"
+if [ ! -f "$ckpt/model.safetensors" ]; then
+  python3 bench/random_checkpoint.py "$model" "$ckpt"
+fi
 if [ ! -f "$work/data.tokens" ]; then
   python3 - "$work/text.txt" <<'EOF'
 import random, sys
@@ -29,7 +35,7 @@ with open(sys.argv[1], "w") as f:
         f.write(" ".join(random.choice(words) for _ in range(24)) + ".\n")
 EOF
   "$bin" tokenize "$work/text.txt" --tokenizer "$work/tokenizer.json" --train-vocab 400 \
-    --out "$work/data.tokens" --valid-fraction 0.05 > /dev/null
+    --out "$work/data.tokens" --valid-fraction 0.006 > /dev/null
 fi
 config() {
   local name="$1" offload="$2" quantize="$3"
@@ -41,14 +47,14 @@ config() {
  "activation_checkpointing": {},
  "zerotrain": {"world_size": 2, "eval_every": 100000, "checkpoint_every": 100000, "comm_timeout_s": 1800,
    "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"$quantize}},
- "model": {"hf_config": "$model", "tokenizer": "$work/tokenizer.json", "block_size": $context}}
+ "model": {"hf_dir": "$ckpt", "tokenizer": "$work/tokenizer.json", "block_size": $context}}
 EOF
 }
 config memory "" ""
 config nvme ", \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"$nvme\", \"max_in_cpu\": 0}" ""
 config nf4 "" ", \"quantize\": \"nf4\""
 for name in memory nvme nf4; do
-  rm -rf "$work/run-$name" "$nvme"
+  rm -rf "$work/run-$name" "$nvme" "$work/$name.rss"
   "$bin" launch --nproc-per-node 2 -- train --config "$work/$name.json" --data "$work/data.tokens" \
     --steps "$steps" --out "$work/run-$name" > "$work/$name.log" 2>&1 &
   launcher=$!
@@ -56,14 +62,15 @@ for name in memory nvme nf4; do
   while kill -0 "$launcher" 2> /dev/null; do
     for pid in $(pgrep -P "$launcher" || true); do
       kib=$(awk '/^VmHWM:/ {print $2}' "/proc/$pid/status" 2> /dev/null || true)
-      [ -n "$kib" ] && peak[$pid]=$kib
+      if [ -n "$kib" ]; then peak[$pid]=$kib; fi
+      awk -v t="$SECONDS" -v p="$pid" '/^VmRSS:/ {print t, p, $2}' "/proc/$pid/status" 2> /dev/null >> "$work/$name.rss" || true
     done
     sleep 0.2
   done
   wait "$launcher" || { echo "$name: failed"; tail -20 "$work/$name.log"; exit 1; }
   peaks=$(for pid in "${!peak[@]}"; do awk -v k="${peak[$pid]}" 'BEGIN {printf "%.0f MiB ", k / 1024}'; done)
   frozen=$(awk '/^model states per rank/ {t = 1; next} t && $1 ~ /^[0-9]+$/ {printf "%.1f MiB ", $NF / 1048576} /^rank 0 communication/ {t = 0}' "$work/$name.log")
-  last=$(grep -o 'step=[0-9]*,.*' "$work/$name.log" | tail -1 | cut -c1-120)
-  echo "$name: peak RSS per process ${peaks}| frozen per rank (engine) ${frozen}| ${last}"
+  timing=$(grep -o 'in [0-9.]* s, steps.*' "$work/$name.log" || true)
+  echo "$name: peak RSS per process ${peaks}| rank 0's frozen bytes (engine) ${frozen}| ${timing}"
   unset peak
 done
