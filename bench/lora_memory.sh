@@ -9,7 +9,7 @@
 # the engine's count of the frozen bytes rank 0 holds (the summary's `frozen` column), and
 # the run's seconds and tokens/s (the first step, which reads or draws the base, included).
 # $WORK/NAME.rss keeps each process's resident size over time (seconds, pid, KiB).
-# Usage: bench/lora_memory.sh [MODEL_CONFIG] [STEPS] [CONTEXT]; another model shape by its
+# Usage: [VARIANTS="nvme nf4"] bench/lora_memory.sh [MODEL_CONFIG] [STEPS] [CONTEXT]; another model shape by its
 # Hugging Face config.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +53,7 @@ EOF
 config memory "" ""
 config nvme ", \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"$nvme\", \"max_in_cpu\": 0}" ""
 config nf4 "" ", \"quantize\": \"nf4\""
-for name in memory nvme nf4; do
+for name in ${VARIANTS:-memory nvme nf4}; do
   rm -rf "$work/run-$name" "$nvme" "$work/$name.rss"
   "$bin" launch --nproc-per-node 2 -- train --config "$work/$name.json" --data "$work/data.tokens" \
     --steps "$steps" --out "$work/run-$name" > "$work/$name.log" 2>&1 &

@@ -30,7 +30,7 @@ pub fn fingerprint(
     for name in frozen {
         let entry = files.get(name).or_else(|| alias(name).and_then(|a| files.get(&a)));
         let entry = entry.ok_or_else(|| anyhow::anyhow!("{}: no tensor `{name}`", dir.display()))?;
-        tensors.insert(name.clone(), Value::from(crc32fast::hash(files.bytes(entry))));
+        tensors.insert(name.clone(), Value::from(files.crc32(entry)));
     }
     Ok(json!({ "tensors": tensors }))
 }

@@ -150,6 +150,24 @@ impl TensorFiles {
         values
     }
 
+    /// The CRC-32 of `entry`'s bytes, read a piece at a time and each piece's pages
+    /// dropped from the map after (as [`read_into`](Self::read_into) does), so
+    /// fingerprinting a checkpoint does not leave it resident.
+    pub fn crc32(&self, entry: &TensorEntry) -> u32 {
+        let map = &self.files[entry.file].1;
+        let mut hasher = crc32fast::Hasher::new();
+        for at in entry.range.clone().step_by(8 << 20) {
+            let piece = at..(at + (8 << 20)).min(entry.range.end);
+            hasher.update(&map[piece.clone()]);
+            #[cfg(unix)]
+            // SAFETY: as in `read_into`: a read-only private file mapping, no slice held.
+            unsafe {
+                let _ = map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, piece.start, piece.len());
+            }
+        }
+        hasher.finalize()
+    }
+
     /// Asks the kernel to read `entry`'s bytes into the page cache, in order, without
     /// waiting for them (a thread reading ahead of [`read_into`](Self::read_into)).
     pub fn will_need(&self, entry: &TensorEntry) {
