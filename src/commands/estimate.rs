@@ -136,6 +136,10 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
 /// `quantize` holds it.
 fn lora_rows(file: &std::path::Path, ranks: u64) -> anyhow::Result<Vec<serde_json::Value>> {
     use zerotrain_zero::ZeroStage;
+    let (config, _) = zerotrain::Config::from_file_with::<keys::AppKeys>(file)?;
+    if config.raw.zerotrain.as_ref().is_none_or(|z| z.lora.is_none()) {
+        return Ok(Vec::new());
+    }
     let overrides = zerotrain::config::Overrides { world_size: Some(ranks as usize), ..Default::default() };
     let (mut plan, settings) =
         keys::load(file, overrides).with_context(|| format!("{}: reading it for the LoRA estimate", file.display()))?;
