@@ -64,12 +64,19 @@ pub(crate) fn quantize(values: &[f32], codes: &mut [u32], absmax: &mut [f32]) {
     }
 }
 
+/// Value `i` of those `codes` and `absmax` ([`quantize`]'s) stand for; `code` reads a
+/// word of codes (codes kept as words of f32 bits are read in place).
+pub(crate) fn value(code: impl Fn(usize) -> u32, absmax: &[f32], i: usize) -> f32 {
+    let c = (code(i / 8) >> (4 * (i % 8))) & 0xF;
+    LEVELS[c as usize] * absmax[i / BLOCK]
+}
+
 /// The values `codes` and `absmax` ([`quantize`]'s) stand for, into `out` (its length
 /// is the count of values).
+#[cfg(test)]
 pub(crate) fn dequantize(codes: &[u32], absmax: &[f32], out: &mut [f32]) {
     for (i, o) in out.iter_mut().enumerate() {
-        let c = (codes[i / 8] >> (4 * (i % 8))) & 0xF;
-        *o = LEVELS[c as usize] * absmax[i / BLOCK];
+        *o = value(|w| codes[w], absmax, i);
     }
 }
 

@@ -114,13 +114,15 @@ impl QuantizedUnit {
                     let mut dst = dst;
                     dst.copy_from(unpack(&at[..words(self.dtype, n)], self.dtype, n).as_ref(), false);
                 }
-                Some(dims) => {
+                Some([rows, cols]) => {
+                    // Straight into Burn's order: element (i, o) is PyTorch's (o, i).
                     let (c, b) = (nf4::code_words(n), nf4::blocks(n));
-                    let codes: Vec<u32> = at[..c].iter().map(|w| w.to_bits()).collect();
-                    let mut flat = vec![0.0f32; n];
-                    nf4::dequantize(&codes, &at[c..c + b], &mut flat);
+                    let (codes, absmax) = (&at[..c], &at[c..c + b]);
+                    let values: Vec<f32> = (0..n)
+                        .map(|k| nf4::value(|w| codes[w].to_bits(), absmax, (k % cols) * rows + k / cols))
+                        .collect();
                     let mut dst = dst;
-                    dst.copy_from(BufRef::F32(&burn_order(&flat, dims)), false);
+                    dst.copy_from(BufRef::F32(&values), false);
                 }
             }
         }
@@ -132,11 +134,6 @@ impl QuantizedUnit {
 /// the same weight: `[cols, rows]` row-major (the transpose).
 fn torch_order(values: &[f32], [rows, cols]: [usize; 2]) -> Vec<f32> {
     (0..rows * cols).map(|k| values[(k % rows) * cols + k / rows]).collect()
-}
-
-/// [`torch_order`]'s inverse.
-fn burn_order(values: &[f32], [rows, cols]: [usize; 2]) -> Vec<f32> {
-    (0..rows * cols).map(|k| values[(k % cols) * rows + k / cols]).collect()
 }
 
 #[cfg(test)]
