@@ -915,6 +915,14 @@ fn a_killed_nvme_job_resumes_as_if_uninterrupted() {
     let whole = root.join("whole");
     let out = train(&whole, false).output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
+    // Stage 3 with its parameters on NVMe: no samples by default (they would gather the
+    // whole model on rank 0), and the summary says why and how to get them.
+    let stdout = text(&out.stdout);
+    assert!(!stdout.lines().any(|l| l.starts_with("samples from the trained model:")), "{stdout}");
+    assert!(
+        stdout.contains("no samples from the trained model: stage 3 keeps the parameters' shards on NVMe"),
+        "{stdout}"
+    );
 
     let killed = root.join("killed");
     // Two ranks: 13 crash points per save; 16 is inside the second (step 4) save.
@@ -934,8 +942,12 @@ fn a_killed_nvme_job_resumes_as_if_uninterrupted() {
         std::fs::read_dir(dir).unwrap().flatten().filter(|e| e.path().extension().is_some_and(|x| x == "swap")).count()
     };
     assert!(stale(0) > 0 && stale(1) > 0, "the killed job left its swap files");
-    let rerun = train(&killed, true).output().unwrap();
+    let rerun = train(&killed, true).arg("--samples").arg("on").output().unwrap();
     assert!(rerun.status.success(), "{}", text(&rerun.stderr));
+    // Asked for, they are written: completions of held-out sums, each with its verdict.
+    let stdout = text(&rerun.stdout);
+    let samples = stdout.split("samples from the trained model:\n").nth(1).unwrap_or_default();
+    assert_eq!(samples.lines().filter(|l| l.contains("; expected ")).count(), 8, "{stdout}");
     assert_eq!(stale(0) + stale(1), 0, "swap files are scratch: none outlive the job");
     let (got, want) = (losses(&killed), losses(&whole));
     // The killed job logged steps 3-4 before its save; the rerun logs them again from step 2.

@@ -19,7 +19,7 @@ pub use self::check::config_check;
 pub use self::checkpoints::{ConsolidateArgs, consolidate, inspect};
 pub use self::serve::serve;
 use crate::keys;
-use crate::train::{StepMetrics, TrainOptions, TrainSummary};
+use crate::train::{SampleMode, StepMetrics, TrainOptions, TrainSummary};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use zerotrain::{Overrides, detect_mpirun};
@@ -92,7 +92,14 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
             m.loss, m.lr, m.loss_scale, m.tokens_per_s
         ));
     };
-    let options = TrainOptions { steps: args.steps, out, resume: args.resume, save_every: args.save_every, stop };
+    let options = TrainOptions {
+        steps: args.steps,
+        out,
+        resume: args.resume,
+        save_every: args.save_every,
+        stop,
+        samples: args.samples,
+    };
     let s = match job {
         TrainJob::Gpt(corpus, shape) => {
             crate::train::train_gpt(&plan, &settings, &options, (&corpus, shape), &log, &progress)
@@ -240,6 +247,11 @@ pub struct TrainArgs {
     /// Continue from the run folder's latest checkpoint.
     #[arg(long)]
     pub resume: bool,
+    /// Samples of the trained model at the end (they gather the whole model on rank 0).
+    /// auto: unless stage 3 keeps the parameters offloaded (`offload_param`) or the base
+    /// in NF4; on: always; off: never.
+    #[arg(long, value_enum, default_value_t = SampleMode::Auto)]
+    pub samples: SampleMode,
     /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`): the
     /// model gets its adapters, from its values (its config rules over `zerotrain.lora`).
     #[arg(long, value_name = "DIR")]
@@ -311,11 +323,16 @@ fn print_summary(s: &TrainSummary) {
         );
     }
     println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
-    println!("samples from the trained model:");
-    for sample in &s.samples {
-        println!("  {sample}");
-    }
     let out = s.out.display();
+    match &s.samples_withheld {
+        Some(why) => println!("no samples from the trained model: {why}"),
+        None => {
+            println!("samples from the trained model:");
+            for sample in &s.samples {
+                println!("  {sample}");
+            }
+        }
+    }
     println!("outputs: {out}/metrics.jsonl, {out}/loss.png, {out}/checkpoints/");
 }
 

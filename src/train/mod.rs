@@ -22,6 +22,7 @@ pub(crate) use self::folder_lock::open_lock_file;
 pub use self::folder_lock::{LOCK_FILE, lock_file_name};
 use self::memory::check_memory;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
+pub use self::samples::SampleMode;
 use self::task::CorpusData;
 pub(crate) use self::task::Handout;
 pub use self::task::{Task, TrainData};
@@ -57,6 +58,8 @@ pub struct TrainOptions {
     pub save_every: Option<u64>,
     /// Set (by SIGINT or SIGTERM) to finish the current step, save and stop.
     pub stop: Arc<AtomicBool>,
+    /// Whether to write samples of the trained model at the end.
+    pub samples: SampleMode,
 }
 
 /// What a run did, for the final summary.
@@ -82,6 +85,8 @@ pub struct TrainSummary {
     pub comm_bytes_per_step: u64,
     /// Text the trained model wrote.
     pub samples: Vec<String>,
+    /// Why it wrote none, where it wrote none by choice ([`SampleMode`]).
+    pub samples_withheld: Option<String>,
     /// Where the metrics, plot and checkpoints are.
     pub out: PathBuf,
 }
@@ -303,8 +308,11 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             self.save(engine.as_mut(), step)?;
         }
         let final_val = val_loss(&mut engine)?;
-        let model = engine.gather_model(0)?;
-        let samples = model.map(|model| (self.samples)(&model)).transpose()?.unwrap_or_default();
+        let samples_withheld = samples::withheld(plan, options.samples);
+        let samples = match samples_withheld {
+            Some(_) => vec![],
+            None => engine.gather_model(0)?.map(|model| (self.samples)(&model)).transpose()?.unwrap_or_default(),
+        };
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io(&metrics_path))?;
             let png = options.out.join("loss.png");
@@ -325,6 +333,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             }],
             comm_bytes_per_step,
             samples,
+            samples_withheld,
             out: options.out.clone(),
         })
     }
