@@ -7,10 +7,10 @@ pub mod hf;
 pub(crate) mod memory;
 mod metrics;
 mod samples;
+mod summary;
 mod task;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -23,6 +23,7 @@ pub use self::folder_lock::{LOCK_FILE, lock_file_name};
 use self::memory::check_memory;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 pub use self::samples::SampleMode;
+pub use self::summary::{RankTotals, TrainOptions, TrainSummary};
 use self::task::CorpusData;
 pub(crate) use self::task::Handout;
 pub use self::task::{Task, TrainData};
@@ -36,7 +37,7 @@ use zerotrain::config::ComputeDevice;
 use zerotrain::engine::HostDeviceBytes;
 use zerotrain::engine::UnitModel;
 use zerotrain::nn::parallel::ParallelGroups;
-use zerotrain::{Error, LoadOptions, MemoryReport, Plan, RankContext, Result, StepReport, launch};
+use zerotrain::{Error, LoadOptions, Plan, RankContext, Result, StepReport, launch};
 use zerotrain_models::data::Corpus;
 use zerotrain_models::{Gpt, GptConfig};
 
@@ -44,64 +45,6 @@ use zerotrain_models::{Gpt, GptConfig};
 const ARITHMETIC_LINES: usize = 40_000;
 /// Validation sequences per measurement.
 const VALIDATION_SEQUENCES: u64 = 32;
-
-/// What `zerotrain train` was asked to do.
-#[derive(Debug, Clone)]
-pub struct TrainOptions {
-    /// Optimizer steps to reach.
-    pub steps: u64,
-    /// The run folder.
-    pub out: PathBuf,
-    /// Continue from `<out>/checkpoints/latest`.
-    pub resume: bool,
-    /// Checkpoint interval, overriding `zerotrain.checkpoint_every` (0: only at the end).
-    pub save_every: Option<u64>,
-    /// Set (by SIGINT or SIGTERM) to finish the current step, save and stop.
-    pub stop: Arc<AtomicBool>,
-    /// Whether to write samples of the trained model at the end.
-    pub samples: SampleMode,
-}
-
-/// What a run did, for the final summary.
-#[derive(Debug, Clone)]
-pub struct TrainSummary {
-    /// The step the run started after (0, or the resumed step).
-    pub first_step: u64,
-    /// The step it ended at.
-    pub last_step: u64,
-    /// Stopped early by SIGINT or SIGTERM.
-    pub interrupted: bool,
-    /// Validation loss at the start and the end.
-    pub val_loss: (f32, f32),
-    /// Wall time of the training loop, seconds.
-    pub seconds: f64,
-    /// Training tokens per second over all ranks.
-    pub tokens_per_s: f64,
-    /// Trainable parameters.
-    pub num_params: usize,
-    /// Each rank of this process at the end, in rank order.
-    pub ranks: Vec<RankTotals>,
-    /// Bytes rank 0 moved per step (mean).
-    pub comm_bytes_per_step: u64,
-    /// Text the trained model wrote.
-    pub samples: Vec<String>,
-    /// Why it wrote none, where it wrote none by choice ([`SampleMode`]).
-    pub samples_withheld: Option<String>,
-    /// Where the metrics, plot and checkpoints are.
-    pub out: PathBuf,
-}
-
-/// One rank at the end of a run.
-#[derive(Debug, Clone, Copy)]
-pub struct RankTotals {
-    /// Its rank in the world.
-    pub rank: usize,
-    /// Its model-state memory.
-    pub memory: MemoryReport,
-    /// The bytes of model states copied between host memory and its device over the run's
-    /// steps (the steps' reports summed); `None` on the CPU, where there is no device.
-    pub host_device: Option<HostDeviceBytes>,
-}
 
 /// The corpus the options name (generated from `seed`, or read from `data`), checked
 /// against the model's context; and the model's shape with its vocabulary filled in.
