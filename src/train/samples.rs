@@ -44,10 +44,7 @@ pub(super) fn withheld(plan: &Plan, mode: SampleMode) -> Option<String> {
                 (None, true) => Some("stage 3 keeps the frozen base's shards in NF4 (zerotrain.lora.quantize)".into()),
             }
             .map(|why| {
-                format!(
-                    "{why}, and samples would gather the whole model on rank 0 (`--samples on` writes them; \
-                     `zerotrain generate --checkpoint <out>/checkpoints` reads the saved model)"
-                )
+                format!("{why}, and samples would gather the whole model on rank 0 (`--samples on` writes them)")
             })
         }
     }
