@@ -19,7 +19,7 @@ pub use self::check::config_check;
 pub use self::checkpoints::{ConsolidateArgs, consolidate, inspect};
 pub use self::serve::serve;
 use crate::keys;
-use crate::train::{SampleMode, StepMetrics, TrainOptions, TrainSummary};
+use crate::train::{SampleMode, Samples, StepMetrics, TrainOptions, TrainSummary};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use zerotrain::{Overrides, detect_mpirun};
@@ -324,11 +324,11 @@ fn print_summary(s: &TrainSummary) {
     }
     println!("rank 0 communication: {} B per step", s.comm_bytes_per_step);
     let out = s.out.display();
-    match &s.samples_withheld {
-        Some(why) => println!("no samples from the trained model: {why}"),
-        None => {
+    match &s.samples {
+        Samples::Withheld(why) => println!("no samples from the trained model: {why}"),
+        Samples::Written(lines) => {
             println!("samples from the trained model:");
-            for sample in &s.samples {
+            for sample in lines {
                 println!("  {sample}");
             }
         }

@@ -23,7 +23,7 @@ pub use self::folder_lock::{LOCK_FILE, lock_file_name};
 use self::memory::check_memory;
 pub use self::metrics::{MetricsLog, StepMetrics, plot, register_font as plot_font};
 pub use self::samples::SampleMode;
-pub use self::summary::{RankTotals, TrainOptions, TrainSummary};
+pub use self::summary::{RankTotals, Samples, TrainOptions, TrainSummary};
 use self::task::CorpusData;
 pub(crate) use self::task::Handout;
 pub use self::task::{Task, TrainData};
@@ -251,10 +251,11 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             self.save(engine.as_mut(), step)?;
         }
         let final_val = val_loss(&mut engine)?;
-        let samples_withheld = samples::withheld(plan, options.samples);
-        let samples = match samples_withheld {
-            Some(_) => vec![],
-            None => engine.gather_model(0)?.map(|model| (self.samples)(&model)).transpose()?.unwrap_or_default(),
+        let samples = match samples::withheld(plan, options.samples) {
+            Some(why) => Samples::Withheld(why),
+            None => Samples::Written(
+                engine.gather_model(0)?.map(|model| (self.samples)(&model)).transpose()?.unwrap_or_default(),
+            ),
         };
         if let Some(file) = &mut log_file {
             let all = file.read_all().map_err(io(&metrics_path))?;
@@ -276,7 +277,6 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             }],
             comm_bytes_per_step,
             samples,
-            samples_withheld,
             out: options.out.clone(),
         })
     }

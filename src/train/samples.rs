@@ -29,22 +29,15 @@ pub(super) fn withheld(plan: &Plan, mode: SampleMode) -> Option<String> {
         SampleMode::On => None,
         SampleMode::Off => Some("--samples off".into()),
         SampleMode::Auto => {
-            if plan.zero.stage != ZeroStage::Parameters {
-                return None;
-            }
-            let tier = match &plan.zero.offload.param {
+            let offloaded = match &plan.zero.offload.param {
                 Tier::Device => None,
-                Tier::Host => Some("in host memory"),
-                Tier::Nvme(_) => Some("on NVMe"),
+                Tier::Host => Some("the parameters' shards in host memory (offload_param)"),
+                Tier::Nvme(_) => Some("the parameters' shards on NVMe (offload_param)"),
             };
             let nf4 = plan.lora.as_ref().is_some_and(|lora| lora.quantize.is_some());
-            match (tier, nf4) {
-                (None, false) => None,
-                (Some(tier), _) => Some(format!("stage 3 keeps the parameters' shards {tier} (offload_param)")),
-                (None, true) => Some("stage 3 keeps the frozen base's shards in NF4 (zerotrain.lora.quantize)".into()),
-            }
-            .map(|why| {
-                format!("{why}, and samples would gather the whole model on rank 0 (`--samples on` writes them)")
+            let kept_out = offloaded.or(nf4.then_some("the frozen base's shards in NF4 (zerotrain.lora.quantize)"));
+            kept_out.filter(|_| plan.zero.stage == ZeroStage::Parameters).map(|why| {
+                format!("stage 3 keeps {why}, and samples would gather the whole model on rank 0 (`--samples on` writes them)")
             })
         }
     }

@@ -48,10 +48,8 @@ pub struct TrainSummary {
     pub ranks: Vec<RankTotals>,
     /// Bytes rank 0 moved per step (mean).
     pub comm_bytes_per_step: u64,
-    /// Text the trained model wrote.
-    pub samples: Vec<String>,
-    /// Why it wrote none, where it wrote none by choice ([`SampleMode`]).
-    pub samples_withheld: Option<String>,
+    /// What the trained model wrote.
+    pub samples: Samples,
     /// Where the metrics, plot and checkpoints are.
     pub out: PathBuf,
 }
@@ -66,4 +64,13 @@ pub struct RankTotals {
     /// The bytes of model states copied between host memory and its device over the run's
     /// steps (the steps' reports summed); `None` on the CPU, where there is no device.
     pub host_device: Option<HostDeviceBytes>,
+}
+
+/// What a run wrote of the trained model at its end ([`SampleMode`]).
+#[derive(Debug, Clone)]
+pub enum Samples {
+    /// Its text, a line each.
+    Written(Vec<String>),
+    /// None, and why.
+    Withheld(String),
 }
