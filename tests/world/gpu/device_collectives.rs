@@ -16,7 +16,7 @@ use zerotrain_models::{Gpt, GptConfig};
 use zerotrain_precision::{BufMut, BufRef};
 use zerotrain_zero::{Collective, CommStats, ReduceOp, ThreadWorld, ZeroError};
 
-use super::{DEVICE_LOSS_TOL, Gpu, device_alone, on_device};
+use super::{DEVICE_LOSS_TOL, Gpu, PARAM_TOL, device_alone, on_device};
 use crate::common::plan;
 use crate::units::{MODES, Mode, Tokens, Workload, micro_step, tiny_gpt, unit_recipe, unit_sizes};
 
@@ -127,17 +127,32 @@ fn run(plan: &zerotrain::Plan, mode: Mode, on: Gpu, claims: bool) -> Seen {
     out.into_iter().next().unwrap()
 }
 
-/// Two ranks whose collectives read device memory train exactly as the same two ranks over
-/// host collectives (the host-staged step): at every stage (stage 1 with and without
-/// reduce-scatter), accumulating 2 micro-steps, as
-/// one unit and in units with recomputation and overlap, fp32 and fp16, every loss and
-/// master agrees bit for bit where `exact` (lavapipe; elsewhere every loss within
-/// `DEVICE_LOSS_TOL`). Clipping is off, so that the norm (summed in f32 on the device, in
-/// f64 on the host) does not enter the values; it agrees within 1e-5 relative, which a
-/// shard counted twice or not at all would not. And the step stays on the device: at stage
-/// 0 in fp32 the only bytes crossing are those the stand-in's collective stages, the
-/// accumulator's all-reduce (4Ψ each way).
-pub fn ranks_whose_collectives_read_device_memory_step_on_the_device(on: Gpu, exact: bool) {
+/// Two ranks whose collectives read device memory train as the same two ranks over host
+/// collectives (the host-staged step): at every stage (stage 1 with and without
+/// reduce-scatter), accumulating 2 micro-steps, as one unit and in units with recomputation
+/// and overlap, fp32 and fp16, every loss agrees within `DEVICE_LOSS_TOL` and, where the
+/// device is a software one (`software`: lavapipe), every master within `PARAM_TOL`, far
+/// below the lr-sized step (1e-3 to 1e-2 here) that a shard updated from another's gradient
+/// would take. Clipping is off, so that the norm (summed in f32 on the device, in f64 on the
+/// host) does not enter the values; it agrees within 1e-5 relative, which a shard counted
+/// twice or not at all would not (Adam's update does not see a gradient's scale). And the
+/// step stays on the device: at stage 0 in fp32 the only bytes crossing are those the
+/// stand-in's collective stages, the accumulator's all-reduce (4Ψ each way).
+///
+/// # Note: why not bit for bit on lavapipe
+/// The two steps compute the same sums but are different programs: the device step queues
+/// a unit's gradients into one flat tensor and reads it once, the host-staged one reads each
+/// gradient, so Burn's fusion cuts the backward's tail and the update into other kernels,
+/// and which blocks it fuses also depends on the plans and autotune results the process
+/// found before (its plan store and autotune cache are shared by every thread and run on the
+/// device). Usually the bits agree; measured at 777414a on lavapipe, with the autotune cache
+/// removed before each run, stage 2 in units came apart in 2 runs of 4 (and once in CI):
+/// losses 2.3965461 against 2.3965464 at the second step, the masters 6e-8 apart at most
+/// after the third. With SGD in place of AdamW the first step's updates differed in 47 of
+/// 6,864 elements by 1e-12 at most: the gradients' last bits, not a wrong shard. On a GPU
+/// the masters are not compared: Adam turns a last-bit difference of a near-zero gradient
+/// into a step.
+pub fn ranks_whose_collectives_read_device_memory_step_on_the_device(on: Gpu, software: bool) {
     let _alone = device_alone();
     let fp16 = r#"{ "fp16": {"enabled": true, "initial_scale_power": 8},"#;
     let (sizes, root) = unit_sizes(&tiny_gpt(true, 13));
@@ -154,11 +169,10 @@ pub fn ranks_whose_collectives_read_device_memory_step_on_the_device(on: Gpu, ex
                 let plan = plan(&on_device(&json, on), 2);
                 let (device_losses, device_norms, device_masters, crossed) = run(&plan, mode, on, true);
                 let (host_losses, host_norms, host_masters, _) = run(&plan, mode, on, false);
-                // Elsewhere the masters are not compared: Adam turns a last-bit difference of a
-                // near-zero gradient into a step.
-                if exact {
-                    assert_eq!(device_losses, host_losses, "{what}: losses");
-                    assert_eq!(device_masters, host_masters, "{what}: masters");
+                if software {
+                    let apart =
+                        device_masters.iter().zip(&host_masters).map(|(d, h)| (d - h).abs()).fold(0.0, f32::max);
+                    assert!(apart <= PARAM_TOL, "{what}: masters {apart:e} apart");
                 }
                 for (d, h) in device_losses.iter().zip(&host_losses) {
                     assert!((d - h).abs() <= DEVICE_LOSS_TOL * h.abs(), "{what}: loss {d} vs {h} host-staged");

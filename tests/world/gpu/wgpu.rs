@@ -8,9 +8,11 @@ use super::Gpu;
 const WGPU: Gpu = Gpu { name: "wgpu", device: || Device::wgpu(DeviceKind::DefaultDevice), keys: "", granule: None };
 
 /// Whether wgpu runs on a software adapter only (lavapipe: CI's machines), whose kernels
-/// round every operation as written, so that the device and host steps agree bit for bit.
-/// A GPU's driver contracts multiply-adds and approximates division (NVIDIA's Vulkan on an
-/// H200: 2 ulp of the operands apart, losses within 4e-6 relative), as CUDA does.
+/// round as the host's arithmetic does, so that the same operations in the same kernels
+/// agree with the host bit for bit (two programs that Burn fuses into other kernels need
+/// not: `device_collectives.rs`). A GPU's driver contracts multiply-adds and approximates
+/// division (NVIDIA's Vulkan on an H200: 2 ulp of the operands apart, losses within 4e-6
+/// relative), as CUDA does.
 fn software_only() -> bool {
     !Device::enumerate(DeviceType::Wgpu).into_iter().any(|d| d.identity().is_some_and(|id| id.physical.is_some()))
 }
