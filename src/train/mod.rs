@@ -205,6 +205,8 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         while step < options.steps {
             let step_start = Instant::now();
             let report = self.train_step(engine.as_mut(), step, ctx)?;
+            // The step's own time: the validation below is not training throughput.
+            let step_secs = step_start.elapsed().as_secs_f64();
             step = report.global_step;
             crossed = crossed.plus(&report.host_device);
             let val =
@@ -215,7 +217,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
                 lr: report.lr,
                 loss_scale: report.loss_scale,
                 grad_norm: report.grad_norm,
-                tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
+                tokens_per_s: tokens_per_step / step_secs,
                 skipped: report.skipped,
                 val_loss: val,
                 comm_bytes: report.comm_bytes,
