@@ -202,15 +202,20 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         let (start, comm_start) = (Instant::now(), engine.comm_stats().total_bytes());
         let (mut step, mut last_saved, mut interrupted) = (first_step, first_step, false);
         let mut crossed = HostDeviceBytes::default();
+        // The steps' own seconds (the training throughput), and the validation loss of the
+        // model as it stands, where one was computed after the last step.
+        let (mut train_secs, mut val_now) = (0.0, None);
         while step < options.steps {
             let step_start = Instant::now();
             let report = self.train_step(engine.as_mut(), step, ctx)?;
             // The step's own time: the validation below is not training throughput.
             let step_secs = step_start.elapsed().as_secs_f64();
+            train_secs += step_secs;
             step = report.global_step;
             crossed = crossed.plus(&report.host_device);
             let val =
                 (step % self.eval_every == 0 || step == options.steps).then(|| val_loss(&mut engine)).transpose()?;
+            val_now = val;
             let metrics = StepMetrics {
                 step,
                 loss: report.loss,
@@ -252,7 +257,12 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         if step > last_saved || self.resume_tag.is_none() && step == 0 {
             self.save(engine.as_mut(), step)?;
         }
-        let final_val = val_loss(&mut engine)?;
+        // Every rank took the same steps and so knows alike whether the last one was
+        // validated (a validation is collective at stage 3).
+        let final_val = match val_now {
+            Some(val) => val,
+            None => val_loss(&mut engine)?,
+        };
         let samples = match samples::withheld(plan, options.samples) {
             Some(why) => Samples::Withheld(why),
             None => Samples::Written(
@@ -270,7 +280,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
             interrupted,
             val_loss: (initial_val, final_val),
             seconds,
-            tokens_per_s: (step - first_step) as f64 * tokens_per_step / seconds.max(1e-9),
+            tokens_per_s: (step - first_step) as f64 * tokens_per_step / train_secs.max(1e-9),
             num_params: engine.num_params(),
             ranks: vec![RankTotals {
                 rank: ctx.rank(),

@@ -40,7 +40,8 @@ pub struct TrainSummary {
     pub val_loss: (f32, f32),
     /// Wall time of the training loop, seconds.
     pub seconds: f64,
-    /// Training tokens per second over all ranks.
+    /// Training tokens per second over all ranks, over the steps' own time (the
+    /// validations between them not counted).
     pub tokens_per_s: f64,
     /// Trainable parameters.
     pub num_params: usize,
