@@ -212,7 +212,7 @@ impl AppKeys {
 /// Reads `path` into the library's plan and the application's settings.
 pub fn load(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), ConfigError> {
     let (config, keys) = Config::from_file_with::<AppKeys>(path)?;
-    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
+    lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
 }
 
 /// [`load`] for one rank that holds the whole model (`generate`): the layout the config
@@ -232,7 +232,24 @@ pub fn load_for_one_rank(path: &Path, overrides: Overrides) -> Result<(Plan, App
         raw.train_batch_size = None;
     }
     let overrides = Overrides { world_size: Some(1), ..overrides };
-    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
+    lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
+}
+
+/// `plan` and `settings`, unless `zerotrain.lora` is set for the built-in GPT, which has no
+/// adapters: refused naming the key, rather than training every parameter as if it were
+/// not there.
+fn lora_fits(plan: Plan, settings: AppSettings) -> Result<(Plan, AppSettings), ConfigError> {
+    if plan.lora.is_some() && settings.hf.is_none() {
+        return Err(ConfigError::Unsupported {
+            key: "zerotrain.lora".into(),
+            message: "the built-in GPT (a model section without hf_dir or hf_config) has no LoRA adapters: name a \
+                      LLaMA- or GPT-2-family model (model.hf_dir or model.hf_config), or leave zerotrain.lora out \
+                      to train every parameter (a Burn program adapts its own layers with \
+                      zerotrain::nn::lora::LoraLinear)"
+                .into(),
+        });
+    }
+    Ok((plan, settings))
 }
 
 /// The folder of a config file (relative model paths start there).
@@ -264,7 +281,7 @@ pub fn load_as_group(
             section.group = Some(zerotrain::config::Count(group));
         }
     }
-    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
+    lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
 }
 
 /// The application's keys of `path`; the library's keys are checked but not resolved.

@@ -188,6 +188,13 @@ fn gpt_job(
     settings: &keys::AppSettings,
     say: &dyn Fn(String),
 ) -> anyhow::Result<TrainJob> {
+    if let Some(dir) = &args.adapter {
+        anyhow::bail!(
+            "--adapter {}: the built-in GPT (a model section without hf_dir or hf_config) has no LoRA adapters; an \
+             adapter goes with a LLaMA- or GPT-2-family model (model.hf_dir)",
+            dir.display()
+        );
+    }
     let (corpus, shape) = crate::train::load_corpus(&settings.model, plan.runtime.seed, args.data.as_deref())?;
     say(format!(
         "training a GPT of {} parameters ({} layers, width {}, context {}) on {} ({} characters, vocabulary {}): {}",

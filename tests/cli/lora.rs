@@ -289,6 +289,47 @@ fn bad_lora_configs_and_adapters_are_refused_by_name() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The built-in GPT has no adapters: a `zerotrain.lora` section for it, or `--adapter`, is
+/// refused naming what was asked (before, `train` trained every parameter and `config check`
+/// counted them, as if the section were not there).
+#[test]
+fn lora_for_the_built_in_gpt_is_refused_not_ignored() {
+    let dir = folder("lora-built-in");
+    let tiny = std::fs::read_to_string("configs/tiny.json").unwrap();
+    // With a vocabulary, which `estimate` needs of a model section.
+    let lora = tiny
+        .replace(r#""eval_every": 2"#, r#""eval_every": 2, "lora": {"r": 4, "target_modules": "all-linear"}"#)
+        .replace(r#""block_size": 8"#, r#""block_size": 8, "vocab_size": 40"#);
+    assert_eq!(lora.matches("vocab_size").count() + lora.matches("lora").count(), 2, "configs/tiny.json moved");
+    let config = dir.join("lora.json");
+    std::fs::write(&config, lora).unwrap();
+    let run = dir.join("run");
+    let (config, run) = (config.to_str().unwrap(), run.to_str().unwrap());
+    for args in [
+        vec!["train", "--config", config, "--steps", "1", "--out", run],
+        vec!["config", "check", config],
+        vec!["estimate", "--model-config", config, "--world-size", "2"],
+    ] {
+        let out = zerotrain(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}{}", text(&out.stdout));
+        assert!(stderr.contains("`zerotrain.lora`") && stderr.contains("built-in GPT"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    let adapter = dir.join("adapter");
+    let out = zerotrain(
+        &["train", "--config", "configs/tiny.json", "--steps", "1", "--out", run, "--adapter"]
+            .into_iter()
+            .chain([adapter.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--adapter") && stderr.contains("built-in GPT"), "{stderr}");
+    assert!(!std::path::Path::new(run).join("checkpoints").exists(), "a refused run wrote a checkpoint");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// PEFT's own numbers, made once with torch by `bench/reference/peft_fixture.py` from inputs
 /// numpy re-creates here (a checkpoint, a text, a random adapter in PEFT's format, each from
 /// a seed): `zerotrain eval --adapter` scores the text as `PeftModel.from_pretrained` does,
