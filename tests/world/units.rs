@@ -717,12 +717,19 @@ fn small_buckets_give_the_same_bits_and_bytes_as_one_bucket_per_unit() {
 /// elements whole on every rank (DeepSpeed's default of 1e5 keeps a small model entirely
 /// unsharded): the engine says how many parameters, in how many tensors, and their bytes
 /// per rank whole and sharded, counted here from the model's own tensors; with none kept
-/// whole it says nothing.
+/// whole, or on one rank (whose shard is the whole), it says nothing.
 #[test]
 fn stage_3_says_what_its_persistence_threshold_keeps_whole() {
     let init = tiny_gpt(true, 6);
     let sizes: Vec<usize> = params_by_path(&init).iter().map(|(_, v)| v.len()).collect();
     let total: usize = sizes.iter().sum();
+    let kept = recipe(3, 1, 1, 0.0).replace("persistence_threshold\": 0", "persistence_threshold\": 100000");
+    assert!(kept.contains("100000"), "the recipe's threshold moved");
+    let alone = plan(&kept, 1);
+    let notices =
+        launch(&alone, |ctx| Ok::<_, Error>(Engine::with_units(init.clone(), &alone, &ctx)?.notices().to_vec()))
+            .unwrap();
+    assert!(!notices[0].iter().any(|n| n.contains("persistence_threshold")), "one rank: {:?}", notices[0]);
     for threshold in [0, 16, 100_000] {
         let json = recipe(3, 1, 1, 0.0).replace(
             r#""stage3_param_persistence_threshold": 0"#,

@@ -85,12 +85,12 @@ impl<M: Module> Engine<M> {
         ));
     }
 
-    /// At stage 3: how many parameters `stage3_param_persistence_threshold` keeps whole on
-    /// every rank, and what they cost there (DeepSpeed's default of 1e5 elements keeps a
-    /// small model entirely unsharded).
+    /// At stage 3 over several ranks: how many parameters `stage3_param_persistence_threshold`
+    /// keeps whole on every rank, and what they cost there (DeepSpeed's default of 1e5
+    /// elements keeps a small model entirely unsharded). One rank's shard is the whole.
     pub(super) fn note_persistence(&mut self) {
         let plan = &self.shared.plan;
-        if !plan.zero.stage.shards_parameters() {
+        if !plan.zero.stage.shards_parameters() || self.shared.comm.world_size() == 1 {
             return;
         }
         let threshold = plan.zero.param_persistence_threshold;
