@@ -235,17 +235,17 @@ pub fn load_for_one_rank(path: &Path, overrides: Overrides) -> Result<(Plan, App
     lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
 }
 
-/// `plan` and `settings`, unless `zerotrain.lora` is set for the built-in GPT, which has no
-/// adapters: refused naming the key, rather than training every parameter as if it were
-/// not there.
+/// `plan` and `settings`, unless `zerotrain.lora` is set for the built-in GPT, which the
+/// commands do not adapt yet: refused naming the key, rather than training every parameter
+/// as if it were not there.
 fn lora_fits(plan: Plan, settings: AppSettings) -> Result<(Plan, AppSettings), ConfigError> {
     if plan.lora.is_some() && settings.hf.is_none() {
         return Err(ConfigError::Unsupported {
             key: "zerotrain.lora".into(),
-            message: "the built-in GPT (a model section without hf_dir or hf_config) has no LoRA adapters: name a \
-                      LLaMA- or GPT-2-family model (model.hf_dir or model.hf_config), or leave zerotrain.lora out \
-                      to train every parameter (a Burn program adapts its own layers with \
-                      zerotrain::nn::lora::LoraLinear)"
+            message: "the commands do not put LoRA adapters on the built-in GPT (a model section without hf_dir \
+                      or hf_config) yet: name a LLaMA- or GPT-2-family model (model.hf_dir or model.hf_config), or \
+                      leave zerotrain.lora out to train every parameter (a Burn program can adapt the built-in \
+                      GPT with Gpt::with_lora)"
                 .into(),
         });
     }

@@ -190,8 +190,8 @@ fn gpt_job(
 ) -> anyhow::Result<TrainJob> {
     if let Some(dir) = &args.adapter {
         anyhow::bail!(
-            "--adapter {}: the built-in GPT (a model section without hf_dir or hf_config) has no LoRA adapters; an \
-             adapter goes with a LLaMA- or GPT-2-family model (model.hf_dir)",
+            "--adapter {}: the commands do not put LoRA adapters on the built-in GPT (a model section without \
+             hf_dir or hf_config) yet; an adapter goes with a LLaMA- or GPT-2-family model (model.hf_dir)",
             dir.display()
         );
     }

@@ -340,6 +340,29 @@ fn a_gpt_with_an_untied_head_in_units_matches_plain_burn_in_every_mode_and_stage
     check_equivalence(&Tokens { vocab: 11, len: 9 }, &tiny_gpt(false, 4), &[2]);
 }
 
+/// LoRA on the built-in GPT (every linear layer of its blocks, random A and B so that both
+/// train from the first step): the engine trains the adapters as plain Burn does, its
+/// frozen base sharded at stage 3, in every mode.
+#[test]
+fn a_gpt_with_lora_in_units_matches_plain_burn_in_every_mode_and_stage() {
+    let json = serde_json::json!({"r": 2, "init_lora_weights": false, "target_modules": "all-linear"});
+    let lora = zerotrain::nn::lora::LoraConfig::from_json(&json, "test", "zerotrain.lora").unwrap();
+    let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, tied_head: true };
+    let init = seeded(7, |d| Gpt::new(&config, d).with_lora(&lora).unwrap());
+    assert_eq!(init.frozen_parameters().len(), params_by_path(&tiny_gpt(true, 7)).len());
+    check_equivalence(&Tokens { vocab: 11, len: 9 }, &init, &[2]);
+    // At stage 3 each of 2 ranks holds its half of the frozen base (fp32), to within each
+    // unit's padding (the 4 units' and the root's: 16 elements at most each).
+    let psi = 4 * config.num_params();
+    let plan = plan(&recipe(3, 1, 1, 0.0), 2);
+    let held =
+        launch(&plan, |ctx| Ok::<_, Error>(Engine::with_units(init.clone(), &plan, &ctx)?.memory_report().frozen))
+            .unwrap();
+    for (rank, bytes) in held.iter().enumerate() {
+        assert!(*bytes >= psi / 2 && *bytes <= psi / 2 + 4 * 16 * 5, "rank {rank}: {bytes} bytes of the base of {psi}");
+    }
+}
+
 /// In bf16 the unit walk computes what the one-unit path computes, bit for bit, at every
 /// stage and mode: the same bf16 operations in the same order (the seed back-propagates the
 /// boundary gradient exactly), so the losses and parameters are identical.

@@ -2,7 +2,10 @@
 //! causal self-attention and an MLP, a final norm and a (tied or untied) output head; and
 //! a rank's part of it on a device mesh ([`Gpt::new_split`]).
 
+mod lora;
 mod parallel;
+#[cfg(test)]
+mod tests;
 
 use burn::module::Module;
 use burn::nn::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
@@ -11,6 +14,8 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use self::lora::BlockAdapters;
+use self::lora::adapted;
 use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
 use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
 use crate::mesh_part::MeshPart;
@@ -141,6 +146,8 @@ pub struct Block {
     norm_mlp: LayerNorm,
     mlp_up: Linear,
     mlp_down: Linear,
+    /// Low-rank adapters beside its layers ([`Gpt::with_lora`]); none by default.
+    adapters: BlockAdapters,
 }
 
 /// The GPT. Attention has no key bias: softmax cancels it, so its gradient is zero.
@@ -154,6 +161,9 @@ pub struct Gpt {
     /// Its place on a device mesh (`None`: the whole model).
     #[module(skip)]
     mesh: Option<MeshPart>,
+    /// The paths of the parameters [`Gpt::with_lora`] froze.
+    #[module(skip)]
+    frozen: Vec<String>,
 }
 
 impl Gpt {
@@ -169,6 +179,7 @@ impl Gpt {
             norm: LayerNormConfig::new(d).init(device),
             head: (!config.tied_head).then(|| LinearConfig::new(d, config.vocab_size).init(device)),
             mesh: None,
+            frozen: Vec::new(),
         }
     }
 
@@ -261,6 +272,7 @@ impl Block {
             norm_mlp: LayerNormConfig::new(d).init(device),
             mlp_up: LinearConfig::new(d, 4 * d).init(device),
             mlp_down: LinearConfig::new(4 * d, d).init(device),
+            adapters: BlockAdapters::none(),
         }
     }
 
@@ -283,20 +295,26 @@ impl Block {
             None => x,
         };
         let leave = |linear: &Linear, x: Tensor<3>| match tensor {
-            Some(group) => row_parallel_linear(x, linear.weight.val(), linear.bias.as_ref().map(|b| b.val()), group),
-            None => linear.forward(x),
+            Some(group) => {
+                row_parallel_linear(x.clone(), linear.weight.val(), linear.bias.as_ref().map(|b| b.val()), group)
+            }
+            None => linear.forward(x.clone()),
         };
+        let [query, key, value, output, up, down] = self.adapters.layers();
         let x = enter(self.norm_attn.forward(h.clone()));
         let attn = &self.attn;
-        let heads = |linear: &Linear| split_heads(linear.forward(x.clone()), attn.n_heads);
-        let (q, k, v) = (heads(&attn.query), heads(&attn.key), heads(&attn.value));
+        let heads = |linear: &Linear, adapter| {
+            split_heads(adapted(adapter, linear.forward(x.clone()), x.clone()), attn.n_heads)
+        };
+        let (q, k, v) = (heads(&attn.query, query), heads(&attn.key, key), heads(&attn.value, value));
         let context = match seq {
             Some(seq) => sequence_parallel_attention(q, k, v, seq),
             None => causal_attention(q, k, v),
         };
-        let h = h + leave(&attn.output, context);
-        let up = self.mlp_up.forward(enter(self.norm_mlp.forward(h.clone())));
-        h + leave(&self.mlp_down, gelu(up))
+        let h = h + adapted(output, leave(&attn.output, context.clone()), context);
+        let x = enter(self.norm_mlp.forward(h.clone()));
+        let x = gelu(adapted(up, self.mlp_up.forward(x.clone()), x));
+        h + adapted(down, leave(&self.mlp_down, x.clone()), x)
     }
 }
 
@@ -355,34 +373,13 @@ impl UnitModel for Gpt {
         Some(tokens.dims()[0])
     }
 
+    /// The base [`Gpt::with_lora`] froze; none otherwise.
+    fn frozen_parameters(&self) -> Vec<String> {
+        self.frozen.clone()
+    }
+
     /// On a mesh ([`Gpt::new_split`]), its split; the whole model has none.
     fn model_split(&self) -> Option<ModelSplit> {
         self.mesh.as_ref().map(MeshPart::model_split)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::tensor::TensorData;
-    use zerotrain::engine::ParamCount;
-
-    #[test]
-    fn the_parameter_formula_counts_the_built_model() {
-        let device = Device::flex().autodiff();
-        for tied_head in [true, false] {
-            let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, tied_head };
-            let model = Gpt::new(&config, &device);
-            assert_eq!(ParamCount::trainable(&model), config.num_params(), "tied {tied_head}");
-            let (units, root) = config.unit_params();
-            assert_eq!(units.iter().map(|(_, n)| n).sum::<u64>() + root, config.num_params());
-            assert_eq!(units.len(), model.units().len());
-            let loss =
-                model.loss(Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 2, 3, 4, 5, 6], [2, 3]), &device));
-            assert!(loss.into_scalar::<f32>() > 0.0);
-        }
-        assert!(
-            GptConfig { n_head: 3, vocab_size: 5, ..GptConfig::default() }.validate().unwrap_err().contains("multiple")
-        );
     }
 }
