@@ -235,17 +235,24 @@ pub fn load_for_one_rank(path: &Path, overrides: Overrides) -> Result<(Plan, App
     lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
 }
 
-/// `plan` and `settings`, unless `zerotrain.lora` is set for the built-in GPT, which the
-/// commands do not adapt yet: refused naming the key, rather than training every parameter
-/// as if it were not there.
+/// `plan` and `settings`, unless they ask for LoRA on the built-in GPT where it is not built
+/// (on a tensor- or sequence-parallel mesh, with an NF4 base): refused naming the key.
 fn lora_fits(plan: Plan, settings: AppSettings) -> Result<(Plan, AppSettings), ConfigError> {
-    if plan.lora.is_some() && settings.hf.is_none() {
+    if plan.lora.is_some() && settings.hf.is_none() && (plan.mesh.tp > 1 || plan.mesh.sp > 1) {
         return Err(ConfigError::Unsupported {
             key: "zerotrain.lora".into(),
-            message: "the commands do not put LoRA adapters on the built-in GPT (a model section without hf_dir \
-                      or hf_config) yet: name a LLaMA- or GPT-2-family model (model.hf_dir or model.hf_config), or \
-                      leave zerotrain.lora out to train every parameter (a Burn program can adapt the built-in \
-                      GPT with Gpt::with_lora)"
+            message: format!(
+                "adapters on the built-in GPT split over a mesh (tp {}, sp {}) are not built yet: train them on \
+                 data-parallel ranks or in a pipeline, or name a LLaMA- or GPT-2-family model (model.hf_dir)",
+                plan.mesh.tp, plan.mesh.sp
+            ),
+        });
+    }
+    if plan.lora.as_ref().is_some_and(|l| l.quantize.is_some()) && settings.hf.is_none() {
+        return Err(ConfigError::Unsupported {
+            key: "zerotrain.lora.quantize".into(),
+            message: "an NF4 base is built for the LLaMA and GPT-2 families (model.hf_dir or model.hf_config), not \
+                      for the built-in GPT: leave quantize out to train its adapters on its base as it is"
                 .into(),
         });
     }

@@ -20,7 +20,7 @@ pub fn config_check(file: &Path, world_size: Option<usize>, steps: Option<u64>, 
         }
         // What `train` refuses, refused here too.
         with_vocabulary(&settings.model).check_mesh(plan.mesh.tp, plan.mesh.sp).map_err(anyhow::Error::msg)?;
-        print_placement(&plan, &settings.model);
+        print_placement(&plan, &settings.model)?;
         print_collectives(&plan);
         print_replicas(&plan, &settings.model);
         if let Some(pipeline) = plan.pipeline {
@@ -84,17 +84,55 @@ fn with_vocabulary(model: &zerotrain_models::GptConfig) -> zerotrain_models::Gpt
     model
 }
 
-/// Where each rank's model states live, by tier, for the built-in GPT the config describes.
-fn print_placement(plan: &zerotrain::Plan, model: &zerotrain_models::GptConfig) {
+/// Where each rank's model states live, by tier, for the built-in GPT the config describes
+/// (with `zerotrain.lora`, its adapters and its frozen base: the model built with them,
+/// its parameters left undrawn, to count them).
+fn print_placement(plan: &zerotrain::Plan, model: &zerotrain_models::GptConfig) -> anyhow::Result<()> {
     let model = with_vocabulary(model);
     let psi = model.num_params();
+    if let Some(lora) = &plan.lora {
+        let sizes = super::estimate::builtin_lora_sizes(&model, &lora.config).map_err(anyhow::Error::msg)?;
+        print_lora_placement(plan, "the GPT", sizes.trained, &sizes.frozen);
+        return Ok(());
+    }
     let p = zerotrain::estimate::placement(plan, psi);
-    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
     println!(
         "model states        per rank for the GPT of {psi} parameters: device {}, host memory {}, NVMe {}",
         mib(p.device),
         mib(p.host),
         mib(p.nvme)
+    );
+    Ok(())
+}
+
+/// `bytes` in MiB, one decimal.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// Where each rank holds a LoRA run's `trained` parameters (the adapters and
+/// `modules_to_save`) and its `frozen` base, for the model named `what`.
+fn print_lora_placement(plan: &zerotrain::Plan, what: &str, trained: u64, frozen: &zerotrain::estimate::FrozenSizes) {
+    let Some(lora) = &plan.lora else { return };
+    let p = zerotrain::estimate::placement(plan, trained);
+    let f = zerotrain::estimate::frozen_placement(plan, trained, frozen);
+    let held = match (plan.zero.stage.shards_parameters(), lora.quantize) {
+        (false, _) => format!("whole on every rank in {}", plan.precision.compute),
+        (true, None) => format!("its shard in {}", plan.precision.compute),
+        (true, Some(q)) => format!("its shard, the layers' matrices in {}", q.key().to_uppercase()),
+    };
+    println!(
+        "model states        per rank for {what} with LoRA: {trained} trained parameters (adapters{}): device {}, \
+         host memory {}, NVMe {}; {} frozen parameters ({held}): device {}, host memory {}, NVMe {} ({} bytes a rank)",
+        if lora.config.modules_to_save.is_empty() { "" } else { " and modules_to_save" },
+        mib(p.device),
+        mib(p.host),
+        mib(p.nvme),
+        frozen.total(),
+        mib(f.device),
+        mib(f.host),
+        mib(f.nvme),
+        f.device + f.host + f.nvme,
     );
 }
 
@@ -125,32 +163,10 @@ fn print_hf_placement(
              equal part of every sequence; set model.block_size to a multiple of {sp}"
         );
     }
-    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
     if let Some(lora) = &plan.lora {
         let sizes = zerotrain_models::family::lora_sizes(&config, &lora.config)
             .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-        let (trained, frozen) = (sizes.trained, &sizes.frozen);
-        let p = zerotrain::estimate::placement(plan, trained);
-        let f = zerotrain::estimate::frozen_placement(plan, trained, frozen);
-        let held = match (plan.zero.stage.shards_parameters(), lora.quantize) {
-            (false, _) => format!("whole on every rank in {}", plan.precision.compute),
-            (true, None) => format!("its shard in {}", plan.precision.compute),
-            (true, Some(q)) => format!("its shard, the layers' matrices in {}", q.key().to_uppercase()),
-        };
-        println!(
-            "model states        per rank for {} with LoRA: {trained} trained parameters (adapters{}): device {}, \
-             host memory {}, NVMe {}; {} frozen parameters ({held}): device {}, host memory {}, NVMe {} ({} bytes a rank)",
-            file.display(),
-            if lora.config.modules_to_save.is_empty() { "" } else { " and modules_to_save" },
-            mib(p.device),
-            mib(p.host),
-            mib(p.nvme),
-            frozen.total(),
-            mib(f.device),
-            mib(f.host),
-            mib(f.nvme),
-            f.device + f.host + f.nvme,
-        );
+        print_lora_placement(plan, &file.display().to_string(), sizes.trained, &sizes.frozen);
         return Ok(());
     }
     let p = zerotrain::estimate::placement(plan, psi);

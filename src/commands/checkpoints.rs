@@ -103,6 +103,13 @@ pub fn consolidate(args: ConsolidateArgs) -> anyhow::Result<()> {
         m.global_step,
         peak()
     );
+    if zerotrain_models::hf::peft::trained_lora(&ckpt)?.is_some() {
+        let base = &m.client_state[zerotrain_models::family::base::KEY];
+        println!(
+            "a LoRA run's checkpoint: those are its adapters (and modules_to_save), not its frozen base ({base}), \
+             which no checkpoint holds"
+        );
+    }
     Ok(())
 }
 

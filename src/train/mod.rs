@@ -79,22 +79,25 @@ pub fn train_gpt(
     device.seed(plan.runtime.seed);
     let data = CorpusData { corpus, context: shape.block_size, seed: plan.runtime.seed };
     let samples = |model: &Gpt| samples::write_samples(model, corpus, &shape);
-    let init = Gpt::new(&shape, &device);
-    let (num_params, files) = (shape.num_params(), Vec::new());
-    // On a mesh, each rank's part of the model the run would otherwise start from.
     let seed = plan.runtime.seed;
+    // With zerotrain.lora, adapters on the layers it names and the rest frozen: the base is
+    // drawn from the seed, which the checkpoints record (a resume must draw the same one).
+    let lora = plan.lora.as_ref().map(|l| &*l.config);
+    let adapt = |model: Gpt| match lora {
+        Some(lora) => model.with_lora(lora).map_err(anyhow::Error::msg),
+        None => Ok(model),
+    };
+    let init = adapt(Gpt::new(&shape, &device))?;
+    let num_params = zerotrain::engine::ParamCount::trainable(&init);
+    let base = match lora {
+        Some(_) => zerotrain_models::family::base::fingerprint(None, &[], |_| None, seed)?,
+        None => serde_json::Value::Null,
+    };
+    // On a mesh, each rank's part of the model the run would otherwise start from.
     let part = |groups: &ParallelGroups, device: &Device| {
-        Gpt::new_split(&shape, device, groups, seed).map_err(anyhow::Error::msg)
+        adapt(Gpt::new_split(&shape, device, groups, seed).map_err(anyhow::Error::msg)?)
     };
-    let task = Task {
-        init,
-        num_params,
-        data: &data,
-        samples: &samples,
-        files,
-        base: serde_json::Value::Null,
-        split: Some(&part),
-    };
+    let task = Task { init, num_params, data: &data, samples: &samples, files: Vec::new(), base, split: Some(&part) };
     train_model(plan, settings, options, task, log, progress)
 }
 

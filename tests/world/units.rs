@@ -355,9 +355,16 @@ fn a_gpt_with_lora_in_units_matches_plain_burn_in_every_mode_and_stage() {
     // unit's padding (the 4 units' and the root's: 16 elements at most each).
     let psi = 4 * config.num_params();
     let plan = plan(&recipe(3, 1, 1, 0.0), 2);
-    let held =
-        launch(&plan, |ctx| Ok::<_, Error>(Engine::with_units(init.clone(), &plan, &ctx)?.memory_report().frozen))
-            .unwrap();
+    let w = Tokens { vocab: 11, len: 9 };
+    let held = launch(&plan, |ctx| {
+        let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
+        let built = engine.memory_report().frozen;
+        engine.forward_backward(&w.batch(&plan, 0, 0, ctx.rank(), ctx.device()))?;
+        engine.step()?;
+        Ok::<_, Error>([built, engine.memory_report().frozen])
+    })
+    .unwrap()
+    .concat();
     for (rank, bytes) in held.iter().enumerate() {
         assert!(*bytes >= psi / 2 && *bytes <= psi / 2 + 4 * 16 * 5, "rank {rank}: {bytes} bytes of the base of {psi}");
     }

@@ -108,9 +108,10 @@ impl Gpt {
                 let spec = lora
                     .adapter(&format!("blocks.{i}.{name}"), true, false, &[])
                     .map_err(|e| format!("zerotrain.lora.{e}"))?;
-                let weight = linear.weight.val();
-                let [d_in, d_out] = weight.dims();
-                made.push(spec.map(|spec| LoraAdapter::init(d_in, d_out, &spec, &weight.device())));
+                // From the lazy shape: a base not yet drawn stays undrawn (the engine draws it).
+                let [d_in, d_out] = linear.weight.lazy_shape().dims();
+                let device = linear.weight.lazy_device();
+                made.push(spec.map(|spec| LoraAdapter::init(d_in, d_out, &spec, &device)));
             }
             let [query, key, value, output, mlp_up, mlp_down]: [Option<LoraAdapter>; 6] =
                 made.try_into().expect("six layers");
