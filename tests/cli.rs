@@ -2,6 +2,8 @@
 
 use std::process::{Command, Output};
 
+#[path = "cli/gpt_lora.rs"]
+mod gpt_lora;
 #[path = "cli/hf.rs"]
 mod hf;
 #[path = "cli/hosts.rs"]
