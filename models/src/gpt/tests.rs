@@ -131,7 +131,7 @@ fn a_gpt_with_lora_computes_its_merged_models_loss() {
 fn bad_lora_configs_for_the_gpt_are_errors_naming_the_key() {
     let device = Device::flex().autodiff();
     let refused = |tied: bool, json: serde_json::Value| {
-        Gpt::new(&tiny(tied), &device).with_lora(&lora(json)).err().expect("refused")
+        Gpt::new(&tiny(tied), &device).with_lora(&lora(json)).expect_err("refused")
     };
     let e = refused(true, serde_json::json!({"r": 2}));
     assert!(e.contains("zerotrain.lora.target_modules") && e.contains("no default"), "{e}");
