@@ -235,19 +235,9 @@ pub fn load_for_one_rank(path: &Path, overrides: Overrides) -> Result<(Plan, App
     lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
 }
 
-/// `plan` and `settings`, unless they ask for LoRA on the built-in GPT where it is not built
-/// (on a tensor- or sequence-parallel mesh, with an NF4 base): refused naming the key.
+/// `plan` and `settings`, unless `zerotrain.lora.quantize` asks for an NF4 base of the
+/// built-in GPT, which is not built: refused naming the key.
 fn lora_fits(plan: Plan, settings: AppSettings) -> Result<(Plan, AppSettings), ConfigError> {
-    if plan.lora.is_some() && settings.hf.is_none() && (plan.mesh.tp > 1 || plan.mesh.sp > 1) {
-        return Err(ConfigError::Unsupported {
-            key: "zerotrain.lora".into(),
-            message: format!(
-                "adapters on the built-in GPT split over a mesh (tp {}, sp {}) are not built yet: train them on \
-                 data-parallel ranks or in a pipeline, or name a LLaMA- or GPT-2-family model (model.hf_dir)",
-                plan.mesh.tp, plan.mesh.sp
-            ),
-        });
-    }
     if plan.lora.as_ref().is_some_and(|l| l.quantize.is_some()) && settings.hf.is_none() {
         return Err(ConfigError::Unsupported {
             key: "zerotrain.lora.quantize".into(),

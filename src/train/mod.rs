@@ -95,7 +95,7 @@ pub fn train_gpt(
     };
     // On a mesh, each rank's part of the model the run would otherwise start from.
     let part = |groups: &ParallelGroups, device: &Device| {
-        adapt(Gpt::new_split(&shape, device, groups, seed).map_err(anyhow::Error::msg)?)
+        Gpt::new_split_adapted(&shape, device, groups, seed, lora).map_err(anyhow::Error::msg)
     };
     let task = Task { init, num_params, data: &data, samples: &samples, files: Vec::new(), base, split: Some(&part) };
     train_model(plan, settings, options, task, log, progress)

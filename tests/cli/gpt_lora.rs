@@ -6,14 +6,13 @@ use crate::metrics::losses;
 use crate::{text, zerotrain};
 
 /// LoRA on the built-in GPT from the commands (configs/tiny.json's model, r 4 on every linear
-/// layer): `config check` and `estimate` count the adapters, r (in + out) each (four 16 x 16
-/// projections and the MLP's 16 x 64 pair a block), and the whole base frozen beside them; `train` at
-/// stage 3 over 2 ranks trains those alone, its checkpoint holds them and none of the base,
-/// and it resumes on 1 rank as if uninterrupted, and trains the same in 2 pipeline stages;
-/// a resume that would draw another base
-/// (another seed) is refused, as are `--adapter` and an NF4 base, not built for this model.
-/// (Before, `train` trained every parameter and `config check` counted them all, as if the
-/// section were not there.)
+/// layer, A and B both drawn, so that the adapters act from the first step): `config check` and `estimate` count the adapters, r (in + out) each (four 16 x 16
+/// projections and the MLP's 16 x 64 pair a block), and the whole base frozen beside them;
+/// `train` at stage 3 over 2 ranks trains those alone, its checkpoint holds them and none of
+/// the base, and it resumes on 1 rank as if uninterrupted; 2 pipeline stages, tp 2 and sp 2
+/// train the same run; a resume that would draw another base (another seed) is refused, as
+/// are `--adapter` and an NF4 base, not built for this model. (Before, `train` trained every
+/// parameter and `config check` counted them all, as if the section were not there.)
 #[test]
 fn lora_trains_the_built_in_gpt_from_the_commands() {
     let dir = folder("lora-built-in");
@@ -22,7 +21,7 @@ fn lora_trains_the_built_in_gpt_from_the_commands() {
         let json = tiny
             .replace(
                 r#""eval_every": 2"#,
-                &format!(r#""eval_every": 2, "lora": {{"r": 4, "target_modules": "all-linear"{extra}}}"#),
+                &format!(r#""eval_every": 2, "lora": {{"r": 4, "target_modules": "all-linear", "init_lora_weights": false{extra}}}"#),
             )
             .replace(r#""stage": 2"#, r#""stage": 3, "stage3_param_persistence_threshold": 0"#)
             // The global batch fixed, so that one rank accumulates what two computed.
@@ -110,13 +109,19 @@ fn lora_trains_the_built_in_gpt_from_the_commands() {
     );
     let nf4 = with("nf4", r#", "quantize": "nf4""#);
     refused(&["config", "check", &nf4], &["zerotrain.lora.quantize", "built-in GPT"]);
-    let mesh =
-        std::fs::read_to_string(&config).unwrap().replacen('{', r#"{"tensor_parallel": {"autotp_size": 2}, "#, 1);
-    let mesh_path = dir.join("mesh.json");
-    std::fs::write(&mesh_path, mesh).unwrap();
-    let mesh = mesh_path.to_str().unwrap();
-    for args in [vec!["config", "check", mesh], vec!["train", "--config", mesh, "--steps", "1", "--out", whole]] {
-        refused(&args, &["`zerotrain.lora`", "built-in GPT", "tp 2"]);
+    // On a mesh of 2 ranks (tp 2, or sp 2: one data-parallel rank accumulating the same
+    // global batch), the same run: the adapters follow their bases' cuts.
+    let tiny_json = std::fs::read_to_string(&config).unwrap();
+    let tp = tiny_json.replacen('{', r#"{"tensor_parallel": {"autotp_size": 2}, "#, 1);
+    let sp = tiny_json.replace(r#""zerotrain": {"#, r#""zerotrain": {"mesh": {"sp": 2}, "#);
+    assert!(sp.contains(r#""sp": 2"#), "{sp}");
+    for (how, json) in [("tp", tp), ("sp", sp)] {
+        let (path, run) = (dir.join(format!("{how}.json")), dir.join(how));
+        std::fs::write(&path, json).unwrap();
+        run_ok(&["train", "--config", path.to_str().unwrap(), "--steps", "4", "--out", run.to_str().unwrap()]);
+        for ((step, x), (_, y)) in a.iter().zip(&losses(&run)) {
+            assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} on 2 data-parallel ranks, {y} at {how} 2");
+        }
     }
     let adapter = dir.join("adapter");
     let plain = ["train", "--config", "configs/tiny.json", "--steps", "1", "--out", whole, "--adapter"];

@@ -14,7 +14,8 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
-use zerotrain::nn::lora::{LoraAdapter, LoraConfig};
+use zerotrain::nn::lora::{AdapterCut, LoraAdapter, LoraConfig};
+use zerotrain::nn::parallel::{ParallelGroup, Split};
 
 use super::{Block, Gpt};
 
@@ -38,6 +39,38 @@ impl BlockAdapters {
     /// The adapters of the attention's projections and the MLP's two layers, in that order.
     pub(super) fn layers(&self) -> [&Option<LoraAdapter>; 6] {
         [&self.query, &self.key, &self.value, &self.output, &self.mlp_up, &self.mlp_down]
+    }
+
+    /// On a tensor-parallel mesh (Megatron's plan: the projections and the MLP's first
+    /// layer split by output features, attention's output and the MLP's second layer by
+    /// input features), each adapter's factor cut as its base is cut, by path below the
+    /// block: B's rows under a column-parallel base, A's columns under a row-parallel one.
+    pub(super) fn cuts(&self) -> Vec<(String, Split)> {
+        let (rows, columns) = (Split::Even { dim: 0, blocks: 1 }, Split::Even { dim: 1, blocks: 1 });
+        let names = ["query", "key", "value", "output", "mlp_up", "mlp_down"];
+        let column_parallel = [true, true, true, false, true, false];
+        (names.iter().zip(column_parallel).zip(self.layers()))
+            .filter(|(_, adapter)| adapter.is_some())
+            .map(|((name, column), _)| match column {
+                true => (format!("adapters.{name}.b"), rows),
+                false => (format!("adapters.{name}.a"), columns),
+            })
+            .collect()
+    }
+
+    /// These adapters as a rank's parts, their factors cut by [`cuts`](Self::cuts), over
+    /// the tensor-parallel `group`.
+    pub(super) fn on_mesh(self, group: &ParallelGroup) -> Self {
+        let column = |a: Option<LoraAdapter>| a.map(|a| a.with_cut(AdapterCut::Column(group.clone())));
+        let row = |a: Option<LoraAdapter>| a.map(|a| a.with_cut(AdapterCut::Row(group.clone())));
+        Self {
+            query: column(self.query),
+            key: column(self.key),
+            value: column(self.value),
+            output: row(self.output),
+            mlp_up: column(self.mlp_up),
+            mlp_down: row(self.mlp_down),
+        }
     }
 }
 
@@ -69,7 +102,8 @@ impl Gpt {
     /// This model fine-tuned with `lora`: every parameter frozen but those of the modules
     /// `modules_to_save` names, and a fresh adapter (as `init_lora_weights` says: B zero,
     /// so the model starts as it was) on each linear layer `target_modules` names (module
-    /// docs for the paths). On one device only: a mesh's parts take no adapters yet.
+    /// docs for the paths). The whole model: a mesh's parts get theirs from
+    /// [`Gpt::new_split_adapted`].
     ///
     /// # Errors
     /// No `target_modules`; targets naming no layer (the message names a few that exist) or
@@ -77,7 +111,9 @@ impl Gpt {
     /// `alpha_pattern`) entries naming one layer. Each message names the key.
     pub fn with_lora(mut self, lora: &LoraConfig) -> Result<Self, String> {
         if self.mesh.is_some() {
-            return Err("zerotrain.lora: the built-in GPT on a device mesh takes no adapters yet".into());
+            return Err("zerotrain.lora: adapters go on the whole model, before it is split over a mesh \
+                        (Gpt::new_split_adapted)"
+                .into());
         }
         if lora.target_modules.is_none() {
             return Err("zerotrain.lora.target_modules: the built-in GPT has no default targets (PEFT has none for \

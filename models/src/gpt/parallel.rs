@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::Device;
+use zerotrain::nn::lora::LoraConfig;
 use zerotrain::nn::parallel::{ModelSplit, ParallelGroups, Split, split_module};
 
 use super::{Gpt, GptConfig};
@@ -27,14 +28,43 @@ impl Gpt {
     /// Heads that do not divide by tp x sp (`model.n_head`), a context that does not divide
     /// by sp (`model.block_size`), fewer ids than tensor ranks (`model.vocab_size`).
     pub fn new_split(config: &GptConfig, device: &Device, groups: &ParallelGroups, seed: u64) -> Result<Self, String> {
+        Self::new_split_adapted(config, device, groups, seed, None)
+    }
+
+    /// [`new_split`](Self::new_split) of the model fine-tuned with `lora`'s adapters
+    /// ([`Gpt::with_lora`] on the whole model, then cut): each adapter follows its base's
+    /// cut, B's rows under a column-parallel layer and A's columns under a row-parallel one,
+    /// from the values the whole adapter starts from.
+    ///
+    /// # Errors
+    /// Those of [`new_split`](Self::new_split) and [`Gpt::with_lora`].
+    pub fn new_split_adapted(
+        config: &GptConfig,
+        device: &Device,
+        groups: &ParallelGroups,
+        seed: u64,
+        lora: Option<&LoraConfig>,
+    ) -> Result<Self, String> {
         let (tp, sp) = (groups.tensor.size(), groups.sequence.size());
         config.check_mesh(tp, sp)?;
-        let splits = if tp > 1 { plan(config) } else { BTreeMap::new() };
-        let mut part =
-            split_module(Self::new(config, device), &splits, &groups.tensor, seed).map_err(|e| e.to_string())?;
+        let whole = match lora {
+            Some(lora) => Self::new(config, device).with_lora(lora)?,
+            None => Self::new(config, device),
+        };
+        let mut splits = if tp > 1 { plan(config) } else { BTreeMap::new() };
+        if tp > 1 {
+            for (i, block) in whole.blocks.iter().enumerate() {
+                splits.extend(block.adapters.cuts().into_iter().map(|(path, cut)| (format!("blocks.{i}.{path}"), cut)));
+            }
+        }
+        let mut part = split_module(whole, &splits, &groups.tensor, seed).map_err(|e| e.to_string())?;
         for block in &mut part.blocks {
             block.attn.n_heads = config.n_head / tp;
             block.attn.d_model = config.n_embd / tp;
+            if tp > 1 {
+                let adapters = std::mem::replace(&mut block.adapters, super::BlockAdapters::none());
+                block.adapters = adapters.on_mesh(&groups.tensor);
+            }
         }
         let split = ModelSplit { tensor: groups.tensor.clone(), splits, sequence: groups.sequence.clone() };
         part.mesh = Some(MeshPart::new(split, config.vocab_size));

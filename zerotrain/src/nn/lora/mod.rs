@@ -71,6 +71,12 @@ impl LoraAdapter {
         Self::new(a.init([spec.r, d_in], device), b.init([d_out, spec.r], device), spec, AdapterCut::Whole)
     }
 
+    /// This adapter as one rank's part under a tensor-parallel base cut as `cut`, its
+    /// factors already cut to match (module note).
+    pub fn with_cut(self, cut: AdapterCut) -> Self {
+        Self { cut, ..self }
+    }
+
     /// The factor of `B A x`.
     pub fn scaling(&self) -> f64 {
         self.scaling
