@@ -10,7 +10,7 @@ use zerotrain_zero::ZeroStage;
 /// Writing them gathers the whole model on rank 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum SampleMode {
-    /// Unless the config keeps the model from ever being whole in memory ([`withheld`]).
+    /// Unless the config keeps the model from ever being whole in memory (`samples::withheld`).
     #[default]
     Auto,
     /// Always, whatever the model's size.

@@ -98,7 +98,7 @@ pub trait Collective: Send + Sync {
     /// timeout or the job is aborted.
     fn recv(&self, buf: BufMut<'_>, from: usize) -> Result<(), ZeroError>;
     /// Uneven all-to-all (MPI's `MPI_Alltoallv`, parts packed; the notes in
-    /// [`all_to_all`](self::all_to_all)): `input` holds this rank's part for every rank in
+    /// the module `collective::all_to_all`): `input` holds this rank's part for every rank in
     /// rank order, `send_counts[j]` elements for rank `j`; `output` receives every rank's part
     /// for this one in rank order, `recv_counts[i]` elements from rank `i`, which must be the
     /// count rank `i` sends here ([`all_to_all_counts`](Self::all_to_all_counts) gives them,

@@ -127,7 +127,7 @@ impl LinearCrossEntropy {
 
     /// [`forward`](Self::forward) of a head whose vocabulary of `vocab` ids is split over
     /// `group` (a vocabulary-parallel head): `weight` `[part, d]` and `bias` `[part]` are
-    /// this rank's consecutive rows of the whole head's ([`ParallelGroup::share`]), `hidden`
+    /// this rank's consecutive rows of the whole head's ([`ParallelGroup::part`]), `hidden`
     /// the whole hidden states (equal on every rank), `targets` ids into the whole
     /// vocabulary. Every rank gets the whole loss, its rows of the weight and bias their
     /// gradients, and `hidden` the whole gradient (it enters through

@@ -6,7 +6,7 @@
 //! attach, an abort) opens with a challenge and response keyed by the job's secret, before
 //! rank 0 reads anything else from it or answers with anything but the challenge:
 //!
-//! 1. rank 0 sends [`MAGIC`] and a fresh random nonce `s` (32 bytes);
+//! 1. rank 0 sends `MAGIC` and a fresh random nonce `s` (32 bytes);
 //! 2. the connecting rank sends a fresh nonce `c` and `HMAC-SHA256(K, "client" | s | c)`;
 //! 3. rank 0 checks the tag in constant time and answers a refusal, or acceptance and
 //!    `HMAC-SHA256(K, "server" | c | s)`, which the connecting rank checks in turn: a

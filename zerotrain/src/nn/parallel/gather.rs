@@ -7,7 +7,7 @@ use zerotrain_precision::{BufMut, BufRef};
 use super::ParallelGroup;
 
 impl ParallelGroup {
-    /// `x` `[.., part]`, this rank's [`share`](Self::share) of a last dimension of `len`,
+    /// `x` `[.., part]`, this rank's [`part`](Self::part) of a last dimension of `len`,
     /// gathered from every rank in rank order into `[.., len]` on every rank, in `x`'s
     /// dtype (the values cross the group in f32, exactly). For inference: no gradient
     /// flows through it (at one rank it is `x` itself). A failed collective aborts the job and panics with the cause, as
