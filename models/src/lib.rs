@@ -75,7 +75,7 @@ pub mod text;
 
 pub use causal_lm::{CausalLm, Sampling, cross_entropy};
 pub use conv::{ConvBlock, ConvNet, ImageTask, Images};
-pub use gpt::{Block, Gpt, GptConfig};
+pub use gpt::{Block, BlockAdapters, Gpt, GptConfig, lora_sizes as gpt_lora_sizes};
 pub use gpt2::Gpt2;
 pub use layers::KvCache;
 pub use llama::Llama;

@@ -91,8 +91,8 @@ fn print_placement(plan: &zerotrain::Plan, model: &zerotrain_models::GptConfig) 
     let model = with_vocabulary(model);
     let psi = model.num_params();
     if let Some(lora) = &plan.lora {
-        let sizes = super::estimate::builtin_lora_sizes(&model, &lora.config).map_err(anyhow::Error::msg)?;
-        print_lora_placement(plan, "the GPT", sizes.trained, &sizes.frozen);
+        let sizes = zerotrain_models::gpt_lora_sizes(&model, &lora.config).map_err(anyhow::Error::msg)?;
+        print_lora_placement(plan, lora, "the GPT", &sizes);
         return Ok(());
     }
     let p = zerotrain::estimate::placement(plan, psi);
@@ -110,10 +110,15 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// Where each rank holds a LoRA run's `trained` parameters (the adapters and
-/// `modules_to_save`) and its `frozen` base, for the model named `what`.
-fn print_lora_placement(plan: &zerotrain::Plan, what: &str, trained: u64, frozen: &zerotrain::estimate::FrozenSizes) {
-    let Some(lora) = &plan.lora else { return };
+/// Where each rank holds a LoRA run's trained parameters (the adapters and
+/// `modules_to_save`) and its frozen base, of `sizes`, for the model named `what`.
+fn print_lora_placement(
+    plan: &zerotrain::Plan,
+    lora: &zerotrain::config::LoraPlan,
+    what: &str,
+    sizes: &zerotrain_models::family::LoraSizes,
+) {
+    let (trained, frozen) = (sizes.trained, &sizes.frozen);
     let p = zerotrain::estimate::placement(plan, trained);
     let f = zerotrain::estimate::frozen_placement(plan, trained, frozen);
     let held = match (plan.zero.stage.shards_parameters(), lora.quantize) {
@@ -166,7 +171,7 @@ fn print_hf_placement(
     if let Some(lora) = &plan.lora {
         let sizes = zerotrain_models::family::lora_sizes(&config, &lora.config)
             .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-        print_lora_placement(plan, &file.display().to_string(), sizes.trained, &sizes.frozen);
+        print_lora_placement(plan, lora, &file.display().to_string(), &sizes);
         return Ok(());
     }
     let p = zerotrain::estimate::placement(plan, psi);

@@ -149,7 +149,7 @@ fn lora_rows(file: &std::path::Path, ranks: u64) -> anyhow::Result<Vec<serde_jso
             let config = zerotrain_models::hf::HfConfig::read(&source.config_file())?;
             zerotrain_models::family::lora_sizes(&config, &lora.config)
         }
-        None => builtin_lora_sizes(&settings.model, &lora.config),
+        None => zerotrain_models::gpt_lora_sizes(&settings.model, &lora.config),
     }
     .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
     let stages = [ZeroStage::Disabled, ZeroStage::OptimizerStates, ZeroStage::Gradients, ZeroStage::Parameters];
@@ -165,19 +165,6 @@ fn lora_rows(file: &std::path::Path, ranks: u64) -> anyhow::Result<Vec<serde_jso
                                 "frozen_bytes": frozen, "nf4": stage == ZeroStage::Parameters && lora.quantize.is_some() })
         })
         .collect())
-}
-
-/// The built-in GPT of `model`'s shape with `lora`'s adapters: its trained and frozen
-/// parameters, counted from the model built with them (nothing drawn).
-pub(super) fn builtin_lora_sizes(
-    model: &zerotrain_models::GptConfig,
-    lora: &zerotrain::nn::lora::LoraConfig,
-) -> Result<zerotrain_models::family::LoraSizes, String> {
-    use zerotrain::engine::ParamCount;
-    let gpt = zerotrain_models::Gpt::new(model, &burn::tensor::Device::flex().autodiff()).with_lora(lora)?;
-    let (trained, all) = (ParamCount::trainable(&gpt), ParamCount::all(&gpt));
-    let frozen = zerotrain::estimate::FrozenSizes { layer_matrices: Vec::new(), rest: all - trained };
-    Ok(zerotrain_models::family::LoraSizes { trained, frozen })
 }
 
 /// [`lora_rows`] as a table.

@@ -190,8 +190,8 @@ fn gpt_job(
 ) -> anyhow::Result<TrainJob> {
     if let Some(dir) = &args.adapter {
         anyhow::bail!(
-            "--adapter {}: the commands do not put LoRA adapters on the built-in GPT (a model section without \
-             hf_dir or hf_config) yet; an adapter goes with a LLaMA- or GPT-2-family model (model.hf_dir)",
+            "--adapter {}: a PEFT adapter names a Hugging Face model's modules, and the built-in GPT (a model \
+             section without hf_dir or hf_config) is not one: its adapters start fresh from zerotrain.lora",
             dir.display()
         );
     }

@@ -83,11 +83,10 @@ pub fn train_gpt(
     // With zerotrain.lora, adapters on the layers it names and the rest frozen: the base is
     // drawn from the seed, which the checkpoints record (a resume must draw the same one).
     let lora = plan.lora.as_ref().map(|l| &*l.config);
-    let adapt = |model: Gpt| match lora {
-        Some(lora) => model.with_lora(lora).map_err(anyhow::Error::msg),
-        None => Ok(model),
+    let init = match lora {
+        Some(lora) => Gpt::new(&shape, &device).with_lora(lora).map_err(anyhow::Error::msg)?,
+        None => Gpt::new(&shape, &device),
     };
-    let init = adapt(Gpt::new(&shape, &device))?;
     let num_params = zerotrain::engine::ParamCount::trainable(&init);
     let base = match lora {
         Some(_) => zerotrain_models::family::base::fingerprint(None, &[], |_| None, seed)?,

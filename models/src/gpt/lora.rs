@@ -11,13 +11,29 @@
 //! [`frozen_parameters`](zerotrain::engine::UnitModel::frozen_parameters): at stage 3 the
 //! engine shards it with the trained parameters and saves none of it.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::Linear;
-use burn::tensor::Tensor;
-use zerotrain::nn::lora::{AdapterCut, LoraAdapter, LoraConfig};
+use burn::tensor::{Device, Tensor};
+use zerotrain::engine::ParamCount;
+use zerotrain::estimate::FrozenSizes;
+use zerotrain::nn::lora::{AdapterCut, LoraAdapter, LoraConfig, modules_above};
 use zerotrain::nn::parallel::{ParallelGroup, Split};
 
-use super::{Block, Gpt};
+use super::{Block, Gpt, GptConfig};
+use crate::family::LoraSizes;
+
+/// A block's linear layers, by module path below the block, and whether each is
+/// column-parallel on a tensor-parallel mesh (Megatron's plan: its output features split;
+/// else its input features, as attention's output and the MLP's down projection are).
+/// Each layer's adapter is named as the path's last part (`adapters.query`, ...).
+pub(super) const LAYERS: [(&str, bool); 6] = [
+    ("attn.query", true),
+    ("attn.key", true),
+    ("attn.value", true),
+    ("attn.output", false),
+    ("mlp_up", true),
+    ("mlp_down", false),
+];
 
 /// The adapters of one block's six linear layers (`None`: the layer alone).
 #[derive(Module, Debug)]
@@ -31,29 +47,30 @@ pub struct BlockAdapters {
 }
 
 impl BlockAdapters {
-    /// No adapters.
-    pub(super) fn none() -> Self {
-        Self { query: None, key: None, value: None, output: None, mlp_up: None, mlp_down: None }
+    /// The adapters of [`LAYERS`], in its order.
+    fn from_layers([query, key, value, output, mlp_up, mlp_down]: [Option<LoraAdapter>; 6]) -> Self {
+        Self { query, key, value, output, mlp_up, mlp_down }
     }
 
-    /// The adapters of the attention's projections and the MLP's two layers, in that order.
+    /// No adapters.
+    pub(super) fn none() -> Self {
+        Self::from_layers(Default::default())
+    }
+
+    /// The adapters of [`LAYERS`], in its order.
     pub(super) fn layers(&self) -> [&Option<LoraAdapter>; 6] {
         [&self.query, &self.key, &self.value, &self.output, &self.mlp_up, &self.mlp_down]
     }
 
-    /// On a tensor-parallel mesh (Megatron's plan: the projections and the MLP's first
-    /// layer split by output features, attention's output and the MLP's second layer by
-    /// input features), each adapter's factor cut as its base is cut, by path below the
-    /// block: B's rows under a column-parallel base, A's columns under a row-parallel one.
+    /// On a tensor-parallel mesh, each adapter's factor cut as its base is cut, by path
+    /// below the block: B's rows under a column-parallel base, A's columns under a
+    /// row-parallel one.
     pub(super) fn cuts(&self) -> Vec<(String, Split)> {
-        let (rows, columns) = (Split::Even { dim: 0, blocks: 1 }, Split::Even { dim: 1, blocks: 1 });
-        let names = ["query", "key", "value", "output", "mlp_up", "mlp_down"];
-        let column_parallel = [true, true, true, false, true, false];
-        (names.iter().zip(column_parallel).zip(self.layers()))
+        (LAYERS.iter().zip(self.layers()))
             .filter(|(_, adapter)| adapter.is_some())
-            .map(|((name, column), _)| match column {
-                true => (format!("adapters.{name}.b"), rows),
-                false => (format!("adapters.{name}.a"), columns),
+            .map(|(&(path, column), _)| match column {
+                true => (format!("adapters.{}.b", name(path)), Split::Even { dim: 0, blocks: 1 }),
+                false => (format!("adapters.{}.a", name(path)), Split::Even { dim: 1, blocks: 1 }),
             })
             .collect()
     }
@@ -61,17 +78,19 @@ impl BlockAdapters {
     /// These adapters as a rank's parts, their factors cut by [`cuts`](Self::cuts), over
     /// the tensor-parallel `group`.
     pub(super) fn on_mesh(self, group: &ParallelGroup) -> Self {
-        let column = |a: Option<LoraAdapter>| a.map(|a| a.with_cut(AdapterCut::Column(group.clone())));
-        let row = |a: Option<LoraAdapter>| a.map(|a| a.with_cut(AdapterCut::Row(group.clone())));
-        Self {
-            query: column(self.query),
-            key: column(self.key),
-            value: column(self.value),
-            output: row(self.output),
-            mlp_up: column(self.mlp_up),
-            mlp_down: row(self.mlp_down),
-        }
+        let Self { query, key, value, output, mlp_up, mlp_down } = self;
+        let layers =
+            [query, key, value, output, mlp_up, mlp_down].into_iter().zip(LAYERS).map(|(adapter, (_, column))| {
+                let cut = if column { AdapterCut::Column(group.clone()) } else { AdapterCut::Row(group.clone()) };
+                adapter.map(|a| a.with_cut(cut))
+            });
+        Self::from_layers(layers.collect::<Vec<_>>().try_into().expect("one adapter or none a layer"))
     }
+}
+
+/// The adapter's name of the layer at `path` below a block: its last part.
+fn name(path: &str) -> &str {
+    path.rsplit('.').next().unwrap_or(path)
 }
 
 /// `y`, the output of a layer for input `x`, plus `adapter`'s update of `x` where there is one.
@@ -83,18 +102,10 @@ pub(super) fn adapted(adapter: &Option<LoraAdapter>, y: Tensor<3>, x: Tensor<3>)
 }
 
 impl Block {
-    /// The block's six linear layers with their module paths below the block, in
-    /// [`BlockAdapters::layers`]' order.
-    fn linears(&self) -> [(&'static str, &Linear); 6] {
+    /// The block's linear layers, in [`LAYERS`]' order.
+    fn linears(&self) -> [&Linear; 6] {
         let attn = &self.attn;
-        [
-            ("attn.query", &attn.query),
-            ("attn.key", &attn.key),
-            ("attn.value", &attn.value),
-            ("attn.output", &attn.output),
-            ("mlp_up", &self.mlp_up),
-            ("mlp_down", &self.mlp_down),
-        ]
+        [&attn.query, &attn.key, &attn.value, &attn.output, &self.mlp_up, &self.mlp_down]
     }
 }
 
@@ -109,7 +120,7 @@ impl Gpt {
     /// No `target_modules`; targets naming no layer (the message names a few that exist) or
     /// the head; a `modules_to_save` entry naming no module; two `rank_pattern` (or
     /// `alpha_pattern`) entries naming one layer. Each message names the key.
-    pub fn with_lora(mut self, lora: &LoraConfig) -> Result<Self, String> {
+    pub fn with_lora(self, lora: &LoraConfig) -> Result<Self, String> {
         if self.mesh.is_some() {
             return Err("zerotrain.lora: adapters go on the whole model, before it is split over a mesh \
                         (Gpt::new_split_adapted)"
@@ -120,77 +131,53 @@ impl Gpt {
                         it): name its layers, such as [\"query\", \"value\"], or give \"all-linear\""
                 .into());
         }
-        let mut linears: Vec<(String, bool)> = Vec::new();
-        for (i, block) in self.blocks.iter().enumerate() {
-            linears.extend(block.linears().map(|(name, _)| (format!("blocks.{i}.{name}"), false)));
-        }
+        let named = |e: String| format!("zerotrain.lora.{e}");
+        let blocks = self.blocks.len();
+        let mut linears: Vec<(String, bool)> =
+            (0..blocks).flat_map(|i| LAYERS.map(|(path, _)| (format!("blocks.{i}.{path}"), false))).collect();
         if self.head.is_some() {
             linears.push(("head".into(), true));
         }
-        lora.check_against(&linears, &module_paths(&self), &[]).map_err(|e| format!("zerotrain.lora.{e}"))?;
-        if self.head.is_some()
-            && lora.adapter("head", true, true, &[]).map_err(|e| format!("zerotrain.lora.{e}"))?.is_some()
-        {
+        let mut freeze = Freeze { path: Vec::new(), lora, params: Vec::new(), frozen: Vec::new() };
+        let mut model = self.map(&mut freeze);
+        lora.check_against(&linears, &modules_above(freeze.params.iter().map(String::as_str)), &[]).map_err(named)?;
+        if model.head.is_some() && lora.adapter("head", true, true, &[]).map_err(named)?.is_some() {
             return Err("zerotrain.lora.target_modules names the built-in GPT's output head (`head`), which takes no \
                         adapter: name the blocks' layers, or put \"head\" in modules_to_save to train it whole"
                 .into());
         }
-        let mut freeze = Freeze { path: Vec::new(), lora, frozen: Vec::new() };
-        self = self.map(&mut freeze);
-        self.frozen = freeze.frozen;
-        for (i, block) in self.blocks.iter_mut().enumerate() {
-            let mut made = Vec::with_capacity(6);
-            for (name, linear) in block.linears() {
-                let spec = lora
-                    .adapter(&format!("blocks.{i}.{name}"), true, false, &[])
-                    .map_err(|e| format!("zerotrain.lora.{e}"))?;
+        model.frozen = freeze.frozen;
+        for (block, paths) in model.blocks.iter_mut().zip(linears.chunks(LAYERS.len())) {
+            let mut made = Vec::with_capacity(LAYERS.len());
+            for (linear, (path, _)) in block.linears().into_iter().zip(paths) {
                 // From the lazy shape: a base not yet drawn stays undrawn (the engine draws it).
                 let [d_in, d_out] = linear.weight.lazy_shape().dims();
                 let device = linear.weight.lazy_device();
+                let spec = lora.adapter(path, true, false, &[]).map_err(named)?;
                 made.push(spec.map(|spec| LoraAdapter::init(d_in, d_out, &spec, &device)));
             }
-            let [query, key, value, output, mlp_up, mlp_down]: [Option<LoraAdapter>; 6] =
-                made.try_into().expect("six layers");
-            block.adapters = BlockAdapters { query, key, value, output, mlp_up, mlp_down };
+            block.adapters = BlockAdapters::from_layers(made.try_into().expect("one adapter or none a layer"));
         }
-        Ok(self)
+        Ok(model)
     }
 }
 
-/// Every module path of `model` that holds a parameter, at any depth (`blocks.0`,
-/// `blocks.0.attn`, `blocks.0.attn.query`, ...).
-fn module_paths<M: Module>(model: &M) -> Vec<String> {
-    struct Paths {
-        path: Vec<String>,
-        found: Vec<String>,
-    }
-    impl ModuleVisitor for Paths {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
-            // The parameter's own name is the path's last part; every module above it counts.
-            for depth in 1..self.path.len() {
-                let module = self.path[..depth].join(".");
-                if !self.found.contains(&module) {
-                    self.found.push(module);
-                }
-            }
-        }
-    }
-    let mut paths = Paths { path: Vec::new(), found: Vec::new() };
-    model.visit(&mut paths);
-    paths.found
+/// The built-in GPT of shape `config` fine-tuned with `lora`: its trained parameters (the
+/// adapters and `modules_to_save`) and its frozen base, counted from the model built with
+/// them, nothing drawn. The errors of [`Gpt::with_lora`].
+pub fn lora_sizes(config: &GptConfig, lora: &LoraConfig) -> Result<LoraSizes, String> {
+    let model = Gpt::new(config, &Device::flex().autodiff()).with_lora(lora)?;
+    let trained = ParamCount::trainable(&model);
+    let frozen = FrozenSizes { layer_matrices: Vec::new(), rest: model.num_params() as u64 - trained };
+    Ok(LoraSizes { trained, frozen })
 }
 
-/// Freezes every float parameter but those of the modules `lora` trains whole
-/// (`modules_to_save`), and lists the paths of those it froze.
+/// Freezes every float parameter but those `lora` trains whole (in `modules_to_save`), and
+/// lists the paths of every parameter and of those it froze.
 struct Freeze<'a> {
     path: Vec<String>,
     lora: &'a LoraConfig,
+    params: Vec<String>,
     frozen: Vec<String>,
 }
 
@@ -204,12 +191,12 @@ impl ModuleMapper for Freeze<'_> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        // A saved module trains whole: the parameter is in one where any module above it is.
-        let saved = (1..self.path.len()).any(|depth| self.lora.saves(&self.path[..depth].join(".")));
-        if saved {
-            return param;
+        let path = self.path.join(".");
+        let trains = self.lora.trains_whole(&path);
+        if !trains {
+            self.frozen.push(path.clone());
         }
-        self.frozen.push(self.path.join("."));
-        param.set_require_grad(false)
+        self.params.push(path);
+        if trains { param } else { param.set_require_grad(false) }
     }
 }

@@ -14,8 +14,8 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-pub use self::lora::BlockAdapters;
 use self::lora::adapted;
+pub use self::lora::{BlockAdapters, lora_sizes};
 use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
 use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
 use crate::mesh_part::MeshPart;

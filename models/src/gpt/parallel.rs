@@ -7,6 +7,7 @@ use burn::tensor::Device;
 use zerotrain::nn::lora::LoraConfig;
 use zerotrain::nn::parallel::{ModelSplit, ParallelGroups, Split, split_module};
 
+use super::lora::LAYERS;
 use super::{Gpt, GptConfig};
 use crate::mesh_part::MeshPart;
 
@@ -51,12 +52,7 @@ impl Gpt {
             Some(lora) => Self::new(config, device).with_lora(lora)?,
             None => Self::new(config, device),
         };
-        let mut splits = if tp > 1 { plan(config) } else { BTreeMap::new() };
-        if tp > 1 {
-            for (i, block) in whole.blocks.iter().enumerate() {
-                splits.extend(block.adapters.cuts().into_iter().map(|(path, cut)| (format!("blocks.{i}.{path}"), cut)));
-            }
-        }
+        let splits = if tp > 1 { plan(&whole, config) } else { BTreeMap::new() };
         let mut part = split_module(whole, &splits, &groups.tensor, seed).map_err(|e| e.to_string())?;
         for block in &mut part.blocks {
             block.attn.n_heads = config.n_head / tp;
@@ -102,20 +98,21 @@ impl GptConfig {
 /// Each split parameter's cut, by module path. Burn's `Linear` stores its weight `[d_in,
 /// d_out]`: a column-parallel layer's weight is cut along dimension 1 and its bias with
 /// it, a row-parallel layer's weight along dimension 0 (its bias whole, added once after
-/// the group's sum). The key projection has no bias.
-fn plan(config: &GptConfig) -> BTreeMap<String, Split> {
+/// the group's sum). The key projection has no bias. Each adapter of `model`'s blocks is
+/// cut as its layer ([`BlockAdapters::cuts`](super::BlockAdapters)).
+fn plan(model: &Gpt, config: &GptConfig) -> BTreeMap<String, Split> {
     let (by_output, by_input) = (Split::Even { dim: 1, blocks: 1 }, Split::Even { dim: 0, blocks: 1 });
     let mut plan = BTreeMap::from([("token.weight".to_string(), Split::Uneven { dim: 0 })]);
-    for i in 0..config.n_layer {
+    for (i, block) in model.blocks.iter().enumerate() {
         let mut cut = |param: &str, split| plan.insert(format!("blocks.{i}.{param}"), split);
-        for column in ["attn.query", "attn.key", "attn.value", "mlp_up"] {
-            cut(&format!("{column}.weight"), by_output);
+        for (layer, column) in LAYERS {
+            cut(&format!("{layer}.weight"), if column { by_output } else { by_input });
+            if column && layer != "attn.key" {
+                cut(&format!("{layer}.bias"), by_input);
+            }
         }
-        for bias in ["attn.query", "attn.value", "mlp_up"] {
-            cut(&format!("{bias}.bias"), by_input);
-        }
-        for row in ["attn.output", "mlp_down"] {
-            cut(&format!("{row}.weight"), by_input);
+        for (path, split) in block.adapters.cuts() {
+            cut(&path, split);
         }
     }
     if !config.tied_head {

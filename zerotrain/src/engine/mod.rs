@@ -396,12 +396,4 @@ impl ParamCount {
     pub fn trainable<M: Module>(model: &M) -> u64 {
         ParamIndex::scan(model).0.iter().map(|(_, shape)| shape.iter().product::<usize>() as u64).sum()
     }
-
-    /// Elements of every float tensor, trained or not (read from their shapes: a lazy
-    /// parameter stays undrawn).
-    pub fn all<M: Module>(model: &M) -> u64 {
-        let mut total = 0;
-        params::for_each_float(model, |float| total += float.shape.iter().product::<usize>() as u64);
-        total
-    }
 }

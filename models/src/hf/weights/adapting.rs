@@ -228,7 +228,7 @@ impl Weights {
     /// built, and every tensor of the adapter's files read.
     pub(super) fn finish_adapting(&self) {
         let Some(lora) = &self.lora else { return };
-        let modules = module_paths(&self.asked.borrow());
+        let modules = zerotrain::nn::lora::modules_above(self.asked.borrow().iter().map(|(name, _)| name.as_str()));
         if let Err(problem) = lora.config.check_against(&lora.linears.borrow(), &modules, lora.defaults) {
             self.refuse(format!("zerotrain.lora: {problem}"));
         }
@@ -240,18 +240,4 @@ impl Weights {
             }
         }
     }
-}
-
-/// Every module path above the parameters `asked` (`a.b.weight` gives `a` and `a.b`).
-fn module_paths(asked: &[(String, Vec<usize>)]) -> Vec<String> {
-    let mut modules = BTreeSet::new();
-    for (name, _) in asked {
-        let mut end = 0;
-        while let Some(dot) = name[end..].find('.') {
-            end += dot;
-            modules.insert(name[..end].to_string());
-            end += 1;
-        }
-    }
-    modules.into_iter().collect()
 }

@@ -46,6 +46,19 @@ fn contains_module(path: &str, name: &str) -> bool {
     path.contains(&name)
 }
 
+/// The module paths above the parameter at `param`, outermost first (`a.b.weight` gives
+/// `a` and `a.b`).
+fn modules_of(param: &str) -> impl Iterator<Item = &str> {
+    param.match_indices('.').map(|(dot, _)| &param[..dot])
+}
+
+/// Every module path above the parameters at `params` (`a.b.weight` gives `a` and `a.b`),
+/// sorted: the modules [`LoraConfig::check_against`] checks `modules_to_save` against.
+pub fn modules_above<'a>(params: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let modules: std::collections::BTreeSet<&str> = params.into_iter().flat_map(modules_of).collect();
+    modules.into_iter().map(str::to_string).collect()
+}
+
 /// Whether `path` equals `name` or ends in `.name` (PEFT's rule for a list of names).
 fn ends_with_name(path: &str, name: &str) -> bool {
     path == name || path.strip_suffix(name).is_some_and(|head| head.ends_with('.'))
@@ -110,6 +123,13 @@ impl LoraConfig {
     /// path ends in the name, dotted or not, so `norm` names `input_layernorm` too).
     pub fn saves(&self, path: &str) -> bool {
         self.modules_to_save.iter().any(|n| path.ends_with(n.as_str()))
+    }
+
+    /// Whether the parameter at `param` (a module path and the parameter's name) trains
+    /// whole: some module above it is one [`saves`](Self::saves) names (PEFT wraps that
+    /// module, and everything below it trains).
+    pub fn trains_whole(&self, param: &str) -> bool {
+        modules_of(param).any(|module| self.saves(module))
     }
 
     fn excluded(&self, path: &str, linear: bool, head: bool) -> bool {

@@ -29,6 +29,7 @@ use burn::tensor::module::linear;
 use burn::tensor::{Device, Tensor};
 
 pub use self::config::{AdapterSpec, LoraConfig, LoraInit, Targets};
+pub use self::matching::modules_above;
 use super::parallel::ParallelGroup;
 
 /// Where an adapter's base layer sits on a tensor-parallel mesh (see the module note).
