@@ -30,18 +30,8 @@ ckpt="$work/ckpt-$(basename "$model" .json)"
 if [ ! -f "$ckpt/model.safetensors" ]; then
   python3 bench/random_checkpoint.py "$model" "$ckpt"
 fi
-if [ ! -f "$work/data.tokens" ]; then
-  python3 - "$work/text.txt" <<'EOF'
-import random, sys
-random.seed(7)
-words = ["the", "model", "trains", "adapters", "on", "a", "frozen", "base", "of", "shards", "each", "rank", "holds"]
-with open(sys.argv[1], "w") as f:
-    for _ in range(4000):
-        f.write(" ".join(random.choice(words) for _ in range(24)) + ".\n")
-EOF
-  "$bin" tokenize "$work/text.txt" --tokenizer "$work/tokenizer.json" --train-vocab 400 \
-    --out "$work/data.tokens" --valid-fraction 0.006 > /dev/null
-fi
+source bench/lora_data.sh
+lora_data "$bin" "$work"
 config() {
   local name="$1" offload="$2" quantize="$3"
   cat > "$work/$name.json" <<EOF

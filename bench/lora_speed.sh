@@ -7,7 +7,7 @@
 # 2) so that both sides see the machine alike. Each run's step time is the median of its
 # steps after the first (the metrics lines' tokens/s, a step's own time without the
 # validation after it); each pair prints LoRA's step as a fraction of full fine-tuning's.
-# Token data and tokenizer: bench/lora_memory.sh's (made here if missing), under $WORK.
+# Token data and tokenizer: bench/lora_data.sh's (bench/lora_memory.sh uses the same), under $WORK.
 # Usage: [RANKS=2] [MICRO=2] [STEPS=5] [REPEATS=2] bench/lora_speed.sh [MODEL_CONFIG] [CONTEXT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,18 +18,8 @@ work="${WORK:-/tmp/zerotrain-bench-lora}"
 cargo build -q
 bin="$PWD/target/debug/zerotrain"
 mkdir -p "$work"
-if [ ! -f "$work/data.tokens" ]; then
-  python3 - "$work/text.txt" <<'EOF'
-import random, sys
-random.seed(7)
-words = ["the", "model", "trains", "adapters", "on", "a", "frozen", "base", "of", "shards", "each", "rank", "holds"]
-with open(sys.argv[1], "w") as f:
-    for _ in range(4000):
-        f.write(" ".join(random.choice(words) for _ in range(24)) + ".\n")
-EOF
-  "$bin" tokenize "$work/text.txt" --tokenizer "$work/tokenizer.json" --train-vocab 400 \
-    --out "$work/data.tokens" --valid-fraction 0.006 > /dev/null
-fi
+source bench/lora_data.sh
+lora_data "$bin" "$work"
 config() {
   local name="$1" lora="$2"
   cat > "$work/speed-$name.json" <<EOF
