@@ -96,14 +96,17 @@ fn each_rank_gets_torchrun_s_variables_for_its_node() {
 fn a_rank_that_fails_takes_the_job_down_with_its_status() {
     let dir = scratch("launch-fail");
     // Ranks 0 and 2 would run for ten minutes, and note the SIGTERM that stops them; rank 1
-    // fails once they are running.
-    let script = r#"echo $$ >> $OUT/pids
-        if [ $RANK = 1 ]; then
+    // fails once they are running. Each says so (its pid) only once its trap and its sleeper
+    // are in place: a SIGTERM before then would go unnoted, or leave the sleeper holding the
+    // job's output open for its ten minutes.
+    let script = r#"if [ $RANK = 1 ]; then
+            echo $$ >> $OUT/pids
             while [ $(wc -l < $OUT/pids) -lt 3 ]; do sleep 0.05; done
             exit 3
         fi
+        sleep 600 > /dev/null 2>&1 & sleeper=$!
         trap 'echo $RANK >> $OUT/stopped; kill $sleeper; exit 143' TERM
-        sleep 600 & sleeper=$!
+        echo $$ >> $OUT/pids
         wait $sleeper"#;
     let out = launch(
         &["--nproc-per-node", "3", "--no-zerotrain", "--", "sh", "-c", script],
