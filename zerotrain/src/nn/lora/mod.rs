@@ -22,6 +22,7 @@
 
 pub mod config;
 mod matching;
+mod peft_file;
 
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear};
