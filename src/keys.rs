@@ -212,7 +212,7 @@ impl AppKeys {
 /// Reads `path` into the library's plan and the application's settings.
 pub fn load(path: &Path, overrides: Overrides) -> Result<(Plan, AppSettings), ConfigError> {
     let (config, keys) = Config::from_file_with::<AppKeys>(path)?;
-    lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
+    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
 }
 
 /// [`load`] for one rank that holds the whole model (`generate`): the layout the config
@@ -232,21 +232,7 @@ pub fn load_for_one_rank(path: &Path, overrides: Overrides) -> Result<(Plan, App
         raw.train_batch_size = None;
     }
     let overrides = Overrides { world_size: Some(1), ..overrides };
-    lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
-}
-
-/// `plan` and `settings`, unless `zerotrain.lora.quantize` asks for an NF4 base of the
-/// built-in GPT, which is not built: refused naming the key.
-fn lora_fits(plan: Plan, settings: AppSettings) -> Result<(Plan, AppSettings), ConfigError> {
-    if plan.lora.as_ref().is_some_and(|l| l.quantize.is_some()) && settings.hf.is_none() {
-        return Err(ConfigError::Unsupported {
-            key: "zerotrain.lora.quantize".into(),
-            message: "an NF4 base is built for the LLaMA and GPT-2 families (model.hf_dir or model.hf_config), not \
-                      for the built-in GPT: leave quantize out to train its adapters on its base as it is"
-                .into(),
-        });
-    }
-    Ok((plan, settings))
+    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
 }
 
 /// The folder of a config file (relative model paths start there).
@@ -278,7 +264,7 @@ pub fn load_as_group(
             section.group = Some(zerotrain::config::Count(group));
         }
     }
-    lora_fits(config.resolve(overrides)?, keys.resolve_in(folder_of(path))?)
+    Ok((config.resolve(overrides)?, keys.resolve_in(folder_of(path))?))
 }
 
 /// The application's keys of `path`; the library's keys are checked but not resolved.

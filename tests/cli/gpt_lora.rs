@@ -11,8 +11,9 @@ use crate::{text, zerotrain};
 /// `train` at stage 3 over 2 ranks trains those alone, its checkpoint holds them and none of
 /// the base, and it resumes on 1 rank as if uninterrupted; 2 pipeline stages, tp 2 and sp 2
 /// train the same run; a resume that would draw another base (another seed) is refused, as
-/// are `--adapter` and an NF4 base, not built for this model. (Before, `train` trained every
-/// parameter and `config check` counted them all, as if the section were not there.)
+/// is `--adapter`, not built for this model; an NF4 base is counted and trains. (Before,
+/// `train` trained every parameter and `config check` counted them all, as if the section
+/// were not there.)
 #[test]
 fn lora_trains_the_built_in_gpt_from_the_commands() {
     let dir = folder("lora-built-in");
@@ -107,8 +108,38 @@ fn lora_trains_the_built_in_gpt_from_the_commands() {
         &["train", "--config", reseeded_path.to_str().unwrap(), "--steps", "6", "--out", resumed, "--resume"],
         &["seed"],
     );
+    // An NF4 base (QLoRA): `config check` gives each rank's share, the block's six matrices
+    // in NF4 (computed here: half a byte a value in words of eight, four bytes a block of
+    // 64), the rest (embeddings, norms, biases) in f32; it trains; at tp 2 the attention's
+    // output projection would be cut into runs of 8 inputs, which its blocks of 64 cross:
+    // refused naming it.
     let nf4 = with("nf4", r#", "quantize": "nf4""#);
-    refused(&["config", "check", &nf4], &["zerotrain.lora.quantize", "built-in GPT"]);
+    let matrices = [256u64, 256, 256, 256, 1024, 1024];
+    let in_nf4: u64 = matrices.iter().map(|n| 4 * (n.div_ceil(8) + n.div_ceil(64))).sum();
+    let share = (in_nf4 + 4 * (base - matrices.iter().sum::<u64>())).div_ceil(2);
+    let check = run_ok(&["config", "check", &nf4]);
+    assert!(
+        check.contains("the layers' matrices in NF4") && check.contains(&format!("({share} bytes a rank)")),
+        "{share}: {check}"
+    );
+    let nf4_run = dir.join("nf4-run");
+    run_ok(&["train", "--config", &nf4, "--steps", "2", "--out", nf4_run.to_str().unwrap()]);
+    assert_eq!(losses(&nf4_run).len(), 2);
+    let tp_nf4 = std::fs::read_to_string(&nf4).unwrap().replacen('{', r#"{"tensor_parallel": {"autotp_size": 2}, "#, 1);
+    let tp_nf4_path = dir.join("tp-nf4.json");
+    std::fs::write(&tp_nf4_path, tp_nf4).unwrap();
+    refused(
+        &[
+            "train",
+            "--config",
+            tp_nf4_path.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--out",
+            dir.join("tp-nf4").to_str().unwrap(),
+        ],
+        &["zerotrain.lora.quantize", "blocks.0.attn.output.weight", "runs of 8", "multiple of 64"],
+    );
     // On a mesh of 2 ranks (tp 2, or sp 2: one data-parallel rank accumulating the same
     // global batch), the same run: the adapters follow their bases' cuts.
     let tiny_json = std::fs::read_to_string(&config).unwrap();
@@ -126,5 +157,40 @@ fn lora_trains_the_built_in_gpt_from_the_commands() {
     let adapter = dir.join("adapter");
     let plain = ["train", "--config", "configs/tiny.json", "--steps", "1", "--out", whole, "--adapter"];
     refused(&[&plain[..], &[adapter.to_str().unwrap()]].concat(), &["--adapter", "built-in GPT"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// QLoRA on the built-in GPT at tp 2 where every cut falls on NF4's blocks (width 128: the
+/// row-parallel layers get runs of 64 and 256 inputs, the column-parallel ones whole
+/// outputs of 128 inputs): each tensor-parallel rank quantises its parts to the whole
+/// weights' NF4 values, so the run trains as 2 data-parallel ranks do with the same global
+/// batch, its losses within 1e-5.
+#[test]
+fn qlora_on_the_built_in_gpt_splits_over_tp_where_its_cuts_fall_on_blocks() {
+    let dir = folder("qlora-built-in-tp");
+    let json = std::fs::read_to_string("configs/tiny.json")
+        .unwrap()
+        .replace(r#""n_embd": 16"#, r#""n_embd": 128"#)
+        .replace(
+            r#""eval_every": 2"#,
+            r#""eval_every": 2, "lora": {"r": 4, "target_modules": "all-linear", "init_lora_weights": false, "quantize": "nf4"}"#,
+        )
+        .replace(r#""stage": 2"#, r#""stage": 3, "stage3_param_persistence_threshold": 0"#)
+        .replacen('{', r#"{"train_batch_size": 8, "#, 1);
+    assert!(json.contains(r#""n_embd": 128"#) && json.contains("nf4") && json.contains("threshold"), "{json}");
+    let tp = json.replacen('{', r#"{"tensor_parallel": {"autotp_size": 2}, "#, 1);
+    let runs: Vec<_> = [("dp", json), ("tp", tp)]
+        .into_iter()
+        .map(|(how, json)| {
+            let (path, run) = (dir.join(format!("{how}.json")), dir.join(how));
+            std::fs::write(&path, json).unwrap();
+            run_ok(&["train", "--config", path.to_str().unwrap(), "--steps", "3", "--out", run.to_str().unwrap()]);
+            losses(&run)
+        })
+        .collect();
+    assert_eq!(runs[0].len(), 3);
+    for ((step, x), (_, y)) in runs[0].iter().zip(&runs[1]) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} on 2 data-parallel ranks, {y} at tp 2");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -2,7 +2,7 @@
 //! adapters trained as plain Burn trains them on the dequantised base, and the bytes each
 //! rank holds of it.
 
-use burn::module::Param;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 use zerotrain::Error;
 
@@ -126,4 +126,64 @@ fn each_rank_holds_its_share_of_the_nf4_base() {
         quantised[0],
         4 * psi
     );
+}
+
+/// The built-in GPT's weights with its blocks' six linear layers' weights (`blocks.{i}.`
+/// `attn.query`, `.key`, `.value`, `.output`, `mlp_up`, `mlp_down`: the paths QLoRA
+/// quantises, listed here) dequantised by the reference above; the embeddings, the head
+/// and every vector as they are.
+struct Dequantise {
+    path: Vec<String>,
+    layers: Vec<String>,
+    levels: Vec<f32>,
+}
+
+impl ModuleMapper for Dequantise {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !self.layers.contains(&self.path.join(".")) {
+            return param;
+        }
+        let value = param.val();
+        let device = value.device();
+        let weight = Tensor::<2>::from_data(value.into_data(), &device);
+        let values = dequantised(weight, &self.levels).into_data();
+        Param::from_tensor(Tensor::<D>::from_data(values, &device)).set_require_grad(false)
+    }
+}
+
+/// The built-in GPT with LoRA on every linear layer of its blocks and an NF4 base: its
+/// blocks' matrices are held in NF4 while its embedding and head units' matrices (token
+/// and position tables, the untied head) stay as they are, and the adapters train as plain
+/// Burn trains them on that base, on 1 and 2 ranks, with and without recomputation.
+#[test]
+fn the_built_in_gpts_nf4_base_quantises_its_blocks_layers_alone() {
+    use crate::units::{MODES, STEPS, Tokens, Workload, check_run, train as train_units, unit_recipe};
+    use zerotrain_models::{Gpt, GptConfig};
+    let json = serde_json::json!({"r": 2, "init_lora_weights": false, "target_modules": "all-linear"});
+    let lora = zerotrain::nn::lora::LoraConfig::from_json(&json, "test", "zerotrain.lora").unwrap();
+    let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 11, tied_head: false };
+    let init = seeded(67, |d| Gpt::new(&config, d).with_lora(&lora).unwrap());
+    let names = ["attn.query", "attn.key", "attn.value", "attn.output", "mlp_up", "mlp_down"];
+    let layers = (0..2).flat_map(|i| names.map(|n| format!("blocks.{i}.{n}.weight"))).collect();
+    let quantised = init.clone().map(&mut Dequantise { path: Vec::new(), layers, levels: levels() });
+    let w = Tokens { vocab: 11, len: 9 };
+    let device = Device::flex().autodiff();
+    let reference_plan = plan(&unit_recipe(0, 1, MODES[2], "fp32", ""), 2);
+    let global = |m: &Gpt, step| w.global_loss(m, &reference_plan, step, &device);
+    let (losses, reference) = reference_run_on(&quantised, &reference_plan, STEPS, global, &device);
+    let reference = params_by_path(&reference);
+    // The same global batch: 2 micro-batches a step on 1 rank, 1 on each of 2.
+    for (world, gas, mode) in [(1, 2, MODES[2]), (2, 1, MODES[5])] {
+        let plan = plan(&nf4(unit_recipe(3, gas, mode, "fp32", "")), world);
+        let out = train_units(&w, &init, &plan, mode, STEPS).unwrap();
+        check_run(&format!("world {world}, {mode:?}"), &out, &losses, &reference, (1e-6, 2e-6));
+    }
 }

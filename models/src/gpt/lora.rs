@@ -88,6 +88,12 @@ impl BlockAdapters {
     }
 }
 
+/// The module paths of the linear layers of `blocks` blocks, block by block in
+/// [`LAYERS`]' order.
+pub(super) fn block_linears(blocks: usize) -> impl Iterator<Item = String> {
+    (0..blocks).flat_map(|i| LAYERS.map(|(path, _)| format!("blocks.{i}.{path}")))
+}
+
 /// The adapter's name of the layer at `path` below a block: its last part.
 fn name(path: &str) -> &str {
     path.rsplit('.').next().unwrap_or(path)
@@ -133,8 +139,7 @@ impl Gpt {
         }
         let named = |e: String| format!("zerotrain.lora.{e}");
         let blocks = self.blocks.len();
-        let mut linears: Vec<(String, bool)> =
-            (0..blocks).flat_map(|i| LAYERS.map(|(path, _)| (format!("blocks.{i}.{path}"), false))).collect();
+        let mut linears: Vec<(String, bool)> = block_linears(blocks).map(|path| (path, false)).collect();
         if self.head.is_some() {
             linears.push(("head".into(), true));
         }
@@ -168,7 +173,14 @@ impl Gpt {
 pub fn lora_sizes(config: &GptConfig, lora: &LoraConfig) -> Result<LoraSizes, String> {
     let model = Gpt::new(config, &Device::flex().autodiff()).with_lora(lora)?;
     let trained = ParamCount::trainable(&model);
-    let frozen = FrozenSizes { layer_matrices: Vec::new(), rest: model.num_params() as u64 - trained };
+    // The blocks' frozen weights (`quantizable_parameters`), unless modules_to_save trains them.
+    let linears = model.blocks.iter().flat_map(Block::linears);
+    let layer_matrices: Vec<u64> = (linears.zip(block_linears(model.blocks.len())))
+        .filter(|(_, path)| !lora.trains_whole(&format!("{path}.weight")))
+        .map(|(linear, _)| linear.weight.lazy_shape().num_elements() as u64)
+        .collect();
+    let rest = model.num_params() as u64 - trained - layer_matrices.iter().sum::<u64>();
+    let frozen = FrozenSizes { layer_matrices, rest };
     Ok(LoraSizes { trained, frozen })
 }
 

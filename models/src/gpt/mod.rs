@@ -382,4 +382,10 @@ impl UnitModel for Gpt {
     fn model_split(&self) -> Option<ModelSplit> {
         self.mesh.as_ref().map(MeshPart::model_split)
     }
+
+    /// The blocks' six linear layers ([`lora::LAYERS`]): the embedding and head units hold
+    /// matrices too, which QLoRA keeps as they are.
+    fn quantizable_parameters(&self) -> Option<Vec<String>> {
+        Some(lora::block_linears(self.blocks.len()).collect())
+    }
 }

@@ -120,26 +120,17 @@ impl Quantization {
 }
 
 /// Refuses a quantised base where the plan cannot hold it: it lives in stage 3's shards
-/// (`stage`: whether parameters are sharded), dequantised a unit at a time after each
-/// gather, and its blocks run along each whole tensor (`tp`: the tensor-parallel size).
-pub(super) fn check_quantize(lora: &Option<LoraPlan>, stage3: bool, tp: usize) -> Result<(), ConfigError> {
+/// (`stage3`: whether parameters are sharded), dequantised a unit at a time after each
+/// gather. (On a tensor-parallel mesh the engine checks that each cut falls on the
+/// quantisation's blocks, which needs the model's shapes.)
+pub(super) fn check_quantize(lora: &Option<LoraPlan>, stage3: bool) -> Result<(), ConfigError> {
     let Some(q) = lora.as_ref().and_then(|l| l.quantize) else { return Ok(()) };
-    let key = format!("zerotrain.lora.{QUANTIZE}");
     if !stage3 {
         return Err(ConfigError::Unsupported {
-            key,
+            key: format!("zerotrain.lora.{QUANTIZE}"),
             message: format!(
                 "a {} base is held in ZeRO stage 3's shards and dequantised a unit at a time: set \
                  zero_optimization.stage to 3 (on one rank too, where it is QLoRA's single-device run)",
-                q.key()
-            ),
-        });
-    }
-    if tp > 1 {
-        return Err(ConfigError::Unsupported {
-            key,
-            message: format!(
-                "a {} base on a tensor-parallel mesh (zerotrain.mesh.tp or tensor_parallel.autotp_size > 1) is not built yet",
                 q.key()
             ),
         });
@@ -160,11 +151,14 @@ mod tests {
     }
 
     /// `quantize` is read beside PEFT's keys (not one of them: the PEFT config knows nothing
-    /// of it) and refused by its key where the base cannot be held so.
+    /// of it) and refused by its key where the base cannot be held so; a tensor-parallel
+    /// mesh is the engine's to check.
     #[test]
     fn quantize_is_read_at_stage_3_and_refused_by_key_elsewhere() {
-        let lora = plan(&config(3, r#""nf4""#, 1)).unwrap().lora.unwrap();
-        assert_eq!((lora.quantize, lora.config.r), (Some(Quantization::Nf4), 4));
+        for tp in [1, 2] {
+            let lora = plan(&config(3, r#""nf4""#, tp)).unwrap().lora.unwrap();
+            assert_eq!((lora.quantize, lora.config.r), (Some(Quantization::Nf4), 4), "tp {tp}");
+        }
         for none in [r#""none""#, "null"] {
             assert_eq!(plan(&config(3, none, 1)).unwrap().lora.unwrap().quantize, None, "{none}");
         }
@@ -174,7 +168,6 @@ mod tests {
             assert!(text.contains("zerotrain.lora.quantize") && words.iter().all(|w| text.contains(w)), "{text}");
         };
         refused(config(2, r#""nf4""#, 1), &["stage", "3"]);
-        refused(config(3, r#""nf4""#, 2), &["autotp_size"]);
         refused(config(3, r#""fp4""#, 1), &["not built"]);
         refused(config(3, "4", 1), &["\"nf4\""]);
     }

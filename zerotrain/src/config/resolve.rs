@@ -40,7 +40,7 @@ pub(super) fn resolve(config: &Config, overrides: Overrides) -> Result<Plan, Con
     let recompute_units = parallel::resolve_recompute_units(config, recomputes)?;
     let optim = optim::resolve(config, overrides.total_steps, &mut autos)?;
     let lora = lora::resolve(config)?;
-    lora::check_quantize(&lora, zero.stage.shards_parameters(), mesh.tp)?;
+    lora::check_quantize(&lora, zero.stage.shards_parameters())?;
     Ok(Plan {
         runtime,
         batch,

@@ -134,6 +134,17 @@ pub trait UnitModel: Module {
         Vec::new()
     }
 
+    /// Module paths of the frozen parameters that a quantised base
+    /// (`zerotrain.lora.quantize`, QLoRA) stores quantised at stage 3: the linear layers'
+    /// weights, as QLoRA quantises them, while embeddings, the output head, norms and
+    /// biases stay in the compute dtype. Of the tensors under these paths only the 2-D ones
+    /// over the persistence threshold are quantised. Default: `None`, every such tensor of
+    /// a declared unit — right for a model whose units hold its layers and whose root holds
+    /// its embeddings and head; a model with units of its own for those lists its layers.
+    fn quantizable_parameters(&self) -> Option<Vec<String>> {
+        None
+    }
+
     /// The model's split over a tensor-parallel group, where it was built as one rank's
     /// part (Megatron's plan: [`crate::nn::parallel`]): the group and each split
     /// parameter's cut. An engine whose plan has a tensor-parallel mesh

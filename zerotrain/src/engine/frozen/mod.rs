@@ -17,24 +17,33 @@
 //! Below stage 3 frozen parameters stay whole on every rank (DeepSpeed does the same),
 //! as buffers that nothing changes (`engine/buffers.rs`).
 //!
-//! With `zerotrain.lora.quantize: "nf4"` (QLoRA) the matrices of the layers' units are
-//! stored in NF4 in the shards and tiers ([`QuantizedUnit`]), dequantised to the compute
-//! dtype after each gather; the root's (embeddings, the head), vectors (norms, biases) and
-//! resident tensors stay in the compute dtype, as QLoRA keeps all but the linear layers.
+//! With `zerotrain.lora.quantize: "nf4"` (QLoRA) the linear layers' matrices
+//! ([`UnitModel::quantizable_parameters`]) are stored in NF4 in the shards and tiers
+//! ([`QuantizedUnit`]), dequantised to the compute dtype after each gather; embeddings, the
+//! head, vectors (norms, biases) and resident tensors stay in the compute dtype, as QLoRA
+//! keeps all but the linear layers. On a tensor-parallel mesh each rank quantises its part
+//! of a matrix, which gives the whole matrix's NF4 values only where the cut falls on
+//! block boundaries (`quantized::check_cut`); a cut that does not is refused.
+//!
+//! [`UnitModel::quantizable_parameters`]: crate::UnitModel::quantizable_parameters
 
 mod nf4;
 mod part;
 mod quantized;
+
+use std::collections::BTreeMap;
 
 use zerotrain_zero::{FlatLayout, Sharding};
 
 pub(crate) use self::part::FrozenPart;
 use self::quantized::QuantizedUnit;
 use super::buffers::Buffers;
+use super::model::under;
 use super::params::ParamIndex;
 use super::parts::ALIGN_ELEMS;
-use crate::Result;
 use crate::config::Quantization;
+use crate::nn::parallel::Split;
+use crate::{Error, Result};
 
 /// The units' frozen tensors, sharded (module note).
 #[derive(Debug, Clone)]
@@ -49,12 +58,38 @@ pub(crate) struct FrozenLayout {
     pub quantized: Vec<Option<QuantizedUnit>>,
 }
 
-/// How the frozen tensors are held: the quantisation asked for, the units of layers (those
-/// before the root, whose matrices it quantises) and the compute dtype.
+/// How the frozen tensors are held: the quantisation asked for, what it applies to (the
+/// model's quantizable paths, else the matrices of the units of layers: those before the
+/// root), the compute dtype, and the model's tensor-parallel cuts over `tp` ranks.
 pub(crate) struct Storage {
     pub quantize: Option<Quantization>,
+    pub quantizable: Option<Vec<String>>,
     pub layer_units: usize,
     pub dtype: zerotrain_precision::Precision,
+    pub splits: BTreeMap<String, Split>,
+    pub tp: usize,
+}
+
+impl Storage {
+    /// Whether the frozen tensor `path` of shape `shape` in unit `unit`, not resident, is
+    /// quantised; an error naming the key and the tensor where its tensor-parallel cut
+    /// does not fall on the quantisation's blocks.
+    fn quantizes(&self, unit: usize, path: &str, shape: &[usize]) -> Result<bool> {
+        let Some(q) = self.quantize else { return Ok(false) };
+        let named = match &self.quantizable {
+            Some(paths) => paths.iter().any(|p| under(p, path)),
+            None => unit < self.layer_units,
+        };
+        let &[rows, cols] = shape else { return Ok(false) };
+        if !named {
+            return Ok(false);
+        }
+        let split = self.splits.get(path).copied().unwrap_or(Split::Whole);
+        quantized::check_cut(path, [rows, cols], split, self.tp).map_err(|why| {
+            Error::Usage(format!("zerotrain.lora.quantize \"{}\" on this tensor-parallel mesh: {why}", q.key()))
+        })?;
+        Ok(true)
+    }
 }
 
 impl FrozenLayout {
@@ -81,14 +116,14 @@ impl FrozenLayout {
         let resident: Vec<Vec<bool>> = (sharding.units().iter())
             .map(|u| u.layout.entries().iter().map(|e| e.num_elems as u64 <= threshold).collect())
             .collect();
-        let quantized = (sharding.units().iter().zip(&resident).enumerate())
-            .map(|(id, (unit, resident))| {
-                storage.quantize.filter(|_| id < storage.layer_units)?;
-                let entries = unit.layout.entries().iter().zip(resident);
-                let nf4: Vec<bool> = entries.map(|(e, resident)| e.shape.len() == 2 && !resident).collect();
-                QuantizedUnit::new(&unit.layout, &nf4, world_size, storage.dtype)
-            })
-            .collect();
+        let mut quantized = Vec::with_capacity(sharding.units().len());
+        for (id, (unit, resident)) in sharding.units().iter().zip(&resident).enumerate() {
+            let entries = unit.layout.entries().iter().zip(resident);
+            let nf4 = entries
+                .map(|(e, resident)| Ok(!resident && storage.quantizes(id, &e.path, &e.shape)?))
+                .collect::<Result<Vec<bool>>>()?;
+            quantized.push(QuantizedUnit::new(&unit.layout, &nf4, world_size, storage.dtype));
+        }
         Ok(Some(Self { index, sharding, resident, quantized }))
     }
 

@@ -18,6 +18,7 @@ use zerotrain_precision::{BufRef, FlatBuf, Precision};
 use zerotrain_zero::FlatLayout;
 
 use super::nf4;
+use crate::nn::parallel::Split;
 use crate::swap::{pack, unpack, words};
 
 /// One frozen tensor's place among the words.
@@ -130,6 +131,45 @@ impl QuantizedUnit {
     }
 }
 
+/// Whether a rank's part `[rows, cols]` (Burn's `[in, out]`) of a weight cut by `split`
+/// over `n` ranks quantises to the whole weight's values: each block of the whole, along
+/// PyTorch's `[out, in]` order, lies within one rank's part and starts a block of it. A
+/// cut of the inputs (a row-parallel layer) gives each rank a run of `in / n` of every
+/// output's inputs (one run per fused block), which must hold whole blocks; a cut of the
+/// outputs (column-parallel) gives it runs of whole outputs, whose `in` values each must
+/// make whole blocks together. The error says which tensor and what must divide.
+pub(super) fn check_cut(path: &str, [rows, cols]: [usize; 2], split: Split, n: usize) -> Result<(), String> {
+    let block = nf4::BLOCK;
+    match split {
+        _ if n == 1 => Ok(()),
+        Split::Whole => Ok(()),
+        Split::Even { dim: 0, blocks } => {
+            let run = rows / blocks.max(1);
+            match run.is_multiple_of(block) {
+                true => Ok(()),
+                false => Err(format!(
+                    "{path}'s inputs are cut over {n} ranks into runs of {run}, and NF4's blocks of {block} run \
+                     along each output's inputs: each rank's run must be a multiple of {block}"
+                )),
+            }
+        }
+        Split::Even { dim: 1, blocks } => {
+            let run = cols / blocks.max(1) * rows;
+            match run.is_multiple_of(block) {
+                true => Ok(()),
+                false => Err(format!(
+                    "{path}'s outputs are cut over {n} ranks into runs of {} outputs of {rows} inputs, {run} values, \
+                     and NF4's blocks of {block} run along the whole tensor: each run must be a multiple of {block}",
+                    cols / blocks.max(1)
+                )),
+            }
+        }
+        Split::Even { dim, .. } | Split::Uneven { dim } => {
+            Err(format!("{path} is cut on its dimension {dim} ({split:?}), which NF4's blocks are not laid along"))
+        }
+    }
+}
+
 /// `values` of a `[rows, cols]` tensor in Burn's row-major order, read in PyTorch's order of
 /// the same weight: `[cols, rows]` row-major (the transpose).
 fn torch_order(values: &[f32], [rows, cols]: [usize; 2]) -> Vec<f32> {
@@ -167,5 +207,60 @@ mod tests {
         }
         let bias = layout.entries()[1].flat_range();
         assert_eq!(decoded[bias.clone()], held[bias]);
+    }
+
+    /// Rank `r`'s part of a `[rows, cols]` weight (Burn's order) cut by `split` over `n`
+    /// ranks, read off `Split`'s meaning: on dimension `dim`, `blocks` blocks side by side,
+    /// the rank holding its `1/n` of each, in block order.
+    fn part(w: &[f32], [rows, cols]: [usize; 2], split: Split, r: usize, n: usize) -> (Vec<f32>, [usize; 2]) {
+        let Split::Even { dim, blocks } = split else { unreachable!("the test cuts evenly") };
+        let len = [rows, cols][dim];
+        let keep: Vec<usize> = (0..blocks)
+            .flat_map(|b| (0..len / blocks / n).map(move |k| b * len / blocks + r * len / blocks / n + k))
+            .collect();
+        match dim {
+            0 => (keep.iter().flat_map(|&i| w[i * cols..(i + 1) * cols].to_vec()).collect(), [keep.len(), cols]),
+            _ => ((0..rows).flat_map(|i| keep.iter().map(move |&j| w[i * cols + j])).collect(), [rows, keep.len()]),
+        }
+    }
+
+    /// `w` (`[rows, cols]`) through NF4 and back.
+    fn round_trip(w: &[f32], [rows, cols]: [usize; 2]) -> Vec<f32> {
+        let layout = FlatLayout::new([("w".to_string(), vec![rows, cols])], 1, 16).unwrap();
+        let unit = QuantizedUnit::new(&layout, &[true], 1, Precision::Fp32).unwrap();
+        let mut values = w.to_vec();
+        values.resize(layout.padded_elems(), 0.0);
+        let words = unit.encode(BufRef::F32(&values)).into_f32();
+        unit.decode(&words, layout.padded_elems()).into_f32()[..rows * cols].to_vec()
+    }
+
+    /// Where `check_cut` accepts a cut, each rank's part quantises to the whole weight's
+    /// NF4 values at its positions (so tensor-parallel ranks hold what one rank would);
+    /// where it refuses one, the parts' values differ from the whole's.
+    #[test]
+    fn parts_quantise_as_the_whole_exactly_where_the_cut_is_accepted() {
+        let cases = [
+            ([128, 6], Split::Even { dim: 0, blocks: 1 }, true),
+            ([256, 5], Split::Even { dim: 0, blocks: 2 }, true),
+            ([16, 24], Split::Even { dim: 1, blocks: 3 }, true),
+            ([32, 8], Split::Even { dim: 1, blocks: 1 }, true),
+            ([96, 6], Split::Even { dim: 0, blocks: 1 }, false),
+            ([16, 6], Split::Even { dim: 1, blocks: 1 }, false),
+            ([16, 24], Split::Even { dim: 1, blocks: 2 }, false),
+        ];
+        for (shape, split, fits) in cases {
+            let w: Vec<f32> = (0..shape[0] * shape[1]).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0).collect();
+            let whole = round_trip(&w, shape);
+            let mut same = true;
+            for r in 0..2 {
+                let (values, dims) = part(&w, shape, split, r, 2);
+                let (expected, _) = part(&whole, shape, split, r, 2);
+                same &= round_trip(&values, dims) == expected;
+                assert_eq!(check_cut("w", dims, split, 2).is_ok(), fits, "{shape:?} {split:?}");
+            }
+            assert_eq!(same, fits, "{shape:?} cut by {split:?}: the parts quantise as the whole: {same}");
+        }
+        assert!(check_cut("w", [1, 1], Split::Uneven { dim: 1 }, 2).unwrap_err().contains("w is cut"));
+        assert!(check_cut("w", [1, 1], Split::Uneven { dim: 1 }, 1).is_ok());
     }
 }
