@@ -6,7 +6,10 @@ checkpoints they adapt).
       (tensor names base_model.model.<module>.lora_A.weight [r, in], lora_B.weight [out, r]),
       A and B random and non-zero, for the modules the config's target_modules names by
       PEFT's rules (a list: the path or a name it ends in after a dot; a string: a regex of
-      the whole path; "all-linear": every linear layer but lm_head).
+      the whole path; "all-linear": every linear layer but lm_head), none inside a module
+      modules_to_save names; and, for modules_to_save, every tensor below a module whose
+      path ends in one of its names (base_model.model.<path>, the base's values moved by
+      random amounts), as PEFT saves the copies it trains.
   grads DIR ADAPTER --ids JSON
       the mean next-token loss of the ids through the model with the adapter merged
       (W + scaling B A, transposed for GPT-2's Conv1D), and each adapter tensor's gradient by
@@ -52,6 +55,21 @@ def targeted(lora, module):
     return module in targets or any(module.endswith("." + t) for t in targets)
 
 
+def saved(lora, name):
+    """Whether tensor `name` trains whole: PEFT wraps every module whose path ends in a
+    modules_to_save name (a plain suffix: "norm" is "input_layernorm" too) and trains all
+    below it."""
+    parts = name.split(".")
+    modules = [".".join(parts[:i]) for i in range(1, len(parts))]
+    return any(m.endswith(n) for m in modules for n in lora.get("modules_to_save") or [])
+
+
+def inside_saved(lora, module):
+    """PEFT keeps adapters off a module inside one modules_to_save names as whole dotted
+    parts of its path."""
+    return any(re.match(rf"(^|.*\.){re.escape(n)}($|\..*)", module) for n in lora.get("modules_to_save") or [])
+
+
 def adapter(args):
     config, tensors = hf_models.load(args.dir)
     lora = json.loads(args.config)
@@ -59,9 +77,13 @@ def adapter(args):
     rng = np.random.default_rng(args.seed)
     out = {}
     for module, _, (d_out, d_in), _ in linear_layers(config, tensors):
-        if targeted(lora, module):
+        if targeted(lora, module) and not inside_saved(lora, module):
             out[f"base_model.model.{module}.lora_A.weight"] = rng.uniform(-0.5, 0.5, (r, d_in)).astype(np.float32)
             out[f"base_model.model.{module}.lora_B.weight"] = rng.uniform(-0.5, 0.5, (d_out, r)).astype(np.float32)
+    for name, t in tensors.items():
+        if saved(lora, name):
+            moved = t.astype(np.float64) + rng.uniform(-0.2, 0.2, t.shape)
+            out[f"base_model.model.{name}"] = moved.astype(np.float32)
     os.makedirs(args.out, exist_ok=True)
     from safetensors.numpy import save_file
 
@@ -70,6 +92,8 @@ def adapter(args):
                "target_modules": lora["target_modules"], "fan_in_fan_out": config["model_type"] == "gpt2",
                "use_rslora": lora.get("use_rslora", False), "base_model_name_or_path": args.dir,
                "init_lora_weights": False, "lora_dropout": 0.0}
+    if lora.get("modules_to_save"):
+        written["modules_to_save"] = lora["modules_to_save"]
     with open(os.path.join(args.out, "adapter_config.json"), "w") as f:
         json.dump(written, f, indent=2)
 
@@ -78,6 +102,8 @@ def merged(config, tensors, lora, factors):
     r, alpha = lora["r"], lora["lora_alpha"]
     scaling = alpha / math.sqrt(r) if lora.get("use_rslora") else alpha / r
     t = dict(tensors)
+    prefix = "base_model.model."
+    t.update({k[len(prefix):]: v for k, v in factors.items() if ".lora_A." not in k and ".lora_B." not in k})
     for module, name, _, conv in linear_layers(config, tensors):
         a = factors.get(f"base_model.model.{module}.lora_A.weight")
         if a is None:

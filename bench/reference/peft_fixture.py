@@ -7,8 +7,9 @@ reads peft_lora.json).
       a random adapter in PEFT's format (lora.py adapter), all from numpy seeds, so a test
       re-creates the same files without torch; then PEFT's mean next-token loss of the text
       through PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter),
-      the loss of merge_and_unload()'s model, and the adapter_config.json and tensor names
-      PEFT writes when it saves that adapter again. Records the inputs and versions beside.
+      the loss of merge_and_unload()'s model, the adapter_config.json and tensor names
+      PEFT writes when it saves that adapter again, and the number of parameters PEFT
+      trains under the case's LoraConfig (get_peft_model). Records the inputs and versions.
   score BASE ADAPTER TEXT --context N
       PEFT's loss of TEXT's windows through BASE with ADAPTER ({"loss": x}): for a test
       that checks PEFT loads what zerotrain exported (needs torch: ignored in CI).
@@ -30,6 +31,10 @@ CASES = [
      "lora": {"r": 2, "lora_alpha": 3, "target_modules": ["c_attn", "c_proj", "c_fc"]}},
     {"name": "llama-gqa", "make": ["--family", "llama", "--kv-heads", "2"],
      "lora": {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": "all-linear"}},
+    # Whole modules beside the adapters: every MLP (its gate_proj, a target, takes no
+    # adapter inside it) and every module whose path ends in "norm".
+    {"name": "llama-save", "make": ["--family", "llama", "--kv-heads", "2"],
+     "lora": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"], "modules_to_save": ["mlp", "norm"]}},
 ]
 TEXT = ["--bytes", "2500"]
 CONTEXT = 16
@@ -67,6 +72,16 @@ def peft_model(base, adapter):
     return PeftModel.from_pretrained(model, adapter).eval()
 
 
+def trainable(base, lora):
+    """The parameters PEFT trains when it adapts `base` with the LoraConfig `lora`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(**lora))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def score(args):
     with open(args.text, encoding="utf-8") as f:
         ids = hf_models.encode(args.base, f.read())
@@ -96,7 +111,8 @@ def make(args):
                 written = json.load(f)
             merged = windows_loss(model.merge_and_unload(), ids, CONTEXT)
             out["cases"].append({**case, "peft_loss": loss, "merged_loss": merged,
-                                 "peft_written_config": written, "peft_tensor_names": names})
+                                 "peft_written_config": written, "peft_tensor_names": names,
+                                 "peft_trainable_params": trainable(base, case["lora"])})
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
         f.write("\n")

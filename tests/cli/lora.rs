@@ -294,7 +294,10 @@ fn bad_lora_configs_and_adapters_are_refused_by_name() {
 /// a seed): `zerotrain eval --adapter` scores the text as `PeftModel.from_pretrained` does,
 /// within 1e-5, on one rank and at stage 3 on two; and the `adapter_config.json` PEFT writes
 /// when it saves that adapter reads in zerotrain as the same config, its tensors named as
-/// the adapter zerotrain read.
+/// the adapter zerotrain read; and the case's config trains as many parameters in zerotrain
+/// (`config check`) as in PEFT. A case trains whole modules beside its adapters
+/// (`modules_to_save`: every MLP, with a target inside it that PEFT leaves unadapted, and
+/// every module whose path ends in `norm`).
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
@@ -335,6 +338,21 @@ fn an_adapter_scores_in_zerotrain_as_peft_scores_it() {
         let peft_names: Vec<String> =
             case["peft_tensor_names"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
         assert_eq!(names, peft_names, "{name}: PEFT saves the tensors under the names zerotrain reads");
+        // The case's LoraConfig trains in zerotrain what it trains in PEFT (get_peft_model).
+        let fresh = dir.join(format!("{name}-fresh.json"));
+        let json = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 1, "zerotrain": {{"world_size": 1, "lora": {lora}}},
+                "model": {{"hf_dir": {:?}, "block_size": 16}}}}"#,
+            hf.display().to_string()
+        );
+        std::fs::write(&fresh, json).unwrap();
+        let check = run_ok(&["config", "check", fresh.to_str().unwrap()]);
+        let trained = check.split(" trained parameters").next().and_then(|s| s.rsplit(' ').next()).unwrap();
+        assert_eq!(
+            trained,
+            case["peft_trainable_params"].to_string(),
+            "{name}: zerotrain trains, PEFT trains: {check}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -112,10 +112,9 @@ pub fn lora_sizes(config: &HfConfig, lora: &Arc<LoraConfig>) -> Result<LoraSizes
     let mut sizes = LoraSizes { trained: 0, frozen: FrozenSizes::default() };
     for (name, shape) in asked {
         let n: u64 = shape.iter().map(|&d| d as u64).product();
-        let module = name.rsplit_once('.').map_or(name.as_str(), |(m, _)| m);
         // A layer's tensors are those under a numbered module (`model.layers.3.`, `h.0.`).
         let in_layer = name.split('.').any(|part| part.parse::<usize>().is_ok());
-        match crate::hf::peft::tensor_name(&name).is_some() || lora.saves(module) {
+        match crate::hf::peft::tensor_name(&name).is_some() || lora.trains_whole(&name) {
             true => sizes.trained += n,
             false if in_layer && shape.len() == 2 => sizes.frozen.layer_matrices.push(n),
             false => sizes.frozen.rest += n,

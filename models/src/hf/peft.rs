@@ -124,7 +124,7 @@ pub fn export(
                 }
                 name
             }
-            None if config.saves(entry.path.rsplit_once('.').map_or("", |(m, _)| m)) => {
+            None if config.trains_whole(&entry.path) => {
                 format!("{PREFIX}{}", entry.path)
             }
             None => bail!(

@@ -186,9 +186,8 @@ impl Weights {
     ) -> Option<Param<Tensor<D>>> {
         let lora = self.lora.as_ref()?;
         let files = lora.files.as_ref()?;
-        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
         let peft = format!("{}{name}", peft::PREFIX);
-        let entry = files.get(&peft).filter(|_| lora.config.saves(module))?;
+        let entry = files.get(&peft).filter(|_| lora.config.trains_whole(name))?;
         lora.used.borrow_mut().insert(peft.clone());
         if let Some(base) = &self.files {
             let own = base
@@ -217,11 +216,11 @@ impl Weights {
     }
 
     /// Whether the parameter at `name` trains: every one without LoRA; with it, only those
-    /// of `modules_to_save` (adapters are made by [`adapter`](Self::adapter)).
+    /// below a module `modules_to_save` names, all of them, as PEFT trains the copy it wraps
+    /// (adapters are made by [`adapter`](Self::adapter)).
     pub(super) fn trains(&self, name: &str) -> bool {
         let Some(lora) = &self.lora else { return true };
-        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
-        lora.config.saves(module)
+        lora.config.trains_whole(name)
     }
 
     /// The LoRA checks [`finish`](Self::finish) makes: the targets against the layers
