@@ -2,6 +2,8 @@
 
 use std::process::{Command, Output};
 
+#[path = "cli/chat_data.rs"]
+mod chat_data;
 #[path = "cli/gpt_lora.rs"]
 mod gpt_lora;
 #[path = "cli/hf.rs"]

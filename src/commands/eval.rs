@@ -98,6 +98,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
             let tokens = zerotrain_models::text::tokens::TokenFile::open(file)?;
             tokens.verify()?;
             tokens.check_written_by(&loaded.tokenizer)?;
+            tokens.refuse_sequences("scoring")?;
             let range = if *all { 0..tokens.len() } else { tokens.train_tokens()..tokens.len() };
             let what = if *all { "" } else { " (held-out split)" };
             (format!("{}{what}", file.display()), Source::File(tokens, range))

@@ -1,6 +1,8 @@
 //! `zerotrain tokenize`: text or JSON-lines files into a token file (see
 //! [`tokens`](zerotrain_models::text::tokens)), with a tokenizer given or a byte-level BPE trained
-//! on the same files; the files are read a batch of documents at a time.
+//! on the same files; the files are read a batch of documents at a time. Fine-tuning rows
+//! (conversations, prompts and completions) make a file of sequences with loss masks
+//! ([`finetune`](zerotrain_models::text::finetune)).
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -33,6 +35,102 @@ pub struct TokenizeArgs {
     /// The JSON-lines field holding each document's text.
     #[arg(long, default_value = "text")]
     pub field: String,
+    /// What `.jsonl` and `.json` rows hold, for fine-tuning: `auto` (each row by its
+    /// columns: `messages`, else `prompt` and `completion`, else `text`), `text`,
+    /// `messages` or `prompt-completion`. Rows of conversations or prompts make a token
+    /// file of sequences with loss masks.
+    #[arg(long)]
+    pub format: Option<String>,
+    /// The chat template conversations are rendered with (a Jinja file), instead of the
+    /// tokenizer's own (`chat_template.jinja` or the `chat_template` of the
+    /// `tokenizer_config.json` beside --tokenizer).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Which tokens of a fine-tuning row the loss is on: `default` (a conversation's
+    /// assistant turns, a prompt's completion, a text's every token), `assistant`,
+    /// `completion` or `all`.
+    #[arg(long)]
+    pub loss_on: Option<String>,
+}
+
+/// Whether `args` asks for fine-tuning rows: a flag of theirs is given, an input is a
+/// `.json` list of rows, or the first row of a `.jsonl` input holds `messages` or a
+/// `prompt` (a `--field` other than `text` keeps JSON lines as documents).
+fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
+    use std::io::BufRead;
+    if args.field != "text" {
+        return Ok(false);
+    }
+    if args.format.is_some() || args.chat_template.is_some() || args.loss_on.is_some() {
+        return Ok(true);
+    }
+    for input in &args.inputs {
+        match input.extension().and_then(|e| e.to_str()) {
+            Some("json") => return Ok(true),
+            Some("jsonl") => {
+                let file = std::fs::File::open(input)
+                    .map_err(|e| anyhow::anyhow!("{}: cannot open it: {e}", input.display()))?;
+                let first = std::io::BufReader::new(file).lines().map_while(Result::ok).find(|l| !l.trim().is_empty());
+                let row: Option<serde_json::Value> = first.and_then(|l| serde_json::from_str(&l).ok());
+                if row.is_some_and(|r| r.get("messages").is_some() || r.get("prompt").is_some()) {
+                    return Ok(true);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(false)
+}
+
+/// Fine-tuning rows into a token file of sequences (`finetune::write_rows_token_file`),
+/// and what was written, said.
+fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<()> {
+    use zerotrain_models::text::finetune::{self, ChatTemplate, Format, LossOn, RowsInput};
+    let format: Format = match &args.format {
+        Some(f) => f.parse().map_err(|e| anyhow::anyhow!("--format: {e}"))?,
+        None => Format::Auto,
+    };
+    let loss_on: LossOn = match &args.loss_on {
+        Some(l) => l.parse().map_err(|e| anyhow::anyhow!("--loss-on: {e}"))?,
+        None => LossOn::Default,
+    };
+    let template = match &args.chat_template {
+        Some(file) => Ok(ChatTemplate::from_file(file, finetune::special_tokens_beside(&args.tokenizer)?)?),
+        None => ChatTemplate::beside(&args.tokenizer, None).map_err(|e| e.to_string()),
+    };
+    if let (Some(_), Err(e)) = (&args.chat_template, &template) {
+        bail!("{e}");
+    }
+    let input = RowsInput { tokenizer, template: template.as_ref().map_err(Clone::clone), format, loss_on };
+    let start = Instant::now();
+    let (file, summary) = finetune::write_rows_token_file(&args.inputs, &input, &args.out, args.valid_fraction)?;
+    let seconds = start.elapsed().as_secs_f64();
+    let bytes: u64 = args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let sequences = summary.conversations + summary.prompt_completions + summary.texts;
+    println!(
+        "wrote {}: {} tokens ({} held out, whole sequences) in {sequences} sequences ({} conversations, {} \
+         prompt/completion rows, {} texts), the loss on {} tokens ({:.1}%){}; {:.1} MB of rows at {:.1} MB/s{}",
+        args.out.display(),
+        file.len(),
+        file.len() - file.train_tokens(),
+        summary.conversations,
+        summary.prompt_completions,
+        summary.texts,
+        summary.counted,
+        100.0 * summary.counted as f64 / file.len().max(1) as f64,
+        match summary.skipped {
+            0 => String::new(),
+            n => format!("; {n} rows without a token to train on left out"),
+        },
+        bytes as f64 / 1e6,
+        bytes as f64 / 1e6 / seconds.max(1e-9),
+        match &template {
+            Ok(t) if summary.conversations > 0 || args.chat_template.is_some() =>
+                format!(" (chat template {})", t.origin()),
+            _ => String::new(),
+        }
+    );
+    Ok(())
 }
 
 /// The largest vocabulary `--train-vocab` trains: 2^24, the largest `vocab_size` a model's
@@ -93,6 +191,9 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
         None => Tokenizer::from_file(&args.tokenizer)?,
     };
     let trained = start.elapsed().as_secs_f64();
+    if reads_rows(&args)? {
+        return tokenize_rows(&args, &tokenizer);
+    }
     let (eos, eos_name) = tokenizer.end_of_text()?;
     let encode_start = Instant::now();
     let documents = Documents::new(&args.inputs, &args.field);

@@ -40,6 +40,7 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
     let file = if is_tokens { TokenFile::open(data)? } else { tokenized_once(data, tokenizer, out)? };
     file.verify()?;
     file.check_written_by(tokenizer)?;
+    file.refuse_sequences("training")?;
     Ok(file)
 }
 

@@ -383,8 +383,8 @@ impl UnitModel for Gpt {
         self.mesh.as_ref().map(MeshPart::model_split)
     }
 
-    /// The blocks' six linear layers ([`lora::LAYERS`]): the embedding and head units hold
-    /// matrices too, which QLoRA keeps as they are.
+    /// The blocks' six linear layers (`blocks.{i}.attn.query` ... `blocks.{i}.mlp_down`):
+    /// the embedding and head units hold matrices too, which QLoRA keeps as they are.
     fn quantizable_parameters(&self) -> Option<Vec<String>> {
         Some(lora::block_linears(self.blocks.len()).collect())
     }

@@ -4,6 +4,7 @@
 //! order a run reads their windows in ([`sampler`]).
 
 pub mod documents;
+pub mod finetune;
 mod pattern;
 pub mod sampler;
 pub mod tokens;
@@ -14,6 +15,9 @@ use std::path::{Path, PathBuf};
 use self::words::Words;
 use crate::file_error::{FileError, read_optional_json};
 use crate::hf::TOKENIZER_CONFIG_FILE;
+
+/// The characters a token covers: (first, one past the last), counted as Python counts them.
+pub type CharSpan = (usize, usize);
 
 /// A `tokenizer.json`: text to token ids and back, exactly as Hugging Face's tokenizers do
 /// (same crate); a text's own ids, or a document's and a prompt's with the special tokens
@@ -121,6 +125,16 @@ impl Tokenizer {
     /// before every text (none of those it puts after, which would end it).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, FileError> {
         Ok([&self.before[..], &self.encode(text)?].concat())
+    }
+
+    /// Token ids of `text` alone (none of the special tokens the tokenizer puts around a
+    /// text: a chat template writes its own), each with the characters it covers, counted
+    /// as Python counts them (Unicode scalar values): what `transformers` gets from
+    /// `tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)`.
+    pub fn encode_with_char_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<CharSpan>), FileError> {
+        let encoding =
+            self.inner.encode_char_offsets(text, false).map_err(|e| self.error(format!("cannot encode: {e}")))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
     }
 
     /// The text of `ids`.

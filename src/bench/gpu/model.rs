@@ -19,7 +19,7 @@ pub enum BenchModel {
         name: String,
         /// Its config.
         #[serde(skip)]
-        config: HfConfig,
+        config: Box<HfConfig>,
         /// Tokens per sequence.
         context: usize,
     },
@@ -37,7 +37,7 @@ impl BenchModel {
             path => path,
         };
         let config = HfConfig::read(std::path::Path::new(file))?;
-        Ok(Self::Hf { name: file.to_string(), config, context: shape.block_size })
+        Ok(Self::Hf { name: file.to_string(), config: Box::new(config), context: shape.block_size })
     }
 
     /// Tokens per sequence.

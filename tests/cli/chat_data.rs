@@ -1,0 +1,158 @@
+//! Fine-tuning rows through `zerotrain tokenize`: conversations rendered by the tokenizer's
+//! chat template (or `--chat-template`), prompts and completions as TRL prepares them,
+//! each row one sequence of the token file with its loss mask.
+
+use std::path::Path;
+
+use zerotrain_models::text::tokens::TokenFile;
+
+use crate::hf::{folder, run_ok};
+use crate::{text, zerotrain};
+
+fn reference(file: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/reference").join(file)
+}
+
+/// Each sequence of `file`: its tokens and its mask.
+fn sequences(file: &TokenFile) -> Vec<(Vec<u32>, Vec<bool>)> {
+    let mut start = 0;
+    (file.document_ends().into_iter())
+        .map(|end| {
+            let range = start..end as usize;
+            start = end as usize;
+            (range.clone().map(|i| file.token(i)).collect(), range.map(|i| file.counted(i)).collect())
+        })
+        .collect()
+}
+
+/// A file of the fixture's conversations (with tools in a row), its prompt/completion rows,
+/// a plain text, and a conversation with no assistant turn, tokenized with the tokenizer's
+/// own template (the `chat_template` of its `tokenizer_config.json`, LLaMA 3's style): each
+/// conversation is the sequence transformers' `apply_chat_template` gives, its mask the
+/// assistant mask; each prompt/completion row TRL's; the text a document closed by the end
+/// token and counted whole; the row without an answer left out and counted in the summary.
+/// Training or scoring on the file is refused by name (the masks are not yet trained on).
+#[test]
+fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
+    let dir = folder("chat-data");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(reference("chat_templates.json")).unwrap()).unwrap();
+    let template = std::fs::read_to_string(reference("chat_templates/llama3.jinja")).unwrap();
+    std::fs::copy(reference("chat_tokenizer/tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(reference("chat_tokenizer/tokenizer_config.json")).unwrap())
+            .unwrap();
+    config["chat_template"] = template.into();
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let llama3 = fixture["templates"].as_array().unwrap().iter().find(|t| t["file"] == "llama3.jinja").unwrap();
+    let mut rows: Vec<serde_json::Value> = Vec::new();
+    let mut expected: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
+    let ids = |v: &serde_json::Value| serde_json::from_value::<Vec<u32>>(v.clone()).unwrap();
+    let mask = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|m| m.as_u64() == Some(1)).collect::<Vec<_>>();
+    for (conversation, case) in
+        fixture["conversations"].as_array().unwrap().iter().zip(llama3["cases"].as_array().unwrap())
+    {
+        let mut row = serde_json::json!({"messages": conversation["messages"]});
+        if let Some(tools) = conversation.get("tools") {
+            row["tools"] = tools.clone();
+        }
+        rows.push(row);
+        expected.push((ids(&case["input_ids"]), mask(&case["assistant_masks"])));
+    }
+    let trl = &fixture["prompt_completion"];
+    assert_eq!(trl["template"], "llama3.jinja");
+    for (row, want) in trl["rows"].as_array().unwrap().iter().zip(trl["expected"].as_array().unwrap()) {
+        rows.push(row.clone());
+        expected.push((ids(&want["input_ids"]), mask(&want["mask"])));
+    }
+    rows.push(serde_json::json!({"messages": [{"role": "user", "content": "no answer here"}]}));
+    rows.push(serde_json::json!({"text": "plain words"}));
+    let jsonl: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    let data = dir.join("chat.jsonl");
+    std::fs::write(&data, jsonl).unwrap();
+    let (tokenizer, out) = (dir.join("tokenizer.json"), dir.join("chat.tokens"));
+    let args = ["tokenize", data.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
+    let said = run_ok(&[&args[..], &["--out", out.to_str().unwrap(), "--valid-fraction", "0"]].concat());
+    assert!(
+        said.contains("(5 conversations, 3 prompt/completion rows, 1 texts)")
+            && said.contains("1 rows without a token to train on left out")
+            && said.contains("chat template"),
+        "{said}"
+    );
+    let file = TokenFile::open(&out).unwrap();
+    file.verify().unwrap();
+    assert!(file.sequences());
+    let got = sequences(&file);
+    assert_eq!(got.len(), expected.len() + 1, "the conversation without an answer is left out");
+    for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(got, want, "sequence {i}");
+    }
+    let tok = zerotrain_models::text::Tokenizer::from_file(&tokenizer).unwrap();
+    let mut plain = tok.encode_document("plain words").unwrap();
+    plain.push(tok.end_of_text().unwrap().0);
+    let n = plain.len();
+    assert_eq!(got.last().unwrap(), &(plain, vec![true; n]));
+    // --loss-on all counts every token; --loss-on completion does not apply to conversations.
+    let all = dir.join("all.tokens");
+    run_ok(&[&args[..], &["--out", all.to_str().unwrap(), "--loss-on", "all"]].concat());
+    let all = TokenFile::open(&all).unwrap();
+    assert_eq!(all.counted_in(0..all.len()), all.len());
+    let refused = |extra: &[&str], needles: &[&str]| {
+        let out = zerotrain(&[&args[..], extra].concat());
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
+        assert!(needles.iter().all(|n| stderr.contains(n)) && !stderr.contains("panicked"), "{extra:?}: {stderr}");
+    };
+    let bad = dir.join("bad.tokens");
+    let bad_out = ["--out", bad.to_str().unwrap()];
+    refused(&[&bad_out[..], &["--loss-on", "completion"]].concat(), &["chat.jsonl", "line 1", "no completion"]);
+    // A template that refuses the roles' order (Mistral's style), in its own words.
+    let mistral = reference("chat_templates/mistral.jinja");
+    refused(
+        &[&bad_out[..], &["--chat-template", mistral.to_str().unwrap()]].concat(),
+        &["chat.jsonl", "line 4", "conversation roles must alternate"],
+    );
+    // A template without generation blocks cannot mask the assistant's tokens.
+    let unmarked = dir.join("unmarked.jinja");
+    std::fs::write(&unmarked, "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    refused(
+        &[&bad_out[..], &["--chat-template", unmarked.to_str().unwrap()]].concat(),
+        &["{% generation %}", "--loss-on all"],
+    );
+    let broken = dir.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}").unwrap();
+    refused(
+        &[&bad_out[..], &["--chat-template", broken.to_str().unwrap()]].concat(),
+        &["broken.jinja", "not a valid chat template"],
+    );
+    assert!(!bad.exists());
+    // Not yet trained on: refused by name, not trained as a corpus.
+    let config = dir.join("train.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 1, "zerotrain": {"world_size": 1},
+            "model": {"hf_config": "model.json", "tokenizer": "tokenizer.json", "block_size": 8}}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("model.json"),
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 300}"#,
+    )
+    .unwrap();
+    let run = dir.join("run");
+    let out_train = zerotrain(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        out.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    let stderr = text(&out_train.stderr);
+    assert!(!out_train.status.success() && stderr.contains("fine-tuning sequences with loss masks"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
