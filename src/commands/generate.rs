@@ -22,9 +22,21 @@ pub struct GenerateArgs {
     /// own positions).
     #[arg(long)]
     pub config: PathBuf,
-    /// The text to continue.
+    /// The text to continue (with --chat: the user's turn).
     #[arg(long)]
-    pub prompt: String,
+    pub prompt: Option<String>,
+    /// Chat: render a conversation through the tokenizer's chat template with the
+    /// generation prompt (`--prompt` as one user turn, or `--messages`) and print the
+    /// assistant's answer alone.
+    #[arg(long)]
+    pub chat: bool,
+    /// With --chat: the conversation so far, a JSON file of a list of `{role, content}`
+    /// (or an object holding one as `messages`).
+    #[arg(long, value_name = "FILE")]
+    pub messages: Option<PathBuf>,
+    /// With --chat: the chat template (a Jinja file) instead of the tokenizer's own.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// Tokens to add (at most 16,777,216).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=1 << 24))]
     pub tokens: u32,
@@ -91,7 +103,18 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
     )?;
     let params = zerotrain_models::hf::size::ModelSize::of(&loaded.config).params;
     crate::train::memory::check_inference_memory(&plan, params, "generate")?;
-    let prompt = loaded.tokenizer.encode_prompt(&args.prompt)?;
+    if !args.chat && (args.messages.is_some() || args.chat_template.is_some()) {
+        bail!("--messages and --chat-template are for --chat");
+    }
+    let rendered = match args.chat {
+        true => Some(chat_prompt(&args, &loaded)?),
+        false => None,
+    };
+    let prompt = match (&rendered, &args.prompt) {
+        (Some(text), _) => loaded.tokenizer.encode_with_char_offsets(text)?.0,
+        (None, Some(text)) => loaded.tokenizer.encode_prompt(text)?,
+        (None, None) => bail!("give --prompt TEXT to continue (or --chat with --prompt or --messages)"),
+    };
     if prompt.is_empty() {
         bail!("--prompt is empty: give at least one token of text to continue");
     }
@@ -126,13 +149,59 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
             loaded.tokenizer.id_bound()
         );
     }
-    let text = format!("{}{}", args.prompt, loaded.tokenizer.decode_continuation(&prompt, &out)?);
+    let text = match &rendered {
+        // The answer alone, without the end token it stopped at.
+        Some(_) => {
+            let answer = match out.split_last() {
+                Some((last, answer)) if stop.contains(last) => answer,
+                _ => &out[..],
+            };
+            loaded.tokenizer.decode(answer)?
+        }
+        None => {
+            format!("{}{}", args.prompt.as_deref().unwrap_or(""), loaded.tokenizer.decode_continuation(&prompt, &out)?)
+        }
+    };
     if args.json {
-        println!("{}", serde_json::json!({"text": text, "prompt_ids": prompt, "ids": out, "context": context}));
+        let mut json = serde_json::json!({"text": text, "prompt_ids": prompt, "ids": out, "context": context});
+        if let Some(rendered) = &rendered {
+            json["prompt"] = rendered.clone().into();
+        }
+        println!("{json}");
     } else {
         println!("{text}");
     }
     Ok(())
+}
+
+/// `--chat`'s prompt: the conversation (`--messages`, or `--prompt` as one user turn)
+/// rendered by the chat template with the generation prompt, as
+/// `apply_chat_template(add_generation_prompt=True)` renders it.
+fn chat_prompt(args: &GenerateArgs, loaded: &LoadedModel) -> anyhow::Result<String> {
+    use zerotrain_models::text::finetune::{ChatTemplate, special_tokens_beside};
+    let messages = match (&args.messages, &args.prompt) {
+        (Some(file), None) => {
+            let json = read_optional_json(file)?
+                .ok_or_else(|| anyhow::anyhow!("--messages {}: no such file", file.display()))?;
+            let list = json.get("messages").cloned().unwrap_or(json);
+            if !list.as_array().is_some_and(|l| !l.is_empty() && l.iter().all(|m| m["role"].is_string())) {
+                bail!("--messages {}: not a list of messages, each with a role and a content", file.display());
+            }
+            list
+        }
+        (None, Some(text)) => serde_json::json!([{"role": "user", "content": text}]),
+        (Some(_), Some(_)) => bail!("--chat takes --prompt (one user turn) or --messages FILE, not both"),
+        (None, None) => bail!("--chat needs --prompt TEXT (one user turn) or --messages FILE"),
+    };
+    let tokenizer = loaded.tokenizer.file();
+    let template = match &args.chat_template {
+        Some(file) => ChatTemplate::from_file(file, special_tokens_beside(tokenizer)?)?,
+        None => ChatTemplate::beside(tokenizer, None)?,
+    };
+    let rendered = template
+        .render(&messages, None, true, &Default::default())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", template.origin()))?;
+    Ok(rendered.text)
 }
 
 /// The tokens sampling stops after, as `transformers`' `generate` takes them: the

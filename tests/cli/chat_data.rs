@@ -31,7 +31,8 @@ fn sequences(file: &TokenFile) -> Vec<(Vec<u32>, Vec<bool>)> {
 /// conversation is the sequence transformers' `apply_chat_template` gives, its mask the
 /// assistant mask; each prompt/completion row TRL's; the text a document closed by the end
 /// token and counted whole; the row without an answer left out and counted in the summary.
-/// Training or scoring on the file is refused by name (the masks are not yet trained on).
+/// Training on the file is refused by name (the masks are not yet trained on). `generate
+/// --chat` renders a user's turn (or a messages file) with the generation prompt.
 #[test]
 fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     let dir = folder("chat-data");
@@ -154,5 +155,44 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     ]);
     let stderr = text(&out_train.stderr);
     assert!(!out_train.status.success() && stderr.contains("fine-tuning sequences with loss masks"), "{stderr}");
+    // `generate --chat`: the user's turn rendered with the generation prompt, as
+    // transformers renders it (the fixture's ids), and the answer alone printed.
+    let said = run_ok(&[
+        "generate",
+        "--config",
+        config.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        fixture["prompt"][0]["content"].as_str().unwrap(),
+        "--tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    let said: serde_json::Value = serde_json::from_str(said.trim()).unwrap();
+    assert_eq!(said["prompt"], llama3["generation_prompt"]["text"]);
+    assert_eq!(said["prompt_ids"], llama3["generation_prompt"]["input_ids"]);
+    let new: Vec<u32> = serde_json::from_value(said["ids"].clone()).unwrap();
+    let eos = tok.end_of_text().unwrap().0;
+    let answer = if new.last() == Some(&eos) { &new[..new.len() - 1] } else { &new[..] };
+    assert_eq!(said["text"], tok.decode(answer).unwrap());
+    let messages = dir.join("messages.json");
+    std::fs::write(&messages, fixture["prompt"].to_string()).unwrap();
+    let from_file = run_ok(&[
+        "generate",
+        "--config",
+        config.to_str().unwrap(),
+        "--chat",
+        "--messages",
+        messages.to_str().unwrap(),
+        "--tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    let from_file: serde_json::Value = serde_json::from_str(from_file.trim()).unwrap();
+    assert_eq!(from_file["prompt_ids"], said["prompt_ids"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -113,3 +113,17 @@ fn sequences_keep_their_masks_and_hold_out_whole() {
     assert!(!file.sequences() && file.counted(0) && file.counted(2));
     assert_eq!(u32::from_le_bytes(std::fs::read(&plain).unwrap()[8..12].try_into().unwrap()), 2);
 }
+
+/// Documents written before the first sequence count every token in the mask (across a
+/// byte's boundary), those after it too.
+#[test]
+fn documents_before_a_sequence_count_whole() {
+    let path = dir("mixed").join("m.tokens");
+    let mut w = TokenFileWriter::create(&path, 300, 299, 7).unwrap();
+    w.document(&[1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap(); // ten tokens with the end token
+    w.sequence(&[4, 5, 6], &[false, true, false]).unwrap();
+    w.document(&[1]).unwrap();
+    let file = w.finish(0.0).unwrap();
+    let want: Vec<bool> = [vec![true; 10], vec![false, true, false], vec![true; 2]].concat();
+    assert_eq!((0..file.len()).map(|i| file.counted(i)).collect::<Vec<_>>(), want);
+}

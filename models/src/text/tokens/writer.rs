@@ -19,7 +19,8 @@ pub struct TokenFileWriter {
     eos: u32,
     ends: Vec<u64>,
     tokens: u64,
-    /// A bit a token, set where the loss is on it (`mask` of [`sequence`](Self::sequence)).
+    /// A bit a token, set where the loss is on it (`mask` of [`sequence`](Self::sequence)),
+    /// from the first sequence on.
     mask: Vec<u8>,
     /// Whether a sequence was written: the file is one of sequences (version 3).
     sequences: bool,
@@ -103,14 +104,27 @@ impl TokenFileWriter {
             }
         }
         self.write(&bytes)?;
+        if !self.sequences {
+            // The documents before the first sequence count every token.
+            self.sequences = true;
+            let tokens = self.tokens as usize;
+            self.mask = vec![0xFF; tokens / 8];
+            if !tokens.is_multiple_of(8) {
+                self.mask.push((1u8 << (tokens % 8)) - 1);
+            }
+        }
         self.count(ids.len(), |i| mask[i]);
         self.ends.push(self.tokens);
-        self.sequences = true;
         Ok(())
     }
 
-    /// Counts `n` tokens written, `counted(i)` saying whether the loss is on the `i`th.
+    /// Counts `n` tokens written, `counted(i)` saying whether the loss is on the `i`th
+    /// (kept once the file holds sequences: a corpus of documents needs no mask).
     fn count(&mut self, n: usize, counted: impl Fn(usize) -> bool) {
+        if !self.sequences {
+            self.tokens += n as u64;
+            return;
+        }
         for i in 0..n {
             let t = self.tokens as usize + i;
             if t / 8 == self.mask.len() {
