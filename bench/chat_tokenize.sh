@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed of `zerotrain tokenize` on a chat file (issue target: >= 20 MB/s per core), with the
 # plain-text path on the same words beside it.
-#   bench/chat_tokenize.sh [MB]   (default 20)
+#   [BIN=path/to/zerotrain] bench/chat_tokenize.sh [MB]   (default 20)
 # Writes, under $WORK (default /tmp/zerotrain-bench-chat): a byte-level BPE of 8,000 tokens
 # trained on 2 MB of the text, a .jsonl of conversations (a system turn, then two to six
 # user/assistant turns of 10-120 words each, ASCII with some accented words) totalling MB
@@ -14,8 +14,12 @@ cd "$(dirname "$0")/.."
 MB="${1:-20}"
 WORK="${WORK:-/tmp/zerotrain-bench-chat}"
 mkdir -p "$WORK"
-cargo build --release --locked -q
-BIN=target/release/zerotrain
+# BIN: a zerotrain binary already built (the dev profile is optimised too); else the
+# release one is built.
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --locked -q
+  BIN=target/release/zerotrain
+fi
 python3 - "$WORK" "$MB" <<'PY'
 import json, os, random, sys
 work, mb = sys.argv[1], float(sys.argv[2])

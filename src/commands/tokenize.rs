@@ -16,8 +16,9 @@ use zerotrain_models::text::documents::Documents;
 /// What `zerotrain tokenize` was asked.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TokenizeArgs {
-    /// Text files (a document per blank-line-separated paragraph) or `.jsonl` files (a
-    /// document per line).
+    /// Text files (a document per blank-line-separated paragraph), `.jsonl` files (a
+    /// document per line, or fine-tuning rows), `.json` lists of rows or `.parquet` files
+    /// of rows.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// The tokenizer.json to use (or to write, with --train-vocab).
@@ -35,7 +36,7 @@ pub struct TokenizeArgs {
     /// The JSON-lines field holding each document's text.
     #[arg(long, default_value = "text")]
     pub field: String,
-    /// What `.jsonl` and `.json` rows hold, for fine-tuning: `auto` (each row by its
+    /// What `.jsonl`, `.json` and `.parquet` rows hold, for fine-tuning: `auto` (each row by its
     /// columns: `messages`, else `prompt` and `completion`, else `text`), `text`,
     /// `messages` or `prompt-completion`. Rows of conversations or prompts make a token
     /// file of sequences with loss masks.
@@ -54,7 +55,7 @@ pub struct TokenizeArgs {
 }
 
 /// Whether `args` asks for fine-tuning rows: a flag of theirs is given, an input is a
-/// `.json` list of rows, or the first row of a `.jsonl` input holds `messages` or a
+/// `.json` list of rows or a Parquet file, or the first row of a `.jsonl` input holds `messages` or a
 /// `prompt` (a `--field` other than `text` keeps JSON lines as documents).
 fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
     use std::io::BufRead;
@@ -66,7 +67,7 @@ fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
     }
     for input in &args.inputs {
         match input.extension().and_then(|e| e.to_str()) {
-            Some("json") => return Ok(true),
+            Some("json" | "parquet") => return Ok(true),
             Some("jsonl") => {
                 let file = std::fs::File::open(input)
                     .map_err(|e| anyhow::anyhow!("{}: cannot open it: {e}", input.display()))?;

@@ -93,6 +93,19 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     plain.push(tok.end_of_text().unwrap().0);
     let n = plain.len();
     assert_eq!(got.last().unwrap(), &(plain, vec![true; n]));
+    // A Parquet file of conversations (as Hugging Face datasets ship them) tokenizes too.
+    let parquet = reference("chat_rows/conversations.parquet");
+    let from_parquet = dir.join("parquet.tokens");
+    let said = run_ok(&[
+        "tokenize",
+        parquet.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer.to_str().unwrap(),
+        "--out",
+        from_parquet.to_str().unwrap(),
+    ]);
+    assert!(said.contains("(3 conversations, 0 prompt/completion rows, 0 texts)"), "{said}");
+    assert_eq!(TokenFile::open(&from_parquet).unwrap().documents(), 3);
     // --loss-on all counts every token; --loss-on completion does not apply to conversations.
     let all = dir.join("all.tokens");
     run_ok(&[&args[..], &["--out", all.to_str().unwrap(), "--loss-on", "all"]].concat());

@@ -1,5 +1,5 @@
-//! The rows of a fine-tuning file: JSON lines (`.jsonl`) or a JSON list of rows (`.json`),
-//! each a plain `text`, a conversation (`messages`, with `tools` optionally), or a
+//! The rows of a fine-tuning file: JSON lines (`.jsonl`), a JSON list of rows (`.json`) or
+//! Parquet (`.parquet`, as Hugging Face datasets ship them), each a plain `text`, a conversation (`messages`, with `tools` optionally), or a
 //! `prompt` and its `completion` (two strings, or two message lists as TRL takes them).
 //! A row without the columns its format needs is refused naming the file, the row and the
 //! column.
@@ -71,15 +71,17 @@ impl std::str::FromStr for Format {
     }
 }
 
-/// Whether `path` names a file of rows (`.jsonl`, `.json`) rather than plain text.
+/// Whether `path` names a file of rows (`.jsonl`, `.json`, `.parquet`) rather than plain
+/// text.
 pub fn is_rows_file(path: &Path) -> bool {
-    matches!(path.extension().and_then(|e| e.to_str()), Some("jsonl" | "json"))
+    matches!(path.extension().and_then(|e| e.to_str()), Some("jsonl" | "json" | "parquet"))
 }
 
 /// Calls `each` with every row of `path` (`.jsonl`: one JSON object a line, blank lines
-/// skipped; `.json`: a list of objects) and its number (the line of a `.jsonl` file, the
-/// place in the list of a `.json` one, from 1), read as `format` says; stops at the first
-/// error, `each`'s or a row's.
+/// skipped; `.json`: a list of objects; `.parquet`: its rows, read a row group at a time,
+/// strings, lists and structs as JSON's) and its number (the line of a `.jsonl` file, the
+/// place of the row otherwise, from 1), read as `format` says; stops at the first error,
+/// `each`'s or a row's.
 pub fn read_rows(
     path: &Path,
     format: Format,
@@ -113,7 +115,23 @@ pub fn read_rows(
             }
             Ok(())
         }
-        _ => Err(FileError::new(path, "rows are read from .jsonl or .json files")),
+        Some("parquet") => {
+            use parquet::file::reader::SerializedFileReader;
+            let parquet_error =
+                |e: parquet::errors::ParquetError| FileError::new(path, format!("not a readable Parquet file: {e}"));
+            let reader = SerializedFileReader::new(file).map_err(parquet_error)?;
+            let rows = parquet::record::reader::RowIter::from_file_into(Box::new(reader));
+            for (i, record) in rows.enumerate() {
+                let at = format!("row {}", i + 1);
+                let record = record.map_err(|e| FileError::new(path, format!("{at}: cannot read it: {e}")))?;
+                each(
+                    i + 1,
+                    row(record.to_json_value(), format).map_err(|e| FileError::new(path, format!("{at}: {e}")))?,
+                )?;
+            }
+            Ok(())
+        }
+        _ => Err(FileError::new(path, "rows are read from .jsonl, .json or .parquet files")),
     }
 }
 
@@ -272,5 +290,28 @@ mod tests {
             let err = rows_of(name, body, format).unwrap_err();
             assert!(err.contains(name) && err.contains(want), "{name}: {err}");
         }
+    }
+
+    /// Parquet files as Hugging Face datasets write them (pyarrow: snappy in two row groups,
+    /// zstd; `bench/reference/parquet_rows.py`) give the rows the same rows as JSON lines
+    /// give; a `messages` column of strings is refused naming the row and the column.
+    #[test]
+    fn parquet_rows_read_as_their_json_lines() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/reference/chat_rows");
+        let read = |name: &str| {
+            let mut out = Vec::new();
+            read_rows(&dir.join(name), Format::Auto, |_, r| {
+                out.push(r);
+                Ok(())
+            })
+            .map(|_| out)
+            .map_err(|e| e.to_string())
+        };
+        let lines = read("rows.jsonl").unwrap();
+        let parquet = [read("conversations.parquet").unwrap(), read("completions.parquet").unwrap()].concat();
+        assert_eq!(parquet.len(), 5);
+        assert_eq!(parquet, lines);
+        let err = read("bad.parquet").unwrap_err();
+        assert!(err.contains("bad.parquet") && err.contains("row 1: column `messages`: not a list"), "{err}");
     }
 }
