@@ -186,13 +186,20 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     if same_file(&args.out, &args.tokenizer) {
         bail!("--out and --tokenizer are one file, {}: give each its own (nothing was written)", args.out.display());
     }
+    let rows = reads_rows(&args)?;
+    if rows && args.train_vocab.is_some() {
+        bail!(
+            "--train-vocab trains on plain text, not on fine-tuning rows: train the tokenizer on a text file first \
+             (or fine-tune with the model's own tokenizer), then tokenize the rows with it"
+        );
+    }
     let start = Instant::now();
     let tokenizer = match args.train_vocab {
         Some(vocab) => train_bpe(&args, vocab)?,
         None => Tokenizer::from_file(&args.tokenizer)?,
     };
     let trained = start.elapsed().as_secs_f64();
-    if reads_rows(&args)? {
+    if rows {
         return tokenize_rows(&args, &tokenizer);
     }
     let (eos, eos_name) = tokenizer.end_of_text()?;

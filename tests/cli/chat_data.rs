@@ -133,6 +133,10 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
         &[&bad_out[..], &["--chat-template", unmarked.to_str().unwrap()]].concat(),
         &["{% generation %}", "--loss-on all"],
     );
+    // --train-vocab trains on plain text: refused before it would replace the tokenizer.
+    let before = std::fs::read(&tokenizer).unwrap();
+    refused(&[&bad_out[..], &["--train-vocab", "300"]].concat(), &["--train-vocab", "fine-tuning rows"]);
+    assert_eq!(std::fs::read(&tokenizer).unwrap(), before);
     let broken = dir.join("broken.jinja");
     std::fs::write(&broken, "{% for m in messages %}").unwrap();
     refused(
