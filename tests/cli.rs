@@ -772,6 +772,20 @@ fn hostile_inputs_are_short_one_line_errors_never_panics_or_aborts() {
         ),
         (tokenize(fifo.to_str().unwrap()), "a FIFO, not a regular file"),
         (tokenize("/dev/zero"), "a device, not a regular file"),
+        // Fine-tuning rows are read the same way.
+        (
+            vec![
+                "tokenize",
+                fifo.to_str().unwrap(),
+                "--tokenizer",
+                "/tmp/zt-never.json",
+                "--format",
+                "messages",
+                "--out",
+                "/tmp/zt-never.tokens",
+            ],
+            "a FIFO, not a regular file",
+        ),
         (vec!["train", "--config", "configs/tiny.json", "--out", "/proc/zerotrain"], "cannot create /proc/zerotrain"),
         (vec!["train", "--config", big_model.to_str().unwrap(), "--world-size", "2"], "of memory is available"),
         (vec!["train", "--config", "configs/tiny.json", "--data", "no/such/file"], "No such file or directory"),

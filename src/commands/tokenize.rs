@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 
+use zerotrain_models::file_error::FileError;
 use zerotrain_models::text::Tokenizer;
 use zerotrain_models::text::documents::Documents;
 
@@ -62,25 +63,25 @@ fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
     if args.field != "text" {
         return Ok(false);
     }
-    if args.format.is_some() || args.chat_template.is_some() || args.loss_on.is_some() {
-        return Ok(true);
-    }
+    let mut rows = args.format.is_some() || args.chat_template.is_some() || args.loss_on.is_some();
     for input in &args.inputs {
-        match input.extension().and_then(|e| e.to_str()) {
-            Some("json" | "parquet") => return Ok(true),
+        let ext = input.extension().and_then(|e| e.to_str());
+        if !matches!(ext, Some("json" | "parquet" | "jsonl")) {
+            continue;
+        }
+        // Only a regular file: a FIFO's open would wait for a writer, a device never end.
+        let file = zerotrain_checkpoint::open_regular(input)
+            .map_err(|e| FileError::new(input, format!("cannot open it: {e}")))?;
+        rows |= match ext {
             Some("jsonl") => {
-                let file = std::fs::File::open(input)
-                    .map_err(|e| anyhow::anyhow!("{}: cannot open it: {e}", input.display()))?;
                 let first = std::io::BufReader::new(file).lines().map_while(Result::ok).find(|l| !l.trim().is_empty());
                 let row: Option<serde_json::Value> = first.and_then(|l| serde_json::from_str(&l).ok());
-                if row.is_some_and(|r| r.get("messages").is_some() || r.get("prompt").is_some()) {
-                    return Ok(true);
-                }
+                row.is_some_and(|r| r.get("messages").is_some() || r.get("prompt").is_some())
             }
-            _ => {}
-        }
+            _ => true,
+        };
     }
-    Ok(false)
+    Ok(rows)
 }
 
 /// Fine-tuning rows into a token file of sequences (`finetune::write_rows_token_file`),

@@ -88,7 +88,9 @@ pub fn read_rows(
     mut each: impl FnMut(usize, Row) -> Result<(), FileError>,
 ) -> Result<(), FileError> {
     let io = |e: std::io::Error| FileError::new(path, format!("cannot read it: {e}"));
-    let file = std::fs::File::open(path).map_err(io)?;
+    // Only a regular file: a FIFO's open would wait for a writer, a device never end.
+    let file =
+        zerotrain_checkpoint::open_regular(path).map_err(|e| FileError::new(path, format!("cannot open it: {e}")))?;
     match path.extension().and_then(|e| e.to_str()) {
         Some("jsonl") => {
             for (i, line) in std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate() {
