@@ -110,19 +110,20 @@ fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<(
     let bytes: u64 = args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let sequences = summary.conversations + summary.prompt_completions + summary.texts;
     println!(
-        "wrote {}: {} tokens ({} held out, whole sequences) in {sequences} sequences ({} conversations, {} \
-         prompt/completion rows, {} texts), the loss on {} tokens ({:.1}%){}; {:.1} MB of rows at {:.1} MB/s{}",
+        "wrote {}: {} tokens ({} held out, whole sequences) in {} ({}, {}, {}), the loss on {} tokens \
+         ({:.1}%){}; {:.1} MB of rows at {:.1} MB/s{}",
         args.out.display(),
         file.len(),
         file.len() - file.train_tokens(),
-        summary.conversations,
-        summary.prompt_completions,
-        summary.texts,
+        super::count(sequences, "sequence"),
+        super::count(summary.conversations, "conversation"),
+        super::count(summary.prompt_completions, "prompt/completion row"),
+        super::count(summary.texts, "text"),
         summary.counted,
         100.0 * summary.counted as f64 / file.len().max(1) as f64,
         match summary.skipped {
             0 => String::new(),
-            n => format!("; {n} rows without a token to train on left out"),
+            n => format!("; {} without a token to train on left out", super::count(n, "row")),
         },
         bytes as f64 / 1e6,
         bytes as f64 / 1e6 / seconds.max(1e-9),

@@ -75,8 +75,8 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     let args = ["tokenize", data.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
     let said = run_ok(&[&args[..], &["--out", out.to_str().unwrap(), "--valid-fraction", "0"]].concat());
     assert!(
-        said.contains("(5 conversations, 3 prompt/completion rows, 1 texts)")
-            && said.contains("1 rows without a token to train on left out")
+        said.contains("in 9 sequences (5 conversations, 3 prompt/completion rows, 1 text)")
+            && said.contains("; 1 row without a token to train on left out")
             && said.contains("chat template"),
         "{said}"
     );
