@@ -53,6 +53,13 @@ pub struct TokenizeArgs {
     /// `completion` or `all`.
     #[arg(long)]
     pub loss_on: Option<String>,
+    /// The most tokens a fine-tuning row keeps (TRL's `max_length`): a longer one is cut to
+    /// its first N tokens, or left out with --drop-long; each counted in the summary.
+    #[arg(long, value_name = "N")]
+    pub max_length: Option<usize>,
+    /// With --max-length: leave longer rows out instead of cutting them.
+    #[arg(long)]
+    pub drop_long: bool,
 }
 
 /// Whether `args` asks for fine-tuning rows: a flag of theirs is given, an input is a
@@ -63,7 +70,8 @@ fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
     if args.field != "text" {
         return Ok(false);
     }
-    let mut rows = args.format.is_some() || args.chat_template.is_some() || args.loss_on.is_some();
+    let mut rows =
+        args.format.is_some() || args.chat_template.is_some() || args.loss_on.is_some() || args.max_length.is_some();
     for input in &args.inputs {
         let ext = input.extension().and_then(|e| e.to_str());
         if !matches!(ext, Some("json" | "parquet" | "jsonl")) {
@@ -103,7 +111,13 @@ fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<(
     if let (Some(_), Err(e)) = (&args.chat_template, &template) {
         bail!("{e}");
     }
-    let input = RowsInput { tokenizer, template: template.as_ref().map_err(Clone::clone), format, loss_on };
+    let max_length = match (args.max_length, args.drop_long) {
+        (Some(n), _) if n < 2 => bail!("--max-length {n}: a row needs at least 2 tokens to train on one"),
+        (Some(n), drop) => Some((n, drop)),
+        (None, true) => bail!("--drop-long leaves out the rows longer than --max-length: give --max-length N"),
+        (None, false) => None,
+    };
+    let input = RowsInput { tokenizer, template: template.as_ref().map_err(Clone::clone), format, loss_on, max_length };
     let start = Instant::now();
     let (file, summary) = finetune::write_rows_token_file(&args.inputs, &input, &args.out, args.valid_fraction)?;
     let seconds = start.elapsed().as_secs_f64();
@@ -121,10 +135,15 @@ fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<(
         super::count(summary.texts, "text"),
         summary.counted,
         100.0 * summary.counted as f64 / file.len().max(1) as f64,
-        match summary.skipped {
-            0 => String::new(),
-            n => format!("; {} without a token to train on left out", super::count(n, "row")),
-        },
+        [
+            (summary.truncated, "longer than --max-length cut to their start"),
+            (summary.dropped, "longer than --max-length left out"),
+            (summary.skipped, "without a token to train on left out"),
+        ]
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, what)| format!("; {} {what}", super::count(*n, "row")))
+        .collect::<String>(),
         bytes as f64 / 1e6,
         bytes as f64 / 1e6 / seconds.max(1e-9),
         match &template {

@@ -93,6 +93,35 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     plain.push(tok.end_of_text().unwrap().0);
     let n = plain.len();
     assert_eq!(got.last().unwrap(), &(plain, vec![true; n]));
+    // --max-length 200: longer rows cut to their first 200 tokens (a row whose answer the
+    // cut leaves out is left out), or with --drop-long left out; each counted.
+    let (cut, dropped) = (dir.join("cut.tokens"), dir.join("dropped.tokens"));
+    let said = run_ok(
+        &[&args[..], &["--out", cut.to_str().unwrap(), "--valid-fraction", "0", "--max-length", "200"]].concat(),
+    );
+    let mut want: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
+    let (mut truncated, mut empty) = (0, 0);
+    for (ids, mask) in &expected {
+        let n = ids.len().min(200);
+        truncated += usize::from(ids.len() > 200);
+        match mask[..n].iter().any(|m| *m) {
+            true => want.push((ids[..n].to_vec(), mask[..n].to_vec())),
+            false => empty += 1,
+        }
+    }
+    assert!(truncated >= 3 && empty >= 1, "the fixture's rows exercise the cut: {truncated} cut, {empty} emptied");
+    let got = sequences(&TokenFile::open(&cut).unwrap());
+    assert_eq!(&got[..got.len() - 1], &want[..]);
+    assert!(
+        said.contains(&format!("; {truncated} rows longer than --max-length cut to their start"))
+            && said.contains(&format!("; {} rows without a token to train on left out", empty + 1)),
+        "{said}"
+    );
+    let said =
+        run_ok(&[&args[..], &["--out", dropped.to_str().unwrap(), "--max-length", "200", "--drop-long"]].concat());
+    let short = expected.iter().filter(|(ids, _)| ids.len() <= 200).count();
+    assert_eq!(TokenFile::open(&dropped).unwrap().documents(), short + 1, "{said}");
+    assert!(said.contains(&format!("; {truncated} rows longer than --max-length left out")), "{said}");
     // A Parquet file of conversations (as Hugging Face datasets ship them) tokenizes too.
     let parquet = reference("chat_rows/conversations.parquet");
     let from_parquet = dir.join("parquet.tokens");
@@ -133,6 +162,8 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
         &[&bad_out[..], &["--chat-template", unmarked.to_str().unwrap()]].concat(),
         &["{% generation %}", "--loss-on all"],
     );
+    refused(&[&bad_out[..], &["--drop-long"]].concat(), &["--drop-long", "--max-length N"]);
+    refused(&[&bad_out[..], &["--max-length", "1"]].concat(), &["--max-length 1"]);
     // --train-vocab trains on plain text: refused before it would replace the tokenizer.
     let before = std::fs::read(&tokenizer).unwrap();
     refused(&[&bad_out[..], &["--train-vocab", "300"]].concat(), &["--train-vocab", "fine-tuning rows"]);

@@ -26,6 +26,9 @@ pub struct RowsInput<'a> {
     pub format: Format,
     /// Which tokens the loss is on.
     pub loss_on: LossOn,
+    /// The most tokens a row keeps (TRL's `max_length`), if any, and whether a longer row
+    /// is left out (`--drop-long`) rather than cut to its first `max_length` tokens.
+    pub max_length: Option<(usize, bool)>,
 }
 
 /// What was written.
@@ -37,8 +40,13 @@ pub struct RowsSummary {
     pub prompt_completions: usize,
     /// Plain texts written (rows of `text`, and the documents of text files).
     pub texts: usize,
-    /// Rows with no token the loss is on (an empty assistant turn), left out.
+    /// Rows with no token the loss is on (an empty assistant turn, or an answer a cut
+    /// left out), left out.
     pub skipped: usize,
+    /// Rows longer than `max_length`: cut to their start (TRL's default).
+    pub truncated: usize,
+    /// Rows longer than `max_length`, left out (`--drop-long`).
+    pub dropped: usize,
     /// Tokens the loss is on.
     pub counted: u64,
 }
@@ -112,7 +120,22 @@ fn flush(
         })
         .collect();
     for ((_, row), sample) in batch.drain(..).zip(samples) {
-        let sample = sample?;
+        let mut sample = sample?;
+        let eos = writer.eos();
+        let closing = usize::from(sample.document && sample.ids.last() != Some(&eos));
+        if let Some((max, drop)) = input.max_length
+            && sample.ids.len() + closing > max
+        {
+            if drop {
+                summary.dropped += 1;
+                continue;
+            }
+            // A document keeps room for the end token that closes it.
+            let keep = max.saturating_sub(usize::from(sample.document));
+            sample.ids.truncate(keep);
+            sample.mask.truncate(keep);
+            summary.truncated += 1;
+        }
         let counted = sample.counted();
         if counted == 0 {
             summary.skipped += 1;
@@ -122,7 +145,7 @@ fn flush(
             true => writer.document(&sample.ids)?,
             false => writer.sequence(&sample.ids, &sample.mask)?,
         }
-        summary.counted += counted as u64 + u64::from(sample.document && sample.ids.last() != Some(&writer.eos()));
+        summary.counted += counted as u64 + u64::from(sample.document && sample.ids.last() != Some(&eos));
         match row {
             Row::Text(_) => summary.texts += 1,
             Row::Conversation { .. } => summary.conversations += 1,
