@@ -156,7 +156,6 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
         if stage3 && frozen_root && declared.names.len() == declared_units {
             declared.names.push("root".into());
         }
-        let split = model.model_split();
         let frozen = match stage3 {
             true => FrozenLayout::new(
                 &mut declared.buffers,
@@ -169,8 +168,7 @@ impl<'a, M: Module> EngineBuilder<'a, M> {
                     quantizable: model.quantizable_parameters(),
                     layer_units: declared_units,
                     dtype: plan.precision.compute,
-                    splits: split.as_ref().map(|s| s.splits.clone()).unwrap_or_default(),
-                    tp: split.as_ref().map_or(1, |s| s.tensor.size()),
+                    split: model.model_split(),
                 },
             )?,
             false => None,

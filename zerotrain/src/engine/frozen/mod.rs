@@ -31,8 +31,6 @@ mod nf4;
 mod part;
 mod quantized;
 
-use std::collections::BTreeMap;
-
 use zerotrain_zero::{FlatLayout, Sharding};
 
 pub(crate) use self::part::FrozenPart;
@@ -42,7 +40,7 @@ use super::model::under;
 use super::params::ParamIndex;
 use super::parts::ALIGN_ELEMS;
 use crate::config::Quantization;
-use crate::nn::parallel::Split;
+use crate::nn::parallel::{ModelSplit, Split};
 use crate::{Error, Result};
 
 /// The units' frozen tensors, sharded (module note).
@@ -60,14 +58,13 @@ pub(crate) struct FrozenLayout {
 
 /// How the frozen tensors are held: the quantisation asked for, what it applies to (the
 /// model's quantizable paths, else the matrices of the units of layers: those before the
-/// root), the compute dtype, and the model's tensor-parallel cuts over `tp` ranks.
+/// root), the compute dtype, and the model's tensor-parallel split, if any.
 pub(crate) struct Storage {
     pub quantize: Option<Quantization>,
     pub quantizable: Option<Vec<String>>,
     pub layer_units: usize,
     pub dtype: zerotrain_precision::Precision,
-    pub splits: BTreeMap<String, Split>,
-    pub tp: usize,
+    pub split: Option<ModelSplit>,
 }
 
 impl Storage {
@@ -80,12 +77,12 @@ impl Storage {
             Some(paths) => paths.iter().any(|p| under(p, path)),
             None => unit < self.layer_units,
         };
-        let &[rows, cols] = shape else { return Ok(false) };
-        if !named {
-            return Ok(false);
-        }
-        let split = self.splits.get(path).copied().unwrap_or(Split::Whole);
-        quantized::check_cut(path, [rows, cols], split, self.tp).map_err(|why| {
+        let (true, &[rows, cols]) = (named, shape) else { return Ok(false) };
+        let (cut, tp) = match &self.split {
+            Some(s) => (s.splits.get(path).copied().unwrap_or(Split::Whole), s.tensor.size()),
+            None => (Split::Whole, 1),
+        };
+        quantized::check_cut(path, [rows, cols], cut, tp).map_err(|why| {
             Error::Usage(format!("zerotrain.lora.quantize \"{}\" on this tensor-parallel mesh: {why}", q.key()))
         })?;
         Ok(true)
