@@ -178,7 +178,7 @@ pub fn generate(mut args: GenerateArgs) -> anyhow::Result<()> {
 /// rendered by the chat template with the generation prompt, as
 /// `apply_chat_template(add_generation_prompt=True)` renders it.
 fn chat_prompt(args: &GenerateArgs, loaded: &LoadedModel) -> anyhow::Result<String> {
-    use zerotrain_models::text::finetune::{ChatTemplate, special_tokens_beside};
+    use zerotrain_models::text::finetune::ChatTemplate;
     let messages = match (&args.messages, &args.prompt) {
         (Some(file), None) => {
             let json = read_optional_json(file)?
@@ -193,11 +193,7 @@ fn chat_prompt(args: &GenerateArgs, loaded: &LoadedModel) -> anyhow::Result<Stri
         (Some(_), Some(_)) => bail!("--chat takes --prompt (one user turn) or --messages FILE, not both"),
         (None, None) => bail!("--chat needs --prompt TEXT (one user turn) or --messages FILE"),
     };
-    let tokenizer = loaded.tokenizer.file();
-    let template = match &args.chat_template {
-        Some(file) => ChatTemplate::from_file(file, special_tokens_beside(tokenizer)?)?,
-        None => ChatTemplate::beside(tokenizer, None)?,
-    };
+    let template = ChatTemplate::for_tokenizer(loaded.tokenizer.file(), args.chat_template.as_deref())?;
     let rendered = template
         .render(&messages, None, true, &Default::default())
         .map_err(|e| anyhow::anyhow!("{}: {e}", template.origin()))?;

@@ -104,13 +104,11 @@ fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<(
         Some(l) => l.parse().map_err(|e| anyhow::anyhow!("--loss-on: {e}"))?,
         None => LossOn::Default,
     };
-    let template = match &args.chat_template {
-        Some(file) => Ok(ChatTemplate::from_file(file, finetune::special_tokens_beside(&args.tokenizer)?)?),
-        None => ChatTemplate::beside(&args.tokenizer, None).map_err(|e| e.to_string()),
+    // A template given must be usable; the tokenizer's own is needed only by rows of messages.
+    let template = match ChatTemplate::for_tokenizer(&args.tokenizer, args.chat_template.as_deref()) {
+        Err(e) if args.chat_template.is_some() => return Err(e.into()),
+        found => found.map_err(|e| e.to_string()),
     };
-    if let (Some(_), Err(e)) = (&args.chat_template, &template) {
-        bail!("{e}");
-    }
     let max_length = match (args.max_length, args.drop_long) {
         (Some(n), _) if n < 2 => bail!("--max-length {n}: a row needs at least 2 tokens to train on one"),
         (Some(n), drop) => Some((n, drop)),

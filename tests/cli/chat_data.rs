@@ -155,6 +155,28 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
         &[&bad_out[..], &["--chat-template", mistral.to_str().unwrap()]].concat(),
         &["chat.jsonl", "line 4", "conversation roles must alternate"],
     );
+    // A tokenizer with no template of its own: a conversation says so, and how to give one.
+    let bare = dir.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(reference("chat_tokenizer/tokenizer.json"), bare.join("tokenizer.json")).unwrap();
+    std::fs::copy(reference("chat_tokenizer/tokenizer_config.json"), bare.join("tokenizer_config.json")).unwrap();
+    let bare_tokenizer = bare.join("tokenizer.json");
+    let out_bare = zerotrain(&[
+        "tokenize",
+        data.to_str().unwrap(),
+        "--tokenizer",
+        bare_tokenizer.to_str().unwrap(),
+        "--out",
+        bad.to_str().unwrap(),
+    ]);
+    let stderr = text(&out_bare.stderr);
+    assert_eq!(out_bare.status.code(), Some(1), "{stderr}");
+    assert!(
+        ["line 1: this row holds messages", "no chat_template", "--chat-template FILE"]
+            .iter()
+            .all(|n| stderr.contains(n)),
+        "{stderr}"
+    );
     // A template without generation blocks cannot mask the assistant's tokens.
     let unmarked = dir.join("unmarked.jinja");
     std::fs::write(&unmarked, "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();

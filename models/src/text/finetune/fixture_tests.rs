@@ -44,7 +44,7 @@ fn rendering_matches_transformers_apply_chat_template() {
             let rendered = rendered.unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(rendered.text, case["text"].as_str().unwrap(), "{what}");
             let row = Row::Conversation { messages: messages.clone(), tools: tools.cloned() };
-            let sample = encode_row(&row, &tokenizer, Some(&template), LossOn::Assistant).unwrap();
+            let sample = encode_row(&row, &tokenizer, Ok(&template), LossOn::Assistant).unwrap();
             let ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
             let mask: Vec<bool> =
                 (case["assistant_masks"].as_array().unwrap().iter()).map(|m| m.as_u64() == Some(1)).collect();
@@ -86,7 +86,7 @@ fn prompt_completion_rows_match_trls_preprocessing() {
         };
         let row =
             Row::PromptCompletion { prompt: part(&row["prompt"]), completion: part(&row["completion"]), tools: None };
-        let sample = encode_row(&row, &tokenizer, Some(&template), LossOn::Default).unwrap();
+        let sample = encode_row(&row, &tokenizer, Ok(&template), LossOn::Default).unwrap();
         let ids: Vec<u32> = serde_json::from_value(want["input_ids"].clone()).unwrap();
         let mask: Vec<bool> = want["mask"].as_array().unwrap().iter().map(|m| m.as_u64() == Some(1)).collect();
         assert_eq!((sample.ids, sample.mask), (ids, mask), "row {i}");

@@ -66,23 +66,17 @@ impl Sample {
     }
 }
 
-/// `row` tokenized by `tokenizer`, through `template` where it holds messages, its mask as
-/// `loss_on` says. An error in words where the row needs a template there is none of, a
-/// mask the template cannot give (assistant tokens without `{% generation %}`), or a
-/// `loss_on` that does not apply to the row.
+/// `row` tokenized by `tokenizer`, through `template` where it holds messages (or why
+/// there is none), its mask as `loss_on` says. An error in words where the row needs a
+/// template there is none of (with the reason), a mask the template cannot give (assistant
+/// tokens without `{% generation %}`), or a `loss_on` that does not apply to the row.
 pub fn encode_row(
     row: &Row,
     tokenizer: &Tokenizer,
-    template: Option<&ChatTemplate>,
+    template: Result<&ChatTemplate, &str>,
     loss_on: LossOn,
 ) -> Result<Sample, String> {
-    let needs_template = || {
-        template.ok_or_else(|| {
-            "this row holds messages, which a chat template renders: the tokenizer's files give none here; give one \
-             with --chat-template FILE"
-                .to_string()
-        })
-    };
+    let needs_template = || template.map_err(|why| format!("this row holds messages: {why}"));
     let no_extra = serde_json::Map::new();
     match row {
         Row::Text(text) => {

@@ -11,7 +11,7 @@ pub mod tokenize;
 
 pub use masks::{LossOn, Sample, encode_row};
 pub use rows::{Format, Part, Row, is_rows_file, read_rows};
-pub use template::{ChatTemplate, Rendered, special_tokens_beside};
+pub use template::{ChatTemplate, Rendered};
 pub use tokenize::{RowsInput, RowsSummary, write_rows_token_file};
 
 #[cfg(test)]

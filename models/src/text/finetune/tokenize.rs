@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use super::masks::{LossOn, encode_row};
-use super::rows::{Format, Part, Row, is_rows_file, read_rows};
+use super::rows::{Format, Row, is_rows_file, read_rows};
 use super::template::ChatTemplate;
 use crate::file_error::FileError;
 use crate::text::Tokenizer;
@@ -107,14 +107,10 @@ fn flush(
     summary: &mut RowsSummary,
 ) -> Result<(), FileError> {
     use rayon::prelude::*;
-    let template = input.template.as_ref().ok().copied();
+    let template = input.template.as_ref().copied().map_err(String::as_str);
     let samples: Vec<_> = batch
         .par_iter()
         .map(|(n, row)| {
-            let needs_template = !matches!(row, Row::Text(_) | Row::PromptCompletion { prompt: Part::Text(_), .. });
-            if needs_template && let Err(why) = &input.template {
-                return Err(FileError::new(file, format!("{label} {n}: this row holds messages: {why}")));
-            }
             encode_row(row, input.tokenizer, template, input.loss_on)
                 .map_err(|e| FileError::new(file, format!("{label} {n}: {e}")))
         })

@@ -133,6 +133,16 @@ impl ChatTemplate {
             .map_err(|e| FileError::new(&config_path, e))
     }
 
+    /// The template a run with the tokenizer `tokenizer_file` renders with: the file
+    /// `given` (`--chat-template`), with the special tokens of the tokenizer's config, else
+    /// the tokenizer's own ([`beside`](Self::beside)).
+    pub fn for_tokenizer(tokenizer_file: &Path, given: Option<&Path>) -> Result<Self, FileError> {
+        match given {
+            Some(file) => Self::from_file(file, special_tokens_beside(tokenizer_file)?),
+            None => Self::beside(tokenizer_file, None),
+        }
+    }
+
     /// The template in the file `path` (a `.jinja` file), rendered with `special_tokens`.
     pub fn from_file(path: &Path, special_tokens: BTreeMap<String, String>) -> Result<Self, FileError> {
         let bytes = crate::file_error::read_file(path)?;
@@ -285,7 +295,7 @@ fn take_markers(out: &str) -> Result<Rendered, String> {
 
 /// The special tokens of the `tokenizer_config.json` beside `tokenizer_file` (none where
 /// there is no such file), for a template given apart (`--chat-template`).
-pub fn special_tokens_beside(tokenizer_file: &Path) -> Result<BTreeMap<String, String>, FileError> {
+fn special_tokens_beside(tokenizer_file: &Path) -> Result<BTreeMap<String, String>, FileError> {
     let config = tokenizer_file.with_file_name(crate::hf::TOKENIZER_CONFIG_FILE);
     Ok(crate::file_error::read_optional_json(&config)?.map(|c| special_tokens(&c)).unwrap_or_default())
 }
