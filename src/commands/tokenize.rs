@@ -121,6 +121,7 @@ fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<(
     let seconds = start.elapsed().as_secs_f64();
     let bytes: u64 = args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let sequences = summary.conversations + summary.prompt_completions + summary.texts;
+    let counted = file.counted_in(0..file.len());
     println!(
         "wrote {}: {} tokens ({} held out, whole sequences) in {} ({}, {}, {}), the loss on {} tokens \
          ({:.1}%){}; {:.1} MB of rows at {:.1} MB/s{}",
@@ -131,8 +132,8 @@ fn tokenize_rows(args: &TokenizeArgs, tokenizer: &Tokenizer) -> anyhow::Result<(
         super::count(summary.conversations, "conversation"),
         super::count(summary.prompt_completions, "prompt/completion row"),
         super::count(summary.texts, "text"),
-        summary.counted,
-        100.0 * summary.counted as f64 / file.len().max(1) as f64,
+        counted,
+        100.0 * counted as f64 / file.len().max(1) as f64,
         [
             (summary.truncated, "longer than --max-length cut to their start"),
             (summary.dropped, "longer than --max-length left out"),

@@ -74,33 +74,36 @@ impl Documents {
     /// batch's documents are encoded in parallel and written in order. A file that fails
     /// part-way leaves nothing at `path`. The file, and the bytes of text read.
     pub fn write_token_file(
-        mut self,
+        self,
         tokenizer: &Tokenizer,
         path: &Path,
         valid_fraction: f64,
     ) -> Result<(TokenFile, usize), FileError> {
-        use rayon::prelude::*;
         let mut writer =
             TokenFileWriter::create(path, tokenizer.id_bound(), tokenizer.end_of_text()?.0, tokenizer.fingerprint())?;
-        let mut text_bytes = 0;
-        let written = loop {
-            let batch = match self.batch(BATCH_BYTES, BATCH_DOCUMENTS) {
-                Ok(batch) if batch.is_empty() => break Ok(()),
-                Ok(batch) => batch,
-                Err(e) => break Err(e),
-            };
-            text_bytes += batch.iter().map(String::len).sum::<usize>();
-            let ids = batch.par_iter().map(|d| tokenizer.encode_document(d)).collect::<Result<Vec<_>, _>>();
-            if let Err(e) = ids.and_then(|ids| ids.iter().try_for_each(|doc| writer.document(doc))) {
-                break Err(e);
-            }
-        };
-        match written {
-            Ok(()) => Ok((writer.finish(valid_fraction)?, text_bytes)),
+        match self.write_into(tokenizer, &mut writer) {
+            Ok(text_bytes) => Ok((writer.finish(valid_fraction)?, text_bytes)),
             Err(e) => {
                 writer.abandon();
                 Err(e)
             }
+        }
+    }
+
+    /// Writes every document into `writer` as [`write_token_file`](Self::write_token_file)
+    /// does (a batch at a time, encoded in parallel, written in order); the bytes of text
+    /// read.
+    pub fn write_into(mut self, tokenizer: &Tokenizer, writer: &mut TokenFileWriter) -> Result<usize, FileError> {
+        use rayon::prelude::*;
+        let mut text_bytes = 0;
+        loop {
+            let batch = self.batch(BATCH_BYTES, BATCH_DOCUMENTS)?;
+            if batch.is_empty() {
+                return Ok(text_bytes);
+            }
+            text_bytes += batch.iter().map(String::len).sum::<usize>();
+            let ids = batch.par_iter().map(|d| tokenizer.encode_document(d)).collect::<Result<Vec<_>, _>>()?;
+            ids.iter().try_for_each(|doc| writer.document(doc))?;
         }
     }
 }

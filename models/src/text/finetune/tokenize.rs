@@ -47,8 +47,6 @@ pub struct RowsSummary {
     pub truncated: usize,
     /// Rows longer than `max_length`, left out (`--drop-long`).
     pub dropped: usize,
-    /// Tokens the loss is on.
-    pub counted: u64,
 }
 
 /// Writes the rows of `files` (and the documents of any plain text file among them) into
@@ -117,8 +115,7 @@ fn flush(
         .collect();
     for ((_, row), sample) in batch.drain(..).zip(samples) {
         let mut sample = sample?;
-        let eos = writer.eos();
-        let closing = usize::from(sample.document && sample.ids.last() != Some(&eos));
+        let closing = usize::from(sample.document && sample.ids.last() != Some(&writer.eos()));
         if let Some((max, drop)) = input.max_length
             && sample.ids.len() + closing > max
         {
@@ -132,8 +129,7 @@ fn flush(
             sample.mask.truncate(keep);
             summary.truncated += 1;
         }
-        let counted = sample.counted();
-        if counted == 0 {
+        if sample.counted() == 0 {
             summary.skipped += 1;
             continue;
         }
@@ -141,7 +137,6 @@ fn flush(
             true => writer.document(&sample.ids)?,
             false => writer.sequence(&sample.ids, &sample.mask)?,
         }
-        summary.counted += counted as u64 + u64::from(sample.document && sample.ids.last() != Some(&eos));
         match row {
             Row::Text(_) => summary.texts += 1,
             Row::Conversation { .. } => summary.conversations += 1,
@@ -158,17 +153,8 @@ fn write_documents(
     writer: &mut TokenFileWriter,
     summary: &mut RowsSummary,
 ) -> Result<(), FileError> {
-    let mut documents = Documents::new(&[file.to_path_buf()], "text");
-    loop {
-        let batch = documents.batch(8 << 20, 4096)?;
-        if batch.is_empty() {
-            return Ok(());
-        }
-        for text in batch {
-            let ids = tokenizer.encode_document(&text)?;
-            writer.document(&ids)?;
-            summary.counted += (ids.len() + usize::from(ids.last() != Some(&writer.eos()))) as u64;
-            summary.texts += 1;
-        }
-    }
+    let before = writer.documents();
+    Documents::new(&[file.to_path_buf()], "text").write_into(tokenizer, writer)?;
+    summary.texts += writer.documents() - before;
+    Ok(())
 }

@@ -266,7 +266,10 @@ impl TokenFile {
 
     /// Tokens of `range` the loss is on.
     pub fn counted_in(&self, range: std::ops::Range<usize>) -> usize {
-        range.filter(|&i| self.counted(i)).count()
+        match self.sequences {
+            false => range.len(),
+            true => range.filter(|&i| self.counted(i)).count(),
+        }
     }
 
     /// Each document's (or sequence's) end: one past its last token.

@@ -63,24 +63,7 @@ impl TokenFileWriter {
     /// tokenizer that adds it to every text).
     pub fn document(&mut self, ids: &[u32]) -> Result<(), FileError> {
         let end = Some(self.eos).filter(|&eos| ids.last() != Some(&eos));
-        if let Some(&id) = ids.iter().find(|&&id| u64::from(id) >= self.vocab_size) {
-            return Err(FileError::new(
-                &self.partial,
-                format!("id {id} is not below the tokenizer's id bound {}: nothing is written for it", self.vocab_size),
-            ));
-        }
-        let mut bytes = Vec::with_capacity((ids.len() + 1) * self.width);
-        for &id in ids.iter().chain(end.iter()) {
-            if self.width == 2 {
-                bytes.extend_from_slice(&(id as u16).to_le_bytes());
-            } else {
-                bytes.extend_from_slice(&id.to_le_bytes());
-            }
-        }
-        self.write(&bytes)?;
-        self.count(ids.len() + end.iter().len(), |_| true);
-        self.ends.push(self.tokens);
-        Ok(())
+        self.append(ids, end, |_| true)
     }
 
     /// Appends one fine-tuning sequence (a row's tokens, no end token added: a chat
@@ -90,20 +73,6 @@ impl TokenFileWriter {
         if ids.len() != mask.len() {
             return Err(FileError::new(&self.partial, format!("{} tokens with {} mask flags", ids.len(), mask.len())));
         }
-        if let Some(&id) = ids.iter().find(|&&id| u64::from(id) >= self.vocab_size) {
-            return Err(FileError::new(
-                &self.partial,
-                format!("id {id} is not below the tokenizer's id bound {}: nothing is written for it", self.vocab_size),
-            ));
-        }
-        let mut bytes = Vec::with_capacity(ids.len() * self.width);
-        for &id in ids {
-            match self.width {
-                2 => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
-                _ => bytes.extend_from_slice(&id.to_le_bytes()),
-            }
-        }
-        self.write(&bytes)?;
         if !self.sequences {
             // The documents before the first sequence count every token.
             self.sequences = true;
@@ -113,7 +82,27 @@ impl TokenFileWriter {
                 self.mask.push((1u8 << (tokens % 8)) - 1);
             }
         }
-        self.count(ids.len(), |i| mask[i]);
+        self.append(ids, None, |i| mask[i])
+    }
+
+    /// Writes `ids` then `end` as one document, `counted(i)` saying whether the loss is on
+    /// the `i`th; an id past the bound is refused before anything is written.
+    fn append(&mut self, ids: &[u32], end: Option<u32>, counted: impl Fn(usize) -> bool) -> Result<(), FileError> {
+        if let Some(&id) = ids.iter().find(|&&id| u64::from(id) >= self.vocab_size) {
+            return Err(FileError::new(
+                &self.partial,
+                format!("id {id} is not below the tokenizer's id bound {}: nothing is written for it", self.vocab_size),
+            ));
+        }
+        let mut bytes = Vec::with_capacity((ids.len() + 1) * self.width);
+        for &id in ids.iter().chain(end.iter()) {
+            match self.width {
+                2 => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
+                _ => bytes.extend_from_slice(&id.to_le_bytes()),
+            }
+        }
+        self.write(&bytes)?;
+        self.count(ids.len() + end.iter().len(), counted);
         self.ends.push(self.tokens);
         Ok(())
     }
@@ -140,6 +129,11 @@ impl TokenFileWriter {
     /// The end-of-text token that closes each document.
     pub fn eos(&self) -> u32 {
         self.eos
+    }
+
+    /// Documents (and sequences) written so far.
+    pub fn documents(&self) -> usize {
+        self.ends.len()
     }
 
     /// Gives up the file: what was written is removed, nothing appears at the path.
