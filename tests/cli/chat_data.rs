@@ -140,12 +140,7 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     run_ok(&[&args[..], &["--out", all.to_str().unwrap(), "--loss-on", "all"]].concat());
     let all = TokenFile::open(&all).unwrap();
     assert_eq!(all.counted_in(0..all.len()), all.len());
-    let refused = |extra: &[&str], needles: &[&str]| {
-        let out = zerotrain(&[&args[..], extra].concat());
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
-        assert!(needles.iter().all(|n| stderr.contains(n)) && !stderr.contains("panicked"), "{extra:?}: {stderr}");
-    };
+    let refused = |extra: &[&str], needles: &[&str]| crate::hf::refused(&[&args[..], extra].concat(), needles);
     let bad = dir.join("bad.tokens");
     let bad_out = ["--out", bad.to_str().unwrap()];
     refused(&[&bad_out[..], &["--loss-on", "completion"]].concat(), &["chat.jsonl", "line 1", "no completion"]);

@@ -1,9 +1,8 @@
 //! LoRA on the built-in GPT from the commands: counted, trained, resumed, exported, and
 //! refused where it is not built.
 
-use crate::hf::{folder, run_ok};
+use crate::hf::{folder, refused, run_ok};
 use crate::metrics::losses;
-use crate::{text, zerotrain};
 
 /// LoRA on the built-in GPT from the commands (configs/tiny.json's model, r 4 on every linear
 /// layer, A and B both drawn, so that the adapters act from the first step): `config check` and `estimate` count the adapters, r (in + out) each (four 16 x 16
@@ -98,12 +97,6 @@ fn lora_trains_the_built_in_gpt_from_the_commands() {
     assert!(reseeded.contains(r#""seed": 5, "train_batch_size""#));
     let reseeded_path = dir.join("reseeded.json");
     std::fs::write(&reseeded_path, reseeded).unwrap();
-    let refused = |args: &[&str], needles: &[&str]| {
-        let out = zerotrain(args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
-        assert!(needles.iter().all(|n| stderr.contains(n)) && !stderr.contains("panicked"), "{args:?}: {stderr}");
-    };
     refused(
         &["train", "--config", reseeded_path.to_str().unwrap(), "--steps", "6", "--out", resumed, "--resume"],
         &["seed"],

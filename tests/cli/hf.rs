@@ -145,6 +145,15 @@ pub(crate) fn run_ok(args: &[&str]) -> String {
     text(&out.stdout)
 }
 
+/// Runs `zerotrain` and checks that it fails as a refusal does: exit status 1, every one
+/// of `needles` in its stderr, no panic.
+pub(crate) fn refused(args: &[&str], needles: &[&str]) {
+    let out = zerotrain(args);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    assert!(needles.iter().all(|n| stderr.contains(n)) && !stderr.contains("panicked"), "{args:?}: {stderr}");
+}
+
 /// `zerotrain train`'s arguments: `config` on `data` to `steps`, into `out`, then `extra`.
 pub(crate) fn train_args<'a>(
     config: &'a Path,

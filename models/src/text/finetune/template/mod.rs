@@ -176,8 +176,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Rendered, String> {
-        let check = serde_json::to_string(messages).unwrap_or_default();
-        if check.contains(START) || check.contains(END) {
+        if holds_marker(messages) {
             return Err(format!(
                 "the conversation holds U+{:04X} or U+{:04X}, private-use characters zerotrain marks the template's \
                  generation blocks with",
@@ -195,6 +194,18 @@ impl ChatTemplate {
         let template = self.env.get_template(NAME).map_err(|e| describe(&e))?;
         let out = template.render(Value::from(Serde(&context))).map_err(|e| describe(&e))?;
         take_markers(&out)
+    }
+}
+
+/// Whether a string of `value` (a key or a value, at any depth) holds a marker character.
+fn holds_marker(value: &serde_json::Value) -> bool {
+    use serde_json::Value as J;
+    let marked = |s: &str| s.contains([START, END]);
+    match value {
+        J::String(s) => marked(s),
+        J::Array(items) => items.iter().any(holds_marker),
+        J::Object(map) => map.iter().any(|(k, v)| marked(k) || holds_marker(v)),
+        _ => false,
     }
 }
 
@@ -344,5 +355,19 @@ mod tests {
         assert!(err.starts_with("here.jinja: not a valid chat template"), "{err}");
         let err = render("{% generation %}open", serde_json::json!([])).unwrap_err();
         assert!(err.contains("open"), "{err}");
+    }
+
+    /// A conversation holding a marker character is refused, not rendered with a wrong span.
+    #[test]
+    fn a_conversation_holding_a_marker_is_refused() {
+        let source = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}";
+        for messages in [
+            serde_json::json!([{"role": "assistant", "content": "a\u{E001}b"}]),
+            serde_json::json!([{"role": "assistant", "content": "ok", "name\u{E000}": 1}]),
+        ] {
+            let err = render(source, messages).unwrap_err();
+            assert!(err.contains("U+E000"), "{err}");
+        }
+        assert!(render(source, serde_json::json!([{"role": "assistant", "content": "ok"}])).is_ok());
     }
 }
