@@ -63,8 +63,8 @@ pub struct TokenizeArgs {
 }
 
 /// Whether `args` asks for fine-tuning rows: a flag of theirs is given, an input is a
-/// `.json` list of rows or a Parquet file, or the first row of a `.jsonl` input holds `messages` or a
-/// `prompt` (a `--field` other than `text` keeps JSON lines as documents).
+/// `.json` list of rows or a Parquet file, or the first row of a `.jsonl` input holds
+/// `messages` or a `prompt` (a `--field` other than `text` keeps JSON lines as documents).
 fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
     use std::io::BufRead;
     if args.field != "text" {
@@ -72,15 +72,11 @@ fn reads_rows(args: &TokenizeArgs) -> anyhow::Result<bool> {
     }
     let mut rows =
         args.format.is_some() || args.chat_template.is_some() || args.loss_on.is_some() || args.max_length.is_some();
-    for input in &args.inputs {
-        let ext = input.extension().and_then(|e| e.to_str());
-        if !matches!(ext, Some("json" | "parquet" | "jsonl")) {
-            continue;
-        }
+    for input in args.inputs.iter().filter(|i| zerotrain_models::text::finetune::is_rows_file(i)) {
         // Only a regular file: a FIFO's open would wait for a writer, a device never end.
         let file = zerotrain_checkpoint::open_regular(input)
             .map_err(|e| FileError::new(input, format!("cannot open it: {e}")))?;
-        rows |= match ext {
+        rows |= match input.extension().and_then(|e| e.to_str()) {
             Some("jsonl") => {
                 let first = std::io::BufReader::new(file).lines().map_while(Result::ok).find(|l| !l.trim().is_empty());
                 let row: Option<serde_json::Value> = first.and_then(|l| serde_json::from_str(&l).ok());
