@@ -7,13 +7,14 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::layers::KvCache;
+use super::lm_batch::LmBatch;
 use zerotrain::engine::UnitModel;
 use zerotrain::nn::LinearCrossEntropy;
 use zerotrain::nn::parallel::ParallelGroup;
 
 /// A decoder-only language model: logits for token ids, and units over next-token batches
-/// (`[batch, time + 1]` ids: inputs and targets).
-pub trait CausalLm: UnitModel<Batch = Tensor<2, Int>, Hidden = Tensor<3>> + Module + Clone + Sync + 'static {
+/// ([`LmBatch`]: `[batch, time + 1]` ids, inputs and targets, and which targets count).
+pub trait CausalLm: UnitModel<Batch = LmBatch, Hidden = Tensor<3>> + Module + Clone + Sync + 'static {
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3>;
 
@@ -200,14 +201,14 @@ pub(crate) fn last_position(x: Tensor<3>) -> Tensor<3> {
 pub(crate) fn decoder_unit(
     unit: usize,
     input: Option<Tensor<3>>,
-    tokens: &Tensor<2, Int>,
+    batch: &LmBatch,
     blocks: usize,
     embed: impl FnOnce(Tensor<2, Int>) -> Tensor<3>,
     block: impl FnOnce(usize, Tensor<3>) -> Tensor<3>,
     head: impl FnOnce(Tensor<3>) -> Tensor<3>,
 ) -> Tensor<3> {
     match (unit, input) {
-        (0, _) => embed(inputs(tokens)),
+        (0, _) => embed(batch.inputs()),
         (i, Some(h)) if i <= blocks => block(i - 1, h),
         (_, Some(h)) => head(h),
         (_, None) => unreachable!("only unit 0 runs without an input"),
@@ -216,8 +217,9 @@ pub(crate) fn decoder_unit(
 
 /// What a decoder's last unit returns: the mean next-token loss of its final (normed)
 /// hidden states `h` `[batch, time, d]` under the head `weight` `[vocab, d]` and `bias`,
-/// against the next tokens of `tokens` `[batch, time + 1]` (those of positions `first..`,
-/// where `h` is a sequence-parallel rank's part of the sequence), as a `[1, 1, 1]` tensor (the
+/// against the next tokens of `batch` (those of positions `first..`, where `h` is a
+/// sequence-parallel rank's part of the sequence; of its counted targets only, divided as
+/// it says, where only some count), as a `[1, 1, 1]` tensor (the
 /// unit's output; [`unit_loss`] reads it). Through [`LinearCrossEntropy`], so the logits
 /// never exist whole: the head's matmul and the loss run over blocks of tokens. Where the
 /// vocabulary is split over a tensor-parallel group (`split`: the group, the whole
@@ -226,12 +228,17 @@ pub(crate) fn decoder_unit(
 pub(crate) fn head_loss(
     h: Tensor<3>,
     (weight, bias): (Tensor<2>, Option<Tensor<1>>),
-    (tokens, first): (&Tensor<2, Int>, usize),
+    (batch, first): (&LmBatch, usize),
     split: Option<(&ParallelGroup, usize)>,
 ) -> Tensor<3> {
     let [b, t, d] = h.dims();
-    let targets = tokens.clone().slice([0..b, first + 1..first + t + 1]).reshape([b * t]);
+    let (targets, weights) = batch.targets(first, t);
     let h = h.reshape([b * t, d]);
+    if let Some(weights) = weights {
+        return LinearCrossEntropy::new()
+            .forward_weighted(h, (weight, bias), targets, weights, split)
+            .reshape([1, 1, 1]);
+    }
     match split {
         Some((group, vocab)) if group.size() > 1 => {
             LinearCrossEntropy::new().forward_parallel(h, (weight, bias), targets, vocab, group).reshape([1, 1, 1])

@@ -12,6 +12,7 @@ use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss
 use super::layers::{
     Conv1D, Embed, KvCache, Norm, causal_attention, sequence_parallel_attention, split_heads, with_cached,
 };
+use super::lm_batch::LmBatch;
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
 use crate::mesh_part::MeshPart;
@@ -131,7 +132,7 @@ impl Gpt2 {
 
     /// The final norm, the tied head and the mean next-token loss against `tokens` (the
     /// last unit), without the whole logits.
-    fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
+    fn head_loss(&self, h: Tensor<3>, tokens: (&LmBatch, usize)) -> Tensor<3> {
         let head = (self.transformer.wte.table(), None);
         head_loss(self.transformer.ln_f.forward(h), head, tokens, self.part.vocabulary())
     }
@@ -152,7 +153,7 @@ impl Gpt2 {
 
     /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path.
     pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
-        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (tokens, 0)))
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (&LmBatch::new(tokens.clone()), 0)))
     }
 
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
@@ -203,7 +204,7 @@ pub fn ignored(name: &str) -> bool {
 /// the root's (used by the first and the last unit).
 impl UnitModel for Gpt2 {
     /// Token ids `[batch, time + 1]`: inputs and next-token targets.
-    type Batch = Tensor<2, Int>;
+    type Batch = LmBatch;
     /// The residual stream `[batch, time, d]`; after the last unit, the mean loss
     /// `[1, 1, 1]`.
     type Hidden = Tensor<3>;
@@ -245,8 +246,8 @@ impl UnitModel for Gpt2 {
         unit_loss(loss)
     }
 
-    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
-        Some(tokens.dims()[0])
+    fn batch_size(&self, batch: &Self::Batch) -> Option<usize> {
+        Some(batch.rows())
     }
 
     fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {

@@ -65,6 +65,7 @@ pub mod hf;
 mod kv_cache;
 pub mod layers;
 pub mod llama;
+mod lm_batch;
 #[cfg(test)]
 mod memory_tests;
 mod mesh_part;
@@ -79,4 +80,5 @@ pub use gpt::{Block, BlockAdapters, Gpt, GptConfig, lora_sizes as gpt_lora_sizes
 pub use gpt2::Gpt2;
 pub use layers::KvCache;
 pub use llama::Llama;
+pub use lm_batch::{Counted, LmBatch};
 pub use small::*;

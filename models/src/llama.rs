@@ -15,6 +15,7 @@ use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss
 use super::layers::{
     Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, sequence_parallel_attention, split_heads, with_cached,
 };
+use super::lm_batch::LmBatch;
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
 use crate::mesh_part::MeshPart;
@@ -153,7 +154,7 @@ impl Llama {
 
     /// The final norm, the head and the mean next-token loss against `tokens` (the last
     /// unit), without the whole logits.
-    fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
+    fn head_loss(&self, h: Tensor<3>, tokens: (&LmBatch, usize)) -> Tensor<3> {
         let h = self.model.norm.forward(h);
         let head = match &self.lm_head {
             Some(head) => head.weight_and_bias(),
@@ -178,7 +179,7 @@ impl Llama {
 
     /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path.
     pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
-        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (tokens, 0)))
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (&LmBatch::new(tokens.clone()), 0)))
     }
 
     /// Logits `[batch, 1, vocab]` of the token after `ids` `[batch, time]`, which follow
@@ -240,7 +241,7 @@ pub fn ignored(name: &str, tied: bool) -> bool {
 /// Units: the token embedding (the root's when tied), each layer, the norm and head.
 impl UnitModel for Llama {
     /// Token ids `[batch, time + 1]`: inputs and next-token targets.
-    type Batch = Tensor<2, Int>;
+    type Batch = LmBatch;
     /// The residual stream `[batch, time, d]`; after the last unit, the mean loss
     /// `[1, 1, 1]`.
     type Hidden = Tensor<3>;
@@ -289,8 +290,8 @@ impl UnitModel for Llama {
         unit_loss(loss)
     }
 
-    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
-        Some(tokens.dims()[0])
+    fn batch_size(&self, batch: &Self::Batch) -> Option<usize> {
+        Some(batch.rows())
     }
 
     fn initial_values(&self) -> Option<Arc<dyn InitialValues>> {

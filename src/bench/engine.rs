@@ -12,7 +12,7 @@ use zerotrain_zero::{Sharding, ZeroStage};
 use super::RunMode;
 use zerotrain::{Engine, PhaseTimes, Plan, Result, launch};
 use zerotrain_models::data::{Corpus, windows};
-use zerotrain_models::{Gpt, GptConfig};
+use zerotrain_models::{Gpt, GptConfig, LmBatch};
 
 /// The benchmark model: a 4-layer GPT of width 128 (about 0.8M parameters).
 pub fn bench_model(vocab: usize) -> GptConfig {
@@ -143,8 +143,8 @@ pub fn stages(world_size: usize, steps: u64, overlap: bool) -> Result<Vec<StageR
             for step in 0..steps + 2 {
                 let t = Instant::now();
                 let first = ctx.rank() as u64 * 8;
-                let tokens = windows(&corpus.train, shape.block_size, 1, step, first, 8, ctx.device());
-                mode.micro_step(&mut engine, &tokens, |m, b| m.loss(b.clone()))?;
+                let tokens = windows(&corpus.train, shape.block_size, 1, step, first, 8, ctx.device()).into();
+                mode.micro_step(&mut engine, &tokens, |m, b: &LmBatch| m.loss(b.tokens.clone()))?;
                 let report = engine.step()?.expect("accumulation 1");
                 if step >= 2 {
                     step_times.push(t.elapsed().as_secs_f64());

@@ -113,7 +113,7 @@ pub fn run_gpt(shape: GptShape, steps: u64, lr: f64, nvme: Option<&Path>) -> any
         let build_s = start.elapsed().as_secs_f64();
         eprintln!("built in {build_s:.1} s ({} units)", engine.sharding().units().len());
         let values: Vec<i64> = (0..=tokens as i64).map(|i| (i * 7 + 3) % 32).collect();
-        let batch = Tensor::<2, Int>::from_data(TensorData::new(values, [1, tokens + 1]), ctx.device());
+        let batch = Tensor::<2, Int>::from_data(TensorData::new(values, [1, tokens + 1]), ctx.device()).into();
         let mut rows = Vec::new();
         for step in 0..steps {
             let (before, start) = (engine.swap_traffic(), Instant::now());

@@ -13,9 +13,10 @@ use crate::keys;
 use crate::train::Handout;
 use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain::{LoadOptions, Overrides, Plan};
-use zerotrain_models::CausalLm;
 use zerotrain_models::family::load::load_model;
 use zerotrain_models::family::{HfModel, WithModel, companions};
+use zerotrain_models::text::sequences;
+use zerotrain_models::{CausalLm, LmBatch};
 
 /// What `zerotrain eval` was asked.
 #[derive(Debug, Clone, clap::Args)]
@@ -98,13 +99,16 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
             let tokens = zerotrain_models::text::tokens::TokenFile::open(file)?;
             tokens.verify()?;
             tokens.check_written_by(&loaded.tokenizer)?;
-            tokens.refuse_sequences("scoring")?;
             let range = if *all { 0..tokens.len() } else { tokens.train_tokens()..tokens.len() };
             let what = if *all { "" } else { " (held-out split)" };
             (format!("{}{what}", file.display()), Source::File(tokens, range))
         }
     };
-    let windows = Windows::over(&source, loaded.context, plan.mesh.sp).with_context(|| name.clone())?;
+    let windows = match &source {
+        Source::File(file, _) if file.sequences() => Windows::sequences(&source, loaded.context, plan.mesh.sp),
+        _ => Windows::over(&source, loaded.context, plan.mesh.sp),
+    }
+    .with_context(|| name.clone())?;
     let context_from = match windows.context < loaded.context {
         true => format!("the text's length; {} would be {}", loaded.context_from, loaded.context),
         false => loaded.context_from.clone(),
@@ -113,7 +117,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let split = |groups: &ParallelGroups, device: &Device| loaded.split(groups, device, plan.runtime.seed);
     let job = EvalJob { plan: &plan, windows: &windows, vocab, checkpoint, tag, split: &split };
     let Scores { loss, load_seconds, score_seconds } = loaded.model.clone().run(job)?;
-    let scored = windows.count * windows.context;
+    let scored = windows.scored();
     let weights = scored_weights(&plan, &loaded.config, checkpoint);
     if args.json {
         let json = serde_json::json!({"loss": loss, "perplexity": loss.exp(), "tokens": scored,
@@ -187,6 +191,10 @@ pub struct Windows<'a> {
     pub context: usize,
     /// How many windows.
     pub count: usize,
+    /// In a file of fine-tuning sequences, its sequences (of the range scored), each a
+    /// window of its own, padded, on its counted tokens only; `None`: windows across the
+    /// tokens.
+    sequences: Option<Vec<std::ops::Range<usize>>>,
 }
 
 impl<'a> Windows<'a> {
@@ -205,17 +213,56 @@ impl<'a> Windows<'a> {
                 sp + 1
             );
         }
-        Ok(Self { source, context, count: (source.len() - 1) / context })
+        Ok(Self { source, context, count: (source.len() - 1) / context, sequences: None })
     }
 
-    /// Windows `range` as a batch `[n, context + 1]`.
-    fn batch(&self, range: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
+    /// The sequences of a file of fine-tuning sequences within `source` (a range of it),
+    /// each alone in a window of `context + 1` (a multiple of `sp`; a longer sequence
+    /// truncated keeping its start); an error when it holds none.
+    pub fn sequences(source: &'a Source, context: usize, sp: usize) -> anyhow::Result<Self> {
+        let Source::File(file, within) = source else { bail!("a text holds no fine-tuning sequences") };
+        let context = context / sp * sp;
+        let mut start = 0;
+        let mut sequences = Vec::new();
+        for end in file.document_ends() {
+            let range = start..end as usize;
+            start = end as usize;
+            if range.start >= within.start && range.end <= within.end {
+                sequences.push(range);
+            }
+        }
+        if sequences.is_empty() {
+            bail!("it holds no fine-tuning sequence in the range scored");
+        }
+        Ok(Self { source, context, count: sequences.len(), sequences: Some(sequences) })
+    }
+
+    /// Windows `range` as a batch `[n, context + 1]`, with its weight in the mean: the
+    /// tokens it scores.
+    fn batch(&self, range: std::ops::Range<usize>, device: &Device) -> (LmBatch, f64) {
+        if let (Some(sequences), Source::File(file, _)) = (&self.sequences, self.source) {
+            let (rows, counted) = sequences::rows(file, &sequences[range], self.context + 1, device);
+            return (rows.divided_by(counted as f64), counted as f64);
+        }
         let n = range.len();
         let mut data = Vec::with_capacity(n * (self.context + 1));
         for w in range {
             self.source.extend(w * self.context..w * self.context + self.context + 1, &mut data);
         }
-        Tensor::from_data(TensorData::new(data, [n, self.context + 1]), device)
+        (
+            Tensor::<2, Int>::from_data(TensorData::new(data, [n, self.context + 1]), device).into(),
+            (n * self.context) as f64,
+        )
+    }
+
+    /// The tokens the windows score: every target, or the sequences' counted ones.
+    pub fn scored(&self) -> usize {
+        match (&self.sequences, self.source) {
+            (Some(sequences), Source::File(file, _)) => {
+                sequences.iter().map(|s| file.counted_in(s.start + 1..s.end.min(s.start + self.context + 1))).sum()
+            }
+            _ => self.count * self.context,
+        }
     }
 }
 
@@ -300,9 +347,10 @@ impl WithModel for EvalJob<'_> {
                     .map(|r| {
                         let first = (r * n + d) * per;
                         let range = first.min(windows.count)..(first + per).min(windows.count);
-                        let weight = range.len() as f64;
-                        let range = if range.is_empty() { 0..1 } else { range };
-                        (windows.batch(range, ctx.device()), weight)
+                        match range.is_empty() {
+                            true => (windows.batch(0..1, ctx.device()).0, 0.0),
+                            false => windows.batch(range, ctx.device()),
+                        }
                     })
                     .unzip();
                 for (loss, weight) in engine.evaluate_many(&batches)?.into_iter().zip(weights) {

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Device;
 
 use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, task, train_model};
 use crate::keys::AppSettings;
@@ -22,8 +22,9 @@ use zerotrain_models::hf;
 use zerotrain_models::text::Tokenizer;
 use zerotrain_models::text::documents::Documents;
 use zerotrain_models::text::sampler::TokenSampler;
+use zerotrain_models::text::sequences::SequenceRows;
 use zerotrain_models::text::tokens::TokenFile;
-use zerotrain_models::{CausalLm, Sampling};
+use zerotrain_models::{CausalLm, LmBatch, Sampling};
 
 /// The training data of a Hugging Face family's run: `data` as a token file, or a UTF-8
 /// text file (or JSON lines, as `tokenize` reads them) tokenized into `<out>/data.tokens`
@@ -40,7 +41,6 @@ pub fn token_file(data: Option<&Path>, tokenizer: &Tokenizer, out: &Path) -> any
     let file = if is_tokens { TokenFile::open(data)? } else { tokenized_once(data, tokenizer, out)? };
     file.verify()?;
     file.check_written_by(tokenizer)?;
-    file.refuse_sequences("training")?;
     Ok(file)
 }
 
@@ -81,9 +81,10 @@ fn tokenized_once(data: &Path, tokenizer: &Tokenizer, out: &Path) -> anyhow::Res
     Ok(file)
 }
 
-/// A token file's windows in the sampler's order, the position counted in samples.
+/// A token file's windows (or, in a file of fine-tuning sequences, its sequences one to a
+/// row) in the sampler's order, the position counted in samples.
 struct TokenData {
-    sampler: TokenSampler,
+    sampler: Cut,
     file: Arc<TokenFile>,
     /// Sequences per optimizer step, over every replica group ([`Plan::sequences_per_step`]).
     global_batch: u64,
@@ -91,26 +92,60 @@ struct TokenData {
     base: Mutex<(u64, u64)>,
 }
 
+/// How a token file's samples are cut.
+enum Cut {
+    /// Windows across its documents (a corpus).
+    Windows(TokenSampler),
+    /// Its fine-tuning sequences, one to a row.
+    Sequences(SequenceRows),
+}
+
+impl TokenData {
+    /// The run's first sample of the step after `step`.
+    fn first_sample(&self, step: u64) -> u64 {
+        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
+        samples + (step - from) * self.global_batch
+    }
+}
+
 impl TrainData for TokenData {
     fn context(&self) -> usize {
-        self.sampler.context()
+        match &self.sampler {
+            Cut::Windows(windows) => windows.context(),
+            Cut::Sequences(rows) => rows.context(),
+        }
     }
 
-    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int> {
-        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
-        self.sampler.batch(samples + (step - from) * self.global_batch + first, count, device)
+    fn batch(&self, step: u64, first: u64, count: u64, parts: u64, device: &Device) -> LmBatch {
+        let at = self.first_sample(step);
+        match &self.sampler {
+            Cut::Windows(windows) => windows.batch(at + first, count, device).into(),
+            Cut::Sequences(rows) => {
+                let divisor = rows.counted(at, self.global_batch) as f64 / parts as f64;
+                rows.batch(at + first, count, divisor, device)
+            }
+        }
     }
 
-    fn validation(&self, device: &Device) -> Tensor<2, Int> {
-        self.sampler.validation(device)
+    fn counted(&self, step: u64) -> Option<u64> {
+        match &self.sampler {
+            Cut::Windows(_) => None,
+            Cut::Sequences(rows) => Some(rows.counted(self.first_sample(step), self.global_batch)),
+        }
+    }
+
+    fn validation(&self, device: &Device) -> LmBatch {
+        match &self.sampler {
+            Cut::Windows(windows) => windows.validation(device).into(),
+            Cut::Sequences(rows) => rows.validation(device),
+        }
     }
 
     fn position(&self, step: u64) -> serde_json::Value {
-        let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
         serde_json::json!({
             "file": self.file.path().display().to_string(),
             "checksum": self.file.checksum(),
-            "samples": samples + (step - from) * self.global_batch,
+            "samples": self.first_sample(step),
         })
     }
 
@@ -168,8 +203,24 @@ pub fn train_hf(
     let mut files = vec![(hf::CONFIG_FILE.to_string(), config), (hf::TOKENIZER_FILE.to_string(), tokenizer)];
     files.extend(companions(&loaded)?);
     let file = Arc::new(data);
-    let sampler =
-        TokenSampler::new(Arc::clone(&file), loaded.context, plan.runtime.seed).map_err(anyhow::Error::msg)?;
+    let (context, seed) = (loaded.context, plan.runtime.seed);
+    let sampler = match file.sequences() {
+        false => Cut::Windows(TokenSampler::new(Arc::clone(&file), context, seed).map_err(anyhow::Error::msg)?),
+        true => {
+            let rows = SequenceRows::new(Arc::clone(&file), context, seed).map_err(anyhow::Error::msg)?;
+            log(&format!(
+                "{}: {} one to a row of {} tokens, the loss on their counted tokens{}",
+                file.path().display(),
+                crate::commands::count(rows.sequences(), "training sequence"),
+                context + 1,
+                match rows.truncated() {
+                    0 => String::new(),
+                    n => format!(" ({} longer, truncated keeping their start)", crate::commands::count(n, "sequence")),
+                }
+            ));
+            Cut::Sequences(rows)
+        }
+    };
     let token_data = TokenData { sampler, file, global_batch: plan.sequences_per_step(), base: Mutex::new((0, 0)) };
     let seed = plan.runtime.seed;
     let split = |groups: &ParallelGroups, device: &Device| loaded.split(groups, device, seed);
@@ -217,7 +268,7 @@ impl WithModel for HfJob<'_> {
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<TrainSummary> {
         let context = self.data.context();
         let samples = |model: &M| {
-            let prompt = self.data.sampler.batch(0, 1, &Device::flex()).into_data().convert::<i64>();
+            let prompt = self.data.batch(0, 0, 1, 1, &Device::flex()).tokens.into_data().convert::<i64>();
             let prompt: Vec<u32> =
                 prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
             let out = model.generate(&prompt, 48, context, Sampling::top_k(0.8, 40), &[], &mut 0x5EED)?;
@@ -264,13 +315,13 @@ mod tests {
     }
 
     fn data(file: &Arc<TokenFile>, global_batch: u64) -> TokenData {
-        let sampler = TokenSampler::new(Arc::clone(file), 8, 7).unwrap();
+        let sampler = Cut::Windows(TokenSampler::new(Arc::clone(file), 8, 7).unwrap());
         TokenData { sampler, file: Arc::clone(file), global_batch, base: Mutex::new((0, 0)) }
     }
 
-    fn rows(t: Tensor<2, Int>) -> Vec<Vec<i64>> {
-        let [n, w] = t.dims();
-        let flat = t.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
+    fn rows(batch: LmBatch) -> Vec<Vec<i64>> {
+        let [n, w] = batch.tokens.dims();
+        let flat = batch.tokens.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
         (0..n).map(|i| flat[i * w..(i + 1) * w].to_vec()).collect()
     }
 
@@ -286,7 +337,7 @@ mod tests {
         let mut drawn = Vec::new();
         for step in 0..6 {
             for rank in 0..2 {
-                drawn.extend(rows(a.batch(step, rank * 4, 4, &device)));
+                drawn.extend(rows(a.batch(step, rank * 4, 4, 1, &device)));
             }
         }
         let record = a.position(3);
@@ -296,7 +347,7 @@ mod tests {
         b.resume(&record, 3).unwrap();
         let mut again = Vec::new();
         for step in 3..9 {
-            again.extend(rows(b.batch(step, 0, 4, &device)));
+            again.extend(rows(b.batch(step, 0, 4, 1, &device)));
         }
         assert_eq!(again, drawn[24..48]);
         assert_eq!(b.position(9)["samples"], 48);
@@ -304,8 +355,9 @@ mod tests {
             let text: Vec<i64> = row.iter().copied().filter(|&t| t != 999).collect();
             assert!(text.windows(2).all(|p| p[1] == (p[0] + 1) % 999), "consecutive but for end tokens: {row:?}");
         }
-        let n = a.sampler.windows() as u64;
-        let mut starts: Vec<usize> = (0..n).map(|k| a.sampler.start(k)).collect();
+        let Cut::Windows(windows) = &a.sampler else { unreachable!("a corpus") };
+        let n = windows.windows() as u64;
+        let mut starts: Vec<usize> = (0..n).map(|k| windows.start(k)).collect();
         starts.sort_unstable();
         assert_eq!(starts, (0..n as usize).map(|w| w * 8).collect::<Vec<_>>(), "one epoch, every window once");
         let other = counting_file("other", 3000);
@@ -328,7 +380,7 @@ mod tests {
         let far = err(serde_json::json!({"checksum": crc, "samples": u64::MAX}));
         assert!(far.contains("out of range (sample 18446744073709551615"), "{far}");
         d.resume(&serde_json::json!({"checksum": crc, "samples": 1u64 << 48}), 3).unwrap();
-        assert_eq!(rows(d.batch(4, 0, 1, &Device::flex())).len(), 1, "the furthest position still samples");
+        assert_eq!(rows(d.batch(4, 0, 1, 1, &Device::flex())).len(), 1, "the furthest position still samples");
     }
 
     /// A text given to `train --data` is tokenized by the first process to ask (under

@@ -25,6 +25,10 @@ pub struct StepMetrics {
     /// Validation loss, on steps where it was measured.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f32>,
+    /// Fine-tuning sequences: the targets the step's loss counted over its whole global
+    /// batch (its divisor); absent where every target counts.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub counted_tokens: Option<u64>,
     /// Bytes rank 0 moved in collectives this step (with replica groups, a round's included).
     #[serde(default)]
     pub comm_bytes: u64,
@@ -192,6 +196,7 @@ mod tests {
             tokens_per_s: 1e4,
             skipped: false,
             val_loss: None,
+            counted_tokens: None,
             comm_bytes: 0,
             rounds: None,
             live_groups: None,

@@ -31,13 +31,13 @@ use anyhow::{Context, bail};
 pub use zerotrain_models::hf::size::available_memory;
 
 use crate::keys::AppSettings;
-use burn::tensor::{Int, Tensor};
 use zerotrain::Trainer;
 use zerotrain::config::ComputeDevice;
 use zerotrain::engine::HostDeviceBytes;
 use zerotrain::engine::UnitModel;
 use zerotrain::nn::parallel::ParallelGroups;
 use zerotrain::{Error, LoadOptions, Plan, RankContext, Result, StepReport, launch};
+use zerotrain_models::LmBatch;
 use zerotrain_models::data::Corpus;
 use zerotrain_models::{Gpt, GptConfig};
 
@@ -101,7 +101,7 @@ pub fn train_gpt(
 }
 
 /// Trains `task`'s model as the main job does: resume, train, validate, checkpoint, plot.
-pub fn train_model<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static>(
+pub fn train_model<M: UnitModel<Batch = LmBatch> + Clone + Sync + 'static>(
     plan: &Plan,
     settings: &AppSettings,
     options: &TrainOptions,
@@ -179,7 +179,7 @@ struct Job<'a, M> {
     progress: &'a (dyn Fn(&StepMetrics) + Sync),
 }
 
-impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
+impl<M: UnitModel<Batch = LmBatch> + Clone + Sync + 'static> Job<'_, M> {
     /// One rank's whole run: resume, train to `options.steps` (or a stop signal), save, sample.
     fn run_rank(&self, init: M, ctx: &RankContext) -> Result<TrainSummary> {
         let (plan, options) = (self.plan, self.options);
@@ -208,7 +208,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
         // model as it stands, where one was computed after the last step.
         let (mut train_secs, mut val_now) = (0.0, None);
         while step < options.steps {
-            let step_start = Instant::now();
+            let (step_start, counted_tokens) = (Instant::now(), self.data.counted(step));
             let report = self.train_step(engine.as_mut(), step, ctx)?;
             // The step's own time: the validation below is not training throughput.
             let step_secs = step_start.elapsed().as_secs_f64();
@@ -227,6 +227,7 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
                 tokens_per_s: tokens_per_step / step_secs,
                 skipped: report.skipped,
                 val_loss: val,
+                counted_tokens,
                 comm_bytes: report.comm_bytes,
                 rounds: engine.rounds(),
                 live_groups: engine.last_round().map(|r| r.live_groups),
@@ -318,9 +319,12 @@ impl<M: UnitModel<Batch = Tensor<2, Int>> + Clone + Sync + 'static> Job<'_, M> {
     fn train_step(&self, engine: &mut dyn Trainer<M>, step: u64, ctx: &RankContext) -> Result<StepReport> {
         let b = &self.plan.batch;
         let (n, d) = (engine.data_parallel_size() as u64, engine.data_parallel_rank() as u64);
+        // Those that share the step's loss: every micro-batch of every rank the engine
+        // averages over (its data-parallel ranks and their sequence ranks).
+        let parts = b.gradient_accumulation_steps * n * self.plan.mesh.sp as u64;
         engine.train_batch(&mut |micro| {
             let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
-            self.data.batch(step, first, b.micro_batch_per_rank, ctx.device())
+            self.data.batch(step, first, b.micro_batch_per_rank, parts, ctx.device())
         })
     }
 

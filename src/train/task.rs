@@ -1,21 +1,31 @@
 //! What a training run is given: the model to train with its data and report
 //! ([`Task`], [`TrainData`]), and how the model reaches each rank ([`Handout`]).
 
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Device;
 use zerotrain::nn::parallel::ParallelGroups;
 
 use super::VALIDATION_SEQUENCES;
 use zerotrain::Plan;
+use zerotrain_models::LmBatch;
 use zerotrain_models::data::{Corpus, windows};
 
-/// What a training job reads: next-token windows `[count, context + 1]`.
+/// What a training job reads: next-token rows `[count, context + 1]`, every target
+/// counted, or (fine-tuning sequences) those their masks mark.
 pub trait TrainData: Sync {
-    /// The model's context: windows are one token longer.
+    /// The model's context: rows are one token longer.
     fn context(&self) -> usize;
-    /// Sequences `first..first + count` of the global batch of the step after `step`.
-    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int>;
-    /// The held-out windows the validation loss is measured on.
-    fn validation(&self, device: &Device) -> Tensor<2, Int>;
+    /// Rows `first..first + count` of the global batch of the step after `step`. Where
+    /// only some targets count, the batch's loss is its counted targets' sum divided by
+    /// the step's counted targets over `parts`, the micro-batches and ranks that share the
+    /// step (`LmBatch`'s note: the engine's averaging leaves the step's token mean).
+    fn batch(&self, step: u64, first: u64, count: u64, parts: u64, device: &Device) -> LmBatch;
+    /// The targets counted in the step after `step`, over its whole global batch, where
+    /// only some count (`None`: every target of every row).
+    fn counted(&self, _step: u64) -> Option<u64> {
+        None
+    }
+    /// The held-out rows the validation loss is measured on.
+    fn validation(&self, device: &Device) -> LmBatch;
     /// What a checkpoint records of the data after `step` (JSON, beside the step).
     fn position(&self, step: u64) -> serde_json::Value;
     /// Continue after `step` from a checkpoint's record (an error if it names other data).
@@ -35,11 +45,11 @@ impl TrainData for CorpusData<'_> {
     fn context(&self) -> usize {
         self.context
     }
-    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> Tensor<2, Int> {
-        windows(&self.corpus.train, self.context, self.seed, step, first, count, device)
+    fn batch(&self, step: u64, first: u64, count: u64, _parts: u64, device: &Device) -> LmBatch {
+        windows(&self.corpus.train, self.context, self.seed, step, first, count, device).into()
     }
-    fn validation(&self, device: &Device) -> Tensor<2, Int> {
-        windows(&self.corpus.valid, self.context, self.seed, u64::MAX, 0, VALIDATION_SEQUENCES, device)
+    fn validation(&self, device: &Device) -> LmBatch {
+        windows(&self.corpus.valid, self.context, self.seed, u64::MAX, 0, VALIDATION_SEQUENCES, device).into()
     }
     fn position(&self, _: u64) -> serde_json::Value {
         serde_json::Value::Null
@@ -104,6 +114,7 @@ impl<M: Clone> Handout<M> {
 mod tests {
     use super::*;
     use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
     use zerotrain_models::{Gpt, GptConfig};
 
     /// Whether every float parameter of `model` holds a value.

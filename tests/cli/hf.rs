@@ -831,3 +831,6 @@ pub(crate) mod lora;
 
 #[path = "qlora.rs"]
 mod qlora;
+
+#[path = "counted.rs"]
+mod counted;

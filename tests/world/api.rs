@@ -131,7 +131,8 @@ fn settings_the_chosen_path_ignores_and_surprising_layouts_are_noticed_once() {
             } else {
                 Engine::new(gpt.clone(), &plan, &ctx)?
             };
-            let tokens = burn::tensor::Tensor::<2, burn::tensor::Int>::zeros([micro, 5], ctx.device());
+            let tokens: zerotrain_models::LmBatch =
+                burn::tensor::Tensor::<2, burn::tensor::Int>::zeros([micro, 5], ctx.device()).into();
             if units {
                 engine.forward_backward(&tokens)?;
                 engine.step()?;

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Device;
 use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Pipeline, Plan, launch};
 use zerotrain_models::Gpt;
 
@@ -69,8 +69,9 @@ fn run(
         assert_eq!((d, ctx.data_parallel_size()), (ctx.rank() % data_parallel, data_parallel));
         let (mut losses, mut pipe_wait) = (Vec::new(), 0.0);
         for step in steps.clone() {
-            let report = engine
-                .train_batch(&mut |micro| W.tokens(indices(plan, step, micro, d, data_parallel), ctx.device()))?;
+            let report = engine.train_batch(&mut |micro| {
+                W.tokens(indices(plan, step, micro, d, data_parallel), ctx.device()).into()
+            })?;
             losses.push(report.loss);
             pipe_wait += report.times.pipe_wait;
         }
@@ -232,7 +233,7 @@ fn a_stage_failing_mid_pipeline_ends_the_job_with_its_error() {
                     if step == 1 && micro == 1 && ctx.rank() == 3 {
                         panic!("rank 3's data loader failed");
                     }
-                    W.tokens(indices(&plan, step, micro, ctx.rank() % 2, 2), ctx.device())
+                    W.tokens(indices(&plan, step, micro, ctx.rank() % 2, 2), ctx.device()).into()
                 });
                 if let Err(e) = trained {
                     ended.lock().unwrap().push((ctx.rank(), e.is_consequence(), e.to_string()));
@@ -267,7 +268,7 @@ fn pipeline_misuse_is_a_clear_error() {
     let flat = plan(&recipe(0, 1, 2, 0.05), 2);
     let err = launch(&flat, |ctx| Pipeline::new(init.clone(), &flat, &ctx).map(|_| ())).unwrap_err().to_string();
     assert!(err.contains("the plan has no pipeline section"), "{err}");
-    let _: fn(&mut Pipeline<Gpt>, &Tensor<2, Int>) -> zerotrain::Result<f32> = Pipeline::evaluate;
+    let _: fn(&mut Pipeline<Gpt>, &zerotrain_models::LmBatch) -> zerotrain::Result<f32> = Pipeline::evaluate;
 }
 
 /// A pipeline's model goes back to one rank only: each stage's first rank sends its units
@@ -282,7 +283,7 @@ fn a_pipelines_model_is_gathered_on_one_rank_and_exported() {
     let out = launch(&plan, |ctx| {
         let mut pipeline = Pipeline::new(init.clone(), &plan, &ctx)?;
         let d = pipeline.data_parallel_rank();
-        pipeline.train_batch(|micro| W.tokens(indices(&plan, 0, micro, d, 2), ctx.device()))?;
+        pipeline.train_batch(|micro| W.tokens(indices(&plan, 0, micro, d, 2), ctx.device()).into())?;
         let model = pipeline.gather_model(0)?;
         pipeline.save_model(&file, zerotrain_precision::Precision::Fp32)?;
         Ok::<_, Error>((model.map(|m| params_by_path(&m)), pipeline.master_params()?))

@@ -557,10 +557,11 @@ fn groups_of_meshes_through_a_server_train_as_in_one_job() {
             let place = trainer.data_parallel_rank() as i64;
             for step in 0..STEPS as i64 {
                 let ids: Vec<i64> = (0..10).map(|i| (i * 3 + step * 5 + place * 11) % 7).collect();
-                let batch = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+                let batch: zerotrain_models::LmBatch = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
                     burn::tensor::TensorData::new(ids, [2, 5]),
                     &device,
-                );
+                )
+                .into();
                 trainer.train_batch(&mut |_| batch.clone())?;
             }
             trainer.master_params()

@@ -11,7 +11,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::{Engine, Error, LoadOptions, MemoryReport, Plan, launch};
-use zerotrain_models::{Batch, Gpt, GptConfig, Mlp, TinyTransformer};
+use zerotrain_models::{Batch, Gpt, GptConfig, LmBatch, Mlp, TinyTransformer};
 
 use crate::common::*;
 
@@ -111,8 +111,8 @@ impl Tokens {
 
 impl Workload for Tokens {
     type Model = Gpt;
-    fn batch(&self, plan: &Plan, step: u64, micro: u64, rank: usize, device: &Device) -> Tensor<2, Int> {
-        self.tokens(rank_indices(plan, step, micro, rank), device)
+    fn batch(&self, plan: &Plan, step: u64, micro: u64, rank: usize, device: &Device) -> LmBatch {
+        self.tokens(rank_indices(plan, step, micro, rank), device).into()
     }
     fn global_loss(&self, model: &Gpt, plan: &Plan, step: u64, device: &Device) -> Tensor<1> {
         let n = plan.batch.train_batch_size;
@@ -698,7 +698,7 @@ fn evaluate_gives_the_whole_models_loss_one_unit_at_a_time() {
             let before = engine.memory_report().params;
             let value = engine.evaluate(&batch)?;
             let after = engine.memory_report().params;
-            let whole = engine.full_model()?.loss(batch.clone()).into_scalar::<f32>();
+            let whole = engine.full_model()?.loss(batch.tokens.clone()).into_scalar::<f32>();
             Ok::<_, Error>((value, whole, before, after))
         })
         .unwrap();

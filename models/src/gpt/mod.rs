@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use self::lora::adapted;
 pub use self::lora::{BlockAdapters, lora_sizes};
 use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
+use super::lm_batch::LmBatch;
 use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
 use crate::mesh_part::MeshPart;
 use zerotrain::engine::{UnitModel, UnitSpec};
@@ -205,13 +206,13 @@ impl Gpt {
     /// The mean next-token loss of `tokens` `[batch, time + 1]` through the units' path
     /// (the head and loss over blocks of tokens).
     pub(crate) fn whole_loss(&self, tokens: &Tensor<2, Int>) -> Tensor<1> {
-        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (tokens, 0)))
+        unit_loss(self.head_loss(self.trunk(inputs(tokens)), (&LmBatch::new(tokens.clone()), 0)))
     }
 
     /// The final norm, the head and the mean next-token loss against `tokens`, whose
     /// position `first` is `h`'s first (the last unit), without the whole logits (nor, on
     /// a mesh, the whole vocabulary's).
-    fn head_loss(&self, h: Tensor<3>, tokens: (&Tensor<2, Int>, usize)) -> Tensor<3> {
+    fn head_loss(&self, h: Tensor<3>, tokens: (&LmBatch, usize)) -> Tensor<3> {
         let h = self.norm.forward(h);
         let (weight, bias) = match &self.head {
             Some(head) => (head.weight.val().transpose(), head.bias.as_ref().map(|b| b.val())),
@@ -323,8 +324,9 @@ impl Block {
 /// its two gradient contributions summed); untied, it belongs to the embedding unit and
 /// the head to the last.
 impl UnitModel for Gpt {
-    /// Token sequences `[batch, time + 1]`: inputs and next-token targets.
-    type Batch = Tensor<2, Int>;
+    /// Token sequences `[batch, time + 1]` (inputs and next-token targets) and which
+    /// targets count.
+    type Batch = LmBatch;
     /// The residual stream `[batch, time, d]`; after the last unit, the mean loss
     /// `[1, 1, 1]`.
     type Hidden = Tensor<3>;
@@ -369,8 +371,8 @@ impl UnitModel for Gpt {
         unit_loss(loss)
     }
 
-    fn batch_size(&self, tokens: &Self::Batch) -> Option<usize> {
-        Some(tokens.dims()[0])
+    fn batch_size(&self, batch: &Self::Batch) -> Option<usize> {
+        Some(batch.rows())
     }
 
     /// The base [`Gpt::with_lora`] froze; none otherwise.

@@ -7,6 +7,7 @@ pub mod documents;
 pub mod finetune;
 mod pattern;
 pub mod sampler;
+pub mod sequences;
 pub mod tokens;
 mod words;
 

@@ -23,10 +23,42 @@ pub const VALIDATION_WINDOWS: usize = 32;
 pub struct TokenSampler {
     file: Arc<TokenFile>,
     context: usize,
-    seed: u64,
     windows: usize,
+    order: Shuffle,
+}
+
+/// Which of `n` items sample `k` of a run is: item `perm_e(k mod n)` of epoch `e = k / n`,
+/// `perm_e` a shuffle seeded by `(seed, e)` (the module note).
+#[derive(Debug)]
+pub(crate) struct Shuffle {
+    n: usize,
+    seed: u64,
     /// The shuffle of the epoch last asked for.
     order: Mutex<(u64, Vec<u32>)>,
+}
+
+impl Shuffle {
+    /// Shuffles of `n` items (at least 1, at most 2^32).
+    pub(crate) fn new(n: usize, seed: u64) -> Self {
+        Self { n, seed, order: Mutex::new((u64::MAX, Vec::new())) }
+    }
+
+    /// The item sample `k` is.
+    pub(crate) fn item(&self, k: u64) -> usize {
+        let n = self.n as u64;
+        let (epoch, i) = (k / n, (k % n) as usize);
+        let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        if order.0 != epoch {
+            let mut perm: Vec<u32> = (0..self.n as u32).collect();
+            let mut state = self.seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407);
+            for j in (1..perm.len()).rev() {
+                let r = (splitmix64(&mut state) % (j as u64 + 1)) as usize;
+                perm.swap(j, r);
+            }
+            *order = (epoch, perm);
+        }
+        order.1[i] as usize
+    }
 }
 
 impl TokenSampler {
@@ -54,7 +86,7 @@ impl TokenSampler {
         if windows > u32::MAX as usize {
             return Err(format!("{name}: more than 2^32 windows; use a longer model.block_size"));
         }
-        Ok(Self { file, context, seed, windows, order: Mutex::new((u64::MAX, Vec::new())) })
+        Ok(Self { file, context, windows, order: Shuffle::new(windows, seed) })
     }
 
     /// The model's context (windows are one token longer).
@@ -69,19 +101,7 @@ impl TokenSampler {
 
     /// The first token of sample `k`'s window.
     pub fn start(&self, k: u64) -> usize {
-        let n = self.windows as u64;
-        let (epoch, i) = (k / n, (k % n) as usize);
-        let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        if order.0 != epoch {
-            let mut perm: Vec<u32> = (0..self.windows as u32).collect();
-            let mut state = self.seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407);
-            for j in (1..perm.len()).rev() {
-                let r = (splitmix64(&mut state) % (j as u64 + 1)) as usize;
-                perm.swap(j, r);
-            }
-            *order = (epoch, perm);
-        }
-        order.1[i] as usize * self.context
+        self.order.item(k) * self.context
     }
 
     /// Samples `first..first + count` as a batch `[count, context + 1]`.

@@ -16,7 +16,7 @@ use super::engine::{median, median_times};
 use zerotrain::config::ComputeDevice;
 use zerotrain::{Error, PhaseTimes, Result, launch};
 use zerotrain_models::family::{self, WithModel};
-use zerotrain_models::{CausalLm, Gpt};
+use zerotrain_models::{CausalLm, Gpt, LmBatch};
 
 mod model;
 mod table;
@@ -264,8 +264,8 @@ impl GpuBench {
         let (mut times, mut reports) = (Vec::new(), Vec::new());
         for step in 0..self.steps + 2 {
             let start = Instant::now();
-            let batch = tokens(&self.model, self.batch, step, device);
-            mode.micro_step(&mut engine, &batch, |m, b| m.next_token_loss(b))?;
+            let batch = tokens(&self.model, self.batch, step, device).into();
+            mode.micro_step(&mut engine, &batch, |m, b: &LmBatch| m.next_token_loss(&b.tokens))?;
             let report = engine.step()?.expect("accumulation 1");
             device.sync().map_err(|e| Error::Model(format!("the device failed: {e:?}")))?;
             if step >= 2 {

@@ -159,6 +159,39 @@ impl LinearCrossEntropy {
         self.run(group.copy_to(hidden), weight, bias, targets, vocab, Some((group.clone(), part)))
     }
 
+    /// The weighted form of [`forward`](Self::forward) (and, with `split` a group and the
+    /// whole vocabulary's size, of [`forward_parallel`](Self::forward_parallel)): `Σ_i w_i
+    /// loss_i / divisor` over the tokens, `w` and `divisor` from `weights`, and its
+    /// gradients. A language model trained on answers only passes 1 at the tokens that
+    /// count and 0 elsewhere, and the number of counted tokens of the whole optimizer step
+    /// (over its micro-batches and ranks) as the divisor; weights of 1 and a divisor of the
+    /// token count give the mean, [`forward`](Self::forward). A block's tokens of weight 0
+    /// still cost their logits.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), and where the weights are not one per token.
+    pub fn forward_weighted(
+        &self,
+        hidden: Tensor<2>,
+        (weight, bias): (Tensor<2>, Option<Tensor<1>>),
+        targets: Tensor<1, Int>,
+        weights: TokenWeights,
+        split: Option<(&ParallelGroup, usize)>,
+    ) -> Tensor<1> {
+        match split {
+            Some((group, vocab)) if group.size() > 1 => {
+                let part = group.part(vocab);
+                assert_eq!(weight.dims()[0], part.len(), "LinearCrossEntropy: a rank's rows of {vocab}");
+                let split = Some((group.clone(), part));
+                self.run_weighted(group.copy_to(hidden), weight, bias, targets, vocab, split, Some(weights))
+            }
+            _ => {
+                let vocab = weight.dims()[0];
+                self.run_weighted(hidden, weight, bias, targets, vocab, None, Some(weights))
+            }
+        }
+    }
+
     /// The loss over blocks of tokens; `whole_vocab` is the whole vocabulary's size, which
     /// a split head's rank holds `split`'s part of.
     fn run(
@@ -170,10 +203,29 @@ impl LinearCrossEntropy {
         whole_vocab: usize,
         split: Option<(ParallelGroup, Range<usize>)>,
     ) -> Tensor<1> {
+        self.run_weighted(hidden, weight, bias, targets, whole_vocab, split, None)
+    }
+
+    /// [`run`](Self::run), each token's loss weighted and their sum divided as `weights`
+    /// says (`None`: the mean).
+    #[allow(clippy::too_many_arguments)]
+    fn run_weighted(
+        &self,
+        hidden: Tensor<2>,
+        weight: Tensor<2>,
+        bias: Option<Tensor<1>>,
+        targets: Tensor<1, Int>,
+        whole_vocab: usize,
+        split: Option<(ParallelGroup, Range<usize>)>,
+        weights: Option<TokenWeights>,
+    ) -> Tensor<1> {
         let ([n, d], [vocab, dw], [nt]) = (hidden.dims(), weight.dims(), targets.dims());
         assert!(d == dw, "LinearCrossEntropy: hidden [{n}, {d}] and weight [{vocab}, {dw}] differ in width");
         assert!(nt == n, "LinearCrossEntropy: {nt} targets for {n} hidden states");
         assert!(n > 0, "LinearCrossEntropy: no tokens");
+        if let Some(w) = &weights {
+            assert!(w.weights.dims() == [n], "LinearCrossEntropy: weights {:?} for {n} tokens", w.weights.dims());
+        }
         if let Some(b) = &bias {
             assert!(b.dims() == [vocab], "LinearCrossEntropy: bias {:?} for a vocabulary of {vocab}", b.dims());
         }
@@ -188,12 +240,27 @@ impl LinearCrossEntropy {
         // is three exchanges of the group, so every rank must cut the same blocks, whatever
         // its part (parts differ by one id where the vocabulary does not divide).
         let step = self.block_tokens(whole_vocab);
+        let (per_token, divisor) = match weights {
+            Some(TokenWeights { weights, divisor }) => (Some(constant(weights.cast(FloatDType::F32))), divisor),
+            None => (None, n as f64),
+        };
         for start in (0..n).step_by(step) {
             let len = step.min(n - start);
-            blocks.add(h.clone().narrow(0, start, len), targets.clone().narrow(0, start, len).reshape([len, 1]));
+            let w = per_token.as_ref().map(|w| w.clone().narrow(0, start, len).reshape([len, 1]));
+            blocks.add(h.clone().narrow(0, start, len), targets.clone().narrow(0, start, len).reshape([len, 1]), w);
         }
-        blocks.loss(n, hidden, weight, bias)
+        blocks.loss(divisor, hidden, weight, bias)
     }
+}
+
+/// Per-token weights of a [`LinearCrossEntropy`] loss and what their weighted sum is
+/// divided by ([`LinearCrossEntropy::forward_weighted`]).
+#[derive(Debug, Clone)]
+pub struct TokenWeights {
+    /// One weight per token `[tokens]` (not tracked: no gradient reaches them).
+    pub weights: Tensor<1>,
+    /// What the weighted sum is divided by (positive).
+    pub divisor: f64,
 }
 
 /// `t` outside autodiff's graph: its value, neither tracked nor requiring a gradient
@@ -250,8 +317,9 @@ impl Blocks {
         Self { weight, bias, wants, split, total, hidden_grads, weight_grad, bias_grad }
     }
 
-    /// One block: detached hidden states `h` `[len, d]` and their targets `[len, 1]`.
-    fn add(&mut self, h: Tensor<2>, targets: Tensor<2, Int>) {
+    /// One block: detached hidden states `h` `[len, d]`, their targets `[len, 1]` and the
+    /// tokens' weights `[len, 1]` (none: 1 each).
+    fn add(&mut self, h: Tensor<2>, targets: Tensor<2, Int>, weights: Option<Tensor<2>>) {
         let mut logits = h.clone().matmul(self.weight.clone().transpose());
         if let Some(b) = &self.bias {
             logits = logits + b.clone().unsqueeze_dim(0);
@@ -265,6 +333,10 @@ impl Blocks {
             }
             Some((group, part)) => normalise_split(logits.cast(FloatDType::F32), targets, group, part),
         };
+        let picked = match &weights {
+            Some(w) => picked * w.clone(),
+            None => picked,
+        };
         let block = reduce::sum(picked).neg();
         add_to(&mut self.total, block);
         if !self.wants.any() {
@@ -273,6 +345,10 @@ impl Blocks {
         // softmax - one_hot(target): the gradient of the block's summed loss by its logits
         // (a split head's rank subtracts the one where it holds the target).
         let grad = probs.scatter(1, targets, inside.neg(), IndexingUpdateOp::Add);
+        let grad = match weights {
+            Some(w) => grad * w,
+            None => grad,
+        };
         if self.wants.bias {
             let vocab = grad.dims()[1];
             let g = grad.clone().sum_dim(0).reshape([vocab]);
@@ -288,10 +364,10 @@ impl Blocks {
         }
     }
 
-    /// The mean loss over `n` tokens, carrying the blocks' gradients to the tracked
-    /// `hidden`, `weight` and `bias` (the module's note).
-    fn loss(self, n: usize, hidden: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<1> {
-        let scale = 1.0 / n as f64;
+    /// The summed loss divided by `divisor` (the token count for the mean), carrying the
+    /// blocks' gradients to the tracked `hidden`, `weight` and `bias` (the module's note).
+    fn loss(self, divisor: f64, hidden: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<1> {
+        let scale = 1.0 / divisor;
         let value = self.total.expect("at least one block").mul_scalar(scale);
         let term =
             |input: Tensor<2>, grad: Tensor<2>| reduce::sum(input.cast(FloatDType::F32) * grad.mul_scalar(scale));

@@ -13,7 +13,7 @@ pub mod lora;
 pub mod parallel;
 
 pub use attention::{CausalAttentionOps, attention_kernels, causal_attention, set_attention_kernels};
-pub use cross_entropy::LinearCrossEntropy;
+pub use cross_entropy::{LinearCrossEntropy, TokenWeights};
 
 #[cfg(test)]
 mod tests;

@@ -4,7 +4,7 @@
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 
-use super::LinearCrossEntropy;
+use super::{LinearCrossEntropy, TokenWeights};
 
 /// A head problem: hidden states `[n, d]`, a weight `[vocab, d]`, a bias, targets.
 struct Problem {
@@ -214,4 +214,53 @@ fn only_what_is_tracked_gets_a_gradient() {
     assert!(weight.grad(&grads).is_none() && bias.grad(&grads).is_none(), "a frozen head got a gradient");
     let error = relative_error(&values(hidden.grad(&grads).unwrap()), &dh);
     assert!(error <= 2e-6, "hidden's gradient off by {error:e}");
+}
+
+/// Weighted, over uneven blocks: Burn's unfused loss with each token's log-probability
+/// weighted (0 at the masked tokens, 1 or 2.5 elsewhere) and summed, divided by 13, and its
+/// autodiff gradients, equal the blocks' within 1e-6 relative in f32; the masked tokens'
+/// targets change neither.
+#[test]
+fn weighted_tokens_give_the_weighted_sum_and_its_gradients() {
+    let p = Problem::new(29, 8, 41, 13);
+    let device = Device::flex().autodiff();
+    let w: Vec<f32> = (0..p.n).map(|i| [0.0, 1.0, 2.5][i % 3]).collect();
+    let weights = || Tensor::<1>::from_data(TensorData::new(w.clone(), [p.n]), &device);
+    let (hidden, weight, bias, targets) = p.tensors(&device, FloatDType::F32, [true; 3]);
+    let whole = {
+        let logits = hidden.clone().matmul(weight.clone().transpose()) + bias.clone().unsqueeze_dim(0);
+        let picked = log_softmax(logits, 1).gather(1, targets.clone().reshape([p.n, 1])).reshape([p.n]);
+        (picked * weights()).sum().neg().div_scalar(13.0)
+    };
+    // The masked tokens' targets moved: the loss must not see them.
+    let moved: Vec<i64> = values_int(targets.clone())
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| if i % 3 == 0 { (t + 7) % 41 } else { t })
+        .collect();
+    let moved = Tensor::<1, Int>::from_data(TensorData::new(moved, [p.n]), &device);
+    let (h2, w2, b2, _) = p.tensors(&device, FloatDType::F32, [true; 3]);
+    let counted = TokenWeights { weights: weights(), divisor: 13.0 };
+    let blocks = LinearCrossEntropy::new().with_block_tokens(4).forward_weighted(
+        h2.clone(),
+        (w2.clone(), Some(b2.clone())),
+        moved,
+        counted,
+        None,
+    );
+    let (a, b) = (values(whole.clone())[0], values(blocks.clone())[0]);
+    assert!((a - b).abs() <= 1e-6 * a.abs(), "whole {a}, blocks {b}");
+    let (gw, gb) = (whole.backward(), blocks.backward());
+    for (name, x, y) in [
+        ("hidden", values(hidden.grad(&gw).unwrap()), values(h2.grad(&gb).unwrap())),
+        ("weight", values(weight.grad(&gw).unwrap()), values(w2.grad(&gb).unwrap())),
+        ("bias", values(bias.grad(&gw).unwrap()), values(b2.grad(&gb).unwrap())),
+    ] {
+        let error = relative_error(&y, &x);
+        assert!(error <= 1e-6, "{name}: off by {error:e} of its largest");
+    }
+}
+
+fn values_int(t: Tensor<1, Int>) -> Vec<i64> {
+    t.into_data().convert::<i64>().try_to_vec::<i64>().unwrap()
 }

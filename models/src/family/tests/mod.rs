@@ -215,7 +215,7 @@ fn a_bf16_checkpoint_is_read_in_bf16_and_trains_as_through_f32() {
                     let mut engine = zerotrain::Engine::with_units(model, &plan, &ctx)?;
                     let transient = engine.memory_report().peak_transient;
                     let data = burn::tensor::TensorData::new(vec![1i64, 4, 2, 7, 9, 0], [1, 6]);
-                    let ids = Tensor::<2, burn::tensor::Int>::from_data(data, ctx.device());
+                    let ids: crate::LmBatch = Tensor::<2, burn::tensor::Int>::from_data(data, ctx.device()).into();
                     let loss = engine.train_batch(&mut |_| ids.clone())?.loss;
                     let held: Vec<(String, Vec<f32>)> =
                         floats(&engine.full_model()?, true).into_iter().map(|(p, _, v)| (p, v)).collect();

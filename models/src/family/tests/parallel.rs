@@ -267,7 +267,7 @@ impl WithModel for LossOnly {
 
     fn run<M: CausalLm>(self, model: M) {
         let ids: Vec<i64> = (0..2 * self.1 as i64).map(|i| (i * 5 + i * i / 3) % self.0).collect();
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, self.1]), &Device::flex().autodiff());
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, self.1]), &Device::flex().autodiff()).into();
         let mut h = None;
         for unit in 0..model.units().len() {
             h = Some(model.forward_unit(unit, h, &tokens));

@@ -97,6 +97,7 @@ impl WithModel for Job<'_> {
                 let ids =
                     (0..9 * rows).map(|i| i + 9 * rows * d + 100 * step).map(|i| (i * 7 + i * i / 5) % self.vocab);
                 Tensor::<2, Int>::from_data(TensorData::new::<i64, _>(ids.collect(), [rows as usize, 9]), &device)
+                    .into()
             };
             let report = engine.train_batch(&mut batch)?;
             steps.push((report.loss, report.grad_norm));
@@ -109,7 +110,7 @@ impl WithModel for Job<'_> {
         // part of every one).
         let ids = (0..27).map(|i: i64| (i * 5 + 3) % self.vocab).collect();
         let validation =
-            engine.evaluate(&Tensor::<2, Int>::from_data(TensorData::new::<i64, _>(ids, [3, 9]), &device))?;
+            engine.evaluate(&Tensor::<2, Int>::from_data(TensorData::new::<i64, _>(ids, [3, 9]), &device).into())?;
         let memory = (local, engine.memory_report(), comm);
         Ok(Seen { steps, model: engine.gather_model(0)?.map(|m| values(&m)), memory, validation })
     }
