@@ -56,6 +56,17 @@ impl LmBatch {
         Self { tokens, counted: Some(Counted { weights, divisor }) }
     }
 
+    /// The batch as one of `parts` that share its loss, each averaged with the others by
+    /// the engine (micro-batches, data-parallel ranks, the sequence ranks that hold parts
+    /// of its rows): a counted loss's divisor divided by `parts` (the module note); a mean
+    /// loss is left as it is.
+    pub fn shared_by(mut self, parts: u64) -> Self {
+        if let Some(counted) = &mut self.counted {
+            counted.divisor /= parts.max(1) as f64;
+        }
+        self
+    }
+
     /// How many rows.
     pub fn rows(&self) -> usize {
         self.tokens.dims()[0]

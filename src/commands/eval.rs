@@ -237,12 +237,12 @@ impl<'a> Windows<'a> {
         Ok(Self { source, context, count: sequences.len(), sequences: Some(sequences) })
     }
 
-    /// Windows `range` as a batch `[n, context + 1]`, with its weight in the mean: the
-    /// tokens it scores.
-    fn batch(&self, range: std::ops::Range<usize>, device: &Device) -> (LmBatch, f64) {
+    /// Windows `range` as a batch `[n, context + 1]` (its rows split over `sp` sequence
+    /// ranks), with its weight in the mean: the tokens it scores.
+    fn batch(&self, range: std::ops::Range<usize>, sp: usize, device: &Device) -> (LmBatch, f64) {
         if let (Some(sequences), Source::File(file, _)) = (&self.sequences, self.source) {
             let (rows, counted) = sequences::rows(file, &sequences[range], self.context + 1, device);
-            return (rows.divided_by(counted as f64), counted as f64);
+            return (rows.divided_by(counted as f64).shared_by(sp as u64), counted as f64);
         }
         let n = range.len();
         let mut data = Vec::with_capacity(n * (self.context + 1));
@@ -348,8 +348,8 @@ impl WithModel for EvalJob<'_> {
                         let first = (r * n + d) * per;
                         let range = first.min(windows.count)..(first + per).min(windows.count);
                         match range.is_empty() {
-                            true => (windows.batch(0..1, ctx.device()).0, 0.0),
-                            false => windows.batch(range, ctx.device()),
+                            true => (windows.batch(0..1, plan.mesh.sp, ctx.device()).0, 0.0),
+                            false => windows.batch(range, plan.mesh.sp, ctx.device()),
                         }
                     })
                     .unzip();

@@ -116,14 +116,11 @@ impl TrainData for TokenData {
         }
     }
 
-    fn batch(&self, step: u64, first: u64, count: u64, parts: u64, device: &Device) -> LmBatch {
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> LmBatch {
         let at = self.first_sample(step);
         match &self.sampler {
             Cut::Windows(windows) => windows.batch(at + first, count, device).into(),
-            Cut::Sequences(rows) => {
-                let divisor = rows.counted(at, self.global_batch) as f64 / parts as f64;
-                rows.batch(at + first, count, divisor, device)
-            }
+            Cut::Sequences(rows) => rows.batch(at + first, count, rows.counted(at, self.global_batch) as f64, device),
         }
     }
 
@@ -268,7 +265,7 @@ impl WithModel for HfJob<'_> {
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<TrainSummary> {
         let context = self.data.context();
         let samples = |model: &M| {
-            let prompt = self.data.batch(0, 0, 1, 1, &Device::flex()).tokens.into_data().convert::<i64>();
+            let prompt = self.data.batch(0, 0, 1, &Device::flex()).tokens.into_data().convert::<i64>();
             let prompt: Vec<u32> =
                 prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
             let out = model.generate(&prompt, 48, context, Sampling::top_k(0.8, 40), &[], &mut 0x5EED)?;
@@ -337,7 +334,7 @@ mod tests {
         let mut drawn = Vec::new();
         for step in 0..6 {
             for rank in 0..2 {
-                drawn.extend(rows(a.batch(step, rank * 4, 4, 1, &device)));
+                drawn.extend(rows(a.batch(step, rank * 4, 4, &device)));
             }
         }
         let record = a.position(3);
@@ -347,7 +344,7 @@ mod tests {
         b.resume(&record, 3).unwrap();
         let mut again = Vec::new();
         for step in 3..9 {
-            again.extend(rows(b.batch(step, 0, 4, 1, &device)));
+            again.extend(rows(b.batch(step, 0, 4, &device)));
         }
         assert_eq!(again, drawn[24..48]);
         assert_eq!(b.position(9)["samples"], 48);
@@ -380,7 +377,7 @@ mod tests {
         let far = err(serde_json::json!({"checksum": crc, "samples": u64::MAX}));
         assert!(far.contains("out of range (sample 18446744073709551615"), "{far}");
         d.resume(&serde_json::json!({"checksum": crc, "samples": 1u64 << 48}), 3).unwrap();
-        assert_eq!(rows(d.batch(4, 0, 1, 1, &Device::flex())).len(), 1, "the furthest position still samples");
+        assert_eq!(rows(d.batch(4, 0, 1, &Device::flex())).len(), 1, "the furthest position still samples");
     }
 
     /// A text given to `train --data` is tokenized by the first process to ask (under

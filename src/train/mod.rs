@@ -197,7 +197,8 @@ impl<M: UnitModel<Batch = LmBatch> + Clone + Sync + 'static> Job<'_, M> {
         let metrics_path = options.out.join("metrics.jsonl");
         let mut log_file =
             if lead { Some(MetricsLog::open(&options.out, first_step).map_err(io(&metrics_path))?) } else { None };
-        let validation = self.data.validation(ctx.device());
+        // Under sequence parallelism its rows are shared by the sequence ranks.
+        let validation = self.data.validation(ctx.device()).shared_by(plan.mesh.sp as u64);
         let val_loss = |engine: &mut Box<dyn Trainer<M>>| engine.evaluate(&validation);
         let initial_val = val_loss(&mut engine)?;
         let tokens_per_step = (plan.batch.train_batch_size * context as u64) as f64;
@@ -324,7 +325,7 @@ impl<M: UnitModel<Batch = LmBatch> + Clone + Sync + 'static> Job<'_, M> {
         let parts = b.gradient_accumulation_steps * n * self.plan.mesh.sp as u64;
         engine.train_batch(&mut |micro| {
             let first = (micro as u64 * n + d) * b.micro_batch_per_rank;
-            self.data.batch(step, first, b.micro_batch_per_rank, parts, ctx.device())
+            self.data.batch(step, first, b.micro_batch_per_rank, ctx.device()).shared_by(parts)
         })
     }
 

@@ -16,9 +16,8 @@ pub trait TrainData: Sync {
     fn context(&self) -> usize;
     /// Rows `first..first + count` of the global batch of the step after `step`. Where
     /// only some targets count, the batch's loss is its counted targets' sum divided by
-    /// the step's counted targets over `parts`, the micro-batches and ranks that share the
-    /// step (`LmBatch`'s note: the engine's averaging leaves the step's token mean).
-    fn batch(&self, step: u64, first: u64, count: u64, parts: u64, device: &Device) -> LmBatch;
+    /// the step's counted targets (the caller shares it out: `LmBatch::shared_by`).
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> LmBatch;
     /// The targets counted in the step after `step`, over its whole global batch, where
     /// only some count (`None`: every target of every row).
     fn counted(&self, _step: u64) -> Option<u64> {
@@ -45,7 +44,7 @@ impl TrainData for CorpusData<'_> {
     fn context(&self) -> usize {
         self.context
     }
-    fn batch(&self, step: u64, first: u64, count: u64, _parts: u64, device: &Device) -> LmBatch {
+    fn batch(&self, step: u64, first: u64, count: u64, device: &Device) -> LmBatch {
         windows(&self.corpus.train, self.context, self.seed, step, first, count, device).into()
     }
     fn validation(&self, device: &Device) -> LmBatch {

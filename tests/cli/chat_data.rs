@@ -31,7 +31,7 @@ fn sequences(file: &TokenFile) -> Vec<(Vec<u32>, Vec<bool>)> {
 /// conversation is the sequence transformers' `apply_chat_template` gives, its mask the
 /// assistant mask; each prompt/completion row TRL's; the text a document closed by the end
 /// token and counted whole; the row without an answer left out and counted in the summary.
-/// Training on the file is refused by name (the masks are not yet trained on). `generate
+/// Training on the file trains one sequence to a row and records the counted targets. `generate
 /// --chat` renders a user's turn (or a messages file) with the generation prompt.
 #[test]
 fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
@@ -192,7 +192,7 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
         &["broken.jinja", "not a valid chat template"],
     );
     assert!(!bad.exists());
-    // Not yet trained on: refused by name, not trained as a corpus.
+    // Trained on one sequence to a row, the loss on the counted targets alone.
     let config = dir.join("train.json");
     std::fs::write(
         &config,
@@ -207,19 +207,31 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     )
     .unwrap();
     let run = dir.join("run");
-    let out_train = zerotrain(&[
-        "train",
-        "--config",
-        config.to_str().unwrap(),
-        "--data",
-        out.to_str().unwrap(),
-        "--steps",
-        "1",
-        "--out",
-        run.to_str().unwrap(),
-    ]);
-    let stderr = text(&out_train.stderr);
-    assert!(!out_train.status.success() && stderr.contains("fine-tuning sequences with loss masks"), "{stderr}");
+    let train = |data: &'_ std::path::Path| -> Vec<String> {
+        let (c, d, r) = (config.to_str().unwrap(), data.to_str().unwrap(), run.to_str().unwrap());
+        ["train", "--config", c, "--data", d, "--steps", "1", "--out", r].map(String::from).to_vec()
+    };
+    // Without a held-out sequence there is nothing to validate on: refused naming the file.
+    crate::hf::refused(
+        &train(&out).iter().map(String::as_str).collect::<Vec<_>>(),
+        &["chat.tokens", "held-out split holds no sequence", "--valid-fraction"],
+    );
+    let held = dir.join("held.tokens");
+    run_ok(&[&args[..], &["--out", held.to_str().unwrap(), "--valid-fraction", "0.2"]].concat());
+    let out_train = zerotrain(&train(&held).iter().map(String::as_str).collect::<Vec<_>>());
+    let said = text(&out_train.stdout);
+    assert!(out_train.status.success(), "{said}{}", text(&out_train.stderr));
+    assert!(said.contains("one to a row of 9 tokens, the loss on their counted tokens"), "{said}");
+    let line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().next().unwrap())
+            .unwrap();
+    // The row drawn is one sequence's first 9 tokens: its counted targets, at least one.
+    let most = sequences(&TokenFile::open(&held).unwrap())
+        .iter()
+        .map(|(_, m)| m[1..m.len().min(9)].iter().filter(|&&c| c).count())
+        .max();
+    let counted = line["counted_tokens"].as_u64().unwrap() as usize;
+    assert!(counted <= most.unwrap(), "{line}");
     // `generate --chat`: the user's turn rendered with the generation prompt, as
     // transformers renders it (the fixture's ids), and the answer alone printed.
     let said = run_ok(&[

@@ -53,10 +53,13 @@ fn token_file(fixture: &Value, hf: &Path, path: &Path) {
 /// One optimizer step on every training sequence (12: 2 ranks x 3 micro-batches of 2, so
 /// micro-batches hold from 1 to 16 counted targets, one none) gives transformers' loss
 /// within 1e-5 and its gradients within 1e-5 of their largest (read back from the weights
-/// one SGD step at lr 100 moved), at stages 0 and 3; `metrics.jsonl` records the step's 42
-/// counted targets. A mean of the sequences' own means differs by 0.2 (the test says how
-/// much), which is why the divisor is the step's count. `eval --tokens` scores the held-out
-/// sequences on their counted targets only (7), each alone, as transformers does.
+/// one SGD step at lr 100 moved), at stages 0 and 3, with each row split over 2 sequence
+/// ranks (a mask's span crossing the cut), over 2 tensor ranks, and in a 2-stage pipeline;
+/// `metrics.jsonl` records the step's 42 counted targets. A mean of the sequences' own means differs by 0.2 (the test says how
+/// much), which is why the divisor is the step's count. The held-out loss after the step
+/// is the same in every layout. `eval --tokens` scores the held-out sequences on their
+/// counted targets only (7), each alone, as transformers does, on one rank and split over
+/// 2 sequence ranks.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
@@ -70,13 +73,23 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
     let want_loss = fixture["loss"].as_f64().unwrap();
     let lr = 100.0;
     let before = tensors(&hf.join("model.safetensors"));
-    for stage in [0, 3] {
+    // (name, stage, ranks, zerotrain's mesh, top-level sections): every layout splits the
+    // step's 12 sequences over 2 data-parallel places.
+    let layouts = [
+        ("stage0", 0, 2, "", ""),
+        ("stage3", 3, 2, "", ""),
+        ("sp2", 0, 4, r#", "mesh": {"sp": 2}"#, ""),
+        ("tp2", 2, 4, r#", "mesh": {"tp": 2}"#, ""),
+        ("pipeline", 1, 4, "", r#""pipeline": {"stages": 2}, "#),
+    ];
+    let mut validated = Vec::new();
+    for (stage, zero, ranks, mesh, sections) in layouts {
         let config = dir.join(format!("config-{stage}.json"));
         let json = format!(
-            r#"{{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-                "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
+            r#"{{{sections}"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                "zero_optimization": {{"stage": {zero}, "stage3_param_persistence_threshold": 0}},
                 "optimizer": {{"type": "SGD", "params": {{"lr": {lr}}}}},
-                "zerotrain": {{"world_size": 2}}, "model": {{"hf_dir": {:?}, "block_size": 16}}}}"#,
+                "zerotrain": {{"world_size": {ranks}{mesh}}}, "model": {{"hf_dir": {:?}, "block_size": 16}}}}"#,
             hf.display().to_string()
         );
         std::fs::write(&config, json).unwrap();
@@ -89,6 +102,7 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
         let loss = line["loss"].as_f64().unwrap();
         assert!((loss - want_loss).abs() <= 1e-5 * want_loss, "stage {stage}: loss {loss}, transformers {want_loss}");
         assert_eq!(line["counted_tokens"], fixture["counted"], "stage {stage}: {line}");
+        validated.push((stage, line["val_loss"].as_f64().unwrap()));
         let export = dir.join(format!("export-{stage}"));
         let ckpt = run.join("checkpoints");
         run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "hf", "--out", export.to_str().unwrap()]);
@@ -101,12 +115,25 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
             assert!(scale > 0.0 && error <= 1e-5, "stage {stage}: {name}'s gradient off by {error:e} of {scale:e}");
         }
     }
+    // The trained model's held-out loss (the same weights) is the same in every layout.
+    let (_, first) = validated[0];
+    for (stage, val) in &validated {
+        assert!((val - first).abs() <= 1e-5 * first, "{stage}: held-out loss {val}, {first} unsplit: {validated:?}");
+    }
     let means = fixture["mean_of_sequence_means"].as_f64().unwrap();
     assert!((means - want_loss).abs() > 0.1, "a mean of means ({means}) would have been the same loss");
-    let plain = super::config(&dir, &hf, 1, 0, "");
-    let scored = run_ok(&["eval", "--config", plain.to_str().unwrap(), "--tokens", data.to_str().unwrap(), "--json"]);
-    let (loss, want) = (number(&scored, "loss"), fixture["held_out_loss"].as_f64().unwrap());
-    assert!((loss - want).abs() <= 1e-5 * want, "held-out loss {loss}, transformers {want}");
-    assert_eq!(number(&scored, "tokens"), fixture["held_out_counted"].as_f64().unwrap(), "{scored}");
+    for (name, mesh) in [("one", ""), ("sp2", r#", "mesh": {"sp": 2}"#)] {
+        let config = dir.join(format!("eval-{name}.json"));
+        let hf = hf.display().to_string();
+        let json = format!(
+            r#"{{"train_batch_size": 2, "zerotrain": {{"world_size": 2{mesh}}}, "model": {{"hf_dir": {hf:?}, "block_size": 16}}}}"#
+        );
+        std::fs::write(&config, json).unwrap();
+        let scored =
+            run_ok(&["eval", "--config", config.to_str().unwrap(), "--tokens", data.to_str().unwrap(), "--json"]);
+        let (loss, want) = (number(&scored, "loss"), fixture["held_out_loss"].as_f64().unwrap());
+        assert!((loss - want).abs() <= 1e-5 * want, "{name}: held-out loss {loss}, transformers {want}");
+        assert_eq!(number(&scored, "tokens"), fixture["held_out_counted"].as_f64().unwrap(), "{name}: {scored}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -146,3 +146,87 @@ pub fn rows(file: &TokenFile, sequences: &[Range<usize>], len: usize, device: &D
     let weights = Tensor::from_data(TensorData::new(weights, [n, len - 1]), device);
     (Rows { tokens, weights }, counted)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::tokens::TokenFileWriter;
+
+    fn values(t: Tensor<2>) -> Vec<f64> {
+        t.into_data().convert::<f64>().try_into_vec::<f64>().unwrap()
+    }
+
+    fn ids(t: Tensor<2, burn::tensor::Int>) -> Vec<f64> {
+        t.into_data().convert::<f64>().try_into_vec::<f64>().unwrap()
+    }
+
+    /// Sequences of lengths 3, 9 (longer than a row of 6), 5 and 4 (held out), ids `100 *
+    /// sequence + position`, the mask on every odd position.
+    fn file(name: &str) -> Arc<TokenFile> {
+        let dir = std::env::temp_dir().join(format!("zerotrain-sequences-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut writer = TokenFileWriter::create(&dir.join("s.tokens"), 1000, 999, 1).unwrap();
+        for (s, n) in [3u32, 9, 5, 4].into_iter().enumerate() {
+            let ids: Vec<u32> = (0..n).map(|i| 100 * s as u32 + i).collect();
+            let mask: Vec<bool> = (0..n).map(|i| i % 2 == 1).collect();
+            writer.sequence(&ids, &mask).unwrap();
+        }
+        Arc::new(writer.finish(4.0 / 21.0).unwrap())
+    }
+
+    /// A row is its sequence's first tokens, then padding; its weights mark the masked
+    /// targets inside the sequence only; an epoch draws every training sequence once; the
+    /// step's count is the rows' weights' sum; the held-out sequence validates.
+    #[test]
+    fn a_row_is_one_sequence_truncated_or_padded_and_only_its_masked_targets_count() {
+        let rows = SequenceRows::new(file("rows"), 5, 3).unwrap();
+        assert_eq!((rows.sequences(), rows.truncated()), (3, 1));
+        let device = Device::flex();
+        let batch = rows.batch(0, 3, 2.0, &device);
+        let tokens = ids(batch.tokens.clone());
+        let counted = batch.counted.clone().unwrap();
+        let weights = values(counted.weights);
+        assert_eq!(counted.divisor, 2.0);
+        let mut seen = Vec::new();
+        for r in 0..3 {
+            let row = &tokens[r * 6..(r + 1) * 6];
+            let s = (row[0] / 100.0) as usize;
+            seen.push(s);
+            let n = [3, 9, 5][s];
+            for t in 0..6 {
+                let want = if t < n { (100 * s + t) as f64 } else { PAD as f64 };
+                assert_eq!(row[t], want, "sequence {s}, token {t}");
+            }
+            for t in 0..5 {
+                let want = t + 1 < n && (t + 1) % 2 == 1;
+                assert_eq!(weights[r * 5 + t] == 1.0, want, "sequence {s}, target {t}");
+            }
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, [0, 1, 2], "one epoch, every sequence once");
+        let sum: f64 = weights.iter().sum();
+        assert_eq!(rows.counted(0, 3) as f64, sum);
+        assert_eq!(rows.counted(3, 3), rows.counted(0, 3), "the next epoch holds the same sequences");
+        let held = rows.validation(&device);
+        assert_eq!(ids(held.tokens.clone())[..4], [300.0, 301.0, 302.0, 303.0]);
+        assert_eq!(held.counted.unwrap().divisor, 2.0, "targets 1 and 3 of the held-out sequence");
+        let shared = rows.batch(0, 3, 12.0, &device).shared_by(4);
+        assert_eq!(shared.counted.unwrap().divisor, 3.0);
+    }
+
+    /// A corpus file, or one without a held-out sequence, is refused naming the file.
+    #[test]
+    fn files_without_sequences_or_a_held_out_one_are_refused() {
+        let dir = std::env::temp_dir().join(format!("zerotrain-sequences-{}-refused", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut writer = TokenFileWriter::create(&dir.join("d.tokens"), 1000, 999, 1).unwrap();
+        writer.document(&[1, 2, 3]).unwrap();
+        let err = SequenceRows::new(Arc::new(writer.finish(0.3).unwrap()), 4, 1).unwrap_err();
+        assert!(err.contains("d.tokens") && err.contains("not fine-tuning sequences"), "{err}");
+        let mut writer = TokenFileWriter::create(&dir.join("s.tokens"), 1000, 999, 1).unwrap();
+        writer.sequence(&[1, 2, 3], &[false, true, true]).unwrap();
+        writer.sequence(&[4, 5], &[false, true]).unwrap();
+        let err = SequenceRows::new(Arc::new(writer.finish(0.0).unwrap()), 4, 1).unwrap_err();
+        assert!(err.contains("s.tokens") && err.contains("held-out split holds no sequence"), "{err}");
+    }
+}

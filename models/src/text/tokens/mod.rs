@@ -246,24 +246,6 @@ impl TokenFile {
         self.map[at] >> (i % 8) & 1 == 1
     }
 
-    /// Refuses a file of fine-tuning sequences where `what` (training, scoring) reads
-    /// windows across documents and puts the loss on every token: it would attend across
-    /// sequences and train on the prompts the masks leave out.
-    pub fn refuse_sequences(&self, what: &str) -> Result<(), FileError> {
-        match self.sequences {
-            false => Ok(()),
-            true => Err(FileError::new(
-                &self.path,
-                format!(
-                    "it holds fine-tuning sequences with loss masks (tokenize of conversations or prompt/completion \
-                     rows); {what} on them (the loss on their counted tokens only, each sequence apart) is not built \
-                     in this zerotrain yet, and {what} as on a corpus would put the loss on every token and attend \
-                     across sequences"
-                ),
-            )),
-        }
-    }
-
     /// Tokens of `range` the loss is on.
     pub fn counted_in(&self, range: std::ops::Range<usize>) -> usize {
         match self.sequences {
