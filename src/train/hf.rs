@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
-use burn::tensor::Device;
+use burn::tensor::{Device, Int, Tensor};
 
 use super::{StepMetrics, Task, TrainData, TrainOptions, TrainSummary, task, train_model};
 use crate::keys::AppSettings;
@@ -101,6 +101,14 @@ enum Cut {
 }
 
 impl TokenData {
+    /// The first sample of the file's order (the sample prompt's start).
+    fn first_row(&self, device: &Device) -> Tensor<2, Int> {
+        match &self.sampler {
+            Cut::Windows(windows) => windows.batch(0, 1, device),
+            Cut::Sequences(rows) => rows.batch(0, 1, 1.0, device).tokens,
+        }
+    }
+
     /// The run's first sample of the step after `step`.
     fn first_sample(&self, step: u64) -> u64 {
         let (samples, from) = *self.base.lock().unwrap_or_else(|p| p.into_inner());
@@ -265,7 +273,7 @@ impl WithModel for HfJob<'_> {
     fn run<M: CausalLm>(self, model: M) -> anyhow::Result<TrainSummary> {
         let context = self.data.context();
         let samples = |model: &M| {
-            let prompt = self.data.batch(0, 0, 1, &Device::flex()).tokens.into_data().convert::<i64>();
+            let prompt = self.data.first_row(&Device::flex()).into_data().convert::<i64>();
             let prompt: Vec<u32> =
                 prompt.as_slice::<i64>().unwrap_or_default().iter().take(context / 2).map(|&t| t as u32).collect();
             let out = model.generate(&prompt, 48, context, Sampling::top_k(0.8, 40), &[], &mut 0x5EED)?;
