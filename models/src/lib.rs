@@ -15,6 +15,7 @@
 //! use burn::tensor::{Device, Int, Tensor, TensorData};
 //! use zerotrain::{Config, Engine, Overrides, launch};
 //! use zerotrain_models::family::{self, HfModel};
+//! use zerotrain_models::LmBatch;
 //! use zerotrain_models::hf::HfConfig;
 //!
 //! // A LLaMA with grouped-query attention, as its config.json would describe it.
@@ -29,9 +30,10 @@
 //! let HfModel::Llama(init) = family::fresh(&config, &Device::flex().autodiff(), 7) else { unreachable!() };
 //! let losses = launch(&plan, |ctx| {
 //!     let mut engine = Engine::with_units(init.clone(), &plan, &ctx)?;
-//!     // Each rank's two sequences of 8 tokens and their next tokens: [batch, time + 1].
+//!     // Each rank's two sequences of 8 tokens and their next tokens: [batch, time + 1],
+//!     // every target counted (LmBatch::counted weighs some only, as a chat's answers).
 //!     let ids: Vec<i64> = (0..18).map(|i| (i * 7 + 3 * ctx.rank() as i64) % 40).collect();
-//!     let batch = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 9]), ctx.device());
+//!     let batch: LmBatch = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 9]), ctx.device()).into();
 //!     let mut losses = Vec::new();
 //!     for _ in 0..30 {
 //!         engine.forward_backward(&batch)?;

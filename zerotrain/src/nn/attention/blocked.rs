@@ -8,9 +8,11 @@
 //! rows forms its scores `[batch, kv_heads, rows, keys]` in f32, and nothing larger: the
 //! forward keeps each row's log-sum-exp, and the backward forms each block's probabilities
 //! again from it (the recomputation flash attention makes), so no `[time, time]` tensor
-//! outlives a block. The matmuls run in the inputs' dtype, the softmax in f32.
+//! outlives a block. The matmuls run in the inputs' dtype, the softmax in f32. Rows that
+//! pack several sequences give each query its sequence's first key (`starts`), below which
+//! it sees nothing, as flash attention's varlen form bounds each sequence.
 
-use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::backend::{Backend, TensorMetadata, get_or_init_device_settings};
 use burn::tensor::{FloatDType, Scalar, Shape, Slice};
 
@@ -81,8 +83,15 @@ fn rows<B: Backend>(t: FloatTensor<B>, start: usize, end: usize) -> FloatTensor<
     )
 }
 
-/// Where rows `start..end` must not look: key `j` past the row's position.
-fn masked<B: Backend>(dims: &Dims, start: usize, end: usize, device: &B::Device) -> BoolTensor<B> {
+/// Where rows `start..end` must not look: key `j` past the row's position, and where rows
+/// pack sequences ([`Starts`]), before the start of the row's sequence.
+fn masked<B: Backend>(
+    dims: &Dims,
+    start: usize,
+    end: usize,
+    starts: Option<&Starts<B>>,
+    device: &B::Device,
+) -> BoolTensor<B> {
     let settings = get_or_init_device_settings::<B>(device);
     let shape = Shape::new([dims.batch, dims.kv_heads, end - start, dims.keys]);
     let positions = B::int_arange(start as i64..end as i64, device, settings.int_dtype);
@@ -90,8 +99,31 @@ fn masked<B: Backend>(dims: &Dims, start: usize, end: usize, device: &B::Device)
     let positions = B::int_add_scalar(positions, Scalar::Int(dims.past() as i64));
     let positions = B::int_expand(B::int_reshape(positions, Shape::new([1, 1, end - start, 1])), shape.clone());
     let keys = B::int_arange(0..dims.keys as i64, device, settings.int_dtype);
-    let keys = B::int_expand(B::int_reshape(keys, Shape::new([1, 1, 1, dims.keys])), shape);
-    B::int_greater(keys, positions, settings.bool_dtype)
+    let keys = B::int_expand(B::int_reshape(keys, Shape::new([1, 1, 1, dims.keys])), shape.clone());
+    let after = B::int_greater(keys.clone(), positions, settings.bool_dtype);
+    let Some(starts) = starts else { return after };
+    let first = B::int_slice(starts.0.clone(), &[Slice::from(..), Slice::new(start as isize, Some(end as isize), 1)]);
+    let first = B::int_expand(B::int_reshape(first, Shape::new([dims.batch, 1, end - start, 1])), shape);
+    B::bool_or(after, B::int_lower(keys, first, settings.bool_dtype))
+}
+
+/// Where each stacked query row's sequence starts among the keys, `[batch, rows]`: the
+/// `[batch, time]` starts repeated for each query head of a kv head's group.
+pub(super) struct Starts<B: Backend>(IntTensor<B>);
+
+impl<B: Backend> Starts<B> {
+    /// The rows' starts from `starts` `[batch, time]`, checked against `dims`.
+    pub(super) fn of(starts: IntTensor<B>, dims: &Dims) -> Self {
+        let shape = starts.shape();
+        assert!(
+            shape.as_slice() == [dims.batch, dims.time],
+            "causal attention: sequence starts {shape:?} for queries [{}, {}]",
+            dims.batch,
+            dims.time
+        );
+        let group = dims.heads / dims.kv_heads;
+        Self(if group == 1 { starts } else { B::int_cat(vec![starts; group], 1) })
+    }
 }
 
 /// `[batch, heads, time, x]` as `[batch, kv_heads, group * time, x]` (a view).
@@ -102,30 +134,39 @@ fn stacked<B: Backend>(t: FloatTensor<B>, dims: &Dims) -> FloatTensor<B> {
 
 /// The scaled, masked scores of query rows `q` `[b, kv, rows, d]` (rows `start..`) against
 /// `k`, in f32.
-fn scores<B: Backend>(dims: &Dims, q: FloatTensor<B>, k: &FloatTensor<B>, start: usize, scale: f32) -> FloatTensor<B> {
+fn scores<B: Backend>(
+    (dims, starts): (&Dims, Option<&Starts<B>>),
+    q: FloatTensor<B>,
+    k: &FloatTensor<B>,
+    start: usize,
+    scale: f32,
+) -> FloatTensor<B> {
     let end = start + q.shape()[2];
     let device = q.device();
     let s = B::float_matmul(q, B::float_transpose(k.clone()));
     let s = B::float_mul_scalar(B::float_cast(s, FloatDType::F32), Scalar::Float(f64::from(scale)));
-    B::float_mask_fill(s, masked::<B>(dims, start, end, &device), Scalar::Float(f64::NEG_INFINITY))
+    B::float_mask_fill(s, masked::<B>(dims, start, end, starts, &device), Scalar::Float(f64::NEG_INFINITY))
 }
 
 /// The forward pass: the output `[batch, heads, time, dv]` in the inputs' dtype, and each
-/// row's log-sum-exp of its scaled scores `[batch, heads, time]` in f32.
+/// row's log-sum-exp of its scaled scores `[batch, heads, time]` in f32; where `starts`
+/// `[batch, time]` is given, each query sees the keys from its start only.
 pub(super) fn forward<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
+    starts: Option<IntTensor<B>>,
     scale: f32,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let dims = Dims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("causal attention: {e}"));
+    let starts = starts.map(|s| Starts::of(s, &dims));
     let dtype = FloatDType::from(v.dtype());
     let q = stacked::<B>(q, &dims);
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     let block = dims.block();
     for start in (0..dims.rows()).step_by(block) {
         let end = (start + block).min(dims.rows());
-        let s = scores::<B>(&dims, rows::<B>(q.clone(), start, end), &k, start, scale);
+        let s = scores::<B>((&dims, starts.as_ref()), rows::<B>(q.clone(), start, end), &k, start, scale);
         let max = B::float_max_dim(s.clone(), 3);
         let p = B::float_exp(B::float_sub(s, max.clone()));
         let sum = B::float_sum_dim(p.clone(), 3);
@@ -139,18 +180,20 @@ pub(super) fn forward<B: Backend>(
 }
 
 /// The gradients of `q`, `k` and `v` (in their dtypes) from the output's gradient `grad`,
-/// the output `out` and the log-sum-exp `lse` of [`forward`].
+/// the output `out` and the log-sum-exp `lse` of [`forward`] (with the same `starts`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
+    starts: Option<IntTensor<B>>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     grad: FloatTensor<B>,
     scale: f32,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let dims = Dims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("causal attention: {e}"));
+    let starts = starts.map(|s| Starts::of(s, &dims));
     let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
     let dtype = FloatDType::from(v_dtype);
     let grad = B::float_cast(grad, dtype);
@@ -172,7 +215,7 @@ pub(super) fn backward<B: Backend>(
         let end = (start + block).min(dims.rows());
         let q_rows = rows::<B>(q.clone(), start, end);
         let grad_rows = rows::<B>(grad.clone(), start, end);
-        let s = scores::<B>(&dims, q_rows.clone(), &k, start, scale);
+        let s = scores::<B>((&dims, starts.as_ref()), q_rows.clone(), &k, start, scale);
         let p = B::float_exp(B::float_sub(s, rows::<B>(lse.clone(), start, end)));
         let p_low = B::float_cast(p.clone(), dtype);
         dv = accumulate(dv, f32(B::float_matmul(B::float_transpose(p_low), grad_rows.clone())));

@@ -25,9 +25,9 @@ use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::Checkpoi
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Causal attention of `q` `[batch, heads, time, head_dim]` over `k` `[batch, kv_heads,
@@ -58,6 +58,36 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f32) ->
     Tensor::from_dispatch(out)
 }
 
+/// [`causal_attention`] over rows that pack several sequences (padding-free packing, as
+/// flash attention's varlen form runs it): query `t` of row `b` sees the keys from
+/// `starts[b, t]`, the first position of its sequence, up to its own, so no sequence
+/// attends to another. `starts` `[batch, time]` holds key positions (a query at position
+/// `p` has `starts <= p`). Its gradients, like [`causal_attention`]'s, are formed a block
+/// of rows at a time; the CUDA and wgpu kernels do not take boundaries yet, so those
+/// backends run the blocked version for it.
+///
+/// # Panics
+/// As [`causal_attention`], and where `starts` is not `[batch, time]`.
+pub fn packed_causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    starts: Tensor<2, Int>,
+    scale: f32,
+) -> Tensor<4> {
+    let dims =
+        blocked::Dims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("causal_attention: {e}"));
+    assert_eq!(starts.dims(), [dims.batch, dims.time], "packed_causal_attention: sequence starts for [batch, time]");
+    let (out, _lse) = <Dispatch as CausalAttentionOps>::packed_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        starts.into_dispatch(),
+        scale,
+    );
+    Tensor::from_dispatch(out)
+}
+
 /// The backend operations behind [`causal_attention`]: the forward pass with each query
 /// row's log-sum-exp, and the backward pass from it. Both default to the blocked version
 /// in the backend's own operations.
@@ -77,7 +107,7 @@ pub trait CausalAttentionOps: Backend {
         v: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        blocked::forward::<Self>(q, k, v, scale)
+        blocked::forward::<Self>(q, k, v, None, scale)
     }
 
     /// The gradients of `q`, `k` and `v` from the output's gradient `grad`, given the
@@ -93,7 +123,38 @@ pub trait CausalAttentionOps: Backend {
         grad: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        blocked::backward::<Self>(q, k, v, out, lse, grad, scale)
+        blocked::backward::<Self>(q, k, v, None, out, lse, grad, scale)
+    }
+
+    /// [`causal_attention`](Self::causal_attention) over rows that pack sequences: each
+    /// query sees the keys from `starts` `[batch, time]` (its sequence's first key) to its
+    /// own position.
+    #[fusion(meta = fused::packed_forward)]
+    fn packed_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        blocked::forward::<Self>(q, k, v, Some(starts), scale)
+    }
+
+    /// The gradients of [`packed_attention`](Self::packed_attention), as
+    /// [`causal_attention_backward`](Self::causal_attention_backward)'s.
+    #[fusion(meta = fused::packed_backward)]
+    #[allow(clippy::too_many_arguments)]
+    fn packed_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        blocked::backward::<Self>(q, k, v, Some(starts), out, lse, grad, scale)
     }
 }
 
@@ -140,7 +201,7 @@ impl CausalAttentionOps for burn_cubecl::CubeBackend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         match kernel_dims(&q, &k, &v) {
             Some(dims) => launch::forward(q, k, v, scale, dims),
-            None => blocked::forward::<Self>(q, k, v, scale),
+            None => blocked::forward::<Self>(q, k, v, None, scale),
         }
     }
 
@@ -155,7 +216,7 @@ impl CausalAttentionOps for burn_cubecl::CubeBackend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         match kernel_dims(&q, &k, &v) {
             Some(dims) => launch::backward(q, k, v, out, lse, grad, scale, dims),
-            None => blocked::backward::<Self>(q, k, v, out, lse, grad, scale),
+            None => blocked::backward::<Self>(q, k, v, None, out, lse, grad, scale),
         }
     }
 }
@@ -181,6 +242,32 @@ mod fused {
         q: &TensorSpec,
         k: &TensorSpec,
         v: &TensorSpec,
+        _out: &TensorSpec,
+        _lse: &TensorSpec,
+        _grad: &TensorSpec,
+        _scale: &f32,
+    ) -> (TensorSpec, TensorSpec, TensorSpec) {
+        (q.clone(), k.clone(), v.clone())
+    }
+
+    /// As [`forward`]'s.
+    pub(super) fn packed_forward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        _starts: &TensorSpec,
+        scale: &f32,
+    ) -> (TensorSpec, TensorSpec) {
+        forward(q, k, v, scale)
+    }
+
+    /// As [`backward`]'s.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn packed_backward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        _starts: &TensorSpec,
         _out: &TensorSpec,
         _lse: &TensorSpec,
         _grad: &TensorSpec,
@@ -214,7 +301,54 @@ impl<B: CausalAttentionOps> Backward<B, 3> for AttentionBackward {
     }
 }
 
+/// [`AttentionBackward`] of rows that pack sequences: the state holds their starts too.
+#[derive(Debug)]
+struct PackedBackward;
+
+impl<B: CausalAttentionOps> Backward<B, 3> for PackedBackward {
+    type State = (NodeId, NodeId, NodeId, IntTensor<B>, FloatTensor<B>, FloatTensor<B>, f32);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (q, k, v, starts, out, lse, scale) = ops.state;
+        let q = checkpointer.retrieve_node_output::<FloatTensor<B>>(q);
+        let k = checkpointer.retrieve_node_output::<FloatTensor<B>>(k);
+        let v = checkpointer.retrieve_node_output::<FloatTensor<B>>(v);
+        let (dq, dk, dv) = B::packed_attention_backward(q, k, v, starts, out, lse, grad, scale);
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: CausalAttentionOps, C: CheckpointStrategy> CausalAttentionOps for Autodiff<B, C> {
+    fn packed_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let prepared = PackedBackward.prepare::<C>([q.node(), k.node(), v.node()]).compute_bound().stateful();
+        match prepared {
+            OpsKind::Tracked(mut prep) => {
+                let (q_id, k_id, v_id) = (prep.checkpoint(&q), prep.checkpoint(&k), prep.checkpoint(&v));
+                let (q_in, k_in, v_in) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+                let (out, lse) = B::packed_attention(q_in, k_in, v_in, starts.clone(), scale);
+                let state = (q_id, k_id, v_id, starts, out.clone(), lse.clone(), scale);
+                (prep.finish(state, out), <Self as AutodiffBackend>::from_inner(lse))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (q_in, k_in, v_in) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+                let (out, lse) = B::packed_attention(q_in, k_in, v_in, starts, scale);
+                (prep.finish(out), <Self as AutodiffBackend>::from_inner(lse))
+            }
+        }
+    }
+
     fn causal_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

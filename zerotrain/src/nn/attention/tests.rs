@@ -208,3 +208,64 @@ fn shapes_that_do_not_fit_are_refused_by_name() {
         assert!(message.contains(says), "{q:?} {k:?} {v:?}: {message:?}");
     }
 }
+
+/// Rows that pack sequences: the packed attention's output and the gradients of q, k and v
+/// (under an upstream gradient) equal each sequence's own causal attention run alone,
+/// within 1e-6 in f32, with grouped kv heads and blocks that cross sequence boundaries;
+/// a whole row (one sequence) equals plain causal attention.
+#[test]
+fn packed_rows_attend_within_each_sequence_as_if_alone() {
+    use burn::tensor::Int;
+    let (batch, heads, kv, time, d) = (2, 4, 2, 11, 3);
+    let c = Case::new(batch, heads, kv, time, 0, d, d, 41);
+    let device = Device::flex().autodiff();
+    let tensor = |v: &[f32], h: usize| {
+        Tensor::<4>::from_data(TensorData::new(v.to_vec(), [batch, h, time, d]), &device).require_grad()
+    };
+    let sequences: [&[(usize, usize)]; 2] = [&[(0, 4), (4, 9), (9, 11)], &[(0, 11)]];
+    let starts: Vec<i64> =
+        sequences.iter().flat_map(|row| row.iter().flat_map(|&(a, b)| std::iter::repeat_n(a as i64, b - a))).collect();
+    let starts = Tensor::<2, Int>::from_data(TensorData::new(starts, [batch, time]), &device);
+    let (q, k, v) = (tensor(&c.q, heads), tensor(&c.k, kv), tensor(&c.v, kv));
+    let upstream = Tensor::<4>::from_data(TensorData::new(c.upstream.clone(), [batch, heads, time, d]), &device);
+    let out = super::packed_causal_attention(q.clone(), k.clone(), v.clone(), starts, c.scale);
+    let grads = (out.clone() * upstream.clone()).sum().backward();
+    let got = |t: Tensor<4>| t.into_data().try_to_vec::<f32>().unwrap();
+    let (out, dq, dk, dv) =
+        (got(out), got(q.grad(&grads).unwrap()), got(k.grad(&grads).unwrap()), got(v.grad(&grads).unwrap()));
+    let mut worst = 0.0f32;
+    for (b, row) in sequences.iter().enumerate() {
+        for &(a, e) in row.iter() {
+            let part = |t: &Tensor<4>| {
+                let values = t.clone().slice([b..b + 1, 0..t.dims()[1], a..e, 0..d]).into_data();
+                Tensor::<4>::from_data(values, &device).require_grad()
+            };
+            let (qs, ks, vs) = (part(&q), part(&k), part(&v));
+            let alone = causal_attention(qs.clone(), ks.clone(), vs.clone(), c.scale);
+            let up = upstream.clone().slice([b..b + 1, 0..heads, a..e, 0..d]);
+            let g = (alone.clone() * up).sum().backward();
+            for (name, whole, alone, h) in [
+                ("output", &out, got(alone), heads),
+                ("dq", &dq, got(qs.grad(&g).unwrap()), heads),
+                ("dk", &dk, got(ks.grad(&g).unwrap()), kv),
+                ("dv", &dv, got(vs.grad(&g).unwrap()), kv),
+            ] {
+                for hh in 0..h {
+                    for t in a..e {
+                        for x in 0..d {
+                            let packed = whole[((b * h + hh) * time + t) * d + x];
+                            let own = alone[(hh * (e - a) + t - a) * d + x];
+                            let diff = (packed - own).abs();
+                            worst = worst.max(diff);
+                            assert!(
+                                diff <= 1e-6,
+                                "row {b}, sequence {a}..{e}: {name} [{hh}, {t}, {x}] {packed} vs {own}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(worst.is_finite());
+}
