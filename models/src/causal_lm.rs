@@ -355,6 +355,93 @@ mod tests {
     }
 
     /// Every float parameter's gradient in `grads`, in declaration order (none: empty).
+    /// The loss of `batch` through the units, as the engine runs them.
+    fn units_loss<M: CausalLm>(model: &M, batch: &LmBatch) -> Tensor<1> {
+        let mut h = None;
+        for unit in 0..model.units().len() {
+            h = Some(model.forward_unit(unit, h, batch));
+        }
+        model.output_loss(h.expect("units"), batch)
+    }
+
+    /// Rows packing sequences (positions restarting at each, attention inside each, the
+    /// targets across a boundary not counted) give the loss and gradients of each sequence
+    /// run alone, summed (each divided by the same count), within 1e-5: the built-in GPT,
+    /// GPT-2 (learned positions), Qwen2 and LLaMA (rotary positions, grouped kv heads).
+    /// Rotary scores depend on relative positions only, so for those the test holds the
+    /// attention's bounds (the learned positions fail it where positions do not restart).
+    #[test]
+    fn packed_rows_train_as_their_sequences_alone() {
+        use crate::hf::{Family, HfConfig, weights::Weights};
+        fn check<M: CausalLm>(name: &str, model: M, vocab: i64) {
+            let device = model.devices().into_iter().next().unwrap();
+            // Row 0 packs sequences of 4, 5 and 2 tokens; row 1 is one of 11.
+            let rows: [&[usize]; 2] = [&[4, 5, 2], &[11]];
+            let ids: Vec<i64> = (0..22).map(|i| (i * 5 + i * i / 3 + 1) % vocab).collect();
+            let (mut starts, mut weights, mut alone) = (Vec::new(), Vec::new(), Vec::new());
+            for (r, lengths) in rows.iter().enumerate() {
+                let mut at = 0;
+                for &n in lengths.iter() {
+                    alone.push(ids[r * 11 + at..r * 11 + at + n].to_vec());
+                    for t in at..at + n {
+                        if t < 10 {
+                            starts.push(at as i64);
+                            weights.push(if t + 1 < at + n { 1.0f32 } else { 0.0 });
+                        }
+                    }
+                    at += n;
+                }
+            }
+            let counted = weights.iter().sum::<f32>() as f64;
+            let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [2, 11]), &device);
+            let weights = Tensor::<2>::from_data(TensorData::new(weights, [2, 10]), &device);
+            let starts = Tensor::<2, Int>::from_data(TensorData::new(starts, [2, 10]), &device);
+            let packed = units_loss(&model, &LmBatch::counted(tokens, weights, counted).with_starts(starts));
+            let mut sum: Option<Tensor<1>> = None;
+            for seq in alone.iter().filter(|s| s.len() > 1) {
+                let n = seq.len();
+                let tokens = Tensor::<2, Int>::from_data(TensorData::new(seq.clone(), [1, n]), &device);
+                let ones = Tensor::<2>::ones([1, n - 1], &device);
+                let loss = units_loss(&model, &LmBatch::counted(tokens, ones, counted));
+                sum = Some(match sum {
+                    Some(s) => s + loss,
+                    None => loss,
+                });
+            }
+            let sum = sum.expect("sequences");
+            let value = |t: &Tensor<1>| t.clone().into_scalar::<f32>();
+            let (a, b) = (value(&packed), value(&sum));
+            assert!((a - b).abs() <= 1e-5 * a, "{name}: packed {a}, alone {b}");
+            let (ga, gb) = (param_grads(&model, &packed.backward()), param_grads(&model, &sum.backward()));
+            for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+                assert_eq!(x.len(), y.len(), "{name}: parameter {i}");
+                let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+                let error = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale;
+                assert!(error <= 1e-5, "{name}: parameter {i}'s gradient off by {error:e} of its largest");
+            }
+        }
+        let device = burn::tensor::Device::flex().autodiff();
+        device.seed(4);
+        let config =
+            crate::GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 12, vocab_size: 37, tied_head: true };
+        check("GPT", crate::Gpt::new(&config, &device), 37);
+        let gpt2 = serde_json::json!({"model_type": "gpt2", "n_embd": 8, "n_layer": 2, "n_head": 2,
+                                      "n_positions": 16, "vocab_size": 41});
+        let qwen2 = serde_json::json!({"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 12,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 43,
+            "tie_word_embeddings": false});
+        let llama = serde_json::json!({"model_type": "llama", "hidden_size": 16, "intermediate_size": 12,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 43,
+            "tie_word_embeddings": true});
+        for config in [gpt2, qwen2, llama] {
+            let w = Weights::fresh(&device, 0.5);
+            match HfConfig::from_json(config).unwrap().family {
+                Family::Gpt2(shape) => check("GPT-2", super::super::Gpt2::new(&shape, &w), 41),
+                Family::Llama(shape) => check("LLaMA", super::super::Llama::new(&shape, &w), 43),
+            }
+        }
+    }
+
     fn param_grads<M: Module>(model: &M, grads: &burn::tensor::Gradients) -> Vec<Vec<f32>> {
         struct Walk<'a>(&'a burn::tensor::Gradients, Vec<Vec<f32>>);
         impl burn::module::ModuleVisitor for Walk<'_> {

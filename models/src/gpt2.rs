@@ -9,10 +9,8 @@ use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
-use super::layers::{
-    Conv1D, Embed, KvCache, Norm, causal_attention, sequence_parallel_attention, split_heads, with_cached,
-};
-use super::lm_batch::LmBatch;
+use super::layers::{Conv1D, Embed, KvCache, Norm, attention, positions, split_heads, with_cached};
+use super::lm_batch::{LmBatch, Packing};
 use crate::hf::config::Gpt2Shape;
 use crate::hf::weights::{Init, Weights};
 use crate::mesh_part::MeshPart;
@@ -115,11 +113,9 @@ impl Gpt2 {
         }
     }
 
-    /// Token plus position embeddings `[batch, time, d]`, the first token at position
-    /// `start`.
-    fn embed(&self, ids: Tensor<2, Int>, start: usize) -> Tensor<3> {
-        let [_, t] = ids.dims();
-        let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &ids.device()).reshape([1, t]);
+    /// Token plus position embeddings `[batch, time, d]` at `positions` (`[1, time]` or
+    /// `[batch, time]`: [`positions`]).
+    fn embed(&self, ids: Tensor<2, Int>, positions: Tensor<2, Int>) -> Tensor<3> {
         self.transformer.wte.forward(ids) + self.transformer.wpe.forward(positions)
     }
 
@@ -144,9 +140,9 @@ impl Gpt2 {
 
     /// The residual stream after the last block `[batch, time, d]`.
     fn trunk(&self, ids: Tensor<2, Int>) -> Tensor<3> {
-        let mut h = self.embed(ids, 0);
+        let mut h = self.embed(ids.clone(), positions(0, ids.dims()[1], None, &ids.device()));
         for block in &self.transformer.h {
-            h = block.forward(h, None, None);
+            h = block.forward(h, None, (None, None));
         }
         h
     }
@@ -160,9 +156,9 @@ impl Gpt2 {
     /// the tokens `cache` holds; their keys and values join it.
     pub fn forward_cached(&self, ids: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
         let start = cache.advance(ids.dims()[1]);
-        let mut h = self.embed(ids, start);
+        let mut h = self.embed(ids.clone(), positions(start, ids.dims()[1], None, &ids.device()));
         for (i, block) in self.transformer.h.iter().enumerate() {
-            h = block.forward(h, Some((&mut *cache, i)), None);
+            h = block.forward(h, Some((&mut *cache, i)), (None, None));
         }
         self.head(last_position(h))
     }
@@ -173,15 +169,17 @@ impl Gpt2Block {
     /// `i` of it), to which this block's keys and values join.
     /// With `seq`, `h` is this rank's part of each sequence and attention trades parts for
     /// heads over the group (DeepSpeed-Ulysses).
-    fn forward(&self, h: Tensor<3>, cache: Option<(&mut KvCache, usize)>, seq: Option<&ParallelGroup>) -> Tensor<3> {
+    fn forward(
+        &self,
+        h: Tensor<3>,
+        cache: Option<(&mut KvCache, usize)>,
+        (seq, packed): (Option<&ParallelGroup>, Option<&Packing>),
+    ) -> Tensor<3> {
         let n_head = self.attn.n_head;
         let qkv = self.attn.c_attn.forward(self.ln_1.forward(h.clone()));
         let [q, k, v]: [Tensor<3>; 3] = qkv.chunk(3, 2).try_into().expect("c_attn is [d, 3d]");
         let (k, v) = with_cached(cache, split_heads(k, n_head), split_heads(v, n_head));
-        let a = match seq {
-            Some(seq) => sequence_parallel_attention(split_heads(q, n_head), k, v, seq),
-            None => causal_attention(split_heads(q, n_head), k, v),
-        };
+        let a = attention(split_heads(q, n_head), k, v, seq, packed);
         let h = h + self.attn.c_proj.forward(a);
         let m = self.mlp.c_proj.forward(gelu_approximate(self.mlp.c_fc.forward(self.ln_2.forward(h.clone()))));
         h + m
@@ -230,14 +228,19 @@ impl UnitModel for Gpt2 {
         let blocks = &self.transformer.h;
         // With sequence parallelism, this rank's part of every sequence.
         let part = &self.part;
-        let block = |i: usize, h| blocks[i].forward(h, None, part.sequence());
+        let block = |i: usize, h: Tensor<3>| {
+            let (first, t) = (part.first(h.dims()[1]), h.dims()[1]);
+            blocks[i].forward(h, None, (part.sequence(), tokens.packing(first, t).as_ref()))
+        };
         let head = |h: Tensor<3>| {
             let first = part.first(h.dims()[1]);
             self.head_loss(h, (tokens, first))
         };
         let embed = |ids: Tensor<2, Int>| {
             let (ids, first) = part.inputs(ids);
-            self.embed(ids, first)
+            let t = ids.dims()[1];
+            let at = positions(first, t, tokens.packing(first, t).as_ref(), &ids.device());
+            self.embed(ids, at)
         };
         decoder_unit(unit, input, tokens, blocks.len(), embed, block, head)
     }

@@ -8,6 +8,7 @@ use burn::module::{Module, Param};
 use burn::tensor::module::{embedding, layer_norm, linear};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
+use crate::Packing;
 use crate::hf::rope::RopeScaling;
 use crate::hf::weights::{Init, Weights};
 pub use crate::kv_cache::KvCache;
@@ -21,15 +22,57 @@ pub use projections::{Conv1D, Cut, Dense};
 /// [`causal_attention`]) where each rank of `seq` holds a consecutive part of the sequence
 /// (DeepSpeed-Ulysses): the parts are traded for all of the sequence of a share of the
 /// heads, attended, and traded back; `[batch, time, heads * head_dim]` of this rank's part.
-pub fn sequence_parallel_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seq: &ParallelGroup) -> Tensor<3> {
+/// Where rows pack sequences (`packed`), each query attends within its own, however the
+/// sequence cut falls across them: the ranks attend whole rows.
+pub fn sequence_parallel_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    seq: &ParallelGroup,
+    packed: Option<&Packing>,
+) -> Tensor<3> {
     if seq.size() == 1 {
-        return causal_attention(q, k, v);
+        return attention(q, k, v, None, packed);
     }
     let [b, h, t, hd] = q.dims();
     let scale = (hd as f32).sqrt().recip();
     let whole = |x: Tensor<4>| seq.all_to_all(x, 1, 2);
-    let out = zerotrain::nn::causal_attention(whole(q), whole(k), whole(v), scale);
+    let out = match packed {
+        Some(p) => zerotrain::nn::packed_causal_attention(whole(q), whole(k), whole(v), p.starts.clone(), scale),
+        None => zerotrain::nn::causal_attention(whole(q), whole(k), whole(v), scale),
+    };
     seq.all_to_all(out, 2, 1).swap_dims(1, 2).reshape([b, t, h * hd])
+}
+
+/// Position ids of `time` tokens: `start..start + time` as `[1, time]`, or where rows pack
+/// sequences, each token's position in its own (`[batch, time]`, this rank's part).
+pub fn positions(start: usize, time: usize, packed: Option<&Packing>, device: &burn::tensor::Device) -> Tensor<2, Int> {
+    match packed {
+        Some(p) => p.positions.clone(),
+        None => Tensor::<1, Int>::arange(start as i64..(start + time) as i64, device).reshape([1, time]),
+    }
+}
+
+/// A training or scoring pass's attention: [`causal_attention`], over the sequence group
+/// where `seq` splits each row ([`sequence_parallel_attention`]), each query inside its own
+/// sequence where rows pack several (`packed`: [`zerotrain::nn::packed_causal_attention`]).
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    seq: Option<&ParallelGroup>,
+    packed: Option<&Packing>,
+) -> Tensor<3> {
+    match (seq, packed) {
+        (Some(seq), _) => sequence_parallel_attention(q, k, v, seq, packed),
+        (None, None) => causal_attention(q, k, v),
+        (None, Some(p)) => {
+            let [b, h, t, hd] = q.dims();
+            let scale = (hd as f32).sqrt().recip();
+            let out = zerotrain::nn::packed_causal_attention(q, k, v, p.starts.clone(), scale);
+            out.swap_dims(1, 2).reshape([b, t, h * hd])
+        }
+    }
 }
 
 /// LayerNorm with `weight` and `bias`, in f32.
@@ -194,19 +237,53 @@ impl Rope {
     /// first row at position `start`; one table of angles serves both.
     pub fn rotate(&self, q: Tensor<4>, k: Tensor<4>, start: usize) -> (Tensor<4>, Tensor<4>) {
         let [_, _, t, hd] = q.dims();
+        let (cos, sin) = self.table(start..start + t, hd);
+        let device = q.device();
+        let dtype = q.dtype();
+        let table = |v: Vec<f32>| Tensor::<4>::from_data(TensorData::new(v, [1, 1, t, hd]), &device).cast(dtype);
+        Self::apply(q, k, (table(cos), table(sin)))
+    }
+
+    /// [`rotate`](Self::rotate) where each row `b`'s query `t` is at position
+    /// `positions[b, t]` (rows packing sequences, each from 0), every position below `len`;
+    /// the angles are those `rotate` computes, gathered.
+    pub fn rotate_at(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        positions: &Tensor<2, Int>,
+        len: usize,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let [b, _, t, hd] = q.dims();
+        let (cos, sin) = self.table(0..len, hd);
+        let (device, dtype) = (q.device(), q.dtype());
+        let at = positions.clone().reshape([b * t]);
+        let table = |v: Vec<f32>| {
+            let whole = Tensor::<2>::from_data(TensorData::new(v, [len, hd]), &device).cast(dtype);
+            whole.select(0, at.clone()).reshape([b, 1, t, hd])
+        };
+        Self::apply(q, k, (table(cos), table(sin)))
+    }
+
+    /// The cosines and sines `[positions, head_dim]` of `positions`' angles.
+    fn table(&self, positions: std::ops::Range<usize>, hd: usize) -> (Vec<f32>, Vec<f32>) {
         let half = hd / 2;
-        let (mut cos, mut sin) = (Vec::with_capacity(t * hd), Vec::with_capacity(t * hd));
-        for pos in start..start + t {
+        let n = positions.len() * hd;
+        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for pos in positions {
             for i in 0..hd {
                 let angle = pos as f64 * self.inv_freq[i % half];
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);
             }
         }
-        let device = q.device();
-        let dtype = q.dtype();
-        let table = |v: Vec<f32>| Tensor::<4>::from_data(TensorData::new(v, [1, 1, t, hd]), &device).cast(dtype);
-        let (cos, sin) = (table(cos), table(sin));
+        (cos, sin)
+    }
+
+    /// `q` and `k` rotated by the angles' cosines and sines (broadcast over the heads).
+    fn apply(q: Tensor<4>, k: Tensor<4>, (cos, sin): (Tensor<4>, Tensor<4>)) -> (Tensor<4>, Tensor<4>) {
+        let [_, _, t, hd] = q.dims();
+        let half = hd / 2;
         let apply = |x: Tensor<4>| {
             let [b, h, _, _] = x.dims();
             let first = x.clone().slice([0..b, 0..h, 0..t, 0..half]);

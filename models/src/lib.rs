@@ -82,5 +82,5 @@ pub use gpt::{Block, BlockAdapters, Gpt, GptConfig, lora_sizes as gpt_lora_sizes
 pub use gpt2::Gpt2;
 pub use layers::KvCache;
 pub use llama::Llama;
-pub use lm_batch::{Counted, LmBatch};
+pub use lm_batch::{Counted, LmBatch, Packing};
 pub use small::*;

@@ -12,10 +12,8 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor};
 
 use super::causal_lm::{decoder_unit, head_loss, inputs, last_position, unit_loss};
-use super::layers::{
-    Dense, Embed, KvCache, RmsNorm, Rope, causal_attention, sequence_parallel_attention, split_heads, with_cached,
-};
-use super::lm_batch::LmBatch;
+use super::layers::{Dense, Embed, KvCache, RmsNorm, Rope, attention, split_heads, with_cached};
+use super::lm_batch::{LmBatch, Packing};
 use crate::hf::config::LlamaShape;
 use crate::hf::weights::Weights;
 use crate::mesh_part::MeshPart;
@@ -172,7 +170,7 @@ impl Llama {
     fn trunk(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let mut h = self.model.embed_tokens.forward(ids);
         for layer in &self.model.layers {
-            h = layer.forward(h, 0, None, None);
+            h = layer.forward(h, 0, None, (None, None));
         }
         h
     }
@@ -188,7 +186,7 @@ impl Llama {
         let start = cache.advance(ids.dims()[1]);
         let mut h = self.model.embed_tokens.forward(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
-            h = layer.forward(h, start, Some((&mut *cache, i)), None);
+            h = layer.forward(h, start, Some((&mut *cache, i)), (None, None));
         }
         self.head(last_position(h))
     }
@@ -205,13 +203,15 @@ impl LlamaLayer {
     /// `h` `[batch, time, d]` at positions `start..`, attending also to the earlier
     /// positions a cache holds (layer `i` of it), to which this layer's keys and values join.
     /// With `seq`, `h` is this rank's part of each sequence (at positions `start..`), and
-    /// attention trades parts for heads over the group (DeepSpeed-Ulysses).
+    /// attention trades parts for heads over the group (DeepSpeed-Ulysses). Where rows pack
+    /// sequences (`packed`), positions are each token's in its sequence and attention stays
+    /// inside it.
     fn forward(
         &self,
         h: Tensor<3>,
         start: usize,
         cache: Option<(&mut KvCache, usize)>,
-        seq: Option<&ParallelGroup>,
+        (seq, packed): (Option<&ParallelGroup>, Option<&Packing>),
     ) -> Tensor<3> {
         let a = &self.self_attn;
         let (heads, kv) = a.heads;
@@ -219,12 +219,12 @@ impl LlamaLayer {
         let x = a.q_proj.enter(self.input_layernorm.forward(h.clone()));
         let q = per_head(&a.q_norm, split_heads(a.q_proj.forward_entered(x.clone()), heads));
         let k = per_head(&a.k_norm, split_heads(a.k_proj.forward_entered(x.clone()), kv));
-        let (q, k) = a.rope.rotate(q, k, start);
-        let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward_entered(x), kv));
-        let attended = match seq {
-            Some(seq) => sequence_parallel_attention(q, k, v, seq),
-            None => causal_attention(q, k, v),
+        let (q, k) = match packed {
+            Some(p) => a.rope.rotate_at(q, k, &p.positions, p.starts.dims()[1]),
+            None => a.rope.rotate(q, k, start),
         };
+        let (k, v) = with_cached(cache, k, split_heads(a.v_proj.forward_entered(x), kv));
+        let attended = attention(q, k, v, seq, packed);
         let h = h + a.o_proj.forward(attended);
         let m = &self.mlp;
         let x = m.gate_proj.enter(self.post_attention_layernorm.forward(h.clone()));
@@ -275,8 +275,8 @@ impl UnitModel for Llama {
         // With sequence parallelism, this rank's part of every sequence.
         let part = &self.part;
         let layer = |i: usize, h: Tensor<3>| {
-            let first = part.first(h.dims()[1]);
-            layers[i].forward(h, first, None, part.sequence())
+            let (first, t) = (part.first(h.dims()[1]), h.dims()[1]);
+            layers[i].forward(h, first, None, (part.sequence(), tokens.packing(first, t).as_ref()))
         };
         let head = |h: Tensor<3>| {
             let first = part.first(h.dims()[1]);

@@ -27,6 +27,21 @@ pub struct LmBatch {
     /// Which targets count and what their loss is divided by; `None`: every target, the
     /// mean over them.
     pub counted: Option<Counted>,
+    /// Where rows pack several sequences, where each starts; `None`: a row is one sequence
+    /// (or a window of a corpus), its positions from 0.
+    pub packed: Option<Packing>,
+}
+
+/// Where the sequences packed into an [`LmBatch`]'s rows start: each input position's
+/// sequence start (`[batch, time]`, positions in the row), and so its position within its
+/// sequence. Attention stays inside a sequence and positions restart at each; a target
+/// that is the next sequence's first token must not count (its weight is 0).
+#[derive(Debug, Clone)]
+pub struct Packing {
+    /// `[batch, time]`: where the sequence of input position `t` starts in its row.
+    pub starts: Tensor<2, Int>,
+    /// `[batch, time]`: `t - starts[t]`, its position within its sequence.
+    pub positions: Tensor<2, Int>,
 }
 
 /// Which targets of an [`LmBatch`] count in its loss (module note).
@@ -41,7 +56,7 @@ pub struct Counted {
 impl LmBatch {
     /// Every target counted, the loss their mean.
     pub fn new(tokens: Tensor<2, Int>) -> Self {
-        Self { tokens, counted: None }
+        Self { tokens, counted: None, packed: None }
     }
 
     /// Only the targets `weights` `[batch, time]` marks count, their summed loss divided by
@@ -53,7 +68,30 @@ impl LmBatch {
         let [b, t1] = tokens.dims();
         assert_eq!(weights.dims(), [b, t1 - 1], "LmBatch: one weight per target of [{b}, {t1}] tokens");
         assert!(divisor > 0.0, "LmBatch: a divisor of {divisor}");
-        Self { tokens, counted: Some(Counted { weights, divisor }) }
+        Self { tokens, counted: Some(Counted { weights, divisor }), packed: None }
+    }
+
+    /// The batch with its rows packing sequences that start where `starts` `[batch, time]`
+    /// says (each input position's sequence start in its row: at most the position).
+    ///
+    /// # Panics
+    /// Where `starts` is not one per input.
+    pub fn with_starts(self, starts: Tensor<2, Int>) -> Self {
+        let [b, t1] = self.tokens.dims();
+        assert_eq!(starts.dims(), [b, t1 - 1], "LmBatch: one sequence start per input of [{b}, {t1}] tokens");
+        let at =
+            Tensor::<1, Int>::arange(0..(t1 - 1) as i64, &starts.device()).reshape([1, t1 - 1]).expand([b, t1 - 1]);
+        let positions = at - starts.clone();
+        Self { packed: Some(Packing { starts, positions }), ..self }
+    }
+
+    /// Where rows pack sequences: this rank's part of the positions (`first..first + t`)
+    /// and the whole rows' starts (sequence-parallel attention sees whole rows).
+    pub fn packing(&self, first: usize, t: usize) -> Option<Packing> {
+        let packed = self.packed.as_ref()?;
+        let b = self.rows();
+        let positions = packed.positions.clone().slice([0..b, first..first + t]);
+        Some(Packing { starts: packed.starts.clone(), positions })
     }
 
     /// The batch as one of `parts` that share its loss, each averaged with the others by

@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use self::lora::adapted;
 pub use self::lora::{BlockAdapters, lora_sizes};
 use super::causal_lm::{CausalLm, decoder_unit, head_loss, inputs, unit_loss};
-use super::lm_batch::LmBatch;
-use crate::layers::{causal_attention, sequence_parallel_attention, split_heads};
+use super::lm_batch::{LmBatch, Packing};
+use crate::layers::{attention, positions, split_heads};
 use crate::mesh_part::MeshPart;
 use zerotrain::engine::{UnitModel, UnitSpec};
 use zerotrain::nn::parallel::{ModelSplit, ParallelGroup, row_parallel_linear};
@@ -191,9 +191,10 @@ impl Gpt {
 
     /// The residual stream after the last block `[batch, time, d]`.
     fn trunk(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let mut h = self.embed(tokens, 0);
+        let at = positions(0, tokens.dims()[1], None, &tokens.device());
+        let mut h = self.embed(tokens, at);
         for block in &self.blocks {
-            h = block.run(h, self.tensor_group(), None);
+            h = block.run(h, self.tensor_group(), (None, None));
         }
         h
     }
@@ -221,11 +222,9 @@ impl Gpt {
         head_loss(h, (weight, bias), tokens, self.mesh.as_ref().and_then(MeshPart::vocabulary))
     }
 
-    /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]`, the
-    /// first at position `start`.
-    fn embed(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
-        let [_, t] = tokens.dims();
-        let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &tokens.device()).reshape([1, t]);
+    /// Token plus position embeddings `[batch, time, d]` for tokens `[batch, time]` at
+    /// `positions` (`[1, time]` or `[batch, time]`: [`positions`]).
+    fn embed(&self, tokens: Tensor<2, Int>, positions: Tensor<2, Int>) -> Tensor<3> {
         let token = match &self.mesh {
             Some(mesh) => mesh.lookup(self.token.weight.val(), tokens),
             None => self.token.forward(tokens),
@@ -282,7 +281,7 @@ impl Block {
     /// [`zerotrain::nn::causal_attention`] (what its `forward` computes with a causal mask,
     /// without keeping the `[time, time]` probabilities for backward).
     pub fn forward(&self, h: Tensor<3>) -> Tensor<3> {
-        self.run(h, None, None)
+        self.run(h, None, (None, None))
     }
 
     /// [`forward`](Self::forward) of this rank's part of the block: with `tensor`, its
@@ -290,7 +289,12 @@ impl Block {
     /// region entered through the group's copy, left through its sum, a row-parallel bias
     /// added once after it); with `seq`, `h` is this rank's part of each sequence and
     /// attention trades parts for heads over that group (DeepSpeed-Ulysses).
-    fn run(&self, h: Tensor<3>, tensor: Option<&ParallelGroup>, seq: Option<&ParallelGroup>) -> Tensor<3> {
+    fn run(
+        &self,
+        h: Tensor<3>,
+        tensor: Option<&ParallelGroup>,
+        (seq, packed): (Option<&ParallelGroup>, Option<&Packing>),
+    ) -> Tensor<3> {
         let enter = |x: Tensor<3>| match tensor {
             Some(group) => group.copy_to(x),
             None => x,
@@ -308,10 +312,7 @@ impl Block {
             split_heads(adapted(adapter, linear.forward(x.clone()), x.clone()), attn.n_heads)
         };
         let (q, k, v) = (heads(&attn.query, query), heads(&attn.key, key), heads(&attn.value, value));
-        let context = match seq {
-            Some(seq) => sequence_parallel_attention(q, k, v, seq),
-            None => causal_attention(q, k, v),
-        };
+        let context = attention(q, k, v, seq, packed);
         let h = h + adapted(output, leave(&attn.output, context.clone()), context);
         let x = enter(self.norm_mlp.forward(h.clone()));
         let x = gelu(adapted(up, self.mlp_up.forward(x.clone()), x));
@@ -357,13 +358,19 @@ impl UnitModel for Gpt {
                 Some(mesh) => mesh.inputs(ids),
                 None => (ids, 0),
             };
-            self.embed(ids, first)
+            let t = ids.dims()[1];
+            let at = positions(first, t, tokens.packing(first, t).as_ref(), &ids.device());
+            self.embed(ids, at)
         };
         let head = |h: Tensor<3>| {
             let first = mesh.map_or(0, |m| m.first(h.dims()[1]));
             self.head_loss(h, (tokens, first))
         };
-        let block = |i: usize, h| blocks[i].run(h, self.tensor_group(), seq);
+        let block = |i: usize, h: Tensor<3>| {
+            let t = h.dims()[1];
+            let first = mesh.map_or(0, |m| m.first(t));
+            blocks[i].run(h, self.tensor_group(), (seq, tokens.packing(first, t).as_ref()))
+        };
         decoder_unit(unit, input, tokens, blocks.len(), embed, block, head)
     }
 

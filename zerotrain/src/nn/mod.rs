@@ -12,7 +12,9 @@ mod cross_entropy;
 pub mod lora;
 pub mod parallel;
 
-pub use attention::{CausalAttentionOps, attention_kernels, causal_attention, set_attention_kernels};
+pub use attention::{
+    CausalAttentionOps, attention_kernels, causal_attention, packed_causal_attention, set_attention_kernels,
+};
 pub use cross_entropy::{LinearCrossEntropy, TokenWeights};
 
 #[cfg(test)]
