@@ -241,7 +241,8 @@ impl<'a> Windows<'a> {
     /// ranks), with its weight in the mean: the tokens it scores.
     fn batch(&self, range: std::ops::Range<usize>, sp: usize, device: &Device) -> (LmBatch, f64) {
         if let (Some(sequences), Source::File(file, _)) = (&self.sequences, self.source) {
-            let (rows, counted) = sequences::rows(file, &sequences[range], self.context + 1, device);
+            let alone: Vec<&[std::ops::Range<usize>]> = sequences[range].iter().map(std::slice::from_ref).collect();
+            let (rows, counted) = sequences::rows(file, &alone, (self.context + 1, sequences::Packing::None), device);
             return (rows.divided_by(counted as f64).shared_by(sp as u64), counted as f64);
         }
         let n = range.len();

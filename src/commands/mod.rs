@@ -97,6 +97,10 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         out,
         resume: args.resume,
         save_every: args.save_every,
+        packing: match args.packing {
+            PackingMode::Bfd => zerotrain_models::text::sequences::Packing::Bfd,
+            PackingMode::None => zerotrain_models::text::sequences::Packing::None,
+        },
         stop,
         samples: args.samples,
     };
@@ -254,6 +258,11 @@ pub struct TrainArgs {
     /// Continue from the run folder's latest checkpoint.
     #[arg(long)]
     pub resume: bool,
+    /// A token file of fine-tuning sequences: bfd packs several to a row (best-fit
+    /// decreasing, as TRL's packing; positions restart at each and attention stays inside
+    /// it), none trains one to a row, padded (TRL's packing=False).
+    #[arg(long, value_enum, default_value_t = PackingMode::Bfd)]
+    pub packing: PackingMode,
     /// Samples of the trained model at the end (they gather the whole model on rank 0).
     /// auto: unless stage 3 keeps the parameters offloaded (`offload_param`) or the base
     /// in NF4; on: always; off: never.
@@ -270,6 +279,15 @@ pub struct TrainArgs {
     /// This job's replica group among the servers' groups: overrides `local_sgd.group`.
     #[arg(long)]
     pub group: Option<u64>,
+}
+
+/// `train --packing`: how fine-tuning sequences go into rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PackingMode {
+    /// Several to a row, kept apart.
+    Bfd,
+    /// One to a row.
+    None,
 }
 
 /// How the validation loss moved, as a ratio: "2.2x lower", "1.1x higher".

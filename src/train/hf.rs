@@ -22,7 +22,7 @@ use zerotrain_models::hf;
 use zerotrain_models::text::Tokenizer;
 use zerotrain_models::text::documents::Documents;
 use zerotrain_models::text::sampler::TokenSampler;
-use zerotrain_models::text::sequences::SequenceRows;
+use zerotrain_models::text::sequences::{Packing, SequenceRows};
 use zerotrain_models::text::tokens::TokenFile;
 use zerotrain_models::{CausalLm, LmBatch, Sampling};
 
@@ -212,9 +212,18 @@ pub fn train_hf(
     let sampler = match file.sequences() {
         false => Cut::Windows(TokenSampler::new(Arc::clone(&file), context, seed).map_err(anyhow::Error::msg)?),
         true => {
-            let rows = SequenceRows::new(Arc::clone(&file), context, seed).map_err(anyhow::Error::msg)?;
+            let rows =
+                SequenceRows::new(Arc::clone(&file), context, seed, options.packing).map_err(anyhow::Error::msg)?;
+            let how = match options.packing {
+                Packing::None => "one to a row".to_string(),
+                Packing::Bfd => format!(
+                    "packed into {} ({:.1}% padding)",
+                    crate::commands::count(rows.rows(), "row"),
+                    100.0 * rows.padding()
+                ),
+            };
             log(&format!(
-                "{}: {} one to a row of {} tokens, the loss on their counted tokens{}",
+                "{}: {} {how} of {} tokens, the loss on their counted tokens{}",
                 file.path().display(),
                 crate::commands::count(rows.sequences(), "training sequence"),
                 context + 1,

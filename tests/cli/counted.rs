@@ -55,9 +55,11 @@ fn token_file(fixture: &Value, hf: &Path, path: &Path) {
 /// within 1e-5 and its gradients within 1e-5 of their largest (read back from the weights
 /// one SGD step at lr 100 moved), at stages 0 and 3, with each row split over 2 sequence
 /// ranks (a mask's span crossing the cut), over 2 tensor ranks, and in a 2-stage pipeline;
-/// `metrics.jsonl` records the step's 42 counted targets. A mean of the sequences' own means differs by 0.2 (the test says how
-/// much), which is why the divisor is the step's count. The held-out loss after the step
-/// is the same in every layout. `eval --tokens` scores the held-out sequences on their
+/// packed several to a row (`--packing bfd`: 9 rows, positions restarting and attention
+/// inside each sequence) at stage 2, and at sp 2 and tp 2 (sequences crossing the sequence
+/// cut); `metrics.jsonl` records the step's 42 counted targets. The held-out loss after the
+/// step is the same in every layout (packed held-out rows too). A mean of the sequences' own means differs by 0.2 (the test says how
+/// much), which is why the divisor is the step's count. `eval --tokens` scores the held-out sequences on their
 /// counted targets only (7), each alone, as transformers does, on one rank and split over
 /// 2 sequence ranks.
 #[test]
@@ -75,18 +77,24 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
     let before = tensors(&hf.join("model.safetensors"));
     // (name, stage, ranks, zerotrain's mesh, top-level sections): every layout splits the
     // step's 12 sequences over 2 data-parallel places.
+    // Packed (best-fit decreasing into rows of 17), the 12 sequences fill 9 rows: a step of
+    // 9 rows over 3 data-parallel places is the same step.
     let layouts = [
-        ("stage0", 0, 2, "", ""),
-        ("stage3", 3, 2, "", ""),
-        ("sp2", 0, 4, r#", "mesh": {"sp": 2}"#, ""),
-        ("tp2", 2, 4, r#", "mesh": {"tp": 2}"#, ""),
-        ("pipeline", 1, 4, "", r#""pipeline": {"stages": 2}, "#),
+        ("stage0", 0, 2, "", "", "none"),
+        ("stage3", 3, 2, "", "", "none"),
+        ("sp2", 0, 4, r#", "mesh": {"sp": 2}"#, "", "none"),
+        ("tp2", 2, 4, r#", "mesh": {"tp": 2}"#, "", "none"),
+        ("pipeline", 1, 4, "", r#""pipeline": {"stages": 2}, "#, "none"),
+        ("packed", 2, 3, "", "", "bfd"),
+        ("packed-sp2", 0, 6, r#", "mesh": {"sp": 2}"#, "", "bfd"),
+        ("packed-tp2", 3, 6, r#", "mesh": {"tp": 2}"#, "", "bfd"),
     ];
     let mut validated = Vec::new();
-    for (stage, zero, ranks, mesh, sections) in layouts {
+    for (stage, zero, ranks, mesh, sections, packing) in layouts {
         let config = dir.join(format!("config-{stage}.json"));
+        let (batch, micro) = if packing == "bfd" { (9, 1) } else { (12, 2) };
         let json = format!(
-            r#"{{{sections}"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+            r#"{{{sections}"train_batch_size": {batch}, "train_micro_batch_size_per_gpu": {micro}, "gradient_clipping": 0.0,
                 "zero_optimization": {{"stage": {zero}, "stage3_param_persistence_threshold": 0}},
                 "optimizer": {{"type": "SGD", "params": {{"lr": {lr}}}}},
                 "zerotrain": {{"world_size": {ranks}{mesh}}}, "model": {{"hf_dir": {:?}, "block_size": 16}}}}"#,
@@ -95,14 +103,17 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
         std::fs::write(&config, json).unwrap();
         let run = dir.join(format!("run-{stage}"));
         let (c, d, r) = (config.to_str().unwrap(), data.to_str().unwrap(), run.to_str().unwrap());
-        run_ok(&["train", "--config", c, "--data", d, "--steps", "1", "--out", r]);
+        let said = run_ok(&["train", "--config", c, "--data", d, "--steps", "1", "--out", r, "--packing", packing]);
+        if packing == "bfd" {
+            assert!(said.contains("12 training sequences packed into 9 rows"), "{stage}: {said}");
+        }
         let line: Value =
             serde_json::from_str(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().next().unwrap())
                 .unwrap();
         let loss = line["loss"].as_f64().unwrap();
         assert!((loss - want_loss).abs() <= 1e-5 * want_loss, "stage {stage}: loss {loss}, transformers {want_loss}");
         assert_eq!(line["counted_tokens"], fixture["counted"], "stage {stage}: {line}");
-        validated.push((stage, line["val_loss"].as_f64().unwrap()));
+        validated.push((stage, packing, line["val_loss"].as_f64().unwrap()));
         let export = dir.join(format!("export-{stage}"));
         let ckpt = run.join("checkpoints");
         run_ok(&["consolidate", ckpt.to_str().unwrap(), "--format", "hf", "--out", export.to_str().unwrap()]);
@@ -116,8 +127,8 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
         }
     }
     // The trained model's held-out loss (the same weights) is the same in every layout.
-    let (_, first) = validated[0];
-    for (stage, val) in &validated {
+    let (_, _, first) = validated[0];
+    for (stage, _, val) in &validated {
         assert!((val - first).abs() <= 1e-5 * first, "{stage}: held-out loss {val}, {first} unsplit: {validated:?}");
     }
     let means = fixture["mean_of_sequence_means"].as_f64().unwrap();

@@ -214,8 +214,9 @@ fn mesh_run(on: Gpu, claims: bool) -> Vec<MeshSeen> {
                         Gpt::new_split(config, &device, &mesh.groups(), plan.runtime.seed).map_err(Error::Model)?;
                     let mut engine = mesh.trainer(model)?;
                     let ids = (0..18).map(|i| (i * 7 + i * i / 3) % 11).collect::<Vec<i64>>();
-                    let mut batch =
-                        |_: usize| Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [2, 9]), &device);
+                    let mut batch = |_: usize| -> zerotrain_models::LmBatch {
+                        Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [2, 9]), &device).into()
+                    };
                     let report = engine.train_batch(&mut batch)?;
                     let (tensor, sequence) = (mesh.tensor.traffic(), mesh.sequence.traffic());
                     Ok::<_, Error>((vec![report.loss, report.grad_norm], tensor, sequence))
@@ -284,9 +285,9 @@ fn pipeline_run(on: Gpu, claims: bool) -> Vec<PipeSeen> {
                 s.spawn(move || {
                     let ctx = RankContext::new(communicator(world, rank, claims), (on.device)().autodiff());
                     let mut pipeline = zerotrain::Pipeline::new(init, plan, &ctx)?;
-                    let batch = |micro: usize| {
+                    let batch = |micro: usize| -> zerotrain_models::LmBatch {
                         let ids = (0..9).map(|i| (i * 5 + micro as i64 * 7 + i * i / 4) % 11);
-                        Tensor::<2, Int>::from_data(TensorData::new(ids.collect(), [1, 9]), ctx.device())
+                        Tensor::<2, Int>::from_data(TensorData::new(ids.collect(), [1, 9]), ctx.device()).into()
                     };
                     let report = pipeline.train_batch(batch)?;
                     Ok::<_, Error>((vec![report.loss, report.grad_norm], pipeline.activation_traffic()))

@@ -138,7 +138,7 @@ pub fn a_gpt_matches_plain_burn_there_and_on_the_cpu_at_every_stage(on: Gpu) {
 fn micro_batch_loss(w: &Tokens, model: &Gpt, plan: &zerotrain::Plan, step: u64, device: &Device) -> Tensor<1> {
     let losses = (0..plan.batch.gradient_accumulation_steps)
         .flat_map(|micro| (0..plan.world_size()).map(move |rank| (micro, rank)))
-        .map(|(micro, rank)| model.loss(w.batch(plan, step, micro, rank, device)))
+        .map(|(micro, rank)| model.loss(w.batch(plan, step, micro, rank, device).tokens))
         .collect();
     Tensor::cat(losses, 0).mean()
 }
