@@ -56,12 +56,13 @@ fn token_file(fixture: &Value, hf: &Path, path: &Path) {
 /// one SGD step at lr 100 moved), at stages 0 and 3, with each row split over 2 sequence
 /// ranks (a mask's span crossing the cut), over 2 tensor ranks, and in a 2-stage pipeline;
 /// packed several to a row (`--packing bfd`: 9 rows, positions restarting and attention
-/// inside each sequence) at stage 2, and at sp 2 and tp 2 (sequences crossing the sequence
-/// cut); `metrics.jsonl` records the step's 42 counted targets. The held-out loss after the
-/// step is the same in every layout (packed held-out rows too). A mean of the sequences' own means differs by 0.2 (the test says how
-/// much), which is why the divisor is the step's count. `eval --tokens` scores the held-out sequences on their
-/// counted targets only (7), each alone, as transformers does, on one rank and split over
-/// 2 sequence ranks.
+/// inside each sequence) at stage 2, at sp 2 and tp 2 (sequences crossing the sequence
+/// cut) and in a 2-stage pipeline. `metrics.jsonl` records the step's 42 counted targets;
+/// the held-out loss after the step is the same in every layout (packed held-out rows
+/// too). A mean of the sequences' own means differs by 0.2 (the test says how much), which
+/// is why the divisor is the step's count. `eval --tokens` scores the held-out sequences on
+/// their counted targets only (7), each alone, as transformers does, on one rank and split
+/// over 2 sequence ranks.
 #[test]
 #[ignore = "needs python3 with numpy, safetensors, tokenizers and ml_dtypes; .ci/run runs it"]
 fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
@@ -88,6 +89,7 @@ fn a_step_on_counted_tokens_is_transformers_step_with_labels_masked() {
         ("packed", 2, 3, "", "", "bfd"),
         ("packed-sp2", 0, 6, r#", "mesh": {"sp": 2}"#, "", "bfd"),
         ("packed-tp2", 3, 6, r#", "mesh": {"tp": 2}"#, "", "bfd"),
+        ("packed-pipeline", 1, 6, "", r#""pipeline": {"stages": 2}, "#, "bfd"),
     ];
     let mut validated = Vec::new();
     for (stage, zero, ranks, mesh, sections, packing) in layouts {
