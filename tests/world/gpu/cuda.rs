@@ -133,6 +133,12 @@ fn a_gpt_on_cuda_matches_plain_burn_there_and_on_the_cpu_at_every_stage() {
 /// of at most 46 terms.
 #[test]
 #[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
+fn packed_attention_on_cuda_equals_the_masked_unfused_ops_on_the_cpu() {
+    super::kernels::packed_attention_on_the_device_equals_the_masked_unfused_ops(CUDA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/verify.sh"]
 fn zerotrains_attention_and_loss_on_cuda_equal_burns_unfused_ops_on_the_cpu() {
     use burn::tensor::FloatDType;
     super::kernels::nn_ops_on_the_device_equal_burns_unfused_ops_on_the_cpu(CUDA, FloatDType::F32, 1e-5);

@@ -30,6 +30,11 @@ fn zerotrains_attention_and_loss_on_wgpu_equal_burns_unfused_ops_on_the_cpu() {
 }
 
 #[test]
+fn packed_attention_on_wgpu_equals_the_masked_unfused_ops_on_the_cpu() {
+    super::kernels::packed_attention_on_the_device_equals_the_masked_unfused_ops(WGPU);
+}
+
+#[test]
 fn attention_on_wgpu_holds_what_grows_with_the_tokens_not_the_context() {
     super::kernels::attention_holds_on_the_device_what_grows_with_the_tokens_not_the_context(WGPU);
 }
