@@ -274,9 +274,9 @@ mod tests {
             let s = (row[0] / 100.0) as usize;
             seen.push(s);
             let n = [3, 9, 5][s];
-            for t in 0..6 {
+            for (t, &got) in row.iter().enumerate() {
                 let want = if t < n { (100 * s + t) as f64 } else { PAD as f64 };
-                assert_eq!(row[t], want, "sequence {s}, token {t}");
+                assert_eq!(got, want, "sequence {s}, token {t}");
             }
             for t in 0..5 {
                 let want = t + 1 < n && (t + 1) % 2 == 1;
