@@ -20,7 +20,7 @@ pub use self::checkpoints::{ConsolidateArgs, consolidate, inspect};
 pub use self::serve::serve;
 use crate::keys;
 use crate::train::{SampleMode, Samples, StepMetrics, TrainOptions, TrainSummary};
-use anyhow::Context;
+use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use zerotrain::{Overrides, detect_mpirun};
 
@@ -74,6 +74,13 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
             println!("{line}");
         }
     };
+    if settings.hf.is_none() && args.packing.is_some() {
+        bail!(
+            "--packing: the built-in GPT trains on a text's characters, which holds no fine-tuning sequences; it \
+             applies to a Hugging Face family's model on a token file of them (zerotrain tokenize of conversations or \
+             prompt/completion rows)"
+        );
+    }
     let job = match settings.hf.is_some() {
         true => hf_job(&args, &mut plan, &settings, &out, &say)?,
         false => gpt_job(&args, &plan, &settings, &say)?,
@@ -97,10 +104,10 @@ pub fn train(args: TrainArgs) -> anyhow::Result<()> {
         out,
         resume: args.resume,
         save_every: args.save_every,
-        packing: match args.packing {
+        packing: args.packing.map(|mode| match mode {
             PackingMode::Bfd => zerotrain_models::text::sequences::Packing::Bfd,
             PackingMode::None => zerotrain_models::text::sequences::Packing::None,
-        },
+        }),
         stop,
         samples: args.samples,
     };
@@ -260,9 +267,10 @@ pub struct TrainArgs {
     pub resume: bool,
     /// A token file of fine-tuning sequences: bfd packs several to a row (best-fit
     /// decreasing, as TRL's packing; positions restart at each and attention stays inside
-    /// it), none trains one to a row, padded (TRL's packing=False).
-    #[arg(long, value_enum, default_value_t = PackingMode::Bfd)]
-    pub packing: PackingMode,
+    /// it), none trains one to a row, padded (TRL's packing=False). Default: bfd. Refused
+    /// for data that holds no such sequences.
+    #[arg(long, value_enum)]
+    pub packing: Option<PackingMode>,
     /// Samples of the trained model at the end (they gather the whole model on rank 0).
     /// auto: unless stage 3 keeps the parameters offloaded (`offload_param`) or the base
     /// in NF4; on: always; off: never.

@@ -21,8 +21,9 @@ pub struct TrainOptions {
     pub resume: bool,
     /// Checkpoint interval, overriding `zerotrain.checkpoint_every` (0: only at the end).
     pub save_every: Option<u64>,
-    /// How a token file's fine-tuning sequences go into rows.
-    pub packing: zerotrain_models::text::sequences::Packing,
+    /// How a token file's fine-tuning sequences go into rows, where `--packing` says
+    /// (default: packed, best-fit decreasing); refused for a corpus.
+    pub packing: Option<zerotrain_models::text::sequences::Packing>,
     /// Set (by SIGINT or SIGTERM) to finish the current step, save and stop.
     pub stop: Arc<AtomicBool>,
     /// Whether to write samples of the trained model at the end.

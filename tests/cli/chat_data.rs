@@ -218,6 +218,20 @@ fn tokenize_writes_conversations_and_completions_as_transformers_and_trl_do() {
     );
     let held = dir.join("held.tokens");
     run_ok(&[&args[..], &["--out", held.to_str().unwrap(), "--valid-fraction", "0.2"]].concat());
+    // --packing is for sequences: a corpus (a plain text's token file), or the built-in
+    // GPT's characters, are refused by name rather than trained as if it meant nothing.
+    let (plain, corpus) = (dir.join("plain.txt"), dir.join("plain.tokens"));
+    std::fs::write(&plain, "plain words and more plain words\n\n".repeat(40)).unwrap();
+    let tokenize = ["tokenize", plain.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()];
+    run_ok(&[&tokenize[..], &["--out", corpus.to_str().unwrap(), "--valid-fraction", "0.2"]].concat());
+    let packed = |data: &Path| [train(data), vec!["--packing".into(), "none".into()]].concat();
+    let refuse = |args: Vec<String>, needles: &[&str]| {
+        crate::hf::refused(&args.iter().map(String::as_str).collect::<Vec<_>>(), needles);
+    };
+    refuse(packed(&corpus), &["--packing", "plain.tokens", "holds documents"]);
+    let builtin = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.json");
+    let gpt = ["train", "--config", builtin, "--steps", "1", "--packing", "bfd", "--out", run.to_str().unwrap()];
+    refuse(gpt.map(String::from).to_vec(), &["--packing", "built-in GPT"]);
     let out_train = zerotrain(&train(&held).iter().map(String::as_str).collect::<Vec<_>>());
     let said = text(&out_train.stdout);
     assert!(out_train.status.success(), "{said}{}", text(&out_train.stderr));

@@ -210,11 +210,17 @@ pub fn train_hf(
     let file = Arc::new(data);
     let (context, seed) = (loaded.context, plan.runtime.seed);
     let sampler = match file.sequences() {
+        false if options.packing.is_some() => bail!(
+            "--packing: {} holds documents (a corpus, read in windows across them), not fine-tuning sequences; it \
+             applies to a token file of conversations or prompt/completion rows (zerotrain tokenize of .jsonl, .json \
+             or .parquet rows)",
+            file.path().display()
+        ),
         false => Cut::Windows(TokenSampler::new(Arc::clone(&file), context, seed).map_err(anyhow::Error::msg)?),
         true => {
-            let rows =
-                SequenceRows::new(Arc::clone(&file), context, seed, options.packing).map_err(anyhow::Error::msg)?;
-            let how = match options.packing {
+            let packing = options.packing.unwrap_or(Packing::Bfd);
+            let rows = SequenceRows::new(Arc::clone(&file), context, seed, packing).map_err(anyhow::Error::msg)?;
+            let how = match packing {
                 Packing::None => "one to a row".to_string(),
                 Packing::Bfd => format!(
                     "packed into {} ({:.1}% padding)",
