@@ -110,12 +110,6 @@ impl LmBatch {
         self.tokens.dims()[0]
     }
 
-    /// The inputs: all but the last token of each row, `[batch, time]`.
-    pub fn inputs(&self) -> Tensor<2, Int> {
-        let [b, t1] = self.tokens.dims();
-        self.tokens.clone().slice([0..b, 0..t1 - 1])
-    }
-
     /// The targets of positions `first..first + t` flattened `[batch * t]` (the part of a
     /// sequence-parallel rank), with their weights where only some count.
     pub fn targets(&self, first: usize, t: usize) -> (Tensor<1, Int>, Option<TokenWeights>) {

@@ -222,15 +222,8 @@ impl<'a> Windows<'a> {
     pub fn sequences(source: &'a Source, context: usize, sp: usize) -> anyhow::Result<Self> {
         let Source::File(file, within) = source else { bail!("a text holds no fine-tuning sequences") };
         let context = context / sp * sp;
-        let mut start = 0;
-        let mut sequences = Vec::new();
-        for end in file.document_ends() {
-            let range = start..end as usize;
-            start = end as usize;
-            if range.start >= within.start && range.end <= within.end {
-                sequences.push(range);
-            }
-        }
+        let sequences: Vec<_> =
+            file.document_ranges().filter(|r| r.start >= within.start && r.end <= within.end).collect();
         if sequences.is_empty() {
             bail!("it holds no fine-tuning sequence in the range scored");
         }

@@ -208,7 +208,7 @@ pub(crate) fn decoder_unit(
     head: impl FnOnce(Tensor<3>) -> Tensor<3>,
 ) -> Tensor<3> {
     match (unit, input) {
-        (0, _) => embed(batch.inputs()),
+        (0, _) => embed(inputs(&batch.tokens)),
         (i, Some(h)) if i <= blocks => block(i - 1, h),
         (_, Some(h)) => head(h),
         (_, None) => unreachable!("only unit 0 runs without an input"),

@@ -59,15 +59,7 @@ impl SequenceRows {
         if !file.sequences() {
             return Err(format!("{name}: it holds documents, not fine-tuning sequences"));
         }
-        let (mut train, mut held, mut start) = (Vec::new(), Vec::new(), 0);
-        for end in file.document_ends() {
-            let range = start..end as usize;
-            start = end as usize;
-            match range.end <= file.train_tokens() {
-                true => train.push(range),
-                false => held.push(range),
-            }
-        }
+        let (train, held): (Vec<_>, Vec<_>) = file.document_ranges().partition(|r| r.end <= file.train_tokens());
         if train.is_empty() {
             return Err(format!("{name}: its training split holds no sequence"));
         }

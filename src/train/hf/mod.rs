@@ -90,13 +90,16 @@ struct TokenData {
     global_batch: u64,
     /// (samples drawn before the first step of this run, that step).
     base: Mutex<(u64, u64)>,
+    /// The counted targets of the step whose first sample is the first value, counted once
+    /// for its micro-batches and ranks (rank threads share this data).
+    step_counted: Mutex<Option<(u64, u64)>>,
 }
 
 /// How a token file's samples are cut.
 enum Cut {
     /// Windows across its documents (a corpus).
     Windows(TokenSampler),
-    /// Its fine-tuning sequences, one to a row.
+    /// Its fine-tuning sequences, one to a row or packed.
     Sequences(SequenceRows),
 }
 
@@ -106,6 +109,19 @@ impl TokenData {
         match &self.sampler {
             Cut::Windows(windows) => windows.batch(0, 1, device),
             Cut::Sequences(rows) => rows.batch(0, 1, 1.0, device).tokens,
+        }
+    }
+
+    /// The counted targets of the step that starts at sample `at` (its global batch).
+    fn step_counted(&self, rows: &SequenceRows, at: u64) -> u64 {
+        let mut cached = self.step_counted.lock().unwrap_or_else(|p| p.into_inner());
+        match *cached {
+            Some((first, counted)) if first == at => counted,
+            _ => {
+                let counted = rows.counted(at, self.global_batch);
+                *cached = Some((at, counted));
+                counted
+            }
         }
     }
 
@@ -128,14 +144,14 @@ impl TrainData for TokenData {
         let at = self.first_sample(step);
         match &self.sampler {
             Cut::Windows(windows) => windows.batch(at + first, count, device).into(),
-            Cut::Sequences(rows) => rows.batch(at + first, count, rows.counted(at, self.global_batch) as f64, device),
+            Cut::Sequences(rows) => rows.batch(at + first, count, self.step_counted(rows, at) as f64, device),
         }
     }
 
     fn counted(&self, step: u64) -> Option<u64> {
         match &self.sampler {
             Cut::Windows(_) => None,
-            Cut::Sequences(rows) => Some(rows.counted(self.first_sample(step), self.global_batch)),
+            Cut::Sequences(rows) => Some(self.step_counted(rows, self.first_sample(step))),
         }
     }
 
@@ -241,7 +257,13 @@ pub fn train_hf(
             Cut::Sequences(rows)
         }
     };
-    let token_data = TokenData { sampler, file, global_batch: plan.sequences_per_step(), base: Mutex::new((0, 0)) };
+    let token_data = TokenData {
+        sampler,
+        file,
+        global_batch: plan.sequences_per_step(),
+        base: Mutex::new((0, 0)),
+        step_counted: Mutex::new(None),
+    };
     let seed = plan.runtime.seed;
     let split = |groups: &ParallelGroups, device: &Device| loaded.split(groups, device, seed);
     let (tokenizer, model) = (&loaded.tokenizer, loaded.model.clone());

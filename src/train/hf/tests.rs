@@ -17,7 +17,13 @@ fn counting_file(name: &str, n: u32) -> Arc<TokenFile> {
 
 fn data(file: &Arc<TokenFile>, global_batch: u64) -> TokenData {
     let sampler = Cut::Windows(TokenSampler::new(Arc::clone(file), 8, 7).unwrap());
-    TokenData { sampler, file: Arc::clone(file), global_batch, base: Mutex::new((0, 0)) }
+    TokenData {
+        sampler,
+        file: Arc::clone(file),
+        global_batch,
+        base: Mutex::new((0, 0)),
+        step_counted: Mutex::new(None),
+    }
 }
 
 fn rows(batch: LmBatch) -> Vec<Vec<i64>> {

@@ -122,7 +122,7 @@ impl LinearCrossEntropy {
         targets: Tensor<1, Int>,
     ) -> Tensor<1> {
         let vocab = weight.dims()[0];
-        self.run(hidden, weight, bias, targets, vocab, None)
+        self.run(hidden, (weight, bias), targets, (vocab, None), None)
     }
 
     /// [`forward`](Self::forward) of a head whose vocabulary of `vocab` ids is split over
@@ -148,15 +148,8 @@ impl LinearCrossEntropy {
         vocab: usize,
         group: &ParallelGroup,
     ) -> Tensor<1> {
-        let part = group.part(vocab);
-        assert_eq!(
-            weight.dims()[0],
-            part.len(),
-            "LinearCrossEntropy::forward_parallel: rank {} holds ids {part:?} of {vocab}, the weight {} rows",
-            group.rank(),
-            weight.dims()[0]
-        );
-        self.run(group.copy_to(hidden), weight, bias, targets, vocab, Some((group.clone(), part)))
+        let split = Self::rows_of(&weight, vocab, group);
+        self.run(group.copy_to(hidden), (weight, bias), targets, (vocab, Some(split)), None)
     }
 
     /// The weighted form of [`forward`](Self::forward) (and, with `split` a group and the
@@ -178,45 +171,38 @@ impl LinearCrossEntropy {
         weights: TokenWeights,
         split: Option<(&ParallelGroup, usize)>,
     ) -> Tensor<1> {
-        match split {
+        let (hidden, vocab, split) = match split {
             Some((group, vocab)) if group.size() > 1 => {
-                let part = group.part(vocab);
-                assert_eq!(weight.dims()[0], part.len(), "LinearCrossEntropy: a rank's rows of {vocab}");
-                let split = Some((group.clone(), part));
-                self.run_weighted(group.copy_to(hidden), weight, bias, targets, vocab, split, Some(weights))
+                (group.copy_to(hidden), vocab, Some(Self::rows_of(&weight, vocab, group)))
             }
-            _ => {
-                let vocab = weight.dims()[0];
-                self.run_weighted(hidden, weight, bias, targets, vocab, None, Some(weights))
-            }
-        }
+            _ => (hidden, weight.dims()[0], None),
+        };
+        self.run(hidden, (weight, bias), targets, (vocab, split), Some(weights))
     }
 
-    /// The loss over blocks of tokens; `whole_vocab` is the whole vocabulary's size, which
-    /// a split head's rank holds `split`'s part of.
+    /// This rank's ids of a `vocab` split over `group`, checked against the rows of its
+    /// `weight`.
+    fn rows_of(weight: &Tensor<2>, vocab: usize, group: &ParallelGroup) -> (ParallelGroup, Range<usize>) {
+        let part = group.part(vocab);
+        assert_eq!(
+            weight.dims()[0],
+            part.len(),
+            "LinearCrossEntropy::forward_parallel: rank {} holds ids {part:?} of {vocab}, the weight {} rows",
+            group.rank(),
+            weight.dims()[0]
+        );
+        (group.clone(), part)
+    }
+
+    /// The loss over blocks of tokens, each token's loss weighted and their sum divided as
+    /// `weights` says (`None`: the mean); `whole_vocab` is the whole vocabulary's size,
+    /// which a split head's rank holds `split`'s part of.
     fn run(
         &self,
         hidden: Tensor<2>,
-        weight: Tensor<2>,
-        bias: Option<Tensor<1>>,
+        (weight, bias): (Tensor<2>, Option<Tensor<1>>),
         targets: Tensor<1, Int>,
-        whole_vocab: usize,
-        split: Option<(ParallelGroup, Range<usize>)>,
-    ) -> Tensor<1> {
-        self.run_weighted(hidden, weight, bias, targets, whole_vocab, split, None)
-    }
-
-    /// [`run`](Self::run), each token's loss weighted and their sum divided as `weights`
-    /// says (`None`: the mean).
-    #[allow(clippy::too_many_arguments)]
-    fn run_weighted(
-        &self,
-        hidden: Tensor<2>,
-        weight: Tensor<2>,
-        bias: Option<Tensor<1>>,
-        targets: Tensor<1, Int>,
-        whole_vocab: usize,
-        split: Option<(ParallelGroup, Range<usize>)>,
+        (whole_vocab, split): (usize, Option<(ParallelGroup, Range<usize>)>),
         weights: Option<TokenWeights>,
     ) -> Tensor<1> {
         let ([n, d], [vocab, dw], [nt]) = (hidden.dims(), weight.dims(), targets.dims());

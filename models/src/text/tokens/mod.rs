@@ -260,6 +260,13 @@ impl TokenFile {
         table.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
     }
 
+    /// Each document's (or sequence's) tokens, in order.
+    pub fn document_ranges(&self) -> impl Iterator<Item = std::ops::Range<usize>> {
+        let ends = self.document_ends();
+        let starts = std::iter::once(0).chain(ends.clone());
+        starts.zip(ends).map(|(start, end)| start as usize..end as usize)
+    }
+
     /// Tokens `range` appended to `out` as `i64`.
     pub fn extend(&self, range: std::ops::Range<usize>, out: &mut Vec<i64>) {
         out.extend(range.map(|i| i64::from(self.token(i))));

@@ -283,30 +283,9 @@ mod fused {
 struct AttentionBackward;
 
 impl<B: CausalAttentionOps> Backward<B, 3> for AttentionBackward {
-    type State = (NodeId, NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f32);
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        let [node_q, node_k, node_v] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (q, k, v, out, lse, scale) = ops.state;
-        let q = checkpointer.retrieve_node_output::<FloatTensor<B>>(q);
-        let k = checkpointer.retrieve_node_output::<FloatTensor<B>>(k);
-        let v = checkpointer.retrieve_node_output::<FloatTensor<B>>(v);
-        let (dq, dk, dv) = B::causal_attention_backward(q, k, v, out, lse, grad, scale);
-        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
-    }
-}
-
-/// [`AttentionBackward`] of rows that pack sequences: the state holds their starts too.
-#[derive(Debug)]
-struct PackedBackward;
-
-impl<B: CausalAttentionOps> Backward<B, 3> for PackedBackward {
-    type State = (NodeId, NodeId, NodeId, IntTensor<B>, FloatTensor<B>, FloatTensor<B>, f32);
+    /// The inputs' nodes, packed rows' sequence starts (`None`: plain causal), the output,
+    /// the log-sum-exp and the scale.
+    type State = (NodeId, NodeId, NodeId, Option<IntTensor<B>>, FloatTensor<B>, FloatTensor<B>, f32);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         let [node_q, node_k, node_v] = ops.parents;
@@ -315,7 +294,10 @@ impl<B: CausalAttentionOps> Backward<B, 3> for PackedBackward {
         let q = checkpointer.retrieve_node_output::<FloatTensor<B>>(q);
         let k = checkpointer.retrieve_node_output::<FloatTensor<B>>(k);
         let v = checkpointer.retrieve_node_output::<FloatTensor<B>>(v);
-        let (dq, dk, dv) = B::packed_attention_backward(q, k, v, starts, out, lse, grad, scale);
+        let (dq, dk, dv) = match starts {
+            Some(starts) => B::packed_attention_backward(q, k, v, starts, out, lse, grad, scale),
+            None => B::causal_attention_backward(q, k, v, out, lse, grad, scale),
+        };
         for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
@@ -324,7 +306,43 @@ impl<B: CausalAttentionOps> Backward<B, 3> for PackedBackward {
     }
 }
 
+/// The attention of `q`, `k`, `v` under autodiff, bounded by `starts` where rows pack
+/// sequences: the inner backend's forward, and where tracked, [`AttentionBackward`] with
+/// what it keeps.
+fn tracked<B: CausalAttentionOps, C: CheckpointStrategy>(
+    (q, k, v): (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>),
+    starts: Option<IntTensor<B>>,
+    scale: f32,
+) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
+    let forward = |q, k, v, starts: Option<IntTensor<B>>| match starts {
+        Some(starts) => B::packed_attention(q, k, v, starts, scale),
+        None => B::causal_attention(q, k, v, scale),
+    };
+    let prepared = AttentionBackward.prepare::<C>([q.node(), k.node(), v.node()]).compute_bound().stateful();
+    match prepared {
+        OpsKind::Tracked(mut prep) => {
+            let (q_id, k_id, v_id) = (prep.checkpoint(&q), prep.checkpoint(&k), prep.checkpoint(&v));
+            let (out, lse) = forward(q.into_primitive(), k.into_primitive(), v.into_primitive(), starts.clone());
+            let state = (q_id, k_id, v_id, starts, out.clone(), lse.clone(), scale);
+            (prep.finish(state, out), <Autodiff<B, C> as AutodiffBackend>::from_inner(lse))
+        }
+        OpsKind::UnTracked(prep) => {
+            let (out, lse) = forward(q.into_primitive(), k.into_primitive(), v.into_primitive(), starts);
+            (prep.finish(out), <Autodiff<B, C> as AutodiffBackend>::from_inner(lse))
+        }
+    }
+}
+
 impl<B: CausalAttentionOps, C: CheckpointStrategy> CausalAttentionOps for Autodiff<B, C> {
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        tracked::<B, C>((q, k, v), None, scale)
+    }
+
     fn packed_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -332,42 +350,7 @@ impl<B: CausalAttentionOps, C: CheckpointStrategy> CausalAttentionOps for Autodi
         starts: IntTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let prepared = PackedBackward.prepare::<C>([q.node(), k.node(), v.node()]).compute_bound().stateful();
-        match prepared {
-            OpsKind::Tracked(mut prep) => {
-                let (q_id, k_id, v_id) = (prep.checkpoint(&q), prep.checkpoint(&k), prep.checkpoint(&v));
-                let (q_in, k_in, v_in) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-                let (out, lse) = B::packed_attention(q_in, k_in, v_in, starts.clone(), scale);
-                let state = (q_id, k_id, v_id, starts, out.clone(), lse.clone(), scale);
-                (prep.finish(state, out), <Self as AutodiffBackend>::from_inner(lse))
-            }
-            OpsKind::UnTracked(prep) => {
-                let (q_in, k_in, v_in) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-                let (out, lse) = B::packed_attention(q_in, k_in, v_in, starts, scale);
-                (prep.finish(out), <Self as AutodiffBackend>::from_inner(lse))
-            }
-        }
-    }
-
-    fn causal_attention(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        scale: f32,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let prepared = AttentionBackward.prepare::<C>([q.node(), k.node(), v.node()]).compute_bound().stateful();
-        match prepared {
-            OpsKind::Tracked(mut prep) => {
-                let (q_id, k_id, v_id) = (prep.checkpoint(&q), prep.checkpoint(&k), prep.checkpoint(&v));
-                let (out, lse) = B::causal_attention(q.into_primitive(), k.into_primitive(), v.into_primitive(), scale);
-                let state = (q_id, k_id, v_id, out.clone(), lse.clone(), scale);
-                (prep.finish(state, out), <Self as AutodiffBackend>::from_inner(lse))
-            }
-            OpsKind::UnTracked(prep) => {
-                let (out, lse) = B::causal_attention(q.into_primitive(), k.into_primitive(), v.into_primitive(), scale);
-                (prep.finish(out), <Self as AutodiffBackend>::from_inner(lse))
-            }
-        }
+        tracked::<B, C>((q, k, v), Some(starts), scale)
     }
 }
 
