@@ -306,14 +306,17 @@ impl<B: CausalAttentionOps> Backward<B, 3> for AttentionBackward {
     }
 }
 
+/// A float tensor of the autodiff backend over `B`.
+type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
+
 /// The attention of `q`, `k`, `v` under autodiff, bounded by `starts` where rows pack
 /// sequences: the inner backend's forward, and where tracked, [`AttentionBackward`] with
 /// what it keeps.
 fn tracked<B: CausalAttentionOps, C: CheckpointStrategy>(
-    (q, k, v): (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>),
+    (q, k, v): (Tracked<B, C>, Tracked<B, C>, Tracked<B, C>),
     starts: Option<IntTensor<B>>,
     scale: f32,
-) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
+) -> (Tracked<B, C>, Tracked<B, C>) {
     let forward = |q, k, v, starts: Option<IntTensor<B>>| match starts {
         Some(starts) => B::packed_attention(q, k, v, starts, scale),
         None => B::causal_attention(q, k, v, scale),
